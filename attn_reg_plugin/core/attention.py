@@ -1,0 +1,147 @@
+"""The one attention kernel every adapter calls.
+
+Adapters (fairseq, transformers, custom models) project queries, keys and values themselves
+and hand them here together with the attention's additive bias (padding / causal masks) and
+the module's :class:`~attn_reg_plugin.core.controller.AttentionSite`. What the kernel does on
+top of ordinary scaled dot-product attention is decided by the site's current *hook*, set by
+the controller for one forward pass:
+
+* no hook                  ordinary attention (fused ``scaled_dot_product_attention``);
+* :class:`CaptureOutput`   AD-DROP gradient attribution: keep the fused kernel, remember the
+                           per-head output ``O = A V`` and ``V``; since ``dF/dA = (dF/dO) V^T``
+                           the attribution is exact without materialising ``A``;
+* :class:`CaptureProbs`    materialise ``A`` (attention-weight attribution, integrated
+                           gradients with the map scaled by ``alpha``);
+* :class:`EditScores`      drop keys (additive mask on the scores) and/or make whole rows
+                           uniform over their valid keys (AD-DROP pass 2, AttendOut,
+                           scheduled dropout, attention LayerDrop).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .masks import additive_mask, mask_fill_value, valid_keys_from_bias
+
+
+@dataclass
+class CaptureOutput:
+    """Record what gradient attribution needs; attention dropout is off for this pass."""
+
+    outputs: List[torch.Tensor] = field(default_factory=list)
+    values: List[torch.Tensor] = field(default_factory=list)
+    valid: List[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class CaptureProbs:
+    """Materialise the attention map, scaled by ``alpha`` (integrated gradients); keep it."""
+
+    alpha: float = 1.0
+    requires_grad: bool = True
+    probs: List[torch.Tensor] = field(default_factory=list)
+    valid: List[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class EditScores:
+    """Edits applied to the scores before softmax.
+
+    ``drop``: bool, True where a key is removed from a row (broadcastable to (B, H, T, S)), or
+    a callable ``(valid) -> drop`` evaluated inside the kernel when the mask depends only on
+    shapes and validity (random-region AD-DROP, scheduled dropout).
+    ``uniform_rows``: bool broadcastable to (B, H, T, 1); such rows attend uniformly to their
+    valid keys (AttendOut Eq. 4, attention LayerDrop).
+    ``stats``: when given, ``[dropped, valid]`` counts of this pass are added to it.
+    """
+
+    drop: Optional[object] = None
+    uniform_rows: Optional[torch.Tensor] = None
+    stats: Optional[List[torch.Tensor]] = None
+
+
+def _combined_bias(
+    bias: Optional[torch.Tensor], shape: Tuple[int, int, int, int], dtype: torch.dtype, device
+) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """Bias as a float tensor in ``dtype`` plus the boolean validity it implies."""
+    if bias is None:
+        return None, torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device).expand(shape)
+    valid = valid_keys_from_bias(bias)
+    if bias.dtype == torch.bool:
+        bias = torch.zeros((), dtype=dtype, device=device).masked_fill(~bias, mask_fill_value(dtype))
+    else:
+        # Clamp -inf to a finite negative: a padding mask plus a drop mask stays finite.
+        bias = bias.to(dtype).clamp(min=mask_fill_value(dtype))
+    return bias, valid
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    site=None,
+    need_weights: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Scaled dot-product attention with the site's regularization hook applied.
+
+    q: (B, H, T, d); k, v: (B, H, S, d); bias: additive float (``-inf`` / very negative where
+    disallowed) or bool (True where allowed), broadcastable to (B, H, T, S).
+    ``dropout_p`` is the attention-probability dropout, already zero outside training.
+    Returns the per-head output (B, H, T, d) and, if ``need_weights``, the attention map.
+    """
+    hook = site.hook if site is not None else None
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    bias, valid = _combined_bias(bias, shape, q.dtype, q.device)
+
+    if isinstance(hook, EditScores):
+        if hook.uniform_rows is not None:
+            # A zero query row scores every key 0, so softmax is uniform over the valid keys
+            # (the bias still removes padding); the row's query receives no gradient, as it
+            # has no influence on a uniform row.
+            q = q.masked_fill(hook.uniform_rows, 0.0)
+        drop = hook.drop(valid) if callable(hook.drop) else hook.drop
+        if drop is not None:
+            edit = additive_mask(drop, q.dtype)
+            bias = edit if bias is None else bias + edit
+            if hook.stats is not None:
+                dropped = (drop & valid).sum()
+                hook.stats[0] = hook.stats[0] + dropped
+                hook.stats[1] = hook.stats[1] + valid.expand(shape).sum()
+        hook = None
+
+    if isinstance(hook, CaptureOutput):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)
+        if not out.requires_grad:
+            # Layers below the first captured one may carry no graph (parameters frozen for
+            # the attribution pass): make this output the leaf the attribution is taken of.
+            out.requires_grad_(True)
+        hook.outputs.append(out)
+        hook.values.append(v.detach())
+        hook.valid.append(valid)
+        return out, None
+
+    if isinstance(hook, CaptureProbs) or need_weights:
+        scale_ = scale if scale is not None else q.shape[-1] ** -0.5
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale_
+        if bias is not None:
+            scores = scores + bias
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        used = probs
+        if isinstance(hook, CaptureProbs):
+            used = probs * hook.alpha if hook.alpha != 1.0 else probs
+            if hook.requires_grad and not used.requires_grad:
+                used.requires_grad_(True)
+            hook.probs.append(used)
+            hook.valid.append(valid)
+            dropout_p = 0.0
+        out = torch.matmul(F.dropout(used, p=dropout_p) if dropout_p > 0 else used, v)
+        return out, probs
+
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+    return out, None

@@ -1,0 +1,110 @@
+"""Which attention modules are regularized, and what each does during one forward pass.
+
+Adapters register one :class:`AttentionSite` per attention module (its kind and 0-based
+layer) with a :class:`RegularizationController`; the module keeps the site and passes it to
+:func:`~attn_reg_plugin.core.attention.attend`. Regularizers never touch modules: they ask
+the controller to set hooks on a selection of sites for the duration of a pass.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Union
+
+ATTENTION_KINDS = ("encoder-self", "decoder-self", "encoder-decoder")
+
+
+@dataclass(eq=False)
+class AttentionSite:
+    """One attention module: its kind, its 0-based layer, and the hook of the current pass."""
+
+    kind: str
+    layer: int
+    hook: object = None
+
+    def __repr__(self) -> str:  # readable in error messages
+        return f"{self.kind}[{self.layer}]"
+
+
+def parse_layers(spec: Union[str, Sequence[int], None], option: str) -> Optional[List[int]]:
+    """``'all'`` / None -> None (every layer); ``'0,2'`` or ``[0, 2]`` -> sorted unique ints."""
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() == "all"):
+        return None
+    if isinstance(spec, str):
+        parts = [s.strip() for s in spec.split(",") if s.strip()]
+        try:
+            layers = [int(s) for s in parts]
+        except ValueError:
+            raise ValueError(
+                f"{option} must be 'all' or a comma-separated list of 0-based layer indices, got {spec!r}"
+            ) from None
+    else:
+        layers = [int(x) for x in spec]
+    if not layers:
+        raise ValueError(f"{option} must name at least one layer, got {spec!r}")
+    bad = [x for x in layers if x < 0]
+    if bad:
+        raise ValueError(f"{option}: layer indices are 0-based and >= 0, got {bad}")
+    return sorted(set(layers))
+
+
+def parse_kinds(spec: Union[str, Iterable[str]], option: str) -> List[str]:
+    """``'encoder-self,decoder-self'`` or a list -> validated list of attention kinds."""
+    kinds = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s).strip() for s in spec]
+    kinds = [s for s in kinds if s]
+    if not kinds:
+        raise ValueError(f"{option} must name at least one of {', '.join(ATTENTION_KINDS)}")
+    unknown = [s for s in kinds if s not in ATTENTION_KINDS]
+    if unknown:
+        raise ValueError(
+            f"{option}: unknown attention kind {unknown[0]!r}; accepted: {', '.join(ATTENTION_KINDS)}"
+        )
+    return list(dict.fromkeys(kinds))
+
+
+class RegularizationController:
+    """The registry of a model's attention sites and the per-pass hooks on them."""
+
+    def __init__(self) -> None:
+        self.sites: List[AttentionSite] = []
+
+    def register(self, kind: str, layer: int) -> AttentionSite:
+        if kind not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention kind {kind!r}; accepted: {', '.join(ATTENTION_KINDS)}")
+        site = AttentionSite(kind, layer)
+        self.sites.append(site)
+        return site
+
+    def num_layers(self, kind: str) -> int:
+        return sum(1 for s in self.sites if s.kind == kind)
+
+    def select(self, kinds: Sequence[str], layers: Optional[Sequence[int]], option: str = "layers") -> List[AttentionSite]:
+        """The sites of the given kinds and layers; errors name what the model lacks."""
+        chosen: List[AttentionSite] = []
+        for kind in kinds:
+            n = self.num_layers(kind)
+            if n == 0:
+                have = sorted({s.kind for s in self.sites}) or ["none"]
+                raise ValueError(
+                    f"attention kind {kind!r} was asked for, but this model has no such attention "
+                    f"(it has: {', '.join(have)})"
+                )
+            if layers is not None and max(layers) >= n:
+                raise ValueError(
+                    f"{option}: layer {max(layers)} does not exist; the model's {kind} attention has "
+                    f"{n} layers, so accepted indices are 0..{n - 1}"
+                )
+            chosen += [s for s in self.sites if s.kind == kind and (layers is None or s.layer in layers)]
+        return chosen
+
+    @contextlib.contextmanager
+    def hooks(self, assignment: Dict[AttentionSite, object]) -> Iterator[None]:
+        """Set ``site.hook`` for the sites given, for the duration of one pass."""
+        previous = {site: site.hook for site in assignment}
+        try:
+            for site, hook in assignment.items():
+                site.hook = hook
+            yield
+        finally:
+            for site, hook in previous.items():
+                site.hook = hook

@@ -1,0 +1,124 @@
+"""Attention masks: the AD-DROP candidate region, Bernoulli(q) drops and additive score masks.
+
+Shapes follow the attention scores: ``(B, H, T, S)`` = batch, heads, queries, keys.
+``valid`` is a boolean tensor broadcastable to that shape which is True where a query may
+attend to a key (a real, non-padding key and, in causal attention, not a future one).
+Everything here is vectorised over whole tensors: no loop over heads or rows.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+
+def mask_fill_value(dtype: torch.dtype) -> float:
+    """A finite, very negative score for ``dtype``.
+
+    A quarter of the dtype's most negative value: adding two such masks (e.g. a padding mask and a
+    drop mask) still stays finite, so no mask ever turns a score into ``-inf`` by overflow,
+    and ``exp`` of it underflows to exactly 0 after softmax's max-subtraction.
+    """
+    if not dtype.is_floating_point:
+        raise TypeError(f"mask_fill_value needs a floating dtype, got {dtype}")
+    return torch.finfo(dtype).min / 4
+
+
+# A bias at or below this counts as "masked": fairseq masks with -inf, -1e8 or (fp16) -1e4,
+# transformers with the dtype's minimum; no real score bias comes near it.
+MASKED_BIAS = -1e4
+
+
+def valid_keys_from_bias(bias: torch.Tensor) -> torch.Tensor:
+    """Which (query, key) pairs an attention bias allows.
+
+    Accepts a boolean "allowed" mask (returned as is) or an additive float bias in which
+    disallowed positions hold ``-inf`` or a very negative finite value (fairseq and
+    transformers both use one of these conventions, see ``MASKED_BIAS``).
+    """
+    if bias.dtype == torch.bool:
+        return bias
+    return bias > MASKED_BIAS
+
+
+def candidate_region(attribution: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tensor:
+    """Boolean mask of each row's top ``ceil(p * n)`` valid keys by attribution.
+
+    ``n`` is the number of valid keys of the row. Invalid keys are never candidates. Ties are
+    broken by ``topk``'s order, so every row has exactly ``ceil(p * n)`` candidates.
+    """
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"p must be in (0, 1], got {p}")
+    valid = valid.expand_as(attribution)
+    n_valid = valid.sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+    # ceil(p * n) computed in float64 then clamped to n: p * n can land a hair above an integer.
+    k = torch.ceil(n_valid.double() * p - 1e-9).clamp_(max=n_valid).long()
+    # Every row has at most S valid keys, so ceil(p * S) bounds k without reading k back
+    # to the host (no device synchronisation).
+    k_max = min(attribution.shape[-1], math.ceil(attribution.shape[-1] * p))
+    scores = attribution.float().nan_to_num(0.0).masked_fill(~valid, float("-inf"))
+    top_idx = scores.topk(k_max, dim=-1, sorted=True).indices
+    take = torch.arange(k_max, device=attribution.device) < k  # first k of each row
+    region = torch.zeros(attribution.shape, dtype=torch.bool, device=attribution.device)
+    return region.scatter_(-1, top_idx, take)
+
+
+def sample_drops(
+    region: torch.Tensor,
+    q: float,
+    valid: torch.Tensor,
+    attribution: torch.Tensor,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Drop each candidate with probability ``q``; never drop every valid key of a row.
+
+    A row whose valid keys would all be dropped keeps its lowest-attribution key, so the
+    softmax always has a real key to attend to (decoder row 0 has exactly one).
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must be in [0, 1], got {q}")
+    valid = valid.expand_as(region)
+    coin = torch.rand(region.shape, device=region.device, generator=generator)
+    drop = region & (coin < q)
+    return keep_one_valid_key(drop, valid, attribution)
+
+
+def keep_one_valid_key(
+    drop: torch.Tensor, valid: torch.Tensor, attribution: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Un-drop one key in every row that would otherwise lose all its valid keys.
+
+    The key kept is the valid key of lowest attribution (the least important one, so the
+    regularizer's intent is kept as far as possible); without attribution, the first valid key.
+    Rows with no valid key at all (fully padded queries) are left alone.
+    """
+    valid = valid.expand_as(drop)
+    drop = drop & valid
+    emptied = ((valid & ~drop).sum(-1, keepdim=True) == 0) & valid.any(-1, keepdim=True)
+    if attribution is None:
+        rank_source = torch.arange(drop.shape[-1], device=drop.device, dtype=torch.float32)
+        rank_source = rank_source.expand(drop.shape)
+    else:
+        rank_source = attribution.float().nan_to_num(0.0)
+    lowest = rank_source.masked_fill(~valid, float("inf")).argmin(dim=-1, keepdim=True)
+    restore = torch.zeros_like(drop).scatter_(-1, lowest, emptied)
+    return drop & ~restore
+
+
+def additive_mask(drop: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Turn a boolean drop mask into an additive score mask of ``dtype`` (0 kept, very negative dropped)."""
+    zero = torch.zeros((), dtype=dtype, device=drop.device)
+    return torch.where(drop, torch.tensor(mask_fill_value(dtype), dtype=dtype, device=drop.device), zero)
+
+
+def ad_drop_masks(
+    attribution: torch.Tensor,
+    valid: torch.Tensor,
+    p: float,
+    q: float,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """AD-DROP's boolean drop mask for one attention map: candidates, then Bernoulli(q) drops."""
+    region = candidate_region(attribution, valid, p)
+    return sample_drops(region, q, valid, attribution, generator)

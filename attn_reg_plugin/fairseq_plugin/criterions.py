@@ -1,0 +1,124 @@
+"""AD-DROP criterions: pass 1 + masks, then the base criterion's own forward as pass 2.
+
+The base criterion (label-smoothed cross-entropy, ...) computes the loss exactly as it always
+does; AD-DROP only wraps its forward in training epochs that the schedule selects. In
+validation (``model.training`` False, no grad) nothing changes.
+"""
+
+from dataclasses import dataclass, field, fields
+
+import torch
+from fairseq import metrics
+from fairseq.criterions import register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    LabelSmoothedCrossEntropyCriterionConfig,
+)
+from fairseq.dataclass import FairseqDataclass
+
+from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch
+from ..core.attribution import token_loss_target
+
+
+@dataclass
+class ADDropOptions(FairseqDataclass):
+    """The ``--ad-drop-*`` flags; defaults and meanings are those of core ``ADDropConfig``."""
+
+    ad_drop_p: float = field(default=0.2, metadata={"help": "candidate region: top ceil(p*n) keys per query row by attribution, p in (0, 1)"})
+    ad_drop_q: float = field(default=0.2, metadata={"help": "drop probability of each candidate, q in (0, 1)"})
+    ad_drop_layers: str = field(default="all", metadata={"help": "'all' or a comma list of 0-based layer indices"})
+    ad_drop_attention: str = field(default="encoder-self", metadata={"help": "comma list of encoder-self, decoder-self, encoder-decoder"})
+    ad_drop_attribution: str = field(default="ga", metadata={"help": "ga (gradient), iga (integrated gradients), aa (attention weights), rd (random)"})
+    ad_drop_iga_steps: int = field(default=20, metadata={"help": "integration steps m for --ad-drop-attribution iga"})
+    ad_drop_labels: str = field(default="pseudo", metadata={"help": "attribution target labels: pseudo (pass-1 argmax, the paper) or gold (ablation)"})
+    ad_drop_schedule: str = field(default="cross-tuning", metadata={"help": "cross-tuning (AD-DROP on even 1-based epochs) or always"})
+
+
+def _unwrap(model):
+    """The bare model under DDP / legacy DDP wrappers: attribution needs no gradient sync."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+class ADDropCriterionMixin:
+    """Wraps a fairseq criterion's forward in AD-DROP; subclasses define the target."""
+
+    def init_ad_drop(self, task, options: dict) -> None:
+        self.ad_drop_config = ADDropConfig(**{k[len("ad_drop_"):]: v for k, v in options.items()}).validate()
+        self.ad_drop = None
+        self.task = task
+
+    def attach_attention_sites(self, controller) -> None:
+        self.ad_drop = ADDrop(self.ad_drop_config, controller)
+
+    def attribution_target(self, model, sample):
+        """(net_output, labels) -> (F, labels), see core.attribution."""
+        raise NotImplementedError
+
+    def forward(self, model, sample, reduce=True):
+        epoch = getattr(self.task, "attn_reg_epoch", None)
+        if not model.training:
+            return super().forward(model, sample, reduce)
+        if self.ad_drop is None or epoch is None:
+            raise RuntimeError(
+                "the ad_drop criterions need an attn_reg task (--task attn_reg_translation or "
+                "attn_reg_sentence_prediction) that routes attention through the plugin"
+            )
+        if not (torch.is_grad_enabled() and ad_drop_epoch(self.ad_drop_config.schedule, epoch)):
+            loss, sample_size, log = super().forward(model, sample, reduce)
+            log["ad_drop_on"] = 0
+            return loss, sample_size, log
+        bare = _unwrap(model)
+        with self.ad_drop.masked(lambda: bare(**sample["net_input"]), self.attribution_target(model, sample), frozen=bare) as stats:
+            loss, sample_size, log = super().forward(model, sample, reduce)
+        log.update(ad_drop_on=1, ad_drop_dropped=stats["dropped"].item(), ad_drop_valid=stats["valid"].item())
+        return loss, sample_size, log
+
+    @classmethod
+    def reduce_ad_drop_metrics(cls, logging_outputs) -> None:
+        steps = [log for log in logging_outputs if "ad_drop_on" in log]
+        if not steps:
+            return  # validation
+        metrics.log_scalar("ad_drop_on", sum(log["ad_drop_on"] for log in steps) / len(steps), len(steps), round=2)
+        valid = sum(log.get("ad_drop_valid", 0) for log in steps)
+        if valid > 0:
+            dropped = sum(log.get("ad_drop_dropped", 0) for log in steps)
+            # Weighted by positions: the epoch average is the epoch's exact dropped fraction.
+            metrics.log_scalar("ad_drop_rate", dropped / valid, valid, round=4)
+
+
+@dataclass
+class ADDropLabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig, ADDropOptions):
+    pass
+
+
+_AD_DROP_FIELDS = [f.name for f in fields(ADDropOptions) if f.name.startswith("ad_drop_")]
+
+
+@register_criterion("ad_drop_label_smoothed_cross_entropy", dataclass=ADDropLabelSmoothedCrossEntropyConfig)
+class ADDropLabelSmoothedCrossEntropyCriterion(ADDropCriterionMixin, LabelSmoothedCrossEntropyCriterion):
+    """Label-smoothed cross-entropy trained with AD-DROP; target: negative pseudo-label token loss."""
+
+    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
+                 ad_drop_p=0.2, ad_drop_q=0.2, ad_drop_layers="all", ad_drop_attention="encoder-self",
+                 ad_drop_attribution="ga", ad_drop_iga_steps=20, ad_drop_labels="pseudo",
+                 ad_drop_schedule="cross-tuning"):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        local = locals()
+        self.init_ad_drop(task, {name: local[name] for name in _AD_DROP_FIELDS})
+
+    def attribution_target(self, model, sample):
+        target = sample["target"]
+        keep = target.ne(self.padding_idx)
+        gold = target if self.ad_drop_config.labels == "gold" else None
+
+        def value(net_output, labels):
+            return token_loss_target(net_output[0], keep, labels if labels is not None else gold)
+
+        return value
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        cls.reduce_ad_drop_metrics(logging_outputs)
