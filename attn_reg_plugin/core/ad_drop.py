@@ -107,8 +107,8 @@ class ADDrop:
     # -- attribution ---------------------------------------------------------------------
     def attributions(
         self, forward: Callable[[], object], target: Target, frozen: Optional[torch.nn.Module] = None
-    ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        """Pass 1 (and IGA's extra passes): per selected site, attribution and validity."""
+    ) -> Tuple[List[AttentionSite], List[torch.Tensor], List[torch.Tensor]]:
+        """Pass 1 (and IGA's extra passes): the sites in call order, their attributions and validity."""
         method = self.config.attribution
         with frozen_parameters(frozen), torch.enable_grad():
             if method == "ga":
@@ -117,44 +117,51 @@ class ADDrop:
                     output = forward()
                 value, _ = target(output, None)
                 del output
-                self._check_captured(len(capture.outputs))
-                return gradient_attribution(value, capture), capture.valid
+                self._check_captured(capture.sites)
+                return capture.sites, gradient_attribution(value, capture), capture.valid
             if method == "aa":
                 capture = CaptureProbs(requires_grad=False)
                 with torch.no_grad(), self.controller.hooks({s: capture for s in self.sites}):
                     forward()
-                self._check_captured(len(capture.probs))
-                return [p.float() for p in capture.probs], capture.valid
+                self._check_captured(capture.sites)
+                return capture.sites, [p.float() for p in capture.probs], capture.valid
             if method == "iga":
                 return self._integrated_gradients(forward, target)
         raise AssertionError(method)
 
     def _integrated_gradients(self, forward, target):
-        m = self.config.iga_steps
-        # Step k = m (alpha = 1) first: it is the model's own forward, fixing the pseudo
-        # labels and the unscaled maps A that Eq. 3 multiplies with.
-        labels, probs, valid, total = None, None, None, None
-        for k in [m] + list(range(1, m)):
-            capture = CaptureProbs(alpha=k / m)
-            with self.controller.hooks({s: capture for s in self.sites}):
-                output = forward()
-            value, labels = target(output, labels)
-            del output
-            self._check_captured(len(capture.probs))
-            grads = probs_gradient(value, capture)
-            if probs is None:
-                probs = [p.detach() for p in capture.probs]
-                valid = capture.valid
-                total = grads
-            else:
-                total = [t + g for t, g in zip(total, grads)]
-        return [p.float() * t / m for p, t in zip(probs, total)], valid
+        """Paper Eq. 3 per layer (as Hao et al.): only that layer's map is scaled by k/m.
 
-    def _check_captured(self, n: int) -> None:
-        if n != len(self.sites):
+        The k = m step (nothing scaled) is the model's own forward: it is run once for all
+        layers, fixing the pseudo labels and the unscaled maps A that Eq. 3 multiplies with.
+        The other m - 1 steps run per layer, so IGA costs about (m - 1) * layers + 1 passes.
+        """
+        m = self.config.iga_steps
+        capture = CaptureProbs(alpha=1.0)
+        with self.controller.hooks({s: capture for s in self.sites}):
+            output = forward()
+        value, labels = target(output, None)
+        del output
+        self._check_captured(capture.sites)
+        sites, probs, valid = capture.sites, [p.detach() for p in capture.probs], capture.valid
+        totals = probs_gradient(value, capture)
+        for i, site in enumerate(sites):
+            for k in range(1, m):
+                step = CaptureProbs(alpha=k / m)
+                with self.controller.hooks({site: step}):
+                    output = forward()
+                value, _ = target(output, labels)
+                del output
+                if step.sites != [site]:
+                    raise RuntimeError(f"integrated gradients: expected one call of {site}, saw {step.sites}")
+                totals[i] = totals[i] + probs_gradient(value, step)[0]
+        return sites, [p.float() * t / m for p, t in zip(probs, totals)], valid
+
+    def _check_captured(self, seen: List[AttentionSite]) -> None:
+        if len(seen) != len(self.sites) or set(seen) != set(self.sites):
             raise RuntimeError(
-                f"AD-DROP expected {len(self.sites)} attention calls on {self.sites} during the attribution "
-                f"pass but saw {n}: the model's attention modules are not routed through attn_reg_plugin's kernel"
+                f"AD-DROP expected one attention call on each of {self.sites} during the attribution pass but "
+                f"saw {seen}: the model's attention modules are not routed through attn_reg_plugin's kernel"
             )
 
     # -- the step ------------------------------------------------------------------------
@@ -182,10 +189,10 @@ class ADDrop:
 
             edits = {s: EditScores(drop=random_drop, stats=counts) for s in self.sites}
         else:
-            attributions, valids = self.attributions(attribution_forward, target, frozen)
+            sites, attributions, valids = self.attributions(attribution_forward, target, frozen)
             edits = {
                 site: EditScores(drop=ad_drop_masks(a, v, p, q), stats=counts)
-                for site, a, v in zip(self.sites, attributions, valids)
+                for site, a, v in zip(sites, attributions, valids)
             }
             del attributions, valids  # pass 1 is gone before pass 2 allocates
         stats: Dict[str, torch.Tensor] = {}

@@ -29,8 +29,12 @@ from .masks import additive_mask, mask_fill_value, valid_keys_from_bias
 
 @dataclass
 class CaptureOutput:
-    """Record what gradient attribution needs; attention dropout is off for this pass."""
+    """Record what gradient attribution needs; attention dropout is off for this pass.
 
+    Entries are appended in call order; ``sites[i]`` says whose entry ``i`` is.
+    """
+
+    sites: List[object] = field(default_factory=list)
     outputs: List[torch.Tensor] = field(default_factory=list)
     values: List[torch.Tensor] = field(default_factory=list)
     valid: List[torch.Tensor] = field(default_factory=list)
@@ -42,6 +46,7 @@ class CaptureProbs:
 
     alpha: float = 1.0
     requires_grad: bool = True
+    sites: List[object] = field(default_factory=list)
     probs: List[torch.Tensor] = field(default_factory=list)
     valid: List[torch.Tensor] = field(default_factory=list)
 
@@ -121,6 +126,7 @@ def attend(
             # Layers below the first captured one may carry no graph (parameters frozen for
             # the attribution pass): make this output the leaf the attribution is taken of.
             out.requires_grad_(True)
+        hook.sites.append(site)
         hook.outputs.append(out)
         hook.values.append(v.detach())
         hook.valid.append(valid)
@@ -131,12 +137,14 @@ def attend(
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale_
         if bias is not None:
             scores = scores + bias
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        # Softmax in at least float32: half-precision exponentials lose the small weights.
+        probs = torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1).to(q.dtype)
         used = probs
         if isinstance(hook, CaptureProbs):
             used = probs * hook.alpha if hook.alpha != 1.0 else probs
             if hook.requires_grad and not used.requires_grad:
                 used.requires_grad_(True)
+            hook.sites.append(site)
             hook.probs.append(used)
             hook.valid.append(valid)
             dropout_p = 0.0

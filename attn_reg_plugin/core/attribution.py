@@ -7,7 +7,7 @@ All targets are computed in float32: fp16 logits would round small per-token ter
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -69,12 +69,3 @@ def probs_gradient(target: torch.Tensor, capture: CaptureProbs) -> List[torch.Te
     """dF/dA for every captured (explicit) attention map, again from one autograd call."""
     grads = torch.autograd.grad(target, capture.probs, allow_unused=True)
     return [torch.zeros_like(p, dtype=torch.float32) if g is None else g.float() for g, p in zip(grads, capture.probs)]
-
-
-def integrated_gradients(
-    steps_grads: Sequence[Sequence[torch.Tensor]], probs: Sequence[torch.Tensor]
-) -> List[torch.Tensor]:
-    """Paper Eq. 3: A / m * sum_k dF(k/m A)/dA, per layer, given each step's gradients."""
-    m = len(steps_grads)
-    total = [torch.stack([step[i] for step in steps_grads]).sum(0) for i in range(len(probs))]
-    return [p.float() * t / m for p, t in zip(probs, total)]

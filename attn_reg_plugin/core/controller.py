@@ -79,8 +79,7 @@ class RegularizationController:
         return sum(1 for s in self.sites if s.kind == kind)
 
     def select(self, kinds: Sequence[str], layers: Optional[Sequence[int]], option: str = "layers") -> List[AttentionSite]:
-        """The sites of the given kinds and layers; errors name what the model lacks."""
-        chosen: List[AttentionSite] = []
+        """The sites of the given kinds and layers, in registration order; errors name what the model lacks."""
         for kind in kinds:
             n = self.num_layers(kind)
             if n == 0:
@@ -94,8 +93,7 @@ class RegularizationController:
                     f"{option}: layer {max(layers)} does not exist; the model's {kind} attention has "
                     f"{n} layers, so accepted indices are 0..{n - 1}"
                 )
-            chosen += [s for s in self.sites if s.kind == kind and (layers is None or s.layer in layers)]
-        return chosen
+        return [s for s in self.sites if s.kind in kinds and (layers is None or s.layer in layers)]
 
     @contextlib.contextmanager
     def hooks(self, assignment: Dict[AttentionSite, object]) -> Iterator[None]:

@@ -1,0 +1,336 @@
+"""AD-DROP attribution (GA / IGA / AA) and targets against explicit autograd references.
+
+A tiny 2-layer multi-head attention classifier is built here. In "kernel" mode every layer
+calls ``attend`` with its own registered AttentionSite (what ADDrop drives); in "explicit"
+mode the same weights compute softmax maps A_l by hand, optionally edited (perturbed or
+scaled), so dF/dA_l can be taken directly by autograd or by finite differences.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attn_reg_plugin.core import attribution
+from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.attention import attend
+from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.core.masks import ad_drop_masks
+
+B, T, D, HEADS, LAYERS, CLASSES = 3, 5, 8, 2, 2, 3
+LENGTHS = [5, 3, 1]  # batch row 2 has a single real token
+
+
+class TinyAttnClassifier(torch.nn.Module):
+    def __init__(self, controller, kinds=("encoder-self",) * LAYERS, reverse_registration=False):
+        super().__init__()
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(D, 3 * D) for _ in range(LAYERS))
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(D, D) for _ in range(LAYERS))
+        self.readout = torch.nn.Linear(D, CLASSES)
+        # Model layer i uses a site of kind kinds[i]; its layer index counts that kind only.
+        specs = [(kind, kinds[:i].count(kind)) for i, kind in enumerate(kinds)]
+        order = range(LAYERS)[::-1] if reverse_registration else range(LAYERS)
+        registered = {i: controller.register(*specs[i]) for i in order}
+        self.sites = [registered[i] for i in range(LAYERS)]  # call order
+
+    def forward(self, x, key_pad, mode="kernel", maps=None, edit=None):
+        """x: (B, T, D); key_pad: (B, T) True at padding. edit(layer, A) -> A' (explicit mode)."""
+        b, t, _ = x.shape
+        dh = D // HEADS
+        bias = torch.zeros(b, 1, 1, t, dtype=x.dtype).masked_fill(key_pad[:, None, None, :], float("-inf"))
+        h = x
+        for layer in range(LAYERS):
+            q, k, v = self.qkv[layer](h).view(b, t, 3, HEADS, dh).permute(2, 0, 3, 1, 4)
+            if mode == "kernel":
+                o, _ = attend(q, k, v, bias, site=self.sites[layer])
+            else:
+                a = torch.softmax(q @ k.transpose(-2, -1) * dh ** -0.5 + bias, dim=-1)
+                if edit is not None:
+                    a = edit(layer, a)
+                if maps is not None:
+                    maps.append(a)
+                o = a @ v
+            h = h + torch.tanh(self.proj[layer](o.transpose(1, 2).reshape(b, t, D)))
+        keep = (~key_pad).to(h.dtype).unsqueeze(-1)
+        return self.readout((h * keep).sum(1) / keep.sum(1))
+
+
+def _setup(dtype=torch.float64, seed=0, model_kw=None, **cfg):
+    torch.manual_seed(seed)
+    controller = RegularizationController()
+    model = TinyAttnClassifier(controller, **(model_kw or {})).to(dtype)
+    x = torch.randn(B, T, D, dtype=dtype)
+    key_pad = torch.arange(T)[None, :] >= torch.tensor(LENGTHS)[:, None]
+    config = ADDropConfig(**{"attention": "encoder-self", "attribution": "ga", "layers": "all", **cfg})
+    return model, x, key_pad, ADDrop(config, controller)
+
+
+def target(out, labels):
+    return attribution.logit_target(out, labels)
+
+
+def _explicit_F(model, x, key_pad, labels=None, edit=None):
+    maps = []
+    logits = model(x, key_pad, mode="explicit", maps=maps, edit=edit)
+    if labels is None:
+        labels = logits.detach().argmax(-1)
+    return logits.gather(-1, labels[:, None]).sum(), maps, labels
+
+
+def _explicit_grads(model, x, key_pad, layers=range(LAYERS)):
+    value, maps, labels = _explicit_F(model, x, key_pad)
+    grads = torch.autograd.grad(value, [maps[i] for i in layers])
+    return [g.detach() for g in grads], [m.detach() for m in maps], labels
+
+
+def _attributions(adrop, model, x, key_pad, tgt=target, frozen="model"):
+    """ADDrop.attributions on the kernel-mode model; checks the sites come back in call order."""
+    frozen = model if frozen == "model" else frozen
+    sites, attrs, valids = adrop.attributions(lambda: model(x, key_pad), tgt, frozen=frozen)
+    assert list(sites) == [s for s in model.sites if s in adrop.sites]
+    assert len(attrs) == len(valids) == len(sites)
+    return attrs, valids
+
+
+# ---------------------------------------------------------------- GA
+
+
+@pytest.mark.parametrize("layers, idx", [("all", [0, 1]), ("0", [0]), ("1", [1])])
+def test_ga_equals_explicit_dF_dA_float64(layers, idx):
+    model, x, key_pad, adrop = _setup(layers=layers)
+    attrs, valids = _attributions(adrop, model, x, key_pad, frozen=model)
+    ref, _, _ = _explicit_grads(model, x, key_pad, idx)
+    assert len(attrs) == len(idx)
+    for a, r in zip(attrs, ref):
+        assert a.shape == (B, HEADS, T, T)
+        assert r.abs().max() > 1e-3  # a non-trivial gradient is being compared
+        # Targets and attributions are float32 by design (attribution.py), hence not 1e-12.
+        assert a.dtype == torch.float32
+        assert torch.allclose(a.double(), r, atol=1e-7, rtol=1e-5), (a.double() - r).abs().max()
+    for v in valids:
+        want = ~key_pad[:, None, None, :]
+        assert torch.equal(v.expand(B, HEADS, T, T), want.expand(B, HEADS, T, T))
+
+
+def test_ga_float32_model_matches_float64_reference():
+    model, x, key_pad, adrop = _setup(dtype=torch.float32, seed=1)
+    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model)
+    ref_model = copy.deepcopy(model).double()
+    ref, _, _ = _explicit_grads(ref_model, x.double(), key_pad)
+    for a, r in zip(attrs, ref):
+        assert a.dtype == torch.float32
+        assert torch.allclose(a.double(), r, atol=1e-5, rtol=1e-4), (a.double() - r).abs().max()
+
+
+def test_ga_entry_matches_central_finite_difference():
+    model, x, key_pad, adrop = _setup(seed=2)
+    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model)
+    _, _, labels = _explicit_F(model, x, key_pad)
+    eps = 1e-6
+    # (layer, b, head, query, key): a first-layer entry (acts through layer 2 too), a
+    # second-layer entry, and an entry at a padded key (dF/dA there is (dF/dO) v, not 0).
+    for layer, b, h, i, j in [(0, 0, 1, 2, 3), (1, 1, 0, 0, 2), (0, 1, 1, 1, 4)]:
+        def bump(delta):
+            def edit(l, a):
+                if l != layer:
+                    return a
+                a = a.clone()
+                a[b, h, i, j] += delta
+                return a
+            with torch.no_grad():
+                return _explicit_F(model, x, key_pad, labels=labels, edit=edit)[0]
+        fd = (bump(eps) - bump(-eps)) / (2 * eps)
+        got = attrs[layer][b, h, i, j].item()
+        assert abs(fd.item()) > 1e-4
+        assert abs(got - fd.item()) < 1e-6 * max(1.0, abs(fd.item())), (layer, got, fd.item())
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_ga_populates_no_parameter_grad_and_restores_requires_grad(frozen):
+    model, x, key_pad, adrop = _setup()
+    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model if frozen else None)
+    assert all(a.abs().sum() > 0 for a in attrs)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.requires_grad for p in model.parameters())
+    assert all(site.hook is None for site in model.sites)  # hooks removed after the pass
+
+
+def test_ga_does_not_disturb_a_later_training_backward():
+    model, x, key_pad, adrop = _setup()
+    _attributions(adrop, model, x, key_pad)
+    model(x, key_pad).sum().backward()
+    ref = copy.deepcopy(model)
+    for p in ref.parameters():
+        p.grad = None
+    ref(x, key_pad).sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, r.grad, atol=1e-12)
+
+
+def test_attribution_pass_must_go_through_the_kernel():
+    model, x, key_pad, adrop = _setup()
+    with pytest.raises(RuntimeError, match="not routed through"):
+        adrop.attributions(lambda: model(x, key_pad, mode="explicit"), target, frozen=model)
+
+
+# ---------------------------------------------------------------- AA and IGA
+
+
+def test_aa_equals_attention_maps():
+    model, x, key_pad, adrop = _setup(attribution="aa")
+    attrs, valids = _attributions(adrop, model, x, key_pad, frozen=model)
+    _, maps, _ = _explicit_F(model, x, key_pad)
+    assert len(attrs) == LAYERS and len(valids) == LAYERS
+    for a, m in zip(attrs, maps):
+        assert a.dtype == torch.float32
+        assert torch.allclose(a.double(), m.detach(), atol=1e-6)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _iga_reference(model, x, key_pad, m, scaled_layers, wrt):
+    """A_wrt / m * sum_k dF/dA_wrt, evaluated with the maps of ``scaled_layers`` scaled by k/m."""
+    _, maps, labels = _explicit_F(model, x, key_pad)
+    total = 0
+    for k in range(1, m + 1):
+        def edit(l, a, alpha=k / m):
+            return a * alpha if l in scaled_layers else a
+        value, maps_k, _ = _explicit_F(model, x, key_pad, labels=labels, edit=edit)
+        total = total + torch.autograd.grad(value, maps_k[wrt])[0]
+    return maps[wrt].detach() / m * total
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_iga_single_layer_equals_explicit_integrated_gradients(layer):
+    m = 4
+    model, x, key_pad, adrop = _setup(attribution="iga", iga_steps=m, layers=str(layer), seed=3)
+    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model)
+    ref = _iga_reference(model, x, key_pad, m, {layer}, layer)
+    assert len(attrs) == 1
+    assert ref.abs().max() > 1e-3
+    # Explicit kernel path computes softmax in float32 (see test_core_masks), hence 1e-6.
+    assert torch.allclose(attrs[0].double(), ref, atol=1e-6, rtol=1e-5), (attrs[0].double() - ref).abs().max()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_iga_one_step_is_attention_times_gradient():
+    model, x, key_pad, adrop = _setup(attribution="iga", iga_steps=1, seed=4)
+    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model)
+    grads, maps, _ = _explicit_grads(model, x, key_pad)
+    for a, g, mp in zip(attrs, grads, maps):
+        assert torch.allclose(a.double(), mp * g, atol=1e-6, rtol=1e-5)
+
+
+def test_iga_all_layers_equals_per_layer_integrated_gradients():
+    # Paper Eq. 3 (Hao et al.): each layer's integral scales only that layer's map.
+    m = 3
+    model, x, key_pad, adrop = _setup(attribution="iga", iga_steps=m, layers="all", seed=5)
+    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model)
+    for layer in range(LAYERS):
+        ref = _iga_reference(model, x, key_pad, m, {layer}, layer)
+        assert torch.allclose(attrs[layer].double(), ref, atol=1e-6, rtol=1e-5), (layer, (attrs[layer].double() - ref).abs().max())
+
+
+def test_iga_keeps_pass_one_pseudo_labels_fixed():
+    # Scaling A by k/m can change the argmax; the target must use step m's (the model's own) labels.
+    m = 2
+    model, x, key_pad, adrop = _setup(attribution="iga", iga_steps=m, layers="0", seed=6)
+    seen = []
+
+    def recording_target(out, labels):
+        value, used = attribution.logit_target(out, labels)
+        seen.append(used.clone())
+        return value, used
+
+    _attributions(adrop, model, x, key_pad, tgt=recording_target)
+    _, _, labels = _explicit_F(model, x, key_pad)
+    assert len(seen) == m
+    assert all(torch.equal(s, labels) for s in seen)
+
+
+# ---------------------------------------------------------------- targets
+
+
+def test_logit_target_uses_argmax_pseudo_labels_or_given_labels():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 1.0]], requires_grad=True)
+    value, labels = attribution.logit_target(logits)
+    assert labels.tolist() == [1, 0]
+    assert value.item() == pytest.approx(5.0)
+    (g,) = torch.autograd.grad(value, logits)
+    assert torch.equal(g, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+    value, labels = attribution.logit_target(logits, torch.tensor([2, 2]))
+    assert value.item() == pytest.approx(0.0) and labels.tolist() == [2, 2]
+    value, _ = attribution.logit_target(logits.half())
+    assert value.dtype == torch.float32
+
+
+def test_token_loss_target_ignores_padding_and_defaults_to_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 5)
+    keep = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    value, labels = attribution.token_loss_target(logits, keep)
+    assert torch.equal(labels, logits.argmax(-1))
+    ref = -sum(F.cross_entropy(logits[b, t], logits[b, t].argmax()) for b in range(2) for t in range(4) if keep[b, t])
+    assert value.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert value.item() < 0
+    # Changing logits (and labels, even to ignore_index -100) at keep=False positions changes nothing.
+    changed = logits.clone()
+    changed[~keep] = torch.randn(int((~keep).sum()), 5) * 10
+    gold = logits.argmax(-1).masked_fill(~keep, -100)
+    value2, _ = attribution.token_loss_target(changed, keep, gold)
+    assert value2.item() == pytest.approx(value.item(), rel=1e-6)
+    # ... and the gradient there is exactly zero.
+    changed.requires_grad_(True)
+    (g,) = torch.autograd.grad(attribution.token_loss_target(changed, keep, gold)[0], changed)
+    assert (g[~keep] == 0).all() and (g[keep] != 0).any()
+    # Given labels are used instead of the argmax.
+    other = (logits.argmax(-1) + 1) % 5
+    value3, used = attribution.token_loss_target(logits, keep, other)
+    assert torch.equal(used, other) and value3.item() < value.item()
+
+
+def test_regression_target_is_minus_squared_error():
+    pred = torch.tensor([[1.0], [2.0], [-1.0]], requires_grad=True)
+    gold = torch.tensor([1.5, 0.0, -1.0])
+    value, used = attribution.regression_target(pred, gold)
+    assert value.item() == pytest.approx(-(0.25 + 4.0))
+    assert torch.equal(used, gold)
+    (g,) = torch.autograd.grad(value, pred)
+    # F increases as the prediction moves towards the gold value.
+    assert torch.allclose(g, torch.tensor([[1.0], [-4.0], [0.0]]))
+
+
+# ---------------------------------------------------------------- the two-pass step
+
+
+@pytest.mark.parametrize(
+    "model_kw, attention",
+    [
+        ({}, "encoder-self"),
+        # Sites registered (and selected) in an order other than the call order, and kinds
+        # listed in yet another order: each mask must still reach the layer it was made for.
+        ({"kinds": ("encoder-self", "decoder-self"), "reverse_registration": True}, "decoder-self,encoder-self"),
+    ],
+)
+def test_step_applies_ad_drop_masks_from_ga_in_pass_two(model_kw, attention):
+    model, x, key_pad, adrop = _setup(p=0.5, q=0.5, model_kw=model_kw, attention=attention)
+    torch.manual_seed(11)
+    attrs, valids = _attributions(adrop, model, x, key_pad, frozen=model)
+    drops = [ad_drop_masks(a, v, 0.5, 0.5) for a, v in zip(attrs, valids)]
+    assert any(d.any() for d in drops)
+    torch.manual_seed(11)
+    out, stats = adrop.step(lambda: model(x, key_pad), lambda: model(x, key_pad), target, frozen=model)
+
+    def edit(layer, a):  # remove the dropped keys from the explicit softmax
+        a = a.masked_fill(drops[layer], 0.0)
+        return a / a.sum(-1, keepdim=True)
+
+    ref = model(x, key_pad, mode="explicit", edit=edit)
+    assert torch.allclose(out, ref, atol=1e-10)
+    assert not torch.allclose(out, model(x, key_pad), atol=1e-6)  # the masks mattered
+    n_valid = sum(v.expand(B, HEADS, T, T).sum() for v in valids)
+    assert stats["dropped"].item() == sum(int(d.sum()) for d in drops)
+    assert stats["valid"].item() == n_valid.item()
+    assert all(site.hook is None for site in model.sites)
+    out.sum().backward()  # pass 2's graph trains the parameters
+    assert all(p.grad is not None for p in model.parameters())

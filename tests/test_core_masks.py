@@ -1,0 +1,665 @@
+"""Masks, the attention kernel, the controller and AD-DROP's config (core, CPU only).
+
+Tensors are (B, H, T, S) = batch, heads, queries, keys; ``valid`` is True where a query
+may attend a key (real key, and not a future one in causal attention).
+"""
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from attn_reg_plugin.core import masks
+from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, frozen_parameters
+from attn_reg_plugin.core.attention import EditScores, attend
+from attn_reg_plugin.core.controller import (
+    AttentionSite,
+    RegularizationController,
+    parse_kinds,
+    parse_layers,
+)
+from attn_reg_plugin.core.masks import (
+    ad_drop_masks,
+    additive_mask,
+    candidate_region,
+    keep_one_valid_key,
+    mask_fill_value,
+    sample_drops,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Row-sum tolerance of a softmax stored in the dtype (a few ulps of 1 times the row length).
+SUM_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def _site(hook=None):
+    site = AttentionSite("encoder-self", 0)
+    site.hook = hook
+    return site
+
+
+# A 1x1x3x5 attribution map with distinct values per row.
+ATTR = torch.tensor(
+    [[[[5.0, 1.0, 4.0, 2.0, 9.0],
+       [0.0, 3.0, -1.0, 7.0, 8.0],
+       [2.0, 2.5, 1.0, 0.5, 3.0]]]]
+)
+PAD_LAST = torch.tensor([True, True, True, True, False]).view(1, 1, 1, 5)
+CAUSAL = torch.ones(3, 5, dtype=torch.bool).tril()  # row i sees keys 0..i
+
+
+def _b(rows):
+    return torch.tensor(rows, dtype=torch.bool).view(1, 1, len(rows), len(rows[0]))
+
+
+# ---------------------------------------------------------------- candidate region
+
+
+@pytest.mark.parametrize(
+    "p, expected",
+    [
+        # n = 4 valid keys per row: ceil(p * 4) candidates; key 4 (padding) is never one,
+        # even though it holds row 0's and row 1's and row 2's largest attribution.
+        (0.5, [[1, 0, 1, 0, 0], [0, 1, 0, 1, 0], [1, 1, 0, 0, 0]]),  # 2 each
+        (0.25, [[1, 0, 0, 0, 0], [0, 0, 0, 1, 0], [0, 1, 0, 0, 0]]),  # exactly 1.0 -> 1
+        (0.2, [[1, 0, 0, 0, 0], [0, 0, 0, 1, 0], [0, 1, 0, 0, 0]]),  # ceil(0.8) = 1
+        (0.3, [[1, 0, 1, 0, 0], [0, 1, 0, 1, 0], [1, 1, 0, 0, 0]]),  # ceil(1.2) = 2
+        (0.75, [[1, 0, 1, 1, 0], [1, 1, 0, 1, 0], [1, 1, 1, 0, 0]]),  # 3
+        (1.0, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0]]),  # all valid
+    ],
+)
+def test_candidate_region_padding_exact(p, expected):
+    assert torch.equal(candidate_region(ATTR, PAD_LAST, p), _b(expected))
+
+
+@pytest.mark.parametrize(
+    "p, expected",
+    [
+        # n = 1, 2, 3 valid keys in rows 0, 1, 2.
+        (0.5, [[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [1, 1, 0, 0, 0]]),  # 1, 1, 2
+        (0.1, [[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 1, 0, 0, 0]]),  # 1, 1, 1
+        (0.9, [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]),  # 1, 2, 3
+    ],
+)
+def test_candidate_region_causal_exact(p, expected):
+    assert torch.equal(candidate_region(ATTR, CAUSAL, p), _b(expected))
+
+
+def test_candidate_region_ceil_is_not_fooled_by_rounding():
+    # In float64 0.07 * 100 = 7.000000000000001, 0.28 * 25 = 7.000000000000001,
+    # 0.55 * 100 = 55.00000000000001, 0.56 * 25 = 14.000000000000002: ceil(p * n) of the
+    # decimal p is still 7, 7, 55, 14.
+    torch.manual_seed(0)
+    cases = [(0.07, 100, 7), (0.28, 25, 7), (0.55, 100, 55), (0.56, 25, 14), (0.3, 10, 3), (0.6, 5, 3), (0.2, 1, 1)]
+    for p, n, want in cases:
+        attr = torch.randn(2, 3, 4, n)
+        region = candidate_region(attr, torch.ones(1, 1, 1, n, dtype=torch.bool), p)
+        assert (region.sum(-1) == want).all(), (p, n, region.sum(-1))
+
+
+def test_candidate_region_ignores_extreme_values_at_invalid_keys():
+    # +inf / nan at padding must not make padding a candidate nor displace a valid key.
+    attr = torch.tensor([[[[1.0, 3.0, 2.0, float("inf"), float("nan")]]]])
+    valid = torch.tensor([True, True, True, False, False]).view(1, 1, 1, 5)
+    assert torch.equal(candidate_region(attr, valid, 0.5), _b([[0, 1, 1, 0, 0]]))
+    assert torch.equal(candidate_region(attr, valid, 1.0), _b([[1, 1, 1, 0, 0]]))
+
+
+def test_candidate_region_valid_keys_with_minus_inf_attribution_still_count():
+    # A valid key whose attribution is -inf (or nan) must not tie with the invalid keys:
+    # with p = 1 both valid keys are candidates, never a padding key.
+    valid = torch.tensor([False, False, True, True, False]).view(1, 1, 1, 5)
+    for bad in (float("-inf"), float("nan")):
+        attr = torch.tensor([[[[float("-inf"), float("-inf"), 1.0, bad, float("-inf")]]]])
+        assert torch.equal(candidate_region(attr, valid, 1.0), _b([[0, 0, 1, 1, 0]])), bad
+        drop = ad_drop_masks(attr, valid, 1.0, 1 - 1e-9, generator=torch.Generator().manual_seed(0))
+        assert not (drop & ~valid).any() and drop.sum() == 1
+
+
+def test_candidate_region_fully_padded_row_has_no_candidates():
+    valid = torch.tensor([[True, True, False], [False, False, False]]).view(2, 1, 1, 3)
+    region = candidate_region(torch.randn(2, 1, 1, 3), valid, 0.9)
+    assert region[0].sum() == 2 and region[1].sum() == 0
+
+
+@pytest.mark.parametrize("p", [0.0, -0.1, 1.5, float("nan")])
+def test_candidate_region_rejects_bad_p(p):
+    with pytest.raises(ValueError, match="p must be in"):
+        candidate_region(ATTR, PAD_LAST, p)
+
+
+# ---------------------------------------------------------------- drops
+
+
+def _random_case(seed, B=3, H=2, T=6, S=9, causal=False):
+    g = torch.Generator().manual_seed(seed)
+    attr = torch.randn(B, H, T, S, generator=g)
+    lengths = torch.randint(1, S + 1, (B,), generator=g)
+    valid = (torch.arange(S)[None, :] < lengths[:, None]).view(B, 1, 1, S)
+    if causal:
+        valid = valid & torch.ones(T, S, dtype=torch.bool).tril()
+    return attr, valid.expand(B, H, T, S)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_only_valid_candidates_are_dropped(causal):
+    for seed in range(5):
+        attr, valid = _random_case(seed, causal=causal)
+        for p, q in [(0.3, 0.5), (0.6, 0.9), (0.9, 0.2)]:
+            g = torch.Generator().manual_seed(seed + 100)
+            drop = ad_drop_masks(attr, valid, p, q, generator=g)
+            region = candidate_region(attr, valid, p)
+            assert not (drop & ~region).any()
+            assert not (drop & ~valid).any()
+
+
+def test_tiny_q_drops_nothing():
+    attr, valid = _random_case(1, B=4, H=4, T=16, S=32)
+    drop = ad_drop_masks(attr, valid, 0.9, 1e-9, generator=torch.Generator().manual_seed(0))
+    assert not drop.any()
+
+
+def test_q_near_one_drops_every_candidate_when_candidates_are_not_the_whole_row():
+    attr, valid = _random_case(2, B=4, H=2, T=8, S=16)
+    p = 0.5
+    drop = ad_drop_masks(attr, valid, p, 1 - 1e-9, generator=torch.Generator().manual_seed(0))
+    region = candidate_region(attr, valid, p)
+    n = valid.sum(-1)
+    partial = torch.ceil(n * p) < n  # rows whose candidates leave >= 1 valid key
+    assert torch.equal(drop[partial], region[partial])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_row_is_emptied_and_kept_key_is_lowest_attribution(causal):
+    # p and q near 1: every valid key is a candidate and (almost surely) dropped.
+    attr, valid = _random_case(3, B=4, H=3, T=7, S=7, causal=causal)
+    for seed in range(10):
+        drop = ad_drop_masks(attr, valid, 0.999, 1 - 1e-9, generator=torch.Generator().manual_seed(seed))
+        kept = valid & ~drop
+        has_valid = valid.any(-1)
+        assert torch.equal(kept.sum(-1), has_valid.long())  # exactly one kept key per non-empty row
+        lowest = attr.masked_fill(~valid, float("inf")).argmin(-1)
+        kept_idx = kept.float().argmax(-1)
+        assert torch.equal(kept_idx[has_valid], lowest[has_valid])
+
+
+def test_kept_key_ignores_lower_attribution_at_padding():
+    attr = torch.tensor([[[[3.0, 1.0, 2.0, -5.0]]]])  # padding key 3 has the lowest value
+    valid = torch.tensor([True, True, True, False]).view(1, 1, 1, 4)
+    drop = ad_drop_masks(attr, valid, 1.0, 1 - 1e-9, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(drop, _b([[1, 0, 1, 0]]))
+
+
+def test_causal_row_zero_and_length_one_sequences_keep_their_only_key():
+    g = torch.Generator().manual_seed(0)
+    attr = torch.randn(8, 4, 5, 5, generator=g)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    for _ in range(20):
+        drop = ad_drop_masks(attr, causal, 0.99, 0.99, generator=g)
+        assert not drop[..., 0, :].any()  # row 0 has exactly one valid key
+        assert ((causal & ~drop).sum(-1) >= 1).all()
+    one = torch.randn(3, 2, 1, 1, generator=g)
+    for _ in range(5):
+        assert not ad_drop_masks(one, torch.ones(1, 1, 1, 1, dtype=torch.bool), 0.99, 0.99, generator=g).any()
+
+
+def test_keep_one_valid_key_without_attribution_keeps_first_valid_key():
+    drop = _b([[1, 1, 1, 0], [0, 1, 1, 1], [1, 0, 1, 0]])
+    valid = _b([[1, 1, 1, 0], [0, 1, 1, 1], [1, 1, 1, 0]])
+    assert torch.equal(keep_one_valid_key(drop, valid), _b([[0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 1, 0]]))
+
+
+def test_keep_one_valid_key_leaves_fully_padded_rows_alone():
+    drop = _b([[0, 0, 0], [1, 1, 0]])
+    valid = _b([[0, 0, 0], [1, 1, 0]])
+    out = keep_one_valid_key(drop, valid, torch.tensor([[[[1.0, 2.0, 3.0], [5.0, 4.0, 0.0]]]]))
+    assert torch.equal(out, _b([[0, 0, 0], [1, 0, 0]]))
+
+
+def test_empirical_drop_rate_is_p_times_q():
+    # Rows of 200 valid keys: ceil(0.5 * 200) = 100 candidates exactly, each dropped with
+    # probability 0.3, no row can be emptied. 4*4*64 rows -> N = 102400 Bernoulli(0.3) draws;
+    # the drop rate over valid keys is (dropped / N) * 0.5 with standard deviation
+    # 0.5 * sqrt(0.3 * 0.7 / N) = 7.2e-4, so 0.004 is > 5 sigma.
+    torch.manual_seed(0)
+    attr = torch.randn(4, 4, 64, 200)
+    valid = torch.ones(1, 1, 1, 200, dtype=torch.bool)
+    drop = ad_drop_masks(attr, valid, 0.5, 0.3)
+    rate = drop.sum().item() / drop.numel()
+    assert abs(rate - 0.15) < 0.004, rate
+    # With padding (n = 150 per row, 75 candidates) the rate over *valid* keys is still p*q.
+    valid = (torch.arange(200) < 150).view(1, 1, 1, 200)
+    drop = ad_drop_masks(attr, valid, 0.5, 0.3)
+    assert not drop[..., 150:].any()
+    rate = drop.sum().item() / (4 * 4 * 64 * 150)
+    assert abs(rate - 0.15) < 0.005, rate
+
+
+def test_seeded_generator_gives_identical_masks():
+    attr, valid = _random_case(4, B=4, H=4, T=16, S=16)
+    a = ad_drop_masks(attr, valid, 0.5, 0.5, generator=torch.Generator().manual_seed(123))
+    b = ad_drop_masks(attr, valid, 0.5, 0.5, generator=torch.Generator().manual_seed(123))
+    c = ad_drop_masks(attr, valid, 0.5, 0.5, generator=torch.Generator().manual_seed(124))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    torch.manual_seed(7)
+    d = ad_drop_masks(attr, valid, 0.5, 0.5)
+    torch.manual_seed(7)
+    assert torch.equal(d, ad_drop_masks(attr, valid, 0.5, 0.5))
+
+
+@pytest.mark.parametrize("q", [-0.1, 1.5])
+def test_sample_drops_rejects_bad_q(q):
+    region = candidate_region(ATTR, PAD_LAST, 0.5)
+    with pytest.raises(ValueError, match="q must be in"):
+        sample_drops(region, q, PAD_LAST, ATTR)
+
+
+# ---------------------------------------------------------------- additive masks / dtypes
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mask_fill_value_is_finite_even_when_added_twice(dtype):
+    v = mask_fill_value(dtype)
+    assert v == torch.finfo(dtype).min / 4
+    t = torch.tensor(v, dtype=dtype)
+    assert torch.isfinite(t + t) and (t + t) < -1e4
+
+
+def test_mask_fill_value_rejects_integer_dtype():
+    with pytest.raises(TypeError):
+        mask_fill_value(torch.int64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_additive_mask_values(dtype):
+    drop = torch.tensor([[True, False], [False, True]])
+    m = additive_mask(drop, dtype)
+    assert m.dtype == dtype
+    assert (m[~drop] == 0).all()
+    assert (m[drop] == torch.tensor(mask_fill_value(dtype), dtype=dtype)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_kind", ["neg-inf", "bool", "causal"])
+def test_masked_softmax_in_low_precision_has_no_nan_and_zero_at_dropped(dtype, bias_kind):
+    torch.manual_seed(0)
+    B, H, T, S, d = 3, 2, 6, 6, 8
+    q, k, v = (torch.randn(B, H, n, d).mul(3).to(dtype) for n in (T, S, S))
+    lengths = torch.tensor([6, 3, 1])
+    pad_valid = (torch.arange(S)[None, :] < lengths[:, None]).view(B, 1, 1, S)
+    if bias_kind == "neg-inf":
+        valid = pad_valid
+        bias = torch.zeros(B, 1, 1, S, dtype=dtype).masked_fill(~pad_valid, float("-inf"))
+    elif bias_kind == "bool":
+        valid = pad_valid
+        bias = pad_valid
+    else:
+        valid = pad_valid & torch.ones(T, S, dtype=torch.bool).tril()
+        bias = torch.zeros(B, 1, T, S, dtype=dtype).masked_fill(~valid, float("-inf"))
+    valid = valid.expand(B, H, T, S)
+    attr = torch.randn(B, H, T, S)
+    drop = ad_drop_masks(attr, valid, 0.9, 0.9, generator=torch.Generator().manual_seed(1))
+    assert drop.any()
+    out, probs = attend(q, k, v, bias, site=_site(EditScores(drop=drop)), need_weights=True)
+    assert probs.dtype == dtype
+    assert torch.isfinite(probs).all() and torch.isfinite(out).all()
+    assert (probs[drop] == 0).all()
+    assert (probs[~valid] == 0).all()
+    assert torch.allclose(probs.float().sum(-1), torch.ones(B, H, T), atol=SUM_TOL[dtype])
+    # The fused path (no need_weights) agrees with the explicit one and is finite too.
+    fused, _ = attend(q, k, v, bias, site=_site(EditScores(drop=drop)))
+    assert torch.isfinite(fused).all()
+    ref = torch.matmul(probs.float(), v.float())
+    tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
+    assert torch.allclose(fused.float(), ref, atol=tol), (fused.float() - ref).abs().max()
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_query_rows_without_any_valid_key_stay_finite(dtype, need_weights):
+    # Left padding + causal mask: query row 0 of batch row 1 sees only key 0, which is padding,
+    # so its whole row is -inf in the bias. Such rows must not produce NaN (the bias is clamped
+    # to a finite value), and rows with valid keys are unaffected.
+    torch.manual_seed(0)
+    T = 4
+    q, k, v = (torch.randn(2, 2, T, 8).to(dtype) for _ in range(3))
+    real = torch.tensor([[True] * T, [False, False, True, True]]).view(2, 1, 1, T)
+    valid = real & torch.ones(T, T, dtype=torch.bool).tril()
+    bias = torch.zeros(2, 1, T, T, dtype=dtype).masked_fill(~valid, float("-inf"))
+    drop = ad_drop_masks(torch.randn(2, 2, T, T), valid, 0.5, 0.5, generator=torch.Generator().manual_seed(0))
+    for site in (None, _site(EditScores(drop=drop))):
+        out, _ = attend(q, k, v, bias, site=site, need_weights=need_weights)
+        assert torch.isfinite(out).all()
+        has_valid = valid.expand(2, 2, T, T).any(-1)
+        ref = _reference(q, k, v, valid & ~drop if site is not None else valid)[0]
+        tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}[dtype]
+        assert torch.allclose(out.double()[has_valid], ref[has_valid], atol=tol)
+
+
+
+def _reference(q, k, v, valid, scale=None, uniform_rows=None):
+    """softmax(q k^T * scale + bias) v in float64; bias -inf where not valid."""
+    q, k, v = q.double(), k.double(), v.double()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale
+    if uniform_rows is not None:
+        scores = scores.masked_fill(uniform_rows, 0.0)
+    scores = scores.masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(scores, -1)
+    return probs @ v, probs
+
+
+def _qkv(B=2, H=3, T=5, S=7, d=4, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, n, d, generator=g).to(dtype) for n in (T, S, S)]
+
+
+def _pad_bias(lengths, S, dtype=torch.float32):
+    valid = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]).view(len(lengths), 1, 1, S)
+    return torch.zeros(valid.shape, dtype=dtype).masked_fill(~valid, float("-inf")), valid
+
+
+@pytest.mark.parametrize(
+    "dtype, tol, need_weights",
+    [
+        (torch.float32, 1e-5, False),
+        (torch.float32, 1e-5, True),
+        (torch.float64, 1e-12, False),
+        (torch.float64, 1e-12, True),
+    ],
+)
+def test_attend_without_site_matches_reference(dtype, tol, need_weights):
+    q, k, v = _qkv(dtype=dtype)
+    bias, valid = _pad_bias([7, 4], 7, dtype)
+    for scale in (None, 0.3):
+        out, probs = attend(q, k, v, bias, scale=scale, need_weights=need_weights)
+        ref_out, ref_probs = _reference(q, k, v, valid, scale=scale)
+        assert torch.allclose(out.double(), ref_out, atol=tol, rtol=tol)
+        if need_weights:
+            assert torch.allclose(probs.double(), ref_probs, atol=tol)
+        else:
+            assert probs is None
+    out, _ = attend(q, k, v)  # no bias at all
+    assert torch.allclose(out.double(), _reference(q, k, v, torch.ones(1, dtype=torch.bool))[0], atol=tol)
+
+
+def test_attend_need_weights_keeps_float64_precision():
+    q, k, v = _qkv(dtype=torch.float64)
+    bias, valid = _pad_bias([7, 4], 7, torch.float64)
+    out, probs = attend(q, k, v, bias, need_weights=True)
+    ref_out, ref_probs = _reference(q, k, v, valid)
+    assert torch.allclose(probs, ref_probs, atol=1e-12, rtol=0)
+    assert torch.allclose(out, ref_out, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_attend_with_drop_matches_reference_with_keys_removed(need_weights):
+    q, k, v = _qkv(T=5, S=5)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    bias = torch.zeros(5, 5).masked_fill(~causal, float("-inf"))
+    attr = torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(9))
+    drop = ad_drop_masks(attr, causal, 0.7, 0.7, generator=torch.Generator().manual_seed(3))
+    assert drop.any()
+    out, probs = attend(q, k, v, bias, site=_site(EditScores(drop=drop)), need_weights=need_weights)
+    ref_out, ref_probs = _reference(q, k, v, causal & ~drop)
+    assert torch.allclose(out.double(), ref_out, atol=1e-5)
+    if need_weights:
+        assert torch.allclose(probs.double(), ref_probs, atol=1e-6)
+    # Without any bias, a drop mask alone removes keys too.
+    out, _ = attend(q, k, v, None, site=_site(EditScores(drop=drop)))
+    assert torch.allclose(out.double(), _reference(q, k, v, ~drop)[0], atol=1e-5)
+
+
+def test_attend_drop_callable_gets_validity_and_stats_count():
+    q, k, v = _qkv()
+    bias, valid = _pad_bias([7, 3], 7)
+    seen = []
+
+    def drop_fn(valid_arg):
+        seen.append(valid_arg)
+        return (torch.arange(7) == 0).view(1, 1, 1, 7).expand(2, 3, 5, 7)
+
+    stats = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+    out, _ = attend(q, k, v, bias, site=_site(EditScores(drop=drop_fn, stats=stats)))
+    assert len(seen) == 1 and torch.equal(seen[0].expand(2, 3, 5, 7), valid.expand(2, 3, 5, 7))
+    assert torch.allclose(out.double(), _reference(q, k, v, valid & (torch.arange(7) != 0))[0], atol=1e-5)
+    assert stats[0].item() == 2 * 3 * 5  # key 0 of every row
+    assert stats[1].item() == 3 * 5 * (7 + 3)
+
+
+def test_attend_uniform_rows_attend_uniformly_to_valid_keys():
+    q, k, v = _qkv(B=2, H=3, T=5, S=7)
+    bias, valid = _pad_bias([7, 3], 7)
+    uniform = torch.zeros(2, 3, 5, 1, dtype=torch.bool)
+    uniform[0, 1, 2] = uniform[1, 0, 0] = uniform[1, 2, 4] = True
+    out, probs = attend(q, k, v, bias, site=_site(EditScores(uniform_rows=uniform)), need_weights=True)
+    n = valid.expand(2, 3, 5, 7).sum(-1, keepdim=True).float()
+    u = uniform.squeeze(-1)
+    want = (valid.expand(2, 3, 5, 7).float() / n)[u]
+    assert torch.allclose(probs[u], want, atol=1e-7, rtol=0)
+    assert (probs[u][~valid.expand(2, 3, 5, 7)[u]] == 0).all()
+    # Output of a uniform row = mean of its valid value rows; other rows are unchanged.
+    mean_v = (v.double() * valid.view(2, 1, 7, 1)).sum(-2, keepdim=True) / n.double()
+    ref_out, _ = _reference(q, k, v, valid)
+    ref_out = torch.where(uniform, mean_v.expand_as(ref_out), ref_out)
+    assert torch.allclose(out.double(), ref_out, atol=1e-5)
+    fused, _ = attend(q, k, v, bias, site=_site(EditScores(uniform_rows=uniform)))
+    assert torch.allclose(fused.double(), ref_out, atol=1e-5)
+
+
+def test_attend_site_without_hook_is_plain_attention():
+    q, k, v = _qkv()
+    bias, valid = _pad_bias([5, 7], 7)
+    out, _ = attend(q, k, v, bias, site=_site(None))
+    assert torch.allclose(out.double(), _reference(q, k, v, valid)[0], atol=1e-5)
+
+
+# ---------------------------------------------------------------- controller
+
+
+def _controller(n_enc=2, n_dec=0):
+    c = RegularizationController()
+    for i in range(n_enc):
+        c.register("encoder-self", i)
+    for i in range(n_dec):
+        c.register("decoder-self", i)
+    return c
+
+
+def test_select_returns_requested_sites():
+    c = _controller(3, 2)
+    assert [(s.kind, s.layer) for s in c.select(["encoder-self"], None)] == [("encoder-self", i) for i in range(3)]
+    assert [(s.kind, s.layer) for s in c.select(["encoder-self", "decoder-self"], [1])] == [
+        ("encoder-self", 1), ("decoder-self", 1)]
+
+
+def test_select_layer_out_of_range_names_the_range():
+    c = _controller(2)
+    with pytest.raises(ValueError) as e:
+        c.select(["encoder-self"], [0, 2], option="--ad-drop-layers")
+    msg = str(e.value)
+    assert "--ad-drop-layers" in msg and "layer 2" in msg and "0..1" in msg and "2 layers" in msg
+
+
+def test_select_missing_kind_raises():
+    c = _controller(2)
+    with pytest.raises(ValueError, match="decoder-self.*it has: encoder-self"):
+        c.select(["decoder-self"], None)
+    with pytest.raises(ValueError, match="it has: none"):
+        RegularizationController().select(["encoder-self"], None)
+
+
+def test_register_unknown_kind_raises():
+    with pytest.raises(ValueError, match="cross"):
+        RegularizationController().register("cross", 0)
+
+
+def test_parse_layers():
+    assert parse_layers("all", "--x") is None
+    assert parse_layers(" ALL ", "--x") is None
+    assert parse_layers(None, "--x") is None
+    assert parse_layers("2, 0,2", "--x") == [0, 2]
+    assert parse_layers([3, 1], "--x") == [1, 3]
+    for bad in ["a,b", "1;2", "", " , ", "-1", "0,-3", "1.5"]:
+        with pytest.raises(ValueError) as e:
+            parse_layers(bad, "--my-layers-opt")
+        assert "--my-layers-opt" in str(e.value), bad
+
+
+def test_parse_kinds():
+    assert parse_kinds("encoder-self, decoder-self,encoder-self", "--k") == ["encoder-self", "decoder-self"]
+    assert parse_kinds(["encoder-decoder"], "--k") == ["encoder-decoder"]
+    for bad in ["", " , ", "encoder", "encoder-self,cross"]:
+        with pytest.raises(ValueError) as e:
+            parse_kinds(bad, "--my-kinds-opt")
+        assert "--my-kinds-opt" in str(e.value), bad
+
+
+def test_hooks_are_restored_even_on_error():
+    c = _controller(2)
+    s0, s1 = c.sites
+    s1.hook = "previous"
+    with pytest.raises(RuntimeError):
+        with c.hooks({s0: "a", s1: "b"}):
+            assert (s0.hook, s1.hook) == ("a", "b")
+            raise RuntimeError("boom")
+    assert (s0.hook, s1.hook) == (None, "previous")
+
+
+def test_ad_drop_layer_error_names_the_flag():
+    with pytest.raises(ValueError) as e:
+        ADDrop(ADDropConfig(layers="0,5"), _controller(2))
+    assert "--ad-drop-layers" in str(e.value) and "0..1" in str(e.value)
+    with pytest.raises(ValueError, match="decoder-self"):
+        ADDrop(ADDropConfig(attention="decoder-self"), _controller(2))
+
+
+# ---------------------------------------------------------------- AD-DROP config
+
+
+@pytest.mark.parametrize("name", ["p", "q"])
+@pytest.mark.parametrize("value", [0, 1, 0.0, 1.0, -0.1, 1.5, float("nan"), float("inf"), "0.5", None])
+def test_config_rejects_p_q_outside_open_unit_interval(name, value):
+    with pytest.raises(ValueError) as e:
+        ADDropConfig(**{name: value}).validate()
+    assert f"--ad-drop-{name}" in str(e.value) and "(0, 1)" in str(e.value)
+
+
+@pytest.mark.parametrize("value", [1e-6, 0.5, 0.999999])
+def test_config_accepts_p_q_inside(value):
+    ADDropConfig(p=value, q=value).validate()
+
+
+@pytest.mark.parametrize(
+    "field, value, flag",
+    [
+        ("attribution", "gradient", "--ad-drop-attribution"),
+        ("labels", "silver", "--ad-drop-labels"),
+        ("schedule", "sometimes", "--ad-drop-schedule"),
+        ("iga_steps", 0, "--ad-drop-iga-steps"),
+        ("iga_steps", -2, "--ad-drop-iga-steps"),
+        ("iga_steps", 2.5, "--ad-drop-iga-steps"),
+        ("layers", "x", "--ad-drop-layers"),
+        ("attention", "encoder", "--ad-drop-attention"),
+    ],
+)
+def test_config_errors_name_their_flag(field, value, flag):
+    with pytest.raises(ValueError) as e:
+        ADDropConfig(**{field: value}).validate()
+    assert flag in str(e.value)
+
+
+def test_config_custom_flag_spelling():
+    with pytest.raises(ValueError, match="ad_drop_q"):
+        ADDropConfig(q=2.0).validate(flag=lambda n: "ad_drop_" + n)
+
+
+def test_config_from_namespace():
+    class NS:
+        ad_drop_p = 0.6
+        ad_drop_q = 0.1
+        ad_drop_layers = "0"
+        unrelated = 3
+
+    cfg = ADDropConfig.from_namespace(NS())
+    assert (cfg.p, cfg.q, cfg.layers, cfg.attribution) == (0.6, 0.1, "0", "ga")
+
+
+def test_ad_drop_epoch():
+    assert [ad_drop_epoch("cross-tuning", e) for e in range(1, 7)] == [False, True, False, True, False, True]
+    assert ad_drop_epoch("cross-tuning", 0) is True
+    assert all(ad_drop_epoch("always", e) for e in range(0, 6))
+    with pytest.raises(ValueError, match="schedule"):
+        ad_drop_epoch("never", 2)
+
+
+def test_frozen_parameters_restores_requires_grad():
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    m[1].bias.requires_grad_(False)
+    with frozen_parameters(m):
+        assert not any(p.requires_grad for p in m.parameters())
+    assert [p.requires_grad for p in m.parameters()] == [True, True, True, False]
+    with pytest.raises(KeyError):
+        with frozen_parameters(m):
+            raise KeyError
+    assert [p.requires_grad for p in m.parameters()] == [True, True, True, False]
+
+
+# ---------------------------------------------------------------- property-based
+
+
+@st.composite
+def _mask_cases(draw):
+    B = draw(st.integers(1, 3))
+    H = draw(st.integers(1, 3))
+    T = draw(st.integers(1, 6))
+    S = draw(st.integers(1, 9))
+    causal = draw(st.booleans()) and T <= S
+    lengths = draw(st.lists(st.integers(1, S), min_size=B, max_size=B))
+    # Padding anywhere (not only at the end): each batch row keeps >= 1 real key.
+    pad_rows = []
+    for n_real in lengths:
+        perm = draw(st.permutations(range(S)))
+        pad_rows.append([i in perm[:n_real] for i in range(S)])
+    if causal:  # keep key 0 real so every causal row has a valid key
+        pad_rows = [[True] + r[1:] for r in pad_rows]
+    p = draw(st.one_of(st.integers(1, 99).map(lambda i: i / 100), st.floats(0.01, 0.99)))
+    q = draw(st.floats(0.01, 0.99))
+    dtype = draw(st.sampled_from(DTYPES))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return B, H, T, S, causal, pad_rows, p, q, dtype, seed
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(_mask_cases())
+def test_property_ad_drop_masks(case):
+    B, H, T, S, causal, pad_rows, p, q, dtype, seed = case
+    g = torch.Generator().manual_seed(seed)
+    key_real = torch.tensor(pad_rows, dtype=torch.bool).view(B, 1, 1, S)
+    valid = key_real
+    if causal:
+        valid = valid & torch.ones(T, S, dtype=torch.bool).tril()
+    valid = valid.expand(B, H, T, S)
+    attr = torch.randn(B, H, T, S, generator=g).to(dtype)
+    region = candidate_region(attr, valid, p)
+    n = valid.sum(-1)
+    # ceil(p * n) of the decimal p the user wrote (0.1 * 30 = 3, not binary 0.1's 4).
+    want = [math.ceil(Fraction(repr(p)) * x) for x in n.flatten().tolist()]
+    assert region.sum(-1).flatten().tolist() == want
+    assert not (region & ~valid).any()
+    drop = ad_drop_masks(attr, valid, p, q, generator=g)
+    assert not (drop & ~valid).any()
+    assert not (drop & ~region).any()
+    assert ((valid & ~drop).sum(-1) >= 1)[n > 0].all()
+    q_, k_, v_ = (torch.randn(B, H, m, 4, generator=g).to(dtype) for m in (T, S, S))
+    bias = torch.zeros(B, 1, T if causal else 1, S, dtype=dtype).masked_fill(~valid[:, :1], float("-inf"))
+    out, probs = attend(q_, k_, v_, bias, site=_site(EditScores(drop=drop)), need_weights=True)
+    assert not torch.isnan(out).any() and not torch.isnan(probs).any()
+    assert (probs[drop | ~valid] == 0).all()
+    fused, _ = attend(q_, k_, v_, bias, site=_site(EditScores(drop=drop)))
+    assert torch.isfinite(fused).all()

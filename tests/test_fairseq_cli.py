@@ -1,0 +1,80 @@
+"""End to end through the real fairseq CLIs on tiny data: preprocess -> train -> generate."""
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("fairseq")
+
+from conftest import PLUGIN_DIR, TINY_TRANSFORMER, run_cli  # noqa: E402
+
+AD_DROP = ["--task", "attn_reg_translation", *TINY_TRANSFORMER,
+           "--criterion", "ad_drop_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+           "--ad-drop-p", "0.3", "--ad-drop-q", "0.5", "--ad-drop-attention", "encoder-self,decoder-self,encoder-decoder",
+           "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu", "--seed", "3",
+           "--no-progress-bar", "--log-format", "simple", "--log-interval", "1", "--no-epoch-checkpoints"]
+
+
+def _epoch_stats(log: str):
+    """{epoch: {metric: value}} from fairseq's end-of-epoch 'train' lines."""
+    out = {}
+    for m in re.finditer(r"\| train \| epoch (\d+) \|(.*)", log):
+        stats = {}
+        for part in m.group(2).split("|"):
+            bits = part.strip().split(" ", 1)
+            if len(bits) == 2:
+                stats[bits[0]] = bits[1]
+        out[int(m.group(1))] = stats
+    return out
+
+
+def test_train_cross_tuning_generate_and_resume(tiny_mt_data, tmp_path):
+    save = tmp_path / "ckpt"
+    first = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", save,
+                                      *AD_DROP, "--max-epoch", "2"])
+    stats = _epoch_stats(first.stdout)
+    assert set(stats) == {1, 2}
+    assert stats[1]["ad_drop_on"] == "0" and "ad_drop_rate" not in stats[1]  # odd epoch: plain
+    assert stats[2]["ad_drop_on"] == "1"  # even epoch: AD-DROP
+    rate = float(stats[2]["ad_drop_rate"])
+    assert 0.5 * 0.3 * 0.5 < rate < 0.3 * 0.5 * 2.5, rate  # about p*q (ceil(p*n) inflates short rows)
+    assert "nan" not in first.stdout.lower().replace("nan_", "")
+
+    # Resume from checkpoint_last: epoch 3 continues the count and is a plain epoch again.
+    second = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", save,
+                                       *AD_DROP, "--max-epoch", "3"])
+    assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch 3 @ [1-9]\d* updates\)", second.stdout)
+    stats = _epoch_stats(second.stdout)
+    assert set(stats) == {3} and stats[3]["ad_drop_on"] == "0"
+
+    # The checkpoint is a plain fairseq checkpoint that loads with torch's safe unpickler once
+    # the plugin is imported (it allow-lists the one class fairseq pickles).
+    import attn_reg_plugin.fairseq_plugin  # noqa: F401
+
+    state = torch.load(save / "checkpoint_last.pt", weights_only=True)
+    assert "encoder.layers.0.self_attn.q_proj.weight" in state["model"]
+
+    gen = run_cli("fairseq-generate", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--path", save / "checkpoint_last.pt",
+                                       "--scoring", "sacrebleu", "--required-batch-size-multiple", "1", "--cpu",
+                                       "--beam", "2", "--max-len-b", "20", "--remove-bpe", "sentencepiece"])
+    assert re.search(r"Generate test with beam=2: BLEU = \d+\.\d+", gen.stdout)
+    assert len(re.findall(r"^D-\d+\t", gen.stdout, flags=re.M)) == 40  # no sentence lost
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--ad-drop-p", "1.5", r"--ad-drop-p must be in the open interval \(0, 1\), got 1\.5"),
+    ("--ad-drop-q", "0", r"--ad-drop-q must be in the open interval \(0, 1\), got 0\.0"),
+    ("--ad-drop-layers", "0,7", r"--ad-drop-layers: layer 7 does not exist; .* accepted indices are 0\.\.1"),
+    ("--ad-drop-attention", "cross", r"--ad-drop-attention: unknown attention kind 'cross'; accepted: encoder-self, decoder-self, encoder-decoder"),
+    ("--ad-drop-attribution", "shap", r"--ad-drop-attribution must be one of ga, iga, aa, rd"),
+    ("--ad-drop-labels", "silver", r"--ad-drop-labels must be one of pseudo, gold"),
+    ("--ad-drop-schedule", "odd", r"--ad-drop-schedule must be one of cross-tuning, always"),
+    ("--ad-drop-iga-steps", "0", r"--ad-drop-iga-steps must be an integer >= 1"),
+])
+def test_bad_option_fails_before_training(tiny_mt_data, tmp_path, flag, value, message):
+    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", tmp_path,
+                                     *AD_DROP, "--max-epoch", "1", flag, value], expect_ok=False)
+    assert proc.returncode != 0
+    assert re.search(message, proc.stdout), proc.stdout[-2000:]
+    assert "begin training epoch" not in proc.stdout
+    assert not list(tmp_path.glob("*.pt"))
