@@ -663,3 +663,27 @@ def test_property_ad_drop_masks(case):
     assert (probs[drop | ~valid] == 0).all()
     fused, _ = attend(q_, k_, v_, bias, site=_site(EditScores(drop=drop)))
     assert torch.isfinite(fused).all()
+
+
+def test_edit_stats_count_every_head_and_callable_sees_full_shape():
+    """A mask shared by heads (B, 1, T, S) drops in every head; a callable gets the full (B, H, T, S)."""
+    from attn_reg_plugin.core.attention import EditScores, attend
+    from attn_reg_plugin.core.controller import AttentionSite
+
+    q = k = v = torch.randn(2, 3, 4, 4)
+    shared = torch.zeros(2, 1, 4, 4, dtype=torch.bool)
+    shared[:, :, :, 1] = True
+    counts = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+    site = AttentionSite("encoder-self", 0, hook=EditScores(drop=shared, stats=counts))
+    attend(q, k, v, site=site)
+    assert counts[0].item() == 2 * 3 * 4 and counts[1].item() == 2 * 3 * 4 * 4
+
+    seen = []
+
+    def draw(valid):
+        seen.append(valid.shape)
+        return torch.zeros(valid.shape, dtype=torch.bool)
+
+    site.hook = EditScores(drop=draw)
+    attend(q, k, v, bias=torch.zeros(2, 1, 1, 4), site=site)
+    assert seen == [torch.Size([2, 3, 4, 4])]

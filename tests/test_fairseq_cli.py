@@ -34,7 +34,7 @@ def test_train_cross_tuning_generate_and_resume(tiny_mt_data, tmp_path):
                                       *AD_DROP, "--max-epoch", "2"])
     stats = _epoch_stats(first.stdout)
     assert set(stats) == {1, 2}
-    assert stats[1]["ad_drop_on"] == "0" and "ad_drop_rate" not in stats[1]  # odd epoch: plain
+    assert stats[1]["ad_drop_on"] == "0" and stats[1]["ad_drop_rate"] == "0"  # odd epoch: plain, nothing dropped
     assert stats[2]["ad_drop_on"] == "1"  # even epoch: AD-DROP
     rate = float(stats[2]["ad_drop_rate"])
     assert 0.5 * 0.3 * 0.5 < rate < 0.3 * 0.5 * 2.5, rate  # about p*q (ceil(p*n) inflates short rows)
@@ -45,7 +45,7 @@ def test_train_cross_tuning_generate_and_resume(tiny_mt_data, tmp_path):
                                        *AD_DROP, "--max-epoch", "3"])
     assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch 3 @ [1-9]\d* updates\)", second.stdout)
     stats = _epoch_stats(second.stdout)
-    assert set(stats) == {3} and stats[3]["ad_drop_on"] == "0"
+    assert set(stats) == {3} and stats[3]["ad_drop_on"] == "0" and stats[3]["ad_drop_rate"] == "0"
 
     # The checkpoint is a plain fairseq checkpoint that loads with torch's safe unpickler once
     # the plugin is imported (it allow-lists the one class fairseq pickles).

@@ -110,12 +110,13 @@ def attend(
             # (the bias still removes padding); the row's query receives no gradient, as it
             # has no influence on a uniform row.
             q = q.masked_fill(hook.uniform_rows, 0.0)
-        drop = hook.drop(valid) if callable(hook.drop) else hook.drop
+        drop = hook.drop(valid.expand(shape)) if callable(hook.drop) else hook.drop
         if drop is not None:
             edit = additive_mask(drop, q.dtype)
             bias = edit if bias is None else bias + edit
             if hook.stats is not None:
-                dropped = (drop & valid).sum()
+                # Count over the full (B, H, T, S): a mask shared by heads drops in each head.
+                dropped = (drop & valid).expand(shape).sum()
                 hook.stats[0] = hook.stats[0] + dropped
                 hook.stats[1] = hook.stats[1] + valid.expand(shape).sum()
         hook = None

@@ -8,7 +8,7 @@ validation (``model.training`` False, no grad) nothing changes.
 from dataclasses import dataclass, field, fields
 
 import torch
-from fairseq import metrics
+from fairseq import metrics, utils
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
@@ -72,7 +72,8 @@ class ADDropCriterionMixin:
         bare = _unwrap(model)
         with self.ad_drop.masked(lambda: bare(**sample["net_input"]), self.attribution_target(model, sample), frozen=bare) as stats:
             loss, sample_size, log = super().forward(model, sample, reduce)
-        log.update(ad_drop_on=1, ad_drop_dropped=stats["dropped"].item(), ad_drop_valid=stats["valid"].item())
+        # Counts stay tensors: no host-device sync inside the step (fairseq reduces them later).
+        log.update(ad_drop_on=1, ad_drop_dropped=stats["dropped"], ad_drop_valid=stats["valid"])
         return loss, sample_size, log
 
     @classmethod
@@ -81,11 +82,11 @@ class ADDropCriterionMixin:
         if not steps:
             return  # validation
         metrics.log_scalar("ad_drop_on", sum(log["ad_drop_on"] for log in steps) / len(steps), len(steps), round=2)
-        valid = sum(log.get("ad_drop_valid", 0) for log in steps)
-        if valid > 0:
-            dropped = sum(log.get("ad_drop_dropped", 0) for log in steps)
-            # Weighted by positions: the epoch average is the epoch's exact dropped fraction.
-            metrics.log_scalar("ad_drop_rate", dropped / valid, valid, round=4)
+        valid = utils.item(sum(log.get("ad_drop_valid", 0) for log in steps))
+        dropped = utils.item(sum(log.get("ad_drop_dropped", 0) for log in steps))
+        # Weighted by positions, so an epoch's value is its exact dropped fraction; plain
+        # epochs drop nothing and log 0.
+        metrics.log_scalar("ad_drop_rate", dropped / valid if valid else 0.0, valid if valid else 1, round=4)
 
 
 @dataclass

@@ -20,8 +20,8 @@ class AttnRegTaskMixin:
     attn_reg_epoch: int = 1
     attn_reg_controller: RegularizationController = None
 
-    def build_model(self, cfg, from_checkpoint=False):
-        model = super().build_model(cfg, from_checkpoint)
+    def build_model(self, cfg, *args, **kwargs):  # from_checkpoint exists only in newer fairseq
+        model = super().build_model(cfg, *args, **kwargs)
         # One controller per task: fairseq-train builds one model. (fairseq-generate with
         # several checkpoints builds more; they stay idle, so sharing the registry is harmless.)
         if self.attn_reg_controller is None:
@@ -29,8 +29,8 @@ class AttnRegTaskMixin:
         install_attention_sites(model, self.attn_reg_controller)
         return model
 
-    def build_criterion(self, cfg, from_checkpoint=False):
-        criterion = super().build_criterion(cfg)
+    def build_criterion(self, cfg, *args, **kwargs):
+        criterion = super().build_criterion(cfg, *args, **kwargs)
         attach = getattr(criterion, "attach_attention_sites", None)
         if attach is not None:
             if self.attn_reg_controller is None:
