@@ -74,6 +74,16 @@ def ad_drop_epoch(schedule: str, epoch: int) -> bool:
     raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
 
 
+def bare_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under DDP-style wrappers (anything exposing ``.module``).
+
+    The attribution pass runs it directly: it needs no gradient synchronisation.
+    """
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
 @contextlib.contextmanager
 def frozen_parameters(module: Optional[torch.nn.Module]) -> Iterator[None]:
     """Parameters stop requiring grad for the attribution pass.

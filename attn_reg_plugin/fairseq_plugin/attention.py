@@ -74,7 +74,8 @@ class RegularizedMultiheadAttention(MultiheadAttention):
         if key_padding_mask is not None:
             pad = torch.zeros((bsz, 1, 1, src_len), dtype=q.dtype, device=q.device).masked_fill(
                 key_padding_mask.bool().view(bsz, 1, 1, src_len), mask_fill_value(q.dtype))
-            bias = pad if bias is None else bias.to(q.dtype).clamp(min=mask_fill_value(q.dtype)) + pad
+            # -inf + pad stays -inf; the kernel clamps every bias to a finite fill value.
+            bias = pad if bias is None else bias.to(q.dtype) + pad
 
         dropout_p = self.dropout_module.p if (self.training or self.dropout_module.apply_during_inference) else 0.0
         out, probs = attend(q, k, v, bias=bias, dropout_p=dropout_p, scale=self.scaling, site=self.attn_reg_site,

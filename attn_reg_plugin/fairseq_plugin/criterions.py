@@ -16,7 +16,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 from fairseq.dataclass import FairseqDataclass
 
-from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch
+from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
 from ..core.attribution import token_loss_target
 
 
@@ -32,13 +32,6 @@ class ADDropOptions(FairseqDataclass):
     ad_drop_iga_steps: int = field(default=20, metadata={"help": "integration steps m for --ad-drop-attribution iga"})
     ad_drop_labels: str = field(default="pseudo", metadata={"help": "attribution target labels: pseudo (pass-1 argmax, the paper) or gold (ablation)"})
     ad_drop_schedule: str = field(default="cross-tuning", metadata={"help": "cross-tuning (AD-DROP on even 1-based epochs) or always"})
-
-
-def _unwrap(model):
-    """The bare model under DDP / legacy DDP wrappers: attribution needs no gradient sync."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
 
 
 class ADDropCriterionMixin:
@@ -69,7 +62,7 @@ class ADDropCriterionMixin:
             loss, sample_size, log = super().forward(model, sample, reduce)
             log["ad_drop_on"] = 0
             return loss, sample_size, log
-        bare = _unwrap(model)
+        bare = bare_module(model)
         with self.ad_drop.masked(lambda: bare(**sample["net_input"]), self.attribution_target(model, sample), frozen=bare) as stats:
             loss, sample_size, log = super().forward(model, sample, reduce)
         # Counts stay tensors: no host-device sync inside the step (fairseq reduces them later).

@@ -3,7 +3,7 @@
 torch.load now defaults to ``weights_only=True``, which refuses any pickled class it does not
 know. A fairseq checkpoint pickles exactly one such class: ``argparse.Namespace`` (the legacy
 model args inside ``cfg``). We allow-list that class, rather than turning ``weights_only``
-off (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``), so loading a checkpoint never means trusting
+off globally (torch's environment override), so loading a checkpoint never means trusting
 arbitrary pickled code: a checkpoint carrying any other global is still refused.
 Importing the plugin (``--user-dir``) is enough; fairseq-train resume and fairseq-generate
 both import it before they load.

@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional
 import torch
 import transformers
 
-from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch
+from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
 from ..core.attribution import logit_target, regression_target, token_loss_target
 from ..core.controller import RegularizationController
 from .attention import install_attention_sites
@@ -18,12 +18,6 @@ from .attention import install_attention_sites
 
 def _flag(name: str) -> str:
     return f"ADDropConfig.{name}"
-
-
-def _unwrap(model):
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
 
 
 class ADDropTrainerMixin:
@@ -115,8 +109,9 @@ class ADDropTrainerMixin:
         self._ad_drop_steps += 1
         if not ad_drop_epoch(self.ad_drop.config.schedule, self.ad_drop_current_epoch()):
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        bare = self.accelerator.unwrap_model(model) if getattr(self, "accelerator", None) is not None else _unwrap(model)
-        bare = _unwrap(bare)
+        # accelerate also unwraps torch.compile; bare_module then removes any DDP-style wrapper.
+        accelerator = getattr(self, "accelerator", None)
+        bare = bare_module(accelerator.unwrap_model(model) if accelerator is not None else model)
         target = self.ad_drop_target(bare, inputs)
         fwd_inputs = self.ad_drop_forward_inputs(bare, inputs)
         with self.ad_drop.masked(lambda: bare(**fwd_inputs), target, frozen=bare) as stats:
