@@ -174,3 +174,46 @@ def test_end_to_end_toy_run(tmp_path, minilm):
     assert f"{100 * runs['plain']['test_acc']:.2f} ± 0.00" in row
     assert any(line.startswith("| ad-drop |") for line in table)
     assert any(line.startswith("| ad-drop − plain |") for line in table)
+
+
+# -- merging runs from several result files ----------------------------------------------------
+def _result(lr, runs):
+    config = {"model": "m", "num_labels": 2, "max_length": 64, "dev_subset": None,
+              "training": {"epochs": 10, "lr": lr, "batch_size": 8},
+              "files": {"train": {"path": "a", "sha256": "x"}, "dev": {"path": "b", "sha256": "y"}}}
+    return {"config": config, "runs": [dict(size=s, seed=k, method=m, test_acc=a, best_dev_acc=a, best_epoch=1,
+                                            train_seconds=1.0, epochs=[]) for s, k, m, a in runs]}
+
+
+def test_merge_pairs_variants_with_the_baseline_by_seed():
+    from fewshot_merge import merge
+
+    base = _result(2e-4, [(64, 1, "plain", 0.70), (64, 2, "plain", 0.60), (64, 3, "plain", 0.65),
+                          (64, 1, "ad-drop", 0.0)])
+    variant = _result(2e-4, [(64, 2, "ad-drop", 0.64), (64, 1, "ad-drop", 0.71), (64, 1, "plain", 0.5)])
+    runs, sizes, methods = merge(base, [("layer 0", variant)])
+    assert sizes == [64] and methods == ["plain", "ad-drop (layer 0)"]
+    # The baseline file's own ad-drop and the variant file's plain runs are not used.
+    assert sorted((r["method"], r["seed"], r["test_acc"]) for r in runs) == [
+        ("ad-drop (layer 0)", 1, 0.71), ("ad-drop (layer 0)", 2, 0.64),
+        ("plain", 1, 0.70), ("plain", 2, 0.60), ("plain", 3, 0.65)]
+    summary, paired = fewshot.summarize(runs, sizes, methods)
+    (pair,) = paired
+    assert pair["seeds"] == 2 and (pair["wins"], pair["ties"], pair["losses"]) == (2, 0, 0)
+    assert pair["diff_mean"] == pytest.approx(0.025)
+    with pytest.raises(ValueError, match=r"variant 'lr' is not comparable with the baseline: training"):
+        merge(base, [("lr", _result(1e-4, [(64, 1, "ad-drop", 0.7)]))])
+
+
+def test_merge_cli_writes_the_table(tmp_path, capsys):
+    from fewshot_merge import main as merge_main
+
+    base, variant = tmp_path / "base.json", tmp_path / "var.json"
+    base.write_text(json.dumps(_result(2e-4, [(16, 1, "plain", 0.5), (16, 2, "plain", 0.7)])))
+    variant.write_text(json.dumps(_result(2e-4, [(16, 1, "ad-drop", 0.6), (16, 2, "ad-drop", 0.6)])))
+    assert merge_main(["--baseline", str(base), "--variant", f"p=q=0.1={variant}", "--out", str(tmp_path / "t.md")]) == 0
+    table = (tmp_path / "t.md").read_text()
+    assert "| plain | 60.00 ± 14.14 |" in table
+    assert "| ad-drop (p=q=0.1) | 60.00 ± 0.00 |" in table
+    assert "| ad-drop (p=q=0.1) − plain | +0.00 ± 14.14 (1/0/1) |" in table
+    assert capsys.readouterr().out == table
