@@ -391,6 +391,11 @@ def markdown(summary: List[dict], paired: List[dict], sizes: Sequence[int], meth
             r = cell.get((s, m))
             cells.append(f"{100 * r['test_acc_mean']:.2f} ± {100 * r['test_acc_std']:.2f}" if r else "-")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += ["", "Dev accuracy (%) of the selected epoch, mean over seeds (what the selection saw).", "",
+              "| method | " + " | ".join(f"{s}-shot" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for m in methods:
+        cells = [f"{100 * cell[(s, m)]['best_dev_acc_mean']:.2f}" if (s, m) in cell else "-" for s in sizes]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
     if paired:
         lines += ["", "Paired difference to the baseline on the same subset and initial weights "
                   "(percentage points, mean ± sample std; wins/ties/losses over seeds).", "",
