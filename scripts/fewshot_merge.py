@@ -6,7 +6,8 @@
         [--size 64] [--seeds 1,2,3] [--out table.md]
 
 The baseline file's runs of ``--baseline-method`` (default plain) are paired, by size and
-seed, with every other method's runs of each variant file, named "METHOD (LABEL)". A variant
+seed, with every other method's runs of each variant file, named "METHOD (LABEL)"; one LABEL
+may gather several files (more seeds of a variant), but never the same run twice. A variant
 is only comparable when it shares the baseline's model, data files, dev subset, tokenization
 and training settings (epochs, lr, batch size, ...), so anything else is refused: a variant
 that changes those must carry its own baseline run (and then is a results file of its own).
@@ -59,6 +60,12 @@ def merge(baseline: dict, variants: Sequence[Tuple[str, dict]], baseline_method:
             runs.append(dict(r, method=name))
             if name not in methods:
                 methods.append(name)
+    seen = set()
+    for r in runs:  # one label may gather several files (e.g. more seeds later), never the same run twice
+        key = (r["size"], r["seed"], r["method"])
+        if key in seen:
+            raise ValueError(f"run size {key[0]} seed {key[1]} {key[2]!r} appears twice")
+        seen.add(key)
     if seeds is not None:
         runs = [r for r in runs if r["seed"] in seeds]
     all_sizes = sorted({r["size"] for r in runs})

@@ -198,6 +198,11 @@ def test_merge_pairs_variants_with_the_baseline_by_seed():
     assert sorted((r["method"], r["seed"], r["test_acc"]) for r in runs) == [
         ("ad-drop (layer 0)", 1, 0.71), ("ad-drop (layer 0)", 2, 0.64),
         ("plain", 1, 0.70), ("plain", 2, 0.60), ("plain", 3, 0.65)]
+    more = _result(2e-4, [(64, 3, "ad-drop", 0.66)])
+    runs3, _, methods3 = merge(base, [("layer 0", variant), ("layer 0", more)])
+    assert methods3 == methods and len(runs3) == len(runs) + 1
+    with pytest.raises(ValueError, match="run size 64 seed 2 'ad-drop \\(layer 0\\)' appears twice"):
+        merge(base, [("layer 0", variant), ("layer 0", variant)])
     summary, paired = fewshot.summarize(runs, sizes, methods)
     (pair,) = paired
     assert pair["seeds"] == 2 and (pair["wins"], pair["ties"], pair["losses"]) == (2, 0, 0)
