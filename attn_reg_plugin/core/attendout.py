@@ -180,7 +180,8 @@ def gumbel_drops(logits: torch.Tensor, generator: Optional[torch.Generator] = No
     """Gumbel-max over {keep: 0, drop: logit}: True (drop) with probability sigmoid(logit)."""
     u = torch.rand((2,) + tuple(logits.shape), generator=generator, device=logits.device, dtype=torch.float32)
     tiny = torch.finfo(torch.float32).tiny
-    gumbel = -torch.log(-torch.log(u.clamp(min=tiny)).clamp(min=tiny))
+    exponential = (-torch.log(u.clamp(min=tiny))).clamp(min=tiny)  # -log u > 0, kept off 0
+    gumbel = -torch.log(exponential)
     return logits.float() + gumbel[0] > gumbel[1]
 
 
