@@ -131,7 +131,8 @@ def train(name: str, data_bin: Path, save_dir: Path, args: Sequence[str], log: C
         kind, epoch, rest = m.group(1), int(m.group(2)), _metrics(m.group(3))
         rec = epochs.setdefault(epoch, {"epoch": epoch})
         if kind == "train":
-            rec.update(train_loss=float(rest["loss"]), ad_drop_on=rest.get("ad_drop_on"), ad_drop_rate=rest.get("ad_drop_rate"))
+            rec.update(train_loss=float(rest["loss"]), ad_drop_on=rest.get("ad_drop_on"), ad_drop_rate=rest.get("ad_drop_rate"),
+                       train_metrics=rest)
             extra = f" AD-DROP on, dropped {float(rest['ad_drop_rate']):.2%}" if rest.get("ad_drop_on") == "1" else ""
             log(f"  [{name}] epoch {epoch:3d} train loss {rest['loss']:>7}{extra} valid loss {rec.get('valid_loss', '?'):>7} wall {rest.get('wall', '?')}s")
         else:
