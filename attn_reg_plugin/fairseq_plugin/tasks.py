@@ -1,13 +1,15 @@
 """fairseq task wrappers: they route attention through the plugin and track the epoch.
 
-``attn_reg_translation`` is fairseq's ``translation`` task plus two duties: after the model
-is built, every MultiheadAttention is routed through the core kernel (no new parameters),
-and ``begin_epoch`` records the 1-based epoch that cross-tuning reads.
+``attn_reg_translation`` and ``attn_reg_sentence_prediction`` are fairseq's ``translation``
+and ``sentence_prediction`` tasks plus two duties: after the model is built, every
+MultiheadAttention is routed through the core kernel (no new parameters), and
+``begin_epoch`` records the 1-based epoch that cross-tuning reads.
 """
 
 from dataclasses import dataclass
 
 from fairseq.tasks import register_task
+from fairseq.tasks.sentence_prediction import SentencePredictionConfig, SentencePredictionTask
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..core.controller import RegularizationController
@@ -51,3 +53,15 @@ class AttnRegTranslationConfig(TranslationConfig):
 @register_task("attn_reg_translation", dataclass=AttnRegTranslationConfig)
 class AttnRegTranslationTask(AttnRegTaskMixin, TranslationTask):
     """fairseq's translation task with its attention routed through attn_reg_plugin."""
+
+
+@dataclass
+class AttnRegSentencePredictionConfig(SentencePredictionConfig):
+    pass
+
+
+@register_task("attn_reg_sentence_prediction", dataclass=AttnRegSentencePredictionConfig)
+class AttnRegSentencePredictionTask(AttnRegTaskMixin, SentencePredictionTask):
+    """fairseq's sentence_prediction task (RoBERTa-style classifiers and regressors) with its
+    attention routed through attn_reg_plugin (``encoder.sentence_encoder.layers.N.self_attn``
+    become encoder-self sites N)."""
