@@ -64,12 +64,15 @@ def fairseq_setup(data_bin, extra):
 
 MOVIE_REVIEWS_TINY = REPO / "tests" / "data" / "movie_reviews_tiny.jsonl"
 
-# The smallest RoBERTa fairseq builds (randomly initialised): <s> = 0 starts every sentence
-# (the classification head reads it), </s> = 2 would separate sentence pairs.
+# The smallest RoBERTa fairseq builds (randomly initialised); the longest tiny review is
+# 146 sentencepiece tokens.
 TINY_ROBERTA = [
     "--arch", "roberta", "--encoder-layers", "2", "--encoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
-    "--encoder-attention-heads", "2", "--max-positions", "256", "--init-token", "0", "--separator-token", "2",
+    "--encoder-attention-heads", "2", "--max-positions", "256",
 ]
+# sentence_prediction's GLUE settings: <s> = 0 starts every sentence (the classification head
+# reads it), </s> = 2 separates sentence pairs.
+SENTENCE_PREDICTION_TOKENS = ["--init-token", "0", "--separator-token", "2"]
 
 
 @pytest.fixture(scope="session")

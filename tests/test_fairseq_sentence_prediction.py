@@ -12,10 +12,12 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from conftest import PLUGIN_DIR, TINY_ROBERTA, fairseq_setup, run_cli, train_epoch_stats  # noqa: E402
+from conftest import (  # noqa: E402
+    PLUGIN_DIR, SENTENCE_PREDICTION_TOKENS, TINY_ROBERTA, fairseq_setup, run_cli, train_epoch_stats,
+)
 
 P, Q = 0.3, 0.5
-CLI = ["--task", "attn_reg_sentence_prediction", *TINY_ROBERTA, "--criterion", "ad_drop_sentence_prediction",
+CLI = ["--task", "attn_reg_sentence_prediction", *TINY_ROBERTA, *SENTENCE_PREDICTION_TOKENS, "--criterion", "ad_drop_sentence_prediction",
        "--ad-drop-p", str(P), "--ad-drop-q", str(Q), "--batch-size", "8", "--optimizer", "adam", "--lr", "1e-3",
        "--cpu", "--seed", "3", "--no-save", "--no-progress-bar", "--log-format", "simple", "--log-interval", "1"]
 NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0", "--pooler-dropout", "0"]
@@ -34,8 +36,24 @@ def _assert_rate_about_pq(rate: str):
 
 
 # -- fairseq-train ---------------------------------------------------------------------------
-def test_cli_classification_cross_tuning(tiny_sp_data):
-    log, stats = _train(tiny_sp_data["cls"], "--num-classes", "2", "--max-epoch", "2")
+@pytest.fixture(scope="module")
+def pretrained_roberta(tiny_sp_data, tmp_path_factory):
+    """A stand-in for roberta.base/model.pt: the tiny roberta after one masked_lm update with
+    stock fairseq (no plugin), as RoBERTa checkpoints are made."""
+    save = tmp_path_factory.mktemp("tiny_roberta_mlm")
+    run_cli("fairseq-train", [tiny_sp_data["cls"] / "input0", "--task", "masked_lm", "--criterion", "masked_lm",
+                              *TINY_ROBERTA, "--tokens-per-sample", "256", "--sample-break-mode", "complete",
+                              "--batch-size", "8", "--optimizer", "adam", "--lr", "1e-3", "--max-update", "1", "--cpu",
+                              "--disable-validation", "--no-epoch-checkpoints", "--save-dir", save])
+    return save / "checkpoint_last.pt"
+
+
+def test_cli_fine_tune_pretrained_cross_tuning(tiny_sp_data, pretrained_roberta):
+    """The GLUE recipe: restore a masked_lm checkpoint, new classification head, cross-tuning."""
+    log, stats = _train(tiny_sp_data["cls"], "--num-classes", "2", "--max-epoch", "2", "--restore-file", pretrained_roberta,
+                        "--reset-optimizer", "--reset-dataloader", "--reset-meters")
+    assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 0 updates\)", log)  # strict load
+    assert "Overwriting classification_heads.sentence_classification_head.out_proj.weight" in log  # fresh head
     assert set(stats) == {1, 2}
     assert stats[1]["ad_drop_on"] == "0" and stats[1]["ad_drop_rate"] == "0"  # odd epoch: plain
     assert stats[2]["ad_drop_on"] == "1"
@@ -72,8 +90,8 @@ def test_cli_bad_option_fails_before_training(tiny_sp_data, tmp_path, flag, valu
 def _setup(data_bin, *extra):
     torch.manual_seed(7)  # model initialisation
     cfg, task, model, criterion = fairseq_setup(data_bin, [
-        "--task", "attn_reg_sentence_prediction", *TINY_ROBERTA, "--criterion", "ad_drop_sentence_prediction",
-        "--optimizer", "adam", "--ad-drop-p", str(P), "--ad-drop-q", str(Q), *extra])
+        "--task", "attn_reg_sentence_prediction", *TINY_ROBERTA, *SENTENCE_PREDICTION_TOKENS,
+        "--criterion", "ad_drop_sentence_prediction", "--optimizer", "adam", "--ad-drop-p", str(P), "--ad-drop-q", str(Q), *extra])
     task.load_dataset("train")
     itr = task.get_batch_iterator(task.dataset("train"), max_sentences=8, seed=1).next_epoch_itr(shuffle=False)
     return cfg, task, model, criterion, next(iter(itr))
