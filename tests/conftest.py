@@ -60,3 +60,74 @@ def fairseq_setup(data_bin, extra):
     model = task.build_model(cfg.model)
     criterion = task.build_criterion(cfg.criterion)
     return cfg, task, model, criterion
+
+
+MOVIE_REVIEWS_TINY = REPO / "tests" / "data" / "movie_reviews_tiny.jsonl"
+
+# The smallest RoBERTa fairseq builds (randomly initialised); the longest tiny review is
+# 146 sentencepiece tokens.
+TINY_ROBERTA = [
+    "--arch", "roberta", "--encoder-layers", "2", "--encoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
+    "--encoder-attention-heads", "2", "--max-positions", "256",
+]
+# sentence_prediction's GLUE settings: <s> = 0 starts every sentence (the classification head
+# reads it), </s> = 2 separates sentence pairs.
+SENTENCE_PREDICTION_TOKENS = ["--init-token", "0", "--separator-token", "2"]
+
+
+@pytest.fixture(scope="session")
+def tiny_sp_data(tmp_path_factory):
+    """Sentence classification / regression data-bins (GLUE layout) from the 64 tiny movie reviews.
+
+    train = first 48 reviews, valid = last 16; a 200-piece sentencepiece model trained on the
+    train sentences; ``input0`` binarized by fairseq-preprocess (its own dictionary), ``label``
+    binarized with --only-source for classification, raw float lines for regression.
+    """
+    import json
+
+    import sentencepiece as spm
+
+    root = tmp_path_factory.mktemp("tiny_sp")
+    rows = [json.loads(line) for line in MOVIE_REVIEWS_TINY.read_text(encoding="utf-8").splitlines() if line.strip()]
+    splits = {"train": rows[:48], "valid": rows[48:]}
+    raw = root / "raw"
+    raw.mkdir()
+    for split, part in splits.items():
+        (raw / f"{split}.sentence").write_text("".join(r["sentence"] + "\n" for r in part), encoding="utf-8")
+        (raw / f"{split}.label").write_text("".join(f"{r['label']}\n" for r in part), encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(raw / "train.sentence"), model_prefix=str(root / "spm"), vocab_size=200,
+                                   character_coverage=1.0, model_type="unigram", num_threads=1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(root / "spm.model"))
+    for split in splits:
+        lines = (raw / f"{split}.sentence").read_text(encoding="utf-8").splitlines()
+        (raw / f"{split}.spm").write_text("".join(" ".join(sp.encode(s, out_type=str)) + "\n" for s in lines),
+                                          encoding="utf-8")
+
+    cls, reg = root / "cls-bin", root / "reg-bin"
+    run_cli("fairseq-preprocess", ["--only-source", "--trainpref", raw / "train.spm", "--validpref", raw / "valid.spm",
+                                   "--destdir", cls / "input0", "--workers", "1"])
+    run_cli("fairseq-preprocess", ["--only-source", "--trainpref", raw / "train.label", "--validpref", raw / "valid.label",
+                                   "--destdir", cls / "label", "--workers", "1"])
+    # Regression reads label/<split>.label as text, one float per line (--num-classes 1).
+    (reg / "label").mkdir(parents=True)
+    import shutil
+
+    shutil.copytree(cls / "input0", reg / "input0")
+    for split, part in splits.items():
+        (reg / "label" / f"{split}.label").write_text("".join(f"{float(r['label'])}\n" for r in part), encoding="utf-8")
+    return {"cls": cls, "reg": reg, "raw": raw, "root": root}
+
+
+def train_epoch_stats(log: str):
+    """{epoch: {metric: value string}} from fairseq-train's end-of-epoch 'train' lines."""
+    import re
+
+    out = {}
+    for m in re.finditer(r"\| train \| epoch (\d+) \|(.*)", log):
+        stats = {}
+        for part in m.group(2).split("|"):
+            bits = part.strip().split(" ", 1)
+            if len(bits) == 2:
+                stats[bits[0]] = bits[1]
+        out[int(m.group(1))] = stats
+    return out

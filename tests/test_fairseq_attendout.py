@@ -8,7 +8,9 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from conftest import PLUGIN_DIR, TINY_TRANSFORMER, fairseq_setup, run_cli  # noqa: E402
+from conftest import (  # noqa: E402
+    PLUGIN_DIR, SENTENCE_PREDICTION_TOKENS, TINY_ROBERTA, TINY_TRANSFORMER, fairseq_setup, run_cli,
+)
 
 BASE = ["--task", "attn_reg_translation", *TINY_TRANSFORMER,
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
@@ -59,6 +61,24 @@ def test_attendout_trains_resumes_mid_dropout_step_identically_and_generates(tin
     gen = run_cli("fairseq-generate", [data, "--user-dir", PLUGIN_DIR, "--path", tmp_path / "full" / "checkpoint_last.pt",
                                        "--required-batch-size-multiple", "1", "--cpu", "--beam", "2", "--max-len-b", "10"])
     assert len(re.findall(r"^D-\d+\t", gen.stdout, flags=re.M)) == 40
+
+
+def test_attendout_sentence_prediction_resumes_mid_dropout_step_identically(tiny_sp_data, tmp_path):
+    """The classifier wrapper: the Generator reads the sentence, held-out losses are per-sample CE."""
+    common = [tiny_sp_data["cls"], "--user-dir", PLUGIN_DIR, "--task", "attn_reg_sentence_prediction", *TINY_ROBERTA,
+              *SENTENCE_PREDICTION_TOKENS, "--criterion", "sentence_prediction", "--num-classes", "2",
+              "--batch-size", "8", "--optimizer", "adam", "--lr", "1e-3", "--cpu", "--seed", "2",
+              "--no-progress-bar", "--log-format", "json", "--log-interval", "1", "--no-epoch-checkpoints",
+              "--attendout", "--attendout-dropout-step", "2", "--attendout-max-positions", "256"]
+    full = run_cli("fairseq-train", [*common, "--max-update", "8", "--save-dir", tmp_path / "full"])
+    run_cli("fairseq-train", [*common, "--max-update", "3", "--save-interval-updates", "3", "--save-dir", tmp_path / "cut"])
+    resumed = run_cli("fairseq-train", [*common, "--max-update", "8", "--save-dir", tmp_path / "cut"])
+    a, b = _updates(full.stdout), _updates(resumed.stdout)
+    assert sorted(b) == [4, 5, 6, 7, 8]
+    for u in b:
+        assert (a[u]["loss"], a[u]["attendout_attacker_loss"]) == (b[u]["loss"], b[u]["attendout_attacker_loss"]), u
+    assert "attendout_p_encoder-self.1" in a[1]
+    assert re.search(r"AttendOut dropout step 4 \(update 8\)", full.stdout)
 
 
 def _trainer(data_bin, extra):

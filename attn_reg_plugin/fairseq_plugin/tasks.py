@@ -1,17 +1,19 @@
 """fairseq task wrappers: they route attention through the plugin and run the task-level regularizers.
 
-``attn_reg_translation`` is fairseq's ``translation`` task plus these duties: after the model
-is built, every MultiheadAttention is routed through the core kernel (no new parameters);
-``begin_epoch`` records the 1-based epoch that cross-tuning reads; and the regularizers that
-need no special criterion run in ``train_step``: AttendOut (``--attendout``), scheduled
-Bernoulli attention dropout (``--attn-sched-dropout-*``) and attention LayerDrop
-(``--attn-layerdrop-*``). Validation and generation are untouched.
+``attn_reg_translation`` and ``attn_reg_sentence_prediction`` are fairseq's ``translation``
+and ``sentence_prediction`` tasks plus these duties: after the model is built, every
+MultiheadAttention is routed through the core kernel (no new parameters); ``begin_epoch``
+records the 1-based epoch that cross-tuning reads; and the regularizers that need no special
+criterion run in ``train_step``: AttendOut (``--attendout``), scheduled Bernoulli attention
+dropout (``--attn-sched-dropout-*``) and attention LayerDrop (``--attn-layerdrop-*``).
+Validation and generation are untouched.
 """
 
 from dataclasses import dataclass, field
 
 from fairseq.dataclass import FairseqDataclass
 from fairseq.tasks import register_task
+from fairseq.tasks.sentence_prediction import SentencePredictionConfig, SentencePredictionTask
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..core.attendout import AttendOutConfig
@@ -195,3 +197,31 @@ class AttnRegTranslationTask(AttnRegTaskMixin, TranslationTask):
         if self.src_dict is self.tgt_dict or self.src_dict.symbols == self.tgt_dict.symbols:
             return {"source": self.src_dict, "target": self.src_dict}
         return {"source": self.src_dict, "target": self.tgt_dict}
+
+
+@dataclass
+class AttnRegSentencePredictionConfig(SentencePredictionConfig, AttnRegTaskOptions):
+    pass
+
+
+@register_task("attn_reg_sentence_prediction", dataclass=AttnRegSentencePredictionConfig)
+class AttnRegSentencePredictionTask(AttnRegTaskMixin, SentencePredictionTask):
+    """fairseq's sentence_prediction task (RoBERTa-style classifiers and regressors) with its
+    attention routed through attn_reg_plugin (``encoder.sentence_encoder.layers.N.self_attn``
+    become encoder-self sites N)."""
+
+    def __init__(self, cfg, data_dictionary, label_dictionary):
+        super().__init__(cfg, data_dictionary, label_dictionary)
+        self.attn_reg_setup()
+
+    def attendout_streams(self, sample):
+        return {"source": sample["net_input"]["src_tokens"]}
+
+    def attendout_heldout_logits(self, model, sample, criterion):
+        logits, _ = model(**sample["net_input"], features_only=True,
+                          classification_head_name=criterion.classification_head_name)
+        target = model.get_targets(sample, [logits]).view(-1)
+        return logits, target, None  # float targets (--regression-target): squared error
+
+    def attendout_generator_vocab(self):
+        return {"source": self.source_dictionary}
