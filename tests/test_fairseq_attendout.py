@@ -180,3 +180,19 @@ def test_no_extra_cost_regularizers_train_and_change_the_training_loss_only(tiny
         losses[name] = [float(x["loss"]) for x in log]
         assert all(torch.isfinite(torch.tensor(losses[name])))
     assert losses["plain"] != losses["regularized"]
+
+
+def test_attendout_on_a_fairseq_without_task_checkpoint_state_says_so(monkeypatch):
+    """fairseq 0.12.2 saves no task state: --attendout must refuse rather than lose the game on resume."""
+    from fairseq import checkpoint_utils
+
+    from attn_reg_plugin.fairseq_plugin.attendout import check_fairseq_supports_task_state
+
+    check_fairseq_supports_task_state()  # the installed fairseq-fixed has it
+
+    def save_checkpoint(cfg, trainer, epoch_itr, val_loss):  # 0.12.2's, which never asks the task
+        return None
+
+    monkeypatch.setattr(checkpoint_utils, "save_checkpoint", save_checkpoint)
+    with pytest.raises(RuntimeError, match=r"--attendout needs a fairseq whose checkpoints carry task state"):
+        check_fairseq_supports_task_state()
