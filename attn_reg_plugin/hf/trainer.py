@@ -20,6 +20,16 @@ def _flag(name: str) -> str:
     return f"ADDropConfig.{name}"
 
 
+def decoder_input_ids_from_labels(model, labels: torch.Tensor) -> torch.Tensor:
+    """The decoder inputs a seq2seq model builds from ``labels`` when none are given (shifted right)."""
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return prepare(labels=labels)
+    from transformers.models.bart.modeling_bart import shift_tokens_right
+
+    return shift_tokens_right(labels, model.config.pad_token_id, model.config.decoder_start_token_id)
+
+
 class ADDropTrainerMixin:
     """Shared by :class:`ADDropTrainer` and :class:`ADDropSeq2SeqTrainer`."""
 
@@ -91,15 +101,7 @@ class ADDropTrainerMixin:
             and fwd.get("decoder_input_ids") is None
             and fwd.get("decoder_inputs_embeds") is None
         ):
-            prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-            if callable(prepare):
-                fwd["decoder_input_ids"] = prepare(labels=labels)
-            else:
-                from transformers.models.bart.modeling_bart import shift_tokens_right
-
-                fwd["decoder_input_ids"] = shift_tokens_right(
-                    labels, model.config.pad_token_id, model.config.decoder_start_token_id
-                )
+            fwd["decoder_input_ids"] = decoder_input_ids_from_labels(model, labels)
         return fwd
 
     # -- the step --------------------------------------------------------------------------
