@@ -1,0 +1,91 @@
+"""What the example scripts share: strict data reading and a per-epoch view of Trainer logs.
+
+Readers never skip or repair a bad line: they raise ``ValueError`` naming the file and the
+1-based line, before any training starts.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+
+def read_text_lines(path: Path) -> List[str]:
+    """The lines of a UTF-8 text file, without their line endings; an undecodable line is an error."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    lines = []
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}:{number}: not valid UTF-8 ({err.reason} at byte {err.start} of the line)") from None
+    return lines
+
+
+def read_jsonl(path: Path) -> Iterator[Tuple[int, dict]]:
+    """(line number, object) for each line of a JSON-lines file; blank lines and non-objects are errors."""
+    for number, line in enumerate(read_text_lines(path), start=1):
+        if not line.strip():
+            raise ValueError(f"{path}:{number}: empty line (every line must hold one JSON object)")
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+        yield number, row
+
+
+def read_parallel(directory: Path, split: str, src: str, tgt: str, limit: Optional[int] = None) -> Tuple[List[str], List[str]]:
+    """``{split}.{src}`` and ``{split}.{tgt}``: same line count, no empty sentence; first ``limit`` pairs."""
+    sides = []
+    for lang in (src, tgt):
+        path = Path(directory) / f"{split}.{lang}"
+        lines = read_text_lines(path)
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                raise ValueError(f"{path}:{number}: empty sentence")
+        sides.append((path, lines))
+    (src_path, src_lines), (tgt_path, tgt_lines) = sides
+    if len(src_lines) != len(tgt_lines):
+        raise ValueError(f"{src_path} has {len(src_lines)} lines but {tgt_path} has {len(tgt_lines)}: not parallel")
+    if limit is not None:
+        src_lines, tgt_lines = src_lines[:limit], tgt_lines[:limit]
+    return src_lines, tgt_lines
+
+
+def epoch_table(log_history: Sequence[Dict[str, float]]) -> List[Dict[str, object]]:
+    """One row per epoch from a Trainer's ``log_history`` (``logging_strategy="epoch"``).
+
+    Rows carry the training loss, ``ad_drop_on`` / ``ad_drop_rate`` (None for a plain Trainer)
+    and every ``eval_*`` value logged at that epoch.
+    """
+    rows: Dict[int, Dict[str, object]] = {}
+    for entry in log_history:
+        evals = {k: v for k, v in entry.items() if k.startswith("eval_")}
+        if "epoch" not in entry or ("loss" not in entry and not evals):
+            continue  # the final train_runtime summary, or a step log without loss
+        epoch = int(round(entry["epoch"]))
+        row = rows.setdefault(epoch, {"epoch": epoch, "train_loss": None, "ad_drop_on": None, "ad_drop_rate": None})
+        if "loss" in entry:
+            row["train_loss"] = entry["loss"]
+            row["ad_drop_on"] = entry.get("ad_drop_on")
+            row["ad_drop_rate"] = entry.get("ad_drop_rate")
+        row.update(evals)
+    return [rows[e] for e in sorted(rows)]
+
+
+def format_epoch_row(row: Dict[str, object], metric: Optional[str] = None) -> str:
+    """``epoch 2 | AD-DROP | train loss 0.4121 | drop rate 0.0912 | eval_accuracy 0.7500``."""
+    mode = "AD-DROP" if row.get("ad_drop_on") else "plain"
+    parts = [f"epoch {row['epoch']}", mode]
+    if row.get("train_loss") is not None:
+        parts.append(f"train loss {row['train_loss']:.4f}")
+    parts.append(f"drop rate {row['ad_drop_rate']:.4f}" if row.get("ad_drop_rate") is not None else "drop rate -")
+    if row.get("eval_loss") is not None:
+        parts.append(f"dev loss {row['eval_loss']:.4f}")
+    if metric and row.get(f"eval_{metric}") is not None:
+        parts.append(f"dev {metric} {row[f'eval_{metric}']:.4f}")
+    return " | ".join(parts)
