@@ -89,3 +89,62 @@ def format_epoch_row(row: Dict[str, object], metric: Optional[str] = None) -> st
     if metric and row.get(f"eval_{metric}") is not None:
         parts.append(f"dev {metric} {row[f'eval_{metric}']:.4f}")
     return " | ".join(parts)
+
+
+# -- command-line pieces the example scripts share ---------------------------------------------
+METHODS = ("plain", "ad-drop")
+
+
+def add_ad_drop_options(ap, p: float = 0.2, q: float = 0.2, layers: str = "all", attention: str = "encoder-self") -> None:
+    """``--ad-drop-*`` options with the fairseq flags' names and meaning; ``--methods``."""
+    ap.add_argument("--methods", default="plain,ad-drop", help=f"comma list of {', '.join(METHODS)}, run in that order")
+    paper = "the paper's value for the task"
+    ap.add_argument("--ad-drop-p", type=float, default=p, help=f"candidate region fraction (default {paper if p is None else p})")
+    ap.add_argument("--ad-drop-q", type=float, default=q,
+                    help=f"drop probability of a candidate (default {paper if q is None else q})")
+    ap.add_argument("--ad-drop-layers", default=layers,
+                    help=f"'all' or 0-based comma list (default {paper if layers is None else layers})")
+    ap.add_argument("--ad-drop-attention", default=attention, help=f"attention kinds (default {attention})")
+    ap.add_argument("--ad-drop-attribution", default="ga", help="ga, iga, aa or rd")
+    ap.add_argument("--ad-drop-schedule", default="cross-tuning", help="cross-tuning or always")
+
+
+def check_common_args(ap, args, positive: Sequence[str] = ()) -> None:
+    """Turn ``--methods`` into a list and reject bad values (``ap.error``), before anything is loaded."""
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown or not args.methods:
+        ap.error(f"--methods: unknown {unknown or 'empty list'}; accepted: {', '.join(METHODS)}")
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if "ad-drop" in args.methods:
+        ad_drop_config(args)  # raises ValueError naming the --ad-drop-* flag
+
+
+def ad_drop_config(args):
+    """The validated ``ADDropConfig`` of the ``--ad-drop-*`` options."""
+    from attn_reg_plugin.core import ADDropConfig
+
+    return ADDropConfig(p=args.ad_drop_p, q=args.ad_drop_q, layers=args.ad_drop_layers, attention=args.ad_drop_attention,
+                        attribution=args.ad_drop_attribution, schedule=args.ad_drop_schedule).validate()
+
+
+def hf_trainer(method: str, args, output_dir: Path, seq2seq: bool = False, **trainer_kwargs):
+    """A stock (Seq2Seq)Trainer for ``plain``, ``ADDrop(Seq2Seq)Trainer`` for ``ad-drop``; both log and
+    evaluate once per epoch with the same arguments (``args.lr``, ``epochs``, ``batch_size``, ``seed``, ``fp16``)."""
+    import transformers
+
+    from attn_reg_plugin.hf import ADDropSeq2SeqTrainer, ADDropTrainer
+
+    arguments = (transformers.Seq2SeqTrainingArguments if seq2seq else transformers.TrainingArguments)(
+        output_dir=str(output_dir), learning_rate=args.lr, num_train_epochs=args.epochs,
+        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
+        eval_strategy="epoch", logging_strategy="epoch", save_strategy="no", report_to=[], seed=args.seed,
+        fp16=args.fp16, remove_unused_columns=False, disable_tqdm=True,
+    )
+    if method == "plain":
+        return (transformers.Seq2SeqTrainer if seq2seq else transformers.Trainer)(args=arguments, **trainer_kwargs)
+    return (ADDropSeq2SeqTrainer if seq2seq else ADDropTrainer)(args=arguments, ad_drop=ad_drop_config(args),
+                                                                **trainer_kwargs)

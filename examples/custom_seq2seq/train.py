@@ -32,10 +32,10 @@ REPO = HERE.parents[1]
 for _path in (HERE, HERE.parent, REPO):  # this example, the shared example helpers, the checkout's package
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
-from example_support import read_parallel  # noqa: E402
+from example_support import ad_drop_config, read_parallel  # noqa: E402
 from seq2seq_model import Seq2SeqTransformer  # noqa: E402
 
-from attn_reg_plugin.core import ADDrop, ADDropConfig, ad_drop_epoch, token_loss_target  # noqa: E402
+from attn_reg_plugin.core import ADDrop, ad_drop_epoch, token_loss_target  # noqa: E402
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 
@@ -90,12 +90,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.lr > 0:
         ap.error(f"--lr must be > 0, got {args.lr}")
     return args
-
-
-def ad_drop_config(args) -> ADDropConfig:
-    """The AD-DROP options, validated now; errors name the --ad-drop-* flag."""
-    return ADDropConfig(p=args.ad_drop_p, q=args.ad_drop_q, layers=args.ad_drop_layers, attention=args.ad_drop_attention,
-                        attribution=args.ad_drop_attribution, schedule=args.ad_drop_schedule).validate()
 
 
 def train_sentencepiece(lines: Sequence[str], vocab_size: int):

@@ -23,14 +23,16 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 for _path in (HERE.parent, REPO):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
-from example_support import epoch_table, format_epoch_row, read_parallel  # noqa: E402
+from example_support import (  # noqa: E402
+    add_ad_drop_options, check_common_args, epoch_table, format_epoch_row, hf_trainer, read_parallel,
+)
 
 # The paper's OPUS-MT fine-tuning setting per pair.
 PAIRS = {
@@ -38,7 +40,6 @@ PAIRS = {
     "tr-en": {"model": "Helsinki-NLP/opus-mt-tr-en", "wmt16": "tr-en", "src": "tr", "tgt": "en", "p": 0.6, "q": 0.1},
 }
 SPLITS = {"train": "train", "valid": "validation", "test": "test"}  # ours -> the hub dataset's
-METHODS = ("plain", "ad-drop")
 
 Pairs = Tuple[List[str], List[str]]
 
@@ -53,7 +54,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dataset", default="wmt16", help="hub dataset name for datasets.load_dataset")
     ap.add_argument("--drop-empty-pairs", action="store_true",
                     help="remove hub pairs with an empty side (counted and reported); without it they are an error")
-    ap.add_argument("--methods", default="plain,ad-drop", help=f"comma list of {', '.join(METHODS)}")
     ap.add_argument("--max-train-samples", type=int, default=None)
     ap.add_argument("--max-eval-samples", type=int, default=None, help="valid pairs for the per-epoch dev loss")
     ap.add_argument("--max-test-samples", type=int, default=None, help="test pairs translated and scored")
@@ -66,36 +66,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--generate-batch-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--fp16", action="store_true")
-    ap.add_argument("--ad-drop-p", type=float, default=None, help="default: the pair's paper value")
-    ap.add_argument("--ad-drop-q", type=float, default=None, help="default: the pair's paper value")
-    ap.add_argument("--ad-drop-layers", default="all")
-    ap.add_argument("--ad-drop-attention", default="encoder-self")
-    ap.add_argument("--ad-drop-attribution", default="ga")
-    ap.add_argument("--ad-drop-schedule", default="cross-tuning")
+    add_ad_drop_options(ap, p=None, q=None, layers="all", attention="encoder-self")  # p, q: the pair's paper values
     args = ap.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown or not args.methods:
-        ap.error(f"--methods: unknown {unknown or 'empty list'}; accepted: {', '.join(METHODS)}")
-    for name in ("max_train_samples", "max_eval_samples", "max_test_samples", "batch_size", "max_length", "num_beams",
-                 "max_new_tokens", "generate_batch_size"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if not args.epochs > 0 or not args.lr > 0:
-        ap.error(f"--epochs and --lr must be > 0, got {args.epochs}, {args.lr}")
     spec = PAIRS[args.pair]
-    args.model = args.model or spec["model"]
     args.ad_drop_p = spec["p"] if args.ad_drop_p is None else args.ad_drop_p
     args.ad_drop_q = spec["q"] if args.ad_drop_q is None else args.ad_drop_q
+    check_common_args(ap, args, ("max_train_samples", "max_eval_samples", "max_test_samples", "batch_size", "max_length",
+                                 "num_beams", "max_new_tokens", "generate_batch_size", "epochs", "lr"))
+    args.model = args.model or spec["model"]
     return args
-
-
-def ad_drop_config(args):
-    from attn_reg_plugin.core import ADDropConfig
-
-    return ADDropConfig(p=args.ad_drop_p, q=args.ad_drop_q, layers=args.ad_drop_layers, attention=args.ad_drop_attention,
-                        attribution=args.ad_drop_attribution, schedule=args.ad_drop_schedule).validate()
 
 
 def load_pairs(args, load_dataset=None) -> Dict[str, Pairs]:
@@ -139,25 +118,6 @@ def tokenize(tokenizer, pairs: Pairs, max_length: int) -> List[dict]:
             for i, a, y in zip(enc["input_ids"], enc["attention_mask"], enc["labels"])]
 
 
-def build_trainer(method: str, model, tokenizer, train: List[dict], dev: List[dict], args, output_dir: Path):
-    import transformers
-
-    from attn_reg_plugin.hf import ADDropSeq2SeqTrainer
-
-    training_args = transformers.Seq2SeqTrainingArguments(
-        output_dir=str(output_dir), learning_rate=args.lr, num_train_epochs=args.epochs,
-        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
-        eval_strategy="epoch", logging_strategy="epoch", save_strategy="no", report_to=[], seed=args.seed,
-        fp16=args.fp16, remove_unused_columns=False, disable_tqdm=True,
-    )
-    common = dict(model=model, args=training_args, train_dataset=train, eval_dataset=dev,
-                  data_collator=transformers.DataCollatorForSeq2Seq(tokenizer, model=model),
-                  processing_class=tokenizer)
-    if method == "plain":
-        return transformers.Seq2SeqTrainer(**common)
-    return ADDropSeq2SeqTrainer(**common, ad_drop=ad_drop_config(args))
-
-
 def translate(model, tokenizer, sentences: Sequence[str], batch_size: int, num_beams: int, max_new_tokens: int,
               max_length: int) -> List[str]:
     import torch
@@ -182,7 +142,9 @@ def run_method(method: str, args, data: Dict[str, Pairs]) -> dict:
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(args.model)
     train = tokenize(tokenizer, data["train"], args.max_length)
     dev = tokenize(tokenizer, data["valid"], args.max_length)
-    trainer = build_trainer(method, model, tokenizer, train, dev, args, args.out / method)
+    trainer = hf_trainer(method, args, args.out / method, seq2seq=True, model=model, train_dataset=train,
+                         eval_dataset=dev, data_collator=transformers.DataCollatorForSeq2Seq(tokenizer, model=model),
+                         processing_class=tokenizer)
     start = time.time()
     trainer.train()
     seconds = time.time() - start
@@ -204,9 +166,7 @@ def run_method(method: str, args, data: Dict[str, Pairs]) -> dict:
 
 
 def main(argv=None, load_dataset=None) -> int:
-    args = parse_args(argv)
-    if "ad-drop" in args.methods:
-        ad_drop_config(args)  # bad --ad-drop-* values fail before anything is loaded
+    args = parse_args(argv)  # bad options fail here, before anything is loaded
     data = load_pairs(args, load_dataset)
     counts = {split: len(pairs[0]) for split, pairs in data.items()}
     print(f"{args.pair} from {args.data_dir or args.dataset}: {counts}; model {args.model}", flush=True)
