@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--positions", choices=("sinusoidal", "learned"), default="sinusoidal")
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=64, help="sentence pairs per update")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=300, help="linear warm-up updates, then inverse square root")
     ap.add_argument("--label-smoothing", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=1)
@@ -117,6 +117,20 @@ def make_batch(src_ids, tgt_ids, index):
     return src, prev, target
 
 
+def shuffled_batches(lengths: Sequence[int], batch_size: int) -> List[List[int]]:
+    """Random batches of similar lengths: shuffle, sort windows of 100 batches by length, shuffle the batches.
+
+    Batching similar lengths together cuts the padding the model computes on.
+    """
+    order = torch.randperm(len(lengths)).tolist()
+    window = batch_size * 100
+    batches = []
+    for first in range(0, len(order), window):
+        chunk = sorted(order[first:first + window], key=lengths.__getitem__)
+        batches.extend(chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size))
+    return [batches[i] for i in torch.randperm(len(batches)).tolist()]
+
+
 def learning_rate(step: int, base: float, warmup: int) -> float:
     """Linear warm-up to ``base`` over ``warmup`` updates, then base * sqrt(warmup / step)."""
     if warmup == 0:
@@ -161,6 +175,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     sp, sp_proto = train_sentencepiece(train_src + train_tgt, args.vocab_size)
     encode = lambda lines: [sp.encode(s)[: args.max_len] for s in lines]  # noqa: E731
     train_x, train_y, valid_x, valid_y = encode(train_src), encode(train_tgt), encode(valid_src), encode(valid_tgt)
+    lengths = [max(len(x), len(y)) for x, y in zip(train_x, train_y)]
 
     model = Seq2SeqTransformer(
         sp.get_piece_size(), PAD, dim=args.dim, heads=args.heads, ffn_dim=args.ffn_dim, encoder_layers=args.layers,
@@ -180,11 +195,10 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     for epoch in range(1, args.epochs + 1):
         model.train()
         use_ad_drop = ad_drop is not None and ad_drop_epoch(config.schedule, epoch)
-        order = torch.randperm(len(train_x)).tolist()
         loss_sum, token_sum, dropped, valid = 0.0, 0, 0, 0
         start = time.time()
-        for first in range(0, len(order), args.batch_size):
-            src, prev, target = make_batch(train_x, train_y, order[first:first + args.batch_size])
+        for index in shuffled_batches(lengths, args.batch_size):
+            src, prev, target = make_batch(train_x, train_y, index)
             keep = target.ne(PAD)
 
             def loss_of(logits):
