@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO
 
 REVIEWS = Path(__file__).resolve().parent / "data" / "movie_reviews_tiny.jsonl"
+PAIRS = Path(__file__).resolve().parent / "data" / "rte_style_tiny.jsonl"
 
 
 def _load(name, path):
@@ -100,3 +101,33 @@ def test_metrics_on_hand_computed_cases():
     assert glue.mcc(np.array([0, 1, 2]), np.array([0, 1, 2])) == pytest.approx(1.0)
     assert glue.pearson(np.array([1.0, 2.0, 3.0]), np.array([2.0, 4.0, 7.0])) == pytest.approx(0.9933992677987827)
     assert math.isnan(glue.pearson(np.array([1.0, 1.0]), np.array([0.0, 1.0])))
+
+
+@pytest.mark.parametrize("family", ["roberta", "electra"])
+def test_roberta_and_electra_checkpoints_take_the_same_path(tmp_path, family):
+    """--model with a RoBERTa / ELECTRA checkpoint folder: sites found, AD-DROP epoch drops.
+
+    Tiny random weights in the real model classes; MiniLM's WordPiece tokenizer supplies ids
+    (no RoBERTa / ELECTRA vocabulary can be downloaded here).
+    """
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(_minilm_path())
+    config_cls = {"roberta": transformers.RobertaConfig, "electra": transformers.ElectraConfig}[family]
+    sizes = dict(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, max_position_embeddings=80, pad_token_id=tok.pad_token_id, num_labels=2)
+    if family == "electra":
+        sizes["embedding_size"] = 32
+    torch.manual_seed(0)
+    folder = tmp_path / family
+    transformers.AutoModelForSequenceClassification.from_config(config_cls(**sizes)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    out = tmp_path / "out"
+    assert glue.main(["--task", "rte", "--model", str(folder), "--train-file", str(PAIRS), "--validation-file",
+                      str(PAIRS), "--epochs", "2", "--batch-size", "4", "--lr", "1e-3", "--methods", "ad-drop",
+                      "--out", str(out)]) == 0
+    (result,) = json.loads((out / "results.json").read_text())
+    assert result["ad_drop_layers"] == "all"
+    assert [e["ad_drop_on"] for e in result["epochs"]] == [0, 1]
+    assert result["epochs"][0]["ad_drop_rate"] == 0 and result["epochs"][1]["ad_drop_rate"] > 0.05
