@@ -170,6 +170,9 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     train_src, train_tgt = read_parallel(args.data, "train", args.src, args.tgt, args.train_size)
     valid_src, valid_tgt = read_parallel(args.data, "valid", args.src, args.tgt, args.valid_size)
     test_src, test_tgt = read_parallel(args.data, "test", args.src, args.tgt, args.bleu_sentences)
+    for split, lines in (("train", train_src), ("valid", valid_src)):
+        if not lines:
+            raise ValueError(f"{args.data}: no {split} pairs ({split}.{args.src} is empty)")
 
     torch.manual_seed(args.seed)
     sp, sp_proto = train_sentencepiece(train_src + train_tgt, args.vocab_size)
