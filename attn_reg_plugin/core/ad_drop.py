@@ -51,7 +51,7 @@ class ADDropConfig:
         parse_kinds(self.attention, flag("attention"))
         if self.attribution not in ATTRIBUTIONS:
             raise ValueError(f"{flag('attribution')} must be one of {', '.join(ATTRIBUTIONS)}, got {self.attribution!r}")
-        if not isinstance(self.iga_steps, int) or self.iga_steps < 1:
+        if not isinstance(self.iga_steps, int) or isinstance(self.iga_steps, bool) or self.iga_steps < 1:
             raise ValueError(f"{flag('iga_steps')} must be an integer >= 1, got {self.iga_steps!r}")
         if self.labels not in LABEL_SOURCES:
             raise ValueError(f"{flag('labels')} must be one of {', '.join(LABEL_SOURCES)}, got {self.labels!r}")
@@ -111,7 +111,8 @@ class ADDrop:
         self.config = config.validate(flag)
         self.controller = controller
         self.sites: List[AttentionSite] = controller.select(
-            parse_kinds(config.attention, flag("attention")), parse_layers(config.layers, flag("layers")), flag("layers")
+            parse_kinds(config.attention, flag("attention")), parse_layers(config.layers, flag("layers")),
+            flag("layers"), flag("attention"),
         )
 
     # -- attribution ---------------------------------------------------------------------

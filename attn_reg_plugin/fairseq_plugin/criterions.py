@@ -39,6 +39,11 @@ class ADDropCriterionMixin:
 
     def init_ad_drop(self, task, options: dict) -> None:
         self.ad_drop_config = ADDropConfig(**{k[len("ad_drop_"):]: v for k, v in options.items()}).validate()
+        if not hasattr(task, "attn_reg_epoch"):  # fail while building, not at the first AD-DROP step
+            raise ValueError(
+                f"the ad_drop criterions need an attn_reg task, which routes attention through the plugin "
+                f"(--task attn_reg_translation); got {type(task).__name__}"
+            )
         self.ad_drop = None
         self.task = task
 
