@@ -5,7 +5,7 @@ is built, every MultiheadAttention is routed through the core kernel (no new par
 and ``begin_epoch`` records the 1-based epoch that cross-tuning reads.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
@@ -45,7 +45,11 @@ class AttnRegTaskMixin:
 
 @dataclass
 class AttnRegTranslationConfig(TranslationConfig):
-    pass
+    # fairseq's own option name (its audio tasks have it); get_batch_iterator reads it.
+    rebuild_batches: bool = field(default=False, metadata={
+        "help": "rebuild the training batches every epoch (equal-length sentences grouped by seed + epoch) "
+                "instead of once per process; a run resumed from a checkpoint then sees exactly the batches "
+                "of an uninterrupted run"})
 
 
 @register_task("attn_reg_translation", dataclass=AttnRegTranslationConfig)
