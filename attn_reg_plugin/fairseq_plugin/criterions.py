@@ -65,13 +65,13 @@ class ADDropCriterionMixin:
             )
         if not (torch.is_grad_enabled() and ad_drop_epoch(self.ad_drop_config.schedule, epoch)):
             loss, sample_size, log = super().forward(model, sample, reduce)
-            log["ad_drop_on"] = 0
+            log.update(ad_drop_on=0, ad_drop_steps=1)
             return loss, sample_size, log
         bare = bare_module(model)
         with self.ad_drop.masked(lambda: bare(**sample["net_input"]), self.attribution_target(model, sample), frozen=bare) as stats:
             loss, sample_size, log = super().forward(model, sample, reduce)
         # Counts stay tensors: no host-device sync inside the step (fairseq reduces them later).
-        log.update(ad_drop_on=1, ad_drop_dropped=stats["dropped"], ad_drop_valid=stats["valid"])
+        log.update(ad_drop_on=1, ad_drop_steps=1, ad_drop_dropped=stats["dropped"], ad_drop_valid=stats["valid"])
         return loss, sample_size, log
 
     @classmethod
@@ -79,7 +79,13 @@ class ADDropCriterionMixin:
         steps = [log for log in logging_outputs if "ad_drop_on" in log]
         if not steps:
             return  # validation
-        metrics.log_scalar("ad_drop_on", sum(log["ad_drop_on"] for log in steps) / len(steps), len(steps), round=2)
+        # Counts, not per-step flags: in distributed training fairseq sums the workers' logs
+        # key by key into one, so ad_drop_on alone would read 2 with two workers.
+        n = utils.item(sum(log.get("ad_drop_steps", 1) for log in steps))
+        if n == 0:
+            return  # only dummy batches (fairseq zeroes their logs)
+        on = utils.item(sum(log["ad_drop_on"] for log in steps))
+        metrics.log_scalar("ad_drop_on", on / n, n, round=2)
         valid = utils.item(sum(log.get("ad_drop_valid", 0) for log in steps))
         dropped = utils.item(sum(log.get("ad_drop_dropped", 0) for log in steps))
         # Weighted by positions, so an epoch's value is its exact dropped fraction; plain
