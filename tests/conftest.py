@@ -131,3 +131,39 @@ def train_epoch_stats(log: str):
                 stats[bits[0]] = bits[1]
         out[int(m.group(1))] = stats
     return out
+
+
+# AD-DROP training on the tiny corpus with a per-update JSON log: 12 updates per epoch, epoch 1
+# plain, epoch 2 AD-DROP, epoch 3 plain.
+AD_DROP_TRAIN = [
+    "--task", "attn_reg_translation", *TINY_TRANSFORMER,
+    "--criterion", "ad_drop_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+    "--ad-drop-p", "0.3", "--ad-drop-q", "0.5", "--dropout", "0.1",
+    "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu", "--seed", "3",
+    "--no-progress-bar", "--log-format", "json", "--log-interval", "1", "--no-epoch-checkpoints",
+]
+UPDATES_PER_EPOCH = 12
+# A checkpoint every 14 updates: the first is the 2nd update of epoch 2, inside an AD-DROP epoch.
+# --rebuild-batches makes a resumed run's batches those of an uninterrupted run (README).
+RESUMABLE = ["--rebuild-batches", "--save-interval-updates", "14"]
+
+
+def train_updates(log: str):
+    """{update number: fields} from fairseq's per-update JSON lines (--log-format json --log-interval 1)."""
+    import json
+    import re
+
+    out = {}
+    for m in re.finditer(r"\| train_inner \| (\{.*\})", log):
+        record = json.loads(m.group(1))
+        out[int(record["num_updates"])] = record
+    return out
+
+
+@pytest.fixture(scope="session")
+def ad_drop_run(tiny_mt_data, tmp_path_factory):
+    """One uninterrupted fairseq-train AD-DROP run of 3 epochs (see AD_DROP_TRAIN, RESUMABLE)."""
+    save = tmp_path_factory.mktemp("ad_drop_run")
+    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", save,
+                                     *AD_DROP_TRAIN, *RESUMABLE, "--max-epoch", "3"])
+    return {"save": save, "log": proc.stdout, "updates": train_updates(proc.stdout)}

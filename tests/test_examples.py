@@ -45,7 +45,7 @@ def test_pipeline_refuses_mismatched_parallel_files(tmp_path):
         (tmp_path / f"{split}.en").write_text("a\nb\n")
         (tmp_path / f"{split}.ro").write_text("a\nb\n")
     (tmp_path / "valid.ro").write_text("a\n")
-    with pytest.raises(ValueError, match=r"valid: 2 lines in \.en but 1 in \.ro"):
+    with pytest.raises(mt.CorpusError, match=r"valid\.en has 2 lines but .*valid\.ro has 1: .*valid\.en:2 has no counterpart"):
         mt.check_parallel(tmp_path, "en", "ro")
 
 

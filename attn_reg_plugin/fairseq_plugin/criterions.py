@@ -43,6 +43,11 @@ class ADDropCriterionMixin:
 
     def init_ad_drop(self, task, options: dict) -> None:
         self.ad_drop_config = ADDropConfig(**{k[len("ad_drop_"):]: v for k, v in options.items()}).validate()
+        if not hasattr(task, "attn_reg_epoch"):  # fail while building, not at the first AD-DROP step
+            raise ValueError(
+                f"the ad_drop criterions need an attn_reg task, which routes attention through the plugin "
+                f"(--task attn_reg_translation); got {type(task).__name__}"
+            )
         self.ad_drop = None
         self.task = task
 
@@ -83,10 +88,13 @@ class ADDropCriterionMixin:
         steps = [log for log in logging_outputs if "ad_drop_on" in log]
         if not steps:
             return  # validation
-        # fairseq may hand over logs already summed over workers and micro-batches
-        # (logging_outputs_can_be_summed), so the step count travels in the logs.
-        n_steps = utils.item(sum(log["ad_drop_steps"] for log in steps))
-        metrics.log_scalar("ad_drop_on", utils.item(sum(log["ad_drop_on"] for log in steps)) / n_steps, n_steps, round=2)
+        # Counts, not per-step flags: in distributed training fairseq sums the workers' logs
+        # key by key into one, so ad_drop_on alone would read 2 with two workers.
+        n = utils.item(sum(log.get("ad_drop_steps", 1) for log in steps))
+        if n == 0:
+            return  # only dummy batches (fairseq zeroes their logs)
+        on = utils.item(sum(log["ad_drop_on"] for log in steps))
+        metrics.log_scalar("ad_drop_on", on / n, n, round=2)
         valid = utils.item(sum(log.get("ad_drop_valid", 0) for log in steps))
         dropped = utils.item(sum(log.get("ad_drop_dropped", 0) for log in steps))
         # Weighted by positions, so an epoch's value is its exact dropped fraction; plain

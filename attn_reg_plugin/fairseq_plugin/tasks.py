@@ -172,7 +172,11 @@ class AttnRegTaskMixin:
 
 @dataclass
 class AttnRegTranslationConfig(TranslationConfig, AttnRegTaskOptions):
-    pass
+    # fairseq's own option name (its audio tasks have it); get_batch_iterator reads it.
+    rebuild_batches: bool = field(default=False, metadata={
+        "help": "rebuild the training batches every epoch (equal-length sentences grouped by seed + epoch) "
+                "instead of once per process; a run resumed from a checkpoint then sees exactly the batches "
+                "of an uninterrupted run"})
 
 
 @register_task("attn_reg_translation", dataclass=AttnRegTranslationConfig)
