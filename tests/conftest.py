@@ -160,10 +160,27 @@ def train_updates(log: str):
     return out
 
 
+# Regularizer name -> fairseq-train arguments of a tiny run (AttendOut adds its entry here).
+TRAIN_ARGS = {"ad_drop": AD_DROP_TRAIN}
+
+
 @pytest.fixture(scope="session")
-def ad_drop_run(tiny_mt_data, tmp_path_factory):
-    """One uninterrupted fairseq-train AD-DROP run of 3 epochs (see AD_DROP_TRAIN, RESUMABLE)."""
-    save = tmp_path_factory.mktemp("ad_drop_run")
-    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", save,
-                                     *AD_DROP_TRAIN, *RESUMABLE, "--max-epoch", "3"])
-    return {"save": save, "log": proc.stdout, "updates": train_updates(proc.stdout)}
+def reference_runs(tiny_mt_data, tmp_path_factory):
+    """name -> one uninterrupted 3-epoch fairseq-train run of TRAIN_ARGS[name] + RESUMABLE, made once."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            save = tmp_path_factory.mktemp(f"{name}_run")
+            proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", save,
+                                             *TRAIN_ARGS[name], *RESUMABLE, "--max-epoch", "3"])
+            runs[name] = {"save": save, "log": proc.stdout, "updates": train_updates(proc.stdout)}
+        return runs[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def ad_drop_run(reference_runs):
+    """The AD-DROP reference run: epoch 1 plain, epoch 2 AD-DROP, epoch 3 plain."""
+    return reference_runs("ad_drop")

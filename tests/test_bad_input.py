@@ -196,7 +196,7 @@ def test_hf_trainer_refuses_a_non_config(hf_model_and_args):
 def test_readme_bad_input_table_lists_every_message():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     section = readme[readme.index("### Bad input"):]
-    section = section[:section.index("\n## ")]
+    section = section[:section.index("\n### ", 1)]
     for reg in REGULARIZERS:
         for row in reg.table:
             if row.cli is not None:
