@@ -161,7 +161,14 @@ def train_updates(log: str):
 
 
 # Regularizer name -> fairseq-train arguments of a tiny run (AttendOut adds its entry here).
-TRAIN_ARGS = {"ad_drop": AD_DROP_TRAIN}
+ATTENDOUT_TRAIN = [
+    "--task", "attn_reg_translation", *TINY_TRANSFORMER,
+    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--dropout", "0.1",
+    "--attendout", "--attendout-dropout-step", "4",  # update 14 is inside the dropout step 13-16
+    "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu", "--seed", "3",
+    "--no-progress-bar", "--log-format", "json", "--log-interval", "1", "--no-epoch-checkpoints",
+]
+TRAIN_ARGS = {"ad_drop": AD_DROP_TRAIN, "attendout": ATTENDOUT_TRAIN}
 
 
 @pytest.fixture(scope="session")

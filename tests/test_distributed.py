@@ -131,3 +131,14 @@ def test_hf_trainer_torchrun_two_ranks(tmp_path):
     for h, (d0, v0), (d1, v1) in zip(logs, *local):
         assert h["ad_drop_rate"] == (round((d0 + d1) / (v0 + v1), 6) if v0 + v1 else 0.0)
     assert any(v0 and round(d0 / v0, 6) != h["ad_drop_rate"] for h, (d0, v0) in zip(logs, local[0]))
+
+
+def test_fairseq_two_ranks_attendout_stay_in_sync(tiny_mt_data, tmp_path):
+    """AttendOut over 2 gloo ranks: the Attacker's and Generator's gradients are all-reduced and
+    every rank draws the same held-out samples and survivor, so the saved Defenders agree."""
+    save = tmp_path / "ckpt"
+    log = _fairseq_ranks(tiny_mt_data["bin"], save, ["--ddp-backend", "legacy_ddp"], max_epoch=1, regularizer="attendout")
+    updates = train_updates(log)
+    assert len(updates) == UPDATES_PER_EPOCH and all("attendout_attacker_loss" in r for r in updates.values())
+    assert "AttendOut dropout step 1 (update 4)" in log
+    _same_parameters_on_every_rank(save, UPDATES_PER_EPOCH)

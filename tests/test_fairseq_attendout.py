@@ -102,9 +102,9 @@ def test_defender_and_attacker_are_identical_at_each_dropout_step_start(tiny_mt_
     snapshots = []
     original = None
 
-    def spy(d_losses, a_losses):
+    def spy(d_losses, a_losses, **kwargs):
         snapshots.append((_flat(trainer.model), _flat(attendout.attacker)))
-        return original(d_losses, a_losses)
+        return original(d_losses, a_losses, **kwargs)
 
     batches = list(itr)
     trainer.train_step([batches[0]])
@@ -184,15 +184,10 @@ def test_no_extra_cost_regularizers_train_and_change_the_training_loss_only(tiny
 
 def test_attendout_on_a_fairseq_without_task_checkpoint_state_says_so(monkeypatch):
     """fairseq 0.12.2 saves no task state: --attendout must refuse rather than lose the game on resume."""
-    from fairseq import checkpoint_utils
+    from attn_reg_plugin.fairseq_plugin import attendout
 
-    from attn_reg_plugin.fairseq_plugin.attendout import check_fairseq_supports_task_state
-
-    check_fairseq_supports_task_state()  # the installed fairseq-fixed has it
-
-    def save_checkpoint(cfg, trainer, epoch_itr, val_loss):  # 0.12.2's, which never asks the task
-        return None
-
-    monkeypatch.setattr(checkpoint_utils, "save_checkpoint", save_checkpoint)
+    attendout.check_fairseq_supports_task_state()  # the installed fairseq-fixed has it
+    # 0.12.2's checkpoint_utils never asks the task for its state.
+    monkeypatch.setattr(attendout, "_checkpoint_utils_source", lambda: "def save_checkpoint(cfg, trainer, epoch_itr, val_loss): ...")
     with pytest.raises(RuntimeError, match=r"--attendout needs a fairseq whose checkpoints carry task state"):
-        check_fairseq_supports_task_state()
+        attendout.check_fairseq_supports_task_state()

@@ -328,7 +328,8 @@ class AttendOut:
         values = (self._prob_sums / self._prob_batches).tolist()
         return dict(zip(self.site_names(), values))
 
-    def finish_dropout_step(self, defender_losses: torch.Tensor, attacker_losses: torch.Tensor) -> Dict[str, object]:
+    def finish_dropout_step(self, defender_losses: torch.Tensor, attacker_losses: torch.Tensor,
+                            generator: Optional[torch.Generator] = None) -> Dict[str, object]:
         """Reward G (Eq. 5) from per-sample held-out losses, update the baseline, pick the survivor.
 
         Returns ``{"keep_attacker": bool, "win_rate", "reward", "baseline", "drop_prob": {...}}``;
@@ -355,8 +356,9 @@ class AttendOut:
         mean_reward = float(rewards.mean())
         self.baseline = self.config.baseline_decay * self.baseline + (1 - self.config.baseline_decay) * mean_reward
         win_rate = win_probability(defender_losses.float(), attacker_losses.float())
-        # Global CPU generator (seeded per update by the frameworks): every worker draws alike.
-        keep_attacker = bool(torch.rand(()) < win_rate.cpu())
+        # Every worker must draw the same survivor: adapters pass a generator seeded alike on all
+        # workers (the global one has consumed worker-dependent amounts of randomness by now).
+        keep_attacker = bool(torch.rand((), generator=generator) < win_rate.cpu())
         stats.update(keep_attacker=keep_attacker, win_rate=float(win_rate), reward=mean_reward, baseline=self.baseline)
         self.cache.clear()
         self.update_in_step = 0

@@ -35,9 +35,15 @@ from .attention import install_attention_sites
 
 logger = logging.getLogger(__name__)
 
+def _checkpoint_utils_source() -> str:
+    # The module's file, not its (possibly wrapped or patched) functions.
+    return inspect.getsource(checkpoint_utils)
+
+
 def check_fairseq_supports_task_state() -> None:
     """AttendOut's state lives in the task's checkpoint dict, which fairseq 0.12.2 does not save."""
-    if "get_checkpoint_dict" not in inspect.getsource(checkpoint_utils.save_checkpoint):
+    source = _checkpoint_utils_source()
+    if "get_checkpoint_dict" not in source or "set_checkpoint_dict" not in source:
         raise RuntimeError(
             "--attendout needs a fairseq whose checkpoints carry task state (task.get_checkpoint_dict, "
             "fairseq-fixed 0.12.3.1 / fairseq main after 0.12.2); this fairseq would lose the generator, "
@@ -159,15 +165,21 @@ class FairseqAttendOut:
         finally:
             model.train(was_training)
 
-    def _heldout_samples(self, task, device):
+    @staticmethod
+    def _shared_generator() -> torch.Generator:
+        """Same on every worker and on resume: fairseq seeds torch with seed + num_updates before
+        each update, and torch.initial_seed() is that seed whatever has been drawn since (dropout
+        draws a worker-dependent amount, so the global stream itself differs across workers)."""
+        return torch.Generator().manual_seed(torch.initial_seed() + 1)
+
+    def _heldout_samples(self, task, device, generator):
         if self.valid_subset not in task.datasets:
             task.load_dataset(self.valid_subset, combine=False, epoch=1)
         dataset = task.datasets[self.valid_subset]
         n, T = len(dataset), self.config.dropout_step
         if n == 0:
             raise ValueError(f"--attendout-valid-subset {self.valid_subset!r} is empty: AttendOut needs held-out samples")
-        # Global generator, seeded per update by fairseq: every worker draws the same samples.
-        idx = torch.randperm(n)[:T] if n >= T else torch.randint(0, n, (T,))
+        idx = torch.randperm(n, generator=generator)[:T] if n >= T else torch.randint(0, n, (T,), generator=generator)
         samples = []
         for start in range(0, len(idx), 64):
             batch = dataset.collater([dataset[int(i)] for i in idx[start:start + 64]])
@@ -176,10 +188,11 @@ class FairseqAttendOut:
 
     def _finish_dropout_step(self, defender, optimizer, criterion, task, update_num) -> None:
         bare = bare_module(defender)
-        samples = self._heldout_samples(task, next(bare.parameters()).device)
+        shared = self._shared_generator()
+        samples = self._heldout_samples(task, next(bare.parameters()).device, shared)
         d_losses = self._heldout_losses(bare, samples, criterion)
         a_losses = self._heldout_losses(self.attacker, samples, criterion)
-        stats = self.game.finish_dropout_step(d_losses, a_losses)
+        stats = self.game.finish_dropout_step(d_losses, a_losses, generator=shared)
         d_params = [p for p in bare.parameters() if p.requires_grad]
         a_params = [p for p in self.attacker.parameters() if p.requires_grad]
         d_opt, a_opt = optimizer.optimizer, self.attacker_optimizer.optimizer
