@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from .attention import CaptureOutput, CaptureProbs
 
@@ -56,7 +57,8 @@ def gradient_attribution(target: torch.Tensor, capture: CaptureOutput) -> List[t
 
     Only the captured outputs are asked for, so no parameter gradient is computed or touched.
     """
-    grads = torch.autograd.grad(target, capture.outputs, allow_unused=True)
+    with record_function("ad_drop::attribution_gradient"):
+        grads = torch.autograd.grad(target, capture.outputs, allow_unused=True)
     out = []
     for g, o, v in zip(grads, capture.outputs, capture.values):
         if g is None:  # the layer does not influence the target (e.g. cut off by a mask)
@@ -67,5 +69,6 @@ def gradient_attribution(target: torch.Tensor, capture: CaptureOutput) -> List[t
 
 def probs_gradient(target: torch.Tensor, capture: CaptureProbs) -> List[torch.Tensor]:
     """dF/dA for every captured (explicit) attention map, again from one autograd call."""
-    grads = torch.autograd.grad(target, capture.probs, allow_unused=True)
+    with record_function("ad_drop::attribution_gradient"):
+        grads = torch.autograd.grad(target, capture.probs, allow_unused=True)
     return [torch.zeros_like(p, dtype=torch.float32) if g is None else g.float() for g, p in zip(grads, capture.probs)]
