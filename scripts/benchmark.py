@@ -666,7 +666,8 @@ class HFBench:
         self.plain_trainer = transformers.Trainer(model=self.model, args=args)
         # Installs the sites and switches the model to "attn_reg"; stock_attention() switches back.
         self.ad_trainer = ADDropTrainer(model=self.model, args=args, ad_drop=_idle_config())
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=2e-5)
+        # The Trainer's own optimizer (fused AdamW by default on torch >= 2.8), shared by both trainers.
+        self.optimizer = self.plain_trainer.create_optimizer()
         dtype = DTYPES[opts.dtype]
         self.autocast = (lambda: torch.autocast(opts.device, dtype=dtype)) if opts.dtype != "fp32" else contextlib.nullcontext
         self.scaler = torch.amp.GradScaler(opts.device) if opts.dtype == "fp16" else None
