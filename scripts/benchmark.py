@@ -24,8 +24,10 @@ one builder per framework, ``builder(bench, workload) -> Step``, and append a :c
 to ``VARIANTS`` with the workload it runs on and its targets. A bench gives the builder what a
 step needs: ``bench.model`` / ``bench.optimizer`` / ``bench.batches[workload]``, and
 ``FairseqBench.train_step(criterion, epoch, batch, stock=False)`` (fairseq-train's update with
-any criterion) or ``HFBench._train(trainer, batch, epoch, stock=False)`` (a Trainer's
-compute_loss, backward, optimizer step). For example, a criterion-based regularizer::
+any criterion) or ``HFBench.train_step(trainer, epoch, batch, stock=False)`` (a Trainer's
+compute_loss, backward, optimizer step; a trainer that installs its own attention sites on
+the shared model wraps its step in ``HFBench.attention_sites(...)``). For example, a
+criterion-based regularizer::
 
     Variant("attendout", "AttendOut ...", "train",
             {"fairseq": lambda b, w: b.train_step(my_criterion(b.task), epoch=1, batch=w)},
@@ -544,7 +546,7 @@ class FairseqBench:
                 m.__class__ = self.regularized_class
 
     # -- training ------------------------------------------------------------------------------
-    def train_step(self, criterion, epoch: int, batch: str, stock: bool) -> Step:
+    def train_step(self, criterion, epoch: int, batch: str, stock: bool = False) -> Step:
         """fairseq-train's update: task.train_step (forward + backward), grads / sample size, grad norm, optimizer step."""
         sample = self.batches[batch]
 
@@ -690,7 +692,26 @@ class HFBench:
         finally:
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
-    def _train(self, trainer, batch: str, epoch: int, stock: bool) -> Step:
+    @contextlib.contextmanager
+    def attention_sites(self, sites) -> Iterator[None]:
+        """Point the model's attention modules at ``sites`` for one step, then restore.
+
+        ``sites`` are (module path, site) pairs as ``install_attention_sites`` returns them
+        (``ADDropTrainer.ad_drop_sites``). Every trainer that installs its own sites on the
+        shared model keeps them this way, so the benchmark's trainers do not take each
+        other's sites over.
+        """
+        modules = dict(self.model.named_modules())
+        previous = [(modules[path], getattr(modules[path], "attn_reg_site", None)) for path, _ in sites]
+        for path, site in sites:
+            modules[path].attn_reg_site = site
+        try:
+            yield
+        finally:
+            for module, site in previous:
+                module.attn_reg_site = site
+
+    def train_step(self, trainer, epoch: int, batch: str, stock: bool = False) -> Step:
         """The Trainer's compute_loss (which AD-DROP wraps), backward, optimizer step."""
         inputs = self.batches[batch]
 
@@ -715,11 +736,11 @@ class HFBench:
 
     def ad_drop_step(self, config, epoch: int, batch: str) -> Step:
         from attn_reg_plugin.core.ad_drop import ADDrop
-        from attn_reg_plugin.hf.trainer import _flag
 
         trainer = self.ad_trainer
-        ad_drop = ADDrop(config, trainer.ad_drop_controller, flag=_flag)
-        step = self._train(trainer, batch, epoch, stock=False)
+        ad_drop = ADDrop(config, trainer.ad_drop_controller, flag=lambda name: f"ADDropConfig.{name}")
+        step = self.train_step(trainer, epoch=epoch, batch=batch)
+        step.state = lambda: self.attention_sites(trainer.ad_drop_sites)
         inner_prepare = step.prepare
 
         def prepare(round_index: int) -> None:
@@ -738,11 +759,11 @@ class HFBench:
                 trainer.prediction_step(self.model, dict(inputs), prediction_loss_only=False)
 
         return Step(run=run, prepare=lambda r: self.model.eval(),
-                    state=contextlib.nullcontext if plugin else self.stock_attention)
+                    state=(lambda: self.attention_sites(trainer.ad_drop_sites)) if plugin else self.stock_attention)
 
     def reference(self, workload: str) -> Step:
         if workload in ("train", "train-small"):
-            return self._train(self.plain_trainer, workload, epoch=1, stock=True)
+            return self.train_step(self.plain_trainer, epoch=1, batch=workload, stock=True)
         if workload == "validation":
             return self.validation_step(plugin=False)
         raise ValueError(workload)
