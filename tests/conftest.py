@@ -53,6 +53,10 @@ def fairseq_setup(data_bin, extra):
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
+    # --user-dir imports the package only if it is not imported yet; when a core-only test
+    # imported it before fairseq, its fairseq parts must be registered explicitly.
+    import attn_reg_plugin.fairseq_plugin  # noqa: F401
+
     parser = options.get_training_parser()
     args = options.parse_args_and_arch(parser, [str(data_bin), "--user-dir", str(PLUGIN_DIR), "--cpu", *extra])
     cfg = convert_namespace_to_omegaconf(args)

@@ -18,6 +18,7 @@ the controller for one forward pass:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
@@ -84,6 +85,13 @@ def _combined_bias(
     return bias, valid
 
 
+def _broadcast_count(mask: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
+    """Number of True entries of ``mask`` broadcast to ``shape``, without materialising it."""
+    if mask.numel() == 0:
+        return mask.sum()
+    return mask.sum() * (math.prod(shape) // mask.numel())
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -122,13 +130,16 @@ def attend(
             # has no influence on a uniform row.
             q = q.masked_fill(uniform, 0.0)
         if drop is not None:
-            edit = additive_mask(drop, q.dtype)
-            bias = edit if bias is None else bias + edit
+            if bias is None:
+                bias = additive_mask(drop, q.dtype)
+            else:
+                # bias + drop * fill in one pass: the same values as bias + additive_mask(drop).
+                bias = torch.add(bias, drop, alpha=mask_fill_value(q.dtype))
             if hook.stats is not None:
                 # Count over the full (B, H, T, S): a mask shared by heads drops in each head.
                 dropped = (drop & valid).expand(shape).sum()
                 hook.stats[0] = hook.stats[0] + dropped
-                hook.stats[1] = hook.stats[1] + valid.expand(shape).sum()
+                hook.stats[1] = hook.stats[1] + _broadcast_count(valid, shape)
         hook = None
 
     if isinstance(hook, CaptureOutput):

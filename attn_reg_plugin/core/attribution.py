@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from .attention import CaptureOutput, CaptureProbs
 
@@ -113,7 +114,8 @@ def gradient_attribution(
     Only the captured outputs are asked for, so no parameter gradient is computed or touched.
     ``scale`` keeps fp16 gradients from flushing to zero (:class:`GradientScale`); None: unscaled.
     """
-    grads = scale.grad(target, capture.outputs) if scale is not None else _float_grads(target, capture.outputs)
+    with record_function("ad_drop::attribution_gradient"):
+        grads = scale.grad(target, capture.outputs) if scale is not None else _float_grads(target, capture.outputs)
     out = []
     for g, o, v in zip(grads, capture.outputs, capture.values):
         if g is None:  # the layer does not influence the target (e.g. cut off by a mask)
@@ -126,5 +128,6 @@ def probs_gradient(
     target: torch.Tensor, capture: CaptureProbs, scale: Optional[GradientScale] = None
 ) -> List[torch.Tensor]:
     """dF/dA for every captured (explicit) attention map, again from one autograd call."""
-    grads = scale.grad(target, capture.probs) if scale is not None else _float_grads(target, capture.probs)
+    with record_function("ad_drop::attribution_gradient"):
+        grads = scale.grad(target, capture.probs) if scale is not None else _float_grads(target, capture.probs)
     return [torch.zeros_like(p, dtype=torch.float32) if g is None else g for g, p in zip(grads, capture.probs)]
