@@ -35,3 +35,7 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q
+
+# Cost of every regularizer against plain training, side by side (docs/PERFORMANCE.md).
+benchmark: $(STAMP)
+	$(PY) scripts/benchmark.py --out outputs/benchmark/results.json

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The main job: EN->RO Transformer from scratch, plain vs AD-DROP, on the shipped corpus.
+"""The main job: EN->RO Transformer from scratch, plain vs AD-DROP vs AttendOut, on the shipped corpus.
 
     make demo                      # = .venv/bin/python scripts/demo.py
     python scripts/demo.py --epochs 20 --out outputs/demo-long
@@ -7,8 +7,11 @@
 Trains a joint sentencepiece model, binarizes with fairseq-preprocess, trains the same small
 Transformer twice with the same budget (epochs, seed) through fairseq-train with the plugin
 (plain label-smoothed cross-entropy; AD-DROP, cross-tuned, paper EN-RO p=q=0.2 on encoder
-self-attention), translates the test set with fairseq-generate, and prints one table:
-method, best valid loss, test BLEU (sacrebleu, detokenized output vs raw references), train time.
+self-attention; AttendOut on encoder self-attention, dropout step T=20), translates the test
+set with fairseq-generate, and prints one table: method, best valid loss, test BLEU
+(sacrebleu, detokenized output vs raw references), train time. AttendOut's per-layer drop
+probability is written to attendout_drop_prob.jsonl and plotted (paper Fig. 3). The two
+no-extra-cost regularizers run with ``--methods sched-dropout,attn-layerdrop``.
 """
 from __future__ import annotations
 
@@ -44,7 +47,15 @@ METHODS = {
     "plain": ["--criterion", "label_smoothed_cross_entropy"],
     "AD-DROP": ["--criterion", "ad_drop_label_smoothed_cross_entropy", "--ad-drop-p", "0.2", "--ad-drop-q", "0.2",
                 "--ad-drop-attention", "encoder-self", "--ad-drop-layers", "all", "--ad-drop-schedule", "cross-tuning"],
+    "AttendOut": ["--criterion", "label_smoothed_cross_entropy", "--attendout", "--attendout-dropout-step", "20",
+                  "--attendout-attention", "encoder-self", "--attendout-layers", "all"],
+    # Paper Sec. 7: the random stand-ins (not run by default; add them with --methods).
+    "sched-dropout": ["--criterion", "label_smoothed_cross_entropy", "--attn-sched-dropout-schedule", "0:0.3,1500:0.1",
+                      "--attn-sched-dropout-attention", "encoder-self"],
+    "attn-layerdrop": ["--criterion", "label_smoothed_cross_entropy", "--attn-layerdrop-p", "0.2",
+                       "--attn-layerdrop-attention", "encoder-self"],
 }
+DEFAULT_METHODS = ("plain", "AD-DROP", "AttendOut")
 
 
 def subset_corpus(raw: Path, dest: Path, n_train: int) -> Path:
@@ -65,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=12, help="training epochs for each method (>= 2, so cross-tuning has an AD-DROP epoch)")
     ap.add_argument("--vocab-size", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma list of {', '.join(METHODS)}")
     ap.add_argument("--quick", action="store_true", help="tiny model and data: checks the pipeline in about a minute")
     args = ap.parse_args(argv)
     if args.epochs < 2:
@@ -92,27 +103,39 @@ def main(argv=None) -> int:
     rows = []
     for method in methods:
         print(f"== training {method} ({args.epochs} epochs)", flush=True)
+        extra = []
+        drop_log = out / "attendout_drop_prob.jsonl"
+        if "--attendout" in METHODS[method]:
+            extra = ["--attendout-log-file", str(drop_log)]
         result = mt.train(method, data_bin, out / "checkpoints" / method,
-                          [*model_args, *METHODS[method], "--max-epoch", str(args.epochs), "--seed", str(args.seed)],
+                          [*model_args, *METHODS[method], *extra, "--max-epoch", str(args.epochs), "--seed", str(args.seed)],
                           log=lambda s: print(s, flush=True))
+        if extra and drop_log.exists():
+            import plot_attendout
+
+            plot_attendout.plot(drop_log, out / "attendout_drop_prob.png")
         print(f"== translating the test set with {method}'s best checkpoint", flush=True)
         bleu = mt.generate_bleu(data_bin, result.save_dir / "checkpoint_best.pt", raw / "test.ro",
                                 out / "translations" / method, extra=["--cpu"])
         last = result.epochs[-1] if result.epochs else {}
         rates = [float(e["ad_drop_rate"]) for e in result.epochs if e.get("ad_drop_on") == "1"]
+        # AttendOut: the generator's mean drop probability over layers in the last epoch.
+        layer_probs = [float(v) for k, v in last.get("train_metrics", {}).items() if k.startswith("attendout_p_")]
         rows.append({
             "method": method,
             "valid_loss": result.best_valid_loss,
             "test_bleu": bleu["bleu"],
             "train_seconds": round(result.train_seconds, 1),
             "ad_drop_rate": round(sum(rates) / len(rates), 4) if rates else "-",
+            "attendout_drop_prob": round(sum(layer_probs) / len(layer_probs), 4) if layer_probs else "-",
             "epochs": len(result.epochs),
             "final_train_loss": last.get("train_loss"),
         })
     table = mt.write_table(
         rows,
         [("method", "method"), ("best valid loss", "valid_loss"), ("test BLEU", "test_bleu"),
-         ("train time (s)", "train_seconds"), ("AD-DROP rate", "ad_drop_rate")],
+         ("train time (s)", "train_seconds"), ("AD-DROP rate", "ad_drop_rate"),
+         ("AttendOut drop prob. (last epoch)", "attendout_drop_prob")],
         out / "results.md", out / "results.json",
     )
     print()

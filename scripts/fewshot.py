@@ -156,6 +156,9 @@ class Method:
 def _build_plain(opts, **trainer_kwargs):
     import transformers
 
+    # eval_dataset is only for methods that draw held-out samples (AttendOut); plain and AD-DROP
+    # never see it, so every method trains on exactly the same data.
+    trainer_kwargs.pop("eval_dataset", None)
     return transformers.Trainer(**trainer_kwargs)
 
 
@@ -178,7 +181,30 @@ def _ad_drop_config(opts):
 def _build_ad_drop(opts, **trainer_kwargs):
     from attn_reg_plugin.hf import ADDropTrainer
 
+    trainer_kwargs.pop("eval_dataset", None)
     return ADDropTrainer(**trainer_kwargs, ad_drop=_ad_drop_config(opts))
+
+
+def _attendout_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("attendout", "AttendOut options (attn_reg_plugin AttendOutConfig fields)")
+    group.add_argument("--attendout-dropout-step", type=int, default=4,
+                       help="T: updates per dropout step = dev samples drawn per evaluation (the paper uses the dev set)")
+    group.add_argument("--attendout-init-drop", type=float, default=0.2, help="starting drop probability, in (0, 1)")
+    group.add_argument("--attendout-lr", type=float, default=1e-3, help="generator learning rate, > 0")
+    group.add_argument("--attendout-layers", default="all", help="'all' or 0-based comma list of encoder layers")
+
+
+def _attendout_config(opts):
+    from attn_reg_plugin.core.attendout import AttendOutConfig
+
+    return AttendOutConfig(dropout_step=opts.attendout_dropout_step, init_drop=opts.attendout_init_drop,
+                           lr=opts.attendout_lr, layers=opts.attendout_layers, attention="encoder-self")
+
+
+def _build_attendout(opts, **trainer_kwargs):
+    from attn_reg_plugin.hf import AttendOutTrainer
+
+    return AttendOutTrainer(**trainer_kwargs, attendout=_attendout_config(opts))
 
 
 def _ad_drop_settings(opts) -> dict:
@@ -195,6 +221,13 @@ METHODS: Dict[str, Method] = {
         add_arguments=_ad_drop_arguments,
         settings=_ad_drop_settings,
         min_epochs=lambda opts: 2 if opts.ad_drop_schedule == "cross-tuning" else 1,
+    ),
+    "attendout": Method(
+        "attendout",
+        "attn_reg_plugin.hf.AttendOutTrainer (held-out samples: the dev subset)",
+        _build_attendout,
+        add_arguments=_attendout_arguments,
+        settings=lambda opts: vars(_attendout_config(opts).validate()),
     ),
 }
 
@@ -262,6 +295,7 @@ class Splits:
     dev: List[dict]  # eval batches
     test: List[dict]
     num_labels: int
+    dev_features: List[dict] = None  # the dev examples one by one (AttendOut's held-out draws)
 
 
 def _epoch_callback(dev: List[dict], test_every_epoch: Optional[List[dict]]):
@@ -319,7 +353,7 @@ def run_one(opts, method: Method, splits: Splits, size: int, seed: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="fewshot-") as tmp:
         trainer = method.build(
             opts, model=model, args=training_arguments(opts, seed, tmp), train_dataset=train,
-            data_collator=transformers.DataCollatorWithPadding(splits.tokenizer), callbacks=[callback],
+            eval_dataset=splits.dev_features, data_collator=transformers.DataCollatorWithPadding(splits.tokenizer), callbacks=[callback],
         )
         if not opts.verbose:  # the per-epoch numbers go to runs.jsonl; one line per run is printed
             trainer.remove_callback(transformers.PrinterCallback)
@@ -340,7 +374,10 @@ def run_one(opts, method: Method, splits: Splits, size: int, seed: int) -> dict:
             row["test_acc"] = callback.test[i]
         epochs.append(row)
     chosen = best_epoch(callback.dev)
-    return {
+    # AttendOut: the generator's mean drop probability over layers and dropout steps.
+    probs = [v for h in trainer.state.log_history for k, v in h.items() if k.startswith("attendout_p_")]
+    extra = {"attendout_drop_prob": statistics.fmean(probs)} if probs else {}
+    return {**extra,
         "size": size, "seed": seed, "method": method.name, "train_labels": [sum(e.label == c for e in subset) for c in range(splits.num_labels)],
         "best_epoch": chosen, "best_dev_acc": callback.dev[chosen - 1], "test_acc": test_acc,
         "train_seconds": round(train_seconds, 2), "epochs": epochs,
@@ -370,6 +407,9 @@ def summarize(runs: List[dict], sizes: Sequence[int], methods: Sequence[str], ba
             rates = [e["ad_drop_rate"] for r in rs for e in r["epochs"] if e.get("ad_drop_on")]
             if rates:
                 row["ad_drop_rate_mean"] = statistics.fmean(rates)
+            probs = [r["attendout_drop_prob"] for r in rs if "attendout_drop_prob" in r]
+            if probs:
+                row["attendout_drop_prob_mean"] = statistics.fmean(probs)
             summary.append(row)
             if m != baseline and baseline in by_method:
                 common = sorted(set(by_method[m]) & set(by_method[baseline]))
@@ -509,6 +549,7 @@ def validate_methods(opts, splits: Splits) -> None:
         for name in opts.methods:  # a fresh model each: a trainer may re-route the model's attention
             METHODS[name].build(opts, model=load_model(opts, 0), args=training_arguments(opts, 0, tmp),
                                 train_dataset=encode(splits.tokenizer, splits.train[:1], opts.max_length),
+                                eval_dataset=splits.dev_features,
                                 data_collator=transformers.DataCollatorWithPadding(splits.tokenizer))
 
 
@@ -540,6 +581,7 @@ def main(argv=None) -> int:
         eval_batches(tokenizer, encode(tokenizer, dev, opts.max_length), opts.eval_batch_size),
         eval_batches(tokenizer, encode(tokenizer, files["test"], opts.max_length), opts.eval_batch_size),
         opts.num_labels,
+        encode(tokenizer, dev, opts.max_length),
     )
     try:
         validate_methods(opts, splits)

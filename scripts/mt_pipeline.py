@@ -51,19 +51,55 @@ def run_logged(cmd: Sequence[str], log_path: Path, on_line: Optional[Callable[[s
     return time.time() - start
 
 
+class CorpusError(ValueError):
+    """Malformed parallel text; the message names the file and, where there is one, the line."""
+
+
+def check_text_file(path: Path) -> int:
+    """Number of lines of ``path`` after checking every one; raises :class:`CorpusError`.
+
+    Read as bytes split at ``\\n`` only, so the count is the one every later tool sees:
+    a line must be UTF-8, must hold some non-whitespace text, and must not contain a lone
+    ``\\r``: Python's text mode (which encodes the corpus below) and fairseq-preprocess end a
+    line there while ``wc -l`` does not, so one side would silently shift. CRLF endings are fine.
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"missing {path}")
+    count = 0
+    with open(path, "rb") as f:
+        for count, raw in enumerate(f, start=1):
+            line = raw[:-1] if raw.endswith(b"\n") else raw
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CorpusError(f"{path}:{count}: not valid UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line)") from None
+            if "\r" in text:
+                raise CorpusError(f"{path}:{count}: carriage return inside the line (tools disagree on where such a line ends)")
+            if not text.strip():
+                raise CorpusError(f"{path}:{count}: empty line (every line must be a sentence; remove the pair from both sides)")
+    if count == 0:
+        raise CorpusError(f"{path}: the file is empty")
+    return count
+
+
 def check_parallel(raw_dir: Path, src: str, tgt: str, splits: Sequence[str] = SPLITS) -> Dict[str, int]:
-    """Line counts per split; refuses mismatched sides instead of truncating silently."""
+    """Pairs per split after checking every line of both sides; nothing is skipped or truncated.
+
+    Raises :class:`CorpusError` naming the file and line of the first problem: invalid UTF-8,
+    an empty line, a carriage return inside a line, or sides with different line counts.
+    """
     counts = {}
     for split in splits:
-        n = {}
-        for lang in (src, tgt):
-            path = raw_dir / f"{split}.{lang}"
-            if not path.exists():
-                raise FileNotFoundError(f"missing {path}")
-            with open(path, encoding="utf-8") as f:
-                n[lang] = sum(1 for _ in f)
+        paths = {lang: raw_dir / f"{split}.{lang}" for lang in (src, tgt)}
+        n = {lang: check_text_file(path) for lang, path in paths.items()}
         if n[src] != n[tgt]:
-            raise ValueError(f"{raw_dir}/{split}: {n[src]} lines in .{src} but {n[tgt]} in .{tgt}")
+            longer = src if n[src] > n[tgt] else tgt
+            raise CorpusError(
+                f"{paths[src]} has {n[src]} lines but {paths[tgt]} has {n[tgt]}: "
+                f"{paths[longer]}:{min(n.values()) + 1} has no counterpart"
+            )
         counts[split] = n[src]
     return counts
 
@@ -131,7 +167,8 @@ def train(name: str, data_bin: Path, save_dir: Path, args: Sequence[str], log: C
         kind, epoch, rest = m.group(1), int(m.group(2)), _metrics(m.group(3))
         rec = epochs.setdefault(epoch, {"epoch": epoch})
         if kind == "train":
-            rec.update(train_loss=float(rest["loss"]), ad_drop_on=rest.get("ad_drop_on"), ad_drop_rate=rest.get("ad_drop_rate"))
+            rec.update(train_loss=float(rest["loss"]), ad_drop_on=rest.get("ad_drop_on"), ad_drop_rate=rest.get("ad_drop_rate"),
+                       train_metrics=rest)
             extra = f" AD-DROP on, dropped {float(rest['ad_drop_rate']):.2%}" if rest.get("ad_drop_on") == "1" else ""
             log(f"  [{name}] epoch {epoch:3d} train loss {rest['loss']:>7}{extra} valid loss {rec.get('valid_loss', '?'):>7} wall {rest.get('wall', '?')}s")
         else:

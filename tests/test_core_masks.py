@@ -656,13 +656,15 @@ def test_property_ad_drop_masks(case):
     assert not (drop & ~valid).any()
     assert not (drop & ~region).any()
     assert ((valid & ~drop).sum(-1) >= 1)[n > 0].all()
-    q_, k_, v_ = (torch.randn(B, H, m, 4, generator=g).to(dtype) for m in (T, S, S))
+    q_, k_, v_ = (torch.randn(B, H, m, 4, generator=g).to(dtype).requires_grad_() for m in (T, S, S))
     bias = torch.zeros(B, 1, T if causal else 1, S, dtype=dtype).masked_fill(~valid[:, :1], float("-inf"))
     out, probs = attend(q_, k_, v_, bias, site=_site(EditScores(drop=drop)), need_weights=True)
     assert not torch.isnan(out).any() and not torch.isnan(probs).any()
     assert (probs[drop | ~valid] == 0).all()
     fused, _ = attend(q_, k_, v_, bias, site=_site(EditScores(drop=drop)))
     assert torch.isfinite(fused).all()
+    (out.float().sum() + fused.float().square().sum()).backward()  # both paths, backward too
+    assert all(torch.isfinite(t.grad).all() for t in (q_, k_, v_))
 
 
 def test_edit_stats_count_every_head_and_callable_sees_full_shape():

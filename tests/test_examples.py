@@ -45,7 +45,7 @@ def test_pipeline_refuses_mismatched_parallel_files(tmp_path):
         (tmp_path / f"{split}.en").write_text("a\nb\n")
         (tmp_path / f"{split}.ro").write_text("a\nb\n")
     (tmp_path / "valid.ro").write_text("a\n")
-    with pytest.raises(ValueError, match=r"valid: 2 lines in \.en but 1 in \.ro"):
+    with pytest.raises(mt.CorpusError, match=r"valid\.en has 2 lines but .*valid\.ro has 1: .*valid\.en:2 has no counterpart"):
         mt.check_parallel(tmp_path, "en", "ro")
 
 
@@ -54,10 +54,27 @@ def test_demo_quick_prints_the_table(tmp_path, capsys):
     demo = _load(REPO / "scripts" / "demo.py", "demo")
     assert demo.main(["--quick", "--epochs", "2", "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
-    assert "| method | best valid loss | test BLEU | train time (s) | AD-DROP rate |" in out
+    assert "| method | best valid loss | test BLEU | train time (s) | AD-DROP rate | AttendOut drop prob. (last epoch) |" in out
     rows = json.loads((tmp_path / "demo" / "results.json").read_text())
-    assert [r["method"] for r in rows] == ["plain", "AD-DROP"]
+    assert [r["method"] for r in rows] == ["plain", "AD-DROP", "AttendOut"]
     assert rows[0]["ad_drop_rate"] == "-" and 0 < rows[1]["ad_drop_rate"] < 0.2
+    assert rows[1]["attendout_drop_prob"] == "-" and 0 < rows[2]["attendout_drop_prob"] < 1
+    assert (tmp_path / "demo" / "attendout_drop_prob.png").stat().st_size > 0  # the Fig. 3 style plot
     assert all(r["test_bleu"] >= 0 and r["valid_loss"] > 0 for r in rows)
     hyps = (tmp_path / "demo" / "translations" / "AD-DROP" / "test.hyp").read_text().splitlines()
     assert len(hyps) == 50  # every test sentence translated (quick mode keeps 50)
+
+
+def test_plot_attendout_reads_the_log_and_rejects_bad_lines(tmp_path):
+    import plot_attendout
+
+    log = tmp_path / "drop.jsonl"
+    log.write_text('{"update": 20, "drop_prob": {"encoder-self.0": 0.2, "encoder-self.1": 0.3}}\n'
+                   '{"update": 40, "drop_prob": {"encoder-self.0": 0.25, "encoder-self.1": 0.1}}\n')
+    updates, series = plot_attendout.read_log(log)
+    assert updates == [20, 40] and series == {"encoder-self.0": [0.2, 0.25], "encoder-self.1": [0.3, 0.1]}
+    assert plot_attendout.main([str(log), "--out", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    log.write_text('{"update": 20, "drop_prob": {"encoder-self.0": 0.2}}\n{"oops": 1}\n')
+    with pytest.raises(ValueError, match=r"drop\.jsonl:2: not an AttendOut drop-probability record"):
+        plot_attendout.read_log(log)

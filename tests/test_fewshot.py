@@ -177,6 +177,23 @@ def test_end_to_end_toy_run(tmp_path, minilm):
     assert any(line.startswith("| ad-drop − plain |") for line in table)
 
 
+def test_attendout_method_draws_held_out_samples_from_dev(tmp_path, minilm):
+    paths = _tiny_splits(tmp_path)
+    out = tmp_path / "out"
+    code = fewshot.main([
+        "--train", str(paths["train"]), "--dev", str(paths["dev"]), "--test", str(paths["test"]), "--model", minilm,
+        "--sizes", "8", "--seeds", "1", "--methods", "plain,attendout", "--epochs", "2", "--batch-size", "4",
+        "--lr", "1e-4", "--max-length", "32", "--attendout-dropout-step", "2", "--out-dir", str(out),
+    ])
+    assert code == 0
+    result = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    runs = {r["method"]: r for r in result["runs"]}
+    assert 0 < runs["attendout"]["attendout_drop_prob"] < 1 and "attendout_drop_prob" not in runs["plain"]
+    summary = {r["method"]: r for r in result["summary"]}
+    assert summary["attendout"]["attendout_drop_prob_mean"] == runs["attendout"]["attendout_drop_prob"]
+    assert result["config"]["method_settings"]["attendout"]["dropout_step"] == 2
+
+
 # -- merging runs from several result files ----------------------------------------------------
 def _result(lr, runs):
     config = {"model": "m", "num_labels": 2, "max_length": 64, "dev_subset": None,

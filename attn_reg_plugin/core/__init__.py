@@ -1,1 +1,56 @@
-"""Framework-free PyTorch core: masks, attribution, the attention kernel, regularizers."""
+"""Framework-free PyTorch core: masks, attribution, the attention kernel, regularizers.
+
+This is also the porting API for your own model (no fairseq or transformers needed). Four steps;
+``examples/custom_seq2seq/`` is a complete encoder-decoder that follows them:
+
+1. **Register** each attention module once, when the model is built::
+
+       controller = RegularizationController()
+       self.site = controller.register("encoder-self", layer)   # or "decoder-self", "encoder-decoder"
+
+2. **Attend** through the core kernel inside the module's forward, after projecting q/k/v
+   to (B, H, T, d)::
+
+       out, _ = attend(q, k, v, bias=mask, dropout_p=p if self.training else 0.0, site=self.site)
+
+   ``mask``: bool (True = may attend) or additive float, broadcastable to (B, H, T, S). With no
+   AD-DROP pass running this is ordinary scaled dot-product attention.
+
+3. **Target**: the scalar whose gradient attributes each attention map, as a function
+   ``(model output, labels or None) -> (F, labels used)``::
+
+       target = lambda logits, labels: token_loss_target(logits, tgt != pad, labels)   # seq2seq, tagging
+       # logit_target(logits, labels) for classifiers; regression_target(pred, gold) for regression
+
+4. **Wrap** the training forward on the epochs the schedule selects::
+
+       ad_drop = ADDrop(ADDropConfig(p=0.2, q=0.2, attention="encoder-self"), controller)
+       if ad_drop_epoch(ad_drop.config.schedule, epoch):            # 1-based; even epochs
+           with ad_drop.masked(lambda: model(src, prev), target, frozen=model) as stats:
+               loss = criterion(model(src, prev), tgt)              # this forward is masked
+           rate = stats["dropped"] / stats["valid"]
+       else:
+           loss = criterion(model(src, prev), tgt)
+       loss.backward()
+
+``masked`` runs the attribution pass (no parameter gradients, graph freed) before the block;
+only the block's loss is back-propagated. Bad options raise ``ValueError`` naming the option.
+"""
+from .ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
+from .attention import attend
+from .attribution import logit_target, regression_target, token_loss_target
+from .controller import ATTENTION_KINDS, AttentionSite, RegularizationController
+
+__all__ = [
+    "ADDrop",
+    "ADDropConfig",
+    "ATTENTION_KINDS",
+    "AttentionSite",
+    "RegularizationController",
+    "ad_drop_epoch",
+    "attend",
+    "bare_module",
+    "logit_target",
+    "regression_target",
+    "token_loss_target",
+]

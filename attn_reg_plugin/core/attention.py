@@ -18,6 +18,7 @@ the controller for one forward pass:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
@@ -58,13 +59,14 @@ class EditScores:
     ``drop``: bool, True where a key is removed from a row (broadcastable to (B, H, T, S)), or
     a callable ``(valid) -> drop`` evaluated inside the kernel when the mask depends only on
     shapes and validity (random-region AD-DROP, scheduled dropout).
-    ``uniform_rows``: bool broadcastable to (B, H, T, 1); such rows attend uniformly to their
-    valid keys (AttendOut Eq. 4, attention LayerDrop).
+    ``uniform_rows``: True (every row) or bool broadcastable to (B, H, T, 1); such rows attend uniformly to their
+    valid keys (attention LayerDrop). A row whose every valid key is in ``drop`` is made
+    uniform the same way (AttendOut Eq. 4), never left all-masked.
     ``stats``: when given, ``[dropped, valid]`` counts of this pass are added to it.
     """
 
     drop: Optional[object] = None
-    uniform_rows: Optional[torch.Tensor] = None
+    uniform_rows: Optional[object] = None
     stats: Optional[List[torch.Tensor]] = None
 
 
@@ -81,6 +83,13 @@ def _combined_bias(
         # Clamp -inf to a finite negative: a padding mask plus a drop mask stays finite.
         bias = bias.to(dtype).clamp(min=mask_fill_value(dtype))
     return bias, valid
+
+
+def _broadcast_count(mask: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
+    """Number of True entries of ``mask`` broadcast to ``shape``, without materialising it."""
+    if mask.numel() == 0:
+        return mask.sum()
+    return mask.sum() * (math.prod(shape) // mask.numel())
 
 
 def attend(
@@ -105,20 +114,32 @@ def attend(
     bias, valid = _combined_bias(bias, shape, q.dtype, q.device)
 
     if isinstance(hook, EditScores):
-        if hook.uniform_rows is not None:
+        uniform = hook.uniform_rows
+        if uniform is True:  # every row (attention LayerDrop); made on q's device, no copy
+            uniform = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device)
+        drop = hook.drop(valid.expand(shape)) if callable(hook.drop) else hook.drop
+        if drop is not None:
+            # A row that would lose every real key attends uniformly to them instead (AttendOut
+            # Eq. 4): softmax over an all-masked row is NaN or padding-weighted otherwise.
+            emptied = (drop | ~valid).all(dim=-1, keepdim=True) & valid.any(dim=-1, keepdim=True)
+            drop = drop & ~emptied
+            uniform = emptied if uniform is None else (uniform | emptied)
+        if uniform is not None:
             # A zero query row scores every key 0, so softmax is uniform over the valid keys
             # (the bias still removes padding); the row's query receives no gradient, as it
             # has no influence on a uniform row.
-            q = q.masked_fill(hook.uniform_rows, 0.0)
-        drop = hook.drop(valid.expand(shape)) if callable(hook.drop) else hook.drop
+            q = q.masked_fill(uniform, 0.0)
         if drop is not None:
-            edit = additive_mask(drop, q.dtype)
-            bias = edit if bias is None else bias + edit
+            if bias is None:
+                bias = additive_mask(drop, q.dtype)
+            else:
+                # bias + drop * fill in one pass: the same values as bias + additive_mask(drop).
+                bias = torch.add(bias, drop, alpha=mask_fill_value(q.dtype))
             if hook.stats is not None:
                 # Count over the full (B, H, T, S): a mask shared by heads drops in each head.
                 dropped = (drop & valid).expand(shape).sum()
                 hook.stats[0] = hook.stats[0] + dropped
-                hook.stats[1] = hook.stats[1] + valid.expand(shape).sum()
+                hook.stats[1] = hook.stats[1] + _broadcast_count(valid, shape)
         hook = None
 
     if isinstance(hook, CaptureOutput):

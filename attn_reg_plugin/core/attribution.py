@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from .attention import CaptureOutput, CaptureProbs
 
@@ -51,21 +52,82 @@ def regression_target(prediction: torch.Tensor, gold: torch.Tensor) -> Tuple[tor
     return -((prediction - gold.float()) ** 2).sum(), gold
 
 
-def gradient_attribution(target: torch.Tensor, capture: CaptureOutput) -> List[torch.Tensor]:
+class GradientScale:
+    """Power-of-two scaling of fp16 attribution backwards (the loss-scaling idea, for autograd.grad).
+
+    fp16 flushes magnitudes below 6e-8 to zero. Gradients of the target with respect to
+    attention outputs are often that small (small initialisation, deep or well-trained
+    models), and whole rows of attributions then tie at 0 and lose their ranking. The target
+    is multiplied by ``scale`` before ``autograd.grad`` and the gradients are divided by it
+    after conversion to float32. A power of two is exact in floating point and the candidate
+    region only compares values within a row, so scaling changes nothing but which small
+    values survive. As with mixed-precision training's loss scaler, the scale is the largest
+    that does not overflow: it starts at 2**16, is halved and the backward retried (the graph
+    is kept for that) when a gradient is inf/nan, and is doubled after ``growth_interval``
+    clean calls. Only fp16 inputs are scaled: bf16 has float32's range.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 100, min_scale: float = 2.0 ** -24):
+        self.scale = init_scale
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.clean_calls = 0
+
+    def grad(self, target: torch.Tensor, inputs: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        """float32 dF/d(input) for every input (None where the target does not depend on it)."""
+        if not any(t.dtype == torch.float16 for t in inputs):
+            return _float_grads(target, inputs)
+        if not bool(torch.isfinite(target)):
+            # The forward overflowed (fp16 training skips such a step): no ranking survives,
+            # zeros keep the masks valid, and the scale is not to blame.
+            return [None if g is None else torch.zeros_like(g, dtype=torch.float32)
+                    for g in torch.autograd.grad(target, inputs, allow_unused=True)]
+        start = self.scale
+        while True:
+            scale = self.scale
+            grads = torch.autograd.grad(target * scale, inputs, allow_unused=True, retain_graph=True)
+            present = [g for g in grads if g is not None]
+            finite = not present or bool(torch.stack([torch.isfinite(g).all() for g in present]).all())
+            if finite or scale <= self.min_scale:
+                break
+            self.scale = scale / 2
+            self.clean_calls = 0
+        if finite:
+            self.clean_calls += 1
+            if self.clean_calls % self.growth_interval == 0:
+                self.scale = scale * 2
+        else:  # not finite even at min_scale: an overflow inside the graph, not the scale's doing
+            self.scale = start
+        return [None if g is None else (g.float() / scale).nan_to_num(0.0, posinf=0.0, neginf=0.0) for g in grads]
+
+
+def _float_grads(target: torch.Tensor, inputs: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+    grads = torch.autograd.grad(target, inputs, allow_unused=True)
+    return [None if g is None else g.float() for g in grads]
+
+
+def gradient_attribution(
+    target: torch.Tensor, capture: CaptureOutput, scale: Optional[GradientScale] = None
+) -> List[torch.Tensor]:
     """dF/dA for every captured layer from ONE autograd call: (dF/dO) V^T.
 
     Only the captured outputs are asked for, so no parameter gradient is computed or touched.
+    ``scale`` keeps fp16 gradients from flushing to zero (:class:`GradientScale`); None: unscaled.
     """
-    grads = torch.autograd.grad(target, capture.outputs, allow_unused=True)
+    with record_function("ad_drop::attribution_gradient"):
+        grads = scale.grad(target, capture.outputs) if scale is not None else _float_grads(target, capture.outputs)
     out = []
     for g, o, v in zip(grads, capture.outputs, capture.values):
         if g is None:  # the layer does not influence the target (e.g. cut off by a mask)
-            g = torch.zeros_like(o)
-        out.append(torch.matmul(g.float(), v.float().transpose(-2, -1)))
+            g = torch.zeros_like(o, dtype=torch.float32)
+        out.append(torch.matmul(g, v.float().transpose(-2, -1)))
     return out
 
 
-def probs_gradient(target: torch.Tensor, capture: CaptureProbs) -> List[torch.Tensor]:
+def probs_gradient(
+    target: torch.Tensor, capture: CaptureProbs, scale: Optional[GradientScale] = None
+) -> List[torch.Tensor]:
     """dF/dA for every captured (explicit) attention map, again from one autograd call."""
-    grads = torch.autograd.grad(target, capture.probs, allow_unused=True)
-    return [torch.zeros_like(p, dtype=torch.float32) if g is None else g.float() for g, p in zip(grads, capture.probs)]
+    with record_function("ad_drop::attribution_gradient"):
+        grads = scale.grad(target, capture.probs) if scale is not None else _float_grads(target, capture.probs)
+    return [torch.zeros_like(p, dtype=torch.float32) if g is None else g for g, p in zip(grads, capture.probs)]

@@ -78,14 +78,19 @@ class RegularizationController:
     def num_layers(self, kind: str) -> int:
         return sum(1 for s in self.sites if s.kind == kind)
 
-    def select(self, kinds: Sequence[str], layers: Optional[Sequence[int]], option: str = "layers") -> List[AttentionSite]:
-        """The sites of the given kinds and layers, in registration order; errors name what the model lacks."""
+    def select(
+        self, kinds: Sequence[str], layers: Optional[Sequence[int]], option: str = "layers", kinds_option: str = "attention"
+    ) -> List[AttentionSite]:
+        """The sites of the given kinds and layers, in registration order.
+
+        Errors name the option (``option`` for layers, ``kinds_option`` for kinds) and what the model has.
+        """
         for kind in kinds:
             n = self.num_layers(kind)
             if n == 0:
                 have = sorted({s.kind for s in self.sites}) or ["none"]
                 raise ValueError(
-                    f"attention kind {kind!r} was asked for, but this model has no such attention "
+                    f"{kinds_option}: attention kind {kind!r} was asked for, but this model has no such attention "
                     f"(it has: {', '.join(have)})"
                 )
             if layers is not None and max(layers) >= n:

@@ -50,18 +50,19 @@ def candidate_region(attribution: torch.Tensor, valid: torch.Tensor, p: float) -
     """
     if not 0.0 < p <= 1.0:
         raise ValueError(f"p must be in (0, 1], got {p}")
-    valid = valid.expand_as(attribution)
-    n_valid = valid.sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+    # Counted before broadcasting: a padding mask (B, 1, 1, S) is summed once per sequence,
+    # not once per head and query.
+    n_valid = valid.sum(dim=-1, keepdim=True)
     # ceil(p * n) computed in float64 then clamped to n: p * n can land a hair above an integer.
     k = torch.ceil(n_valid.double() * p - 1e-9).clamp_(max=n_valid).long()
     # Every row has at most S valid keys, so ceil(p * S) bounds k without reading k back
     # to the host (no device synchronisation).
     k_max = min(attribution.shape[-1], math.ceil(attribution.shape[-1] * p))
-    scores = attribution.float().nan_to_num(0.0).masked_fill(~valid, float("-inf"))
+    scores = torch.where(valid, attribution.float().nan_to_num(0.0), float("-inf"))
     top_idx = scores.topk(k_max, dim=-1, sorted=True).indices
     take = torch.arange(k_max, device=attribution.device) < k  # first k of each row
     region = torch.zeros(attribution.shape, dtype=torch.bool, device=attribution.device)
-    return region.scatter_(-1, top_idx, take)
+    return region.scatter_(-1, top_idx, take.expand(top_idx.shape))
 
 
 def sample_drops(
@@ -93,23 +94,27 @@ def keep_one_valid_key(
     regularizer's intent is kept as far as possible); without attribution, the first valid key.
     Rows with no valid key at all (fully padded queries) are left alone.
     """
-    valid = valid.expand_as(drop)
     drop = drop & valid
-    emptied = ((valid & ~drop).sum(-1, keepdim=True) == 0) & valid.any(-1, keepdim=True)
+    n_valid = valid.sum(-1, keepdim=True)  # before broadcasting (see candidate_region)
+    emptied = (drop.sum(-1, keepdim=True) == n_valid) & (n_valid > 0)
+    if drop.device.type == "cpu" and not bool(emptied.any()):
+        # Emptied rows are rare; on the host, checking costs nothing and spares the search
+        # below. (On an accelerator the check would be a synchronisation; the search is cheap there.)
+        return drop
     if attribution is None:
         rank_source = torch.arange(drop.shape[-1], device=drop.device, dtype=torch.float32)
-        rank_source = rank_source.expand(drop.shape)
     else:
         rank_source = attribution.float().nan_to_num(0.0)
-    lowest = rank_source.masked_fill(~valid, float("inf")).argmin(dim=-1, keepdim=True)
-    restore = torch.zeros_like(drop).scatter_(-1, lowest, emptied)
+    lowest = torch.where(valid, rank_source, float("inf")).argmin(dim=-1, keepdim=True)
+    restore = torch.zeros_like(drop).scatter_(-1, lowest.expand(emptied.shape), emptied)
     return drop & ~restore
 
 
 def additive_mask(drop: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Turn a boolean drop mask into an additive score mask of ``dtype`` (0 kept, very negative dropped)."""
-    zero = torch.zeros((), dtype=dtype, device=drop.device)
-    return torch.where(drop, torch.tensor(mask_fill_value(dtype), dtype=dtype, device=drop.device), zero)
+    # drop * fill: exact (fill is a power-of-two multiple of the dtype's minimum), and one
+    # pass over the tensor instead of torch.where's broadcast of two scalars.
+    return drop.to(dtype).mul_(mask_fill_value(dtype))
 
 
 def ad_drop_masks(

@@ -1,5 +1,8 @@
 """AD-DROP criterions: pass 1 + masks, then the base criterion's own forward as pass 2.
 
+``ad_drop_label_smoothed_cross_entropy`` (translation) and ``ad_drop_sentence_prediction``
+(RoBERTa-style classifiers / regressors) share the ``--ad-drop-*`` flags.
+
 The base criterion (label-smoothed cross-entropy, ...) computes the loss exactly as it always
 does; AD-DROP only wraps its forward in training epochs that the schedule selects. In
 validation (``model.training`` False, no grad) nothing changes.
@@ -14,10 +17,11 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
     LabelSmoothedCrossEntropyCriterionConfig,
 )
+from fairseq.criterions.sentence_prediction import SentencePredictionConfig, SentencePredictionCriterion
 from fairseq.dataclass import FairseqDataclass
 
 from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
-from ..core.attribution import token_loss_target
+from ..core.attribution import logit_target, regression_target, token_loss_target
 
 
 @dataclass
@@ -39,6 +43,11 @@ class ADDropCriterionMixin:
 
     def init_ad_drop(self, task, options: dict) -> None:
         self.ad_drop_config = ADDropConfig(**{k[len("ad_drop_"):]: v for k, v in options.items()}).validate()
+        if not hasattr(task, "attn_reg_epoch"):  # fail while building, not at the first AD-DROP step
+            raise ValueError(
+                f"the ad_drop criterions need an attn_reg task, which routes attention through the plugin "
+                f"(--task attn_reg_translation); got {type(task).__name__}"
+            )
         self.ad_drop = None
         self.task = task
 
@@ -48,6 +57,10 @@ class ADDropCriterionMixin:
     def attribution_target(self, model, sample):
         """(net_output, labels) -> (F, labels), see core.attribution."""
         raise NotImplementedError
+
+    def attribution_forward(self, bare_model, sample):
+        """Pass 1: the bare model called exactly as the base criterion calls it."""
+        return bare_model(**sample["net_input"])
 
     def forward(self, model, sample, reduce=True):
         epoch = getattr(self.task, "attn_reg_epoch", None)
@@ -60,13 +73,14 @@ class ADDropCriterionMixin:
             )
         if not (torch.is_grad_enabled() and ad_drop_epoch(self.ad_drop_config.schedule, epoch)):
             loss, sample_size, log = super().forward(model, sample, reduce)
-            log["ad_drop_on"] = 0
+            log.update(ad_drop_on=0, ad_drop_steps=1)
             return loss, sample_size, log
         bare = bare_module(model)
-        with self.ad_drop.masked(lambda: bare(**sample["net_input"]), self.attribution_target(model, sample), frozen=bare) as stats:
+        with self.ad_drop.masked(lambda: self.attribution_forward(bare, sample), self.attribution_target(model, sample),
+                                 frozen=bare) as stats:
             loss, sample_size, log = super().forward(model, sample, reduce)
         # Counts stay tensors: no host-device sync inside the step (fairseq reduces them later).
-        log.update(ad_drop_on=1, ad_drop_dropped=stats["dropped"], ad_drop_valid=stats["valid"])
+        log.update(ad_drop_on=1, ad_drop_steps=1, ad_drop_dropped=stats["dropped"], ad_drop_valid=stats["valid"])
         return loss, sample_size, log
 
     @classmethod
@@ -74,7 +88,13 @@ class ADDropCriterionMixin:
         steps = [log for log in logging_outputs if "ad_drop_on" in log]
         if not steps:
             return  # validation
-        metrics.log_scalar("ad_drop_on", sum(log["ad_drop_on"] for log in steps) / len(steps), len(steps), round=2)
+        # Counts, not per-step flags: in distributed training fairseq sums the workers' logs
+        # key by key into one, so ad_drop_on alone would read 2 with two workers.
+        n = utils.item(sum(log.get("ad_drop_steps", 1) for log in steps))
+        if n == 0:
+            return  # only dummy batches (fairseq zeroes their logs)
+        on = utils.item(sum(log["ad_drop_on"] for log in steps))
+        metrics.log_scalar("ad_drop_on", on / n, n, round=2)
         valid = utils.item(sum(log.get("ad_drop_valid", 0) for log in steps))
         dropped = utils.item(sum(log.get("ad_drop_dropped", 0) for log in steps))
         # Weighted by positions, so an epoch's value is its exact dropped fraction; plain
@@ -109,6 +129,48 @@ class ADDropLabelSmoothedCrossEntropyCriterion(ADDropCriterionMixin, LabelSmooth
 
         def value(net_output, labels):
             return token_loss_target(net_output[0], keep, labels if labels is not None else gold)
+
+        return value
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        cls.reduce_ad_drop_metrics(logging_outputs)
+
+
+@dataclass
+class ADDropSentencePredictionConfig(SentencePredictionConfig, ADDropOptions):
+    pass
+
+
+@register_criterion("ad_drop_sentence_prediction", dataclass=ADDropSentencePredictionConfig)
+class ADDropSentencePredictionCriterion(ADDropCriterionMixin, SentencePredictionCriterion):
+    """sentence_prediction trained with AD-DROP.
+
+    Target: the logit of the pass-1 pseudo label (gold label with ``--ad-drop-labels gold``)
+    for classification; minus the squared-error loss against the gold values with
+    ``--regression-target`` (a regressor has no pseudo label).
+    """
+
+    def __init__(self, cfg: ADDropSentencePredictionConfig, task):
+        super().__init__(cfg, task)
+        self.init_ad_drop(task, {name: getattr(cfg, name) for name in _AD_DROP_FIELDS})
+
+    def attribution_forward(self, bare_model, sample):
+        # The same call as SentencePredictionCriterion.forward: encoder features through the
+        # classification head, not the LM head.
+        return bare_model(**sample["net_input"], features_only=True,
+                          classification_head_name=self.classification_head_name)
+
+    def attribution_target(self, model, sample):
+        # Targets as the base criterion reads them (model.get_targets is sample["target"]).
+        gold = model.get_targets(sample, None).view(-1)
+        if self.regression_target:
+            return lambda net_output, labels: regression_target(net_output[0].view(-1), gold.float())
+        fixed = gold if self.ad_drop_config.labels == "gold" else None
+
+        def value(net_output, labels):
+            return logit_target(net_output[0], labels if labels is not None else fixed)
 
         return value
 

@@ -1,17 +1,66 @@
-"""fairseq task wrappers: they route attention through the plugin and track the epoch.
+"""fairseq task wrappers: they route attention through the plugin and run the task-level regularizers.
 
-``attn_reg_translation`` is fairseq's ``translation`` task plus two duties: after the model
-is built, every MultiheadAttention is routed through the core kernel (no new parameters),
-and ``begin_epoch`` records the 1-based epoch that cross-tuning reads.
+``attn_reg_translation`` and ``attn_reg_sentence_prediction`` are fairseq's ``translation``
+and ``sentence_prediction`` tasks plus these duties: after the model is built, every
+MultiheadAttention is routed through the core kernel (no new parameters); ``begin_epoch``
+records the 1-based epoch that cross-tuning reads; and the regularizers that need no special
+criterion run in ``train_step``: AttendOut (``--attendout``), scheduled Bernoulli attention
+dropout (``--attn-sched-dropout-*``) and attention LayerDrop (``--attn-layerdrop-*``).
+Validation and generation are untouched.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from fairseq.dataclass import FairseqDataclass
 from fairseq.tasks import register_task
+from fairseq.tasks.sentence_prediction import SentencePredictionConfig, SentencePredictionTask
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from ..core.attendout import AttendOutConfig
 from ..core.controller import RegularizationController
+from ..core.schedules import AttentionLayerDrop, AttentionLayerDropConfig, ScheduledAttentionDropout, ScheduledDropoutConfig
+from .attendout import FairseqAttendOut, check_fairseq_supports_task_state, reduce_attendout_metrics
 from .attention import install_attention_sites
+
+
+@dataclass
+class AttnRegTaskOptions(FairseqDataclass):
+    """Flags of the task-level regularizers; defaults and meanings are those of the core configs."""
+
+    attendout: bool = field(default=False, metadata={"help": "train with AttendOut (Defender/Attacker + learned score dropout)"})
+    attendout_dropout_step: int = field(default=20, metadata={"help": "T: updates per dropout step and held-out samples per evaluation, >= 1"})
+    attendout_generator_dim: int = field(default=64, metadata={"help": "generator width (embeddings and its single attention head), >= 1"})
+    attendout_lr: float = field(default=1e-3, metadata={"help": "generator Adam learning rate, > 0"})
+    attendout_temperature: float = field(default=1.0, metadata={"help": "Gumbel temperature: drop probability = sigmoid(logit / temperature), > 0"})
+    attendout_baseline_decay: float = field(default=0.9, metadata={"help": "moving-average baseline decay, in [0, 1)"})
+    attendout_init_drop: float = field(default=0.2, metadata={"help": "drop probability the generator starts from, in (0, 1)"})
+    attendout_attention: str = field(default="encoder-self", metadata={"help": "comma list of encoder-self, decoder-self, encoder-decoder"})
+    attendout_layers: str = field(default="all", metadata={"help": "'all' or a comma list of 0-based layer indices"})
+    attendout_max_positions: int = field(default=1024, metadata={"help": "longest sequence the generator covers, >= 1"})
+    attendout_clip_norm: float = field(default=0.0, metadata={"help": "gradient clipping of the Attacker (fairseq does not pass --clip-norm to tasks: use the same value), >= 0"})
+    attendout_valid_subset: str = field(default="valid", metadata={"help": "dataset split the held-out samples are drawn from"})
+    attendout_log_file: str = field(default="", metadata={"help": "append one JSON line per dropout step (per-layer mean drop probability, reward) to this file"})
+    attn_sched_dropout_schedule: str = field(default="", metadata={"help": "scheduled attention dropout: 'UPDATE:PROB,...' (all selected layers) or one schedule per layer joined by '|'; empty = off"})
+    attn_sched_dropout_layers: str = field(default="all", metadata={"help": "'all' or a comma list of 0-based layer indices"})
+    attn_sched_dropout_attention: str = field(default="encoder-self", metadata={"help": "comma list of encoder-self, decoder-self, encoder-decoder"})
+    attn_layerdrop_p: float = field(default=0.0, metadata={"help": "attention LayerDrop: probability that a selected attention layer attends uniformly, in [0, 1]; 0 = off"})
+    attn_layerdrop_layers: str = field(default="all", metadata={"help": "'all' or a comma list of 0-based layer indices"})
+    attn_layerdrop_attention: str = field(default="encoder-self", metadata={"help": "comma list of encoder-self, decoder-self, encoder-decoder"})
+
+
+def _validate_task_options(cfg):
+    """Value checks that need no model; run when the task is set up (before any data is read)."""
+    AttendOutConfig.from_namespace(cfg).validate()
+    if cfg.attendout_clip_norm < 0:
+        raise ValueError(f"--attendout-clip-norm must be >= 0, got {cfg.attendout_clip_norm!r}")
+    sched = ScheduledDropoutConfig.from_namespace(cfg).validate()
+    layerdrop = AttentionLayerDropConfig.from_namespace(cfg).validate()
+    enabled = [name for name, on in (("--attendout", cfg.attendout), ("--attn-sched-dropout-schedule", sched.enabled),
+                                     ("--attn-layerdrop-p", layerdrop.enabled)) if on]
+    if len(enabled) > 1:
+        raise ValueError(f"choose one attention regularizer per run; got {' and '.join(enabled)}")
+    if cfg.attendout:
+        check_fairseq_supports_task_state()
 
 
 class AttnRegTaskMixin:
@@ -19,15 +68,55 @@ class AttnRegTaskMixin:
 
     attn_reg_epoch: int = 1
     attn_reg_controller: RegularizationController = None
+    attn_reg_scheduled_dropout = None
+    attn_reg_layerdrop = None
+    attn_reg_attendout: FairseqAttendOut = None
 
+    def attn_reg_setup(self) -> None:
+        """Call at the end of the task's __init__: validates the regularizer options."""
+        _validate_task_options(self.cfg)
+
+    # -- subclasses say how AttendOut reads a batch ---------------------------------------
+    def attendout_streams(self, sample):
+        """The generator's token streams of a batch: {"source": ..., "target": ...}."""
+        raise NotImplementedError
+
+    def attendout_heldout_logits(self, model, sample, criterion):
+        """(logits or log-probs, target, keep) of a held-out batch for per-sample losses."""
+        raise NotImplementedError
+
+    def attendout_generator_vocab(self):
+        raise NotImplementedError
+
+    # -- model and criterion --------------------------------------------------------------
     def build_model(self, cfg, *args, **kwargs):  # from_checkpoint exists only in newer fairseq
         model = super().build_model(cfg, *args, **kwargs)
         # One controller per task: fairseq-train builds one model. (fairseq-generate with
         # several checkpoints builds more; they stay idle, so sharing the registry is harmless.)
         if self.attn_reg_controller is None:
             self.attn_reg_controller = RegularizationController()
-        install_attention_sites(model, self.attn_reg_controller)
+            install_attention_sites(model, self.attn_reg_controller)
+            self._build_task_regularizers(model)
+        else:
+            install_attention_sites(model, RegularizationController())
         return model
+
+    def _build_task_regularizers(self, model) -> None:
+        cfg = self.cfg
+        # Selecting the sites here checks layers and kinds against the model, before training.
+        sched = ScheduledDropoutConfig.from_namespace(cfg)
+        if sched.enabled:
+            self.attn_reg_scheduled_dropout = ScheduledAttentionDropout(sched, self.attn_reg_controller)
+        layerdrop = AttentionLayerDropConfig.from_namespace(cfg)
+        if layerdrop.enabled:
+            self.attn_reg_layerdrop = AttentionLayerDrop(layerdrop, self.attn_reg_controller)
+        if cfg.attendout:
+            self.attn_reg_attendout = FairseqAttendOut(
+                AttendOutConfig.from_namespace(cfg), cfg.attendout_clip_norm, cfg.attendout_valid_subset,
+                cfg.attendout_log_file, self.attendout_heldout_logits, self.attendout_streams,
+                self.attendout_generator_vocab(),
+            )
+            self.attn_reg_attendout.validate_against(self.attn_reg_controller)
 
     def build_criterion(self, cfg, *args, **kwargs):
         criterion = super().build_criterion(cfg, *args, **kwargs)
@@ -35,6 +124,11 @@ class AttnRegTaskMixin:
         if attach is not None:
             if self.attn_reg_controller is None:
                 raise RuntimeError("attn_reg_plugin: the model must be built before the criterion")
+            if self.attn_reg_attendout or self.attn_reg_scheduled_dropout or self.attn_reg_layerdrop:
+                raise ValueError(
+                    "an ad_drop criterion cannot be combined with --attendout, --attn-sched-dropout-schedule or "
+                    "--attn-layerdrop-p: choose one attention regularizer per run"
+                )
             attach(self.attn_reg_controller)  # validates layers / kinds against the model
         return criterion
 
@@ -42,12 +136,96 @@ class AttnRegTaskMixin:
         super().begin_epoch(epoch, model)
         self.attn_reg_epoch = epoch
 
+    # -- training -------------------------------------------------------------------------
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        if self.attn_reg_scheduled_dropout is not None:
+            hooks = self.attn_reg_scheduled_dropout.hooks(update_num)
+        elif self.attn_reg_layerdrop is not None:
+            hooks = self.attn_reg_layerdrop.hooks()
+        else:
+            hooks = {}
+        with self.attn_reg_controller.hooks(hooks):
+            loss, sample_size, log = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+        if self.attn_reg_attendout is not None:
+            self._attn_reg_criterion = criterion  # the held-out evaluation in optimizer_step needs it
+            log.update(self.attn_reg_attendout.train_attacker(sample, model, criterion, optimizer, update_num, ignore_grad))
+        return loss, sample_size, log
+
+    def optimizer_step(self, optimizer, model, update_num):
+        super().optimizer_step(optimizer, model, update_num)
+        if self.attn_reg_attendout is not None:
+            self.attn_reg_attendout.after_optimizer_step(model, optimizer, self._attn_reg_criterion, self, update_num)
+
+    def reduce_metrics(self, logging_outputs, criterion):
+        super().reduce_metrics(logging_outputs, criterion)
+        reduce_attendout_metrics(logging_outputs)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def get_checkpoint_dict(self):
+        state = self.attn_reg_attendout.state_dict() if self.attn_reg_attendout is not None else {}
+        return {type(self).__name__: {"attendout": state}} if state else {}
+
+    def set_checkpoint_dict(self, state):
+        if self.attn_reg_attendout is not None and state.get("attendout"):
+            self.attn_reg_attendout.load_state_dict(state["attendout"])
+
 
 @dataclass
-class AttnRegTranslationConfig(TranslationConfig):
-    pass
+class AttnRegTranslationConfig(TranslationConfig, AttnRegTaskOptions):
+    # fairseq's own option name (its audio tasks have it); get_batch_iterator reads it.
+    rebuild_batches: bool = field(default=False, metadata={
+        "help": "rebuild the training batches every epoch (equal-length sentences grouped by seed + epoch) "
+                "instead of once per process; a run resumed from a checkpoint then sees exactly the batches "
+                "of an uninterrupted run"})
 
 
 @register_task("attn_reg_translation", dataclass=AttnRegTranslationConfig)
 class AttnRegTranslationTask(AttnRegTaskMixin, TranslationTask):
     """fairseq's translation task with its attention routed through attn_reg_plugin."""
+
+    def __init__(self, cfg, src_dict, tgt_dict):
+        super().__init__(cfg, src_dict, tgt_dict)
+        self.attn_reg_setup()
+
+    def attendout_streams(self, sample):
+        net_input = sample["net_input"]
+        return {"source": net_input["src_tokens"], "target": net_input["prev_output_tokens"]}
+
+    def attendout_heldout_logits(self, model, sample, criterion):
+        net_output = model(**sample["net_input"])
+        lprobs = model.get_normalized_probs(net_output, log_probs=True)
+        target = sample["target"]
+        return lprobs, target, target.ne(self.tgt_dict.pad())
+
+    def attendout_generator_vocab(self):
+        if self.src_dict is self.tgt_dict or self.src_dict.symbols == self.tgt_dict.symbols:
+            return {"source": self.src_dict, "target": self.src_dict}
+        return {"source": self.src_dict, "target": self.tgt_dict}
+
+
+@dataclass
+class AttnRegSentencePredictionConfig(SentencePredictionConfig, AttnRegTaskOptions):
+    pass
+
+
+@register_task("attn_reg_sentence_prediction", dataclass=AttnRegSentencePredictionConfig)
+class AttnRegSentencePredictionTask(AttnRegTaskMixin, SentencePredictionTask):
+    """fairseq's sentence_prediction task (RoBERTa-style classifiers and regressors) with its
+    attention routed through attn_reg_plugin (``encoder.sentence_encoder.layers.N.self_attn``
+    become encoder-self sites N)."""
+
+    def __init__(self, cfg, data_dictionary, label_dictionary):
+        super().__init__(cfg, data_dictionary, label_dictionary)
+        self.attn_reg_setup()
+
+    def attendout_streams(self, sample):
+        return {"source": sample["net_input"]["src_tokens"]}
+
+    def attendout_heldout_logits(self, model, sample, criterion):
+        logits, _ = model(**sample["net_input"], features_only=True,
+                          classification_head_name=criterion.classification_head_name)
+        target = model.get_targets(sample, [logits]).view(-1)
+        return logits, target, None  # float targets (--regression-target): squared error
+
+    def attendout_generator_vocab(self):
+        return {"source": self.source_dictionary}

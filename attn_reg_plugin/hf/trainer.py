@@ -5,7 +5,7 @@ AD-DROP only wraps it in training steps of the epochs the schedule selects.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import transformers
@@ -18,6 +18,16 @@ from .attention import install_attention_sites
 
 def _flag(name: str) -> str:
     return f"ADDropConfig.{name}"
+
+
+def decoder_input_ids_from_labels(model, labels: torch.Tensor) -> torch.Tensor:
+    """The decoder inputs a seq2seq model builds from ``labels`` when none are given (shifted right)."""
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return prepare(labels=labels)
+    from transformers.models.bart.modeling_bart import shift_tokens_right
+
+    return shift_tokens_right(labels, model.config.pad_token_id, model.config.decoder_start_token_id)
 
 
 class ADDropTrainerMixin:
@@ -91,15 +101,7 @@ class ADDropTrainerMixin:
             and fwd.get("decoder_input_ids") is None
             and fwd.get("decoder_inputs_embeds") is None
         ):
-            prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-            if callable(prepare):
-                fwd["decoder_input_ids"] = prepare(labels=labels)
-            else:
-                from transformers.models.bart.modeling_bart import shift_tokens_right
-
-                fwd["decoder_input_ids"] = shift_tokens_right(
-                    labels, model.config.pad_token_id, model.config.decoder_start_token_id
-                )
+            fwd["decoder_input_ids"] = decoder_input_ids_from_labels(model, labels)
         return fwd
 
     # -- the step --------------------------------------------------------------------------
@@ -121,11 +123,26 @@ class ADDropTrainerMixin:
         self._ad_drop_valid = self._ad_drop_valid + stats["valid"].detach()
         return result
 
+    def ad_drop_counts(self) -> Tuple[int, int]:
+        """Dropped and valid attention positions since the last log, summed over all processes.
+
+        The Trainer logs on every process at the same steps (it gathers the loss there too),
+        so one all-reduce of two numbers per log keeps the rate that of the whole batch.
+        """
+        device = self.args.device
+        counts = torch.stack([torch.as_tensor(self._ad_drop_dropped, device=device),
+                              torch.as_tensor(self._ad_drop_valid, device=device)]).long()
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts)
+        dropped, valid = counts.tolist()
+        return dropped, valid
+
     def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs and self._ad_drop_steps:  # a training log
-            valid = int(self._ad_drop_valid)
+            dropped, valid = self.ad_drop_counts()
             logs["ad_drop_on"] = round(self._ad_drop_on_steps / self._ad_drop_steps, 4)
-            logs["ad_drop_rate"] = round(int(self._ad_drop_dropped) / valid, 6) if valid else 0.0
+            logs["ad_drop_rate"] = round(dropped / valid, 6) if valid else 0.0
             self._ad_drop_reset()
         return super().log(logs, *args, **kwargs)
 

@@ -1,0 +1,248 @@
+"""AttendOut's Defender/Attacker game inside fairseq's training loop.
+
+The trainer's model is the Defender D (regular dropout); this module keeps the Attacker A (a
+copy of D, same architecture and dropout, plus the generator's masks), its optimizer and the
+core :class:`~attn_reg_plugin.core.attendout.AttendOut`. The task calls
+
+* :meth:`FairseqAttendOut.train_attacker` after D's forward/backward on the same batch,
+* :meth:`FairseqAttendOut.after_optimizer_step` after D's optimizer step: A's step, and every
+  T updates the held-out evaluation, the generator update and the re-sync.
+
+A's gradients are normalised exactly as the trainer normalises D's (summed loss, all-reduced
+over workers, divided by the total sample size). fairseq does not hand ``--clip-norm`` to
+tasks, so A is clipped with ``--attendout-clip-norm`` (set it to the same value).
+"""
+import copy
+import inspect
+import logging
+from typing import Callable, Dict, Optional
+
+import torch
+from fairseq import checkpoint_utils, metrics, optim, utils
+
+from ..core.attendout import (
+    AttendOut,
+    AttendOutConfig,
+    DropProbabilityLog,
+    Generator,
+    copy_model_state,
+    copy_optimizer_state,
+    per_sample_loss,
+)
+from ..core.ad_drop import bare_module
+from ..core.controller import RegularizationController
+from .attention import install_attention_sites
+
+logger = logging.getLogger(__name__)
+
+def _checkpoint_utils_source() -> str:
+    # The module's file, not its (possibly wrapped or patched) functions.
+    return inspect.getsource(checkpoint_utils)
+
+
+def check_fairseq_supports_task_state() -> None:
+    """AttendOut's state lives in the task's checkpoint dict, which fairseq 0.12.2 does not save."""
+    source = _checkpoint_utils_source()
+    if "get_checkpoint_dict" not in source or "set_checkpoint_dict" not in source:
+        raise RuntimeError(
+            "--attendout needs a fairseq whose checkpoints carry task state (task.get_checkpoint_dict, "
+            "fairseq-fixed 0.12.3.1 / fairseq main after 0.12.2); this fairseq would lose the generator, "
+            "baseline and Attacker on every checkpoint. Install fairseq-fixed (Python >= 3.11) or fairseq from main."
+        )
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class FairseqAttendOut:
+    """The Attacker, its optimizer and the game, for one fairseq task."""
+
+    def __init__(self, config: AttendOutConfig, clip_norm: float, valid_subset: str, log_file: str,
+                 heldout_logits: Callable, streams_of: Callable[[dict], Dict[str, torch.Tensor]],
+                 generator_vocab: Dict[str, object]):
+        self.config = config
+        self.clip_norm = clip_norm
+        self.valid_subset = valid_subset
+        self.drop_log = DropProbabilityLog(log_file or None)
+        self.heldout_logits = heldout_logits  # (model, sample, criterion) -> (logits, target, keep)
+        self.streams_of = streams_of  # sample -> {"source": tokens, "target": tokens}
+        self.generator_vocab = generator_vocab  # stream -> fairseq Dictionary
+        self.attacker = None
+        self.attacker_optimizer = None
+        self.game: Optional[AttendOut] = None
+        self.pending_state = None
+        self.sample_size = 0.0
+
+    # -- set-up ---------------------------------------------------------------------------
+    def validate_against(self, controller: RegularizationController) -> None:
+        """Fail before training if the kinds / layers do not exist in the Defender (same as A's)."""
+        with torch.random.fork_rng(devices=[]):
+            AttendOut(self.config, controller, self._new_generator(torch.device("cpu")))
+
+    def _new_generator(self, device) -> Generator:
+        dicts = self.generator_vocab
+        shared = len({id(d) for d in dicts.values()}) == 1
+        return Generator(
+            {s: len(d) for s, d in dicts.items()}, {s: d.pad() for s, d in dicts.items()},
+            self.config.generator_dim, self.config.max_positions, self.config.init_drop,
+            self.config.temperature, share_streams=shared,
+        ).to(device)
+
+    def _ensure_attacker(self, defender: torch.nn.Module, optimizer) -> None:
+        if self.attacker is not None:
+            return
+        if type(optimizer).__name__ in ("FP16Optimizer", "MemoryEfficientFP16Optimizer", "AMPOptimizer"):
+            raise NotImplementedError("--attendout supports fp32 training only in fairseq; remove --fp16 / --bf16 / --amp")
+        defender = bare_module(defender)
+        self.attacker = copy.deepcopy(defender)
+        controller = RegularizationController()
+        install_attention_sites(self.attacker, controller)
+        device = next(defender.parameters()).device
+        # The generator's random init must not consume the global stream: the Attacker is
+        # built at the first update of a run, which after a resume is a different update.
+        with torch.random.fork_rng(devices=[]):
+            generator = self._new_generator(device)
+        self.game = AttendOut(self.config, controller, generator)
+        params = [p for p in self.attacker.parameters() if p.requires_grad]
+        self.attacker_optimizer = optim.build_optimizer(optimizer.cfg, params)
+        if self.pending_state is not None:
+            self._load(self.pending_state)
+            self.pending_state = None
+
+    # -- per batch ------------------------------------------------------------------------
+    def train_attacker(self, sample, defender, criterion, optimizer, update_num, ignore_grad) -> Dict[str, object]:
+        """A's forward/backward on D's batch with the generator's masks; returns logging entries."""
+        self._ensure_attacker(defender, optimizer)
+        self.attacker.train()
+        self.attacker.set_num_updates(update_num)
+        hooks = self.game.attacker_hooks(self.streams_of(sample))
+        with self.game.controller.hooks(hooks):
+            loss, sample_size, _ = criterion(self.attacker, sample)
+        if ignore_grad:
+            loss = loss * 0
+        loss.backward()
+        self.sample_size += float(sample_size) if not ignore_grad else 0.0
+        log = {"attendout_attacker_loss": loss.detach(), "attendout_sample_size": sample_size}
+        for name, prob in zip(self.game.site_names(), self.game.last_drop_probabilities):
+            log[f"attendout_p_{name}"] = prob
+        return log
+
+    def after_optimizer_step(self, defender, optimizer, criterion, task, update_num) -> None:
+        if self.attacker is None:
+            return
+        params = [p for p in self.attacker.parameters() if p.requires_grad]
+        grads = [p.grad for p in params if p.grad is not None]
+        sample_size = torch.tensor(self.sample_size, dtype=torch.float64)
+        if _distributed():
+            for g in grads:
+                torch.distributed.all_reduce(g)
+            sample_size = sample_size.to(grads[0].device if grads else "cpu")
+            torch.distributed.all_reduce(sample_size)
+        # As the trainer does for D: sum of gradients over all workers / total sample size.
+        self.attacker_optimizer.multiply_grads(1.0 / max(float(sample_size), 1.0))
+        if self.clip_norm > 0:
+            self.attacker_optimizer.clip_grad_norm(self.clip_norm)
+        self.attacker_optimizer.set_lr(optimizer.get_lr())
+        self.attacker_optimizer.step()
+        self.attacker_optimizer.zero_grad()
+        self.sample_size = 0.0
+        if self.game.end_update():
+            self._finish_dropout_step(defender, optimizer, criterion, task, update_num)
+
+    # -- every T updates ------------------------------------------------------------------
+    @torch.no_grad()
+    def _heldout_losses(self, model, samples, criterion) -> torch.Tensor:
+        was_training = model.training
+        model.eval()
+        try:
+            losses = []
+            for sample in samples:
+                logits, target, keep = self.heldout_logits(model, sample, criterion)
+                losses.append(per_sample_loss(logits, target, keep))
+            return torch.cat(losses)
+        finally:
+            model.train(was_training)
+
+    @staticmethod
+    def _shared_generator() -> torch.Generator:
+        """Same on every worker and on resume: fairseq seeds torch with seed + num_updates before
+        each update, and torch.initial_seed() is that seed whatever has been drawn since (dropout
+        draws a worker-dependent amount, so the global stream itself differs across workers)."""
+        return torch.Generator().manual_seed(torch.initial_seed() + 1)
+
+    def _heldout_samples(self, task, device, generator):
+        if self.valid_subset not in task.datasets:
+            task.load_dataset(self.valid_subset, combine=False, epoch=1)
+        dataset = task.datasets[self.valid_subset]
+        n, T = len(dataset), self.config.dropout_step
+        if n == 0:
+            raise ValueError(f"--attendout-valid-subset {self.valid_subset!r} is empty: AttendOut needs held-out samples")
+        idx = torch.randperm(n, generator=generator)[:T] if n >= T else torch.randint(0, n, (T,), generator=generator)
+        samples = []
+        for start in range(0, len(idx), 64):
+            batch = dataset.collater([dataset[int(i)] for i in idx[start:start + 64]])
+            samples.append(utils.move_to_cuda(batch, device=device) if device.type == "cuda" else batch)
+        return samples
+
+    def _finish_dropout_step(self, defender, optimizer, criterion, task, update_num) -> None:
+        bare = bare_module(defender)
+        shared = self._shared_generator()
+        samples = self._heldout_samples(task, next(bare.parameters()).device, shared)
+        d_losses = self._heldout_losses(bare, samples, criterion)
+        a_losses = self._heldout_losses(self.attacker, samples, criterion)
+        stats = self.game.finish_dropout_step(d_losses, a_losses, generator=shared)
+        d_params = [p for p in bare.parameters() if p.requires_grad]
+        a_params = [p for p in self.attacker.parameters() if p.requires_grad]
+        d_opt, a_opt = optimizer.optimizer, self.attacker_optimizer.optimizer
+        if stats["keep_attacker"]:
+            copy_model_state(self.attacker, bare)
+            copy_optimizer_state(a_opt, a_params, d_opt, d_params)
+        else:
+            copy_model_state(bare, self.attacker)
+            copy_optimizer_state(d_opt, d_params, a_opt, a_params)
+        if not _distributed() or torch.distributed.get_rank() == 0:
+            self.drop_log.write(update_num + 1, stats)
+            probs = ", ".join(f"{k} {v:.4f}" for k, v in stats["drop_prob"].items())
+            logger.info(
+                f"AttendOut dropout step {self.game.dropout_steps_done} (update {update_num + 1}): attacker win rate "
+                f"{stats['win_rate']:.3f}, kept {'attacker' if stats['keep_attacker'] else 'defender'}, mean reward "
+                f"{stats['reward']:.4g}, baseline {stats['baseline']:.4g}, mean drop probability: {probs}"
+            )
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, object]:
+        if self.attacker is None:
+            return self.pending_state or {}
+        return {
+            "game": self.game.state_dict(),
+            "attacker": self.attacker.state_dict(),
+            "attacker_optimizer": self.attacker_optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        if not state:
+            return
+        if self.attacker is None:
+            self.pending_state = state  # applied when the Attacker is built at the first update
+        else:
+            self._load(state)
+
+    def _load(self, state) -> None:
+        self.attacker.load_state_dict(state["attacker"])
+        self.attacker_optimizer.load_state_dict(state["attacker_optimizer"])
+        self.game.load_state_dict(state["game"])
+
+
+def reduce_attendout_metrics(logging_outputs) -> None:
+    steps = [log for log in logging_outputs if "attendout_attacker_loss" in log]
+    if not steps:
+        return
+    loss = utils.item(sum(log["attendout_attacker_loss"] for log in steps))
+    size = utils.item(sum(log["attendout_sample_size"] for log in steps))
+    # Same units as fairseq's `loss` (base 2, per sample-size unit).
+    metrics.log_scalar("attendout_attacker_loss", loss / max(size, 1) / 0.6931471805599453, size, round=3)
+    # The generator's mean drop probability per selected layer (paper Fig. 3), per batch.
+    for key in sorted(k for k in steps[0] if k.startswith("attendout_p_")):
+        metrics.log_scalar(key, utils.item(sum(log[key] for log in steps)) / len(steps), len(steps), round=4)

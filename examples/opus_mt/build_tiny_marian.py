@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""An offline stand-in for an OPUS-MT checkpoint: a tiny random MarianMTModel + a MarianTokenizer.
+
+    python examples/opus_mt/build_tiny_marian.py --out outputs/tiny-marian-en-ro
+
+Writes a folder that ``MarianMTModel.from_pretrained`` / ``AutoTokenizer.from_pretrained``
+load exactly like a downloaded ``Helsinki-NLP/opus-mt-*`` one (source.spm, target.spm,
+vocab.json, config.json, model.safetensors), so ``run_opus_mt.py --model FOLDER`` runs the
+same code as with the real model. The tokenizer is a joint sentencepiece model trained on the
+given parallel text; the vocabulary follows OPUS-MT's layout (``</s>`` = 0, ``<unk>`` = 1,
+``<pad>`` = last, the decoder starts from ``<pad>``). The weights are random: translations
+are meaningless until trained.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for _path in (HERE.parent, REPO):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+from example_support import read_parallel  # noqa: E402
+
+
+def build(out: Path, data: Path, src: str, tgt: str, train_lines: int = 2000, vocab_size: int = 1000, d_model: int = 64,
+          layers: int = 2, heads: int = 4, ffn_dim: int = 128, max_positions: int = 256, seed: int = 0) -> Path:
+    import sentencepiece as spm
+    import torch
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+
+    src_lines, tgt_lines = read_parallel(data, "train", src, tgt, train_lines)
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(src_lines + tgt_lines), model_writer=proto,
+                                   vocab_size=vocab_size, model_type="unigram", character_coverage=1.0,
+                                   hard_vocab_limit=False, minloglevel=2, num_threads=1)
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not (sp.is_control(i) or sp.is_unknown(i))]
+    vocab = {"</s>": 0, "<unk>": 1}
+    for piece in pieces:
+        vocab.setdefault(piece, len(vocab))
+    vocab["<pad>"] = len(vocab)
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        spm_path, vocab_path = Path(tmp) / "joint.spm", Path(tmp) / "vocab.json"
+        spm_path.write_bytes(proto.getvalue())
+        vocab_path.write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+        tokenizer = MarianTokenizer(str(spm_path), str(spm_path), str(vocab_path), source_lang=src, target_lang=tgt)
+        tokenizer.save_pretrained(out)
+    pad = vocab["<pad>"]
+    config = MarianConfig(vocab_size=len(vocab), d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+                          encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn_dim,
+                          decoder_ffn_dim=ffn_dim, max_position_embeddings=max_positions, pad_token_id=pad,
+                          eos_token_id=0, decoder_start_token_id=pad, forced_eos_token_id=0, scale_embedding=True)
+    torch.manual_seed(seed)
+    MarianMTModel(config).save_pretrained(out)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--data", type=Path, default=REPO / "data" / "gettext_en_ro", help="folder with train.{src,tgt}")
+    ap.add_argument("--src", default="en")
+    ap.add_argument("--tgt", default="ro")
+    ap.add_argument("--train-lines", type=int, default=2000, help="pairs the sentencepiece model is trained on")
+    ap.add_argument("--vocab-size", type=int, default=1000)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ffn-dim", type=int, default=128)
+    args = ap.parse_args(argv)
+    for name in ("train_lines", "vocab_size", "d_model", "layers", "heads", "ffn_dim"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.d_model % args.heads:
+        ap.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
+    path = build(args.out, args.data, args.src, args.tgt, args.train_lines, args.vocab_size, args.d_model, args.layers,
+                 args.heads, args.ffn_dim)
+    print(f"tiny random MarianMTModel + MarianTokenizer written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

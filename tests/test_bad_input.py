@@ -1,0 +1,212 @@
+"""Every wrong option value is refused before training, with the message the README lists.
+
+One table per regularizer: a row is (field, value on the fairseq command line, value in the
+Python config, message). ``{opt}`` in the message is the option as the user spelled it: the
+fairseq flag (``--ad-drop-p``) or the config field (``ADDropConfig.p``). Each row is tried
+through fairseq's own parsing and task/criterion set-up (what fairseq-train does before it
+reads data) and through the Hugging Face trainer's construction; the formatted fairseq
+message must also appear verbatim in the README's "Bad input" table. A regularizer adds
+its table to REGULARIZERS.
+"""
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import pytest
+
+from conftest import PLUGIN_DIR, REPO, TINY_TRANSFORMER, fairseq_setup, run_cli
+
+INTERVAL = "{opt} must be in the open interval (0, 1), got {got}"
+KINDS = "encoder-self, decoder-self, encoder-decoder"
+
+
+@dataclass
+class Bad:
+    field: str
+    cli: Optional[str]  # None: not expressible on the command line
+    py: object  # _SAME: the CLI string
+    message: str  # {opt} is the option's name
+    got_cli: Optional[str] = None  # how the parsed CLI value prints, where it differs from repr(py)
+
+
+_SAME = object()
+
+AD_DROP_BAD: List[Bad] = [
+    Bad("p", "1.5", 1.5, INTERVAL.format(opt="{opt}", got="1.5")),
+    Bad("p", "0", 0, INTERVAL.format(opt="{opt}", got="{got}"), got_cli="0.0"),
+    Bad("p", "1", 1.0, INTERVAL.format(opt="{opt}", got="1.0")),
+    Bad("p", "-0.1", -0.1, INTERVAL.format(opt="{opt}", got="-0.1")),
+    Bad("p", "nan", math.nan, INTERVAL.format(opt="{opt}", got="nan")),
+    Bad("p", None, "0.5", INTERVAL.format(opt="{opt}", got="'0.5'")),
+    Bad("p", None, None, INTERVAL.format(opt="{opt}", got="None")),
+    Bad("q", "0", 0, INTERVAL.format(opt="{opt}", got="{got}"), got_cli="0.0"),
+    Bad("q", "1.0", 1.0, INTERVAL.format(opt="{opt}", got="1.0")),
+    Bad("q", "inf", math.inf, INTERVAL.format(opt="{opt}", got="inf")),
+    Bad("layers", "0,7", _SAME, "{opt}: layer 7 does not exist; the model's encoder-self attention has 2 layers, "
+                                "so accepted indices are 0..1"),
+    Bad("layers", "-1", _SAME, "{opt}: layer indices are 0-based and >= 0, got [-1]"),
+    Bad("layers", "first", _SAME, "{opt} must be 'all' or a comma-separated list of 0-based layer indices, got 'first'"),
+    Bad("layers", ",", _SAME, "{opt} must name at least one layer, got ','"),
+    Bad("attention", "cross", _SAME, "{opt}: unknown attention kind 'cross'; accepted: " + KINDS),
+    Bad("attention", ",", _SAME, "{opt} must name at least one of " + KINDS),
+    Bad("attribution", "shap", _SAME, "{opt} must be one of ga, iga, aa, rd, got 'shap'"),
+    Bad("iga_steps", "0", 0, "{opt} must be an integer >= 1, got 0"),
+    Bad("iga_steps", None, 2.5, "{opt} must be an integer >= 1, got 2.5"),
+    Bad("iga_steps", None, True, "{opt} must be an integer >= 1, got True"),
+    Bad("labels", "silver", _SAME, "{opt} must be one of pseudo, gold, got 'silver'"),
+    Bad("schedule", "odd", _SAME, "{opt} must be one of cross-tuning, always, got 'odd'"),
+]
+
+# Values argparse refuses by type before any plugin code runs (fairseq only).
+AD_DROP_BAD_TYPES = [
+    ("--ad-drop-p", "abc", "argument --ad-drop-p: invalid float value: 'abc'"),
+    ("--ad-drop-q", "half", "argument --ad-drop-q: invalid float value: 'half'"),
+    ("--ad-drop-iga-steps", "2.5", "argument --ad-drop-iga-steps: invalid int value: '2.5'"),
+]
+
+
+@dataclass
+class Regularizer:
+    name: str
+    table: List[Bad]
+    type_errors: list
+    fairseq_args: List[str]  # criterion and options that make a valid run
+    flag: Callable[[str], str]  # field -> fairseq flag
+    hf_field: Callable[[str], str]  # field -> name in HF messages
+    hf_trainer: Callable  # (model, args, config fields) -> constructs the trainer
+
+
+def _ad_drop_trainer(model, args, fields):
+    from attn_reg_plugin.core.ad_drop import ADDropConfig
+    from attn_reg_plugin.hf import ADDropTrainer
+
+    return ADDropTrainer(model=model, args=args, ad_drop=ADDropConfig(**fields))
+
+
+REGULARIZERS = [
+    Regularizer(
+        "ad_drop", AD_DROP_BAD, AD_DROP_BAD_TYPES,
+        ["--criterion", "ad_drop_label_smoothed_cross_entropy", "--label-smoothing", "0.1"],
+        lambda field: "--ad-drop-" + field.replace("_", "-"),
+        lambda field: f"ADDropConfig.{field}",
+        _ad_drop_trainer,
+    ),
+]
+
+
+def _rows(kind):
+    for reg in REGULARIZERS:
+        for row in reg.table:
+            if kind == "cli" and row.cli is None:
+                continue
+            yield pytest.param(reg, row, id=f"{reg.name}-{row.field}={row.cli if kind == 'cli' else row.py!r}")
+
+
+def _cli_message(reg, row):
+    got = row.got_cli if row.got_cli is not None else (row.cli if row.py is _SAME else repr(row.py))
+    return row.message.format(opt=reg.flag(row.field), got=got)
+
+
+def _setup(tiny_mt_data, reg, *extra):
+    return fairseq_setup(tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER, *reg.fairseq_args, *extra])
+
+
+# -- fairseq: the flags, through fairseq's parser and task / model / criterion set-up --------------
+@pytest.mark.parametrize("reg, row", _rows("cli"))
+def test_fairseq_refuses_bad_value_while_building(tiny_mt_data, reg, row):
+    with pytest.raises(ValueError) as e:
+        _setup(tiny_mt_data, reg, f"{reg.flag(row.field)}={row.cli}")
+    assert str(e.value) == _cli_message(reg, row)
+
+
+@pytest.mark.parametrize("reg, flag, value, message",
+                         [pytest.param(r, *t, id=f"{r.name}{t[0]}={t[1]}") for r in REGULARIZERS for t in r.type_errors])
+def test_fairseq_parser_refuses_wrong_type(tiny_mt_data, capsys, reg, flag, value, message):
+    with pytest.raises(SystemExit) as e:
+        _setup(tiny_mt_data, reg, f"{flag}={value}")
+    assert e.value.code == 2
+    assert "error: " + message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("reg", REGULARIZERS, ids=lambda r: r.name)
+def test_fairseq_valid_options_build(tiny_mt_data, reg):
+    """The same set-up with the defaults succeeds: the rows above fail because of their value."""
+    _, _, _, criterion = _setup(tiny_mt_data, reg)
+    assert criterion is not None
+
+
+def test_fairseq_ad_drop_criterion_needs_an_attn_reg_task(tiny_mt_data):
+    with pytest.raises(ValueError) as e:
+        fairseq_setup(tiny_mt_data["bin"], ["--task", "translation", *TINY_TRANSFORMER, *REGULARIZERS[0].fairseq_args])
+    assert str(e.value) == ("the ad_drop criterions need an attn_reg task, which routes attention through the plugin "
+                            "(--task attn_reg_translation); got TranslationTask")
+
+
+def test_fairseq_train_stops_before_training(tiny_mt_data, tmp_path):
+    """The real CLI: a bad value ends fairseq-train before the first epoch and writes nothing."""
+    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", tmp_path, "--cpu",
+                                     "--task", "attn_reg_translation", *TINY_TRANSFORMER, *REGULARIZERS[0].fairseq_args,
+                                     "--optimizer", "adam", "--max-tokens", "500", "--max-epoch", "1",
+                                     "--ad-drop-layers", "0,7"], expect_ok=False)
+    assert proc.returncode != 0
+    assert ("ValueError: --ad-drop-layers: layer 7 does not exist; the model's encoder-self attention has 2 layers, "
+            "so accepted indices are 0..1") in proc.stdout
+    assert "begin training epoch" not in proc.stdout and not re.search(r"loaded \d+ examples", proc.stdout)
+    assert not list(tmp_path.glob("*.pt"))
+
+
+# -- Hugging Face: the same values as config fields, at trainer construction ----------------------
+@pytest.fixture(scope="module")
+def hf_model_and_args(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                                     vocab_size=50, attn_implementation="sdpa")
+    model = transformers.BertForSequenceClassification(config)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path_factory.mktemp("hf")), use_cpu=True, report_to=[])
+    return model, args
+
+
+@pytest.mark.parametrize("reg, row", _rows("py"))
+def test_hf_trainer_refuses_bad_value_at_construction(hf_model_and_args, reg, row):
+    value = row.cli if row.py is _SAME else row.py
+    with pytest.raises(ValueError) as e:
+        reg.hf_trainer(*hf_model_and_args, {row.field: value})
+    assert str(e.value) == row.message.format(opt=reg.hf_field(row.field), got=repr(value))
+
+
+def test_hf_trainer_refuses_attention_the_model_lacks(hf_model_and_args):
+    with pytest.raises(ValueError) as e:
+        REGULARIZERS[0].hf_trainer(*hf_model_and_args, {"attention": "encoder-self,encoder-decoder"})
+    assert str(e.value) == ("ADDropConfig.attention: attention kind 'encoder-decoder' was asked for, but this model "
+                            "has no such attention (it has: encoder-self)")
+
+
+def test_hf_trainer_refuses_a_non_config(hf_model_and_args):
+    from attn_reg_plugin.hf import ADDropTrainer
+
+    with pytest.raises(TypeError, match=r"^ad_drop must be an ADDropConfig, got dict$"):
+        ADDropTrainer(model=hf_model_and_args[0], args=hf_model_and_args[1], ad_drop={"p": 0.2})
+
+
+# -- the README lists exactly these messages ----------------------------------------------------
+def test_readme_bad_input_table_lists_every_message():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### Bad input"):]
+    section = section[:section.index("\n### ", 1)]
+    for reg in REGULARIZERS:
+        for row in reg.table:
+            if row.cli is not None:
+                assert _cli_message(reg, row) in section, _cli_message(reg, row)
+            assert reg.flag(row.field) in section and reg.hf_field(row.field) in section
+        for _, _, message in reg.type_errors:
+            assert message in section, message
+    # Every option of the config is in the table.
+    from attn_reg_plugin.core.ad_drop import ADDropConfig
+    from dataclasses import fields
+
+    for f in fields(ADDropConfig):
+        assert re.search(rf"`--ad-drop-{f.name.replace('_', '-')}`.*`ADDropConfig\.{f.name}`", section), f.name

@@ -1,0 +1,317 @@
+"""AttendOut, scheduled attention dropout and attention LayerDrop in the framework-free core."""
+import math
+
+import pytest
+import torch
+
+from attn_reg_plugin.core.attendout import (
+    AttendOut,
+    AttendOutConfig,
+    Generator,
+    copy_model_state,
+    copy_optimizer_state,
+    drop_log_prob,
+    gumbel_drops,
+    per_sample_loss,
+    reinforce_loss,
+    win_probability,
+)
+from attn_reg_plugin.core.attention import EditScores, attend
+from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.core.schedules import (
+    AttentionLayerDrop,
+    AttentionLayerDropConfig,
+    ScheduledAttentionDropout,
+    ScheduledDropoutConfig,
+    parse_schedules,
+    schedule_value,
+)
+
+
+def _controller(kinds_layers):
+    controller = RegularizationController()
+    for kind, n in kinds_layers:
+        for layer in range(n):
+            controller.register(kind, layer)
+    return controller
+
+
+# -- Gumbel sampling and the policy gradient ---------------------------------------------------
+def test_gumbel_drops_have_sigmoid_probability_in_expectation():
+    torch.manual_seed(0)
+    logits = torch.tensor([-3.0, -1.0, 0.0, 0.5, 2.0])
+    n = 40000
+    rate = gumbel_drops(logits.expand(n, 5)).float().mean(0)
+    expected = torch.sigmoid(logits)
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert torch.all((rate - expected).abs() < 5 * sigma), (rate, expected)
+
+
+def test_gumbel_drops_repeat_with_the_same_generator_seed():
+    logits = torch.randn(3, 1, 4, 4)
+    a = gumbel_drops(logits, torch.Generator().manual_seed(7))
+    b = gumbel_drops(logits, torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+
+
+def test_drop_log_prob_matches_bernoulli():
+    logits = torch.tensor([-2.0, 0.3, 1.5])
+    drops = torch.tensor([True, False, True])
+    expected = torch.distributions.Bernoulli(logits=logits).log_prob(drops.float())
+    assert torch.allclose(drop_log_prob(logits, drops), expected)
+
+
+def test_reinforce_gradient_raises_the_probability_of_the_rewarded_action():
+    logit = torch.zeros((), requires_grad=True)
+    drops = torch.tensor([True, False])  # action 0 dropped (rewarded), action 1 kept (punished)
+    log_probs = drop_log_prob(logit.expand(2), drops)
+    loss = reinforce_loss(log_probs, torch.tensor([1.0, -1.0]), baseline=0.0)
+    loss.backward()
+    assert logit.grad < 0  # gradient descent raises the logit, i.e. P(drop)
+
+
+def test_generator_learns_to_drop_more_when_dropping_is_rewarded():
+    """Whole loop: the game rewards each update by its drop fraction; G's drop probability rises."""
+    torch.manual_seed(0)
+    controller = _controller([("encoder-self", 2)])
+    config = AttendOutConfig(dropout_step=4, generator_dim=8, lr=0.05, init_drop=0.3, baseline_decay=0.5)
+    generator = Generator({"source": 20}, {"source": 1}, 8, 32, config.init_drop, config.temperature)
+    game = AttendOut(config, controller, generator)
+    tokens = torch.randint(2, 20, (4, 6))
+    tokens[0, 4:] = 1  # padding
+    first = None
+    for step in range(15):
+        rewards = []
+        for _ in range(config.dropout_step):
+            hooks = game.attacker_hooks({"source": tokens})
+            drops = torch.stack([hooks[s].drop.float().mean() for s in game.sites])
+            rewards.append(drops.mean())
+            game.end_update()
+        probs = game.mean_drop_probabilities()
+        first = first or probs
+        stats = game.finish_dropout_step(torch.stack(rewards), torch.zeros(len(rewards)))
+        assert set(stats) >= {"keep_attacker", "win_rate", "reward", "baseline", "drop_prob"}
+    last = stats["drop_prob"]
+    for name in first:
+        assert last[name] > first[name] + 0.1, (first, last)
+
+
+def test_generator_starts_at_init_drop_and_shapes_follow_the_sites():
+    torch.manual_seed(0)
+    controller = _controller([("encoder-self", 2), ("decoder-self", 1), ("encoder-decoder", 1)])
+    generator = Generator({"source": 30, "target": 40}, {"source": 1, "target": 1}, 16, 64, 0.2, 2.0)
+    assert math.isclose(torch.sigmoid(generator.drop_bias / generator.temperature).item(), 0.2, rel_tol=1e-5)
+    src = torch.randint(2, 30, (3, 5))
+    tgt = torch.randint(2, 40, (3, 7))
+    out = generator.drop_logits({"source": src, "target": tgt}, controller.sites)
+    shapes = [tuple(l.shape) for l, _ in out]
+    assert shapes == [(3, 1, 5, 5), (3, 1, 5, 5), (3, 1, 7, 7), (3, 1, 7, 5)]
+    dec_valid = out[2][1]
+    assert not dec_valid[0, 0].triu(1).any()  # decoder self-attention: no future keys
+
+
+def test_generator_rejects_sequences_beyond_max_positions():
+    generator = Generator({"source": 10}, {"source": 1}, 4, 3, 0.2, 1.0)
+    with pytest.raises(ValueError, match="--attendout-max-positions"):
+        generator.drop_logits({"source": torch.full((1, 5), 2)}, _controller([("encoder-self", 1)]).sites)
+
+
+def test_log_probability_recomputed_from_the_recorded_seed_matches_the_sampled_action():
+    torch.manual_seed(3)
+    controller = _controller([("encoder-self", 2)])
+    generator = Generator({"source": 12}, {"source": 1}, 8, 16, 0.3, 1.0)
+    game = AttendOut(AttendOutConfig(dropout_step=2), controller, generator)
+    tokens = torch.randint(2, 12, (2, 5))
+    hooks = game.attacker_hooks({"source": tokens})
+    drops, _ = game._sample({"source": tokens}, game.cache[0].seed)
+    for site, d in zip(game.sites, drops):
+        assert torch.equal(hooks[site].drop, d)
+
+
+def test_attendout_state_round_trip_continues_identically():
+    def make():
+        torch.manual_seed(5)
+        controller = _controller([("encoder-self", 2)])
+        generator = Generator({"source": 12}, {"source": 1}, 8, 16, 0.3, 1.0)
+        return AttendOut(AttendOutConfig(dropout_step=3, lr=0.1), controller, generator)
+
+    tokens = torch.randint(2, 12, (2, 5), generator=torch.Generator().manual_seed(1))
+    a = make()
+    for _ in range(2):
+        a.attacker_hooks({"source": tokens})
+        a.end_update()
+    b = make()
+    b.load_state_dict(a.state_dict())
+    for game in (a, b):
+        torch.manual_seed(11)
+        game.attacker_hooks({"source": tokens})
+        assert game.end_update()
+        game.finish_dropout_step(torch.tensor([1.0, 0.5, 0.0]), torch.tensor([0.5, 0.5, 0.5]))
+    for pa, pb in zip(a.generator.parameters(), b.generator.parameters()):
+        assert torch.equal(pa, pb)
+    assert a.baseline == b.baseline
+
+
+def test_per_sample_loss_on_hand_built_tensors():
+    logits = torch.tensor([[2.0, 0.0], [0.0, 0.0]])
+    assert torch.allclose(per_sample_loss(logits, torch.tensor([0, 1])),
+                          torch.tensor([math.log(1 + math.exp(-2)), math.log(2)]))
+    assert torch.allclose(per_sample_loss(torch.tensor([[1.0], [3.0]]), torch.tensor([2.0, 3.0])), torch.tensor([1.0, 0.0]))
+    tokens = torch.zeros(1, 3, 2)
+    tokens[0, 0] = torch.tensor([5.0, 0.0])
+    target = torch.tensor([[0, 1, -100]])
+    expected = (math.log(1 + math.exp(-5)) + math.log(2)) / 2
+    assert torch.allclose(per_sample_loss(tokens, target), torch.tensor([expected]))
+
+
+def test_win_probability_counts_ties_half():
+    assert win_probability(torch.tensor([1.0, 1.0, 2.0, 0.5]), torch.tensor([0.5, 1.0, 3.0, 0.1])).item() == 0.625
+
+
+def test_copy_model_and_optimizer_state_make_two_networks_identical():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    oa, ob = torch.optim.Adam(a.parameters(), lr=0.1), torch.optim.Adam(b.parameters(), lr=0.1)
+    for model, opt in ((a, oa), (b, ob)):
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+    copy_model_state(a, b)
+    copy_optimizer_state(oa, list(a.parameters()), ob, list(b.parameters()))
+    x = torch.randn(5, 3)
+    for model, opt in ((a, oa), (b, ob)):
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("dropout_step", 0, "--attendout-dropout-step must be an integer >= 1"),
+        ("temperature", 0.0, "--attendout-temperature must be a finite number > 0"),
+        ("temperature", -1.0, "--attendout-temperature must be a finite number > 0"),
+        ("init_drop", 1.0, r"--attendout-init-drop must be in the open interval \(0, 1\)"),
+        ("init_drop", -0.1, r"--attendout-init-drop must be in the open interval \(0, 1\)"),
+        ("baseline_decay", 1.0, r"--attendout-baseline-decay must be in \[0, 1\)"),
+        ("lr", float("nan"), "--attendout-lr must be a finite number > 0"),
+        ("generator_dim", 0, "--attendout-generator-dim must be an integer >= 1"),
+        ("layers", "x", "--attendout-layers must be 'all' or a comma-separated list"),
+        ("attention", "cross", "--attendout-attention: unknown attention kind 'cross'"),
+    ],
+)
+def test_attendout_config_rejects_bad_values(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        AttendOutConfig(**{field: value}).validate()
+
+
+def test_attendout_rejects_layers_the_model_lacks():
+    with pytest.raises(ValueError, match="--attendout-layers: layer 3 does not exist"):
+        AttendOut(AttendOutConfig(layers="3"), _controller([("encoder-self", 2)]),
+                  Generator({"source": 5}, {"source": 1}, 4, 8, 0.2, 1.0))
+
+
+# -- the kernel's uniform rows (Eq. 4) ---------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_dropped_row_attends_uniformly_over_valid_keys(dtype):
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 3, 4, dtype=dtype)
+    k, v = (torch.randn(2, 2, 4, 4, dtype=dtype) for _ in range(2))
+    pad = torch.tensor([[True, True, True, True], [True, True, False, False]])  # sample 1: 2 real keys
+    bias = pad[:, None, None, :]
+    site = RegularizationController().register("encoder-self", 0)
+    drop = torch.zeros(2, 1, 3, 4, dtype=torch.bool)
+    drop[:, :, 1] = True  # row 1 of every sample loses every key
+    site.hook = EditScores(drop=drop)
+    out, _ = attend(q, k, v, bias=bias, site=site)
+    assert torch.isfinite(out).all()
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out[0, :, 1].float(), v[0].float().mean(dim=1), atol=tol)
+    assert torch.allclose(out[1, :, 1].float(), v[1, :, :2].float().mean(dim=1), atol=tol)
+    site.hook = None
+    plain, _ = attend(q, k, v, bias=bias, site=site)
+    assert torch.equal(out[:, :, 0], plain[:, :, 0])  # other rows untouched
+
+
+def test_uniform_row_backward_is_finite_and_query_gets_no_gradient():
+    q, k, v = (torch.randn(1, 1, 2, 3, requires_grad=True) for _ in range(3))
+    site = RegularizationController().register("encoder-self", 0)
+    drop = torch.tensor([[[[True, True], [False, False]]]])
+    site.hook = EditScores(drop=drop)
+    out, _ = attend(q, k, v, site=site)
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    assert torch.equal(q.grad[0, 0, 0], torch.zeros(3))
+
+
+# -- scheduled dropout and attention LayerDrop -------------------------------------------------
+def test_schedule_value_is_piecewise_linear_and_constant_outside():
+    schedule = parse_schedules("0:0.6,100:0.2,200:0.4", "--s")[0]
+    assert schedule_value(schedule, 0) == 0.6
+    assert math.isclose(schedule_value(schedule, 50), 0.4)
+    assert math.isclose(schedule_value(schedule, 150), 0.3)
+    assert schedule_value(schedule, 10_000) == 0.4
+    assert parse_schedules("10:0.5", "--s")[0] == [(10, 0.5)]
+    assert schedule_value([(10, 0.5)], 0) == 0.5
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("0:1.5", r"probability must be a probability in \[0, 1\]"),
+        ("0:-0.1", r"probability must be a probability in \[0, 1\]"),
+        ("10:0.5,5:0.1", "must increase strictly"),
+        ("abc", "cannot read knot"),
+        ("-1:0.2", "integers >= 0"),
+        ("", "UPDATE:PROB"),
+    ],
+)
+def test_schedule_parse_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_schedules(spec, "--attn-sched-dropout-schedule")
+
+
+def test_scheduled_dropout_follows_its_per_layer_schedule():
+    controller = _controller([("encoder-self", 2)])
+    sched = ScheduledAttentionDropout(ScheduledDropoutConfig(schedule="0:0.6,100:0.2|0:0.1,100:0.5"), controller)
+    assert sched.probabilities(50) == pytest.approx({0: 0.4, 1: 0.3})
+    torch.manual_seed(0)
+    valid = torch.ones(8, 4, 32, 32, dtype=torch.bool)
+    for update, expected in ((0, {0: 0.6, 1: 0.1}), (100, {0: 0.2, 1: 0.5})):
+        hooks = sched.hooks(update)
+        for site in controller.sites:
+            rate = hooks[site].drop(valid).float().mean().item()
+            assert abs(rate - expected[site.layer]) < 0.01
+
+
+def test_scheduled_dropout_needs_one_schedule_or_one_per_layer():
+    with pytest.raises(ValueError, match="gives 2 schedules .* but 3 layers are selected"):
+        ScheduledAttentionDropout(ScheduledDropoutConfig(schedule="0:0.1|0:0.2"), _controller([("encoder-self", 3)]))
+
+
+def test_layerdrop_p1_gives_exactly_uniform_attention_and_p0_changes_nothing():
+    torch.manual_seed(0)
+    controller = _controller([("encoder-self", 1)])
+    site = controller.sites[0]
+    q = torch.randn(2, 2, 3, 4)
+    k, v = (torch.randn(2, 2, 4, 4) for _ in range(2))
+    bias = torch.tensor([[True] * 4, [True, True, True, False]])[:, None, None, :]
+    with controller.hooks(AttentionLayerDrop(AttentionLayerDropConfig(p=1.0), controller).hooks()):
+        out, _ = attend(q, k, v, bias=bias, site=site)
+    assert torch.allclose(out[0], v[0].mean(dim=1, keepdim=True).expand(2, 3, 4), atol=1e-6)
+    assert torch.allclose(out[1], v[1, :, :3].mean(dim=1, keepdim=True).expand(2, 3, 4), atol=1e-6)
+    assert AttentionLayerDrop(AttentionLayerDropConfig(p=0.0), controller).hooks() == {}
+
+
+def test_layerdrop_skips_layers_at_rate_p():
+    torch.manual_seed(0)
+    layerdrop = AttentionLayerDrop(AttentionLayerDropConfig(p=0.3), _controller([("encoder-self", 4)]))
+    skipped = sum(len(layerdrop.hooks()) for _ in range(2000)) / (2000 * 4)
+    assert abs(skipped - 0.3) < 0.02
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan")])
+def test_layerdrop_rejects_probabilities_outside_0_1(p):
+    with pytest.raises(ValueError, match=r"--attn-layerdrop-p must be a probability in \[0, 1\]"):
+        AttentionLayerDropConfig(p=p).validate()

@@ -1,0 +1,144 @@
+"""Distributed training on CPU (gloo, 2 processes): the ranks stay in sync with AD-DROP.
+
+fairseq: ``fairseq-train`` (through tests/fairseq_rank.py, which adds per-rank parameter
+dumps and lets ``pytorch_ddp`` wrap a CPU module) with ``--distributed-world-size 2`` under
+``--ddp-backend pytorch_ddp`` (with and without ``--find-unused-parameters``) and
+``legacy_ddp``; after a plain and an AD-DROP epoch both ranks hold the same parameters, and
+the logged AD-DROP flag and drop rate are those of the whole job; a slow test resumes a
+2-rank run from checkpoint_last (rank 0 reads it, the others receive it).
+HF: ``torchrun --nproc_per_node 2`` of ADDropTrainer on a tiny BERT.
+"""
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("fairseq")
+
+from conftest import PLUGIN_DIR, REPO, TRAIN_ARGS, VENV_BIN, train_updates  # noqa: E402
+
+WORLD = 2
+UPDATES_PER_EPOCH = 6  # 12 batches of the tiny corpus shared by 2 ranks
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fairseq_ranks(data_bin, save, extra, max_epoch, regularizer="ad_drop", timeout=300):
+    """Start every rank, wait for all; return rank 0's log (the other ranks log warnings only)."""
+    port = _free_port()
+    procs, logs = [], []
+    for rank in range(WORLD):
+        log = open(save.parent / f"{save.name}-rank{rank}-epoch{max_epoch}.log", "w+")
+        cmd = [sys.executable, str(REPO / "tests" / "fairseq_rank.py"), str(data_bin), "--user-dir", str(PLUGIN_DIR),
+               "--save-dir", str(save), *TRAIN_ARGS[regularizer], "--max-epoch", str(max_epoch),
+               "--distributed-world-size", str(WORLD), "--distributed-rank", str(rank), "--distributed-no-spawn",
+               "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-backend", "gloo", *extra]
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV))
+        logs.append(log)
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    for rank, (code, text) in enumerate(zip(codes, texts)):
+        assert code == 0, f"rank {rank} failed ({code}):\n{text[-4000:]}"
+    return texts[0]
+
+
+def _same_parameters_on_every_rank(save, update):
+    dumps = [torch.load(save / f"params-rank{r}-update{update}.pt") for r in range(WORLD)]
+    for r in range(1, WORLD):
+        assert dumps[r].keys() == dumps[0].keys()
+        different = [k for k in dumps[0] if not torch.equal(dumps[0][k], dumps[r][k])]
+        assert not different, f"rank {r} differs from rank 0 after {update} updates in {different[:5]}"
+    return dumps[0]
+
+
+def _check_ad_drop_epoch(updates, epoch):
+    rows = [updates[u] for u in sorted(updates) if updates[u]["epoch"] == epoch]
+    assert len(rows) == UPDATES_PER_EPOCH
+    for row in rows:
+        # Both workers' logs are summed by fairseq: the flag is still 1, the rate about p*q = 0.15.
+        assert row["ad_drop_on"] == "1" and 0.1 < float(row["ad_drop_rate"]) < 0.25, row
+        assert int(row["bsz"]) > 0
+
+
+def _check_plain_epoch(updates, epoch):
+    rows = [updates[u] for u in sorted(updates) if updates[u]["epoch"] == epoch]
+    assert len(rows) == UPDATES_PER_EPOCH and all(r["ad_drop_on"] == "0" and r["ad_drop_rate"] == "0" for r in rows)
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param(["--ddp-backend", "pytorch_ddp"], id="pytorch_ddp"),
+    pytest.param(["--ddp-backend", "pytorch_ddp", "--find-unused-parameters"], id="pytorch_ddp-find-unused-parameters",
+                 marks=pytest.mark.slow),
+    pytest.param(["--ddp-backend", "legacy_ddp"], id="legacy_ddp", marks=pytest.mark.slow),
+])
+def test_fairseq_two_ranks_stay_in_sync(tiny_mt_data, tmp_path, extra):
+    save = tmp_path / "ckpt"
+    updates = train_updates(_fairseq_ranks(tiny_mt_data["bin"], save, extra, max_epoch=2))
+    _check_plain_epoch(updates, 1)
+    _check_ad_drop_epoch(updates, 2)
+    first = _same_parameters_on_every_rank(save, UPDATES_PER_EPOCH)
+    last = _same_parameters_on_every_rank(save, 2 * UPDATES_PER_EPOCH)
+    assert any(not torch.equal(first[k], last[k]) for k in first)  # the AD-DROP epoch trained
+
+
+@pytest.mark.slow
+def test_fairseq_two_ranks_resume_into_an_ad_drop_epoch(tiny_mt_data, tmp_path):
+    """Rank 0 reads checkpoint_last and sends it to rank 1 (through the safe-load allow-list)."""
+    save = tmp_path / "ckpt"
+    _check_plain_epoch(train_updates(_fairseq_ranks(tiny_mt_data["bin"], save, [], max_epoch=1)), 1)
+    _same_parameters_on_every_rank(save, UPDATES_PER_EPOCH)
+    log = _fairseq_ranks(tiny_mt_data["bin"], save, [], max_epoch=2)
+    assert re.search(rf"Loaded checkpoint \S+checkpoint_last\.pt \(epoch 2 @ {UPDATES_PER_EPOCH} updates\)", log)
+    _check_ad_drop_epoch(train_updates(log), 2)
+    _same_parameters_on_every_rank(save, 2 * UPDATES_PER_EPOCH)
+
+
+@pytest.mark.slow
+def test_hf_trainer_torchrun_two_ranks(tmp_path):
+    pytest.importorskip("transformers")
+    proc = subprocess.run([str(VENV_BIN / "torchrun"), "--nproc_per_node", str(WORLD), "--master_port", str(_free_port()),
+                           str(REPO / "tests" / "hf_rank.py"), str(tmp_path)],
+                          env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert all(r["world_size"] == WORLD for r in ranks)
+    params = [r["params"] for r in ranks]
+    assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
+    logs = [h for h in ranks[0]["log_history"] if "loss" in h]
+    assert [h["ad_drop_on"] for h in logs] == [0] * 4 + [1] * 4  # 48 rows / (6 x 2 ranks) = 4 steps per epoch
+    # The logged rate is the whole job's: both ranks' counts summed (each rank recorded its own).
+    local = [r["local_counts"] for r in ranks]
+    assert len(local[0]) == len(local[1]) == len(logs)
+    for h, (d0, v0), (d1, v1) in zip(logs, *local):
+        assert h["ad_drop_rate"] == (round((d0 + d1) / (v0 + v1), 6) if v0 + v1 else 0.0)
+    assert any(v0 and round(d0 / v0, 6) != h["ad_drop_rate"] for h, (d0, v0) in zip(logs, local[0]))
+
+
+def test_fairseq_two_ranks_attendout_stay_in_sync(tiny_mt_data, tmp_path):
+    """AttendOut over 2 gloo ranks: the Attacker's and Generator's gradients are all-reduced and
+    every rank draws the same held-out samples and survivor, so the saved Defenders agree."""
+    save = tmp_path / "ckpt"
+    log = _fairseq_ranks(tiny_mt_data["bin"], save, ["--ddp-backend", "legacy_ddp"], max_epoch=1, regularizer="attendout")
+    updates = train_updates(log)
+    assert len(updates) == UPDATES_PER_EPOCH and all("attendout_attacker_loss" in r for r in updates.values())
+    assert "AttendOut dropout step 1 (update 4)" in log
+    _same_parameters_on_every_rank(save, UPDATES_PER_EPOCH)
