@@ -83,6 +83,7 @@ class Step:
     state: Callable[[], ContextManager] = contextlib.nullcontext
     repeats: Optional[int] = None  # fewer measured repeats than the workload's (very slow variants)
     warmup: Optional[int] = None  # fewer warm-up rounds than the workload's
+    held: Optional[Callable[[], int]] = None  # bytes this variant holds besides the shared model (AttendOut's Attacker)
 
 
 # builder(bench, workload) -> Step; ``workload`` names the bench's batch to run on.
@@ -143,6 +144,29 @@ def idle_train_builders() -> Dict[str, Builder]:
     return {"fairseq": build, "hf": build}
 
 
+# -- AttendOut and the two no-extra-cost regularizers ------------------------------------------
+def attendout_builders() -> Dict[str, Builder]:
+    from attn_reg_plugin.core.attendout import AttendOutConfig
+
+    config = AttendOutConfig(dropout_step=20, attention="encoder-self", layers="all")
+    return {"fairseq": lambda b, w: b.attendout_step(config, w), "hf": lambda b, w: b.attendout_step(config, w)}
+
+
+def sched_dropout_builders() -> Dict[str, Builder]:
+    from attn_reg_plugin.core.schedules import ScheduledDropoutConfig
+
+    config = ScheduledDropoutConfig(schedule="0:0.3,10000:0.1", attention="encoder-self")
+    return {"fairseq": lambda b, w: b.scheduled_dropout_step(config, w),
+            "hf": lambda b, w: b.attn_reg_step(w, scheduled_dropout=config)}
+
+
+def layerdrop_builders() -> Dict[str, Builder]:
+    from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
+
+    config = AttentionLayerDropConfig(p=0.2, attention="encoder-self")
+    return {"fairseq": lambda b, w: b.layerdrop_step(config, w), "hf": lambda b, w: b.attn_reg_step(w, layerdrop=config)}
+
+
 VARIANTS: List[Variant] = [
     Variant("plugin-idle-train", "plugin loaded, plain epoch of cross-tuning (AD-DROP criterion idle)", "train",
             idle_train_builders()),
@@ -162,8 +186,13 @@ VARIANTS: List[Variant] = [
             time_target=1.02, mem_target=1.01),
     Variant("generation-idle", "fairseq-generate path (SequenceGenerator, beam 5), plugin idle, vs stock", "generation",
             {"fairseq": lambda b, w: b.generation_step(plugin=True)}, time_target=1.02, mem_target=1.01),
-    # Regularizers that are not measured yet join here (see "Adding a regularizer" at the top):
-    # the runner, the table, the JSON and the test pick every entry up.
+    Variant("attendout", "AttendOut: Defender + Attacker + Generator on encoder self-attention, T=20 "
+            "(median step: the held-out evaluation every T updates is amortised outside it)", "train",
+            attendout_builders(), time_target=2.2, mem_target=2.2),
+    Variant("sched-dropout", "scheduled Bernoulli attention dropout, all encoder layers (p from 0.3 to 0.1)", "train",
+            sched_dropout_builders(), time_target=1.05, mem_target=1.05),
+    Variant("attn-layerdrop", "attention LayerDrop, p = 0.2, all encoder layers", "train",
+            layerdrop_builders(), time_target=1.05, mem_target=1.05),
 ]
 
 DERIVED: List[Derived] = [
@@ -300,7 +329,7 @@ def run_workload(name: str, steps: Dict[str, Step], bench, warmup: int, repeats:
             step = steps[n]
             with step.state():
                 step.prepare(total_rounds)
-                held = bench.held_bytes()
+                held = bench.held_bytes() + (step.held() if step.held is not None else 0)
                 peak = cpu_step_peak_bytes(step.run)
             out[n].peak_total.append(held + peak)
             out[n].peak_step.append(peak)
@@ -560,7 +589,8 @@ class FairseqBench:
             self.optimizer.multiply_grads(1.0 / float(sample_size or 1.0))
             self.optimizer.clip_grad_norm(0.0)  # fairseq-train computes the norm even without clipping
             try:
-                self.optimizer.step()
+                # fairseq-train steps through the task: AttendOut's Attacker steps there too.
+                self.task.optimizer_step(self.optimizer, self.model, update_num=self.updates)
             except OverflowError:  # fp16 loss-scale overflow: fairseq-train skips the update too
                 pass
             self.updates += 1
@@ -581,6 +611,51 @@ class FairseqBench:
 
     def ad_drop_step(self, config, epoch: int, batch: str) -> Step:
         return self.train_step(self.ad_drop_criterion(config), epoch=epoch, batch=batch, stock=False)
+
+    def task_regularizer_step(self, attribute: str, regularizer, batch: str, held=None) -> Step:
+        """A regularizer of the task wrapper (AttendOut, scheduled dropout, LayerDrop) with the plain criterion."""
+        step = self.train_step(self.plain_criterion, epoch=1, batch=batch, stock=False)
+
+        @contextlib.contextmanager
+        def state():
+            setattr(self.task, attribute, regularizer)
+            try:
+                yield
+            finally:
+                setattr(self.task, attribute, None)
+
+        step.state, step.held = state, held
+        return step
+
+    def scheduled_dropout_step(self, config, batch: str) -> Step:
+        from attn_reg_plugin.core.schedules import ScheduledAttentionDropout
+
+        return self.task_regularizer_step("attn_reg_scheduled_dropout",
+                                          ScheduledAttentionDropout(config, self.task.attn_reg_controller), batch)
+
+    def layerdrop_step(self, config, batch: str) -> Step:
+        from attn_reg_plugin.core.schedules import AttentionLayerDrop
+
+        return self.task_regularizer_step("attn_reg_layerdrop", AttentionLayerDrop(config, self.task.attn_reg_controller), batch)
+
+    def attendout_step(self, config, batch: str) -> Optional[Step]:
+        from attn_reg_plugin.fairseq_plugin.attendout import FairseqAttendOut
+
+        if self.opts.dtype != "fp32":
+            return None  # the fairseq adapter trains AttendOut in fp32 only
+        task = self.task
+        if "valid" not in task.datasets:
+            task.load_dataset("valid")
+        attendout = FairseqAttendOut(config, 0.0, "valid", "", task.attendout_heldout_logits, task.attendout_streams,
+                                     task.attendout_generator_vocab())
+
+        def held() -> int:
+            if attendout.attacker is None:
+                return 0
+            return (held_bytes(attendout.attacker, attendout.attacker_optimizer)
+                    + held_bytes(attendout.game.generator, attendout.game.optimizer))
+
+        return self.task_regularizer_step("attn_reg_attendout", attendout, batch, held=held)
 
     # -- inference -----------------------------------------------------------------------------
     def validation_step(self, plugin: bool) -> Step:
@@ -749,6 +824,62 @@ class HFBench:
 
         step.prepare = prepare
         return step
+
+    def _own_sites_trainer(self, make):
+        """Build a trainer that installs its own sites on the shared model; return it and its sites."""
+        trainer = make()
+        sites = [(path, m.attn_reg_site) for path, m in self.model.named_modules() if getattr(m, "attn_reg_site", None)]
+        modules = dict(self.model.named_modules())
+        for path, site in self.ad_trainer.ad_drop_sites:  # the other trainers keep theirs
+            modules[path].attn_reg_site = site
+        return trainer, sites
+
+    def attn_reg_step(self, batch: str, **regularizer) -> Step:
+        """AttnRegTrainer (scheduled attention dropout or attention LayerDrop): its compute_loss, backward, step."""
+        from attn_reg_plugin.hf import AttnRegTrainer
+
+        trainer, sites = self._own_sites_trainer(lambda: AttnRegTrainer(model=self.model, args=self.plain_trainer.args, **regularizer))
+        step = self.train_step(trainer, epoch=1, batch=batch)
+        step.state = lambda: self.attention_sites(sites)
+        return step
+
+    def attendout_step(self, config, batch: str) -> Optional[Step]:
+        """AttendOutTrainer's training_step (Defender and Attacker), D's optimizer step, then A's step and,
+        every T updates, the held-out evaluation, Generator update and re-sync (its callback's work)."""
+        from attn_reg_plugin.hf import AttendOutTrainer
+
+        if self.opts.dtype == "fp16":
+            return None  # AttendOutTrainer refuses fp16 (a skipped D step would desynchronise A)
+        inputs = self.batches[batch]
+        heldout = [{"input_ids": ids[m.bool()].tolist(), "labels": int(label)}
+                   for ids, m, label in zip(inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(), inputs["labels"].cpu())]
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path())
+        trainer, sites = self._own_sites_trainer(lambda: AttendOutTrainer(
+            model=self.model, args=self.plain_trainer.args, eval_dataset=heldout,
+            data_collator=transformers.DataCollatorWithPadding(tokenizer), attendout=config))
+        trainer.optimizer = self.optimizer
+        trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which is not run here
+
+        def prepare(round_index: int) -> None:
+            torch.manual_seed(self.opts.seed + round_index)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.train()
+
+        def run() -> None:
+            trainer.training_step(self.model, dict(inputs))
+            self.optimizer.step()
+            trainer._attendout_optimizer_step()
+            trainer._attendout_step_end()
+
+        def held() -> int:
+            if trainer.attendout_attacker is None:
+                return 0
+            return (held_bytes(trainer.attendout_attacker, trainer.attendout_optimizer)
+                    + held_bytes(trainer.attendout_generator, trainer.attendout_game.optimizer))
+
+        return Step(run=run, prepare=prepare, state=lambda: self.attention_sites(sites), held=held)
 
     def validation_step(self, plugin: bool) -> Step:
         inputs = self.batches["validation"]
@@ -986,6 +1117,9 @@ def main(argv=None) -> List[dict]:
             steps = {"plain": bench.reference(workload)}
             for v in variants:
                 step = v.builders[framework](bench, workload)
+                if step is None:
+                    log(f"{framework}/{workload}: {v.name} skipped (not supported with --dtype {opts.dtype})")
+                    continue
                 step.repeats, step.warmup = v.repeats, v.warmup
                 steps[v.name] = step
             log(f"{framework}/{workload}: {bench.batch_descriptions[workload]}")
