@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO / "data" / "movie_reviews"
@@ -487,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out-dir", type=Path, default=REPO / "outputs" / "fewshot")
     exp.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     exp.add_argument("--verbose", action="store_true", help="print the Trainer's log of every epoch")
+    exp.add_argument("--resume", action="store_true",
+                     help="keep the finished runs in OUT_DIR/runs.jsonl (an interrupted run) and do only the missing "
+                          "ones; refused when OUT_DIR/settings.json shows other settings")
     exp.add_argument("--test-every-epoch", action="store_true",
                      help="also score test after every epoch (a check of the selection; not used for the result)")
     train = ap.add_argument_group("training (shared by all methods)")
@@ -553,6 +556,46 @@ def validate_methods(opts, splits: Splits) -> None:
                                 data_collator=transformers.DataCollatorWithPadding(splits.tokenizer))
 
 
+def comparable_settings(config: dict) -> dict:
+    """What two runs must share to be parts of one experiment (not which sizes, seeds or methods)."""
+    return {k: config[k] for k in ("model", "num_labels", "max_length", "training", "method_settings", "dev_subset")} | {
+        "files": {name: f["sha256"] for name, f in config["files"].items()}}
+
+
+def resumable_runs(out: Path, config: dict) -> Dict[Tuple[int, int, str], dict]:
+    """The finished runs of an interrupted experiment in ``out`` that belong to this one's grid.
+
+    ``settings.json`` (written when a run starts) must match this run's settings; a folder
+    without it (written by an older fewshot.py) is reused as is, with a warning.
+    """
+    runs_path, settings_path = out / "runs.jsonl", out / "settings.json"
+    if not runs_path.exists():
+        return {}
+    wanted = comparable_settings(config)
+    if settings_path.exists():
+        saved = json.loads(settings_path.read_text(encoding="utf-8"))
+        differ = sorted(k for k in wanted.keys() | saved.keys() if wanted.get(k) != saved.get(k))
+        if differ:
+            raise DataError(f"--resume: {settings_path} was written with other settings ({', '.join(differ)}); "
+                            f"use another --out-dir")
+    else:
+        print(f"warning: --resume: {out} has no settings.json (an older fewshot.py); its runs are trusted to "
+              f"come from these settings", file=sys.stderr)
+    finished = {}
+    grid = {(s, d, m) for s in config["sizes"] for d in config["seeds"] for m in config["methods"]}
+    for number, line in enumerate(runs_path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            run = json.loads(line)
+            key = (run["size"], run["seed"], run["method"])
+        except (ValueError, KeyError) as e:
+            raise DataError(f"--resume: {runs_path}:{number}: not a finished run ({e})") from None
+        if key in grid:
+            finished[key] = run
+    return finished
+
+
 def main(argv=None) -> int:
     ap, opts = parse_args(argv)
     started = time.time()
@@ -605,12 +648,22 @@ def main(argv=None) -> int:
         "selection": "best dev accuracy after any epoch (earliest on ties); test scored once with those weights",
     }
     runs_path = out / "runs.jsonl"
-    runs_path.write_text("", encoding="utf-8")
+    try:
+        finished = resumable_runs(out, config) if opts.resume else {}
+    except DataError as e:
+        ap.error(str(e))
+    (out / "settings.json").write_text(json.dumps(comparable_settings(config), indent=1) + "\n", encoding="utf-8")
+    if not opts.resume:  # on resume the file is appended to: runs outside this grid stay in it too
+        runs_path.write_text("", encoding="utf-8")
     runs = []
     total = len(opts.sizes) * len(opts.seeds) * len(opts.methods)
     for size in opts.sizes:
         for seed in opts.seeds:
             for name in opts.methods:
+                if (size, seed, name) in finished:
+                    runs.append(finished[(size, seed, name)])
+                    print(f"[{len(runs)}/{total}] size {size:4d} seed {seed} {name:8s} kept from {runs_path}", flush=True)
+                    continue
                 run = run_one(opts, METHODS[name], splits, size, seed)
                 runs.append(run)
                 with runs_path.open("a", encoding="utf-8") as f:

@@ -194,6 +194,26 @@ def test_attendout_method_draws_held_out_samples_from_dev(tmp_path, minilm):
     assert result["config"]["method_settings"]["attendout"]["dropout_step"] == 2
 
 
+def test_resume_keeps_finished_runs_and_refuses_other_settings(tmp_path, minilm, capsys):
+    paths = _tiny_splits(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--train", str(paths["train"]), "--dev", str(paths["dev"]), "--test", str(paths["test"]), "--model", minilm,
+            "--sizes", "8", "--methods", "plain", "--epochs", "1", "--batch-size", "4", "--max-length", "32",
+            "--out-dir", str(out)]
+    assert fewshot.main(argv + ["--seeds", "1"]) == 0
+    (first,) = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert fewshot.main(argv + ["--seeds", "1,2", "--resume"]) == 0
+    assert "size    8 seed 1 plain    kept from" in capsys.readouterr().out
+    result = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert [r["seed"] for r in result["runs"]] == [1, 2]
+    assert result["runs"][0] == first  # not trained again: the very same record, timing included
+    assert len((out / "runs.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(SystemExit):
+        fewshot.main(argv + ["--seeds", "1,2,3", "--resume", "--lr", "3e-4"])
+    assert "was written with other settings (training); use another --out-dir" in capsys.readouterr().err
+    assert len((out / "runs.jsonl").read_text().splitlines()) == 2
+
+
 # -- merging runs from several result files ----------------------------------------------------
 def _result(lr, runs):
     config = {"model": "m", "num_labels": 2, "max_length": 64, "dev_subset": None,
