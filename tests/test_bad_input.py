@@ -10,7 +10,7 @@ its table to REGULARIZERS.
 """
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, List, Optional
 
 import pytest
@@ -28,6 +28,7 @@ class Bad:
     py: object  # _SAME: the CLI string
     message: str  # {opt} is the option's name
     got_cli: Optional[str] = None  # how the parsed CLI value prints, where it differs from repr(py)
+    python: bool = True  # False: a fairseq-only option (no config field)
 
 
 _SAME = object()
@@ -66,6 +67,67 @@ AD_DROP_BAD_TYPES = [
 ]
 
 
+FINITE_POSITIVE = "{opt} must be a finite number > 0, got {got}"
+INTEGER = "{opt} must be an integer >= 1, got {got}"
+NO_LAYER_7 = ("{opt}: layer 7 does not exist; the model's encoder-self attention has 2 layers, "
+              "so accepted indices are 0..1")
+UNKNOWN_KIND = "{opt}: unknown attention kind 'cross'; accepted: " + KINDS
+
+ATTENDOUT_BAD: List[Bad] = [
+    Bad("dropout_step", "0", 0, INTEGER),
+    Bad("dropout_step", "-3", -3, INTEGER),
+    Bad("dropout_step", None, 2.5, INTEGER),
+    Bad("dropout_step", None, True, INTEGER),
+    Bad("generator_dim", "0", 0, INTEGER),
+    Bad("max_positions", "0", 0, INTEGER),
+    Bad("lr", "0", 0.0, FINITE_POSITIVE, got_cli="0.0"),
+    Bad("lr", "-1e-3", -1e-3, FINITE_POSITIVE, got_cli="-0.001"),
+    Bad("lr", "inf", math.inf, FINITE_POSITIVE),
+    Bad("temperature", "0", 0.0, FINITE_POSITIVE, got_cli="0.0"),
+    Bad("temperature", "-1", -1.0, FINITE_POSITIVE, got_cli="-1.0"),
+    Bad("temperature", "nan", math.nan, FINITE_POSITIVE),
+    Bad("baseline_decay", "1", 1.0, "{opt} must be in [0, 1), got {got}", got_cli="1.0"),
+    Bad("baseline_decay", "-0.5", -0.5, "{opt} must be in [0, 1), got {got}"),
+    Bad("init_drop", "0", 0.0, "{opt} must be in the open interval (0, 1), got {got}", got_cli="0.0"),
+    Bad("init_drop", "1.2", 1.2, "{opt} must be in the open interval (0, 1), got {got}"),
+    Bad("layers", "0,7", _SAME, NO_LAYER_7),
+    Bad("layers", "first", _SAME, "{opt} must be 'all' or a comma-separated list of 0-based layer indices, got 'first'"),
+    Bad("attention", "cross", _SAME, UNKNOWN_KIND),
+    Bad("clip_norm", "-1", None, "{opt} must be a finite number >= 0, got -1.0", python=False),
+    Bad("clip_norm", "nan", None, "{opt} must be a finite number >= 0, got nan", python=False),
+]
+ATTENDOUT_BAD_TYPES = [
+    ("--attendout-dropout-step", "2.5", "argument --attendout-dropout-step: invalid int value: '2.5'"),
+    ("--attendout-temperature", "warm", "argument --attendout-temperature: invalid float value: 'warm'"),
+]
+
+SCHED_DROPOUT_BAD: List[Bad] = [
+    Bad("schedule", "0:1.5", _SAME, "{opt}: knot '0:1.5' probability must be a probability in [0, 1], got 1.5"),
+    Bad("schedule", "0:0.3,100:-0.1", _SAME, "{opt}: knot '100:-0.1' probability must be a probability in [0, 1], got -0.1"),
+    Bad("schedule", "abc", _SAME, "{opt}: cannot read knot 'abc'; expected UPDATE:PROB such as 0:0.6"),
+    Bad("schedule", "0:0.3:1", _SAME, "{opt}: cannot read knot '0:0.3:1'; expected UPDATE:PROB such as 0:0.6"),
+    Bad("schedule", "-1:0.3", _SAME, "{opt}: knot updates must be integers >= 0, got '-1'"),
+    Bad("schedule", "0.5:0.3", _SAME, "{opt}: knot updates must be integers >= 0, got '0.5'"),
+    Bad("schedule", "5:0.3,2:0.1", _SAME, "{opt}: knot updates must increase strictly, got 5 then 2"),
+    Bad("schedule", "0:0.3|0:0.2|0:0.1", _SAME, "{opt} gives 3 schedules separated by '|', but 2 layers are selected "
+                                                "([0, 1]): give one schedule, or one per layer"),
+    Bad("schedule", None, "", "{opt} is empty: scheduled attention dropout is off"),
+    Bad("layers", "0,7", _SAME, NO_LAYER_7),
+    Bad("attention", "cross", _SAME, UNKNOWN_KIND),
+]
+
+LAYERDROP_BAD: List[Bad] = [
+    Bad("p", "1.5", 1.5, "{opt} must be a probability in [0, 1], got 1.5"),
+    Bad("p", "-0.1", -0.1, "{opt} must be a probability in [0, 1], got -0.1"),
+    Bad("p", "nan", math.nan, "{opt} must be a probability in [0, 1], got nan"),
+    Bad("p", None, "0.5", "{opt} must be a probability in [0, 1], got '0.5'"),
+    Bad("layers", "0,7", _SAME, NO_LAYER_7),
+    Bad("layers", "-1", _SAME, "{opt}: layer indices are 0-based and >= 0, got [-1]"),
+    Bad("attention", "cross", _SAME, UNKNOWN_KIND),
+]
+LAYERDROP_BAD_TYPES = [("--attn-layerdrop-p", "x", "argument --attn-layerdrop-p: invalid float value: 'x'")]
+
+
 @dataclass
 class Regularizer:
     name: str
@@ -75,6 +137,7 @@ class Regularizer:
     flag: Callable[[str], str]  # field -> fairseq flag
     hf_field: Callable[[str], str]  # field -> name in HF messages
     hf_trainer: Callable  # (model, args, config fields) -> constructs the trainer
+    config_class: type  # every field of it must have a README row
 
 
 def _ad_drop_trainer(model, args, fields):
@@ -84,13 +147,64 @@ def _ad_drop_trainer(model, args, fields):
     return ADDropTrainer(model=model, args=args, ad_drop=ADDropConfig(**fields))
 
 
+def _eval_dataset():
+    return [{"input_ids": [2, 5, 7, 3], "labels": 1}, {"input_ids": [2, 9, 3], "labels": 0}]
+
+
+def _attendout_trainer(model, args, fields):
+    from attn_reg_plugin.core.attendout import AttendOutConfig
+    from attn_reg_plugin.hf import AttendOutTrainer
+
+    return AttendOutTrainer(model=model, args=args, eval_dataset=_eval_dataset(), attendout=AttendOutConfig(**fields))
+
+
+def _sched_dropout_trainer(model, args, fields):
+    from attn_reg_plugin.core.schedules import ScheduledDropoutConfig
+    from attn_reg_plugin.hf import AttnRegTrainer
+
+    return AttnRegTrainer(model=model, args=args, scheduled_dropout=ScheduledDropoutConfig(**{"schedule": "0:0.3", **fields}))
+
+
+def _layerdrop_trainer(model, args, fields):
+    from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
+    from attn_reg_plugin.hf import AttnRegTrainer
+
+    return AttnRegTrainer(model=model, args=args, layerdrop=AttentionLayerDropConfig(**{"p": 0.2, **fields}))
+
+
+def _config_class(module, name):
+    import importlib
+
+    return getattr(importlib.import_module(f"attn_reg_plugin.core.{module}"), name)
+
+
+def _prefixed(prefix):
+    return lambda field: prefix + field.replace("_", "-")
+
+
+PLAIN_CRITERION = ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
+
 REGULARIZERS = [
     Regularizer(
         "ad_drop", AD_DROP_BAD, AD_DROP_BAD_TYPES,
         ["--criterion", "ad_drop_label_smoothed_cross_entropy", "--label-smoothing", "0.1"],
-        lambda field: "--ad-drop-" + field.replace("_", "-"),
-        lambda field: f"ADDropConfig.{field}",
-        _ad_drop_trainer,
+        _prefixed("--ad-drop-"), lambda field: f"ADDropConfig.{field}", _ad_drop_trainer,
+        _config_class("ad_drop", "ADDropConfig"),
+    ),
+    Regularizer(
+        "attendout", ATTENDOUT_BAD, ATTENDOUT_BAD_TYPES, [*PLAIN_CRITERION, "--attendout"],
+        _prefixed("--attendout-"), lambda field: f"AttendOutConfig.{field}", _attendout_trainer,
+        _config_class("attendout", "AttendOutConfig"),
+    ),
+    Regularizer(
+        "sched_dropout", SCHED_DROPOUT_BAD, [], [*PLAIN_CRITERION, "--attn-sched-dropout-schedule", "0:0.3,100:0.1"],
+        _prefixed("--attn-sched-dropout-"), lambda field: f"ScheduledDropoutConfig.{field}", _sched_dropout_trainer,
+        _config_class("schedules", "ScheduledDropoutConfig"),
+    ),
+    Regularizer(
+        "layerdrop", LAYERDROP_BAD, LAYERDROP_BAD_TYPES, [*PLAIN_CRITERION, "--attn-layerdrop-p", "0.2"],
+        _prefixed("--attn-layerdrop-"), lambda field: f"AttentionLayerDropConfig.{field}", _layerdrop_trainer,
+        _config_class("schedules", "AttentionLayerDropConfig"),
     ),
 ]
 
@@ -98,7 +212,7 @@ REGULARIZERS = [
 def _rows(kind):
     for reg in REGULARIZERS:
         for row in reg.table:
-            if kind == "cli" and row.cli is None:
+            if (kind == "cli" and row.cli is None) or (kind == "py" and not row.python):
                 continue
             yield pytest.param(reg, row, id=f"{reg.name}-{row.field}={row.cli if kind == 'cli' else row.py!r}")
 
@@ -196,17 +310,18 @@ def test_hf_trainer_refuses_a_non_config(hf_model_and_args):
 def test_readme_bad_input_table_lists_every_message():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     section = readme[readme.index("### Bad input"):]
-    section = section[:section.index("\n### ", 1)]
+    section = section[:section.index("\n### ", 1)].replace("\\|", "|")  # '|' is escaped in table cells
     for reg in REGULARIZERS:
         for row in reg.table:
             if row.cli is not None:
                 assert _cli_message(reg, row) in section, _cli_message(reg, row)
-            assert reg.flag(row.field) in section and reg.hf_field(row.field) in section
+            else:  # Python-only rows: the message with the config field's name (values may share a row)
+                message = row.message.format(opt=reg.hf_field(row.field), got=repr(row.py)).split(", got ")[0]
+                assert message in section and repr(row.py) in section, (message, row.py)
+            assert reg.flag(row.field) in section, reg.flag(row.field)
         for _, _, message in reg.type_errors:
             assert message in section, message
-    # Every option of the config is in the table.
-    from attn_reg_plugin.core.ad_drop import ADDropConfig
-    from dataclasses import fields
-
-    for f in fields(ADDropConfig):
-        assert re.search(rf"`--ad-drop-{f.name.replace('_', '-')}`.*`ADDropConfig\.{f.name}`", section), f.name
+        # Every option of the config is in the table, named both ways on one line.
+        for f in fields(reg.config_class):
+            flag, py = re.escape(reg.flag(f.name)), re.escape(reg.hf_field(f.name))
+            assert re.search(rf"`{flag}`.*`{py}`", section), (reg.name, f.name)

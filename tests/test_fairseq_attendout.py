@@ -127,7 +127,7 @@ def test_defender_and_attacker_are_identical_at_each_dropout_step_start(tiny_mt_
     (["--attendout", "--attendout-init-drop", "1.2"], r"--attendout-init-drop must be in the open interval \(0, 1\)"),
     (["--attendout", "--attendout-baseline-decay", "-0.5"], r"--attendout-baseline-decay must be in \[0, 1\)"),
     (["--attendout", "--attendout-layers", "5"], r"--attendout-layers: layer 5 does not exist; .* accepted indices are 0\.\.1"),
-    (["--attendout", "--attendout-clip-norm", "-1"], r"--attendout-clip-norm must be >= 0"),
+    (["--attendout", "--attendout-clip-norm", "-1"], r"--attendout-clip-norm must be a finite number >= 0, got -1.0"),
     (["--attn-layerdrop-p", "1.5"], r"--attn-layerdrop-p must be a probability in \[0, 1\], got 1\.5"),
     (["--attn-layerdrop-p", "0.2", "--attn-layerdrop-layers", "2"], r"--attn-layerdrop-layers: layer 2 does not exist"),
     (["--attn-sched-dropout-schedule", "0:1.1"], r"--attn-sched-dropout-schedule: knot '0:1.1' probability must be a probability in \[0, 1\]"),
@@ -153,6 +153,14 @@ def test_bad_attendout_option_stops_the_cli_before_training(tiny_mt_data, tmp_pa
     assert "--attendout-temperature must be a finite number > 0, got -1.0" in proc.stdout
     assert "begin training" not in proc.stdout and not list(tmp_path.glob("*.pt"))
 
+
+
+def test_missing_heldout_split_stops_the_cli_before_the_first_update(tiny_mt_data, tmp_path):
+    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, *BASE, "--attendout",
+                                     "--attendout-valid-subset", "nosuch", "--save-dir", tmp_path], expect_ok=False)
+    assert proc.returncode != 0
+    assert "--attendout-valid-subset 'nosuch' cannot be loaded: Dataset not found: nosuch" in proc.stdout
+    assert "num_updates" not in proc.stdout and not list(tmp_path.glob("*.pt"))
 
 def test_layerdrop_p1_makes_fairseq_encoder_attention_uniform(tiny_mt_data):
     _, task, model, _ = fairseq_setup(tiny_mt_data["bin"], [*BASE, "--attn-layerdrop-p", "1.0", "--attn-layerdrop-layers", "0"])

@@ -172,13 +172,22 @@ class FairseqAttendOut:
         draws a worker-dependent amount, so the global stream itself differs across workers)."""
         return torch.Generator().manual_seed(torch.initial_seed() + 1)
 
-    def _heldout_samples(self, task, device, generator):
+    def heldout_dataset(self, task):
+        """The split held-out samples come from; called when training begins, so a missing or
+        empty split stops the run before its first update."""
         if self.valid_subset not in task.datasets:
-            task.load_dataset(self.valid_subset, combine=False, epoch=1)
+            try:
+                task.load_dataset(self.valid_subset, combine=False, epoch=1)
+            except FileNotFoundError as e:
+                raise ValueError(f"--attendout-valid-subset {self.valid_subset!r} cannot be loaded: {e}") from None
         dataset = task.datasets[self.valid_subset]
-        n, T = len(dataset), self.config.dropout_step
-        if n == 0:
+        if len(dataset) == 0:
             raise ValueError(f"--attendout-valid-subset {self.valid_subset!r} is empty: AttendOut needs held-out samples")
+        return dataset
+
+    def _heldout_samples(self, task, device, generator):
+        dataset = self.heldout_dataset(task)
+        n, T = len(dataset), self.config.dropout_step
         idx = torch.randperm(n, generator=generator)[:T] if n >= T else torch.randint(0, n, (T,), generator=generator)
         samples = []
         for start in range(0, len(idx), 64):

@@ -9,6 +9,7 @@ dropout (``--attn-sched-dropout-*``) and attention LayerDrop (``--attn-layerdrop
 Validation and generation are untouched.
 """
 
+import math
 from dataclasses import dataclass, field
 
 from fairseq.dataclass import FairseqDataclass
@@ -51,8 +52,8 @@ class AttnRegTaskOptions(FairseqDataclass):
 def _validate_task_options(cfg):
     """Value checks that need no model; run when the task is set up (before any data is read)."""
     AttendOutConfig.from_namespace(cfg).validate()
-    if cfg.attendout_clip_norm < 0:
-        raise ValueError(f"--attendout-clip-norm must be >= 0, got {cfg.attendout_clip_norm!r}")
+    if not 0 <= cfg.attendout_clip_norm < math.inf:  # also refuses nan
+        raise ValueError(f"--attendout-clip-norm must be a finite number >= 0, got {cfg.attendout_clip_norm!r}")
     sched = ScheduledDropoutConfig.from_namespace(cfg).validate()
     layerdrop = AttentionLayerDropConfig.from_namespace(cfg).validate()
     enabled = [name for name, on in (("--attendout", cfg.attendout), ("--attn-sched-dropout-schedule", sched.enabled),
@@ -135,6 +136,8 @@ class AttnRegTaskMixin:
     def begin_epoch(self, epoch, model):
         super().begin_epoch(epoch, model)
         self.attn_reg_epoch = epoch
+        if self.attn_reg_attendout is not None:
+            self.attn_reg_attendout.heldout_dataset(self)
 
     # -- training -------------------------------------------------------------------------
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
