@@ -3,7 +3,7 @@
 fairseq: ``fairseq-train`` (through tests/fairseq_rank.py, which adds per-rank parameter
 dumps and lets ``pytorch_ddp`` wrap a CPU module) with ``--distributed-world-size 2`` under
 ``--ddp-backend pytorch_ddp`` (with and without ``--find-unused-parameters``) and
-``legacy_ddp``; after a plain and an AD-DROP epoch both ranks hold the same parameters, and
+``legacy_ddp``, for AD-DROP and for AttendOut; after a plain and an AD-DROP epoch both ranks hold the same parameters, and
 the logged AD-DROP flag and drop rate are those of the whole job; a slow test resumes a
 2-rank run from checkpoint_last (rank 0 reads it, the others receive it).
 HF: ``torchrun --nproc_per_node 2`` of ADDropTrainer on a tiny BERT.
@@ -133,11 +133,17 @@ def test_hf_trainer_torchrun_two_ranks(tmp_path):
     assert any(v0 and round(d0 / v0, 6) != h["ad_drop_rate"] for h, (d0, v0) in zip(logs, local[0]))
 
 
-def test_fairseq_two_ranks_attendout_stay_in_sync(tiny_mt_data, tmp_path):
+@pytest.mark.parametrize("extra", [
+    pytest.param(["--ddp-backend", "legacy_ddp"], id="legacy_ddp"),
+    pytest.param(["--ddp-backend", "pytorch_ddp"], id="pytorch_ddp"),
+    pytest.param(["--ddp-backend", "pytorch_ddp", "--find-unused-parameters"], id="pytorch_ddp-find-unused-parameters",
+                 marks=pytest.mark.slow),
+])
+def test_fairseq_two_ranks_attendout_stay_in_sync(tiny_mt_data, tmp_path, extra):
     """AttendOut over 2 gloo ranks: the Attacker's and Generator's gradients are all-reduced and
     every rank draws the same held-out samples and survivor, so the saved Defenders agree."""
     save = tmp_path / "ckpt"
-    log = _fairseq_ranks(tiny_mt_data["bin"], save, ["--ddp-backend", "legacy_ddp"], max_epoch=1, regularizer="attendout")
+    log = _fairseq_ranks(tiny_mt_data["bin"], save, extra, max_epoch=1, regularizer="attendout")
     updates = train_updates(log)
     assert len(updates) == UPDATES_PER_EPOCH and all("attendout_attacker_loss" in r for r in updates.values())
     assert "AttendOut dropout step 1 (update 4)" in log

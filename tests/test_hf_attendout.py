@@ -230,6 +230,35 @@ def test_drop_probability_logged(tmp_path):
     assert all(math.isfinite(h["attendout_attacker_loss"]) for h in training)
 
 
+
+def test_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
+    """CPU determinism: the same seed gives the same Generator masks, rewards, losses and weights;
+    another seed gives other masks."""
+    from attn_reg_plugin.core import attendout as attendout_module
+
+    real = attendout_module.gumbel_drops
+    masks = []
+
+    def recording(*args, **kwargs):
+        drops = real(*args, **kwargs)
+        masks[-1].append(drops.clone())
+        return drops
+
+    monkeypatch.setattr(attendout_module, "gumbel_drops", recording)
+    runs = []
+    for seed in (0, 0, 1):
+        masks.append([])
+        trainer = attendout_trainer(tmp_path / f"run{len(runs)}", seed=seed, data_seed=seed)
+        trainer.train()
+        logs = [{k: v for k, v in h.items() if k not in ("train_runtime", "train_samples_per_second",
+                                                          "train_steps_per_second")} for h in trainer.state.log_history]
+        runs.append((logs, params_of(trainer.model)))
+    assert len(masks[0]) >= 6  # one draw per update (6), plus none in evaluation
+    assert len(masks[0]) == len(masks[1]) and all(torch.equal(a, b) for a, b in zip(masks[0], masks[1]))
+    assert runs[0][0] == runs[1][0] and any("attendout_reward" in h or "attendout_dropout_step" in h for h in runs[0][0])
+    assert same(runs[0][1], runs[1][1])
+    assert not all(torch.equal(a, b) for a, b in zip(masks[0], masks[2]))
+
 def test_resume_mid_dropout_step_continues_identically(tmp_path):
     config = AttendOutConfig(dropout_step=3)
     full = attendout_trainer(tmp_path / "full", config=config, max_steps=8, save_strategy="steps", save_steps=4)
