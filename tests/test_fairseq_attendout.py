@@ -146,21 +146,21 @@ def test_ad_drop_criterion_cannot_be_combined_with_a_task_regularizer(tiny_mt_da
         fairseq_setup(tiny_mt_data["bin"], args)
 
 
-def test_bad_attendout_option_stops_the_cli_before_training(tiny_mt_data, tmp_path):
-    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, *BASE, "--attendout",
-                                     "--attendout-temperature", "-1", "--save-dir", tmp_path], expect_ok=False)
+@pytest.mark.parametrize("extra,message,not_reached", [
+    # a bad value: refused while the task is set up, before "begin training"
+    (["--attendout-temperature", "-1"], "--attendout-temperature must be a finite number > 0, got -1.0",
+     "begin training"),
+    # a held-out split that does not exist: refused when training begins, before the first update
+    (["--attendout-valid-subset", "nosuch"],
+     "--attendout-valid-subset 'nosuch' cannot be loaded: Dataset not found: nosuch", "num_updates"),
+])
+def test_bad_attendout_option_stops_the_cli_before_training(tiny_mt_data, tmp_path, extra, message, not_reached):
+    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, *BASE, "--attendout", *extra,
+                                     "--save-dir", tmp_path], expect_ok=False)
     assert proc.returncode != 0
-    assert "--attendout-temperature must be a finite number > 0, got -1.0" in proc.stdout
-    assert "begin training" not in proc.stdout and not list(tmp_path.glob("*.pt"))
+    assert message in proc.stdout
+    assert not_reached not in proc.stdout and not list(tmp_path.glob("*.pt"))
 
-
-
-def test_missing_heldout_split_stops_the_cli_before_the_first_update(tiny_mt_data, tmp_path):
-    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, *BASE, "--attendout",
-                                     "--attendout-valid-subset", "nosuch", "--save-dir", tmp_path], expect_ok=False)
-    assert proc.returncode != 0
-    assert "--attendout-valid-subset 'nosuch' cannot be loaded: Dataset not found: nosuch" in proc.stdout
-    assert "num_updates" not in proc.stdout and not list(tmp_path.glob("*.pt"))
 
 def test_layerdrop_p1_makes_fairseq_encoder_attention_uniform(tiny_mt_data):
     _, task, model, _ = fairseq_setup(tiny_mt_data["bin"], [*BASE, "--attn-layerdrop-p", "1.0", "--attn-layerdrop-layers", "0"])
