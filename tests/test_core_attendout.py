@@ -315,3 +315,15 @@ def test_layerdrop_skips_layers_at_rate_p():
 def test_layerdrop_rejects_probabilities_outside_0_1(p):
     with pytest.raises(ValueError, match=r"--attn-layerdrop-p must be a probability in \[0, 1\]"):
         AttentionLayerDropConfig(p=p).validate()
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 1, 1, 1), (2, 1, 3, 0), (3, 2, 7, 54)])
+def test_row_all_check_equals_torch_all(shape):
+    """The kernel's fast row test (byte minimum) is torch's ``all`` over the last dim."""
+    from attn_reg_plugin.core.attention import _all_last
+
+    g = torch.Generator().manual_seed(0)
+    for density in (0.0, 0.5, 0.9, 1.0):
+        mask = torch.rand(shape, generator=g) < density
+        for m in (mask, mask.transpose(0, 1)):  # contiguous and not
+            assert torch.equal(_all_last(m), m.all(dim=-1, keepdim=True))

