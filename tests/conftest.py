@@ -195,3 +195,20 @@ def reference_runs(tiny_mt_data, tmp_path_factory):
 def ad_drop_run(reference_runs):
     """The AD-DROP reference run: epoch 1 plain, epoch 2 AD-DROP, epoch 3 plain."""
     return reference_runs("ad_drop")
+
+
+def record_results(monkeypatch, module, name):
+    """Replace ``module.name`` by a wrapper that keeps a clone of every tensor it returns.
+
+    Returns a list of runs: append ``[]`` before each run; its results land in the last one.
+    """
+    real = getattr(module, name)
+    runs = []
+
+    def recording(*args, **kwargs):
+        result = real(*args, **kwargs)
+        runs[-1].append(result.clone())
+        return result
+
+    monkeypatch.setattr(module, name, recording)
+    return runs

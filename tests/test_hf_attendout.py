@@ -235,16 +235,9 @@ def test_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
     """CPU determinism: the same seed gives the same Generator masks, rewards, losses and weights;
     another seed gives other masks."""
     from attn_reg_plugin.core import attendout as attendout_module
+    from conftest import record_results
 
-    real = attendout_module.gumbel_drops
-    masks = []
-
-    def recording(*args, **kwargs):
-        drops = real(*args, **kwargs)
-        masks[-1].append(drops.clone())
-        return drops
-
-    monkeypatch.setattr(attendout_module, "gumbel_drops", recording)
+    masks = record_results(monkeypatch, attendout_module, "gumbel_drops")
     runs = []
     for seed in (0, 0, 1):
         masks.append([])
