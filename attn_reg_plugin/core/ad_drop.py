@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -16,7 +16,7 @@ from torch.profiler import record_function
 
 from .attention import CaptureOutput, CaptureProbs, EditScores
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES, GradientScale, gradient_attribution, probs_gradient
-from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
+from .controller import AttentionSite, RegularizationController, config_from_namespace, parse_kinds, parse_layers
 from .masks import ad_drop_masks
 
 SCHEDULES = ("cross-tuning", "always")
@@ -63,7 +63,7 @@ class ADDropConfig:
     @classmethod
     def from_namespace(cls, ns, prefix: str = "ad_drop_") -> "ADDropConfig":
         """Build from an object carrying ``prefix + field`` attributes (fairseq's cfg)."""
-        return cls(**{f.name: getattr(ns, prefix + f.name) for f in fields(cls) if hasattr(ns, prefix + f.name)})
+        return config_from_namespace(cls, ns, prefix)
 
 
 def ad_drop_epoch(schedule: str, epoch: int) -> bool:

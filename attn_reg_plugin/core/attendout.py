@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import EditScores
-from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
+from .controller import AttentionSite, RegularizationController, config_from_namespace, parse_kinds, parse_layers
 
 
 def _flag(name: str) -> str:
@@ -90,7 +90,7 @@ class AttendOutConfig:
 
     @classmethod
     def from_namespace(cls, ns, prefix: str = "attendout_") -> "AttendOutConfig":
-        return cls(**{f.name: getattr(ns, prefix + f.name) for f in fields(cls) if hasattr(ns, prefix + f.name)})
+        return config_from_namespace(cls, ns, prefix)
 
 
 # -- the generator -------------------------------------------------------------------------

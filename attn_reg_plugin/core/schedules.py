@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .attention import EditScores
-from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
+from .controller import AttentionSite, RegularizationController, config_from_namespace, parse_kinds, parse_layers
 
 Schedule = List[Tuple[int, float]]  # (update, drop probability) knots, updates increasing
 
@@ -99,7 +99,7 @@ class ScheduledDropoutConfig:
 
     @classmethod
     def from_namespace(cls, ns, prefix: str = "attn_sched_dropout_") -> "ScheduledDropoutConfig":
-        return cls(**{f.name: getattr(ns, prefix + f.name) for f in fields(cls) if hasattr(ns, prefix + f.name)})
+        return config_from_namespace(cls, ns, prefix)
 
 
 class ScheduledAttentionDropout:
@@ -162,7 +162,7 @@ class AttentionLayerDropConfig:
 
     @classmethod
     def from_namespace(cls, ns, prefix: str = "attn_layerdrop_") -> "AttentionLayerDropConfig":
-        return cls(**{f.name: getattr(ns, prefix + f.name) for f in fields(cls) if hasattr(ns, prefix + f.name)})
+        return config_from_namespace(cls, ns, prefix)
 
 
 class AttentionLayerDrop:
