@@ -100,8 +100,6 @@ def test_attendout_bad_setup_fails_at_construction(tmp_path):
                          attendout=AttendOutConfig())
     with pytest.raises(ValueError, match="does not support fp16=True"):
         attendout_trainer(tmp_path, model=model, fp16=True)
-    with pytest.raises(ValueError, match="activation \\(gradient\\) checkpointing"):
-        attendout_trainer(tmp_path, model=model, activation_checkpointing=True)
     with pytest.raises(TypeError, match="attendout must be an AttendOutConfig"):
         AttendOutTrainer(model=model, args=_args(tmp_path), eval_dataset=token_data(4, 2), attendout={"dropout_step": 2})
 

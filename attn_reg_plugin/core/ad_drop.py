@@ -15,6 +15,7 @@ import torch
 from torch.profiler import record_function
 
 from .attention import CaptureOutput, CaptureProbs, EditScores
+from .checkpointing import activation_checkpointing_paused
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES, GradientScale, gradient_attribution, probs_gradient
 from .controller import AttentionSite, RegularizationController, config_from_namespace, parse_kinds, parse_layers
 from .masks import ad_drop_masks
@@ -125,7 +126,8 @@ class ADDrop:
         """Pass 1 (and IGA's extra passes): the sites in call order, their attributions and validity."""
         method = self.config.attribution
         # Profiler labels (free when no profiler runs) let benchmarks split a step into its passes.
-        with record_function("ad_drop::attribution_pass"), frozen_parameters(frozen), torch.enable_grad():
+        with record_function("ad_drop::attribution_pass"), frozen_parameters(frozen), \
+                activation_checkpointing_paused(frozen), torch.enable_grad():
             if method == "ga":
                 capture = CaptureOutput()
                 with self.controller.hooks({s: capture for s in self.sites}):

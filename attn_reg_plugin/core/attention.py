@@ -25,6 +25,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .checkpointing import recomputing
 from .masks import additive_mask, mask_fill_value, valid_keys_from_bias
 
 
@@ -100,6 +101,82 @@ def _all_last(mask: torch.Tensor) -> torch.Tensor:
     return mask.view(torch.uint8).amin(dim=-1, keepdim=True).bool()
 
 
+@dataclass
+class _Replay:
+    """What one forward call of a site did, kept on the site for an activation-checkpoint recompute."""
+
+    hook: object  # the hook of that call; its identity marks one pass on this site
+    drop: Optional[torch.Tensor] = None  # the resolved edit: random draws are not drawn again
+    uniform: Optional[torch.Tensor] = None
+    calls: int = 1  # forward calls of the site under this hook
+
+
+def _resolve_edit(hook: EditScores, valid: torch.Tensor, shape, device):
+    """The edit's final (drop, uniform rows), random draws made and emptied rows made uniform."""
+    uniform = hook.uniform_rows
+    if uniform is True:  # every row (attention LayerDrop); made on q's device, no copy
+        uniform = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+    drop = hook.drop(valid.expand(shape)) if callable(hook.drop) else hook.drop
+    if drop is not None:
+        # A row that would lose every real key attends uniformly to them instead (AttendOut
+        # Eq. 4): softmax over an all-masked row is NaN or padding-weighted otherwise.
+        emptied = _all_last(drop | ~valid) & valid.any(dim=-1, keepdim=True)
+        # On CPU, looking is cheaper than editing every row; on GPU it would synchronise.
+        if emptied.device.type != "cpu" or bool(emptied.any()):
+            drop = drop & ~emptied
+            uniform = emptied if uniform is None else (uniform | emptied)
+    return drop, uniform
+
+
+def _this_call(site, valid: torch.Tensor, shape, device):
+    """(hook, drop, uniform, fresh) of this call; ``fresh`` is False in a recompute.
+
+    A forward call resolves the site's hook and records it on the site; a call made while
+    autograd runs a backward is a checkpointed layer's recompute and repeats that record, so
+    the gradient is that of the loss's own forward.
+    """
+    if site is None:
+        return None, None, None, True
+    if recomputing():
+        record = site.replay
+        if record is None:
+            return None, None, None, False
+        if record.calls > 1:
+            raise RuntimeError(
+                f"attention site {site} was called {record.calls} times in one regularized pass, and a "
+                "checkpointed layer recomputed in backward cannot tell which call it repeats: register one "
+                "site per call (or train without activation checkpointing)"
+            )
+        hook = record.hook
+        if isinstance(hook, EditScores) and callable(hook.drop):
+            # Draw again and discard: the recompute must leave the random stream where the
+            # forward left it, or the dropout after this attention would draw other masks.
+            hook.drop(valid.expand(shape))
+        return hook, record.drop, record.uniform, False
+    hook = site.hook
+    if hook is None:
+        site.replay = None
+        return None, None, None, True
+    drop = uniform = None
+    if isinstance(hook, EditScores):
+        drop, uniform = _resolve_edit(hook, valid, shape, device)
+    previous = site.replay
+    calls = previous.calls + 1 if previous is not None and previous.hook is hook else 1
+    site.replay = _Replay(hook, drop, uniform, calls)
+    return hook, drop, uniform, True
+
+
+def _check_grad_mode() -> None:
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            "AD-DROP attribution reached an attention layer whose forward runs without autograd: a reentrant "
+            "activation checkpoint (use_reentrant=True, fairseq --checkpoint-activations) hides the layer from "
+            "the attribution gradient. ADDrop pauses checkpointing for the attribution pass on modules with a "
+            "`gradient_checkpointing` flag or a fairseq checkpoint wrapper; pause yours likewise, or checkpoint "
+            "with use_reentrant=False"
+        )
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -117,23 +194,11 @@ def attend(
     ``dropout_p`` is the attention-probability dropout, already zero outside training.
     Returns the per-head output (B, H, T, d) and, if ``need_weights``, the attention map.
     """
-    hook = site.hook if site is not None else None
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     bias, valid = _combined_bias(bias, shape, q.dtype, q.device)
+    hook, drop, uniform, fresh = _this_call(site, valid, shape, q.device)
 
     if isinstance(hook, EditScores):
-        uniform = hook.uniform_rows
-        if uniform is True:  # every row (attention LayerDrop); made on q's device, no copy
-            uniform = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device)
-        drop = hook.drop(valid.expand(shape)) if callable(hook.drop) else hook.drop
-        if drop is not None:
-            # A row that would lose every real key attends uniformly to them instead (AttendOut
-            # Eq. 4): softmax over an all-masked row is NaN or padding-weighted otherwise.
-            emptied = _all_last(drop | ~valid) & valid.any(dim=-1, keepdim=True)
-            # On CPU, looking is cheaper than editing every row; on GPU it would synchronise.
-            if emptied.device.type != "cpu" or bool(emptied.any()):
-                drop = drop & ~emptied
-                uniform = emptied if uniform is None else (uniform | emptied)
         if uniform is not None:
             # A zero query row scores every key 0, so softmax is uniform over the valid keys
             # (the bias still removes padding); the row's query receives no gradient, as it
@@ -145,7 +210,7 @@ def attend(
             else:
                 # bias + drop * fill in one pass: the same values as bias + additive_mask(drop).
                 bias = torch.add(bias, drop, alpha=mask_fill_value(q.dtype))
-            if hook.stats is not None:
+            if hook.stats is not None and fresh:
                 # Count over the full (B, H, T, S): a mask shared by heads drops in each head.
                 dropped = (drop & valid).expand(shape).sum()
                 hook.stats[0] = hook.stats[0] + dropped
@@ -153,15 +218,18 @@ def attend(
         hook = None
 
     if isinstance(hook, CaptureOutput):
+        if fresh:
+            _check_grad_mode()
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)
         if not out.requires_grad:
             # Layers below the first captured one may carry no graph (parameters frozen for
             # the attribution pass): make this output the leaf the attribution is taken of.
             out.requires_grad_(True)
-        hook.sites.append(site)
-        hook.outputs.append(out)
-        hook.values.append(v.detach())
-        hook.valid.append(valid)
+        if fresh:
+            hook.sites.append(site)
+            hook.outputs.append(out)
+            hook.values.append(v.detach())
+            hook.valid.append(valid)
         return out, None
 
     if isinstance(hook, CaptureProbs) or need_weights:
@@ -173,12 +241,15 @@ def attend(
         probs = torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1).to(q.dtype)
         used = probs
         if isinstance(hook, CaptureProbs):
+            if fresh and hook.requires_grad:
+                _check_grad_mode()
             used = probs * hook.alpha if hook.alpha != 1.0 else probs
             if hook.requires_grad and not used.requires_grad:
                 used.requires_grad_(True)
-            hook.sites.append(site)
-            hook.probs.append(used)
-            hook.valid.append(valid)
+            if fresh:
+                hook.sites.append(site)
+                hook.probs.append(used)
+                hook.valid.append(valid)
             dropout_p = 0.0
         out = torch.matmul(F.dropout(used, p=dropout_p) if dropout_p > 0 else used, v)
         return out, probs

@@ -11,19 +11,40 @@ import contextlib
 from dataclasses import dataclass, fields
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
+from .checkpointing import recomputing
+
 ATTENTION_KINDS = ("encoder-self", "decoder-self", "encoder-decoder")
 
 
 @dataclass(eq=False)
 class AttentionSite:
-    """One attention module: its kind, its 0-based layer, and the hook of the current pass."""
+    """One attention module: its kind, its 0-based layer, and the hook of the current pass.
+
+    ``replay`` is what the site's last forward call did (set by the kernel), kept so that a
+    checkpointed layer recomputed in backward applies exactly the same masks, after the pass
+    that set the hook has ended. ``None``: that call was ordinary attention.
+    """
 
     kind: str
     layer: int
     hook: object = None
+    replay: object = None
 
     def __repr__(self) -> str:  # readable in error messages
         return f"{self.kind}[{self.layer}]"
+
+    def idle(self) -> bool:
+        """Whether this call is ordinary attention, so an adapter may run its stock attention.
+
+        In a forward: no hook is set (and the site forgets its last edit). In a recompute:
+        the forward it replays was ordinary attention.
+        """
+        if recomputing():
+            return self.replay is None
+        if self.hook is None:
+            self.replay = None
+            return True
+        return False
 
 
 def parse_layers(spec: Union[str, Sequence[int], None], option: str) -> Optional[List[int]]:

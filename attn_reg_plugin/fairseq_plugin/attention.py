@@ -42,7 +42,7 @@ class RegularizedMultiheadAttention(MultiheadAttention):
         need_head_weights: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         site = self.attn_reg_site
-        if site is None or site.hook is None or incremental_state is not None or before_softmax:
+        if site is None or incremental_state is not None or before_softmax or site.idle():
             return super().forward(
                 query, key, value, key_padding_mask=key_padding_mask, incremental_state=incremental_state,
                 need_weights=need_weights, static_kv=static_kv, attn_mask=attn_mask,

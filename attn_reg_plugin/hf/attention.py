@@ -55,7 +55,7 @@ def attn_reg_attention(
     (only with ``output_attentions`` while a hook is set; sdpa never returns them).
     """
     site: Optional[AttentionSite] = getattr(module, "attn_reg_site", None)
-    if site is None or site.hook is None:
+    if site is None or site.idle():
         return _sdpa_forward()(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )

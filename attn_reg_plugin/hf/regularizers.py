@@ -95,13 +95,6 @@ def _model_argument(who: str, args, kwargs) -> torch.nn.Module:
 def _check_training_setup(who: str, trainer, model: torch.nn.Module, allow_fp16: bool = True) -> None:
     """Trainer options the regularizers cannot honour; checked at construction, before training."""
     args = trainer.args
-    model_checkpointing = (getattr(model, "is_activation_checkpointing", False) if hasattr(type(model), "is_activation_checkpointing")
-                           else getattr(model, "is_gradient_checkpointing", False))
-    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False) or model_checkpointing:
-        raise ValueError(
-            f"{who} cannot train with activation (gradient) checkpointing: the forward recomputed during "
-            "backward would run without the attention masks. Set activation_checkpointing=False."
-        )
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         raise NotImplementedError(f"{who} supports single-device and DDP training, not DeepSpeed or FSDP")
     if not allow_fp16 and args.fp16:

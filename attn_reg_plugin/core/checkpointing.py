@@ -1,0 +1,56 @@
+"""Activation (gradient) checkpointing: what the regularizers need to know about it.
+
+A checkpointed layer keeps no activations in its forward and runs its forward again inside
+backward. Two consequences, handled here and in the kernel:
+
+* the recompute must apply exactly the masks and score edits of the forward it replays,
+  although the pass that set them has ended by then; the kernel records each site's last
+  forward call and repeats it when :func:`recomputing` (see ``core.attention``);
+* a *reentrant* checkpoint (``use_reentrant=True``, fairseq's ``--checkpoint-activations``)
+  runs the layer's forward without autograd and refuses ``torch.autograd.grad``, so AD-DROP's
+  attribution pass could not see inside it. That pass therefore runs with checkpointing paused
+  (:func:`activation_checkpointing_paused`): its attributions are exact, and it holds the
+  activations an input gradient needs (parameters are frozen for it) until the attribution
+  is taken, before the checkpointed training forward starts.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+
+
+def recomputing() -> bool:
+    """True while autograd runs a backward: a layer forward then is an activation-checkpoint
+    recompute (torch.utils.checkpoint, reentrant or not; HF gradient checkpointing; fairseq
+    ``--checkpoint-activations``), which must repeat what the original forward did."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@contextlib.contextmanager
+def activation_checkpointing_paused(model: Optional[torch.nn.Module]) -> Iterator[None]:
+    """Run ``model``'s checkpointed layers as ordinary layers for the duration of the block.
+
+    Recognises the two conventions in use, by attribute (no framework import): a boolean
+    ``gradient_checkpointing`` flag that the layer reads in its forward (transformers'
+    ``GradientCheckpointingLayer`` and many custom models), and the ``precheckpoint_forward``
+    that fairseq's ``checkpoint_wrapper`` keeps beside its checkpointed ``forward``.
+    """
+    if model is None:
+        yield
+        return
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    wrapped = [m for m in model.modules() if "precheckpoint_forward" in vars(m) and "forward" in vars(m)]
+    forwards = [m.forward for m in wrapped]
+    try:
+        for m in flagged:
+            m.gradient_checkpointing = False
+        for m in wrapped:
+            m.forward = m.precheckpoint_forward
+        yield
+    finally:
+        for m in flagged:
+            m.gradient_checkpointing = True
+        for m, forward in zip(wrapped, forwards):
+            m.forward = forward
