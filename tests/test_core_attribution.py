@@ -22,8 +22,9 @@ LENGTHS = [5, 3, 1]  # batch row 2 has a single real token
 
 
 class TinyAttnClassifier(torch.nn.Module):
-    def __init__(self, controller, kinds=("encoder-self",) * LAYERS, reverse_registration=False):
+    def __init__(self, controller, kinds=("encoder-self",) * LAYERS, reverse_registration=False, dropout=0.0):
         super().__init__()
+        self.dropout = dropout  # hidden dropout after every layer (training mode)
         self.qkv = torch.nn.ModuleList(torch.nn.Linear(D, 3 * D) for _ in range(LAYERS))
         self.proj = torch.nn.ModuleList(torch.nn.Linear(D, D) for _ in range(LAYERS))
         self.readout = torch.nn.Linear(D, CLASSES)
@@ -50,7 +51,7 @@ class TinyAttnClassifier(torch.nn.Module):
                 if maps is not None:
                     maps.append(a)
                 o = a @ v
-            h = h + torch.tanh(self.proj[layer](o.transpose(1, 2).reshape(b, t, D)))
+            h = h + F.dropout(torch.tanh(self.proj[layer](o.transpose(1, 2).reshape(b, t, D))), self.dropout, self.training)
         keep = (~key_pad).to(h.dtype).unsqueeze(-1)
         return self.readout((h * keep).sum(1) / keep.sum(1))
 
@@ -229,6 +230,38 @@ def test_iga_all_layers_equals_per_layer_integrated_gradients():
     for layer in range(LAYERS):
         ref = _iga_reference(model, x, key_pad, m, {layer}, layer)
         assert torch.allclose(attrs[layer].double(), ref, atol=1e-6, rtol=1e-5), (layer, (attrs[layer].double() - ref).abs().max())
+
+
+def test_iga_under_hidden_dropout_integrates_one_function():
+    """With dropout on, every forward of one IGA step sees the same dropout draw: the result is
+    the explicit integrated gradients with that one draw, and the random stream ends where one
+    forward leaves it (as after a GA pass)."""
+    m = 3
+    model, x, key_pad, adrop = _setup(attribution="iga", iga_steps=m, layers="all", seed=7, model_kw={"dropout": 0.3})
+    model.train()
+    torch.manual_seed(11)
+    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model)
+    after = torch.get_rng_state()
+
+    class Reseeded(torch.nn.Module):  # every explicit forward starts from the same draw
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, *args, **kwargs):
+            torch.manual_seed(11)
+            return model(*args, **kwargs)
+
+    for layer in range(LAYERS):
+        ref = _iga_reference(Reseeded(), x, key_pad, m, {layer}, layer)
+        assert torch.allclose(attrs[layer].double(), ref, atol=1e-6, rtol=1e-5), (layer, (attrs[layer].double() - ref).abs().max())
+    torch.manual_seed(11)
+    model(x, key_pad)
+    assert torch.equal(after, torch.get_rng_state())
+    # and the draw matters: another draw gives other attributions
+    torch.manual_seed(12)
+    other, _ = _attributions(adrop, model, x, key_pad, frozen=model)
+    assert not torch.allclose(other[0], attrs[0])
 
 
 def test_iga_keeps_pass_one_pseudo_labels_fixed():

@@ -67,6 +67,19 @@ class ADDropConfig:
         return config_from_namespace(cls, ns, prefix)
 
 
+def _rng_state():
+    """The random streams a forward's dropout draws from: CPU, and every CUDA device in use."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def ad_drop_epoch(schedule: str, epoch: int) -> bool:
     """Whether 1-based ``epoch`` is an AD-DROP epoch (paper Alg. 1: plain on odd epochs)."""
     if schedule == "always":
@@ -154,9 +167,13 @@ class ADDrop:
         The other m - 1 steps run per layer, so IGA costs about (m - 1) * layers + 1 passes.
         """
         m = self.config.iga_steps
+        # Every forward of the integral sees the hidden-dropout draw of the first, so the
+        # integral is over one function; afterwards the stream is where one forward leaves it.
+        start = _rng_state()
         capture = CaptureProbs(alpha=1.0)
         with self.controller.hooks({s: capture for s in self.sites}):
             output = forward()
+        after_one_forward = _rng_state()
         value, labels = target(output, None)
         del output
         self._check_captured(capture.sites)
@@ -165,6 +182,7 @@ class ADDrop:
         for i, site in enumerate(sites):
             for k in range(1, m):
                 step = CaptureProbs(alpha=k / m)
+                _set_rng_state(start)
                 with self.controller.hooks({site: step}):
                     output = forward()
                 value, _ = target(output, labels)
@@ -172,6 +190,7 @@ class ADDrop:
                 if step.sites != [site]:
                     raise RuntimeError(f"integrated gradients: expected one call of {site}, saw {step.sites}")
                 totals[i] = totals[i] + probs_gradient(value, step, self.gradient_scale)[0]
+        _set_rng_state(after_one_forward)
         return sites, [p.float() * t / m for p, t in zip(probs, totals)], valid
 
     def _check_captured(self, seen: List[AttentionSite]) -> None:

@@ -19,6 +19,7 @@ the controller for one forward pass:
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
@@ -103,12 +104,18 @@ def _all_last(mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Replay:
-    """What one forward call of a site did, kept on the site for an activation-checkpoint recompute."""
+    """What one forward call of a site did, kept on the site for an activation-checkpoint recompute.
 
-    hook: object  # the hook of that call; its identity marks one pass on this site
-    drop: Optional[torch.Tensor] = None  # the resolved edit: random draws are not drawn again
+    It holds no captured tensor (those would keep an attribution pass's graph alive): only the
+    resolved edit, and for capture hooks an empty hook of the same kind.
+    """
+
+    hook: object  # what the recompute does again: the resolved edit below, or an empty capture
+    drop: Optional[torch.Tensor] = None  # resolved: random draws are not used again
     uniform: Optional[torch.Tensor] = None
-    calls: int = 1  # forward calls of the site under this hook
+    redraw: Optional[Callable] = None  # the edit's in-kernel draw, repeated to keep the random stream in step
+    owner: Optional[weakref.ref] = None  # the pass's hook object: a second call under it is ambiguous
+    calls: int = 1
 
 
 def _resolve_edit(hook: EditScores, valid: torch.Tensor, shape, device):
@@ -128,12 +135,22 @@ def _resolve_edit(hook: EditScores, valid: torch.Tensor, shape, device):
     return drop, uniform
 
 
+def _empty_like(hook):
+    if isinstance(hook, CaptureOutput):
+        return CaptureOutput()
+    if isinstance(hook, CaptureProbs):
+        return CaptureProbs(alpha=hook.alpha, requires_grad=hook.requires_grad)
+    return EditScores(stats=None)
+
+
 def _this_call(site, valid: torch.Tensor, shape, device):
     """(hook, drop, uniform, fresh) of this call; ``fresh`` is False in a recompute.
 
     A forward call resolves the site's hook and records it on the site; a call made while
     autograd runs a backward is a checkpointed layer's recompute and repeats that record, so
-    the gradient is that of the loss's own forward.
+    the gradient is that of the loss's own forward. The record lives until the site's next
+    forward call, so a checkpointed forward must be back-propagated before the same sites run
+    another forward.
     """
     if site is None:
         return None, None, None, True
@@ -147,12 +164,11 @@ def _this_call(site, valid: torch.Tensor, shape, device):
                 "checkpointed layer recomputed in backward cannot tell which call it repeats: register one "
                 "site per call (or train without activation checkpointing)"
             )
-        hook = record.hook
-        if isinstance(hook, EditScores) and callable(hook.drop):
+        if record.redraw is not None:
             # Draw again and discard: the recompute must leave the random stream where the
             # forward left it, or the dropout after this attention would draw other masks.
-            hook.drop(valid.expand(shape))
-        return hook, record.drop, record.uniform, False
+            record.redraw(valid.expand(shape))
+        return record.hook, record.drop, record.uniform, False
     hook = site.hook
     if hook is None:
         site.replay = None
@@ -161,8 +177,9 @@ def _this_call(site, valid: torch.Tensor, shape, device):
     if isinstance(hook, EditScores):
         drop, uniform = _resolve_edit(hook, valid, shape, device)
     previous = site.replay
-    calls = previous.calls + 1 if previous is not None and previous.hook is hook else 1
-    site.replay = _Replay(hook, drop, uniform, calls)
+    calls = previous.calls + 1 if previous is not None and previous.owner() is hook else 1
+    redraw = hook.drop if isinstance(hook, EditScores) and callable(hook.drop) else None
+    site.replay = _Replay(_empty_like(hook), drop, uniform, redraw, weakref.ref(hook), calls)
     return hook, drop, uniform, True
 
 

@@ -1,0 +1,116 @@
+"""The kernel's replay for activation checkpointing, on a plain-PyTorch model (no framework)."""
+import functools
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.attention import CaptureOutput, EditScores, attend
+from attn_reg_plugin.core.attribution import logit_target
+from attn_reg_plugin.core.checkpointing import activation_checkpointing_paused
+from attn_reg_plugin.core.controller import RegularizationController
+
+B, T, D, H = 2, 6, 8, 2
+
+
+class Block(torch.nn.Module):
+    def __init__(self, site, calls=1):
+        super().__init__()
+        self.qkv, self.site, self.calls = torch.nn.Linear(D, 3 * D), site, calls
+        self.gradient_checkpointing = False
+
+    def attention(self, h):
+        q, k, v = self.qkv(h).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        for _ in range(self.calls):  # calls > 1: one site called twice in one forward
+            o, _ = attend(q, k, v, site=self.site)
+            q = o
+        return h + torch.nn.functional.dropout(o.transpose(1, 2).reshape(B, T, D), 0.2, self.training)
+
+    def forward(self, h, reentrant=True):
+        if self.gradient_checkpointing and self.training:
+            return checkpoint(self.attention, h, use_reentrant=reentrant)
+        return self.attention(h)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, calls=1):
+        super().__init__()
+        self.controller = RegularizationController()
+        self.blocks = torch.nn.ModuleList(Block(self.controller.register("encoder-self", i), calls) for i in range(2))
+        self.out = torch.nn.Linear(D, 3)
+
+    def forward(self, x):
+        h = x
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h.mean(1))
+
+
+def _model(calls=1, checkpointed=False):
+    torch.manual_seed(0)
+    model = Model(calls)
+    for block in model.blocks:
+        block.gradient_checkpointing = checkpointed
+    return model
+
+
+def test_records_keep_no_attribution_graph():
+    model = _model(checkpointed=True)
+    x = torch.randn(B, T, D, requires_grad=True)
+    ad_drop = ADDrop(ADDropConfig(p=0.5, q=0.5, schedule="always"), model.controller)
+    with ad_drop.masked(lambda: model(x), logit_target, frozen=model):
+        # pass 1 is over: what the sites remember of it is an empty capture, no tensor
+        for site in model.controller.sites:
+            assert isinstance(site.replay.hook, CaptureOutput)
+            assert site.replay.hook.outputs == [] and site.replay.drop is None
+        loss = model(x).sum()
+    assert all(isinstance(s.replay.hook, EditScores) and s.replay.drop is not None for s in model.controller.sites)
+    loss.backward()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_site_called_twice_under_checkpointing_is_refused_in_backward(reentrant):
+    model = _model(calls=2, checkpointed=True)
+    for block in model.blocks:
+        block.forward = functools.partial(Block.forward, block, reentrant=reentrant)
+    x = torch.randn(B, T, D, requires_grad=True)
+    edits = {s: EditScores(drop=lambda valid: torch.rand(valid.shape) < 0.3) for s in model.controller.sites}
+    with model.controller.hooks(edits):
+        loss = model(x).sum()
+    with pytest.raises(RuntimeError, match=r"encoder-self\[1\] was called 2 times in one regularized pass"):
+        loss.backward()
+
+
+def test_same_site_twice_without_checkpointing_trains():
+    model = _model(calls=2, checkpointed=False)
+    edits = {s: EditScores(drop=lambda valid: torch.rand(valid.shape) < 0.3) for s in model.controller.sites}
+    with model.controller.hooks(edits):
+        loss = model(torch.randn(B, T, D)).sum()
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_attribution_inside_a_reentrant_checkpoint_is_a_clear_error():
+    """A reentrant checkpoint that ADDrop cannot pause hides the layer from autograd: refuse, never
+    return zero attributions."""
+    model = _model(checkpointed=True)
+    x = torch.randn(B, T, D, requires_grad=True)
+    ad_drop = ADDrop(ADDropConfig(p=0.5, q=0.5, schedule="always"), model.controller)
+    with pytest.raises(RuntimeError, match="reentrant activation checkpoint"):
+        ad_drop.attributions(lambda: model(x), logit_target, frozen=None)  # frozen=None: nothing paused
+    sites, attributions, _ = ad_drop.attributions(lambda: model(x), logit_target, frozen=model)
+    assert len(sites) == 2 and all(a.abs().sum() > 0 for a in attributions)
+
+
+def test_pausing_restores_both_conventions():
+    model = _model(checkpointed=True)
+    wrapped = model.blocks[1]
+    original = wrapped.forward
+    wrapped.precheckpoint_forward = original  # fairseq's checkpoint_wrapper convention
+    wrapped.forward = functools.partial(lambda *a: "checkpointed")
+    with activation_checkpointing_paused(model):
+        assert [b.gradient_checkpointing for b in model.blocks] == [False, False]
+        assert wrapped.forward is original
+    assert [b.gradient_checkpointing for b in model.blocks] == [True, True]
+    assert wrapped.forward() == "checkpointed"
