@@ -67,6 +67,11 @@ class ADDropConfig:
         return config_from_namespace(cls, ns, prefix)
 
 
+def _finite(value: torch.Tensor) -> bool:
+    # One host read per step; the step is two passes, so it is not the cost that matters.
+    return bool(torch.isfinite(value).all())
+
+
 def _rng_state():
     """The random streams a forward's dropout draws from: CPU, and every CUDA device in use."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
@@ -135,8 +140,12 @@ class ADDrop:
     # -- attribution ---------------------------------------------------------------------
     def attributions(
         self, forward: Callable[[], object], target: Target, frozen: Optional[torch.nn.Module] = None
-    ) -> Tuple[List[AttentionSite], List[torch.Tensor], List[torch.Tensor]]:
-        """Pass 1 (and IGA's extra passes): the sites in call order, their attributions and validity."""
+    ) -> Optional[Tuple[List[AttentionSite], List[torch.Tensor], List[torch.Tensor]]]:
+        """Pass 1 (and IGA's extra passes): the sites in call order, their attributions and validity.
+
+        None when the target is not finite (a half-precision overflow): no ranking survives, and
+        masks from all-zero attributions would drop arbitrary keys.
+        """
         method = self.config.attribution
         # Profiler labels (free when no profiler runs) let benchmarks split a step into its passes.
         with record_function("ad_drop::attribution_pass"), frozen_parameters(frozen), \
@@ -148,6 +157,8 @@ class ADDrop:
                 value, _ = target(output, None)
                 del output
                 self._check_captured(capture.sites)
+                if not _finite(value):
+                    return None
                 return capture.sites, gradient_attribution(value, capture, self.gradient_scale), capture.valid
             if method == "aa":
                 capture = CaptureProbs(requires_grad=False)
@@ -177,6 +188,9 @@ class ADDrop:
         value, labels = target(output, None)
         del output
         self._check_captured(capture.sites)
+        if not _finite(value):
+            _set_rng_state(after_one_forward)
+            return None
         sites, probs, valid = capture.sites, [p.detach() for p in capture.probs], capture.valid
         totals = probs_gradient(value, capture, self.gradient_scale)
         for i, site in enumerate(sites):
@@ -212,11 +226,14 @@ class ADDrop:
 
         ``attribution_forward`` should run the bare model (no DDP wrapper: attribution needs
         no gradient sync). The yielded dict's ``dropped`` / ``valid`` counts fill in as the
-        masked pass runs. Randomness comes from torch's global generator, which frameworks
-        seed per update, so masks are reproducible and survive a resume.
+        masked pass runs; its ``skipped`` is 1 when the attribution target was not finite, in
+        which case nothing is masked and the block's loss is the plain one. Randomness comes
+        from torch's global generator, which frameworks seed per update, so masks are
+        reproducible and survive a resume.
         """
         p, q = self.config.p, self.config.q
         counts = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+        stats: Dict[str, torch.Tensor] = {"skipped": torch.zeros((), dtype=torch.long)}
         if self.config.attribution == "rd":
             # A random candidate region needs no attribution pass: draw it inside the kernel,
             # where the shape of every map is known.
@@ -226,14 +243,19 @@ class ADDrop:
 
             edits = {s: EditScores(drop=random_drop, stats=counts) for s in self.sites}
         else:
-            sites, attributions, valids = self.attributions(attribution_forward, target, frozen)
+            found = self.attributions(attribution_forward, target, frozen)
+            if found is None:  # not finite: this step trains with the plain loss, counted as skipped
+                stats["skipped"] = torch.ones((), dtype=torch.long)
+                yield stats
+                stats["dropped"], stats["valid"] = counts
+                return
+            sites, attributions, valids = found
             with record_function("ad_drop::masks"):
                 edits = {
                     site: EditScores(drop=ad_drop_masks(a, v, p, q), stats=counts)
                     for site, a, v in zip(sites, attributions, valids)
                 }
             del attributions, valids  # pass 1 is gone before pass 2 allocates
-        stats: Dict[str, torch.Tensor] = {}
         with self.controller.hooks(edits):
             yield stats
         stats["dropped"], stats["valid"] = counts

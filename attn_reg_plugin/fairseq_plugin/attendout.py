@@ -94,6 +94,7 @@ class FairseqAttendOut:
         if self.attacker is not None:
             return
         if type(optimizer).__name__ in ("FP16Optimizer", "MemoryEfficientFP16Optimizer", "AMPOptimizer"):
+            # Refused at task set-up already; kept for tasks built without fairseq-train's config.
             raise NotImplementedError("--attendout supports fp32 training only in fairseq; remove --fp16 / --bf16 / --amp")
         defender = bare_module(defender)
         self.attacker = copy.deepcopy(defender)

@@ -80,7 +80,8 @@ class ADDropCriterionMixin:
                                  frozen=bare) as stats:
             loss, sample_size, log = super().forward(model, sample, reduce)
         # Counts stay tensors: no host-device sync inside the step (fairseq reduces them later).
-        log.update(ad_drop_on=1, ad_drop_steps=1, ad_drop_dropped=stats["dropped"], ad_drop_valid=stats["valid"])
+        log.update(ad_drop_on=1, ad_drop_steps=1, ad_drop_dropped=stats["dropped"], ad_drop_valid=stats["valid"],
+                   ad_drop_skipped=stats["skipped"])
         return loss, sample_size, log
 
     @classmethod
@@ -100,6 +101,10 @@ class ADDropCriterionMixin:
         # Weighted by positions, so an epoch's value is its exact dropped fraction; plain
         # epochs drop nothing and log 0.
         metrics.log_scalar("ad_drop_rate", dropped / valid if valid else 0.0, valid if valid else 1, round=4)
+        # Steps of AD-DROP epochs whose attribution target was not finite (half-precision
+        # overflow): they trained with the plain loss. A sum over the interval, not a mean.
+        skipped = utils.item(sum(log.get("ad_drop_skipped", 0) for log in steps))
+        metrics.log_scalar_sum("ad_drop_skipped", skipped)
 
 
 @dataclass

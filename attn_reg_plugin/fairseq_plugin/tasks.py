@@ -60,8 +60,46 @@ def _validate_task_options(cfg):
                                      ("--attn-layerdrop-p", layerdrop.enabled)) if on]
     if len(enabled) > 1:
         raise ValueError(f"choose one attention regularizer per run; got {' and '.join(enabled)}")
+    if enabled:
+        refuse_unsupported_training(cfg, enabled[0])
     if cfg.attendout:
         check_fairseq_supports_task_state()
+        precision = [flag for flag, on in half_precision_flags(cfg).items() if on]
+        if precision:
+            raise ValueError(
+                f"--attendout supports fp32 training only in fairseq, got {' '.join(precision)}: the Attacker's "
+                "optimizer has no loss scaler of its own to skip its steps in step with the Defender's. Train "
+                "AttendOut in fp32 here, or with AttendOutTrainer and bf16=True (Hugging Face)"
+            )
+
+
+def _whole_config(cfg):
+    """fairseq-train's whole config, reached from the task's node (fairseq hands tasks ``cfg.task``
+    only); None when the task is built from a plain namespace."""
+    get_root = getattr(cfg, "_get_root", None)
+    return get_root() if callable(get_root) else None
+
+
+def half_precision_flags(cfg) -> dict:
+    root = _whole_config(cfg)
+    if root is None or "common" not in root:
+        return {}
+    common = root.common
+    return {f"--{name.replace('_', '-')}": bool(common.get(name, False))
+            for name in ("fp16", "memory_efficient_fp16", "bf16", "amp")}
+
+
+def refuse_unsupported_training(cfg, regularizer_flag: str) -> None:
+    """Training set-ups the regularizers cannot honour, refused when the task is set up."""
+    root = _whole_config(cfg)
+    if root is None or "distributed_training" not in root:
+        return
+    if root.distributed_training.get("ddp_backend") == "fully_sharded":
+        raise ValueError(
+            f"{regularizer_flag} does not support --ddp-backend fully_sharded: sharded parameters are gathered "
+            "per forward, and the attribution pass and the Attacker copy are not sharded with them. Use "
+            "--ddp-backend pytorch_ddp (or legacy_ddp), with --checkpoint-activations to save memory"
+        )
 
 
 class AttnRegTaskMixin:
@@ -130,6 +168,7 @@ class AttnRegTaskMixin:
                     "an ad_drop criterion cannot be combined with --attendout, --attn-sched-dropout-schedule or "
                     "--attn-layerdrop-p: choose one attention regularizer per run"
                 )
+            refuse_unsupported_training(self.cfg, "--criterion " + str(getattr(cfg, "_name", "ad_drop")))
             attach(self.attn_reg_controller)  # validates layers / kinds against the model
         return criterion
 

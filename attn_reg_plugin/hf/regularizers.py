@@ -62,6 +62,7 @@ from ..core.schedules import (
 )
 from .attention import install_attention_sites
 from .trainer import decoder_input_ids_from_labels
+from .training_configurations import refuse_unsupported, training_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -90,18 +91,6 @@ def _model_argument(who: str, args, kwargs) -> torch.nn.Module:
     if model is None:
         raise ValueError(f"{who} needs `model` (model_init is not supported): attention sites are installed at construction")
     return model
-
-
-def _check_training_setup(who: str, trainer, model: torch.nn.Module, allow_fp16: bool = True) -> None:
-    """Trainer options the regularizers cannot honour; checked at construction, before training."""
-    args = trainer.args
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-        raise NotImplementedError(f"{who} supports single-device and DDP training, not DeepSpeed or FSDP")
-    if not allow_fp16 and args.fp16:
-        raise ValueError(
-            f"{who} does not support fp16=True: the Trainer's loss scaler would skip the Defender's steps but not "
-            "the Attacker's. Use bf16=True or full precision."
-        )
 
 
 def _raw_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -156,8 +145,8 @@ class AttendOutTrainerMixin:
             raise TypeError(f"attendout must be an AttendOutConfig, got {type(attendout).__name__}")
         attendout.validate(attendout_flag)
         model = _model_argument("AttendOutTrainer", args, kwargs)
+        refuse_unsupported("AttendOutTrainer", training_arguments(args, kwargs), allow_fp16=False)
         super().__init__(*args, **kwargs)
-        _check_training_setup("AttendOutTrainer", self, model, allow_fp16=False)
         self._attendout_heldout_dataset = self._attendout_check_eval_dataset()
         config = model.config
         if getattr(config, "problem_type", None) == "multi_label_classification":
@@ -460,6 +449,7 @@ class AttnRegTrainerMixin:
             raise ValueError(f"choose one attention regularizer per run; got {sched_dropout_flag('schedule')} "
                              f"and {layerdrop_flag('p')}")
         model = _model_argument("AttnRegTrainer", args, kwargs)
+        refuse_unsupported("AttnRegTrainer", training_arguments(args, kwargs))
         # Before the Trainer's own setup: bad layers / kinds fail first.
         self.attn_reg_controller = RegularizationController()
         install_attention_sites(model, self.attn_reg_controller)
@@ -473,7 +463,6 @@ class AttnRegTrainerMixin:
         )
         self._attn_reg_reset()
         super().__init__(*args, **kwargs)
-        _check_training_setup("AttnRegTrainer", self, model)
 
     def _attn_reg_reset(self) -> None:
         self._attn_reg_counts: List[Any] = [0, 0]  # dropped / valid units, or skipped / selected layer passes

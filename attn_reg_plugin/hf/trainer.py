@@ -14,6 +14,7 @@ from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
 from ..core.attribution import logit_target, regression_target, token_loss_target
 from ..core.controller import RegularizationController
 from .attention import install_attention_sites
+from .training_configurations import refuse_unsupported, training_arguments
 
 
 def _flag(name: str) -> str:
@@ -40,6 +41,7 @@ class ADDropTrainerMixin:
         model = kwargs.get("model", args[0] if args else None)
         if model is None:
             raise ValueError("ADDropTrainer needs `model` (model_init is not supported): sites are installed at construction")
+        refuse_unsupported("ADDropTrainer", training_arguments(args, kwargs))
         # Before the Trainer's own setup, so bad layers / kinds fail before anything else happens.
         self.ad_drop_controller = RegularizationController()
         self.ad_drop_sites = install_attention_sites(model, self.ad_drop_controller)
@@ -53,6 +55,7 @@ class ADDropTrainerMixin:
         self._ad_drop_valid = 0
         self._ad_drop_on_steps = 0
         self._ad_drop_steps = 0
+        self._ad_drop_skipped = 0
 
     def ad_drop_current_epoch(self) -> int:
         """1-based epoch of the current step (cross-tuning: AD-DROP on even epochs)."""
@@ -121,28 +124,30 @@ class ADDropTrainerMixin:
         self._ad_drop_on_steps += 1
         self._ad_drop_dropped = self._ad_drop_dropped + stats["dropped"].detach()
         self._ad_drop_valid = self._ad_drop_valid + stats["valid"].detach()
+        self._ad_drop_skipped = self._ad_drop_skipped + stats["skipped"]
         return result
 
-    def ad_drop_counts(self) -> Tuple[int, int]:
-        """Dropped and valid attention positions since the last log, summed over all processes.
+    def ad_drop_counts(self) -> Tuple[int, int, int]:
+        """Dropped and valid attention positions, and skipped steps, since the last log, summed over all processes.
 
         The Trainer logs on every process at the same steps (it gathers the loss there too),
         so one all-reduce of two numbers per log keeps the rate that of the whole batch.
         """
         device = self.args.device
         counts = torch.stack([torch.as_tensor(self._ad_drop_dropped, device=device),
-                              torch.as_tensor(self._ad_drop_valid, device=device)]).long()
+                              torch.as_tensor(self._ad_drop_valid, device=device),
+                              torch.as_tensor(self._ad_drop_skipped, device=device)]).long()
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(counts)
-        dropped, valid = counts.tolist()
-        return dropped, valid
+        return tuple(counts.tolist())
 
     def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs and self._ad_drop_steps:  # a training log
-            dropped, valid = self.ad_drop_counts()
+            dropped, valid, skipped = self.ad_drop_counts()
             logs["ad_drop_on"] = round(self._ad_drop_on_steps / self._ad_drop_steps, 4)
             logs["ad_drop_rate"] = round(dropped / valid, 6) if valid else 0.0
+            logs["ad_drop_skipped"] = skipped  # non-finite attribution target: trained with the plain loss
             self._ad_drop_reset()
         return super().log(logs, *args, **kwargs)
 

@@ -1,0 +1,33 @@
+"""Trainer configurations the regularizers cannot honour, refused at construction.
+
+Checked on the TrainingArguments before ``Trainer.__init__`` runs, so a bad combination stops
+before any set-up or training. docs/CONFIGURATIONS.md lists every configuration and its status.
+"""
+from __future__ import annotations
+
+import transformers
+
+
+def training_arguments(args, kwargs) -> "transformers.TrainingArguments":
+    """The TrainingArguments the Trainer will use (its default when none is given)."""
+    given = kwargs.get("args", args[1] if len(args) > 1 else None)
+    return given if given is not None else transformers.TrainingArguments(output_dir="trainer_output")
+
+
+def refuse_unsupported(who: str, args, allow_fp16: bool = True) -> None:
+    if args.deepspeed:
+        raise NotImplementedError(
+            f"{who} does not support DeepSpeed (TrainingArguments.deepspeed): its engine owns the model's forward "
+            "and backward, around which the regularizers run extra passes. Use DDP instead (torchrun, no deepspeed)."
+        )
+    if args.fsdp:
+        raise NotImplementedError(
+            f"{who} does not support FSDP (TrainingArguments.fsdp): sharded parameters are gathered per forward, "
+            "and the attribution pass and the Attacker copy are not sharded with them. Use DDP instead "
+            "(torchrun, fsdp unset), with gradient_checkpointing=True to save memory."
+        )
+    if not allow_fp16 and args.fp16:
+        raise ValueError(
+            f"{who} does not support fp16=True: the Trainer's loss scaler would skip the Defender's steps but not "
+            "the Attacker's. Use bf16=True or full precision."
+        )

@@ -1,0 +1,178 @@
+"""Training configurations: what is refused before training (with the message docs/CONFIGURATIONS.md
+lists), what keeps working, and AD-DROP's rule for a non-finite attribution target."""
+import math
+import re
+
+import pytest
+import torch
+import transformers
+
+from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.attendout import AttendOutConfig
+from attn_reg_plugin.core.attribution import logit_target
+from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
+from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
+from conftest import PLUGIN_DIR, REPO, TINY_TRANSFORMER, fairseq_setup, run_cli, train_epoch_stats
+
+DOC = (REPO / "docs" / "CONFIGURATIONS.md").read_text(encoding="utf-8")
+
+
+def _documented(message: str) -> None:
+    assert message in DOC, f"docs/CONFIGURATIONS.md does not list: {message}"
+
+
+# -- AD-DROP: a non-finite target trains with the plain loss ---------------------------------------
+def _tiny_classifier():
+    from test_core_checkpointing import _model  # the framework-free model of the checkpointing tests
+
+    return _model()
+
+
+@pytest.mark.parametrize("attribution", ["ga", "iga"])
+def test_non_finite_target_skips_ad_drop_for_the_step(attribution):
+    model = _tiny_classifier()
+    x = torch.randn(2, 6, 8)
+    ad_drop = ADDrop(ADDropConfig(p=0.5, q=0.5, schedule="always", attribution=attribution, iga_steps=2),
+                     model.controller)
+
+    def overflowing(logits, labels):
+        value, used = logit_target(logits, labels)
+        return value * math.inf, used
+
+    torch.manual_seed(1)
+    with ad_drop.masked(lambda: model(x), overflowing, frozen=model) as stats:
+        assert all(site.hook is None for site in model.controller.sites)  # nothing masked
+        skipped_out = model(x)
+    assert int(stats["skipped"]) == 1 and int(stats["dropped"]) == 0
+    torch.manual_seed(1)
+    model(x)  # the attribution forward's draws, as above
+    assert torch.equal(skipped_out, model(x))  # the block's forward is the plain one
+    with ad_drop.masked(lambda: model(x), logit_target, frozen=model) as stats:
+        model(x)
+    assert int(stats["skipped"]) == 0 and int(stats["dropped"]) > 0
+
+
+def test_hf_logs_skipped_steps(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50))
+    rows = [{"input_ids": torch.randint(3, 50, (6,)), "labels": torch.tensor(i % 2)} for i in range(8)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2,
+                                          per_device_train_batch_size=4, logging_steps=1, save_strategy="no")
+    trainer = ADDropTrainer(model=model, args=args, train_dataset=rows, ad_drop=ADDropConfig(schedule="always"))
+    real = trainer.ad_drop_target
+    calls = []
+
+    def every_other_overflows(model, inputs):  # the first step's target overflows, the second's not
+        value = real(model, inputs)
+        calls.append(1)
+        overflow = len(calls) % 2 == 1
+        return lambda out, labels: tuple((v * math.inf if overflow and i == 0 else v) for i, v in enumerate(value(out, labels)))
+
+    trainer.ad_drop_target = every_other_overflows
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "ad_drop_skipped" in h]
+    assert [h["ad_drop_skipped"] for h in logs] == [1, 0]
+    assert logs[0]["ad_drop_rate"] == 0.0 and logs[1]["ad_drop_rate"] > 0
+    assert all(math.isfinite(h["loss"]) for h in logs)
+
+
+# -- refusals before training ----------------------------------------------------------------------
+FSDP_FAIRSEQ = ("does not support --ddp-backend fully_sharded: sharded parameters are gathered per forward, and the "
+                "attribution pass and the Attacker copy are not sharded with them. Use --ddp-backend pytorch_ddp "
+                "(or legacy_ddp), with --checkpoint-activations to save memory")
+
+
+@pytest.mark.parametrize("args,who", [
+    (["--criterion", "ad_drop_label_smoothed_cross_entropy"], "--criterion ad_drop_label_smoothed_cross_entropy"),
+    (["--criterion", "cross_entropy", "--attendout"], "--attendout"),
+    (["--criterion", "cross_entropy", "--attn-layerdrop-p", "0.2"], "--attn-layerdrop-p"),
+    (["--criterion", "cross_entropy", "--attn-sched-dropout-schedule", "0:0.2"], "--attn-sched-dropout-schedule"),
+])
+def test_fairseq_refuses_fully_sharded_at_set_up(tiny_mt_data, args, who):
+    with pytest.raises(ValueError) as e:
+        fairseq_setup(tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER, *args,
+                                            "--ddp-backend", "fully_sharded"])
+    assert str(e.value) == f"{who} {FSDP_FAIRSEQ}"
+    _documented(FSDP_FAIRSEQ)
+
+
+def test_fairseq_attendout_half_precision_stops_before_training(tiny_mt_data, tmp_path):
+    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", tmp_path, "--cpu",
+                                     "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--attendout",
+                                     "--criterion", "cross_entropy", "--optimizer", "adam", "--max-tokens", "500",
+                                     "--max-epoch", "1", "--fp16", "--memory-efficient-fp16"], expect_ok=False)
+    message = ("--attendout supports fp32 training only in fairseq, got --fp16 --memory-efficient-fp16: the Attacker's "
+               "optimizer has no loss scaler of its own to skip its steps in step with the Defender's. Train AttendOut "
+               "in fp32 here, or with AttendOutTrainer and bf16=True (Hugging Face)")
+    assert proc.returncode != 0 and message in proc.stdout
+    assert "begin training epoch" not in proc.stdout and not re.search(r"loaded \d+ examples", proc.stdout)
+    _documented(message.split(", got")[0])
+
+
+def _hf_model():
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50, pad_token_id=0))
+
+
+HF_TRAINERS = {
+    "ADDropTrainer": lambda model, args: ADDropTrainer(model=model, args=args, ad_drop=ADDropConfig()),
+    "AttendOutTrainer": lambda model, args: AttendOutTrainer(model=model, args=args, eval_dataset=[{}],
+                                                             attendout=AttendOutConfig()),
+    "AttnRegTrainer": lambda model, args: AttnRegTrainer(model=model, args=args,
+                                                         layerdrop=AttentionLayerDropConfig(p=0.1)),
+}
+
+
+@pytest.mark.parametrize("who", list(HF_TRAINERS))
+@pytest.mark.parametrize("setting,message", [
+    ("fsdp", "does not support FSDP (TrainingArguments.fsdp): sharded parameters are gathered per forward, and the "
+             "attribution pass and the Attacker copy are not sharded with them. Use DDP instead (torchrun, fsdp unset), "
+             "with gradient_checkpointing=True to save memory."),
+    ("deepspeed", "does not support DeepSpeed (TrainingArguments.deepspeed): its engine owns the model's forward and "
+                  "backward, around which the regularizers run extra passes. Use DDP instead (torchrun, no deepspeed)."),
+])
+def test_hf_trainers_refuse_sharded_training_at_construction(tmp_path, who, setting, message):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    # Set after construction: DeepSpeed itself is not installed here, and the check reads the field only.
+    setattr(args, setting, True if setting == "fsdp" else {"zero_optimization": {"stage": 3}})
+    with pytest.raises(NotImplementedError) as e:
+        HF_TRAINERS[who](_hf_model(), args)
+    assert str(e.value) == f"{who} {message}"
+    _documented(message)
+
+
+# -- keeps working ---------------------------------------------------------------------------------
+def test_fairseq_ad_drop_memory_efficient_fp16_on_cpu(tiny_mt_data, tmp_path):
+    """fp16 weights on CPU (fairseq's plain --fp16 optimizer needs CUDA): AD-DROP trains, finite, and drops."""
+    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", tmp_path, "--cpu",
+                                     "--task", "attn_reg_translation", *TINY_TRANSFORMER,
+                                     "--criterion", "ad_drop_label_smoothed_cross_entropy", "--ad-drop-schedule", "always",
+                                     "--ad-drop-p", "0.3", "--ad-drop-q", "0.5", "--optimizer", "adam", "--lr", "1e-3",
+                                     "--max-tokens", "500", "--max-epoch", "1", "--fp16", "--memory-efficient-fp16",
+                                     "--no-save", "--seed", "2"])
+    stats = train_epoch_stats(proc.stdout)[1]
+    assert math.isfinite(float(stats["loss"]))
+    assert 0.05 < float(stats["ad_drop_rate"]) < 0.3
+    assert float(stats["ad_drop_skipped"]) == 0
+
+
+@pytest.mark.parametrize("who", ["ADDropTrainer", "AttnRegTrainer"])
+def test_hf_bf16_on_cpu_trains_and_edits(tmp_path, who):
+    """bf16=True with use_cpu: CPU autocast; the regularizer edits attention and the loss stays finite.
+    (AttendOutTrainer with bf16 is tested in test_hf_attendout.py.)"""
+    model = _hf_model()
+    rows = [{"input_ids": torch.randint(3, 50, (6,)), "labels": torch.tensor(i % 2)} for i in range(8)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[], max_steps=2,
+                                          per_device_train_batch_size=4, logging_steps=1, save_strategy="no")
+    if who == "ADDropTrainer":
+        trainer = ADDropTrainer(model=model, args=args, train_dataset=rows, ad_drop=ADDropConfig(schedule="always"))
+        key = "ad_drop_rate"
+    else:
+        trainer = AttnRegTrainer(model=model, args=args, train_dataset=rows, layerdrop=AttentionLayerDropConfig(p=0.5))
+        key = "attn_layerdrop_rate"
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if key in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    assert sum(h[key] for h in logs) > 0
