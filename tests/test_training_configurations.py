@@ -97,17 +97,88 @@ def test_fairseq_refuses_fully_sharded_at_set_up(tiny_mt_data, args, who):
     _documented(FSDP_FAIRSEQ)
 
 
-def test_fairseq_attendout_half_precision_stops_before_training(tiny_mt_data, tmp_path):
+ATTENDOUT_FAIRSEQ = ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--attendout", "--criterion", "cross_entropy",
+                     "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--seed", "2"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--fp16"], "--attendout in half precision needs --memory-efficient-fp16: plain --fp16 / --bf16 keep fp32 master "
+                 "weights inside the optimizer, which the Defender/Attacker re-sync does not copy"),
+    (["--amp"], "--attendout does not support --amp: use --fp16 --memory-efficient-fp16 (or --bf16 "
+                "--memory-efficient-fp16), where the Attacker gets a loss scaler of its own"),
+])
+def test_fairseq_attendout_unsupported_precision_stops_before_training(tiny_mt_data, tmp_path, flags, message):
     proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", tmp_path, "--cpu",
-                                     "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--attendout",
-                                     "--criterion", "cross_entropy", "--optimizer", "adam", "--max-tokens", "500",
-                                     "--max-epoch", "1", "--fp16", "--memory-efficient-fp16"], expect_ok=False)
-    message = ("--attendout supports fp32 training only in fairseq, got --fp16 --memory-efficient-fp16: the Attacker's "
-               "optimizer has no loss scaler of its own to skip its steps in step with the Defender's. Train AttendOut "
-               "in fp32 here, or with AttendOutTrainer and bf16=True (Hugging Face)")
+                                     *ATTENDOUT_FAIRSEQ, "--max-epoch", "1", *flags], expect_ok=False)
     assert proc.returncode != 0 and message in proc.stdout
     assert "begin training epoch" not in proc.stdout and not re.search(r"loaded \d+ examples", proc.stdout)
-    _documented(message.split(", got")[0])
+    _documented(message)
+
+
+def _attendout_fp16_run(data_bin, save, *extra):
+    proc = run_cli("fairseq-train", [data_bin, "--user-dir", PLUGIN_DIR, "--save-dir", save, "--cpu", *ATTENDOUT_FAIRSEQ,
+                                     "--attendout-dropout-step", "3", "--fp16", "--memory-efficient-fp16", "--no-save",
+                                     "--log-format", "json", "--log-interval", "1", "--no-progress-bar", *extra])
+    from conftest import train_updates
+
+    return proc.stdout, train_updates(proc.stdout)
+
+
+def test_fairseq_attendout_memory_efficient_fp16_trains(tiny_mt_data, tmp_path):
+    log, updates = _attendout_fp16_run(tiny_mt_data["bin"], tmp_path, "--max-epoch", "2")
+    assert len(updates) == 24
+    assert all(math.isfinite(float(u["loss"])) and math.isfinite(float(u["attendout_attacker_loss"]))
+               for u in updates.values())
+    assert len(re.findall(r"AttendOut dropout step \d+ \(update", log)) == 8  # every 3 updates
+    assert "attendout_attacker_overflows" not in log and "gradient overflow" not in log
+
+
+def test_fairseq_attendout_fp16_overflow_semantics(tiny_mt_data):
+    """In-process with fairseq's MemoryEfficientFP16Optimizer (fairseq's own CPU overflow handler
+    calls .cuda(), so an overflow cannot be forced through the CPU CLI):
+    - D's step skipped (fairseq does not call optimizer_step): A's gradients and sample size of that
+      update are kept, and A steps once over both updates' batches when D next steps;
+    - A's gradients overflow: A skips its step with its own scaler (halved), its weights unchanged,
+      D steps, the update counts for the dropout step, and the next log reports the overflow."""
+    from fairseq import optim
+
+    torch.manual_seed(2)
+    cfg, task, model, criterion = fairseq_setup(tiny_mt_data["bin"], [
+        "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--attendout", "--attendout-dropout-step", "5",
+        "--criterion", "cross_entropy", "--optimizer", "adam", "--lr", "1e-3", "--fp16", "--memory-efficient-fp16"])
+    model = model.half()
+    optimizer = optim.MemoryEfficientFP16Optimizer.build_optimizer(cfg, [p for p in model.parameters()])
+    task.load_dataset("train")
+    data = task.dataset("train")
+    batches = [data.collater([data[i] for i in range(j, j + 4)]) for j in (0, 4, 8)]
+    attendout = task.attn_reg_attendout
+
+    def train(sample):
+        optimizer.zero_grad()  # as fairseq's trainer does at every update
+        return task.train_step(sample, model, criterion, optimizer, update_num=0)[2]
+
+    train(batches[0])  # D's step of this update is skipped: no optimizer_step
+    first_size = attendout.sample_size
+    train(batches[1])
+    assert attendout.sample_size > first_size  # both updates' batches
+    before = [p.detach().clone() for p in attendout.attacker.parameters()]
+    task.optimizer_step(optimizer, model, update_num=0)
+    assert attendout.sample_size == 0 and attendout.game.update_in_step == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, attendout.attacker.parameters()))
+
+    train(batches[2])
+    scale = attendout.attacker_optimizer.scaler.loss_scale
+    next(p for p in attendout.attacker.parameters() if p.grad is not None).grad.fill_(float("inf"))
+    before_a = [p.detach().clone() for p in attendout.attacker.parameters()]
+    before_d = [p.detach().clone() for p in model.parameters()]
+    task.optimizer_step(optimizer, model, update_num=1)
+    assert attendout.attacker_optimizer.scaler.loss_scale == scale / 2
+    assert all(torch.equal(a, b) for a, b in zip(before_a, attendout.attacker.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before_d, model.parameters()))
+    assert all(p.grad is None or not p.grad.any() for p in attendout.attacker.parameters())
+    assert attendout.game.update_in_step == 2
+    assert train(batches[0])["attendout_attacker_overflows"] == 1
+    assert all(torch.isfinite(p).all() for p in attendout.attacker.parameters())
 
 
 def _hf_model():

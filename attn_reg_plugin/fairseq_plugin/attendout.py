@@ -11,6 +11,11 @@ core :class:`~attn_reg_plugin.core.attendout.AttendOut`. The task calls
 A's gradients are normalised exactly as the trainer normalises D's (summed loss, all-reduced
 over workers, divided by the total sample size). fairseq does not hand ``--clip-norm`` to
 tasks, so A is clipped with ``--attendout-clip-norm`` (set it to the same value).
+
+Half precision (``--memory-efficient-fp16``): A's optimizer is the same wrapper as D's with a
+loss scaler of its own. When fairseq skips D's step for an overflow, ``after_optimizer_step`` is
+not called, so A's gradients of that update are kept and A steps once over both updates; when
+A's own gradients overflow, A skips its step and the update still counts.
 """
 import copy
 import inspect
@@ -61,7 +66,7 @@ class FairseqAttendOut:
 
     def __init__(self, config: AttendOutConfig, clip_norm: float, valid_subset: str, log_file: str,
                  heldout_logits: Callable, streams_of: Callable[[dict], Dict[str, torch.Tensor]],
-                 generator_vocab: Dict[str, object]):
+                 generator_vocab: Dict[str, object], whole_config=None):
         self.config = config
         self.clip_norm = clip_norm
         self.valid_subset = valid_subset
@@ -69,6 +74,8 @@ class FairseqAttendOut:
         self.heldout_logits = heldout_logits  # (model, sample, criterion) -> (logits, target, keep)
         self.streams_of = streams_of  # sample -> {"source": tokens, "target": tokens}
         self.generator_vocab = generator_vocab  # stream -> fairseq Dictionary
+        self.whole_config = whole_config  # fairseq-train's config: builds a half-precision optimizer like D's
+        self.attacker_overflows = 0  # A's steps skipped for a gradient overflow, since the last log
         self.attacker = None
         self.attacker_optimizer = None
         self.game: Optional[AttendOut] = None
@@ -93,9 +100,10 @@ class FairseqAttendOut:
     def _ensure_attacker(self, defender: torch.nn.Module, optimizer) -> None:
         if self.attacker is not None:
             return
-        if type(optimizer).__name__ in ("FP16Optimizer", "MemoryEfficientFP16Optimizer", "AMPOptimizer"):
+        kind = type(optimizer).__name__
+        if kind in ("FP16Optimizer", "AMPOptimizer") or (kind == "MemoryEfficientFP16Optimizer" and self.whole_config is None):
             # Refused at task set-up already; kept for tasks built without fairseq-train's config.
-            raise NotImplementedError("--attendout supports fp32 training only in fairseq; remove --fp16 / --bf16 / --amp")
+            raise NotImplementedError(f"--attendout cannot mirror a {kind}; train in fp32 or with --memory-efficient-fp16")
         defender = bare_module(defender)
         self.attacker = copy.deepcopy(defender)
         controller = RegularizationController()
@@ -107,7 +115,12 @@ class FairseqAttendOut:
             generator = self._new_generator(device)
         self.game = AttendOut(self.config, controller, generator)
         params = [p for p in self.attacker.parameters() if p.requires_grad]
-        self.attacker_optimizer = optim.build_optimizer(optimizer.cfg, params)
+        if kind == "MemoryEfficientFP16Optimizer":
+            # Same wrapper as D's with a loss scaler of its own: each network skips its own overflows.
+            self.attacker_optimizer = optim.MemoryEfficientFP16Optimizer.build_optimizer(self.whole_config, params)
+        else:
+            self.attacker_optimizer = optim.build_optimizer(optimizer.cfg, params)
+        self.attacker_optimizer.zero_grad()  # a scaled optimizer sets its unscale factor here
         if self.pending_state is not None:
             self._load(self.pending_state)
             self.pending_state = None
@@ -123,9 +136,11 @@ class FairseqAttendOut:
             loss, sample_size, _ = criterion(self.attacker, sample)
         if ignore_grad:
             loss = loss * 0
-        loss.backward()
+        self.attacker_optimizer.backward(loss)  # scaled by A's own loss scaler in half precision
         self.sample_size += float(sample_size) if not ignore_grad else 0.0
-        log = {"attendout_attacker_loss": loss.detach(), "attendout_sample_size": sample_size}
+        log = {"attendout_attacker_loss": loss.detach(), "attendout_sample_size": sample_size,
+               "attendout_attacker_overflows": self.attacker_overflows}
+        self.attacker_overflows = 0
         for name, prob in zip(self.game.site_names(), self.game.last_drop_probabilities):
             log[f"attendout_p_{name}"] = prob
         return log
@@ -143,10 +158,16 @@ class FairseqAttendOut:
             torch.distributed.all_reduce(sample_size)
         # As the trainer does for D: sum of gradients over all workers / total sample size.
         self.attacker_optimizer.multiply_grads(1.0 / max(float(sample_size), 1.0))
-        if self.clip_norm > 0:
-            self.attacker_optimizer.clip_grad_norm(self.clip_norm)
-        self.attacker_optimizer.set_lr(optimizer.get_lr())
-        self.attacker_optimizer.step()
+        try:
+            if self.clip_norm > 0 or getattr(self.attacker_optimizer, "scaler", None) is not None:
+                self.attacker_optimizer.clip_grad_norm(self.clip_norm)  # also A's own overflow check
+        except OverflowError:
+            # A's gradients overflowed (its scaler has just lowered the scale): A skips this step,
+            # as fairseq skips D's; the update still counts for the dropout step.
+            self.attacker_overflows += 1
+        else:
+            self.attacker_optimizer.set_lr(optimizer.get_lr())
+            self.attacker_optimizer.step()
         self.attacker_optimizer.zero_grad()
         self.sample_size = 0.0
         if self.game.end_update():
@@ -253,6 +274,9 @@ def reduce_attendout_metrics(logging_outputs) -> None:
     size = utils.item(sum(log["attendout_sample_size"] for log in steps))
     # Same units as fairseq's `loss` (base 2, per sample-size unit).
     metrics.log_scalar("attendout_attacker_loss", loss / max(size, 1) / 0.6931471805599453, size, round=3)
+    overflows = utils.item(sum(log.get("attendout_attacker_overflows", 0) for log in steps))
+    if overflows:
+        metrics.log_scalar_sum("attendout_attacker_overflows", overflows)
     # The generator's mean drop probability per selected layer (paper Fig. 3), per batch.
     for key in sorted(k for k in steps[0] if k.startswith("attendout_p_")):
         metrics.log_scalar(key, utils.item(sum(log[key] for log in steps)) / len(steps), len(steps), round=4)

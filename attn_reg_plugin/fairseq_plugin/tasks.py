@@ -64,12 +64,16 @@ def _validate_task_options(cfg):
         refuse_unsupported_training(cfg, enabled[0])
     if cfg.attendout:
         check_fairseq_supports_task_state()
-        precision = [flag for flag, on in half_precision_flags(cfg).items() if on]
-        if precision:
+        precision = half_precision_flags(cfg)
+        if precision.get("--amp"):
             raise ValueError(
-                f"--attendout supports fp32 training only in fairseq, got {' '.join(precision)}: the Attacker's "
-                "optimizer has no loss scaler of its own to skip its steps in step with the Defender's. Train "
-                "AttendOut in fp32 here, or with AttendOutTrainer and bf16=True (Hugging Face)"
+                "--attendout does not support --amp: use --fp16 --memory-efficient-fp16 (or --bf16 "
+                "--memory-efficient-fp16), where the Attacker gets a loss scaler of its own"
+            )
+        if (precision.get("--fp16") or precision.get("--bf16")) and not precision.get("--memory-efficient-fp16"):
+            raise ValueError(
+                "--attendout in half precision needs --memory-efficient-fp16: plain --fp16 / --bf16 keep fp32 master "
+                "weights inside the optimizer, which the Defender/Attacker re-sync does not copy"
             )
 
 
@@ -153,7 +157,7 @@ class AttnRegTaskMixin:
             self.attn_reg_attendout = FairseqAttendOut(
                 AttendOutConfig.from_namespace(cfg), cfg.attendout_clip_norm, cfg.attendout_valid_subset,
                 cfg.attendout_log_file, self.attendout_heldout_logits, self.attendout_streams,
-                self.attendout_generator_vocab(),
+                self.attendout_generator_vocab(), _whole_config(cfg),
             )
             self.attn_reg_attendout.validate_against(self.attn_reg_controller)
 
