@@ -110,6 +110,25 @@ def test_generator_starts_at_init_drop_and_shapes_follow_the_sites():
     assert not dec_valid[0, 0].triu(1).any()  # decoder self-attention: no future keys
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_generator_logits_of_a_sentence_do_not_depend_on_its_batch_padding(side):
+    """fairseq left-pads sources, HF right-pads: a sentence's drop logits over its real tokens are
+    those it gets alone, so its masks do not depend on the batch it lands in."""
+    torch.manual_seed(0)
+    controller = _controller([("encoder-self", 2)])
+    generator = Generator({"source": 30}, {"source": 1}, 16, 64, 0.2, 1.0)
+    sentence = torch.randint(2, 30, (1, 5))
+    padded = torch.cat([torch.ones(1, 3, dtype=torch.long), sentence], 1) if side == "left" else \
+        torch.cat([sentence, torch.ones(1, 3, dtype=torch.long)], 1)
+    real = slice(3, 8) if side == "left" else slice(0, 5)
+    alone = generator.drop_logits({"source": sentence}, controller.sites)
+    in_batch = generator.drop_logits({"source": padded}, controller.sites)
+    for (a, _), (b, valid) in zip(alone, in_batch):
+        torch.testing.assert_close(b[:, :, real, real], a, rtol=1e-5, atol=1e-6)
+        pad = slice(0, 3) if side == "left" else slice(5, 8)
+        assert not valid[..., pad].any()  # padding is never a unit of the policy
+
+
 def test_generator_rejects_sequences_beyond_max_positions():
     generator = Generator({"source": 10}, {"source": 1}, 4, 3, 0.2, 1.0)
     with pytest.raises(ValueError, match="--attendout-max-positions"):

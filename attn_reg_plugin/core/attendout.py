@@ -140,7 +140,10 @@ class Generator(nn.Module):
         valid = real[:, None, None, :] & real[:, None, :, None]
         if causal:
             valid = valid & torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
-        h = self.embeddings[stream](tokens) * self.dim ** 0.5 + self.positions(torch.arange(length, device=tokens.device))
+        # Positions count the sentence's own tokens (as fairseq's make_positions does): a
+        # left-padded sentence (fairseq sources) gets the masks it gets unpadded, whatever batch it is in.
+        positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
+        h = self.embeddings[stream](tokens) * self.dim ** 0.5 + self.positions(positions)
         states = [h]
         fill = torch.finfo(h.dtype).min / 4
         for _ in range(num_layers - 1):
