@@ -119,7 +119,9 @@ class FairseqAttendOut:
             # Same wrapper as D's with a loss scaler of its own: each network skips its own overflows.
             self.attacker_optimizer = optim.MemoryEfficientFP16Optimizer.build_optimizer(self.whole_config, params)
         else:
-            self.attacker_optimizer = optim.build_optimizer(optimizer.cfg, params)
+            # fairseq-train's optimizer config: legacy optimizers (sgd, adagrad) carry no .cfg
+            cfg = self.whole_config.optimizer if self.whole_config is not None else optimizer.cfg
+            self.attacker_optimizer = optim.build_optimizer(cfg, params)
         self.attacker_optimizer.zero_grad()  # a scaled optimizer sets its unscale factor here
         if self.pending_state is not None:
             self._load(self.pending_state)
