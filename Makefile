@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # The marker file makes the venv target idempotent: a half-finished install is redone.
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all benchmark clean-demo
+.PHONY: demo test test-all gpu-check benchmark clean-demo
 
 $(VENV): $(STAMP)
 
@@ -35,6 +35,11 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q
+
+# Every precision x regularizer on the GPU (fairseq --fp16/--bf16/--amp, HF fp16/bf16); on a
+# machine without CUDA the CUDA-only cases skip and say so (docs/CONFIGURATIONS.md).
+gpu-check: $(STAMP)
+	$(PY) -m pytest -q -rs -s -m gpu tests/test_precision.py
 
 # Cost of every regularizer against plain training, side by side (docs/PERFORMANCE.md).
 benchmark: $(STAMP)

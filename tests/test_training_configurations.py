@@ -1,5 +1,6 @@
 """Training configurations: what is refused before training (with the message docs/CONFIGURATIONS.md
-lists), what keeps working, and AD-DROP's rule for a non-finite attribution target."""
+lists), AttendOut's fp16 overflow rules, and AD-DROP's rule for a non-finite attribution target.
+Each precision × regularizer trained end to end is in test_precision.py."""
 import math
 import re
 
@@ -12,7 +13,7 @@ from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import PLUGIN_DIR, REPO, TINY_TRANSFORMER, fairseq_setup, run_cli, train_epoch_stats
+from conftest import PLUGIN_DIR, REPO, TINY_TRANSFORMER, fairseq_setup, run_cli
 
 DOC = (REPO / "docs" / "CONFIGURATIONS.md").read_text(encoding="utf-8")
 
@@ -115,24 +116,6 @@ def test_fairseq_attendout_unsupported_precision_stops_before_training(tiny_mt_d
     _documented(message)
 
 
-def _attendout_fp16_run(data_bin, save, *extra):
-    proc = run_cli("fairseq-train", [data_bin, "--user-dir", PLUGIN_DIR, "--save-dir", save, "--cpu", *ATTENDOUT_FAIRSEQ,
-                                     "--attendout-dropout-step", "3", "--fp16", "--memory-efficient-fp16", "--no-save",
-                                     "--log-format", "json", "--log-interval", "1", "--no-progress-bar", *extra])
-    from conftest import train_updates
-
-    return proc.stdout, train_updates(proc.stdout)
-
-
-def test_fairseq_attendout_memory_efficient_fp16_trains(tiny_mt_data, tmp_path):
-    log, updates = _attendout_fp16_run(tiny_mt_data["bin"], tmp_path, "--max-epoch", "2")
-    assert len(updates) == 24
-    assert all(math.isfinite(float(u["loss"])) and math.isfinite(float(u["attendout_attacker_loss"]))
-               for u in updates.values())
-    assert len(re.findall(r"AttendOut dropout step \d+ \(update", log)) == 8  # every 3 updates
-    assert "attendout_attacker_overflows" not in log and "gradient overflow" not in log
-
-
 def test_fairseq_attendout_fp16_overflow_semantics(tiny_mt_data):
     """In-process with fairseq's MemoryEfficientFP16Optimizer (fairseq's own CPU overflow handler
     calls .cuda(), so an overflow cannot be forced through the CPU CLI):
@@ -213,37 +196,3 @@ def test_hf_trainers_refuse_sharded_training_at_construction(tmp_path, who, sett
     assert str(e.value) == f"{who} {message}"
     _documented(message)
 
-
-# -- keeps working ---------------------------------------------------------------------------------
-def test_fairseq_ad_drop_memory_efficient_fp16_on_cpu(tiny_mt_data, tmp_path):
-    """fp16 weights on CPU (fairseq's plain --fp16 optimizer needs CUDA): AD-DROP trains, finite, and drops."""
-    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", tmp_path, "--cpu",
-                                     "--task", "attn_reg_translation", *TINY_TRANSFORMER,
-                                     "--criterion", "ad_drop_label_smoothed_cross_entropy", "--ad-drop-schedule", "always",
-                                     "--ad-drop-p", "0.3", "--ad-drop-q", "0.5", "--optimizer", "adam", "--lr", "1e-3",
-                                     "--max-tokens", "500", "--max-epoch", "1", "--fp16", "--memory-efficient-fp16",
-                                     "--no-save", "--seed", "2"])
-    stats = train_epoch_stats(proc.stdout)[1]
-    assert math.isfinite(float(stats["loss"]))
-    assert 0.05 < float(stats["ad_drop_rate"]) < 0.3
-    assert float(stats["ad_drop_skipped"]) == 0
-
-
-@pytest.mark.parametrize("who", ["ADDropTrainer", "AttnRegTrainer"])
-def test_hf_bf16_on_cpu_trains_and_edits(tmp_path, who):
-    """bf16=True with use_cpu: CPU autocast; the regularizer edits attention and the loss stays finite.
-    (AttendOutTrainer with bf16 is tested in test_hf_attendout.py.)"""
-    model = _hf_model()
-    rows = [{"input_ids": torch.randint(3, 50, (6,)), "labels": torch.tensor(i % 2)} for i in range(8)]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[], max_steps=2,
-                                          per_device_train_batch_size=4, logging_steps=1, save_strategy="no")
-    if who == "ADDropTrainer":
-        trainer = ADDropTrainer(model=model, args=args, train_dataset=rows, ad_drop=ADDropConfig(schedule="always"))
-        key = "ad_drop_rate"
-    else:
-        trainer = AttnRegTrainer(model=model, args=args, train_dataset=rows, layerdrop=AttentionLayerDropConfig(p=0.5))
-        key = "attn_layerdrop_rate"
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if key in h]
-    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
-    assert sum(h[key] for h in logs) > 0

@@ -1,0 +1,107 @@
+"""Every precision × regularizer end to end for a few updates: finite losses, the regularizer acts.
+
+This file is also the GPU check (`make gpu-check` = `pytest -m gpu`): on a CUDA machine every
+case runs on the GPU (fairseq's FP16Optimizer `--fp16`, `--bf16`, `--amp`; HF `fp16`/`bf16`);
+without CUDA the cases that exist on CPU run (`--fp16 --memory-efficient-fp16 --cpu`, HF
+`bf16` with `use_cpu`), so `make test` exercises the harness itself, and the CUDA-only cases
+skip saying so. Refused combinations skip here: their messages are tested where the others are.
+"""
+import math
+import re
+
+import pytest
+import torch
+import transformers
+
+from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.core.attendout import AttendOutConfig
+from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
+from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
+from conftest import PLUGIN_DIR, TINY_TRANSFORMER, run_cli, train_updates
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.cuda.is_available()
+
+# precision -> (fairseq flags, runs on CPU)
+FAIRSEQ_PRECISION = {
+    "fp16-memory-efficient": (["--fp16", "--memory-efficient-fp16"], True),
+    "bf16-memory-efficient": (["--bf16", "--memory-efficient-fp16"], False),  # --bf16 --cpu is taken as TPU
+    "fp16": (["--fp16"], False),  # FP16Optimizer needs CUDA
+    "bf16": (["--bf16"], False),
+    "amp": (["--amp"], False),
+}
+FAIRSEQ_REGULARIZER = {
+    "ad-drop": ["--criterion", "ad_drop_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+                "--ad-drop-schedule", "always", "--ad-drop-p", "0.3", "--ad-drop-q", "0.5"],
+    "attendout": ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--attendout",
+                  "--attendout-dropout-step", "3"],
+    "scheduled-dropout": ["--criterion", "label_smoothed_cross_entropy", "--attn-sched-dropout-schedule", "0:0.3"],
+}
+# Refused before training (messages checked in test_training_configurations.py)
+ATTENDOUT_REFUSED = {"fp16", "bf16", "amp"}
+
+
+@pytest.mark.parametrize("precision", list(FAIRSEQ_PRECISION))
+@pytest.mark.parametrize("regularizer", list(FAIRSEQ_REGULARIZER))
+def test_fairseq_precision(tiny_mt_data, tmp_path, regularizer, precision):
+    flags, on_cpu = FAIRSEQ_PRECISION[precision]
+    if regularizer == "attendout" and precision in ATTENDOUT_REFUSED:
+        pytest.skip("refused before training; test_training_configurations.py checks the message")
+    if not (CUDA or on_cpu):
+        pytest.skip(f"fairseq {' '.join(flags)} needs CUDA")
+    device = [] if CUDA else ["--cpu"]
+    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", tmp_path, *device,
+                                     "--task", "attn_reg_translation", *TINY_TRANSFORMER,
+                                     *FAIRSEQ_REGULARIZER[regularizer], "--optimizer", "adam", "--lr", "1e-3",
+                                     "--max-tokens", "500", "--max-update", "6", "--seed", "2", "--no-save",
+                                     "--log-format", "json", "--log-interval", "1", "--no-progress-bar", *flags])
+    updates = train_updates(proc.stdout)
+    assert len(updates) >= 3, proc.stdout[-3000:]
+    assert all(math.isfinite(float(u["loss"])) for u in updates.values())
+    if regularizer == "ad-drop":
+        assert all(0.05 < float(u["ad_drop_rate"]) < 0.3 for u in updates.values())
+        print(f"{precision} AD-DROP: rates {[u['ad_drop_rate'] for u in updates.values()]}, "
+              f"skipped {sum(float(u.get('ad_drop_skipped', 0)) for u in updates.values())}")
+    elif regularizer == "attendout":
+        assert all(math.isfinite(float(u["attendout_attacker_loss"])) for u in updates.values())
+        assert re.search(r"AttendOut dropout step 1 \(update 3\)", proc.stdout)
+    else:
+        assert "loss" in updates[max(updates)]
+
+
+# -- Hugging Face ----------------------------------------------------------------------------------
+def _rows(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, 50, (6,), generator=g), "labels": torch.tensor(i % 2)} for i in range(n)]
+
+
+HF_REGULARIZER = {
+    "ad-drop": (lambda common: ADDropTrainer(**common, ad_drop=ADDropConfig(schedule="always")), "ad_drop_rate"),
+    "attendout": (lambda common: AttendOutTrainer(**common, eval_dataset=_rows(4, 2),
+                                                  attendout=AttendOutConfig(dropout_step=2)), "attendout_attacker_loss"),
+    "layerdrop": (lambda common: AttnRegTrainer(**common, layerdrop=AttentionLayerDropConfig(p=0.5)),
+                  "attn_layerdrop_rate"),
+}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("regularizer", list(HF_REGULARIZER))
+def test_hf_precision(tmp_path, regularizer, precision):
+    if regularizer == "attendout" and precision == "fp16":
+        pytest.skip("refused at construction; test_hf_attendout.py checks the message")
+    if precision == "fp16" and not CUDA:
+        pytest.skip("HF fp16 needs CUDA")
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50, pad_token_id=0))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=not CUDA, report_to=[], max_steps=4, per_device_train_batch_size=4,
+        logging_steps=1, save_strategy="no", **{precision: True})
+    build, key = HF_REGULARIZER[regularizer]
+    trainer = build(dict(model=model, args=args, train_dataset=_rows(16, 1)))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and key in h]
+    assert logs and all(math.isfinite(h["loss"]) and math.isfinite(h[key]) for h in logs)
+    if regularizer != "attendout":
+        assert sum(h[key] for h in logs) > 0
+    print(f"HF {precision} {regularizer}: {[(round(h['loss'], 4), h[key]) for h in logs]}")
