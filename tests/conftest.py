@@ -66,6 +66,29 @@ def fairseq_setup(data_bin, extra):
     return cfg, task, model, criterion
 
 
+def fairseq_in_process(data_bin, extra, seed):
+    """fairseq_setup after seeding torch as fairseq-train does, plus the loaded train split:
+    (cfg, task, model, criterion, train dataset)."""
+    import torch
+
+    torch.manual_seed(seed)
+    cfg, task, model, criterion = fairseq_setup(data_bin, extra)
+    task.load_dataset("train")
+    return cfg, task, model, criterion, task.dataset("train")
+
+
+def tiny_bert_classifier(**config):
+    """A randomly initialised (seed 0) 2-layer BertForSequenceClassification; ``config`` overrides
+    the BertConfig fields below."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50,
+                  pad_token_id=0)
+    return transformers.BertForSequenceClassification(transformers.BertConfig(**{**fields, **config}))
+
+
 MOVIE_REVIEWS_TINY = REPO / "tests" / "data" / "movie_reviews_tiny.jsonl"
 
 # The smallest RoBERTa fairseq builds (randomly initialised); the longest tiny review is

@@ -8,7 +8,7 @@ forward is replayed by the kernel in the recompute.
 import pytest
 import torch
 
-from conftest import TINY_TRANSFORMER, fairseq_setup
+from conftest import TINY_TRANSFORMER, fairseq_in_process
 
 KINDS = "encoder-self,decoder-self,encoder-decoder"
 BASE = ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--dropout", "0.1", "--attention-dropout", "0.1",
@@ -32,11 +32,9 @@ def one_step(data_bin, regularizer, checkpointing):
     from fairseq import optim
 
     extra = BASE + REGULARIZERS[regularizer] + (["--checkpoint-activations"] if checkpointing else [])
-    torch.manual_seed(3)  # the same initial weights in every run (fairseq-train seeds before building)
-    cfg, task, model, criterion = fairseq_setup(data_bin, extra)
+    # the same initial weights in every run (fairseq-train seeds before building)
+    cfg, task, model, criterion, dataset = fairseq_in_process(data_bin, extra, seed=3)
     optimizer = optim.build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
-    task.load_dataset("train")
-    dataset = task.dataset("train")
     sample = dataset.collater([dataset[i] for i in range(6)])
     model.train()
     torch.manual_seed(5)

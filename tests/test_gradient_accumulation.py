@@ -15,7 +15,7 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import TINY_TRANSFORMER, fairseq_setup
+from conftest import TINY_TRANSFORMER, fairseq_in_process, tiny_bert_classifier
 
 
 @pytest.fixture
@@ -27,10 +27,7 @@ def deterministic_masks(monkeypatch):
 
 
 def _bert():
-    torch.manual_seed(0)
-    return transformers.BertForSequenceClassification(transformers.BertConfig(
-        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0, attn_implementation="sdpa"))
+    return tiny_bert_classifier(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
 
 
 def _llama():
@@ -119,18 +116,20 @@ FAIRSEQ = {
 }
 
 
-def _fairseq_gradients(data_bin, regularizer, samples):
-    """The gradient fairseq's trainer steps with: summed over the micro-batches / their total sample size."""
+def _fairseq_gradients(data_bin, regularizer, batches):
+    """The gradient fairseq's trainer steps with: summed over the micro-batches / their total sample
+    size. ``batches``: lists of train-split indices, one list per micro-batch."""
     from fairseq import optim
 
-    torch.manual_seed(3)
-    cfg, task, model, criterion = fairseq_setup(data_bin, ["--task", "attn_reg_translation", *TINY_TRANSFORMER,
-                                                           "--dropout", "0", "--label-smoothing", "0.1",
-                                                           "--optimizer", "sgd", "--lr", "1", *FAIRSEQ[regularizer]])
+    cfg, task, model, criterion, data = fairseq_in_process(
+        data_bin, ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--dropout", "0", "--label-smoothing", "0.1",
+                   "--optimizer", "sgd", "--lr", "1", *FAIRSEQ[regularizer]], seed=3)
     optimizer = optim.build_optimizer(cfg.optimizer, list(model.parameters()))
     model.train()
     total = 0
-    for sample in samples:
+    if len(batches) == 1:  # the big batch: of several lengths, so it pads (the Generator's positions ignore padding)
+        assert len({int(data.src_sizes[i]) for i in batches[0]}) > 1
+    for sample in (data.collater([data[i] for i in ids]) for ids in batches):
         _, size, _ = task.train_step(sample, model, criterion, optimizer, update_num=0)
         total += size
     grads = [p.grad / total for p in model.parameters()]
@@ -144,13 +143,9 @@ def _fairseq_gradients(data_bin, regularizer, samples):
 def test_fairseq_update_freq_equals_one_big_batch(deterministic_masks, tiny_mt_data, regularizer):
     """Four micro-batches of one pair (what --update-freq 4 accumulates) against one batch of the
     four: fairseq's transformer masks padding, so only rounding differs between the batchings."""
-    _, task, _, _ = fairseq_setup(tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER])
-    task.load_dataset("train")
-    data = task.dataset("train")
-    ids = [0, 1, 2, 3]  # of several lengths: the big batch pads (the Generator's positions ignore padding)
-    assert len({int(data.src_sizes[i]) for i in ids}) > 1
-    big = _fairseq_gradients(tiny_mt_data["bin"], regularizer, [data.collater([data[i] for i in ids])])
-    micro = _fairseq_gradients(tiny_mt_data["bin"], regularizer, [data.collater([data[i]]) for i in ids])
+    ids = [0, 1, 2, 3]
+    big = _fairseq_gradients(tiny_mt_data["bin"], regularizer, [ids])
+    micro = _fairseq_gradients(tiny_mt_data["bin"], regularizer, [[i] for i in ids])
     scale = max(float(g.abs().max()) for g in big)
     for a, b in zip(micro, big):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * scale)

@@ -10,7 +10,7 @@ dropout draws (restored by torch's checkpoint) are exercised too.
 import pytest
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, BertConfig, BertForSequenceClassification, MarianConfig, MarianMTModel
+from transformers import AutoConfig, AutoModelForCausalLM, MarianConfig, MarianMTModel
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
@@ -23,15 +23,15 @@ from attn_reg_plugin.hf import (
     AttnRegSeq2SeqTrainer,
     AttnRegTrainer,
 )
+from conftest import tiny_bert_classifier
 
 DROPOUT = 0.1
 
 
 def tiny_bert():
-    torch.manual_seed(0)
-    return BertForSequenceClassification(BertConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=100,
-        hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT, attn_implementation="sdpa"))
+    return tiny_bert_classifier(hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100,
+                                hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT,
+                                attn_implementation="sdpa")
 
 
 def tiny_marian():

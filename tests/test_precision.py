@@ -17,7 +17,7 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import PLUGIN_DIR, TINY_TRANSFORMER, run_cli, train_updates
+from conftest import PLUGIN_DIR, TINY_TRANSFORMER, run_cli, tiny_bert_classifier, train_updates
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.cuda.is_available()
@@ -91,9 +91,7 @@ def test_hf_precision(tmp_path, regularizer, precision):
         pytest.skip("refused at construction; test_hf_attendout.py checks the message")
     if precision == "fp16" and not CUDA:
         pytest.skip("HF fp16 needs CUDA")
-    torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(transformers.BertConfig(
-        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50, pad_token_id=0))
+    model = tiny_bert_classifier()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), use_cpu=not CUDA, report_to=[], max_steps=4, per_device_train_batch_size=4,
         logging_steps=1, save_strategy="no", **{precision: True})

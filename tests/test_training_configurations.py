@@ -13,7 +13,7 @@ from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import PLUGIN_DIR, REPO, TINY_TRANSFORMER, fairseq_setup, run_cli
+from conftest import PLUGIN_DIR, REPO, TINY_TRANSFORMER, fairseq_in_process, fairseq_setup, run_cli, tiny_bert_classifier
 
 DOC = (REPO / "docs" / "CONFIGURATIONS.md").read_text(encoding="utf-8")
 
@@ -54,9 +54,7 @@ def test_non_finite_target_skips_ad_drop_for_the_step(attribution):
 
 
 def test_hf_logs_skipped_steps(tmp_path):
-    torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(transformers.BertConfig(
-        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50))
+    model = tiny_bert_classifier()
     rows = [{"input_ids": torch.randint(3, 50, (6,)), "labels": torch.tensor(i % 2)} for i in range(8)]
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2,
                                           per_device_train_batch_size=4, logging_steps=1, save_strategy="no")
@@ -125,14 +123,12 @@ def test_fairseq_attendout_fp16_overflow_semantics(tiny_mt_data):
       D steps, the update counts for the dropout step, and the next log reports the overflow."""
     from fairseq import optim
 
-    torch.manual_seed(2)
-    cfg, task, model, criterion = fairseq_setup(tiny_mt_data["bin"], [
+    cfg, task, model, criterion, data = fairseq_in_process(tiny_mt_data["bin"], [
         "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--attendout", "--attendout-dropout-step", "5",
-        "--criterion", "cross_entropy", "--optimizer", "adam", "--lr", "1e-3", "--fp16", "--memory-efficient-fp16"])
+        "--criterion", "cross_entropy", "--optimizer", "adam", "--lr", "1e-3", "--fp16", "--memory-efficient-fp16"],
+        seed=2)
     model = model.half()
     optimizer = optim.MemoryEfficientFP16Optimizer.build_optimizer(cfg, [p for p in model.parameters()])
-    task.load_dataset("train")
-    data = task.dataset("train")
     batches = [data.collater([data[i] for i in range(j, j + 4)]) for j in (0, 4, 8)]
     attendout = task.attn_reg_attendout
 
@@ -164,12 +160,6 @@ def test_fairseq_attendout_fp16_overflow_semantics(tiny_mt_data):
     assert all(torch.isfinite(p).all() for p in attendout.attacker.parameters())
 
 
-def _hf_model():
-    torch.manual_seed(0)
-    return transformers.BertForSequenceClassification(transformers.BertConfig(
-        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50, pad_token_id=0))
-
-
 HF_TRAINERS = {
     "ADDropTrainer": lambda model, args: ADDropTrainer(model=model, args=args, ad_drop=ADDropConfig()),
     "AttendOutTrainer": lambda model, args: AttendOutTrainer(model=model, args=args, eval_dataset=[{}],
@@ -192,7 +182,7 @@ def test_hf_trainers_refuse_sharded_training_at_construction(tmp_path, who, sett
     # Set after construction: DeepSpeed itself is not installed here, and the check reads the field only.
     setattr(args, setting, True if setting == "fsdp" else {"zero_optimization": {"stage": 3}})
     with pytest.raises(NotImplementedError) as e:
-        HF_TRAINERS[who](_hf_model(), args)
+        HF_TRAINERS[who](tiny_bert_classifier(), args)
     assert str(e.value) == f"{who} {message}"
     _documented(message)
 

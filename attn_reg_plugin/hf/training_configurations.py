@@ -5,16 +5,19 @@ before any set-up or training. docs/CONFIGURATIONS.md lists every configuration 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import transformers
 
 
-def training_arguments(args, kwargs) -> "transformers.TrainingArguments":
-    """The TrainingArguments the Trainer will use (its default when none is given)."""
-    given = kwargs.get("args", args[1] if len(args) > 1 else None)
-    return given if given is not None else transformers.TrainingArguments(output_dir="trainer_output")
+def training_arguments(args, kwargs) -> "Optional[transformers.TrainingArguments]":
+    """The TrainingArguments given to the Trainer; None: its defaults, which use none of the below."""
+    return kwargs.get("args", args[1] if len(args) > 1 else None)
 
 
 def refuse_unsupported(who: str, args, allow_fp16: bool = True) -> None:
+    if args is None:
+        return
     if args.deepspeed:
         raise NotImplementedError(
             f"{who} does not support DeepSpeed (TrainingArguments.deepspeed): its engine owns the model's forward "
