@@ -25,6 +25,7 @@ from attn_reg_plugin.core.schedules import (
     ScheduledDropoutConfig,
     parse_schedules,
     schedule_value,
+    skipped_layers,
 )
 
 
@@ -320,13 +321,19 @@ def test_layerdrop_p1_gives_exactly_uniform_attention_and_p0_changes_nothing():
         out, _ = attend(q, k, v, bias=bias, site=site)
     assert torch.allclose(out[0], v[0].mean(dim=1, keepdim=True).expand(2, 3, 4), atol=1e-6)
     assert torch.allclose(out[1], v[1, :, :3].mean(dim=1, keepdim=True).expand(2, 3, 4), atol=1e-6)
-    assert AttentionLayerDrop(AttentionLayerDropConfig(p=0.0), controller).hooks() == {}
+    # p = 0: every selected layer gets a flag (one compiled graph whatever is skipped), none set,
+    # and the output is ordinary attention
+    hooks = AttentionLayerDrop(AttentionLayerDropConfig(p=0.0), controller).hooks()
+    assert list(hooks) == [site] and skipped_layers(hooks) == 0
+    with controller.hooks(hooks):
+        out, _ = attend(q, k, v, bias=bias, site=site)
+    assert torch.allclose(out, attend(q, k, v, bias=bias)[0], atol=1e-6)
 
 
 def test_layerdrop_skips_layers_at_rate_p():
     torch.manual_seed(0)
     layerdrop = AttentionLayerDrop(AttentionLayerDropConfig(p=0.3), _controller([("encoder-self", 4)]))
-    skipped = sum(len(layerdrop.hooks()) for _ in range(2000)) / (2000 * 4)
+    skipped = sum(skipped_layers(layerdrop.hooks()) for _ in range(2000)) / (2000 * 4)
     assert abs(skipped - 0.3) < 0.02
 
 

@@ -61,8 +61,8 @@ class EditScores:
     ``drop``: bool, True where a key is removed from a row (broadcastable to (B, H, T, S)), or
     a callable ``(valid) -> drop`` evaluated inside the kernel when the mask depends only on
     shapes and validity (random-region AD-DROP, scheduled dropout).
-    ``uniform_rows``: True (every row) or bool broadcastable to (B, H, T, 1); such rows attend uniformly to their
-    valid keys (attention LayerDrop). A row whose every valid key is in ``drop`` is made
+    ``uniform_rows``: True (every row) or bool broadcastable to (B, H, T, 1), e.g. a (1, 1, 1, 1)
+    per-pass flag; such rows attend uniformly to their valid keys (attention LayerDrop). A row whose every valid key is in ``drop`` is made
     uniform the same way (AttendOut Eq. 4), never left all-masked.
     ``stats``: when given, ``[dropped, valid]`` counts of this pass are added to it.
     """
@@ -123,13 +123,16 @@ def _resolve_edit(hook: EditScores, valid: torch.Tensor, shape, device):
     uniform = hook.uniform_rows
     if uniform is True:  # every row (attention LayerDrop); made on q's device, no copy
         uniform = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+    elif isinstance(uniform, torch.Tensor) and uniform.device != device:
+        uniform = uniform.to(device)  # a per-pass flag drawn on the host (LayerDrop)
     drop = hook.drop(valid.expand(shape)) if callable(hook.drop) else hook.drop
     if drop is not None:
         # A row that would lose every real key attends uniformly to them instead (AttendOut
         # Eq. 4): softmax over an all-masked row is NaN or padding-weighted otherwise.
         emptied = _all_last(drop | ~valid) & valid.any(dim=-1, keepdim=True)
-        # On CPU, looking is cheaper than editing every row; on GPU it would synchronise.
-        if emptied.device.type != "cpu" or bool(emptied.any()):
+        # On CPU, looking is cheaper than editing every row; on GPU it would synchronise, and
+        # in a compiled graph it would break the graph.
+        if emptied.device.type != "cpu" or torch.compiler.is_compiling() or bool(emptied.any()):
             drop = drop & ~emptied
             uniform = emptied if uniform is None else (uniform | emptied)
     return drop, uniform
@@ -154,6 +157,13 @@ def _this_call(site, valid: torch.Tensor, shape, device):
     """
     if site is None:
         return None, None, None, True
+    if torch.compiler.is_compiling():
+        # Traced: no record is kept (a Python object per call would be a guard per step), and
+        # none is needed, since a compiled region recomputes from its own graph.
+        hook = site.hook
+        if isinstance(hook, EditScores):
+            return (hook, *_resolve_edit(hook, valid, shape, device), True)
+        return hook, None, None, True
     if recomputing():
         record = site.replay
         if record is None:

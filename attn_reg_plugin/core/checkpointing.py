@@ -24,7 +24,13 @@ import torch
 def recomputing() -> bool:
     """True while autograd runs a backward: a layer forward then is an activation-checkpoint
     recompute (torch.utils.checkpoint, reentrant or not; HF gradient checkpointing; fairseq
-    ``--checkpoint-activations``), which must repeat what the original forward did."""
+    ``--checkpoint-activations``), which must repeat what the original forward did.
+
+    False while torch.compile traces: a compiled region recomputes from its own graph, where
+    the masks are inputs (the trainers refuse torch.compile together with checkpointing, where
+    a region could be re-entered from Python)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 

@@ -11,6 +11,8 @@ import contextlib
 from dataclasses import dataclass, fields
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
+import torch
+
 from .checkpointing import recomputing
 
 ATTENTION_KINDS = ("encoder-self", "decoder-self", "encoder-decoder")
@@ -39,6 +41,8 @@ class AttentionSite:
         In a forward: no hook is set (and the site forgets its last edit). In a recompute:
         the forward it replays was ordinary attention.
         """
+        if torch.compiler.is_compiling():
+            return self.hook is None  # traced: no replay record (see core.attention)
         if recomputing():
             return self.replay is None
         if self.hook is None:

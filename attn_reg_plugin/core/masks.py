@@ -97,9 +97,10 @@ def keep_one_valid_key(
     drop = drop & valid
     n_valid = valid.sum(-1, keepdim=True)  # before broadcasting (see candidate_region)
     emptied = (drop.sum(-1, keepdim=True) == n_valid) & (n_valid > 0)
-    if drop.device.type == "cpu" and not bool(emptied.any()):
+    if drop.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(emptied.any()):
         # Emptied rows are rare; on the host, checking costs nothing and spares the search
-        # below. (On an accelerator the check would be a synchronisation; the search is cheap there.)
+        # below. (On an accelerator the check would be a synchronisation, and in a compiled
+        # graph a graph break; the search is cheap there.)
         return drop
     if attribution is None:
         rank_source = torch.arange(drop.shape[-1], device=drop.device, dtype=torch.float32)

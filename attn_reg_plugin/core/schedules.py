@@ -133,6 +133,10 @@ class ScheduledAttentionDropout:
         probs = self.probabilities(update)
 
         def bernoulli(p: float):
+            # A tensor, not a float: a compiled model sees a new probability every update as
+            # new data, where a Python float would be baked into the graph and recompile it.
+            p = torch.tensor(p)
+
             def drop(valid: torch.Tensor) -> torch.Tensor:
                 # Drawn per (sample, head, query, key) inside the kernel, where the shape is known.
                 return torch.rand(valid.shape, device=valid.device) < p
@@ -175,7 +179,17 @@ class AttentionLayerDrop:
         self.sites: List[AttentionSite] = controller.select(kinds, parse_layers(config.layers, flag("layers")), flag("layers"))
 
     def hooks(self) -> Dict[AttentionSite, EditScores]:
-        """Hooks for one training forward: each selected layer skipped with probability p."""
+        """Hooks for one training forward: each selected layer skipped with probability p.
+
+        Every selected site gets a hook whose ``uniform_rows`` is a (1, 1, 1, 1) bool flag, True
+        when the layer is skipped: a compiled model then runs one graph whichever layers are
+        skipped, instead of one per subset.
+        """
         # One draw per layer on the CPU generator: no device synchronisation.
-        skipped = (torch.rand(len(self.sites)) < self.config.p).tolist()
-        return {s: EditScores(uniform_rows=True) for s, skip in zip(self.sites, skipped) if skip}
+        skipped = torch.rand(len(self.sites)) < self.config.p
+        return {s: EditScores(uniform_rows=skip.view(1, 1, 1, 1)) for s, skip in zip(self.sites, skipped)}
+
+
+def skipped_layers(hooks: Dict[AttentionSite, EditScores]) -> int:
+    """How many of :meth:`AttentionLayerDrop.hooks`' layers are skipped in this forward."""
+    return sum(bool(h.uniform_rows) for h in hooks.values())

@@ -59,6 +59,7 @@ from ..core.schedules import (
     AttentionLayerDropConfig,
     ScheduledAttentionDropout,
     ScheduledDropoutConfig,
+    skipped_layers,
 )
 from .attention import install_attention_sites
 from .trainer import decoder_input_ids_from_labels
@@ -145,7 +146,7 @@ class AttendOutTrainerMixin:
             raise TypeError(f"attendout must be an AttendOutConfig, got {type(attendout).__name__}")
         attendout.validate(attendout_flag)
         model = _model_argument("AttendOutTrainer", args, kwargs)
-        refuse_unsupported("AttendOutTrainer", training_arguments(args, kwargs), allow_fp16=False)
+        refuse_unsupported("AttendOutTrainer", training_arguments(args, kwargs), allow_fp16=False, model=model)
         super().__init__(*args, **kwargs)
         self._attendout_heldout_dataset = self._attendout_check_eval_dataset()
         config = model.config
@@ -237,6 +238,10 @@ class AttendOutTrainerMixin:
             attacker = copy.deepcopy(defender)
             controller = RegularizationController()
             install_attention_sites(attacker, controller)
+            if self.args.torch_compile:
+                # Compiled like D, in place (parameter names unchanged); its masks are tensors, so
+                # the graph does not change from one batch to the next.
+                attacker.compile(**self.accelerator.state.dynamo_plugin.to_kwargs())
             self.attendout_generator.to(next(defender.parameters()).device)
             self.attendout_game = AttendOut(self.attendout_config, controller, self.attendout_generator, flag=attendout_flag)
             self.attendout_optimizer = optimizer_like(self.optimizer, defender, attacker)
@@ -449,7 +454,7 @@ class AttnRegTrainerMixin:
             raise ValueError(f"choose one attention regularizer per run; got {sched_dropout_flag('schedule')} "
                              f"and {layerdrop_flag('p')}")
         model = _model_argument("AttnRegTrainer", args, kwargs)
-        refuse_unsupported("AttnRegTrainer", training_arguments(args, kwargs))
+        refuse_unsupported("AttnRegTrainer", training_arguments(args, kwargs), model=model)
         # Before the Trainer's own setup: bad layers / kinds fail first.
         self.attn_reg_controller = RegularizationController()
         install_attention_sites(model, self.attn_reg_controller)
@@ -465,7 +470,9 @@ class AttnRegTrainerMixin:
         super().__init__(*args, **kwargs)
 
     def _attn_reg_reset(self) -> None:
-        self._attn_reg_counts: List[Any] = [0, 0]  # dropped / valid units, or skipped / selected layer passes
+        # dropped / valid units, or skipped / selected layer passes; tensors, so that a compiled
+        # model adds to them without a guard on their value
+        self._attn_reg_counts: List[Any] = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (model.training and torch.is_grad_enabled()):
@@ -475,8 +482,8 @@ class AttnRegTrainerMixin:
             hooks = self.attn_reg_scheduled_dropout.hooks(self.state.global_step, stats=self._attn_reg_counts)
         else:
             hooks = self.attn_reg_layerdrop.hooks()
-            self._attn_reg_counts[0] += len(hooks)
-            self._attn_reg_counts[1] += len(self.attn_reg_layerdrop.sites)
+            self._attn_reg_counts[0] += skipped_layers(hooks)
+            self._attn_reg_counts[1] += len(hooks)
         with self.attn_reg_controller.hooks(hooks):
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 

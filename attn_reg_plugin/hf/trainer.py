@@ -41,7 +41,7 @@ class ADDropTrainerMixin:
         model = kwargs.get("model", args[0] if args else None)
         if model is None:
             raise ValueError("ADDropTrainer needs `model` (model_init is not supported): sites are installed at construction")
-        refuse_unsupported("ADDropTrainer", training_arguments(args, kwargs))
+        refuse_unsupported("ADDropTrainer", training_arguments(args, kwargs), model=model)
         # Before the Trainer's own setup, so bad layers / kinds fail before anything else happens.
         self.ad_drop_controller = RegularizationController()
         self.ad_drop_sites = install_attention_sites(model, self.ad_drop_controller)
@@ -114,9 +114,11 @@ class ADDropTrainerMixin:
         self._ad_drop_steps += 1
         if not ad_drop_epoch(self.ad_drop.config.schedule, self.ad_drop_current_epoch()):
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        # accelerate also unwraps torch.compile; bare_module then removes any DDP-style wrapper.
+        # The attribution pass runs the eager model (torch.compile unwrapped too): it needs
+        # requires_grad on intermediate outputs, which would break a compiled graph at every
+        # layer; the masked pass and its backward run compiled.
         accelerator = getattr(self, "accelerator", None)
-        bare = bare_module(accelerator.unwrap_model(model) if accelerator is not None else model)
+        bare = bare_module(accelerator.unwrap_model(model, keep_torch_compile=False) if accelerator is not None else model)
         target = self.ad_drop_target(bare, inputs)
         fwd_inputs = self.ad_drop_forward_inputs(bare, inputs)
         with self.ad_drop.masked(lambda: bare(**fwd_inputs), target, frozen=bare) as stats:

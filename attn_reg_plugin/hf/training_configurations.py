@@ -15,9 +15,17 @@ def training_arguments(args, kwargs) -> "Optional[transformers.TrainingArguments
     return kwargs.get("args", args[1] if len(args) > 1 else None)
 
 
-def refuse_unsupported(who: str, args, allow_fp16: bool = True) -> None:
+def refuse_unsupported(who: str, args, allow_fp16: bool = True, model=None) -> None:
     if args is None:
         return
+    checkpointing = bool(getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing
+                         or getattr(model, "is_gradient_checkpointing", False))
+    if args.torch_compile and checkpointing:
+        raise NotImplementedError(
+            f"{who} does not support torch_compile=True together with gradient checkpointing: a checkpointed "
+            "layer recomputed from a compiled graph cannot be told to repeat its forward's attention masks. Use "
+            "one of the two (gradient_checkpointing=True is exact without torch_compile)."
+        )
     if args.deepspeed:
         raise NotImplementedError(
             f"{who} does not support DeepSpeed (TrainingArguments.deepspeed): its engine owns the model's forward "
