@@ -89,6 +89,22 @@ def tiny_bert_classifier(**config):
     return transformers.BertForSequenceClassification(transformers.BertConfig(**{**fields, **config}))
 
 
+def cpu_fp16(trainer):
+    """Give a Trainer built with ``fp16=True`` on CPU what accelerate gives it on a GPU.
+
+    On CPU accelerate keeps fp16 off (no autocast, no loss scaler): training is fp32. With a CPU
+    GradScaler and ``native_amp`` the Trainer runs its real fp16 path (fp16 autocast, scaled
+    backward, unscale before clipping, overflow steps skipped) through the same accelerate code
+    as on CUDA. Call it after construction, before ``train()``.
+    """
+    import torch
+
+    assert trainer.args.fp16 and trainer.accelerator.scaler is None
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    trainer.accelerator.native_amp = True
+    return trainer
+
+
 MOVIE_REVIEWS_TINY = REPO / "tests" / "data" / "movie_reviews_tiny.jsonl"
 
 # The smallest RoBERTa fairseq builds (randomly initialised); the longest tiny review is

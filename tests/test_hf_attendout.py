@@ -98,8 +98,6 @@ def test_attendout_bad_setup_fails_at_construction(tmp_path):
     with pytest.raises(ValueError, match="AttendOutTrainer needs eval_dataset"):
         AttendOutTrainer(model=model, args=_args(tmp_path), train_dataset=token_data(8, 1), data_collator=collate,
                          attendout=AttendOutConfig())
-    with pytest.raises(ValueError, match="does not support fp16=True"):
-        attendout_trainer(tmp_path, model=model, fp16=True)
     with pytest.raises(TypeError, match="attendout must be an AttendOutConfig"):
         AttendOutTrainer(model=model, args=_args(tmp_path), eval_dataset=token_data(4, 2), attendout={"dropout_step": 2})
 

@@ -3,8 +3,8 @@
 This file is also the GPU check (`make gpu-check` = `pytest -m gpu`): on a CUDA machine every
 case runs on the GPU (fairseq's FP16Optimizer `--fp16`, `--bf16`, `--amp`; HF `fp16`/`bf16`);
 without CUDA the cases that exist on CPU run (`--fp16 --memory-efficient-fp16 --cpu`, HF
-`bf16` with `use_cpu`), so `make test` exercises the harness itself, and the CUDA-only cases
-skip saying so. Refused combinations skip here: their messages are tested where the others are.
+`bf16` with `use_cpu`, HF `fp16` with a CPU loss scaler, see ``conftest.cpu_fp16``), so
+`make test` exercises the harness itself, and the CUDA-only cases skip saying so. Refused combinations skip here: their messages are tested where the others are.
 """
 import math
 import re
@@ -17,7 +17,7 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import PLUGIN_DIR, TINY_TRANSFORMER, run_cli, tiny_bert_classifier, train_updates
+from conftest import PLUGIN_DIR, TINY_TRANSFORMER, cpu_fp16, run_cli, tiny_bert_classifier, train_updates
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.cuda.is_available()
@@ -87,16 +87,14 @@ HF_REGULARIZER = {
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("regularizer", list(HF_REGULARIZER))
 def test_hf_precision(tmp_path, regularizer, precision):
-    if regularizer == "attendout" and precision == "fp16":
-        pytest.skip("refused at construction; test_hf_attendout.py checks the message")
-    if precision == "fp16" and not CUDA:
-        pytest.skip("HF fp16 needs CUDA")
     model = tiny_bert_classifier()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), use_cpu=not CUDA, report_to=[], max_steps=4, per_device_train_batch_size=4,
         logging_steps=1, save_strategy="no", **{precision: True})
     build, key = HF_REGULARIZER[regularizer]
     trainer = build(dict(model=model, args=args, train_dataset=_rows(16, 1)))
+    if precision == "fp16" and not CUDA:
+        cpu_fp16(trainer)  # the Trainer's fp16 path (autocast, loss scaler) on CPU, see conftest
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and key in h]
     assert logs and all(math.isfinite(h["loss"]) and math.isfinite(h[key]) for h in logs)

@@ -13,7 +13,8 @@ from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import PLUGIN_DIR, REPO, TINY_TRANSFORMER, fairseq_in_process, fairseq_setup, run_cli, tiny_bert_classifier
+from conftest import (PLUGIN_DIR, REPO, TINY_TRANSFORMER, cpu_fp16, fairseq_in_process, fairseq_setup, run_cli,
+                      tiny_bert_classifier)
 
 DOC = (REPO / "docs" / "CONFIGURATIONS.md").read_text(encoding="utf-8")
 
@@ -158,6 +159,73 @@ def test_fairseq_attendout_fp16_overflow_semantics(tiny_mt_data):
     assert attendout.game.update_in_step == 2
     assert train(batches[0])["attendout_attacker_overflows"] == 1
     assert all(torch.isfinite(p).all() for p in attendout.attacker.parameters())
+
+
+# -- HF AttendOut in fp16: each network has its own loss scaler ------------------------------------
+def _hf_rows(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, 50, (6,), generator=g), "labels": torch.tensor(i % 2)} for i in range(n)]
+
+
+class _AtStep(transformers.TrainerCallback):
+    """Runs ``action(trainer)`` at the end of update ``step`` and keeps both networks' parameters then."""
+
+    def __init__(self, trainer, step, action):
+        self.trainer, self.step, self.action, self.before = trainer, step, action, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.action(self.trainer)
+            self.before = {"defender": [p.detach().clone() for p in self.trainer.model.parameters()],
+                           "attacker": [p.detach().clone() for p in self.trainer.attendout_attacker.parameters()]}
+
+
+def _fp16_attendout(tmp_path, steps):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=steps,
+                                          per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
+                                          fp16=True, max_grad_norm=1.0)
+    return cpu_fp16(AttendOutTrainer(model=tiny_bert_classifier(), args=args, train_dataset=_hf_rows(16, 1),
+                                     eval_dataset=_hf_rows(4, 2), attendout=AttendOutConfig(dropout_step=3)))
+
+
+def _changed(a, b):
+    return any(not torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("overflowing", ["defender", "attacker"])
+def test_hf_attendout_fp16_skips_each_networks_overflow_on_its_own(tmp_path, overflowing):
+    trainer = _fp16_attendout(tmp_path, steps=2)
+
+    def provoke(t):  # a scale so large that this network's next fp16 backward overflows
+        (t.accelerator.scaler if overflowing == "defender" else t.attendout_scaler).update(new_scale=2.0 ** 70)
+
+    at = _AtStep(trainer, 1, provoke)
+    trainer.add_callback(at)
+    trainer.train()
+    assert trainer.attendout_scaler is not None and trainer.attendout_scaler is not trainer.accelerator.scaler
+    other = "attacker" if overflowing == "defender" else "defender"
+    now = {"defender": list(trainer.model.parameters()), "attacker": list(trainer.attendout_attacker.parameters())}
+    assert not _changed(at.before[overflowing], now[overflowing])  # its step was skipped ...
+    assert _changed(at.before[other], now[other])  # ... the other network stepped
+    scaler = trainer.accelerator.scaler if overflowing == "defender" else trainer.attendout_scaler
+    assert scaler.get_scale() == 2.0 ** 69  # halved by its own overflow only
+    unaffected = trainer.attendout_scaler if overflowing == "defender" else trainer.accelerator.scaler
+    assert unaffected.get_scale() == 2.0 ** 16
+    assert trainer.attendout_game.update_in_step == 2  # the update counts towards T either way
+    overflows = [h["attendout_attacker_overflows"] for h in trainer.state.log_history if "loss" in h]
+    assert overflows == ([0, 1] if overflowing == "attacker" else [0, 0])
+    assert all(torch.isfinite(p).all() for p in [*now["defender"], *now["attacker"]])
+
+
+def test_hf_attendout_fp16_trains_and_resyncs(tmp_path):
+    trainer = _fp16_attendout(tmp_path, steps=6)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 6 and all(math.isfinite(h["loss"]) and math.isfinite(h["attendout_attacker_loss"]) for h in logs)
+    assert trainer.attendout_game.dropout_steps_done == 2
+    # Re-synced at the end of the last dropout step: the two networks are equal again.
+    assert not _changed(list(trainer.model.parameters()), list(trainer.attendout_attacker.parameters()))
+    assert "attacker_scaler" in trainer.attendout_state_dict()
 
 
 HF_TRAINERS = {

@@ -21,9 +21,11 @@ AttendOut (:class:`AttendOutTrainer`, :class:`AttendOutSeq2SeqTrainer`):
   model the Trainer saves is the survivor.
 
 Gradient accumulation is supported (the masks of every micro-batch of an update are cached; an
-update's log-probability is their mean). Mixed precision: bf16 is supported (A's forward runs
-under the Trainer's autocast, as D's does); fp16 is refused, because its loss scaler belongs to
-the Trainer's optimizer and would have to skip A's steps in lockstep.
+update's log-probability is their mean). Mixed precision: A's forward runs under the Trainer's
+autocast, as D's does. With fp16, A has a loss scaler of its own (a copy of the Trainer's
+scaler's settings), so each network skips its own overflowing steps: when D's step is skipped,
+the update still counts (the Trainer counts it too) and A steps unless its own gradients
+overflowed; when A's step is skipped, D steps, and ``attendout_attacker_overflows`` is logged.
 
 :class:`AttnRegTrainer` / :class:`AttnRegSeq2SeqTrainer` add scheduled Bernoulli attention
 dropout (probability a piecewise-linear function of ``state.global_step``) or attention
@@ -31,6 +33,7 @@ LayerDrop to the training forward; evaluation and generation are untouched.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -146,7 +149,7 @@ class AttendOutTrainerMixin:
             raise TypeError(f"attendout must be an AttendOutConfig, got {type(attendout).__name__}")
         attendout.validate(attendout_flag)
         model = _model_argument("AttendOutTrainer", args, kwargs)
-        refuse_unsupported("AttendOutTrainer", training_arguments(args, kwargs), allow_fp16=False, model=model)
+        refuse_unsupported("AttendOutTrainer", training_arguments(args, kwargs), model=model)
         super().__init__(*args, **kwargs)
         self._attendout_heldout_dataset = self._attendout_check_eval_dataset()
         config = model.config
@@ -176,6 +179,8 @@ class AttendOutTrainerMixin:
             )
         self.attendout_attacker: Optional[torch.nn.Module] = None
         self.attendout_optimizer: Optional[torch.optim.Optimizer] = None
+        self.attendout_scaler: Optional[torch.amp.GradScaler] = None  # A's own fp16 loss scaler
+        self._attendout_overflows = 0  # A's steps skipped since the last log
         self.attendout_game: Optional[AttendOut] = None
         self._attendout_resume_from: Optional[str] = None
         self._attendout_finish_due = False
@@ -246,6 +251,11 @@ class AttendOutTrainerMixin:
             self.attendout_game = AttendOut(self.attendout_config, controller, self.attendout_generator, flag=attendout_flag)
             self.attendout_optimizer = optimizer_like(self.optimizer, defender, attacker)
             self.attendout_attacker = attacker
+            scaler = self.accelerator.scaler
+            if scaler is not None:
+                # Same settings and starting scale as D's scaler; from here on it follows A's gradients.
+                self.attendout_scaler = torch.amp.GradScaler(scaler._device)
+                self.attendout_scaler.load_state_dict(scaler.state_dict())
         if self._attendout_resume_from is not None:
             folder, self._attendout_resume_from = self._attendout_resume_from, None
             self._attendout_load(folder)
@@ -282,10 +292,23 @@ class AttendOutTrainerMixin:
         hooks = self.attendout_game.attacker_hooks(self.attendout_streams(inputs))
         # The Trainer's own step on A: same loss, same gradient-accumulation scaling, under the
         # Trainer's autocast (D's forward is wrapped in it by accelerate).
-        with self.attendout_game.controller.hooks(hooks), self.accelerator.autocast():
+        with self.attendout_game.controller.hooks(hooks), self.accelerator.autocast(), self._attendout_backward_scaler():
             attacker_loss = super().training_step(self.attendout_attacker, dict(inputs), num_items_in_batch)
         self._attendout_loss_sum = self._attendout_loss_sum + attacker_loss
         return loss
+
+    @contextlib.contextmanager
+    def _attendout_backward_scaler(self):
+        """A's backward, run by the Trainer's own training_step, scales its loss with A's scaler."""
+        if self.attendout_scaler is None:
+            yield
+            return
+        accelerator = self.accelerator
+        own, accelerator.scaler = accelerator.scaler, self.attendout_scaler
+        try:
+            yield
+        finally:
+            accelerator.scaler = own
 
     # -- per update (callback) ------------------------------------------------------------
     def _attendout_optimizer_step(self) -> None:
@@ -293,11 +316,20 @@ class AttendOutTrainerMixin:
             return
         params = [p for p in self.attendout_attacker.parameters() if p.requires_grad]
         all_reduce_mean_([p.grad for p in params if p.grad is not None])  # D's grads: averaged by DDP
+        scaler = self.attendout_scaler
+        if scaler is not None:
+            scaler.unscale_(self.attendout_optimizer)  # clip the true gradients
         if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
         for mine, theirs in zip(self.attendout_optimizer.param_groups, _raw_optimizer(self.optimizer).param_groups):
             mine["lr"] = theirs["lr"]  # the lr D just stepped with; the scheduler moves it next
-        self.attendout_optimizer.step()
+        if scaler is None:
+            self.attendout_optimizer.step()
+        else:
+            scale = scaler.get_scale()
+            scaler.step(self.attendout_optimizer)  # skipped when A's gradients are not finite
+            scaler.update()
+            self._attendout_overflows += int(scaler.get_scale() < scale)
         self.attendout_optimizer.zero_grad(set_to_none=True)
         self._attendout_loss_updates += 1
         self._attendout_finish_due = self.attendout_game.end_update()
@@ -388,6 +420,9 @@ class AttendOutTrainerMixin:
             all_reduce_mean_([total])  # like the Trainer's "loss": averaged over workers
             logs["attendout_attacker_loss"] = float(total) / self._attendout_loss_updates
             self._attendout_loss_sum, self._attendout_loss_updates = 0.0, 0
+            if self.attendout_scaler is not None:
+                logs["attendout_attacker_overflows"] = self._attendout_overflows
+                self._attendout_overflows = 0
         return super().log(logs, *args, **kwargs)
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -396,6 +431,7 @@ class AttendOutTrainerMixin:
             "attacker": self.attendout_attacker.state_dict(),
             "attacker_optimizer": self.attendout_optimizer.state_dict(),
             "game": self.attendout_game.state_dict(),
+            **({"attacker_scaler": self.attendout_scaler.state_dict()} if self.attendout_scaler is not None else {}),
         }
 
     def _save_checkpoint(self, model, trial) -> None:
@@ -418,6 +454,8 @@ class AttendOutTrainerMixin:
         state = torch.load(path, map_location="cpu", weights_only=True)
         self.attendout_attacker.load_state_dict(state["attacker"])
         self.attendout_optimizer.load_state_dict(state["attacker_optimizer"])
+        if self.attendout_scaler is not None and "attacker_scaler" in state:
+            self.attendout_scaler.load_state_dict(state["attacker_scaler"])
         game = state["game"]
         if _distributed():
             mine = os.path.join(folder, f"attendout_game_rank{torch.distributed.get_rank()}.pt")

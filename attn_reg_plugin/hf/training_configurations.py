@@ -15,7 +15,7 @@ def training_arguments(args, kwargs) -> "Optional[transformers.TrainingArguments
     return kwargs.get("args", args[1] if len(args) > 1 else None)
 
 
-def refuse_unsupported(who: str, args, allow_fp16: bool = True, model=None) -> None:
+def refuse_unsupported(who: str, args, model=None) -> None:
     if args is None:
         return
     checkpointing = bool(getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing
@@ -36,9 +36,4 @@ def refuse_unsupported(who: str, args, allow_fp16: bool = True, model=None) -> N
             f"{who} does not support FSDP (TrainingArguments.fsdp): sharded parameters are gathered per forward, "
             "and the attribution pass and the Attacker copy are not sharded with them. Use DDP instead "
             "(torchrun, fsdp unset), with gradient_checkpointing=True to save memory."
-        )
-    if not allow_fp16 and args.fp16:
-        raise ValueError(
-            f"{who} does not support fp16=True: the Trainer's loss scaler would skip the Defender's steps but not "
-            "the Attacker's. Use bf16=True or full precision."
         )
