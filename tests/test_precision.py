@@ -26,7 +26,8 @@ CUDA = torch.cuda.is_available()
 FAIRSEQ_PRECISION = {
     "fp16-memory-efficient": (["--fp16", "--memory-efficient-fp16"], True),
     "bf16-memory-efficient": (["--bf16", "--memory-efficient-fp16"], False),  # --bf16 --cpu is taken as TPU
-    "fp16": (["--fp16"], False),  # FP16Optimizer needs CUDA
+    "fp16": (["--fp16"], False),  # FP16Optimizer's flat fp32 masters need CUDA
+    "fp16-no-flatten": (["--fp16", "--fp16-no-flatten-grads"], True),  # FP16Optimizer, one master per parameter
     "bf16": (["--bf16"], False),
     "amp": (["--amp"], False),
 }
@@ -38,7 +39,7 @@ FAIRSEQ_REGULARIZER = {
     "scheduled-dropout": ["--criterion", "label_smoothed_cross_entropy", "--attn-sched-dropout-schedule", "0:0.3"],
 }
 # Refused before training (messages checked in test_training_configurations.py)
-ATTENDOUT_REFUSED = {"fp16", "bf16", "amp"}
+ATTENDOUT_REFUSED = {"amp"}
 
 
 @pytest.mark.parametrize("precision", list(FAIRSEQ_PRECISION))

@@ -12,6 +12,7 @@ from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
+from attn_reg_plugin.fairseq_plugin.attendout import stepped_tensors
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from conftest import (PLUGIN_DIR, REPO, TINY_TRANSFORMER, cpu_fp16, fairseq_in_process, fairseq_setup, run_cli,
                       tiny_bert_classifier)
@@ -102,9 +103,8 @@ ATTENDOUT_FAIRSEQ = ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--att
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--fp16"], "--attendout in half precision needs --memory-efficient-fp16: plain --fp16 / --bf16 keep fp32 master "
-                 "weights inside the optimizer, which the Defender/Attacker re-sync does not copy"),
-    (["--amp"], "--attendout does not support --amp: use --fp16 --memory-efficient-fp16 (or --bf16 "
+    (["--amp"], "--attendout does not support --amp: after an overflow fairseq's AMP retries the same batch, which "
+                "would train the Attacker on it twice; use --fp16 or --bf16 (with or without "
                 "--memory-efficient-fp16), where the Attacker gets a loss scaler of its own"),
 ])
 def test_fairseq_attendout_unsupported_precision_stops_before_training(tiny_mt_data, tmp_path, flags, message):
@@ -226,6 +226,56 @@ def test_hf_attendout_fp16_trains_and_resyncs(tmp_path):
     # Re-synced at the end of the last dropout step: the two networks are equal again.
     assert not _changed(list(trainer.model.parameters()), list(trainer.attendout_attacker.parameters()))
     assert "attacker_scaler" in trainer.attendout_state_dict()
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+@pytest.mark.parametrize("keep_attacker", [True, False])
+def test_fairseq_attendout_fp16_optimizer_resync_copies_master_weights(tiny_mt_data, monkeypatch, flatten,
+                                                                       keep_attacker):
+    """Plain --fp16 (FP16Optimizer) steps fp32 master copies: after the re-sync the other network's
+    masters, fp16 weights and Adam state are the survivor's, so the two networks go on from the
+    same state (without the master copy, the loser's next step would restore its own weights)."""
+    from fairseq import optim
+
+    # FP16Optimizer keys its flat masters by torch.cuda.current_device() and matches parameters to
+    # them by p.device.index; a CPU parameter's index is None (the buffer is made on the
+    # parameters' device anyway), so this is the CPU equivalent of one GPU.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    cfg, task, model, criterion, data = fairseq_in_process(tiny_mt_data["bin"], [
+        "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--attendout", "--attendout-dropout-step", "2",
+        "--criterion", "cross_entropy", "--optimizer", "adam", "--lr", "1e-3", "--fp16",
+        *([] if flatten else ["--fp16-no-flatten-grads"])], seed=2)
+    model = model.half()
+    optimizer = optim.FP16Optimizer.build_optimizer(cfg, [p for p in model.parameters()])
+    assert isinstance(optimizer.fp32_params, dict) == flatten
+    attendout = task.attn_reg_attendout
+    survivor = {}
+
+    def finish(d_losses, a_losses, generator=None):
+        stats = type(attendout.game).finish_dropout_step(attendout.game, d_losses, a_losses, generator)
+        stats["keep_attacker"] = keep_attacker
+        side = (attendout.attacker, attendout.attacker_optimizer) if keep_attacker else (model, optimizer)
+        survivor["weights"] = [p.detach().clone() for p in side[0].parameters()]
+        survivor["masters"] = [t.detach().clone() for t in stepped_tensors(*side)]
+        return stats
+
+    for update, start in enumerate((0, 4)):
+        optimizer.zero_grad()
+        task.train_step(data.collater([data[i] for i in range(start, start + 4)]), model, criterion, optimizer, update)
+        attendout.game.finish_dropout_step = finish  # the game exists from the first train step on
+        optimizer.multiply_grads(1.0 / 4)
+        task.optimizer_step(optimizer, model, update_num=update)
+    assert attendout.game.dropout_steps_done == 1
+    d_masters, a_masters = stepped_tensors(model, optimizer), stepped_tensors(attendout.attacker, attendout.attacker_optimizer)
+    # D and A stepped on different masks, so their masters differed before the copy.
+    assert d_masters[0].dtype == torch.float32 and len(d_masters) == (1 if flatten else len(survivor["weights"]))
+    for masters in (d_masters, a_masters):
+        assert all(torch.equal(m, s) for m, s in zip(masters, survivor["masters"]))
+    for network in (model, attendout.attacker):
+        assert all(torch.equal(p, s) for p, s in zip(network.parameters(), survivor["weights"]))
+    d_state, a_state = optimizer.optimizer.state, attendout.attacker_optimizer.optimizer.state
+    for d, a in zip(d_masters, a_masters):
+        assert torch.equal(d_state[d]["exp_avg"], a_state[a]["exp_avg"]) and d_state[d]["exp_avg"].any()
 
 
 HF_TRAINERS = {

@@ -12,10 +12,12 @@ A's gradients are normalised exactly as the trainer normalises D's (summed loss,
 over workers, divided by the total sample size). fairseq does not hand ``--clip-norm`` to
 tasks, so A is clipped with ``--attendout-clip-norm`` (set it to the same value).
 
-Half precision (``--memory-efficient-fp16``): A's optimizer is the same wrapper as D's with a
-loss scaler of its own. When fairseq skips D's step for an overflow, ``after_optimizer_step`` is
-not called, so A's gradients of that update are kept and A steps once over both updates; when
-A's own gradients overflow, A skips its step and the update still counts.
+Half precision (``--fp16`` / ``--bf16``, with or without ``--memory-efficient-fp16``): A's
+optimizer is the same wrapper as D's with a loss scaler of its own. When fairseq skips D's step
+for an overflow, ``after_optimizer_step`` is not called, so A's gradients of that update are
+kept and A steps once over both updates; when A's own gradients overflow, A skips its step and
+the update still counts. Plain ``--fp16`` / ``--bf16`` (FP16Optimizer) step fp32 master copies
+of the weights: the re-sync copies the survivor's masters and their optimizer state too.
 """
 import copy
 import inspect
@@ -101,9 +103,10 @@ class FairseqAttendOut:
         if self.attacker is not None:
             return
         kind = type(optimizer).__name__
-        if kind in ("FP16Optimizer", "AMPOptimizer") or (kind == "MemoryEfficientFP16Optimizer" and self.whole_config is None):
+        half = ("FP16Optimizer", "MemoryEfficientFP16Optimizer")
+        if kind == "AMPOptimizer" or (kind in half and self.whole_config is None):
             # Refused at task set-up already; kept for tasks built without fairseq-train's config.
-            raise NotImplementedError(f"--attendout cannot mirror a {kind}; train in fp32 or with --memory-efficient-fp16")
+            raise NotImplementedError(f"--attendout cannot mirror a {kind}; train in fp32 or with --fp16 / --bf16")
         defender = bare_module(defender)
         self.attacker = copy.deepcopy(defender)
         controller = RegularizationController()
@@ -115,9 +118,9 @@ class FairseqAttendOut:
             generator = self._new_generator(device)
         self.game = AttendOut(self.config, controller, generator)
         params = [p for p in self.attacker.parameters() if p.requires_grad]
-        if kind == "MemoryEfficientFP16Optimizer":
+        if kind in half:
             # Same wrapper as D's with a loss scaler of its own: each network skips its own overflows.
-            self.attacker_optimizer = optim.MemoryEfficientFP16Optimizer.build_optimizer(self.whole_config, params)
+            self.attacker_optimizer = getattr(optim, kind).build_optimizer(self.whole_config, params)
         else:
             # fairseq-train's optimizer config: legacy optimizers (sgd, adagrad) carry no .cfg
             cfg = self.whole_config.optimizer if self.whole_config is not None else optimizer.cfg
@@ -226,15 +229,12 @@ class FairseqAttendOut:
         d_losses = self._heldout_losses(bare, samples, criterion)
         a_losses = self._heldout_losses(self.attacker, samples, criterion)
         stats = self.game.finish_dropout_step(d_losses, a_losses, generator=shared)
-        d_params = [p for p in bare.parameters() if p.requires_grad]
-        a_params = [p for p in self.attacker.parameters() if p.requires_grad]
-        d_opt, a_opt = optimizer.optimizer, self.attacker_optimizer.optimizer
+        defender_side = (bare, optimizer)
+        attacker_side = (self.attacker, self.attacker_optimizer)
         if stats["keep_attacker"]:
-            copy_model_state(self.attacker, bare)
-            copy_optimizer_state(a_opt, a_params, d_opt, d_params)
+            _copy_network(*attacker_side, *defender_side)
         else:
-            copy_model_state(bare, self.attacker)
-            copy_optimizer_state(d_opt, d_params, a_opt, a_params)
+            _copy_network(*defender_side, *attacker_side)
         if not _distributed() or torch.distributed.get_rank() == 0:
             self.drop_log.write(update_num + 1, stats)
             probs = ", ".join(f"{k} {v:.4f}" for k, v in stats["drop_prob"].items())
@@ -266,6 +266,28 @@ class FairseqAttendOut:
         self.attacker.load_state_dict(state["attacker"])
         self.attacker_optimizer.load_state_dict(state["attacker_optimizer"])
         self.game.load_state_dict(state["game"])
+
+
+def stepped_tensors(model: torch.nn.Module, optimizer) -> list:
+    """The tensors ``optimizer``'s torch optimizer steps: the model's trainable parameters, or the
+    fp32 master copies of FP16Optimizer (plain ``--fp16`` / ``--bf16``; flat or one per parameter)."""
+    masters = getattr(optimizer, "fp32_params", None)
+    if masters is None:
+        return [p for p in model.parameters() if p.requires_grad]
+    if isinstance(masters, dict):
+        return list(masters.values())
+    return [masters] if torch.is_tensor(masters) else list(masters)
+
+
+@torch.no_grad()
+def _copy_network(source, source_optimizer, destination, destination_optimizer) -> None:
+    """The survivor's weights, fp32 masters (if any) and optimizer state overwrite the other's."""
+    copy_model_state(source, destination)
+    sources, destinations = stepped_tensors(source, source_optimizer), stepped_tensors(destination, destination_optimizer)
+    if getattr(source_optimizer, "fp32_params", None) is not None:
+        for s, d in zip(sources, destinations):
+            d.copy_(s)
+    copy_optimizer_state(source_optimizer.optimizer, sources, destination_optimizer.optimizer, destinations)
 
 
 def reduce_attendout_metrics(logging_outputs) -> None:

@@ -67,13 +67,9 @@ def _validate_task_options(cfg):
         precision = half_precision_flags(cfg)
         if precision.get("--amp"):
             raise ValueError(
-                "--attendout does not support --amp: use --fp16 --memory-efficient-fp16 (or --bf16 "
+                "--attendout does not support --amp: after an overflow fairseq's AMP retries the same batch, which "
+                "would train the Attacker on it twice; use --fp16 or --bf16 (with or without "
                 "--memory-efficient-fp16), where the Attacker gets a loss scaler of its own"
-            )
-        if (precision.get("--fp16") or precision.get("--bf16")) and not precision.get("--memory-efficient-fp16"):
-            raise ValueError(
-                "--attendout in half precision needs --memory-efficient-fp16: plain --fp16 / --bf16 keep fp32 master "
-                "weights inside the optimizer, which the Defender/Attacker re-sync does not copy"
             )
 
 
