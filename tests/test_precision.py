@@ -38,16 +38,12 @@ FAIRSEQ_REGULARIZER = {
                   "--attendout-dropout-step", "3"],
     "scheduled-dropout": ["--criterion", "label_smoothed_cross_entropy", "--attn-sched-dropout-schedule", "0:0.3"],
 }
-# Refused before training (messages checked in test_training_configurations.py)
-ATTENDOUT_REFUSED = {"amp"}
 
 
 @pytest.mark.parametrize("precision", list(FAIRSEQ_PRECISION))
 @pytest.mark.parametrize("regularizer", list(FAIRSEQ_REGULARIZER))
 def test_fairseq_precision(tiny_mt_data, tmp_path, regularizer, precision):
     flags, on_cpu = FAIRSEQ_PRECISION[precision]
-    if regularizer == "attendout" and precision in ATTENDOUT_REFUSED:
-        pytest.skip("refused before training; test_training_configurations.py checks the message")
     if not (CUDA or on_cpu):
         pytest.skip(f"fairseq {' '.join(flags)} needs CUDA")
     device = [] if CUDA else ["--cpu"]

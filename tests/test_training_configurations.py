@@ -1,5 +1,6 @@
 """Training configurations: what is refused before training (with the message docs/CONFIGURATIONS.md
-lists), AttendOut's fp16 overflow rules, and AD-DROP's rule for a non-finite attribution target.
+lists), AttendOut's fp16 / AMP overflow rules and fp32 master re-sync, and AD-DROP's rule for a
+non-finite attribution target.
 Each precision × regularizer trained end to end is in test_precision.py."""
 import math
 import re
@@ -100,19 +101,6 @@ def test_fairseq_refuses_fully_sharded_at_set_up(tiny_mt_data, args, who):
 
 ATTENDOUT_FAIRSEQ = ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--attendout", "--criterion", "cross_entropy",
                      "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--seed", "2"]
-
-
-@pytest.mark.parametrize("flags,message", [
-    (["--amp"], "--attendout does not support --amp: after an overflow fairseq's AMP retries the same batch, which "
-                "would train the Attacker on it twice; use --fp16 or --bf16 (with or without "
-                "--memory-efficient-fp16), where the Attacker gets a loss scaler of its own"),
-])
-def test_fairseq_attendout_unsupported_precision_stops_before_training(tiny_mt_data, tmp_path, flags, message):
-    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", tmp_path, "--cpu",
-                                     *ATTENDOUT_FAIRSEQ, "--max-epoch", "1", *flags], expect_ok=False)
-    assert proc.returncode != 0 and message in proc.stdout
-    assert "begin training epoch" not in proc.stdout and not re.search(r"loaded \d+ examples", proc.stdout)
-    _documented(message)
 
 
 def test_fairseq_attendout_fp16_overflow_semantics(tiny_mt_data):
@@ -226,6 +214,53 @@ def test_hf_attendout_fp16_trains_and_resyncs(tmp_path):
     # Re-synced at the end of the last dropout step: the two networks are equal again.
     assert not _changed(list(trainer.model.parameters()), list(trainer.attendout_attacker.parameters()))
     assert "attacker_scaler" in trainer.attendout_state_dict()
+
+
+def test_fairseq_attendout_amp_overflow_semantics(tiny_mt_data, monkeypatch):
+    """In-process with fairseq's AMPOptimizer, whose CUDA GradScaler is a CPU one here (the same
+    class; on a CPU-only machine the CUDA one disables itself):
+    - D's gradients overflow: fairseq still calls optimizer_step (D's scaler skips the step and
+      halves) and retries the batch; A drops that update's gradients and cached masks, the update
+      does not count, and the retried batch trains both once;
+    - A's gradients overflow: A's scaler skips A's step and halves, D steps, the update counts."""
+    from fairseq import optim
+
+    monkeypatch.setattr(torch.cuda.amp, "GradScaler", lambda **kw: torch.amp.GradScaler("cpu", **kw))
+    cfg, task, model, criterion, data = fairseq_in_process(tiny_mt_data["bin"], [
+        "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--attendout", "--attendout-dropout-step", "5",
+        "--criterion", "cross_entropy", "--optimizer", "adam", "--lr", "1e-3", "--amp"], seed=2)
+    optimizer = optim.AMPOptimizer.build_optimizer(cfg, [p for p in model.parameters()])
+    batch = data.collater([data[i] for i in range(4)])
+    attendout = task.attn_reg_attendout
+
+    def update(poison):
+        optimizer.zero_grad()
+        task.train_step(batch, model, criterion, optimizer, update_num=0)
+        network = model if poison == "defender" else attendout.attacker if poison == "attacker" else None
+        if network is not None:
+            next(p for p in network.parameters() if p.grad is not None).grad.fill_(float("inf"))
+        before = {"defender": [p.detach().clone() for p in model.parameters()],
+                  "attacker": [p.detach().clone() for p in attendout.attacker.parameters()]}
+        optimizer.clip_grad_norm(0.0)  # fairseq's trainer unscales D here
+        task.optimizer_step(optimizer, model, update_num=0)
+        return {name: any(not torch.equal(a, b) for a, b in zip(before[name], net.parameters()))
+                for name, net in (("defender", model), ("attacker", attendout.attacker))}
+
+    d_scale = optimizer.scaler.get_scale()
+    moved = update("defender")
+    assert moved == {"defender": False, "attacker": False} and optimizer.scaler.get_scale() == d_scale / 2
+    assert attendout.game.update_in_step == 0 and attendout.game.cache == [] and attendout.sample_size == 0
+    assert all(p.grad is None or not p.grad.any() for p in attendout.attacker.parameters())
+    moved = update(None)  # the retry
+    assert moved == {"defender": True, "attacker": True} and attendout.game.update_in_step == 1
+    assert [c.update for c in attendout.game.cache] == [0]
+    a_scale = attendout.attacker_optimizer.scaler.get_scale()
+    moved = update("attacker")
+    assert moved == {"defender": True, "attacker": False} and attendout.game.update_in_step == 2
+    assert attendout.attacker_optimizer.scaler.get_scale() == a_scale / 2
+    optimizer.zero_grad()
+    log = task.train_step(batch, model, criterion, optimizer, update_num=0)[2]
+    assert log["attendout_attacker_overflows"] == 1
 
 
 @pytest.mark.parametrize("flatten", [True, False])

@@ -281,6 +281,7 @@ class AttendOut:
         self.dropout_steps_done = 0
         self._prob_sums: Optional[torch.Tensor] = None  # per site, over this dropout step
         self._prob_batches = 0
+        self._update_probs: List[torch.Tensor] = []  # this update's batches' probabilities (for discard_update)
         self.last_drop_probabilities: Optional[torch.Tensor] = None
 
     def site_names(self) -> List[str]:
@@ -296,6 +297,7 @@ class AttendOut:
             drops, probs = self._sample(streams, seed)
         self._prob_sums = probs if self._prob_sums is None else self._prob_sums + probs
         self._prob_batches += 1
+        self._update_probs.append(probs)
         self.last_drop_probabilities = probs  # per site, this batch (a tensor: no host sync)
         return {site: EditScores(drop=d) for site, d in zip(self.sites, drops)}
 
@@ -321,7 +323,19 @@ class AttendOut:
     def end_update(self) -> bool:
         """Count one finished update; True when the dropout step is complete (evaluate now)."""
         self.update_in_step += 1
+        self._update_probs = []
         return self.update_in_step >= self.config.dropout_step
+
+    def discard_update(self) -> None:
+        """Forget the batches of the update in progress, as if they had not been seen: the
+        Defender's step was dropped and its batch will be trained again (fairseq's AMP retry)."""
+        self.cache = [c for c in self.cache if c.update != self.update_in_step]
+        if self._update_probs:
+            self._prob_sums = self._prob_sums - torch.stack(self._update_probs).sum(dim=0)
+            self._prob_batches -= len(self._update_probs)
+            if self._prob_batches == 0:
+                self._prob_sums = None
+        self._update_probs = []
 
     # -- end of a dropout step -------------------------------------------------------------
     def mean_drop_probabilities(self) -> Dict[str, float]:
@@ -365,7 +379,7 @@ class AttendOut:
         stats.update(keep_attacker=keep_attacker, win_rate=float(win_rate), reward=mean_reward, baseline=self.baseline)
         self.cache.clear()
         self.update_in_step = 0
-        self._prob_sums, self._prob_batches = None, 0
+        self._prob_sums, self._prob_batches, self._update_probs = None, 0, []
         self.dropout_steps_done += 1
         return stats
 

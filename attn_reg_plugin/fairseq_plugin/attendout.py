@@ -18,6 +18,12 @@ for an overflow, ``after_optimizer_step`` is not called, so A's gradients of tha
 kept and A steps once over both updates; when A's own gradients overflow, A skips its step and
 the update still counts. Plain ``--fp16`` / ``--bf16`` (FP16Optimizer) step fp32 master copies
 of the weights: the re-sync copies the survivor's masters and their optimizer state too.
+
+``--amp``: A's forward runs under the same autocast as D's, and A's AMPOptimizer has its own
+GradScaler. fairseq's AMP still calls ``optimizer_step`` when D's gradients overflow (its scaler
+skips the step) and then trains the same batch again (``--amp-batch-retries``); so when D's
+scale drops, A drops that update's gradients and cached masks too, and the update does not count
+towards T (A and D see the retried batch once each). A's own overflow skips A's step, as above.
 """
 import copy
 import inspect
@@ -103,10 +109,10 @@ class FairseqAttendOut:
         if self.attacker is not None:
             return
         kind = type(optimizer).__name__
-        half = ("FP16Optimizer", "MemoryEfficientFP16Optimizer")
-        if kind == "AMPOptimizer" or (kind in half and self.whole_config is None):
-            # Refused at task set-up already; kept for tasks built without fairseq-train's config.
-            raise NotImplementedError(f"--attendout cannot mirror a {kind}; train in fp32 or with --fp16 / --bf16")
+        wrappers = ("FP16Optimizer", "MemoryEfficientFP16Optimizer", "AMPOptimizer")
+        if kind in wrappers and self.whole_config is None:
+            # A task built without fairseq-train's whole config cannot build the same wrapper for A.
+            raise NotImplementedError(f"--attendout cannot mirror a {kind} without fairseq-train's config; train in fp32")
         defender = bare_module(defender)
         self.attacker = copy.deepcopy(defender)
         controller = RegularizationController()
@@ -118,7 +124,7 @@ class FairseqAttendOut:
             generator = self._new_generator(device)
         self.game = AttendOut(self.config, controller, generator)
         params = [p for p in self.attacker.parameters() if p.requires_grad]
-        if kind in half:
+        if kind in wrappers:
             # Same wrapper as D's with a loss scaler of its own: each network skips its own overflows.
             self.attacker_optimizer = getattr(optim, kind).build_optimizer(self.whole_config, params)
         else:
@@ -137,7 +143,8 @@ class FairseqAttendOut:
         self.attacker.train()
         self.attacker.set_num_updates(update_num)
         hooks = self.game.attacker_hooks(self.streams_of(sample))
-        with self.game.controller.hooks(hooks):
+        # Under the autocast fairseq's train_step gives D's forward (on with --amp only).
+        with self.game.controller.hooks(hooks), torch.cuda.amp.autocast(enabled=_amp(optimizer)):
             loss, sample_size, _ = criterion(self.attacker, sample)
         if ignore_grad:
             loss = loss * 0
@@ -150,8 +157,21 @@ class FairseqAttendOut:
             log[f"attendout_p_{name}"] = prob
         return log
 
-    def after_optimizer_step(self, defender, optimizer, criterion, task, update_num) -> None:
+    def defender_scale(self, optimizer) -> Optional[float]:
+        """D's AMP loss scale before its step (None without --amp): a drop after it means fairseq's
+        AMP skipped D's step for an overflow."""
+        return optimizer.scaler.get_scale() if self.attacker is not None and _amp(optimizer) else None
+
+    def after_optimizer_step(self, defender, optimizer, criterion, task, update_num,
+                             scale_before: Optional[float] = None) -> None:
         if self.attacker is None:
+            return
+        if scale_before is not None and optimizer.scaler.get_scale() < scale_before:
+            # fairseq's AMP dropped D's step and will train this batch again (or skip it): A
+            # forgets it too, so that both networks see each batch once and T counts D's steps.
+            self.attacker_optimizer.zero_grad()
+            self.sample_size = 0.0
+            self.game.discard_update()
             return
         params = [p for p in self.attacker.parameters() if p.requires_grad]
         grads = [p.grad for p in params if p.grad is not None]
@@ -172,7 +192,12 @@ class FairseqAttendOut:
             self.attacker_overflows += 1
         else:
             self.attacker_optimizer.set_lr(optimizer.get_lr())
-            self.attacker_optimizer.step()
+            if _amp(self.attacker_optimizer):  # AMP's scaler skips an overflowing step itself
+                scale = self.attacker_optimizer.scaler.get_scale()
+                self.attacker_optimizer.step()
+                self.attacker_overflows += int(self.attacker_optimizer.scaler.get_scale() < scale)
+            else:
+                self.attacker_optimizer.step()
         self.attacker_optimizer.zero_grad()
         self.sample_size = 0.0
         if self.game.end_update():
@@ -266,6 +291,10 @@ class FairseqAttendOut:
         self.attacker.load_state_dict(state["attacker"])
         self.attacker_optimizer.load_state_dict(state["attacker_optimizer"])
         self.game.load_state_dict(state["game"])
+
+
+def _amp(optimizer) -> bool:
+    return type(optimizer).__name__ == "AMPOptimizer"
 
 
 def stepped_tensors(model: torch.nn.Module, optimizer) -> list:

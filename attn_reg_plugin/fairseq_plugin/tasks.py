@@ -64,13 +64,6 @@ def _validate_task_options(cfg):
         refuse_unsupported_training(cfg, enabled[0])
     if cfg.attendout:
         check_fairseq_supports_task_state()
-        precision = half_precision_flags(cfg)
-        if precision.get("--amp"):
-            raise ValueError(
-                "--attendout does not support --amp: after an overflow fairseq's AMP retries the same batch, which "
-                "would train the Attacker on it twice; use --fp16 or --bf16 (with or without "
-                "--memory-efficient-fp16), where the Attacker gets a loss scaler of its own"
-            )
 
 
 def _whole_config(cfg):
@@ -78,15 +71,6 @@ def _whole_config(cfg):
     only); None when the task is built from a plain namespace."""
     get_root = getattr(cfg, "_get_root", None)
     return get_root() if callable(get_root) else None
-
-
-def half_precision_flags(cfg) -> dict:
-    root = _whole_config(cfg)
-    if root is None or "common" not in root:
-        return {}
-    common = root.common
-    return {f"--{name.replace('_', '-')}": bool(common.get(name, False))
-            for name in ("fp16", "memory_efficient_fp16", "bf16", "amp")}
 
 
 def refuse_unsupported_training(cfg, regularizer_flag: str) -> None:
@@ -194,9 +178,11 @@ class AttnRegTaskMixin:
         return loss, sample_size, log
 
     def optimizer_step(self, optimizer, model, update_num):
+        attendout = self.attn_reg_attendout
+        scale_before = attendout.defender_scale(optimizer) if attendout is not None else None
         super().optimizer_step(optimizer, model, update_num)
-        if self.attn_reg_attendout is not None:
-            self.attn_reg_attendout.after_optimizer_step(model, optimizer, self._attn_reg_criterion, self, update_num)
+        if attendout is not None:
+            attendout.after_optimizer_step(model, optimizer, self._attn_reg_criterion, self, update_num, scale_before)
 
     def reduce_metrics(self, logging_outputs, criterion):
         super().reduce_metrics(logging_outputs, criterion)
