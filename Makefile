@@ -36,10 +36,11 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q
 
-# Every precision x regularizer on the GPU (fairseq --fp16/--bf16/--amp, HF fp16/bf16); on a
+# Every precision x regularizer on the GPU (fairseq --fp16/--bf16/--amp, HF fp16/bf16) and HF
+# torch.compile with inductor; on a
 # machine without CUDA the CUDA-only cases skip and say so (docs/CONFIGURATIONS.md).
 gpu-check: $(STAMP)
-	$(PY) -m pytest -q -rs -s -m gpu tests/test_precision.py
+	$(PY) -m pytest -q -rs -s -m gpu tests/test_precision.py tests/test_compile.py
 
 # Cost of every regularizer against plain training, side by side (docs/PERFORMANCE.md).
 benchmark: $(STAMP)

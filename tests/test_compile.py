@@ -15,7 +15,7 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.schedules import AttentionLayerDropConfig, ScheduledDropoutConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import tiny_bert_classifier
+from conftest import REPO, tiny_bert_classifier
 
 STEPS = 8
 WARM_UP = 3  # AttendOut's first held-out evaluation (T = 2) compiles the eval graphs at step 2
@@ -52,12 +52,12 @@ class _GraphCount(transformers.TrainerCallback):
         self.after_step.append(counters["stats"]["unique_graphs"])
 
 
-def _train(tmp_path, name, compiled):
+def _train(tmp_path, name, compiled, backend="aot_eager", cuda=False):
     torch._dynamo.reset()
     counters.clear()
-    extra = dict(torch_compile=True, torch_compile_backend="aot_eager") if compiled else {}
+    extra = dict(torch_compile=True, torch_compile_backend=backend) if compiled else {}
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / name), use_cpu=True, report_to=[], max_steps=STEPS, per_device_train_batch_size=4,
+        output_dir=str(tmp_path / name), use_cpu=not cuda, report_to=[], max_steps=STEPS, per_device_train_batch_size=4,
         logging_steps=1, save_strategy="no", seed=7, **extra)
     build, key = TRAINERS[name]
     trainer = build(dict(model=tiny_bert_classifier(hidden_dropout_prob=0.1), args=args, train_dataset=_rows(32, 1)))
@@ -88,9 +88,35 @@ def test_compiled_training_equals_eager_and_compiles_once(tmp_path, name):
     assert graphs[0] > 0 and graphs[WARM_UP - 1:] == [graphs[WARM_UP - 1]] * (STEPS - WARM_UP + 1), graphs
 
 
-def test_compile_with_gradient_checkpointing_is_refused_at_construction(tmp_path):
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_inductor_on_cuda_compiles_once(tmp_path, name):
+    """`make gpu-check`: inductor on the GPU (its own random stream, so no equality with eager):
+    finite losses, the regularizer acts, no graph break, no recompile after the warm-up."""
+    if not torch.cuda.is_available():
+        pytest.skip("inductor on CUDA needs a GPU; the CPU test above checks the same with aot_eager")
+    logs, _, graphs, breaks = _train(tmp_path, name, compiled=True, backend="inductor", cuda=True)
+    assert len(logs) == STEPS and all(torch.isfinite(torch.tensor(log)).all() for log in logs)
+    if name != "attendout":
+        assert sum(value for _, value in logs) > 0
+    assert not breaks, list(breaks)
+    assert graphs[WARM_UP - 1:] == [graphs[WARM_UP - 1]] * (STEPS - WARM_UP + 1), graphs
+    print(f"inductor CUDA {name}: losses {[round(loss, 4) for loss, _ in logs]}, graphs {graphs[-1]}")
+
+
+REFUSAL = ("does not support torch_compile=True together with gradient checkpointing: a checkpointed layer "
+           "recomputed from a compiled graph cannot be told to repeat its forward's attention masks. Use one of the "
+           "two (gradient_checkpointing=True is exact without torch_compile).")
+
+
+@pytest.mark.parametrize("where", ["arguments", "model"])
+def test_compile_with_gradient_checkpointing_is_refused_at_construction(tmp_path, where):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], torch_compile=True,
-                                          gradient_checkpointing=True)
-    with pytest.raises(NotImplementedError, match=r"^ADDropTrainer does not support torch_compile=True together with "
-                                                  r"gradient checkpointing"):
-        ADDropTrainer(model=tiny_bert_classifier(), args=args, ad_drop=ADDropConfig())
+                                          gradient_checkpointing=where == "arguments")
+    model = tiny_bert_classifier()
+    if where == "model":
+        model.gradient_checkpointing_enable()
+    with pytest.raises(NotImplementedError) as e:
+        ADDropTrainer(model=model, args=args, ad_drop=ADDropConfig())
+    assert str(e.value) == f"ADDropTrainer {REFUSAL}"
+    assert REFUSAL in (REPO / "docs" / "CONFIGURATIONS.md").read_text(encoding="utf-8")
