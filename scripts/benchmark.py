@@ -603,9 +603,8 @@ class FairseqBench:
     def ad_drop_criterion(self, config):
         from attn_reg_plugin.fairseq_plugin.criterions import ADDropLabelSmoothedCrossEntropyCriterion
 
-        criterion = ADDropLabelSmoothedCrossEntropyCriterion(
-            self.task, sentence_avg=False, label_smoothing=0.1,
-            **{f"ad_drop_{k}": getattr(config, k) for k in config.__dataclass_fields__})
+        criterion = ADDropLabelSmoothedCrossEntropyCriterion(self.task, sentence_avg=False, label_smoothing=0.1)
+        criterion.init_ad_drop(self.task, config)
         criterion.attach_attention_sites(self.task.attn_reg_controller)
         return criterion.half() if self.opts.dtype == "fp16" else criterion
 

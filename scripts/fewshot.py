@@ -163,19 +163,18 @@ def _build_plain(opts, **trainer_kwargs):
 
 
 def _ad_drop_arguments(parser: argparse.ArgumentParser) -> None:
+    from attn_reg_plugin.core.ad_drop import ADDropConfig
+    from attn_reg_plugin.core.options import add_arguments
+
     group = parser.add_argument_group("ad-drop", "AD-DROP options (attn_reg_plugin ADDropConfig fields)")
-    group.add_argument("--ad-drop-p", type=float, default=0.3, help="candidate region: top ceil(p*n) keys per row, in (0, 1)")
-    group.add_argument("--ad-drop-q", type=float, default=0.3, help="drop probability of each candidate, in (0, 1)")
-    group.add_argument("--ad-drop-layers", default="all", help="'all' or 0-based comma list of encoder layers")
-    group.add_argument("--ad-drop-attribution", default="ga", help="ga, iga, aa or rd")
-    group.add_argument("--ad-drop-schedule", default="cross-tuning", help="cross-tuning (AD-DROP on even epochs) or always")
+    add_arguments(group, ADDropConfig, "--ad-drop-", only=("p", "q", "layers", "attribution", "schedule"),
+                  defaults={"p": 0.3, "q": 0.3})
 
 
 def _ad_drop_config(opts):
     from attn_reg_plugin.core.ad_drop import ADDropConfig
 
-    return ADDropConfig(p=opts.ad_drop_p, q=opts.ad_drop_q, layers=opts.ad_drop_layers, attention="encoder-self",
-                        attribution=opts.ad_drop_attribution, schedule=opts.ad_drop_schedule)
+    return ADDropConfig.from_namespace(opts)  # attention: encoder-self, the default
 
 
 def _build_ad_drop(opts, **trainer_kwargs):
@@ -186,19 +185,18 @@ def _build_ad_drop(opts, **trainer_kwargs):
 
 
 def _attendout_arguments(parser: argparse.ArgumentParser) -> None:
+    from attn_reg_plugin.core.attendout import AttendOutConfig
+    from attn_reg_plugin.core.options import add_arguments
+
     group = parser.add_argument_group("attendout", "AttendOut options (attn_reg_plugin AttendOutConfig fields)")
-    group.add_argument("--attendout-dropout-step", type=int, default=4,
-                       help="T: updates per dropout step = dev samples drawn per evaluation (the paper uses the dev set)")
-    group.add_argument("--attendout-init-drop", type=float, default=0.2, help="starting drop probability, in (0, 1)")
-    group.add_argument("--attendout-lr", type=float, default=1e-3, help="generator learning rate, > 0")
-    group.add_argument("--attendout-layers", default="all", help="'all' or 0-based comma list of encoder layers")
+    add_arguments(group, AttendOutConfig, "--attendout-", only=("dropout_step", "init_drop", "lr", "layers"),
+                  defaults={"dropout_step": 4})
 
 
 def _attendout_config(opts):
     from attn_reg_plugin.core.attendout import AttendOutConfig
 
-    return AttendOutConfig(dropout_step=opts.attendout_dropout_step, init_drop=opts.attendout_init_drop,
-                           lr=opts.attendout_lr, layers=opts.attendout_layers, attention="encoder-self")
+    return AttendOutConfig.from_namespace(opts)  # attention: encoder-self, the default
 
 
 def _build_attendout(opts, **trainer_kwargs):

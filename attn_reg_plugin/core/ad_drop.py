@@ -17,7 +17,8 @@ from torch.profiler import record_function
 from .attention import CaptureOutput, CaptureProbs, EditScores
 from .checkpointing import activation_checkpointing_paused
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES, GradientScale, gradient_attribution, probs_gradient
-from .controller import AttentionSite, RegularizationController, config_from_namespace, parse_kinds, parse_layers
+from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
+from .options import config_from_namespace, option
 from .masks import ad_drop_masks
 
 SCHEDULES = ("cross-tuning", "always")
@@ -34,14 +35,15 @@ def _default_flag(name: str) -> str:
 class ADDropConfig:
     """AD-DROP's options; the fairseq flags are these names prefixed with ``--ad-drop-``."""
 
-    p: float = 0.2  # candidate region: top ceil(p * n) keys of each query row by attribution
-    q: float = 0.2  # each candidate is dropped with probability q
-    layers: str = "all"  # 'all' or 0-based comma list
-    attention: str = "encoder-self"  # comma list of encoder-self, decoder-self, encoder-decoder
-    attribution: str = "ga"  # ga | iga | aa | rd
-    iga_steps: int = 20  # m of integrated gradients
-    labels: str = "pseudo"  # pseudo | gold
-    schedule: str = "cross-tuning"  # cross-tuning (AD-DROP on even 1-based epochs) | always
+    p: float = option(0.2, "candidate region: the top ceil(p*n) of each query row's n real keys by attribution, "
+                           "p in (0, 1)")
+    q: float = option(0.2, "drop probability of each candidate, q in (0, 1)")
+    layers: str = option("all", "'all' or a comma list of 0-based layer indices")
+    attention: str = option("encoder-self", "comma list of encoder-self, decoder-self, encoder-decoder")
+    attribution: str = option("ga", "ga (gradient), iga (integrated gradients), aa (attention weights), rd (random)")
+    iga_steps: int = option(20, "integration steps m for attribution iga, >= 1")
+    labels: str = option("pseudo", "attribution target labels: pseudo (pass-1 argmax, the paper) or gold (ablation)")
+    schedule: str = option("cross-tuning", "cross-tuning (AD-DROP on even 1-based epochs) or always")
 
     def validate(self, flag: Callable[[str], str] = _default_flag) -> "ADDropConfig":
         """Check every option; the error names the option as the user spelled it (``flag``)."""

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import EditScores
-from .controller import AttentionSite, RegularizationController, config_from_namespace, parse_kinds, parse_layers
+from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
+from .options import config_from_namespace, option
 
 
 def _flag(name: str) -> str:
@@ -56,15 +57,15 @@ STREAMS_OF_KIND = {
 class AttendOutConfig:
     """AttendOut's options; the fairseq flags are these names prefixed with ``--attendout-``."""
 
-    dropout_step: int = 20  # T: updates per dropout step, and held-out samples per evaluation
-    generator_dim: int = 64  # width of the generator's embeddings and its one attention head
-    lr: float = 1e-3  # Adam learning rate of the generator
-    temperature: float = 1.0  # drop probability = sigmoid(logit / temperature)
-    baseline_decay: float = 0.9  # moving-average baseline b <- decay * b + (1 - decay) * mean reward
-    init_drop: float = 0.2  # drop probability the generator starts from (its shared bias)
-    attention: str = "encoder-self"
-    layers: str = "all"
-    max_positions: int = 1024  # longest sequence the generator's position embeddings cover
+    dropout_step: int = option(20, "T: updates per dropout step and held-out samples per evaluation, >= 1")
+    generator_dim: int = option(64, "generator width (embeddings and its single attention head), >= 1")
+    lr: float = option(1e-3, "generator Adam learning rate, > 0")
+    temperature: float = option(1.0, "Gumbel temperature: drop probability = sigmoid(logit / temperature), > 0")
+    baseline_decay: float = option(0.9, "moving-average baseline decay, in [0, 1)")
+    init_drop: float = option(0.2, "drop probability the generator starts from, in (0, 1)")
+    attention: str = option("encoder-self", "comma list of encoder-self, decoder-self, encoder-decoder")
+    layers: str = option("all", "'all' or a comma list of 0-based layer indices")
+    max_positions: int = option(1024, "longest sequence the generator covers, >= 1")
 
     def validate(self, flag: Callable[[str], str] = _flag) -> "AttendOutConfig":
         def integer(name, low):

@@ -8,7 +8,7 @@ the controller to set hooks on a selection of sites for the duration of a pass.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -71,12 +71,6 @@ def parse_layers(spec: Union[str, Sequence[int], None], option: str) -> Optional
     if bad:
         raise ValueError(f"{option}: layer indices are 0-based and >= 0, got {bad}")
     return sorted(set(layers))
-
-
-def config_from_namespace(cls, ns, prefix: str):
-    """A config dataclass from an object carrying ``prefix + field`` attributes (fairseq's cfg);
-    fields the object lacks keep their defaults."""
-    return cls(**{f.name: getattr(ns, prefix + f.name) for f in fields(cls) if hasattr(ns, prefix + f.name)})
 
 
 def parse_kinds(spec: Union[str, Iterable[str]], option: str) -> List[str]:

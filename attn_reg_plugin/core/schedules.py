@@ -20,7 +20,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .attention import EditScores
-from .controller import AttentionSite, RegularizationController, config_from_namespace, parse_kinds, parse_layers
+from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
+from .options import config_from_namespace, option
 
 Schedule = List[Tuple[int, float]]  # (update, drop probability) knots, updates increasing
 
@@ -82,9 +83,10 @@ def schedule_value(schedule: Schedule, update: int) -> float:
 class ScheduledDropoutConfig:
     """``--attn-sched-dropout-*``; empty ``schedule`` means off."""
 
-    schedule: str = ""  # 'UPDATE:PROB,...' for every selected layer, or one per layer joined by '|'
-    layers: str = "all"
-    attention: str = "encoder-self"
+    schedule: str = option("", "scheduled attention dropout: 'UPDATE:PROB,...' (all selected layers) or one "
+                               "schedule per layer joined by '|'; empty = off")
+    layers: str = option("all", "'all' or a comma list of 0-based layer indices")
+    attention: str = option("encoder-self", "comma list of encoder-self, decoder-self, encoder-decoder")
 
     @property
     def enabled(self) -> bool:
@@ -150,9 +152,10 @@ class ScheduledAttentionDropout:
 class AttentionLayerDropConfig:
     """``--attn-layerdrop-*``; p = 0 means off."""
 
-    p: float = 0.0  # probability that a selected attention layer attends uniformly in a forward
-    layers: str = "all"
-    attention: str = "encoder-self"
+    p: float = option(0.0, "attention LayerDrop: probability that a selected attention layer attends uniformly, "
+                           "in [0, 1]; 0 = off")
+    layers: str = option("all", "'all' or a comma list of 0-based layer indices")
+    attention: str = option("encoder-self", "comma list of encoder-self, decoder-self, encoder-decoder")
 
     @property
     def enabled(self) -> bool:

@@ -8,7 +8,7 @@ does; AD-DROP only wraps its forward in training epochs that the schedule select
 validation (``model.training`` False, no grad) nothing changes.
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
 from fairseq import metrics, utils
@@ -18,31 +18,28 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 from fairseq.criterions.sentence_prediction import SentencePredictionConfig, SentencePredictionCriterion
-from fairseq.dataclass import FairseqDataclass
 
 from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
 from ..core.attribution import logit_target, regression_target, token_loss_target
+from .options import fairseq_options
 
 
-@dataclass
-class ADDropOptions(FairseqDataclass):
-    """The ``--ad-drop-*`` flags; defaults and meanings are those of core ``ADDropConfig``."""
-
-    ad_drop_p: float = field(default=0.2, metadata={"help": "candidate region: top ceil(p*n) keys per query row by attribution, p in (0, 1)"})
-    ad_drop_q: float = field(default=0.2, metadata={"help": "drop probability of each candidate, q in (0, 1)"})
-    ad_drop_layers: str = field(default="all", metadata={"help": "'all' or a comma list of 0-based layer indices"})
-    ad_drop_attention: str = field(default="encoder-self", metadata={"help": "comma list of encoder-self, decoder-self, encoder-decoder"})
-    ad_drop_attribution: str = field(default="ga", metadata={"help": "ga (gradient), iga (integrated gradients), aa (attention weights), rd (random)"})
-    ad_drop_iga_steps: int = field(default=20, metadata={"help": "integration steps m for --ad-drop-attribution iga"})
-    ad_drop_labels: str = field(default="pseudo", metadata={"help": "attribution target labels: pseudo (pass-1 argmax, the paper) or gold (ablation)"})
-    ad_drop_schedule: str = field(default="cross-tuning", metadata={"help": "cross-tuning (AD-DROP on even 1-based epochs) or always"})
+# The --ad-drop-* flags: ADDropConfig's fields, defaults and help (core.options).
+ADDropOptions = fairseq_options("ADDropOptions", [(ADDropConfig, "ad_drop_")])
 
 
 class ADDropCriterionMixin:
     """Wraps a fairseq criterion's forward in AD-DROP; subclasses define the target."""
 
-    def init_ad_drop(self, task, options: dict) -> None:
-        self.ad_drop_config = ADDropConfig(**{k[len("ad_drop_"):]: v for k, v in options.items()}).validate()
+    @classmethod
+    def build_criterion(cls, cfg, task):
+        """The base criterion, built as fairseq builds it, then AD-DROP from the same cfg's --ad-drop-* fields."""
+        criterion = super().build_criterion(cfg, task)
+        criterion.init_ad_drop(task, ADDropConfig.from_namespace(cfg))
+        return criterion
+
+    def init_ad_drop(self, task, config: ADDropConfig) -> None:
+        self.ad_drop_config = config.validate()
         if not hasattr(task, "attn_reg_epoch"):  # fail while building, not at the first AD-DROP step
             raise ValueError(
                 f"the ad_drop criterions need an attn_reg task, which routes attention through the plugin "
@@ -112,20 +109,9 @@ class ADDropLabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionCo
     pass
 
 
-_AD_DROP_FIELDS = [f.name for f in fields(ADDropOptions) if f.name.startswith("ad_drop_")]
-
-
 @register_criterion("ad_drop_label_smoothed_cross_entropy", dataclass=ADDropLabelSmoothedCrossEntropyConfig)
 class ADDropLabelSmoothedCrossEntropyCriterion(ADDropCriterionMixin, LabelSmoothedCrossEntropyCriterion):
     """Label-smoothed cross-entropy trained with AD-DROP; target: negative pseudo-label token loss."""
-
-    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
-                 ad_drop_p=0.2, ad_drop_q=0.2, ad_drop_layers="all", ad_drop_attention="encoder-self",
-                 ad_drop_attribution="ga", ad_drop_iga_steps=20, ad_drop_labels="pseudo",
-                 ad_drop_schedule="cross-tuning"):
-        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        local = locals()
-        self.init_ad_drop(task, {name: local[name] for name in _AD_DROP_FIELDS})
 
     def attribution_target(self, model, sample):
         target = sample["target"]
@@ -156,10 +142,6 @@ class ADDropSentencePredictionCriterion(ADDropCriterionMixin, SentencePrediction
     for classification; minus the squared-error loss against the gold values with
     ``--regression-target`` (a regressor has no pseudo label).
     """
-
-    def __init__(self, cfg: ADDropSentencePredictionConfig, task):
-        super().__init__(cfg, task)
-        self.init_ad_drop(task, {name: getattr(cfg, name) for name in _AD_DROP_FIELDS})
 
     def attribution_forward(self, bare_model, sample):
         # The same call as SentencePredictionCriterion.forward: encoder features through the

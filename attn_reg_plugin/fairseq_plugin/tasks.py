@@ -12,7 +12,6 @@ Validation and generation are untouched.
 import math
 from dataclasses import dataclass, field
 
-from fairseq.dataclass import FairseqDataclass
 from fairseq.tasks import register_task
 from fairseq.tasks.sentence_prediction import SentencePredictionConfig, SentencePredictionTask
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
@@ -22,31 +21,19 @@ from ..core.controller import RegularizationController
 from ..core.schedules import AttentionLayerDrop, AttentionLayerDropConfig, ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attendout import FairseqAttendOut, check_fairseq_supports_task_state, reduce_attendout_metrics
 from .attention import install_attention_sites
+from .options import fairseq_options
 
 
-@dataclass
-class AttnRegTaskOptions(FairseqDataclass):
-    """Flags of the task-level regularizers; defaults and meanings are those of the core configs."""
-
-    attendout: bool = field(default=False, metadata={"help": "train with AttendOut (Defender/Attacker + learned score dropout)"})
-    attendout_dropout_step: int = field(default=20, metadata={"help": "T: updates per dropout step and held-out samples per evaluation, >= 1"})
-    attendout_generator_dim: int = field(default=64, metadata={"help": "generator width (embeddings and its single attention head), >= 1"})
-    attendout_lr: float = field(default=1e-3, metadata={"help": "generator Adam learning rate, > 0"})
-    attendout_temperature: float = field(default=1.0, metadata={"help": "Gumbel temperature: drop probability = sigmoid(logit / temperature), > 0"})
-    attendout_baseline_decay: float = field(default=0.9, metadata={"help": "moving-average baseline decay, in [0, 1)"})
-    attendout_init_drop: float = field(default=0.2, metadata={"help": "drop probability the generator starts from, in (0, 1)"})
-    attendout_attention: str = field(default="encoder-self", metadata={"help": "comma list of encoder-self, decoder-self, encoder-decoder"})
-    attendout_layers: str = field(default="all", metadata={"help": "'all' or a comma list of 0-based layer indices"})
-    attendout_max_positions: int = field(default=1024, metadata={"help": "longest sequence the generator covers, >= 1"})
-    attendout_clip_norm: float = field(default=0.0, metadata={"help": "gradient clipping of the Attacker (fairseq does not pass --clip-norm to tasks: use the same value), >= 0"})
-    attendout_valid_subset: str = field(default="valid", metadata={"help": "dataset split the held-out samples are drawn from"})
-    attendout_log_file: str = field(default="", metadata={"help": "append one JSON line per dropout step (per-layer mean drop probability, reward) to this file"})
-    attn_sched_dropout_schedule: str = field(default="", metadata={"help": "scheduled attention dropout: 'UPDATE:PROB,...' (all selected layers) or one schedule per layer joined by '|'; empty = off"})
-    attn_sched_dropout_layers: str = field(default="all", metadata={"help": "'all' or a comma list of 0-based layer indices"})
-    attn_sched_dropout_attention: str = field(default="encoder-self", metadata={"help": "comma list of encoder-self, decoder-self, encoder-decoder"})
-    attn_layerdrop_p: float = field(default=0.0, metadata={"help": "attention LayerDrop: probability that a selected attention layer attends uniformly, in [0, 1]; 0 = off"})
-    attn_layerdrop_layers: str = field(default="all", metadata={"help": "'all' or a comma list of 0-based layer indices"})
-    attn_layerdrop_attention: str = field(default="encoder-self", metadata={"help": "comma list of encoder-self, decoder-self, encoder-decoder"})
+# Flags of the task-level regularizers: the core configs' fields, defaults and help
+# (core.options), after the switches and settings that exist only in fairseq.
+AttnRegTaskOptions = fairseq_options("AttnRegTaskOptions", [
+    (AttendOutConfig, "attendout_"), (ScheduledDropoutConfig, "attn_sched_dropout_"), (AttentionLayerDropConfig, "attn_layerdrop_"),
+], extra=[
+    ("attendout", bool, field(default=False, metadata={"help": "train with AttendOut (Defender/Attacker + learned score dropout)"})),
+    ("attendout_clip_norm", float, field(default=0.0, metadata={"help": "gradient clipping of the Attacker (fairseq does not pass --clip-norm to tasks: use the same value), >= 0"})),
+    ("attendout_valid_subset", str, field(default="valid", metadata={"help": "dataset split the held-out samples are drawn from"})),
+    ("attendout_log_file", str, field(default="", metadata={"help": "append one JSON line per dropout step (per-layer mean drop probability, reward) to this file"})),
+])
 
 
 def _validate_task_options(cfg):

@@ -1,0 +1,63 @@
+"""Each option is declared once, on its core config; the fairseq flags and the runners' argparse
+options are generated from it (attn_reg_plugin.core.options, fairseq_plugin.options)."""
+import argparse
+import dataclasses
+
+import pytest
+
+from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.core.attendout import AttendOutConfig
+from attn_reg_plugin.core.options import add_arguments, options_of
+from attn_reg_plugin.core.schedules import AttentionLayerDropConfig, ScheduledDropoutConfig
+
+CONFIGS = [(ADDropConfig, "ad_drop_"), (AttendOutConfig, "attendout_"), (ScheduledDropoutConfig, "attn_sched_dropout_"),
+           (AttentionLayerDropConfig, "attn_layerdrop_")]
+
+
+def test_every_config_field_has_a_type_default_and_help():
+    for config_cls, _ in CONFIGS:
+        for opt in options_of(config_cls):
+            assert opt.type in (int, float, str, bool), (config_cls.__name__, opt)
+            assert opt.help and isinstance(opt.default, opt.type), (config_cls.__name__, opt)
+
+
+@pytest.mark.parametrize("config_cls,prefix", CONFIGS)
+def test_fairseq_flags_are_the_config_fields(config_cls, prefix):
+    from attn_reg_plugin.fairseq_plugin.criterions import ADDropLabelSmoothedCrossEntropyConfig, ADDropSentencePredictionConfig
+    from attn_reg_plugin.fairseq_plugin.tasks import AttnRegSentencePredictionConfig, AttnRegTranslationConfig
+
+    holders = ([ADDropLabelSmoothedCrossEntropyConfig, ADDropSentencePredictionConfig] if config_cls is ADDropConfig
+               else [AttnRegTranslationConfig, AttnRegSentencePredictionConfig])
+    for holder in holders:
+        fields = {f.name: f for f in dataclasses.fields(holder)}
+        for opt in options_of(config_cls):
+            f = fields[prefix + opt.name]
+            assert (f.default, f.metadata["help"], f.type) == (opt.default, opt.help, opt.type), (holder.__name__, opt)
+        # and nothing else under the prefix, except fairseq-only AttendOut settings
+        extra = {n for n in fields if n.startswith(prefix)} - {prefix + o.name for o in options_of(config_cls)}
+        assert extra <= {"attendout_clip_norm", "attendout_valid_subset", "attendout_log_file"}, extra
+
+
+def test_fairseq_parser_reads_the_generated_flags(tiny_mt_data):
+    from conftest import TINY_TRANSFORMER, fairseq_setup
+
+    cfg, _, _, criterion = fairseq_setup(tiny_mt_data["bin"], [
+        "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--criterion", "ad_drop_label_smoothed_cross_entropy",
+        "--ad-drop-p", "0.4", "--ad-drop-iga-steps", "3", "--attn-layerdrop-layers", "1"])
+    assert criterion.ad_drop_config == ADDropConfig(p=0.4, iga_steps=3)  # every other field: the config default
+    assert cfg.task.attn_layerdrop_layers == "1" and cfg.task.attendout_dropout_step == AttendOutConfig().dropout_step
+
+
+def test_add_arguments_generates_runner_options():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, ADDropConfig, "--ad-drop-", only=("p", "iga_steps", "schedule"), defaults={"p": 0.3})
+    actions = {a.dest: a for a in parser._actions}
+    assert set(actions) == {"help", "ad_drop_p", "ad_drop_iga_steps", "ad_drop_schedule"}
+    assert actions["ad_drop_p"].help.startswith(dict((o.name, o.help) for o in options_of(ADDropConfig))["p"])
+    args = parser.parse_args(["--ad-drop-iga-steps", "4"])
+    assert (args.ad_drop_p, args.ad_drop_iga_steps, args.ad_drop_schedule) == (0.3, 4, "cross-tuning")
+    assert ADDropConfig.from_namespace(args) == ADDropConfig(p=0.3, iga_steps=4)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ad-drop-iga-steps", "2.5"])  # typed as the field
+    with pytest.raises(ValueError, match="ADDropConfig has no field 'rate'"):
+        add_arguments(argparse.ArgumentParser(), ADDropConfig, "--ad-drop-", only=("rate",))
