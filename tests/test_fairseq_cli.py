@@ -46,3 +46,31 @@ def test_train_cross_tuning_generate_and_resume(tiny_mt_data, tmp_path):
                                        "--beam", "2", "--max-len-b", "20", "--remove-bpe", "sentencepiece"])
     assert re.search(r"Generate test with beam=2: BLEU = \d+\.\d+", gen.stdout)
     assert len(re.findall(r"^D-\d+\t", gen.stdout, flags=re.M)) == 40  # no sentence lost
+
+
+# The two fairseq-hydra-train recipes of examples/hydra, shrunk to the tiny model and data on the
+# command line (the yaml's own settings are the WMT16-sized ones).
+# ("++": the arch's fields join the config only once fairseq merges its dataclass.)
+HYDRA_TINY = [
+    "++model.encoder_layers=2", "++model.decoder_layers=2", "++model.encoder_embed_dim=16",
+    "++model.decoder_embed_dim=16", "++model.encoder_ffn_embed_dim=32", "++model.decoder_ffn_embed_dim=32",
+    "++model.encoder_attention_heads=2", "++model.decoder_attention_heads=2", "common.fp16=false", "common.cpu=true", "common.log_interval=1",
+    "common.seed=3", "dataset.max_tokens=500", "optimization.max_update=4", "checkpoint.no_save=true",
+]
+
+
+@pytest.mark.parametrize("recipe,key", [("ad_drop_transformer", "ad_drop_rate"),
+                                        ("attendout_transformer", "attendout_attacker_loss")])
+def test_hydra_recipes_train(tiny_mt_data, tmp_path, recipe, key):
+    from conftest import REPO
+
+    proc = run_cli("fairseq-hydra-train", [
+        "--config-dir", REPO / "examples" / "hydra", "--config-name", recipe, f"task.data={tiny_mt_data['bin']}",
+        f"common.user_dir={PLUGIN_DIR}", f"checkpoint.save_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path}",
+        "task.attendout_dropout_step=2" if recipe.startswith("attendout") else "criterion.ad_drop_schedule=always",
+        *HYDRA_TINY], cwd=tmp_path)
+    updates = re.findall(r"\[train_inner\]\[INFO\] - (\{.*\})", proc.stdout)  # hydra's log format
+    assert len(updates) == 4, proc.stdout[-3000:]
+    assert all(f'"{key}"' in u for u in updates)
+    if recipe.startswith("attendout"):
+        assert "AttendOut dropout step 2 (update 4)" in proc.stdout
