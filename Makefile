@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 
 $(VENV): $(STAMP)
 
-$(STAMP): setup.py
+$(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip "setuptools<81" wheel
 	# torch first, pinned, so nothing below pulls a CUDA build.
