@@ -38,6 +38,7 @@ from torch import nn
 
 from .attention import EditScores
 from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
+from .distributed import all_reduce_mean_
 from .options import config_from_namespace, option
 
 
@@ -239,17 +240,6 @@ def copy_optimizer_state(source: torch.optim.Optimizer, source_params: Sequence[
             destination.state[d] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
         else:
             destination.state.pop(d, None)
-
-
-def all_reduce_mean_(tensors: Sequence[torch.Tensor]) -> None:
-    """Average gradients over distributed workers (no-op when not distributed)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    world = dist.get_world_size()
-    for t in tensors:
-        dist.all_reduce(t)
-        t.div_(world)
 
 
 # -- the game ------------------------------------------------------------------------------

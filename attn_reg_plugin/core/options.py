@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 
 def option(default: Any, help: str) -> Any:
@@ -61,3 +61,9 @@ def config_from_namespace(config_cls, ns, prefix: str):
     arguments with ``prefix`` like ``"ad_drop_"``); fields the object lacks keep their defaults."""
     return config_cls(**{f.name: getattr(ns, prefix + f.name) for f in dataclasses.fields(config_cls)
                          if hasattr(ns, prefix + f.name)})
+
+
+def one_regularizer(enabled: Sequence[str]) -> None:
+    """Refuse a run that turns on more than one attention regularizer (named as the user spelled them)."""
+    if len(enabled) > 1:
+        raise ValueError(f"choose one attention regularizer per run; got {' and '.join(enabled)}")

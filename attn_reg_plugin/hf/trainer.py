@@ -13,6 +13,7 @@ import transformers
 from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
 from ..core.attribution import logit_target, regression_target, token_loss_target
 from ..core.controller import RegularizationController
+from ..core.distributed import all_reduce_sum_
 from .attention import install_attention_sites
 from .training_configurations import refuse_unsupported, training_arguments
 
@@ -139,10 +140,7 @@ class ADDropTrainerMixin:
         counts = torch.stack([torch.as_tensor(self._ad_drop_dropped, device=device),
                               torch.as_tensor(self._ad_drop_valid, device=device),
                               torch.as_tensor(self._ad_drop_skipped, device=device)]).long()
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(counts)
-        return tuple(counts.tolist())
+        return tuple(all_reduce_sum_(counts).tolist())
 
     def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs and self._ad_drop_steps:  # a training log
