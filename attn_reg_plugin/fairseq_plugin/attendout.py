@@ -25,7 +25,6 @@ skips the step) and then trains the same batch again (``--amp-batch-retries``); 
 scale drops, A drops that update's gradients and cached masks too, and the update does not count
 towards T (A and D see the retried batch once each). A's own overflow skips A's step, as above.
 """
-import copy
 import inspect
 import logging
 from typing import Callable, Dict, Optional
@@ -40,10 +39,11 @@ from ..core.attendout import (
     Generator,
     copy_model_state,
     copy_optimizer_state,
-    per_sample_loss,
 )
 from ..core.ad_drop import bare_module
 from ..core.controller import RegularizationController
+from ..core.distributed import is_distributed, rank
+from ..core.duel import build_attacker, end_dropout_step
 from .attention import install_attention_sites
 
 logger = logging.getLogger(__name__)
@@ -62,11 +62,6 @@ def check_fairseq_supports_task_state() -> None:
             "fairseq-fixed 0.12.3.1 / fairseq main after 0.12.2); this fairseq would lose the generator, "
             "baseline and Attacker on every checkpoint. Install fairseq-fixed (Python >= 3.11) or fairseq from main."
         )
-
-
-def _distributed() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class FairseqAttendOut:
@@ -114,9 +109,7 @@ class FairseqAttendOut:
             # A task built without fairseq-train's whole config cannot build the same wrapper for A.
             raise NotImplementedError(f"--attendout cannot mirror a {kind} without fairseq-train's config; train in fp32")
         defender = bare_module(defender)
-        self.attacker = copy.deepcopy(defender)
-        controller = RegularizationController()
-        install_attention_sites(self.attacker, controller)
+        self.attacker, controller = build_attacker(defender, install_attention_sites)
         device = next(defender.parameters()).device
         # The generator's random init must not consume the global stream: the Attacker is
         # built at the first update of a run, which after a resume is a different update.
@@ -176,7 +169,7 @@ class FairseqAttendOut:
         params = [p for p in self.attacker.parameters() if p.requires_grad]
         grads = [p.grad for p in params if p.grad is not None]
         sample_size = torch.tensor(self.sample_size, dtype=torch.float64)
-        if _distributed():
+        if is_distributed():
             for g in grads:
                 torch.distributed.all_reduce(g)
             sample_size = sample_size.to(grads[0].device if grads else "cpu")
@@ -204,19 +197,6 @@ class FairseqAttendOut:
             self._finish_dropout_step(defender, optimizer, criterion, task, update_num)
 
     # -- every T updates ------------------------------------------------------------------
-    @torch.no_grad()
-    def _heldout_losses(self, model, samples, criterion) -> torch.Tensor:
-        was_training = model.training
-        model.eval()
-        try:
-            losses = []
-            for sample in samples:
-                logits, target, keep = self.heldout_logits(model, sample, criterion)
-                losses.append(per_sample_loss(logits, target, keep))
-            return torch.cat(losses)
-        finally:
-            model.train(was_training)
-
     @staticmethod
     def _shared_generator() -> torch.Generator:
         """Same on every worker and on resume: fairseq seeds torch with seed + num_updates before
@@ -251,16 +231,11 @@ class FairseqAttendOut:
         bare = bare_module(defender)
         shared = self._shared_generator()
         samples = self._heldout_samples(task, next(bare.parameters()).device, shared)
-        d_losses = self._heldout_losses(bare, samples, criterion)
-        a_losses = self._heldout_losses(self.attacker, samples, criterion)
-        stats = self.game.finish_dropout_step(d_losses, a_losses, generator=shared)
-        defender_side = (bare, optimizer)
-        attacker_side = (self.attacker, self.attacker_optimizer)
-        if stats["keep_attacker"]:
-            _copy_network(*attacker_side, *defender_side)
-        else:
-            _copy_network(*defender_side, *attacker_side)
-        if not _distributed() or torch.distributed.get_rank() == 0:
+        sides = {"defender": (bare, optimizer), "attacker": (self.attacker, self.attacker_optimizer)}
+        stats = end_dropout_step(
+            self.game, bare, self.attacker, samples, lambda model, sample: self.heldout_logits(model, sample, criterion),
+            lambda source, destination: _copy_network(*sides[source], *sides[destination]), generator=shared)
+        if rank() == 0:
             self.drop_log.write(update_num + 1, stats)
             probs = ", ".join(f"{k} {v:.4f}" for k, v in stats["drop_prob"].items())
             logger.info(

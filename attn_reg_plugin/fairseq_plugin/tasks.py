@@ -18,6 +18,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..core.attendout import AttendOutConfig
 from ..core.controller import RegularizationController
+from ..core.options import one_regularizer
 from ..core.schedules import AttentionLayerDrop, AttentionLayerDropConfig, ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attendout import FairseqAttendOut, check_fairseq_supports_task_state, reduce_attendout_metrics
 from .attention import install_attention_sites
@@ -45,8 +46,7 @@ def _validate_task_options(cfg):
     layerdrop = AttentionLayerDropConfig.from_namespace(cfg).validate()
     enabled = [name for name, on in (("--attendout", cfg.attendout), ("--attn-sched-dropout-schedule", sched.enabled),
                                      ("--attn-layerdrop-p", layerdrop.enabled)) if on]
-    if len(enabled) > 1:
-        raise ValueError(f"choose one attention regularizer per run; got {' and '.join(enabled)}")
+    one_regularizer(enabled)
     if enabled:
         refuse_unsupported_training(cfg, enabled[0])
     if cfg.attendout:

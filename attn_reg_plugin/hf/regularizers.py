@@ -34,7 +34,6 @@ LayerDrop to the training forward; evaluation and generation are untouched.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import logging
 import os
@@ -51,12 +50,13 @@ from ..core.attendout import (
     AttendOutConfig,
     DropProbabilityLog,
     Generator,
-    all_reduce_mean_,
     copy_model_state,
     copy_optimizer_state,
-    per_sample_loss,
 )
 from ..core.controller import RegularizationController
+from ..core.distributed import all_reduce_mean_, from_rank0, is_distributed, rank
+from ..core.duel import build_attacker, end_dropout_step
+from ..core.options import one_regularizer
 from ..core.schedules import (
     AttentionLayerDrop,
     AttentionLayerDropConfig,
@@ -83,11 +83,6 @@ def _field_flag(config_name: str) -> Callable[[str], str]:
 attendout_flag = _field_flag("AttendOutConfig")
 sched_dropout_flag = _field_flag("ScheduledDropoutConfig")
 layerdrop_flag = _field_flag("AttentionLayerDropConfig")
-
-
-def _distributed() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _model_argument(who: str, args, kwargs) -> torch.nn.Module:
@@ -240,9 +235,7 @@ class AttendOutTrainerMixin:
         """Build A (a copy of D as it is now), its optimizer and the game; restore them on resume."""
         if self.attendout_attacker is None:
             defender = bare_module(self.model)
-            attacker = copy.deepcopy(defender)
-            controller = RegularizationController()
-            install_attention_sites(attacker, controller)
+            attacker, controller = build_attacker(defender, install_attention_sites)
             if self.args.torch_compile:
                 # Compiled like D, in place (parameter names unchanged); its masks are tensors, so
                 # the graph does not change from one batch to the next.
@@ -343,11 +336,7 @@ class AttendOutTrainerMixin:
     def _attendout_heldout_batches(self) -> List[Dict[str, Any]]:
         dataset = self._attendout_heldout_dataset
         n, T = len(dataset), self.attendout_config.dropout_step
-        idx = torch.randperm(n)[:T] if n >= T else torch.randint(0, n, (T,))
-        if _distributed():  # every worker scores the same samples
-            box = [idx]
-            torch.distributed.broadcast_object_list(box, src=0)
-            idx = box[0]
+        idx = from_rank0(torch.randperm(n)[:T] if n >= T else torch.randint(0, n, (T,)))  # the same samples everywhere
         collate = self.data_collator
         try:
             import datasets
@@ -360,44 +349,29 @@ class AttendOutTrainerMixin:
         return [self._prepare_inputs(collate([dataset[int(i)] for i in chunk]))
                 for chunk in idx.split(self.args.eval_batch_size)]
 
-    @torch.no_grad()
-    def _attendout_heldout_losses(self, model: torch.nn.Module, batches) -> torch.Tensor:
-        was_training = model.training
-        model.eval()
-        try:
-            losses = []
-            for batch in batches:
-                labels = batch.get("labels")
-                if labels is None:
-                    raise ValueError("AttendOutTrainer scores held-out samples by their loss: eval_dataset batches need `labels`")
-                with self.accelerator.autocast():
-                    outputs = model(**batch)
-                logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
-                if logits.dim() == 2 and logits.shape[-1] == 1:
-                    labels = labels.float()  # num_labels == 1: regression, as transformers treats it
-                losses.append(per_sample_loss(logits, labels))
-            return torch.cat(losses)
-        finally:
-            model.train(was_training)
+    def _attendout_logits(self, model: torch.nn.Module, batch):
+        """(logits, target, keep) of a held-out batch, as the Trainer's autocast computes them."""
+        labels = batch.get("labels")
+        if labels is None:
+            raise ValueError("AttendOutTrainer scores held-out samples by their loss: eval_dataset batches need `labels`")
+        with self.accelerator.autocast():
+            outputs = model(**batch)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
+        if logits.dim() == 2 and logits.shape[-1] == 1:
+            labels = labels.float()  # num_labels == 1: regression, as transformers treats it
+        return logits, labels, None
 
     def _attendout_finish_dropout_step(self) -> Dict[str, object]:
         defender, attacker = bare_module(self.model), self.attendout_attacker
-        batches = self._attendout_heldout_batches()
-        d_losses = self._attendout_heldout_losses(defender, batches)
-        a_losses = self._attendout_heldout_losses(attacker, batches)
-        stats = self.attendout_game.finish_dropout_step(d_losses, a_losses)
-        if _distributed():  # one decision for all workers
-            box = [stats["keep_attacker"]]
-            torch.distributed.broadcast_object_list(box, src=0)
-            stats["keep_attacker"] = box[0]
-        d_params, a_params = list(defender.parameters()), list(attacker.parameters())
-        d_opt = _raw_optimizer(self.optimizer)
-        if stats["keep_attacker"]:
-            copy_model_state(attacker, defender)
-            copy_optimizer_state(self.attendout_optimizer, a_params, d_opt, d_params)
-        else:
-            copy_model_state(defender, attacker)
-            copy_optimizer_state(d_opt, d_params, self.attendout_optimizer, a_params)
+        sides = {"defender": (defender, _raw_optimizer(self.optimizer)), "attacker": (attacker, self.attendout_optimizer)}
+
+        def copy_network(source: str, destination: str) -> None:  # weights and optimizer state
+            (s_model, s_opt), (d_model, d_opt) = sides[source], sides[destination]
+            copy_model_state(s_model, d_model)
+            copy_optimizer_state(s_opt, list(s_model.parameters()), d_opt, list(d_model.parameters()))
+
+        stats = end_dropout_step(self.attendout_game, defender, attacker, self._attendout_heldout_batches(),
+                                 self._attendout_logits, copy_network)
         logs = {f"attendout_p_{name}": p for name, p in stats["drop_prob"].items()}
         logs.update(
             attendout_dropout_step=self.attendout_game.dropout_steps_done,
@@ -441,9 +415,8 @@ class AttendOutTrainerMixin:
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
             torch.save(self.attendout_state_dict(), os.path.join(folder, ATTENDOUT_STATE))
-        if _distributed():  # each worker caches its own batches
-            rank = torch.distributed.get_rank()
-            torch.save(self.attendout_game.state_dict(), os.path.join(folder, f"attendout_game_rank{rank}.pt"))
+        if is_distributed():  # each worker caches its own batches
+            torch.save(self.attendout_game.state_dict(), os.path.join(folder, f"attendout_game_rank{rank()}.pt"))
 
     def _attendout_load(self, folder: str) -> None:
         path = os.path.join(folder, ATTENDOUT_STATE)
@@ -457,8 +430,8 @@ class AttendOutTrainerMixin:
         if self.attendout_scaler is not None and "attacker_scaler" in state:
             self.attendout_scaler.load_state_dict(state["attacker_scaler"])
         game = state["game"]
-        if _distributed():
-            mine = os.path.join(folder, f"attendout_game_rank{torch.distributed.get_rank()}.pt")
+        if is_distributed():
+            mine = os.path.join(folder, f"attendout_game_rank{rank()}.pt")
             if os.path.isfile(mine):
                 game = torch.load(mine, map_location="cpu", weights_only=True)
         self.attendout_game.load_state_dict(game)
@@ -488,9 +461,8 @@ class AttnRegTrainerMixin:
             scheduled_dropout.validate(sched_dropout_flag)
         if layerdrop is not None:
             layerdrop.validate(layerdrop_flag)
-        if scheduled_dropout is not None and layerdrop is not None and layerdrop.enabled:
-            raise ValueError(f"choose one attention regularizer per run; got {sched_dropout_flag('schedule')} "
-                             f"and {layerdrop_flag('p')}")
+        one_regularizer([name for name, on in ((sched_dropout_flag("schedule"), scheduled_dropout is not None),
+                                               (layerdrop_flag("p"), layerdrop is not None and layerdrop.enabled)) if on])
         model = _model_argument("AttnRegTrainer", args, kwargs)
         refuse_unsupported("AttnRegTrainer", training_arguments(args, kwargs), model=model)
         # Before the Trainer's own setup: bad layers / kinds fail first.

@@ -1,0 +1,59 @@
+"""AttendOut's Defender/Attacker duel, the steps every framework runs the same way.
+
+The game itself (masks, REINFORCE, the survivor rule) is :class:`~attn_reg_plugin.core.attendout.AttendOut`.
+Around it, an adapter (fairseq task, HF Trainer) owns the two networks, their optimizers and the
+training loop, and calls these functions for the parts that do not depend on the framework:
+building the Attacker, scoring both networks on the held-out samples, and ending a dropout step
+(reward, survivor, re-sync). The adapter supplies only ``logits_of(model, batch) -> (logits,
+target, keep)`` (how its models score a held-out batch) and ``copy_network(source, destination)``
+(what a copy of one network over the other includes: weights, master weights, optimizer state).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+
+from .attendout import AttendOut, per_sample_loss
+from .controller import RegularizationController
+from .distributed import from_rank0
+
+LogitsOf = Callable[[torch.nn.Module, object], Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
+
+
+def build_attacker(defender: torch.nn.Module, install_sites: Callable) -> Tuple[torch.nn.Module, RegularizationController]:
+    """A: a copy of D as it is now, with attention sites of its own (the Generator's masks go there)."""
+    attacker = copy.deepcopy(defender)
+    controller = RegularizationController()
+    install_sites(attacker, controller)
+    return attacker, controller
+
+
+@torch.no_grad()
+def heldout_losses(model: torch.nn.Module, batches: Iterable, logits_of: LogitsOf) -> torch.Tensor:
+    """Per-sample held-out losses of ``model`` in eval mode (its mode is restored)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return torch.cat([per_sample_loss(*logits_of(model, batch)) for batch in batches])
+    finally:
+        model.train(was_training)
+
+
+def end_dropout_step(game: AttendOut, defender: torch.nn.Module, attacker: torch.nn.Module, batches: Iterable,
+                     logits_of: LogitsOf, copy_network: Callable[[str, str], None],
+                     generator: Optional[torch.Generator] = None) -> Dict[str, object]:
+    """Score D and A on the same held-out batches, reward the Generator, pick the survivor (rank 0's
+    choice on every worker) and copy it over the other: ``copy_network("attacker", "defender")``
+    or the reverse. Returns the game's statistics."""
+    batches = list(batches)
+    d_losses = heldout_losses(defender, batches, logits_of)
+    a_losses = heldout_losses(attacker, batches, logits_of)
+    stats = game.finish_dropout_step(d_losses, a_losses, generator=generator)
+    stats["keep_attacker"] = from_rank0(stats["keep_attacker"])
+    if stats["keep_attacker"]:
+        copy_network("attacker", "defender")
+    else:
+        copy_network("defender", "attacker")
+    return stats
