@@ -154,7 +154,7 @@ def test_defender_and_attacker_resync_to_one_of_the_two(tmp_path, monkeypatch, k
     records = []
     original = AttendOut.finish_dropout_step
 
-    def finish(game, d_losses, a_losses):
+    def finish(game, d_losses, a_losses, generator=None):
         # Called after the held-out scoring, before the survivor overwrites the other network.
         assert len(d_losses) == len(a_losses) == 2  # T held-out samples
         assert len(game.cache) == 2 * accumulation  # every micro-batch of the T updates
@@ -165,7 +165,7 @@ def test_defender_and_attacker_resync_to_one_of_the_two(tmp_path, monkeypatch, k
             "a_moments": [trainer.attendout_optimizer.state[p]["exp_avg"].clone()
                           for p in trainer.attendout_attacker.parameters()],
         }
-        stats = original(game, d_losses, a_losses)
+        stats = original(game, d_losses, a_losses, generator)
         if keep_rule == "alternate":
             stats["keep_attacker"] = len(records) % 2 == 0
         records.append((before, stats))
