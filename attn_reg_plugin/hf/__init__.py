@@ -1,14 +1,8 @@
 """Hugging Face transformers adapter for attn_reg_plugin, no copied modeling files."""
 from .attention import ATTN_IMPLEMENTATION, attn_reg_attention, install_attention_sites, register_attn_reg
-from .regularizers import (
-    AttendOutSeq2SeqTrainer,
-    AttendOutTrainer,
-    AttendOutTrainerMixin,
-    AttnRegSeq2SeqTrainer,
-    AttnRegTrainer,
-    AttnRegTrainerMixin,
-)
-from .trainer import ADDropSeq2SeqTrainer, ADDropTrainer, ADDropTrainerMixin
+from .ad_drop_trainer import ADDropSeq2SeqTrainer, ADDropTrainer, ADDropTrainerMixin
+from .attendout_trainer import AttendOutSeq2SeqTrainer, AttendOutTrainer, AttendOutTrainerMixin
+from .attn_reg_trainer import AttnRegSeq2SeqTrainer, AttnRegTrainer, AttnRegTrainerMixin
 
 __all__ = [
     "ADDropTrainer",

@@ -1,12 +1,15 @@
-"""Trainer configurations the regularizers cannot honour, refused at construction.
+"""What every trainer checks at construction: configurations the regularizers cannot honour.
 
 Checked on the TrainingArguments before ``Trainer.__init__`` runs, so a bad combination stops
 before any set-up or training. docs/CONFIGURATIONS.md lists every configuration and its status.
+Also the trainers' shared constructor helpers: the model argument, and how errors name a config
+field (``ADDropConfig.p``).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
+import torch
 import transformers
 
 
@@ -37,3 +40,23 @@ def refuse_unsupported(who: str, args, model=None) -> None:
             "and the attribution pass and the Attacker copy are not sharded with them. Use DDP instead "
             "(torchrun, fsdp unset), with gradient_checkpointing=True to save memory."
         )
+
+
+def _field_flag(config_name: str) -> Callable[[str], str]:
+    def flag(name: str) -> str:
+        return f"{config_name}.{name}"
+
+    return flag
+
+
+ad_drop_flag = _field_flag("ADDropConfig")
+attendout_flag = _field_flag("AttendOutConfig")
+sched_dropout_flag = _field_flag("ScheduledDropoutConfig")
+layerdrop_flag = _field_flag("AttentionLayerDropConfig")
+
+
+def model_argument(who: str, args, kwargs) -> torch.nn.Module:
+    model = kwargs.get("model", args[0] if args else None)
+    if model is None:
+        raise ValueError(f"{who} needs `model` (model_init is not supported): attention sites are installed at construction")
+    return model

@@ -1,0 +1,154 @@
+"""AD-DROP for transformers' Trainer / Seq2SeqTrainer: pass 1 + masks around the Trainer's own loss.
+
+The loss is computed exactly as the Trainer always computes it (``super().compute_loss``);
+AD-DROP only wraps it in training steps of the epochs the schedule selects.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import transformers
+
+from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
+from ..core.attribution import logit_target, regression_target, token_loss_target
+from ..core.controller import RegularizationController
+from ..core.distributed import all_reduce_sum_
+from .attention import install_attention_sites
+from .training_configurations import ad_drop_flag, model_argument, refuse_unsupported, training_arguments
+
+
+def decoder_input_ids_from_labels(model, labels: torch.Tensor) -> torch.Tensor:
+    """The decoder inputs a seq2seq model builds from ``labels`` when none are given (shifted right)."""
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return prepare(labels=labels)
+    from transformers.models.bart.modeling_bart import shift_tokens_right
+
+    return shift_tokens_right(labels, model.config.pad_token_id, model.config.decoder_start_token_id)
+
+
+class ADDropTrainerMixin:
+    """Shared by :class:`ADDropTrainer` and :class:`ADDropSeq2SeqTrainer`."""
+
+    def __init__(self, *args, ad_drop: ADDropConfig, **kwargs):
+        if not isinstance(ad_drop, ADDropConfig):
+            raise TypeError(f"ad_drop must be an ADDropConfig, got {type(ad_drop).__name__}")
+        ad_drop.validate(ad_drop_flag)
+        model = model_argument("ADDropTrainer", args, kwargs)
+        refuse_unsupported("ADDropTrainer", training_arguments(args, kwargs), model=model)
+        # Before the Trainer's own setup, so bad layers / kinds fail before anything else happens.
+        self.ad_drop_controller = RegularizationController()
+        self.ad_drop_sites = install_attention_sites(model, self.ad_drop_controller)
+        self.ad_drop = ADDrop(ad_drop, self.ad_drop_controller, flag=ad_drop_flag)
+        self._ad_drop_reset()
+        super().__init__(*args, **kwargs)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _ad_drop_reset(self) -> None:
+        self._ad_drop_dropped = 0
+        self._ad_drop_valid = 0
+        self._ad_drop_on_steps = 0
+        self._ad_drop_steps = 0
+        self._ad_drop_skipped = 0
+
+    def ad_drop_current_epoch(self) -> int:
+        """1-based epoch of the current step (cross-tuning: AD-DROP on even epochs)."""
+        return int((self.state.epoch or 0) + 1e-9) + 1
+
+    # -- targets ---------------------------------------------------------------------------
+    def ad_drop_target(self, model, inputs: Dict[str, Any]):
+        """``(outputs, labels) -> (F, labels)`` for this batch, see core.attribution."""
+        config = model.config
+        labels = inputs.get("labels")
+        gold_wanted = self.ad_drop.config.labels == "gold"
+        regression = getattr(config, "problem_type", None) == "regression" or (
+            getattr(config, "num_labels", None) == 1 and not getattr(config, "is_encoder_decoder", False)
+        )
+        if gold_wanted and labels is None:
+            raise ValueError("ADDropConfig.labels='gold' needs `labels` in every training batch")
+
+        def value(outputs, fixed):
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+            if regression and logits.dim() == 2:
+                if labels is None:
+                    raise ValueError("AD-DROP on a regression model needs gold `labels` (no pseudo label exists)")
+                return regression_target(logits.squeeze(-1), labels)
+            gold = labels if gold_wanted else None
+            use = fixed if fixed is not None else gold
+            if logits.dim() == 2:
+                return logit_target(logits, use)
+            if logits.dim() == 3:
+                if labels is None:
+                    raise ValueError("AD-DROP on a token-level model needs `labels` (-100 marks ignored tokens)")
+                keep = labels.ne(-100)
+                if use is not None and use is labels:
+                    use = labels.masked_fill(~keep, 0)
+                return token_loss_target(logits, keep, use)
+            raise ValueError(f"AD-DROP: cannot build an attribution target from logits of shape {tuple(logits.shape)}")
+
+        return value
+
+    def ad_drop_forward_inputs(self, model, inputs: Dict[str, Any]) -> Dict[str, Any]:
+        """The inputs of the attribution pass: no labels (no loss), decoder inputs built from them."""
+        fwd = {k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")}
+        labels = inputs.get("labels")
+        if (
+            labels is not None
+            and getattr(model.config, "is_encoder_decoder", False)
+            and fwd.get("decoder_input_ids") is None
+            and fwd.get("decoder_inputs_embeds") is None
+        ):
+            fwd["decoder_input_ids"] = decoder_input_ids_from_labels(model, labels)
+        return fwd
+
+    # -- the step --------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not (model.training and torch.is_grad_enabled()):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        self._ad_drop_steps += 1
+        if not ad_drop_epoch(self.ad_drop.config.schedule, self.ad_drop_current_epoch()):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        # The attribution pass runs the eager model (torch.compile unwrapped too): it needs
+        # requires_grad on intermediate outputs, which would break a compiled graph at every
+        # layer; the masked pass and its backward run compiled.
+        accelerator = getattr(self, "accelerator", None)
+        bare = bare_module(accelerator.unwrap_model(model, keep_torch_compile=False) if accelerator is not None else model)
+        target = self.ad_drop_target(bare, inputs)
+        fwd_inputs = self.ad_drop_forward_inputs(bare, inputs)
+        with self.ad_drop.masked(lambda: bare(**fwd_inputs), target, frozen=bare) as stats:
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        self._ad_drop_on_steps += 1
+        self._ad_drop_dropped = self._ad_drop_dropped + stats["dropped"].detach()
+        self._ad_drop_valid = self._ad_drop_valid + stats["valid"].detach()
+        self._ad_drop_skipped = self._ad_drop_skipped + stats["skipped"]
+        return result
+
+    def ad_drop_counts(self) -> Tuple[int, int, int]:
+        """Dropped and valid attention positions, and skipped steps, since the last log, summed over all processes.
+
+        The Trainer logs on every process at the same steps (it gathers the loss there too),
+        so one all-reduce of two numbers per log keeps the rate that of the whole batch.
+        """
+        device = self.args.device
+        counts = torch.stack([torch.as_tensor(self._ad_drop_dropped, device=device),
+                              torch.as_tensor(self._ad_drop_valid, device=device),
+                              torch.as_tensor(self._ad_drop_skipped, device=device)]).long()
+        return tuple(all_reduce_sum_(counts).tolist())
+
+    def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs and self._ad_drop_steps:  # a training log
+            dropped, valid, skipped = self.ad_drop_counts()
+            logs["ad_drop_on"] = round(self._ad_drop_on_steps / self._ad_drop_steps, 4)
+            logs["ad_drop_rate"] = round(dropped / valid, 6) if valid else 0.0
+            logs["ad_drop_skipped"] = skipped  # non-finite attribution target: trained with the plain loss
+            self._ad_drop_reset()
+        return super().log(logs, *args, **kwargs)
+
+
+class ADDropTrainer(ADDropTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with AD-DROP; extra keyword ``ad_drop: ADDropConfig``."""
+
+
+class ADDropSeq2SeqTrainer(ADDropTrainerMixin, transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` with AD-DROP; extra keyword ``ad_drop: ADDropConfig``."""

@@ -1,0 +1,404 @@
+"""AttendOut for transformers' Trainer: :class:`AttendOutTrainer`, :class:`AttendOutSeq2SeqTrainer`.
+
+Same semantics as the fairseq task option ``--attendout``; the science is in
+``attn_reg_plugin.core`` (the game in ``core.attendout``, the duel's shared steps in ``core.duel``).
+
+* the Defender D is the Trainer's model, trained exactly as the Trainer trains it (regular
+  dropout, the Trainer's loss, optimizer, scheduler and ``max_grad_norm`` clipping);
+* the Attacker A is a copy of D whose attention takes the generator's score-dropout masks. It
+  has its own optimizer, of the Trainer's optimizer class with the same parameter groups and
+  hyperparameters; its learning rate is copied from the Trainer's optimizer at every step (so
+  the Trainer's scheduler drives both) and its gradients are clipped to the same
+  ``max_grad_norm``. A trains on D's batches: its forward/backward runs in the same training
+  step, right after D's, through the Trainer's own ``training_step`` (same loss, same
+  gradient-accumulation scaling);
+* every T optimizer steps, T samples drawn at random (torch's global generator) from
+  ``eval_dataset`` are scored by D and A in eval mode (per-sample cross-entropy, squared error
+  for regression); the generator takes its REINFORCE step and the survivor's parameters *and*
+  optimizer state overwrite the other's, so D and A start every dropout step identical and the
+  model the Trainer saves is the survivor.
+
+Gradient accumulation is supported (the masks of every micro-batch of an update are cached; an
+update's log-probability is their mean). Mixed precision: A's forward runs under the Trainer's
+autocast, as D's does. With fp16, A has a loss scaler of its own (a copy of the Trainer's
+scaler's settings), so each network skips its own overflowing steps: when D's step is skipped,
+the update still counts (the Trainer counts it too) and A steps unless its own gradients
+overflowed; when A's step is skipped, D steps, and ``attendout_attacker_overflows`` is logged.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+import transformers
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from ..core.ad_drop import bare_module
+from ..core.attendout import AttendOut, AttendOutConfig, DropProbabilityLog, Generator, copy_model_state, copy_optimizer_state
+from ..core.controller import RegularizationController
+from ..core.distributed import all_reduce_mean_, from_rank0, is_distributed, rank
+from ..core.duel import build_attacker, end_dropout_step
+from .ad_drop_trainer import decoder_input_ids_from_labels
+from .attention import install_attention_sites
+from .training_configurations import attendout_flag, model_argument, refuse_unsupported, training_arguments
+
+logger = logging.getLogger(__name__)
+
+ATTENDOUT_STATE = "attendout.pt"  # in each checkpoint folder: Attacker, its optimizer, the game
+
+
+def _raw_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's AcceleratedOptimizer wrapper."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def optimizer_like(optimizer, source: torch.nn.Module, twin: torch.nn.Module) -> torch.optim.Optimizer:
+    """A fresh optimizer of ``optimizer``'s class, same parameter groups and hyperparameters, on ``twin``'s parameters.
+
+    ``twin`` is a copy of ``source`` (same parameter order).
+    """
+    raw = _raw_optimizer(optimizer)
+    twin_of = {id(s): t for s, t in zip(source.parameters(), twin.parameters())}
+    groups = []
+    for group in raw.param_groups:
+        missing = [p for p in group["params"] if id(p) not in twin_of]
+        if missing:
+            raise ValueError("AttendOut: the Trainer's optimizer holds parameters that are not the model's; "
+                             "the Attacker's optimizer cannot mirror it")
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [twin_of[id(p)] for p in group["params"]]})
+    # defaults only fill keys a group lacks (none here); pass those the constructor accepts.
+    accepted = inspect.signature(type(raw)).parameters
+    defaults = {k: v for k, v in raw.defaults.items() if k in accepted}
+    try:
+        return type(raw)(groups, **defaults)
+    except TypeError as err:
+        raise TypeError(f"AttendOut cannot build the Attacker's optimizer as a {type(raw).__name__} like the Trainer's: {err}") from None
+
+
+class _AttendOutCallback(TrainerCallback):
+    """A's step right after D's (before the scheduler moves the learning rate), the dropout step after the update."""
+
+    def __init__(self, trainer: "AttendOutTrainerMixin"):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._attendout_optimizer_step()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._attendout_step_end()
+
+
+class AttendOutTrainerMixin:
+    """Shared by :class:`AttendOutTrainer` and :class:`AttendOutSeq2SeqTrainer`."""
+
+    def __init__(self, *args, attendout: AttendOutConfig, attendout_log_file: Optional[str] = None, **kwargs):
+        if not isinstance(attendout, AttendOutConfig):
+            raise TypeError(f"attendout must be an AttendOutConfig, got {type(attendout).__name__}")
+        attendout.validate(attendout_flag)
+        model = model_argument("AttendOutTrainer", args, kwargs)
+        refuse_unsupported("AttendOutTrainer", training_arguments(args, kwargs), model=model)
+        super().__init__(*args, **kwargs)
+        self._attendout_heldout_dataset = self._attendout_check_eval_dataset()
+        config = model.config
+        if getattr(config, "problem_type", None) == "multi_label_classification":
+            raise ValueError("AttendOutTrainer: multi-label classification has no per-sample held-out loss here")
+        if config.pad_token_id is None:
+            raise ValueError("AttendOutTrainer needs model.config.pad_token_id: the generator skips padding tokens")
+        self.attendout_config = attendout
+        self.attendout_log = DropProbabilityLog(attendout_log_file)
+        # D's attention goes through the same kernel as A's (idle here: transformers' sdpa).
+        self.attendout_defender_controller = RegularizationController()
+        install_attention_sites(model, self.attendout_defender_controller)
+        self._attendout_encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+        sizes, self._attendout_start_id, shared = self._attendout_vocab(model)
+        # A fork: the generator's random init must not shift the Trainer's seeded stream.
+        with torch.random.fork_rng(devices=[]):
+            self.attendout_generator = Generator(
+                sizes, {s: config.pad_token_id for s in sizes}, attendout.generator_dim, attendout.max_positions,
+                attendout.init_drop, attendout.temperature, share_streams=shared,
+            )
+        # Selecting the sites now checks kinds and layers against the model, before training.
+        probe = AttendOut(attendout, self.attendout_defender_controller, self.attendout_generator, flag=attendout_flag)
+        if not self._attendout_encoder_decoder and any(s.kind != "encoder-self" for s in probe.sites):
+            raise ValueError(
+                f"{attendout_flag('attention')}: AttendOutTrainer supports encoder models (encoder-self) and "
+                "encoder-decoder models; this model is neither"
+            )
+        self.attendout_attacker: Optional[torch.nn.Module] = None
+        self.attendout_optimizer: Optional[torch.optim.Optimizer] = None
+        self.attendout_scaler: Optional[torch.amp.GradScaler] = None  # A's own fp16 loss scaler
+        self._attendout_overflows = 0  # A's steps skipped since the last log
+        self.attendout_game: Optional[AttendOut] = None
+        self._attendout_resume_from: Optional[str] = None
+        self._attendout_finish_due = False
+        self._attendout_loss_sum: Any = 0.0
+        self._attendout_loss_updates = 0
+        self.add_callback(_AttendOutCallback(self))
+
+    # -- set-up ---------------------------------------------------------------------------
+    def _attendout_check_eval_dataset(self):
+        dataset = self.eval_dataset
+        if dataset is None:
+            raise ValueError("AttendOutTrainer needs eval_dataset: the held-out samples of every dropout step are drawn from it")
+        if isinstance(dataset, dict):
+            raise ValueError("AttendOutTrainer needs one eval_dataset (not a dict): it draws the held-out samples from it")
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError("AttendOutTrainer needs an eval_dataset with len() and indexing (held-out samples are drawn at random)")
+        if len(dataset) == 0:
+            raise ValueError("AttendOutTrainer: eval_dataset is empty; AttendOut needs held-out samples")
+        try:
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset):
+                return self._remove_unused_columns(dataset, description="AttendOut held-out")
+        except ImportError:
+            pass
+        return dataset
+
+    def _attendout_vocab(self, model):
+        """Generator table sizes per stream, the id it reads for the decoder start, whether streams share a table."""
+        def size(module, fallback):
+            get = getattr(module, "get_input_embeddings", None)
+            emb = get() if callable(get) else None
+            return emb.num_embeddings if isinstance(emb, torch.nn.Embedding) else fallback
+
+        config = model.config
+        if not self._attendout_encoder_decoder:
+            return {"source": size(model, config.vocab_size)}, None, False
+        encoder, decoder = model.get_encoder(), model.get_decoder()
+        source = size(encoder, config.vocab_size)
+        target = size(decoder, getattr(config, "decoder_vocab_size", None) or config.vocab_size)
+        enc_emb, dec_emb = encoder.get_input_embeddings(), decoder.get_input_embeddings()
+        shared = enc_emb is not None and dec_emb is not None and enc_emb.weight is dec_emb.weight
+        # One extra row: the generator reads position 0 of the decoder input as its own "start"
+        # token, since Marian's decoder start token *is* its pad token.
+        if shared:
+            return {"source": source + 1, "target": source + 1}, source, True
+        return {"source": source, "target": target + 1}, target, False
+
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        path = resume_from_checkpoint
+        if path is True:
+            path = get_last_checkpoint(self.args.output_dir)  # None: the Trainer raises its own error
+        self._attendout_resume_from = path if isinstance(path, str) else None
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
+    def _attendout_start(self) -> None:
+        """Build A (a copy of D as it is now), its optimizer and the game; restore them on resume."""
+        if self.attendout_attacker is None:
+            defender = bare_module(self.model)
+            attacker, controller = build_attacker(defender, install_attention_sites)
+            if self.args.torch_compile:
+                # Compiled like D, in place (parameter names unchanged); its masks are tensors, so
+                # the graph does not change from one batch to the next.
+                attacker.compile(**self.accelerator.state.dynamo_plugin.to_kwargs())
+            self.attendout_generator.to(next(defender.parameters()).device)
+            self.attendout_game = AttendOut(self.attendout_config, controller, self.attendout_generator, flag=attendout_flag)
+            self.attendout_optimizer = optimizer_like(self.optimizer, defender, attacker)
+            self.attendout_attacker = attacker
+            scaler = self.accelerator.scaler
+            if scaler is not None:
+                # Same settings and starting scale as D's scaler; from here on it follows A's gradients.
+                self.attendout_scaler = torch.amp.GradScaler(scaler._device)
+                self.attendout_scaler.load_state_dict(scaler.state_dict())
+        if self._attendout_resume_from is not None:
+            folder, self._attendout_resume_from = self._attendout_resume_from, None
+            self._attendout_load(folder)
+
+    # -- per micro-batch ------------------------------------------------------------------
+    def attendout_streams(self, inputs: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+        """The generator's token streams: {"source": encoder tokens} (+ {"target": decoder inputs} for seq2seq)."""
+        pad = self.model.config.pad_token_id
+        ids = inputs.get("input_ids")
+        if ids is None:
+            raise ValueError("AttendOutTrainer needs input_ids in every training batch: the generator reads the tokens")
+        mask = inputs.get("attention_mask")
+        # Padding as the model sees it (attention_mask), whatever id the collator padded with.
+        streams = {"source": ids if mask is None or mask.dim() != 2 else ids.masked_fill(mask.eq(0), pad)}
+        if self._attendout_encoder_decoder:
+            target = inputs.get("decoder_input_ids")
+            if target is None:
+                labels = inputs.get("labels")
+                if labels is None:
+                    raise ValueError("AttendOutSeq2SeqTrainer needs labels or decoder_input_ids in every training batch")
+                target = decoder_input_ids_from_labels(bare_module(self.model), labels)
+            dmask = inputs.get("decoder_attention_mask")
+            if dmask is not None and dmask.dim() == 2:
+                target = target.masked_fill(dmask.eq(0), pad)
+            target = target.clone()
+            target[:, 0] = self._attendout_start_id
+            streams["target"] = target
+        return streams
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        inputs = self._prepare_inputs(inputs)  # once: the steps below find it on the device already
+        loss = super().training_step(model, dict(inputs), num_items_in_batch)
+        self._attendout_start()
+        hooks = self.attendout_game.attacker_hooks(self.attendout_streams(inputs))
+        # The Trainer's own step on A: same loss, same gradient-accumulation scaling, under the
+        # Trainer's autocast (D's forward is wrapped in it by accelerate).
+        with self.attendout_game.controller.hooks(hooks), self.accelerator.autocast(), self._attendout_backward_scaler():
+            attacker_loss = super().training_step(self.attendout_attacker, dict(inputs), num_items_in_batch)
+        self._attendout_loss_sum = self._attendout_loss_sum + attacker_loss
+        return loss
+
+    @contextlib.contextmanager
+    def _attendout_backward_scaler(self):
+        """A's backward, run by the Trainer's own training_step, scales its loss with A's scaler."""
+        if self.attendout_scaler is None:
+            yield
+            return
+        accelerator = self.accelerator
+        own, accelerator.scaler = accelerator.scaler, self.attendout_scaler
+        try:
+            yield
+        finally:
+            accelerator.scaler = own
+
+    # -- per update (callback) ------------------------------------------------------------
+    def _attendout_optimizer_step(self) -> None:
+        if self.attendout_attacker is None:
+            return
+        params = [p for p in self.attendout_attacker.parameters() if p.requires_grad]
+        all_reduce_mean_([p.grad for p in params if p.grad is not None])  # D's grads: averaged by DDP
+        scaler = self.attendout_scaler
+        if scaler is not None:
+            scaler.unscale_(self.attendout_optimizer)  # clip the true gradients
+        if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
+        for mine, theirs in zip(self.attendout_optimizer.param_groups, _raw_optimizer(self.optimizer).param_groups):
+            mine["lr"] = theirs["lr"]  # the lr D just stepped with; the scheduler moves it next
+        if scaler is None:
+            self.attendout_optimizer.step()
+        else:
+            scale = scaler.get_scale()
+            scaler.step(self.attendout_optimizer)  # skipped when A's gradients are not finite
+            scaler.update()
+            self._attendout_overflows += int(scaler.get_scale() < scale)
+        self.attendout_optimizer.zero_grad(set_to_none=True)
+        self._attendout_loss_updates += 1
+        self._attendout_finish_due = self.attendout_game.end_update()
+
+    def _attendout_step_end(self) -> None:
+        if self._attendout_finish_due:
+            self._attendout_finish_due = False
+            self._attendout_finish_dropout_step()
+
+    # -- every T updates ------------------------------------------------------------------
+    def _attendout_heldout_batches(self) -> List[Dict[str, Any]]:
+        dataset = self._attendout_heldout_dataset
+        n, T = len(dataset), self.attendout_config.dropout_step
+        idx = from_rank0(torch.randperm(n)[:T] if n >= T else torch.randint(0, n, (T,)))  # the same samples everywhere
+        collate = self.data_collator
+        try:
+            import datasets
+
+            plain = not isinstance(dataset, datasets.Dataset)
+        except ImportError:
+            plain = True
+        if plain:
+            collate = self._get_collator_with_removed_columns(collate, description="AttendOut held-out")
+        return [self._prepare_inputs(collate([dataset[int(i)] for i in chunk]))
+                for chunk in idx.split(self.args.eval_batch_size)]
+
+    def _attendout_logits(self, model: torch.nn.Module, batch):
+        """(logits, target, keep) of a held-out batch, as the Trainer's autocast computes them."""
+        labels = batch.get("labels")
+        if labels is None:
+            raise ValueError("AttendOutTrainer scores held-out samples by their loss: eval_dataset batches need `labels`")
+        with self.accelerator.autocast():
+            outputs = model(**batch)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
+        if logits.dim() == 2 and logits.shape[-1] == 1:
+            labels = labels.float()  # num_labels == 1: regression, as transformers treats it
+        return logits, labels, None
+
+    def _attendout_finish_dropout_step(self) -> Dict[str, object]:
+        defender, attacker = bare_module(self.model), self.attendout_attacker
+        sides = {"defender": (defender, _raw_optimizer(self.optimizer)), "attacker": (attacker, self.attendout_optimizer)}
+
+        def copy_network(source: str, destination: str) -> None:  # weights and optimizer state
+            (s_model, s_opt), (d_model, d_opt) = sides[source], sides[destination]
+            copy_model_state(s_model, d_model)
+            copy_optimizer_state(s_opt, list(s_model.parameters()), d_opt, list(d_model.parameters()))
+
+        stats = end_dropout_step(self.attendout_game, defender, attacker, self._attendout_heldout_batches(),
+                                 self._attendout_logits, copy_network)
+        logs = {f"attendout_p_{name}": p for name, p in stats["drop_prob"].items()}
+        logs.update(
+            attendout_dropout_step=self.attendout_game.dropout_steps_done,
+            attendout_win_rate=stats["win_rate"],
+            attendout_kept_attacker=float(stats["keep_attacker"]),
+            attendout_reward=stats["reward"],
+            attendout_baseline=stats["baseline"],
+        )
+        # Trainer.log clears control.should_log; keep it so this update's training log still happens.
+        should_log = self.control.should_log
+        self.log(logs)
+        self.control.should_log = should_log
+        if self.is_world_process_zero():
+            self.attendout_log.write(self.state.global_step, stats)
+        return stats
+
+    def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs and self._attendout_loss_updates:  # a training log: A's loss in the same units
+            total = torch.as_tensor(self._attendout_loss_sum).detach().clone()
+            all_reduce_mean_([total])  # like the Trainer's "loss": averaged over workers
+            logs["attendout_attacker_loss"] = float(total) / self._attendout_loss_updates
+            self._attendout_loss_sum, self._attendout_loss_updates = 0.0, 0
+            if self.attendout_scaler is not None:
+                logs["attendout_attacker_overflows"] = self._attendout_overflows
+                self._attendout_overflows = 0
+        return super().log(logs, *args, **kwargs)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def attendout_state_dict(self) -> Dict[str, object]:
+        return {
+            "attacker": self.attendout_attacker.state_dict(),
+            "attacker_optimizer": self.attendout_optimizer.state_dict(),
+            "game": self.attendout_game.state_dict(),
+            **({"attacker_scaler": self.attendout_scaler.state_dict()} if self.attendout_scaler is not None else {}),
+        }
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.attendout_attacker is None or self.args.save_only_model:
+            return
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            torch.save(self.attendout_state_dict(), os.path.join(folder, ATTENDOUT_STATE))
+        if is_distributed():  # each worker caches its own batches
+            torch.save(self.attendout_game.state_dict(), os.path.join(folder, f"attendout_game_rank{rank()}.pt"))
+
+    def _attendout_load(self, folder: str) -> None:
+        path = os.path.join(folder, ATTENDOUT_STATE)
+        if not os.path.isfile(path):
+            logger.warning(f"{folder} has no {ATTENDOUT_STATE}: AttendOut starts a new game from the loaded model "
+                           "(Attacker = Defender, fresh generator)")
+            return
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.attendout_attacker.load_state_dict(state["attacker"])
+        self.attendout_optimizer.load_state_dict(state["attacker_optimizer"])
+        if self.attendout_scaler is not None and "attacker_scaler" in state:
+            self.attendout_scaler.load_state_dict(state["attacker_scaler"])
+        game = state["game"]
+        if is_distributed():
+            mine = os.path.join(folder, f"attendout_game_rank{rank()}.pt")
+            if os.path.isfile(mine):
+                game = torch.load(mine, map_location="cpu", weights_only=True)
+        self.attendout_game.load_state_dict(game)
+
+
+class AttendOutTrainer(AttendOutTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with AttendOut; keywords ``attendout: AttendOutConfig``, ``attendout_log_file``."""
+
+
+class AttendOutSeq2SeqTrainer(AttendOutTrainerMixin, transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` with AttendOut; keywords ``attendout: AttendOutConfig``, ``attendout_log_file``."""

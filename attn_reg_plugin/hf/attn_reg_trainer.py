@@ -1,0 +1,100 @@
+"""Scheduled attention dropout and attention LayerDrop for transformers' Trainer.
+
+:class:`AttnRegTrainer` / :class:`AttnRegSeq2SeqTrainer` add scheduled Bernoulli attention
+dropout (probability a piecewise-linear function of ``state.global_step``) or attention
+LayerDrop to the training forward; evaluation and generation are untouched.
+
+Same semantics as the fairseq task options ``--attn-sched-dropout-*`` and ``--attn-layerdrop-*``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+import transformers
+
+from ..core.controller import RegularizationController
+from ..core.options import one_regularizer
+from ..core.schedules import (
+    AttentionLayerDrop,
+    AttentionLayerDropConfig,
+    ScheduledAttentionDropout,
+    ScheduledDropoutConfig,
+    skipped_layers,
+)
+from .attention import install_attention_sites
+from .training_configurations import layerdrop_flag, model_argument, refuse_unsupported, sched_dropout_flag, training_arguments
+
+
+class AttnRegTrainerMixin:
+    """Scheduled Bernoulli attention dropout or attention LayerDrop around the training forward."""
+
+    def __init__(self, *args, scheduled_dropout: Optional[ScheduledDropoutConfig] = None,
+                 layerdrop: Optional[AttentionLayerDropConfig] = None, **kwargs):
+        if scheduled_dropout is not None and not isinstance(scheduled_dropout, ScheduledDropoutConfig):
+            raise TypeError(f"scheduled_dropout must be a ScheduledDropoutConfig, got {type(scheduled_dropout).__name__}")
+        if layerdrop is not None and not isinstance(layerdrop, AttentionLayerDropConfig):
+            raise TypeError(f"layerdrop must be an AttentionLayerDropConfig, got {type(layerdrop).__name__}")
+        if scheduled_dropout is None and layerdrop is None:
+            raise ValueError("AttnRegTrainer needs scheduled_dropout=ScheduledDropoutConfig(...) or layerdrop=AttentionLayerDropConfig(...)")
+        if scheduled_dropout is not None:
+            scheduled_dropout.validate(sched_dropout_flag)
+        if layerdrop is not None:
+            layerdrop.validate(layerdrop_flag)
+        one_regularizer([name for name, on in ((sched_dropout_flag("schedule"), scheduled_dropout is not None),
+                                               (layerdrop_flag("p"), layerdrop is not None and layerdrop.enabled)) if on])
+        model = model_argument("AttnRegTrainer", args, kwargs)
+        refuse_unsupported("AttnRegTrainer", training_arguments(args, kwargs), model=model)
+        # Before the Trainer's own setup: bad layers / kinds fail first.
+        self.attn_reg_controller = RegularizationController()
+        install_attention_sites(model, self.attn_reg_controller)
+        self.attn_reg_scheduled_dropout = (
+            ScheduledAttentionDropout(scheduled_dropout, self.attn_reg_controller, flag=sched_dropout_flag)
+            if scheduled_dropout is not None else None
+        )
+        self.attn_reg_layerdrop = (
+            AttentionLayerDrop(layerdrop, self.attn_reg_controller, flag=layerdrop_flag)
+            if self.attn_reg_scheduled_dropout is None else None
+        )
+        self._attn_reg_reset()
+        super().__init__(*args, **kwargs)
+
+    def _attn_reg_reset(self) -> None:
+        # dropped / valid units, or skipped / selected layer passes; tensors, so that a compiled
+        # model adds to them without a guard on their value
+        self._attn_reg_counts: List[Any] = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not (model.training and torch.is_grad_enabled()):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if self.attn_reg_scheduled_dropout is not None:
+            # Every micro-batch of an update uses that update's probability.
+            hooks = self.attn_reg_scheduled_dropout.hooks(self.state.global_step, stats=self._attn_reg_counts)
+        else:
+            hooks = self.attn_reg_layerdrop.hooks()
+            self._attn_reg_counts[0] += skipped_layers(hooks)
+            self._attn_reg_counts[1] += len(hooks)
+        with self.attn_reg_controller.hooks(hooks):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs:  # a training log
+            dropped, total = (int(c) for c in self._attn_reg_counts)
+            rate = dropped / total if total else 0.0
+            if self.attn_reg_scheduled_dropout is not None:
+                logs["attn_sched_dropout_rate"] = round(rate, 6)  # measured over the interval's real units
+                last_update = max(self.state.global_step - 1, 0)  # the interval's last update
+                for layer, p in self.attn_reg_scheduled_dropout.probabilities(last_update).items():
+                    logs[f"attn_sched_dropout_p_layer{layer}"] = round(p, 6)
+            else:
+                logs["attn_layerdrop_rate"] = round(rate, 6)  # fraction of selected layer passes skipped
+            self._attn_reg_reset()
+        return super().log(logs, *args, **kwargs)
+
+
+class AttnRegTrainer(AttnRegTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with ``scheduled_dropout=ScheduledDropoutConfig`` or ``layerdrop=AttentionLayerDropConfig``."""
+
+
+class AttnRegSeq2SeqTrainer(AttnRegTrainerMixin, transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` with ``scheduled_dropout`` or ``layerdrop``."""
