@@ -105,6 +105,15 @@ def cpu_fp16(trainer):
     return trainer
 
 
+def classifier_rows(n, seed):
+    """``n`` training rows for ``tiny_bert_classifier``: 6 random token ids in [3, 50) each (seeded),
+    labels alternating 0, 1."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, 50, (6,), generator=g), "labels": torch.tensor(i % 2)} for i in range(n)]
+
+
 MOVIE_REVIEWS_TINY = REPO / "tests" / "data" / "movie_reviews_tiny.jsonl"
 
 # The smallest RoBERTa fairseq builds (randomly initialised); the longest tiny review is

@@ -15,22 +15,17 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.schedules import AttentionLayerDropConfig, ScheduledDropoutConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import REPO, tiny_bert_classifier
+from conftest import REPO, classifier_rows, tiny_bert_classifier
 
 STEPS = 8
 WARM_UP = 3  # AttendOut's first held-out evaluation (T = 2) compiles the eval graphs at step 2
-
-
-def _rows(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(3, 50, (6,), generator=g), "labels": torch.tensor(i % 2)} for i in range(n)]
 
 
 # name -> (trainer builder, the log key that shows the regularizer acting)
 TRAINERS = {
     "ad-drop": (lambda common: ADDropTrainer(**common, ad_drop=ADDropConfig(p=0.3, q=0.5, schedule="always")),
                 "ad_drop_rate"),
-    "attendout": (lambda common: AttendOutTrainer(**common, eval_dataset=_rows(4, 2),
+    "attendout": (lambda common: AttendOutTrainer(**common, eval_dataset=classifier_rows(4, 2),
                                                   attendout=AttendOutConfig(dropout_step=2)),
                   "attendout_attacker_loss"),
     # The probability changes at every update: as a Python float it would recompile every step.
@@ -60,7 +55,7 @@ def _train(tmp_path, name, compiled, backend="aot_eager", cuda=False):
         output_dir=str(tmp_path / name), use_cpu=not cuda, report_to=[], max_steps=STEPS, per_device_train_batch_size=4,
         logging_steps=1, save_strategy="no", seed=7, **extra)
     build, key = TRAINERS[name]
-    trainer = build(dict(model=tiny_bert_classifier(hidden_dropout_prob=0.1), args=args, train_dataset=_rows(32, 1)))
+    trainer = build(dict(model=tiny_bert_classifier(hidden_dropout_prob=0.1), args=args, train_dataset=classifier_rows(32, 1)))
     graphs = _GraphCount()
     trainer.add_callback(graphs)
     trainer.train()

@@ -17,7 +17,8 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import PLUGIN_DIR, TINY_TRANSFORMER, cpu_fp16, run_cli, tiny_bert_classifier, train_updates
+from conftest import (PLUGIN_DIR, TINY_TRANSFORMER, classifier_rows, cpu_fp16, run_cli, tiny_bert_classifier,
+                      train_updates)
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.cuda.is_available()
@@ -67,14 +68,9 @@ def test_fairseq_precision(tiny_mt_data, tmp_path, regularizer, precision):
 
 
 # -- Hugging Face ----------------------------------------------------------------------------------
-def _rows(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(3, 50, (6,), generator=g), "labels": torch.tensor(i % 2)} for i in range(n)]
-
-
 HF_REGULARIZER = {
     "ad-drop": (lambda common: ADDropTrainer(**common, ad_drop=ADDropConfig(schedule="always")), "ad_drop_rate"),
-    "attendout": (lambda common: AttendOutTrainer(**common, eval_dataset=_rows(4, 2),
+    "attendout": (lambda common: AttendOutTrainer(**common, eval_dataset=classifier_rows(4, 2),
                                                   attendout=AttendOutConfig(dropout_step=2)), "attendout_attacker_loss"),
     "layerdrop": (lambda common: AttnRegTrainer(**common, layerdrop=AttentionLayerDropConfig(p=0.5)),
                   "attn_layerdrop_rate"),
@@ -89,7 +85,7 @@ def test_hf_precision(tmp_path, regularizer, precision):
         output_dir=str(tmp_path), use_cpu=not CUDA, report_to=[], max_steps=4, per_device_train_batch_size=4,
         logging_steps=1, save_strategy="no", **{precision: True})
     build, key = HF_REGULARIZER[regularizer]
-    trainer = build(dict(model=model, args=args, train_dataset=_rows(16, 1)))
+    trainer = build(dict(model=model, args=args, train_dataset=classifier_rows(16, 1)))
     if precision == "fp16" and not CUDA:
         cpu_fp16(trainer)  # the Trainer's fp16 path (autocast, loss scaler) on CPU, see conftest
     trainer.train()

@@ -15,8 +15,8 @@ from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
 from attn_reg_plugin.fairseq_plugin.attendout import stepped_tensors
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import (PLUGIN_DIR, REPO, TINY_TRANSFORMER, cpu_fp16, fairseq_in_process, fairseq_setup, run_cli,
-                      tiny_bert_classifier)
+from conftest import (PLUGIN_DIR, REPO, TINY_TRANSFORMER, classifier_rows, cpu_fp16, fairseq_in_process, fairseq_setup,
+                      run_cli, tiny_bert_classifier)
 
 DOC = (REPO / "docs" / "CONFIGURATIONS.md").read_text(encoding="utf-8")
 
@@ -150,11 +150,6 @@ def test_fairseq_attendout_fp16_overflow_semantics(tiny_mt_data):
 
 
 # -- HF AttendOut in fp16: each network has its own loss scaler ------------------------------------
-def _hf_rows(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(3, 50, (6,), generator=g), "labels": torch.tensor(i % 2)} for i in range(n)]
-
-
 class _AtStep(transformers.TrainerCallback):
     """Runs ``action(trainer)`` at the end of update ``step`` and keeps both networks' parameters then."""
 
@@ -172,8 +167,8 @@ def _fp16_attendout(tmp_path, steps):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=steps,
                                           per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
                                           fp16=True, max_grad_norm=1.0)
-    return cpu_fp16(AttendOutTrainer(model=tiny_bert_classifier(), args=args, train_dataset=_hf_rows(16, 1),
-                                     eval_dataset=_hf_rows(4, 2), attendout=AttendOutConfig(dropout_step=3)))
+    return cpu_fp16(AttendOutTrainer(model=tiny_bert_classifier(), args=args, train_dataset=classifier_rows(16, 1),
+                                     eval_dataset=classifier_rows(4, 2), attendout=AttendOutConfig(dropout_step=3)))
 
 
 def _changed(a, b):

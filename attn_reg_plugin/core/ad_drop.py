@@ -18,7 +18,7 @@ from .attention import CaptureOutput, CaptureProbs, EditScores
 from .checkpointing import activation_checkpointing_paused
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES, GradientScale, gradient_attribution, probs_gradient
 from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
-from .options import config_from_namespace, option
+from .options import config_from_namespace, flag_name, option
 from .masks import ad_drop_masks
 
 SCHEDULES = ("cross-tuning", "always")
@@ -28,7 +28,7 @@ Target = Callable[[object, Optional[torch.Tensor]], Tuple[torch.Tensor, torch.Te
 
 
 def _default_flag(name: str) -> str:
-    return "--ad-drop-" + name.replace("_", "-")
+    return flag_name("--ad-drop-", name)
 
 
 @dataclass

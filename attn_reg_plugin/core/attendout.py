@@ -39,11 +39,11 @@ from torch import nn
 from .attention import EditScores
 from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
 from .distributed import all_reduce_mean_
-from .options import config_from_namespace, option
+from .options import config_from_namespace, flag_name, option
 
 
 def _flag(name: str) -> str:
-    return "--attendout-" + name.replace("_", "-")
+    return flag_name("--attendout-", name)
 
 
 # Which token stream the generator reads for each attention kind: (query stream, key stream).

@@ -21,17 +21,17 @@ import torch
 
 from .attention import EditScores
 from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
-from .options import config_from_namespace, option
+from .options import config_from_namespace, flag_name, option
 
 Schedule = List[Tuple[int, float]]  # (update, drop probability) knots, updates increasing
 
 
 def _sched_flag(name: str) -> str:
-    return "--attn-sched-dropout-" + name.replace("_", "-")
+    return flag_name("--attn-sched-dropout-", name)
 
 
 def _layerdrop_flag(name: str) -> str:
-    return "--attn-layerdrop-" + name.replace("_", "-")
+    return flag_name("--attn-layerdrop-", name)
 
 
 def _check_probability(value, option: str) -> float:
