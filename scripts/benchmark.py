@@ -153,7 +153,7 @@ def attendout_builders() -> Dict[str, Builder]:
 
 
 def sched_dropout_builders() -> Dict[str, Builder]:
-    from attn_reg_plugin.core.schedules import ScheduledDropoutConfig
+    from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 
     config = ScheduledDropoutConfig(schedule="0:0.3,10000:0.1", attention="encoder-self")
     return {"fairseq": lambda b, w: b.scheduled_dropout_step(config, w),
@@ -161,7 +161,7 @@ def sched_dropout_builders() -> Dict[str, Builder]:
 
 
 def layerdrop_builders() -> Dict[str, Builder]:
-    from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
+    from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 
     config = AttentionLayerDropConfig(p=0.2, attention="encoder-self")
     return {"fairseq": lambda b, w: b.layerdrop_step(config, w), "hf": lambda b, w: b.attn_reg_step(w, layerdrop=config)}
@@ -627,13 +627,13 @@ class FairseqBench:
         return step
 
     def scheduled_dropout_step(self, config, batch: str) -> Step:
-        from attn_reg_plugin.core.schedules import ScheduledAttentionDropout
+        from attn_reg_plugin.core.scheduled_dropout import ScheduledAttentionDropout
 
         return self.task_regularizer_step("attn_reg_scheduled_dropout",
                                           ScheduledAttentionDropout(config, self.task.attn_reg_controller), batch)
 
     def layerdrop_step(self, config, batch: str) -> Step:
-        from attn_reg_plugin.core.schedules import AttentionLayerDrop
+        from attn_reg_plugin.core.layerdrop import AttentionLayerDrop
 
         return self.task_regularizer_step("attn_reg_layerdrop", AttentionLayerDrop(config, self.task.attn_reg_controller), batch)
 
@@ -810,9 +810,10 @@ class HFBench:
 
     def ad_drop_step(self, config, epoch: int, batch: str) -> Step:
         from attn_reg_plugin.core.ad_drop import ADDrop
+        from attn_reg_plugin.core.options import named_by_field
 
         trainer = self.ad_trainer
-        ad_drop = ADDrop(config, trainer.ad_drop_controller, flag=lambda name: f"ADDropConfig.{name}")
+        ad_drop = ADDrop(named_by_field(config), trainer.ad_drop_controller)
         step = self.train_step(trainer, epoch=epoch, batch=batch)
         step.state = lambda: self.attention_sites(trainer.ad_drop_sites)
         inner_prepare = step.prepare

@@ -167,7 +167,7 @@ def _ad_drop_arguments(parser: argparse.ArgumentParser) -> None:
     from attn_reg_plugin.core.options import add_arguments
 
     group = parser.add_argument_group("ad-drop", "AD-DROP options (attn_reg_plugin ADDropConfig fields)")
-    add_arguments(group, ADDropConfig, "--ad-drop-", only=("p", "q", "layers", "attribution", "schedule"),
+    add_arguments(group, ADDropConfig, only=("p", "q", "layers", "attribution", "schedule"),
                   defaults={"p": 0.3, "q": 0.3})
 
 
@@ -189,7 +189,7 @@ def _attendout_arguments(parser: argparse.ArgumentParser) -> None:
     from attn_reg_plugin.core.options import add_arguments
 
     group = parser.add_argument_group("attendout", "AttendOut options (attn_reg_plugin AttendOutConfig fields)")
-    add_arguments(group, AttendOutConfig, "--attendout-", only=("dropout_step", "init_drop", "lr", "layers"),
+    add_arguments(group, AttendOutConfig, only=("dropout_step", "init_drop", "lr", "layers"),
                   defaults={"dropout_step": 4})
 
 

@@ -159,14 +159,14 @@ def _attendout_trainer(model, args, fields):
 
 
 def _sched_dropout_trainer(model, args, fields):
-    from attn_reg_plugin.core.schedules import ScheduledDropoutConfig
+    from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
     from attn_reg_plugin.hf import AttnRegTrainer
 
     return AttnRegTrainer(model=model, args=args, scheduled_dropout=ScheduledDropoutConfig(**{"schedule": "0:0.3", **fields}))
 
 
 def _layerdrop_trainer(model, args, fields):
-    from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
+    from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
     from attn_reg_plugin.hf import AttnRegTrainer
 
     return AttnRegTrainer(model=model, args=args, layerdrop=AttentionLayerDropConfig(**{"p": 0.2, **fields}))

@@ -13,7 +13,8 @@ from torch._dynamo.utils import counters
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.schedules import AttentionLayerDropConfig, ScheduledDropoutConfig
+from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from conftest import REPO, classifier_rows, tiny_bert_classifier
 

@@ -18,15 +18,8 @@ from attn_reg_plugin.core.attendout import (
 )
 from attn_reg_plugin.core.attention import EditScores, attend
 from attn_reg_plugin.core.controller import RegularizationController
-from attn_reg_plugin.core.schedules import (
-    AttentionLayerDrop,
-    AttentionLayerDropConfig,
-    ScheduledAttentionDropout,
-    ScheduledDropoutConfig,
-    parse_schedules,
-    schedule_value,
-    skipped_layers,
-)
+from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig, skipped_layers
+from attn_reg_plugin.core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig, parse_schedules, schedule_value
 
 
 def _controller(kinds_layers):

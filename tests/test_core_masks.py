@@ -574,9 +574,14 @@ def test_config_errors_name_their_flag(field, value, flag):
     assert flag in str(e.value)
 
 
-def test_config_custom_flag_spelling():
-    with pytest.raises(ValueError, match="ad_drop_q"):
-        ADDropConfig(q=2.0).validate(flag=lambda n: "ad_drop_" + n)
+def test_config_marked_by_a_python_api_names_its_fields():
+    from attn_reg_plugin.core.options import named_by_field
+
+    with pytest.raises(ValueError, match=r"^ADDropConfig\.q must be in the open interval"):
+        named_by_field(ADDropConfig(q=2.0)).validate()
+    with pytest.raises(ValueError, match=r"^ADDropConfig\.layers: layer 5 does not exist"):
+        ADDrop(named_by_field(ADDropConfig(layers="5")), _controller(n_enc=2))
+    assert named_by_field(ADDropConfig(q=0.3)) == ADDropConfig(q=0.3)  # the mark is not a field
 
 
 def test_config_from_namespace():

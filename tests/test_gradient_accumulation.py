@@ -9,11 +9,11 @@ import pytest
 import torch
 import transformers
 
-from attn_reg_plugin.core import attendout as core_attendout
+from attn_reg_plugin.core.attendout import game as core_attendout
 from attn_reg_plugin.core import masks as core_masks
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
+from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from conftest import TINY_TRANSFORMER, fairseq_in_process, tiny_bert_classifier
 

@@ -11,7 +11,8 @@ import transformers
 from transformers import BertConfig, BertForSequenceClassification, MarianConfig, MarianMTModel, TrainerCallback
 
 from attn_reg_plugin.core.attendout import AttendOut, AttendOutConfig
-from attn_reg_plugin.core.schedules import AttentionLayerDropConfig, ScheduledDropoutConfig, schedule_value
+from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig, schedule_value
 from attn_reg_plugin.hf import (
     AttendOutSeq2SeqTrainer,
     AttendOutTrainer,
@@ -231,7 +232,7 @@ def test_drop_probability_logged(tmp_path):
 def test_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
     """CPU determinism: the same seed gives the same Generator masks, rewards, losses and weights;
     another seed gives other masks."""
-    from attn_reg_plugin.core import attendout as attendout_module
+    from attn_reg_plugin.core.attendout import game as attendout_module
 
     masks = record_results(monkeypatch, attendout_module, "gumbel_drops")
     runs = []

@@ -14,7 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, MarianConfig, MarianM
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.schedules import AttentionLayerDropConfig, ScheduledDropoutConfig
+from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import (
     ADDropSeq2SeqTrainer,
     ADDropTrainer,

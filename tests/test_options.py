@@ -8,7 +8,8 @@ import pytest
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.options import add_arguments, options_of
-from attn_reg_plugin.core.schedules import AttentionLayerDropConfig, ScheduledDropoutConfig
+from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 
 CONFIGS = [(ADDropConfig, "ad_drop_"), (AttendOutConfig, "attendout_"), (ScheduledDropoutConfig, "attn_sched_dropout_"),
            (AttentionLayerDropConfig, "attn_layerdrop_")]

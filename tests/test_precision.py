@@ -15,7 +15,7 @@ import transformers
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
+from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from conftest import (PLUGIN_DIR, TINY_TRANSFORMER, classifier_rows, cpu_fp16, run_cli, tiny_bert_classifier,
                       train_updates)

@@ -12,7 +12,7 @@ import transformers
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.attribution import logit_target
-from attn_reg_plugin.core.schedules import AttentionLayerDropConfig
+from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.fairseq_plugin.attendout import stepped_tensors
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from conftest import (PLUGIN_DIR, REPO, TINY_TRANSFORMER, classifier_rows, cpu_fp16, fairseq_in_process, fairseq_setup,

@@ -18,7 +18,7 @@ from .attention import CaptureOutput, CaptureProbs, EditScores
 from .checkpointing import activation_checkpointing_paused
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES, GradientScale, gradient_attribution, probs_gradient
 from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
-from .options import config_from_namespace, flag_name, option
+from .options import config_from_namespace, option, option_name
 from .masks import ad_drop_masks
 
 SCHEDULES = ("cross-tuning", "always")
@@ -27,13 +27,11 @@ SCHEDULES = ("cross-tuning", "always")
 Target = Callable[[object, Optional[torch.Tensor]], Tuple[torch.Tensor, torch.Tensor]]
 
 
-def _default_flag(name: str) -> str:
-    return flag_name("--ad-drop-", name)
-
-
 @dataclass
 class ADDropConfig:
     """AD-DROP's options; the fairseq flags are these names prefixed with ``--ad-drop-``."""
+
+    FLAG_PREFIX = "--ad-drop-"
 
     p: float = option(0.2, "candidate region: the top ceil(p*n) of each query row's n real keys by attribution, "
                            "p in (0, 1)")
@@ -45,8 +43,11 @@ class ADDropConfig:
     labels: str = option("pseudo", "attribution target labels: pseudo (pass-1 argmax, the paper) or gold (ablation)")
     schedule: str = option("cross-tuning", "cross-tuning (AD-DROP on even 1-based epochs) or always")
 
-    def validate(self, flag: Callable[[str], str] = _default_flag) -> "ADDropConfig":
-        """Check every option; the error names the option as the user spelled it (``flag``)."""
+    def validate(self) -> "ADDropConfig":
+        """Check every option; the error names the option as the user spelled it (core.options.option_name)."""
+        def flag(name: str) -> str:
+            return option_name(self, name)
+
         for name in ("p", "q"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (0.0 < float(value) < 1.0) or math.isnan(value):
@@ -64,8 +65,8 @@ class ADDropConfig:
         return self
 
     @classmethod
-    def from_namespace(cls, ns, prefix: str = "ad_drop_") -> "ADDropConfig":
-        """Build from an object carrying ``prefix + field`` attributes (fairseq's cfg)."""
+    def from_namespace(cls, ns, prefix: Optional[str] = None) -> "ADDropConfig":
+        """Build from an object carrying ``ad_drop_<field>`` attributes (fairseq's cfg)."""
         return config_from_namespace(cls, ns, prefix)
 
 
@@ -132,8 +133,12 @@ def frozen_parameters(module: Optional[torch.nn.Module]) -> Iterator[None]:
 class ADDrop:
     """Runs AD-DROP steps on the attention sites of one model."""
 
-    def __init__(self, config: ADDropConfig, controller: RegularizationController, flag: Callable[[str], str] = _default_flag):
-        self.config = config.validate(flag)
+    def __init__(self, config: ADDropConfig, controller: RegularizationController):
+        self.config = config.validate()
+
+        def flag(name: str) -> str:
+            return option_name(config, name)
+
         self.controller = controller
         # fp16 attribution backwards are scaled so small gradients do not flush to zero.
         self.gradient_scale: Optional[GradientScale] = GradientScale()

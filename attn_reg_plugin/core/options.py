@@ -5,11 +5,17 @@ The config dataclasses (``ADDropConfig``, ``AttendOutConfig``, ``ScheduledDropou
 help. Everything else is generated from them: the fairseq flags (``--ad-drop-p`` …, see
 ``fairseq_plugin.options``) and the argparse options of the example and experiment runners
 (:func:`add_arguments`). Validation stays in each config's ``validate``.
+
+Each config class names its flag prefix once (``FLAG_PREFIX = "--ad-drop-"``). Errors name an
+option as the user spelled it: the flag (``--ad-drop-p``) by default, which is how the fairseq
+CLI and the runners spell it; ``ADDropConfig.p`` for a config handed to a Python API that marks
+it with :func:`named_by_field` (the Hugging Face trainers do). No spelling is passed around.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import typing
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
@@ -37,11 +43,36 @@ def flag_name(prefix: str, name: str) -> str:
     return prefix + name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser, config_cls, prefix: str, only: Optional[Iterable[str]] = None,
+def option_name(config, name: str) -> str:
+    """How errors name option ``name`` of ``config``: its flag, or its field after :func:`named_by_field`."""
+    if getattr(config, "_named_by_field", False):
+        return f"{type(config).__name__}.{name}"
+    return flag_name(config.FLAG_PREFIX, name)
+
+
+def named_by_field(config):
+    """Mark ``config`` so that its errors name fields (``ADDropConfig.p``), as a Python caller wrote them."""
+    config._named_by_field = True  # a plain attribute: not a dataclass field, so not compared or serialised
+    return config
+
+
+def attribute_prefix(config_cls) -> str:
+    """``--ad-drop-`` -> ``ad_drop_``: the prefix of the config's fields in fairseq's cfg and in parsed args."""
+    return config_cls.FLAG_PREFIX[2:].replace("-", "_")
+
+
+def check_probability(value, option: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{option} must be a probability in [0, 1], got {value!r}")
+    return float(value)
+
+
+def add_arguments(parser: argparse.ArgumentParser, config_cls, prefix: Optional[str] = None, only: Optional[Iterable[str]] = None,
                   defaults: Optional[Dict[str, Any]] = None) -> None:
     """Add ``prefix + field`` options for the fields of ``config_cls`` (all, or ``only``) to an
     argparse parser or group; ``defaults`` overrides a runner's defaults, the help is the field's."""
     defaults = defaults or {}
+    prefix = config_cls.FLAG_PREFIX if prefix is None else prefix
     wanted = None if only is None else list(only)
     by_name = {o.name: o for o in options_of(config_cls)}
     unknown = [] if wanted is None else [n for n in wanted if n not in by_name]
@@ -56,9 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser, config_cls, prefix: str, only
             parser.add_argument(flag_name(prefix, opt.name), type=opt.type, default=default, help=text)
 
 
-def config_from_namespace(config_cls, ns, prefix: str):
+def config_from_namespace(config_cls, ns, prefix: Optional[str] = None):
     """A config from an object carrying ``prefix + field`` attributes (fairseq's cfg, parsed
-    arguments with ``prefix`` like ``"ad_drop_"``); fields the object lacks keep their defaults."""
+    arguments; ``prefix`` defaults to :func:`attribute_prefix`); fields the object lacks keep their defaults."""
+    prefix = attribute_prefix(config_cls) if prefix is None else prefix
     return config_cls(**{f.name: getattr(ns, prefix + f.name) for f in dataclasses.fields(config_cls)
                          if hasattr(ns, prefix + f.name)})
 

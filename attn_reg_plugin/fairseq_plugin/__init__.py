@@ -1,3 +1,16 @@
-"""fairseq parts of attn_reg_plugin: tasks, criterions, attention module, safe loading."""
+"""fairseq parts of attn_reg_plugin, one file per registered name (as fairseq's own user-dir examples).
+
+Tasks: ``attn_reg_translation``, ``attn_reg_sentence_prediction`` (shared part: ``attn_reg_task``).
+Criterions: ``ad_drop_label_smoothed_cross_entropy``, ``ad_drop_sentence_prediction`` (shared
+part: ``ad_drop_criterion``). Also the attention module (``attention``), AttendOut's Attacker
+driver (``attendout``), the option dataclasses generated from the core configs (``options``) and
+safe checkpoint loading (``safe_load``).
+"""
 from . import safe_load  # noqa: F401  (allow-lists fairseq's pickled checkpoint globals)
-from . import attention, criterions, tasks  # noqa: F401  (registration side effects)
+from . import (  # noqa: F401  (registration side effects)
+    ad_drop_label_smoothed_cross_entropy,
+    ad_drop_sentence_prediction,
+    attention,
+    attn_reg_sentence_prediction,
+    attn_reg_translation,
+)

@@ -37,13 +37,14 @@ from ..core.attendout import (
     AttendOutConfig,
     DropProbabilityLog,
     Generator,
+    build_attacker,
     copy_model_state,
     copy_optimizer_state,
+    end_dropout_step,
 )
 from ..core.ad_drop import bare_module
 from ..core.controller import RegularizationController
 from ..core.distributed import is_distributed, rank
-from ..core.duel import build_attacker, end_dropout_step
 from .attention import install_attention_sites
 
 logger = logging.getLogger(__name__)

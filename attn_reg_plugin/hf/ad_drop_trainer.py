@@ -15,7 +15,8 @@ from ..core.attribution import logit_target, regression_target, token_loss_targe
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_sum_
 from .attention import install_attention_sites
-from .training_configurations import ad_drop_flag, model_argument, refuse_unsupported, training_arguments
+from ..core.options import named_by_field
+from .training_configurations import model_argument, refuse_unsupported, training_arguments
 
 
 def decoder_input_ids_from_labels(model, labels: torch.Tensor) -> torch.Tensor:
@@ -34,13 +35,13 @@ class ADDropTrainerMixin:
     def __init__(self, *args, ad_drop: ADDropConfig, **kwargs):
         if not isinstance(ad_drop, ADDropConfig):
             raise TypeError(f"ad_drop must be an ADDropConfig, got {type(ad_drop).__name__}")
-        ad_drop.validate(ad_drop_flag)
+        named_by_field(ad_drop).validate()
         model = model_argument("ADDropTrainer", args, kwargs)
         refuse_unsupported("ADDropTrainer", training_arguments(args, kwargs), model=model)
         # Before the Trainer's own setup, so bad layers / kinds fail before anything else happens.
         self.ad_drop_controller = RegularizationController()
         self.ad_drop_sites = install_attention_sites(model, self.ad_drop_controller)
-        self.ad_drop = ADDrop(ad_drop, self.ad_drop_controller, flag=ad_drop_flag)
+        self.ad_drop = ADDrop(ad_drop, self.ad_drop_controller)
         self._ad_drop_reset()
         super().__init__(*args, **kwargs)
 

@@ -1,7 +1,7 @@
 """AttendOut for transformers' Trainer: :class:`AttendOutTrainer`, :class:`AttendOutSeq2SeqTrainer`.
 
 Same semantics as the fairseq task option ``--attendout``; the science is in
-``attn_reg_plugin.core`` (the game in ``core.attendout``, the duel's shared steps in ``core.duel``).
+``attn_reg_plugin.core`` (the game and the duel's shared steps in ``core.attendout``).
 
 * the Defender D is the Trainer's model, trained exactly as the Trainer trains it (regular
   dropout, the Trainer's loss, optimizer, scheduler and ``max_grad_norm`` clipping);
@@ -39,13 +39,16 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..core.ad_drop import bare_module
-from ..core.attendout import AttendOut, AttendOutConfig, DropProbabilityLog, Generator, copy_model_state, copy_optimizer_state
+from ..core.attendout import (
+    AttendOut, AttendOutConfig, DropProbabilityLog, Generator, build_attacker, copy_model_state, copy_optimizer_state,
+    end_dropout_step,
+)
+from ..core.options import named_by_field, option_name
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_mean_, from_rank0, is_distributed, rank
-from ..core.duel import build_attacker, end_dropout_step
 from .ad_drop_trainer import decoder_input_ids_from_labels
 from .attention import install_attention_sites
-from .training_configurations import attendout_flag, model_argument, refuse_unsupported, training_arguments
+from .training_configurations import model_argument, refuse_unsupported, training_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +104,7 @@ class AttendOutTrainerMixin:
     def __init__(self, *args, attendout: AttendOutConfig, attendout_log_file: Optional[str] = None, **kwargs):
         if not isinstance(attendout, AttendOutConfig):
             raise TypeError(f"attendout must be an AttendOutConfig, got {type(attendout).__name__}")
-        attendout.validate(attendout_flag)
+        named_by_field(attendout).validate()
         model = model_argument("AttendOutTrainer", args, kwargs)
         refuse_unsupported("AttendOutTrainer", training_arguments(args, kwargs), model=model)
         super().__init__(*args, **kwargs)
@@ -125,10 +128,10 @@ class AttendOutTrainerMixin:
                 attendout.init_drop, attendout.temperature, share_streams=shared,
             )
         # Selecting the sites now checks kinds and layers against the model, before training.
-        probe = AttendOut(attendout, self.attendout_defender_controller, self.attendout_generator, flag=attendout_flag)
+        probe = AttendOut(attendout, self.attendout_defender_controller, self.attendout_generator)
         if not self._attendout_encoder_decoder and any(s.kind != "encoder-self" for s in probe.sites):
             raise ValueError(
-                f"{attendout_flag('attention')}: AttendOutTrainer supports encoder models (encoder-self) and "
+                f"{option_name(attendout, 'attention')}: AttendOutTrainer supports encoder models (encoder-self) and "
                 "encoder-decoder models; this model is neither"
             )
         self.attendout_attacker: Optional[torch.nn.Module] = None
@@ -200,7 +203,7 @@ class AttendOutTrainerMixin:
                 # the graph does not change from one batch to the next.
                 attacker.compile(**self.accelerator.state.dynamo_plugin.to_kwargs())
             self.attendout_generator.to(next(defender.parameters()).device)
-            self.attendout_game = AttendOut(self.attendout_config, controller, self.attendout_generator, flag=attendout_flag)
+            self.attendout_game = AttendOut(self.attendout_config, controller, self.attendout_generator)
             self.attendout_optimizer = optimizer_like(self.optimizer, defender, attacker)
             self.attendout_attacker = attacker
             scaler = self.accelerator.scaler

@@ -14,16 +14,11 @@ import torch
 import transformers
 
 from ..core.controller import RegularizationController
-from ..core.options import one_regularizer
-from ..core.schedules import (
-    AttentionLayerDrop,
-    AttentionLayerDropConfig,
-    ScheduledAttentionDropout,
-    ScheduledDropoutConfig,
-    skipped_layers,
-)
+from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig, skipped_layers
+from ..core.options import named_by_field, one_regularizer, option_name
+from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attention import install_attention_sites
-from .training_configurations import layerdrop_flag, model_argument, refuse_unsupported, sched_dropout_flag, training_arguments
+from .training_configurations import model_argument, refuse_unsupported, training_arguments
 
 
 class AttnRegTrainerMixin:
@@ -38,22 +33,22 @@ class AttnRegTrainerMixin:
         if scheduled_dropout is None and layerdrop is None:
             raise ValueError("AttnRegTrainer needs scheduled_dropout=ScheduledDropoutConfig(...) or layerdrop=AttentionLayerDropConfig(...)")
         if scheduled_dropout is not None:
-            scheduled_dropout.validate(sched_dropout_flag)
+            named_by_field(scheduled_dropout).validate()
         if layerdrop is not None:
-            layerdrop.validate(layerdrop_flag)
-        one_regularizer([name for name, on in ((sched_dropout_flag("schedule"), scheduled_dropout is not None),
-                                               (layerdrop_flag("p"), layerdrop is not None and layerdrop.enabled)) if on])
+            named_by_field(layerdrop).validate()
+        one_regularizer([name for name, on in (("ScheduledDropoutConfig.schedule", scheduled_dropout is not None),
+                                               ("AttentionLayerDropConfig.p", layerdrop is not None and layerdrop.enabled)) if on])
         model = model_argument("AttnRegTrainer", args, kwargs)
         refuse_unsupported("AttnRegTrainer", training_arguments(args, kwargs), model=model)
         # Before the Trainer's own setup: bad layers / kinds fail first.
         self.attn_reg_controller = RegularizationController()
         install_attention_sites(model, self.attn_reg_controller)
         self.attn_reg_scheduled_dropout = (
-            ScheduledAttentionDropout(scheduled_dropout, self.attn_reg_controller, flag=sched_dropout_flag)
+            ScheduledAttentionDropout(scheduled_dropout, self.attn_reg_controller)
             if scheduled_dropout is not None else None
         )
         self.attn_reg_layerdrop = (
-            AttentionLayerDrop(layerdrop, self.attn_reg_controller, flag=layerdrop_flag)
+            AttentionLayerDrop(layerdrop, self.attn_reg_controller)
             if self.attn_reg_scheduled_dropout is None else None
         )
         self._attn_reg_reset()

@@ -2,12 +2,11 @@
 
 Checked on the TrainingArguments before ``Trainer.__init__`` runs, so a bad combination stops
 before any set-up or training. docs/CONFIGURATIONS.md lists every configuration and its status.
-Also the trainers' shared constructor helpers: the model argument, and how errors name a config
-field (``ADDropConfig.p``).
+Also the trainers' shared constructor helper for the model argument.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import transformers
@@ -40,19 +39,6 @@ def refuse_unsupported(who: str, args, model=None) -> None:
             "and the attribution pass and the Attacker copy are not sharded with them. Use DDP instead "
             "(torchrun, fsdp unset), with gradient_checkpointing=True to save memory."
         )
-
-
-def _field_flag(config_name: str) -> Callable[[str], str]:
-    def flag(name: str) -> str:
-        return f"{config_name}.{name}"
-
-    return flag
-
-
-ad_drop_flag = _field_flag("ADDropConfig")
-attendout_flag = _field_flag("AttendOutConfig")
-sched_dropout_flag = _field_flag("ScheduledDropoutConfig")
-layerdrop_flag = _field_flag("AttentionLayerDropConfig")
 
 
 def model_argument(who: str, args, kwargs) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """AttendOut's Defender/Attacker duel, the steps every framework runs the same way.
 
-The game itself (masks, REINFORCE, the survivor rule) is :class:`~attn_reg_plugin.core.attendout.AttendOut`.
+The game itself (masks, REINFORCE, the survivor rule) is :class:`~attn_reg_plugin.core.attendout.game.AttendOut`.
 Around it, an adapter (fairseq task, HF Trainer) owns the two networks, their optimizers and the
 training loop, and calls these functions for the parts that do not depend on the framework:
 building the Attacker, scoring both networks on the held-out samples, and ending a dropout step
@@ -15,9 +15,10 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from .attendout import AttendOut, per_sample_loss
-from .controller import RegularizationController
-from .distributed import from_rank0
+from ..controller import RegularizationController
+from ..distributed import from_rank0
+from .game import AttendOut
+from .heldout import per_sample_loss
 
 LogitsOf = Callable[[torch.nn.Module, object], Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
 

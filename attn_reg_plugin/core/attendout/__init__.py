@@ -1,0 +1,33 @@
+"""AttendOut (Wu, Zhao, Zhang): a learned score-dropout maker trained by a Defender/Attacker game.
+
+Framework-free pieces, one module per idea; adapters (fairseq task, HF Trainer) own the two
+networks and their optimizers and call into them:
+
+* :class:`Generator` (G-Net, paper Sec. 4.1): its own token and position embeddings, ONE
+  single-head attention whose parameters are shared by all layers, no feed-forward. The
+  layer-i attention scores, plus a shared bias and divided by the temperature, are the drop
+  logits of the Attacker's layer i; actions are sampled with the Gumbel-max trick, so a unit
+  is dropped with probability sigmoid(logit / temperature).
+* :mod:`.policy`: Gumbel sampling and the REINFORCE loss; :mod:`.heldout`: per-sample
+  held-out losses and the win rate; :mod:`.sync`: copying the survivor over the other network.
+* :class:`AttendOut` (:mod:`.game`): per training batch, the Attacker's masks (paper Eq. 3; a row whose every
+  real key is dropped attends uniformly, Eq. 4, done in the kernel); every T updates the
+  REINFORCE update of Eq. 5 with a moving-average baseline from per-sample rewards on T
+  held-out samples, and the probabilistic choice of the survivor that re-syncs both networks.
+* :mod:`.duel`: the Defender/Attacker steps every framework runs alike (build the Attacker,
+  score both on held-out batches, end a dropout step); :mod:`.log`: the JSONL log.
+"""
+from .config import AttendOutConfig
+from .duel import build_attacker, end_dropout_step, heldout_losses
+from .game import AttendOut
+from .generator import STREAMS_OF_KIND, Generator
+from .heldout import per_sample_loss, win_probability
+from .log import DropProbabilityLog
+from .policy import drop_log_prob, gumbel_drops, reinforce_loss
+from .sync import copy_model_state, copy_optimizer_state
+
+__all__ = [
+    "AttendOut", "AttendOutConfig", "DropProbabilityLog", "Generator", "STREAMS_OF_KIND", "build_attacker",
+    "copy_model_state", "copy_optimizer_state", "drop_log_prob", "end_dropout_step", "gumbel_drops",
+    "heldout_losses", "per_sample_loss", "reinforce_loss", "win_probability",
+]

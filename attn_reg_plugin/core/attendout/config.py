@@ -1,0 +1,55 @@
+"""AttendOut's options (``--attendout-*`` in fairseq, ``AttendOutConfig`` in Python)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ..controller import parse_kinds, parse_layers
+from ..options import config_from_namespace, option, option_name
+
+
+@dataclass
+class AttendOutConfig:
+    """AttendOut's options; the fairseq flags are these names prefixed with ``--attendout-``."""
+
+    FLAG_PREFIX = "--attendout-"
+
+    dropout_step: int = option(20, "T: updates per dropout step and held-out samples per evaluation, >= 1")
+    generator_dim: int = option(64, "generator width (embeddings and its single attention head), >= 1")
+    lr: float = option(1e-3, "generator Adam learning rate, > 0")
+    temperature: float = option(1.0, "Gumbel temperature: drop probability = sigmoid(logit / temperature), > 0")
+    baseline_decay: float = option(0.9, "moving-average baseline decay, in [0, 1)")
+    init_drop: float = option(0.2, "drop probability the generator starts from, in (0, 1)")
+    attention: str = option("encoder-self", "comma list of encoder-self, decoder-self, encoder-decoder")
+    layers: str = option("all", "'all' or a comma list of 0-based layer indices")
+    max_positions: int = option(1024, "longest sequence the generator covers, >= 1")
+
+    def validate(self) -> "AttendOutConfig":
+        def flag(name: str) -> str:
+            return option_name(self, name)
+
+        def integer(name, low):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{flag(name)} must be an integer >= {low}, got {value!r}")
+
+        def number(name, check, accepted):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not check(value):
+                raise ValueError(f"{flag(name)} must be {accepted}, got {value!r}")
+
+        integer("dropout_step", 1)
+        integer("generator_dim", 1)
+        integer("max_positions", 1)
+        number("lr", lambda v: 0 < v < math.inf, "a finite number > 0")
+        number("temperature", lambda v: 0 < v < math.inf, "a finite number > 0")
+        number("baseline_decay", lambda v: 0 <= v < 1, "in [0, 1)")
+        number("init_drop", lambda v: 0 < v < 1, "in the open interval (0, 1)")
+        parse_kinds(self.attention, flag("attention"))
+        parse_layers(self.layers, flag("layers"))
+        return self
+
+    @classmethod
+    def from_namespace(cls, ns, prefix: Optional[str] = None) -> "AttendOutConfig":
+        return config_from_namespace(cls, ns, prefix)

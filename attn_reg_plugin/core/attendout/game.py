@@ -1,0 +1,191 @@
+"""The AttendOut game: the Attacker's masks per batch, and every T updates the Generator's REINFORCE
+update and the choice of the survivor (paper Sec. 4.2, Eq. 3-5).
+
+Choices the paper leaves open (also in docs/design.md):
+* reward of held-out sample t: Defender loss minus Attacker loss on it (positive when the
+  Attacker wins), paired with the action of update t as Eq. 5 pairs r_t with a_t;
+* log P(a_t): the mean log-probability over the valid units (real query, real and allowed
+  key) of every selected layer and every sample of update t (Eq. 5's 1/(n l^2) average);
+* survivor: the Attacker with probability equal to its win rate over the T held-out samples
+  (ties count half), else the Defender;
+* actions are not stored: each batch's Gumbel noise comes from a recorded seed, and the
+  log-probabilities are recomputed at the update (G does not change within a dropout step),
+  which keeps memory flat and the cache small enough to checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from ..attention import EditScores
+from ..controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
+from ..distributed import all_reduce_mean_
+from ..options import option_name
+from .config import AttendOutConfig
+from .generator import Generator
+from .heldout import win_probability
+from .policy import drop_log_prob, gumbel_drops, reinforce_loss
+
+
+@dataclass
+class _CachedBatch:
+    update: int  # index of the update within the dropout step
+    streams: Dict[str, torch.Tensor]
+    seed: int
+
+
+class AttendOut:
+    """Masks for the Attacker, the cache of one dropout step, the REINFORCE update and re-sync rule.
+
+    ``controller`` holds the *Attacker's* attention sites. ``generator`` must already be on
+    the training device.
+    """
+
+    def __init__(self, config: AttendOutConfig, controller: RegularizationController, generator: Generator):
+        self.config = config.validate()
+
+        def flag(name: str) -> str:
+            return option_name(config, name)
+
+        self.sites: List[AttentionSite] = controller.select(
+            parse_kinds(config.attention, flag("attention")), parse_layers(config.layers, flag("layers")), flag("layers")
+        )
+        self.controller = controller
+        self.generator = generator
+        self.optimizer = torch.optim.Adam(generator.parameters(), lr=config.lr)
+        self.baseline = 0.0
+        self.update_in_step = 0  # updates completed in the current dropout step
+        self.cache: List[_CachedBatch] = []
+        self.dropout_steps_done = 0
+        self._prob_sums: Optional[torch.Tensor] = None  # per site, over this dropout step
+        self._prob_batches = 0
+        self._update_probs: List[torch.Tensor] = []  # this update's batches' probabilities (for discard_update)
+        self.last_drop_probabilities: Optional[torch.Tensor] = None
+
+    def site_names(self) -> List[str]:
+        return [f"{s.kind}.{s.layer}" for s in self.sites]
+
+    # -- during the T updates ------------------------------------------------------------
+    def attacker_hooks(self, streams: Dict[str, torch.Tensor]) -> Dict[AttentionSite, EditScores]:
+        """Sample this batch's masks; remember how to recompute their log-probability."""
+        seed = int(torch.randint(0, 2 ** 62, (1,)).item())  # global CPU generator: seeded per update
+        streams = {k: v.detach() for k, v in streams.items()}
+        self.cache.append(_CachedBatch(self.update_in_step, streams, seed))
+        with torch.no_grad():
+            drops, probs = self._sample(streams, seed)
+        self._prob_sums = probs if self._prob_sums is None else self._prob_sums + probs
+        self._prob_batches += 1
+        self._update_probs.append(probs)
+        self.last_drop_probabilities = probs  # per site, this batch (a tensor: no host sync)
+        return {site: EditScores(drop=d) for site, d in zip(self.sites, drops)}
+
+    def _sample(self, streams, seed, log_prob: bool = False):
+        outputs = self.generator.drop_logits(streams, self.sites)
+        device = outputs[0][0].device
+        rng = torch.Generator(device=device)
+        rng.manual_seed(seed)
+        drops, probs, total, count = [], [], 0.0, 0
+        for logits, valid in outputs:
+            d = gumbel_drops(logits, rng) & valid
+            drops.append(d)
+            p = torch.sigmoid(logits)
+            probs.append((p * valid).sum() / valid.sum().clamp(min=1))
+            if log_prob:
+                total = total + (drop_log_prob(logits, d) * valid).sum(dim=(1, 2, 3))
+                count = count + valid.sum(dim=(1, 2, 3))
+        if log_prob:
+            # Per sample: mean over its valid units in all selected layers; then over samples.
+            return (total / count.clamp(min=1)).mean()
+        return drops, torch.stack(probs).detach()
+
+    def end_update(self) -> bool:
+        """Count one finished update; True when the dropout step is complete (evaluate now)."""
+        self.update_in_step += 1
+        self._update_probs = []
+        return self.update_in_step >= self.config.dropout_step
+
+    def discard_update(self) -> None:
+        """Forget the batches of the update in progress, as if they had not been seen: the
+        Defender's step was dropped and its batch will be trained again (fairseq's AMP retry)."""
+        self.cache = [c for c in self.cache if c.update != self.update_in_step]
+        if self._update_probs:
+            self._prob_sums = self._prob_sums - torch.stack(self._update_probs).sum(dim=0)
+            self._prob_batches -= len(self._update_probs)
+            if self._prob_batches == 0:
+                self._prob_sums = None
+        self._update_probs = []
+
+    # -- end of a dropout step -------------------------------------------------------------
+    def mean_drop_probabilities(self) -> Dict[str, float]:
+        """Generator's mean drop probability per selected layer over the current dropout step."""
+        if self._prob_sums is None:
+            return {}
+        values = (self._prob_sums / self._prob_batches).tolist()
+        return dict(zip(self.site_names(), values))
+
+    def finish_dropout_step(self, defender_losses: torch.Tensor, attacker_losses: torch.Tensor,
+                            generator: Optional[torch.Generator] = None) -> Dict[str, object]:
+        """Reward G (Eq. 5) from per-sample held-out losses, update the baseline, pick the survivor.
+
+        Returns ``{"keep_attacker": bool, "win_rate", "reward", "baseline", "drop_prob": {...}}``;
+        the adapter then copies the survivor over the other network.
+        """
+        rewards = (defender_losses.float() - attacker_losses.float()).detach()
+        updates = sorted({c.update for c in self.cache})
+        stats: Dict[str, object] = {"drop_prob": self.mean_drop_probabilities()}
+        if updates:
+            self.generator.train()
+            log_probs = []
+            for u in updates:
+                entries = [c for c in self.cache if c.update == u]
+                log_probs.append(torch.stack([self._sample(c.streams, c.seed, log_prob=True) for c in entries]).mean())
+            log_probs = torch.stack(log_probs)
+            # Eq. 5 pairs r_t with a_t; with fewer held-out samples than updates, rewards repeat.
+            paired = rewards[torch.arange(len(updates)) % len(rewards)]
+            loss = reinforce_loss(log_probs, paired, self.baseline)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grads = [p.grad for p in self.generator.parameters() if p.grad is not None]
+            all_reduce_mean_(grads)
+            self.optimizer.step()
+        mean_reward = float(rewards.mean())
+        self.baseline = self.config.baseline_decay * self.baseline + (1 - self.config.baseline_decay) * mean_reward
+        win_rate = win_probability(defender_losses.float(), attacker_losses.float())
+        # Every worker must draw the same survivor: adapters pass a generator seeded alike on all
+        # workers (the global one has consumed worker-dependent amounts of randomness by now).
+        keep_attacker = bool(torch.rand((), generator=generator) < win_rate.cpu())
+        stats.update(keep_attacker=keep_attacker, win_rate=float(win_rate), reward=mean_reward, baseline=self.baseline)
+        self.cache.clear()
+        self.update_in_step = 0
+        self._prob_sums, self._prob_batches, self._update_probs = None, 0, []
+        self.dropout_steps_done += 1
+        return stats
+
+    # -- checkpointing -------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, object]:
+        return {
+            "generator": self.generator.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "baseline": self.baseline,
+            "update_in_step": self.update_in_step,
+            "dropout_steps_done": self.dropout_steps_done,
+            "cache": [{"update": c.update, "streams": {k: v.cpu() for k, v in c.streams.items()}, "seed": c.seed}
+                      for c in self.cache],
+            "prob_sums": None if self._prob_sums is None else self._prob_sums.cpu(),
+            "prob_batches": self._prob_batches,
+        }
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        device = next(self.generator.parameters()).device
+        self.generator.load_state_dict(state["generator"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.baseline = float(state["baseline"])
+        self.update_in_step = int(state["update_in_step"])
+        self.dropout_steps_done = int(state["dropout_steps_done"])
+        self.cache = [_CachedBatch(int(c["update"]), {k: v.to(device) for k, v in c["streams"].items()}, int(c["seed"]))
+                      for c in state["cache"]]
+        sums = state["prob_sums"]
+        self._prob_sums = None if sums is None else sums.to(device)
+        self._prob_batches = int(state["prob_batches"])

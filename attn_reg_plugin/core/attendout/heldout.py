@@ -1,0 +1,26 @@
+"""Scoring the Defender and the Attacker on held-out samples: per-sample losses and the win rate."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def per_sample_loss(logits: torch.Tensor, target: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Held-out loss of each sample: cross-entropy (B, C), squared error (B,) / (B, 1) with a
+    float target, or mean token cross-entropy (B, T, V) over ``keep`` (B, T)."""
+    logits = logits.float()
+    if logits.dim() == 3:
+        keep = target.ne(-100) if keep is None else keep
+        nll = F.cross_entropy(logits.transpose(1, 2), target.long().masked_fill(~keep, 0), reduction="none")
+        return (nll * keep).sum(-1) / keep.sum(-1).clamp(min=1)
+    if target.is_floating_point():
+        return (logits.reshape(target.shape) - target.float()) ** 2
+    return F.cross_entropy(logits, target.long(), reduction="none")
+
+
+def win_probability(defender_losses: torch.Tensor, attacker_losses: torch.Tensor) -> torch.Tensor:
+    """The Attacker's win rate on the held-out samples (ties count half)."""
+    wins = (attacker_losses < defender_losses).float() + 0.5 * (attacker_losses == defender_losses).float()
+    return wins.mean()

@@ -1,0 +1,183 @@
+"""What every attn_reg task adds to its fairseq base task, and the task-level regularizers' flags.
+
+The registered tasks, one file each: ``attn_reg_translation`` and ``attn_reg_sentence_prediction``
+are fairseq's ``translation`` and ``sentence_prediction`` tasks plus these duties: after the model is built, every
+MultiheadAttention is routed through the core kernel (no new parameters); ``begin_epoch``
+records the 1-based epoch that cross-tuning reads; and the regularizers that need no special
+criterion run in ``train_step``: AttendOut (``--attendout``), scheduled Bernoulli attention
+dropout (``--attn-sched-dropout-*``) and attention LayerDrop (``--attn-layerdrop-*``).
+Validation and generation are untouched.
+"""
+
+import math
+from dataclasses import field
+
+
+from ..core.attendout import AttendOutConfig
+from ..core.controller import RegularizationController
+from ..core.options import one_regularizer
+from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
+from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
+from .attendout import FairseqAttendOut, check_fairseq_supports_task_state, reduce_attendout_metrics
+from .attention import install_attention_sites
+from .options import fairseq_options
+
+
+# Flags of the task-level regularizers: the core configs' fields, defaults and help
+# (core.options), after the switches and settings that exist only in fairseq.
+AttnRegTaskOptions = fairseq_options("AttnRegTaskOptions", [
+    AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig,
+], extra=[
+    ("attendout", bool, field(default=False, metadata={"help": "train with AttendOut (Defender/Attacker + learned score dropout)"})),
+    ("attendout_clip_norm", float, field(default=0.0, metadata={"help": "gradient clipping of the Attacker (fairseq does not pass --clip-norm to tasks: use the same value), >= 0"})),
+    ("attendout_valid_subset", str, field(default="valid", metadata={"help": "dataset split the held-out samples are drawn from"})),
+    ("attendout_log_file", str, field(default="", metadata={"help": "append one JSON line per dropout step (per-layer mean drop probability, reward) to this file"})),
+])
+
+
+def _validate_task_options(cfg):
+    """Value checks that need no model; run when the task is set up (before any data is read)."""
+    AttendOutConfig.from_namespace(cfg).validate()
+    if not 0 <= cfg.attendout_clip_norm < math.inf:  # also refuses nan
+        raise ValueError(f"--attendout-clip-norm must be a finite number >= 0, got {cfg.attendout_clip_norm!r}")
+    sched = ScheduledDropoutConfig.from_namespace(cfg).validate()
+    layerdrop = AttentionLayerDropConfig.from_namespace(cfg).validate()
+    enabled = [name for name, on in (("--attendout", cfg.attendout), ("--attn-sched-dropout-schedule", sched.enabled),
+                                     ("--attn-layerdrop-p", layerdrop.enabled)) if on]
+    one_regularizer(enabled)
+    if enabled:
+        refuse_unsupported_training(cfg, enabled[0])
+    if cfg.attendout:
+        check_fairseq_supports_task_state()
+
+
+def _whole_config(cfg):
+    """fairseq-train's whole config, reached from the task's node (fairseq hands tasks ``cfg.task``
+    only); None when the task is built from a plain namespace."""
+    get_root = getattr(cfg, "_get_root", None)
+    return get_root() if callable(get_root) else None
+
+
+def refuse_unsupported_training(cfg, regularizer_flag: str) -> None:
+    """Training set-ups the regularizers cannot honour, refused when the task is set up."""
+    root = _whole_config(cfg)
+    if root is None or "distributed_training" not in root:
+        return
+    if root.distributed_training.get("ddp_backend") == "fully_sharded":
+        raise ValueError(
+            f"{regularizer_flag} does not support --ddp-backend fully_sharded: sharded parameters are gathered "
+            "per forward, and the attribution pass and the Attacker copy are not sharded with them. Use "
+            "--ddp-backend pytorch_ddp (or legacy_ddp), with --checkpoint-activations to save memory"
+        )
+
+
+class AttnRegTaskMixin:
+    """What every attn_reg task adds to its fairseq base task."""
+
+    attn_reg_epoch: int = 1
+    attn_reg_controller: RegularizationController = None
+    attn_reg_scheduled_dropout = None
+    attn_reg_layerdrop = None
+    attn_reg_attendout: FairseqAttendOut = None
+
+    def attn_reg_setup(self) -> None:
+        """Call at the end of the task's __init__: validates the regularizer options."""
+        _validate_task_options(self.cfg)
+
+    # -- subclasses say how AttendOut reads a batch ---------------------------------------
+    def attendout_streams(self, sample):
+        """The generator's token streams of a batch: {"source": ..., "target": ...}."""
+        raise NotImplementedError
+
+    def attendout_heldout_logits(self, model, sample, criterion):
+        """(logits or log-probs, target, keep) of a held-out batch for per-sample losses."""
+        raise NotImplementedError
+
+    def attendout_generator_vocab(self):
+        raise NotImplementedError
+
+    # -- model and criterion --------------------------------------------------------------
+    def build_model(self, cfg, *args, **kwargs):  # from_checkpoint exists only in newer fairseq
+        model = super().build_model(cfg, *args, **kwargs)
+        # One controller per task: fairseq-train builds one model. (fairseq-generate with
+        # several checkpoints builds more; they stay idle, so sharing the registry is harmless.)
+        if self.attn_reg_controller is None:
+            self.attn_reg_controller = RegularizationController()
+            install_attention_sites(model, self.attn_reg_controller)
+            self._build_task_regularizers(model)
+        else:
+            install_attention_sites(model, RegularizationController())
+        return model
+
+    def _build_task_regularizers(self, model) -> None:
+        cfg = self.cfg
+        # Selecting the sites here checks layers and kinds against the model, before training.
+        sched = ScheduledDropoutConfig.from_namespace(cfg)
+        if sched.enabled:
+            self.attn_reg_scheduled_dropout = ScheduledAttentionDropout(sched, self.attn_reg_controller)
+        layerdrop = AttentionLayerDropConfig.from_namespace(cfg)
+        if layerdrop.enabled:
+            self.attn_reg_layerdrop = AttentionLayerDrop(layerdrop, self.attn_reg_controller)
+        if cfg.attendout:
+            self.attn_reg_attendout = FairseqAttendOut(
+                AttendOutConfig.from_namespace(cfg), cfg.attendout_clip_norm, cfg.attendout_valid_subset,
+                cfg.attendout_log_file, self.attendout_heldout_logits, self.attendout_streams,
+                self.attendout_generator_vocab(), _whole_config(cfg),
+            )
+            self.attn_reg_attendout.validate_against(self.attn_reg_controller)
+
+    def build_criterion(self, cfg, *args, **kwargs):
+        criterion = super().build_criterion(cfg, *args, **kwargs)
+        attach = getattr(criterion, "attach_attention_sites", None)
+        if attach is not None:
+            if self.attn_reg_controller is None:
+                raise RuntimeError("attn_reg_plugin: the model must be built before the criterion")
+            if self.attn_reg_attendout or self.attn_reg_scheduled_dropout or self.attn_reg_layerdrop:
+                raise ValueError(
+                    "an ad_drop criterion cannot be combined with --attendout, --attn-sched-dropout-schedule or "
+                    "--attn-layerdrop-p: choose one attention regularizer per run"
+                )
+            refuse_unsupported_training(self.cfg, "--criterion " + str(getattr(cfg, "_name", "ad_drop")))
+            attach(self.attn_reg_controller)  # validates layers / kinds against the model
+        return criterion
+
+    def begin_epoch(self, epoch, model):
+        super().begin_epoch(epoch, model)
+        self.attn_reg_epoch = epoch
+        if self.attn_reg_attendout is not None:
+            self.attn_reg_attendout.heldout_dataset(self)
+
+    # -- training -------------------------------------------------------------------------
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        if self.attn_reg_scheduled_dropout is not None:
+            hooks = self.attn_reg_scheduled_dropout.hooks(update_num)
+        elif self.attn_reg_layerdrop is not None:
+            hooks = self.attn_reg_layerdrop.hooks()
+        else:
+            hooks = {}
+        with self.attn_reg_controller.hooks(hooks):
+            loss, sample_size, log = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+        if self.attn_reg_attendout is not None:
+            self._attn_reg_criterion = criterion  # the held-out evaluation in optimizer_step needs it
+            log.update(self.attn_reg_attendout.train_attacker(sample, model, criterion, optimizer, update_num, ignore_grad))
+        return loss, sample_size, log
+
+    def optimizer_step(self, optimizer, model, update_num):
+        attendout = self.attn_reg_attendout
+        scale_before = attendout.defender_scale(optimizer) if attendout is not None else None
+        super().optimizer_step(optimizer, model, update_num)
+        if attendout is not None:
+            attendout.after_optimizer_step(model, optimizer, self._attn_reg_criterion, self, update_num, scale_before)
+
+    def reduce_metrics(self, logging_outputs, criterion):
+        super().reduce_metrics(logging_outputs, criterion)
+        reduce_attendout_metrics(logging_outputs)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def get_checkpoint_dict(self):
+        state = self.attn_reg_attendout.state_dict() if self.attn_reg_attendout is not None else {}
+        return {type(self).__name__: {"attendout": state}} if state else {}
+
+    def set_checkpoint_dict(self, state):
+        if self.attn_reg_attendout is not None and state.get("attendout"):
+            self.attn_reg_attendout.load_state_dict(state["attendout"])
