@@ -1,11 +1,11 @@
-"""Every wrong option value is refused before training, with the message the README lists.
+"""Every wrong option value is refused before training, with the message docs/OPTIONS.md lists.
 
 One table per regularizer: a row is (field, value on the fairseq command line, value in the
 Python config, message). ``{opt}`` in the message is the option as the user spelled it: the
 fairseq flag (``--ad-drop-p``) or the config field (``ADDropConfig.p``). Each row is tried
 through fairseq's own parsing and task/criterion set-up (what fairseq-train does before it
 reads data) and through the Hugging Face trainer's construction; the formatted fairseq
-message must also appear verbatim in the README's "Bad input" table. A regularizer adds
+message must also appear verbatim in the "Bad input" table of docs/OPTIONS.md. A regularizer adds
 its table to REGULARIZERS.
 """
 import math
@@ -137,7 +137,7 @@ class Regularizer:
     flag: Callable[[str], str]  # field -> fairseq flag
     hf_field: Callable[[str], str]  # field -> name in HF messages
     hf_trainer: Callable  # (model, args, config fields) -> constructs the trainer
-    config_class: type  # every field of it must have a README row
+    config_class: type  # every field of it must have a row in docs/OPTIONS.md
 
 
 def _ad_drop_trainer(model, args, fields):
@@ -306,11 +306,12 @@ def test_hf_trainer_refuses_a_non_config(hf_model_and_args):
         ADDropTrainer(model=hf_model_and_args[0], args=hf_model_and_args[1], ad_drop={"p": 0.2})
 
 
-# -- the README lists exactly these messages ----------------------------------------------------
-def test_readme_bad_input_table_lists_every_message():
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("### Bad input"):]
-    section = section[:section.index("\n### ", 1)].replace("\\|", "|")  # '|' is escaped in table cells
+# -- docs/OPTIONS.md lists exactly these messages ----------------------------------------------
+def test_docs_bad_input_table_lists_every_message():
+    options = (REPO / "docs" / "OPTIONS.md").read_text(encoding="utf-8")
+    section = options[options.index("\n## Bad input"):]
+    end = section.find("\n## ", 1)  # the section runs to the next heading of its level, or to the end
+    section = (section if end < 0 else section[:end]).replace("\\|", "|")  # '|' is escaped in table cells
     for reg in REGULARIZERS:
         for row in reg.table:
             if row.cli is not None:
