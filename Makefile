@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) scripts/demo.py
+	$(VENV)/bin/attn-reg-demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
@@ -44,4 +44,4 @@ gpu-check: $(STAMP)
 
 # Cost of every regularizer against plain training, side by side (docs/PERFORMANCE.md).
 benchmark: $(STAMP)
-	$(PY) scripts/benchmark.py --out outputs/benchmark/results.json
+	$(VENV)/bin/attn-reg-benchmark --out outputs/benchmark/results.json

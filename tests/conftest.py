@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 PLUGIN_DIR = REPO / "attn_reg_plugin"
 CORPUS = REPO / "data" / "gettext_en_ro"
 VENV_BIN = Path(sys.executable).parent
@@ -24,7 +23,7 @@ TINY_TRANSFORMER = [
 @pytest.fixture(scope="session")
 def tiny_mt_data(tmp_path_factory):
     """120/40/40 pairs of the shipped corpus, sentencepiece'd and binarized by fairseq-preprocess."""
-    import mt_pipeline as mt
+    from attn_reg_plugin.experiments import mt_pipeline as mt
 
     root = tmp_path_factory.mktemp("tiny_mt")
     raw = root / "raw"

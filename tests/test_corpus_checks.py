@@ -1,7 +1,7 @@
 """The MT pipeline's corpus check: malformed parallel text is refused with its file and line."""
 import pytest
 
-import mt_pipeline as mt
+from attn_reg_plugin.experiments import mt_pipeline as mt
 from conftest import CORPUS
 
 GOOD = "first sentence\nsecond one\nthird\n"

@@ -23,7 +23,8 @@ def _load(name, path):
     return module
 
 
-model_mod = _load("custom_seq2seq_model", EXAMPLE / "seq2seq_model.py")
+model_mod = _load("seq2seq_model", EXAMPLE / "seq2seq_model.py")
+sys.modules["seq2seq_model"] = model_mod  # train.py imports its neighbour as a script would
 train_mod = _load("custom_seq2seq_train", EXAMPLE / "train.py")
 
 

@@ -1,7 +1,6 @@
 """The demo and the WMT16 recipe, on local data (no download)."""
 import importlib.util
 import json
-import sys
 
 import pytest
 
@@ -39,7 +38,7 @@ def test_wmt16_rejects_embedded_newlines(tmp_path):
 
 
 def test_pipeline_refuses_mismatched_parallel_files(tmp_path):
-    import mt_pipeline as mt
+    from attn_reg_plugin.experiments import mt_pipeline as mt
 
     for split in mt.SPLITS:
         (tmp_path / f"{split}.en").write_text("a\nb\n")
@@ -51,7 +50,8 @@ def test_pipeline_refuses_mismatched_parallel_files(tmp_path):
 
 def test_demo_quick_prints_the_table(tmp_path, capsys):
     """The main job's whole pipeline (spm, preprocess, 2x train, generate, sacrebleu, table) at toy size."""
-    demo = _load(REPO / "scripts" / "demo.py", "demo")
+    from attn_reg_plugin.experiments import demo
+
     assert demo.main(["--quick", "--epochs", "2", "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
     assert "| method | best valid loss | test BLEU | train time (s) | AD-DROP rate | AttendOut drop prob. (last epoch) |" in out
@@ -66,7 +66,7 @@ def test_demo_quick_prints_the_table(tmp_path, capsys):
 
 
 def test_plot_attendout_reads_the_log_and_rejects_bad_lines(tmp_path):
-    import plot_attendout
+    from attn_reg_plugin.experiments import plot_attendout
 
     log = tmp_path / "drop.jsonl"
     log.write_text('{"update": 20, "drop_prob": {"encoder-self.0": 0.2, "encoder-self.1": 0.3}}\n'

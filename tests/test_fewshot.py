@@ -1,4 +1,4 @@
-"""scripts/fewshot.py: the JSONL loader's errors, balanced subsets, option checks, and a toy end-to-end run."""
+"""attn-reg-fewshot (attn_reg_plugin.experiments.fewshot): the JSONL loader's errors, balanced subsets, option checks, and a toy end-to-end run."""
 import json
 import random
 from collections import Counter
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-import fewshot  # scripts/ is on sys.path (conftest)
+from attn_reg_plugin.experiments import fewshot
 from conftest import minilm_path
-from fewshot import DataError, Example, load_jsonl, sample_balanced
+from attn_reg_plugin.experiments.fewshot_data import DataError, Example, load_jsonl, sample_balanced
 
 REVIEWS = Path(__file__).resolve().parent / "data" / "movie_reviews_tiny.jsonl"
 GOOD = b'{"sentence": "fine film", "label": 1}\n'
@@ -224,7 +224,7 @@ def _result(lr, runs):
 
 
 def test_merge_pairs_variants_with_the_baseline_by_seed():
-    from fewshot_merge import merge
+    from attn_reg_plugin.experiments.fewshot_merge import merge
 
     base = _result(2e-4, [(64, 1, "plain", 0.70), (64, 2, "plain", 0.60), (64, 3, "plain", 0.65),
                           (64, 1, "ad-drop", 0.0)])
@@ -249,7 +249,7 @@ def test_merge_pairs_variants_with_the_baseline_by_seed():
 
 
 def test_merge_cli_writes_the_table(tmp_path, capsys):
-    from fewshot_merge import main as merge_main
+    from attn_reg_plugin.experiments.fewshot_merge import main as merge_main
 
     base, variant = tmp_path / "base.json", tmp_path / "var.json"
     base.write_text(json.dumps(_result(2e-4, [(16, 1, "plain", 0.5), (16, 2, "plain", 0.7)])))

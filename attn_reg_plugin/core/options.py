@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser, config_cls, prefix: Optional[
         raise ValueError(f"{config_cls.__name__} has no field {unknown[0]!r}")
     for opt in (by_name[n] for n in wanted) if wanted is not None else by_name.values():
         default = defaults.get(opt.name, opt.default)
-        text = f"{opt.help} (default {default})"
+        text = f"{opt.help} (default {default})" if default is not None else f"{opt.help} (default: the runner's choice)"
         if opt.type is bool:
             parser.add_argument(flag_name(prefix, opt.name), action="store_true", default=default, help=opt.help)
         else:

@@ -32,10 +32,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-for _path in (HERE.parent, REPO):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-from example_support import (  # noqa: E402
+from attn_reg_plugin.experiments.example_support import (
     add_ad_drop_options, check_common_args, epoch_table, format_epoch_row, hf_trainer, read_jsonl,
 )
 

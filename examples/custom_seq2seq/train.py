@@ -29,13 +29,10 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-for _path in (HERE, HERE.parent, REPO):  # this example, the shared example helpers, the checkout's package
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-from example_support import ad_drop_config, read_parallel  # noqa: E402
-from seq2seq_model import Seq2SeqTransformer  # noqa: E402
+from seq2seq_model import Seq2SeqTransformer  # this example's model, next to this file
 
-from attn_reg_plugin.core import ADDrop, ad_drop_epoch, token_loss_target  # noqa: E402
+from attn_reg_plugin.core import ADDrop, ad_drop_epoch, token_loss_target
+from attn_reg_plugin.experiments.example_support import ad_drop_config, read_parallel
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 

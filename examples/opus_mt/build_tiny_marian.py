@@ -22,10 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-for _path in (HERE.parent, REPO):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-from example_support import read_parallel  # noqa: E402
+from attn_reg_plugin.experiments.example_support import read_parallel
 
 
 def build(out: Path, data: Path, src: str, tgt: str, train_lines: int = 2000, vocab_size: int = 1000, d_model: int = 64,

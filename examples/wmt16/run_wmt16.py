@@ -19,8 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import mt_pipeline as mt  # noqa: E402
+from attn_reg_plugin.experiments import mt_pipeline as mt
 
 # The paper's AD-DROP hyper-parameters per pair (Appendix A, OPUS-MT fine-tuning).
 PAIRS = {

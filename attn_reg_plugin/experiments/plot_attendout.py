@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Plot AttendOut's per-layer mean drop probability against updates (paper Fig. 3).
 
-    python scripts/plot_attendout.py RUN/attendout_drop_prob.jsonl --out drop_prob.png
+    attn-reg-plot-attendout RUN/attendout_drop_prob.jsonl --out drop_prob.png
 
 The input is the file written by ``--attendout-log-file`` (fairseq) or
 ``attendout_log_file=`` (Hugging Face): one JSON object per dropout step with ``update`` and

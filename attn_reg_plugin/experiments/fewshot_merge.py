@@ -1,7 +1,6 @@
-#!/usr/bin/env python
-"""Tables over several scripts/fewshot.py runs: one baseline file, variants from other files.
+"""Tables over several attn-reg-fewshot runs: one baseline file, variants from other files.
 
-    python scripts/fewshot_merge.py --baseline outputs/fewshot-main/results.json \
+    attn-reg-fewshot-merge --baseline outputs/fewshot-main/results.json \
         --variant "layer 0=outputs/fewshot-inv/layer0/results.json" --variant "p=q=0.1=outputs/..." \
         [--size 64] [--seeds 1,2,3] [--out table.md]
 
@@ -18,10 +17,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fewshot import markdown, summarize  # noqa: E402
+from .fewshot_summary import markdown, summarize
 
 SHARED = ("model", "num_labels", "max_length", "training", "files", "dev_subset")
 

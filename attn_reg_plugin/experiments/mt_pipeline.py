@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-PLUGIN_DIR = REPO / "attn_reg_plugin"
+from .paths import PLUGIN_DIR
 BIN = Path(sys.executable).parent  # the venv's console scripts (fairseq-train, ...)
 SPLITS = ("train", "valid", "test")
 

