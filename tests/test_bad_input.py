@@ -15,7 +15,7 @@ from typing import Callable, List, Optional
 
 import pytest
 
-from conftest import PLUGIN_DIR, REPO, TINY_TRANSFORMER, fairseq_setup, run_cli
+from helpers import PLUGIN_DIR, REPO, TINY_TRANSFORMER, fairseq_setup, run_cli
 
 INTERVAL = "{opt} must be in the open interval (0, 1), got {got}"
 KINDS = "encoder-self, decoder-self, encoder-decoder"
@@ -199,12 +199,12 @@ REGULARIZERS = [
     Regularizer(
         "sched_dropout", SCHED_DROPOUT_BAD, [], [*PLAIN_CRITERION, "--attn-sched-dropout-schedule", "0:0.3,100:0.1"],
         _prefixed("--attn-sched-dropout-"), lambda field: f"ScheduledDropoutConfig.{field}", _sched_dropout_trainer,
-        _config_class("schedules", "ScheduledDropoutConfig"),
+        _config_class("scheduled_dropout", "ScheduledDropoutConfig"),
     ),
     Regularizer(
         "layerdrop", LAYERDROP_BAD, LAYERDROP_BAD_TYPES, [*PLAIN_CRITERION, "--attn-layerdrop-p", "0.2"],
         _prefixed("--attn-layerdrop-"), lambda field: f"AttentionLayerDropConfig.{field}", _layerdrop_trainer,
-        _config_class("schedules", "AttentionLayerDropConfig"),
+        _config_class("layerdrop", "AttentionLayerDropConfig"),
     ),
 ]
 
@@ -246,8 +246,10 @@ def test_fairseq_parser_refuses_wrong_type(tiny_mt_data, capsys, reg, flag, valu
 @pytest.mark.parametrize("reg", REGULARIZERS, ids=lambda r: r.name)
 def test_fairseq_valid_options_build(tiny_mt_data, reg):
     """The same set-up with the defaults succeeds: the rows above fail because of their value."""
-    _, _, _, criterion = _setup(tiny_mt_data, reg)
-    assert criterion is not None
+    _, task, _, criterion = _setup(tiny_mt_data, reg)
+    built = {"ad_drop": getattr(criterion, "ad_drop", None), "attendout": task.attn_reg_attendout,
+             "sched_dropout": task.attn_reg_scheduled_dropout, "layerdrop": task.attn_reg_layerdrop}
+    assert [name for name, regularizer in built.items() if regularizer is not None] == [reg.name]
 
 
 def test_fairseq_ad_drop_criterion_needs_an_attn_reg_task(tiny_mt_data):

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from conftest import PLUGIN_DIR, REPO, TRAIN_ARGS, VENV_BIN, train_updates  # noqa: E402
+from helpers import PLUGIN_DIR, REPO, TRAIN_ARGS, VENV_BIN, train_updates  # noqa: E402
 
 WORLD = 2
 UPDATES_PER_EPOCH = 6  # 12 batches of the tiny corpus shared by 2 ranks

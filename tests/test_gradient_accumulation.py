@@ -15,7 +15,7 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import TINY_TRANSFORMER, fairseq_in_process, tiny_bert_classifier
+from helpers import TINY_TRANSFORMER, fairseq_in_process, tiny_bert_classifier, tiny_llama
 
 
 @pytest.fixture
@@ -31,10 +31,8 @@ def _bert():
 
 
 def _llama():
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
-        "llama", hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=32, vocab_size=50, pad_token_id=0, attn_implementation="sdpa"))
+    return tiny_llama(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32, vocab_size=50,
+                      attn_implementation="sdpa")
 
 
 def _rows(n, seed, causal_lm=False):

@@ -3,7 +3,7 @@
 This file is also the GPU check (`make gpu-check` = `pytest -m gpu`): on a CUDA machine every
 case runs on the GPU (fairseq's FP16Optimizer `--fp16`, `--bf16`, `--amp`; HF `fp16`/`bf16`);
 without CUDA the cases that exist on CPU run (`--fp16 --memory-efficient-fp16 --cpu`, HF
-`bf16` with `use_cpu`, HF `fp16` with a CPU loss scaler, see ``conftest.cpu_fp16``), so
+`bf16` with `use_cpu`, HF `fp16` with a CPU loss scaler, see ``helpers.cpu_fp16``), so
 `make test` exercises the harness itself, and the CUDA-only cases skip saying so. Refused combinations skip here: their messages are tested where the others are.
 """
 import math
@@ -17,7 +17,7 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import (PLUGIN_DIR, TINY_TRANSFORMER, classifier_rows, cpu_fp16, run_cli, tiny_bert_classifier,
+from helpers import (PLUGIN_DIR, TINY_TRANSFORMER, classifier_rows, cpu_fp16, run_cli, tiny_bert_classifier,
                       train_updates)
 
 pytestmark = pytest.mark.gpu

@@ -3,7 +3,6 @@ lists), AttendOut's fp16 / AMP overflow rules and fp32 master re-sync, and AD-DR
 non-finite attribution target.
 Each precision × regularizer trained end to end is in test_precision.py."""
 import math
-import re
 
 import pytest
 import torch
@@ -15,8 +14,8 @@ from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.fairseq_plugin.attendout import stepped_tensors
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import (PLUGIN_DIR, REPO, TINY_TRANSFORMER, classifier_rows, cpu_fp16, fairseq_in_process, fairseq_setup,
-                      run_cli, tiny_bert_classifier)
+from helpers import (REPO, TINY_TRANSFORMER, classifier_rows, cpu_fp16, fairseq_in_process, fairseq_setup,
+                     tiny_bert_classifier, tiny_core_model)
 
 DOC = (REPO / "docs" / "CONFIGURATIONS.md").read_text(encoding="utf-8")
 
@@ -27,9 +26,7 @@ def _documented(message: str) -> None:
 
 # -- AD-DROP: a non-finite target trains with the plain loss ---------------------------------------
 def _tiny_classifier():
-    from test_core_checkpointing import _model  # the framework-free model of the checkpointing tests
-
-    return _model()
+    return tiny_core_model()
 
 
 @pytest.mark.parametrize("attribution", ["ga", "iga"])

@@ -18,7 +18,7 @@ from .attention import CaptureOutput, CaptureProbs, EditScores
 from .checkpointing import activation_checkpointing_paused
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES, GradientScale, gradient_attribution, probs_gradient
 from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
-from .options import config_from_namespace, option, option_name
+from .options import attention_option, config_from_namespace, layers_option, option, option_name
 from .masks import ad_drop_masks
 
 SCHEDULES = ("cross-tuning", "always")
@@ -33,15 +33,18 @@ class ADDropConfig:
 
     FLAG_PREFIX = "--ad-drop-"
 
-    p: float = option(0.2, "candidate region: the top ceil(p*n) of each query row's n real keys by attribution, "
-                           "p in (0, 1)")
-    q: float = option(0.2, "drop probability of each candidate, q in (0, 1)")
-    layers: str = option("all", "'all' or a comma list of 0-based layer indices")
-    attention: str = option("encoder-self", "comma list of encoder-self, decoder-self, encoder-decoder")
-    attribution: str = option("ga", "ga (gradient), iga (integrated gradients), aa (attention weights), rd (random)")
-    iga_steps: int = option(20, "integration steps m for attribution iga, >= 1")
-    labels: str = option("pseudo", "attribution target labels: pseudo (pass-1 argmax, the paper) or gold (ablation)")
-    schedule: str = option("cross-tuning", "cross-tuning (AD-DROP on even 1-based epochs) or always")
+    p: float = option(0.2, "candidate region: the top ceil(p*n) of each query row's n real keys by attribution",
+                      "(0, 1)")
+    q: float = option(0.2, "drop probability of each candidate", "(0, 1)")
+    layers: str = layers_option()
+    attention: str = attention_option()
+    attribution: str = option("ga", "gradient, integrated gradients, attention weights, random region",
+                              "ga, iga, aa, rd")
+    iga_steps: int = option(20, "integration steps m of attribution iga", "integer >= 1")
+    labels: str = option("pseudo", "attribution target labels: pass-1 argmax (the paper) or gold (its ablation)",
+                         "pseudo, gold")
+    schedule: str = option("cross-tuning", "cross-tuning: plain on odd 1-based epochs, AD-DROP on even ones",
+                           "cross-tuning, always")
 
     def validate(self) -> "ADDropConfig":
         """Check every option; the error names the option as the user spelled it (core.options.option_name)."""

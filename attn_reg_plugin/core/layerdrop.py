@@ -13,7 +13,7 @@ import torch
 
 from .attention import EditScores
 from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
-from .options import check_probability, config_from_namespace, option, option_name
+from .options import attention_option, check_probability, config_from_namespace, layers_option, option, option_name
 
 
 @dataclass
@@ -22,10 +22,10 @@ class AttentionLayerDropConfig:
 
     FLAG_PREFIX = "--attn-layerdrop-"
 
-    p: float = option(0.0, "attention LayerDrop: probability that a selected attention layer attends uniformly, "
-                           "in [0, 1]; 0 = off")
-    layers: str = option("all", "'all' or a comma list of 0-based layer indices")
-    attention: str = option("encoder-self", "comma list of encoder-self, decoder-self, encoder-decoder")
+    p: float = option(0.0, "attention LayerDrop: probability that a selected attention layer attends uniformly "
+                           "over its real keys for the whole batch; 0 = off", "[0, 1]")
+    layers: str = layers_option()
+    attention: str = attention_option()
 
     @property
     def enabled(self) -> bool:

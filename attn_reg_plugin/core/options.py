@@ -20,22 +20,47 @@ import typing
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 
-def option(default: Any, help: str) -> Any:
-    """A config field with its help text (shown by ``fairseq-train --help`` and the runners' ``--help``)."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def option(default: Any, meaning: str, accepted: str) -> Any:
+    """A config field with what it means and which values it accepts (shown by ``fairseq-train
+    --help``, the runners' ``--help`` and the tables of docs/OPTIONS.md)."""
+    return dataclasses.field(default=default, metadata={"meaning": meaning, "accepted": accepted})
+
+
+def layers_option() -> Any:
+    return option("all", "which layers", "all, or a comma list of 0-based layer indices, each < the kind's layer count")
+
+
+def attention_option() -> Any:
+    return option("encoder-self", "which attention kinds", "comma list of encoder-self, decoder-self, encoder-decoder")
 
 
 class Option(NamedTuple):
     name: str  # the config field
     type: type  # int, float, str or bool
     default: Any
-    help: str
+    meaning: str
+    accepted: str
+
+    @property
+    def help(self) -> str:
+        return f"{self.meaning}; accepted: {self.accepted}"
 
 
 def options_of(config_cls) -> List[Option]:
     """The fields of a config dataclass, with their types resolved (the modules use postponed annotations)."""
     hints = typing.get_type_hints(config_cls)
-    return [Option(f.name, hints[f.name], f.default, f.metadata.get("help", "")) for f in dataclasses.fields(config_cls)]
+    return [Option(f.name, hints[f.name], f.default, f.metadata["meaning"], f.metadata["accepted"])
+            for f in dataclasses.fields(config_cls)]
+
+
+def options_table(config_cls) -> str:
+    """The Markdown table of a config's options (docs/OPTIONS.md embeds one per config)."""
+    rows = ["| flag | Python | accepted | default | meaning |", "|---|---|---|---|---|"]
+    for opt in options_of(config_cls):
+        default = "(empty: off)" if opt.default == "" else f"`{opt.default}`"
+        rows.append(f"| `{flag_name(config_cls.FLAG_PREFIX, opt.name)}` | `{config_cls.__name__}.{opt.name}` | "
+                    f"{opt.accepted.replace('|', chr(92) + '|')} | {default} | {opt.meaning.replace('|', chr(92) + '|')} |")
+    return "\n".join(rows)
 
 
 def flag_name(prefix: str, name: str) -> str:
@@ -99,3 +124,44 @@ def one_regularizer(enabled: Sequence[str]) -> None:
     """Refuse a run that turns on more than one attention regularizer (named as the user spelled them)."""
     if len(enabled) > 1:
         raise ValueError(f"choose one attention regularizer per run; got {' and '.join(enabled)}")
+
+
+# -- docs/OPTIONS.md: its option tables are generated from the configs -------------------------
+def _configs():
+    from .ad_drop import ADDropConfig
+    from .attendout.config import AttendOutConfig
+    from .layerdrop import AttentionLayerDropConfig
+    from .scheduled_dropout import ScheduledDropoutConfig
+
+    return [ADDropConfig, AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig]
+
+
+def with_generated_tables(text: str) -> str:
+    """``text`` with the table after each ``<!-- options: ConfigName -->`` marker (up to the next
+    blank line) replaced by :func:`options_table` of that config."""
+    out, lines, i = [], text.split("\n"), 0
+    by_name = {c.__name__: c for c in _configs()}
+    while i < len(lines):
+        out.append(lines[i])
+        marker = lines[i].strip()
+        if marker.startswith("<!-- options: ") and marker.endswith(" -->"):
+            out.append(options_table(by_name[marker[len("<!-- options: "):-len(" -->")]]))
+            i += 1
+            while i < len(lines) and lines[i].strip():
+                i += 1  # the previous table
+            continue
+        i += 1
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # python -m attn_reg_plugin.core.options docs/OPTIONS.md: regenerate the tables
+    import sys
+
+    for path in sys.argv[1:]:
+        with open(path, encoding="utf-8") as f:
+            old = f.read()
+        new = with_generated_tables(old)
+        if new != old:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(new)
+        print(f"{path}: {'updated' if new != old else 'up to date'}")

@@ -15,7 +15,7 @@ import torch
 
 from .attention import EditScores
 from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
-from .options import check_probability, config_from_namespace, option, option_name
+from .options import attention_option, check_probability, config_from_namespace, layers_option, option, option_name
 
 Schedule = List[Tuple[int, float]]  # (update, drop probability) knots, updates increasing
 
@@ -65,10 +65,12 @@ class ScheduledDropoutConfig:
 
     FLAG_PREFIX = "--attn-sched-dropout-"
 
-    schedule: str = option("", "scheduled attention dropout: 'UPDATE:PROB,...' (all selected layers) or one "
-                               "schedule per layer joined by '|'; empty = off")
-    layers: str = option("all", "'all' or a comma list of 0-based layer indices")
-    attention: str = option("encoder-self", "comma list of encoder-self, decoder-self, encoder-decoder")
+    schedule: str = option("", "scheduled attention dropout: each real key dropped before softmax with its layer's "
+                               "piecewise-linear probability at the current update; empty = off",
+                           "UPDATE:PROB,... knots, updates increasing, PROB in [0, 1]; one schedule, or one per "
+                           "selected layer joined by '|'")
+    layers: str = layers_option()
+    attention: str = attention_option()
 
     @property
     def enabled(self) -> bool:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..controller import parse_kinds, parse_layers
-from ..options import config_from_namespace, option, option_name
+from ..options import attention_option, config_from_namespace, layers_option, option, option_name
 
 
 @dataclass
@@ -15,15 +15,16 @@ class AttendOutConfig:
 
     FLAG_PREFIX = "--attendout-"
 
-    dropout_step: int = option(20, "T: updates per dropout step and held-out samples per evaluation, >= 1")
-    generator_dim: int = option(64, "generator width (embeddings and its single attention head), >= 1")
-    lr: float = option(1e-3, "generator Adam learning rate, > 0")
-    temperature: float = option(1.0, "Gumbel temperature: drop probability = sigmoid(logit / temperature), > 0")
-    baseline_decay: float = option(0.9, "moving-average baseline decay, in [0, 1)")
-    init_drop: float = option(0.2, "drop probability the generator starts from, in (0, 1)")
-    attention: str = option("encoder-self", "comma list of encoder-self, decoder-self, encoder-decoder")
-    layers: str = option("all", "'all' or a comma list of 0-based layer indices")
-    max_positions: int = option(1024, "longest sequence the generator covers, >= 1")
+    dropout_step: int = option(20, "T: updates per dropout step and held-out samples per evaluation", "integer >= 1")
+    generator_dim: int = option(64, "generator width (embeddings and its single attention head)", "integer >= 1")
+    lr: float = option(1e-3, "generator Adam learning rate", "finite number > 0")
+    temperature: float = option(1.0, "Gumbel temperature: drop probability = sigmoid(logit / temperature)",
+                                "finite number > 0")
+    baseline_decay: float = option(0.9, "moving-average baseline: b = decay * b + (1 - decay) * mean reward", "[0, 1)")
+    init_drop: float = option(0.2, "drop probability the generator starts from", "(0, 1)")
+    attention: str = attention_option()
+    layers: str = layers_option()
+    max_positions: int = option(1024, "longest sequence the generator covers", "integer >= 1")
 
     def validate(self) -> "AttendOutConfig":
         def flag(name: str) -> str:

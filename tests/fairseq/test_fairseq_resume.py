@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from conftest import (PLUGIN_DIR, RESUMABLE, TRAIN_ARGS, UPDATES_PER_EPOCH, VENV_BIN, run_cli,  # noqa: E402
+from helpers import (PLUGIN_DIR, RESUMABLE, TRAIN_ARGS, UPDATES_PER_EPOCH, VENV_BIN, run_cli,  # noqa: E402
                       train_updates)
 
 KILL_AT = 14  # the first --save-interval-updates checkpoint: 2nd update of epoch 2 (AD-DROP)

@@ -11,7 +11,7 @@ from attn_reg_plugin.core.attention import EditScores  # noqa: E402
 from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
 from attn_reg_plugin.fairseq_plugin.attention import RegularizedMultiheadAttention, install_attention_sites  # noqa: E402
 
-from conftest import TINY_TRANSFORMER, fairseq_setup  # noqa: E402
+from helpers import TINY_TRANSFORMER, fairseq_setup  # noqa: E402
 
 
 def _pair(**kwargs):

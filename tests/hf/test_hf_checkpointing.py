@@ -10,7 +10,6 @@ dropout draws (restored by torch's checkpoint) are exercised too.
 import pytest
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, MarianConfig, MarianMTModel
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
@@ -24,7 +23,8 @@ from attn_reg_plugin.hf import (
     AttnRegSeq2SeqTrainer,
     AttnRegTrainer,
 )
-from conftest import tiny_bert_classifier
+import helpers
+from helpers import tiny_bert_classifier
 
 DROPOUT = 0.1
 
@@ -36,20 +36,11 @@ def tiny_bert():
 
 
 def tiny_marian():
-    torch.manual_seed(0)
-    return MarianMTModel(MarianConfig(
-        vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=0, eos_token_id=1,
-        decoder_start_token_id=0, max_position_embeddings=64, dropout=DROPOUT, attention_dropout=DROPOUT,
-        activation_dropout=0.0, attn_implementation="sdpa"))
+    return helpers.tiny_marian(dropout=DROPOUT, attention_dropout=DROPOUT, attn_implementation="sdpa")
 
 
 def tiny_llama():
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model("llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                               intermediate_size=64, vocab_size=100, attention_dropout=DROPOUT, pad_token_id=0,
-                               attn_implementation="sdpa")
-    return AutoModelForCausalLM.from_config(cfg)
+    return helpers.tiny_llama(attention_dropout=DROPOUT, attn_implementation="sdpa")
 
 
 def _ids(generator, rows, length, pad_from):

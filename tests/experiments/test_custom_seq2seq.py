@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from helpers import REPO
 
 from attn_reg_plugin.core import RegularizationController
 from attn_reg_plugin.core.attention import EditScores
@@ -112,7 +112,7 @@ def test_train_cli_plain_then_ad_drop_epoch(tmp_path, capsys, variant):
     assert second["ad_drop"] and 0.5 * p * q < second["drop_rate"] < p * q + 0.05, second
     assert all(math.isfinite(e["train_loss"]) and math.isfinite(e["valid_loss"]) for e in result["epochs"])
     assert f"drop rate {second['drop_rate']:.4f}" in printed and "| AD-DROP |" in printed and "| plain   |" in printed
-    assert result["bleu_sentences"] == 6 and result["bleu"] >= 0 and "BLEU" in printed
+    assert result["bleu_sentences"] == 6 and f"greedy BLEU on 6 test sentences: {result['bleu']:.2f}" in printed
     assert (out / "spm.model").stat().st_size > 0
 
 

@@ -16,7 +16,7 @@ from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from conftest import REPO, classifier_rows, tiny_bert_classifier
+from helpers import REPO, classifier_rows, tiny_bert_classifier
 
 STEPS = 8
 WARM_UP = 3  # AttendOut's first held-out evaluation (T = 2) compiles the eval graphs at step 2

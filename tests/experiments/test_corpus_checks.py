@@ -2,7 +2,7 @@
 import pytest
 
 from attn_reg_plugin.experiments import mt_pipeline as mt
-from conftest import CORPUS
+from helpers import CORPUS
 
 GOOD = "first sentence\nsecond one\nthird\n"
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import transformers
-from transformers import BertConfig, BertForSequenceClassification, MarianConfig, MarianMTModel, TrainerCallback
+from transformers import TrainerCallback
 
 from attn_reg_plugin.core.attendout import AttendOut, AttendOutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
@@ -20,18 +20,14 @@ from attn_reg_plugin.hf import (
     AttnRegTrainer,
 )
 from attn_reg_plugin.hf.regularizers import ATTENDOUT_STATE
-from conftest import minilm_path, record_results
+from helpers import REPO, TEST_DATA, minilm_path, record_results, tiny_bert_classifier, tiny_marian
 
-REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "gettext_en_ro"
-REVIEWS = Path(__file__).resolve().parent / "data" / "movie_reviews_tiny.jsonl"
+REVIEWS = TEST_DATA / "movie_reviews_tiny.jsonl"
 
 
 def tiny_bert(**kw):
-    torch.manual_seed(0)
-    cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                     vocab_size=100, **kw)
-    return BertForSequenceClassification(cfg)
+    return tiny_bert_classifier(hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100, **kw)
 
 
 def token_data(n, seed, min_len=5, max_len=10):
@@ -330,14 +326,6 @@ def _seq2seq_collate(batch):
     return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": pad([b["labels"] for b in batch], -100)}
 
 
-def tiny_marian(vocab_size):
-    torch.manual_seed(0)
-    cfg = MarianConfig(vocab_size=vocab_size, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                       decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=0,
-                       eos_token_id=1, decoder_start_token_id=0, max_position_embeddings=64)
-    return MarianMTModel(cfg)
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_attendout_seq2seq_marian(tmp_path, precision):
     train, dev, vocab_size = _marian_data()
@@ -456,7 +444,7 @@ DDP_WORKER = '''
 import sys
 from pathlib import Path
 import torch
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = sys.argv[2:]  # this test file's folder and tests/ (helpers)
 from test_hf_attendout import _args, collate, tiny_bert, token_data
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.hf import AttendOutTrainer
@@ -491,7 +479,7 @@ def test_attendout_ddp_two_cpu_workers(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), str(worker), str(tmp_path),
-                           str(Path(__file__).parent)], env=env, text=True, stdout=subprocess.PIPE,
+                           str(Path(__file__).parent), str(REPO / "tests")], env=env, text=True, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     r0, r1 = (torch.load(tmp_path / f"final_rank{r}.pt", weights_only=True) for r in (0, 1))

@@ -4,7 +4,7 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from conftest import TINY_TRANSFORMER, fairseq_setup  # noqa: E402
+from helpers import TINY_TRANSFORMER, fairseq_setup  # noqa: E402
 
 
 def _batch(task, split="train"):

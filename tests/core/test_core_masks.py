@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from attn_reg_plugin.core import masks
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, frozen_parameters
 from attn_reg_plugin.core.attention import EditScores, attend
 from attn_reg_plugin.core.controller import (

@@ -2,41 +2,32 @@
 import copy
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 
 import transformers  # noqa: E402
-from transformers import BertConfig, BertForSequenceClassification, MarianConfig, MarianMTModel  # noqa: E402
 
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig  # noqa: E402
 from attn_reg_plugin.core.attention import EditScores  # noqa: E402
 from attn_reg_plugin.core.attribution import logit_target  # noqa: E402
 from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
 from attn_reg_plugin.hf import ADDropSeq2SeqTrainer, ADDropTrainer, install_attention_sites  # noqa: E402
-from conftest import minilm_path, record_results  # noqa: E402
+import helpers  # noqa: E402
+from helpers import REPO, TEST_DATA, minilm_path, record_results, tiny_bert_classifier  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "gettext_en_ro"
-REVIEWS = Path(__file__).resolve().parent / "data" / "movie_reviews_tiny.jsonl"
+REVIEWS = TEST_DATA / "movie_reviews_tiny.jsonl"
 
 
 def tiny_bert(**kw):
-    torch.manual_seed(0)
-    cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                     vocab_size=100, attn_implementation="sdpa", **kw)
-    return BertForSequenceClassification(cfg)
+    return tiny_bert_classifier(hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100,
+                                attn_implementation="sdpa", **kw)
 
 
 def tiny_marian():
-    torch.manual_seed(0)
-    cfg = MarianConfig(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                       decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=0,
-                       eos_token_id=1, decoder_start_token_id=0, max_position_embeddings=64, dropout=0.0,
-                       attention_dropout=0.0, activation_dropout=0.0, attn_implementation="sdpa")
-    return MarianMTModel(cfg)
+    return helpers.tiny_marian(dropout=0.0, attn_implementation="sdpa")
 
 
 def bert_batch():
@@ -183,11 +174,7 @@ def _collate(batch):
 @pytest.mark.parametrize("labels", ["pseudo", "gold"])
 def test_seq2seq_trainer_marian(tmp_path, labels):
     data, vocab_size = _whitespace_pairs(16)
-    torch.manual_seed(0)
-    cfg = MarianConfig(vocab_size=vocab_size, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                       decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=0,
-                       eos_token_id=1, decoder_start_token_id=0, max_position_embeddings=64)
-    model = MarianMTModel(cfg)
+    model = helpers.tiny_marian(vocab_size)
     args = _args(tmp_path, cls=transformers.Seq2SeqTrainingArguments, per_device_train_batch_size=8,
                  learning_rate=1e-3)
     trainer = ADDropSeq2SeqTrainer(

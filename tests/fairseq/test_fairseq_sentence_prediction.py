@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from conftest import (  # noqa: E402
+from helpers import (  # noqa: E402
     PLUGIN_DIR, SENTENCE_PREDICTION_TOKENS, TINY_ROBERTA, fairseq_setup, run_cli, train_epoch_stats,
 )
 

@@ -1,14 +1,13 @@
 """AttendOut, scheduled attention dropout and attention LayerDrop through fairseq (task options)."""
 import json
 import re
-import shutil
 
 import pytest
 import torch
 
 pytest.importorskip("fairseq")
 
-from conftest import (  # noqa: E402
+from helpers import (  # noqa: E402
     PLUGIN_DIR, SENTENCE_PREDICTION_TOKENS, TINY_ROBERTA, TINY_TRANSFORMER, fairseq_setup, run_cli,
 )
 

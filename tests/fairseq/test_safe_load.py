@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("fairseq")
 
 import attn_reg_plugin.fairseq_plugin  # noqa: E402,F401  (the allow-list, as --user-dir installs it)
-from conftest import PLUGIN_DIR, run_cli  # noqa: E402
+from helpers import PLUGIN_DIR, run_cli  # noqa: E402
 
 
 class ShellPayload:

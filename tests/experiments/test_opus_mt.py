@@ -9,8 +9,9 @@ import json
 import math
 
 import pytest
+import sacrebleu
 
-from conftest import CORPUS, REPO
+from helpers import CORPUS, REPO
 
 EXAMPLE = REPO / "examples" / "opus_mt"
 
@@ -76,8 +77,10 @@ def test_plain_and_ad_drop_runs_log_rate_and_bleu(tmp_path, tiny_marian, capsys)
     # Epoch 1 is plain in both runs, from the same checkpoint and seed: identical losses.
     assert plain[0]["train_loss"] == ad[0]["train_loss"]
     for r in results.values():
-        assert r["test_sentences"] == 10 and r["bleu"] >= 0 and r["bleu_signature"].startswith("BLEU")
-        assert len((out / r["method"] / "test.hyp").read_text(encoding="utf-8").splitlines()) == 10
+        hyps = (out / r["method"] / "test.hyp").read_text(encoding="utf-8").splitlines()
+        refs = (data / "test.ro").read_text(encoding="utf-8").splitlines()
+        assert r["test_sentences"] == len(hyps) == len(refs) == 10 and r["bleu_signature"].startswith("BLEU")
+        assert r["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)  # scored on what was written
     assert "| ad-drop |" in printed and f"drop rate {ad[1]['ad_drop_rate']:.4f}" in printed
 
 

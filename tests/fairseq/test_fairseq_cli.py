@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from conftest import PLUGIN_DIR, TINY_TRANSFORMER, run_cli, train_epoch_stats  # noqa: E402
+from helpers import REPO, PLUGIN_DIR, TINY_TRANSFORMER, run_cli, train_epoch_stats  # noqa: E402
 
 AD_DROP = ["--task", "attn_reg_translation", *TINY_TRANSFORMER,
            "--criterion", "ad_drop_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
@@ -62,8 +62,6 @@ HYDRA_TINY = [
 @pytest.mark.parametrize("recipe,key", [("ad_drop_transformer", "ad_drop_rate"),
                                         ("attendout_transformer", "attendout_attacker_loss")])
 def test_hydra_recipes_train(tiny_mt_data, tmp_path, recipe, key):
-    from conftest import REPO
-
     proc = run_cli("fairseq-hydra-train", [
         "--config-dir", REPO / "examples" / "hydra", "--config-name", recipe, f"task.data={tiny_mt_data['bin']}",
         f"common.user_dir={PLUGIN_DIR}", f"checkpoint.save_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path}",

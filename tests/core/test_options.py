@@ -10,6 +10,7 @@ from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.options import add_arguments, options_of
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+from helpers import REPO
 
 CONFIGS = [(ADDropConfig, "ad_drop_"), (AttendOutConfig, "attendout_"), (ScheduledDropoutConfig, "attn_sched_dropout_"),
            (AttentionLayerDropConfig, "attn_layerdrop_")]
@@ -40,7 +41,7 @@ def test_fairseq_flags_are_the_config_fields(config_cls, prefix):
 
 
 def test_fairseq_parser_reads_the_generated_flags(tiny_mt_data):
-    from conftest import TINY_TRANSFORMER, fairseq_setup
+    from helpers import TINY_TRANSFORMER, fairseq_setup
 
     cfg, _, _, criterion = fairseq_setup(tiny_mt_data["bin"], [
         "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--criterion", "ad_drop_label_smoothed_cross_entropy",
@@ -62,3 +63,17 @@ def test_add_arguments_generates_runner_options():
         parser.parse_args(["--ad-drop-iga-steps", "2.5"])  # typed as the field
     with pytest.raises(ValueError, match="ADDropConfig has no field 'rate'"):
         add_arguments(argparse.ArgumentParser(), ADDropConfig, "--ad-drop-", only=("rate",))
+
+
+def test_docs_option_tables_are_generated_from_the_configs():
+    from attn_reg_plugin.core.options import options_table, with_generated_tables
+
+    doc = (REPO / "docs" / "OPTIONS.md").read_text(encoding="utf-8")
+    assert with_generated_tables(doc) == doc, "run: python -m attn_reg_plugin.core.options docs/OPTIONS.md"
+    for config in (ADDropConfig, AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig):
+        table = options_table(config)
+        assert f"<!-- options: {config.__name__} -->\n{table}\n" in doc
+        assert table.count("\n") == len(dataclasses.fields(config)) + 1  # header, rule, one row per field
+    # the marker really regenerates: a stale row is replaced
+    stale = doc.replace("| `--ad-drop-q` | `ADDropConfig.q` | (0, 1) |", "| `--ad-drop-q` | `ADDropConfig.q` | (0, 2) |")
+    assert stale != doc and with_generated_tables(stale) == doc

@@ -2,13 +2,12 @@
 import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, minilm_path
+from helpers import TEST_DATA, REPO, minilm_path
 
-NER = Path(__file__).resolve().parent / "data" / "conll_tiny.jsonl"
+NER = TEST_DATA / "conll_tiny.jsonl"
 
 
 def _load(name, path):

