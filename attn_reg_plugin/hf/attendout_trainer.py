@@ -126,6 +126,7 @@ class AttendOutTrainerMixin:
             self.attendout_generator = Generator(
                 sizes, {s: config.pad_token_id for s in sizes}, attendout.generator_dim, attendout.max_positions,
                 attendout.init_drop, attendout.temperature, share_streams=shared,
+                positions_option=attendout.name("max_positions"),
             )
         # Selecting the sites now checks kinds and layers against the model, before training.
         probe = AttendOut(attendout, self.attendout_defender_controller, self.attendout_generator)

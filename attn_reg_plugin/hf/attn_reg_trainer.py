@@ -15,7 +15,7 @@ import transformers
 
 from ..core.controller import RegularizationController
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig, skipped_layers
-from ..core.options import named_by_field, one_regularizer, option_name
+from ..core.options import named_by_field, one_regularizer
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attention import install_attention_sites
 from .training_configurations import model_argument, refuse_unsupported, training_arguments
@@ -36,8 +36,9 @@ class AttnRegTrainerMixin:
             named_by_field(scheduled_dropout).validate()
         if layerdrop is not None:
             named_by_field(layerdrop).validate()
-        one_regularizer([name for name, on in (("ScheduledDropoutConfig.schedule", scheduled_dropout is not None),
-                                               ("AttentionLayerDropConfig.p", layerdrop is not None and layerdrop.enabled)) if on])
+        one_regularizer([config.name(field) for config, field, on in (
+            (scheduled_dropout, "schedule", scheduled_dropout is not None),
+            (layerdrop, "p", layerdrop is not None and layerdrop.enabled)) if on])
         model = model_argument("AttnRegTrainer", args, kwargs)
         refuse_unsupported("AttnRegTrainer", training_arguments(args, kwargs), model=model)
         # Before the Trainer's own setup: bad layers / kinds fail first.

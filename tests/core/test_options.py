@@ -25,8 +25,10 @@ def test_every_config_field_has_a_type_default_and_help():
 
 @pytest.mark.parametrize("config_cls,prefix", CONFIGS)
 def test_fairseq_flags_are_the_config_fields(config_cls, prefix):
-    from attn_reg_plugin.fairseq_plugin.criterions import ADDropLabelSmoothedCrossEntropyConfig, ADDropSentencePredictionConfig
-    from attn_reg_plugin.fairseq_plugin.tasks import AttnRegSentencePredictionConfig, AttnRegTranslationConfig
+    from attn_reg_plugin.fairseq_plugin.ad_drop_label_smoothed_cross_entropy import ADDropLabelSmoothedCrossEntropyConfig
+    from attn_reg_plugin.fairseq_plugin.ad_drop_sentence_prediction import ADDropSentencePredictionConfig
+    from attn_reg_plugin.fairseq_plugin.attn_reg_sentence_prediction import AttnRegSentencePredictionConfig
+    from attn_reg_plugin.fairseq_plugin.attn_reg_translation import AttnRegTranslationConfig
 
     holders = ([ADDropLabelSmoothedCrossEntropyConfig, ADDropSentencePredictionConfig] if config_cls is ADDropConfig
                else [AttnRegTranslationConfig, AttnRegSentencePredictionConfig])
@@ -66,10 +68,10 @@ def test_add_arguments_generates_runner_options():
 
 
 def test_docs_option_tables_are_generated_from_the_configs():
-    from attn_reg_plugin.core.options import options_table, with_generated_tables
+    from attn_reg_plugin.experiments.docs_tables import options_table, with_generated_tables
 
     doc = (REPO / "docs" / "OPTIONS.md").read_text(encoding="utf-8")
-    assert with_generated_tables(doc) == doc, "run: python -m attn_reg_plugin.core.options docs/OPTIONS.md"
+    assert with_generated_tables(doc) == doc, "run: python -m attn_reg_plugin.experiments.docs_tables docs/OPTIONS.md README.md"
     for config in (ADDropConfig, AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig):
         table = options_table(config)
         assert f"<!-- options: {config.__name__} -->\n{table}\n" in doc
@@ -77,3 +79,28 @@ def test_docs_option_tables_are_generated_from_the_configs():
     # the marker really regenerates: a stale row is replaced
     stale = doc.replace("| `--ad-drop-q` | `ADDropConfig.q` | (0, 1) |", "| `--ad-drop-q` | `ADDropConfig.q` | (0, 2) |")
     assert stale != doc and with_generated_tables(stale) == doc
+
+
+def test_attention_auto_is_encoder_self_with_an_encoder_else_decoder_self(caplog):
+    import logging
+
+    from attn_reg_plugin.core.ad_drop import ADDrop
+    from attn_reg_plugin.core.controller import RegularizationController
+
+    def controller(*kinds):
+        c = RegularizationController()
+        for kind in kinds:
+            for layer in range(2):
+                c.register(kind, layer)
+        return c
+
+    assert ADDropConfig().attention == "auto"
+    with caplog.at_level(logging.INFO, logger="attn_reg_plugin.core.controller"):
+        seq2seq = ADDrop(ADDropConfig(), controller("encoder-self", "decoder-self", "encoder-decoder"))
+        decoder_only = ADDrop(ADDropConfig(), controller("decoder-self"))
+    assert {s.kind for s in seq2seq.sites} == {"encoder-self"} and len(seq2seq.sites) == 2
+    assert {s.kind for s in decoder_only.sites} == {"decoder-self"}
+    assert [r.getMessage() for r in caplog.records] == ["--ad-drop-attention auto: encoder-self attention",
+                                                        "--ad-drop-attention auto: decoder-self attention"]
+    with pytest.raises(ValueError, match=r"--ad-drop-attention: 'auto' stands alone; got 'auto,encoder-self'"):
+        ADDropConfig(attention="auto,encoder-self").validate()

@@ -1,23 +1,17 @@
 """examples/conll: the script's own code path on a hand-written NER file with the real MiniLM encoder."""
-import importlib.util
 import json
 import math
 
 import pytest
 
-from helpers import TEST_DATA, REPO, minilm_path
+from helpers import TEST_DATA, REPO, minilm_path, load_script
 
 NER = TEST_DATA / "conll_tiny.jsonl"
 
 
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-conll = _load("run_conll", REPO / "examples" / "conll" / "run_conll.py")
+conll = load_script(REPO / "examples" / "conll" / "run_conll.py", "run_conll")
 
 
 def test_local_ner_plain_then_ad_drop_epoch(tmp_path, capsys):

@@ -1,5 +1,4 @@
 """examples/custom_seq2seq: the porting API in a plain-PyTorch model, and its training CLI."""
-import importlib.util
 import json
 import math
 import subprocess
@@ -8,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import REPO, load_script
 
 from attn_reg_plugin.core import RegularizationController
 from attn_reg_plugin.core.attention import EditScores
@@ -16,16 +15,11 @@ from attn_reg_plugin.core.attention import EditScores
 EXAMPLE = REPO / "examples" / "custom_seq2seq"
 
 
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-model_mod = _load("seq2seq_model", EXAMPLE / "seq2seq_model.py")
+model_mod = load_script(EXAMPLE / "seq2seq_model.py", "seq2seq_model")
 sys.modules["seq2seq_model"] = model_mod  # train.py imports its neighbour as a script would
-train_mod = _load("custom_seq2seq_train", EXAMPLE / "train.py")
+train_mod = load_script(EXAMPLE / "train.py", "custom_seq2seq_train")
 
 
 def test_core_api_is_framework_free():

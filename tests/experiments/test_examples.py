@@ -1,23 +1,17 @@
 """The demo and the WMT16 recipe, on local data (no download)."""
-import importlib.util
 import json
 import math
 
 import pytest
 import sacrebleu
 
-from helpers import REPO
+from helpers import REPO, load_script
 
 
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_wmt16_download_writes_parallel_text_in_pair_direction(tmp_path):
-    wmt16 = _load(REPO / "examples" / "wmt16" / "run_wmt16.py", "run_wmt16")
+    wmt16 = load_script(REPO / "examples" / "wmt16" / "run_wmt16.py", "run_wmt16")
     calls = []
 
     def fake_load_dataset(name, config):  # stands in for datasets.load_dataset (no network here)
@@ -33,7 +27,7 @@ def test_wmt16_download_writes_parallel_text_in_pair_direction(tmp_path):
 
 
 def test_wmt16_rejects_embedded_newlines(tmp_path):
-    wmt16 = _load(REPO / "examples" / "wmt16" / "run_wmt16.py", "run_wmt16")
+    wmt16 = load_script(REPO / "examples" / "wmt16" / "run_wmt16.py", "run_wmt16")
     bad = {"translation": [{"en": "a\nb", "ro": "c"}]}
     with pytest.raises(ValueError, match="train row 0: embedded newline"):
         wmt16.download("en-ro", tmp_path, load_dataset=lambda *a: {"train": bad, "validation": bad, "test": bad})

@@ -6,10 +6,9 @@ from collections import Counter
 import pytest
 
 from attn_reg_plugin.experiments import fewshot
-from helpers import TEST_DATA, minilm_path
+from helpers import minilm_path, MOVIE_REVIEWS_TINY as REVIEWS
 from attn_reg_plugin.experiments.fewshot_data import DataError, Example, load_jsonl, sample_balanced
 
-REVIEWS = TEST_DATA / "movie_reviews_tiny.jsonl"
 GOOD = b'{"sentence": "fine film", "label": 1}\n'
 
 

@@ -1,25 +1,18 @@
 """examples/glue: the script's own code path on local JSON lines with the real MiniLM encoder."""
-import importlib.util
 import json
 import math
 
 import numpy as np
 import pytest
 
-from helpers import TEST_DATA, REPO, minilm_path
+from helpers import TEST_DATA, REPO, minilm_path, load_script, MOVIE_REVIEWS_TINY as REVIEWS
 
-REVIEWS = TEST_DATA / "movie_reviews_tiny.jsonl"
 PAIRS = TEST_DATA / "rte_style_tiny.jsonl"
 
 
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-glue = _load("run_glue", REPO / "examples" / "glue" / "run_glue.py")
+glue = load_script(REPO / "examples" / "glue" / "run_glue.py", "run_glue")
 
 
 def test_sst2_local_files_plain_then_ad_drop_epoch(tmp_path, capsys):

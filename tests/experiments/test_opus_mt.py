@@ -4,27 +4,21 @@ A tiny random MarianMTModel + MarianTokenizer (build_tiny_marian.py, sentencepie
 the shipped corpus) stands in for Helsinki-NLP/opus-mt-en-ro, and a slice of
 data/gettext_en_ro stands in for WMT16; everything else is what a real run executes.
 """
-import importlib.util
 import json
 import math
 
 import pytest
 import sacrebleu
 
-from helpers import CORPUS, REPO
+from helpers import CORPUS, REPO, load_script
 
 EXAMPLE = REPO / "examples" / "opus_mt"
 
 
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-opus = _load("run_opus_mt", EXAMPLE / "run_opus_mt.py")
-tiny = _load("build_tiny_marian", EXAMPLE / "build_tiny_marian.py")
+opus = load_script(EXAMPLE / "run_opus_mt.py", "run_opus_mt")
+tiny = load_script(EXAMPLE / "build_tiny_marian.py", "build_tiny_marian")
 
 pytestmark = pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")
 

@@ -4,7 +4,7 @@ and the following updates are those of an uninterrupted run with the same seed.
 fairseq reseeds torch every update (seed + update number), restores model, optimizer, lr
 schedule and data position from checkpoint_last, and calls ``begin_epoch`` on resume, which
 sets the plugin's epoch (cross-tuning). One thing fairseq does not reproduce by default: the
-batches (README, "Interrupted runs"); ``--rebuild-batches`` (the attn_reg task's option)
+batches (docs/CHECKPOINTS.md "Interrupted runs"); ``--rebuild-batches`` (the attn_reg task's option)
 makes them reproducible, and with it everything after the resume is equal.
 """
 import os
@@ -114,7 +114,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tiny_mt_data, r
 @pytest.mark.slow
 def test_resume_without_rebuild_batches_keeps_the_schedule_but_not_the_batches(tiny_mt_data, tmp_path):
     """fairseq's default: model, optimizer, schedule, data position and update count resume
-    exactly; the batch contents after the resume do not (README): assert the former, show the latter."""
+    exactly; the batch contents after the resume do not (docs/CHECKPOINTS.md): assert the former, show the latter."""
     default = ["--save-interval-updates", "14"]
     compared = _compared("ad_drop")
     reference = train_updates(run_cli("fairseq-train", _train_cmd(tiny_mt_data["bin"], tmp_path / "full", default)[1:]).stdout)

@@ -222,7 +222,7 @@ def test_ad_drop_metrics_survive_summed_logs():
     criterion allows it; ad_drop_on must stay the fraction of AD-DROP steps."""
     from fairseq.logging import metrics
 
-    from attn_reg_plugin.fairseq_plugin.criterions import ADDropSentencePredictionCriterion
+    from attn_reg_plugin.fairseq_plugin.ad_drop_sentence_prediction import ADDropSentencePredictionCriterion
 
     def log(on, dropped, valid):
         return {"loss": torch.tensor(1.0), "ntokens": 10, "nsentences": 2, "sample_size": 2, "ncorrect": 1,

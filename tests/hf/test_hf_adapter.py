@@ -15,10 +15,8 @@ from attn_reg_plugin.core.attribution import logit_target  # noqa: E402
 from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
 from attn_reg_plugin.hf import ADDropSeq2SeqTrainer, ADDropTrainer, install_attention_sites  # noqa: E402
 import helpers  # noqa: E402
-from helpers import REPO, TEST_DATA, minilm_path, record_results, tiny_bert_classifier  # noqa: E402
+from helpers import CORPUS, MOVIE_REVIEWS_TINY as REVIEWS, minilm_path, record_results, tiny_bert_classifier  # noqa: E402
 
-CORPUS = REPO / "data" / "gettext_en_ro"
-REVIEWS = TEST_DATA / "movie_reviews_tiny.jsonl"
 
 
 def tiny_bert(**kw):

@@ -19,11 +19,9 @@ from attn_reg_plugin.hf import (
     AttnRegSeq2SeqTrainer,
     AttnRegTrainer,
 )
-from attn_reg_plugin.hf.regularizers import ATTENDOUT_STATE
-from helpers import REPO, TEST_DATA, minilm_path, record_results, tiny_bert_classifier, tiny_marian
+from attn_reg_plugin.hf.attendout_trainer import ATTENDOUT_STATE
+from helpers import REPO, minilm_path, record_results, tiny_bert_classifier, tiny_marian, CORPUS, MOVIE_REVIEWS_TINY as REVIEWS
 
-CORPUS = REPO / "data" / "gettext_en_ro"
-REVIEWS = TEST_DATA / "movie_reviews_tiny.jsonl"
 
 
 def tiny_bert(**kw):
@@ -444,7 +442,6 @@ DDP_WORKER = '''
 import sys
 from pathlib import Path
 import torch
-sys.path[:0] = sys.argv[2:]  # this test file's folder and tests/ (helpers)
 from test_hf_attendout import _args, collate, tiny_bert, token_data
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.hf import AttendOutTrainer
@@ -472,14 +469,15 @@ def test_attendout_ddp_two_cpu_workers(tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(DDP_WORKER)
     torchrun = Path(sys.executable).parent / "torchrun"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    # this test file's folder and tests/ (helpers) for the worker's imports
+    paths = [str(REPO), str(Path(__file__).parent), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)}
     import socket
 
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), str(worker), str(tmp_path),
-                           str(Path(__file__).parent), str(REPO / "tests")], env=env, text=True, stdout=subprocess.PIPE,
+    proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), str(worker), str(tmp_path)], env=env, text=True, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     r0, r1 = (torch.load(tmp_path / f"final_rank{r}.pt", weights_only=True) for r in (0, 1))

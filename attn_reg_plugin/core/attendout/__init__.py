@@ -18,10 +18,10 @@ networks and their optimizers and call into them:
   score both on held-out batches, end a dropout step); :mod:`.log`: the JSONL log.
 """
 from .config import AttendOutConfig
-from .duel import build_attacker, end_dropout_step, heldout_losses
+from .duel import build_attacker, end_dropout_step
 from .game import AttendOut
 from .generator import STREAMS_OF_KIND, Generator
-from .heldout import per_sample_loss, win_probability
+from .heldout import heldout_losses, per_sample_loss, win_probability
 from .log import DropProbabilityLog
 from .policy import drop_log_prob, gumbel_drops, reinforce_loss
 from .sync import copy_model_state, copy_optimizer_state

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
-from ..controller import parse_kinds, parse_layers
-from ..options import attention_option, config_from_namespace, layers_option, option, option_name
+from ..options import RegularizerOptions, attention_option, layers_option, option
 
 
 @dataclass
-class AttendOutConfig:
+class AttendOutConfig(RegularizerOptions):
     """AttendOut's options; the fairseq flags are these names prefixed with ``--attendout-``."""
 
     FLAG_PREFIX = "--attendout-"
@@ -27,8 +25,7 @@ class AttendOutConfig:
     max_positions: int = option(1024, "longest sequence the generator covers", "integer >= 1")
 
     def validate(self) -> "AttendOutConfig":
-        def flag(name: str) -> str:
-            return option_name(self, name)
+        flag = self.name
 
         def integer(name, low):
             value = getattr(self, name)
@@ -47,10 +44,6 @@ class AttendOutConfig:
         number("temperature", lambda v: 0 < v < math.inf, "a finite number > 0")
         number("baseline_decay", lambda v: 0 <= v < 1, "in [0, 1)")
         number("init_drop", lambda v: 0 < v < 1, "in the open interval (0, 1)")
-        parse_kinds(self.attention, flag("attention"))
-        parse_layers(self.layers, flag("layers"))
+        self.check_site_options()
         return self
 
-    @classmethod
-    def from_namespace(cls, ns, prefix: Optional[str] = None) -> "AttendOutConfig":
-        return config_from_namespace(cls, ns, prefix)

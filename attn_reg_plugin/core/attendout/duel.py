@@ -18,10 +18,7 @@ import torch
 from ..controller import RegularizationController
 from ..distributed import from_rank0
 from .game import AttendOut
-from .heldout import per_sample_loss
-
-LogitsOf = Callable[[torch.nn.Module, object], Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
-
+from .heldout import LogitsOf, heldout_losses
 
 def build_attacker(defender: torch.nn.Module, install_sites: Callable) -> Tuple[torch.nn.Module, RegularizationController]:
     """A: a copy of D as it is now, with attention sites of its own (the Generator's masks go there)."""
@@ -29,17 +26,6 @@ def build_attacker(defender: torch.nn.Module, install_sites: Callable) -> Tuple[
     controller = RegularizationController()
     install_sites(attacker, controller)
     return attacker, controller
-
-
-@torch.no_grad()
-def heldout_losses(model: torch.nn.Module, batches: Iterable, logits_of: LogitsOf) -> torch.Tensor:
-    """Per-sample held-out losses of ``model`` in eval mode (its mode is restored)."""
-    was_training = model.training
-    model.eval()
-    try:
-        return torch.cat([per_sample_loss(*logits_of(model, batch)) for batch in batches])
-    finally:
-        model.train(was_training)
 
 
 def end_dropout_step(game: AttendOut, defender: torch.nn.Module, attacker: torch.nn.Module, batches: Iterable,

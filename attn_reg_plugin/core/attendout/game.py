@@ -20,9 +20,8 @@ from typing import Dict, List, Optional
 import torch
 
 from ..attention import EditScores
-from ..controller import AttentionSite, RegularizationController, parse_kinds, parse_layers
+from ..controller import AttentionSite, RegularizationController
 from ..distributed import all_reduce_mean_
-from ..options import option_name
 from .config import AttendOutConfig
 from .generator import Generator
 from .heldout import win_probability
@@ -45,13 +44,7 @@ class AttendOut:
 
     def __init__(self, config: AttendOutConfig, controller: RegularizationController, generator: Generator):
         self.config = config.validate()
-
-        def flag(name: str) -> str:
-            return option_name(config, name)
-
-        self.sites: List[AttentionSite] = controller.select(
-            parse_kinds(config.attention, flag("attention")), parse_layers(config.layers, flag("layers")), flag("layers")
-        )
+        self.sites: List[AttentionSite] = config.select_sites(controller)
         self.controller = controller
         self.generator = generator
         self.optimizer = torch.optim.Adam(generator.parameters(), lr=config.lr)

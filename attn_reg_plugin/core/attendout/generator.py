@@ -34,9 +34,11 @@ class Generator(nn.Module):
     """
 
     def __init__(self, vocab_sizes: Dict[str, int], padding_idx: Dict[str, int], dim: int, max_positions: int,
-                 init_drop: float, temperature: float, share_streams: bool = False):
+                 init_drop: float, temperature: float, share_streams: bool = False,
+                 positions_option: str = flag_name(AttendOutConfig.FLAG_PREFIX, "max_positions")):
         super().__init__()
         self.dim, self.temperature, self.padding_idx = dim, float(temperature), dict(padding_idx)
+        self.positions_option = positions_option  # how a too-long sequence's error names the option
         streams = list(vocab_sizes)
         if share_streams:
             table = nn.Embedding(vocab_sizes[streams[0]], dim, padding_idx=padding_idx[streams[0]])
@@ -64,7 +66,7 @@ class Generator(nn.Module):
         length = tokens.shape[1]
         if length > self.positions.num_embeddings:
             raise ValueError(
-                f"{flag_name(AttendOutConfig.FLAG_PREFIX, 'max_positions')}: a sequence of {length} tokens is longer than the generator's "
+                f"{self.positions_option}: a sequence of {length} tokens is longer than the generator's "
                 f"{self.positions.num_embeddings} positions"
             )
         real = tokens.ne(self.padding_idx[stream])

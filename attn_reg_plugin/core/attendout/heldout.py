@@ -1,10 +1,13 @@
 """Scoring the Defender and the Attacker on held-out samples: per-sample losses and the win rate."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Iterable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+# (model, batch) -> (logits, target, keep): how an adapter scores one held-out batch
+LogitsOf = Callable[[torch.nn.Module, object], Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
 
 
 def per_sample_loss(logits: torch.Tensor, target: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -24,3 +27,14 @@ def win_probability(defender_losses: torch.Tensor, attacker_losses: torch.Tensor
     """The Attacker's win rate on the held-out samples (ties count half)."""
     wins = (attacker_losses < defender_losses).float() + 0.5 * (attacker_losses == defender_losses).float()
     return wins.mean()
+
+
+@torch.no_grad()
+def heldout_losses(model: torch.nn.Module, batches: Iterable, logits_of: LogitsOf) -> torch.Tensor:
+    """Per-sample held-out losses of ``model`` in eval mode (its mode is restored)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return torch.cat([per_sample_loss(*logits_of(model, batch)) for batch in batches])
+    finally:
+        model.train(was_training)

@@ -174,7 +174,7 @@ class FairseqBench:
         return self.train_step(self.plain_criterion, epoch=1, batch=batch, stock=True)
 
     def ad_drop_criterion(self, config):
-        from attn_reg_plugin.fairseq_plugin.criterions import ADDropLabelSmoothedCrossEntropyCriterion
+        from attn_reg_plugin.fairseq_plugin.ad_drop_label_smoothed_cross_entropy import ADDropLabelSmoothedCrossEntropyCriterion
 
         criterion = ADDropLabelSmoothedCrossEntropyCriterion(self.task, sentence_avg=False, label_smoothing=0.1)
         criterion.init_ad_drop(self.task, config)

