@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""An offline stand-in for an OPUS-MT checkpoint: a tiny random MarianMTModel + a MarianTokenizer.
+"""An offline stand-in for an OPUS-MT checkpoint: a tiny random MarianMTModel + a MarianTokenizer
+(or, with ``--family t5``, a tiny random T5 + T5Tokenizer in T5's layout: <pad> 0, </s> 1, <unk> 2).
 
     python examples/opus_mt/build_tiny_marian.py --out outputs/tiny-marian-en-ro
+    python examples/opus_mt/build_tiny_marian.py --out outputs/tiny-t5-en-ro --family t5
 
 Writes a folder that ``MarianMTModel.from_pretrained`` / ``AutoTokenizer.from_pretrained``
 load exactly like a downloaded ``Helsinki-NLP/opus-mt-*`` one (source.spm, target.spm,
@@ -26,12 +28,15 @@ from attn_reg_plugin.experiments.example_support import read_parallel
 
 
 def build(out: Path, data: Path, src: str, tgt: str, train_lines: int = 2000, vocab_size: int = 1000, d_model: int = 64,
-          layers: int = 2, heads: int = 4, ffn_dim: int = 128, max_positions: int = 256, seed: int = 0) -> Path:
+          layers: int = 2, heads: int = 4, ffn_dim: int = 128, max_positions: int = 256, seed: int = 0,
+          family: str = "marian") -> Path:
     import sentencepiece as spm
     import torch
     from transformers import MarianConfig, MarianMTModel, MarianTokenizer
 
     src_lines, tgt_lines = read_parallel(data, "train", src, tgt, train_lines)
+    if family == "t5":
+        return _build_t5(out, src_lines + tgt_lines, vocab_size, d_model, layers, heads, ffn_dim, seed)
     proto = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(src_lines + tgt_lines), model_writer=proto,
                                    vocab_size=vocab_size, model_type="unigram", character_coverage=1.0,
@@ -60,6 +65,27 @@ def build(out: Path, data: Path, src: str, tgt: str, train_lines: int = 2000, vo
     return out
 
 
+def _build_t5(out: Path, lines, vocab_size: int, d_model: int, layers: int, heads: int, ffn_dim: int, seed: int) -> Path:
+    import sentencepiece as spm
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
+
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=proto, vocab_size=vocab_size,
+                                   model_type="unigram", character_coverage=1.0, hard_vocab_limit=False, minloglevel=2,
+                                   num_threads=1, pad_id=0, eos_id=1, unk_id=2, bos_id=-1)
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]  # <pad>, </s>, <unk>, pieces
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
+    tokenizer.save_pretrained(out)
+    config = T5Config(vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // heads, d_ff=ffn_dim, num_layers=layers,
+                      num_heads=heads, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    torch.manual_seed(seed)
+    T5ForConditionalGeneration(config).save_pretrained(out)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -72,6 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--ffn-dim", type=int, default=128)
+    ap.add_argument("--family", choices=("marian", "t5"), default="marian")
     args = ap.parse_args(argv)
     for name in ("train_lines", "vocab_size", "d_model", "layers", "heads", "ffn_dim"):
         if getattr(args, name) < 1:
@@ -79,8 +106,8 @@ def main(argv=None) -> int:
     if args.d_model % args.heads:
         ap.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
     path = build(args.out, args.data, args.src, args.tgt, args.train_lines, args.vocab_size, args.d_model, args.layers,
-                 args.heads, args.ffn_dim)
-    print(f"tiny random MarianMTModel + MarianTokenizer written to {path}")
+                 args.heads, args.ffn_dim, family=args.family)
+    print(f"tiny random {args.family} model and tokenizer written to {path}")
     return 0
 
 

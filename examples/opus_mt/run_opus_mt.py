@@ -11,9 +11,18 @@ EN-RO p = q = 0.2 and TR-EN p = 0.6, q = 0.1. Data: ``datasets.load_dataset("wmt
 BLEU). Each method starts from the same checkpoint and seed; plain runs the stock
 ``Seq2SeqTrainer``, AD-DROP runs ``attn_reg_plugin.hf.ADDropSeq2SeqTrainer``. After training,
 ``model.generate`` translates the test sources and sacrebleu scores them against the raw
-references. ``--model`` and ``--data-dir`` swap in any local Marian checkpoint folder and any
-``{train,valid,test}.{src,tgt}`` folder (the tests use a tiny random Marian built by
-build_tiny_marian.py and the shipped EN-RO corpus).
+references. ``--model`` and ``--data-dir`` swap in any local checkpoint folder and any
+``{train,valid,test}.{src,tgt}`` folder (the tests use a tiny random Marian and a tiny random T5
+built by build_tiny_marian.py, and the shipped EN-RO corpus).
+
+Other translation models are a model name away (the adapter finds their attention by its calls):
+
+    # T5 / Flan-T5: a task prefix on every source
+    python examples/opus_mt/run_opus_mt.py --pair en-ro --out outputs/t5-en-ro \
+        --model google-t5/t5-small --source-prefix "translate English to Romanian: " --lr 3e-4
+    # NLLB / M2M100: language codes for the tokenizer; generation starts with the target's code
+    python examples/opus_mt/run_opus_mt.py --pair en-ro --out outputs/nllb-en-ro \
+        --model facebook/nllb-200-distilled-600M --src-lang-code eng_Latn --tgt-lang-code ron_Latn
 """
 from __future__ import annotations
 
@@ -23,7 +32,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -63,6 +72,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--generate-batch-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--fp16", action="store_true")
+    ap.add_argument("--source-prefix", default="", help="text put before every source sentence (T5: "
+                    "'translate English to Romanian: ')")
+    ap.add_argument("--src-lang-code", default=None, help="source language code of a multilingual tokenizer "
+                    "(NLLB: eng_Latn; M2M100: en)")
+    ap.add_argument("--tgt-lang-code", default=None, help="target language code (NLLB: ron_Latn); generation is "
+                    "forced to start with it")
     add_ad_drop_options(ap, p=None, q=None, layers="all", attention="encoder-self")  # p, q: the pair's paper values
     args = ap.parse_args(argv)
     spec = PAIRS[args.pair]
@@ -107,25 +122,26 @@ def load_pairs(args, load_dataset=None) -> Dict[str, Pairs]:
     return out
 
 
-def tokenize(tokenizer, pairs: Pairs, max_length: int) -> List[dict]:
+def tokenize(tokenizer, pairs: Pairs, max_length: int, prefix: str = "") -> List[dict]:
     """One dict per pair: ``input_ids``, ``attention_mask`` and target ``labels`` (no padding yet)."""
     src, tgt = pairs
-    enc = tokenizer(src, text_target=tgt, max_length=max_length, truncation=True)
+    enc = tokenizer([prefix + s for s in src], text_target=tgt, max_length=max_length, truncation=True)
     return [{"input_ids": i, "attention_mask": a, "labels": y}
             for i, a, y in zip(enc["input_ids"], enc["attention_mask"], enc["labels"])]
 
 
 def translate(model, tokenizer, sentences: Sequence[str], batch_size: int, num_beams: int, max_new_tokens: int,
-              max_length: int) -> List[str]:
+              max_length: int, prefix: str = "", tgt_lang_code: Optional[str] = None) -> List[str]:
     import torch
 
     model.eval()
+    forced = {} if tgt_lang_code is None else {"forced_bos_token_id": tokenizer.convert_tokens_to_ids(tgt_lang_code)}
     hyps: List[str] = []
     for start in range(0, len(sentences), batch_size):
-        batch = tokenizer(list(sentences[start:start + batch_size]), max_length=max_length, truncation=True,
-                          padding=True, return_tensors="pt").to(model.device)
+        batch = tokenizer([prefix + s for s in sentences[start:start + batch_size]], max_length=max_length,
+                          truncation=True, padding=True, return_tensors="pt").to(model.device)
         with torch.no_grad():
-            out = model.generate(**batch, num_beams=num_beams, max_new_tokens=max_new_tokens)
+            out = model.generate(**batch, num_beams=num_beams, max_new_tokens=max_new_tokens, **forced)
         hyps.extend(tokenizer.batch_decode(out, skip_special_tokens=True))
     return hyps
 
@@ -135,10 +151,11 @@ def run_method(method: str, args, data: Dict[str, Pairs]) -> dict:
     import transformers
 
     transformers.set_seed(args.seed)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+    codes = {k: v for k, v in (("src_lang", args.src_lang_code), ("tgt_lang", args.tgt_lang_code)) if v is not None}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model, **codes)
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(args.model)
-    train = tokenize(tokenizer, data["train"], args.max_length)
-    dev = tokenize(tokenizer, data["valid"], args.max_length)
+    train = tokenize(tokenizer, data["train"], args.max_length, args.source_prefix)
+    dev = tokenize(tokenizer, data["valid"], args.max_length, args.source_prefix)
     trainer = hf_trainer(method, args, args.out / method, seq2seq=True, model=model, train_dataset=train,
                          eval_dataset=dev, data_collator=transformers.DataCollatorForSeq2Seq(tokenizer, model=model),
                          processing_class=tokenizer)
@@ -153,7 +170,7 @@ def run_method(method: str, args, data: Dict[str, Pairs]) -> dict:
         raise FloatingPointError(f"{method}: no finite training loss logged for epochs {bad}")
     test_src, test_ref = data["test"]
     hyps = translate(trainer.model, tokenizer, test_src, args.generate_batch_size, args.num_beams, args.max_new_tokens,
-                     args.max_length)
+                     args.max_length, args.source_prefix, args.tgt_lang_code)
     bleu = sacrebleu.corpus_bleu(hyps, [test_ref])
     (args.out / method).mkdir(parents=True, exist_ok=True)
     (args.out / method / "test.hyp").write_text("\n".join(hyps) + "\n", encoding="utf-8")

@@ -115,3 +115,28 @@ def test_bad_options_fail_before_loading(tmp_path):
         opus.main(["--pair", "en-ro", "--out", str(tmp_path), "--ad-drop-q", "0"], load_dataset=never)
     with pytest.raises(SystemExit):
         opus.main(["--pair", "en-ro", "--out", str(tmp_path), "--methods", "plain,rdrop"], load_dataset=never)
+
+
+def test_t5_runs_through_the_same_runner_with_a_source_prefix(tmp_path):
+    """T5 is a model name away: the runner with a tiny random T5 and the task prefix."""
+    model_dir = tiny.build(tmp_path / "t5", CORPUS, "en", "ro", train_lines=400, vocab_size=300, d_model=32, layers=2,
+                           heads=4, ffn_dim=64, family="t5")
+    data = _slice(tmp_path / "data", {"train": 32, "valid": 8, "test": 6})
+    out = tmp_path / "out"
+    prefix = "translate English to Romanian: "
+    assert opus.main(["--pair", "en-ro", "--out", str(out), "--model", str(model_dir), "--data-dir", str(data),
+                      "--epochs", "2", "--batch-size", "8", "--lr", "1e-3", "--num-beams", "1", "--max-new-tokens", "8",
+                      "--source-prefix", prefix, "--ad-drop-p", "0.3", "--ad-drop-q", "0.3"]) == 0
+    results = {r["method"]: r for r in json.loads((out / "results.json").read_text())}
+    ad = results["ad-drop"]["epochs"]
+    assert ad[0]["ad_drop_on"] == 0 and ad[1]["ad_drop_on"] == 1 and 0 < ad[1]["ad_drop_rate"] < 0.3 * 0.3 + 0.05
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    src = (data / "train.en").read_text(encoding="utf-8").splitlines()[:2]
+    batch = opus.tokenize(tok, (src, ["a", "b"]), 64, prefix)
+    assert tok.decode(batch[0]["input_ids"], skip_special_tokens=True).startswith(prefix.strip())
+    refs = (data / "test.ro").read_text(encoding="utf-8").splitlines()
+    for r in results.values():
+        hyps = (out / r["method"] / "test.hyp").read_text(encoding="utf-8").splitlines()
+        assert r["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
