@@ -19,6 +19,16 @@ from ..core.options import named_by_field
 from .training_configurations import model_argument, refuse_unsupported, training_arguments
 
 
+def causal_lm(model: torch.nn.Module) -> bool:
+    """A decoder-only language model (``...ForCausalLM``, also inside a peft wrapper): its labels are its
+    inputs, shifted inside the loss."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return (not getattr(model.config, "is_encoder_decoder", False)
+            and type(base).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()))
+
+
 def decoder_input_ids_from_labels(model, labels: torch.Tensor) -> torch.Tensor:
     """The decoder inputs a seq2seq model builds from ``labels`` when none are given (shifted right)."""
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
@@ -68,9 +78,14 @@ class ADDropTrainerMixin:
         )
         if gold_wanted and labels is None:
             raise ValueError("ADDropConfig.labels='gold' needs `labels` in every training batch")
+        shifted = causal_lm(model)
+        if shifted and labels is not None:
+            labels = labels[:, 1:]  # a causal LM's logits at t score token t + 1, as its loss does
 
         def value(outputs, fixed):
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+            if shifted:
+                logits = logits[:, :-1]
             if regression and logits.dim() == 2:
                 if labels is None:
                     raise ValueError("AD-DROP on a regression model needs gold `labels` (no pseudo label exists)")

@@ -173,3 +173,25 @@ def test_readme_table_is_generated_from_the_families():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert "<!-- supported models -->\n" + families_table() + "\n\n" in readme
     assert all(f"| {name} |" in readme for name in [f.name for f in FAMILIES] + list(REFUSED))
+
+
+def test_causal_lm_target_scores_each_label_with_the_previous_position():
+    """A causal LM's logits at t predict token t + 1 (its loss shifts): the AD-DROP target does too."""
+    import transformers
+
+    from attn_reg_plugin.hf import ADDropTrainer
+
+    family = next(f for f in FAMILIES if f.model_type == "llama")
+    model = build(family)
+    ids = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[:, :3] = -100  # a prompt: no loss on it
+    args = transformers.TrainingArguments(output_dir="/tmp/unused", use_cpu=True, report_to=[])
+    trainer = ADDropTrainer(model=model, args=args, train_dataset=[], ad_drop=ADDropConfig(labels="gold"))
+    out = model(input_ids=ids)
+    value, used = trainer.ad_drop_target(model, {"input_ids": ids, "labels": labels})(out, None)
+    assert torch.equal(used, labels[:, 1:].masked_fill(labels[:, 1:] == -100, 0))
+    keep = labels[:, 1:] != -100
+    direct, _ = token_loss_target(out.logits[:, :-1], keep, labels[:, 1:].masked_fill(~keep, 0))
+    torch.testing.assert_close(value, direct)
+    assert not torch.allclose(value, token_loss_target(out.logits, labels != -100, labels.masked_fill(labels == -100, 0))[0])
