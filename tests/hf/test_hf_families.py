@@ -195,3 +195,43 @@ def test_causal_lm_target_scores_each_label_with_the_previous_position():
     direct, _ = token_loss_target(out.logits[:, :-1], keep, labels[:, 1:].masked_fill(~keep, 0))
     torch.testing.assert_close(value, direct)
     assert not torch.allclose(value, token_loss_target(out.logits, labels != -100, labels.masked_fill(labels == -100, 0))[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_every_attribution_and_the_no_extra_cost_regularizers_train(family):
+    """IGA, AA and RD steps, scheduled attention dropout and attention LayerDrop on each family:
+    finite losses and gradients, and each one changes the training forward."""
+    from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig, skipped_layers
+    from attn_reg_plugin.core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
+
+    model = build(family)
+    ours, controller, _ = _adapted(model)
+    ours.eval()  # model dropout off: any change below comes from the regularizer
+    inputs = _inputs(family, model)
+    kinds = ",".join(family.kinds)
+    with torch.no_grad():
+        plain = ours(**inputs).logits
+    keep = _keep(family, inputs, plain)
+
+    def step(forward):
+        ours.zero_grad(set_to_none=True)
+        logits = forward()
+        loss = torch.nn.functional.cross_entropy(logits[keep], plain[keep].argmax(-1))
+        loss.backward()
+        assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in ours.parameters() if p.grad is not None)
+        return logits.detach()
+
+    for attribution in ("iga", "aa", "rd"):
+        ad = ADDrop(ADDropConfig(p=0.5, q=0.5, attention=kinds, attribution=attribution, iga_steps=2,
+                                 schedule="always"), controller)
+        with ad.masked(lambda: ours(**inputs), lambda o, y: token_loss_target(o.logits, keep, y), frozen=ours) as stats:
+            logits = step(lambda: ours(**inputs).logits)
+        assert float(stats["dropped"]) > 0 and not torch.allclose(logits, plain), attribution
+    sched = ScheduledAttentionDropout(ScheduledDropoutConfig(schedule="0:0.5", attention=kinds), controller)
+    with controller.hooks(sched.hooks(update=0)):
+        assert not torch.allclose(step(lambda: ours(**inputs).logits), plain)
+    layerdrop = AttentionLayerDrop(AttentionLayerDropConfig(p=1.0, attention=kinds), controller)
+    hooks = layerdrop.hooks()
+    assert skipped_layers(hooks) == len(layerdrop.sites)
+    with controller.hooks(hooks):
+        assert not torch.allclose(step(lambda: ours(**inputs).logits), plain)
