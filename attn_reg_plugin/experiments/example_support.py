@@ -77,6 +77,30 @@ def epoch_table(log_history: Sequence[Dict[str, float]]) -> List[Dict[str, objec
     return [rows[e] for e in sorted(rows)]
 
 
+def train_and_log(method: str, trainer, metric: Optional[str] = None, finite: bool = False) -> Tuple[List[Dict[str, object]], float]:
+    """Train, print one line per epoch (``[method] epoch 2 | AD-DROP | ...``) and return the epoch rows
+    and the training seconds; with ``finite``, an epoch without a finite training loss is an error."""
+    import math
+    import time
+
+    start = time.time()
+    trainer.train()
+    seconds = time.time() - start
+    epochs = epoch_table(trainer.state.log_history)
+    for row in epochs:
+        print(f"[{method}] {format_epoch_row(row, metric)}", flush=True)
+    bad = [row["epoch"] for row in epochs if row["train_loss"] is None or not math.isfinite(row["train_loss"])]
+    if finite and bad:
+        raise FloatingPointError(f"{method}: no finite training loss logged for epochs {bad}")
+    return epochs, seconds
+
+
+def mean_ad_drop_rate(epochs: Sequence[Dict[str, object]]) -> str:
+    """The mean measured drop rate over the AD-DROP epochs, formatted; ``-`` when there were none."""
+    rates = [row["ad_drop_rate"] for row in epochs if row.get("ad_drop_on")]
+    return f"{sum(rates) / len(rates):.4f}" if rates else "-"
+
+
 def format_epoch_row(row: Dict[str, object], metric: Optional[str] = None) -> str:
     """``epoch 2 | AD-DROP | train loss 0.4121 | drop rate 0.0912 | eval_accuracy 0.7500``."""
     mode = "AD-DROP" if row.get("ad_drop_on") else "plain"

@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List, Sequence, Set, Tuple
 
@@ -33,7 +32,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 from attn_reg_plugin.experiments.example_support import (
-    add_ad_drop_options, check_common_args, epoch_table, format_epoch_row, hf_trainer, read_jsonl,
+    add_ad_drop_options, check_common_args, hf_trainer, read_jsonl, train_and_log,
 )
 
 # The label order of the hub's conll2003 ner_tags feature.
@@ -183,12 +182,7 @@ def run_method(method: str, args, train, dev, labels: List[str]) -> dict:
                          eval_dataset=align_labels(tokenizer, dev, args.max_length, "dev"),
                          data_collator=transformers.DataCollatorForTokenClassification(tokenizer),
                          processing_class=tokenizer, compute_metrics=compute_metrics_for(labels))
-    start = time.time()
-    trainer.train()
-    seconds = time.time() - start
-    epochs = epoch_table(trainer.state.log_history)
-    for row in epochs:
-        print(f"[{method}] {format_epoch_row(row, 'f1')}", flush=True)
+    epochs, seconds = train_and_log(method, trainer, 'f1')
     best = max(epochs, key=lambda row: row.get("eval_f1", -math.inf))
     return {"method": method, "epochs": epochs, "best_epoch": best["epoch"], "best_dev_f1": best.get("eval_f1"),
             "train_seconds": round(seconds, 1)}

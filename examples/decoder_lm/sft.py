@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 from attn_reg_plugin.experiments.example_support import (
-    add_ad_drop_options, check_common_args, epoch_table, format_epoch_row, hf_trainer, read_parallel,
+    add_ad_drop_options, check_common_args, hf_trainer, mean_ad_drop_rate, read_parallel, train_and_log,
 )
 
 PROMPT = "Translate to Romanian: {}\n"
@@ -115,15 +113,7 @@ def run_method(method: str, args, tokenizer, train, dev, dev_sources) -> dict:
     model = load_model(args)
     trainer = hf_trainer(method, args, args.out / method, model=model, train_dataset=train, eval_dataset=dev,
                          data_collator=collate(tokenizer.pad_token_id))
-    start = time.time()
-    trainer.train()
-    seconds = time.time() - start
-    epochs = epoch_table(trainer.state.log_history)
-    for row in epochs:
-        print(f"[{method}] {format_epoch_row(row)}", flush=True)
-    bad = [row["epoch"] for row in epochs if row["train_loss"] is None or not math.isfinite(row["train_loss"])]
-    if bad:
-        raise FloatingPointError(f"{method}: no finite training loss logged for epochs {bad}")
+    epochs, seconds = train_and_log(method, trainer, finite=True)
     samples = continue_prompts(trainer.model, tokenizer, dev_sources[:args.samples])
     for src, hyp in zip(dev_sources, samples):
         print(f"[{method}] {src!r} -> {hyp!r}", flush=True)
@@ -147,8 +137,7 @@ def main(argv=None) -> int:
     results = [run_method(m, args, tokenizer, train, dev, dev_src) for m in args.methods]
     print("\n| method | last dev loss | train time (s) | AD-DROP rate (AD-DROP epochs) |\n|---|---|---|---|")
     for r in results:
-        rates = [row["ad_drop_rate"] for row in r["epochs"] if row.get("ad_drop_on")]
-        rate = f"{sum(rates) / len(rates):.4f}" if rates else "-"
+        rate = mean_ad_drop_rate(r["epochs"])
         print(f"| {r['method']} | {r['epochs'][-1]['eval_loss']:.4f} | {r['train_seconds']:.1f} | {rate} |")
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return 0

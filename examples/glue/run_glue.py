@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -34,7 +33,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 from attn_reg_plugin.experiments.example_support import (
-    add_ad_drop_options, check_common_args, epoch_table, format_epoch_row, hf_trainer, read_jsonl,
+    add_ad_drop_options, check_common_args, hf_trainer, read_jsonl, train_and_log,
 )
 
 
@@ -174,12 +173,7 @@ def run_method(method: str, args, train_rows: List[dict], dev_rows: List[dict]) 
     trainer = hf_trainer(method, args, args.out / method, model=model, train_dataset=encode(train_rows),
                          eval_dataset=encode(dev_rows), data_collator=transformers.DataCollatorWithPadding(tokenizer),
                          processing_class=tokenizer, compute_metrics=compute_metrics_for(task))
-    start = time.time()
-    trainer.train()
-    seconds = time.time() - start
-    epochs = epoch_table(trainer.state.log_history)
-    for row in epochs:
-        print(f"[{method}] {format_epoch_row(row, task.metric)}", flush=True)
+    epochs, seconds = train_and_log(method, trainer, task.metric)
     scored = [row for row in epochs if not math.isnan(row.get(f"eval_{task.metric}", float("nan")))]
     best = max(scored, key=lambda row: row[f"eval_{task.metric}"]) if scored else None
     return {"method": method, "epochs": epochs, "metric": task.metric, "ad_drop_layers": args.ad_drop_layers,

@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 from attn_reg_plugin.experiments.example_support import (
-    add_ad_drop_options, check_common_args, epoch_table, format_epoch_row, hf_trainer, read_parallel,
+    add_ad_drop_options, check_common_args, hf_trainer, mean_ad_drop_rate, read_parallel, train_and_log,
 )
 
 # The paper's OPUS-MT fine-tuning setting per pair.
@@ -159,15 +157,7 @@ def run_method(method: str, args, data: Dict[str, Pairs]) -> dict:
     trainer = hf_trainer(method, args, args.out / method, seq2seq=True, model=model, train_dataset=train,
                          eval_dataset=dev, data_collator=transformers.DataCollatorForSeq2Seq(tokenizer, model=model),
                          processing_class=tokenizer)
-    start = time.time()
-    trainer.train()
-    seconds = time.time() - start
-    epochs = epoch_table(trainer.state.log_history)
-    for row in epochs:
-        print(f"[{method}] {format_epoch_row(row)}", flush=True)
-    bad = [row["epoch"] for row in epochs if row["train_loss"] is None or not math.isfinite(row["train_loss"])]
-    if bad:
-        raise FloatingPointError(f"{method}: no finite training loss logged for epochs {bad}")
+    epochs, seconds = train_and_log(method, trainer, finite=True)
     test_src, test_ref = data["test"]
     hyps = translate(trainer.model, tokenizer, test_src, args.generate_batch_size, args.num_beams, args.max_new_tokens,
                      args.max_length, args.source_prefix, args.tgt_lang_code)
@@ -188,8 +178,7 @@ def main(argv=None, load_dataset=None) -> int:
     results = [run_method(method, args, data) for method in args.methods]
     print("\n| method | test BLEU | train time (s) | AD-DROP rate (AD-DROP epochs) |\n|---|---|---|---|")
     for r in results:
-        rates = [row["ad_drop_rate"] for row in r["epochs"] if row.get("ad_drop_on")]
-        rate = f"{sum(rates) / len(rates):.4f}" if rates else "-"
+        rate = mean_ad_drop_rate(r["epochs"])
         print(f"| {r['method']} | {r['bleu']:.2f} | {r['train_seconds']:.1f} | {rate} |")
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return 0
