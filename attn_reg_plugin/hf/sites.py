@@ -114,6 +114,32 @@ def _reset_call_counts(modules):
     return reset
 
 
+def installed_sites(model: torch.nn.Module) -> List[Tuple[str, AttentionSite]]:
+    """The ``(module path, site)`` pairs the model's modules hold now, as :func:`install_attention_sites` returned them."""
+    return [(path, site) for path, module in model.named_modules() for site in module.__dict__.get("attn_reg_sites", [])]
+
+
+def assign_sites(model: torch.nn.Module, pairs: List[Tuple[str, AttentionSite]]) -> None:
+    """Give the modules named in ``pairs`` (from an install on this model) those sites, in order."""
+    modules = dict(model.named_modules())
+    grouped: Dict[str, List[AttentionSite]] = {}
+    for path, site in pairs:
+        grouped.setdefault(path, []).append(site)
+    for path, sites in grouped.items():
+        modules[path].attn_reg_sites = sites
+
+
+@contextlib.contextmanager
+def sites_in_use(model: torch.nn.Module, pairs: List[Tuple[str, AttentionSite]]) -> Iterator[None]:
+    """:func:`assign_sites` for a while: several controllers can share one model, each in turn."""
+    before = installed_sites(model)
+    assign_sites(model, pairs)
+    try:
+        yield
+    finally:
+        assign_sites(model, before)
+
+
 def install_attention_sites(model: torch.nn.Module, controller: RegularizationController,
                             implementation: str = "attn_reg") -> List[Tuple[str, AttentionSite]]:
     """Give each attention call of ``model`` a site and switch the model to ``implementation``.

@@ -235,3 +235,24 @@ def test_every_attribution_and_the_no_extra_cost_regularizers_train(family):
     assert skipped_layers(hooks) == len(layerdrop.sites)
     with controller.hooks(hooks):
         assert not torch.allclose(step(lambda: ours(**inputs).logits), plain)
+
+
+def test_two_controllers_share_one_model_each_with_its_own_sites():
+    """sites_in_use points the modules at one install's sites for a while (the benchmark's trainers share a model)."""
+    from attn_reg_plugin.hf.sites import installed_sites, sites_in_use
+
+    model = build(FAMILIES[0])
+    first = RegularizationController()
+    first_sites = install_attention_sites(model, first)
+    second_sites = install_attention_sites(model, RegularizationController())
+    assert installed_sites(model) == second_sites and [p for p, _ in first_sites] == [p for p, _ in second_sites]
+    def valid_positions_seen(pairs):
+        counts = [torch.zeros(()), torch.zeros(())]  # dropped, valid: filled by the sites that are called
+        keep_all = EditScores(drop=lambda valid: torch.zeros_like(valid), stats=counts)
+        with sites_in_use(model, pairs), first.hooks({s: keep_all for s in first.sites}), torch.no_grad():
+            model(input_ids=torch.tensor([[5, 6, 7]]))
+        return float(counts[1])
+
+    assert valid_positions_seen(first_sites) == 2 * 4 * 3 * 3  # 2 layers x 4 heads x 3 x 3 positions
+    assert valid_positions_seen(second_sites) == 0  # the first controller's hooks are not reached
+    assert installed_sites(model) == second_sites

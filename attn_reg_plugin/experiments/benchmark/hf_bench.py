@@ -87,15 +87,10 @@ class HFBench:
         shared model keeps them this way, so the benchmark's trainers do not take each
         other's sites over.
         """
-        modules = dict(self.model.named_modules())
-        previous = [(modules[path], getattr(modules[path], "attn_reg_site", None)) for path, _ in sites]
-        for path, site in sites:
-            modules[path].attn_reg_site = site
-        try:
+        from attn_reg_plugin.hf.sites import sites_in_use
+
+        with sites_in_use(self.model, sites):
             yield
-        finally:
-            for module, site in previous:
-                module.attn_reg_site = site
 
     def train_step(self, trainer, epoch: int, batch: str, stock: bool = False) -> Step:
         """The Trainer's compute_loss (which AD-DROP wraps), backward, optimizer step."""
@@ -139,11 +134,11 @@ class HFBench:
 
     def _own_sites_trainer(self, make):
         """Build a trainer that installs its own sites on the shared model; return it and its sites."""
+        from attn_reg_plugin.hf.sites import assign_sites, installed_sites
+
         trainer = make()
-        sites = [(path, m.attn_reg_site) for path, m in self.model.named_modules() if getattr(m, "attn_reg_site", None)]
-        modules = dict(self.model.named_modules())
-        for path, site in self.ad_trainer.ad_drop_sites:  # the other trainers keep theirs
-            modules[path].attn_reg_site = site
+        sites = installed_sites(self.model)
+        assign_sites(self.model, self.ad_trainer.ad_drop_sites)  # the other trainers keep theirs
         return trainer, sites
 
     def attn_reg_step(self, batch: str, **regularizer) -> Step:
