@@ -6,6 +6,7 @@ has them); gradient attribution through the adapter equals autograd on eager att
 one AD-DROP step drops about p*q of the real keys and never a padding or future key.
 """
 import copy
+import functools
 
 import pytest
 import torch
@@ -20,6 +21,16 @@ from attn_reg_plugin.hf.families import FAMILIES, REFUSED, build, families_table
 from helpers import REPO
 
 PADDED = 3  # the second row's last PADDED encoder (or causal-LM) tokens are padding
+
+
+@functools.lru_cache(maxsize=None)
+def _built(name):
+    return build(next(f for f in FAMILIES if f.name == name))
+
+
+def _model(family):
+    """A fresh copy of the family's tiny model (built once per session: building dominates these tests)."""
+    return copy.deepcopy(_built(family.name))
 
 
 def _inputs(family, model):
@@ -61,7 +72,7 @@ def _layers(family, model):
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_sites_have_the_family_kinds_and_depths(family):
-    model = build(family)
+    model = _model(family)
     _, controller, sites = _adapted(model)
     depth = _layers(family, model)
     assert {s.kind for _, s in sites} == set(family.kinds)
@@ -71,7 +82,7 @@ def test_sites_have_the_family_kinds_and_depths(family):
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_idle_equals_stock_sdpa_and_a_noop_hook_is_the_kernel(family):
-    stock = build(family).eval()
+    stock = _model(family).eval()
     ours, controller, _ = _adapted(stock)
     ours.eval()
     inputs = _inputs(family, stock)
@@ -97,7 +108,7 @@ def _eager_maps(family, out):
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_gradient_attribution_equals_autograd_on_eager_maps(family):
-    stock = build(family).eval()
+    stock = _model(family).eval()
     inputs = _inputs(family, stock)
     eager = copy.deepcopy(stock)
     eager.set_attn_implementation("eager")
@@ -120,8 +131,8 @@ def test_gradient_attribution_equals_autograd_on_eager_maps(family):
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_one_ad_drop_step_drops_about_pq_and_no_padding_or_future_key(family, monkeypatch):
-    model = build(family, dropout=0.0) if "dropout" in build(family).config.to_dict() else build(family)
-    model.train()
+    model = _model(family)
+    model.train()  # model dropout stays on: the rate is counted over the kernel's masks only
     ours, controller, _ = _adapted(model)
     inputs = _inputs(family, model)
     drops = []
@@ -204,7 +215,7 @@ def test_every_attribution_and_the_no_extra_cost_regularizers_train(family):
     from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig, skipped_layers
     from attn_reg_plugin.core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 
-    model = build(family)
+    model = _model(family)
     ours, controller, _ = _adapted(model)
     ours.eval()  # model dropout off: any change below comes from the regularizer
     inputs = _inputs(family, model)
