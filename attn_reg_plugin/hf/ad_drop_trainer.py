@@ -5,6 +5,7 @@ AD-DROP only wraps it in training steps of the epochs the schedule selects.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Tuple
 
 import torch
@@ -19,14 +20,18 @@ from ..core.options import named_by_field
 from .training_configurations import model_argument, refuse_unsupported, training_arguments
 
 
-def causal_lm(model: torch.nn.Module) -> bool:
-    """A decoder-only language model (``...ForCausalLM``, also inside a peft wrapper): its labels are its
-    inputs, shifted inside the loss."""
+@functools.lru_cache(maxsize=None)
+def _causal_lm_classes() -> frozenset:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def causal_lm(model: torch.nn.Module) -> bool:
+    """A decoder-only language model (``...ForCausalLM``, also inside a peft wrapper): its labels are its
+    inputs, shifted inside the loss. Asked every AD-DROP step, so the class names are gathered once."""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    return (not getattr(model.config, "is_encoder_decoder", False)
-            and type(base).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()))
+    return not getattr(model.config, "is_encoder_decoder", False) and type(base).__name__ in _causal_lm_classes()
 
 
 def decoder_input_ids_from_labels(model, labels: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 
 from ..core.attention import attend
 from ..core.controller import AttentionSite
+from ..core.masks import mask_fill_value
 from .sites import site_of_call
 
 ATTN_IMPLEMENTATION = "attn_reg"
@@ -82,7 +83,7 @@ def attn_reg_attention(
         if bias is None:
             bias = position_bias
         elif bias.dtype == torch.bool:
-            bias = position_bias.masked_fill(~bias, torch.finfo(query.dtype).min)
+            bias = position_bias.masked_fill(~bias, mask_fill_value(query.dtype))
         else:
             bias = position_bias + bias
     out, weights = attend(

@@ -174,8 +174,8 @@ def install_attention_sites(model: torch.nn.Module, controller: RegularizationCo
             "forward made no call to the attention function"
         )
     paths = {id(m): p for p, m in model.named_modules()}
-    encoder_len = max(kv for _, causal, q, kv in calls if q == kv and not causal) if any(
-        q == kv and not causal for _, causal, q, kv in calls) else _ENCODER_LEN
+    # the encoder's own calls (not causal, queries as long as keys) give its input length
+    encoder_len = max((kv for _, causal, q, kv in calls if q == kv and not causal), default=_ENCODER_LEN)
     depth: Dict[str, int] = {}
     found = []
     for module, causal, q_len, kv_len in calls:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
-from typing import Iterator, Optional
+from typing import ContextManager, Iterator, Optional
 
 import torch
 
@@ -78,8 +78,7 @@ class HFBench:
         finally:
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
-    @contextlib.contextmanager
-    def attention_sites(self, sites) -> Iterator[None]:
+    def attention_sites(self, sites) -> ContextManager[None]:
         """Point the model's attention modules at ``sites`` for one step, then restore.
 
         ``sites`` are (module path, site) pairs as ``install_attention_sites`` returns them
@@ -89,8 +88,7 @@ class HFBench:
         """
         from attn_reg_plugin.hf.sites import sites_in_use
 
-        with sites_in_use(self.model, sites):
-            yield
+        return sites_in_use(self.model, sites)
 
     def train_step(self, trainer, epoch: int, batch: str, stock: bool = False) -> Step:
         """The Trainer's compute_loss (which AD-DROP wraps), backward, optimizer step."""
