@@ -97,7 +97,9 @@ def _broadcast_count(mask: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor
 def _all_last(mask: torch.Tensor) -> torch.Tensor:
     """``mask.all(dim=-1, keepdim=True)``, 5x faster on CPU: a bool is a byte, and the byte
     minimum is vectorised where the boolean reduction is not (2.9 vs 0.6 ms on 32x12x54x54)."""
-    if mask.shape[-1] == 0:
+    # Inductor cannot lower a bool->uint8 view (it asks iinfo for bool's width), and off the CPU
+    # the plain reduction is as fast.
+    if mask.shape[-1] == 0 or mask.device.type != "cpu" or torch.compiler.is_compiling():
         return mask.all(dim=-1, keepdim=True)
     return mask.view(torch.uint8).amin(dim=-1, keepdim=True).bool()
 
