@@ -22,6 +22,7 @@ from .options import RegularizerOptions, attention_option, layers_option, option
 from .masks import ad_drop_masks
 
 SCHEDULES = ("cross-tuning", "always")
+ATTRIBUTION_PRECISIONS = ("auto", "fp32", "bf16")
 
 # output, fixed labels (None on the first call) -> (scalar F, labels used)
 Target = Callable[[object, Optional[torch.Tensor]], Tuple[torch.Tensor, torch.Tensor]]
@@ -45,6 +46,10 @@ class ADDropConfig(RegularizerOptions):
                          "pseudo, gold")
     schedule: str = option("cross-tuning", "cross-tuning: plain on odd 1-based epochs, AD-DROP on even ones",
                            "cross-tuning, always")
+    attribution_precision: str = option(
+        "auto", "precision of the attribution pass (pass 1; pass 2 and the update keep the training precision): "
+                "auto = the training precision, fp32 = autocast off, bf16 = under bf16 autocast (faster, a ranking "
+                "only; docs/PERFORMANCE.md measures how often it picks the fp32 candidates)", "auto, fp32, bf16")
 
     def validate(self) -> "ADDropConfig":
         """Check every option; the error names the option as the user spelled it (core.options.option_name)."""
@@ -62,6 +67,12 @@ class ADDropConfig(RegularizerOptions):
             raise ValueError(f"{flag('labels')} must be one of {', '.join(LABEL_SOURCES)}, got {self.labels!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"{flag('schedule')} must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.attribution_precision not in ATTRIBUTION_PRECISIONS:
+            raise ValueError(f"{flag('attribution_precision')} must be one of {', '.join(ATTRIBUTION_PRECISIONS)}, "
+                             f"got {self.attribution_precision!r}")
+        if self.attribution == "rd" and self.attribution_precision != "auto":
+            raise ValueError(f"{flag('attribution_precision')} {self.attribution_precision} sets the precision of the "
+                             f"attribution pass, which {flag('attribution')} rd does not run; leave it at auto")
         return self
 
 
@@ -106,6 +117,30 @@ def bare_module(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _autocast_devices() -> List[str]:
+    """The device types a forward may run on: the CPU and the current accelerator, if any."""
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices.append("cuda")
+    return devices
+
+
+@contextlib.contextmanager
+def attribution_precision(precision: str) -> Iterator[None]:
+    """The autocast state of the attribution pass. The backward of ``autograd.grad`` runs each op
+    in its forward's precision, so the whole pass is in that precision; pass 2 is outside."""
+    if precision == "auto":  # whatever the training step runs under
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for device in _autocast_devices():
+            if precision == "bf16":
+                stack.enter_context(torch.autocast(device, dtype=torch.bfloat16))
+            else:  # fp32
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
 @contextlib.contextmanager
 def frozen_parameters(module: Optional[torch.nn.Module]) -> Iterator[None]:
     """Parameters stop requiring grad for the attribution pass.
@@ -148,14 +183,15 @@ class ADDrop:
         method = self.config.attribution
         # Profiler labels (free when no profiler runs) let benchmarks split a step into its passes.
         with record_function("ad_drop::attribution_pass"), frozen_parameters(frozen), \
-                activation_checkpointing_paused(frozen), torch.enable_grad():
+                activation_checkpointing_paused(frozen), torch.enable_grad(), \
+                attribution_precision(self.config.attribution_precision):
             if method == "ga":
                 capture = CaptureOutput()
                 with self.controller.hooks({s: capture for s in self.sites}):
                     output = forward()
                 value, _ = target(output, None)
                 del output
-                self._check_captured(capture.sites)
+                self._check_captured(capture.sites, capture.outputs)
                 if not _finite(value, capture.outputs):
                     return None
                 return capture.sites, gradient_attribution(value, capture, self.gradient_scale), capture.valid
@@ -163,7 +199,7 @@ class ADDrop:
                 capture = CaptureProbs(requires_grad=False)
                 with torch.no_grad(), self.controller.hooks({s: capture for s in self.sites}):
                     forward()
-                self._check_captured(capture.sites)
+                self._check_captured(capture.sites, capture.probs)
                 return capture.sites, [p.float() for p in capture.probs], capture.valid
             if method == "iga":
                 return self._integrated_gradients(forward, target)
@@ -186,7 +222,7 @@ class ADDrop:
         after_one_forward = _rng_state()
         value, labels = target(output, None)
         del output
-        self._check_captured(capture.sites)
+        self._check_captured(capture.sites, capture.probs)
         if not _finite(value, capture.probs):
             _set_rng_state(after_one_forward)
             return None
@@ -206,12 +242,19 @@ class ADDrop:
         _set_rng_state(after_one_forward)
         return sites, [p.float() * t / m for p, t in zip(probs, totals)], valid
 
-    def _check_captured(self, seen: List[AttentionSite]) -> None:
+    def _check_captured(self, seen: List[AttentionSite], captured: List[torch.Tensor]) -> None:
         if len(seen) != len(self.sites) or set(seen) != set(self.sites):
             raise RuntimeError(
                 f"AD-DROP expected one attention call on each of {self.sites} during the attribution pass but "
                 f"saw {seen}: the model's attention modules are not routed through attn_reg_plugin's kernel"
             )
+        if self.config.attribution_precision == "fp32":
+            half = sorted({str(t.dtype) for t in captured if t.dtype != torch.float32})
+            if half:
+                # Autocast off cannot make half-precision weights fp32 (fairseq --fp16, a model cast to half).
+                raise ValueError(
+                    f"{self.config.name('attribution_precision')} fp32 needs fp32 weights, but the attribution pass "
+                    f"ran in {', '.join(half)}: the model itself is in half precision. Use auto or bf16")
 
     # -- the step ------------------------------------------------------------------------
     @contextlib.contextmanager

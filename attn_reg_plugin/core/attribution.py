@@ -120,7 +120,10 @@ def gradient_attribution(
     for g, o, v in zip(grads, capture.outputs, capture.values):
         if g is None:  # the layer does not influence the target (e.g. cut off by a mask)
             g = torch.zeros_like(o, dtype=torch.float32)
-        out.append(torch.matmul(g, v.float().transpose(-2, -1)))
+        # In float32 even under a bf16 attribution pass: rounding the product to bf16's 8 bits
+        # would tie keys of a row that the ranking has to tell apart.
+        with torch.autocast(g.device.type, enabled=False):
+            out.append(torch.matmul(g, v.float().transpose(-2, -1)))
     return out
 
 

@@ -367,3 +367,71 @@ def test_step_applies_ad_drop_masks_from_ga_in_pass_two(model_kw, attention):
     assert all(site.hook is None for site in model.sites)
     out.sum().backward()  # pass 2's graph trains the parameters
     assert all(p.grad is not None for p in model.parameters())
+
+
+# ---------------------------------------------------------------- attribution precision
+
+
+def _autocast_seen(forward):
+    """Wrap ``forward`` to record the CPU autocast state each call runs under."""
+    seen = []
+
+    def wrapped():
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return forward()
+    return wrapped, seen
+
+
+def test_bf16_attribution_runs_pass_one_under_bf16_autocast_and_pass_two_in_the_training_precision():
+    model, x, key_pad, adrop = _setup(dtype=torch.float32, seed=1, p=0.5, q=0.5, attribution_precision="bf16")
+    attribution_forward, seen_1 = _autocast_seen(lambda: model(x, key_pad))
+    train_forward, seen_2 = _autocast_seen(lambda: model(x, key_pad))
+    out, stats = adrop.step(attribution_forward, train_forward, target, frozen=model)
+    assert seen_1 == [torch.bfloat16] and seen_2 == [None]
+    assert out.dtype == torch.float32 and stats["dropped"].item() > 0
+
+
+def test_bf16_attribution_is_the_gradient_to_bf16_precision_and_not_the_fp32_one():
+    """bf16 GA is dF/dA within bf16's relative precision (2^-8, through a few ops), while the
+    fp32 pass on the same model matches the float64 reference to 1e-4: bf16 really ran."""
+    model, x, key_pad, adrop = _setup(dtype=torch.float32, seed=1, attribution_precision="bf16")
+    attrs, _ = _attributions(adrop, model, x, key_pad)
+    fp32 = ADDrop(ADDropConfig(attention="encoder-self", layers="all"), adrop.controller)
+    exact, _ = _attributions(fp32, model, x, key_pad)
+    ref, _, _ = _explicit_grads(copy.deepcopy(model).double(), x.double(), key_pad)
+    for a, e, r in zip(attrs, exact, ref):
+        scale = r.abs().max()
+        assert a.dtype == torch.float32
+        assert (e.double() - r).abs().max() < 1e-4 * scale
+        assert 1e-4 * scale < (a.double() - r).abs().max() < 0.05 * scale
+
+
+def test_fp32_attribution_turns_autocast_off_and_auto_keeps_it():
+    """Under bf16 autocast training, fp32 attribution equals attribution without autocast;
+    auto (the default) runs in the training precision, as before the option existed."""
+    model, x, key_pad, adrop_fp32 = _setup(dtype=torch.float32, seed=1, attribution_precision="fp32")
+    adrop_auto = ADDrop(ADDropConfig(attention="encoder-self", layers="all"), adrop_fp32.controller)
+    plain, _ = _attributions(adrop_auto, model, x, key_pad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        forward, seen = _autocast_seen(lambda: model(x, key_pad))
+        sites, fp32, _ = adrop_fp32.attributions(forward, target, frozen=model)
+        auto, _ = _attributions(adrop_auto, model, x, key_pad)
+    assert seen == [None]
+    for f, p, a in zip(fp32, plain, auto):
+        assert torch.equal(f, p)
+        assert not torch.allclose(a, p, atol=1e-5)
+
+
+def test_fp32_attribution_on_a_half_precision_model_is_refused():
+    model, x, key_pad, adrop = _setup(dtype=torch.bfloat16, attribution_precision="fp32")
+    with pytest.raises(ValueError, match=r"--ad-drop-attribution-precision fp32 needs fp32 weights, but the attribution "
+                                         r"pass ran in torch.bfloat16: the model itself is in half precision. Use auto "
+                                         r"or bf16"):
+        _attributions(adrop, model, x, key_pad)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_attribution_precision_with_the_random_region_is_refused(precision):
+    with pytest.raises(ValueError, match=f"--ad-drop-attribution-precision {precision} sets the precision of the "
+                                         "attribution pass, which --ad-drop-attribution rd does not run; leave it at auto"):
+        ADDropConfig(attribution="rd", attribution_precision=precision).validate()
