@@ -435,3 +435,19 @@ def test_attribution_precision_with_the_random_region_is_refused(precision):
     with pytest.raises(ValueError, match=f"--ad-drop-attribution-precision {precision} sets the precision of the "
                                          "attribution pass, which --ad-drop-attribution rd does not run; leave it at auto"):
         ADDropConfig(attribution="rd", attribution_precision=precision).validate()
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_attribution_on_a_cpu_without_native_bf16_warns_once(monkeypatch, caplog, native):
+    from attn_reg_plugin.core import ad_drop as ad_drop_module
+
+    monkeypatch.setattr(ad_drop_module, "cpu_has_native_bf16", lambda: native)
+    model, x, key_pad, adrop = _setup(dtype=torch.float32, attribution_precision="bf16")
+    with caplog.at_level("WARNING", logger="attn_reg_plugin.core.ad_drop"):
+        _attributions(adrop, model, x, key_pad)
+        _attributions(adrop, model, x, key_pad)
+    warned = [r.getMessage() for r in caplog.records if "no native bf16" in r.getMessage()]
+    assert warned == ([] if native else [
+        "--ad-drop-attribution-precision bf16: this CPU has no native bf16 matrix multiply (no AVX-512 BF16 or AMX), "
+        "so the attribution pass is much slower than in fp32 (about 18x a plain step on an AVX2 CPU, "
+        "docs/PERFORMANCE.md); use auto"])

