@@ -42,8 +42,7 @@ QUICK_MODEL_ARGS = [  # a smoke-test size for CI: same pipeline, tiny model
 ]
 METHODS = {
     "plain": ["--criterion", "label_smoothed_cross_entropy"],
-    "AD-DROP": ["--criterion", "ad_drop_label_smoothed_cross_entropy", "--ad-drop-p", "0.2", "--ad-drop-q", "0.2",
-                "--ad-drop-attention", "encoder-self", "--ad-drop-layers", "all", "--ad-drop-schedule", "cross-tuning"],
+    "AD-DROP": ["--criterion", "ad_drop_label_smoothed_cross_entropy", "--ad-drop-attention", "encoder-self"],
     "AttendOut": ["--criterion", "label_smoothed_cross_entropy", "--attendout", "--attendout-dropout-step", "20",
                   "--attendout-attention", "encoder-self", "--attendout-layers", "all"],
     # Paper Sec. 7: the random stand-ins (not run by default; add them with --methods).
@@ -53,6 +52,7 @@ METHODS = {
                        "--attn-layerdrop-attention", "encoder-self"],
 }
 DEFAULT_METHODS = ("plain", "AD-DROP", "AttendOut")
+AD_DROP_DEFAULTS = {"p": 0.2, "q": 0.2, "layers": "all", "schedule": "cross-tuning"}
 
 
 def subset_corpus(raw: Path, dest: Path, n_train: int) -> Path:
@@ -75,7 +75,17 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma list of {', '.join(METHODS)}")
     ap.add_argument("--quick", action="store_true", help="tiny model and data: checks the pipeline in about a minute")
+    from attn_reg_plugin.core.ad_drop import ADDropConfig
+    from attn_reg_plugin.core.options import add_arguments
+
+    # The AD-DROP method's settings (the paper's EN-RO p = q = 0.2 by default); attn-reg-sweep varies them.
+    add_arguments(ap.add_argument_group("AD-DROP method"), ADDropConfig, only=("p", "q", "layers", "schedule"),
+                  defaults=AD_DROP_DEFAULTS)
     args = ap.parse_args(argv)
+    try:
+        ADDropConfig.from_namespace(args).validate()  # before any data is prepared
+    except ValueError as e:
+        ap.error(str(e))
     if args.epochs < 2:
         ap.error(f"--epochs must be >= 2 (cross-tuning's first AD-DROP epoch is epoch 2), got {args.epochs}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -101,11 +111,15 @@ def main(argv=None) -> int:
     for method in methods:
         print(f"== training {method} ({args.epochs} epochs)", flush=True)
         extra = []
+        method_args = list(METHODS[method])
+        if method == "AD-DROP":
+            for name in AD_DROP_DEFAULTS:
+                method_args += [f"--ad-drop-{name}", str(getattr(args, f"ad_drop_{name}"))]
         drop_log = out / "attendout_drop_prob.jsonl"
         if "--attendout" in METHODS[method]:
             extra = ["--attendout-log-file", str(drop_log)]
         result = mt.train(method, data_bin, out / "checkpoints" / method,
-                          [*model_args, *METHODS[method], *extra, "--max-epoch", str(args.epochs), "--seed", str(args.seed)],
+                          [*model_args, *method_args, *extra, "--max-epoch", str(args.epochs), "--seed", str(args.seed)],
                           log=lambda s: print(s, flush=True))
         if extra and drop_log.exists():
             from . import plot_attendout
