@@ -1,14 +1,55 @@
 """Few-shot summaries: mean ± std per size and method, paired differences against the baseline, markdown."""
 from __future__ import annotations
 
+import math
 import statistics
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 
 def _mean_std(values: Sequence[float]):
     mean = statistics.fmean(values)
     std = statistics.stdev(values) if len(values) > 1 else 0.0
     return mean, std
+
+
+def _incomplete_beta(x: float, a: float, b: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges fast only below this point
+        return 1.0 - _incomplete_beta(1.0 - x, b, a)
+    front = math.exp(a * math.log(x) + b * math.log1p(-x) - (math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b))) / a
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    value = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            value *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return front * value
+
+
+def paired_t_test(diffs: Sequence[float]) -> Tuple[Optional[float], Optional[float]]:
+    """Student's paired t-test of mean(diffs) = 0: (t, two-sided p); (None, None) below 2 pairs or with no spread."""
+    n = len(diffs)
+    if n < 2:
+        return None, None
+    sd = statistics.stdev(diffs)
+    mean = statistics.fmean(diffs)
+    if sd == 0.0:
+        return None, None
+    t = mean / (sd / math.sqrt(n))
+    df = n - 1
+    return t, _incomplete_beta(df / (df + t * t), df / 2.0, 0.5)
 
 
 def summarize(runs: List[dict], sizes: Sequence[int], methods: Sequence[str], baseline: str = "plain"):
@@ -36,9 +77,11 @@ def summarize(runs: List[dict], sizes: Sequence[int], methods: Sequence[str], ba
                 if common:
                     diffs = [by_method[m][s]["test_acc"] - by_method[baseline][s]["test_acc"] for s in common]
                     d_mean, d_std = _mean_std(diffs)
+                    t, p_value = paired_t_test(diffs)
                     paired.append({"size": size, "method": m, "baseline": baseline, "seeds": len(common),
                                    "diff_mean": d_mean, "diff_std": d_std, "wins": sum(d > 0 for d in diffs),
-                                   "ties": sum(d == 0 for d in diffs), "losses": sum(d < 0 for d in diffs)})
+                                   "ties": sum(d == 0 for d in diffs), "losses": sum(d < 0 for d in diffs),
+                                   "t": t, "p_value": p_value})
     return summary, paired
 
 
@@ -60,15 +103,17 @@ def markdown(summary: List[dict], paired: List[dict], sizes: Sequence[int], meth
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     if paired:
         lines += ["", "Paired difference to the baseline on the same subset and initial weights "
-                  "(percentage points, mean ± sample std; wins/ties/losses over seeds).", "",
+                  "(percentage points, mean ± sample std; wins/ties/losses over seeds; two-sided p of a paired "
+                  "t-test).", "",
                   "| method | " + " | ".join(f"{s}-shot" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
         pcell = {(r["size"], r["method"]): r for r in paired}
         for m in dict.fromkeys(r["method"] for r in paired):
             cells = []
             for s in sizes:
                 r = pcell.get((s, m))
-                cells.append(f"{100 * r['diff_mean']:+.2f} ± {100 * r['diff_std']:.2f} ({r['wins']}/{r['ties']}/{r['losses']})"
-                             if r else "-")
+                p_text = "" if r is None or r.get("p_value") is None else f", p = {r['p_value']:.3f}"
+                cells.append(f"{100 * r['diff_mean']:+.2f} ± {100 * r['diff_std']:.2f} ({r['wins']}/{r['ties']}/{r['losses']}"
+                             f"{p_text})" if r else "-")
             lines.append(f"| {m} − {paired[0]['baseline']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -1,6 +1,8 @@
 """attn-reg-fewshot (attn_reg_plugin.experiments.fewshot): the JSONL loader's errors, balanced subsets, option checks, and a toy end-to-end run."""
 import json
+import math
 import random
+import statistics
 from collections import Counter
 
 import pytest
@@ -257,5 +259,24 @@ def test_merge_cli_writes_the_table(tmp_path, capsys):
     assert "| plain | 60.00 ± 14.14 |" in table
     assert "| plain | 60.00 |" in table  # mean dev accuracy at the selected epochs (= test here)
     assert "| ad-drop (p=q=0.1) | 60.00 ± 0.00 |" in table
-    assert "| ad-drop (p=q=0.1) − plain | +0.00 ± 14.14 (1/0/1) |" in table
+    assert "| ad-drop (p=q=0.1) − plain | +0.00 ± 14.14 (1/0/1, p = 1.000) |" in table
     assert capsys.readouterr().out == table
+
+
+@pytest.mark.parametrize("t, df, p", [(2.262157, 9, 0.05), (12.7062, 1, 0.05), (1.0, 1, 0.5), (2.776445, 4, 0.05),
+                                      (3.249836, 9, 0.01), (0.0, 5, 1.0)])
+def test_paired_t_test_two_sided_p_matches_student_t_quantiles(t, df, p):
+    from attn_reg_plugin.experiments.fewshot_summary import paired_t_test
+
+    # n diffs alternating around their mean, rescaled to sample std 1: their t statistic is mean * sqrt(n) = t
+    n = df + 1
+    mean = t / math.sqrt(n)
+    pattern = ([1.0, -1.0] * n)[:n]
+    centre, spread = statistics.fmean(pattern), statistics.stdev(pattern)
+    diffs = [mean + (x - centre) / spread for x in pattern]
+    got_t, got_p = paired_t_test(diffs)
+    if t == 0.0:
+        assert got_t == pytest.approx(0.0, abs=1e-12) and got_p == pytest.approx(1.0)
+    else:
+        assert got_t == pytest.approx(t, rel=1e-9) and got_p == pytest.approx(p, abs=2e-6)
+    assert paired_t_test([0.1]) == (None, None) and paired_t_test([0.1, 0.1]) == (None, None)
