@@ -267,7 +267,7 @@ class ADDrop:
                 and captured[0].device.type == "cpu" and not cpu_has_native_bf16()):
             self._warned_slow_bf16 = True
             logger.warning("%s bf16: this CPU has no native bf16 matrix multiply (no AVX-512 BF16 or AMX), so the "
-                           "attribution pass is much slower than in fp32 (about 18x a plain step on an AVX2 CPU, "
+                           "attribution pass is much slower than in fp32 (15 to 30 times a plain step on an AVX2 CPU, "
                            "docs/PERFORMANCE.md); use auto", self.config.name("attribution_precision"))
         if self.config.attribution_precision == "fp32":
             half = sorted({str(t.dtype) for t in captured if t.dtype != torch.float32})

@@ -30,7 +30,7 @@ MODEL_ARGS = [
     "--encoder-attention-heads", "4", "--decoder-attention-heads", "4", "--share-all-embeddings",
     "--dropout", "0.3", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "2e-3",
     "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "300", "--max-tokens", "1024",
-    "--label-smoothing", "0.1", "--no-epoch-checkpoints", "--log-interval", "1000", "--cpu",
+    "--label-smoothing", "0.1", "--no-epoch-checkpoints", "--log-interval", "1000",
 ]
 QUICK_MODEL_ARGS = [  # a smoke-test size for CI: same pipeline, tiny model
     "--task", "attn_reg_translation", "--arch", "transformer",
@@ -38,7 +38,7 @@ QUICK_MODEL_ARGS = [  # a smoke-test size for CI: same pipeline, tiny model
     "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
     "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--share-all-embeddings",
     "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "1024", "--label-smoothing", "0.1",
-    "--no-epoch-checkpoints", "--log-interval", "1000", "--cpu",
+    "--no-epoch-checkpoints", "--log-interval", "1000",
 ]
 METHODS = {
     "plain": ["--criterion", "label_smoothed_cross_entropy"],
@@ -52,7 +52,7 @@ METHODS = {
                        "--attn-layerdrop-attention", "encoder-self"],
 }
 DEFAULT_METHODS = ("plain", "AD-DROP", "AttendOut")
-AD_DROP_DEFAULTS = {"p": 0.2, "q": 0.2, "layers": "all", "schedule": "cross-tuning"}
+AD_DROP_DEFAULTS = {"p": 0.2, "q": 0.2, "layers": "all", "schedule": "cross-tuning", "attribution_precision": "auto"}
 
 
 def subset_corpus(raw: Path, dest: Path, n_train: int) -> Path:
@@ -75,11 +75,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma list of {', '.join(METHODS)}")
     ap.add_argument("--quick", action="store_true", help="tiny model and data: checks the pipeline in about a minute")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where fairseq trains and translates (default cpu, which the published table used)")
     from attn_reg_plugin.core.ad_drop import ADDropConfig
     from attn_reg_plugin.core.options import add_arguments
 
     # The AD-DROP method's settings (the paper's EN-RO p = q = 0.2 by default); attn-reg-sweep varies them.
-    add_arguments(ap.add_argument_group("AD-DROP method"), ADDropConfig, only=("p", "q", "layers", "schedule"),
+    add_arguments(ap.add_argument_group("AD-DROP method"), ADDropConfig, only=tuple(AD_DROP_DEFAULTS),
                   defaults=AD_DROP_DEFAULTS)
     args = ap.parse_args(argv)
     try:
@@ -107,6 +109,7 @@ def main(argv=None) -> int:
         args.vocab_size = min(args.vocab_size, 500)
     data_bin = mt.prepare_data(raw, out, "en", "ro", args.vocab_size, log=lambda s: print("  " + s, flush=True))
 
+    device_args = ["--cpu"] if args.device == "cpu" else []
     rows = []
     for method in methods:
         print(f"== training {method} ({args.epochs} epochs)", flush=True)
@@ -114,12 +117,12 @@ def main(argv=None) -> int:
         method_args = list(METHODS[method])
         if method == "AD-DROP":
             for name in AD_DROP_DEFAULTS:
-                method_args += [f"--ad-drop-{name}", str(getattr(args, f"ad_drop_{name}"))]
+                method_args += [f"--ad-drop-{name.replace('_', '-')}", str(getattr(args, f"ad_drop_{name}"))]
         drop_log = out / "attendout_drop_prob.jsonl"
         if "--attendout" in METHODS[method]:
             extra = ["--attendout-log-file", str(drop_log)]
         result = mt.train(method, data_bin, out / "checkpoints" / method,
-                          [*model_args, *method_args, *extra, "--max-epoch", str(args.epochs), "--seed", str(args.seed)],
+                          [*model_args, *device_args, *method_args, *extra, "--max-epoch", str(args.epochs), "--seed", str(args.seed)],
                           log=lambda s: print(s, flush=True))
         if extra and drop_log.exists():
             from . import plot_attendout
@@ -127,7 +130,7 @@ def main(argv=None) -> int:
             plot_attendout.plot(drop_log, out / "attendout_drop_prob.png")
         print(f"== translating the test set with {method}'s best checkpoint", flush=True)
         bleu = mt.generate_bleu(data_bin, result.save_dir / "checkpoint_best.pt", raw / "test.ro",
-                                out / "translations" / method, extra=["--cpu"])
+                                out / "translations" / method, extra=device_args)
         last = result.epochs[-1] if result.epochs else {}
         rates = [float(e["ad_drop_rate"]) for e in result.epochs if e.get("ad_drop_on") == "1"]
         # AttendOut: the generator's mean drop probability over layers in the last epoch.

@@ -449,5 +449,5 @@ def test_bf16_attribution_on_a_cpu_without_native_bf16_warns_once(monkeypatch, c
     warned = [r.getMessage() for r in caplog.records if "no native bf16" in r.getMessage()]
     assert warned == ([] if native else [
         "--ad-drop-attribution-precision bf16: this CPU has no native bf16 matrix multiply (no AVX-512 BF16 or AMX), "
-        "so the attribution pass is much slower than in fp32 (about 18x a plain step on an AVX2 CPU, "
+        "so the attribution pass is much slower than in fp32 (15 to 30 times a plain step on an AVX2 CPU, "
         "docs/PERFORMANCE.md); use auto"])

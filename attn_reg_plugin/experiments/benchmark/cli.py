@@ -86,7 +86,13 @@ def parse_args(argv=None):
             parser.error(f"--profile: unknown {bad or opts.profile!r}; accepted: a comma list of {', '.join(names)}")
         opts.profile = wanted
     if opts.variants == "all":
-        opts.variants = names
+        opts.variants = []
+        for variant in VARIANTS:
+            reason = variant.unavailable(opts)
+            if reason:
+                print(f"{variant.name} left out: {reason}", file=sys.stderr)
+            else:
+                opts.variants.append(variant.name)
     else:
         chosen = [v.strip() for v in opts.variants.split(",") if v.strip()]
         bad = [v for v in chosen if v not in names]

@@ -39,6 +39,8 @@ class Variant:
     mem_target: Optional[float] = None
     repeats: Optional[int] = None  # measured repeats, when fewer than the workload's (very slow variants)
     warmup: Optional[int] = None  # warm-up rounds, when fewer than the workload's
+    # opts -> why ``--variants all`` leaves this variant out on this machine (None: it runs)
+    unavailable: Callable[[object], Optional[str]] = lambda opts: None
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,15 @@ def layerdrop_builders() -> Dict[str, Builder]:
     return {"fairseq": lambda b, w: b.layerdrop_step(config, w), "hf": lambda b, w: b.attn_reg_step(w, layerdrop=config)}
 
 
+def no_native_bf16(opts) -> Optional[str]:
+    """bf16 attribution on a CPU that emulates bf16 takes 15-30 plain steps: only when named."""
+    from attn_reg_plugin.core.ad_drop import cpu_has_native_bf16
+
+    if opts.device == "cpu" and not cpu_has_native_bf16():
+        return "this CPU has no native bf16 (name it in --variants to measure it anyway)"
+    return None
+
+
 VARIANTS: List[Variant] = [
     Variant("plugin-idle-train", "plugin loaded, plain epoch of cross-tuning (AD-DROP criterion idle)", "train",
             idle_train_builders()),
@@ -120,7 +131,7 @@ VARIANTS: List[Variant] = [
     Variant("ad-drop-ga-all-bf16", "AD-DROP, gradient attribution, all layers, attribution pass under bf16 autocast "
             "(--ad-drop-attribution-precision bf16)", "train",
             ad_drop_builders(attribution="ga", layers="all", attribution_precision="bf16"), time_target=1.4,
-            mem_target=1.15),
+            mem_target=1.15, unavailable=no_native_bf16),
     Variant("ad-drop-ga-first", "AD-DROP, gradient attribution, first layer only", "train",
             ad_drop_builders(attribution="ga", layers="0"), time_target=1.6, mem_target=1.1),
     Variant("ad-drop-aa-all", "AD-DROP, attention-weight attribution, all layers", "train",
