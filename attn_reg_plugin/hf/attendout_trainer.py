@@ -43,10 +43,10 @@ from ..core.attendout import (
     AttendOut, AttendOutConfig, DropProbabilityLog, Generator, build_attacker, copy_model_state, copy_optimizer_state,
     end_dropout_step,
 )
-from ..core.options import named_by_field, option_name
+from ..core.options import named_by_field
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_mean_, from_rank0, is_distributed, rank
-from .ad_drop_trainer import decoder_input_ids_from_labels
+from .ad_drop_trainer import causal_lm, decoder_input_ids_from_labels
 from .attention import install_attention_sites
 from .training_configurations import model_argument, refuse_unsupported, training_arguments
 
@@ -120,6 +120,11 @@ class AttendOutTrainerMixin:
         self.attendout_defender_controller = RegularizationController()
         install_attention_sites(model, self.attendout_defender_controller)
         self._attendout_encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+        # A decoder-only LM: its one token stream is the generator's "target" (decoder-self) stream,
+        # and held-out losses compare logits t with labels t + 1, as the model's own loss does.
+        self._attendout_decoder_only = (not self._attendout_encoder_decoder
+                                        and self.attendout_defender_controller.num_layers("encoder-self") == 0)
+        self._attendout_causal_lm = causal_lm(model)
         sizes, self._attendout_start_id, shared = self._attendout_vocab(model)
         # A fork: the generator's random init must not shift the Trainer's seeded stream.
         with torch.random.fork_rng(devices=[]):
@@ -129,12 +134,7 @@ class AttendOutTrainerMixin:
                 positions_option=attendout.name("max_positions"),
             )
         # Selecting the sites now checks kinds and layers against the model, before training.
-        probe = AttendOut(attendout, self.attendout_defender_controller, self.attendout_generator)
-        if not self._attendout_encoder_decoder and any(s.kind != "encoder-self" for s in probe.sites):
-            raise ValueError(
-                f"{option_name(attendout, 'attention')}: AttendOutTrainer supports encoder models (encoder-self) and "
-                "encoder-decoder models; this model is neither"
-            )
+        AttendOut(attendout, self.attendout_defender_controller, self.attendout_generator)
         self.attendout_attacker: Optional[torch.nn.Module] = None
         self.attendout_optimizer: Optional[torch.optim.Optimizer] = None
         self.attendout_scaler: Optional[torch.amp.GradScaler] = None  # A's own fp16 loss scaler
@@ -174,6 +174,8 @@ class AttendOutTrainerMixin:
             return emb.num_embeddings if isinstance(emb, torch.nn.Embedding) else fallback
 
         config = model.config
+        if self._attendout_decoder_only:
+            return {"target": size(model, config.vocab_size)}, None, False
         if not self._attendout_encoder_decoder:
             return {"source": size(model, config.vocab_size)}, None, False
         encoder, decoder = model.get_encoder(), model.get_decoder()
@@ -218,14 +220,23 @@ class AttendOutTrainerMixin:
 
     # -- per micro-batch ------------------------------------------------------------------
     def attendout_streams(self, inputs: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-        """The generator's token streams: {"source": encoder tokens} (+ {"target": decoder inputs} for seq2seq)."""
+        """The generator's token streams: {"source": encoder tokens} (+ {"target": decoder inputs} for seq2seq);
+        a decoder-only LM's tokens are its {"target"} stream. A model whose encoder reads features (Whisper)
+        has no source stream: its decoder-self attention can still be regularized."""
         pad = self.model.config.pad_token_id
         ids = inputs.get("input_ids")
-        if ids is None:
-            raise ValueError("AttendOutTrainer needs input_ids in every training batch: the generator reads the tokens")
-        mask = inputs.get("attention_mask")
-        # Padding as the model sees it (attention_mask), whatever id the collator padded with.
-        streams = {"source": ids if mask is None or mask.dim() != 2 else ids.masked_fill(mask.eq(0), pad)}
+        streams = {}
+        if ids is not None:
+            mask = inputs.get("attention_mask")
+            # Padding as the model sees it (attention_mask), whatever id the collator padded with.
+            tokens = ids if mask is None or mask.dim() != 2 else ids.masked_fill(mask.eq(0), pad)
+            streams["target" if self._attendout_decoder_only else "source"] = tokens
+        elif not self._attendout_encoder_decoder or any(
+                kind != "decoder-self" for kind in {s.kind for s in self.attendout_game.sites}):
+            raise ValueError(
+                "AttendOutTrainer needs input_ids in every training batch: the generator reads the tokens"
+                + (" (this model's encoder reads features, so only --attention decoder-self can be regularized: "
+                   "AttendOutConfig(attention='decoder-self'))" if self._attendout_encoder_decoder else ""))
         if self._attendout_encoder_decoder:
             target = inputs.get("decoder_input_ids")
             if target is None:
@@ -322,6 +333,8 @@ class AttendOutTrainerMixin:
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
         if logits.dim() == 2 and logits.shape[-1] == 1:
             labels = labels.float()  # num_labels == 1: regression, as transformers treats it
+        if self._attendout_causal_lm:  # position t predicts label t + 1
+            return logits[:, :-1], labels[:, 1:], None
         return logits, labels, None
 
     def _attendout_finish_dropout_step(self) -> Dict[str, object]:

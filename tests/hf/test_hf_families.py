@@ -13,6 +13,7 @@ import torch
 
 from attn_reg_plugin.core import ad_drop as ad_drop_module
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.attendout.game import AttendOut as AttendOutGame
 from attn_reg_plugin.core.attention import EditScores
 from attn_reg_plugin.core.attribution import token_loss_target
 from attn_reg_plugin.core.controller import RegularizationController
@@ -267,3 +268,71 @@ def test_two_controllers_share_one_model_each_with_its_own_sites():
     assert valid_positions_seen(first_sites) == 2 * 4 * 3 * 3  # 2 layers x 4 heads x 3 x 3 positions
     assert valid_positions_seen(second_sites) == 0  # the first controller's hooks are not reached
     assert installed_sites(model) == second_sites
+
+
+def _attendout_rows(family, model, n=4):
+    """Training rows with labels as the family's own loss reads them (tokens, or decoder tokens)."""
+    rows = []
+    for i in range(n):
+        inputs = {k: v[i % 2] for k, v in _inputs(family, model).items()}
+        if family.head in ("MaskedLM", "CausalLM"):
+            inputs["labels"] = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+        else:
+            inputs["labels"] = inputs.pop("decoder_input_ids")
+        rows.append(inputs)
+    return rows
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_attendout_trains_on_every_family(family, tmp_path):
+    """One update ending a dropout step: the Attacker's masks drop keys of every selected kind
+    (Whisper: decoder-self, its encoder reads features), REINFORCE moves the Generator, the
+    survivor's weights end up in both networks, and the held-out losses are finite."""
+    import transformers
+
+    from attn_reg_plugin.core.attendout import AttendOutConfig
+    from attn_reg_plugin.hf import AttendOutSeq2SeqTrainer, AttendOutTrainer
+
+    model = _model(family)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = 0
+    kinds = "decoder-self" if family.head == "SpeechSeq2Seq" else ",".join(family.kinds)
+    seq2seq = family.head in ("Seq2SeqLM", "SpeechSeq2Seq")
+    rows = _attendout_rows(family, model)
+    args = (transformers.Seq2SeqTrainingArguments if seq2seq else transformers.TrainingArguments)(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, per_device_train_batch_size=2,
+        per_device_eval_batch_size=2, logging_steps=1, save_strategy="no", remove_unused_columns=False, seed=3)
+    trainer = (AttendOutSeq2SeqTrainer if seq2seq else AttendOutTrainer)(
+        model=model, args=args, train_dataset=rows, eval_dataset=rows, data_collator=_stack,
+        attendout=AttendOutConfig(dropout_step=1, attention=kinds, init_drop=0.3))
+    generator_before = [p.detach().clone() for p in trainer.attendout_generator.parameters()]
+    drops = []
+    real_hooks = AttendOutGame.attacker_hooks
+
+    def counted(self, streams):
+        hooks = real_hooks(self, streams)
+        drops.append({site.kind: int(hook.drop.sum()) for site, hook in hooks.items()})
+        return hooks
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(AttendOutGame, "attacker_hooks", counted)
+        trainer.train()
+    history = trainer.state.log_history
+    assert [h["attendout_dropout_step"] for h in history if "attendout_dropout_step" in h] == [1]
+    losses = [h["attendout_attacker_loss"] for h in history if "attendout_attacker_loss" in h]
+    assert losses and all(torch.isfinite(torch.tensor(v)) for v in losses)
+    assert drops and all(set(d) == set(kinds.split(",")) and all(v > 0 for v in d.values()) for d in drops)
+    assert any(not torch.equal(a, b) for a, b in zip(generator_before, trainer.attendout_generator.parameters()))
+    for d, a in zip(trainer.model.parameters(), trainer.attendout_attacker.parameters()):
+        assert torch.equal(d, a)  # re-synced at the end of the dropout step
+    # Held-out losses score what the model's own loss scores (a causal LM: logits t against label t + 1).
+    batch = _stack(rows[:2])
+    model.eval()
+    with torch.no_grad():
+        logits, labels, _ = trainer._attendout_logits(model, batch)
+        own = model(**batch).loss
+    torch.testing.assert_close(torch.nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten()), own)
+
+
+def _stack(rows):
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
