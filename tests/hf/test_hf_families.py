@@ -336,3 +336,22 @@ def test_attendout_trains_on_every_family(family, tmp_path):
 
 def _stack(rows):
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def test_attendout_on_whisper_encoder_is_refused_at_the_first_batch(tmp_path):
+    import transformers
+
+    from attn_reg_plugin.core.attendout import AttendOutConfig
+    from attn_reg_plugin.hf import AttendOutSeq2SeqTrainer
+
+    family = next(f for f in FAMILIES if f.name == "Whisper")
+    model = _model(family)
+    rows = _attendout_rows(family, model)
+    args = transformers.Seq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1,
+                                                 per_device_train_batch_size=2, save_strategy="no",
+                                                 remove_unused_columns=False)
+    trainer = AttendOutSeq2SeqTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, data_collator=_stack,
+                                      attendout=AttendOutConfig(dropout_step=1))  # auto: encoder-self
+    with pytest.raises(ValueError, match=r"needs input_ids in every training batch: the generator reads the tokens "
+                                         r"\(this model's encoder reads features, so only --attention decoder-self"):
+        trainer.train()
