@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """An offline stand-in for an OPUS-MT checkpoint: a tiny random MarianMTModel + a MarianTokenizer
-(or, with ``--family t5``, a tiny random T5 + T5Tokenizer in T5's layout: <pad> 0, </s> 1, <unk> 2).
+(or, with ``--family t5``, a tiny random T5 + T5Tokenizer in T5's layout: <pad> 0, </s> 1, <unk> 2;
+with ``--family nllb``, a tiny random M2M100 + NllbTokenizer with NLLB's language codes).
 
     python examples/opus_mt/build_tiny_marian.py --out outputs/tiny-marian-en-ro
     python examples/opus_mt/build_tiny_marian.py --out outputs/tiny-t5-en-ro --family t5
+    python examples/opus_mt/build_tiny_marian.py --out outputs/tiny-nllb-en-ro --family nllb
 
 Writes a folder that ``MarianMTModel.from_pretrained`` / ``AutoTokenizer.from_pretrained``
 load exactly like a downloaded ``Helsinki-NLP/opus-mt-*`` one (source.spm, target.spm,
@@ -37,6 +39,8 @@ def build(out: Path, data: Path, src: str, tgt: str, train_lines: int = 2000, vo
     src_lines, tgt_lines = read_parallel(data, "train", src, tgt, train_lines)
     if family == "t5":
         return _build_t5(out, src_lines + tgt_lines, vocab_size, d_model, layers, heads, ffn_dim, seed)
+    if family == "nllb":
+        return _build_nllb(out, src_lines + tgt_lines, vocab_size, d_model, layers, heads, ffn_dim, max_positions, seed)
     proto = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(src_lines + tgt_lines), model_writer=proto,
                                    vocab_size=vocab_size, model_type="unigram", character_coverage=1.0,
@@ -86,6 +90,33 @@ def _build_t5(out: Path, lines, vocab_size: int, d_model: int, layers: int, head
     return out
 
 
+def _build_nllb(out: Path, lines, vocab_size: int, d_model: int, layers: int, heads: int, ffn_dim: int,
+                max_positions: int, seed: int) -> Path:
+    """A tiny random M2M100 (NLLB's architecture) with an NllbTokenizer: NLLB's BPE layout (<s> 0, <pad> 1,
+    </s> 2, <unk> 3) and its language codes (eng_Latn, ron_Latn, ...) as the first token of each side."""
+    import json as json_module
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import M2M100Config, M2M100ForConditionalGeneration, NllbTokenizer
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace()
+    bpe.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                                       special_tokens=["<s>", "<pad>", "</s>", "<unk>"]))
+    trained = json_module.loads(bpe.to_str())["model"]
+    tokenizer = NllbTokenizer(vocab=trained["vocab"], merges=[tuple(m) for m in trained["merges"]])
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    config = M2M100Config(vocab_size=len(tokenizer), d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+                          encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn_dim,
+                          decoder_ffn_dim=ffn_dim, max_position_embeddings=max_positions, pad_token_id=1,
+                          bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    torch.manual_seed(seed)
+    M2M100ForConditionalGeneration(config).save_pretrained(out)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -98,7 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--ffn-dim", type=int, default=128)
-    ap.add_argument("--family", choices=("marian", "t5"), default="marian")
+    ap.add_argument("--family", choices=("marian", "t5", "nllb"), default="marian")
     args = ap.parse_args(argv)
     for name in ("train_lines", "vocab_size", "d_model", "layers", "heads", "ffn_dim"):
         if getattr(args, name) < 1:
