@@ -163,6 +163,13 @@ def test_nllb_runs_through_the_same_runner_with_language_codes(tmp_path):
     # each side starts with its language code, as NLLB was trained
     assert tok.convert_ids_to_tokens(row["input_ids"][:1]) == ["eng_Latn"]
     assert tok.convert_ids_to_tokens(row["labels"][:1]) == ["ron_Latn"]
+    # generation forces the target language code as the first token after the decoder start
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    generated = []
+    real_generate = model.generate
+    model.generate = lambda **kw: generated.append(real_generate(**kw)) or generated[-1]
+    opus.translate(model, tok, src, 1, 1, 4, 64, "", "ron_Latn")
+    assert generated[0][0, 1].item() == tok.convert_tokens_to_ids("ron_Latn")
     hyps = (out / "ad-drop" / "test.hyp").read_text(encoding="utf-8").splitlines()
     assert len(hyps) == 6 and result["bleu"] == round(sacrebleu.corpus_bleu(hyps, [(data / "test.ro").read_text(
         encoding="utf-8").splitlines()]).score, 2)
