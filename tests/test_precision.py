@@ -1,7 +1,8 @@
 """Every precision × regularizer end to end for a few updates: finite losses, the regularizer acts.
 
 This file is also the GPU check (`make gpu-check` = `pytest -m gpu`): on a CUDA machine every
-case runs on the GPU (fairseq's FP16Optimizer `--fp16`, `--bf16`, `--amp`; HF `fp16`/`bf16`);
+case runs on the GPU (fairseq's FP16Optimizer `--fp16`, `--amp`; HF `fp16`/`bf16`; fairseq 0.12's
+`--bf16` is TPU-only, see FAIRSEQ_PRECISION);
 without CUDA the cases that exist on CPU run (`--fp16 --memory-efficient-fp16 --cpu`, HF
 `bf16` with `use_cpu`, HF `fp16` with a CPU loss scaler, see ``helpers.cpu_fp16``), so
 `make test` exercises the harness itself, and the CUDA-only cases skip saying so. Refused combinations skip here: their messages are tested where the others are.

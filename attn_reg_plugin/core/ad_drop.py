@@ -121,10 +121,11 @@ def bare_module(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX, as oneDNN sees it).
+    """Whether oneDNN has a bf16 path on this CPU (it asks for AVX-512; AVX-512 BF16 and AMX do it in
+    hardware, plain AVX-512 by conversion).
 
-    Without it torch emulates bf16 matmuls: on an AVX2-only AMD EPYC a 512x384 by 384x1536 bf16
-    product took 476 ms against 8.9 ms in fp32 (docs/PERFORMANCE.md)."""
+    Without it torch falls back to a reference bf16 matmul: on an AVX2-only AMD EPYC a 512x384 by
+    384x1536 bf16 product took 476 ms against 8.9 ms in fp32 (docs/PERFORMANCE.md)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -266,7 +267,7 @@ class ADDrop:
         if (self.config.attribution_precision == "bf16" and not self._warned_slow_bf16 and captured
                 and captured[0].device.type == "cpu" and not cpu_has_native_bf16()):
             self._warned_slow_bf16 = True
-            logger.warning("%s bf16: this CPU has no native bf16 matrix multiply (no AVX-512 BF16 or AMX), so the "
+            logger.warning("%s bf16: this CPU has no AVX-512, so torch multiplies bf16 matrices without oneDNN and the "
                            "attribution pass is much slower than in fp32 (15 to 30 times a plain step on an AVX2 CPU, "
                            "docs/PERFORMANCE.md); use auto", self.config.name("attribution_precision"))
         if self.config.attribution_precision == "fp32":

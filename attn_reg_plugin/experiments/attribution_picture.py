@@ -207,10 +207,10 @@ def parse_args(argv=None):
         ap.error("--fairseq-checkpoint needs --data-bin")
     if args.hf_model is not None and args.attention != "encoder-self":
         ap.error("--hf-model: the classifier path draws encoder-self attention only")
-    try:
-        ADDropConfig(p=args.p, q=args.q).validate()
-    except ValueError as e:
-        ap.error(str(e))
+    for name in ("p", "q"):
+        value = getattr(args, name)
+        if not 0.0 < value < 1.0:
+            ap.error(f"--{name} must be in the open interval (0, 1), got {value}")
     if args.layer < 0 or args.head < 0:
         ap.error("--layer and --head are 0-based: >= 0")
     if args.hf_model == "minilm":

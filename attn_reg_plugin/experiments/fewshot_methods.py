@@ -78,7 +78,9 @@ def _build_attendout(opts, **trainer_kwargs):
 
 def _ad_drop_settings(opts) -> dict:
     config = _ad_drop_config(opts).validate()  # errors name the --ad-drop-* option
-    return {k: v for k, v in vars(config).items() if k != "iga_steps" or config.attribution == "iga"}
+    # Fields at a value that changes nothing are left out, so runs recorded before they existed stay comparable.
+    return {k: v for k, v in vars(config).items()
+            if (k != "iga_steps" or config.attribution == "iga") and (k != "attribution_precision" or v != "auto")}
 
 
 METHODS: Dict[str, Method] = {

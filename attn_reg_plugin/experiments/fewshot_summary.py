@@ -39,14 +39,16 @@ def _incomplete_beta(x: float, a: float, b: float) -> float:
 
 
 def paired_t_test(diffs: Sequence[float]) -> Tuple[Optional[float], Optional[float]]:
-    """Student's paired t-test of mean(diffs) = 0: (t, two-sided p); (None, None) below 2 pairs or with no spread."""
+    """Student's paired t-test of mean(diffs) = 0: (t, two-sided p); (None, None) below 2 pairs.
+
+    Identical differences have no spread: t is infinite (p = 0) unless they are all 0 (t = 0, p = 1)."""
     n = len(diffs)
     if n < 2:
         return None, None
     sd = statistics.stdev(diffs)
     mean = statistics.fmean(diffs)
     if sd == 0.0:
-        return None, None
+        return (0.0, 1.0) if mean == 0.0 else (math.copysign(math.inf, mean), 0.0)
     t = mean / (sd / math.sqrt(n))
     df = n - 1
     return t, _incomplete_beta(df / (df + t * t), df / 2.0, 0.5)

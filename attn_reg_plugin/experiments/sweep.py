@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -191,6 +192,12 @@ def parse_args(argv=None):
     clash = sorted(a.split("=")[0] for a in runner_args if a.split("=")[0] in owned)
     if clash:
         ap.error(f"{', '.join(clash)} after '--' are set by the sweep for each cell; leave them out")
+    if opts.runner == "fewshot":
+        sizes = [runner_args[i + 1] for i, a in enumerate(runner_args[:-1]) if a == "--sizes"]
+        sizes += [a.split("=", 1)[1] for a in runner_args if a.startswith("--sizes=")]
+        if len(sizes) != 1 or "," in sizes[0]:
+            ap.error("fewshot: give exactly one training-set size after '--' (--sizes N): cells are compared on the "
+                     "dev accuracy of one size")
     if opts.out_dir is None:
         opts.out_dir = REPO / "outputs" / "sweep" / opts.runner
     return ap, opts
@@ -229,7 +236,10 @@ def main(argv=None) -> int:
         cell_started = time.time()
         scores = runner.run(cell, opts.runner_args, out / "runs" / name)
         record = {"cell": cell, "settings": settings, **scores, "seconds": round(time.time() - cell_started, 1)}
-        record_path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        # Written whole or not at all: a kill mid-write must not leave a record that looks finished.
+        partial = record_path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        os.replace(partial, record_path)
         results.append(record)
         so_far = best_cell(results, runner.higher_is_better) if any(r["cell"]["method"] == "ad-drop" for r in results) else None
         print(f"{prefix}: dev {record['dev']:.4f}, test {record['test']:.4f}, {record['seconds']:.0f} s"

@@ -408,7 +408,7 @@ def test_bf16_attribution_is_the_gradient_to_bf16_precision_and_not_the_fp32_one
 
 def test_fp32_attribution_turns_autocast_off_and_auto_keeps_it():
     """Under bf16 autocast training, fp32 attribution equals attribution without autocast;
-    auto (the default) runs in the training precision, as before the option existed."""
+    auto (the default) runs pass 1 in the training precision."""
     model, x, key_pad, adrop_fp32 = _setup(dtype=torch.float32, seed=1, attribution_precision="fp32")
     adrop_auto = ADDrop(ADDropConfig(attention="encoder-self", layers="all"), adrop_fp32.controller)
     plain, _ = _attributions(adrop_auto, model, x, key_pad)
@@ -446,8 +446,8 @@ def test_bf16_attribution_on_a_cpu_without_native_bf16_warns_once(monkeypatch, c
     with caplog.at_level("WARNING", logger="attn_reg_plugin.core.ad_drop"):
         _attributions(adrop, model, x, key_pad)
         _attributions(adrop, model, x, key_pad)
-    warned = [r.getMessage() for r in caplog.records if "no native bf16" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "no AVX-512" in r.getMessage()]
     assert warned == ([] if native else [
-        "--ad-drop-attribution-precision bf16: this CPU has no native bf16 matrix multiply (no AVX-512 BF16 or AMX), "
-        "so the attribution pass is much slower than in fp32 (15 to 30 times a plain step on an AVX2 CPU, "
+        "--ad-drop-attribution-precision bf16: this CPU has no AVX-512, so torch multiplies bf16 matrices without "
+        "oneDNN and the attribution pass is much slower than in fp32 (15 to 30 times a plain step on an AVX2 CPU, "
         "docs/PERFORMANCE.md); use auto"])

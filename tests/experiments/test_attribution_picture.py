@@ -58,7 +58,7 @@ def test_minilm_picture_and_a_head_it_does_not_have(tmp_path, capsys):
     (["--sentence", "x", "--out", "o"], "give either --fairseq-checkpoint (with --data-bin) or --hf-model"),
     (["--hf-model", "m", "--sentence", "x", "--out", "o", "--attention", "decoder-self"],
      "--hf-model: the classifier path draws encoder-self attention only"),
-    (["--hf-model", "m", "--sentence", "x", "--out", "o", "--q", "1"], "--ad-drop-q must be in the open interval (0, 1)"),
+    (["--hf-model", "m", "--sentence", "x", "--out", "o", "--q", "1"], "--q must be in the open interval (0, 1), got 1.0"),
     (["--fairseq-checkpoint", "c", "--sentence", "x", "--out", "o"], "--fairseq-checkpoint needs --data-bin"),
 ])
 def test_bad_arguments(capsys, argv, message):

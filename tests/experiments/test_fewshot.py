@@ -279,4 +279,5 @@ def test_paired_t_test_two_sided_p_matches_student_t_quantiles(t, df, p):
         assert got_t == pytest.approx(0.0, abs=1e-12) and got_p == pytest.approx(1.0)
     else:
         assert got_t == pytest.approx(t, rel=1e-9) and got_p == pytest.approx(p, abs=2e-6)
-    assert paired_t_test([0.1]) == (None, None) and paired_t_test([0.1, 0.1]) == (None, None)
+    assert paired_t_test([0.1]) == (None, None)
+    assert paired_t_test([0.1, 0.1]) == (math.inf, 0.0) and paired_t_test([0.0, 0.0]) == (0.0, 1.0)

@@ -22,12 +22,14 @@ def test_grid_names_and_dev_only_selection():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["fewshot", "--p", "0.1,1.0"], "--p must be a comma list of distinct numbers in the open interval (0, 1), got '0.1,1.0'"),
-    (["fewshot", "--q", "0.2,0.2"], "--q must be a comma list of distinct numbers in the open interval (0, 1)"),
+    (["fewshot", "--p", "0.1,1.0", "--", "--sizes", "8"], "--p must be a comma list of distinct numbers in the open interval (0, 1), got '0.1,1.0'"),
+    (["fewshot", "--q", "0.2,0.2", "--", "--sizes", "8"], "--q must be a comma list of distinct numbers in the open interval (0, 1)"),
     (["mt", "--schedules", "odd"], "--schedules must be a comma list of cross-tuning, always, got 'odd'"),
     (["fewshot", "--", "--sizes", "8", "--ad-drop-p", "0.3"], "--ad-drop-p after '--' are set by the sweep for each cell"),
-    (["fewshot", "--", "--out-dir=x"], "--out-dir after '--' are set by the sweep"),
+    (["fewshot", "--", "--sizes", "8", "--out-dir=x"], "--out-dir after '--' are set by the sweep"),
     (["lm"], "invalid choice: 'lm'"),
+    (["fewshot", "--", "--sizes", "16,64"], "fewshot: give exactly one training-set size after '--' (--sizes N)"),
+    (["fewshot"], "fewshot: give exactly one training-set size after '--' (--sizes N)"),
 ])
 def test_bad_arguments_are_refused_before_any_cell_runs(capsys, argv, message):
     with pytest.raises(SystemExit):

@@ -119,7 +119,7 @@ def no_native_bf16(opts) -> Optional[str]:
     from attn_reg_plugin.core.ad_drop import cpu_has_native_bf16
 
     if opts.device == "cpu" and not cpu_has_native_bf16():
-        return "this CPU has no native bf16 (name it in --variants to measure it anyway)"
+        return "this CPU has no AVX-512, so bf16 matmuls are emulated (name it in --variants to measure it anyway)"
     return None
 
 
