@@ -23,6 +23,7 @@ import os
 import shlex
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,7 +143,8 @@ def heatmap(results: List[dict], runner: Runner, path: Path, title: str) -> Path
         ax.set_title(f"{schedule}, layers {layers}", fontsize=9)
         fig.colorbar(image, ax=ax, shrink=0.8)
     subtitle = f"dev: {runner.dev_metric}" + (f"; plain {plain['dev']:.4f}" if plain else "")
-    fig.suptitle(f"{title}\n{subtitle}", fontsize=9)
+    width = int(fig.get_size_inches()[0] * 13)  # characters that fit at fontsize 9
+    fig.suptitle(textwrap.fill(title, width, break_on_hyphens=False) + f"\n{subtitle}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
