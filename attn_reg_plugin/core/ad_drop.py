@@ -7,6 +7,7 @@ adapter; pass 1's graph is released before pass 2 runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -120,9 +121,10 @@ def bare_module(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_has_native_bf16() -> bool:
     """Whether oneDNN has a bf16 path on this CPU (it asks for AVX-512; AVX-512 BF16 and AMX do it in
-    hardware, plain AVX-512 by conversion).
+    hardware, plain AVX-512 by conversion). Asked once: bf16 attribution on CPU looks at every step.
 
     Without it torch falls back to a reference bf16 matmul: on an AVX2-only AMD EPYC a 512x384 by
     384x1536 bf16 product took 476 ms against 8.9 ms in fp32 (docs/PERFORMANCE.md)."""
