@@ -20,6 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.core.options import add_arguments
+
 from . import mt_pipeline as mt
 from .paths import MT_CORPUS as DEFAULT_DATA, REPO
 
@@ -77,9 +80,6 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model and data: checks the pipeline in about a minute")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where fairseq trains and translates (default cpu, which the published table used)")
-    from attn_reg_plugin.core.ad_drop import ADDropConfig
-    from attn_reg_plugin.core.options import add_arguments
-
     # The AD-DROP method's settings (the paper's EN-RO p = q = 0.2 by default); attn-reg-sweep varies them.
     add_arguments(ap.add_argument_group("AD-DROP method"), ADDropConfig, only=tuple(AD_DROP_DEFAULTS),
                   defaults=AD_DROP_DEFAULTS)

@@ -231,8 +231,7 @@ class AttendOutTrainerMixin:
             # Padding as the model sees it (attention_mask), whatever id the collator padded with.
             tokens = ids if mask is None or mask.dim() != 2 else ids.masked_fill(mask.eq(0), pad)
             streams["target" if self._attendout_decoder_only else "source"] = tokens
-        elif not self._attendout_encoder_decoder or any(
-                kind != "decoder-self" for kind in {s.kind for s in self.attendout_game.sites}):
+        elif not self._attendout_encoder_decoder or any(s.kind != "decoder-self" for s in self.attendout_game.sites):
             raise ValueError(
                 "AttendOutTrainer needs input_ids in every training batch: the generator reads the tokens"
                 + (" (this model's encoder reads features, so only --attention decoder-self can be regularized: "
