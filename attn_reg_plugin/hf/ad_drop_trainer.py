@@ -5,7 +5,6 @@ AD-DROP only wraps it in training steps of the epochs the schedule selects.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, Tuple
 
 import torch
@@ -15,33 +14,10 @@ from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
 from ..core.attribution import logit_target, regression_target, token_loss_target
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_sum_
-from .attention import install_attention_sites
 from ..core.options import named_by_field
+from .attention import install_attention_sites
+from .model_inputs import causal_lm, decoder_input_ids_from_labels
 from .training_configurations import model_argument, refuse_unsupported, training_arguments
-
-
-@functools.lru_cache(maxsize=None)
-def _causal_lm_classes() -> frozenset:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-
-
-def causal_lm(model: torch.nn.Module) -> bool:
-    """A decoder-only language model (``...ForCausalLM``, also inside a peft wrapper): its labels are its
-    inputs, shifted inside the loss. Asked every AD-DROP step, so the class names are gathered once."""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    return not getattr(model.config, "is_encoder_decoder", False) and type(base).__name__ in _causal_lm_classes()
-
-
-def decoder_input_ids_from_labels(model, labels: torch.Tensor) -> torch.Tensor:
-    """The decoder inputs a seq2seq model builds from ``labels`` when none are given (shifted right)."""
-    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    if callable(prepare):
-        return prepare(labels=labels)
-    from transformers.models.bart.modeling_bart import shift_tokens_right
-
-    return shift_tokens_right(labels, model.config.pad_token_id, model.config.decoder_start_token_id)
 
 
 class ADDropTrainerMixin:

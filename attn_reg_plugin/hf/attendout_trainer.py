@@ -46,7 +46,7 @@ from ..core.attendout import (
 from ..core.options import named_by_field
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_mean_, from_rank0, is_distributed, rank
-from .ad_drop_trainer import causal_lm, decoder_input_ids_from_labels
+from .model_inputs import causal_lm, decoder_input_ids_from_labels
 from .attention import install_attention_sites
 from .training_configurations import model_argument, refuse_unsupported, training_arguments
 
