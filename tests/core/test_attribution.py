@@ -208,7 +208,7 @@ def test_iga_single_layer_equals_explicit_integrated_gradients(layer):
     ref = _iga_reference(model, x, key_pad, m, {layer}, layer)
     assert len(attrs) == 1
     assert ref.abs().max() > 1e-3
-    # Explicit kernel path computes softmax in float32 (see test_masks_kernel_controller), hence 1e-6.
+    # Explicit kernel path computes softmax in float32 (see test_attention.py), hence 1e-6.
     assert torch.allclose(attrs[0].double(), ref, atol=1e-6, rtol=1e-5), (attrs[0].double() - ref).abs().max()
     assert all(p.grad is None for p in model.parameters())
     assert all(p.requires_grad for p in model.parameters())

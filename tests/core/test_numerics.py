@@ -4,7 +4,7 @@ fp16 attribution gradients that do not flush to zero.
 The edge cases: sequences of length 1, a batch where one sentence is all padding but one
 token, causal attention (row 0 has one key), rows with no valid key at all (left padding +
 causal), p and q at 0.01 and 0.99, and every candidate of every row dropped (q = 1, and
-p = q = 1: every key a candidate). The hypothesis property test in test_masks_kernel_controller.py draws
+p = q = 1: every key a candidate). The hypothesis property test in test_masks.py draws
 shapes, padding patterns and p/q at random; this file pins the corners.
 """
 import pytest

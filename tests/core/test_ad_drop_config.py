@@ -1,0 +1,91 @@
+"""core.ad_drop: ADDropConfig's accepted ranges and how its errors name an option, the cross-tuning
+epoch rule, and frozen parameters restored."""
+import pytest
+import torch
+
+from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, frozen_parameters
+from attn_reg_plugin.core.controller import RegularizationController
+
+
+
+def _controller(n_enc):
+    c = RegularizationController()
+    for i in range(n_enc):
+        c.register("encoder-self", i)
+    return c
+
+
+# ---------------------------------------------------------------- AD-DROP config
+
+
+@pytest.mark.parametrize("name", ["p", "q"])
+@pytest.mark.parametrize("value", [0, 1, 0.0, 1.0, -0.1, 1.5, float("nan"), float("inf"), "0.5", None])
+def test_config_rejects_p_q_outside_open_unit_interval(name, value):
+    with pytest.raises(ValueError) as e:
+        ADDropConfig(**{name: value}).validate()
+    assert f"--ad-drop-{name}" in str(e.value) and "(0, 1)" in str(e.value)
+
+
+@pytest.mark.parametrize("value", [1e-6, 0.5, 0.999999])
+def test_config_accepts_p_q_inside(value):
+    ADDropConfig(p=value, q=value).validate()
+
+
+@pytest.mark.parametrize(
+    "field, value, flag",
+    [
+        ("attribution", "gradient", "--ad-drop-attribution"),
+        ("labels", "silver", "--ad-drop-labels"),
+        ("schedule", "sometimes", "--ad-drop-schedule"),
+        ("iga_steps", 0, "--ad-drop-iga-steps"),
+        ("iga_steps", -2, "--ad-drop-iga-steps"),
+        ("iga_steps", 2.5, "--ad-drop-iga-steps"),
+        ("layers", "x", "--ad-drop-layers"),
+        ("attention", "encoder", "--ad-drop-attention"),
+    ],
+)
+def test_config_errors_name_their_flag(field, value, flag):
+    with pytest.raises(ValueError) as e:
+        ADDropConfig(**{field: value}).validate()
+    assert flag in str(e.value)
+
+
+def test_config_marked_by_a_python_api_names_its_fields():
+    from attn_reg_plugin.core.options import named_by_field
+
+    with pytest.raises(ValueError, match=r"^ADDropConfig\.q must be in the open interval"):
+        named_by_field(ADDropConfig(q=2.0)).validate()
+    with pytest.raises(ValueError, match=r"^ADDropConfig\.layers: layer 5 does not exist"):
+        ADDrop(named_by_field(ADDropConfig(layers="5")), _controller(n_enc=2))
+    assert named_by_field(ADDropConfig(q=0.3)) == ADDropConfig(q=0.3)  # the mark is not a field
+
+
+def test_config_from_namespace():
+    class NS:
+        ad_drop_p = 0.6
+        ad_drop_q = 0.1
+        ad_drop_layers = "0"
+        unrelated = 3
+
+    cfg = ADDropConfig.from_namespace(NS())
+    assert (cfg.p, cfg.q, cfg.layers, cfg.attribution) == (0.6, 0.1, "0", "ga")
+
+
+def test_ad_drop_epoch():
+    assert [ad_drop_epoch("cross-tuning", e) for e in range(1, 7)] == [False, True, False, True, False, True]
+    assert ad_drop_epoch("cross-tuning", 0) is True
+    assert all(ad_drop_epoch("always", e) for e in range(0, 6))
+    with pytest.raises(ValueError, match="schedule"):
+        ad_drop_epoch("never", 2)
+
+
+def test_frozen_parameters_restores_requires_grad():
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    m[1].bias.requires_grad_(False)
+    with frozen_parameters(m):
+        assert not any(p.requires_grad for p in m.parameters())
+    assert [p.requires_grad for p in m.parameters()] == [True, True, True, False]
+    with pytest.raises(KeyError):
+        with frozen_parameters(m):
+            raise KeyError
+    assert [p.requires_grad for p in m.parameters()] == [True, True, True, False]

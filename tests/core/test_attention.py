@@ -1,0 +1,180 @@
+"""core.attention: the ``attend`` kernel against a float64 reference, with and without a site's edits
+(CPU only). Tensors are (B, H, T, S) = batch, heads, queries, keys."""
+import pytest
+import torch
+
+from attn_reg_plugin.core.attention import EditScores, attend
+from attn_reg_plugin.core.controller import AttentionSite
+from attn_reg_plugin.core.masks import ad_drop_masks
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _site(hook=None):
+    site = AttentionSite("encoder-self", 0)
+    site.hook = hook
+    return site
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_query_rows_without_any_valid_key_stay_finite(dtype, need_weights):
+    # Left padding + causal mask: query row 0 of batch row 1 sees only key 0, which is padding,
+    # so its whole row is -inf in the bias. Such rows must not produce NaN (the bias is clamped
+    # to a finite value), and rows with valid keys are unaffected.
+    torch.manual_seed(0)
+    T = 4
+    q, k, v = (torch.randn(2, 2, T, 8).to(dtype) for _ in range(3))
+    real = torch.tensor([[True] * T, [False, False, True, True]]).view(2, 1, 1, T)
+    valid = real & torch.ones(T, T, dtype=torch.bool).tril()
+    bias = torch.zeros(2, 1, T, T, dtype=dtype).masked_fill(~valid, float("-inf"))
+    drop = ad_drop_masks(torch.randn(2, 2, T, T), valid, 0.5, 0.5, generator=torch.Generator().manual_seed(0))
+    for site in (None, _site(EditScores(drop=drop))):
+        out, _ = attend(q, k, v, bias, site=site, need_weights=need_weights)
+        assert torch.isfinite(out).all()
+        has_valid = valid.expand(2, 2, T, T).any(-1)
+        ref = _reference(q, k, v, valid & ~drop if site is not None else valid)[0]
+        tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}[dtype]
+        assert torch.allclose(out.double()[has_valid], ref[has_valid], atol=tol)
+
+
+
+def _reference(q, k, v, valid, scale=None, uniform_rows=None):
+    """softmax(q k^T * scale + bias) v in float64; bias -inf where not valid."""
+    q, k, v = q.double(), k.double(), v.double()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale
+    if uniform_rows is not None:
+        scores = scores.masked_fill(uniform_rows, 0.0)
+    scores = scores.masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(scores, -1)
+    return probs @ v, probs
+
+
+def _qkv(B=2, H=3, T=5, S=7, d=4, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, n, d, generator=g).to(dtype) for n in (T, S, S)]
+
+
+def _pad_bias(lengths, S, dtype=torch.float32):
+    valid = (torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]).view(len(lengths), 1, 1, S)
+    return torch.zeros(valid.shape, dtype=dtype).masked_fill(~valid, float("-inf")), valid
+
+
+@pytest.mark.parametrize(
+    "dtype, tol, need_weights",
+    [
+        (torch.float32, 1e-5, False),
+        (torch.float32, 1e-5, True),
+        (torch.float64, 1e-12, False),
+        (torch.float64, 1e-12, True),
+    ],
+)
+def test_attend_without_site_matches_reference(dtype, tol, need_weights):
+    q, k, v = _qkv(dtype=dtype)
+    bias, valid = _pad_bias([7, 4], 7, dtype)
+    for scale in (None, 0.3):
+        out, probs = attend(q, k, v, bias, scale=scale, need_weights=need_weights)
+        ref_out, ref_probs = _reference(q, k, v, valid, scale=scale)
+        assert torch.allclose(out.double(), ref_out, atol=tol, rtol=tol)
+        if need_weights:
+            assert torch.allclose(probs.double(), ref_probs, atol=tol)
+        else:
+            assert probs is None
+    out, _ = attend(q, k, v)  # no bias at all
+    assert torch.allclose(out.double(), _reference(q, k, v, torch.ones(1, dtype=torch.bool))[0], atol=tol)
+
+
+def test_attend_need_weights_keeps_float64_precision():
+    q, k, v = _qkv(dtype=torch.float64)
+    bias, valid = _pad_bias([7, 4], 7, torch.float64)
+    out, probs = attend(q, k, v, bias, need_weights=True)
+    ref_out, ref_probs = _reference(q, k, v, valid)
+    assert torch.allclose(probs, ref_probs, atol=1e-12, rtol=0)
+    assert torch.allclose(out, ref_out, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_attend_with_drop_matches_reference_with_keys_removed(need_weights):
+    q, k, v = _qkv(T=5, S=5)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    bias = torch.zeros(5, 5).masked_fill(~causal, float("-inf"))
+    attr = torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(9))
+    drop = ad_drop_masks(attr, causal, 0.7, 0.7, generator=torch.Generator().manual_seed(3))
+    assert drop.any()
+    out, probs = attend(q, k, v, bias, site=_site(EditScores(drop=drop)), need_weights=need_weights)
+    ref_out, ref_probs = _reference(q, k, v, causal & ~drop)
+    assert torch.allclose(out.double(), ref_out, atol=1e-5)
+    if need_weights:
+        assert torch.allclose(probs.double(), ref_probs, atol=1e-6)
+    # Without any bias, a drop mask alone removes keys too.
+    out, _ = attend(q, k, v, None, site=_site(EditScores(drop=drop)))
+    assert torch.allclose(out.double(), _reference(q, k, v, ~drop)[0], atol=1e-5)
+
+
+def test_attend_drop_callable_gets_validity_and_stats_count():
+    q, k, v = _qkv()
+    bias, valid = _pad_bias([7, 3], 7)
+    seen = []
+
+    def drop_fn(valid_arg):
+        seen.append(valid_arg)
+        return (torch.arange(7) == 0).view(1, 1, 1, 7).expand(2, 3, 5, 7)
+
+    stats = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+    out, _ = attend(q, k, v, bias, site=_site(EditScores(drop=drop_fn, stats=stats)))
+    assert len(seen) == 1 and torch.equal(seen[0].expand(2, 3, 5, 7), valid.expand(2, 3, 5, 7))
+    assert torch.allclose(out.double(), _reference(q, k, v, valid & (torch.arange(7) != 0))[0], atol=1e-5)
+    assert stats[0].item() == 2 * 3 * 5  # key 0 of every row
+    assert stats[1].item() == 3 * 5 * (7 + 3)
+
+
+def test_attend_uniform_rows_attend_uniformly_to_valid_keys():
+    q, k, v = _qkv(B=2, H=3, T=5, S=7)
+    bias, valid = _pad_bias([7, 3], 7)
+    uniform = torch.zeros(2, 3, 5, 1, dtype=torch.bool)
+    uniform[0, 1, 2] = uniform[1, 0, 0] = uniform[1, 2, 4] = True
+    out, probs = attend(q, k, v, bias, site=_site(EditScores(uniform_rows=uniform)), need_weights=True)
+    n = valid.expand(2, 3, 5, 7).sum(-1, keepdim=True).float()
+    u = uniform.squeeze(-1)
+    want = (valid.expand(2, 3, 5, 7).float() / n)[u]
+    assert torch.allclose(probs[u], want, atol=1e-7, rtol=0)
+    assert (probs[u][~valid.expand(2, 3, 5, 7)[u]] == 0).all()
+    # Output of a uniform row = mean of its valid value rows; other rows are unchanged.
+    mean_v = (v.double() * valid.view(2, 1, 7, 1)).sum(-2, keepdim=True) / n.double()
+    ref_out, _ = _reference(q, k, v, valid)
+    ref_out = torch.where(uniform, mean_v.expand_as(ref_out), ref_out)
+    assert torch.allclose(out.double(), ref_out, atol=1e-5)
+    fused, _ = attend(q, k, v, bias, site=_site(EditScores(uniform_rows=uniform)))
+    assert torch.allclose(fused.double(), ref_out, atol=1e-5)
+
+
+def test_attend_site_without_hook_is_plain_attention():
+    q, k, v = _qkv()
+    bias, valid = _pad_bias([5, 7], 7)
+    out, _ = attend(q, k, v, bias, site=_site(None))
+    assert torch.allclose(out.double(), _reference(q, k, v, valid)[0], atol=1e-5)
+
+
+def test_edit_stats_count_every_head_and_callable_sees_full_shape():
+    """A mask shared by heads (B, 1, T, S) drops in every head; a callable gets the full (B, H, T, S)."""
+    q = k = v = torch.randn(2, 3, 4, 4)
+    shared = torch.zeros(2, 1, 4, 4, dtype=torch.bool)
+    shared[:, :, :, 1] = True
+    counts = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+    site = AttentionSite("encoder-self", 0, hook=EditScores(drop=shared, stats=counts))
+    attend(q, k, v, site=site)
+    assert counts[0].item() == 2 * 3 * 4 and counts[1].item() == 2 * 3 * 4 * 4
+
+    seen = []
+
+    def draw(valid):
+        seen.append(valid.shape)
+        return torch.zeros(valid.shape, dtype=torch.bool)
+
+    site.hook = EditScores(drop=draw)
+    attend(q, k, v, bias=torch.zeros(2, 1, 1, 4), site=site)
+    assert seen == [torch.Size([2, 3, 4, 4])]

@@ -1,0 +1,87 @@
+"""core.controller: registering sites, selecting them by kind and layer, and hooks restored on error."""
+import pytest
+
+from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.controller import RegularizationController, parse_kinds, parse_layers
+
+
+
+
+# ---------------------------------------------------------------- controller
+
+
+def _controller(n_enc=2, n_dec=0):
+    c = RegularizationController()
+    for i in range(n_enc):
+        c.register("encoder-self", i)
+    for i in range(n_dec):
+        c.register("decoder-self", i)
+    return c
+
+
+def test_select_returns_requested_sites():
+    c = _controller(3, 2)
+    assert [(s.kind, s.layer) for s in c.select(["encoder-self"], None)] == [("encoder-self", i) for i in range(3)]
+    assert [(s.kind, s.layer) for s in c.select(["encoder-self", "decoder-self"], [1])] == [
+        ("encoder-self", 1), ("decoder-self", 1)]
+
+
+def test_select_layer_out_of_range_names_the_range():
+    c = _controller(2)
+    with pytest.raises(ValueError) as e:
+        c.select(["encoder-self"], [0, 2], option="--ad-drop-layers")
+    msg = str(e.value)
+    assert "--ad-drop-layers" in msg and "layer 2" in msg and "0..1" in msg and "2 layers" in msg
+
+
+def test_select_missing_kind_raises():
+    c = _controller(2)
+    with pytest.raises(ValueError, match="decoder-self.*it has: encoder-self"):
+        c.select(["decoder-self"], None)
+    with pytest.raises(ValueError, match="it has: none"):
+        RegularizationController().select(["encoder-self"], None)
+
+
+def test_register_unknown_kind_raises():
+    with pytest.raises(ValueError, match="cross"):
+        RegularizationController().register("cross", 0)
+
+
+def test_parse_layers():
+    assert parse_layers("all", "--x") is None
+    assert parse_layers(" ALL ", "--x") is None
+    assert parse_layers(None, "--x") is None
+    assert parse_layers("2, 0,2", "--x") == [0, 2]
+    assert parse_layers([3, 1], "--x") == [1, 3]
+    for bad in ["a,b", "1;2", "", " , ", "-1", "0,-3", "1.5"]:
+        with pytest.raises(ValueError) as e:
+            parse_layers(bad, "--my-layers-opt")
+        assert "--my-layers-opt" in str(e.value), bad
+
+
+def test_parse_kinds():
+    assert parse_kinds("encoder-self, decoder-self,encoder-self", "--k") == ["encoder-self", "decoder-self"]
+    assert parse_kinds(["encoder-decoder"], "--k") == ["encoder-decoder"]
+    for bad in ["", " , ", "encoder", "encoder-self,cross"]:
+        with pytest.raises(ValueError) as e:
+            parse_kinds(bad, "--my-kinds-opt")
+        assert "--my-kinds-opt" in str(e.value), bad
+
+
+def test_hooks_are_restored_even_on_error():
+    c = _controller(2)
+    s0, s1 = c.sites
+    s1.hook = "previous"
+    with pytest.raises(RuntimeError):
+        with c.hooks({s0: "a", s1: "b"}):
+            assert (s0.hook, s1.hook) == ("a", "b")
+            raise RuntimeError("boom")
+    assert (s0.hook, s1.hook) == (None, "previous")
+
+
+def test_ad_drop_layer_error_names_the_flag():
+    with pytest.raises(ValueError) as e:
+        ADDrop(ADDropConfig(layers="0,5"), _controller(2))
+    assert "--ad-drop-layers" in str(e.value) and "0..1" in str(e.value)
+    with pytest.raises(ValueError, match="decoder-self"):
+        ADDrop(ADDropConfig(attention="decoder-self"), _controller(2))
