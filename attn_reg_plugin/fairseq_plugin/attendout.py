@@ -41,6 +41,7 @@ from ..core.attendout import (
     copy_model_state,
     copy_optimizer_state,
     end_dropout_step,
+    scaler_skipped_step,
 )
 from ..core.ad_drop import bare_module
 from ..core.controller import RegularizationController
@@ -152,15 +153,14 @@ class FairseqAttendOut:
         return log
 
     def defender_scale(self, optimizer) -> Optional[float]:
-        """D's AMP loss scale before its step (None without --amp): a drop after it means fairseq's
-        AMP skipped D's step for an overflow."""
+        """D's AMP loss scale before its step (None without --amp), for ``scaler_skipped_step``."""
         return optimizer.scaler.get_scale() if self.attacker is not None and _amp(optimizer) else None
 
     def after_optimizer_step(self, defender, optimizer, criterion, task, update_num,
                              scale_before: Optional[float] = None) -> None:
         if self.attacker is None:
             return
-        if scale_before is not None and optimizer.scaler.get_scale() < scale_before:
+        if scale_before is not None and scaler_skipped_step(optimizer.scaler, scale_before):
             # fairseq's AMP dropped D's step and will train this batch again (or skip it): A
             # forgets it too, so that both networks see each batch once and T counts D's steps.
             self.attacker_optimizer.zero_grad()
@@ -189,7 +189,7 @@ class FairseqAttendOut:
             if _amp(self.attacker_optimizer):  # AMP's scaler skips an overflowing step itself
                 scale = self.attacker_optimizer.scaler.get_scale()
                 self.attacker_optimizer.step()
-                self.attacker_overflows += int(self.attacker_optimizer.scaler.get_scale() < scale)
+                self.attacker_overflows += int(scaler_skipped_step(self.attacker_optimizer.scaler, scale))
             else:
                 self.attacker_optimizer.step()
         self.attacker_optimizer.zero_grad()

@@ -41,7 +41,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..core.ad_drop import bare_module
 from ..core.attendout import (
     AttendOut, AttendOutConfig, DropProbabilityLog, Generator, build_attacker, copy_model_state, copy_optimizer_state,
-    end_dropout_step,
+    end_dropout_step, scaler_skipped_step,
 )
 from ..core.options import named_by_field
 from ..core.controller import RegularizationController
@@ -295,7 +295,7 @@ class AttendOutTrainerMixin:
             scale = scaler.get_scale()
             scaler.step(self.attendout_optimizer)  # skipped when A's gradients are not finite
             scaler.update()
-            self._attendout_overflows += int(scaler.get_scale() < scale)
+            self._attendout_overflows += int(scaler_skipped_step(scaler, scale))
         self.attendout_optimizer.zero_grad(set_to_none=True)
         self._attendout_loss_updates += 1
         self._attendout_finish_due = self.attendout_game.end_update()

@@ -346,3 +346,20 @@ def test_row_all_check_equals_torch_all(shape):
         mask = torch.rand(shape, generator=g) < density
         for m in (mask, mask.transpose(0, 1)):  # contiguous and not
             assert torch.equal(_all_last(m), m.all(dim=-1, keepdim=True))
+
+
+@pytest.mark.parametrize("grad, skipped", [(1.0, False), (float("inf"), True), (float("nan"), True)])
+def test_scaler_skipped_step_tells_an_overflow_from_a_step(grad, skipped):
+    """torch's GradScaler skips a non-finite step and lowers its scale; a finite step leaves the
+    scale (before its growth interval) and moves the weight."""
+    from attn_reg_plugin.core.attendout import scaler_skipped_step
+
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    before = scaler.get_scale()
+    scaler.scale((w * torch.full((2,), grad)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler_skipped_step(scaler, before) is skipped
+    assert torch.equal(w.detach(), torch.ones(2)) is skipped

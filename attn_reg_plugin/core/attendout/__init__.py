@@ -15,10 +15,10 @@ networks and their optimizers and call into them:
   REINFORCE update of Eq. 5 with a moving-average baseline from per-sample rewards on T
   held-out samples, and the probabilistic choice of the survivor that re-syncs both networks.
 * :mod:`.duel`: the Defender/Attacker steps every framework runs alike (build the Attacker,
-  score both on held-out batches, end a dropout step); :mod:`.log`: the JSONL log.
+  score both on held-out batches, end a dropout step, tell a skipped half-precision step); :mod:`.log`: the JSONL log.
 """
 from .config import AttendOutConfig
-from .duel import build_attacker, end_dropout_step
+from .duel import build_attacker, end_dropout_step, scaler_skipped_step
 from .game import AttendOut
 from .generator import STREAMS_OF_KIND, Generator
 from .heldout import heldout_losses, per_sample_loss, win_probability
@@ -29,5 +29,5 @@ from .sync import copy_model_state, copy_optimizer_state
 __all__ = [
     "AttendOut", "AttendOutConfig", "DropProbabilityLog", "Generator", "STREAMS_OF_KIND", "build_attacker",
     "copy_model_state", "copy_optimizer_state", "drop_log_prob", "end_dropout_step", "gumbel_drops",
-    "heldout_losses", "per_sample_loss", "reinforce_loss", "win_probability",
+    "heldout_losses", "per_sample_loss", "reinforce_loss", "scaler_skipped_step", "win_probability",
 ]

@@ -44,3 +44,11 @@ def end_dropout_step(game: AttendOut, defender: torch.nn.Module, attacker: torch
     else:
         copy_network("defender", "attacker")
     return stats
+
+
+def scaler_skipped_step(scaler, scale_before: float) -> bool:
+    """Whether a dynamic loss scaler skipped the step it was just given: it lowers its scale exactly
+    when the gradients were not finite (torch's GradScaler after ``update()``, fairseq's AMP and fp16
+    scalers alike). AttendOut asks it for D's step (skipped: A forgets the batch too) and for A's
+    (skipped: counted as an Attacker overflow)."""
+    return scaler.get_scale() < scale_before
