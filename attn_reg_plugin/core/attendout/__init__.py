@@ -15,7 +15,8 @@ networks and their optimizers and call into them:
   REINFORCE update of Eq. 5 with a moving-average baseline from per-sample rewards on T
   held-out samples, and the probabilistic choice of the survivor that re-syncs both networks.
 * :mod:`.duel`: the Defender/Attacker steps every framework runs alike (build the Attacker,
-  score both on held-out batches, end a dropout step, tell a skipped half-precision step); :mod:`.log`: the JSONL log.
+  score both on held-out batches, end a dropout step, tell a step the loss scaler skipped);
+  :mod:`.log`: the JSONL log.
 """
 from .config import AttendOutConfig
 from .duel import build_attacker, end_dropout_step, scaler_skipped_step

@@ -47,8 +47,8 @@ def end_dropout_step(game: AttendOut, defender: torch.nn.Module, attacker: torch
 
 
 def scaler_skipped_step(scaler, scale_before: float) -> bool:
-    """Whether a dynamic loss scaler skipped the step it was just given: it lowers its scale exactly
-    when the gradients were not finite (torch's GradScaler after ``update()``, fairseq's AMP and fp16
-    scalers alike). AttendOut asks it for D's step (skipped: A forgets the batch too) and for A's
-    (skipped: counted as an Attacker overflow)."""
+    """Whether a torch GradScaler (also the one inside fairseq's ``--amp`` optimizer) skipped the step
+    it was just given: after ``update()`` its scale is lower exactly when the gradients were not
+    finite. AttendOut asks it for D's step (skipped: A forgets the batch too) and for A's (skipped:
+    counted as an Attacker overflow). fairseq's ``--fp16`` optimizers raise OverflowError instead."""
     return scaler.get_scale() < scale_before
