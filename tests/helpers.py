@@ -218,6 +218,29 @@ def tiny_llama(**config):
     return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("llama", **{**fields, **config}))
 
 
+# The float dtypes the kernel and the masks are checked in.
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def site_with_hook(hook=None):
+    """Encoder self-attention layer 0's site, holding ``hook`` (None: plain attention)."""
+    from attn_reg_plugin.core.controller import AttentionSite
+
+    return AttentionSite("encoder-self", 0, hook=hook)
+
+
+def controller_with_sites(layers_per_kind):
+    """A RegularizationController with ``n`` sites (layers 0..n-1) registered per kind, in the order
+    given: ``controller_with_sites({"encoder-self": 2, "decoder-self": 1})``."""
+    from attn_reg_plugin.core.controller import RegularizationController
+
+    controller = RegularizationController()
+    for kind, n in layers_per_kind.items():
+        for layer in range(n):
+            controller.register(kind, layer)
+    return controller
+
+
 # -- a framework-free model: two attention sites through the core kernel -------------------------
 CORE_B, CORE_T, CORE_D, CORE_H = 2, 6, 8, 2  # batch, length, width, heads
 

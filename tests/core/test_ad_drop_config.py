@@ -4,18 +4,7 @@ import pytest
 import torch
 
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, frozen_parameters
-from attn_reg_plugin.core.controller import RegularizationController
-
-
-
-def _controller(n_enc):
-    c = RegularizationController()
-    for i in range(n_enc):
-        c.register("encoder-self", i)
-    return c
-
-
-# ---------------------------------------------------------------- AD-DROP config
+from helpers import controller_with_sites
 
 
 @pytest.mark.parametrize("name", ["p", "q"])
@@ -56,7 +45,7 @@ def test_config_marked_by_a_python_api_names_its_fields():
     with pytest.raises(ValueError, match=r"^ADDropConfig\.q must be in the open interval"):
         named_by_field(ADDropConfig(q=2.0)).validate()
     with pytest.raises(ValueError, match=r"^ADDropConfig\.layers: layer 5 does not exist"):
-        ADDrop(named_by_field(ADDropConfig(layers="5")), _controller(n_enc=2))
+        ADDrop(named_by_field(ADDropConfig(layers="5")), controller_with_sites({"encoder-self": 2}))
     assert named_by_field(ADDropConfig(q=0.3)) == ADDropConfig(q=0.3)  # the mark is not a field
 
 

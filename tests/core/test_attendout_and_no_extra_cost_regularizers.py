@@ -20,14 +20,7 @@ from attn_reg_plugin.core.attention import EditScores, attend
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig, skipped_layers
 from attn_reg_plugin.core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig, parse_schedules, schedule_value
-
-
-def _controller(kinds_layers):
-    controller = RegularizationController()
-    for kind, n in kinds_layers:
-        for layer in range(n):
-            controller.register(kind, layer)
-    return controller
+from helpers import controller_with_sites
 
 
 # -- Gumbel sampling and the policy gradient ---------------------------------------------------
@@ -67,7 +60,7 @@ def test_reinforce_gradient_raises_the_probability_of_the_rewarded_action():
 def test_generator_learns_to_drop_more_when_dropping_is_rewarded():
     """Whole loop: the game rewards each update by its drop fraction; G's drop probability rises."""
     torch.manual_seed(0)
-    controller = _controller([("encoder-self", 2)])
+    controller = controller_with_sites({"encoder-self": 2})
     config = AttendOutConfig(dropout_step=4, generator_dim=8, lr=0.05, init_drop=0.3, baseline_decay=0.5)
     generator = Generator({"source": 20}, {"source": 1}, 8, 32, config.init_drop, config.temperature)
     game = AttendOut(config, controller, generator)
@@ -92,7 +85,7 @@ def test_generator_learns_to_drop_more_when_dropping_is_rewarded():
 
 def test_generator_starts_at_init_drop_and_shapes_follow_the_sites():
     torch.manual_seed(0)
-    controller = _controller([("encoder-self", 2), ("decoder-self", 1), ("encoder-decoder", 1)])
+    controller = controller_with_sites({"encoder-self": 2, "decoder-self": 1, "encoder-decoder": 1})
     generator = Generator({"source": 30, "target": 40}, {"source": 1, "target": 1}, 16, 64, 0.2, 2.0)
     assert math.isclose(torch.sigmoid(generator.drop_bias / generator.temperature).item(), 0.2, rel_tol=1e-5)
     src = torch.randint(2, 30, (3, 5))
@@ -109,7 +102,7 @@ def test_generator_logits_of_a_sentence_do_not_depend_on_its_batch_padding(side)
     """fairseq left-pads sources, HF right-pads: a sentence's drop logits over its real tokens are
     those it gets alone, so its masks do not depend on the batch it lands in."""
     torch.manual_seed(0)
-    controller = _controller([("encoder-self", 2)])
+    controller = controller_with_sites({"encoder-self": 2})
     generator = Generator({"source": 30}, {"source": 1}, 16, 64, 0.2, 1.0)
     sentence = torch.randint(2, 30, (1, 5))
     padded = torch.cat([torch.ones(1, 3, dtype=torch.long), sentence], 1) if side == "left" else \
@@ -126,12 +119,12 @@ def test_generator_logits_of_a_sentence_do_not_depend_on_its_batch_padding(side)
 def test_generator_rejects_sequences_beyond_max_positions():
     generator = Generator({"source": 10}, {"source": 1}, 4, 3, 0.2, 1.0)
     with pytest.raises(ValueError, match="--attendout-max-positions"):
-        generator.drop_logits({"source": torch.full((1, 5), 2)}, _controller([("encoder-self", 1)]).sites)
+        generator.drop_logits({"source": torch.full((1, 5), 2)}, controller_with_sites({"encoder-self": 1}).sites)
 
 
 def test_log_probability_recomputed_from_the_recorded_seed_matches_the_sampled_action():
     torch.manual_seed(3)
-    controller = _controller([("encoder-self", 2)])
+    controller = controller_with_sites({"encoder-self": 2})
     generator = Generator({"source": 12}, {"source": 1}, 8, 16, 0.3, 1.0)
     game = AttendOut(AttendOutConfig(dropout_step=2), controller, generator)
     tokens = torch.randint(2, 12, (2, 5))
@@ -144,7 +137,7 @@ def test_log_probability_recomputed_from_the_recorded_seed_matches_the_sampled_a
 def test_attendout_state_round_trip_continues_identically():
     def make():
         torch.manual_seed(5)
-        controller = _controller([("encoder-self", 2)])
+        controller = controller_with_sites({"encoder-self": 2})
         generator = Generator({"source": 12}, {"source": 1}, 8, 16, 0.3, 1.0)
         return AttendOut(AttendOutConfig(dropout_step=3, lr=0.1), controller, generator)
 
@@ -221,7 +214,7 @@ def test_attendout_config_rejects_bad_values(field, value, message):
 
 def test_attendout_rejects_layers_the_model_lacks():
     with pytest.raises(ValueError, match="--attendout-layers: layer 3 does not exist"):
-        AttendOut(AttendOutConfig(layers="3"), _controller([("encoder-self", 2)]),
+        AttendOut(AttendOutConfig(layers="3"), controller_with_sites({"encoder-self": 2}),
                   Generator({"source": 5}, {"source": 1}, 4, 8, 0.2, 1.0))
 
 
@@ -286,7 +279,7 @@ def test_schedule_parse_errors(spec, message):
 
 
 def test_scheduled_dropout_follows_its_per_layer_schedule():
-    controller = _controller([("encoder-self", 2)])
+    controller = controller_with_sites({"encoder-self": 2})
     sched = ScheduledAttentionDropout(ScheduledDropoutConfig(schedule="0:0.6,100:0.2|0:0.1,100:0.5"), controller)
     assert sched.probabilities(50) == pytest.approx({0: 0.4, 1: 0.3})
     torch.manual_seed(0)
@@ -300,12 +293,12 @@ def test_scheduled_dropout_follows_its_per_layer_schedule():
 
 def test_scheduled_dropout_needs_one_schedule_or_one_per_layer():
     with pytest.raises(ValueError, match="gives 2 schedules .* but 3 layers are selected"):
-        ScheduledAttentionDropout(ScheduledDropoutConfig(schedule="0:0.1|0:0.2"), _controller([("encoder-self", 3)]))
+        ScheduledAttentionDropout(ScheduledDropoutConfig(schedule="0:0.1|0:0.2"), controller_with_sites({"encoder-self": 3}))
 
 
 def test_layerdrop_p1_gives_exactly_uniform_attention_and_p0_changes_nothing():
     torch.manual_seed(0)
-    controller = _controller([("encoder-self", 1)])
+    controller = controller_with_sites({"encoder-self": 1})
     site = controller.sites[0]
     q = torch.randn(2, 2, 3, 4)
     k, v = (torch.randn(2, 2, 4, 4) for _ in range(2))
@@ -325,7 +318,7 @@ def test_layerdrop_p1_gives_exactly_uniform_attention_and_p0_changes_nothing():
 
 def test_layerdrop_skips_layers_at_rate_p():
     torch.manual_seed(0)
-    layerdrop = AttentionLayerDrop(AttentionLayerDropConfig(p=0.3), _controller([("encoder-self", 4)]))
+    layerdrop = AttentionLayerDrop(AttentionLayerDropConfig(p=0.3), controller_with_sites({"encoder-self": 4}))
     skipped = sum(skipped_layers(layerdrop.hooks()) for _ in range(2000)) / (2000 * 4)
     assert abs(skipped - 0.3) < 0.02
 

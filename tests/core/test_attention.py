@@ -6,20 +6,13 @@ import torch
 from attn_reg_plugin.core.attention import EditScores, attend
 from attn_reg_plugin.core.controller import AttentionSite
 from attn_reg_plugin.core.masks import ad_drop_masks
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _site(hook=None):
-    site = AttentionSite("encoder-self", 0)
-    site.hook = hook
-    return site
+from helpers import FLOAT_DTYPES, site_with_hook
 
 
 # ---------------------------------------------------------------- the kernel
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_query_rows_without_any_valid_key_stay_finite(dtype, need_weights):
     # Left padding + causal mask: query row 0 of batch row 1 sees only key 0, which is padding,
@@ -32,14 +25,13 @@ def test_query_rows_without_any_valid_key_stay_finite(dtype, need_weights):
     valid = real & torch.ones(T, T, dtype=torch.bool).tril()
     bias = torch.zeros(2, 1, T, T, dtype=dtype).masked_fill(~valid, float("-inf"))
     drop = ad_drop_masks(torch.randn(2, 2, T, T), valid, 0.5, 0.5, generator=torch.Generator().manual_seed(0))
-    for site in (None, _site(EditScores(drop=drop))):
+    for site in (None, site_with_hook(EditScores(drop=drop))):
         out, _ = attend(q, k, v, bias, site=site, need_weights=need_weights)
         assert torch.isfinite(out).all()
         has_valid = valid.expand(2, 2, T, T).any(-1)
         ref = _reference(q, k, v, valid & ~drop if site is not None else valid)[0]
         tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}[dtype]
         assert torch.allclose(out.double()[has_valid], ref[has_valid], atol=tol)
-
 
 
 def _reference(q, k, v, valid, scale=None, uniform_rows=None):
@@ -105,13 +97,13 @@ def test_attend_with_drop_matches_reference_with_keys_removed(need_weights):
     attr = torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(9))
     drop = ad_drop_masks(attr, causal, 0.7, 0.7, generator=torch.Generator().manual_seed(3))
     assert drop.any()
-    out, probs = attend(q, k, v, bias, site=_site(EditScores(drop=drop)), need_weights=need_weights)
+    out, probs = attend(q, k, v, bias, site=site_with_hook(EditScores(drop=drop)), need_weights=need_weights)
     ref_out, ref_probs = _reference(q, k, v, causal & ~drop)
     assert torch.allclose(out.double(), ref_out, atol=1e-5)
     if need_weights:
         assert torch.allclose(probs.double(), ref_probs, atol=1e-6)
     # Without any bias, a drop mask alone removes keys too.
-    out, _ = attend(q, k, v, None, site=_site(EditScores(drop=drop)))
+    out, _ = attend(q, k, v, None, site=site_with_hook(EditScores(drop=drop)))
     assert torch.allclose(out.double(), _reference(q, k, v, ~drop)[0], atol=1e-5)
 
 
@@ -125,7 +117,7 @@ def test_attend_drop_callable_gets_validity_and_stats_count():
         return (torch.arange(7) == 0).view(1, 1, 1, 7).expand(2, 3, 5, 7)
 
     stats = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
-    out, _ = attend(q, k, v, bias, site=_site(EditScores(drop=drop_fn, stats=stats)))
+    out, _ = attend(q, k, v, bias, site=site_with_hook(EditScores(drop=drop_fn, stats=stats)))
     assert len(seen) == 1 and torch.equal(seen[0].expand(2, 3, 5, 7), valid.expand(2, 3, 5, 7))
     assert torch.allclose(out.double(), _reference(q, k, v, valid & (torch.arange(7) != 0))[0], atol=1e-5)
     assert stats[0].item() == 2 * 3 * 5  # key 0 of every row
@@ -137,7 +129,7 @@ def test_attend_uniform_rows_attend_uniformly_to_valid_keys():
     bias, valid = _pad_bias([7, 3], 7)
     uniform = torch.zeros(2, 3, 5, 1, dtype=torch.bool)
     uniform[0, 1, 2] = uniform[1, 0, 0] = uniform[1, 2, 4] = True
-    out, probs = attend(q, k, v, bias, site=_site(EditScores(uniform_rows=uniform)), need_weights=True)
+    out, probs = attend(q, k, v, bias, site=site_with_hook(EditScores(uniform_rows=uniform)), need_weights=True)
     n = valid.expand(2, 3, 5, 7).sum(-1, keepdim=True).float()
     u = uniform.squeeze(-1)
     want = (valid.expand(2, 3, 5, 7).float() / n)[u]
@@ -148,14 +140,14 @@ def test_attend_uniform_rows_attend_uniformly_to_valid_keys():
     ref_out, _ = _reference(q, k, v, valid)
     ref_out = torch.where(uniform, mean_v.expand_as(ref_out), ref_out)
     assert torch.allclose(out.double(), ref_out, atol=1e-5)
-    fused, _ = attend(q, k, v, bias, site=_site(EditScores(uniform_rows=uniform)))
+    fused, _ = attend(q, k, v, bias, site=site_with_hook(EditScores(uniform_rows=uniform)))
     assert torch.allclose(fused.double(), ref_out, atol=1e-5)
 
 
 def test_attend_site_without_hook_is_plain_attention():
     q, k, v = _qkv()
     bias, valid = _pad_bias([5, 7], 7)
-    out, _ = attend(q, k, v, bias, site=_site(None))
+    out, _ = attend(q, k, v, bias, site=site_with_hook(None))
     assert torch.allclose(out.double(), _reference(q, k, v, valid)[0], atol=1e-5)
 
 

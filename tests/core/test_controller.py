@@ -3,20 +3,11 @@ import pytest
 
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.controller import RegularizationController, parse_kinds, parse_layers
-
-
-
-
-# ---------------------------------------------------------------- controller
+from helpers import controller_with_sites
 
 
 def _controller(n_enc=2, n_dec=0):
-    c = RegularizationController()
-    for i in range(n_enc):
-        c.register("encoder-self", i)
-    for i in range(n_dec):
-        c.register("decoder-self", i)
-    return c
+    return controller_with_sites({"encoder-self": n_enc, "decoder-self": n_dec})
 
 
 def test_select_returns_requested_sites():

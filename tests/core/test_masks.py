@@ -12,7 +12,6 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from attn_reg_plugin.core.attention import EditScores, attend
-from attn_reg_plugin.core.controller import AttentionSite
 from attn_reg_plugin.core.masks import (
     ad_drop_masks,
     additive_mask,
@@ -21,16 +20,10 @@ from attn_reg_plugin.core.masks import (
     mask_fill_value,
     sample_drops,
 )
+from helpers import FLOAT_DTYPES, site_with_hook
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Row-sum tolerance of a softmax stored in the dtype (a few ulps of 1 times the row length).
 SUM_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-
-
-def _site(hook=None):
-    site = AttentionSite("encoder-self", 0)
-    site.hook = hook
-    return site
 
 
 # A 1x1x3x5 attribution map with distinct values per row.
@@ -253,7 +246,7 @@ def test_sample_drops_rejects_bad_q(q):
 # ---------------------------------------------------------------- additive masks / dtypes
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_mask_fill_value_is_finite_even_when_added_twice(dtype):
     v = mask_fill_value(dtype)
     assert v == torch.finfo(dtype).min / 4
@@ -266,7 +259,7 @@ def test_mask_fill_value_rejects_integer_dtype():
         mask_fill_value(torch.int64)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_additive_mask_values(dtype):
     drop = torch.tensor([[True, False], [False, True]])
     m = additive_mask(drop, dtype)
@@ -275,7 +268,7 @@ def test_additive_mask_values(dtype):
     assert (m[drop] == torch.tensor(mask_fill_value(dtype), dtype=dtype)).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("bias_kind", ["neg-inf", "bool", "causal"])
 def test_masked_softmax_in_low_precision_has_no_nan_and_zero_at_dropped(dtype, bias_kind):
     torch.manual_seed(0)
@@ -296,14 +289,14 @@ def test_masked_softmax_in_low_precision_has_no_nan_and_zero_at_dropped(dtype, b
     attr = torch.randn(B, H, T, S)
     drop = ad_drop_masks(attr, valid, 0.9, 0.9, generator=torch.Generator().manual_seed(1))
     assert drop.any()
-    out, probs = attend(q, k, v, bias, site=_site(EditScores(drop=drop)), need_weights=True)
+    out, probs = attend(q, k, v, bias, site=site_with_hook(EditScores(drop=drop)), need_weights=True)
     assert probs.dtype == dtype
     assert torch.isfinite(probs).all() and torch.isfinite(out).all()
     assert (probs[drop] == 0).all()
     assert (probs[~valid] == 0).all()
     assert torch.allclose(probs.float().sum(-1), torch.ones(B, H, T), atol=SUM_TOL[dtype])
     # The fused path (no need_weights) agrees with the explicit one and is finite too.
-    fused, _ = attend(q, k, v, bias, site=_site(EditScores(drop=drop)))
+    fused, _ = attend(q, k, v, bias, site=site_with_hook(EditScores(drop=drop)))
     assert torch.isfinite(fused).all()
     ref = torch.matmul(probs.float(), v.float())
     tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
@@ -330,7 +323,7 @@ def _mask_cases(draw):
         pad_rows = [[True] + r[1:] for r in pad_rows]
     p = draw(st.one_of(st.integers(1, 99).map(lambda i: i / 100), st.floats(0.01, 0.99)))
     q = draw(st.floats(0.01, 0.99))
-    dtype = draw(st.sampled_from(DTYPES))
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
     seed = draw(st.integers(0, 2**31 - 1))
     return B, H, T, S, causal, pad_rows, p, q, dtype, seed
 
@@ -358,10 +351,10 @@ def test_property_ad_drop_masks(case):
     assert ((valid & ~drop).sum(-1) >= 1)[n > 0].all()
     q_, k_, v_ = (torch.randn(B, H, m, 4, generator=g).to(dtype).requires_grad_() for m in (T, S, S))
     bias = torch.zeros(B, 1, T if causal else 1, S, dtype=dtype).masked_fill(~valid[:, :1], float("-inf"))
-    out, probs = attend(q_, k_, v_, bias, site=_site(EditScores(drop=drop)), need_weights=True)
+    out, probs = attend(q_, k_, v_, bias, site=site_with_hook(EditScores(drop=drop)), need_weights=True)
     assert not torch.isnan(out).any() and not torch.isnan(probs).any()
     assert (probs[drop | ~valid] == 0).all()
-    fused, _ = attend(q_, k_, v_, bias, site=_site(EditScores(drop=drop)))
+    fused, _ = attend(q_, k_, v_, bias, site=site_with_hook(EditScores(drop=drop)))
     assert torch.isfinite(fused).all()
     (out.float().sum() + fused.float().square().sum()).backward()  # both paths, backward too
     assert all(torch.isfinite(t.grad).all() for t in (q_, k_, v_))

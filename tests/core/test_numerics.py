@@ -15,8 +15,8 @@ from attn_reg_plugin.core.attention import EditScores, attend
 from attn_reg_plugin.core.attribution import GradientScale, logit_target, token_loss_target
 from attn_reg_plugin.core.controller import AttentionSite, RegularizationController
 from attn_reg_plugin.core.masks import ad_drop_masks, candidate_region
+from helpers import FLOAT_DTYPES
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Absolute tolerance against a float64 reference (outputs; input gradients get 2.5x). The worst
 # errors over all cases below are about a third of these (fp32 1e-6 / 3e-6, fp16 3e-3 / 7e-3, bf16 3e-2 / 6e-2).
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}
@@ -51,7 +51,7 @@ def _reference(q, k, v, allowed):
 @pytest.mark.parametrize("need_weights", [False, True], ids=["fused", "explicit"])
 @pytest.mark.parametrize("p, q", PQ, ids=[f"p{p}-q{q}" for p, q in PQ])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_masked_attention_forward_and_backward_are_finite(dtype, case, p, q, need_weights):
     B, T, S, lengths, causal, left = CASES[case]
     H, d = 2, 8
@@ -86,7 +86,7 @@ def test_masked_attention_forward_and_backward_are_finite(dtype, case, p, q, nee
 
 
 @pytest.mark.parametrize("method", ["ga", "iga", "aa"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_attribution_passes_are_finite_on_edge_batches(dtype, method):
     """GA (fused kernel + captured outputs), IGA and AA through a model whose batch has a
     one-token sentence and a fully padded query row, p = q = 0.99."""

@@ -10,7 +10,7 @@ from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.options import add_arguments, options_of
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
-from helpers import REPO
+from helpers import REPO, controller_with_sites
 
 CONFIGS = [(ADDropConfig, "ad_drop_"), (AttendOutConfig, "attendout_"), (ScheduledDropoutConfig, "attn_sched_dropout_"),
            (AttentionLayerDropConfig, "attn_layerdrop_")]
@@ -85,14 +85,9 @@ def test_attention_auto_is_encoder_self_with_an_encoder_else_decoder_self(caplog
     import logging
 
     from attn_reg_plugin.core.ad_drop import ADDrop
-    from attn_reg_plugin.core.controller import RegularizationController
 
     def controller(*kinds):
-        c = RegularizationController()
-        for kind in kinds:
-            for layer in range(2):
-                c.register(kind, layer)
-        return c
+        return controller_with_sites({kind: 2 for kind in kinds})
 
     assert ADDropConfig().attention == "auto"
     with caplog.at_level(logging.INFO, logger="attn_reg_plugin.core.controller"):
