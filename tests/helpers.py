@@ -294,3 +294,22 @@ def tiny_core_model(calls=1, checkpointed=False):
         block.gradient_checkpointing = checkpointed
     return model
 
+
+
+def token_data(n, seed, min_len=5, max_len=10):
+    """``n`` random-token sequences (ids in [3, 100), lengths cycling min_len..max_len); the label is
+    a function of the first token, so there is signal."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = min_len + i % (max_len - min_len + 1)
+        ids = torch.randint(3, 100, (length,), generator=g)
+        rows.append({"input_ids": ids, "labels": torch.tensor(int(ids[0] > 50))})
+    return rows
+
+
+def pad_collate(batch):
+    """Right-pads ``input_ids`` with 0 (the tiny models' pad id), with the attention mask; stacks labels."""
+    n = max(len(b["input_ids"]) for b in batch)
+    ids = torch.stack([torch.nn.functional.pad(b["input_ids"], (0, n - len(b["input_ids"]))) for b in batch])
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.stack([b["labels"] for b in batch])}

@@ -102,6 +102,16 @@ def _set_rng_state(state) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
+def samples_with_target(attributions: List[torch.Tensor]) -> torch.Tensor:
+    """(B,) True for samples whose attribution is non-zero somewhere in some selected map: the
+    samples the attribution target depends on. No host synchronisation."""
+    found = None
+    for a in attributions:
+        nonzero = a.reshape(a.shape[0], -1).ne(0).any(dim=1)
+        found = nonzero if found is None else found | nonzero
+    return found
+
+
 def ad_drop_epoch(schedule: str, epoch: int) -> bool:
     """Whether 1-based ``epoch`` is an AD-DROP epoch (paper Alg. 1: plain on odd epochs)."""
     if schedule == "always":
@@ -317,10 +327,16 @@ class ADDrop:
                 return
             sites, attributions, valids = found
             with record_function("ad_drop::masks"):
-                edits = {
-                    site: EditScores(drop=ad_drop_masks(a, v, p, q), stats=counts)
-                    for site, a, v in zip(sites, attributions, valids)
-                }
+                if self.config.attribution == "aa":
+                    edits = {site: EditScores(drop=ad_drop_masks(a, v, p, q), stats=counts)
+                             for site, a, v in zip(sites, attributions, valids)}
+                else:
+                    targeted = samples_with_target(attributions)
+                    # A sample the target does not depend on (every label ignored) has all-zero
+                    # attributions: its candidates would be topk's tie order, so it is not masked.
+                    stats["skipped"] = (~targeted.any()).long()
+                    edits = {site: EditScores(drop=ad_drop_masks(a, v, p, q) & targeted.view(-1, 1, 1, 1), stats=counts)
+                             for site, a, v in zip(sites, attributions, valids)}
             del attributions, valids  # pass 1 is gone before pass 2 allocates
         with self.controller.hooks(edits):
             yield stats

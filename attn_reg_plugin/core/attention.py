@@ -65,11 +65,15 @@ class EditScores:
     per-pass flag; such rows attend uniformly to their valid keys (attention LayerDrop). A row whose every valid key is in ``drop`` is made
     uniform the same way (AttendOut Eq. 4), never left all-masked.
     ``stats``: when given, ``[dropped, valid]`` counts of this pass are added to it.
+    ``calls``: when given, ``[calls whose uniform_rows flag was set, calls]`` are added to it.
+    Both are counted by the kernel from what it applied, so a hook that never reaches the kernel
+    (a module not routed through it) counts nothing.
     """
 
     drop: Optional[object] = None
     uniform_rows: Optional[object] = None
     stats: Optional[List[torch.Tensor]] = None
+    calls: Optional[List[torch.Tensor]] = None
 
 
 def _combined_bias(
@@ -85,6 +89,24 @@ def _combined_bias(
         # Clamp -inf to a finite negative: a padding mask plus a drop mask stays finite.
         bias = bias.to(dtype).clamp(min=mask_fill_value(dtype))
     return bias, valid
+
+
+def _keyless_rows(bias: Optional[torch.Tensor], valid: torch.Tensor) -> Optional[torch.Tensor]:
+    """(…, T, 1) True for query rows with no valid key (a padding query under left-padded causal
+    attention); None when there are none.
+
+    Such a row attends to nothing: its output is 0, as stock sdpa gives with a boolean mask. With
+    the finite fill instead, softmax would spread it over padding keys, and torch's fused CPU
+    backward gets those rows' gradients wrong (it differs from the math backend by O(1)); zeroed
+    rows send no gradient back, so both backends agree with the explicit softmax path.
+    """
+    if bias is None:
+        return None
+    rows = ~valid.any(dim=-1, keepdim=True)
+    # On the host, looking is cheaper than editing; on an accelerator it would synchronise.
+    if rows.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(rows.any()):
+        return None
+    return rows
 
 
 def _broadcast_count(mask: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
@@ -222,12 +244,19 @@ def attend(
     disallowed) or bool (True where allowed), broadcastable to (B, H, T, S).
     ``dropout_p`` is the attention-probability dropout, already zero outside training.
     Returns the per-head output (B, H, T, d) and, if ``need_weights``, the attention map.
+    A query row with no valid key attends to nothing: its output (and map row) is 0.
     """
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     bias, valid = _combined_bias(bias, shape, q.dtype, q.device)
+    keyless = _keyless_rows(bias, valid)
     hook, drop, uniform, fresh = _this_call(site, valid, shape, q.device)
 
     if isinstance(hook, EditScores):
+        if hook.calls is not None and fresh:
+            flagged = hook.uniform_rows
+            skipped = torch.as_tensor(bool(flagged)) if isinstance(flagged, bool) else flagged.any().cpu()
+            hook.calls[0] = hook.calls[0] + skipped.long()
+            hook.calls[1] = hook.calls[1] + 1
         if uniform is not None:
             # A zero query row scores every key 0, so softmax is uniform over the valid keys
             # (the bias still removes padding); the row's query receives no gradient, as it
@@ -259,7 +288,7 @@ def attend(
             hook.outputs.append(out)
             hook.values.append(v.detach())
             hook.valid.append(valid)
-        return out, None
+        return _zero_rows(out, keyless), None
 
     if isinstance(hook, CaptureProbs) or need_weights:
         scale_ = scale if scale is not None else q.shape[-1] ** -0.5
@@ -268,6 +297,7 @@ def attend(
             scores = scores + bias
         # Softmax in at least float32: half-precision exponentials lose the small weights.
         probs = torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1).to(q.dtype)
+        probs = _zero_rows(probs, keyless)
         used = probs
         if isinstance(hook, CaptureProbs):
             if fresh and hook.requires_grad:
@@ -284,4 +314,8 @@ def attend(
         return out, probs
 
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
-    return out, None
+    return _zero_rows(out, keyless), None
+
+
+def _zero_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    return x if rows is None else x.masked_fill(rows, 0.0)

@@ -46,6 +46,19 @@ def token_loss_target(
     return -(nll * keep.reshape(-1).to(nll.dtype)).sum(), labels
 
 
+def multi_label_target(logits: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Multi-label classifier: F = minus the summed binary cross-entropy against ``labels``.
+
+    logits: (B, C); labels: (B, C) multi-hot, or None -> pass-1 pseudo labels (logit > 0, i.e.
+    sigmoid > 0.5). The negative loss rather than the sum of the positive labels' logits: a
+    sample with no positive label still has a target, and every label's evidence counts.
+    """
+    logits = logits.float()
+    if labels is None:
+        labels = (logits.detach() > 0).float()
+    return -F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="sum"), labels
+
+
 def regression_target(prediction: torch.Tensor, gold: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Regression: F = minus the squared error against the gold targets (no pseudo label exists)."""
     prediction = prediction.float().reshape(gold.shape)

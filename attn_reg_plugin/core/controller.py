@@ -103,9 +103,19 @@ class RegularizationController:
         self.sites: List[AttentionSite] = []
 
     def register(self, kind: str, layer: int) -> AttentionSite:
+        """A new site of ``kind`` at 0-based ``layer``; each (kind, layer) once. Any order, but a
+        kind's layers must end up 0..n-1 (checked when sites are selected)."""
         if kind not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention kind {kind!r}; accepted: {', '.join(ATTENTION_KINDS)}")
-        site = AttentionSite(kind, layer)
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"register: layer must be a 0-based integer index >= 0, got {layer!r}")
+        return self.add(AttentionSite(kind, layer))
+
+    def add(self, site: AttentionSite) -> AttentionSite:
+        """Register an existing site (checked like :meth:`register`)."""
+        if any(s.kind == site.kind and s.layer == site.layer for s in self.sites):
+            raise ValueError(f"register: {site.kind} layer {site.layer} is registered already; register one site per "
+                             "attention module (and per depth for a module shared by several depths)")
         self.sites.append(site)
         return site
 
@@ -128,6 +138,13 @@ class RegularizationController:
             logger.info("%s auto: %s attention", kinds_option, kinds[0])
         for kind in kinds:
             n = self.num_layers(kind)
+            registered = sorted(s.layer for s in self.sites if s.kind == kind)
+            if registered != list(range(n)):
+                # Layer options are 0-based depths: a gap would make `layers` name the wrong modules.
+                raise ValueError(
+                    f"the model registered {kind} attention at layers {registered}, but layer indices must be "
+                    f"0..{n - 1} (0-based, one per depth, no gaps): fix the layer numbers given to register()"
+                )
             if n == 0:
                 have = sorted({s.kind for s in self.sites}) or ["none"]
                 raise ValueError(

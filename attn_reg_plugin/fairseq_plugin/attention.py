@@ -28,6 +28,16 @@ class RegularizedMultiheadAttention(MultiheadAttention):
 
     attn_reg_site: Optional[AttentionSite] = None
 
+    def __prepare_scriptable__(self):
+        # torch.jit.script puts what this returns into the caller's model in place: returning a
+        # plain copy would silently stop regularizing a model that goes on training.
+        raise RuntimeError(
+            "attn_reg_plugin: this fairseq model's attention is routed through the plugin's kernel, which "
+            "TorchScript cannot compile. To script it for export, call "
+            "attn_reg_plugin.fairseq_plugin.attention.plain_fairseq_attention(model) first (in place; the "
+            "model is then plain fairseq), or load the checkpoint with --task translation: checkpoints are "
+            "plain fairseq checkpoints")
+
     def forward(
         self,
         query: Tensor,
@@ -119,3 +129,13 @@ def install_attention_sites(model: torch.nn.Module, controller: RegularizationCo
             raise ValueError(f"attn_reg_plugin: cannot route {name} ({type(module).__name__}) through the kernel")
         module.attn_reg_site = controller.register(_kind_of(name, module), int(match.group(1)))
     return controller
+
+
+def plain_fairseq_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`install_attention_sites` on ``model`` in place: every routed attention is fairseq's
+    own MultiheadAttention again (same parameters), e.g. before ``torch.jit.script``. Returns ``model``."""
+    for module in model.modules():
+        if isinstance(module, RegularizedMultiheadAttention):
+            module.__class__ = MultiheadAttention
+            module.__dict__.pop("attn_reg_site", None)
+    return model

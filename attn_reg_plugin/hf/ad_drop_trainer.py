@@ -11,11 +11,12 @@ import torch
 import transformers
 
 from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
-from ..core.attribution import logit_target, regression_target, token_loss_target
+from ..core.attribution import logit_target, multi_label_target, regression_target, token_loss_target
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_sum_
 from ..core.options import named_by_field
 from .attention import install_attention_sites
+from .sites import site_claim
 from .model_inputs import causal_lm, decoder_input_ids_from_labels
 from .training_configurations import model_argument, refuse_unsupported, training_arguments
 
@@ -32,8 +33,10 @@ class ADDropTrainerMixin:
         # Before the Trainer's own setup, so bad layers / kinds fail before anything else happens.
         self.ad_drop_controller = RegularizationController()
         self.ad_drop_sites = install_attention_sites(model, self.ad_drop_controller)
+        self._ad_drop_claim_sites = site_claim(model, self.ad_drop_sites)
         self.ad_drop = ADDrop(ad_drop, self.ad_drop_controller)
         self._ad_drop_reset()
+        self._ad_drop_epoch_index = None  # 0-based epoch of the Trainer's running pass (_run_epoch)
         super().__init__(*args, **kwargs)
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -46,7 +49,20 @@ class ADDropTrainerMixin:
 
     def ad_drop_current_epoch(self) -> int:
         """1-based epoch of the current step (cross-tuning: AD-DROP on even epochs)."""
+        if self._ad_drop_epoch_index is not None:
+            return self._ad_drop_epoch_index + 1
         return int((self.state.epoch or 0) + 1e-9) + 1
+
+    def _run_epoch(self, *args, **kwargs):
+        # The Trainer's loop hands each pass its 0-based epoch here. state.epoch cannot stand in
+        # for it: with an IterableDataset and max_steps it is still the previous pass's value at
+        # the first step of a new pass, which would run that step in the previous phase.
+        epoch = kwargs.get("epoch")
+        self._ad_drop_epoch_index = int(epoch) if epoch is not None else None
+        try:
+            return super()._run_epoch(*args, **kwargs)
+        finally:
+            self._ad_drop_epoch_index = None
 
     # -- targets ---------------------------------------------------------------------------
     def ad_drop_target(self, model, inputs: Dict[str, Any]):
@@ -59,6 +75,11 @@ class ADDropTrainerMixin:
         )
         if gold_wanted and labels is None:
             raise ValueError("ADDropConfig.labels='gold' needs `labels` in every training batch")
+        def multi_label(logits):
+            # As transformers decides it: the config says so, or float labels shaped like the logits.
+            return getattr(config, "problem_type", None) == "multi_label_classification" or (
+                labels is not None and labels.is_floating_point() and labels.shape == logits.shape)
+
         shifted = causal_lm(model)
         if shifted and labels is not None:
             labels = labels[:, 1:]  # a causal LM's logits at t score token t + 1, as its loss does
@@ -73,6 +94,8 @@ class ADDropTrainerMixin:
                 return regression_target(logits.squeeze(-1), labels)
             gold = labels if gold_wanted else None
             use = fixed if fixed is not None else gold
+            if logits.dim() == 2 and multi_label(logits):
+                return multi_label_target(logits, use)
             if logits.dim() == 2:
                 return logit_target(logits, use)
             if logits.dim() == 3:
@@ -109,6 +132,7 @@ class ADDropTrainerMixin:
         # The attribution pass runs the eager model (torch.compile unwrapped too): it needs
         # requires_grad on intermediate outputs, which would break a compiled graph at every
         # layer; the masked pass and its backward run compiled.
+        self._ad_drop_claim_sites()  # another trainer built on this model since installed its own
         accelerator = getattr(self, "accelerator", None)
         bare = bare_module(accelerator.unwrap_model(model, keep_torch_compile=False) if accelerator is not None else model)
         target = self.ad_drop_target(bare, inputs)

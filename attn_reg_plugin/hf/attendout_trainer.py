@@ -193,7 +193,8 @@ class AttendOutTrainerMixin:
         path = resume_from_checkpoint
         if path is True:
             path = get_last_checkpoint(self.args.output_dir)  # None: the Trainer raises its own error
-        self._attendout_resume_from = path if isinstance(path, str) else None
+        # Any path the Trainer accepts (str or os.PathLike, e.g. pathlib.Path) resumes the game too.
+        self._attendout_resume_from = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
     def _attendout_start(self) -> None:

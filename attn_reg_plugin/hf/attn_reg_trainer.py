@@ -8,17 +8,21 @@ Same semantics as the fairseq task options ``--attn-sched-dropout-*`` and ``--at
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, List, Optional
 
 import torch
 import transformers
 
 from ..core.controller import RegularizationController
-from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig, skipped_layers
+from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from ..core.options import named_by_field, one_regularizer
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attention import install_attention_sites
+from .sites import site_claim
 from .training_configurations import model_argument, refuse_unsupported, training_arguments
+
+logger = logging.getLogger(__name__)
 
 
 class AttnRegTrainerMixin:
@@ -43,7 +47,7 @@ class AttnRegTrainerMixin:
         refuse_unsupported("AttnRegTrainer", training_arguments(args, kwargs), model=model)
         # Before the Trainer's own setup: bad layers / kinds fail first.
         self.attn_reg_controller = RegularizationController()
-        install_attention_sites(model, self.attn_reg_controller)
+        self._attn_reg_claim_sites = site_claim(model, install_attention_sites(model, self.attn_reg_controller))
         self.attn_reg_scheduled_dropout = (
             ScheduledAttentionDropout(scheduled_dropout, self.attn_reg_controller)
             if scheduled_dropout is not None else None
@@ -56,26 +60,31 @@ class AttnRegTrainerMixin:
         super().__init__(*args, **kwargs)
 
     def _attn_reg_reset(self) -> None:
-        # dropped / valid units, or skipped / selected layer passes; tensors, so that a compiled
-        # model adds to them without a guard on their value
+        # dropped / valid units, or skipped / selected layer calls, counted by the kernel as it
+        # applies them; tensors, so that a compiled model adds to them without a guard on their value
         self._attn_reg_counts: List[Any] = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+        self._attn_reg_hooked_steps = 0  # training forwards that had at least one hook set
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (model.training and torch.is_grad_enabled()):
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        self._attn_reg_claim_sites()  # another trainer built on this model since installed its own
         if self.attn_reg_scheduled_dropout is not None:
             # Every micro-batch of an update uses that update's probability.
             hooks = self.attn_reg_scheduled_dropout.hooks(self.state.global_step, stats=self._attn_reg_counts)
         else:
-            hooks = self.attn_reg_layerdrop.hooks()
-            self._attn_reg_counts[0] += skipped_layers(hooks)
-            self._attn_reg_counts[1] += len(hooks)
+            hooks = self.attn_reg_layerdrop.hooks(calls=self._attn_reg_counts)
+        self._attn_reg_hooked_steps += bool(hooks)
         with self.attn_reg_controller.hooks(hooks):
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # a training log
             dropped, total = (int(c) for c in self._attn_reg_counts)
+            if self._attn_reg_hooked_steps and total == 0:
+                logger.warning("attn_reg: %d training forwards set regularizer hooks, but the attention kernel applied "
+                               "none: the model's attention modules did not reach attn_reg_plugin's kernel",
+                               self._attn_reg_hooked_steps)
             rate = dropped / total if total else 0.0
             if self.attn_reg_scheduled_dropout is not None:
                 logs["attn_sched_dropout_rate"] = round(rate, 6)  # measured over the interval's real units

@@ -17,8 +17,9 @@ gets one site per depth; its calls are counted from the start of each forward of
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -87,15 +88,46 @@ def _recording() -> Iterator[List[Tuple[torch.nn.Module, bool, int, int]]]:
         _recorded = None
 
 
-def _probe(model: torch.nn.Module) -> List[Tuple[torch.nn.Module, bool, int, int]]:
+def _accepted(module: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The probe inputs ``module.forward`` takes (a backbone may take fewer than its head model)."""
+    params = inspect.signature(module.forward).parameters
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return inputs
+    return {k: v for k, v in inputs.items() if k in params}
+
+
+def _probe_candidates(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The model, then the backbone its head wraps: every attention module is in the backbone,
+    and some heads reject a one-sequence probe (multiple choice wants (B, choices, T); an
+    encoder-decoder classifier wants decoder inputs as long as its encoder inputs)."""
+    base = getattr(model, "base_model", None)
+    return [model] + ([base] if isinstance(base, torch.nn.Module) and base is not model else [])
+
+
+def _probe(model: torch.nn.Module) -> Tuple[torch.nn.Module, Dict[str, torch.Tensor], List[Tuple[torch.nn.Module, bool, int, int]]]:
+    """(the module probed, its inputs, the attention calls it made)."""
+    inputs = _probe_inputs(model)
+    failures = []
+    for module in _probe_candidates(model):
+        given = _accepted(module, inputs)
+        try:
+            with _recording() as calls, _eval_mode(model), torch.no_grad():
+                module(**given)
+            return module, given, calls
+        except Exception as err:  # a head that cannot take the probe input: try its backbone
+            failures.append(f"{type(module).__name__}: {type(err).__name__}: {err}")
+    raise ValueError(f"{type(model).__name__}: the probe forward that finds the attention modules failed "
+                     f"({'; '.join(failures)})")
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
     was_training = model.training
     model.eval()
     try:
-        with _recording() as calls, torch.no_grad():
-            model(**_probe_inputs(model))
+        yield
     finally:
         model.train(was_training)
-    return calls
 
 
 def _kind(model: torch.nn.Module, causal: bool, q_len: int, kv_len: int, encoder_len: int) -> str:
@@ -119,14 +151,29 @@ def installed_sites(model: torch.nn.Module) -> List[Tuple[str, AttentionSite]]:
     return [(path, site) for path, module in model.named_modules() for site in module.__dict__.get("attn_reg_sites", [])]
 
 
-def assign_sites(model: torch.nn.Module, pairs: List[Tuple[str, AttentionSite]]) -> None:
-    """Give the modules named in ``pairs`` (from an install on this model) those sites, in order."""
+def site_claim(model: torch.nn.Module, pairs: List[Tuple[str, AttentionSite]]) -> Callable[[], None]:
+    """A function that gives the modules named in ``pairs`` (from an install on this model) those
+    sites again, in order. Modules hold one set of sites at a time and every install replaces them,
+    so whoever regularizes a model that another install has touched since (a second trainer on
+    the same model) claims its own sites before its regularized forward. A claim is one attribute
+    per attention module: cheap enough for every training step."""
     modules = dict(model.named_modules())
     grouped: Dict[str, List[AttentionSite]] = {}
     for path, site in pairs:
         grouped.setdefault(path, []).append(site)
-    for path, sites in grouped.items():
-        modules[path].attn_reg_sites = sites
+    owned = [(modules[path], sites) for path, sites in grouped.items()]
+
+    def claim() -> None:
+        for module, sites in owned:
+            if module.__dict__.get("attn_reg_sites") is not sites:
+                module.attn_reg_sites = sites
+
+    return claim
+
+
+def assign_sites(model: torch.nn.Module, pairs: List[Tuple[str, AttentionSite]]) -> None:
+    """Give the modules named in ``pairs`` (from an install on this model) those sites, in order."""
+    site_claim(model, pairs)()
 
 
 @contextlib.contextmanager
@@ -140,12 +187,104 @@ def sites_in_use(model: torch.nn.Module, pairs: List[Tuple[str, AttentionSite]])
         assign_sites(model, before)
 
 
+def _floats(output) -> List[torch.Tensor]:
+    """The floating tensors of a model output, in order (caches and integer tensors left out)."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.is_floating_point() else []
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _floats(item)]
+    return []
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    # Relative to max(1, |reference|): sdpa and eager round differently; a missing term does not hide in it.
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
+
+
+def _run_recorded(module, inputs, attention_modules) -> Tuple[List[torch.Tensor], List[Tuple[torch.nn.Module, torch.Tensor]]]:
+    """The module's floating outputs and each attention module's output, per call in forward order."""
+    per_call: List[Tuple[torch.nn.Module, torch.Tensor]] = []
+
+    def record(mod, _args, out):
+        per_call.append((mod, _floats(out)[0].detach().clone() if _floats(out) else None))
+
+    handles = [m.register_forward_hook(record) for m in attention_modules]
+    try:
+        with torch.no_grad():
+            outputs = [t.detach().clone() for t in _floats(module(**inputs))]
+    finally:
+        for h in handles:
+            h.remove()
+    return outputs, per_call
+
+
+def _first_difference(reference, candidate, paths) -> Optional[Tuple[str, float, float]]:
+    """(where, |difference|, tolerance) of the first attention call, else output, that differs."""
+    (ref_out, ref_calls), (out, calls) = reference, candidate
+    for (mod, a), (_, b) in zip(ref_calls, calls):
+        if a is not None and b is not None and a.shape == b.shape:
+            tol = _tolerance(a.dtype) * max(1.0, float(a.float().abs().max()))
+            diff = float((a.float() - b.float()).abs().max())
+            if not diff <= tol:
+                return paths.get(id(mod), type(mod).__name__), diff, tol
+    for a, b in zip(ref_out, out):
+        tol = _tolerance(a.dtype) * max(1.0, float(a.float().abs().max()))
+        diff = float((a.float() - b.float()).abs().max()) if a.shape == b.shape else float("inf")
+        if not diff <= tol:
+            return "the model's output", diff, tol
+    return None
+
+
+def _check_equivalent(model, controller, probed, inputs, attention_modules, configs, before, implementation) -> None:
+    """Refuse a model whose outputs change when its attention runs through the plugin: the idle
+    path (transformers' sdpa) against the model's own implementation, and the kernel path with a
+    hook that edits nothing against the idle path. Both on the probe input."""
+    from ..core.attention import EditScores
+
+    name = f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')})"
+    paths = {id(m): p for p, m in model.named_modules()}
+    with _eval_mode(model):
+        idle = _run_recorded(probed, inputs, attention_modules)
+        own = set(before.values()) - {implementation}  # empty: installed before (the Attacker is a copy)
+        if own:
+            for key, config in configs.items():
+                config._attn_implementation = before[key]
+            try:
+                stock = _run_recorded(probed, inputs, attention_modules)
+            finally:
+                for config in configs.values():
+                    config._attn_implementation = implementation
+            found = _first_difference(stock, idle, paths)
+            if found is not None:
+                where, diff, tol = found
+                raise ValueError(
+                    f"{name}: routing attention through attn_reg_plugin changes this model's forward (max |difference| "
+                    f"{diff:.3g} > {tol:.3g} at {where}, probe input, eval mode): its attention implementation "
+                    f"{sorted(own)} computes something transformers' sdpa does not. Refused, to leave no forward "
+                    "silently changed; the README lists the supported families")
+        try:
+            with controller.hooks({site: EditScores() for site in controller.sites}):
+                active = _run_recorded(probed, inputs, attention_modules)
+        except NotImplementedError as err:
+            raise ValueError(f"{name}: the regularized attention cannot run this model: {err}") from None
+        found = _first_difference(idle, active, paths)
+        if found is not None:
+            where, diff, tol = found
+            raise ValueError(
+                f"{name}: attn_reg_plugin's regularized kernel does not reproduce this model's attention with nothing "
+                f"dropped (max |difference| {diff:.3g} > {tol:.3g} at {where}). Refused: every regularized step would "
+                "change more than the regularizer")
+
+
 def install_attention_sites(model: torch.nn.Module, controller: RegularizationController,
                             implementation: str = "attn_reg") -> List[Tuple[str, AttentionSite]]:
     """Give each attention call of ``model`` a site and switch the model to ``implementation``.
 
     Returns ``(module path, site)`` pairs in forward order. Raises, naming the model, when no call
-    reaches transformers' AttentionInterface.
+    reaches transformers' AttentionInterface, or when the switch changes the model's outputs on the
+    probe input (:func:`_check_equivalent`); the model is then left as it was.
     """
     from .attention import register_attn_reg
 
@@ -157,17 +296,34 @@ def install_attention_sites(model: torch.nn.Module, controller: RegularizationCo
     if getattr(model.config, "model_type", "").startswith("deberta"):
         raise ValueError(f"{name}: DeBERTa's disentangled attention does not go through transformers' "
                          "AttentionInterface, so the regularizers cannot reach it")
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    before = {key: config._attn_implementation for key, config in configs.items()}
+    previous_sites = installed_sites(model)
     set_impl = getattr(model, "set_attn_implementation", None)
     try:
         if callable(set_impl):
             set_impl(implementation)
     except (ValueError, NotImplementedError) as e:
         raise ValueError(f"{name} does not accept a custom attention implementation: {e}") from None
-    for config in {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}.values():
+    for config in configs.values():
         config._attn_implementation = implementation
     for module in model.modules():  # a second install (the AttendOut Attacker is a copy) starts afresh
         module.__dict__.pop("attn_reg_sites", None)
-    calls = _probe(model)
+    try:
+        found = _install(model, controller, configs, before, implementation)
+    except Exception:
+        for key, config in configs.items():  # leave the model as it was
+            config._attn_implementation = before[key]
+        for module in model.modules():
+            module.__dict__.pop("attn_reg_sites", None)
+        assign_sites(model, previous_sites)
+        raise
+    return found
+
+
+def _install(model, controller, configs, before, implementation) -> List[Tuple[str, AttentionSite]]:
+    name = type(model).__name__
+    probed, inputs, calls = _probe(model)
     if not calls:
         raise ValueError(
             f"no attention module routed through transformers' AttentionInterface was found in {name}: a probe "
@@ -178,17 +334,22 @@ def install_attention_sites(model: torch.nn.Module, controller: RegularizationCo
     encoder_len = max((kv for _, causal, q, kv in calls if q == kv and not causal), default=_ENCODER_LEN)
     depth: Dict[str, int] = {}
     found = []
+    own = RegularizationController()  # the check's sites; the caller's controller gets them only if it passes
     for module, causal, q_len, kv_len in calls:
         kind = _kind(model, causal, q_len, kv_len, encoder_len)
-        site = controller.register(kind, depth.get(kind, 0))
+        site = own.register(kind, depth.get(kind, 0))
         depth[kind] = depth.get(kind, 0) + 1
         module.__dict__.setdefault("attn_reg_sites", []).append(site)
         found.append((paths.get(id(module), type(module).__name__), site))
-    shared = [m for m in {id(m): m for m, *_ in calls}.values() if len(m.attn_reg_sites) > 1]
+    attention_modules = list({id(m): m for m, *_ in calls}.values())
+    shared = [m for m in attention_modules if len(m.attn_reg_sites) > 1]
     if shared:
         for module in shared:
             module.attn_reg_calls = 0
-        model.register_forward_pre_hook(_reset_call_counts(shared))
+        probed.register_forward_pre_hook(_reset_call_counts(shared))
+    _check_equivalent(model, own, probed, inputs, attention_modules, configs, before, implementation)
+    for site in own.sites:
+        controller.add(site)
     logger.info("attn_reg: %s attention sites: %s", name,
                 ", ".join(f"{k} x{n}" for k, n in depth.items()))
     return found

@@ -18,7 +18,7 @@ from attn_reg_plugin.core.attendout import (
 )
 from attn_reg_plugin.core.attention import EditScores, attend
 from attn_reg_plugin.core.controller import RegularizationController
-from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig, skipped_layers
+from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig, parse_schedules, schedule_value
 from helpers import controller_with_sites
 
@@ -309,18 +309,30 @@ def test_layerdrop_p1_gives_exactly_uniform_attention_and_p0_changes_nothing():
     assert torch.allclose(out[1], v[1, :, :3].mean(dim=1, keepdim=True).expand(2, 3, 4), atol=1e-6)
     # p = 0: every selected layer gets a flag (one compiled graph whatever is skipped), none set,
     # and the output is ordinary attention
-    hooks = AttentionLayerDrop(AttentionLayerDropConfig(p=0.0), controller).hooks()
-    assert list(hooks) == [site] and skipped_layers(hooks) == 0
+    calls = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+    hooks = AttentionLayerDrop(AttentionLayerDropConfig(p=0.0), controller).hooks(calls)
+    assert list(hooks) == [site]
     with controller.hooks(hooks):
         out, _ = attend(q, k, v, bias=bias, site=site)
     assert torch.allclose(out, attend(q, k, v, bias=bias)[0], atol=1e-6)
+    assert [int(c) for c in calls] == [0, 1]  # the kernel saw the call and skipped nothing
 
 
 def test_layerdrop_skips_layers_at_rate_p():
     torch.manual_seed(0)
     layerdrop = AttentionLayerDrop(AttentionLayerDropConfig(p=0.3), controller_with_sites({"encoder-self": 4}))
-    skipped = sum(skipped_layers(layerdrop.hooks()) for _ in range(2000)) / (2000 * 4)
+    skipped = sum(bool(h.uniform_rows) for _ in range(2000) for h in layerdrop.hooks().values()) / (2000 * 4)
     assert abs(skipped - 0.3) < 0.02
+
+
+def test_layerdrop_rate_is_counted_by_the_kernel_not_by_the_draws():
+    """A hook that never reaches the kernel (the site is not called) counts nothing."""
+    controller = controller_with_sites({"encoder-self": 2})
+    calls = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+    q = k = v = torch.randn(1, 1, 3, 4)
+    with controller.hooks(AttentionLayerDrop(AttentionLayerDropConfig(p=1.0), controller).hooks(calls)):
+        attend(q, k, v, site=controller.sites[0])  # only layer 0 attends
+    assert [int(c) for c in calls] == [1, 1]
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.5, float("nan")])

@@ -127,3 +127,22 @@ def test_install_on_encoder_only_model_and_missing_decoder_error():
 
     with pytest.raises(ValueError, match="encoder-decoder.*no such attention"):
         ADDrop(ADDropConfig(attention="encoder-decoder"), controller)
+
+
+def test_torchscript_is_refused_clearly_and_plain_attention_scripts(tiny_mt_data):
+    """torch.jit.script of a routed model says why it cannot and what to do, without touching the model;
+    after plain_fairseq_attention the same model scripts and computes the same output."""
+    from attn_reg_plugin.fairseq_plugin.attention import plain_fairseq_attention
+
+    _, task, model, _ = fairseq_setup(tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER])
+    model.eval()
+    with pytest.raises(RuntimeError, match="TorchScript cannot compile.*plain_fairseq_attention"):
+        torch.jit.script(model)
+    assert all(type(m) is RegularizedMultiheadAttention for m in model.modules() if isinstance(m, MultiheadAttention))
+    src = torch.tensor([[5, 6, 7, 2]])
+    prev = torch.tensor([[2, 8, 9]])
+    ref = model(src, torch.tensor([4]), prev)[0]
+    plain_fairseq_attention(model)
+    assert all(type(m) is MultiheadAttention for m in model.modules() if isinstance(m, MultiheadAttention))
+    scripted = torch.jit.script(model)
+    torch.testing.assert_close(scripted(src, torch.tensor([4]), prev)[0], ref)

@@ -20,29 +20,12 @@ from attn_reg_plugin.hf import (
     AttnRegTrainer,
 )
 from attn_reg_plugin.hf.attendout_trainer import ATTENDOUT_STATE
-from helpers import REPO, minilm_path, record_results, tiny_bert_classifier, tiny_marian, CORPUS, MOVIE_REVIEWS_TINY as REVIEWS
+from helpers import REPO, minilm_path, pad_collate as collate, token_data, record_results, tiny_bert_classifier, tiny_marian, CORPUS, MOVIE_REVIEWS_TINY as REVIEWS
 
 
 
 def tiny_bert(**kw):
     return tiny_bert_classifier(hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100, **kw)
-
-
-def token_data(n, seed, min_len=5, max_len=10):
-    """Random-token sequences; the label is a function of the first token, so there is signal."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(n):
-        length = min_len + i % (max_len - min_len + 1)
-        ids = torch.randint(3, 100, (length,), generator=g)
-        rows.append({"input_ids": ids, "labels": torch.tensor(int(ids[0] > 50))})
-    return rows
-
-
-def collate(batch):
-    n = max(len(b["input_ids"]) for b in batch)
-    ids = torch.stack([torch.nn.functional.pad(b["input_ids"], (0, n - len(b["input_ids"]))) for b in batch])
-    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.stack([b["labels"] for b in batch])}
 
 
 def _args(tmp_path, cls=transformers.TrainingArguments, **kw):

@@ -213,7 +213,7 @@ def test_causal_lm_target_scores_each_label_with_the_previous_position():
 def test_every_attribution_and_the_no_extra_cost_regularizers_train(family):
     """IGA, AA and RD steps, scheduled attention dropout and attention LayerDrop on each family:
     finite losses and gradients, and each one changes the training forward."""
-    from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig, skipped_layers
+    from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
     from attn_reg_plugin.core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 
     model = _model(family)
@@ -243,10 +243,11 @@ def test_every_attribution_and_the_no_extra_cost_regularizers_train(family):
     with controller.hooks(sched.hooks(update=0)):
         assert not torch.allclose(step(lambda: ours(**inputs).logits), plain)
     layerdrop = AttentionLayerDrop(AttentionLayerDropConfig(p=1.0, attention=kinds), controller)
-    hooks = layerdrop.hooks()
-    assert skipped_layers(hooks) == len(layerdrop.sites)
-    with controller.hooks(hooks):
+    calls = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+    with controller.hooks(layerdrop.hooks(calls)):
         assert not torch.allclose(step(lambda: ours(**inputs).logits), plain)
+    # counted by the kernel: every selected layer was called and skipped
+    assert [int(c) for c in calls] == [len(layerdrop.sites)] * 2
 
 
 def test_two_controllers_share_one_model_each_with_its_own_sites():
