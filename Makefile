@@ -34,7 +34,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q
 
 # Every precision x regularizer on the GPU (fairseq --fp16/--bf16/--amp, HF fp16/bf16) and HF
 # torch.compile with inductor; on a

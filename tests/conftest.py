@@ -2,7 +2,16 @@
 
 Everything else the tests share (paths, tiny models, CLI helpers) is in helpers.py.
 """
+import os
+
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property tests: a few hundred examples in all for `make test`, more for `make test-all`
+# (HYPOTHESIS_PROFILE=thorough). No deadline: the first call of a torch op can take far longer than the rest.
+settings.register_profile("default", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 from helpers import CORPUS, MOVIE_REVIEWS_TINY, PLUGIN_DIR, RESUMABLE, TRAIN_ARGS, run_cli, train_updates
 

@@ -20,7 +20,8 @@ This is also the porting API for your own model (no fairseq or transformers need
    ``(model output, labels or None) -> (F, labels used)``::
 
        target = lambda logits, labels: token_loss_target(logits, tgt != pad, labels)   # seq2seq, tagging
-       # logit_target(logits, labels) for classifiers; regression_target(pred, gold) for regression
+       # logit_target(logits, labels) for classifiers; multi_label_target(logits, labels) for multi-label;
+       # regression_target(pred, gold) for regression
 
 4. **Wrap** the training forward on the epochs the schedule selects::
 
@@ -38,7 +39,7 @@ only the block's loss is back-propagated. Bad options raise ``ValueError`` namin
 """
 from .ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
 from .attention import attend
-from .attribution import logit_target, regression_target, token_loss_target
+from .attribution import logit_target, multi_label_target, regression_target, token_loss_target
 from .controller import ATTENTION_KINDS, AttentionSite, RegularizationController
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "attend",
     "bare_module",
     "logit_target",
+    "multi_label_target",
     "regression_target",
     "token_loss_target",
 ]

@@ -242,7 +242,8 @@ class FairseqAttendOut:
             logger.info(
                 f"AttendOut dropout step {self.game.dropout_steps_done} (update {update_num + 1}): attacker win rate "
                 f"{stats['win_rate']:.3f}, kept {'attacker' if stats['keep_attacker'] else 'defender'}, mean reward "
-                f"{stats['reward']:.4g}, baseline {stats['baseline']:.4g}, mean drop probability: {probs}"
+                f"{stats['reward']:.4g}, baseline {stats['baseline']:.4g}, mean drop probability: {probs}, "
+                f"dropped by the kernel: {stats['drop_rate']:.4f}"
             )
 
     # -- checkpoints ----------------------------------------------------------------------

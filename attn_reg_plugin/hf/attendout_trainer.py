@@ -352,6 +352,7 @@ class AttendOutTrainerMixin:
         logs.update(
             attendout_dropout_step=self.attendout_game.dropout_steps_done,
             attendout_win_rate=stats["win_rate"],
+            attendout_drop_rate=stats["drop_rate"],  # what the kernel applied to the Attacker
             attendout_kept_attacker=float(stats["keep_attacker"]),
             attendout_reward=stats["reward"],
             attendout_baseline=stats["baseline"],

@@ -368,3 +368,29 @@ def test_scaler_skipped_step_tells_an_overflow_from_a_step(grad, skipped):
     scaler.update()
     assert scaler_skipped_step(scaler, before) is skipped
     assert torch.equal(w.detach(), torch.ones(2)) is skipped
+
+
+def test_attendout_drop_rate_is_what_the_kernel_applied():
+    """The game reports the fraction of the Attacker's real units its kernel dropped: 0 when the masks
+    reach no attention call, the masks' own fraction of valid units when they do."""
+    torch.manual_seed(0)
+    controller = controller_with_sites({"encoder-self": 1})
+    config = AttendOutConfig(dropout_step=1, generator_dim=8, init_drop=0.4)
+    game = AttendOut(config, controller, Generator({"source": 20}, {"source": 1}, 8, 32, config.init_drop,
+                                                    config.temperature))
+    tokens = torch.randint(2, 20, (3, 5))
+    tokens[0, 3:] = 1  # padding
+    game.attacker_hooks({"source": tokens})  # masks drawn, never applied
+    game.end_update()
+    assert game.finish_dropout_step(torch.zeros(1), torch.zeros(1))["drop_rate"] == 0.0
+
+    hooks = game.attacker_hooks({"source": tokens})
+    (site,) = game.sites
+    valid = tokens.ne(1)[:, None, None, :]
+    with controller.hooks(hooks):
+        attend(*(torch.randn(3, 2, 5, 4) for _ in range(3)), bias=valid, site=site)
+    game.end_update()
+    drop = hooks[site].drop & valid
+    expected = drop.expand(3, 2, 5, 5).sum().item() / valid.expand(3, 2, 5, 5).sum().item()
+    assert game.finish_dropout_step(torch.zeros(1), torch.zeros(1))["drop_rate"] == pytest.approx(expected)
+    assert expected > 0

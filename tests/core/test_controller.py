@@ -76,3 +76,22 @@ def test_ad_drop_layer_error_names_the_flag():
     assert "--ad-drop-layers" in str(e.value) and "0..1" in str(e.value)
     with pytest.raises(ValueError, match="decoder-self"):
         ADDrop(ADDropConfig(attention="decoder-self"), _controller(2))
+
+
+def test_register_refuses_a_duplicate_and_selection_refuses_gaps():
+    """Before: duplicates and gaps were accepted; layers=[1] then selected one of two sites and
+    layers=[2] was refused with 'accepted indices are 0..1'."""
+    controller = RegularizationController()
+    controller.register("encoder-self", 1)
+    with pytest.raises(ValueError, match="encoder-self layer 1 is registered already"):
+        controller.register("encoder-self", 1)
+    controller.register("encoder-self", 2)
+    with pytest.raises(ValueError, match=r"registered encoder-self attention at layers \[1, 2\], but layer indices must be 0\.\.1"):
+        controller.select(["encoder-self"], [1])
+    with pytest.raises(ValueError, match="layer must be a 0-based integer index >= 0, got -1"):
+        controller.register("decoder-self", -1)
+    # any registration order is fine when the indices end up 0..n-1
+    ordered = RegularizationController()
+    for layer in (1, 0):
+        ordered.register("decoder-self", layer)
+    assert [s.layer for s in ordered.select(["decoder-self"], [1])] == [1]

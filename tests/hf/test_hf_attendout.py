@@ -240,7 +240,8 @@ def test_resume_mid_dropout_step_continues_identically(tmp_path):
     def after(trainer, key):
         return [(h["step"], h[key]) for h in trainer.state.log_history if key in h and h["step"] > 4]
 
-    for key in ("loss", "attendout_attacker_loss", "attendout_win_rate", "attendout_p_encoder-self.0", "attendout_baseline"):
+    for key in ("loss", "attendout_attacker_loss", "attendout_win_rate", "attendout_p_encoder-self.0", "attendout_baseline",
+                "attendout_drop_rate"):
         assert after(resumed, key) == after(full, key), key
     assert len(after(full, "loss")) == 4 and len(after(full, "attendout_win_rate")) == 1  # the step ending at 6
     assert same(params_of(resumed.model), params_of(full.model))

@@ -56,6 +56,11 @@ class AttendOut:
         self._prob_batches = 0
         self._update_probs: List[torch.Tensor] = []  # this update's batches' probabilities (for discard_update)
         self.last_drop_probabilities: Optional[torch.Tensor] = None
+        self._applied = self._zero_counts()  # [dropped, valid] units the kernel applied this dropout step
+
+    @staticmethod
+    def _zero_counts() -> List[torch.Tensor]:
+        return [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
 
     def site_names(self) -> List[str]:
         return [f"{s.kind}.{s.layer}" for s in self.sites]
@@ -72,7 +77,7 @@ class AttendOut:
         self._prob_batches += 1
         self._update_probs.append(probs)
         self.last_drop_probabilities = probs  # per site, this batch (a tensor: no host sync)
-        return {site: EditScores(drop=d) for site, d in zip(self.sites, drops)}
+        return {site: EditScores(drop=d, stats=self._applied) for site, d in zip(self.sites, drops)}
 
     def _sample(self, streams, seed, log_prob: bool = False):
         outputs = self.generator.drop_logits(streams, self.sites)
@@ -122,12 +127,16 @@ class AttendOut:
                             generator: Optional[torch.Generator] = None) -> Dict[str, object]:
         """Reward G (Eq. 5) from per-sample held-out losses, update the baseline, pick the survivor.
 
-        Returns ``{"keep_attacker": bool, "win_rate", "reward", "baseline", "drop_prob": {...}}``;
-        the adapter then copies the survivor over the other network.
+        Returns ``{"keep_attacker": bool, "win_rate", "reward", "baseline", "drop_prob": {...}, "drop_rate"}``:
+        ``drop_prob`` is the Generator's mean probability per layer, ``drop_rate`` the fraction of the
+        Attacker's real attention units the kernel dropped over the step (0 if its masks reached no
+        attention). The adapter then copies the survivor over the other network.
         """
         rewards = (defender_losses.float() - attacker_losses.float()).detach()
         updates = sorted({c.update for c in self.cache})
-        stats: Dict[str, object] = {"drop_prob": self.mean_drop_probabilities()}
+        dropped, valid = (int(c) for c in self._applied)
+        stats: Dict[str, object] = {"drop_prob": self.mean_drop_probabilities(),
+                                    "drop_rate": dropped / valid if valid else 0.0}
         if updates:
             self.generator.train()
             log_probs = []
@@ -153,6 +162,7 @@ class AttendOut:
         self.cache.clear()
         self.update_in_step = 0
         self._prob_sums, self._prob_batches, self._update_probs = None, 0, []
+        self._applied = self._zero_counts()
         self.dropout_steps_done += 1
         return stats
 
@@ -168,6 +178,7 @@ class AttendOut:
                       for c in self.cache],
             "prob_sums": None if self._prob_sums is None else self._prob_sums.cpu(),
             "prob_batches": self._prob_batches,
+            "applied": [int(c) for c in self._applied],
         }
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
@@ -182,3 +193,4 @@ class AttendOut:
         sums = state["prob_sums"]
         self._prob_sums = None if sums is None else sums.to(device)
         self._prob_batches = int(state["prob_batches"])
+        self._applied = [torch.tensor(int(c)) for c in state.get("applied", (0, 0))]
