@@ -222,18 +222,17 @@ def _run_recorded(module, inputs, attention_modules) -> Tuple[List[torch.Tensor]
 
 def _first_difference(reference, candidate, paths) -> Optional[Tuple[str, float, float]]:
     """(where, |difference|, tolerance) of the first attention call, else output, that differs."""
-    (ref_out, ref_calls), (out, calls) = reference, candidate
-    for (mod, a), (_, b) in zip(ref_calls, calls):
-        if a is not None and b is not None and a.shape == b.shape:
-            tol = _tolerance(a.dtype) * max(1.0, float(a.float().abs().max()))
-            diff = float((a.float() - b.float()).abs().max())
-            if not diff <= tol:
-                return paths.get(id(mod), type(mod).__name__), diff, tol
-    for a, b in zip(ref_out, out):
+    def difference(a, b) -> Tuple[float, float]:  # (max |a - b|, tolerance), relative to max(1, |a|)
         tol = _tolerance(a.dtype) * max(1.0, float(a.float().abs().max()))
-        diff = float((a.float() - b.float()).abs().max()) if a.shape == b.shape else float("inf")
+        return (float((a.float() - b.float()).abs().max()) if a.shape == b.shape else float("inf")), tol
+
+    (ref_out, ref_calls), (out, calls) = reference, candidate
+    pairs = [(paths.get(id(mod), type(mod).__name__), a, b) for (mod, a), (_, b) in zip(ref_calls, calls)
+             if a is not None and b is not None]
+    for where, a, b in pairs + [("the model's output", a, b) for a, b in zip(ref_out, out)]:
+        diff, tol = difference(a, b)
         if not diff <= tol:
-            return "the model's output", diff, tol
+            return where, diff, tol
     return None
 
 
