@@ -16,7 +16,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch.profiler import record_function
 
-from .attention import CaptureOutput, CaptureProbs, EditScores
+from .attention import CaptureOutput, CaptureProbs, EditScores, zero_counts
 from .checkpointing import activation_checkpointing_paused
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES, GradientScale, gradient_attribution, probs_gradient
 from .controller import AttentionSite, RegularizationController
@@ -308,7 +308,7 @@ class ADDrop:
         reproducible and survive a resume.
         """
         p, q = self.config.p, self.config.q
-        counts = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+        counts = zero_counts()
         stats: Dict[str, torch.Tensor] = {"skipped": torch.zeros((), dtype=torch.long)}
         if self.config.attribution == "rd":
             # A random candidate region needs no attribution pass: draw it inside the kernel,
@@ -327,16 +327,15 @@ class ADDrop:
                 return
             sites, attributions, valids = found
             with record_function("ad_drop::masks"):
-                if self.config.attribution == "aa":
-                    edits = {site: EditScores(drop=ad_drop_masks(a, v, p, q), stats=counts)
-                             for site, a, v in zip(sites, attributions, valids)}
-                else:
-                    targeted = samples_with_target(attributions)
-                    # A sample the target does not depend on (every label ignored) has all-zero
-                    # attributions: its candidates would be topk's tie order, so it is not masked.
+                # A sample the target does not depend on (every label ignored) has all-zero gradient
+                # attributions: its candidates would be topk's tie order, so it is not masked. (AA's
+                # attention weights do not come from the target.)
+                drops = [ad_drop_masks(a, v, p, q) for a, v in zip(attributions, valids)]
+                if self.config.attribution != "aa":
+                    targeted = samples_with_target(attributions).view(-1, 1, 1, 1)
                     stats["skipped"] = (~targeted.any()).long()
-                    edits = {site: EditScores(drop=ad_drop_masks(a, v, p, q) & targeted.view(-1, 1, 1, 1), stats=counts)
-                             for site, a, v in zip(sites, attributions, valids)}
+                    drops = [d & targeted for d in drops]
+                edits = {site: EditScores(drop=d, stats=counts) for site, d in zip(sites, drops)}
             del attributions, valids  # pass 1 is gone before pass 2 allocates
         with self.controller.hooks(edits):
             yield stats

@@ -76,6 +76,11 @@ class EditScores:
     calls: Optional[List[torch.Tensor]] = None
 
 
+def zero_counts() -> List[torch.Tensor]:
+    """A fresh ``[dropped, valid]`` (or ``[skipped, total]``) pair for ``EditScores.stats`` / ``.calls``."""
+    return [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+
+
 def _combined_bias(
     bias: Optional[torch.Tensor], shape: Tuple[int, int, int, int], dtype: torch.dtype, device
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
@@ -253,8 +258,7 @@ def attend(
 
     if isinstance(hook, EditScores):
         if hook.calls is not None and fresh:
-            flagged = hook.uniform_rows
-            skipped = torch.as_tensor(bool(flagged)) if isinstance(flagged, bool) else flagged.any().cpu()
+            skipped = torch.as_tensor(hook.uniform_rows).any()  # stays where the flag is: no host sync
             hook.calls[0] = hook.calls[0] + skipped.long()
             hook.calls[1] = hook.calls[1] + 1
         if uniform is not None:

@@ -75,6 +75,7 @@ class ADDropTrainerMixin:
         )
         if gold_wanted and labels is None:
             raise ValueError("ADDropConfig.labels='gold' needs `labels` in every training batch")
+
         def multi_label(logits):
             # As transformers decides it: the config says so, or float labels shaped like the logits.
             return getattr(config, "problem_type", None) == "multi_label_classification" or (

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import transformers
 
+from ..core.attention import zero_counts
 from ..core.controller import RegularizationController
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from ..core.options import named_by_field, one_regularizer
@@ -62,7 +63,7 @@ class AttnRegTrainerMixin:
     def _attn_reg_reset(self) -> None:
         # dropped / valid units, or skipped / selected layer calls, counted by the kernel as it
         # applies them; tensors, so that a compiled model adds to them without a guard on their value
-        self._attn_reg_counts: List[Any] = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+        self._attn_reg_counts: List[Any] = zero_counts()
         self._attn_reg_hooked_steps = 0  # training forwards that had at least one hook set
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -208,7 +208,8 @@ def _run_recorded(module, inputs, attention_modules) -> Tuple[List[torch.Tensor]
     per_call: List[Tuple[torch.nn.Module, torch.Tensor]] = []
 
     def record(mod, _args, out):
-        per_call.append((mod, _floats(out)[0].detach().clone() if _floats(out) else None))
+        tensors = _floats(out)
+        per_call.append((mod, tensors[0].detach().clone() if tensors else None))
 
     handles = [m.register_forward_hook(record) for m in attention_modules]
     try:
@@ -236,14 +237,22 @@ def _first_difference(reference, candidate, paths) -> Optional[Tuple[str, float,
     return None
 
 
-def _check_equivalent(model, controller, probed, inputs, attention_modules, configs, before, implementation) -> None:
+def _check_equivalent(model, controller, probed, inputs, attention_modules, paths, configs, before,
+                      implementation) -> None:
     """Refuse a model whose outputs change when its attention runs through the plugin: the idle
     path (transformers' sdpa) against the model's own implementation, and the kernel path with a
     hook that edits nothing against the idle path. Both on the probe input."""
     from ..core.attention import EditScores
 
     name = f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')})"
-    paths = {id(m): p for p, m in model.named_modules()}
+
+    def refuse_if_different(reference, candidate, what: str, why: str) -> None:
+        found = _first_difference(reference, candidate, paths)
+        if found is not None:
+            where, diff, tol = found
+            raise ValueError(f"{name}: {what} (max |difference| {diff:.3g} > {tol:.3g} at {where}, probe input, "
+                             f"eval mode): {why}")
+
     with _eval_mode(model):
         idle = _run_recorded(probed, inputs, attention_modules)
         own = set(before.values()) - {implementation}  # empty: installed before (the Attacker is a copy)
@@ -255,26 +264,16 @@ def _check_equivalent(model, controller, probed, inputs, attention_modules, conf
             finally:
                 for config in configs.values():
                     config._attn_implementation = implementation
-            found = _first_difference(stock, idle, paths)
-            if found is not None:
-                where, diff, tol = found
-                raise ValueError(
-                    f"{name}: routing attention through attn_reg_plugin changes this model's forward (max |difference| "
-                    f"{diff:.3g} > {tol:.3g} at {where}, probe input, eval mode): its attention implementation "
-                    f"{sorted(own)} computes something transformers' sdpa does not. Refused, to leave no forward "
-                    "silently changed; the README lists the supported families")
+            refuse_if_different(stock, idle, "routing attention through attn_reg_plugin changes this model's forward",
+                                f"its attention implementation {sorted(own)} computes something transformers' sdpa does "
+                                "not. Refused, to leave no forward silently changed; the README lists the supported families")
         try:
             with controller.hooks({site: EditScores() for site in controller.sites}):
                 active = _run_recorded(probed, inputs, attention_modules)
         except NotImplementedError as err:
             raise ValueError(f"{name}: the regularized attention cannot run this model: {err}") from None
-        found = _first_difference(idle, active, paths)
-        if found is not None:
-            where, diff, tol = found
-            raise ValueError(
-                f"{name}: attn_reg_plugin's regularized kernel does not reproduce this model's attention with nothing "
-                f"dropped (max |difference| {diff:.3g} > {tol:.3g} at {where}). Refused: every regularized step would "
-                "change more than the regularizer")
+        refuse_if_different(idle, active, "attn_reg_plugin's regularized kernel does not reproduce this model's attention "
+                            "with nothing dropped", "refused: every regularized step would change more than the regularizer")
 
 
 def install_attention_sites(model: torch.nn.Module, controller: RegularizationController,
@@ -342,11 +341,17 @@ def _install(model, controller, configs, before, implementation) -> List[Tuple[s
         found.append((paths.get(id(module), type(module).__name__), site))
     attention_modules = list({id(m): m for m, *_ in calls}.values())
     shared = [m for m in attention_modules if len(m.attn_reg_sites) > 1]
+    reset = None
     if shared:
         for module in shared:
             module.attn_reg_calls = 0
-        probed.register_forward_pre_hook(_reset_call_counts(shared))
-    _check_equivalent(model, own, probed, inputs, attention_modules, configs, before, implementation)
+        reset = probed.register_forward_pre_hook(_reset_call_counts(shared))
+    try:
+        _check_equivalent(model, own, probed, inputs, attention_modules, paths, configs, before, implementation)
+    except ValueError:
+        if reset is not None:  # a refused model is left as it was
+            reset.remove()
+        raise
     for site in own.sites:
         controller.add(site)
     logger.info("attn_reg: %s attention sites: %s", name,

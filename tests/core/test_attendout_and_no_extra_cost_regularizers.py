@@ -16,7 +16,7 @@ from attn_reg_plugin.core.attendout import (
     reinforce_loss,
     win_probability,
 )
-from attn_reg_plugin.core.attention import EditScores, attend
+from attn_reg_plugin.core.attention import EditScores, attend, zero_counts
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig, parse_schedules, schedule_value
@@ -309,7 +309,7 @@ def test_layerdrop_p1_gives_exactly_uniform_attention_and_p0_changes_nothing():
     assert torch.allclose(out[1], v[1, :, :3].mean(dim=1, keepdim=True).expand(2, 3, 4), atol=1e-6)
     # p = 0: every selected layer gets a flag (one compiled graph whatever is skipped), none set,
     # and the output is ordinary attention
-    calls = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+    calls = zero_counts()
     hooks = AttentionLayerDrop(AttentionLayerDropConfig(p=0.0), controller).hooks(calls)
     assert list(hooks) == [site]
     with controller.hooks(hooks):
@@ -328,7 +328,7 @@ def test_layerdrop_skips_layers_at_rate_p():
 def test_layerdrop_rate_is_counted_by_the_kernel_not_by_the_draws():
     """A hook that never reaches the kernel (the site is not called) counts nothing."""
     controller = controller_with_sites({"encoder-self": 2})
-    calls = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+    calls = zero_counts()
     q = k = v = torch.randn(1, 1, 3, 4)
     with controller.hooks(AttentionLayerDrop(AttentionLayerDropConfig(p=1.0), controller).hooks(calls)):
         attend(q, k, v, site=controller.sites[0])  # only layer 0 attends

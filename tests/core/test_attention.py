@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attn_reg_plugin.core.attention import EditScores, attend
+from attn_reg_plugin.core.attention import EditScores, attend, zero_counts
 from attn_reg_plugin.core.controller import AttentionSite
 from attn_reg_plugin.core.masks import ad_drop_masks
 from helpers import FLOAT_DTYPES, site_with_hook
@@ -116,7 +116,7 @@ def test_attend_drop_callable_gets_validity_and_stats_count():
         seen.append(valid_arg)
         return (torch.arange(7) == 0).view(1, 1, 1, 7).expand(2, 3, 5, 7)
 
-    stats = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+    stats = zero_counts()
     out, _ = attend(q, k, v, bias, site=site_with_hook(EditScores(drop=drop_fn, stats=stats)))
     assert len(seen) == 1 and torch.equal(seen[0].expand(2, 3, 5, 7), valid.expand(2, 3, 5, 7))
     assert torch.allclose(out.double(), _reference(q, k, v, valid & (torch.arange(7) != 0))[0], atol=1e-5)
@@ -156,7 +156,7 @@ def test_edit_stats_count_every_head_and_callable_sees_full_shape():
     q = k = v = torch.randn(2, 3, 4, 4)
     shared = torch.zeros(2, 1, 4, 4, dtype=torch.bool)
     shared[:, :, :, 1] = True
-    counts = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+    counts = zero_counts()
     site = AttentionSite("encoder-self", 0, hook=EditScores(drop=shared, stats=counts))
     attend(q, k, v, site=site)
     assert counts[0].item() == 2 * 3 * 4 and counts[1].item() == 2 * 3 * 4 * 4

@@ -14,7 +14,7 @@ import torch
 from attn_reg_plugin.core import ad_drop as ad_drop_module
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attendout.game import AttendOut as AttendOutGame
-from attn_reg_plugin.core.attention import EditScores
+from attn_reg_plugin.core.attention import EditScores, zero_counts
 from attn_reg_plugin.core.attribution import token_loss_target
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.hf import install_attention_sites
@@ -243,7 +243,7 @@ def test_every_attribution_and_the_no_extra_cost_regularizers_train(family):
     with controller.hooks(sched.hooks(update=0)):
         assert not torch.allclose(step(lambda: ours(**inputs).logits), plain)
     layerdrop = AttentionLayerDrop(AttentionLayerDropConfig(p=1.0, attention=kinds), controller)
-    calls = [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+    calls = zero_counts()
     with controller.hooks(layerdrop.hooks(calls)):
         assert not torch.allclose(step(lambda: ours(**inputs).logits), plain)
     # counted by the kernel: every selected layer was called and skipped

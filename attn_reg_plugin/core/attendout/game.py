@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..attention import EditScores
+from ..attention import EditScores, zero_counts
 from ..controller import AttentionSite, RegularizationController
 from ..distributed import all_reduce_mean_
 from .config import AttendOutConfig
@@ -56,11 +56,7 @@ class AttendOut:
         self._prob_batches = 0
         self._update_probs: List[torch.Tensor] = []  # this update's batches' probabilities (for discard_update)
         self.last_drop_probabilities: Optional[torch.Tensor] = None
-        self._applied = self._zero_counts()  # [dropped, valid] units the kernel applied this dropout step
-
-    @staticmethod
-    def _zero_counts() -> List[torch.Tensor]:
-        return [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+        self._applied = zero_counts()  # [dropped, valid] units the kernel applied this dropout step
 
     def site_names(self) -> List[str]:
         return [f"{s.kind}.{s.layer}" for s in self.sites]
@@ -162,7 +158,7 @@ class AttendOut:
         self.cache.clear()
         self.update_in_step = 0
         self._prob_sums, self._prob_batches, self._update_probs = None, 0, []
-        self._applied = self._zero_counts()
+        self._applied = zero_counts()
         self.dropout_steps_done += 1
         return stats
 
