@@ -13,13 +13,13 @@ settings.register_profile("default", max_examples=150, deadline=None, suppress_h
 settings.register_profile("thorough", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-from helpers import CORPUS, MOVIE_REVIEWS_TINY, PLUGIN_DIR, RESUMABLE, TRAIN_ARGS, run_cli, train_updates
+from helpers import CORPUS, MOVIE_REVIEWS_TINY, USER_DIR, RESUMABLE, TRAIN_ARGS, run_cli, train_updates
 
 
 @pytest.fixture(scope="session")
 def tiny_mt_data(tmp_path_factory):
     """120/40/40 pairs of the shipped corpus, sentencepiece'd and binarized by fairseq-preprocess."""
-    from attn_reg_plugin.experiments import mt_pipeline as mt
+    from attn_reg_plugin.prepare import prepare
 
     root = tmp_path_factory.mktemp("tiny_mt")
     raw = root / "raw"
@@ -29,7 +29,7 @@ def tiny_mt_data(tmp_path_factory):
         for lang in ("en", "ro"):
             lines = (CORPUS / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(keepends=True)[:n]
             (raw / f"{split}.{lang}").write_text("".join(lines), encoding="utf-8")
-    data_bin = mt.prepare_data(raw, root, "en", "ro", vocab_size=300, log=lambda s: None)
+    data_bin = prepare("en", "ro", {split: raw / split for split in sizes}, root, vocab_size=300, log=lambda s: None)
     return {"raw": raw, "bin": data_bin, "root": root}
 
 
@@ -84,7 +84,7 @@ def reference_runs(tiny_mt_data, tmp_path_factory):
     def get(name):
         if name not in runs:
             save = tmp_path_factory.mktemp(f"{name}_run")
-            proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", save,
+            proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--save-dir", save,
                                              *TRAIN_ARGS[name], *RESUMABLE, "--max-epoch", "3"])
             runs[name] = {"save": save, "log": proc.stdout, "updates": train_updates(proc.stdout)}
         return runs[name]

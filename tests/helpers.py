@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from attn_reg_plugin.user_dir import FAIRSEQ_USER_DIR
+
 REPO = Path(__file__).resolve().parents[1]
-PLUGIN_DIR = REPO / "attn_reg_plugin"
+PLUGIN_DIR = REPO / "attn_reg_plugin"  # the checkout path as --user-dir: registers only if fairseq came first
+USER_DIR = FAIRSEQ_USER_DIR  # what the docs give --user-dir (attn-reg-user-dir): works in every import order
 CORPUS = REPO / "data" / "gettext_en_ro"
 VENV_BIN = Path(sys.executable).parent
 
@@ -51,12 +54,8 @@ def fairseq_setup(data_bin, extra):
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    # --user-dir imports the package only if it is not imported yet; when a core-only test
-    # imported it before fairseq, its fairseq parts must be registered explicitly.
-    import attn_reg_plugin.fairseq_plugin  # noqa: F401
-
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [str(data_bin), "--user-dir", str(PLUGIN_DIR), "--cpu", *extra])
+    args = options.parse_args_and_arch(parser, [str(data_bin), "--user-dir", USER_DIR, "--cpu", *extra])
     cfg = convert_namespace_to_omegaconf(args)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)

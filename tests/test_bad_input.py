@@ -15,7 +15,7 @@ from typing import Callable, List, Optional
 
 import pytest
 
-from helpers import PLUGIN_DIR, REPO, TINY_TRANSFORMER, fairseq_setup, run_cli
+from helpers import USER_DIR, REPO, TINY_TRANSFORMER, fairseq_setup, run_cli
 
 INTERVAL = "{opt} must be in the open interval (0, 1), got {got}"
 KINDS = "encoder-self, decoder-self, encoder-decoder"
@@ -262,7 +262,7 @@ def test_fairseq_ad_drop_criterion_needs_an_attn_reg_task(tiny_mt_data):
 
 def test_fairseq_train_stops_before_training(tiny_mt_data, tmp_path):
     """The real CLI: a bad value ends fairseq-train before the first epoch and writes nothing."""
-    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", tmp_path, "--cpu",
+    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--save-dir", tmp_path, "--cpu",
                                      "--task", "attn_reg_translation", *TINY_TRANSFORMER, *REGULARIZERS[0].fairseq_args,
                                      "--optimizer", "adam", "--max-tokens", "500", "--max-epoch", "1",
                                      "--ad-drop-layers", "0,7"], expect_ok=False)

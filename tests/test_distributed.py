@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from helpers import PLUGIN_DIR, REPO, TRAIN_ARGS, VENV_BIN, train_updates  # noqa: E402
+from helpers import USER_DIR, REPO, TRAIN_ARGS, VENV_BIN, train_updates  # noqa: E402
 
 WORLD = 2
 UPDATES_PER_EPOCH = 6  # 12 batches of the tiny corpus shared by 2 ranks
@@ -39,7 +39,7 @@ def _fairseq_ranks(data_bin, save, extra, max_epoch, regularizer="ad_drop", time
     procs, logs = [], []
     for rank in range(WORLD):
         log = open(save.parent / f"{save.name}-rank{rank}-epoch{max_epoch}.log", "w+")
-        cmd = [sys.executable, str(REPO / "tests" / "fairseq_rank.py"), str(data_bin), "--user-dir", str(PLUGIN_DIR),
+        cmd = [sys.executable, str(REPO / "tests" / "fairseq_rank.py"), str(data_bin), "--user-dir", USER_DIR,
                "--save-dir", str(save), *TRAIN_ARGS[regularizer], "--max-epoch", str(max_epoch),
                "--distributed-world-size", str(WORLD), "--distributed-rank", str(rank), "--distributed-no-spawn",
                "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-backend", "gloo", *extra]

@@ -18,7 +18,7 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from helpers import (PLUGIN_DIR, TINY_TRANSFORMER, classifier_rows, cpu_fp16, run_cli, tiny_bert_classifier,
+from helpers import (USER_DIR, TINY_TRANSFORMER, classifier_rows, cpu_fp16, run_cli, tiny_bert_classifier,
                       train_updates)
 
 pytestmark = pytest.mark.gpu
@@ -50,7 +50,7 @@ def test_fairseq_precision(tiny_mt_data, tmp_path, regularizer, precision):
     if not (CUDA or on_cpu):
         pytest.skip(f"fairseq {' '.join(flags)} needs CUDA")
     device = [] if CUDA else ["--cpu"]
-    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", tmp_path, *device,
+    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--save-dir", tmp_path, *device,
                                      "--task", "attn_reg_translation", *TINY_TRANSFORMER,
                                      *FAIRSEQ_REGULARIZER[regularizer], "--optimizer", "adam", "--lr", "1e-3",
                                      "--max-tokens", "500", "--max-update", "6", "--seed", "2", "--no-save",

@@ -15,14 +15,14 @@ Masks for ``"attn_reg"`` are built by the same function as for ``"sdpa"`` (regis
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..core.attention import attend
-from ..core.controller import AttentionSite
+from ..core.controller import AttentionSite, RegularizationController
 from ..core.masks import mask_fill_value
-from .sites import site_of_call
+from .sites import route_attention_calls, site_of_call
 
 ATTN_IMPLEMENTATION = "attn_reg"
 
@@ -109,8 +109,12 @@ def register_attn_reg() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
-def install_attention_sites(model, controller):
-    """See :func:`attn_reg_plugin.hf.sites.install_attention_sites` (sites found by their calls)."""
-    from .sites import install_attention_sites as install
+def install_attention_sites(model, controller: RegularizationController) -> List[Tuple[str, AttentionSite]]:
+    """Route every attention call of the transformers ``model`` through the kernel, one site each.
 
-    return install(model, controller, ATTN_IMPLEMENTATION)
+    Sites are found by watching one probe forward (:mod:`.sites`); the model is switched to
+    ``attn_implementation="attn_reg"`` only if that leaves its outputs unchanged with nothing
+    dropped. Returns ``(module path, site)`` pairs in forward order.
+    """
+    register_attn_reg()
+    return route_attention_calls(model, controller, ATTN_IMPLEMENTATION)

@@ -3,7 +3,7 @@
 transformers' attention modules call ``ALL_ATTENTION_FUNCTIONS[...](module, query, key, ...)``,
 so the attention function sees every module that attends, whatever its class or attribute
 names (BERT's ``query``, GPT-2's fused ``c_attn``, ModernBERT's ``Wqkv``, T5's ``q``).
-:func:`install_attention_sites` runs one probe forward on a short input (encoder and decoder
+:func:`route_attention_calls` runs one probe forward on a short input (encoder and decoder
 inputs of different lengths) with the recorder on, and gives each call a site:
 
 * kind: a call whose keys are as long as the encoder input while its queries are as long as the
@@ -147,7 +147,7 @@ def _reset_call_counts(modules):
 
 
 def installed_sites(model: torch.nn.Module) -> List[Tuple[str, AttentionSite]]:
-    """The ``(module path, site)`` pairs the model's modules hold now, as :func:`install_attention_sites` returned them."""
+    """The ``(module path, site)`` pairs the model's modules hold now, as :func:`route_attention_calls` returned them."""
     return [(path, site) for path, module in model.named_modules() for site in module.__dict__.get("attn_reg_sites", [])]
 
 
@@ -276,17 +276,15 @@ def _check_equivalent(model, controller, probed, inputs, attention_modules, path
                             "with nothing dropped", "refused: every regularized step would change more than the regularizer")
 
 
-def install_attention_sites(model: torch.nn.Module, controller: RegularizationController,
-                            implementation: str = "attn_reg") -> List[Tuple[str, AttentionSite]]:
-    """Give each attention call of ``model`` a site and switch the model to ``implementation``.
+def route_attention_calls(model: torch.nn.Module, controller: RegularizationController,
+                          implementation: str) -> List[Tuple[str, AttentionSite]]:
+    """Give each attention call of ``model`` a site and switch the model to ``implementation``
+    (an attention function already registered with transformers, whose calls ask :func:`site_of_call`).
 
     Returns ``(module path, site)`` pairs in forward order. Raises, naming the model, when no call
     reaches transformers' AttentionInterface, or when the switch changes the model's outputs on the
     probe input (:func:`_check_equivalent`); the model is then left as it was.
     """
-    from .attention import register_attn_reg
-
-    register_attn_reg()
     name = type(model).__name__
     if not hasattr(getattr(model, "config", None), "_attn_implementation"):
         raise ValueError(f"no attention module routed through transformers' AttentionInterface was found in {name}: "

@@ -31,7 +31,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-from attn_reg_plugin.experiments.example_support import (
+from attn_reg_lab.example_support import (
     add_ad_drop_options, check_common_args, hf_trainer, read_jsonl, train_and_log,
 )
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-from attn_reg_plugin.experiments.example_support import read_parallel
+from attn_reg_lab.example_support import read_parallel
 
 
 def build(out: Path, data: Path, src: str, tgt: str, train_lines: int = 2000, vocab_size: int = 1000, d_model: int = 64,

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-from attn_reg_plugin.experiments.example_support import (
+from attn_reg_lab.example_support import (
     add_ad_drop_options, check_common_args, hf_trainer, mean_ad_drop_rate, read_parallel, train_and_log,
 )
 

@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from attn_reg_plugin.experiments import mt_pipeline as mt
+from attn_reg_lab import mt_pipeline as mt
 
 # The paper's AD-DROP hyper-parameters per pair (Appendix A, OPUS-MT fine-tuning).
 PAIRS = {

@@ -170,3 +170,88 @@ def test_edit_stats_count_every_head_and_callable_sees_full_shape():
     site.hook = EditScores(drop=draw)
     attend(q, k, v, bias=torch.zeros(2, 1, 1, 4), site=site)
     assert seen == [torch.Size([2, 3, 4, 4])]
+
+
+# ---------------------------------------------------------------- the ordinary (idle) fast path
+
+
+def _idle_cases(dtype):
+    """Masks an idle call gets: none, bool, float -inf padding, and left-padded causal rows with no
+    valid key, as bool, as -inf and as transformers' finite fill (the dtype's minimum)."""
+    keys = torch.tensor([[True] * 6, [False, False, True, True, True, True]])
+    valid = keys[:, None, None, :] & torch.ones(6, 6, dtype=torch.bool).tril()  # rows 0-1 of sample 1: no key
+    padding = keys[:, None, None, :]
+    return {
+        "no bias": (None, torch.ones(1, 1, 1, 6, dtype=torch.bool)),
+        "bool padding": (padding, padding),
+        "-inf padding": (torch.zeros(padding.shape, dtype=dtype).masked_fill(~padding, float("-inf")), padding),
+        "bool keyless rows": (valid, valid),
+        "-inf keyless rows": (torch.zeros(valid.shape, dtype=dtype).masked_fill(~valid, float("-inf")), valid),
+        "finite keyless rows": (torch.zeros(valid.shape, dtype=dtype).masked_fill(~valid, torch.finfo(dtype).min),
+                                valid),
+    }
+
+
+def _output_and_grads(q0, k0, v0, bias, upstream, **kwargs):
+    q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+    torch.manual_seed(7)  # the same dropout draws in every path
+    out, _ = attend(q, k, v, bias, **kwargs)
+    (out.float() * upstream).sum().backward()
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(_idle_cases(torch.float32)))
+def test_idle_call_equals_the_explicit_softmax_path(dtype, case):
+    """Forward and gradient of an idle call (no site, or a site without hook) against softmax in
+    float64 over the valid keys; a row with no valid key gives 0 and sends no gradient."""
+    bias, valid = _idle_cases(dtype)[case]
+    q0, k0, v0 = _qkv(B=2, H=2, T=6, S=6, d=8, dtype=dtype, seed=3)
+    upstream = torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(4))
+    ref_q, ref_k, ref_v = (t.double().clone().requires_grad_() for t in (q0, k0, v0))
+    scores = (ref_q @ ref_k.transpose(-2, -1)) * 8 ** -0.5
+    ref_out = torch.softmax(scores.masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0) @ ref_v  # keyless: 0
+    (ref_out * upstream.double()).sum().backward()
+    tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}[dtype]
+    for site in (None, site_with_hook(None)):
+        got = _output_and_grads(q0, k0, v0, bias, upstream, site=site)
+        for mine, want in zip(got, [ref_out.detach(), ref_q.grad, ref_k.grad, ref_v.grad]):
+            torch.testing.assert_close(mine.double(), want, atol=tol * 4, rtol=tol * 4)
+        keyless = ~valid.expand(2, 2, 6, 6).any(-1)
+        assert (got[0][keyless] == 0).all() and (got[1][keyless] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(_idle_cases(torch.float32)))
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_idle_fast_path_is_the_prepared_path_bit_for_bit(dtype, case, dropout_p, monkeypatch):
+    """The fast path hands sdpa the mask almost as given; the prepared path (finite fill, keyless rows
+    zeroed afterwards, what every idle call ran before) gives the same bits, forward and backward,
+    dropout draws included."""
+    from attn_reg_plugin.core import attention
+
+    bias, _ = _idle_cases(dtype)[case]
+    q0, k0, v0 = _qkv(B=2, H=2, T=6, S=6, d=8, dtype=dtype, seed=5)
+    upstream = torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(6))
+    fast = _output_and_grads(q0, k0, v0, bias, upstream, dropout_p=dropout_p)
+    monkeypatch.setattr(attention, "_SDPA_ZEROES_EMPTY_ROWS", False)  # what torch < 2.5 runs
+    prepared = _output_and_grads(q0, k0, v0, bias, upstream, dropout_p=dropout_p)
+    for a, b in zip(fast, prepared):
+        assert torch.equal(a, b)
+
+
+def test_a_site_without_hook_forgets_its_last_edit_only_when_called():
+    """The adapters' query has no side effect; the call (the kernel's, or an adapter's stock path
+    through record_ordinary_call) makes the site forget the edit of an earlier pass, so a checkpoint
+    recompute of this ordinary call repeats nothing."""
+    from attn_reg_plugin.core.checkpointing import is_ordinary_call, record_ordinary_call
+
+    q, k, v = _qkv()
+    for forget in (lambda site: attend(q, k, v, site=site), record_ordinary_call):
+        site = site_with_hook(EditScores(drop=torch.zeros(1, 1, 1, 7, dtype=torch.bool)))
+        attend(q, k, v, site=site)
+        assert site.replay is not None and not is_ordinary_call(site)
+        site.hook = None
+        assert is_ordinary_call(site) and site.replay is not None  # asking changes nothing
+        forget(site)
+        assert site.replay is None

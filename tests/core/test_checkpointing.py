@@ -22,9 +22,9 @@ def test_records_keep_no_attribution_graph():
         # pass 1 is over: what the sites remember of it is an empty capture, no tensor
         for site in model.controller.sites:
             assert isinstance(site.replay.hook, CaptureOutput)
-            assert site.replay.hook.outputs == [] and site.replay.drop is None
+            assert site.replay.hook.outputs == [] and site.replay.edit.drop is None
         loss = model(x).sum()
-    assert all(isinstance(s.replay.hook, EditScores) and s.replay.drop is not None for s in model.controller.sites)
+    assert all(isinstance(s.replay.hook, EditScores) and s.replay.edit.drop is not None for s in model.controller.sites)
     loss.backward()
 
 

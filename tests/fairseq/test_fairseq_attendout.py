@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("fairseq")
 
 from helpers import (  # noqa: E402
-    PLUGIN_DIR, SENTENCE_PREDICTION_TOKENS, TINY_ROBERTA, TINY_TRANSFORMER, fairseq_setup, run_cli,
+    USER_DIR, SENTENCE_PREDICTION_TOKENS, TINY_ROBERTA, TINY_TRANSFORMER, fairseq_setup, run_cli,
 )
 
 BASE = ["--task", "attn_reg_translation", *TINY_TRANSFORMER,
@@ -30,7 +30,7 @@ def _updates(log: str):
 
 def test_attendout_trains_resumes_mid_dropout_step_identically_and_generates(tiny_mt_data, tmp_path):
     data = tiny_mt_data["bin"]
-    common = [data, "--user-dir", PLUGIN_DIR, *BASE, *ATTENDOUT]
+    common = [data, "--user-dir", USER_DIR, *BASE, *ATTENDOUT]
     full_log = tmp_path / "full.jsonl"
     full = run_cli("fairseq-train", [*common, "--max-update", "10", "--save-dir", tmp_path / "full",
                                      "--attendout-log-file", full_log])
@@ -57,14 +57,14 @@ def test_attendout_trains_resumes_mid_dropout_step_identically_and_generates(tin
 
     state = torch.load(tmp_path / "full" / "checkpoint_last.pt", weights_only=True)
     assert "AttnRegTranslationTask" in state["extra_state"]
-    gen = run_cli("fairseq-generate", [data, "--user-dir", PLUGIN_DIR, "--path", tmp_path / "full" / "checkpoint_last.pt",
+    gen = run_cli("fairseq-generate", [data, "--user-dir", USER_DIR, "--path", tmp_path / "full" / "checkpoint_last.pt",
                                        "--required-batch-size-multiple", "1", "--cpu", "--beam", "2", "--max-len-b", "10"])
     assert len(re.findall(r"^D-\d+\t", gen.stdout, flags=re.M)) == 40
 
 
 def test_attendout_sentence_prediction_resumes_mid_dropout_step_identically(tiny_sp_data, tmp_path):
     """The classifier wrapper: the Generator reads the sentence, held-out losses are per-sample CE."""
-    common = [tiny_sp_data["cls"], "--user-dir", PLUGIN_DIR, "--task", "attn_reg_sentence_prediction", *TINY_ROBERTA,
+    common = [tiny_sp_data["cls"], "--user-dir", USER_DIR, "--task", "attn_reg_sentence_prediction", *TINY_ROBERTA,
               *SENTENCE_PREDICTION_TOKENS, "--criterion", "sentence_prediction", "--num-classes", "2",
               "--batch-size", "8", "--optimizer", "adam", "--lr", "1e-3", "--cpu", "--seed", "2",
               "--no-progress-bar", "--log-format", "json", "--log-interval", "1", "--no-epoch-checkpoints",
@@ -154,7 +154,7 @@ def test_ad_drop_criterion_cannot_be_combined_with_a_task_regularizer(tiny_mt_da
      "--attendout-valid-subset 'nosuch' cannot be loaded: Dataset not found: nosuch", "num_updates"),
 ])
 def test_bad_attendout_option_stops_the_cli_before_training(tiny_mt_data, tmp_path, extra, message, not_reached):
-    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, *BASE, "--attendout", *extra,
+    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", USER_DIR, *BASE, "--attendout", *extra,
                                      "--save-dir", tmp_path], expect_ok=False)
     assert proc.returncode != 0
     assert message in proc.stdout

@@ -1,4 +1,5 @@
 """End to end through the real fairseq CLIs on tiny data: preprocess -> train -> generate."""
+import os
 import re
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from helpers import REPO, PLUGIN_DIR, TINY_TRANSFORMER, run_cli, train_epoch_stats  # noqa: E402
+from helpers import REPO, USER_DIR, TINY_TRANSFORMER, run_cli, train_epoch_stats  # noqa: E402
 
 AD_DROP = ["--task", "attn_reg_translation", *TINY_TRANSFORMER,
            "--criterion", "ad_drop_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
@@ -17,7 +18,7 @@ AD_DROP = ["--task", "attn_reg_translation", *TINY_TRANSFORMER,
 
 def test_train_cross_tuning_generate_and_resume(tiny_mt_data, tmp_path):
     save = tmp_path / "ckpt"
-    first = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", save,
+    first = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--save-dir", save,
                                       *AD_DROP, "--max-epoch", "2"])
     stats = train_epoch_stats(first.stdout)
     assert set(stats) == {1, 2}
@@ -28,7 +29,7 @@ def test_train_cross_tuning_generate_and_resume(tiny_mt_data, tmp_path):
     assert "nan" not in first.stdout.lower().replace("nan_", "")
 
     # Resume from checkpoint_last: epoch 3 continues the count and is a plain epoch again.
-    second = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--save-dir", save,
+    second = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--save-dir", save,
                                        *AD_DROP, "--max-epoch", "3"])
     assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch 3 @ [1-9]\d* updates\)", second.stdout)
     stats = train_epoch_stats(second.stdout)
@@ -41,34 +42,121 @@ def test_train_cross_tuning_generate_and_resume(tiny_mt_data, tmp_path):
     state = torch.load(save / "checkpoint_last.pt", weights_only=True)
     assert "encoder.layers.0.self_attn.q_proj.weight" in state["model"]
 
-    gen = run_cli("fairseq-generate", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--path", save / "checkpoint_last.pt",
+    gen = run_cli("fairseq-generate", [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--path", save / "checkpoint_last.pt",
                                        "--scoring", "sacrebleu", "--required-batch-size-multiple", "1", "--cpu",
                                        "--beam", "2", "--max-len-b", "20", "--remove-bpe", "sentencepiece"])
     assert re.search(r"Generate test with beam=2: BLEU = \d+\.\d+", gen.stdout)
     assert len(re.findall(r"^D-\d+\t", gen.stdout, flags=re.M)) == 40  # no sentence lost
 
 
-# The two fairseq-hydra-train recipes of examples/hydra, shrunk to the tiny model and data on the
-# command line (the yaml's own settings are the WMT16-sized ones).
-# ("++": the arch's fields join the config only once fairseq merges its dataclass.)
+def documented_command(path, starts_with):
+    """The shell command a doc shows (its first line starting with ``starts_with``, joined with its
+    backslash continuations), comment markers and indentation removed."""
+    lines = [line.lstrip("# ").rstrip() for line in path.read_text(encoding="utf-8").splitlines()]
+    first = next(i for i, line in enumerate(lines) if line.startswith(starts_with))
+    command = []
+    for line in lines[first:]:
+        command.append(line.rstrip("\\").strip())
+        if not line.endswith("\\"):
+            break
+    return " ".join(command)
+
+
+# The overrides the recipes document for a machine without CUDA, and the tiny model and data
+# (the yaml's own sizes are WMT16's); every key is overridden as written, no hydra '+'.
 HYDRA_TINY = [
-    "++model.encoder_layers=2", "++model.decoder_layers=2", "++model.encoder_embed_dim=16",
-    "++model.decoder_embed_dim=16", "++model.encoder_ffn_embed_dim=32", "++model.decoder_ffn_embed_dim=32",
-    "++model.encoder_attention_heads=2", "++model.decoder_attention_heads=2", "common.fp16=false", "common.cpu=true", "common.log_interval=1",
+    "common.cpu=true", "model.encoder_layers=2", "model.decoder_layers=2", "model.encoder_embed_dim=16",
+    "model.decoder_embed_dim=16", "model.encoder_ffn_embed_dim=32", "model.decoder_ffn_embed_dim=32",
+    "model.encoder_attention_heads=2", "model.decoder_attention_heads=2", "common.log_interval=1",
     "common.seed=3", "dataset.max_tokens=500", "optimization.max_update=4", "checkpoint.no_save=true",
 ]
 
 
 @pytest.mark.parametrize("recipe,key", [("ad_drop_transformer", "ad_drop_rate"),
                                         ("attendout_transformer", "attendout_attacker_loss")])
-def test_hydra_recipes_train(tiny_mt_data, tmp_path, recipe, key):
-    proc = run_cli("fairseq-hydra-train", [
-        "--config-dir", REPO / "examples" / "hydra", "--config-name", recipe, f"task.data={tiny_mt_data['bin']}",
-        f"common.user_dir={PLUGIN_DIR}", f"checkpoint.save_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path}",
-        "task.attendout_dropout_step=2" if recipe.startswith("attendout") else "criterion.ad_drop_schedule=always",
-        *HYDRA_TINY], cwd=tmp_path)
+def test_hydra_recipes_train_as_documented(tiny_mt_data, tmp_path, recipe, key):
+    """The command line in the recipe's header, run by bash from the repository root with DATA_BIN
+    and the checkpoint folder pointed at the tiny run, plus the documented CPU override."""
+    import shlex
+    import subprocess
+
+    from helpers import VENV_BIN
+
+    command = documented_command(REPO / "examples" / "hydra" / f"{recipe}.yaml", "fairseq-hydra-train")
+    assert "$(attn-reg-user-dir)" in command and "$PWD/DATA_BIN" in command
+    command = command.replace("$PWD/DATA_BIN", str(tiny_mt_data["bin"])).replace("$PWD/checkpoints", str(tmp_path / "ckpt"))
+    extra = [f"hydra.run.dir={tmp_path}", *HYDRA_TINY,
+             "task.attendout_dropout_step=2" if recipe.startswith("attendout") else "criterion.ad_drop_schedule=always"]
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", "-c", command + " " + " ".join(map(shlex.quote, extra))], cwd=REPO, env=env,
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "[en] dictionary" in proc.stdout and "[ro] dictionary" in proc.stdout  # the pair, read from the data-bin
     updates = re.findall(r"\[train_inner\]\[INFO\] - (\{.*\})", proc.stdout)  # hydra's log format
     assert len(updates) == 4, proc.stdout[-3000:]
     assert all(f'"{key}"' in u for u in updates)
     if recipe.startswith("attendout"):
         assert "AttendOut dropout step 2 (update 4)" in proc.stdout
+
+
+def readme_block(heading):
+    """The first ```bash block under ``heading`` in the README."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text[text.index(heading):]
+    return section[section.index("```bash\n") + len("```bash\n"):section.index("\n```", section.index("```bash"))]
+
+
+def _run_readme_quick_start(cwd, substitutions):
+    import subprocess
+
+    from helpers import VENV_BIN
+
+    block = readme_block("## Quick start: fairseq CLI")
+    for old, new in substitutions.items():
+        assert old in block, old
+        block = block.replace(old, new)
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    stats = train_epoch_stats(proc.stdout)
+    assert set(stats) == {1, 2} and stats[2]["ad_drop_on"] == "1"  # it stops, after a cross-tuned AD-DROP epoch
+    assert re.search(r"Generate test with beam=5: BLEU = \d+\.\d+", proc.stdout)
+    return proc
+
+
+def test_readme_fairseq_quick_start_runs_on_a_cut_of_the_corpus(tiny_mt_data, tmp_path):
+    """The README's commands as written, but on the 120-pair cut (and a vocabulary that fits it)."""
+    _run_readme_quick_start(tmp_path, {"data/gettext_en_ro/": f"{tiny_mt_data['raw']}/", "--vocab-size 2000": "--vocab-size 300"})
+
+
+@pytest.mark.slow
+def test_readme_fairseq_quick_start_runs_verbatim(tmp_path):
+    """Character for character, from a copy of the shipped data's folder layout (about 2 minutes)."""
+    (tmp_path / "data").symlink_to(REPO / "data")
+    _run_readme_quick_start(tmp_path, {})
+
+
+def test_registration_does_not_depend_on_import_order(tiny_mt_data, tmp_path):
+    """attn_reg_plugin imported before fairseq, then fairseq's own train entry point with the
+    documented --user-dir: the plugin's task and criterion are found (the checkout path as
+    --user-dir would be skipped here, since the package is already loaded)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+import attn_reg_plugin
+assert "fairseq" not in sys.modules
+from fairseq_cli import train
+sys.argv = ["fairseq-train", {str(tiny_mt_data['bin'])!r}, "--user-dir", {USER_DIR!r}, "--task", "attn_reg_translation",
+            *{TINY_TRANSFORMER!r}, "--criterion", "ad_drop_label_smoothed_cross_entropy", "--ad-drop-schedule", "always",
+            "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu", "--max-update", "2", "--no-save",
+            "--log-format", "simple", "--log-interval", "1"]
+train.cli_main()
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "ad_drop_rate" in proc.stdout

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from helpers import (PLUGIN_DIR, RESUMABLE, TRAIN_ARGS, UPDATES_PER_EPOCH, VENV_BIN, run_cli,  # noqa: E402
+from helpers import (USER_DIR, RESUMABLE, TRAIN_ARGS, UPDATES_PER_EPOCH, VENV_BIN, run_cli,  # noqa: E402
                       train_updates)
 
 KILL_AT = 14  # the first --save-interval-updates checkpoint: 2nd update of epoch 2 (AD-DROP)
@@ -40,7 +40,7 @@ def _compared(regularizer):
 
 
 def _train_cmd(data_bin, save, extra, regularizer="ad_drop"):
-    return [str(VENV_BIN / "fairseq-train"), str(data_bin), "--user-dir", str(PLUGIN_DIR), "--save-dir", str(save),
+    return [str(VENV_BIN / "fairseq-train"), str(data_bin), "--user-dir", USER_DIR, "--save-dir", str(save),
             *TRAIN_ARGS[regularizer], *extra, "--max-epoch", "3"]
 
 

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("fairseq")
 
 from helpers import (  # noqa: E402
-    PLUGIN_DIR, SENTENCE_PREDICTION_TOKENS, TINY_ROBERTA, fairseq_setup, run_cli, train_epoch_stats,
+    USER_DIR, SENTENCE_PREDICTION_TOKENS, TINY_ROBERTA, fairseq_setup, run_cli, train_epoch_stats,
 )
 
 P, Q = 0.3, 0.5
@@ -25,7 +25,7 @@ SELF_ATTN = ["encoder.sentence_encoder.layers.0.self_attn", "encoder.sentence_en
 
 
 def _train(data_bin, *extra):
-    proc = run_cli("fairseq-train", [data_bin, "--user-dir", PLUGIN_DIR, *CLI, *extra])
+    proc = run_cli("fairseq-train", [data_bin, "--user-dir", USER_DIR, *CLI, *extra])
     assert "nan" not in proc.stdout.lower().replace("nan_", "")
     return proc.stdout, train_epoch_stats(proc.stdout)
 
@@ -79,7 +79,7 @@ def test_cli_regression_ad_drop_epoch_with_find_unused_parameters(tiny_sp_data):
      r"attention kind 'encoder-decoder' was asked for, but this model has no such attention \(it has: encoder-self\)"),
 ])
 def test_cli_bad_option_fails_before_training(tiny_sp_data, tmp_path, flag, value, message):
-    proc = run_cli("fairseq-train", [tiny_sp_data["cls"], "--user-dir", PLUGIN_DIR, *CLI, "--num-classes", "2",
+    proc = run_cli("fairseq-train", [tiny_sp_data["cls"], "--user-dir", USER_DIR, *CLI, "--num-classes", "2",
                                      "--max-epoch", "1", flag, value], expect_ok=False)
     assert proc.returncode != 0
     assert re.search(message, proc.stdout), proc.stdout[-2000:]

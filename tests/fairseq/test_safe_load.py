@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("fairseq")
 
 import attn_reg_plugin.fairseq_plugin  # noqa: E402,F401  (the allow-list, as --user-dir installs it)
-from helpers import PLUGIN_DIR, run_cli  # noqa: E402
+from helpers import USER_DIR, run_cli  # noqa: E402
 
 
 class ShellPayload:
@@ -95,7 +95,7 @@ def test_distributed_resume_broadcast_loads_safely(ad_drop_run, tmp_path):
 @pytest.mark.slow
 def test_fairseq_generate_refuses_tampered_checkpoint(tiny_mt_data, ad_drop_run, tmp_path):
     path, marker = _tamper(ad_drop_run, tmp_path, "shell")
-    proc = run_cli("fairseq-generate", [tiny_mt_data["bin"], "--user-dir", PLUGIN_DIR, "--path", path, "--cpu",
+    proc = run_cli("fairseq-generate", [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--path", path, "--cpu",
                                         "--beam", "1", "--max-len-b", "5"], expect_ok=False)
     assert proc.returncode != 0
     assert "unsupported GLOBAL posix.system" in proc.stdout

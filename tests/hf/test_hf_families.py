@@ -1,4 +1,4 @@
-"""Every supported Hugging Face family (attn_reg_plugin.hf.families), on its tiny random config.
+"""Every supported Hugging Face family (attn_reg_lab.families), on its tiny random config.
 
 Per family: the sites found by watching the calls have the family's kinds and depths; with
 nothing active the outputs equal stock sdpa (with padding, and causal masks where the family
@@ -18,7 +18,7 @@ from attn_reg_plugin.core.attention import EditScores, zero_counts
 from attn_reg_plugin.core.attribution import token_loss_target
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.hf import install_attention_sites
-from attn_reg_plugin.hf.families import FAMILIES, REFUSED, build, families_table
+from attn_reg_lab.families import FAMILIES, REFUSED, build, families_table
 from helpers import REPO
 
 PADDED = 3  # the second row's last PADDED encoder (or causal-LM) tokens are padding

@@ -7,7 +7,7 @@ from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attribution import token_loss_target
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.hf import install_attention_sites
-from attn_reg_plugin.hf.families import FAMILIES, build
+from attn_reg_lab.families import FAMILIES, build
 
 peft = pytest.importorskip("peft")
 

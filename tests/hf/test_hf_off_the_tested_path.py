@@ -15,7 +15,7 @@ from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer, install_attention_sites
-from attn_reg_plugin.hf.families import FAMILIES, build
+from attn_reg_lab.families import FAMILIES, build
 from helpers import pad_collate, tiny_bert_classifier, token_data
 
 

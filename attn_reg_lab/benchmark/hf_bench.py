@@ -8,7 +8,7 @@ from typing import ContextManager, Iterator, Optional
 
 import torch
 
-from ..paths import TINY_REVIEWS as REVIEWS, require_minilm
+from ..paths import TINY_REVIEWS as REVIEWS, checkout_data, require_minilm
 from .measure import DTYPES, held_bytes
 from .variants import Step, idle_config
 
@@ -34,7 +34,7 @@ class HFBench:
         torch.manual_seed(opts.seed)
         self.model = transformers.AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=2, attn_implementation="sdpa").to(opts.device)
-        rows = [json.loads(line) for line in REVIEWS.read_text(encoding="utf-8").splitlines()]
+        rows = [json.loads(line) for line in checkout_data(REVIEWS, "a checkout (the tiny movie reviews)").read_text(encoding="utf-8").splitlines()]
 
         def batch(n: int) -> dict:
             picked = (rows * (n // len(rows) + 1))[:n]

@@ -21,7 +21,7 @@ import torch
 import transformers
 from torch._dynamo.utils import counters
 
-from .paths import MOVIE_REVIEWS, REPO, require_minilm
+from .paths import MOVIE_REVIEWS, checkout_data, require_minilm
 
 
 def minilm_path() -> str:
@@ -29,7 +29,7 @@ def minilm_path() -> str:
 
 
 def rows(tokenizer, split: str, n: int, length: int):
-    lines = (MOVIE_REVIEWS / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()[:n]
+    lines = (checkout_data(MOVIE_REVIEWS, "a checkout (the shipped movie reviews)") / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()[:n]
     out = []
     for line in lines:
         record = json.loads(line)
@@ -75,7 +75,7 @@ def measure(name: str, compiled: bool, opts, tokenizer) -> dict:
     counters.clear()
     extra = dict(torch_compile=True, torch_compile_backend=opts.backend) if compiled else {}
     args = transformers.TrainingArguments(
-        output_dir=str(REPO / "outputs" / "compile_benchmark" / name), use_cpu=True, report_to=[],
+        output_dir=str(Path("outputs") / "compile_benchmark" / name), use_cpu=True, report_to=[],
         max_steps=opts.steps, per_device_train_batch_size=opts.batch_size, logging_steps=opts.steps,
         save_strategy="no", seed=1, disable_tqdm=True, **extra)
     torch.manual_seed(0)

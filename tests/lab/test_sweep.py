@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from attn_reg_plugin.experiments import sweep
+from attn_reg_lab import sweep
 from helpers import MOVIE_REVIEWS_TINY as REVIEWS, minilm_path
 
 

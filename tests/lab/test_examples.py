@@ -34,19 +34,19 @@ def test_wmt16_rejects_embedded_newlines(tmp_path):
 
 
 def test_pipeline_refuses_mismatched_parallel_files(tmp_path):
-    from attn_reg_plugin.experiments import mt_pipeline as mt
+    from attn_reg_lab import mt_pipeline as mt
 
     for split in mt.SPLITS:
         (tmp_path / f"{split}.en").write_text("a\nb\n")
         (tmp_path / f"{split}.ro").write_text("a\nb\n")
     (tmp_path / "valid.ro").write_text("a\n")
     with pytest.raises(mt.CorpusError, match=r"valid\.en has 2 lines but .*valid\.ro has 1: .*valid\.en:2 has no counterpart"):
-        mt.check_parallel(tmp_path, "en", "ro")
+        mt.check_parallel({split: tmp_path / split for split in mt.SPLITS}, "en", "ro")
 
 
 def test_demo_quick_prints_the_table(tmp_path, capsys):
     """The main job's whole pipeline (spm, preprocess, 2x train, generate, sacrebleu, table) at toy size."""
-    from attn_reg_plugin.experiments import demo
+    from attn_reg_lab import demo
 
     assert demo.main(["--quick", "--epochs", "2", "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
@@ -66,7 +66,7 @@ def test_demo_quick_prints_the_table(tmp_path, capsys):
 
 
 def test_plot_attendout_reads_the_log_and_rejects_bad_lines(tmp_path):
-    from attn_reg_plugin.experiments import plot_attendout
+    from attn_reg_lab import plot_attendout
 
     log = tmp_path / "drop.jsonl"
     log.write_text('{"update": 20, "drop_prob": {"encoder-self.0": 0.2, "encoder-self.1": 0.3}}\n'

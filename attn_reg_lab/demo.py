@@ -24,7 +24,7 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.options import add_arguments
 
 from . import mt_pipeline as mt
-from .paths import MT_CORPUS as DEFAULT_DATA, REPO
+from .paths import MT_CORPUS as DEFAULT_DATA, checkout_data
 
 MODEL_ARGS = [
     "--task", "attn_reg_translation", "--arch", "transformer",
@@ -72,7 +72,7 @@ def subset_corpus(raw: Path, dest: Path, n_train: int) -> Path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder with {train,valid,test}.{en,ro} (default: the shipped corpus)")
-    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "demo", help="where everything is written")
+    ap.add_argument("--out", type=Path, default=Path("outputs") / "demo", help="where everything is written")
     ap.add_argument("--epochs", type=int, default=12, help="training epochs for each method (>= 2, so cross-tuning has an AD-DROP epoch)")
     ap.add_argument("--vocab-size", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=1)
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         shutil.rmtree(out)  # a rerun starts clean: fairseq would otherwise resume old checkpoints
     out.mkdir(parents=True)
     print(f"== attn_reg_plugin demo: EN->RO, {', '.join(methods)}; outputs in {out}", flush=True)
-    raw = args.data.resolve()
+    raw = checkout_data(args.data, "--data").resolve()
     model_args = MODEL_ARGS
     if args.quick:
         raw = subset_corpus(raw, out / "raw-subset", 400)

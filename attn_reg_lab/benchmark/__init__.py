@@ -32,7 +32,7 @@ criterion-based regularizer::
             {"fairseq": lambda b, w: b.train_step(my_criterion(b.task), epoch=1, batch=w)},
             time_target=2.2, mem_target=2.2)
 
-The runner, the table, the JSON and tests/experiments/test_benchmark.py need nothing else.
+The runner, the table, the JSON and tests/lab/test_benchmark.py need nothing else.
 
 Modules: :mod:`.variants` (what is measured), :mod:`.measure` (timing, memory, rows),
 :mod:`.fairseq_bench` and :mod:`.hf_bench` (the two workloads), :mod:`.profile` (where the extra

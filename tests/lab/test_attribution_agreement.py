@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from attn_reg_plugin.experiments import attribution_agreement as agreement
+from attn_reg_lab import attribution_agreement as agreement
 from helpers import MOVIE_REVIEWS_TINY, minilm_path
 
 

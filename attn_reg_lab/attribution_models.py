@@ -12,7 +12,7 @@ from pathlib import Path
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 
-from .paths import PLUGIN_DIR
+from attn_reg_plugin.user_dir import FAIRSEQ_USER_DIR
 
 
 def fairseq_translation(checkpoint: Path, data_bin: Path, device: str = "cpu"):
@@ -24,7 +24,7 @@ def fairseq_translation(checkpoint: Path, data_bin: Path, device: str = "cpu"):
     from attn_reg_plugin.fairseq_plugin.ad_drop_label_smoothed_cross_entropy import (
         ADDropLabelSmoothedCrossEntropyCriterion)
 
-    utils.import_user_module(argparse.Namespace(user_dir=str(PLUGIN_DIR)))
+    utils.import_user_module(argparse.Namespace(user_dir=FAIRSEQ_USER_DIR))
     models, _, task = checkpoint_utils.load_model_ensemble_and_task([str(checkpoint)],
                                                                     arg_overrides={"data": str(data_bin)})
     criterion = ADDropLabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)

@@ -11,7 +11,6 @@ from typing import List
 
 import torch
 
-from ..paths import REPO
 from .fairseq_bench import FairseqBench
 from .hf_bench import HFBench
 from .measure import DTYPES, add_targets, derived_rows, make_rows, run_workload
@@ -53,7 +52,7 @@ def parse_args(argv=None):
     parser.add_argument("--hf-small-batch-size", type=int, help="MiniLM IGA batch (default 8, quick 2)")
     parser.add_argument("--profile", help="comma list of variant names: instead of measuring, print a torch.profiler "
                                           "breakdown of one step of each against plain")
-    parser.add_argument("--work-dir", type=Path, default=REPO / "outputs" / "benchmark",
+    parser.add_argument("--work-dir", type=Path, default=Path("outputs") / "benchmark",
                         help="where the binarized corpus is cached")
     opts = parser.parse_args(argv)
     quick = opts.quick

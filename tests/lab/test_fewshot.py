@@ -1,4 +1,4 @@
-"""attn-reg-fewshot (attn_reg_plugin.experiments.fewshot): the JSONL loader's errors, balanced subsets, option checks, and a toy end-to-end run."""
+"""attn-reg-fewshot (attn_reg_lab.fewshot): the JSONL loader's errors, balanced subsets, option checks, and a toy end-to-end run."""
 import json
 import math
 import random
@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from attn_reg_plugin.experiments import fewshot
+from attn_reg_lab import fewshot
 from helpers import minilm_path, MOVIE_REVIEWS_TINY as REVIEWS
-from attn_reg_plugin.experiments.fewshot_data import DataError, Example, load_jsonl, sample_balanced
+from attn_reg_lab.fewshot_data import DataError, Example, load_jsonl, sample_balanced
 
 GOOD = b'{"sentence": "fine film", "label": 1}\n'
 
@@ -224,7 +224,7 @@ def _result(lr, runs):
 
 
 def test_merge_pairs_variants_with_the_baseline_by_seed():
-    from attn_reg_plugin.experiments.fewshot_merge import merge
+    from attn_reg_lab.fewshot_merge import merge
 
     base = _result(2e-4, [(64, 1, "plain", 0.70), (64, 2, "plain", 0.60), (64, 3, "plain", 0.65),
                           (64, 1, "ad-drop", 0.0)])
@@ -249,7 +249,7 @@ def test_merge_pairs_variants_with_the_baseline_by_seed():
 
 
 def test_merge_cli_writes_the_table(tmp_path, capsys):
-    from attn_reg_plugin.experiments.fewshot_merge import main as merge_main
+    from attn_reg_lab.fewshot_merge import main as merge_main
 
     base, variant = tmp_path / "base.json", tmp_path / "var.json"
     base.write_text(json.dumps(_result(2e-4, [(16, 1, "plain", 0.5), (16, 2, "plain", 0.7)])))
@@ -266,7 +266,7 @@ def test_merge_cli_writes_the_table(tmp_path, capsys):
 @pytest.mark.parametrize("t, df, p", [(2.262157, 9, 0.05), (12.7062, 1, 0.05), (1.0, 1, 0.5), (2.776445, 4, 0.05),
                                       (3.249836, 9, 0.01), (0.0, 5, 1.0)])
 def test_paired_t_test_two_sided_p_matches_student_t_quantiles(t, df, p):
-    from attn_reg_plugin.experiments.fewshot_summary import paired_t_test
+    from attn_reg_lab.fewshot_summary import paired_t_test
 
     # n diffs alternating around their mean, rescaled to sample std 1: their t statistic is mean * sqrt(n) = t
     n = df + 1

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
-from .paths import REPO
 
 
 @dataclass(frozen=True)
@@ -201,7 +200,7 @@ def parse_args(argv=None):
             ap.error("fewshot: give exactly one training-set size after '--' (--sizes N): cells are compared on the "
                      "dev accuracy of one size")
     if opts.out_dir is None:
-        opts.out_dir = REPO / "outputs" / "sweep" / opts.runner
+        opts.out_dir = Path("outputs") / "sweep" / opts.runner
     return ap, opts
 
 

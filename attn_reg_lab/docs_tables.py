@@ -1,7 +1,7 @@
 """The generated tables of the docs: every option table of docs/OPTIONS.md (from the configs'
 field metadata) and the README's supported-models table (from ``hf.families``).
 
-    python -m attn_reg_plugin.experiments.docs_tables docs/OPTIONS.md README.md
+    python -m attn_reg_lab.docs_tables docs/OPTIONS.md README.md
 
 rewrites the table after each ``<!-- options: ConfigName -->`` and ``<!-- supported models -->``
 marker (up to the next blank line); tests fail when a committed table is stale.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from ..core.options import flag_name, options_of
+from attn_reg_plugin.core.options import flag_name, options_of
 
 
 def options_table(config_cls) -> str:
@@ -24,10 +24,10 @@ def options_table(config_cls) -> str:
 
 
 def _configs():
-    from ..core.ad_drop import ADDropConfig
-    from ..core.attendout.config import AttendOutConfig
-    from ..core.layerdrop import AttentionLayerDropConfig
-    from ..core.scheduled_dropout import ScheduledDropoutConfig
+    from attn_reg_plugin.core.ad_drop import ADDropConfig
+    from attn_reg_plugin.core.attendout.config import AttendOutConfig
+    from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
+    from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 
     return [ADDropConfig, AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig]
 
@@ -35,7 +35,7 @@ def _configs():
 def _table_for(marker: str):
     """The generated table a marker line asks for, or None for any other line."""
     if marker == "<!-- supported models -->":
-        from ..hf.families import families_table
+        from .families import families_table
 
         return families_table()
     if marker.startswith("<!-- options: ") and marker.endswith(" -->"):

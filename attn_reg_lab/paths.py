@@ -1,16 +1,28 @@
-"""Where the experiments find the shipped data and the offline pretrained encoder."""
+"""Where the lab finds the shipped data and the offline pretrained encoder.
+
+The data ship with the repository, not with a wheel: :func:`checkout_data` says so by name
+when a command runs outside a checkout without being given its data.
+"""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Optional
 
-# The checkout: the data below ship with the repository, not with the wheel.
-REPO = Path(__file__).resolve().parents[2]
-PLUGIN_DIR = REPO / "attn_reg_plugin"  # what fairseq's --user-dir points at
+REPO = Path(__file__).resolve().parents[1]  # the checkout this package sits in
 MT_CORPUS = REPO / "data" / "gettext_en_ro"  # the EN-RO corpus of the demo and the benchmark
 MOVIE_REVIEWS = REPO / "data" / "movie_reviews"  # the few-shot classification data
 TINY_REVIEWS = REPO / "tests" / "data" / "movie_reviews_tiny.jsonl"
+
+
+def checkout_data(path: Path, option: str) -> Path:
+    """``path``, or exit naming ``option`` when it does not exist (e.g. the lab installed from a wheel)."""
+    if not Path(path).exists():
+        raise SystemExit(
+            f"{path} not found: it ships with the attn_reg_plugin repository, not with the installed package; "
+            f"run from a checkout or pass {option}"
+        )
+    return Path(path)
 
 
 def minilm_dir() -> Optional[str]:

@@ -1,0 +1,181 @@
+"""``attn-reg-prepare``: raw parallel text for any language pair -> joint sentencepiece -> fairseq-preprocess.
+
+    attn-reg-prepare --src en --tgt tr --train raw/train --valid raw/valid --test raw/test --out work/en-tr
+    fairseq-train work/en-tr/data-bin --user-dir "$(attn-reg-user-dir)" --task attn_reg_translation ...
+
+Prefixes are as ``fairseq-preprocess`` takes them: ``--train raw/train`` means ``raw/train.en``
+and ``raw/train.tr``. Every file is checked before anything is written (it exists, is non-empty,
+is UTF-8, has no empty line or stray carriage return, and both sides have the same number of
+lines); an error names the file and the line. Then one sentencepiece model is trained on both
+sides of the training text, every split is encoded with it, and ``fairseq-preprocess`` binarizes
+them with one joined dictionary (what ``--share-all-embeddings`` needs). Written under ``--out``:
+``spm/spm.model`` (what ``--remove-bpe sentencepiece`` undoes), ``spm/{split}.{lang}``,
+``data-bin/`` and ``logs/preprocess.log``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, Mapping, Optional, Sequence
+
+
+class CorpusError(ValueError):
+    """Malformed parallel text; the message names the file and, where there is one, the line."""
+
+
+def check_text_file(path: Path) -> int:
+    """Number of lines of ``path`` after checking every one; raises :class:`CorpusError`.
+
+    Read as bytes split at ``\\n`` only, so the count is the one every later tool sees:
+    a line must be UTF-8, must hold some non-whitespace text, and must not contain a lone
+    ``\\r``: Python's text mode (which encodes the corpus below) and fairseq-preprocess end a
+    line there while ``wc -l`` does not, so one side would silently shift. CRLF endings are fine.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CorpusError(f"{path}: no such file")
+    count = 0
+    with open(path, "rb") as f:
+        for count, raw in enumerate(f, start=1):
+            line = raw[:-1] if raw.endswith(b"\n") else raw
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CorpusError(f"{path}:{count}: not valid UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line)") from None
+            if "\r" in text:
+                raise CorpusError(f"{path}:{count}: carriage return inside the line (tools disagree on where such a line ends)")
+            if not text.strip():
+                raise CorpusError(f"{path}:{count}: empty line (every line must be a sentence; remove the pair from both sides)")
+    if count == 0:
+        raise CorpusError(f"{path}: the file is empty")
+    return count
+
+
+def check_parallel(prefixes: Mapping[str, Path], src: str, tgt: str) -> Dict[str, int]:
+    """Pairs per split (``{"train": prefix, ...}``) after checking every line of both sides.
+
+    Nothing is skipped or truncated: the first problem raises :class:`CorpusError` naming its
+    file and line (invalid UTF-8, an empty line, a carriage return inside a line, or sides with
+    different line counts).
+    """
+    counts = {}
+    for split, prefix in prefixes.items():
+        paths = {lang: Path(f"{prefix}.{lang}") for lang in (src, tgt)}
+        n = {lang: check_text_file(path) for lang, path in paths.items()}
+        if n[src] != n[tgt]:
+            longer = src if n[src] > n[tgt] else tgt
+            raise CorpusError(
+                f"{paths[src]} has {n[src]} lines but {paths[tgt]} has {n[tgt]}: "
+                f"{paths[longer]}:{min(n.values()) + 1} has no counterpart"
+            )
+        counts[split] = n[src]
+    return counts
+
+
+def run_logged(cmd: Sequence[str], log_path: Path, on_line: Optional[Callable[[str], None]] = None,
+               env: Optional[Dict[str, str]] = None) -> float:
+    """Run ``cmd``, tee its output into ``log_path``, call ``on_line`` per line; return seconds."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **(env or {})})
+        for line in proc.stdout:
+            log.write(line)
+            if on_line is not None:
+                on_line(line.rstrip("\n"))
+        code = proc.wait()
+    if code != 0:
+        tail = log_path.read_text().splitlines()[-25:]
+        raise RuntimeError(f"command failed with exit code {code}: {cmd[0]}\n  log: {log_path}\n" + "\n".join(tail))
+    return time.time() - start
+
+
+def fairseq_command(name: str) -> str:
+    """The console script ``name`` (fairseq-preprocess, fairseq-train, ...) beside this interpreter."""
+    exe = Path(sys.executable).parent / name
+    if not exe.exists():
+        raise FileNotFoundError(f"{exe} not found: install fairseq into the environment that runs this Python")
+    return str(exe)
+
+
+def prepare(src: str, tgt: str, prefixes: Mapping[str, Path], out: Path, vocab_size: int,
+            workers: int = 2, log: Callable[[str], None] = print) -> Path:
+    """Check the corpus, train a joint sentencepiece model on train, encode every split, binarize;
+    return the data-bin folder. ``prefixes`` maps split names (train, valid, test) to prefixes."""
+    import sentencepiece as spm
+
+    counts = check_parallel(prefixes, src, tgt)
+    log(f"data: {', '.join(f'{split} {n} pairs ({prefixes[split]}.{{{src},{tgt}}})' for split, n in counts.items())}")
+    spm_dir = out / "spm"
+    spm_dir.mkdir(parents=True, exist_ok=True)
+    model_prefix = spm_dir / "spm"
+    train = prefixes["train"]
+    spm.SentencePieceTrainer.train(
+        input=f"{train}.{src},{train}.{tgt}", model_prefix=str(model_prefix), vocab_size=vocab_size,
+        character_coverage=1.0, model_type="unigram", num_threads=2, minloglevel=2, seed_sentencepiece_size=200000,
+    )
+    sp = spm.SentencePieceProcessor(model_file=f"{model_prefix}.model")
+    for split, prefix in prefixes.items():
+        for lang in (src, tgt):
+            with open(f"{prefix}.{lang}", encoding="utf-8") as fin, open(spm_dir / f"{split}.{lang}", "w", encoding="utf-8") as fout:
+                for line in fin:
+                    fout.write(" ".join(sp.encode(line.rstrip("\n"), out_type=str)) + "\n")
+    data_bin = out / "data-bin"
+    split_flags = [flag for split in prefixes for flag in (f"--{split}pref", str(spm_dir / split))]
+    run_logged([
+        fairseq_command("fairseq-preprocess"), "--source-lang", src, "--target-lang", tgt, *split_flags,
+        "--destdir", str(data_bin), "--joined-dictionary", "--workers", str(workers),
+    ], out / "logs" / "preprocess.log")
+    log(f"sentencepiece ({vocab_size} pieces, {spm_dir / 'spm.model'}) + fairseq-preprocess -> {data_bin}")
+    return data_bin
+
+
+_LANG = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="attn-reg-prepare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--src", required=True, help="source language suffix (e.g. en: files PREFIX.en)")
+    ap.add_argument("--tgt", required=True, help="target language suffix (e.g. tr)")
+    ap.add_argument("--train", required=True, type=Path, help="training prefix (PREFIX.SRC, PREFIX.TGT)")
+    ap.add_argument("--valid", required=True, type=Path, help="validation prefix")
+    ap.add_argument("--test", type=Path, help="test prefix (optional)")
+    ap.add_argument("--out", required=True, type=Path, help="output folder (spm/, data-bin/, logs/)")
+    ap.add_argument("--vocab-size", type=int, default=8000, help="joint sentencepiece vocabulary (>= 100; default 8000)")
+    ap.add_argument("--workers", type=int, default=2, help="fairseq-preprocess workers (>= 1)")
+    args = ap.parse_args(argv)
+    for option, lang in (("--src", args.src), ("--tgt", args.tgt)):
+        if not _LANG.match(lang):
+            ap.error(f"{option} {lang!r}: a language suffix is letters, digits, '_' or '-', starting with a letter")
+    if args.src == args.tgt:
+        ap.error(f"--src and --tgt are both {args.src!r}: they must differ")
+    if args.vocab_size < 100:
+        ap.error(f"--vocab-size {args.vocab_size}: must be at least 100")
+    if args.workers < 1:
+        ap.error(f"--workers {args.workers}: must be at least 1")
+    if (args.out / "data-bin").exists():
+        ap.error(f"--out {args.out}: {args.out / 'data-bin'} already exists (choose an empty folder or remove it)")
+    prefixes = {"train": args.train, "valid": args.valid}
+    if args.test is not None:
+        prefixes["test"] = args.test
+    try:
+        prepare(args.src, args.tgt, prefixes, args.out, args.vocab_size, args.workers)
+    except CorpusError as e:
+        print(f"attn-reg-prepare: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
