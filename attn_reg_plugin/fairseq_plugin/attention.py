@@ -17,6 +17,7 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
 from ..core.attention import attend
+from ..core.checkpointing import is_ordinary_call, record_ordinary_call
 from ..core.controller import AttentionSite, RegularizationController
 from ..core.masks import mask_fill_value
 
@@ -52,7 +53,11 @@ class RegularizedMultiheadAttention(MultiheadAttention):
         need_head_weights: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         site = self.attn_reg_site
-        if site is None or incremental_state is not None or before_softmax or site.idle():
+        stock = site is None or incremental_state is not None or before_softmax
+        if not stock and is_ordinary_call(site):
+            record_ordinary_call(site)  # a recompute of this call must not repeat an older edit
+            stock = True
+        if stock:
             return super().forward(
                 query, key, value, key_padding_mask=key_padding_mask, incremental_state=incremental_state,
                 need_weights=need_weights, static_kv=static_kv, attn_mask=attn_mask,

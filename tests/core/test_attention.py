@@ -255,3 +255,25 @@ def test_a_site_without_hook_forgets_its_last_edit_only_when_called():
         assert is_ordinary_call(site) and site.replay is not None  # asking changes nothing
         forget(site)
         assert site.replay is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(_idle_cases(torch.float32)))
+def test_idle_fast_path_on_cuda_equals_the_explicit_softmax_path(dtype, case):
+    """The fast path leans on sdpa giving a fully masked row 0 and no gradient; on CUDA that is the
+    flash / memory-efficient / cuDNN kernels' promise, checked here against float64 softmax."""
+    bias, valid = _idle_cases(dtype)[case]
+    q0, k0, v0 = (t.cuda() for t in _qkv(B=2, H=2, T=6, S=6, d=8, dtype=dtype, seed=3))
+    bias, valid = (None if bias is None else bias.cuda()), valid.cuda()
+    upstream = torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(4)).cuda()
+    ref_q, ref_k, ref_v = (t.double().clone().requires_grad_() for t in (q0, k0, v0))
+    scores = (ref_q @ ref_k.transpose(-2, -1)) * 8 ** -0.5
+    ref_out = torch.softmax(scores.masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0) @ ref_v
+    (ref_out * upstream.double()).sum().backward()
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}[dtype]
+    got = _output_and_grads(q0, k0, v0, bias, upstream)
+    for mine, want in zip(got, [ref_out.detach(), ref_q.grad, ref_k.grad, ref_v.grad]):
+        assert torch.isfinite(mine).all()
+        torch.testing.assert_close(mine.double(), want, atol=tol * 4, rtol=tol * 4)
