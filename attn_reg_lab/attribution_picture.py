@@ -33,6 +33,7 @@ from attn_reg_plugin.core.masks import candidate_region, sample_drops
 
 from .attribution_models import fairseq_translation, hf_classifier
 from .paths import require_minilm
+from .provenance import environment
 
 KINDS = ("encoder-self", "decoder-self", "encoder-decoder")
 
@@ -217,7 +218,7 @@ def main(argv=None) -> int:
         numbers = picture.panels(args.attention, args.layer, args.head, args.attribution, args.p, args.q, args.seed)
     except ValueError as e:  # a layer or head the model does not have: the message says what it has
         ap.error(str(e))
-    numbers.update(model=source, sentence=args.sentence)
+    numbers.update(model=source, sentence=args.sentence, environment=environment())
     short = "/".join(Path(source).parts[-2:])
     png = draw(numbers, args.out.with_suffix(".png"),
                f"{short}: {args.attention} layer {args.layer}, head {args.head}\n{args.sentence}")

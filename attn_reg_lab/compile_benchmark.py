@@ -21,6 +21,7 @@ import torch
 import transformers
 from torch._dynamo.utils import counters
 
+from .provenance import environment
 from .paths import MOVIE_REVIEWS, checkout_data, require_minilm
 
 
@@ -126,7 +127,7 @@ def main(argv=None):
                   f"{r['graphs_after_warmup']} | {r['graph_breaks']} |")
     if opts.out:
         Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(opts.out).write_text(json.dumps({"options": vars(opts), "torch": torch.__version__,
+        Path(opts.out).write_text(json.dumps({"options": vars(opts), "environment": environment(),
                                               "results": results}, indent=1), encoding="utf-8")
 
 

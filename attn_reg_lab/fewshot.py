@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .provenance import environment
 from .paths import MOVIE_REVIEWS as DEFAULT_DATA, checkout_data, minilm_dir
 
 from .fewshot_data import DataError, Example, file_digest, load_jsonl, sample_balanced  # noqa: F401
@@ -412,7 +413,7 @@ def main(argv=None) -> int:
     table = markdown(summary, paired, opts.sizes, opts.methods)
     wall = time.time() - started
     (out / "results.json").write_text(json.dumps(
-        {"config": config, "summary": summary, "paired": paired, "runs": runs, "wall_seconds": round(wall, 1)},
+        {"environment": environment(), "config": config, "summary": summary, "paired": paired, "runs": runs, "wall_seconds": round(wall, 1)},
         indent=1) + "\n", encoding="utf-8")
     (out / "results.md").write_text(table, encoding="utf-8")
     print()

@@ -17,6 +17,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 from attn_reg_plugin.prepare import CorpusError, check_parallel, fairseq_command, prepare, run_logged  # noqa: F401
 from attn_reg_plugin.user_dir import FAIRSEQ_USER_DIR
 
+from .provenance import environment
+
 SPLITS = ("train", "valid", "test")
 
 
@@ -106,11 +108,11 @@ def generate_bleu(data_bin: Path, checkpoint: Path, raw_ref: Path, out_dir: Path
 
 
 def write_table(rows: List[dict], columns: Sequence[tuple], path_md: Path, path_json: Path) -> str:
-    """Render rows as a Markdown table (printed and saved) and dump them as JSON."""
+    """Render rows as a Markdown table (printed and saved) and dump them as JSON with the environment that made them."""
     head = "| " + " | ".join(title for title, _ in columns) + " |"
     sep = "|" + "|".join("---" for _ in columns) + "|"
     body = ["| " + " | ".join(str(row.get(key, "")) for _, key in columns) + " |" for row in rows]
     table = "\n".join([head, sep, *body])
     path_md.write_text(table + "\n")
-    path_json.write_text(json.dumps(rows, indent=2) + "\n")
+    path_json.write_text(json.dumps({"environment": environment(), "rows": rows}, indent=2) + "\n")
     return table

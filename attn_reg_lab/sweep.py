@@ -67,7 +67,7 @@ def _mt_cell(cell: dict, runner_args: List[str], run_dir: Path) -> Dict[str, flo
                  "--ad-drop-schedule", cell["schedule"]]
     if demo.main(argv) != 0:
         raise RuntimeError(f"attn-reg-demo {shlex.join(argv)} failed")
-    (row,) = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+    (row,) = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))["rows"]
     return {"dev": float(row["valid_loss"]), "test": float(row["test_bleu"])}
 
 
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     png = heatmap(results, runner, out / "heatmap.png", f"AD-DROP sweep, {runner.name}: {shlex.join(opts.runner_args)}")
     lines = [f"| cell | dev: {runner.dev_metric} | {runner.test_metric} (not used to choose) |", "|---|---|---|"]
     lines += [f"| {cell_name(r['cell'])} | {r['dev']:.4f} | {r['test']:.4f} |" for r in results]
-    summary = {"settings": settings, "best": best, "results": results, "heatmap": str(png),
+    summary = {"environment": environment(), "settings": settings, "best": best, "results": results, "heatmap": str(png),
                "seconds": round(time.time() - started, 1)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     (out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

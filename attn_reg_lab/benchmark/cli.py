@@ -11,6 +11,7 @@ from typing import List
 
 import torch
 
+from ..provenance import environment
 from .fairseq_bench import FairseqBench
 from .hf_bench import HFBench
 from .measure import DTYPES, add_targets, derived_rows, make_rows, run_workload
@@ -153,7 +154,7 @@ def main(argv=None) -> List[dict]:
         del bench
     rows.extend(derived_rows(rows))
     add_targets(rows, single_thread_cpu=opts.device == "cpu" and torch.get_num_threads() == 1)
-    meta = {"machine": machine(), "load_average_before": [round(x, 2) for x in load_before],
+    meta = {"environment": environment(), "machine": machine(), "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()], "seconds": round(time.time() - started, 1),
             "command": " ".join(["attn-reg-benchmark", *(argv if argv is not None else sys.argv[1:])])}
     for row in rows:

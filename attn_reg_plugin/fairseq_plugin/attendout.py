@@ -139,7 +139,7 @@ class FairseqAttendOut:
         self.attacker.set_num_updates(update_num)
         hooks = self.game.attacker_hooks(self.streams_of(sample))
         # Under the autocast fairseq's train_step gives D's forward (on with --amp only).
-        with self.game.controller.hooks(hooks), torch.cuda.amp.autocast(enabled=_amp(optimizer)):
+        with self.game.controller.hooks(hooks), torch.autocast("cuda", enabled=_amp(optimizer)):
             loss, sample_size, _ = criterion(self.attacker, sample)
         if ignore_grad:
             loss = loss * 0

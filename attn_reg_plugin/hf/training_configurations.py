@@ -20,8 +20,11 @@ def training_arguments(args, kwargs) -> "Optional[transformers.TrainingArguments
 def refuse_unsupported(who: str, args, model=None) -> None:
     if args is None:
         return
+    # The layers' own flags, as transformers' is_activation_checkpointing reads them (its older
+    # name, is_gradient_checkpointing, is deprecated).
     checkpointing = bool(getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing
-                         or getattr(model, "is_gradient_checkpointing", False))
+                         or (model is not None and any(getattr(m, "gradient_checkpointing", False) is True
+                                                       for m in model.modules())))
     if args.torch_compile and checkpointing:
         raise NotImplementedError(
             f"{who} does not support torch_compile=True together with gradient checkpointing: a checkpointed "

@@ -235,21 +235,6 @@ def test_trainer_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
     assert not all(torch.equal(a, b) for a, b in zip(masks[0], masks[2]))
 
 
-def test_old_import_paths_name_the_same_objects():
-    """docs/design.md's old import paths still work for one release, as aliases, not copies."""
-    from attn_reg_plugin.core import layerdrop, scheduled_dropout, schedules
-    from attn_reg_plugin.hf import ad_drop_trainer, attendout_trainer, attn_reg_trainer, model_inputs, regularizers
-    from attn_reg_plugin.hf import trainer as old_trainer
-
-    assert old_trainer.ADDropTrainer is ad_drop_trainer.ADDropTrainer
-    assert old_trainer.ADDropSeq2SeqTrainer is ad_drop_trainer.ADDropSeq2SeqTrainer
-    assert old_trainer.decoder_input_ids_from_labels is model_inputs.decoder_input_ids_from_labels
-    assert regularizers.AttendOutTrainer is attendout_trainer.AttendOutTrainer
-    assert regularizers.AttnRegTrainer is attn_reg_trainer.AttnRegTrainer
-    assert schedules.ScheduledAttentionDropout is scheduled_dropout.ScheduledAttentionDropout
-    assert schedules.AttentionLayerDrop is layerdrop.AttentionLayerDrop
-
-
 def test_decoder_inputs_from_labels_are_the_models_own():
     """AD-DROP's pass 1 and AttendOut's held-out losses feed the decoder what the model's own
     forward builds from ``labels`` (shifted right, -100 replaced by padding)."""

@@ -51,7 +51,11 @@ def test_demo_quick_prints_the_table(tmp_path, capsys):
     assert demo.main(["--quick", "--epochs", "2", "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
     assert "| method | best valid loss | test BLEU | train time (s) | AD-DROP rate | AttendOut drop prob. (last epoch) |" in out
-    rows = json.loads((tmp_path / "demo" / "results.json").read_text())
+    results = json.loads((tmp_path / "demo" / "results.json").read_text())
+    rows = results["rows"]
+    environment = results["environment"]  # the versions and the lock behind the numbers
+    assert environment["packages"]["torch"].startswith("2.") and len(environment["lock_sha256"]) == 16
+    assert isinstance(environment["lock_differences"], list)
     assert [r["method"] for r in rows] == ["plain", "AD-DROP", "AttendOut"]
     assert rows[0]["ad_drop_rate"] == "-" and 0 < rows[1]["ad_drop_rate"] < 0.2
     assert rows[1]["attendout_drop_prob"] == "-" and 0 < rows[2]["attendout_drop_prob"] < 1
