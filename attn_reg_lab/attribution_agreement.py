@@ -11,6 +11,7 @@ training mode under two hidden-dropout draws, which is how much AD-DROP's own pa
     attn-reg-attribution-agreement --fairseq-checkpoint outputs/demo/checkpoints/plain/checkpoint_best.pt \\
         --data-bin outputs/demo/data-bin --hf-model minilm --out outputs/bf16/agreement.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,15 @@ def region_agreement(reference: torch.Tensor, other: torch.Tensor, valid: torch.
     return float((ref & candidate_region(other, valid, p)).sum()) / max(int(ref.sum()), 1)
 
 
-def measure(controller, batches: Iterable[Batch], p_values: Sequence[float], attention: str = "auto",
-            precision: str = "bf16", seed: int = 1, other_seed: Optional[int] = None) -> Dict[float, List[LayerAgreement]]:
+def measure(
+    controller,
+    batches: Iterable[Batch],
+    p_values: Sequence[float],
+    attention: str = "auto",
+    precision: str = "bf16",
+    seed: int = 1,
+    other_seed: Optional[int] = None,
+) -> Dict[float, List[LayerAgreement]]:
     """Per p, per selected site: the agreement of ``precision`` attribution with fp32 attribution, per batch.
 
     With ``other_seed`` None the model runs in eval mode: no hidden dropout, so the two passes
@@ -97,9 +105,13 @@ def fairseq_batches(checkpoint: Path, data_bin: Path, n_batches: int, max_tokens
 
     model, task, criterion = fairseq_translation(checkpoint, data_bin, device)
     task.load_dataset(split)
-    itr = task.get_batch_iterator(task.dataset(split), max_tokens=max_tokens, ignore_invalid_inputs=True,
-                                  max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
-                                  seed=1)
+    itr = task.get_batch_iterator(
+        task.dataset(split),
+        max_tokens=max_tokens,
+        ignore_invalid_inputs=True,
+        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
+        seed=1,
+    )
     samples = []
     for sample in itr.next_epoch_itr(shuffle=False):
         samples.append(utils.move_to_cuda(sample) if device == "cuda" else sample)
@@ -108,10 +120,17 @@ def fairseq_batches(checkpoint: Path, data_bin: Path, n_batches: int, max_tokens
 
     def batches():
         for sample in samples:
-            yield (lambda s=sample: criterion.attribution_forward(model, s), criterion.attribution_target(model, sample),
-                   model)
+            yield (
+                lambda s=sample: criterion.attribution_forward(model, s),
+                criterion.attribution_target(model, sample),
+                model,
+            )
 
-    return task.attn_reg_controller, batches, f"{checkpoint} ({len(samples)} {split} batches, --max-tokens {max_tokens})"
+    return (
+        task.attn_reg_controller,
+        batches,
+        f"{checkpoint} ({len(samples)} {split} batches, --max-tokens {max_tokens})",
+    )
 
 
 def hf_batches(model_dir: str, rows_path: Path, n_batches: int, batch_size: int, device: str = "cpu"):
@@ -123,8 +142,11 @@ def hf_batches(model_dir: str, rows_path: Path, n_batches: int, batch_size: int,
     def batches():
         for i in range(n_batches):
             picked = [rows[(i * batch_size + j) % len(rows)] for j in range(batch_size)]
-            inputs = dict(tokenizer([r["sentence"] for r in picked], padding=True, truncation=True, max_length=128,
-                                    return_tensors="pt"))
+            inputs = dict(
+                tokenizer(
+                    [r["sentence"] for r in picked], padding=True, truncation=True, max_length=128, return_tensors="pt"
+                )
+            )
             inputs["labels"] = torch.tensor([int(r["label"]) for r in picked])
             inputs = {k: v.to(device) for k, v in inputs.items()}
             forward_inputs = trainer.ad_drop_forward_inputs(model, inputs)
@@ -136,15 +158,22 @@ def hf_batches(model_dir: str, rows_path: Path, n_batches: int, batch_size: int,
 # -- the command --------------------------------------------------------------------------------------
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fairseq-checkpoint", type=Path,
-                    help="a fairseq checkpoint trained with --task attn_reg_translation (make demo writes "
-                         "outputs/demo/checkpoints/plain/checkpoint_best.pt)")
+    ap.add_argument(
+        "--fairseq-checkpoint",
+        type=Path,
+        help="a fairseq checkpoint trained with --task attn_reg_translation (make demo writes "
+        "outputs/demo/checkpoints/plain/checkpoint_best.pt)",
+    )
     ap.add_argument("--data-bin", type=Path, help="its binarized data (outputs/demo/data-bin)")
     ap.add_argument("--split", default="valid", help="the fairseq split whose batches are used (default valid)")
     ap.add_argument("--max-tokens", type=int, default=1024, help="fairseq batch size in tokens (default 1024)")
     ap.add_argument("--hf-model", help="a transformers model folder, or 'minilm' for the offline MiniLM")
-    ap.add_argument("--reviews", type=Path, default=MOVIE_REVIEWS / "train.jsonl",
-                    help="jsonl rows with 'sentence' and 'label' for the HF model (default: the shipped reviews)")
+    ap.add_argument(
+        "--reviews",
+        type=Path,
+        default=MOVIE_REVIEWS / "train.jsonl",
+        help="jsonl rows with 'sentence' and 'label' for the HF model (default: the shipped reviews)",
+    )
     ap.add_argument("--batch-size", type=int, default=32, help="HF batch size (default 32)")
     ap.add_argument("--batches", type=int, default=8, help="batches per model (default 8)")
     ap.add_argument("--p", default="0.1,0.2,0.3,0.5", help="comma list of candidate-region sizes p in (0, 1)")
@@ -178,10 +207,23 @@ def main(argv=None) -> List[dict]:
         torch.set_num_threads(args.threads)
     models = []
     if args.fairseq_checkpoint is not None:
-        models.append(("fairseq", fairseq_batches(args.fairseq_checkpoint, args.data_bin, args.batches, args.max_tokens,
-                                                   args.split, args.device)))
+        models.append(
+            (
+                "fairseq",
+                fairseq_batches(
+                    args.fairseq_checkpoint, args.data_bin, args.batches, args.max_tokens, args.split, args.device
+                ),
+            )
+        )
     if args.hf_model is not None:
-        models.append(("hf", hf_batches(args.hf_model, checkout_data(args.reviews, "--reviews"), args.batches, args.batch_size, args.device)))
+        models.append(
+            (
+                "hf",
+                hf_batches(
+                    args.hf_model, checkout_data(args.reviews, "--reviews"), args.batches, args.batch_size, args.device
+                ),
+            )
+        )
     rows = []
     for framework, (controller, batches, description) in models:
         print(f"{framework}: {description}", flush=True)
@@ -190,20 +232,35 @@ def main(argv=None) -> List[dict]:
         draw = measure(controller, batches(), args.p, precision="fp32", other_seed=2)
         for p in args.p:
             for layer, other in zip(bf16[p], draw[p]):
-                rows.append(dict(framework=framework, model=description, p=p, site=layer.site, mean=round(layer.mean, 4),
-                                 worst=round(layer.worst, 4), other_dropout_draw=round(other.mean, 4),
-                                 batches=len(layer.per_batch)))
-    print("| model | p | site | bf16 vs fp32: mean | worst batch | fp32 vs fp32, other dropout draw: mean |\n"
-          "|---|---|---|---|---|---|")
+                rows.append(
+                    dict(
+                        framework=framework,
+                        model=description,
+                        p=p,
+                        site=layer.site,
+                        mean=round(layer.mean, 4),
+                        worst=round(layer.worst, 4),
+                        other_dropout_draw=round(other.mean, 4),
+                        batches=len(layer.per_batch),
+                    )
+                )
+    print(
+        "| model | p | site | bf16 vs fp32: mean | worst batch | fp32 vs fp32, other dropout draw: mean |\n"
+        "|---|---|---|---|---|---|"
+    )
     for r in rows:
-        print(f"| {r['framework']} | {r['p']} | {r['site']} | {r['mean']:.4f} | {r['worst']:.4f} | "
-              f"{r['other_dropout_draw']:.4f} |")
+        print(
+            f"| {r['framework']} | {r['p']} | {r['site']} | {r['mean']:.4f} | {r['worst']:.4f} | "
+            f"{r['other_dropout_draw']:.4f} |"
+        )
     for framework in dict.fromkeys(r["framework"] for r in rows):
         for p in args.p:
             mine = [r for r in rows if r["framework"] == framework and r["p"] == p]
-            print(f"{framework} p={p}: bf16 vs fp32 mean over layers {statistics.fmean(r['mean'] for r in mine):.4f}, "
-                  f"worst layer-batch {min(r['worst'] for r in mine):.4f}; another dropout draw "
-                  f"{statistics.fmean(r['other_dropout_draw'] for r in mine):.4f}")
+            print(
+                f"{framework} p={p}: bf16 vs fp32 mean over layers {statistics.fmean(r['mean'] for r in mine):.4f}, "
+                f"worst layer-batch {min(r['worst'] for r in mine):.4f}; another dropout draw "
+                f"{statistics.fmean(r['other_dropout_draw'] for r in mine):.4f}"
+            )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1) + "\n", encoding="utf-8")

@@ -4,6 +4,7 @@ Each comes with what AD-DROP's pass 1 needs in training: a fairseq translation c
 AD-DROP criterion (its attribution forward and pseudo-label token-loss target), and a transformers
 sequence classifier with an ``ADDropTrainer`` (its forward inputs and pseudo-label logit target).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,6 @@ import tempfile
 from pathlib import Path
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
-
 from attn_reg_plugin.user_dir import FAIRSEQ_USER_DIR
 
 
@@ -22,11 +22,13 @@ def fairseq_translation(checkpoint: Path, data_bin: Path, device: str = "cpu"):
 
     import attn_reg_plugin.fairseq_plugin  # noqa: F401
     from attn_reg_plugin.fairseq_plugin.ad_drop_label_smoothed_cross_entropy import (
-        ADDropLabelSmoothedCrossEntropyCriterion)
+        ADDropLabelSmoothedCrossEntropyCriterion,
+    )
 
     utils.import_user_module(argparse.Namespace(user_dir=FAIRSEQ_USER_DIR))
-    models, _, task = checkpoint_utils.load_model_ensemble_and_task([str(checkpoint)],
-                                                                    arg_overrides={"data": str(data_bin)})
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(checkpoint)], arg_overrides={"data": str(data_bin)}
+    )
     criterion = ADDropLabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)
     criterion.init_ad_drop(task, ADDropConfig())  # its target: the pseudo-label token loss, as in training
     return models[0].float().to(device), task, criterion
@@ -43,6 +45,7 @@ def hf_classifier(model_dir: str, num_labels: int, device: str = "cpu"):
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels).to(device)
-    args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(prefix="attn_reg_attribution_"), report_to=[],
-                                          use_cpu=device == "cpu")
+    args = transformers.TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="attn_reg_attribution_"), report_to=[], use_cpu=device == "cpu"
+    )
     return tokenizer, model, ADDropTrainer(model=model, args=args, ad_drop=ADDropConfig())

@@ -8,6 +8,7 @@ dynamo graphs compiled and graph breaks. Used for docs/PERFORMANCE.md "torch.com
 
     attn-reg-compile-benchmark --out outputs/compile_benchmark.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,8 @@ import torch
 import transformers
 from torch._dynamo.utils import counters
 
-from .provenance import environment
 from .paths import MOVIE_REVIEWS, checkout_data, require_minilm
+from .provenance import environment
 
 
 def minilm_path() -> str:
@@ -30,7 +31,11 @@ def minilm_path() -> str:
 
 
 def rows(tokenizer, split: str, n: int, length: int):
-    lines = (checkout_data(MOVIE_REVIEWS, "a checkout (the shipped movie reviews)") / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()[:n]
+    lines = (
+        (checkout_data(MOVIE_REVIEWS, "a checkout (the shipped movie reviews)") / f"{split}.jsonl")
+        .read_text(encoding="utf-8")
+        .splitlines()[:n]
+    )
     out = []
     for line in lines:
         record = json.loads(line)
@@ -76,21 +81,35 @@ def measure(name: str, compiled: bool, opts, tokenizer) -> dict:
     counters.clear()
     extra = dict(torch_compile=True, torch_compile_backend=opts.backend) if compiled else {}
     args = transformers.TrainingArguments(
-        output_dir=str(Path("outputs") / "compile_benchmark" / name), use_cpu=True, report_to=[],
-        max_steps=opts.steps, per_device_train_batch_size=opts.batch_size, logging_steps=opts.steps,
-        save_strategy="no", seed=1, disable_tqdm=True, **extra)
+        output_dir=str(Path("outputs") / "compile_benchmark" / name),
+        use_cpu=True,
+        report_to=[],
+        max_steps=opts.steps,
+        per_device_train_batch_size=opts.batch_size,
+        logging_steps=opts.steps,
+        save_strategy="no",
+        seed=1,
+        disable_tqdm=True,
+        **extra,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
-    common = dict(model=model, args=args, train_dataset=rows(tokenizer, "train", opts.steps * opts.batch_size, opts.length))
+    common = dict(
+        model=model, args=args, train_dataset=rows(tokenizer, "train", opts.steps * opts.batch_size, opts.length)
+    )
     trainer = build(name, common, rows(tokenizer, "dev", 16, opts.length))
     timer = StepTimes()
     trainer.add_callback(timer)
     trainer.train()
-    steady = timer.times[opts.warmup:]
+    steady = timer.times[opts.warmup :]
     return {
-        "trainer": name, "compiled": compiled, "first_step_s": round(timer.times[0], 3),
-        "steady_step_s": round(statistics.median(steady), 4), "steps": len(timer.times),
-        "graphs": timer.graphs[-1], "graphs_after_warmup": timer.graphs[-1] - timer.graphs[opts.warmup - 1],
+        "trainer": name,
+        "compiled": compiled,
+        "first_step_s": round(timer.times[0], 3),
+        "steady_step_s": round(statistics.median(steady), 4),
+        "steps": len(timer.times),
+        "graphs": timer.graphs[-1],
+        "graphs_after_warmup": timer.graphs[-1] - timer.graphs[opts.warmup - 1],
         "graph_breaks": sum(counters["graph_break"].values()),
     }
 
@@ -117,18 +136,24 @@ def main(argv=None):
             results.append(r)
             print(json.dumps(r), flush=True)
     eager = {r["trainer"]: r for r in results if not r["compiled"]}
-    print("\n| trainer | eager step (s) | compiled step (s) | speed-up | compiled first step (s) | graphs | after warm-up | graph breaks |")
+    print(
+        "\n| trainer | eager step (s) | compiled step (s) | speed-up | compiled first step (s) | graphs | after warm-up | graph breaks |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         if r["compiled"]:
             e = eager[r["trainer"]]
-            print(f"| {r['trainer']} | {e['steady_step_s']:.3f} | {r['steady_step_s']:.3f} | "
-                  f"{e['steady_step_s'] / r['steady_step_s']:.2f}x | {r['first_step_s']:.1f} | {r['graphs']} | "
-                  f"{r['graphs_after_warmup']} | {r['graph_breaks']} |")
+            print(
+                f"| {r['trainer']} | {e['steady_step_s']:.3f} | {r['steady_step_s']:.3f} | "
+                f"{e['steady_step_s'] / r['steady_step_s']:.2f}x | {r['first_step_s']:.1f} | {r['graphs']} | "
+                f"{r['graphs_after_warmup']} | {r['graph_breaks']} |"
+            )
     if opts.out:
         Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(opts.out).write_text(json.dumps({"options": vars(opts), "environment": environment(),
-                                              "results": results}, indent=1), encoding="utf-8")
+        Path(opts.out).write_text(
+            json.dumps({"options": vars(opts), "environment": environment(), "results": results}, indent=1),
+            encoding="utf-8",
+        )
 
 
 if __name__ == "__main__":

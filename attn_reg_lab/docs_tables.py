@@ -6,6 +6,7 @@ field metadata) and the README's supported-models table (from ``hf.families``).
 rewrites the table after each ``<!-- options: ConfigName -->`` and ``<!-- supported models -->``
 marker (up to the next blank line); tests fail when a committed table is stale.
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,8 +19,10 @@ def options_table(config_cls) -> str:
     rows = ["| flag | Python | accepted | default | meaning |", "|---|---|---|---|---|"]
     for opt in options_of(config_cls):
         default = "(empty: off)" if opt.default == "" else f"`{opt.default}`"
-        rows.append(f"| `{flag_name(config_cls.FLAG_PREFIX, opt.name)}` | `{config_cls.__name__}.{opt.name}` | "
-                    f"{opt.accepted.replace('|', chr(92) + '|')} | {default} | {opt.meaning.replace('|', chr(92) + '|')} |")
+        rows.append(
+            f"| `{flag_name(config_cls.FLAG_PREFIX, opt.name)}` | `{config_cls.__name__}.{opt.name}` | "
+            f"{opt.accepted.replace('|', chr(92) + '|')} | {default} | {opt.meaning.replace('|', chr(92) + '|')} |"
+        )
     return "\n".join(rows)
 
 
@@ -40,7 +43,7 @@ def _table_for(marker: str):
         return families_table()
     if marker.startswith("<!-- options: ") and marker.endswith(" -->"):
         by_name = {c.__name__: c for c in _configs()}
-        return options_table(by_name[marker[len("<!-- options: "):-len(" -->")]])
+        return options_table(by_name[marker[len("<!-- options: ") : -len(" -->")]])
     return None
 
 

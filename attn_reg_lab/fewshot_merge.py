@@ -11,6 +11,7 @@ is only comparable when it shares the baseline's model, data files, dev subset, 
 and training settings (epochs, lr, batch size, ...), so anything else is refused: a variant
 that changes those must carry its own baseline run (and then is a results file of its own).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,13 @@ def mismatches(base: dict, other: dict) -> List[str]:
     return bad
 
 
-def merge(baseline: dict, variants: Sequence[Tuple[str, dict]], baseline_method: str = "plain",
-          sizes: Optional[Sequence[int]] = None, seeds: Optional[Sequence[int]] = None):
+def merge(
+    baseline: dict,
+    variants: Sequence[Tuple[str, dict]],
+    baseline_method: str = "plain",
+    sizes: Optional[Sequence[int]] = None,
+    seeds: Optional[Sequence[int]] = None,
+):
     """(runs, sizes, methods) with variant methods renamed "METHOD (LABEL)"; raises ValueError if not comparable."""
     runs = [r for r in baseline["runs"] if r["method"] == baseline_method]
     if not runs:
@@ -97,8 +103,9 @@ def main(argv=None) -> int:
             ap.error(f"{path}: cannot read a results.json: {e}")
 
     try:
-        runs, sizes, methods = merge(load(opts.baseline), [(label, load(p)) for label, p in opts.variant],
-                                     opts.baseline_method, opts.size, seeds)
+        runs, sizes, methods = merge(
+            load(opts.baseline), [(label, load(p)) for label, p in opts.variant], opts.baseline_method, opts.size, seeds
+        )
     except ValueError as e:
         ap.error(str(e))
     summary, paired = summarize(runs, sizes, methods, baseline=opts.baseline_method)

@@ -1,4 +1,5 @@
 """The few-shot runner's methods: plain, AD-DROP and AttendOut Trainers, each with its own options."""
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,9 @@ def _ad_drop_arguments(parser: argparse.ArgumentParser) -> None:
     from attn_reg_plugin.core.options import add_arguments
 
     group = parser.add_argument_group("ad-drop", "AD-DROP options (attn_reg_plugin ADDropConfig fields)")
-    add_arguments(group, ADDropConfig, only=("p", "q", "layers", "attribution", "schedule"),
-                  defaults={"p": 0.3, "q": 0.3})
+    add_arguments(
+        group, ADDropConfig, only=("p", "q", "layers", "attribution", "schedule"), defaults={"p": 0.3, "q": 0.3}
+    )
 
 
 def _ad_drop_config(opts):
@@ -60,8 +62,9 @@ def _attendout_arguments(parser: argparse.ArgumentParser) -> None:
     from attn_reg_plugin.core.options import add_arguments
 
     group = parser.add_argument_group("attendout", "AttendOut options (attn_reg_plugin AttendOutConfig fields)")
-    add_arguments(group, AttendOutConfig, only=("dropout_step", "init_drop", "lr", "layers"),
-                  defaults={"dropout_step": 4})
+    add_arguments(
+        group, AttendOutConfig, only=("dropout_step", "init_drop", "lr", "layers"), defaults={"dropout_step": 4}
+    )
 
 
 def _attendout_config(opts):
@@ -79,8 +82,11 @@ def _build_attendout(opts, **trainer_kwargs):
 def _ad_drop_settings(opts) -> dict:
     config = _ad_drop_config(opts).validate()  # errors name the --ad-drop-* option
     # Fields at a value that changes nothing are left out, so runs recorded before they existed stay comparable.
-    return {k: v for k, v in vars(config).items()
-            if (k != "iga_steps" or config.attribution == "iga") and (k != "attribution_precision" or v != "auto")}
+    return {
+        k: v
+        for k, v in vars(config).items()
+        if (k != "iga_steps" or config.attribution == "iga") and (k != "attribution_precision" or v != "auto")
+    }
 
 
 METHODS: Dict[str, Method] = {
@@ -101,5 +107,3 @@ METHODS: Dict[str, Method] = {
         settings=lambda opts: vars(_attendout_config(opts).validate()),
     ),
 }
-
-

@@ -21,6 +21,7 @@ with 10% of keys dropped (no emptied row). Torch only; run on an otherwise idle 
 
 Prints a markdown table of medians over ``--reps`` repetitions (after ``--warmup``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,8 +102,11 @@ def cases(B: int, H: int, T: int, S: int, d: int, seed: int) -> List[Tuple[str, 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="32x4x54x54,32x12x128x128",
-                        help="comma-separated BxHxTxS (batch, heads, queries, keys); default: demo-like, BERT-like")
+    parser.add_argument(
+        "--shapes",
+        default="32x4x54x54,32x12x128x128",
+        help="comma-separated BxHxTxS (batch, heads, queries, keys); default: demo-like, BERT-like",
+    )
     parser.add_argument("--head-dim", type=int, default=64, help="d of q and the output (default 64)")
     parser.add_argument("--reps", type=int, default=100, help="timed repetitions per op; the median is shown")
     parser.add_argument("--warmup", type=int, default=5, help="untimed repetitions first")
@@ -111,8 +115,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, median of {args.reps}\n")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, median of {args.reps}\n"
+    )
     print("| branch | shape | special-cased (ms) | plain (ms) | plain / special |")
     print("|---|---|---:|---:|---:|")
     for spec in args.shapes.split(","):

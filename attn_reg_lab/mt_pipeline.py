@@ -5,14 +5,14 @@ plugin as --user-dir) -> fairseq-generate -> sacrebleu on detokenized output aga
 references. Every step is a subprocess call of the installed command, exactly what a user
 would type; the command lines are logged next to their outputs.
 """
+
 from __future__ import annotations
 
 import json
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 from attn_reg_plugin.prepare import CorpusError, check_parallel, fairseq_command, prepare, run_logged  # noqa: F401
 from attn_reg_plugin.user_dir import FAIRSEQ_USER_DIR
@@ -22,8 +22,9 @@ from .provenance import environment
 SPLITS = ("train", "valid", "test")
 
 
-def prepare_data(raw_dir: Path, work_dir: Path, src: str, tgt: str, vocab_size: int,
-                 log: Callable[[str], None] = print) -> Path:
+def prepare_data(
+    raw_dir: Path, work_dir: Path, src: str, tgt: str, vocab_size: int, log: Callable[[str], None] = print
+) -> Path:
     """:func:`attn_reg_plugin.prepare.prepare` (the ``attn-reg-prepare`` command) over
     ``raw_dir/{train,valid,test}.{src,tgt}``; returns ``work_dir/data-bin``."""
     return prepare(src, tgt, {split: raw_dir / split for split in SPLITS}, work_dir, vocab_size, log=log)
@@ -50,7 +51,9 @@ def _metrics(text: str) -> Dict[str, str]:
     return out
 
 
-def train(name: str, data_bin: Path, save_dir: Path, args: Sequence[str], log: Callable[[str], None] = print) -> TrainResult:
+def train(
+    name: str, data_bin: Path, save_dir: Path, args: Sequence[str], log: Callable[[str], None] = print
+) -> TrainResult:
     """fairseq-train with the plugin; prints one line per epoch; returns timings and losses."""
     save_dir.mkdir(parents=True, exist_ok=True)
     epochs: Dict[int, dict] = {}
@@ -62,15 +65,31 @@ def train(name: str, data_bin: Path, save_dir: Path, args: Sequence[str], log: C
         kind, epoch, rest = m.group(1), int(m.group(2)), _metrics(m.group(3))
         rec = epochs.setdefault(epoch, {"epoch": epoch})
         if kind == "train":
-            rec.update(train_loss=float(rest["loss"]), ad_drop_on=rest.get("ad_drop_on"), ad_drop_rate=rest.get("ad_drop_rate"),
-                       train_metrics=rest)
+            rec.update(
+                train_loss=float(rest["loss"]),
+                ad_drop_on=rest.get("ad_drop_on"),
+                ad_drop_rate=rest.get("ad_drop_rate"),
+                train_metrics=rest,
+            )
             extra = f" AD-DROP on, dropped {float(rest['ad_drop_rate']):.2%}" if rest.get("ad_drop_on") == "1" else ""
-            log(f"  [{name}] epoch {epoch:3d} train loss {rest['loss']:>7}{extra} valid loss {rec.get('valid_loss', '?'):>7} wall {rest.get('wall', '?')}s")
+            log(
+                f"  [{name}] epoch {epoch:3d} train loss {rest['loss']:>7}{extra} valid loss {rec.get('valid_loss', '?'):>7} wall {rest.get('wall', '?')}s"
+            )
         else:
             rec["valid_loss"] = float(rest["loss"])
 
-    cmd = [fairseq_command("fairseq-train"), str(data_bin), "--user-dir", FAIRSEQ_USER_DIR, "--save-dir", str(save_dir),
-           "--no-progress-bar", "--log-format", "simple", *args]
+    cmd = [
+        fairseq_command("fairseq-train"),
+        str(data_bin),
+        "--user-dir",
+        FAIRSEQ_USER_DIR,
+        "--save-dir",
+        str(save_dir),
+        "--no-progress-bar",
+        "--log-format",
+        "simple",
+        *args,
+    ]
     seconds = run_logged(cmd, save_dir / "train.log", on_line)
     valid = [e["valid_loss"] for e in epochs.values() if "valid_loss" in e]
     if not valid:
@@ -78,18 +97,38 @@ def train(name: str, data_bin: Path, save_dir: Path, args: Sequence[str], log: C
     return TrainResult(name, save_dir, seconds, min(valid), [epochs[k] for k in sorted(epochs)])
 
 
-def generate_bleu(data_bin: Path, checkpoint: Path, raw_ref: Path, out_dir: Path, extra: Sequence[str] = (),
-                  subset: str = "test") -> dict:
+def generate_bleu(
+    data_bin: Path, checkpoint: Path, raw_ref: Path, out_dir: Path, extra: Sequence[str] = (), subset: str = "test"
+) -> dict:
     """fairseq-generate, then sacrebleu on the detokenized hypotheses against raw references."""
     import sacrebleu
 
     out_dir.mkdir(parents=True, exist_ok=True)
     gen_log = out_dir / f"generate-{subset}.log"
-    seconds = run_logged([
-        fairseq_command("fairseq-generate"), str(data_bin), "--user-dir", FAIRSEQ_USER_DIR, "--path", str(checkpoint),
-        "--gen-subset", subset, "--beam", "5", "--remove-bpe", "sentencepiece", "--scoring", "sacrebleu",
-        "--required-batch-size-multiple", "1", "--max-tokens", "4096", *extra,
-    ], gen_log)
+    seconds = run_logged(
+        [
+            fairseq_command("fairseq-generate"),
+            str(data_bin),
+            "--user-dir",
+            FAIRSEQ_USER_DIR,
+            "--path",
+            str(checkpoint),
+            "--gen-subset",
+            subset,
+            "--beam",
+            "5",
+            "--remove-bpe",
+            "sentencepiece",
+            "--scoring",
+            "sacrebleu",
+            "--required-batch-size-multiple",
+            "1",
+            "--max-tokens",
+            "4096",
+            *extra,
+        ],
+        gen_log,
+    )
     hyps: Dict[int, str] = {}
     fairseq_bleu = None
     for line in gen_log.read_text(encoding="utf-8").splitlines():
@@ -104,7 +143,12 @@ def generate_bleu(data_bin: Path, checkpoint: Path, raw_ref: Path, out_dir: Path
     ordered = [hyps[i] for i in range(len(refs))]
     (out_dir / f"{subset}.hyp").write_text("\n".join(ordered) + "\n", encoding="utf-8")
     bleu = sacrebleu.corpus_bleu(ordered, [refs])
-    return {"bleu": round(bleu.score, 2), "signature": str(bleu), "fairseq_line": fairseq_bleu, "seconds": round(seconds, 1)}
+    return {
+        "bleu": round(bleu.score, 2),
+        "signature": str(bleu),
+        "fairseq_line": fairseq_bleu,
+        "seconds": round(seconds, 1),
+    }
 
 
 def write_table(rows: List[dict], columns: Sequence[tuple], path_md: Path, path_json: Path) -> str:

@@ -3,6 +3,7 @@
 The data ship with the repository, not with a wheel: :func:`checkout_data` says so by name
 when a command runs outside a checkout without being given its data.
 """
+
 from __future__ import annotations
 
 import os

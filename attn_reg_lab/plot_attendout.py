@@ -6,6 +6,7 @@ The input is the file written by ``--attendout-log-file`` (fairseq) or
 ``attendout_log_file=`` (Hugging Face): one JSON object per dropout step with ``update`` and
 ``drop_prob`` ({"encoder-self.0": p, ...}).
 """
+
 from __future__ import annotations
 
 import argparse

@@ -3,6 +3,7 @@
 The numbers move with package versions (docs/DEMO.md: a rebuilt venv moved the demo's rows), so
 a result names the lock it was made under and says whether the venv matched it exactly.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +16,18 @@ from .paths import REPO
 
 LOCK = REPO / "requirements.lock"
 # The packages whose versions shape the numbers, recorded by name even when they match the lock.
-KEY_PACKAGES = ("torch", "fairseq-fixed", "fairseq", "transformers", "accelerate", "datasets", "peft",
-                "sentencepiece", "sacrebleu", "numpy")
+KEY_PACKAGES = (
+    "torch",
+    "fairseq-fixed",
+    "fairseq",
+    "transformers",
+    "accelerate",
+    "datasets",
+    "peft",
+    "sentencepiece",
+    "sacrebleu",
+    "numpy",
+)
 
 
 def _installed(name: str):

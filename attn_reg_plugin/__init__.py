@@ -5,12 +5,13 @@ four-step guide to porting AD-DROP into your own model, and the names below are 
 When fairseq imports this package as ``--user-dir``, fairseq is already loaded and its parts
 are registered here.
 """
+
 import sys
 
 from .core import (  # noqa: F401
+    ATTENTION_KINDS,
     ADDrop,
     ADDropConfig,
-    ATTENTION_KINDS,
     AttentionSite,
     RegularizationController,
     ad_drop_epoch,

@@ -12,6 +12,7 @@ them with one joined dictionary (what ``--share-all-embeddings`` needs). Written
 ``spm/spm.model`` (what ``--remove-bpe sentencepiece`` undoes), ``spm/{split}.{lang}``,
 ``data-bin/`` and ``logs/preprocess.log``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,11 +50,17 @@ def check_text_file(path: Path) -> int:
             try:
                 text = line.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise CorpusError(f"{path}:{count}: not valid UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line)") from None
+                raise CorpusError(
+                    f"{path}:{count}: not valid UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line)"
+                ) from None
             if "\r" in text:
-                raise CorpusError(f"{path}:{count}: carriage return inside the line (tools disagree on where such a line ends)")
+                raise CorpusError(
+                    f"{path}:{count}: carriage return inside the line (tools disagree on where such a line ends)"
+                )
             if not text.strip():
-                raise CorpusError(f"{path}:{count}: empty line (every line must be a sentence; remove the pair from both sides)")
+                raise CorpusError(
+                    f"{path}:{count}: empty line (every line must be a sentence; remove the pair from both sides)"
+                )
     if count == 0:
         raise CorpusError(f"{path}: the file is empty")
     return count
@@ -80,15 +87,20 @@ def check_parallel(prefixes: Mapping[str, Path], src: str, tgt: str) -> Dict[str
     return counts
 
 
-def run_logged(cmd: Sequence[str], log_path: Path, on_line: Optional[Callable[[str], None]] = None,
-               env: Optional[Dict[str, str]] = None) -> float:
+def run_logged(
+    cmd: Sequence[str],
+    log_path: Path,
+    on_line: Optional[Callable[[str], None]] = None,
+    env: Optional[Dict[str, str]] = None,
+) -> float:
     """Run ``cmd``, tee its output into ``log_path``, call ``on_line`` per line; return seconds."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
+        )
         for line in proc.stdout:
             log.write(line)
             if on_line is not None:
@@ -108,8 +120,15 @@ def fairseq_command(name: str) -> str:
     return str(exe)
 
 
-def prepare(src: str, tgt: str, prefixes: Mapping[str, Path], out: Path, vocab_size: int,
-            workers: int = 2, log: Callable[[str], None] = print) -> Path:
+def prepare(
+    src: str,
+    tgt: str,
+    prefixes: Mapping[str, Path],
+    out: Path,
+    vocab_size: int,
+    workers: int = 2,
+    log: Callable[[str], None] = print,
+) -> Path:
     """Check the corpus, train a joint sentencepiece model on train, encode every split, binarize;
     return the data-bin folder. ``prefixes`` maps split names (train, valid, test) to prefixes."""
     import sentencepiece as spm
@@ -121,21 +140,42 @@ def prepare(src: str, tgt: str, prefixes: Mapping[str, Path], out: Path, vocab_s
     model_prefix = spm_dir / "spm"
     train = prefixes["train"]
     spm.SentencePieceTrainer.train(
-        input=f"{train}.{src},{train}.{tgt}", model_prefix=str(model_prefix), vocab_size=vocab_size,
-        character_coverage=1.0, model_type="unigram", num_threads=2, minloglevel=2, seed_sentencepiece_size=200000,
+        input=f"{train}.{src},{train}.{tgt}",
+        model_prefix=str(model_prefix),
+        vocab_size=vocab_size,
+        character_coverage=1.0,
+        model_type="unigram",
+        num_threads=2,
+        minloglevel=2,
+        seed_sentencepiece_size=200000,
     )
     sp = spm.SentencePieceProcessor(model_file=f"{model_prefix}.model")
     for split, prefix in prefixes.items():
         for lang in (src, tgt):
-            with open(f"{prefix}.{lang}", encoding="utf-8") as fin, open(spm_dir / f"{split}.{lang}", "w", encoding="utf-8") as fout:
+            with (
+                open(f"{prefix}.{lang}", encoding="utf-8") as fin,
+                open(spm_dir / f"{split}.{lang}", "w", encoding="utf-8") as fout,
+            ):
                 for line in fin:
                     fout.write(" ".join(sp.encode(line.rstrip("\n"), out_type=str)) + "\n")
     data_bin = out / "data-bin"
     split_flags = [flag for split in prefixes for flag in (f"--{split}pref", str(spm_dir / split))]
-    run_logged([
-        fairseq_command("fairseq-preprocess"), "--source-lang", src, "--target-lang", tgt, *split_flags,
-        "--destdir", str(data_bin), "--joined-dictionary", "--workers", str(workers),
-    ], out / "logs" / "preprocess.log")
+    run_logged(
+        [
+            fairseq_command("fairseq-preprocess"),
+            "--source-lang",
+            src,
+            "--target-lang",
+            tgt,
+            *split_flags,
+            "--destdir",
+            str(data_bin),
+            "--joined-dictionary",
+            "--workers",
+            str(workers),
+        ],
+        out / "logs" / "preprocess.log",
+    )
     log(f"sentencepiece ({vocab_size} pieces, {spm_dir / 'spm.model'}) + fairseq-preprocess -> {data_bin}")
     return data_bin
 
@@ -144,15 +184,18 @@ _LANG = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="attn-reg-prepare", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="attn-reg-prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--src", required=True, help="source language suffix (e.g. en: files PREFIX.en)")
     ap.add_argument("--tgt", required=True, help="target language suffix (e.g. tr)")
     ap.add_argument("--train", required=True, type=Path, help="training prefix (PREFIX.SRC, PREFIX.TGT)")
     ap.add_argument("--valid", required=True, type=Path, help="validation prefix")
     ap.add_argument("--test", type=Path, help="test prefix (optional)")
     ap.add_argument("--out", required=True, type=Path, help="output folder (spm/, data-bin/, logs/)")
-    ap.add_argument("--vocab-size", type=int, default=8000, help="joint sentencepiece vocabulary (>= 100; default 8000)")
+    ap.add_argument(
+        "--vocab-size", type=int, default=8000, help="joint sentencepiece vocabulary (>= 100; default 8000)"
+    )
     ap.add_argument("--workers", type=int, default=2, help="fairseq-preprocess workers (>= 1)")
     args = ap.parse_args(argv)
     for option, lang in (("--src", args.src), ("--tgt", args.tgt)):

@@ -6,6 +6,7 @@ fairseq's ``--user-dir``, wherever the package is installed.
 It works in every import order: the folder holds one tiny module that imports
 :mod:`attn_reg_plugin.fairseq_plugin`, which registers the plugin's fairseq parts.
 """
+
 import os
 
 FAIRSEQ_USER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fairseq_user_dir", "attn_reg_fairseq")

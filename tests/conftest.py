@@ -2,6 +2,7 @@
 
 Everything else the tests share (paths, tiny models, CLI helpers) is in helpers.py.
 """
+
 import os
 
 import pytest
@@ -13,7 +14,7 @@ settings.register_profile("default", max_examples=150, deadline=None, suppress_h
 settings.register_profile("thorough", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-from helpers import CORPUS, MOVIE_REVIEWS_TINY, USER_DIR, RESUMABLE, TRAIN_ARGS, run_cli, train_updates
+from helpers import CORPUS, MOVIE_REVIEWS_TINY, RESUMABLE, TRAIN_ARGS, USER_DIR, run_cli, train_updates
 
 
 @pytest.fixture(scope="session")
@@ -53,19 +54,51 @@ def tiny_sp_data(tmp_path_factory):
     for split, part in splits.items():
         (raw / f"{split}.sentence").write_text("".join(r["sentence"] + "\n" for r in part), encoding="utf-8")
         (raw / f"{split}.label").write_text("".join(f"{r['label']}\n" for r in part), encoding="utf-8")
-    spm.SentencePieceTrainer.train(input=str(raw / "train.sentence"), model_prefix=str(root / "spm"), vocab_size=200,
-                                   character_coverage=1.0, model_type="unigram", num_threads=1, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(raw / "train.sentence"),
+        model_prefix=str(root / "spm"),
+        vocab_size=200,
+        character_coverage=1.0,
+        model_type="unigram",
+        num_threads=1,
+        minloglevel=2,
+    )
     sp = spm.SentencePieceProcessor(model_file=str(root / "spm.model"))
     for split in splits:
         lines = (raw / f"{split}.sentence").read_text(encoding="utf-8").splitlines()
-        (raw / f"{split}.spm").write_text("".join(" ".join(sp.encode(s, out_type=str)) + "\n" for s in lines),
-                                          encoding="utf-8")
+        (raw / f"{split}.spm").write_text(
+            "".join(" ".join(sp.encode(s, out_type=str)) + "\n" for s in lines), encoding="utf-8"
+        )
 
     cls, reg = root / "cls-bin", root / "reg-bin"
-    run_cli("fairseq-preprocess", ["--only-source", "--trainpref", raw / "train.spm", "--validpref", raw / "valid.spm",
-                                   "--destdir", cls / "input0", "--workers", "1"])
-    run_cli("fairseq-preprocess", ["--only-source", "--trainpref", raw / "train.label", "--validpref", raw / "valid.label",
-                                   "--destdir", cls / "label", "--workers", "1"])
+    run_cli(
+        "fairseq-preprocess",
+        [
+            "--only-source",
+            "--trainpref",
+            raw / "train.spm",
+            "--validpref",
+            raw / "valid.spm",
+            "--destdir",
+            cls / "input0",
+            "--workers",
+            "1",
+        ],
+    )
+    run_cli(
+        "fairseq-preprocess",
+        [
+            "--only-source",
+            "--trainpref",
+            raw / "train.label",
+            "--validpref",
+            raw / "valid.label",
+            "--destdir",
+            cls / "label",
+            "--workers",
+            "1",
+        ],
+    )
     # Regression reads label/<split>.label as text, one float per line (--num-classes 1).
     (reg / "label").mkdir(parents=True)
     import shutil
@@ -84,8 +117,20 @@ def reference_runs(tiny_mt_data, tmp_path_factory):
     def get(name):
         if name not in runs:
             save = tmp_path_factory.mktemp(f"{name}_run")
-            proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--save-dir", save,
-                                             *TRAIN_ARGS[name], *RESUMABLE, "--max-epoch", "3"])
+            proc = run_cli(
+                "fairseq-train",
+                [
+                    tiny_mt_data["bin"],
+                    "--user-dir",
+                    USER_DIR,
+                    "--save-dir",
+                    save,
+                    *TRAIN_ARGS[name],
+                    *RESUMABLE,
+                    "--max-epoch",
+                    "3",
+                ],
+            )
             runs[name] = {"save": save, "log": proc.stdout, "updates": train_updates(proc.stdout)}
         return runs[name]
 

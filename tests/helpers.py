@@ -4,6 +4,7 @@ Every tiny model is built here, once; where tests need a different one, the diff
 explicit argument (``tiny_bert_classifier(hidden_size=32, ...)``), not a second copy.
 Fixtures (corpora cut from the shipped data, reference runs) are in conftest.py.
 """
+
 import os
 import subprocess
 import sys
@@ -22,10 +23,25 @@ VENV_BIN = Path(sys.executable).parent
 
 # The smallest Transformer fairseq builds: tests exercise the pipeline, not translation quality.
 TINY_TRANSFORMER = [
-    "--arch", "transformer", "--encoder-layers", "2", "--decoder-layers", "2",
-    "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
-    "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
-    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--share-all-embeddings",
+    "--arch",
+    "transformer",
+    "--encoder-layers",
+    "2",
+    "--decoder-layers",
+    "2",
+    "--encoder-embed-dim",
+    "16",
+    "--decoder-embed-dim",
+    "16",
+    "--encoder-ffn-embed-dim",
+    "32",
+    "--decoder-ffn-embed-dim",
+    "32",
+    "--encoder-attention-heads",
+    "2",
+    "--decoder-attention-heads",
+    "2",
+    "--share-all-embeddings",
 ]
 
 
@@ -42,8 +58,15 @@ def load_script(path, name=None):
 def run_cli(name, args, cwd=None, expect_ok=True, timeout=300):
     """Run one of the venv's fairseq console scripts; return the completed process (text)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(VENV_BIN / name), *map(str, args)], cwd=cwd, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    proc = subprocess.run(
+        [str(VENV_BIN / name), *map(str, args)],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=timeout,
+    )
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
     return proc
@@ -78,8 +101,9 @@ def tiny_bert_classifier(**config):
     import transformers
 
     torch.manual_seed(0)
-    fields = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50,
-                  pad_token_id=0)
+    fields = dict(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50, pad_token_id=0
+    )
     return transformers.BertForSequenceClassification(transformers.BertConfig(**{**fields, **config}))
 
 
@@ -110,8 +134,18 @@ MOVIE_REVIEWS_TINY = TEST_DATA / "movie_reviews_tiny.jsonl"
 # The smallest RoBERTa fairseq builds (randomly initialised); the longest tiny review is
 # 146 sentencepiece tokens.
 TINY_ROBERTA = [
-    "--arch", "roberta", "--encoder-layers", "2", "--encoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
-    "--encoder-attention-heads", "2", "--max-positions", "256",
+    "--arch",
+    "roberta",
+    "--encoder-layers",
+    "2",
+    "--encoder-embed-dim",
+    "16",
+    "--encoder-ffn-embed-dim",
+    "32",
+    "--encoder-attention-heads",
+    "2",
+    "--max-positions",
+    "256",
 ]
 # sentence_prediction's GLUE settings: <s> = 0 starts every sentence (the classification head
 # reads it), </s> = 2 separates sentence pairs.
@@ -136,11 +170,34 @@ def train_epoch_stats(log: str):
 # AD-DROP training on the tiny corpus with a per-update JSON log: 12 updates per epoch, epoch 1
 # plain, epoch 2 AD-DROP, epoch 3 plain.
 AD_DROP_TRAIN = [
-    "--task", "attn_reg_translation", *TINY_TRANSFORMER,
-    "--criterion", "ad_drop_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-    "--ad-drop-p", "0.3", "--ad-drop-q", "0.5", "--dropout", "0.1",
-    "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu", "--seed", "3",
-    "--no-progress-bar", "--log-format", "json", "--log-interval", "1", "--no-epoch-checkpoints",
+    "--task",
+    "attn_reg_translation",
+    *TINY_TRANSFORMER,
+    "--criterion",
+    "ad_drop_label_smoothed_cross_entropy",
+    "--label-smoothing",
+    "0.1",
+    "--ad-drop-p",
+    "0.3",
+    "--ad-drop-q",
+    "0.5",
+    "--dropout",
+    "0.1",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "1e-3",
+    "--max-tokens",
+    "500",
+    "--cpu",
+    "--seed",
+    "3",
+    "--no-progress-bar",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "1",
+    "--no-epoch-checkpoints",
 ]
 UPDATES_PER_EPOCH = 12
 # A checkpoint every 14 updates: the first is the 2nd update of epoch 2, inside an AD-DROP epoch.
@@ -162,11 +219,33 @@ def train_updates(log: str):
 
 # Regularizer name -> fairseq-train arguments of a tiny run (AttendOut adds its entry here).
 ATTENDOUT_TRAIN = [
-    "--task", "attn_reg_translation", *TINY_TRANSFORMER,
-    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--dropout", "0.1",
-    "--attendout", "--attendout-dropout-step", "4",  # update 14 is inside the dropout step 13-16
-    "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu", "--seed", "3",
-    "--no-progress-bar", "--log-format", "json", "--log-interval", "1", "--no-epoch-checkpoints",
+    "--task",
+    "attn_reg_translation",
+    *TINY_TRANSFORMER,
+    "--criterion",
+    "label_smoothed_cross_entropy",
+    "--label-smoothing",
+    "0.1",
+    "--dropout",
+    "0.1",
+    "--attendout",
+    "--attendout-dropout-step",
+    "4",  # update 14 is inside the dropout step 13-16
+    "--optimizer",
+    "adam",
+    "--lr",
+    "1e-3",
+    "--max-tokens",
+    "500",
+    "--cpu",
+    "--seed",
+    "3",
+    "--no-progress-bar",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "1",
+    "--no-epoch-checkpoints",
 ]
 TRAIN_ARGS = {"ad_drop": AD_DROP_TRAIN, "attendout": ATTENDOUT_TRAIN}
 
@@ -200,9 +279,20 @@ def tiny_marian(vocab_size=100, **config):
     import transformers
 
     torch.manual_seed(0)
-    fields = dict(vocab_size=vocab_size, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=0, eos_token_id=1,
-                  decoder_start_token_id=0, max_position_embeddings=64)
+    fields = dict(
+        vocab_size=vocab_size,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+        max_position_embeddings=64,
+    )
     return transformers.MarianMTModel(transformers.MarianConfig(**{**fields, **config}))
 
 
@@ -212,9 +302,18 @@ def tiny_llama(**config):
     import transformers
 
     torch.manual_seed(0)
-    fields = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=64, vocab_size=100, pad_token_id=0)
-    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("llama", **{**fields, **config}))
+    fields = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=100,
+        pad_token_id=0,
+    )
+    return transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model("llama", **{**fields, **config})
+    )
 
 
 # The float dtypes the kernel and the masks are checked in.
@@ -275,7 +374,9 @@ class TinyCoreModel(torch.nn.Module):
         from attn_reg_plugin.core.controller import RegularizationController
 
         self.controller = RegularizationController()
-        self.blocks = torch.nn.ModuleList(CoreBlock(self.controller.register("encoder-self", i), calls) for i in range(2))
+        self.blocks = torch.nn.ModuleList(
+            CoreBlock(self.controller.register("encoder-self", i), calls) for i in range(2)
+        )
         self.out = torch.nn.Linear(CORE_D, 3)
 
     def forward(self, x):
@@ -292,7 +393,6 @@ def tiny_core_model(calls=1, checkpointed=False):
     for block in model.blocks:
         block.gradient_checkpointing = checkpointed
     return model
-
 
 
 def token_data(n, seed, min_len=5, max_len=10):

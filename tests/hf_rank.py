@@ -7,6 +7,7 @@ cross-tuning (epoch 2 is AD-DROP), then writes ``OUT_DIR/rank{R}.pt``: the final
 the Trainer's log history and, per training log, this rank's own dropped / valid counts
 (recorded just before the trainer sums them over the ranks).
 """
+
 import sys
 
 import torch
@@ -43,21 +44,43 @@ def collate(batch):
 
 def main(out_dir):
     torch.manual_seed(0)
-    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                                     vocab_size=100, attn_implementation="sdpa")
+    config = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=100,
+        attn_implementation="sdpa",
+    )
     model = transformers.BertForSequenceClassification(config)
     args = transformers.TrainingArguments(
-        output_dir=out_dir, num_train_epochs=2, per_device_train_batch_size=6, logging_steps=1, report_to=[],
-        use_cpu=True, ddp_backend="gloo", save_strategy="no", learning_rate=1e-3, seed=0, disable_tqdm=True,
-        remove_unused_columns=False)
-    trainer = CountRecordingTrainer(model=model, args=args, train_dataset=data(), data_collator=collate,
-                                    ad_drop=ADDropConfig(p=0.3, q=0.3))
+        output_dir=out_dir,
+        num_train_epochs=2,
+        per_device_train_batch_size=6,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        save_strategy="no",
+        learning_rate=1e-3,
+        seed=0,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
+    trainer = CountRecordingTrainer(
+        model=model, args=args, train_dataset=data(), data_collator=collate, ad_drop=ADDropConfig(p=0.3, q=0.3)
+    )
     trainer.train()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "log_history": trainer.state.log_history, "local_counts": trainer.local_counts,
-                "world_size": trainer.args.world_size},
-               f"{out_dir}/rank{rank}.pt")
+    torch.save(
+        {
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "log_history": trainer.state.log_history,
+            "local_counts": trainer.local_counts,
+            "world_size": trainer.args.world_size,
+        },
+        f"{out_dir}/rank{rank}.pt",
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ reads data) and through the Hugging Face trainer's construction; the formatted f
 message must also appear verbatim in the "Bad input" table of docs/OPTIONS.md. A regularizer adds
 its table to REGULARIZERS.
 """
+
 import math
 import re
 from dataclasses import dataclass, fields
@@ -15,7 +16,7 @@ from typing import Callable, List, Optional
 
 import pytest
 
-from helpers import USER_DIR, REPO, TINY_TRANSFORMER, fairseq_setup, run_cli
+from helpers import REPO, TINY_TRANSFORMER, USER_DIR, fairseq_setup, run_cli
 
 INTERVAL = "{opt} must be in the open interval (0, 1), got {got}"
 KINDS = "encoder-self, decoder-self, encoder-decoder"
@@ -44,10 +45,16 @@ AD_DROP_BAD: List[Bad] = [
     Bad("q", "0", 0, INTERVAL.format(opt="{opt}", got="{got}"), got_cli="0.0"),
     Bad("q", "1.0", 1.0, INTERVAL.format(opt="{opt}", got="1.0")),
     Bad("q", "inf", math.inf, INTERVAL.format(opt="{opt}", got="inf")),
-    Bad("layers", "0,7", _SAME, "{opt}: layer 7 does not exist; the model's encoder-self attention has 2 layers, "
-                                "so accepted indices are 0..1"),
+    Bad(
+        "layers",
+        "0,7",
+        _SAME,
+        "{opt}: layer 7 does not exist; the model's encoder-self attention has 2 layers, so accepted indices are 0..1",
+    ),
     Bad("layers", "-1", _SAME, "{opt}: layer indices are 0-based and >= 0, got [-1]"),
-    Bad("layers", "first", _SAME, "{opt} must be 'all' or a comma-separated list of 0-based layer indices, got 'first'"),
+    Bad(
+        "layers", "first", _SAME, "{opt} must be 'all' or a comma-separated list of 0-based layer indices, got 'first'"
+    ),
     Bad("layers", ",", _SAME, "{opt} must name at least one layer, got ','"),
     Bad("attention", "cross", _SAME, "{opt}: unknown attention kind 'cross'; accepted: " + KINDS),
     Bad("attention", ",", _SAME, "{opt} must name at least one of " + KINDS),
@@ -70,8 +77,9 @@ AD_DROP_BAD_TYPES = [
 
 FINITE_POSITIVE = "{opt} must be a finite number > 0, got {got}"
 INTEGER = "{opt} must be an integer >= 1, got {got}"
-NO_LAYER_7 = ("{opt}: layer 7 does not exist; the model's encoder-self attention has 2 layers, "
-              "so accepted indices are 0..1")
+NO_LAYER_7 = (
+    "{opt}: layer 7 does not exist; the model's encoder-self attention has 2 layers, so accepted indices are 0..1"
+)
 UNKNOWN_KIND = "{opt}: unknown attention kind 'cross'; accepted: " + KINDS
 
 ATTENDOUT_BAD: List[Bad] = [
@@ -92,7 +100,9 @@ ATTENDOUT_BAD: List[Bad] = [
     Bad("init_drop", "0", 0.0, "{opt} must be in the open interval (0, 1), got {got}", got_cli="0.0"),
     Bad("init_drop", "1.2", 1.2, "{opt} must be in the open interval (0, 1), got {got}"),
     Bad("layers", "0,7", _SAME, NO_LAYER_7),
-    Bad("layers", "first", _SAME, "{opt} must be 'all' or a comma-separated list of 0-based layer indices, got 'first'"),
+    Bad(
+        "layers", "first", _SAME, "{opt} must be 'all' or a comma-separated list of 0-based layer indices, got 'first'"
+    ),
     Bad("attention", "cross", _SAME, UNKNOWN_KIND),
     Bad("clip_norm", "-1", None, "{opt} must be a finite number >= 0, got -1.0", python=False),
     Bad("clip_norm", "nan", None, "{opt} must be a finite number >= 0, got nan", python=False),
@@ -104,14 +114,24 @@ ATTENDOUT_BAD_TYPES = [
 
 SCHED_DROPOUT_BAD: List[Bad] = [
     Bad("schedule", "0:1.5", _SAME, "{opt}: knot '0:1.5' probability must be a probability in [0, 1], got 1.5"),
-    Bad("schedule", "0:0.3,100:-0.1", _SAME, "{opt}: knot '100:-0.1' probability must be a probability in [0, 1], got -0.1"),
+    Bad(
+        "schedule",
+        "0:0.3,100:-0.1",
+        _SAME,
+        "{opt}: knot '100:-0.1' probability must be a probability in [0, 1], got -0.1",
+    ),
     Bad("schedule", "abc", _SAME, "{opt}: cannot read knot 'abc'; expected UPDATE:PROB such as 0:0.6"),
     Bad("schedule", "0:0.3:1", _SAME, "{opt}: cannot read knot '0:0.3:1'; expected UPDATE:PROB such as 0:0.6"),
     Bad("schedule", "-1:0.3", _SAME, "{opt}: knot updates must be integers >= 0, got '-1'"),
     Bad("schedule", "0.5:0.3", _SAME, "{opt}: knot updates must be integers >= 0, got '0.5'"),
     Bad("schedule", "5:0.3,2:0.1", _SAME, "{opt}: knot updates must increase strictly, got 5 then 2"),
-    Bad("schedule", "0:0.3|0:0.2|0:0.1", _SAME, "{opt} gives 3 schedules separated by '|', but 2 layers are selected "
-                                                "([0, 1]): give one schedule, or one per layer"),
+    Bad(
+        "schedule",
+        "0:0.3|0:0.2|0:0.1",
+        _SAME,
+        "{opt} gives 3 schedules separated by '|', but 2 layers are selected "
+        "([0, 1]): give one schedule, or one per layer",
+    ),
     Bad("schedule", None, "", "{opt} is empty: scheduled attention dropout is off"),
     Bad("layers", "0,7", _SAME, NO_LAYER_7),
     Bad("attention", "cross", _SAME, UNKNOWN_KIND),
@@ -163,7 +183,9 @@ def _sched_dropout_trainer(model, args, fields):
     from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
     from attn_reg_plugin.hf import AttnRegTrainer
 
-    return AttnRegTrainer(model=model, args=args, scheduled_dropout=ScheduledDropoutConfig(**{"schedule": "0:0.3", **fields}))
+    return AttnRegTrainer(
+        model=model, args=args, scheduled_dropout=ScheduledDropoutConfig(**{"schedule": "0:0.3", **fields})
+    )
 
 
 def _layerdrop_trainer(model, args, fields):
@@ -187,24 +209,43 @@ PLAIN_CRITERION = ["--criterion", "label_smoothed_cross_entropy", "--label-smoot
 
 REGULARIZERS = [
     Regularizer(
-        "ad_drop", AD_DROP_BAD, AD_DROP_BAD_TYPES,
+        "ad_drop",
+        AD_DROP_BAD,
+        AD_DROP_BAD_TYPES,
         ["--criterion", "ad_drop_label_smoothed_cross_entropy", "--label-smoothing", "0.1"],
-        _prefixed("--ad-drop-"), lambda field: f"ADDropConfig.{field}", _ad_drop_trainer,
+        _prefixed("--ad-drop-"),
+        lambda field: f"ADDropConfig.{field}",
+        _ad_drop_trainer,
         _config_class("ad_drop", "ADDropConfig"),
     ),
     Regularizer(
-        "attendout", ATTENDOUT_BAD, ATTENDOUT_BAD_TYPES, [*PLAIN_CRITERION, "--attendout"],
-        _prefixed("--attendout-"), lambda field: f"AttendOutConfig.{field}", _attendout_trainer,
+        "attendout",
+        ATTENDOUT_BAD,
+        ATTENDOUT_BAD_TYPES,
+        [*PLAIN_CRITERION, "--attendout"],
+        _prefixed("--attendout-"),
+        lambda field: f"AttendOutConfig.{field}",
+        _attendout_trainer,
         _config_class("attendout", "AttendOutConfig"),
     ),
     Regularizer(
-        "sched_dropout", SCHED_DROPOUT_BAD, [], [*PLAIN_CRITERION, "--attn-sched-dropout-schedule", "0:0.3,100:0.1"],
-        _prefixed("--attn-sched-dropout-"), lambda field: f"ScheduledDropoutConfig.{field}", _sched_dropout_trainer,
+        "sched_dropout",
+        SCHED_DROPOUT_BAD,
+        [],
+        [*PLAIN_CRITERION, "--attn-sched-dropout-schedule", "0:0.3,100:0.1"],
+        _prefixed("--attn-sched-dropout-"),
+        lambda field: f"ScheduledDropoutConfig.{field}",
+        _sched_dropout_trainer,
         _config_class("scheduled_dropout", "ScheduledDropoutConfig"),
     ),
     Regularizer(
-        "layerdrop", LAYERDROP_BAD, LAYERDROP_BAD_TYPES, [*PLAIN_CRITERION, "--attn-layerdrop-p", "0.2"],
-        _prefixed("--attn-layerdrop-"), lambda field: f"AttentionLayerDropConfig.{field}", _layerdrop_trainer,
+        "layerdrop",
+        LAYERDROP_BAD,
+        LAYERDROP_BAD_TYPES,
+        [*PLAIN_CRITERION, "--attn-layerdrop-p", "0.2"],
+        _prefixed("--attn-layerdrop-"),
+        lambda field: f"AttentionLayerDropConfig.{field}",
+        _layerdrop_trainer,
         _config_class("layerdrop", "AttentionLayerDropConfig"),
     ),
 ]
@@ -224,7 +265,9 @@ def _cli_message(reg, row):
 
 
 def _setup(tiny_mt_data, reg, *extra):
-    return fairseq_setup(tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER, *reg.fairseq_args, *extra])
+    return fairseq_setup(
+        tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER, *reg.fairseq_args, *extra]
+    )
 
 
 # -- fairseq: the flags, through fairseq's parser and task / model / criterion set-up --------------
@@ -235,8 +278,10 @@ def test_fairseq_refuses_bad_value_while_building(tiny_mt_data, reg, row):
     assert str(e.value) == _cli_message(reg, row)
 
 
-@pytest.mark.parametrize("reg, flag, value, message",
-                         [pytest.param(r, *t, id=f"{r.name}{t[0]}={t[1]}") for r in REGULARIZERS for t in r.type_errors])
+@pytest.mark.parametrize(
+    "reg, flag, value, message",
+    [pytest.param(r, *t, id=f"{r.name}{t[0]}={t[1]}") for r in REGULARIZERS for t in r.type_errors],
+)
 def test_fairseq_parser_refuses_wrong_type(tiny_mt_data, capsys, reg, flag, value, message):
     with pytest.raises(SystemExit) as e:
         _setup(tiny_mt_data, reg, f"{flag}={value}")
@@ -248,27 +293,55 @@ def test_fairseq_parser_refuses_wrong_type(tiny_mt_data, capsys, reg, flag, valu
 def test_fairseq_valid_options_build(tiny_mt_data, reg):
     """The same set-up with the defaults succeeds: the rows above fail because of their value."""
     _, task, _, criterion = _setup(tiny_mt_data, reg)
-    built = {"ad_drop": getattr(criterion, "ad_drop", None), "attendout": task.attn_reg_attendout,
-             "sched_dropout": task.attn_reg_scheduled_dropout, "layerdrop": task.attn_reg_layerdrop}
+    built = {
+        "ad_drop": getattr(criterion, "ad_drop", None),
+        "attendout": task.attn_reg_attendout,
+        "sched_dropout": task.attn_reg_scheduled_dropout,
+        "layerdrop": task.attn_reg_layerdrop,
+    }
     assert [name for name, regularizer in built.items() if regularizer is not None] == [reg.name]
 
 
 def test_fairseq_ad_drop_criterion_needs_an_attn_reg_task(tiny_mt_data):
     with pytest.raises(ValueError) as e:
         fairseq_setup(tiny_mt_data["bin"], ["--task", "translation", *TINY_TRANSFORMER, *REGULARIZERS[0].fairseq_args])
-    assert str(e.value) == ("the ad_drop criterions need an attn_reg task, which routes attention through the plugin "
-                            "(--task attn_reg_translation); got TranslationTask")
+    assert str(e.value) == (
+        "the ad_drop criterions need an attn_reg task, which routes attention through the plugin "
+        "(--task attn_reg_translation); got TranslationTask"
+    )
 
 
 def test_fairseq_train_stops_before_training(tiny_mt_data, tmp_path):
     """The real CLI: a bad value ends fairseq-train before the first epoch and writes nothing."""
-    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--save-dir", tmp_path, "--cpu",
-                                     "--task", "attn_reg_translation", *TINY_TRANSFORMER, *REGULARIZERS[0].fairseq_args,
-                                     "--optimizer", "adam", "--max-tokens", "500", "--max-epoch", "1",
-                                     "--ad-drop-layers", "0,7"], expect_ok=False)
+    proc = run_cli(
+        "fairseq-train",
+        [
+            tiny_mt_data["bin"],
+            "--user-dir",
+            USER_DIR,
+            "--save-dir",
+            tmp_path,
+            "--cpu",
+            "--task",
+            "attn_reg_translation",
+            *TINY_TRANSFORMER,
+            *REGULARIZERS[0].fairseq_args,
+            "--optimizer",
+            "adam",
+            "--max-tokens",
+            "500",
+            "--max-epoch",
+            "1",
+            "--ad-drop-layers",
+            "0,7",
+        ],
+        expect_ok=False,
+    )
     assert proc.returncode != 0
-    assert ("ValueError: --ad-drop-layers: layer 7 does not exist; the model's encoder-self attention has 2 layers, "
-            "so accepted indices are 0..1") in proc.stdout
+    assert (
+        "ValueError: --ad-drop-layers: layer 7 does not exist; the model's encoder-self attention has 2 layers, "
+        "so accepted indices are 0..1"
+    ) in proc.stdout
     assert "begin training epoch" not in proc.stdout and not re.search(r"loaded \d+ examples", proc.stdout)
     assert not list(tmp_path.glob("*.pt"))
 
@@ -280,8 +353,14 @@ def hf_model_and_args(tmp_path_factory):
     import torch
 
     torch.manual_seed(0)
-    config = transformers.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-                                     vocab_size=50, attn_implementation="sdpa")
+    config = transformers.BertConfig(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=50,
+        attn_implementation="sdpa",
+    )
     model = transformers.BertForSequenceClassification(config)
     args = transformers.TrainingArguments(output_dir=str(tmp_path_factory.mktemp("hf")), use_cpu=True, report_to=[])
     return model, args
@@ -298,8 +377,10 @@ def test_hf_trainer_refuses_bad_value_at_construction(hf_model_and_args, reg, ro
 def test_hf_trainer_refuses_attention_the_model_lacks(hf_model_and_args):
     with pytest.raises(ValueError) as e:
         REGULARIZERS[0].hf_trainer(*hf_model_and_args, {"attention": "encoder-self,encoder-decoder"})
-    assert str(e.value) == ("ADDropConfig.attention: attention kind 'encoder-decoder' was asked for, but this model "
-                            "has no such attention (it has: encoder-self)")
+    assert str(e.value) == (
+        "ADDropConfig.attention: attention kind 'encoder-decoder' was asked for, but this model "
+        "has no such attention (it has: encoder-self)"
+    )
 
 
 def test_hf_trainer_refuses_a_non_config(hf_model_and_args):
@@ -312,7 +393,7 @@ def test_hf_trainer_refuses_a_non_config(hf_model_and_args):
 # -- docs/OPTIONS.md lists exactly these messages ----------------------------------------------
 def test_docs_bad_input_table_lists_every_message():
     options = (REPO / "docs" / "OPTIONS.md").read_text(encoding="utf-8")
-    section = options[options.index("\n## Bad input"):]
+    section = options[options.index("\n## Bad input") :]
     end = section.find("\n## ", 1)  # the section runs to the next heading of its level, or to the end
     section = (section if end < 0 else section[:end]).replace("\\|", "|")  # '|' is escaped in table cells
     for reg in REGULARIZERS:

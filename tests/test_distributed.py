@@ -8,6 +8,7 @@ the logged AD-DROP flag and drop rate are those of the whole job; a slow test re
 2-rank run from checkpoint_last (rank 0 reads it, the others receive it).
 HF: ``torchrun --nproc_per_node 2`` of ADDropTrainer on a tiny BERT.
 """
+
 import os
 import re
 import socket
@@ -19,12 +20,16 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from helpers import USER_DIR, REPO, TRAIN_ARGS, VENV_BIN, train_updates  # noqa: E402
+from helpers import REPO, TRAIN_ARGS, USER_DIR, VENV_BIN, train_updates  # noqa: E402
 
 WORLD = 2
 UPDATES_PER_EPOCH = 6  # 12 batches of the tiny corpus shared by 2 ranks
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+ENV = {
+    **os.environ,
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+}
 
 
 def _free_port():
@@ -39,10 +44,28 @@ def _fairseq_ranks(data_bin, save, extra, max_epoch, regularizer="ad_drop", time
     procs, logs = [], []
     for rank in range(WORLD):
         log = open(save.parent / f"{save.name}-rank{rank}-epoch{max_epoch}.log", "w+")
-        cmd = [sys.executable, str(REPO / "tests" / "fairseq_rank.py"), str(data_bin), "--user-dir", USER_DIR,
-               "--save-dir", str(save), *TRAIN_ARGS[regularizer], "--max-epoch", str(max_epoch),
-               "--distributed-world-size", str(WORLD), "--distributed-rank", str(rank), "--distributed-no-spawn",
-               "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-backend", "gloo", *extra]
+        cmd = [
+            sys.executable,
+            str(REPO / "tests" / "fairseq_rank.py"),
+            str(data_bin),
+            "--user-dir",
+            USER_DIR,
+            "--save-dir",
+            str(save),
+            *TRAIN_ARGS[regularizer],
+            "--max-epoch",
+            str(max_epoch),
+            "--distributed-world-size",
+            str(WORLD),
+            "--distributed-rank",
+            str(rank),
+            "--distributed-no-spawn",
+            "--distributed-init-method",
+            f"tcp://127.0.0.1:{port}",
+            "--distributed-backend",
+            "gloo",
+            *extra,
+        ]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV))
         logs.append(log)
     try:
@@ -84,12 +107,18 @@ def _check_plain_epoch(updates, epoch):
     assert len(rows) == UPDATES_PER_EPOCH and all(r["ad_drop_on"] == "0" and r["ad_drop_rate"] == "0" for r in rows)
 
 
-@pytest.mark.parametrize("extra", [
-    pytest.param(["--ddp-backend", "pytorch_ddp"], id="pytorch_ddp"),
-    pytest.param(["--ddp-backend", "pytorch_ddp", "--find-unused-parameters"], id="pytorch_ddp-find-unused-parameters",
-                 marks=pytest.mark.slow),
-    pytest.param(["--ddp-backend", "legacy_ddp"], id="legacy_ddp", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(["--ddp-backend", "pytorch_ddp"], id="pytorch_ddp"),
+        pytest.param(
+            ["--ddp-backend", "pytorch_ddp", "--find-unused-parameters"],
+            id="pytorch_ddp-find-unused-parameters",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(["--ddp-backend", "legacy_ddp"], id="legacy_ddp", marks=pytest.mark.slow),
+    ],
+)
 def test_fairseq_two_ranks_stay_in_sync(tiny_mt_data, tmp_path, extra):
     save = tmp_path / "ckpt"
     updates = train_updates(_fairseq_ranks(tiny_mt_data["bin"], save, extra, max_epoch=2))
@@ -115,9 +144,22 @@ def test_fairseq_two_ranks_resume_into_an_ad_drop_epoch(tiny_mt_data, tmp_path):
 @pytest.mark.slow
 def test_hf_trainer_torchrun_two_ranks(tmp_path):
     pytest.importorskip("transformers")
-    proc = subprocess.run([str(VENV_BIN / "torchrun"), "--nproc_per_node", str(WORLD), "--master_port", str(_free_port()),
-                           str(REPO / "tests" / "hf_rank.py"), str(tmp_path)],
-                          env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    proc = subprocess.run(
+        [
+            str(VENV_BIN / "torchrun"),
+            "--nproc_per_node",
+            str(WORLD),
+            "--master_port",
+            str(_free_port()),
+            str(REPO / "tests" / "hf_rank.py"),
+            str(tmp_path),
+        ],
+        env=ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     assert all(r["world_size"] == WORLD for r in ranks)
@@ -133,12 +175,18 @@ def test_hf_trainer_torchrun_two_ranks(tmp_path):
     assert any(v0 and round(d0 / v0, 6) != h["ad_drop_rate"] for h, (d0, v0) in zip(logs, local[0]))
 
 
-@pytest.mark.parametrize("extra", [
-    pytest.param(["--ddp-backend", "legacy_ddp"], id="legacy_ddp"),
-    pytest.param(["--ddp-backend", "pytorch_ddp"], id="pytorch_ddp"),
-    pytest.param(["--ddp-backend", "pytorch_ddp", "--find-unused-parameters"], id="pytorch_ddp-find-unused-parameters",
-                 marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(["--ddp-backend", "legacy_ddp"], id="legacy_ddp"),
+        pytest.param(["--ddp-backend", "pytorch_ddp"], id="pytorch_ddp"),
+        pytest.param(
+            ["--ddp-backend", "pytorch_ddp", "--find-unused-parameters"],
+            id="pytorch_ddp-find-unused-parameters",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_fairseq_two_ranks_attendout_stay_in_sync(tiny_mt_data, tmp_path, extra):
     """AttendOut over 2 gloo ranks: the Attacker's and Generator's gradients are all-reduced and
     every rank draws the same held-out samples and survivor, so the saved Defenders agree."""

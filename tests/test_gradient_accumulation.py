@@ -5,14 +5,15 @@ sample (AD-DROP drops its whole candidate region, the AttendOut Generator drops 
 is above a threshold, LayerDrop has p = 1), so the two runs see the same masks and only the loss
 normalisation can differ. HF: equal-length sequences, no padding; fairseq masks padding.
 """
+
 import pytest
 import torch
 import transformers
 
-from attn_reg_plugin.core.attendout import game as core_attendout
 from attn_reg_plugin.core import masks as core_masks
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
+from attn_reg_plugin.core.attendout import game as core_attendout
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from helpers import TINY_TRANSFORMER, fairseq_in_process, tiny_bert_classifier, tiny_llama
@@ -20,9 +21,13 @@ from helpers import TINY_TRANSFORMER, fairseq_in_process, tiny_bert_classifier, 
 
 @pytest.fixture
 def deterministic_masks(monkeypatch):
-    monkeypatch.setattr(core_masks, "sample_drops",
-                        lambda region, q, valid, attribution, generator=None:
-                        core_masks.keep_one_valid_key(region, valid.expand_as(region), attribution))
+    monkeypatch.setattr(
+        core_masks,
+        "sample_drops",
+        lambda region, q, valid, attribution, generator=None: core_masks.keep_one_valid_key(
+            region, valid.expand_as(region), attribution
+        ),
+    )
     monkeypatch.setattr(core_attendout, "gumbel_drops", lambda logits, generator=None: logits.float() > -1.2)
 
 
@@ -31,8 +36,14 @@ def _bert():
 
 
 def _llama():
-    return tiny_llama(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32, vocab_size=50,
-                      attn_implementation="sdpa")
+    return tiny_llama(
+        hidden_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        vocab_size=50,
+        attn_implementation="sdpa",
+    )
 
 
 def _rows(n, seed, causal_lm=False):
@@ -46,7 +57,11 @@ def _rows(n, seed, causal_lm=False):
 
 def _collate(rows):
     ids = torch.stack([r["input_ids"] for r in rows])
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.stack([r["labels"] for r in rows])}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": torch.stack([r["labels"] for r in rows]),
+    }
 
 
 def _hf_update(family, regularizer, tmp_path, batch, accumulation):
@@ -54,10 +69,22 @@ def _hf_update(family, regularizer, tmp_path, batch, accumulation):
     model = _llama() if causal_lm else _bert()
     kind = "decoder-self" if causal_lm else "encoder-self"
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / f"{batch}x{accumulation}"), use_cpu=True, report_to=[], save_strategy="no",
-        max_steps=1, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
-        optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", max_grad_norm=0.0, seed=0, data_seed=0,
-        remove_unused_columns=False, per_device_eval_batch_size=4)
+        output_dir=str(tmp_path / f"{batch}x{accumulation}"),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        max_steps=1,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        seed=0,
+        data_seed=0,
+        remove_unused_columns=False,
+        per_device_eval_batch_size=4,
+    )
     common = dict(model=model, args=args, train_dataset=_rows(8, 1, causal_lm), data_collator=_collate)
     if regularizer == "ad-drop":
         trainer = ADDropTrainer(**common, ad_drop=ADDropConfig(p=0.3, q=0.5, schedule="always", attention=kind))
@@ -89,17 +116,27 @@ def plain_ratio(tmp_path_factory):
     """transformers' own normalisation: 1 for a causal LM (its loss uses num_items_in_batch); for
     BertForSequenceClassification (5.23) the accumulated gradient is 4x the big batch's, because
     the model accepts loss kwargs but its classification loss ignores num_items_in_batch."""
+
     def measure(family):
         tmp = tmp_path_factory.mktemp(f"plain-{family}")
         return _ratio(_hf_update(family, "plain", tmp, 2, 4), _hf_update(family, "plain", tmp, 8, 1))
+
     return {family: measure(family) for family in ("bert", "llama")}
 
 
-HF_CASES = [("bert", "ad-drop"), ("bert", "attendout"), ("bert", "layerdrop"), ("llama", "ad-drop"), ("llama", "layerdrop")]
+HF_CASES = [
+    ("bert", "ad-drop"),
+    ("bert", "attendout"),
+    ("bert", "layerdrop"),
+    ("llama", "ad-drop"),
+    ("llama", "layerdrop"),
+]
 
 
 @pytest.mark.parametrize("family,regularizer", HF_CASES, ids=[f"{f}-{r}" for f, r in HF_CASES])
-def test_hf_accumulation_normalises_like_plain_training(deterministic_masks, plain_ratio, tmp_path, family, regularizer):
+def test_hf_accumulation_normalises_like_plain_training(
+    deterministic_masks, plain_ratio, tmp_path, family, regularizer
+):
     assert plain_ratio["llama"] == pytest.approx(1.0, rel=1e-4)
     big = _hf_update(family, regularizer, tmp_path, batch=8, accumulation=1)
     accumulated = _hf_update(family, regularizer, tmp_path, batch=2, accumulation=4)
@@ -107,9 +144,24 @@ def test_hf_accumulation_normalises_like_plain_training(deterministic_masks, pla
 
 
 FAIRSEQ = {
-    "ad-drop": ["--criterion", "ad_drop_label_smoothed_cross_entropy", "--ad-drop-schedule", "always",
-                "--ad-drop-p", "0.3", "--ad-drop-q", "0.5"],
-    "layerdrop": ["--criterion", "label_smoothed_cross_entropy", "--attn-layerdrop-p", "1", "--attn-layerdrop-layers", "0"],
+    "ad-drop": [
+        "--criterion",
+        "ad_drop_label_smoothed_cross_entropy",
+        "--ad-drop-schedule",
+        "always",
+        "--ad-drop-p",
+        "0.3",
+        "--ad-drop-q",
+        "0.5",
+    ],
+    "layerdrop": [
+        "--criterion",
+        "label_smoothed_cross_entropy",
+        "--attn-layerdrop-p",
+        "1",
+        "--attn-layerdrop-layers",
+        "0",
+    ],
     "attendout": ["--criterion", "label_smoothed_cross_entropy", "--attendout", "--attendout-dropout-step", "5"],
 }
 
@@ -120,8 +172,23 @@ def _fairseq_gradients(data_bin, regularizer, batches):
     from fairseq import optim
 
     cfg, task, model, criterion, data = fairseq_in_process(
-        data_bin, ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--dropout", "0", "--label-smoothing", "0.1",
-                   "--optimizer", "sgd", "--lr", "1", *FAIRSEQ[regularizer]], seed=3)
+        data_bin,
+        [
+            "--task",
+            "attn_reg_translation",
+            *TINY_TRANSFORMER,
+            "--dropout",
+            "0",
+            "--label-smoothing",
+            "0.1",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "1",
+            *FAIRSEQ[regularizer],
+        ],
+        seed=3,
+    )
     optimizer = optim.build_optimizer(cfg.optimizer, list(model.parameters()))
     model.train()
     total = 0

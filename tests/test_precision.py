@@ -7,6 +7,7 @@ without CUDA the cases that exist on CPU run (`--fp16 --memory-efficient-fp16 --
 `bf16` with `use_cpu`, HF `fp16` with a CPU loss scaler, see ``helpers.cpu_fp16``), so
 `make test` exercises the harness itself, and the CUDA-only cases skip saying so. Refused combinations skip here: their messages are tested where the others are.
 """
+
 import math
 import re
 
@@ -18,8 +19,7 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from helpers import (USER_DIR, TINY_TRANSFORMER, classifier_rows, cpu_fp16, run_cli, tiny_bert_classifier,
-                      train_updates)
+from helpers import TINY_TRANSFORMER, USER_DIR, classifier_rows, cpu_fp16, run_cli, tiny_bert_classifier, train_updates
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.cuda.is_available()
@@ -35,10 +35,27 @@ FAIRSEQ_PRECISION = {
     "amp": (["--amp"], False),
 }
 FAIRSEQ_REGULARIZER = {
-    "ad-drop": ["--criterion", "ad_drop_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-                "--ad-drop-schedule", "always", "--ad-drop-p", "0.3", "--ad-drop-q", "0.5"],
-    "attendout": ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--attendout",
-                  "--attendout-dropout-step", "3"],
+    "ad-drop": [
+        "--criterion",
+        "ad_drop_label_smoothed_cross_entropy",
+        "--label-smoothing",
+        "0.1",
+        "--ad-drop-schedule",
+        "always",
+        "--ad-drop-p",
+        "0.3",
+        "--ad-drop-q",
+        "0.5",
+    ],
+    "attendout": [
+        "--criterion",
+        "label_smoothed_cross_entropy",
+        "--label-smoothing",
+        "0.1",
+        "--attendout",
+        "--attendout-dropout-step",
+        "3",
+    ],
     "scheduled-dropout": ["--criterion", "label_smoothed_cross_entropy", "--attn-sched-dropout-schedule", "0:0.3"],
 }
 
@@ -50,18 +67,47 @@ def test_fairseq_precision(tiny_mt_data, tmp_path, regularizer, precision):
     if not (CUDA or on_cpu):
         pytest.skip(f"fairseq {' '.join(flags)} needs CUDA")
     device = [] if CUDA else ["--cpu"]
-    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--save-dir", tmp_path, *device,
-                                     "--task", "attn_reg_translation", *TINY_TRANSFORMER,
-                                     *FAIRSEQ_REGULARIZER[regularizer], "--optimizer", "adam", "--lr", "1e-3",
-                                     "--max-tokens", "500", "--max-update", "6", "--seed", "2", "--no-save",
-                                     "--log-format", "json", "--log-interval", "1", "--no-progress-bar", *flags])
+    proc = run_cli(
+        "fairseq-train",
+        [
+            tiny_mt_data["bin"],
+            "--user-dir",
+            USER_DIR,
+            "--save-dir",
+            tmp_path,
+            *device,
+            "--task",
+            "attn_reg_translation",
+            *TINY_TRANSFORMER,
+            *FAIRSEQ_REGULARIZER[regularizer],
+            "--optimizer",
+            "adam",
+            "--lr",
+            "1e-3",
+            "--max-tokens",
+            "500",
+            "--max-update",
+            "6",
+            "--seed",
+            "2",
+            "--no-save",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+            "--no-progress-bar",
+            *flags,
+        ],
+    )
     updates = train_updates(proc.stdout)
     assert len(updates) >= 3, proc.stdout[-3000:]
     assert all(math.isfinite(float(u["loss"])) for u in updates.values())
     if regularizer == "ad-drop":
         assert all(0.05 < float(u["ad_drop_rate"]) < 0.3 for u in updates.values())
-        print(f"{precision} AD-DROP: rates {[u['ad_drop_rate'] for u in updates.values()]}, "
-              f"skipped {sum(float(u.get('ad_drop_skipped', 0)) for u in updates.values())}")
+        print(
+            f"{precision} AD-DROP: rates {[u['ad_drop_rate'] for u in updates.values()]}, "
+            f"skipped {sum(float(u.get('ad_drop_skipped', 0)) for u in updates.values())}"
+        )
     elif regularizer == "attendout":
         assert all(math.isfinite(float(u["attendout_attacker_loss"])) for u in updates.values())
         assert re.search(r"AttendOut dropout step 1 \(update 3\)", proc.stdout)
@@ -72,10 +118,16 @@ def test_fairseq_precision(tiny_mt_data, tmp_path, regularizer, precision):
 # -- Hugging Face ----------------------------------------------------------------------------------
 HF_REGULARIZER = {
     "ad-drop": (lambda common: ADDropTrainer(**common, ad_drop=ADDropConfig(schedule="always")), "ad_drop_rate"),
-    "attendout": (lambda common: AttendOutTrainer(**common, eval_dataset=classifier_rows(4, 2),
-                                                  attendout=AttendOutConfig(dropout_step=2)), "attendout_attacker_loss"),
-    "layerdrop": (lambda common: AttnRegTrainer(**common, layerdrop=AttentionLayerDropConfig(p=0.5)),
-                  "attn_layerdrop_rate"),
+    "attendout": (
+        lambda common: AttendOutTrainer(
+            **common, eval_dataset=classifier_rows(4, 2), attendout=AttendOutConfig(dropout_step=2)
+        ),
+        "attendout_attacker_loss",
+    ),
+    "layerdrop": (
+        lambda common: AttnRegTrainer(**common, layerdrop=AttentionLayerDropConfig(p=0.5)),
+        "attn_layerdrop_rate",
+    ),
 }
 
 
@@ -84,8 +136,15 @@ HF_REGULARIZER = {
 def test_hf_precision(tmp_path, regularizer, precision):
     model = tiny_bert_classifier()
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=not CUDA, report_to=[], max_steps=4, per_device_train_batch_size=4,
-        logging_steps=1, save_strategy="no", **{precision: True})
+        output_dir=str(tmp_path),
+        use_cpu=not CUDA,
+        report_to=[],
+        max_steps=4,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        **{precision: True},
+    )
     build, key = HF_REGULARIZER[regularizer]
     trainer = build(dict(model=model, args=args, train_dataset=classifier_rows(16, 1)))
     if precision == "fp16" and not CUDA:

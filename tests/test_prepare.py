@@ -1,5 +1,6 @@
 """attn-reg-prepare: malformed parallel text is refused with its file and line before anything is
 written; good text of any language pair becomes a data-bin that fairseq-train reads."""
+
 import re
 import subprocess
 
@@ -32,17 +33,28 @@ def test_counts_crlf_and_missing_final_newline_like_text_mode(tmp_path):
     assert prep.check_parallel({s: tmp_path / s for s in SPLITS}, "en", "ro") == {"train": 3, "valid": 3, "test": 3}
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("train_ro", b"one\ntwo\n", r"train\.en has 3 lines but \S*train\.ro has 2: \S*train\.en:3 has no counterpart"),
-    ("test_en", GOOD.encode() + b"fourth\n", r"test\.en has 4 lines but \S*test\.ro has 3: \S*test\.en:4 has no counterpart"),
-    ("valid_ro", b"first\n\nthird\n", r"valid\.ro:2: empty line"),
-    ("valid_en", b"first\n  \t \nthird\n", r"valid\.en:2: empty line"),
-    ("train_en", b"a\nb\nc\n\n", r"train\.en:4: empty line"),  # a trailing blank line is a 4th, empty, sentence
-    ("train_ro", "unu\ndoi\ntrei ".encode() + b"\xff\xfe\n", r"train\.ro:3: not valid UTF-8 \(byte 0xff at byte 6 of the line\)"),
-    ("test_ro", "ş\n".encode("cp1250") + b"b\nc\n", r"test\.ro:1: not valid UTF-8 \(byte 0xba at byte 1"),
-    ("valid_en", b"half\rline\nb\nc\n", r"valid\.en:1: carriage return inside the line"),
-    ("test_en", b"", r"test\.en: the file is empty"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("train_ro", b"one\ntwo\n", r"train\.en has 3 lines but \S*train\.ro has 2: \S*train\.en:3 has no counterpart"),
+        (
+            "test_en",
+            GOOD.encode() + b"fourth\n",
+            r"test\.en has 4 lines but \S*test\.ro has 3: \S*test\.en:4 has no counterpart",
+        ),
+        ("valid_ro", b"first\n\nthird\n", r"valid\.ro:2: empty line"),
+        ("valid_en", b"first\n  \t \nthird\n", r"valid\.en:2: empty line"),
+        ("train_en", b"a\nb\nc\n\n", r"train\.en:4: empty line"),  # a trailing blank line is a 4th, empty, sentence
+        (
+            "train_ro",
+            b"unu\ndoi\ntrei " + b"\xff\xfe\n",
+            r"train\.ro:3: not valid UTF-8 \(byte 0xff at byte 6 of the line\)",
+        ),
+        ("test_ro", "ş\n".encode("cp1250") + b"b\nc\n", r"test\.ro:1: not valid UTF-8 \(byte 0xba at byte 1"),
+        ("valid_en", b"half\rline\nb\nc\n", r"valid\.en:1: carriage return inside the line"),
+        ("test_en", b"", r"test\.en: the file is empty"),
+    ],
+)
 def test_malformed_input_is_refused_with_file_and_line(tmp_path, name, content, message):
     _corpus(tmp_path, **{name: content})
     with pytest.raises(prep.CorpusError, match=message):
@@ -73,20 +85,41 @@ def _pair(folder, split, src_lines, tgt_lines, src="en", tgt="tr"):
 
 
 def _cut(split, n):
-    return [(CORPUS / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(keepends=True)[:n] for lang in ("en", "ro")]
+    return [
+        (CORPUS / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(keepends=True)[:n] for lang in ("en", "ro")
+    ]
 
 
 def _prepare_cli(args):
-    return subprocess.run([str(VENV_BIN / "attn-reg-prepare"), *map(str, args)], text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    return subprocess.run(
+        [str(VENV_BIN / "attn-reg-prepare"), *map(str, args)],
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=300,
+    )
 
 
 def test_prepare_command_binarizes_any_language_pair_from_prefixes_in_different_folders(tmp_path):
     """An unseen pair (the target side stored as .tr), each split in its own folder."""
     train = _pair(tmp_path / "raw" / "train-dir", "corpus", *_cut("train", 300))
     valid = _pair(tmp_path / "raw" / "dev", "newsdev", *_cut("valid", 20))
-    proc = _prepare_cli(["--src", "en", "--tgt", "tr", "--train", train, "--valid", valid,
-                         "--vocab-size", "300", "--out", tmp_path / "work"])
+    proc = _prepare_cli(
+        [
+            "--src",
+            "en",
+            "--tgt",
+            "tr",
+            "--train",
+            train,
+            "--valid",
+            valid,
+            "--vocab-size",
+            "300",
+            "--out",
+            tmp_path / "work",
+        ]
+    )
     assert proc.returncode == 0, proc.stdout
     assert "train 300 pairs" in proc.stdout and "valid 20 pairs" in proc.stdout
     data_bin = tmp_path / "work" / "data-bin"
@@ -105,12 +138,15 @@ def test_prepare_command_binarizes_any_language_pair_from_prefixes_in_different_
     assert len(train_src) == 300
 
 
-@pytest.mark.parametrize("broken, message", [
-    ("mismatch", r"valid\.tr has 2 lines but \S*valid\.en has 3|valid\.en has 3 lines but \S*valid\.tr has 2"),
-    ("empty", r"valid\.tr: the file is empty"),
-    ("latin1", r"valid\.tr:2: not valid UTF-8"),
-    ("missing", r"valid\.tr: no such file"),
-])
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        ("mismatch", r"valid\.tr has 2 lines but \S*valid\.en has 3|valid\.en has 3 lines but \S*valid\.tr has 2"),
+        ("empty", r"valid\.tr: the file is empty"),
+        ("latin1", r"valid\.tr:2: not valid UTF-8"),
+        ("missing", r"valid\.tr: no such file"),
+    ],
+)
 def test_prepare_command_refuses_bad_corpora_before_writing_anything(tmp_path, broken, message):
     train = _pair(tmp_path / "raw", "train", *_cut("train", 50))
     tgt = {"mismatch": "a\nb\n", "empty": "", "latin1": None, "missing": None}[broken]
@@ -125,19 +161,26 @@ def test_prepare_command_refuses_bad_corpora_before_writing_anything(tmp_path, b
     assert not (tmp_path / "work").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--src", "en", "--tgt", "en"], "--src and --tgt are both 'en'"),
-    (["--src", "e n", "--tgt", "tr"], "--src 'e n': a language suffix"),
-    (["--src", "en", "--tgt", "tr", "--vocab-size", "10"], "--vocab-size 10: must be at least 100"),
-    (["--src", "en", "--tgt", "tr", "--workers", "0"], "--workers 0: must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--src", "en", "--tgt", "en"], "--src and --tgt are both 'en'"),
+        (["--src", "e n", "--tgt", "tr"], "--src 'e n': a language suffix"),
+        (["--src", "en", "--tgt", "tr", "--vocab-size", "10"], "--vocab-size 10: must be at least 100"),
+        (["--src", "en", "--tgt", "tr", "--workers", "0"], "--workers 0: must be at least 1"),
+    ],
+)
 def test_prepare_command_refuses_bad_options_by_name(tmp_path, args, message):
-    proc = _prepare_cli([*args, "--train", tmp_path / "train", "--valid", tmp_path / "valid", "--out", tmp_path / "work"])
+    proc = _prepare_cli(
+        [*args, "--train", tmp_path / "train", "--valid", tmp_path / "valid", "--out", tmp_path / "work"]
+    )
     assert proc.returncode == 2 and message in proc.stdout, proc.stdout
     assert not (tmp_path / "work").exists()
 
 
 def test_prepare_command_refuses_an_existing_data_bin(tmp_path):
     (tmp_path / "work" / "data-bin").mkdir(parents=True)
-    proc = _prepare_cli(["--src", "en", "--tgt", "tr", "--train", tmp_path / "t", "--valid", tmp_path / "v", "--out", tmp_path / "work"])
+    proc = _prepare_cli(
+        ["--src", "en", "--tgt", "tr", "--train", tmp_path / "t", "--valid", tmp_path / "v", "--out", tmp_path / "work"]
+    )
     assert proc.returncode == 2 and "already exists" in proc.stdout, proc.stdout

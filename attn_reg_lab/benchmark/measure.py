@@ -1,4 +1,5 @@
 """Measuring a workload: round-robin timing, CPU/CUDA peak memory, rows, targets and derived rows."""
+
 from __future__ import annotations
 
 import math
@@ -12,7 +13,7 @@ import torch
 from .variants import DERIVED, VARIANTS, Step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def _sync(device: str) -> None:
@@ -82,7 +83,7 @@ def held_bytes(model: torch.nn.Module, optimizer) -> int:
             for v in state.values():
                 add(v)
     fp32 = getattr(optimizer, "fp32_params", None)
-    for t in (fp32.values() if isinstance(fp32, dict) else [fp32]):
+    for t in fp32.values() if isinstance(fp32, dict) else [fp32]:
         add(t)
     return sum(storages.values())
 
@@ -131,9 +132,11 @@ def run_workload(name: str, steps: Dict[str, Step], bench, warmup: int, repeats:
                         peak = torch.cuda.max_memory_allocated()
                         m.peak_total.append(peak)
                         m.peak_step.append(peak - before)
-            log(f"  {bench.framework}/{name} round {r + 1}/{total_rounds} {n}: {elapsed * 1e3:.0f} ms"
+            log(
+                f"  {bench.framework}/{name} round {r + 1}/{total_rounds} {n}: {elapsed * 1e3:.0f} ms"
                 + (f" (CPU {cpu * 1e3:.0f} ms)" if device == "cpu" else "")
-                + ("" if r >= warmup else " (warm-up)"))
+                + ("" if r >= warmup else " (warm-up)")
+            )
     if device == "cpu":
         # Separate, untimed profiled runs: the profiler's bookkeeping would distort the times.
         for n in names:
@@ -144,7 +147,9 @@ def run_workload(name: str, steps: Dict[str, Step], bench, warmup: int, repeats:
                 peak = cpu_step_peak_bytes(step.run)
             out[n].peak_total.append(held + peak)
             out[n].peak_step.append(peak)
-            log(f"  {bench.framework}/{name} memory {n}: {(held + peak) / MIB:.1f} MiB ({peak / MIB:.1f} MiB in the step)")
+            log(
+                f"  {bench.framework}/{name} memory {n}: {(held + peak) / MIB:.1f} MiB ({peak / MIB:.1f} MiB in the step)"
+            )
     return out
 
 
@@ -166,27 +171,32 @@ def make_rows(framework: str, workload: str, batch: str, results: Dict[str, Meas
     for name, m in results.items():
         t = statistics.median(m.times)
         paired = [tv / plain_by_round[r] for r, tv in zip(m.rounds, m.times) if r in plain_by_round]
-        rows.append({
-            "framework": framework,
-            "variant": name,
-            "workload": workload,
-            "batch": batch,
-            "time_ratio": _round(_ratio(t, plain_t)),
-            "cpu_time_ratio": (_round(_ratio(statistics.median(m.cpu_times), statistics.median(plain.cpu_times)))
-                               if bench.device == "cpu" else None),
-            "peak_mem_ratio": _round(_ratio(statistics.median(m.peak_total), plain_total)),
-            "step_mem_ratio": _round(_ratio(statistics.median(m.peak_step), plain_step)),
-            "plain_step_ms": _round(plain_t * 1e3, 1),
-            "step_ms": _round(t * 1e3, 1),
-            "round_ratio_min": _round(min(paired)) if paired else None,
-            "round_ratio_max": _round(max(paired)) if paired else None,
-            "repeats": len(m.times),
-            "peak_mem_mib": _round(statistics.median(m.peak_total) / MIB, 1),
-            "plain_peak_mem_mib": _round(plain_total / MIB, 1),
-            "step_peak_mem_mib": _round(statistics.median(m.peak_step) / MIB, 1),
-            "device": bench.device,
-            "dtype": bench.opts.dtype,
-        })
+        rows.append(
+            {
+                "framework": framework,
+                "variant": name,
+                "workload": workload,
+                "batch": batch,
+                "time_ratio": _round(_ratio(t, plain_t)),
+                "cpu_time_ratio": (
+                    _round(_ratio(statistics.median(m.cpu_times), statistics.median(plain.cpu_times)))
+                    if bench.device == "cpu"
+                    else None
+                ),
+                "peak_mem_ratio": _round(_ratio(statistics.median(m.peak_total), plain_total)),
+                "step_mem_ratio": _round(_ratio(statistics.median(m.peak_step), plain_step)),
+                "plain_step_ms": _round(plain_t * 1e3, 1),
+                "step_ms": _round(t * 1e3, 1),
+                "round_ratio_min": _round(min(paired)) if paired else None,
+                "round_ratio_max": _round(max(paired)) if paired else None,
+                "repeats": len(m.times),
+                "peak_mem_mib": _round(statistics.median(m.peak_total) / MIB, 1),
+                "plain_peak_mem_mib": _round(plain_total / MIB, 1),
+                "step_peak_mem_mib": _round(statistics.median(m.peak_step) / MIB, 1),
+                "device": bench.device,
+                "dtype": bench.opts.dtype,
+            }
+        )
     return rows
 
 
@@ -228,22 +238,32 @@ def derived_rows(rows: List[dict]) -> List[dict]:
             cpu_ratio = None if None in cpu_ratios else sum(cpu_ratios) / len(cpu_ratios)
             mem_ratio = max(r["peak_mem_ratio"] for r in parts)
             step_ratio = max(r["step_mem_ratio"] for r in parts)
-            out.append({
-                **{k: parts[0][k] for k in ("framework", "workload", "batch", "plain_step_ms", "plain_peak_mem_mib",
-                                             "device", "dtype")},
-                "variant": d.name,
-                "time_ratio": _round(time_ratio),
-                "cpu_time_ratio": _round(cpu_ratio),
-                "peak_mem_ratio": _round(mem_ratio),
-                "step_mem_ratio": _round(step_ratio),
-                "step_ms": _round(sum(r["step_ms"] for r in parts) / len(parts), 1),
-                "round_ratio_min": None,
-                "round_ratio_max": None,
-                "repeats": min(r["repeats"] for r in parts),
-                "peak_mem_mib": max(r["peak_mem_mib"] for r in parts),
-                "step_peak_mem_mib": max(r["step_peak_mem_mib"] for r in parts),
-                "derived_from": list(d.parts),
-            })
+            out.append(
+                {
+                    **{
+                        k: parts[0][k]
+                        for k in (
+                            "framework",
+                            "workload",
+                            "batch",
+                            "plain_step_ms",
+                            "plain_peak_mem_mib",
+                            "device",
+                            "dtype",
+                        )
+                    },
+                    "variant": d.name,
+                    "time_ratio": _round(time_ratio),
+                    "cpu_time_ratio": _round(cpu_ratio),
+                    "peak_mem_ratio": _round(mem_ratio),
+                    "step_mem_ratio": _round(step_ratio),
+                    "step_ms": _round(sum(r["step_ms"] for r in parts) / len(parts), 1),
+                    "round_ratio_min": None,
+                    "round_ratio_max": None,
+                    "repeats": min(r["repeats"] for r in parts),
+                    "peak_mem_mib": max(r["peak_mem_mib"] for r in parts),
+                    "step_peak_mem_mib": max(r["step_peak_mem_mib"] for r in parts),
+                    "derived_from": list(d.parts),
+                }
+            )
     return out
-
-

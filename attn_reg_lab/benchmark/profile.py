@@ -1,11 +1,10 @@
 """Profile: where a variant's extra time goes (torch.profiler record_function labels)."""
+
 from __future__ import annotations
 
 from typing import Sequence
 
-
 from .variants import VARIANTS, WORKLOAD_ORDER
-
 
 PROFILE_LABELS = {  # record_function labels set by the core and by fairseq's train_step
     "ad_drop::attribution_pass": "attribution pass",
@@ -44,21 +43,31 @@ def profile_variants(framework: str, bench, names: Sequence[str], log) -> str:
         plain_total = sum(v[0] for v in tables["plain"].values())
         lines.append(f"### {framework} / {workload}: {bench.batch_descriptions[workload]}")
         lines.append("")
-        lines.append("| step | profiled CPU ms | × plain | " + " | ".join(PROFILE_LABELS.values()) + " | optimizer step |")
+        lines.append(
+            "| step | profiled CPU ms | × plain | " + " | ".join(PROFILE_LABELS.values()) + " | optimizer step |"
+        )
         lines.append("|---" * (4 + len(PROFILE_LABELS)) + "|")
         for n, table in tables.items():
             total = sum(v[0] for v in table.values())
             parts = [f"{table[k][1] / plain_total:.3f}" if k in table else "-" for k in PROFILE_LABELS]
             optimizer = sum(v[1] for k, v in table.items() if k.startswith("Optimizer.step#"))
-            lines.append(f"| {n} | {total:.0f} | {total / plain_total:.3f} | " + " | ".join(parts)
-                         + f" | {optimizer / plain_total:.3f} |")
+            lines.append(
+                f"| {n} | {total:.0f} | {total / plain_total:.3f} | "
+                + " | ".join(parts)
+                + f" | {optimizer / plain_total:.3f} |"
+            )
         lines.append("")
         lines.append("Parts are fractions of the plain step's profiled CPU time.")
         for n in steps:
             if n == "plain":
                 continue
-            grown = sorted(((tables[n].get(k, (0, 0, 0))[0] - tables["plain"].get(k, (0, 0, 0))[0], k)
-                            for k in set(tables[n]) | set(tables["plain"])), reverse=True)[:12]
+            grown = sorted(
+                (
+                    (tables[n].get(k, (0, 0, 0))[0] - tables["plain"].get(k, (0, 0, 0))[0], k)
+                    for k in set(tables[n]) | set(tables["plain"])
+                ),
+                reverse=True,
+            )[:12]
             lines.append("")
             lines.append(f"{n}: ops whose self time grew most against plain (fraction of plain; calls plain -> {n})")
             lines.append("")
@@ -67,5 +76,3 @@ def profile_variants(framework: str, bench, names: Sequence[str], log) -> str:
                 lines.append(f"    {k[:70]:70s} {delta / plain_total:+.3f}  ({calls[0]} -> {calls[1]})")
         lines.append("")
     return "\n".join(lines)
-
-

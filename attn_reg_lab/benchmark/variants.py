@@ -1,4 +1,5 @@
 """What the benchmark measures: one Variant per regularizer, its builders per framework, its targets."""
+
 from __future__ import annotations
 
 import contextlib
@@ -71,8 +72,14 @@ def ad_drop_builders(**options) -> Dict[str, Builder]:
     from attn_reg_plugin.core.ad_drop import ADDropConfig
 
     def config(bench):
-        return ADDropConfig(p=AD_DROP_P, q=AD_DROP_Q, attention="encoder-self", iga_steps=bench.opts.iga_steps,
-                            schedule="cross-tuning", **options)
+        return ADDropConfig(
+            p=AD_DROP_P,
+            q=AD_DROP_Q,
+            attention="encoder-self",
+            iga_steps=bench.opts.iga_steps,
+            schedule="cross-tuning",
+            **options,
+        )
 
     def build(bench, workload):
         return bench.ad_drop_step(config(bench), epoch=2, batch=workload)
@@ -85,8 +92,9 @@ def idle_train_builders() -> Dict[str, Builder]:
     from attn_reg_plugin.core.ad_drop import ADDropConfig
 
     def build(bench, workload):
-        return bench.ad_drop_step(ADDropConfig(p=AD_DROP_P, q=AD_DROP_Q, schedule="cross-tuning"), epoch=1,
-                                  batch=workload)
+        return bench.ad_drop_step(
+            ADDropConfig(p=AD_DROP_P, q=AD_DROP_Q, schedule="cross-tuning"), epoch=1, batch=workload
+        )
 
     return {"fairseq": build, "hf": build}
 
@@ -103,15 +111,20 @@ def sched_dropout_builders() -> Dict[str, Builder]:
     from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 
     config = ScheduledDropoutConfig(schedule="0:0.3,10000:0.1", attention="encoder-self")
-    return {"fairseq": lambda b, w: b.scheduled_dropout_step(config, w),
-            "hf": lambda b, w: b.attn_reg_step(w, scheduled_dropout=config)}
+    return {
+        "fairseq": lambda b, w: b.scheduled_dropout_step(config, w),
+        "hf": lambda b, w: b.attn_reg_step(w, scheduled_dropout=config),
+    }
 
 
 def layerdrop_builders() -> Dict[str, Builder]:
     from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 
     config = AttentionLayerDropConfig(p=0.2, attention="encoder-self")
-    return {"fairseq": lambda b, w: b.layerdrop_step(config, w), "hf": lambda b, w: b.attn_reg_step(w, layerdrop=config)}
+    return {
+        "fairseq": lambda b, w: b.layerdrop_step(config, w),
+        "hf": lambda b, w: b.attn_reg_step(w, layerdrop=config),
+    }
 
 
 def no_native_bf16(opts) -> Optional[str]:
@@ -124,40 +137,107 @@ def no_native_bf16(opts) -> Optional[str]:
 
 
 VARIANTS: List[Variant] = [
-    Variant("plugin-idle-train", "plugin loaded, plain epoch of cross-tuning (AD-DROP criterion idle)", "train",
-            idle_train_builders()),
-    Variant("ad-drop-ga-all", "AD-DROP, gradient attribution, all layers (encoder self-attention)", "train",
-            ad_drop_builders(attribution="ga", layers="all"), time_target=1.7, mem_target=1.15),
-    Variant("ad-drop-ga-all-bf16", "AD-DROP, gradient attribution, all layers, attribution pass under bf16 autocast "
-            "(--ad-drop-attribution-precision bf16)", "train",
-            ad_drop_builders(attribution="ga", layers="all", attribution_precision="bf16"), time_target=1.4,
-            mem_target=1.15, unavailable=no_native_bf16),
-    Variant("ad-drop-ga-first", "AD-DROP, gradient attribution, first layer only", "train",
-            ad_drop_builders(attribution="ga", layers="0"), time_target=1.6, mem_target=1.1),
-    Variant("ad-drop-aa-all", "AD-DROP, attention-weight attribution, all layers", "train",
-            ad_drop_builders(attribution="aa", layers="all")),
-    Variant("ad-drop-rd-all", "AD-DROP, random candidate region, all layers", "train",
-            ad_drop_builders(attribution="rd", layers="all")),
+    Variant(
+        "plugin-idle-train",
+        "plugin loaded, plain epoch of cross-tuning (AD-DROP criterion idle)",
+        "train",
+        idle_train_builders(),
+    ),
+    Variant(
+        "ad-drop-ga-all",
+        "AD-DROP, gradient attribution, all layers (encoder self-attention)",
+        "train",
+        ad_drop_builders(attribution="ga", layers="all"),
+        time_target=1.7,
+        mem_target=1.15,
+    ),
+    Variant(
+        "ad-drop-ga-all-bf16",
+        "AD-DROP, gradient attribution, all layers, attribution pass under bf16 autocast "
+        "(--ad-drop-attribution-precision bf16)",
+        "train",
+        ad_drop_builders(attribution="ga", layers="all", attribution_precision="bf16"),
+        time_target=1.4,
+        mem_target=1.15,
+        unavailable=no_native_bf16,
+    ),
+    Variant(
+        "ad-drop-ga-first",
+        "AD-DROP, gradient attribution, first layer only",
+        "train",
+        ad_drop_builders(attribution="ga", layers="0"),
+        time_target=1.6,
+        mem_target=1.1,
+    ),
+    Variant(
+        "ad-drop-aa-all",
+        "AD-DROP, attention-weight attribution, all layers",
+        "train",
+        ad_drop_builders(attribution="aa", layers="all"),
+    ),
+    Variant(
+        "ad-drop-rd-all",
+        "AD-DROP, random candidate region, all layers",
+        "train",
+        ad_drop_builders(attribution="rd", layers="all"),
+    ),
     # (m - 1) * layers + 1 forward/backward passes: a small batch, one measured step, no warm-up.
-    Variant("ad-drop-iga-all", "AD-DROP, integrated gradients (m steps), all layers; small batch", "train-small",
-            ad_drop_builders(attribution="iga", layers="all"), repeats=1, warmup=0),
-    Variant("validation-idle", "validation forward, plugin loaded and idle, vs stock attention", "validation",
-            {"fairseq": lambda b, w: b.validation_step(plugin=True), "hf": lambda b, w: b.validation_step(plugin=True)},
-            time_target=1.02, mem_target=1.01),
-    Variant("generation-idle", "fairseq-generate path (SequenceGenerator, beam 5), plugin idle, vs stock", "generation",
-            {"fairseq": lambda b, w: b.generation_step(plugin=True)}, time_target=1.02, mem_target=1.01),
-    Variant("attendout", "AttendOut: Defender + Attacker + Generator on encoder self-attention, T=20 "
-            "(median step: the held-out evaluation every T updates is amortised outside it)", "train",
-            attendout_builders(), time_target=2.2, mem_target=2.2),
-    Variant("sched-dropout", "scheduled Bernoulli attention dropout, all encoder layers (p from 0.3 to 0.1)", "train",
-            sched_dropout_builders(), time_target=1.05, mem_target=1.05),
-    Variant("attn-layerdrop", "attention LayerDrop, p = 0.2, all encoder layers", "train",
-            layerdrop_builders(), time_target=1.05, mem_target=1.05),
+    Variant(
+        "ad-drop-iga-all",
+        "AD-DROP, integrated gradients (m steps), all layers; small batch",
+        "train-small",
+        ad_drop_builders(attribution="iga", layers="all"),
+        repeats=1,
+        warmup=0,
+    ),
+    Variant(
+        "validation-idle",
+        "validation forward, plugin loaded and idle, vs stock attention",
+        "validation",
+        {"fairseq": lambda b, w: b.validation_step(plugin=True), "hf": lambda b, w: b.validation_step(plugin=True)},
+        time_target=1.02,
+        mem_target=1.01,
+    ),
+    Variant(
+        "generation-idle",
+        "fairseq-generate path (SequenceGenerator, beam 5), plugin idle, vs stock",
+        "generation",
+        {"fairseq": lambda b, w: b.generation_step(plugin=True)},
+        time_target=1.02,
+        mem_target=1.01,
+    ),
+    Variant(
+        "attendout",
+        "AttendOut: Defender + Attacker + Generator on encoder self-attention, T=20 "
+        "(median step: the held-out evaluation every T updates is amortised outside it)",
+        "train",
+        attendout_builders(),
+        time_target=2.2,
+        mem_target=2.2,
+    ),
+    Variant(
+        "sched-dropout",
+        "scheduled Bernoulli attention dropout, all encoder layers (p from 0.3 to 0.1)",
+        "train",
+        sched_dropout_builders(),
+        time_target=1.05,
+        mem_target=1.05,
+    ),
+    Variant(
+        "attn-layerdrop",
+        "attention LayerDrop, p = 0.2, all encoder layers",
+        "train",
+        layerdrop_builders(),
+        time_target=1.05,
+        mem_target=1.05,
+    ),
 ]
 
 DERIVED: List[Derived] = [
-    Derived("cross-tuned-ga-all", "cross-tuned run: plain epoch (plugin idle) + AD-DROP GA all-layers epoch, vs two plain epochs",
-            parts=("plugin-idle-train", "ad-drop-ga-all"), time_target=1.35),
+    Derived(
+        "cross-tuned-ga-all",
+        "cross-tuned run: plain epoch (plugin idle) + AD-DROP GA all-layers epoch, vs two plain epochs",
+        parts=("plugin-idle-train", "ad-drop-ga-all"),
+        time_target=1.35,
+    ),
 ]
-
-

@@ -4,6 +4,7 @@ The step is framework-free: an adapter hands over two forward callables and a ta
 gets back pass 2's output plus drop statistics. Only pass 2's loss is back-propagated by the
 adapter; pass 1's graph is released before pass 2 runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,11 +18,11 @@ import torch
 from torch.profiler import record_function
 
 from .attention import CaptureOutput, CaptureProbs, EditScores, zero_counts
-from .checkpointing import activation_checkpointing_paused
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES, GradientScale, gradient_attribution, probs_gradient
+from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
-from .options import RegularizerOptions, attention_option, layers_option, option
 from .masks import ad_drop_masks
+from .options import RegularizerOptions, attention_option, layers_option, option
 
 logger = logging.getLogger(__name__)
 
@@ -38,24 +39,31 @@ class ADDropConfig(RegularizerOptions):
 
     FLAG_PREFIX = "--ad-drop-"
 
-    p: float = option(0.2, "candidate region: the top ceil(p*n) of each query row's n real keys by attribution",
-                      "(0, 1)")
+    p: float = option(
+        0.2, "candidate region: the top ceil(p*n) of each query row's n real keys by attribution", "(0, 1)"
+    )
     q: float = option(0.2, "drop probability of each candidate", "(0, 1)")
     layers: str = layers_option()
     attention: str = attention_option()
-    attribution: str = option("ga", "gradient, integrated gradients, attention weights, random region",
-                              "ga, iga, aa, rd")
+    attribution: str = option(
+        "ga", "gradient, integrated gradients, attention weights, random region", "ga, iga, aa, rd"
+    )
     iga_steps: int = option(20, "integration steps m of attribution iga", "integer >= 1")
-    labels: str = option("pseudo", "attribution target labels: pass-1 argmax (the paper) or gold (its ablation)",
-                         "pseudo, gold")
-    schedule: str = option("cross-tuning", "cross-tuning: plain on odd 1-based epochs, AD-DROP on even ones",
-                           "cross-tuning, always")
+    labels: str = option(
+        "pseudo", "attribution target labels: pass-1 argmax (the paper) or gold (its ablation)", "pseudo, gold"
+    )
+    schedule: str = option(
+        "cross-tuning", "cross-tuning: plain on odd 1-based epochs, AD-DROP on even ones", "cross-tuning, always"
+    )
     attribution_precision: str = option(
-        "auto", "precision of the attribution pass (pass 1; pass 2 and the update keep the training precision): "
-                "auto = the training precision, fp32 = autocast off, bf16 = under bf16 autocast (faster, a ranking "
-                "only; docs/PERFORMANCE.md measures how often it picks the fp32 candidates)", "auto, fp32, bf16")
+        "auto",
+        "precision of the attribution pass (pass 1; pass 2 and the update keep the training precision): "
+        "auto = the training precision, fp32 = autocast off, bf16 = under bf16 autocast (faster, a ranking "
+        "only; docs/PERFORMANCE.md measures how often it picks the fp32 candidates)",
+        "auto, fp32, bf16",
+    )
 
-    def validate(self) -> "ADDropConfig":
+    def validate(self) -> ADDropConfig:
         """Check every option; the error names the option as the user spelled it (core.options.option_name)."""
         flag = self.name
         for name in ("p", "q"):
@@ -64,7 +72,9 @@ class ADDropConfig(RegularizerOptions):
                 raise ValueError(f"{flag(name)} must be in the open interval (0, 1), got {value!r}")
         self.check_site_options()
         if self.attribution not in ATTRIBUTIONS:
-            raise ValueError(f"{flag('attribution')} must be one of {', '.join(ATTRIBUTIONS)}, got {self.attribution!r}")
+            raise ValueError(
+                f"{flag('attribution')} must be one of {', '.join(ATTRIBUTIONS)}, got {self.attribution!r}"
+            )
         if not isinstance(self.iga_steps, int) or isinstance(self.iga_steps, bool) or self.iga_steps < 1:
             raise ValueError(f"{flag('iga_steps')} must be an integer >= 1, got {self.iga_steps!r}")
         if self.labels not in LABEL_SOURCES:
@@ -72,13 +82,16 @@ class ADDropConfig(RegularizerOptions):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"{flag('schedule')} must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.attribution_precision not in ATTRIBUTION_PRECISIONS:
-            raise ValueError(f"{flag('attribution_precision')} must be one of {', '.join(ATTRIBUTION_PRECISIONS)}, "
-                             f"got {self.attribution_precision!r}")
+            raise ValueError(
+                f"{flag('attribution_precision')} must be one of {', '.join(ATTRIBUTION_PRECISIONS)}, "
+                f"got {self.attribution_precision!r}"
+            )
         if self.attribution == "rd" and self.attribution_precision != "auto":
-            raise ValueError(f"{flag('attribution_precision')} {self.attribution_precision} sets the precision of the "
-                             f"attribution pass, which {flag('attribution')} rd does not run; leave it at auto")
+            raise ValueError(
+                f"{flag('attribution_precision')} {self.attribution_precision} sets the precision of the "
+                f"attribution pass, which {flag('attribution')} rd does not run; leave it at auto"
+            )
         return self
-
 
 
 def _finite(value: torch.Tensor, captured: List[torch.Tensor]) -> bool:
@@ -131,7 +144,7 @@ def bare_module(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether oneDNN has a bf16 path on this CPU (it asks for AVX-512; AVX-512 BF16 and AMX do it in
     hardware, plain AVX-512 by conversion). Asked once: bf16 attribution on CPU looks at every step.
@@ -210,9 +223,13 @@ class ADDrop:
         """
         method = self.config.attribution
         # Profiler labels (free when no profiler runs) let benchmarks split a step into its passes.
-        with record_function("ad_drop::attribution_pass"), frozen_parameters(frozen), \
-                activation_checkpointing_paused(frozen), torch.enable_grad(), \
-                attribution_precision(self.config.attribution_precision):
+        with (
+            record_function("ad_drop::attribution_pass"),
+            frozen_parameters(frozen),
+            activation_checkpointing_paused(frozen),
+            torch.enable_grad(),
+            attribution_precision(self.config.attribution_precision),
+        ):
             if method == "ga":
                 capture = CaptureOutput()
                 with self.controller.hooks({s: capture for s in self.sites}):
@@ -276,19 +293,28 @@ class ADDrop:
                 f"AD-DROP expected one attention call on each of {self.sites} during the attribution pass but "
                 f"saw {seen}: the model's attention modules are not routed through attn_reg_plugin's kernel"
             )
-        if (self.config.attribution_precision == "bf16" and not self._warned_slow_bf16 and captured
-                and captured[0].device.type == "cpu" and not cpu_has_native_bf16()):
+        if (
+            self.config.attribution_precision == "bf16"
+            and not self._warned_slow_bf16
+            and captured
+            and captured[0].device.type == "cpu"
+            and not cpu_has_native_bf16()
+        ):
             self._warned_slow_bf16 = True
-            logger.warning("%s bf16: this CPU has no AVX-512, so torch multiplies bf16 matrices without oneDNN and the "
-                           "attribution pass is much slower than in fp32 (15 to 30 times a plain step on an AVX2 CPU, "
-                           "docs/PERFORMANCE.md); use auto", self.config.name("attribution_precision"))
+            logger.warning(
+                "%s bf16: this CPU has no AVX-512, so torch multiplies bf16 matrices without oneDNN and the "
+                "attribution pass is much slower than in fp32 (15 to 30 times a plain step on an AVX2 CPU, "
+                "docs/PERFORMANCE.md); use auto",
+                self.config.name("attribution_precision"),
+            )
         if self.config.attribution_precision == "fp32":
             half = sorted({str(t.dtype) for t in captured if t.dtype != torch.float32})
             if half:
                 # Autocast off cannot make half-precision weights fp32 (fairseq --fp16, a model cast to half).
                 raise ValueError(
                     f"{self.config.name('attribution_precision')} fp32 needs fp32 weights, but the attribution pass "
-                    f"ran in {', '.join(half)}: the model itself is in half precision. Use auto or bf16")
+                    f"ran in {', '.join(half)}: the model itself is in half precision. Use auto or bf16"
+                )
 
     # -- the step ------------------------------------------------------------------------
     @contextlib.contextmanager

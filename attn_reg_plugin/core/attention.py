@@ -18,6 +18,7 @@ site, and exported here too):
                            uniform over their valid keys (AD-DROP pass 2, AttendOut,
                            scheduled dropout, attention LayerDrop).
 """
+
 from __future__ import annotations
 
 import math
@@ -27,9 +28,17 @@ import torch
 import torch.nn.functional as F
 
 from .checkpointing import ORDINARY_CALL, begin_call, recomputing
-from .controller import _all_last  # noqa: F401  (EditScores.resolve's helper; its test imports it from here)
+
 # The hooks live beside the site they are set on; this module stays their public import path.
-from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores, Hook, zero_counts  # noqa: F401
+from .controller import (  # noqa: F401
+    AttentionSite,
+    CaptureOutput,
+    CaptureProbs,
+    EditScores,
+    Hook,
+    _all_last,  # noqa: F401  (EditScores.resolve's helper; its test imports it from here)
+    zero_counts,
+)
 from .masks import MASKED_BIAS, additive_mask, mask_fill_value, valid_keys_from_bias
 
 # Since torch 2.5 every sdpa backend gives a row whose keys are all masked (False, or -inf) output 0
@@ -177,7 +186,9 @@ def attend(
         if bias is not None:
             scores = scores + bias
         # Softmax in at least float32: half-precision exponentials lose the small weights.
-        probs = torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1).to(q.dtype)
+        probs = torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1).to(
+            q.dtype
+        )
         probs = _zero_rows(probs, keyless)
         used = probs
         if isinstance(hook, CaptureProbs):

@@ -5,6 +5,7 @@ selected attention map is the attribution (paper Eq. 2/5). Each target returns t
 it used, so integrated gradients can keep pass-1 pseudo labels fixed across its steps.
 All targets are computed in float32: fp16 logits would round small per-token terms away.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -46,7 +47,9 @@ def token_loss_target(
     return -(nll * keep.reshape(-1).to(nll.dtype)).sum(), labels
 
 
-def multi_label_target(logits: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def multi_label_target(
+    logits: torch.Tensor, labels: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Multi-label classifier: F = minus the summed binary cross-entropy against ``labels``.
 
     logits: (B, C); labels: (B, C) multi-hot, or None -> pass-1 pseudo labels (logit > 0, i.e.
@@ -80,7 +83,7 @@ class GradientScale:
     clean calls. Only fp16 inputs are scaled: bf16 has float32's range.
     """
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 100, min_scale: float = 2.0 ** -24):
+    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 100, min_scale: float = 2.0**-24):
         self.scale = init_scale
         self.growth_interval = growth_interval
         self.min_scale = min_scale
@@ -93,8 +96,10 @@ class GradientScale:
         if not bool(torch.isfinite(target)):
             # The forward overflowed (fp16 training skips such a step): no ranking survives,
             # zeros keep the masks valid, and the scale is not to blame.
-            return [None if g is None else torch.zeros_like(g, dtype=torch.float32)
-                    for g in torch.autograd.grad(target, inputs, allow_unused=True)]
+            return [
+                None if g is None else torch.zeros_like(g, dtype=torch.float32)
+                for g in torch.autograd.grad(target, inputs, allow_unused=True)
+            ]
         start = self.scale
         while True:
             scale = self.scale

@@ -13,6 +13,7 @@ backward. Two consequences, handled here and in the kernel:
   activations an input gradient needs (parameters are frozen for it) until the attribution
   is taken, before the checkpointed training forward starts.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -6,6 +6,7 @@ layer) with a :class:`RegularizationController`; the module keeps the site and p
 the controller to set hooks (a :data:`Hook`: :class:`CaptureOutput`, :class:`CaptureProbs` or
 :class:`EditScores`) on a selection of sites for the duration of a pass.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -189,9 +190,7 @@ def parse_kinds(spec: Union[str, Iterable[str]], option: str) -> List[str]:
         return [AUTO]
     unknown = [s for s in kinds if s not in ATTENTION_KINDS]
     if unknown:
-        raise ValueError(
-            f"{option}: unknown attention kind {unknown[0]!r}; accepted: {', '.join(ATTENTION_KINDS)}"
-        )
+        raise ValueError(f"{option}: unknown attention kind {unknown[0]!r}; accepted: {', '.join(ATTENTION_KINDS)}")
     return list(dict.fromkeys(kinds))
 
 
@@ -213,8 +212,10 @@ class RegularizationController:
     def add(self, site: AttentionSite) -> AttentionSite:
         """Register an existing site (checked like :meth:`register`)."""
         if any(s.kind == site.kind and s.layer == site.layer for s in self.sites):
-            raise ValueError(f"register: {site.kind} layer {site.layer} is registered already; register one site per "
-                             "attention module (and per depth for a module shared by several depths)")
+            raise ValueError(
+                f"register: {site.kind} layer {site.layer} is registered already; register one site per "
+                "attention module (and per depth for a module shared by several depths)"
+            )
         self.sites.append(site)
         return site
 
@@ -226,7 +227,11 @@ class RegularizationController:
         return sum(1 for s in self.sites if s.kind == kind)
 
     def select(
-        self, kinds: Sequence[str], layers: Optional[Sequence[int]], option: str = "layers", kinds_option: str = "attention"
+        self,
+        kinds: Sequence[str],
+        layers: Optional[Sequence[int]],
+        option: str = "layers",
+        kinds_option: str = "attention",
     ) -> List[AttentionSite]:
         """The sites of the given kinds and layers, in registration order.
 

@@ -3,6 +3,7 @@
 AttendOut's Attacker is not wrapped in DDP, so its gradients are averaged here; the held-out
 draw and the survivor are decided by rank 0 and broadcast; AD-DROP's logged counts are summed.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence

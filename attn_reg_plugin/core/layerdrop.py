@@ -4,6 +4,7 @@ Each selected attention layer is skipped with probability p for a whole forward 
 layer attends uniformly to its valid keys (Eq. 4). Draws come from torch's global generator,
 which fairseq and the Trainer seed per update, so runs are reproducible.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,8 +23,12 @@ class AttentionLayerDropConfig(RegularizerOptions):
 
     FLAG_PREFIX = "--attn-layerdrop-"
 
-    p: float = option(0.0, "attention LayerDrop: probability that a selected attention layer attends uniformly "
-                           "over its real keys for the whole batch; 0 = off", "[0, 1]")
+    p: float = option(
+        0.0,
+        "attention LayerDrop: probability that a selected attention layer attends uniformly "
+        "over its real keys for the whole batch; 0 = off",
+        "[0, 1]",
+    )
     layers: str = layers_option()
     attention: str = attention_option()
 
@@ -31,7 +36,7 @@ class AttentionLayerDropConfig(RegularizerOptions):
     def enabled(self) -> bool:
         return isinstance(self.p, (int, float)) and self.p > 0
 
-    def validate(self) -> "AttentionLayerDropConfig":
+    def validate(self) -> AttentionLayerDropConfig:
         check_probability(self.p, self.name("p"))
         self.check_site_options()
         return self

@@ -5,6 +5,7 @@ Shapes follow the attention scores: ``(B, H, T, S)`` = batch, heads, queries, ke
 attend to a key (a real, non-padding key and, in causal attention, not a future one).
 Everything here is vectorised over whole tensors: no loop over heads or rows.
 """
+
 from __future__ import annotations
 
 import math

@@ -11,6 +11,7 @@ option as the user spelled it: the flag (``--ad-drop-p``) by default, which is h
 CLI and the runners spell it; ``ADDropConfig.p`` for a config handed to a Python API that marks
 it with :func:`named_by_field` (the Hugging Face trainers do). No spelling is passed around.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,12 @@ def layers_option() -> Any:
 
 
 def attention_option() -> Any:
-    return option("auto", "which attention kinds; auto: encoder-self when the model has an encoder (encoder-only and "
-                          "encoder-decoder models, the papers' setting), decoder-self for decoder-only models",
-                  "auto, or a comma list of encoder-self, decoder-self, encoder-decoder")
+    return option(
+        "auto",
+        "which attention kinds; auto: encoder-self when the model has an encoder (encoder-only and "
+        "encoder-decoder models, the papers' setting), decoder-self for decoder-only models",
+        "auto, or a comma list of encoder-self, decoder-self, encoder-decoder",
+    )
 
 
 class Option(NamedTuple):
@@ -51,8 +55,10 @@ class Option(NamedTuple):
 def options_of(config_cls) -> List[Option]:
     """The fields of a config dataclass, with their types resolved (the modules use postponed annotations)."""
     hints = typing.get_type_hints(config_cls)
-    return [Option(f.name, hints[f.name], f.default, f.metadata["meaning"], f.metadata["accepted"])
-            for f in dataclasses.fields(config_cls)]
+    return [
+        Option(f.name, hints[f.name], f.default, f.metadata["meaning"], f.metadata["accepted"])
+        for f in dataclasses.fields(config_cls)
+    ]
 
 
 def flag_name(prefix: str, name: str) -> str:
@@ -106,8 +112,12 @@ class RegularizerOptions:
         """The model's sites that ``attention`` and ``layers`` select; errors say what the model has."""
         from .controller import parse_kinds, parse_layers
 
-        return controller.select(parse_kinds(self.attention, self.name("attention")),
-                                 parse_layers(self.layers, self.name("layers")), self.name("layers"), self.name("attention"))
+        return controller.select(
+            parse_kinds(self.attention, self.name("attention")),
+            parse_layers(self.layers, self.name("layers")),
+            self.name("layers"),
+            self.name("attention"),
+        )
 
     @classmethod
     def from_namespace(cls, ns, prefix: Optional[str] = None):
@@ -115,8 +125,13 @@ class RegularizerOptions:
         return config_from_namespace(cls, ns, prefix)
 
 
-def add_arguments(parser: argparse.ArgumentParser, config_cls, prefix: Optional[str] = None, only: Optional[Iterable[str]] = None,
-                  defaults: Optional[Dict[str, Any]] = None) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    config_cls,
+    prefix: Optional[str] = None,
+    only: Optional[Iterable[str]] = None,
+    defaults: Optional[Dict[str, Any]] = None,
+) -> None:
     """Add ``prefix + field`` options for the fields of ``config_cls`` (all, or ``only``) to an
     argparse parser or group; ``defaults`` overrides a runner's defaults, the help is the field's."""
     defaults = defaults or {}
@@ -128,7 +143,9 @@ def add_arguments(parser: argparse.ArgumentParser, config_cls, prefix: Optional[
         raise ValueError(f"{config_cls.__name__} has no field {unknown[0]!r}")
     for opt in (by_name[n] for n in wanted) if wanted is not None else by_name.values():
         default = defaults.get(opt.name, opt.default)
-        text = f"{opt.help} (default {default})" if default is not None else f"{opt.help} (default: the runner's choice)"
+        text = (
+            f"{opt.help} (default {default})" if default is not None else f"{opt.help} (default: the runner's choice)"
+        )
         if opt.type is bool:
             parser.add_argument(flag_name(prefix, opt.name), action="store_true", default=default, help=opt.help)
         else:
@@ -139,8 +156,9 @@ def config_from_namespace(config_cls, ns, prefix: Optional[str] = None):
     """A config from an object carrying ``prefix + field`` attributes (fairseq's cfg, parsed
     arguments; ``prefix`` defaults to :func:`attribute_prefix`); fields the object lacks keep their defaults."""
     prefix = attribute_prefix(config_cls) if prefix is None else prefix
-    return config_cls(**{f.name: getattr(ns, prefix + f.name) for f in dataclasses.fields(config_cls)
-                         if hasattr(ns, prefix + f.name)})
+    return config_cls(
+        **{f.name: getattr(ns, prefix + f.name) for f in dataclasses.fields(config_cls) if hasattr(ns, prefix + f.name)}
+    )
 
 
 def one_regularizer(enabled: Sequence[str]) -> None:

@@ -5,6 +5,7 @@ probability that follows a piecewise-linear schedule over training updates, the 
 for the patterns the AttendOut generator learns (paper Fig. 3). Random draws come from torch's
 global generator, which fairseq and the Trainer seed per update, so runs are reproducible.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -27,7 +28,9 @@ def parse_schedules(spec: str, option: str) -> List[Schedule]:
     probabilities in [0, 1]; before the first knot and after the last the value is constant.
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"{option} must be 'UPDATE:PROB,UPDATE:PROB,...' (one schedule, or one per layer separated by '|'), got {spec!r}")
+        raise ValueError(
+            f"{option} must be 'UPDATE:PROB,UPDATE:PROB,...' (one schedule, or one per layer separated by '|'), got {spec!r}"
+        )
     schedules = []
     for part in spec.split("|"):
         knots: Schedule = []
@@ -36,12 +39,16 @@ def parse_schedules(spec: str, option: str) -> List[Schedule]:
                 update_text, prob_text = knot.split(":")
                 update, prob = float(update_text), float(prob_text)
             except ValueError:
-                raise ValueError(f"{option}: cannot read knot {knot.strip()!r}; expected UPDATE:PROB such as 0:0.6") from None
+                raise ValueError(
+                    f"{option}: cannot read knot {knot.strip()!r}; expected UPDATE:PROB such as 0:0.6"
+                ) from None
             if update < 0 or update != int(update):
                 raise ValueError(f"{option}: knot updates must be integers >= 0, got {update_text.strip()!r}")
             check_probability(prob, f"{option}: knot {knot.strip()!r} probability")
             if knots and int(update) <= knots[-1][0]:
-                raise ValueError(f"{option}: knot updates must increase strictly, got {knots[-1][0]} then {int(update)}")
+                raise ValueError(
+                    f"{option}: knot updates must increase strictly, got {knots[-1][0]} then {int(update)}"
+                )
             knots.append((int(update), prob))
         schedules.append(knots)
     return schedules
@@ -65,10 +72,13 @@ class ScheduledDropoutConfig(RegularizerOptions):
 
     FLAG_PREFIX = "--attn-sched-dropout-"
 
-    schedule: str = option("", "scheduled attention dropout: each real key dropped before softmax with its layer's "
-                               "piecewise-linear probability at the current update; empty = off",
-                           "UPDATE:PROB,... knots, updates increasing, PROB in [0, 1]; one schedule, or one per "
-                           "selected layer joined by '|'")
+    schedule: str = option(
+        "",
+        "scheduled attention dropout: each real key dropped before softmax with its layer's "
+        "piecewise-linear probability at the current update; empty = off",
+        "UPDATE:PROB,... knots, updates increasing, PROB in [0, 1]; one schedule, or one per "
+        "selected layer joined by '|'",
+    )
     layers: str = layers_option()
     attention: str = attention_option()
 
@@ -76,7 +86,7 @@ class ScheduledDropoutConfig(RegularizerOptions):
     def enabled(self) -> bool:
         return bool(self.schedule and self.schedule.strip())
 
-    def validate(self) -> "ScheduledDropoutConfig":
+    def validate(self) -> ScheduledDropoutConfig:
         if self.enabled:
             parse_schedules(self.schedule, self.name("schedule"))
         self.check_site_options()

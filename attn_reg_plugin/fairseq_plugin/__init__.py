@@ -6,11 +6,12 @@ part: ``ad_drop_criterion``). Also the attention module (``attention``), AttendO
 driver (``attendout``), the option dataclasses generated from the core configs (``options``) and
 safe checkpoint loading (``safe_load``).
 """
-from . import safe_load  # noqa: F401  (allow-lists fairseq's pickled checkpoint globals)
+
 from . import (  # noqa: F401  (registration side effects)
     ad_drop_label_smoothed_cross_entropy,
     ad_drop_sentence_prediction,
     attention,
     attn_reg_sentence_prediction,
     attn_reg_translation,
+    safe_load,  # noqa: F401  (allow-lists fairseq's pickled checkpoint globals)
 )

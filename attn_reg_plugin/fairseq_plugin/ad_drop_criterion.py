@@ -15,7 +15,6 @@ from fairseq import metrics, utils
 from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
 from .options import fairseq_options
 
-
 # The --ad-drop-* flags: ADDropConfig's fields, defaults and help (core.options).
 ADDropOptions = fairseq_options("ADDropOptions", [ADDropConfig])
 
@@ -65,12 +64,18 @@ class ADDropCriterionMixin:
             log.update(ad_drop_on=0, ad_drop_steps=1)
             return loss, sample_size, log
         bare = bare_module(model)
-        with self.ad_drop.masked(lambda: self.attribution_forward(bare, sample), self.attribution_target(model, sample),
-                                 frozen=bare) as stats:
+        with self.ad_drop.masked(
+            lambda: self.attribution_forward(bare, sample), self.attribution_target(model, sample), frozen=bare
+        ) as stats:
             loss, sample_size, log = super().forward(model, sample, reduce)
         # Counts stay tensors: no host-device sync inside the step (fairseq reduces them later).
-        log.update(ad_drop_on=1, ad_drop_steps=1, ad_drop_dropped=stats["dropped"], ad_drop_valid=stats["valid"],
-                   ad_drop_skipped=stats["skipped"])
+        log.update(
+            ad_drop_on=1,
+            ad_drop_steps=1,
+            ad_drop_dropped=stats["dropped"],
+            ad_drop_valid=stats["valid"],
+            ad_drop_skipped=stats["skipped"],
+        )
         return loss, sample_size, log
 
     @classmethod

@@ -1,4 +1,5 @@
 """``--criterion ad_drop_label_smoothed_cross_entropy``: label-smoothed cross-entropy with AD-DROP (translation)."""
+
 from dataclasses import dataclass
 
 from fairseq.criterions import register_criterion

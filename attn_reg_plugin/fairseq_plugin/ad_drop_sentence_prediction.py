@@ -1,4 +1,5 @@
 """``--criterion ad_drop_sentence_prediction``: fairseq's sentence_prediction (classifiers, regressors) with AD-DROP."""
+
 from dataclasses import dataclass
 
 from fairseq.criterions import register_criterion
@@ -25,8 +26,9 @@ class ADDropSentencePredictionCriterion(ADDropCriterionMixin, SentencePrediction
     def attribution_forward(self, bare_model, sample):
         # The same call as SentencePredictionCriterion.forward: encoder features through the
         # classification head, not the LM head.
-        return bare_model(**sample["net_input"], features_only=True,
-                          classification_head_name=self.classification_head_name)
+        return bare_model(
+            **sample["net_input"], features_only=True, classification_head_name=self.classification_head_name
+        )
 
     def attribution_target(self, model, sample):
         # Targets as the base criterion reads them (model.get_targets is sample["target"]).

@@ -7,6 +7,7 @@ or renamed, so checkpoints stay plain fairseq checkpoints) and registers one
 set a hook on its site, the module runs fairseq's own forward unchanged (validation,
 generation, incremental decoding).
 """
+
 from __future__ import annotations
 
 import re
@@ -37,7 +38,8 @@ class RegularizedMultiheadAttention(MultiheadAttention):
             "TorchScript cannot compile. To script it for export, call "
             "attn_reg_plugin.fairseq_plugin.attention.plain_fairseq_attention(model) first (in place; the "
             "model is then plain fairseq), or load the checkpoint with --task translation: checkpoints are "
-            "plain fairseq checkpoints")
+            "plain fairseq checkpoints"
+        )
 
     def forward(
         self,
@@ -59,12 +61,20 @@ class RegularizedMultiheadAttention(MultiheadAttention):
             stock = True
         if stock:
             return super().forward(
-                query, key, value, key_padding_mask=key_padding_mask, incremental_state=incremental_state,
-                need_weights=need_weights, static_kv=static_kv, attn_mask=attn_mask,
-                before_softmax=before_softmax, need_head_weights=need_head_weights,
+                query,
+                key,
+                value,
+                key_padding_mask=key_padding_mask,
+                incremental_state=incremental_state,
+                need_weights=need_weights,
+                static_kv=static_kv,
+                attn_mask=attn_mask,
+                before_softmax=before_softmax,
+                need_head_weights=need_head_weights,
             )
-        return self._regularized_forward(query, key, value, key_padding_mask, need_weights or need_head_weights,
-                                         attn_mask, need_head_weights)
+        return self._regularized_forward(
+            query, key, value, key_padding_mask, need_weights or need_head_weights, attn_mask, need_head_weights
+        )
 
     def _regularized_forward(self, query, key, value, key_padding_mask, need_weights, attn_mask, need_head_weights):
         tgt_len, bsz, embed_dim = query.shape
@@ -84,17 +94,31 @@ class RegularizedMultiheadAttention(MultiheadAttention):
         if attn_mask is not None:
             if attn_mask.dtype == torch.bool:  # fairseq's bool masks mark *disallowed* positions
                 attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-                    attn_mask, mask_fill_value(q.dtype))
-            bias = attn_mask.view(1, 1, tgt_len, src_len) if attn_mask.dim() == 2 else attn_mask.view(bsz, heads, tgt_len, src_len)
+                    attn_mask, mask_fill_value(q.dtype)
+                )
+            bias = (
+                attn_mask.view(1, 1, tgt_len, src_len)
+                if attn_mask.dim() == 2
+                else attn_mask.view(bsz, heads, tgt_len, src_len)
+            )
         if key_padding_mask is not None:
             pad = torch.zeros((bsz, 1, 1, src_len), dtype=q.dtype, device=q.device).masked_fill(
-                key_padding_mask.bool().view(bsz, 1, 1, src_len), mask_fill_value(q.dtype))
+                key_padding_mask.bool().view(bsz, 1, 1, src_len), mask_fill_value(q.dtype)
+            )
             # -inf + pad stays -inf; the kernel clamps every bias to a finite fill value.
             bias = pad if bias is None else bias.to(q.dtype) + pad
 
         dropout_p = self.dropout_module.p if (self.training or self.dropout_module.apply_during_inference) else 0.0
-        out, probs = attend(q, k, v, bias=bias, dropout_p=dropout_p, scale=self.scaling, site=self.attn_reg_site,
-                            need_weights=need_weights)
+        out, probs = attend(
+            q,
+            k,
+            v,
+            bias=bias,
+            dropout_p=dropout_p,
+            scale=self.scaling,
+            site=self.attn_reg_site,
+            need_weights=need_weights,
+        )
         out = self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim))
         weights = None
         if need_weights and probs is not None:

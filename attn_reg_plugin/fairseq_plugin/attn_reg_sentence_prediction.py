@@ -1,4 +1,5 @@
 """``--task attn_reg_sentence_prediction``: fairseq's sentence_prediction with its attention routed through the plugin."""
+
 from dataclasses import dataclass
 
 from fairseq.tasks import register_task
@@ -26,8 +27,9 @@ class AttnRegSentencePredictionTask(AttnRegTaskMixin, SentencePredictionTask):
         return {"source": sample["net_input"]["src_tokens"]}
 
     def attendout_heldout_logits(self, model, sample, criterion):
-        logits, _ = model(**sample["net_input"], features_only=True,
-                          classification_head_name=criterion.classification_head_name)
+        logits, _ = model(
+            **sample["net_input"], features_only=True, classification_head_name=criterion.classification_head_name
+        )
         target = model.get_targets(sample, [logits]).view(-1)
         return logits, target, None  # float targets (--regression-target): squared error
 

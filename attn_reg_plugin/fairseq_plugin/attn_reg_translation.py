@@ -1,4 +1,5 @@
 """``--task attn_reg_translation``: fairseq's translation task with its attention routed through the plugin."""
+
 from dataclasses import dataclass, field
 
 from fairseq.tasks import register_task
@@ -10,10 +11,14 @@ from .attn_reg_task import AttnRegTaskMixin, AttnRegTaskOptions
 @dataclass
 class AttnRegTranslationConfig(TranslationConfig, AttnRegTaskOptions):
     # fairseq's own option name (its audio tasks have it); get_batch_iterator reads it.
-    rebuild_batches: bool = field(default=False, metadata={
-        "help": "rebuild the training batches every epoch (equal-length sentences grouped by seed + epoch) "
-                "instead of once per process; a run resumed from a checkpoint then sees exactly the batches "
-                "of an uninterrupted run"})
+    rebuild_batches: bool = field(
+        default=False,
+        metadata={
+            "help": "rebuild the training batches every epoch (equal-length sentences grouped by seed + epoch) "
+            "instead of once per process; a run resumed from a checkpoint then sees exactly the batches "
+            "of an uninterrupted run"
+        },
+    )
 
 
 @register_task("attn_reg_translation", dataclass=AttnRegTranslationConfig)

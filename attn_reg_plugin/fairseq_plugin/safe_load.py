@@ -16,6 +16,7 @@ the classes below every rank but 0 fails to unpickle it. They are data container
 unpickling sets attributes and calls nothing else (``dict``, ``list``, ``int`` and
 ``defaultdict`` appear as the container types omegaconf records).
 """
+
 import argparse
 import collections
 import typing
@@ -31,8 +32,19 @@ def fairseq_broadcast_globals() -> list:
     from omegaconf.base import ContainerMetadata, Metadata
     from omegaconf.nodes import AnyNode
 
-    return [DictConfig, ListConfig, AnyNode, ContainerMetadata, Metadata, typing.Any,
-            dict, list, int, collections.defaultdict, _TensorPlaceholder]
+    return [
+        DictConfig,
+        ListConfig,
+        AnyNode,
+        ContainerMetadata,
+        Metadata,
+        typing.Any,
+        dict,
+        list,
+        int,
+        collections.defaultdict,
+        _TensorPlaceholder,
+    ]
 
 
 def allow_fairseq_checkpoint_globals() -> None:

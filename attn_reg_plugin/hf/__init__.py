@@ -1,7 +1,8 @@
 """Hugging Face transformers adapter for attn_reg_plugin, no copied modeling files."""
-from .attention import ATTN_IMPLEMENTATION, attn_reg_attention, install_attention_sites, register_attn_reg
+
 from .ad_drop_trainer import ADDropSeq2SeqTrainer, ADDropTrainer, ADDropTrainerMixin
 from .attendout_trainer import AttendOutSeq2SeqTrainer, AttendOutTrainer, AttendOutTrainerMixin
+from .attention import ATTN_IMPLEMENTATION, attn_reg_attention, install_attention_sites, register_attn_reg
 from .attn_reg_trainer import AttnRegSeq2SeqTrainer, AttnRegTrainer, AttnRegTrainerMixin
 
 __all__ = [

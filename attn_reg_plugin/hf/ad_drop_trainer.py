@@ -3,6 +3,7 @@
 The loss is computed exactly as the Trainer always computes it (``super().compute_loss``);
 AD-DROP only wraps it in training steps of the epochs the schedule selects.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Tuple
@@ -16,8 +17,8 @@ from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_sum_
 from ..core.options import named_by_field
 from .attention import install_attention_sites
-from .sites import site_claim
 from .model_inputs import causal_lm, decoder_input_ids_from_labels
+from .sites import site_claim
 from .training_configurations import model_argument, refuse_unsupported, training_arguments
 
 
@@ -79,7 +80,8 @@ class ADDropTrainerMixin:
         def multi_label(logits):
             # As transformers decides it: the config says so, or float labels shaped like the logits.
             return getattr(config, "problem_type", None) == "multi_label_classification" or (
-                labels is not None and labels.is_floating_point() and labels.shape == logits.shape)
+                labels is not None and labels.is_floating_point() and labels.shape == logits.shape
+            )
 
         shifted = causal_lm(model)
         if shifted and labels is not None:
@@ -126,20 +128,28 @@ class ADDropTrainerMixin:
     # -- the step --------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (model.training and torch.is_grad_enabled()):
-            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         self._ad_drop_steps += 1
         if not ad_drop_epoch(self.ad_drop.config.schedule, self.ad_drop_current_epoch()):
-            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         # The attribution pass runs the eager model (torch.compile unwrapped too): it needs
         # requires_grad on intermediate outputs, which would break a compiled graph at every
         # layer; the masked pass and its backward run compiled.
         self._ad_drop_claim_sites()  # another trainer built on this model since installed its own
         accelerator = getattr(self, "accelerator", None)
-        bare = bare_module(accelerator.unwrap_model(model, keep_torch_compile=False) if accelerator is not None else model)
+        bare = bare_module(
+            accelerator.unwrap_model(model, keep_torch_compile=False) if accelerator is not None else model
+        )
         target = self.ad_drop_target(bare, inputs)
         fwd_inputs = self.ad_drop_forward_inputs(bare, inputs)
         with self.ad_drop.masked(lambda: bare(**fwd_inputs), target, frozen=bare) as stats:
-            result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            result = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         self._ad_drop_on_steps += 1
         self._ad_drop_dropped = self._ad_drop_dropped + stats["dropped"].detach()
         self._ad_drop_valid = self._ad_drop_valid + stats["valid"].detach()
@@ -153,9 +163,13 @@ class ADDropTrainerMixin:
         so one all-reduce of two numbers per log keeps the rate that of the whole batch.
         """
         device = self.args.device
-        counts = torch.stack([torch.as_tensor(self._ad_drop_dropped, device=device),
-                              torch.as_tensor(self._ad_drop_valid, device=device),
-                              torch.as_tensor(self._ad_drop_skipped, device=device)]).long()
+        counts = torch.stack(
+            [
+                torch.as_tensor(self._ad_drop_dropped, device=device),
+                torch.as_tensor(self._ad_drop_valid, device=device),
+                torch.as_tensor(self._ad_drop_skipped, device=device),
+            ]
+        ).long()
         return tuple(all_reduce_sum_(counts).tolist())
 
     def log(self, logs: Dict[str, float], *args, **kwargs) -> None:

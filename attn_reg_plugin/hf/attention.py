@@ -13,6 +13,7 @@ Which module gets which site is found by watching the calls (:mod:`.sites`), not
 Masks for ``"attn_reg"`` are built by the same function as for ``"sdpa"`` (registered in
 ``AttentionMaskInterface``), so models see exactly the masks they would see with sdpa.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -26,6 +27,7 @@ from ..core.masks import mask_fill_value
 from .sites import route_attention_calls, site_of_call
 
 ATTN_IMPLEMENTATION = "attn_reg"
+
 
 def _sdpa_forward():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -65,8 +67,9 @@ def attn_reg_attention(
         )
     # A sliding window (Mistral) is already in the mask sdpa's mask function built; these are not.
     if kwargs.get("softcap") is not None or kwargs.get("cache") is not None:
-        raise NotImplementedError(f"{type(module).__name__}: attn_reg attention supports neither logit softcapping "
-                                  "nor paged caches")
+        raise NotImplementedError(
+            f"{type(module).__name__}: attn_reg attention supports neither logit softcapping nor paged caches"
+        )
     position_bias = kwargs.get("position_bias")
     n_rep = getattr(module, "num_key_value_groups", 1) or 1
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)

@@ -6,6 +6,7 @@ LayerDrop to the training forward; evaluation and generation are untouched.
 
 Same semantics as the fairseq task options ``--attn-sched-dropout-*`` and ``--attn-layerdrop-*``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,21 +30,37 @@ logger = logging.getLogger(__name__)
 class AttnRegTrainerMixin:
     """Scheduled Bernoulli attention dropout or attention LayerDrop around the training forward."""
 
-    def __init__(self, *args, scheduled_dropout: Optional[ScheduledDropoutConfig] = None,
-                 layerdrop: Optional[AttentionLayerDropConfig] = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        scheduled_dropout: Optional[ScheduledDropoutConfig] = None,
+        layerdrop: Optional[AttentionLayerDropConfig] = None,
+        **kwargs,
+    ):
         if scheduled_dropout is not None and not isinstance(scheduled_dropout, ScheduledDropoutConfig):
-            raise TypeError(f"scheduled_dropout must be a ScheduledDropoutConfig, got {type(scheduled_dropout).__name__}")
+            raise TypeError(
+                f"scheduled_dropout must be a ScheduledDropoutConfig, got {type(scheduled_dropout).__name__}"
+            )
         if layerdrop is not None and not isinstance(layerdrop, AttentionLayerDropConfig):
             raise TypeError(f"layerdrop must be an AttentionLayerDropConfig, got {type(layerdrop).__name__}")
         if scheduled_dropout is None and layerdrop is None:
-            raise ValueError("AttnRegTrainer needs scheduled_dropout=ScheduledDropoutConfig(...) or layerdrop=AttentionLayerDropConfig(...)")
+            raise ValueError(
+                "AttnRegTrainer needs scheduled_dropout=ScheduledDropoutConfig(...) or layerdrop=AttentionLayerDropConfig(...)"
+            )
         if scheduled_dropout is not None:
             named_by_field(scheduled_dropout).validate()
         if layerdrop is not None:
             named_by_field(layerdrop).validate()
-        one_regularizer([config.name(field) for config, field, on in (
-            (scheduled_dropout, "schedule", scheduled_dropout is not None),
-            (layerdrop, "p", layerdrop is not None and layerdrop.enabled)) if on])
+        one_regularizer(
+            [
+                config.name(field)
+                for config, field, on in (
+                    (scheduled_dropout, "schedule", scheduled_dropout is not None),
+                    (layerdrop, "p", layerdrop is not None and layerdrop.enabled),
+                )
+                if on
+            ]
+        )
         model = model_argument("AttnRegTrainer", args, kwargs)
         refuse_unsupported("AttnRegTrainer", training_arguments(args, kwargs), model=model)
         # Before the Trainer's own setup: bad layers / kinds fail first.
@@ -51,11 +68,11 @@ class AttnRegTrainerMixin:
         self._attn_reg_claim_sites = site_claim(model, install_attention_sites(model, self.attn_reg_controller))
         self.attn_reg_scheduled_dropout = (
             ScheduledAttentionDropout(scheduled_dropout, self.attn_reg_controller)
-            if scheduled_dropout is not None else None
+            if scheduled_dropout is not None
+            else None
         )
         self.attn_reg_layerdrop = (
-            AttentionLayerDrop(layerdrop, self.attn_reg_controller)
-            if self.attn_reg_scheduled_dropout is None else None
+            AttentionLayerDrop(layerdrop, self.attn_reg_controller) if self.attn_reg_scheduled_dropout is None else None
         )
         self._attn_reg_reset()
         super().__init__(*args, **kwargs)
@@ -68,7 +85,9 @@ class AttnRegTrainerMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (model.training and torch.is_grad_enabled()):
-            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         self._attn_reg_claim_sites()  # another trainer built on this model since installed its own
         if self.attn_reg_scheduled_dropout is not None:
             # Every micro-batch of an update uses that update's probability.
@@ -77,15 +96,19 @@ class AttnRegTrainerMixin:
             hooks = self.attn_reg_layerdrop.hooks(calls=self._attn_reg_counts)
         self._attn_reg_hooked_steps += bool(hooks)
         with self.attn_reg_controller.hooks(hooks):
-            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
 
     def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # a training log
             dropped, total = (int(c) for c in self._attn_reg_counts)
             if self._attn_reg_hooked_steps and total == 0:
-                logger.warning("attn_reg: %d training forwards set regularizer hooks, but the attention kernel applied "
-                               "none: the model's attention modules did not reach attn_reg_plugin's kernel",
-                               self._attn_reg_hooked_steps)
+                logger.warning(
+                    "attn_reg: %d training forwards set regularizer hooks, but the attention kernel applied "
+                    "none: the model's attention modules did not reach attn_reg_plugin's kernel",
+                    self._attn_reg_hooked_steps,
+                )
             rate = dropped / total if total else 0.0
             if self.attn_reg_scheduled_dropout is not None:
                 logs["attn_sched_dropout_rate"] = round(rate, 6)  # measured over the interval's real units

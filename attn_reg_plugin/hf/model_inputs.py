@@ -1,6 +1,7 @@
 """What a transformers model does with its inputs that the regularizers must do the same way:
 whether its labels are its shifted inputs (a causal LM), and the decoder inputs a seq2seq model
 builds from its labels. Both AD-DROP (its target) and AttendOut (its held-out losses) ask."""
+
 from __future__ import annotations
 
 import functools
@@ -8,7 +9,7 @@ import functools
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _causal_lm_classes() -> frozenset:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

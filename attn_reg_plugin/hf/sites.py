@@ -14,6 +14,7 @@ inputs of different lengths) with the recorder on, and gives each call a site:
 A module called at several depths in one forward (ALBERT shares one layer across the stack)
 gets one site per depth; its calls are counted from the start of each forward of the model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +35,9 @@ _ENCODER_LEN, _DECODER_LEN = 7, 4
 _recorded: Optional[List[Tuple[torch.nn.Module, bool, int, int]]] = None  # set during the probe
 
 
-def site_of_call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                 is_causal: Optional[bool]) -> Optional[AttentionSite]:
+def site_of_call(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, is_causal: Optional[bool]
+) -> Optional[AttentionSite]:
     """The site of this call of ``module`` (None: not regularized); records calls during the probe."""
     if _recorded is not None:
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
@@ -60,7 +62,9 @@ def _probe_inputs(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     config = model.config
     device = next(model.parameters()).device
     vocab = int(getattr(config, "vocab_size", 0) or 0)
-    special = {getattr(config, n, None) for n in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")}
+    special = {
+        getattr(config, n, None) for n in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+    }
     tokens = [t for t in range(vocab) if t not in special][:_ENCODER_LEN]
     main = getattr(model, "main_input_name", "input_ids")
     if main == "input_features":  # speech encoders (Whisper): log-mel frames, length fixed by the config
@@ -104,7 +108,9 @@ def _probe_candidates(model: torch.nn.Module) -> List[torch.nn.Module]:
     return [model] + ([base] if isinstance(base, torch.nn.Module) and base is not model else [])
 
 
-def _probe(model: torch.nn.Module) -> Tuple[torch.nn.Module, Dict[str, torch.Tensor], List[Tuple[torch.nn.Module, bool, int, int]]]:
+def _probe(
+    model: torch.nn.Module,
+) -> Tuple[torch.nn.Module, Dict[str, torch.Tensor], List[Tuple[torch.nn.Module, bool, int, int]]]:
     """(the module probed, its inputs, the attention calls it made)."""
     inputs = _probe_inputs(model)
     failures = []
@@ -116,8 +122,9 @@ def _probe(model: torch.nn.Module) -> Tuple[torch.nn.Module, Dict[str, torch.Ten
             return module, given, calls
         except Exception as err:  # a head that cannot take the probe input: try its backbone
             failures.append(f"{type(module).__name__}: {type(err).__name__}: {err}")
-    raise ValueError(f"{type(model).__name__}: the probe forward that finds the attention modules failed "
-                     f"({'; '.join(failures)})")
+    raise ValueError(
+        f"{type(model).__name__}: the probe forward that finds the attention modules failed ({'; '.join(failures)})"
+    )
 
 
 @contextlib.contextmanager
@@ -148,7 +155,9 @@ def _reset_call_counts(modules):
 
 def installed_sites(model: torch.nn.Module) -> List[Tuple[str, AttentionSite]]:
     """The ``(module path, site)`` pairs the model's modules hold now, as :func:`route_attention_calls` returned them."""
-    return [(path, site) for path, module in model.named_modules() for site in module.__dict__.get("attn_reg_sites", [])]
+    return [
+        (path, site) for path, module in model.named_modules() for site in module.__dict__.get("attn_reg_sites", [])
+    ]
 
 
 def site_claim(model: torch.nn.Module, pairs: List[Tuple[str, AttentionSite]]) -> Callable[[], None]:
@@ -203,7 +212,9 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
 
 
-def _run_recorded(module, inputs, attention_modules) -> Tuple[List[torch.Tensor], List[Tuple[torch.nn.Module, torch.Tensor]]]:
+def _run_recorded(
+    module, inputs, attention_modules
+) -> Tuple[List[torch.Tensor], List[Tuple[torch.nn.Module, torch.Tensor]]]:
     """The module's floating outputs and each attention module's output, per call in forward order."""
     per_call: List[Tuple[torch.nn.Module, torch.Tensor]] = []
 
@@ -223,13 +234,17 @@ def _run_recorded(module, inputs, attention_modules) -> Tuple[List[torch.Tensor]
 
 def _first_difference(reference, candidate, paths) -> Optional[Tuple[str, float, float]]:
     """(where, |difference|, tolerance) of the first attention call, else output, that differs."""
+
     def difference(a, b) -> Tuple[float, float]:  # (max |a - b|, tolerance), relative to max(1, |a|)
         tol = _tolerance(a.dtype) * max(1.0, float(a.float().abs().max()))
         return (float((a.float() - b.float()).abs().max()) if a.shape == b.shape else float("inf")), tol
 
     (ref_out, ref_calls), (out, calls) = reference, candidate
-    pairs = [(paths.get(id(mod), type(mod).__name__), a, b) for (mod, a), (_, b) in zip(ref_calls, calls)
-             if a is not None and b is not None]
+    pairs = [
+        (paths.get(id(mod), type(mod).__name__), a, b)
+        for (mod, a), (_, b) in zip(ref_calls, calls)
+        if a is not None and b is not None
+    ]
     for where, a, b in pairs + [("the model's output", a, b) for a, b in zip(ref_out, out)]:
         diff, tol = difference(a, b)
         if not diff <= tol:
@@ -237,8 +252,9 @@ def _first_difference(reference, candidate, paths) -> Optional[Tuple[str, float,
     return None
 
 
-def _check_equivalent(model, controller, probed, inputs, attention_modules, paths, configs, before,
-                      implementation) -> None:
+def _check_equivalent(
+    model, controller, probed, inputs, attention_modules, paths, configs, before, implementation
+) -> None:
     """Refuse a model whose outputs change when its attention runs through the plugin: the idle
     path (transformers' sdpa) against the model's own implementation, and the kernel path with a
     hook that edits nothing against the idle path. Both on the probe input."""
@@ -250,8 +266,9 @@ def _check_equivalent(model, controller, probed, inputs, attention_modules, path
         found = _first_difference(reference, candidate, paths)
         if found is not None:
             where, diff, tol = found
-            raise ValueError(f"{name}: {what} (max |difference| {diff:.3g} > {tol:.3g} at {where}, probe input, "
-                             f"eval mode): {why}")
+            raise ValueError(
+                f"{name}: {what} (max |difference| {diff:.3g} > {tol:.3g} at {where}, probe input, eval mode): {why}"
+            )
 
     with _eval_mode(model):
         idle = _run_recorded(probed, inputs, attention_modules)
@@ -264,20 +281,29 @@ def _check_equivalent(model, controller, probed, inputs, attention_modules, path
             finally:
                 for config in configs.values():
                     config._attn_implementation = implementation
-            refuse_if_different(stock, idle, "routing attention through attn_reg_plugin changes this model's forward",
-                                f"its attention implementation {sorted(own)} computes something transformers' sdpa does "
-                                "not. Refused, to leave no forward silently changed; the README lists the supported families")
+            refuse_if_different(
+                stock,
+                idle,
+                "routing attention through attn_reg_plugin changes this model's forward",
+                f"its attention implementation {sorted(own)} computes something transformers' sdpa does "
+                "not. Refused, to leave no forward silently changed; the README lists the supported families",
+            )
         try:
             with controller.hooks({site: EditScores() for site in controller.sites}):
                 active = _run_recorded(probed, inputs, attention_modules)
         except NotImplementedError as err:
             raise ValueError(f"{name}: the regularized attention cannot run this model: {err}") from None
-        refuse_if_different(idle, active, "attn_reg_plugin's regularized kernel does not reproduce this model's attention "
-                            "with nothing dropped", "refused: every regularized step would change more than the regularizer")
+        refuse_if_different(
+            idle,
+            active,
+            "attn_reg_plugin's regularized kernel does not reproduce this model's attention with nothing dropped",
+            "refused: every regularized step would change more than the regularizer",
+        )
 
 
-def route_attention_calls(model: torch.nn.Module, controller: RegularizationController,
-                          implementation: str) -> List[Tuple[str, AttentionSite]]:
+def route_attention_calls(
+    model: torch.nn.Module, controller: RegularizationController, implementation: str
+) -> List[Tuple[str, AttentionSite]]:
     """Give each attention call of ``model`` a site and switch the model to ``implementation``
     (an attention function already registered with transformers, whose calls ask :func:`site_of_call`).
 
@@ -287,12 +313,18 @@ def route_attention_calls(model: torch.nn.Module, controller: RegularizationCont
     """
     name = type(model).__name__
     if not hasattr(getattr(model, "config", None), "_attn_implementation"):
-        raise ValueError(f"no attention module routed through transformers' AttentionInterface was found in {name}: "
-                         "it is not a transformers model (no config)")
+        raise ValueError(
+            f"no attention module routed through transformers' AttentionInterface was found in {name}: "
+            "it is not a transformers model (no config)"
+        )
     if getattr(model.config, "model_type", "").startswith("deberta"):
-        raise ValueError(f"{name}: DeBERTa's disentangled attention does not go through transformers' "
-                         "AttentionInterface, so the regularizers cannot reach it")
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}
+        raise ValueError(
+            f"{name}: DeBERTa's disentangled attention does not go through transformers' "
+            "AttentionInterface, so the regularizers cannot reach it"
+        )
+    configs = {
+        id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")
+    }
     before = {key: config._attn_implementation for key, config in configs.items()}
     previous_sites = installed_sites(model)
     set_impl = getattr(model, "set_attn_implementation", None)
@@ -352,6 +384,5 @@ def _install(model, controller, configs, before, implementation) -> List[Tuple[s
         raise
     for site in own.sites:
         controller.add(site)
-    logger.info("attn_reg: %s attention sites: %s", name,
-                ", ".join(f"{k} x{n}" for k, n in depth.items()))
+    logger.info("attn_reg: %s attention sites: %s", name, ", ".join(f"{k} x{n}" for k, n in depth.items()))
     return found

@@ -4,6 +4,7 @@ Checked on the TrainingArguments before ``Trainer.__init__`` runs, so a bad comb
 before any set-up or training. docs/CONFIGURATIONS.md lists every configuration and its status.
 Also the trainers' shared constructor helper for the model argument.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -12,7 +13,7 @@ import torch
 import transformers
 
 
-def training_arguments(args, kwargs) -> "Optional[transformers.TrainingArguments]":
+def training_arguments(args, kwargs) -> Optional[transformers.TrainingArguments]:
     """The TrainingArguments given to the Trainer; None: its defaults, which use none of the below."""
     return kwargs.get("args", args[1] if len(args) > 1 else None)
 
@@ -22,9 +23,11 @@ def refuse_unsupported(who: str, args, model=None) -> None:
         return
     # The layers' own flags, as transformers' is_activation_checkpointing reads them (its older
     # name, is_gradient_checkpointing, is deprecated).
-    checkpointing = bool(getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing
-                         or (model is not None and any(getattr(m, "gradient_checkpointing", False) is True
-                                                       for m in model.modules())))
+    checkpointing = bool(
+        getattr(args, "activation_checkpointing", None)
+        or args.gradient_checkpointing
+        or (model is not None and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()))
+    )
     if args.torch_compile and checkpointing:
         raise NotImplementedError(
             f"{who} does not support torch_compile=True together with gradient checkpointing: a checkpointed "
@@ -47,5 +50,7 @@ def refuse_unsupported(who: str, args, model=None) -> None:
 def model_argument(who: str, args, kwargs) -> torch.nn.Module:
     model = kwargs.get("model", args[0] if args else None)
     if model is None:
-        raise ValueError(f"{who} needs `model` (model_init is not supported): attention sites are installed at construction")
+        raise ValueError(
+            f"{who} needs `model` (model_init is not supported): attention sites are installed at construction"
+        )
     return model

@@ -18,6 +18,7 @@ conlleval), computed every epoch; the best epoch is reported.
 The paper's CoNLL-2003 hyper-parameters are in its Appendix A, which our copy lacks: learning
 rate 2e-5, batch size 32, 5 epochs, AD-DROP in all layers with p = q = 0.3 are our defaults.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 from attn_reg_lab.example_support import (
-    add_ad_drop_options, check_common_args, hf_trainer, read_jsonl, train_and_log,
+    add_ad_drop_options,
+    check_common_args,
+    hf_trainer,
+    read_jsonl,
+    train_and_log,
 )
 
 # The label order of the hub's conll2003 ner_tags feature.
@@ -47,7 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dataset", default="conll2003", help="hub dataset name for datasets.load_dataset")
     ap.add_argument("--train-file", type=Path, default=None, help="local JSON lines instead of the hub's train split")
-    ap.add_argument("--validation-file", type=Path, default=None, help="local JSON lines instead of the hub's validation")
+    ap.add_argument(
+        "--validation-file", type=Path, default=None, help="local JSON lines instead of the hub's validation"
+    )
     ap.add_argument("--max-train-samples", type=int, default=None)
     ap.add_argument("--max-eval-samples", type=int, default=None)
     ap.add_argument("--epochs", type=float, default=5)
@@ -64,7 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def check_sentence(row: dict, labels: Sequence[str], where: str, tags_are_ids: bool = False) -> Tuple[List[str], List[int]]:
+def check_sentence(
+    row: dict, labels: Sequence[str], where: str, tags_are_ids: bool = False
+) -> Tuple[List[str], List[int]]:
     """(tokens, tag ids): non-empty, equal lengths, every tag in ``labels``; else ValueError naming ``where``."""
     tokens, tags = row.get("tokens"), row.get("ner_tags")
     if not isinstance(tokens, list) or not isinstance(tags, list):
@@ -85,7 +94,9 @@ def check_sentence(row: dict, labels: Sequence[str], where: str, tags_are_ids: b
             ok = isinstance(tag, str) and tag in labels
             ids.append(labels.index(tag) if ok else -1)
         if not ok:
-            raise ValueError(f"{where}: tag {i} ({tag!r}, token {tokens[i]!r}) is not in the label set {', '.join(labels)}")
+            raise ValueError(
+                f"{where}: tag {i} ({tag!r}, token {tokens[i]!r}) is not in the label set {', '.join(labels)}"
+            )
     return tokens, ids
 
 
@@ -116,8 +127,10 @@ def align_labels(tokenizer, sentences, max_length: int, where: str) -> List[dict
     for index, (tokens, tags) in enumerate(sentences):
         enc = tokenizer(tokens, is_split_into_words=True)
         if len(enc["input_ids"]) > max_length:
-            raise ValueError(f"{where} sentence {index}: {len(enc['input_ids'])} word pieces exceed --max-length "
-                             f"{max_length}; raise it rather than lose labelled words")
+            raise ValueError(
+                f"{where} sentence {index}: {len(enc['input_ids'])} word pieces exceed --max-length "
+                f"{max_length}; raise it rather than lose labelled words"
+            )
         labels, previous = [], None
         for word in enc.word_ids():
             labels.append(-100 if word is None or word == previous else tags[word])
@@ -173,19 +186,34 @@ def run_method(method: str, args, train, dev, labels: List[str]) -> dict:
 
     transformers.set_seed(args.seed)
     config = transformers.AutoConfig.from_pretrained(
-        args.model, num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={t: i for i, t in enumerate(labels)})
+        args.model,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={t: i for i, t in enumerate(labels)},
+    )
     extra = {"add_prefix_space": True} if config.model_type in PREFIX_SPACE_MODELS else {}
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model, **extra)
     model = transformers.AutoModelForTokenClassification.from_pretrained(args.model, config=config)
-    trainer = hf_trainer(method, args, args.out / method, model=model,
-                         train_dataset=align_labels(tokenizer, train, args.max_length, "train"),
-                         eval_dataset=align_labels(tokenizer, dev, args.max_length, "dev"),
-                         data_collator=transformers.DataCollatorForTokenClassification(tokenizer),
-                         processing_class=tokenizer, compute_metrics=compute_metrics_for(labels))
-    epochs, seconds = train_and_log(method, trainer, 'f1')
+    trainer = hf_trainer(
+        method,
+        args,
+        args.out / method,
+        model=model,
+        train_dataset=align_labels(tokenizer, train, args.max_length, "train"),
+        eval_dataset=align_labels(tokenizer, dev, args.max_length, "dev"),
+        data_collator=transformers.DataCollatorForTokenClassification(tokenizer),
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics_for(labels),
+    )
+    epochs, seconds = train_and_log(method, trainer, "f1")
     best = max(epochs, key=lambda row: row.get("eval_f1", -math.inf))
-    return {"method": method, "epochs": epochs, "best_epoch": best["epoch"], "best_dev_f1": best.get("eval_f1"),
-            "train_seconds": round(seconds, 1)}
+    return {
+        "method": method,
+        "epochs": epochs,
+        "best_epoch": best["epoch"],
+        "best_dev_f1": best.get("eval_f1"),
+        "train_seconds": round(seconds, 1),
+    }
 
 
 def main(argv=None, load_dataset=None) -> int:

@@ -5,6 +5,7 @@ module registers an ``AttentionSite`` with the model's ``RegularizationControlle
 is built, and calls ``attend`` with that site instead of its own softmax(QK^T)V. Nothing
 else in the model knows about AD-DROP; steps 3 and 4 live in the training loop (train.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -98,22 +99,34 @@ class Seq2SeqTransformer(nn.Module):
     encoder layer (``encoder-self``), two per decoder layer (``decoder-self``, ``encoder-decoder``).
     """
 
-    def __init__(self, vocab_size: int, pad_id: int, dim: int = 128, heads: int = 4, ffn_dim: int = 512,
-                 encoder_layers: int = 3, decoder_layers: int = 3, dropout: float = 0.3,
-                 attention_dropout: float = 0.1, pre_norm: bool = True, positions: str = "sinusoidal",
-                 max_positions: int = 256, controller: Optional[RegularizationController] = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        pad_id: int,
+        dim: int = 128,
+        heads: int = 4,
+        ffn_dim: int = 512,
+        encoder_layers: int = 3,
+        decoder_layers: int = 3,
+        dropout: float = 0.3,
+        attention_dropout: float = 0.1,
+        pre_norm: bool = True,
+        positions: str = "sinusoidal",
+        max_positions: int = 256,
+        controller: Optional[RegularizationController] = None,
+    ):
         super().__init__()
         if positions not in ("sinusoidal", "learned"):
             raise ValueError(f"positions must be 'sinusoidal' or 'learned', got {positions!r}")
         self.controller = controller if controller is not None else RegularizationController()
         self.pad_id, self.dim, self.max_positions = pad_id, dim, max_positions
         self.embed = nn.Embedding(vocab_size, dim, padding_idx=pad_id)
-        nn.init.normal_(self.embed.weight, std=dim ** -0.5)
+        nn.init.normal_(self.embed.weight, std=dim**-0.5)
         with torch.no_grad():
             self.embed.weight[pad_id].zero_()
         if positions == "learned":
             self.positions = nn.Embedding(max_positions, dim)
-            nn.init.normal_(self.positions.weight, std=dim ** -0.5)
+            nn.init.normal_(self.positions.weight, std=dim**-0.5)
         else:
             self.register_buffer("sinusoids", sinusoidal_positions(max_positions, dim), persistent=False)
             self.positions = None
@@ -124,8 +137,16 @@ class Seq2SeqTransformer(nn.Module):
             for i in range(encoder_layers)
         )
         self.decoder = nn.ModuleList(
-            DecoderLayer(dim, heads, ffn_dim, dropout, attention_dropout, pre_norm,
-                         reg("decoder-self", i), reg("encoder-decoder", i))
+            DecoderLayer(
+                dim,
+                heads,
+                ffn_dim,
+                dropout,
+                attention_dropout,
+                pre_norm,
+                reg("decoder-self", i),
+                reg("encoder-decoder", i),
+            )
             for i in range(decoder_layers)
         )
         # Pre-LN stacks end un-normalised: one final LayerNorm per stack.

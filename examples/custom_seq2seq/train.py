@@ -12,6 +12,7 @@ and 4 of ``attn_reg_plugin.core``'s guide). One line per epoch: train loss, vali
 measured drop rate. At the end the best-valid-loss weights greedy-decode the first
 ``--bleu-sentences`` test sentences, scored with sacrebleu against the raw references.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,16 +32,20 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 from seq2seq_model import Seq2SeqTransformer  # this example's model, next to this file
 
-from attn_reg_plugin.core import ADDrop, ad_drop_epoch, token_loss_target
 from attn_reg_lab.example_support import ad_drop_config, read_parallel
+from attn_reg_plugin.core import ADDrop, ad_drop_epoch, token_loss_target
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=REPO / "data" / "gettext_en_ro",
-                    help="folder with {train,valid,test}.{src,tgt} (one sentence per line)")
+    ap.add_argument(
+        "--data",
+        type=Path,
+        default=REPO / "data" / "gettext_en_ro",
+        help="folder with {train,valid,test}.{src,tgt} (one sentence per line)",
+    )
     ap.add_argument("--src", default="en")
     ap.add_argument("--tgt", default="ro")
     ap.add_argument("--train-size", type=int, default=None, help="first N training pairs (default: all)")
@@ -54,7 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=3, help="encoder and decoder layers each")
     ap.add_argument("--dropout", type=float, default=0.3)
     ap.add_argument("--attention-dropout", type=float, default=0.1)
-    ap.add_argument("--norm", choices=("pre", "post"), default="pre", help="LayerNorm before or after each residual sum")
+    ap.add_argument(
+        "--norm", choices=("pre", "post"), default="pre", help="LayerNorm before or after each residual sum"
+    )
     ap.add_argument("--positions", choices=("sinusoidal", "learned"), default="sinusoidal")
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=64, help="sentence pairs per update")
@@ -71,8 +78,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ad-drop-schedule", default="cross-tuning")
     ap.add_argument("--out", type=Path, default=None, help="write results.json and the sentencepiece model here")
     args = ap.parse_args(argv)
-    positive = ("train_size", "valid_size", "vocab_size", "max_len", "dim", "heads", "ffn_dim", "layers", "epochs",
-                "batch_size")
+    positive = (
+        "train_size",
+        "valid_size",
+        "vocab_size",
+        "max_len",
+        "dim",
+        "heads",
+        "ffn_dim",
+        "layers",
+        "epochs",
+        "batch_size",
+    )
     for name in positive:
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -94,9 +111,18 @@ def train_sentencepiece(lines: Sequence[str], vocab_size: int):
 
     proto = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=proto, vocab_size=vocab_size, model_type="unigram",
-        character_coverage=1.0, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, hard_vocab_limit=False,
-        minloglevel=2, num_threads=1,
+        sentence_iterator=iter(lines),
+        model_writer=proto,
+        vocab_size=vocab_size,
+        model_type="unigram",
+        character_coverage=1.0,
+        pad_id=PAD,
+        unk_id=UNK,
+        bos_id=BOS,
+        eos_id=EOS,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        num_threads=1,
     )
     return spm.SentencePieceProcessor(model_proto=proto.getvalue()), proto.getvalue()
 
@@ -123,8 +149,8 @@ def shuffled_batches(lengths: Sequence[int], batch_size: int) -> List[List[int]]
     window = batch_size * 100
     batches = []
     for first in range(0, len(order), window):
-        chunk = sorted(order[first:first + window], key=lengths.__getitem__)
-        batches.extend(chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size))
+        chunk = sorted(order[first : first + window], key=lengths.__getitem__)
+        batches.extend(chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size))
     return [batches[i] for i in torch.randperm(len(batches)).tolist()]
 
 
@@ -152,7 +178,7 @@ def translate(model, sp, sentences: Sequence[str], max_len: int, batch_size: int
     model.eval()
     out = []
     for start in range(0, len(sentences), batch_size):
-        ids = [sp.encode(s)[: max_len] for s in sentences[start:start + batch_size]]
+        ids = [sp.encode(s)[:max_len] for s in sentences[start : start + batch_size]]
         src = pad_batch([x + [EOS] for x in ids])
         # Stop at twice the source length + 10 pieces, within the model's positions (one is <s>).
         hyp = model.greedy(src, BOS, EOS, max_len=min(2 * src.shape[1] + 10, model.max_positions - 1))
@@ -178,17 +204,32 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     lengths = [max(len(x), len(y)) for x, y in zip(train_x, train_y)]
 
     model = Seq2SeqTransformer(
-        sp.get_piece_size(), PAD, dim=args.dim, heads=args.heads, ffn_dim=args.ffn_dim, encoder_layers=args.layers,
-        decoder_layers=args.layers, dropout=args.dropout, attention_dropout=args.attention_dropout,
-        pre_norm=args.norm == "pre", positions=args.positions, max_positions=args.max_len + 2,
+        sp.get_piece_size(),
+        PAD,
+        dim=args.dim,
+        heads=args.heads,
+        ffn_dim=args.ffn_dim,
+        encoder_layers=args.layers,
+        decoder_layers=args.layers,
+        dropout=args.dropout,
+        attention_dropout=args.attention_dropout,
+        pre_norm=args.norm == "pre",
+        positions=args.positions,
+        max_positions=args.max_len + 2,
     )
     # Steps 3-4 of the porting guide. ADDrop checks the layers / kinds against the model's sites now.
     ad_drop = ADDrop(config, model.controller) if config is not None else None
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.98))
-    print(f"data {args.data}: {len(train_x)} train / {len(valid_x)} valid pairs, {sp.get_piece_size()} pieces; "
-          f"model {sum(p.numel() for p in model.parameters())} parameters; method {args.method}"
-          + (f" (p={config.p}, q={config.q}, {config.attention}, layers {config.layers}, {config.schedule})" if config else ""),
-          flush=True)
+    print(
+        f"data {args.data}: {len(train_x)} train / {len(valid_x)} valid pairs, {sp.get_piece_size()} pieces; "
+        f"model {sum(p.numel() for p in model.parameters())} parameters; method {args.method}"
+        + (
+            f" (p={config.p}, q={config.q}, {config.attention}, layers {config.layers}, {config.schedule})"
+            if config
+            else ""
+        ),
+        flush=True,
+    )
 
     history, best = [], (math.inf, None, 0)
     step = 0
@@ -202,8 +243,13 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
             keep = target.ne(PAD)
 
             def loss_of(logits):
-                return F.cross_entropy(logits.transpose(1, 2), target, ignore_index=PAD,
-                                       label_smoothing=args.label_smoothing, reduction="sum")
+                return F.cross_entropy(
+                    logits.transpose(1, 2),
+                    target,
+                    ignore_index=PAD,
+                    label_smoothing=args.label_smoothing,
+                    reduction="sum",
+                )
 
             if use_ad_drop:
                 # F = minus the token loss against pass-1 argmax tokens, over non-pad targets.
@@ -227,32 +273,54 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
             raise FloatingPointError(f"epoch {epoch}: training loss is {train_loss}")
         valid_loss = evaluate_loss(model, valid_x, valid_y, args.batch_size)
         rate = dropped / valid if valid else 0.0
-        record = {"epoch": epoch, "ad_drop": use_ad_drop, "train_loss": round(train_loss, 4),
-                  "valid_loss": round(valid_loss, 4), "drop_rate": round(rate, 4), "seconds": round(time.time() - start, 1)}
+        record = {
+            "epoch": epoch,
+            "ad_drop": use_ad_drop,
+            "train_loss": round(train_loss, 4),
+            "valid_loss": round(valid_loss, 4),
+            "drop_rate": round(rate, 4),
+            "seconds": round(time.time() - start, 1),
+        }
         history.append(record)
-        print(f"epoch {epoch:3d} | {'AD-DROP' if use_ad_drop else 'plain  '} | train loss {train_loss:.4f} | "
-              f"valid loss {valid_loss:.4f} | drop rate {rate:.4f} | {record['seconds']:.1f} s", flush=True)
+        print(
+            f"epoch {epoch:3d} | {'AD-DROP' if use_ad_drop else 'plain  '} | train loss {train_loss:.4f} | "
+            f"valid loss {valid_loss:.4f} | drop rate {rate:.4f} | {record['seconds']:.1f} s",
+            flush=True,
+        )
         if valid_loss < best[0]:
             best = (valid_loss, copy.deepcopy(model.state_dict()), epoch)
 
     model.load_state_dict(best[1])
-    result: Dict[str, object] = {"method": args.method, "epochs": history, "best_epoch": best[2],
-                                 "best_valid_loss": round(best[0], 4)}
+    result: Dict[str, object] = {
+        "method": args.method,
+        "epochs": history,
+        "best_epoch": best[2],
+        "best_valid_loss": round(best[0], 4),
+    }
     if test_src:
         import sacrebleu
 
         hyps = translate(model, sp, test_src, args.max_len)
         bleu = sacrebleu.corpus_bleu(hyps, [test_tgt])
-        result.update(bleu=round(bleu.score, 2), bleu_signature=str(bleu), bleu_sentences=len(hyps),
-                      examples=[{"src": s, "ref": r, "hyp": h} for s, r, h in list(zip(test_src, test_tgt, hyps))[:3]])
+        result.update(
+            bleu=round(bleu.score, 2),
+            bleu_signature=str(bleu),
+            bleu_sentences=len(hyps),
+            examples=[{"src": s, "ref": r, "hyp": h} for s, r, h in list(zip(test_src, test_tgt, hyps))[:3]],
+        )
         for ex in result["examples"]:
             print(f"  src: {ex['src']}\n  ref: {ex['ref']}\n  hyp: {ex['hyp']}")
-        print(f"best epoch {best[2]} (valid loss {best[0]:.4f}); greedy BLEU on {len(hyps)} test sentences: "
-              f"{bleu.score:.2f}  ({bleu})", flush=True)
+        print(
+            f"best epoch {best[2]} (valid loss {best[0]:.4f}); greedy BLEU on {len(hyps)} test sentences: "
+            f"{bleu.score:.2f}  ({bleu})",
+            flush=True,
+        )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "spm.model").write_bytes(sp_proto)
-        (args.out / "results.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        (args.out / "results.json").write_text(
+            json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
     return result
 
 

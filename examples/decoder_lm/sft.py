@@ -13,6 +13,7 @@ negative pseudo-label loss of the response tokens. ``--lora R`` trains peft LoRA
 R on the attention projections instead of every weight (``pip install ".[peft]"``). Prints the
 dev loss per epoch, the AD-DROP rate, and greedy continuations of a few dev prompts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,12 @@ from typing import Dict, List, Sequence
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 from attn_reg_lab.example_support import (
-    add_ad_drop_options, check_common_args, hf_trainer, mean_ad_drop_rate, read_parallel, train_and_log,
+    add_ad_drop_options,
+    check_common_args,
+    hf_trainer,
+    mean_ad_drop_rate,
+    read_parallel,
+    train_and_log,
 )
 
 PROMPT = "Translate to Romanian: {}\n"
@@ -68,7 +74,7 @@ def encode(tokenizer, sources: Sequence[str], targets: Sequence[str], max_length
 def collate(pad_id: int):
     import torch
 
-    def pad(rows: List[Dict[str, List[int]]]) -> Dict[str, "torch.Tensor"]:
+    def pad(rows: List[Dict[str, List[int]]]) -> Dict[str, torch.Tensor]:
         width = max(len(r["input_ids"]) for r in rows)
         out = {}
         for key, fill in (("input_ids", pad_id), ("attention_mask", 0), ("labels", -100)):
@@ -87,8 +93,9 @@ def load_model(args):
 
         names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
         targets = [t for t in ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "c_proj") if t in names]
-        model = peft.get_peft_model(model, peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora,
-                                                           target_modules=targets, lora_dropout=0.0))
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=targets, lora_dropout=0.0)
+        )
     return model
 
 
@@ -100,9 +107,14 @@ def continue_prompts(model, tokenizer, sources: Sequence[str], max_new_tokens: i
     for src in sources:
         ids = tokenizer(PROMPT.format(src), add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
         with torch.no_grad():
-            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        outs.append(tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).strip())
+            gen = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        outs.append(tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=True).strip())
     return outs
 
 
@@ -111,10 +123,17 @@ def run_method(method: str, args, tokenizer, train, dev, dev_sources) -> dict:
 
     transformers.set_seed(args.seed)
     model = load_model(args)
-    trainer = hf_trainer(method, args, args.out / method, model=model, train_dataset=train, eval_dataset=dev,
-                         data_collator=collate(tokenizer.pad_token_id))
+    trainer = hf_trainer(
+        method,
+        args,
+        args.out / method,
+        model=model,
+        train_dataset=train,
+        eval_dataset=dev,
+        data_collator=collate(tokenizer.pad_token_id),
+    )
     epochs, seconds = train_and_log(method, trainer, finite=True)
-    samples = continue_prompts(trainer.model, tokenizer, dev_sources[:args.samples])
+    samples = continue_prompts(trainer.model, tokenizer, dev_sources[: args.samples])
     for src, hyp in zip(dev_sources, samples):
         print(f"[{method}] {src!r} -> {hyp!r}", flush=True)
     return {"method": method, "epochs": epochs, "train_seconds": round(seconds, 1), "samples": samples}
@@ -131,8 +150,11 @@ def main(argv=None) -> int:
     dev_src, dev_tgt = read_parallel(args.data, "valid", "en", "ro", args.max_eval_samples)
     train = encode(tokenizer, train_src, train_tgt, args.max_length)
     dev = encode(tokenizer, dev_src, dev_tgt, args.max_length)
-    print(f"{len(train)} train / {len(dev)} dev examples from {args.data}; model {args.model}"
-          f"{f', LoRA rank {args.lora}' if args.lora else ''}", flush=True)
+    print(
+        f"{len(train)} train / {len(dev)} dev examples from {args.data}; model {args.model}"
+        f"{f', LoRA rank {args.lora}' if args.lora else ''}",
+        flush=True,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     results = [run_method(m, args, tokenizer, train, dev, dev_src) for m in args.methods]
     print("\n| method | last dev loss | train time (s) | AD-DROP rate (AD-DROP epochs) |\n|---|---|---|---|")

@@ -19,6 +19,7 @@ QNLI, QQP and STS-B, in all layers for CoLA, MRPC and RTE; learning rate 2e-5 an
 in its Appendix C.2, which our copy of the paper lacks: p = q = 0.3 and 10 epochs here are our
 defaults, set them with ``--ad-drop-p/-q`` and ``--epochs``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 from attn_reg_lab.example_support import (
-    add_ad_drop_options, check_common_args, hf_trainer, read_jsonl, train_and_log,
+    add_ad_drop_options,
+    check_common_args,
+    hf_trainer,
+    read_jsonl,
+    train_and_log,
 )
 
 
@@ -64,11 +69,16 @@ STSB_RANGE = (0.0, 5.0)
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=sorted(TASKS), required=True)
-    ap.add_argument("--model", default="bert-base-uncased",
-                    help="hub name or folder: bert-base-uncased, roberta-base, google/electra-base-discriminator, ...")
+    ap.add_argument(
+        "--model",
+        default="bert-base-uncased",
+        help="hub name or folder: bert-base-uncased, roberta-base, google/electra-base-discriminator, ...",
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--train-file", type=Path, default=None, help="local JSON lines instead of the hub's train split")
-    ap.add_argument("--validation-file", type=Path, default=None, help="local JSON lines instead of the hub's dev split")
+    ap.add_argument(
+        "--validation-file", type=Path, default=None, help="local JSON lines instead of the hub's dev split"
+    )
     ap.add_argument("--max-train-samples", type=int, default=None)
     ap.add_argument("--max-eval-samples", type=int, default=None)
     ap.add_argument("--epochs", type=float, default=10)
@@ -111,7 +121,7 @@ def check_example(row: dict, task: Task, where: str) -> dict:
 
 
 def load_split(args, split: str, load_dataset=None) -> List[dict]:
-    """"train" or "dev" examples, checked; local JSON lines when given, else the hub's glue/TASK."""
+    """ "train" or "dev" examples, checked; local JSON lines when given, else the hub's glue/TASK."""
     task = TASKS[args.task]
     limit = args.max_train_samples if split == "train" else args.max_eval_samples
     path = args.train_file if split == "train" else args.validation_file
@@ -133,7 +143,7 @@ def mcc(pred: np.ndarray, gold: np.ndarray) -> float:
     confusion = np.array([[np.sum((gold == a) & (pred == b)) for b in classes] for a in classes], dtype=np.float64)
     total, correct = confusion.sum(), np.trace(confusion)
     true_counts, pred_counts = confusion.sum(1), confusion.sum(0)
-    denominator = math.sqrt((total ** 2 - pred_counts @ pred_counts) * (total ** 2 - true_counts @ true_counts))
+    denominator = math.sqrt((total**2 - pred_counts @ pred_counts) * (total**2 - true_counts @ true_counts))
     return float((correct * total - true_counts @ pred_counts) / denominator) if denominator else 0.0
 
 
@@ -170,15 +180,29 @@ def run_method(method: str, args, train_rows: List[dict], dev_rows: List[dict]) 
         enc = tokenizer(*texts, truncation=True, max_length=args.max_length)
         return [dict({k: v[i] for k, v in enc.items()}, labels=row["label"]) for i, row in enumerate(rows)]
 
-    trainer = hf_trainer(method, args, args.out / method, model=model, train_dataset=encode(train_rows),
-                         eval_dataset=encode(dev_rows), data_collator=transformers.DataCollatorWithPadding(tokenizer),
-                         processing_class=tokenizer, compute_metrics=compute_metrics_for(task))
+    trainer = hf_trainer(
+        method,
+        args,
+        args.out / method,
+        model=model,
+        train_dataset=encode(train_rows),
+        eval_dataset=encode(dev_rows),
+        data_collator=transformers.DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics_for(task),
+    )
     epochs, seconds = train_and_log(method, trainer, task.metric)
     scored = [row for row in epochs if not math.isnan(row.get(f"eval_{task.metric}", float("nan")))]
     best = max(scored, key=lambda row: row[f"eval_{task.metric}"]) if scored else None
-    return {"method": method, "epochs": epochs, "metric": task.metric, "ad_drop_layers": args.ad_drop_layers,
-            "best_epoch": best["epoch"] if best else None, "best_dev": best[f"eval_{task.metric}"] if best else None,
-            "train_seconds": round(seconds, 1)}
+    return {
+        "method": method,
+        "epochs": epochs,
+        "metric": task.metric,
+        "ad_drop_layers": args.ad_drop_layers,
+        "best_epoch": best["epoch"] if best else None,
+        "best_dev": best[f"eval_{task.metric}"] if best else None,
+        "train_seconds": round(seconds, 1),
+    }
 
 
 def main(argv=None, load_dataset=None) -> int:

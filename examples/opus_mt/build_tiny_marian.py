@@ -15,6 +15,7 @@ given parallel text; the vocabulary follows OPUS-MT's layout (``</s>`` = 0, ``<u
 ``<pad>`` = last, the decoder starts from ``<pad>``). The weights are random: translations
 are meaningless until trained.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,21 @@ REPO = HERE.parents[1]
 from attn_reg_lab.example_support import read_parallel
 
 
-def build(out: Path, data: Path, src: str, tgt: str, train_lines: int = 2000, vocab_size: int = 1000, d_model: int = 64,
-          layers: int = 2, heads: int = 4, ffn_dim: int = 128, max_positions: int = 256, seed: int = 0,
-          family: str = "marian") -> Path:
+def build(
+    out: Path,
+    data: Path,
+    src: str,
+    tgt: str,
+    train_lines: int = 2000,
+    vocab_size: int = 1000,
+    d_model: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    ffn_dim: int = 128,
+    max_positions: int = 256,
+    seed: int = 0,
+    family: str = "marian",
+) -> Path:
     import sentencepiece as spm
     import torch
     from transformers import MarianConfig, MarianMTModel, MarianTokenizer
@@ -42,9 +55,16 @@ def build(out: Path, data: Path, src: str, tgt: str, train_lines: int = 2000, vo
     if family == "nllb":
         return _build_nllb(out, src_lines + tgt_lines, vocab_size, d_model, layers, heads, ffn_dim, max_positions, seed)
     proto = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(src_lines + tgt_lines), model_writer=proto,
-                                   vocab_size=vocab_size, model_type="unigram", character_coverage=1.0,
-                                   hard_vocab_limit=False, minloglevel=2, num_threads=1)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(src_lines + tgt_lines),
+        model_writer=proto,
+        vocab_size=vocab_size,
+        model_type="unigram",
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        num_threads=1,
+    )
     sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not (sp.is_control(i) or sp.is_unknown(i))]
     vocab = {"</s>": 0, "<unk>": 1}
@@ -60,38 +80,81 @@ def build(out: Path, data: Path, src: str, tgt: str, train_lines: int = 2000, vo
         tokenizer = MarianTokenizer(str(spm_path), str(spm_path), str(vocab_path), source_lang=src, target_lang=tgt)
         tokenizer.save_pretrained(out)
     pad = vocab["<pad>"]
-    config = MarianConfig(vocab_size=len(vocab), d_model=d_model, encoder_layers=layers, decoder_layers=layers,
-                          encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn_dim,
-                          decoder_ffn_dim=ffn_dim, max_position_embeddings=max_positions, pad_token_id=pad,
-                          eos_token_id=0, decoder_start_token_id=pad, forced_eos_token_id=0, scale_embedding=True)
+    config = MarianConfig(
+        vocab_size=len(vocab),
+        d_model=d_model,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=ffn_dim,
+        decoder_ffn_dim=ffn_dim,
+        max_position_embeddings=max_positions,
+        pad_token_id=pad,
+        eos_token_id=0,
+        decoder_start_token_id=pad,
+        forced_eos_token_id=0,
+        scale_embedding=True,
+    )
     torch.manual_seed(seed)
     MarianMTModel(config).save_pretrained(out)
     return out
 
 
-def _build_t5(out: Path, lines, vocab_size: int, d_model: int, layers: int, heads: int, ffn_dim: int, seed: int) -> Path:
+def _build_t5(
+    out: Path, lines, vocab_size: int, d_model: int, layers: int, heads: int, ffn_dim: int, seed: int
+) -> Path:
     import sentencepiece as spm
     import torch
     from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 
     proto = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=proto, vocab_size=vocab_size,
-                                   model_type="unigram", character_coverage=1.0, hard_vocab_limit=False, minloglevel=2,
-                                   num_threads=1, pad_id=0, eos_id=1, unk_id=2, bos_id=-1)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=proto,
+        vocab_size=vocab_size,
+        model_type="unigram",
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        num_threads=1,
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+    )
     sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
     vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]  # <pad>, </s>, <unk>, pieces
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
     tokenizer.save_pretrained(out)
-    config = T5Config(vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // heads, d_ff=ffn_dim, num_layers=layers,
-                      num_heads=heads, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=d_model // heads,
+        d_ff=ffn_dim,
+        num_layers=layers,
+        num_heads=heads,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
     torch.manual_seed(seed)
     T5ForConditionalGeneration(config).save_pretrained(out)
     return out
 
 
-def _build_nllb(out: Path, lines, vocab_size: int, d_model: int, layers: int, heads: int, ffn_dim: int,
-                max_positions: int, seed: int) -> Path:
+def _build_nllb(
+    out: Path,
+    lines,
+    vocab_size: int,
+    d_model: int,
+    layers: int,
+    heads: int,
+    ffn_dim: int,
+    max_positions: int,
+    seed: int,
+) -> Path:
     """A tiny random M2M100 (NLLB's architecture) with an NllbTokenizer: NLLB's BPE layout (<s> 0, <pad> 1,
     </s> 2, <unk> 3) and its language codes (eng_Latn, ron_Latn, ...) as the first token of each side."""
     import json as json_module
@@ -102,16 +165,31 @@ def _build_nllb(out: Path, lines, vocab_size: int, d_model: int, layers: int, he
 
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.Metaspace()
-    bpe.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                                       special_tokens=["<s>", "<pad>", "</s>", "<unk>"]))
+    bpe.train_from_iterator(
+        lines,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size, show_progress=False, special_tokens=["<s>", "<pad>", "</s>", "<unk>"]
+        ),
+    )
     trained = json_module.loads(bpe.to_str())["model"]
     tokenizer = NllbTokenizer(vocab=trained["vocab"], merges=[tuple(m) for m in trained["merges"]])
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
-    config = M2M100Config(vocab_size=len(tokenizer), d_model=d_model, encoder_layers=layers, decoder_layers=layers,
-                          encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn_dim,
-                          decoder_ffn_dim=ffn_dim, max_position_embeddings=max_positions, pad_token_id=1,
-                          bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    config = M2M100Config(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=ffn_dim,
+        decoder_ffn_dim=ffn_dim,
+        max_position_embeddings=max_positions,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+    )
     torch.manual_seed(seed)
     M2M100ForConditionalGeneration(config).save_pretrained(out)
     return out
@@ -136,8 +214,19 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.d_model % args.heads:
         ap.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
-    path = build(args.out, args.data, args.src, args.tgt, args.train_lines, args.vocab_size, args.d_model, args.layers,
-                 args.heads, args.ffn_dim, family=args.family)
+    path = build(
+        args.out,
+        args.data,
+        args.src,
+        args.tgt,
+        args.train_lines,
+        args.vocab_size,
+        args.d_model,
+        args.layers,
+        args.heads,
+        args.ffn_dim,
+        family=args.family,
+    )
     print(f"tiny random {args.family} model and tokenizer written to {path}")
     return 0
 

@@ -24,6 +24,7 @@ Other translation models are a model name away (the adapter finds their attentio
     python examples/opus_mt/run_opus_mt.py --pair en-ro --out outputs/nllb-en-ro \
         --model facebook/nllb-200-distilled-600M --src-lang-code eng_Latn --tgt-lang-code ron_Latn
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 from attn_reg_lab.example_support import (
-    add_ad_drop_options, check_common_args, hf_trainer, mean_ad_drop_rate, read_parallel, train_and_log,
+    add_ad_drop_options,
+    check_common_args,
+    hf_trainer,
+    mean_ad_drop_rate,
+    read_parallel,
+    train_and_log,
 )
 
 # The paper's OPUS-MT fine-tuning setting per pair.
@@ -52,12 +58,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", choices=sorted(PAIRS), required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--model", default=None, help="hub name or local folder (default: the pair's Helsinki-NLP/opus-mt-*)")
-    ap.add_argument("--data-dir", type=Path, default=None,
-                    help="local {train,valid,test}.{src,tgt} instead of the hub dataset")
+    ap.add_argument(
+        "--model", default=None, help="hub name or local folder (default: the pair's Helsinki-NLP/opus-mt-*)"
+    )
+    ap.add_argument(
+        "--data-dir", type=Path, default=None, help="local {train,valid,test}.{src,tgt} instead of the hub dataset"
+    )
     ap.add_argument("--dataset", default="wmt16", help="hub dataset name for datasets.load_dataset")
-    ap.add_argument("--drop-empty-pairs", action="store_true",
-                    help="remove hub pairs with an empty side (counted and reported); without it they are an error")
+    ap.add_argument(
+        "--drop-empty-pairs",
+        action="store_true",
+        help="remove hub pairs with an empty side (counted and reported); without it they are an error",
+    )
     ap.add_argument("--max-train-samples", type=int, default=None)
     ap.add_argument("--max-eval-samples", type=int, default=None, help="valid pairs for the per-epoch dev loss")
     ap.add_argument("--max-test-samples", type=int, default=None, help="test pairs translated and scored")
@@ -70,19 +82,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--generate-batch-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--fp16", action="store_true")
-    ap.add_argument("--source-prefix", default="", help="text put before every source sentence (T5: "
-                    "'translate English to Romanian: ')")
-    ap.add_argument("--src-lang-code", default=None, help="source language code of a multilingual tokenizer "
-                    "(NLLB: eng_Latn; M2M100: en)")
-    ap.add_argument("--tgt-lang-code", default=None, help="target language code (NLLB: ron_Latn); generation is "
-                    "forced to start with it")
+    ap.add_argument(
+        "--source-prefix",
+        default="",
+        help="text put before every source sentence (T5: 'translate English to Romanian: ')",
+    )
+    ap.add_argument(
+        "--src-lang-code",
+        default=None,
+        help="source language code of a multilingual tokenizer (NLLB: eng_Latn; M2M100: en)",
+    )
+    ap.add_argument(
+        "--tgt-lang-code",
+        default=None,
+        help="target language code (NLLB: ron_Latn); generation is forced to start with it",
+    )
     add_ad_drop_options(ap, p=None, q=None, layers="all", attention="encoder-self")  # p, q: the pair's paper values
     args = ap.parse_args(argv)
     spec = PAIRS[args.pair]
     args.ad_drop_p = spec["p"] if args.ad_drop_p is None else args.ad_drop_p
     args.ad_drop_q = spec["q"] if args.ad_drop_q is None else args.ad_drop_q
-    check_common_args(ap, args, ("max_train_samples", "max_eval_samples", "max_test_samples", "batch_size", "max_length",
-                                 "num_beams", "max_new_tokens", "generate_batch_size", "epochs", "lr"))
+    check_common_args(
+        ap,
+        args,
+        (
+            "max_train_samples",
+            "max_eval_samples",
+            "max_test_samples",
+            "batch_size",
+            "max_length",
+            "num_beams",
+            "max_new_tokens",
+            "generate_batch_size",
+            "epochs",
+            "lr",
+        ),
+    )
     args.model = args.model or spec["model"]
     return args
 
@@ -108,8 +143,10 @@ def load_pairs(args, load_dataset=None) -> Dict[str, Pairs]:
             s, t = (row[spec["src"]] or "").strip(), (row[spec["tgt"]] or "").strip()
             if not s or not t:
                 if not args.drop_empty_pairs:
-                    raise ValueError(f"{args.dataset} {spec['wmt16']} {hub_split} row {i}: empty "
-                                     f"{spec['src'] if not s else spec['tgt']} side (use --drop-empty-pairs to remove such pairs)")
+                    raise ValueError(
+                        f"{args.dataset} {spec['wmt16']} {hub_split} row {i}: empty "
+                        f"{spec['src'] if not s else spec['tgt']} side (use --drop-empty-pairs to remove such pairs)"
+                    )
                 empty += 1
                 continue
             src.append(s)
@@ -124,20 +161,36 @@ def tokenize(tokenizer, pairs: Pairs, max_length: int, prefix: str = "") -> List
     """One dict per pair: ``input_ids``, ``attention_mask`` and target ``labels`` (no padding yet)."""
     src, tgt = pairs
     enc = tokenizer([prefix + s for s in src], text_target=tgt, max_length=max_length, truncation=True)
-    return [{"input_ids": i, "attention_mask": a, "labels": y}
-            for i, a, y in zip(enc["input_ids"], enc["attention_mask"], enc["labels"])]
+    return [
+        {"input_ids": i, "attention_mask": a, "labels": y}
+        for i, a, y in zip(enc["input_ids"], enc["attention_mask"], enc["labels"])
+    ]
 
 
-def translate(model, tokenizer, sentences: Sequence[str], batch_size: int, num_beams: int, max_new_tokens: int,
-              max_length: int, prefix: str = "", tgt_lang_code: Optional[str] = None) -> List[str]:
+def translate(
+    model,
+    tokenizer,
+    sentences: Sequence[str],
+    batch_size: int,
+    num_beams: int,
+    max_new_tokens: int,
+    max_length: int,
+    prefix: str = "",
+    tgt_lang_code: Optional[str] = None,
+) -> List[str]:
     import torch
 
     model.eval()
     forced = {} if tgt_lang_code is None else {"forced_bos_token_id": tokenizer.convert_tokens_to_ids(tgt_lang_code)}
     hyps: List[str] = []
     for start in range(0, len(sentences), batch_size):
-        batch = tokenizer([prefix + s for s in sentences[start:start + batch_size]], max_length=max_length,
-                          truncation=True, padding=True, return_tensors="pt").to(model.device)
+        batch = tokenizer(
+            [prefix + s for s in sentences[start : start + batch_size]],
+            max_length=max_length,
+            truncation=True,
+            padding=True,
+            return_tensors="pt",
+        ).to(model.device)
         with torch.no_grad():
             out = model.generate(**batch, num_beams=num_beams, max_new_tokens=max_new_tokens, **forced)
         hyps.extend(tokenizer.batch_decode(out, skip_special_tokens=True))
@@ -154,19 +207,42 @@ def run_method(method: str, args, data: Dict[str, Pairs]) -> dict:
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(args.model)
     train = tokenize(tokenizer, data["train"], args.max_length, args.source_prefix)
     dev = tokenize(tokenizer, data["valid"], args.max_length, args.source_prefix)
-    trainer = hf_trainer(method, args, args.out / method, seq2seq=True, model=model, train_dataset=train,
-                         eval_dataset=dev, data_collator=transformers.DataCollatorForSeq2Seq(tokenizer, model=model),
-                         processing_class=tokenizer)
+    trainer = hf_trainer(
+        method,
+        args,
+        args.out / method,
+        seq2seq=True,
+        model=model,
+        train_dataset=train,
+        eval_dataset=dev,
+        data_collator=transformers.DataCollatorForSeq2Seq(tokenizer, model=model),
+        processing_class=tokenizer,
+    )
     epochs, seconds = train_and_log(method, trainer, finite=True)
     test_src, test_ref = data["test"]
-    hyps = translate(trainer.model, tokenizer, test_src, args.generate_batch_size, args.num_beams, args.max_new_tokens,
-                     args.max_length, args.source_prefix, args.tgt_lang_code)
+    hyps = translate(
+        trainer.model,
+        tokenizer,
+        test_src,
+        args.generate_batch_size,
+        args.num_beams,
+        args.max_new_tokens,
+        args.max_length,
+        args.source_prefix,
+        args.tgt_lang_code,
+    )
     bleu = sacrebleu.corpus_bleu(hyps, [test_ref])
     (args.out / method).mkdir(parents=True, exist_ok=True)
     (args.out / method / "test.hyp").write_text("\n".join(hyps) + "\n", encoding="utf-8")
     print(f"[{method}] test BLEU {bleu.score:.2f} on {len(hyps)} sentences ({bleu})", flush=True)
-    return {"method": method, "epochs": epochs, "bleu": round(bleu.score, 2), "bleu_signature": str(bleu),
-            "test_sentences": len(hyps), "train_seconds": round(seconds, 1)}
+    return {
+        "method": method,
+        "epochs": epochs,
+        "bleu": round(bleu.score, 2),
+        "bleu_signature": str(bleu),
+        "test_sentences": len(hyps),
+        "train_seconds": round(seconds, 1),
+    }
 
 
 def main(argv=None, load_dataset=None) -> int:

@@ -12,6 +12,7 @@ layers, cross-tuning), ``generate`` (fairseq-generate beam 5, sacrebleu on detok
 against the raw newstest2016 references). It needs internet for ``download`` and a GPU for
 ``train`` in reasonable time; the pipeline code is the same the demo runs on the shipped corpus.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,36 @@ PAIRS = {
 SPLIT_NAMES = {"train": "train", "validation": "valid", "test": "test"}
 
 TRANSFORMER_BASE = [
-    "--task", "attn_reg_translation", "--arch", "transformer_wmt_en_de", "--share-all-embeddings",
-    "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0", "--lr", "7e-4",
-    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000", "--dropout", "0.3", "--weight-decay", "0.0001",
-    "--label-smoothing", "0.1", "--max-tokens", "8192", "--max-epoch", "40", "--no-epoch-checkpoints",
-    "--log-interval", "100",
+    "--task",
+    "attn_reg_translation",
+    "--arch",
+    "transformer_wmt_en_de",
+    "--share-all-embeddings",
+    "--optimizer",
+    "adam",
+    "--adam-betas",
+    "(0.9, 0.98)",
+    "--clip-norm",
+    "0.0",
+    "--lr",
+    "7e-4",
+    "--lr-scheduler",
+    "inverse_sqrt",
+    "--warmup-updates",
+    "4000",
+    "--dropout",
+    "0.3",
+    "--weight-decay",
+    "0.0001",
+    "--label-smoothing",
+    "0.1",
+    "--max-tokens",
+    "8192",
+    "--max-epoch",
+    "40",
+    "--no-epoch-checkpoints",
+    "--log-interval",
+    "100",
 ]
 
 
@@ -47,8 +73,10 @@ def download(pair: str, raw_dir: Path, load_dataset=None) -> dict:
     counts = {}
     for hf_split, name in SPLIT_NAMES.items():
         rows = dataset[hf_split]["translation"]
-        with open(raw_dir / f"{name}.{spec['src']}", "w", encoding="utf-8") as fs, \
-                open(raw_dir / f"{name}.{spec['tgt']}", "w", encoding="utf-8") as ft:
+        with (
+            open(raw_dir / f"{name}.{spec['src']}", "w", encoding="utf-8") as fs,
+            open(raw_dir / f"{name}.{spec['tgt']}", "w", encoding="utf-8") as ft,
+        ):
             for i, row in enumerate(rows):
                 src, tgt = (row[spec["src"]] or "").strip(), (row[spec["tgt"]] or "").strip()
                 if "\n" in src or "\n" in tgt:
@@ -77,8 +105,18 @@ def main(argv=None) -> int:
     raw, data_bin = out / "raw", out / "data-bin"
     methods = {
         "plain": ["--criterion", "label_smoothed_cross_entropy"],
-        "ad-drop": ["--criterion", "ad_drop_label_smoothed_cross_entropy", "--ad-drop-p", str(spec["p"]),
-                    "--ad-drop-q", str(spec["q"]), "--ad-drop-attention", "encoder-self", "--ad-drop-layers", "all"],
+        "ad-drop": [
+            "--criterion",
+            "ad_drop_label_smoothed_cross_entropy",
+            "--ad-drop-p",
+            str(spec["p"]),
+            "--ad-drop-q",
+            str(spec["q"]),
+            "--ad-drop-attention",
+            "encoder-self",
+            "--ad-drop-layers",
+            "all",
+        ],
     }
     if "download" in stages:
         print("downloaded", download(args.pair, raw))
@@ -88,10 +126,16 @@ def main(argv=None) -> int:
     for name, method_args in methods.items():
         save = out / "checkpoints" / name
         if "train" in stages:
-            mt.train(name, data_bin, save, [*TRANSFORMER_BASE, *method_args, "--seed", str(args.seed), *args.train_args.split()])
+            mt.train(
+                name,
+                data_bin,
+                save,
+                [*TRANSFORMER_BASE, *method_args, "--seed", str(args.seed), *args.train_args.split()],
+            )
         if "generate" in stages:
-            results[name] = mt.generate_bleu(data_bin, save / "checkpoint_best.pt", raw / f"test.{spec['tgt']}",
-                                             out / "translations" / name)
+            results[name] = mt.generate_bleu(
+                data_bin, save / "checkpoint_best.pt", raw / f"test.{spec['tgt']}", out / "translations" / name
+            )
             print(name, results[name]["signature"])
     if results:
         (out / "bleu.json").write_text(json.dumps(results, indent=2) + "\n")

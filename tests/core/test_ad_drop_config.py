@@ -1,5 +1,6 @@
 """core.ad_drop: ADDropConfig's accepted ranges and how its errors name an option, the cross-tuning
 epoch rule, and frozen parameters restored."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """AttendOut, scheduled attention dropout and attention LayerDrop in the framework-free core."""
+
 import math
 
 import pytest
@@ -19,7 +20,12 @@ from attn_reg_plugin.core.attendout import (
 from attn_reg_plugin.core.attention import EditScores, attend, zero_counts
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
-from attn_reg_plugin.core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig, parse_schedules, schedule_value
+from attn_reg_plugin.core.scheduled_dropout import (
+    ScheduledAttentionDropout,
+    ScheduledDropoutConfig,
+    parse_schedules,
+    schedule_value,
+)
 from helpers import controller_with_sites
 
 
@@ -67,7 +73,7 @@ def test_generator_learns_to_drop_more_when_dropping_is_rewarded():
     tokens = torch.randint(2, 20, (4, 6))
     tokens[0, 4:] = 1  # padding
     first = None
-    for step in range(15):
+    for _step in range(15):
         rewards = []
         for _ in range(config.dropout_step):
             hooks = game.attacker_hooks({"source": tokens})
@@ -105,8 +111,11 @@ def test_generator_logits_of_a_sentence_do_not_depend_on_its_batch_padding(side)
     controller = controller_with_sites({"encoder-self": 2})
     generator = Generator({"source": 30}, {"source": 1}, 16, 64, 0.2, 1.0)
     sentence = torch.randint(2, 30, (1, 5))
-    padded = torch.cat([torch.ones(1, 3, dtype=torch.long), sentence], 1) if side == "left" else \
-        torch.cat([sentence, torch.ones(1, 3, dtype=torch.long)], 1)
+    padded = (
+        torch.cat([torch.ones(1, 3, dtype=torch.long), sentence], 1)
+        if side == "left"
+        else torch.cat([sentence, torch.ones(1, 3, dtype=torch.long)], 1)
+    )
     real = slice(3, 8) if side == "left" else slice(0, 5)
     alone = generator.drop_logits({"source": sentence}, controller.sites)
     in_batch = generator.drop_logits({"source": padded}, controller.sites)
@@ -160,9 +169,12 @@ def test_attendout_state_round_trip_continues_identically():
 
 def test_per_sample_loss_on_hand_built_tensors():
     logits = torch.tensor([[2.0, 0.0], [0.0, 0.0]])
-    assert torch.allclose(per_sample_loss(logits, torch.tensor([0, 1])),
-                          torch.tensor([math.log(1 + math.exp(-2)), math.log(2)]))
-    assert torch.allclose(per_sample_loss(torch.tensor([[1.0], [3.0]]), torch.tensor([2.0, 3.0])), torch.tensor([1.0, 0.0]))
+    assert torch.allclose(
+        per_sample_loss(logits, torch.tensor([0, 1])), torch.tensor([math.log(1 + math.exp(-2)), math.log(2)])
+    )
+    assert torch.allclose(
+        per_sample_loss(torch.tensor([[1.0], [3.0]]), torch.tensor([2.0, 3.0])), torch.tensor([1.0, 0.0])
+    )
     tokens = torch.zeros(1, 3, 2)
     tokens[0, 0] = torch.tensor([5.0, 0.0])
     target = torch.tensor([[0, 1, -100]])
@@ -214,8 +226,11 @@ def test_attendout_config_rejects_bad_values(field, value, message):
 
 def test_attendout_rejects_layers_the_model_lacks():
     with pytest.raises(ValueError, match="--attendout-layers: layer 3 does not exist"):
-        AttendOut(AttendOutConfig(layers="3"), controller_with_sites({"encoder-self": 2}),
-                  Generator({"source": 5}, {"source": 1}, 4, 8, 0.2, 1.0))
+        AttendOut(
+            AttendOutConfig(layers="3"),
+            controller_with_sites({"encoder-self": 2}),
+            Generator({"source": 5}, {"source": 1}, 4, 8, 0.2, 1.0),
+        )
 
 
 # -- the kernel's uniform rows (Eq. 4) ---------------------------------------------------------
@@ -293,7 +308,9 @@ def test_scheduled_dropout_follows_its_per_layer_schedule():
 
 def test_scheduled_dropout_needs_one_schedule_or_one_per_layer():
     with pytest.raises(ValueError, match="gives 2 schedules .* but 3 layers are selected"):
-        ScheduledAttentionDropout(ScheduledDropoutConfig(schedule="0:0.1|0:0.2"), controller_with_sites({"encoder-self": 3}))
+        ScheduledAttentionDropout(
+            ScheduledDropoutConfig(schedule="0:0.1|0:0.2"), controller_with_sites({"encoder-self": 3})
+        )
 
 
 def test_layerdrop_p1_gives_exactly_uniform_attention_and_p0_changes_nothing():
@@ -376,8 +393,9 @@ def test_attendout_drop_rate_is_what_the_kernel_applied():
     torch.manual_seed(0)
     controller = controller_with_sites({"encoder-self": 1})
     config = AttendOutConfig(dropout_step=1, generator_dim=8, init_drop=0.4)
-    game = AttendOut(config, controller, Generator({"source": 20}, {"source": 1}, 8, 32, config.init_drop,
-                                                    config.temperature))
+    game = AttendOut(
+        config, controller, Generator({"source": 20}, {"source": 1}, 8, 32, config.init_drop, config.temperature)
+    )
     tokens = torch.randint(2, 20, (3, 5))
     tokens[0, 3:] = 1  # padding
     game.attacker_hooks({"source": tokens})  # masks drawn, never applied

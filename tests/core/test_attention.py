@@ -1,5 +1,6 @@
 """core.attention: the ``attend`` kernel against a float64 reference, with and without a site's edits
 (CPU only). Tensors are (B, H, T, S) = batch, heads, queries, keys."""
+
 import pytest
 import torch
 
@@ -7,7 +8,6 @@ from attn_reg_plugin.core.attention import EditScores, attend, zero_counts
 from attn_reg_plugin.core.controller import AttentionSite
 from attn_reg_plugin.core.masks import ad_drop_masks
 from helpers import FLOAT_DTYPES, site_with_hook
-
 
 # ---------------------------------------------------------------- the kernel
 
@@ -187,8 +187,10 @@ def _idle_cases(dtype):
         "-inf padding": (torch.zeros(padding.shape, dtype=dtype).masked_fill(~padding, float("-inf")), padding),
         "bool keyless rows": (valid, valid),
         "-inf keyless rows": (torch.zeros(valid.shape, dtype=dtype).masked_fill(~valid, float("-inf")), valid),
-        "finite keyless rows": (torch.zeros(valid.shape, dtype=dtype).masked_fill(~valid, torch.finfo(dtype).min),
-                                valid),
+        "finite keyless rows": (
+            torch.zeros(valid.shape, dtype=dtype).masked_fill(~valid, torch.finfo(dtype).min),
+            valid,
+        ),
     }
 
 
@@ -209,7 +211,7 @@ def test_idle_call_equals_the_explicit_softmax_path(dtype, case):
     q0, k0, v0 = _qkv(B=2, H=2, T=6, S=6, d=8, dtype=dtype, seed=3)
     upstream = torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(4))
     ref_q, ref_k, ref_v = (t.double().clone().requires_grad_() for t in (q0, k0, v0))
-    scores = (ref_q @ ref_k.transpose(-2, -1)) * 8 ** -0.5
+    scores = (ref_q @ ref_k.transpose(-2, -1)) * 8**-0.5
     ref_out = torch.softmax(scores.masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0) @ ref_v  # keyless: 0
     (ref_out * upstream.double()).sum().backward()
     tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}[dtype]
@@ -269,7 +271,7 @@ def test_idle_fast_path_on_cuda_equals_the_explicit_softmax_path(dtype, case):
     bias, valid = (None if bias is None else bias.cuda()), valid.cuda()
     upstream = torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(4)).cuda()
     ref_q, ref_k, ref_v = (t.double().clone().requires_grad_() for t in (q0, k0, v0))
-    scores = (ref_q @ ref_k.transpose(-2, -1)) * 8 ** -0.5
+    scores = (ref_q @ ref_k.transpose(-2, -1)) * 8**-0.5
     ref_out = torch.softmax(scores.masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0) @ ref_v
     (ref_out * upstream.double()).sum().backward()
     tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}[dtype]

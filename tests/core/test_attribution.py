@@ -5,6 +5,7 @@ calls ``attend`` with its own registered AttentionSite (what ADDrop drives); in 
 mode the same weights compute softmax maps A_l by hand, optionally edited (perturbed or
 scaled), so dF/dA_l can be taken directly by autograd or by finite differences.
 """
+
 import copy
 
 import pytest
@@ -45,13 +46,15 @@ class TinyAttnClassifier(torch.nn.Module):
             if mode == "kernel":
                 o, _ = attend(q, k, v, bias, site=self.sites[layer])
             else:
-                a = torch.softmax(q @ k.transpose(-2, -1) * dh ** -0.5 + bias, dim=-1)
+                a = torch.softmax(q @ k.transpose(-2, -1) * dh**-0.5 + bias, dim=-1)
                 if edit is not None:
                     a = edit(layer, a)
                 if maps is not None:
                     maps.append(a)
                 o = a @ v
-            h = h + F.dropout(torch.tanh(self.proj[layer](o.transpose(1, 2).reshape(b, t, D))), self.dropout, self.training)
+            h = h + F.dropout(
+                torch.tanh(self.proj[layer](o.transpose(1, 2).reshape(b, t, D))), self.dropout, self.training
+            )
         keep = (~key_pad).to(h.dtype).unsqueeze(-1)
         return self.readout((h * keep).sum(1) / keep.sum(1))
 
@@ -131,6 +134,7 @@ def test_ga_entry_matches_central_finite_difference():
     # (layer, b, head, query, key): a first-layer entry (acts through layer 2 too), a
     # second-layer entry, and an entry at a padded key (dF/dA there is (dF/dO) v, not 0).
     for layer, b, h, i, j in [(0, 0, 1, 2, 3), (1, 1, 0, 0, 2), (0, 1, 1, 1, 4)]:
+
         def bump(delta):
             def edit(l, a):
                 if l != layer:
@@ -138,8 +142,10 @@ def test_ga_entry_matches_central_finite_difference():
                 a = a.clone()
                 a[b, h, i, j] += delta
                 return a
+
             with torch.no_grad():
                 return _explicit_F(model, x, key_pad, labels=labels, edit=edit)[0]
+
         fd = (bump(eps) - bump(-eps)) / (2 * eps)
         got = attrs[layer][b, h, i, j].item()
         assert abs(fd.item()) > 1e-4
@@ -193,8 +199,10 @@ def _iga_reference(model, x, key_pad, m, scaled_layers, wrt):
     _, maps, labels = _explicit_F(model, x, key_pad)
     total = 0
     for k in range(1, m + 1):
+
         def edit(l, a, alpha=k / m):
             return a * alpha if l in scaled_layers else a
+
         value, maps_k, _ = _explicit_F(model, x, key_pad, labels=labels, edit=edit)
         total = total + torch.autograd.grad(value, maps_k[wrt])[0]
     return maps[wrt].detach() / m * total
@@ -229,7 +237,10 @@ def test_iga_all_layers_equals_per_layer_integrated_gradients():
     attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model)
     for layer in range(LAYERS):
         ref = _iga_reference(model, x, key_pad, m, {layer}, layer)
-        assert torch.allclose(attrs[layer].double(), ref, atol=1e-6, rtol=1e-5), (layer, (attrs[layer].double() - ref).abs().max())
+        assert torch.allclose(attrs[layer].double(), ref, atol=1e-6, rtol=1e-5), (
+            layer,
+            (attrs[layer].double() - ref).abs().max(),
+        )
 
 
 def test_iga_under_hidden_dropout_integrates_one_function():
@@ -254,7 +265,10 @@ def test_iga_under_hidden_dropout_integrates_one_function():
 
     for layer in range(LAYERS):
         ref = _iga_reference(Reseeded(), x, key_pad, m, {layer}, layer)
-        assert torch.allclose(attrs[layer].double(), ref, atol=1e-6, rtol=1e-5), (layer, (attrs[layer].double() - ref).abs().max())
+        assert torch.allclose(attrs[layer].double(), ref, atol=1e-6, rtol=1e-5), (
+            layer,
+            (attrs[layer].double() - ref).abs().max(),
+        )
     torch.manual_seed(11)
     model(x, key_pad)
     assert torch.equal(after, torch.get_rng_state())
@@ -379,6 +393,7 @@ def _autocast_seen(forward):
     def wrapped():
         seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
         return forward()
+
     return wrapped, seen
 
 
@@ -424,16 +439,22 @@ def test_fp32_attribution_turns_autocast_off_and_auto_keeps_it():
 
 def test_fp32_attribution_on_a_half_precision_model_is_refused():
     model, x, key_pad, adrop = _setup(dtype=torch.bfloat16, attribution_precision="fp32")
-    with pytest.raises(ValueError, match=r"--ad-drop-attribution-precision fp32 needs fp32 weights, but the attribution "
-                                         r"pass ran in torch.bfloat16: the model itself is in half precision. Use auto "
-                                         r"or bf16"):
+    with pytest.raises(
+        ValueError,
+        match=r"--ad-drop-attribution-precision fp32 needs fp32 weights, but the attribution "
+        r"pass ran in torch.bfloat16: the model itself is in half precision. Use auto "
+        r"or bf16",
+    ):
         _attributions(adrop, model, x, key_pad)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_attribution_precision_with_the_random_region_is_refused(precision):
-    with pytest.raises(ValueError, match=f"--ad-drop-attribution-precision {precision} sets the precision of the "
-                                         "attribution pass, which --ad-drop-attribution rd does not run; leave it at auto"):
+    with pytest.raises(
+        ValueError,
+        match=f"--ad-drop-attribution-precision {precision} sets the precision of the "
+        "attribution pass, which --ad-drop-attribution rd does not run; leave it at auto",
+    ):
         ADDropConfig(attribution="rd", attribution_precision=precision).validate()
 
 
@@ -447,7 +468,12 @@ def test_bf16_attribution_on_a_cpu_without_native_bf16_warns_once(monkeypatch, c
         _attributions(adrop, model, x, key_pad)
         _attributions(adrop, model, x, key_pad)
     warned = [r.getMessage() for r in caplog.records if "no AVX-512" in r.getMessage()]
-    assert warned == ([] if native else [
-        "--ad-drop-attribution-precision bf16: this CPU has no AVX-512, so torch multiplies bf16 matrices without "
-        "oneDNN and the attribution pass is much slower than in fp32 (15 to 30 times a plain step on an AVX2 CPU, "
-        "docs/PERFORMANCE.md); use auto"])
+    assert warned == (
+        []
+        if native
+        else [
+            "--ad-drop-attribution-precision bf16: this CPU has no AVX-512, so torch multiplies bf16 matrices without "
+            "oneDNN and the attribution pass is much slower than in fp32 (15 to 30 times a plain step on an AVX2 CPU, "
+            "docs/PERFORMANCE.md); use auto"
+        ]
+    )

@@ -1,4 +1,5 @@
 """The kernel's replay for activation checkpointing, on a plain-PyTorch model (no framework)."""
+
 import functools
 
 import pytest

@@ -1,4 +1,5 @@
 """core.controller: registering sites, selecting them by kind and layer, and hooks restored on error."""
+
 import pytest
 
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
@@ -14,7 +15,9 @@ def test_select_returns_requested_sites():
     c = _controller(3, 2)
     assert [(s.kind, s.layer) for s in c.select(["encoder-self"], None)] == [("encoder-self", i) for i in range(3)]
     assert [(s.kind, s.layer) for s in c.select(["encoder-self", "decoder-self"], [1])] == [
-        ("encoder-self", 1), ("decoder-self", 1)]
+        ("encoder-self", 1),
+        ("decoder-self", 1),
+    ]
 
 
 def test_select_layer_out_of_range_names_the_range():
@@ -86,7 +89,9 @@ def test_register_refuses_a_duplicate_and_selection_refuses_gaps():
     with pytest.raises(ValueError, match="encoder-self layer 1 is registered already"):
         controller.register("encoder-self", 1)
     controller.register("encoder-self", 2)
-    with pytest.raises(ValueError, match=r"registered encoder-self attention at layers \[1, 2\], but layer indices must be 0\.\.1"):
+    with pytest.raises(
+        ValueError, match=r"registered encoder-self attention at layers \[1, 2\], but layer indices must be 0\.\.1"
+    ):
         controller.select(["encoder-self"], [1])
     with pytest.raises(ValueError, match="layer must be a 0-based integer index >= 0, got -1"):
         controller.register("decoder-self", -1)

@@ -3,6 +3,7 @@ every mask shape (rows with no valid key included) on the fused and the math sdp
 
 `make test` runs a few hundred examples in all; `make test-all` (HYPOTHESIS_PROFILE=thorough) more.
 """
+
 import math
 
 import pytest
@@ -33,7 +34,7 @@ def attention_case(draw):
     keys = torch.zeros(batch, S, dtype=torch.bool)
     for b, n in enumerate(lengths):
         if left:
-            keys[b, S - n:] = True
+            keys[b, S - n :] = True
         else:
             keys[b, :n] = True
     valid = keys[:, None, None, :].expand(batch, 1, T, S)
@@ -45,7 +46,7 @@ def attention_case(draw):
 probabilities = st.one_of(st.sampled_from([0.01, 0.5, 0.99]), st.floats(0.01, 0.99))
 
 
-@given(case=attention_case(), p=probabilities, q=probabilities, heads=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+@given(case=attention_case(), p=probabilities, q=probabilities, heads=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_masks_drop_only_valid_keys_and_never_empty_a_row(case, p, q, heads, seed):
     valid, _ = case
     g = torch.Generator().manual_seed(seed)
@@ -71,13 +72,13 @@ def test_realized_rate_is_the_documented_formula_in_expectation(case, p, q):
     drop = ad_drop_masks(attribution, tiled, p, q, generator=torch.Generator().manual_seed(1))
     n = valid.sum(-1).double()
     k = torch.ceil(n * p - 1e-9)
-    expected = torch.where(k == n, q * k - q ** n, q * k) * (n > 0)
+    expected = torch.where(k == n, q * k - q**n, q * k) * (n > 0)
     realized = drop.sum(-1).double().view(draws, *n.shape).mean(0)
     # per-row count <= 3 Bernoullis: variance <= 3/4; 5 sigma over `draws` samples
     assert (realized - expected).abs().max() <= 5 * math.sqrt(0.75 / draws)
 
 
-@given(case=attention_case(), dtype=st.sampled_from(DTYPES), q=probabilities, seed=st.integers(0, 2 ** 16))
+@given(case=attention_case(), dtype=st.sampled_from(DTYPES), q=probabilities, seed=st.integers(0, 2**16))
 def test_kernel_weights_respect_every_mask_and_idle_equals_sdpa(case, dtype, q, seed):
     valid, kind = case
     B, _, T, S = valid.shape

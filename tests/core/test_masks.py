@@ -4,12 +4,14 @@ a hypothesis property test of the whole AD-DROP mask path through the kernel (CP
 Tensors are (B, H, T, S) = batch, heads, queries, keys; ``valid`` is True where a query
 may attend a key (real key, and not a future one in causal attention).
 """
+
 import math
 from fractions import Fraction
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attn_reg_plugin.core.attention import EditScores, attend
 from attn_reg_plugin.core.masks import (
@@ -27,11 +29,7 @@ SUM_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
 # A 1x1x3x5 attribution map with distinct values per row.
-ATTR = torch.tensor(
-    [[[[5.0, 1.0, 4.0, 2.0, 9.0],
-       [0.0, 3.0, -1.0, 7.0, 8.0],
-       [2.0, 2.5, 1.0, 0.5, 3.0]]]]
-)
+ATTR = torch.tensor([[[[5.0, 1.0, 4.0, 2.0, 9.0], [0.0, 3.0, -1.0, 7.0, 8.0], [2.0, 2.5, 1.0, 0.5, 3.0]]]])
 PAD_LAST = torch.tensor([True, True, True, True, False]).view(1, 1, 1, 5)
 CAUSAL = torch.ones(3, 5, dtype=torch.bool).tril()  # row i sees keys 0..i
 

@@ -7,6 +7,7 @@ causal), p and q at 0.01 and 0.99, and every candidate of every row dropped (q =
 p = q = 1: every key a candidate). The hypothesis property test in test_masks.py draws
 shapes, padding patterns and p/q at random; this file pins the corners.
 """
+
 import pytest
 import torch
 
@@ -65,7 +66,9 @@ def test_masked_attention_forward_and_backward_are_finite(dtype, case, p, q, nee
         assert torch.equal((valid & ~drop).sum(-1), has_key.long())  # all but the one kept key
 
     qkv = [(torch.randn(B, H, n, d, generator=g) * 2).to(dtype).requires_grad_() for n in (T, S, S)]
-    out, probs = attend(*qkv, bias, site=AttentionSite("encoder-self", 0, EditScores(drop=drop)), need_weights=need_weights)
+    out, probs = attend(
+        *qkv, bias, site=AttentionSite("encoder-self", 0, EditScores(drop=drop)), need_weights=need_weights
+    )
     weights = torch.randn(out.shape, generator=g)
     (out.float() * weights).sum().backward()
     assert torch.isfinite(out).all()
@@ -82,7 +85,9 @@ def test_masked_attention_forward_and_backward_are_finite(dtype, case, p, q, nee
     if has_key.all():
         (ref * weights.double()).sum().backward()
         for ours, theirs in zip(qkv, ref_qkv):
-            assert torch.allclose(ours.grad.double(), theirs.grad, atol=TOL[dtype] * 2.5), (ours.grad.double() - theirs.grad).abs().max()
+            assert torch.allclose(ours.grad.double(), theirs.grad, atol=TOL[dtype] * 2.5), (
+                (ours.grad.double() - theirs.grad).abs().max()
+            )
 
 
 @pytest.mark.parametrize("method", ["ga", "iga", "aa"])
@@ -158,7 +163,8 @@ def _region_agreement(std, scaled, p=0.3):
         if not scaled:
             ad_drop.gradient_scale = None
         _, attributions, valids = ad_drop.attributions(
-            lambda: model(ids, pad), lambda out, y: logit_target(out[:, 0], y), frozen=model)
+            lambda: model(ids, pad), lambda out, y: logit_target(out[:, 0], y), frozen=model
+        )
         assert all(torch.isfinite(a).all() for a in attributions)
         regions[dtype] = [(candidate_region(a, v, p), v.expand_as(a)) for a, v in zip(attributions, valids)]
     agreement = []
@@ -193,15 +199,15 @@ def test_gradient_scale_recovers_values_fp16_flushes_to_zero():
 
 
 def test_gradient_scale_backs_off_on_overflow_and_grows_again():
-    scale = GradientScale(init_scale=2.0 ** 16, growth_interval=2)
+    scale = GradientScale(init_scale=2.0**16, growth_interval=2)
     x = torch.ones(3, dtype=torch.float16, requires_grad=True)
     target = (x * 1000).float().sum()  # 1000 * 2**16 overflows fp16; 1000 * 2**6 = 64000 does not
     (grad,) = scale.grad(target, [x])
-    assert torch.equal(grad, torch.full((3,), 1000.0)) and scale.scale == 2.0 ** 6
+    assert torch.equal(grad, torch.full((3,), 1000.0)) and scale.scale == 2.0**6
     scale.grad(target, [x])
-    assert scale.scale == 2.0 ** 7  # two clean calls: try a larger scale next time
+    assert scale.scale == 2.0**7  # two clean calls: try a larger scale next time
     (grad,) = scale.grad(target, [x])  # overflows at 2**7, retried at 2**6
-    assert torch.equal(grad, torch.full((3,), 1000.0)) and scale.scale == 2.0 ** 6
+    assert torch.equal(grad, torch.full((3,), 1000.0)) and scale.scale == 2.0**6
 
 
 def test_gradient_scale_leaves_fp32_and_bf16_alone():
@@ -210,7 +216,7 @@ def test_gradient_scale_leaves_fp32_and_bf16_alone():
         x = torch.ones(2, dtype=dtype, requires_grad=True)
         (grad,) = scale.grad((x * 1e-30).float().sum(), [x])
         assert grad.dtype == torch.float32 and (grad > 0).all()
-    assert scale.scale == 2.0 ** 16 and scale.clean_calls == 0
+    assert scale.scale == 2.0**16 and scale.clean_calls == 0
 
 
 def test_gradient_scale_gives_zeros_and_keeps_its_scale_when_the_forward_overflowed():
@@ -218,4 +224,4 @@ def test_gradient_scale_gives_zeros_and_keeps_its_scale_when_the_forward_overflo
     x = torch.tensor([1.0, 300.0], dtype=torch.float16, requires_grad=True)
     (grad,) = scale.grad((x * x * x).float().sum(), [x])  # 300**3 is inf in fp16
     assert torch.equal(grad, torch.zeros(2))
-    assert scale.scale == 2.0 ** 16
+    assert scale.scale == 2.0**16

@@ -1,5 +1,6 @@
 """Each option is declared once, on its core config; the fairseq flags and the runners' argparse
 options are generated from it (attn_reg_plugin.core.options, fairseq_plugin.options)."""
+
 import argparse
 import dataclasses
 
@@ -7,13 +8,17 @@ import pytest
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.options import add_arguments, options_of
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.options import add_arguments, options_of
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from helpers import REPO, controller_with_sites
 
-CONFIGS = [(ADDropConfig, "ad_drop_"), (AttendOutConfig, "attendout_"), (ScheduledDropoutConfig, "attn_sched_dropout_"),
-           (AttentionLayerDropConfig, "attn_layerdrop_")]
+CONFIGS = [
+    (ADDropConfig, "ad_drop_"),
+    (AttendOutConfig, "attendout_"),
+    (ScheduledDropoutConfig, "attn_sched_dropout_"),
+    (AttentionLayerDropConfig, "attn_layerdrop_"),
+]
 
 
 def test_every_config_field_has_a_type_default_and_help():
@@ -25,13 +30,18 @@ def test_every_config_field_has_a_type_default_and_help():
 
 @pytest.mark.parametrize("config_cls,prefix", CONFIGS)
 def test_fairseq_flags_are_the_config_fields(config_cls, prefix):
-    from attn_reg_plugin.fairseq_plugin.ad_drop_label_smoothed_cross_entropy import ADDropLabelSmoothedCrossEntropyConfig
+    from attn_reg_plugin.fairseq_plugin.ad_drop_label_smoothed_cross_entropy import (
+        ADDropLabelSmoothedCrossEntropyConfig,
+    )
     from attn_reg_plugin.fairseq_plugin.ad_drop_sentence_prediction import ADDropSentencePredictionConfig
     from attn_reg_plugin.fairseq_plugin.attn_reg_sentence_prediction import AttnRegSentencePredictionConfig
     from attn_reg_plugin.fairseq_plugin.attn_reg_translation import AttnRegTranslationConfig
 
-    holders = ([ADDropLabelSmoothedCrossEntropyConfig, ADDropSentencePredictionConfig] if config_cls is ADDropConfig
-               else [AttnRegTranslationConfig, AttnRegSentencePredictionConfig])
+    holders = (
+        [ADDropLabelSmoothedCrossEntropyConfig, ADDropSentencePredictionConfig]
+        if config_cls is ADDropConfig
+        else [AttnRegTranslationConfig, AttnRegSentencePredictionConfig]
+    )
     for holder in holders:
         fields = {f.name: f for f in dataclasses.fields(holder)}
         for opt in options_of(config_cls):
@@ -45,9 +55,22 @@ def test_fairseq_flags_are_the_config_fields(config_cls, prefix):
 def test_fairseq_parser_reads_the_generated_flags(tiny_mt_data):
     from helpers import TINY_TRANSFORMER, fairseq_setup
 
-    cfg, _, _, criterion = fairseq_setup(tiny_mt_data["bin"], [
-        "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--criterion", "ad_drop_label_smoothed_cross_entropy",
-        "--ad-drop-p", "0.4", "--ad-drop-iga-steps", "3", "--attn-layerdrop-layers", "1"])
+    cfg, _, _, criterion = fairseq_setup(
+        tiny_mt_data["bin"],
+        [
+            "--task",
+            "attn_reg_translation",
+            *TINY_TRANSFORMER,
+            "--criterion",
+            "ad_drop_label_smoothed_cross_entropy",
+            "--ad-drop-p",
+            "0.4",
+            "--ad-drop-iga-steps",
+            "3",
+            "--attn-layerdrop-layers",
+            "1",
+        ],
+    )
     assert criterion.ad_drop_config == ADDropConfig(p=0.4, iga_steps=3)  # every other field: the config default
     assert cfg.task.attn_layerdrop_layers == "1" and cfg.task.attendout_dropout_step == AttendOutConfig().dropout_step
 
@@ -77,7 +100,9 @@ def test_docs_option_tables_are_generated_from_the_configs():
         assert f"<!-- options: {config.__name__} -->\n{table}\n" in doc
         assert table.count("\n") == len(dataclasses.fields(config)) + 1  # header, rule, one row per field
     # the marker really regenerates: a stale row is replaced
-    stale = doc.replace("| `--ad-drop-q` | `ADDropConfig.q` | (0, 1) |", "| `--ad-drop-q` | `ADDropConfig.q` | (0, 2) |")
+    stale = doc.replace(
+        "| `--ad-drop-q` | `ADDropConfig.q` | (0, 1) |", "| `--ad-drop-q` | `ADDropConfig.q` | (0, 2) |"
+    )
     assert stale != doc and with_generated_tables(stale) == doc
 
 
@@ -95,7 +120,9 @@ def test_attention_auto_is_encoder_self_with_an_encoder_else_decoder_self(caplog
         decoder_only = ADDrop(ADDropConfig(), controller("decoder-self"))
     assert {s.kind for s in seq2seq.sites} == {"encoder-self"} and len(seq2seq.sites) == 2
     assert {s.kind for s in decoder_only.sites} == {"decoder-self"}
-    assert [r.getMessage() for r in caplog.records] == ["--ad-drop-attention auto: encoder-self attention",
-                                                        "--ad-drop-attention auto: decoder-self attention"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "--ad-drop-attention auto: encoder-self attention",
+        "--ad-drop-attention auto: decoder-self attention",
+    ]
     with pytest.raises(ValueError, match=r"--ad-drop-attention: 'auto' stands alone; got 'auto,encoder-self'"):
         ADDropConfig(attention="auto,encoder-self").validate()

@@ -1,4 +1,5 @@
 """The plugin's fairseq attention: identical to MultiheadAttention unless a regularizer acts."""
+
 import copy
 
 import pytest
@@ -10,7 +11,6 @@ from fairseq.modules.multihead_attention import MultiheadAttention  # noqa: E402
 from attn_reg_plugin.core.attention import EditScores  # noqa: E402
 from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
 from attn_reg_plugin.fairseq_plugin.attention import RegularizedMultiheadAttention, install_attention_sites  # noqa: E402
-
 from helpers import TINY_TRANSFORMER, fairseq_setup  # noqa: E402
 
 
@@ -82,8 +82,16 @@ def test_install_registers_sites_without_new_parameters(tiny_mt_data):
     cfg, task, model, _ = fairseq_setup(tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER])
     controller = task.attn_reg_controller
     kinds = [(s.kind, s.layer) for s in controller.sites]
-    assert sorted(kinds) == sorted([("encoder-self", 0), ("encoder-self", 1), ("decoder-self", 0), ("decoder-self", 1),
-                                    ("encoder-decoder", 0), ("encoder-decoder", 1)])
+    assert sorted(kinds) == sorted(
+        [
+            ("encoder-self", 0),
+            ("encoder-self", 1),
+            ("decoder-self", 0),
+            ("decoder-self", 1),
+            ("encoder-decoder", 0),
+            ("encoder-decoder", 1),
+        ]
+    )
     mods = [m for m in model.modules() if isinstance(m, MultiheadAttention)]
     assert mods and all(type(m) is RegularizedMultiheadAttention for m in mods)
     # The state dict is a plain fairseq TransformerModel's: same keys, nothing added.
@@ -95,8 +103,9 @@ def test_install_registers_sites_without_new_parameters(tiny_mt_data):
 
 def test_whole_model_no_op_hooks_match_stock_forward(tiny_mt_data):
     """Routing every attention through the kernel (nothing dropped) leaves the model's output unchanged."""
-    _, task, model, _ = fairseq_setup(tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER,
-                                                            "--dropout", "0"])
+    _, task, model, _ = fairseq_setup(
+        tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--dropout", "0"]
+    )
     model.train()
     task.load_dataset("valid")
     batch = next(iter(task.get_batch_iterator(task.dataset("valid"), max_tokens=400).next_epoch_itr(shuffle=False)))
@@ -111,11 +120,17 @@ def test_install_on_encoder_only_model_and_missing_decoder_error():
     """A model without a decoder has only encoder-self sites; asking for encoder-decoder fails clearly."""
     from argparse import Namespace
 
-    from fairseq.models.roberta.model import RobertaEncoder, base_architecture
     from fairseq.data import Dictionary
+    from fairseq.models.roberta.model import RobertaEncoder, base_architecture
 
-    args = Namespace(encoder_layers=2, encoder_embed_dim=16, encoder_ffn_embed_dim=32, encoder_attention_heads=2,
-                     max_positions=32, untie_weights_roberta=False)
+    args = Namespace(
+        encoder_layers=2,
+        encoder_embed_dim=16,
+        encoder_ffn_embed_dim=32,
+        encoder_attention_heads=2,
+        max_positions=32,
+        untie_weights_roberta=False,
+    )
     base_architecture(args)
     d = Dictionary()
     for w in "a b c".split():

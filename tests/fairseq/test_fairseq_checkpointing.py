@@ -5,16 +5,44 @@ fairseq's checkpoint wrapper is reentrant (the layer's forward runs without auto
 again inside backward), so AD-DROP's attribution pass runs with it paused and every masked
 forward is replayed by the kernel in the recompute.
 """
+
 import pytest
 import torch
 
 from helpers import TINY_TRANSFORMER, fairseq_in_process
 
 KINDS = "encoder-self,decoder-self,encoder-decoder"
-BASE = ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--dropout", "0.1", "--attention-dropout", "0.1",
-        "--label-smoothing", "0.1", "--optimizer", "adam", "--lr", "1e-3", "--seed", "3"]
-AD_DROP = ["--criterion", "ad_drop_label_smoothed_cross_entropy", "--ad-drop-p", "0.5", "--ad-drop-q", "0.5",
-           "--ad-drop-schedule", "always", "--ad-drop-attention", KINDS, "--ad-drop-iga-steps", "3"]
+BASE = [
+    "--task",
+    "attn_reg_translation",
+    *TINY_TRANSFORMER,
+    "--dropout",
+    "0.1",
+    "--attention-dropout",
+    "0.1",
+    "--label-smoothing",
+    "0.1",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "3",
+]
+AD_DROP = [
+    "--criterion",
+    "ad_drop_label_smoothed_cross_entropy",
+    "--ad-drop-p",
+    "0.5",
+    "--ad-drop-q",
+    "0.5",
+    "--ad-drop-schedule",
+    "always",
+    "--ad-drop-attention",
+    KINDS,
+    "--ad-drop-iga-steps",
+    "3",
+]
 PLAIN = ["--criterion", "label_smoothed_cross_entropy"]
 REGULARIZERS = {
     "ad-drop-ga": AD_DROP + ["--ad-drop-attribution", "ga"],

@@ -1,4 +1,5 @@
 """The AD-DROP criterion inside fairseq's own train_step, for every variant, in-process."""
+
 import pytest
 import torch
 
@@ -17,9 +18,21 @@ def _step(tiny_mt_data, *ad_drop_args, epoch=2, seed=0):
     from fairseq.optim.adam import FairseqAdam
 
     torch.manual_seed(123)  # model initialisation
-    cfg, task, model, criterion = fairseq_setup(tiny_mt_data["bin"], [
-        "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--criterion", "ad_drop_label_smoothed_cross_entropy",
-        "--label-smoothing", "0.1", "--optimizer", "adam", *ad_drop_args])
+    cfg, task, model, criterion = fairseq_setup(
+        tiny_mt_data["bin"],
+        [
+            "--task",
+            "attn_reg_translation",
+            *TINY_TRANSFORMER,
+            "--criterion",
+            "ad_drop_label_smoothed_cross_entropy",
+            "--label-smoothing",
+            "0.1",
+            "--optimizer",
+            "adam",
+            *ad_drop_args,
+        ],
+    )
     task.begin_epoch(epoch, model)
     sample = _batch(task)
     optimizer = FairseqAdam(cfg.optimizer, list(model.parameters()))
@@ -28,14 +41,17 @@ def _step(tiny_mt_data, *ad_drop_args, epoch=2, seed=0):
     return model, criterion, loss, log, task, sample
 
 
-@pytest.mark.parametrize("args", [
-    ["--ad-drop-attribution", "ga"],
-    ["--ad-drop-attribution", "iga", "--ad-drop-iga-steps", "3"],
-    ["--ad-drop-attribution", "aa"],
-    ["--ad-drop-attribution", "rd"],
-    ["--ad-drop-labels", "gold"],
-    ["--ad-drop-attention", "decoder-self,encoder-decoder", "--ad-drop-layers", "1"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--ad-drop-attribution", "ga"],
+        ["--ad-drop-attribution", "iga", "--ad-drop-iga-steps", "3"],
+        ["--ad-drop-attribution", "aa"],
+        ["--ad-drop-attribution", "rd"],
+        ["--ad-drop-labels", "gold"],
+        ["--ad-drop-attention", "decoder-self,encoder-decoder", "--ad-drop-layers", "1"],
+    ],
+)
 def test_every_variant_trains_one_step(tiny_mt_data, args):
     model, criterion, loss, log, _, _ = _step(tiny_mt_data, "--ad-drop-p", "0.5", "--ad-drop-q", "0.5", *args)
     assert torch.isfinite(loss)
@@ -64,8 +80,10 @@ def test_plain_epoch_and_validation_are_the_base_criterion(tiny_mt_data):
 
 def test_attribution_pass_touches_no_parameter_gradient(tiny_mt_data):
     """Pass 1 computes no parameter gradient: with pass 2's loss not back-propagated, .grad stays None."""
-    cfg, task, model, criterion = fairseq_setup(tiny_mt_data["bin"], [
-        "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--criterion", "ad_drop_label_smoothed_cross_entropy"])
+    cfg, task, model, criterion = fairseq_setup(
+        tiny_mt_data["bin"],
+        ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--criterion", "ad_drop_label_smoothed_cross_entropy"],
+    )
     task.begin_epoch(2, model)
     model.train()
     sample = _batch(task)
@@ -92,8 +110,9 @@ def test_same_seed_same_masks_and_loss(tiny_mt_data, monkeypatch, method):
     runs = []
     for seed in (0, 0, 1):
         masks.append([])
-        model, _, loss, log, _, _ = _step(tiny_mt_data, "--ad-drop-p", "0.5", "--ad-drop-q", "0.5",
-                                          "--ad-drop-attribution", method, seed=seed)
+        model, _, loss, log, _, _ = _step(
+            tiny_mt_data, "--ad-drop-p", "0.5", "--ad-drop-q", "0.5", "--ad-drop-attribution", method, seed=seed
+        )
         runs.append((loss.item(), log["ad_drop_dropped"].item(), [p.grad.clone() for p in model.parameters()]))
     assert len(masks[0]) == 2 and all(m.any() for m in masks[0])  # one mask per encoder layer
     assert all(torch.equal(a, b) for a, b in zip(masks[0], masks[1]))

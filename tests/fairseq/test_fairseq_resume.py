@@ -7,6 +7,7 @@ sets the plugin's epoch (cross-tuning). One thing fairseq does not reproduce by 
 batches (docs/CHECKPOINTS.md "Interrupted runs"); ``--rebuild-batches`` (the attn_reg task's option)
 makes them reproducible, and with it everything after the resume is equal.
 """
+
 import os
 import re
 import signal
@@ -17,20 +18,20 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from helpers import (USER_DIR, RESUMABLE, TRAIN_ARGS, UPDATES_PER_EPOCH, VENV_BIN, run_cli,  # noqa: E402
-                      train_updates)
+from helpers import RESUMABLE, TRAIN_ARGS, UPDATES_PER_EPOCH, USER_DIR, VENV_BIN, run_cli, train_updates  # noqa: E402
 
 KILL_AT = 14  # the first --save-interval-updates checkpoint: 2nd update of epoch 2 (AD-DROP)
 TOTAL = 3 * UPDATES_PER_EPOCH
 # Per regularizer (a key of conftest.TRAIN_ARGS): its own logged fields, and the field telling
 # its phase with the (epoch, value) of each update after the kill.
 REGULARIZERS = {
-    "ad_drop": {"logged": ("ad_drop_on", "ad_drop_rate"),
-                "phase": ("ad_drop_on", [(2, "1")] * 10 + [(3, "0")] * 12)},
+    "ad_drop": {"logged": ("ad_drop_on", "ad_drop_rate"), "phase": ("ad_drop_on", [(2, "1")] * 10 + [(3, "0")] * 12)},
     # AttendOut has no epoch phases; the Attacker's loss and the Generator's drop probability
     # are compared update by update (the kill falls inside the dropout step of updates 13-16).
-    "attendout": {"logged": ("attendout_attacker_loss", "attendout_p_encoder-self.0", "attendout_p_encoder-self.1"),
-                  "phase": None},
+    "attendout": {
+        "logged": ("attendout_attacker_loss", "attendout_p_encoder-self.0", "attendout_p_encoder-self.1"),
+        "phase": None,
+    },
 }
 
 
@@ -40,8 +41,18 @@ def _compared(regularizer):
 
 
 def _train_cmd(data_bin, save, extra, regularizer="ad_drop"):
-    return [str(VENV_BIN / "fairseq-train"), str(data_bin), "--user-dir", USER_DIR, "--save-dir", str(save),
-            *TRAIN_ARGS[regularizer], *extra, "--max-epoch", "3"]
+    return [
+        str(VENV_BIN / "fairseq-train"),
+        str(data_bin),
+        "--user-dir",
+        USER_DIR,
+        "--save-dir",
+        str(save),
+        *TRAIN_ARGS[regularizer],
+        *extra,
+        "--max-epoch",
+        "3",
+    ]
 
 
 def _run_until_checkpoint_then_sigkill(cmd, updates):
@@ -117,7 +128,9 @@ def test_resume_without_rebuild_batches_keeps_the_schedule_but_not_the_batches(t
     exactly; the batch contents after the resume do not (docs/CHECKPOINTS.md): assert the former, show the latter."""
     default = ["--save-interval-updates", "14"]
     compared = _compared("ad_drop")
-    reference = train_updates(run_cli("fairseq-train", _train_cmd(tiny_mt_data["bin"], tmp_path / "full", default)[1:]).stdout)
+    reference = train_updates(
+        run_cli("fairseq-train", _train_cmd(tiny_mt_data["bin"], tmp_path / "full", default)[1:]).stdout
+    )
     before, after, _ = _sigkill_and_resume(tiny_mt_data, tmp_path, default)
     for u in before:
         assert {k: before[u][k] for k in compared} == {k: reference[u][k] for k in compared}, u

@@ -5,6 +5,7 @@ layout, a tiny randomly initialised roberta), plus in-process checks of what the
 cannot see: the attribution pass computes the criterion's own logits, its targets, and the
 masks reaching every roberta self-attention layer.
 """
+
 import re
 
 import pytest
@@ -13,13 +14,42 @@ import torch
 pytest.importorskip("fairseq")
 
 from helpers import (  # noqa: E402
-    USER_DIR, SENTENCE_PREDICTION_TOKENS, TINY_ROBERTA, fairseq_setup, run_cli, train_epoch_stats,
+    SENTENCE_PREDICTION_TOKENS,
+    TINY_ROBERTA,
+    USER_DIR,
+    fairseq_setup,
+    run_cli,
+    train_epoch_stats,
 )
 
 P, Q = 0.3, 0.5
-CLI = ["--task", "attn_reg_sentence_prediction", *TINY_ROBERTA, *SENTENCE_PREDICTION_TOKENS, "--criterion", "ad_drop_sentence_prediction",
-       "--ad-drop-p", str(P), "--ad-drop-q", str(Q), "--batch-size", "8", "--optimizer", "adam", "--lr", "1e-3",
-       "--cpu", "--seed", "3", "--no-save", "--no-progress-bar", "--log-format", "simple", "--log-interval", "1"]
+CLI = [
+    "--task",
+    "attn_reg_sentence_prediction",
+    *TINY_ROBERTA,
+    *SENTENCE_PREDICTION_TOKENS,
+    "--criterion",
+    "ad_drop_sentence_prediction",
+    "--ad-drop-p",
+    str(P),
+    "--ad-drop-q",
+    str(Q),
+    "--batch-size",
+    "8",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "1e-3",
+    "--cpu",
+    "--seed",
+    "3",
+    "--no-save",
+    "--no-progress-bar",
+    "--log-format",
+    "simple",
+    "--log-interval",
+    "1",
+]
 NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0", "--pooler-dropout", "0"]
 SELF_ATTN = ["encoder.sentence_encoder.layers.0.self_attn", "encoder.sentence_encoder.layers.1.self_attn"]
 
@@ -41,17 +71,51 @@ def pretrained_roberta(tiny_sp_data, tmp_path_factory):
     """A stand-in for roberta.base/model.pt: the tiny roberta after one masked_lm update with
     stock fairseq (no plugin), as RoBERTa checkpoints are made."""
     save = tmp_path_factory.mktemp("tiny_roberta_mlm")
-    run_cli("fairseq-train", [tiny_sp_data["cls"] / "input0", "--task", "masked_lm", "--criterion", "masked_lm",
-                              *TINY_ROBERTA, "--tokens-per-sample", "256", "--sample-break-mode", "complete",
-                              "--batch-size", "8", "--optimizer", "adam", "--lr", "1e-3", "--max-update", "1", "--cpu",
-                              "--disable-validation", "--no-epoch-checkpoints", "--save-dir", save])
+    run_cli(
+        "fairseq-train",
+        [
+            tiny_sp_data["cls"] / "input0",
+            "--task",
+            "masked_lm",
+            "--criterion",
+            "masked_lm",
+            *TINY_ROBERTA,
+            "--tokens-per-sample",
+            "256",
+            "--sample-break-mode",
+            "complete",
+            "--batch-size",
+            "8",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "1e-3",
+            "--max-update",
+            "1",
+            "--cpu",
+            "--disable-validation",
+            "--no-epoch-checkpoints",
+            "--save-dir",
+            save,
+        ],
+    )
     return save / "checkpoint_last.pt"
 
 
 def test_cli_fine_tune_pretrained_cross_tuning(tiny_sp_data, pretrained_roberta):
     """The GLUE recipe: restore a masked_lm checkpoint, new classification head, cross-tuning."""
-    log, stats = _train(tiny_sp_data["cls"], "--num-classes", "2", "--max-epoch", "2", "--restore-file", pretrained_roberta,
-                        "--reset-optimizer", "--reset-dataloader", "--reset-meters")
+    log, stats = _train(
+        tiny_sp_data["cls"],
+        "--num-classes",
+        "2",
+        "--max-epoch",
+        "2",
+        "--restore-file",
+        pretrained_roberta,
+        "--reset-optimizer",
+        "--reset-dataloader",
+        "--reset-meters",
+    )
     assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 0 updates\)", log)  # strict load
     assert "Overwriting classification_heads.sentence_classification_head.out_proj.weight" in log  # fresh head
     assert set(stats) == {1, 2}
@@ -59,28 +123,48 @@ def test_cli_fine_tune_pretrained_cross_tuning(tiny_sp_data, pretrained_roberta)
     assert stats[2]["ad_drop_on"] == "1"
     _assert_rate_about_pq(stats[2]["ad_drop_rate"])
     assert "accuracy" in stats[2]
-    assert len(re.findall(r"\| valid \| epoch 00[12] \| valid on 'valid' subset \| loss [\d.]+ .*\| accuracy", log)) == 2
+    assert (
+        len(re.findall(r"\| valid \| epoch 00[12] \| valid on 'valid' subset \| loss [\d.]+ .*\| accuracy", log)) == 2
+    )
 
 
 def test_cli_regression_ad_drop_epoch_with_find_unused_parameters(tiny_sp_data):
     """Regression (minus-the-loss target) in an AD-DROP epoch. sentence_prediction leaves the LM
     head unused, so DDP users pass --find-unused-parameters; with world size 1 fairseq does not
     wrap the model (the flag must still be accepted), the in-process DDP test covers the wrapper."""
-    _, stats = _train(tiny_sp_data["reg"], "--regression-target", "--num-classes", "1", "--find-unused-parameters",
-                      "--ad-drop-schedule", "always", "--max-epoch", "1")
+    _, stats = _train(
+        tiny_sp_data["reg"],
+        "--regression-target",
+        "--num-classes",
+        "1",
+        "--find-unused-parameters",
+        "--ad-drop-schedule",
+        "always",
+        "--max-epoch",
+        "1",
+    )
     assert stats[1]["ad_drop_on"] == "1"
     _assert_rate_about_pq(stats[1]["ad_drop_rate"])
     assert "accuracy" not in stats[1]
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("--ad-drop-q", "0", r"--ad-drop-q must be in the open interval \(0, 1\), got 0\.0"),
-    ("--ad-drop-attention", "encoder-decoder",
-     r"attention kind 'encoder-decoder' was asked for, but this model has no such attention \(it has: encoder-self\)"),
-])
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--ad-drop-q", "0", r"--ad-drop-q must be in the open interval \(0, 1\), got 0\.0"),
+        (
+            "--ad-drop-attention",
+            "encoder-decoder",
+            r"attention kind 'encoder-decoder' was asked for, but this model has no such attention \(it has: encoder-self\)",
+        ),
+    ],
+)
 def test_cli_bad_option_fails_before_training(tiny_sp_data, tmp_path, flag, value, message):
-    proc = run_cli("fairseq-train", [tiny_sp_data["cls"], "--user-dir", USER_DIR, *CLI, "--num-classes", "2",
-                                     "--max-epoch", "1", flag, value], expect_ok=False)
+    proc = run_cli(
+        "fairseq-train",
+        [tiny_sp_data["cls"], "--user-dir", USER_DIR, *CLI, "--num-classes", "2", "--max-epoch", "1", flag, value],
+        expect_ok=False,
+    )
     assert proc.returncode != 0
     assert re.search(message, proc.stdout), proc.stdout[-2000:]
     assert "begin training epoch" not in proc.stdout
@@ -89,9 +173,24 @@ def test_cli_bad_option_fails_before_training(tiny_sp_data, tmp_path, flag, valu
 # -- in process ------------------------------------------------------------------------------
 def _setup(data_bin, *extra):
     torch.manual_seed(7)  # model initialisation
-    cfg, task, model, criterion = fairseq_setup(data_bin, [
-        "--task", "attn_reg_sentence_prediction", *TINY_ROBERTA, *SENTENCE_PREDICTION_TOKENS,
-        "--criterion", "ad_drop_sentence_prediction", "--optimizer", "adam", "--ad-drop-p", str(P), "--ad-drop-q", str(Q), *extra])
+    cfg, task, model, criterion = fairseq_setup(
+        data_bin,
+        [
+            "--task",
+            "attn_reg_sentence_prediction",
+            *TINY_ROBERTA,
+            *SENTENCE_PREDICTION_TOKENS,
+            "--criterion",
+            "ad_drop_sentence_prediction",
+            "--optimizer",
+            "adam",
+            "--ad-drop-p",
+            str(P),
+            "--ad-drop-q",
+            str(Q),
+            *extra,
+        ],
+    )
     task.load_dataset("train")
     itr = task.get_batch_iterator(task.dataset("train"), max_sentences=8, seed=1).next_epoch_itr(shuffle=False)
     return cfg, task, model, criterion, next(iter(itr))
@@ -119,11 +218,14 @@ def test_roberta_self_attention_routed_as_encoder_self(tiny_sp_data):
     assert set(model.state_dict()) == set(plain.state_dict())
 
 
-@pytest.mark.parametrize("data,extra", [
-    ("cls", ["--num-classes", "2"]),
-    ("cls", ["--num-classes", "2", "--ad-drop-labels", "gold"]),
-    ("reg", ["--regression-target", "--num-classes", "1"]),
-])
+@pytest.mark.parametrize(
+    "data,extra",
+    [
+        ("cls", ["--num-classes", "2"]),
+        ("cls", ["--num-classes", "2", "--ad-drop-labels", "gold"]),
+        ("reg", ["--regression-target", "--num-classes", "1"]),
+    ],
+)
 def test_attribution_forward_is_the_criterion_forward(tiny_sp_data, data, extra):
     """In eval mode the attribution pass's logits are bit-identical to those the criterion
     trains on, and its target is the pseudo/gold-label logit sum or minus the criterion's loss."""
@@ -225,9 +327,17 @@ def test_ad_drop_metrics_survive_summed_logs():
     from attn_reg_plugin.fairseq_plugin.ad_drop_sentence_prediction import ADDropSentencePredictionCriterion
 
     def log(on, dropped, valid):
-        return {"loss": torch.tensor(1.0), "ntokens": 10, "nsentences": 2, "sample_size": 2, "ncorrect": 1,
-                "ad_drop_on": on, "ad_drop_steps": 1, "ad_drop_dropped": torch.tensor(dropped),
-                "ad_drop_valid": torch.tensor(valid)}
+        return {
+            "loss": torch.tensor(1.0),
+            "ntokens": 10,
+            "nsentences": 2,
+            "sample_size": 2,
+            "ncorrect": 1,
+            "ad_drop_on": on,
+            "ad_drop_steps": 1,
+            "ad_drop_dropped": torch.tensor(dropped),
+            "ad_drop_valid": torch.tensor(valid),
+        }
 
     logs = [log(1, 30, 200), log(1, 10, 100)]
     summed = {k: sum(entry[k] for entry in logs) for k in logs[0]}

@@ -1,6 +1,7 @@
 """Checkpoints written by fairseq-train with the plugin load with torch's safe unpickler
 (``weights_only=True``, the torch >= 2.6 default) through the plugin's allow-list, and a
 checkpoint carrying any other global is refused: loading never needs blanket pickle trust."""
+
 import io
 import os
 import pickle
@@ -95,8 +96,11 @@ def test_distributed_resume_broadcast_loads_safely(ad_drop_run, tmp_path):
 @pytest.mark.slow
 def test_fairseq_generate_refuses_tampered_checkpoint(tiny_mt_data, ad_drop_run, tmp_path):
     path, marker = _tamper(ad_drop_run, tmp_path, "shell")
-    proc = run_cli("fairseq-generate", [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--path", path, "--cpu",
-                                        "--beam", "1", "--max-len-b", "5"], expect_ok=False)
+    proc = run_cli(
+        "fairseq-generate",
+        [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--path", path, "--cpu", "--beam", "1", "--max-len-b", "5"],
+        expect_ok=False,
+    )
     assert proc.returncode != 0
     assert "unsupported GLOBAL posix.system" in proc.stdout
     assert not marker.exists()

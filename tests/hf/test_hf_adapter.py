@@ -1,27 +1,27 @@
 """The Hugging Face adapter: idle equivalence with sdpa, sites, exact GA, and the Trainers end to end."""
+
 import copy
 import json
 import math
 
 import pytest
 import torch
-
-
 import transformers  # noqa: E402
 
+import helpers  # noqa: E402
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig  # noqa: E402
 from attn_reg_plugin.core.attention import EditScores  # noqa: E402
 from attn_reg_plugin.core.attribution import logit_target  # noqa: E402
 from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
 from attn_reg_plugin.hf import ADDropSeq2SeqTrainer, ADDropTrainer, install_attention_sites  # noqa: E402
-import helpers  # noqa: E402
-from helpers import CORPUS, MOVIE_REVIEWS_TINY as REVIEWS, minilm_path, record_results, tiny_bert_classifier  # noqa: E402
-
+from helpers import CORPUS, minilm_path, record_results, tiny_bert_classifier  # noqa: E402
+from helpers import MOVIE_REVIEWS_TINY as REVIEWS
 
 
 def tiny_bert(**kw):
-    return tiny_bert_classifier(hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100,
-                                attn_implementation="sdpa", **kw)
+    return tiny_bert_classifier(
+        hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100, attn_implementation="sdpa", **kw
+    )
 
 
 def tiny_marian():
@@ -102,7 +102,9 @@ def test_ga_through_adapter_equals_explicit_dF_dA():
     ours, controller, _ = adapted(stock)
     ours.eval()
     ad = ADDrop(ADDropConfig(p=0.3, q=0.3), controller)
-    sites, attributions, valids = ad.attributions(lambda: ours(**inputs), lambda o, y: logit_target(o.logits, y), frozen=ours)
+    sites, attributions, valids = ad.attributions(
+        lambda: ours(**inputs), lambda o, y: logit_target(o.logits, y), frozen=ours
+    )
     assert [s.layer for s in sites] == [0, 1]
     for got, want in zip(attributions, expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
@@ -113,9 +115,19 @@ def test_ga_through_adapter_equals_explicit_dF_dA():
 
 # -- the Trainers ----------------------------------------------------------------------------
 def _args(tmp_path, cls=transformers.TrainingArguments, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), num_train_epochs=2, per_device_train_batch_size=16,
-                logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", learning_rate=5e-5,
-                remove_unused_columns=False, seed=0, disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        num_train_epochs=2,
+        per_device_train_batch_size=16,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        learning_rate=5e-5,
+        remove_unused_columns=False,
+        seed=0,
+        disable_tqdm=True,
+    )
     base.update(kw)
     return cls(**base)
 
@@ -131,9 +143,13 @@ def test_trainer_minilm_cross_tuning(tmp_path):
     rows = [json.loads(line) for line in REVIEWS.read_text(encoding="utf-8").splitlines()[:32]]
     data = [dict(tok(r["sentence"], truncation=True, max_length=48), labels=r["label"]) for r in rows]
     p, q = 0.3, 0.3
-    trainer = ADDropTrainer(model=model, args=_args(tmp_path), train_dataset=data,
-                            data_collator=transformers.DataCollatorWithPadding(tok),
-                            ad_drop=ADDropConfig(p=p, q=q))
+    trainer = ADDropTrainer(
+        model=model,
+        args=_args(tmp_path),
+        train_dataset=data,
+        data_collator=transformers.DataCollatorWithPadding(tok),
+        ad_drop=ADDropConfig(p=p, q=q),
+    )
     trainer.train()
     logs = _train_logs(trainer)
     assert len(logs) == 4
@@ -173,11 +189,14 @@ def _collate(batch):
 def test_seq2seq_trainer_marian(tmp_path, labels):
     data, vocab_size = _whitespace_pairs(16)
     model = helpers.tiny_marian(vocab_size)
-    args = _args(tmp_path, cls=transformers.Seq2SeqTrainingArguments, per_device_train_batch_size=8,
-                 learning_rate=1e-3)
+    args = _args(tmp_path, cls=transformers.Seq2SeqTrainingArguments, per_device_train_batch_size=8, learning_rate=1e-3)
     trainer = ADDropSeq2SeqTrainer(
-        model=model, args=args, train_dataset=data, data_collator=_collate,
-        ad_drop=ADDropConfig(p=0.3, q=0.3, attention="encoder-self,decoder-self,encoder-decoder", labels=labels))
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=_collate,
+        ad_drop=ADDropConfig(p=0.3, q=0.3, attention="encoder-self,decoder-self,encoder-decoder", labels=labels),
+    )
     trainer.train()
     logs = _train_logs(trainer)
     assert len(logs) == 4
@@ -197,11 +216,19 @@ def test_trainer_regression_always(tmp_path):
     def collate(batch):
         n = max(len(b["input_ids"]) for b in batch)
         ids = torch.stack([torch.nn.functional.pad(b["input_ids"], (0, n - len(b["input_ids"]))) for b in batch])
-        return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.stack([b["labels"] for b in batch])}
+        return {
+            "input_ids": ids,
+            "attention_mask": (ids != 0).long(),
+            "labels": torch.stack([b["labels"] for b in batch]),
+        }
 
-    trainer = ADDropTrainer(model=model, args=_args(tmp_path, num_train_epochs=1, per_device_train_batch_size=4),
-                            train_dataset=data, data_collator=collate,
-                            ad_drop=ADDropConfig(p=0.5, q=0.5, layers="1", schedule="always"))
+    trainer = ADDropTrainer(
+        model=model,
+        args=_args(tmp_path, num_train_epochs=1, per_device_train_batch_size=4),
+        train_dataset=data,
+        data_collator=collate,
+        ad_drop=ADDropConfig(p=0.5, q=0.5, layers="1", schedule="always"),
+    )
     trainer.train()
     logs = _train_logs(trainer)
     assert [h["ad_drop_on"] for h in logs] == [1, 1]
@@ -214,19 +241,30 @@ def test_trainer_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
 
     masks = record_results(monkeypatch, ad_drop_module, "ad_drop_masks")
     g = torch.Generator().manual_seed(4)
-    data = [{"input_ids": torch.randint(3, 100, (5 + i % 4,), generator=g), "labels": torch.tensor(i % 2)} for i in range(12)]
+    data = [
+        {"input_ids": torch.randint(3, 100, (5 + i % 4,), generator=g), "labels": torch.tensor(i % 2)}
+        for i in range(12)
+    ]
 
     def collate(batch):
         n = max(len(b["input_ids"]) for b in batch)
         ids = torch.stack([torch.nn.functional.pad(b["input_ids"], (0, n - len(b["input_ids"]))) for b in batch])
-        return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.stack([b["labels"] for b in batch])}
+        return {
+            "input_ids": ids,
+            "attention_mask": (ids != 0).long(),
+            "labels": torch.stack([b["labels"] for b in batch]),
+        }
 
     runs = []
     for seed in (0, 0, 1):
         masks.append([])
-        trainer = ADDropTrainer(model=tiny_bert(), args=_args(tmp_path, per_device_train_batch_size=4, seed=seed,
-                                                              learning_rate=1e-3),
-                                train_dataset=data, data_collator=collate, ad_drop=ADDropConfig(p=0.5, q=0.5))
+        trainer = ADDropTrainer(
+            model=tiny_bert(),
+            args=_args(tmp_path, per_device_train_batch_size=4, seed=seed, learning_rate=1e-3),
+            train_dataset=data,
+            data_collator=collate,
+            ad_drop=ADDropConfig(p=0.5, q=0.5),
+        )
         trainer.train()
         runs.append([(h["loss"], h["grad_norm"], h["ad_drop_rate"]) for h in _train_logs(trainer)])
     assert len(masks[0]) == 3 * 2  # 3 AD-DROP steps (epoch 2) x 2 layers

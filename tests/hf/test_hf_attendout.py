@@ -1,4 +1,5 @@
 """AttendOut, scheduled attention dropout and attention LayerDrop through transformers' Trainer."""
+
 import json
 import math
 import os
@@ -6,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import transformers
 from transformers import TrainerCallback
 
@@ -20,8 +20,9 @@ from attn_reg_plugin.hf import (
     AttnRegTrainer,
 )
 from attn_reg_plugin.hf.attendout_trainer import ATTENDOUT_STATE
-from helpers import REPO, minilm_path, pad_collate as collate, token_data, record_results, tiny_bert_classifier, tiny_marian, CORPUS, MOVIE_REVIEWS_TINY as REVIEWS
-
+from helpers import CORPUS, REPO, minilm_path, record_results, tiny_bert_classifier, tiny_marian, token_data
+from helpers import MOVIE_REVIEWS_TINY as REVIEWS
+from helpers import pad_collate as collate
 
 
 def tiny_bert(**kw):
@@ -29,9 +30,20 @@ def tiny_bert(**kw):
 
 
 def _args(tmp_path, cls=transformers.TrainingArguments, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=8, logging_steps=1,
-                report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-3, remove_unused_columns=False,
-                seed=0, data_seed=0, disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=6,
+        per_device_train_batch_size=8,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        learning_rate=1e-3,
+        remove_unused_columns=False,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+    )
     base.update(kw)
     return cls(**base)
 
@@ -39,10 +51,14 @@ def _args(tmp_path, cls=transformers.TrainingArguments, **kw):
 def attendout_trainer(tmp_path, model=None, config=None, train=None, dev=None, **kw):
     log_file = kw.pop("attendout_log_file", None)
     return AttendOutTrainer(
-        model=model if model is not None else tiny_bert(), args=_args(tmp_path, **kw),
+        model=model if model is not None else tiny_bert(),
+        args=_args(tmp_path, **kw),
         train_dataset=train if train is not None else token_data(48, seed=1),
-        eval_dataset=dev if dev is not None else token_data(12, seed=2), data_collator=collate,
-        attendout=config if config is not None else AttendOutConfig(dropout_step=2), attendout_log_file=log_file)
+        eval_dataset=dev if dev is not None else token_data(12, seed=2),
+        data_collator=collate,
+        attendout=config if config is not None else AttendOutConfig(dropout_step=2),
+        attendout_log_file=log_file,
+    )
 
 
 def params_of(model):
@@ -54,18 +70,24 @@ def same(a, b):
 
 
 # -- bad input fails at construction -------------------------------------------------------
-@pytest.mark.parametrize("config,message", [
-    (AttendOutConfig(dropout_step=0), r"AttendOutConfig\.dropout_step must be an integer >= 1, got 0"),
-    (AttendOutConfig(temperature=0.0), r"AttendOutConfig\.temperature must be a finite number > 0, got 0\.0"),
-    (AttendOutConfig(temperature=-1.0), r"AttendOutConfig\.temperature must be a finite number > 0"),
-    (AttendOutConfig(init_drop=1.5), r"AttendOutConfig\.init_drop must be in the open interval \(0, 1\), got 1\.5"),
-    (AttendOutConfig(baseline_decay=1.0), r"AttendOutConfig\.baseline_decay must be in \[0, 1\)"),
-    (AttendOutConfig(lr=-1e-3), r"AttendOutConfig\.lr must be a finite number > 0"),
-    (AttendOutConfig(layers="5"), r"AttendOutConfig\.layers: layer 5 does not exist.*accepted indices are 0\.\.1"),
-    (AttendOutConfig(layers="a"), r"AttendOutConfig\.layers must be 'all' or a comma-separated list"),
-    (AttendOutConfig(attention="cross"), r"AttendOutConfig\.attention: unknown attention kind 'cross'"),
-    (AttendOutConfig(attention="decoder-self"), r"attention kind 'decoder-self' was asked for, but this model has no such"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (AttendOutConfig(dropout_step=0), r"AttendOutConfig\.dropout_step must be an integer >= 1, got 0"),
+        (AttendOutConfig(temperature=0.0), r"AttendOutConfig\.temperature must be a finite number > 0, got 0\.0"),
+        (AttendOutConfig(temperature=-1.0), r"AttendOutConfig\.temperature must be a finite number > 0"),
+        (AttendOutConfig(init_drop=1.5), r"AttendOutConfig\.init_drop must be in the open interval \(0, 1\), got 1\.5"),
+        (AttendOutConfig(baseline_decay=1.0), r"AttendOutConfig\.baseline_decay must be in \[0, 1\)"),
+        (AttendOutConfig(lr=-1e-3), r"AttendOutConfig\.lr must be a finite number > 0"),
+        (AttendOutConfig(layers="5"), r"AttendOutConfig\.layers: layer 5 does not exist.*accepted indices are 0\.\.1"),
+        (AttendOutConfig(layers="a"), r"AttendOutConfig\.layers must be 'all' or a comma-separated list"),
+        (AttendOutConfig(attention="cross"), r"AttendOutConfig\.attention: unknown attention kind 'cross'"),
+        (
+            AttendOutConfig(attention="decoder-self"),
+            r"attention kind 'decoder-self' was asked for, but this model has no such",
+        ),
+    ],
+)
 def test_attendout_bad_config_fails_at_construction(tmp_path, config, message):
     with pytest.raises(ValueError, match=message):
         attendout_trainer(tmp_path, config=config)
@@ -74,33 +96,67 @@ def test_attendout_bad_config_fails_at_construction(tmp_path, config, message):
 def test_attendout_bad_setup_fails_at_construction(tmp_path):
     model = tiny_bert()
     with pytest.raises(ValueError, match="AttendOutTrainer needs eval_dataset"):
-        AttendOutTrainer(model=model, args=_args(tmp_path), train_dataset=token_data(8, 1), data_collator=collate,
-                         attendout=AttendOutConfig())
+        AttendOutTrainer(
+            model=model,
+            args=_args(tmp_path),
+            train_dataset=token_data(8, 1),
+            data_collator=collate,
+            attendout=AttendOutConfig(),
+        )
     with pytest.raises(TypeError, match="attendout must be an AttendOutConfig"):
-        AttendOutTrainer(model=model, args=_args(tmp_path), eval_dataset=token_data(4, 2), attendout={"dropout_step": 2})
+        AttendOutTrainer(
+            model=model, args=_args(tmp_path), eval_dataset=token_data(4, 2), attendout={"dropout_step": 2}
+        )
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:1.5")),
-     r"ScheduledDropoutConfig\.schedule: knot '0:1\.5' probability must be a probability in \[0, 1\], got 1\.5"),
-    (dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5,0:0.2")), r"knot updates must increase strictly"),
-    (dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5|0:0.1|0:0.2")),
-     r"ScheduledDropoutConfig\.schedule gives 3 schedules .* 2 layers are selected"),
-    (dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5", layers="3")),
-     r"ScheduledDropoutConfig\.layers: layer 3 does not exist"),
-    (dict(scheduled_dropout=ScheduledDropoutConfig(schedule="")), r"ScheduledDropoutConfig\.schedule is empty"),
-    (dict(layerdrop=AttentionLayerDropConfig(p=1.5)), r"AttentionLayerDropConfig\.p must be a probability in \[0, 1\], got 1\.5"),
-    (dict(layerdrop=AttentionLayerDropConfig(p=-0.1)), r"AttentionLayerDropConfig\.p must be a probability in \[0, 1\]"),
-    (dict(layerdrop=AttentionLayerDropConfig(p=0.5, layers="2")), r"AttentionLayerDropConfig\.layers: layer 2 does not exist"),
-    (dict(layerdrop=AttentionLayerDropConfig(p=0.5, attention="encoder-decoder")), r"'encoder-decoder' was asked for"),
-    (dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5"), layerdrop=AttentionLayerDropConfig(p=0.1)),
-     r"choose one attention regularizer per run"),
-    (dict(), r"AttnRegTrainer needs scheduled_dropout"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:1.5")),
+            r"ScheduledDropoutConfig\.schedule: knot '0:1\.5' probability must be a probability in \[0, 1\], got 1\.5",
+        ),
+        (
+            dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5,0:0.2")),
+            r"knot updates must increase strictly",
+        ),
+        (
+            dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5|0:0.1|0:0.2")),
+            r"ScheduledDropoutConfig\.schedule gives 3 schedules .* 2 layers are selected",
+        ),
+        (
+            dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5", layers="3")),
+            r"ScheduledDropoutConfig\.layers: layer 3 does not exist",
+        ),
+        (dict(scheduled_dropout=ScheduledDropoutConfig(schedule="")), r"ScheduledDropoutConfig\.schedule is empty"),
+        (
+            dict(layerdrop=AttentionLayerDropConfig(p=1.5)),
+            r"AttentionLayerDropConfig\.p must be a probability in \[0, 1\], got 1\.5",
+        ),
+        (
+            dict(layerdrop=AttentionLayerDropConfig(p=-0.1)),
+            r"AttentionLayerDropConfig\.p must be a probability in \[0, 1\]",
+        ),
+        (
+            dict(layerdrop=AttentionLayerDropConfig(p=0.5, layers="2")),
+            r"AttentionLayerDropConfig\.layers: layer 2 does not exist",
+        ),
+        (
+            dict(layerdrop=AttentionLayerDropConfig(p=0.5, attention="encoder-decoder")),
+            r"'encoder-decoder' was asked for",
+        ),
+        (
+            dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5"), layerdrop=AttentionLayerDropConfig(p=0.1)),
+            r"choose one attention regularizer per run",
+        ),
+        (dict(), r"AttnRegTrainer needs scheduled_dropout"),
+    ],
+)
 def test_attn_reg_bad_config_fails_at_construction(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        AttnRegTrainer(model=tiny_bert(), args=_args(tmp_path), train_dataset=token_data(8, 1), data_collator=collate,
-                       **kwargs)
+        AttnRegTrainer(
+            model=tiny_bert(), args=_args(tmp_path), train_dataset=token_data(8, 1), data_collator=collate, **kwargs
+        )
 
 
 # -- the Defender/Attacker game ----------------------------------------------------------------
@@ -125,8 +181,13 @@ class GameWatcher(TrainerCallback):
 
 @pytest.mark.parametrize("keep_rule,accumulation", [("game", 1), ("alternate", 2)])
 def test_defender_and_attacker_resync_to_one_of_the_two(tmp_path, monkeypatch, keep_rule, accumulation):
-    trainer = attendout_trainer(tmp_path, max_steps=8, per_device_train_batch_size=8 // accumulation,
-                                gradient_accumulation_steps=accumulation, config=AttendOutConfig(dropout_step=2))
+    trainer = attendout_trainer(
+        tmp_path,
+        max_steps=8,
+        per_device_train_batch_size=8 // accumulation,
+        gradient_accumulation_steps=accumulation,
+        config=AttendOutConfig(dropout_step=2),
+    )
     watcher = GameWatcher(trainer)
     trainer.add_callback(watcher)
     records = []
@@ -138,10 +199,12 @@ def test_defender_and_attacker_resync_to_one_of_the_two(tmp_path, monkeypatch, k
         assert len(game.cache) == 2 * accumulation  # every micro-batch of the T updates
         d_opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
         before = {
-            "d": params_of(trainer.model), "a": params_of(trainer.attendout_attacker),
+            "d": params_of(trainer.model),
+            "a": params_of(trainer.attendout_attacker),
             "d_moments": [d_opt.state[p]["exp_avg"].clone() for p in trainer.model.parameters()],
-            "a_moments": [trainer.attendout_optimizer.state[p]["exp_avg"].clone()
-                          for p in trainer.attendout_attacker.parameters()],
+            "a_moments": [
+                trainer.attendout_optimizer.state[p]["exp_avg"].clone() for p in trainer.attendout_attacker.parameters()
+            ],
         }
         stats = original(game, d_losses, a_losses, generator)
         if keep_rule == "alternate":
@@ -161,7 +224,9 @@ def test_defender_and_attacker_resync_to_one_of_the_two(tmp_path, monkeypatch, k
         assert same(d, before[kept])
         assert not same(before["d"], before["a"])  # the game did diverge them during the step
         d_opt = trainer.optimizer.optimizer
-        for p_d, p_a, m in zip(trainer.model.parameters(), trainer.attendout_attacker.parameters(), before[kept + "_moments"]):
+        for p_d, p_a, m in zip(
+            trainer.model.parameters(), trainer.attendout_attacker.parameters(), before[kept + "_moments"]
+        ):
             assert torch.equal(d_opt.state[p_d]["exp_avg"], m)
             assert torch.equal(trainer.attendout_optimizer.state[p_a]["exp_avg"], m)
         return stats
@@ -177,8 +242,9 @@ def test_defender_and_attacker_resync_to_one_of_the_two(tmp_path, monkeypatch, k
     d_opt = trainer.optimizer.optimizer
     assert type(trainer.attendout_optimizer) is type(d_opt)
     for mine, theirs in zip(trainer.attendout_optimizer.param_groups, d_opt.param_groups):
-        assert {k: v for k, v in mine.items() if k not in ("params", "lr")} == \
-            {k: v for k, v in theirs.items() if k not in ("params", "lr")}
+        assert {k: v for k, v in mine.items() if k not in ("params", "lr")} == {
+            k: v for k, v in theirs.items() if k not in ("params", "lr")
+        }
         assert len(mine["params"]) == len(theirs["params"])
     # ... and its learning rate follows the Trainer's scheduler: the lr D stepped with at each update.
     logged_lr = {h["step"]: h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h}
@@ -187,7 +253,9 @@ def test_defender_and_attacker_resync_to_one_of_the_two(tmp_path, monkeypatch, k
 
 def test_drop_probability_logged(tmp_path):
     log_file = tmp_path / "drop.jsonl"
-    trainer = attendout_trainer(tmp_path, attendout_log_file=str(log_file), config=AttendOutConfig(dropout_step=2, init_drop=0.3))
+    trainer = attendout_trainer(
+        tmp_path, attendout_log_file=str(log_file), config=AttendOutConfig(dropout_step=2, init_drop=0.3)
+    )
     trainer.train()
     lines = [json.loads(line) for line in log_file.read_text().splitlines()]
     assert [r["update"] for r in lines] == [2, 4, 6]
@@ -205,7 +273,6 @@ def test_drop_probability_logged(tmp_path):
     assert all(math.isfinite(h["attendout_attacker_loss"]) for h in training)
 
 
-
 def test_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
     """CPU determinism: the same seed gives the same Generator masks, rewards, losses and weights;
     another seed gives other masks."""
@@ -217,14 +284,23 @@ def test_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
         masks.append([])
         trainer = attendout_trainer(tmp_path / f"run{len(runs)}", seed=seed, data_seed=seed)
         trainer.train()
-        logs = [{k: v for k, v in h.items() if k not in ("train_runtime", "train_samples_per_second",
-                                                          "train_steps_per_second")} for h in trainer.state.log_history]
+        logs = [
+            {
+                k: v
+                for k, v in h.items()
+                if k not in ("train_runtime", "train_samples_per_second", "train_steps_per_second")
+            }
+            for h in trainer.state.log_history
+        ]
         runs.append((logs, params_of(trainer.model)))
     assert len(masks[0]) >= 6  # one draw per update (6), plus none in evaluation
     assert len(masks[0]) == len(masks[1]) and all(torch.equal(a, b) for a, b in zip(masks[0], masks[1]))
-    assert runs[0][0] == runs[1][0] and any("attendout_reward" in h or "attendout_dropout_step" in h for h in runs[0][0])
+    assert runs[0][0] == runs[1][0] and any(
+        "attendout_reward" in h or "attendout_dropout_step" in h for h in runs[0][0]
+    )
     assert same(runs[0][1], runs[1][1])
     assert not all(torch.equal(a, b) for a, b in zip(masks[0], masks[2]))
+
 
 def test_resume_mid_dropout_step_continues_identically(tmp_path):
     config = AttendOutConfig(dropout_step=3)
@@ -240,8 +316,14 @@ def test_resume_mid_dropout_step_continues_identically(tmp_path):
     def after(trainer, key):
         return [(h["step"], h[key]) for h in trainer.state.log_history if key in h and h["step"] > 4]
 
-    for key in ("loss", "attendout_attacker_loss", "attendout_win_rate", "attendout_p_encoder-self.0", "attendout_baseline",
-                "attendout_drop_rate"):
+    for key in (
+        "loss",
+        "attendout_attacker_loss",
+        "attendout_win_rate",
+        "attendout_p_encoder-self.0",
+        "attendout_baseline",
+        "attendout_drop_rate",
+    ):
         assert after(resumed, key) == after(full, key), key
     assert len(after(full, "loss")) == 4 and len(after(full, "attendout_win_rate")) == 1  # the step ending at 6
     assert same(params_of(resumed.model), params_of(full.model))
@@ -250,9 +332,12 @@ def test_resume_mid_dropout_step_continues_identically(tmp_path):
 
 
 def test_resume_without_attendout_state_starts_a_new_game(tmp_path, caplog):
-    plain = transformers.Trainer(model=tiny_bert(), args=_args(tmp_path / "plain", max_steps=2, save_strategy="steps",
-                                                               save_steps=2), train_dataset=token_data(16, 1),
-                                 data_collator=collate)
+    plain = transformers.Trainer(
+        model=tiny_bert(),
+        args=_args(tmp_path / "plain", max_steps=2, save_strategy="steps", save_steps=2),
+        train_dataset=token_data(16, 1),
+        data_collator=collate,
+    )
     plain.train()
     trainer = attendout_trainer(tmp_path / "ao", max_steps=4)
     with caplog.at_level("WARNING"):
@@ -268,23 +353,30 @@ def test_attendout_minilm(tmp_path):
     model = transformers.AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
     rows = [json.loads(line) for line in REVIEWS.read_text(encoding="utf-8").splitlines()[:40]]
     data = [dict(tok(r["sentence"], truncation=True, max_length=40), labels=r["label"]) for r in rows]
-    trainer = AttendOutTrainer(model=model, args=_args(tmp_path, max_steps=4, learning_rate=2e-5),
-                               train_dataset=data[:32], eval_dataset=data[32:],
-                               data_collator=transformers.DataCollatorWithPadding(tok),
-                               attendout=AttendOutConfig(dropout_step=2, layers="0,5"))
+    trainer = AttendOutTrainer(
+        model=model,
+        args=_args(tmp_path, max_steps=4, learning_rate=2e-5),
+        train_dataset=data[:32],
+        eval_dataset=data[32:],
+        data_collator=transformers.DataCollatorWithPadding(tok),
+        attendout=AttendOutConfig(dropout_step=2, layers="0,5"),
+    )
     trainer.train()
     logged = [h for h in trainer.state.log_history if "attendout_dropout_step" in h]
     assert [h["step"] for h in logged] == [2, 4]
     assert all(0 < h["attendout_p_encoder-self.0"] < 1 and 0 < h["attendout_p_encoder-self.5"] < 1 for h in logged)
-    assert all(math.isfinite(h["loss"]) and math.isfinite(h["attendout_attacker_loss"])
-               for h in trainer.state.log_history if "loss" in h)
+    assert all(
+        math.isfinite(h["loss"]) and math.isfinite(h["attendout_attacker_loss"])
+        for h in trainer.state.log_history
+        if "loss" in h
+    )
     assert same(params_of(trainer.model), params_of(trainer.attendout_attacker))  # T divides 4: synced at the end
     assert all(s.hook is None for s in trainer.attendout_game.controller.sites)
 
 
 def _whitespace_pairs(n, offset=0):
-    en = (CORPUS / "train.en").read_text(encoding="utf-8").splitlines()[offset:offset + n]
-    ro = (CORPUS / "train.ro").read_text(encoding="utf-8").splitlines()[offset:offset + n]
+    en = (CORPUS / "train.en").read_text(encoding="utf-8").splitlines()[offset : offset + n]
+    ro = (CORPUS / "train.ro").read_text(encoding="utf-8").splitlines()[offset : offset + n]
     return en, ro
 
 
@@ -314,9 +406,14 @@ def test_attendout_seq2seq_marian(tmp_path, precision):
     model = tiny_marian(vocab_size)
     args = _args(tmp_path, cls=transformers.Seq2SeqTrainingArguments, max_steps=4, bf16=precision == "bf16")
     kinds = "encoder-self,decoder-self,encoder-decoder"
-    trainer = AttendOutSeq2SeqTrainer(model=model, args=args, train_dataset=train, eval_dataset=dev,
-                                      data_collator=_seq2seq_collate,
-                                      attendout=AttendOutConfig(dropout_step=2, attention=kinds))
+    trainer = AttendOutSeq2SeqTrainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=dev,
+        data_collator=_seq2seq_collate,
+        attendout=AttendOutConfig(dropout_step=2, attention=kinds),
+    )
     # The generator reads the decoder start (Marian: the pad id) as its own token, shared table + 1 row.
     assert trainer._attendout_start_id == vocab_size
     batch = _seq2seq_collate(train[:3])
@@ -328,8 +425,11 @@ def test_attendout_seq2seq_marian(tmp_path, precision):
     assert [h["step"] for h in logged] == [2, 4]
     names = {f"attendout_p_{k}.{i}" for k in kinds.split(",") for i in (0, 1)}
     assert all(names <= set(h) for h in logged)
-    assert all(math.isfinite(h["loss"]) and math.isfinite(h["attendout_attacker_loss"])
-               for h in trainer.state.log_history if "loss" in h)
+    assert all(
+        math.isfinite(h["loss"]) and math.isfinite(h["attendout_attacker_loss"])
+        for h in trainer.state.log_history
+        if "loss" in h
+    )
     assert same(params_of(trainer.model), params_of(trainer.attendout_attacker))
 
 
@@ -338,9 +438,13 @@ def test_scheduled_dropout_follows_schedule(tmp_path):
     schedule = "0:0.6,4:0.1"
     model = tiny_bert()
     data = token_data(96, seed=4, min_len=12, max_len=20)
-    trainer = AttnRegTrainer(model=model, args=_args(tmp_path, max_steps=6, per_device_train_batch_size=16),
-                             train_dataset=data, data_collator=collate,
-                             scheduled_dropout=ScheduledDropoutConfig(schedule=schedule))
+    trainer = AttnRegTrainer(
+        model=model,
+        args=_args(tmp_path, max_steps=6, per_device_train_batch_size=16),
+        train_dataset=data,
+        data_collator=collate,
+        scheduled_dropout=ScheduledDropoutConfig(schedule=schedule),
+    )
     trainer.train()
     knots = [(0, 0.6), (4, 0.1)]
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -358,8 +462,13 @@ def test_scheduled_dropout_follows_schedule(tmp_path):
 
 def test_scheduled_dropout_only_in_training_forward(tmp_path):
     model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    trainer = AttnRegTrainer(model=model, args=_args(tmp_path), train_dataset=token_data(8, 1), data_collator=collate,
-                             scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.9"))
+    trainer = AttnRegTrainer(
+        model=model,
+        args=_args(tmp_path),
+        train_dataset=token_data(8, 1),
+        data_collator=collate,
+        scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.9"),
+    )
     batch = collate(token_data(8, seed=5, min_len=10, max_len=14))
     model.eval()
     plain = model(**batch).loss
@@ -373,8 +482,13 @@ def test_scheduled_dropout_only_in_training_forward(tmp_path):
 
 def test_layerdrop_p1_is_exactly_uniform_through_bert_attention(tmp_path):
     model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    trainer = AttnRegTrainer(model=model, args=_args(tmp_path), train_dataset=token_data(8, 1), data_collator=collate,
-                             layerdrop=AttentionLayerDropConfig(p=1.0, layers="1"))
+    trainer = AttnRegTrainer(
+        model=model,
+        args=_args(tmp_path),
+        train_dataset=token_data(8, 1),
+        data_collator=collate,
+        layerdrop=AttentionLayerDropConfig(p=1.0, layers="1"),
+    )
     batch = collate(token_data(4, seed=6, min_len=4, max_len=9))
     attention = model.bert.encoder.layer[1].attention.self
     seen = {}
@@ -394,16 +508,22 @@ def test_layerdrop_p1_is_exactly_uniform_through_bert_attention(tmp_path):
         torch.testing.assert_close(out, mean_value.expand_as(out), rtol=1e-6, atol=1e-6)
         model.eval()
         model(**batch)
-        assert not torch.allclose(seen["out"], attention.value(seen["hidden"]).mean(1, keepdim=True).expand_as(seen["out"]), atol=1e-3)
+        assert not torch.allclose(
+            seen["out"], attention.value(seen["hidden"]).mean(1, keepdim=True).expand_as(seen["out"]), atol=1e-3
+        )
     handle.remove()
     # Layer 0 is not selected: never skipped, and the logged rate counts the one selected layer.
     assert trainer.attn_reg_layerdrop.sites == [s for s in trainer.attn_reg_controller.sites if s.layer == 1]
 
 
 def test_layerdrop_rate_logged(tmp_path):
-    trainer = AttnRegTrainer(model=tiny_bert(), args=_args(tmp_path, max_steps=40, logging_steps=40),
-                             train_dataset=token_data(64, 1), data_collator=collate,
-                             layerdrop=AttentionLayerDropConfig(p=0.25))
+    trainer = AttnRegTrainer(
+        model=tiny_bert(),
+        args=_args(tmp_path, max_steps=40, logging_steps=40),
+        train_dataset=token_data(64, 1),
+        data_collator=collate,
+        layerdrop=AttentionLayerDropConfig(p=0.25),
+    )
     trainer.train()
     (log,) = [h for h in trainer.state.log_history if "loss" in h]
     # 40 updates x 2 layers = 80 Bernoulli(0.25) draws: std 0.048.
@@ -412,17 +532,20 @@ def test_layerdrop_rate_logged(tmp_path):
 
 def test_layerdrop_seq2seq_marian(tmp_path):
     train, _, vocab_size = _marian_data()
-    trainer = AttnRegSeq2SeqTrainer(model=tiny_marian(vocab_size),
-                                    args=_args(tmp_path, cls=transformers.Seq2SeqTrainingArguments, max_steps=2),
-                                    train_dataset=train, data_collator=_seq2seq_collate,
-                                    layerdrop=AttentionLayerDropConfig(p=1.0, attention="decoder-self,encoder-decoder"))
+    trainer = AttnRegSeq2SeqTrainer(
+        model=tiny_marian(vocab_size),
+        args=_args(tmp_path, cls=transformers.Seq2SeqTrainingArguments, max_steps=2),
+        train_dataset=train,
+        data_collator=_seq2seq_collate,
+        layerdrop=AttentionLayerDropConfig(p=1.0, attention="decoder-self,encoder-decoder"),
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["attn_layerdrop_rate"] for h in logs] == [1.0, 1.0] and all(math.isfinite(h["loss"]) for h in logs)
 
 
 # -- DDP -------------------------------------------------------------------------------------
-DDP_WORKER = '''
+DDP_WORKER = """
 import sys
 from pathlib import Path
 import torch
@@ -441,7 +564,7 @@ torch.save({"d": [p.detach() for p in trainer.model.parameters()],
             "g": [p.detach() for p in trainer.attendout_generator.parameters()],
             "rewards": [h["attendout_reward"] for h in trainer.state.log_history if "attendout_reward" in h]},
            out / f"final_rank{torch.distributed.get_rank()}.pt")
-'''
+"""
 
 
 @pytest.mark.slow
@@ -461,8 +584,14 @@ def test_attendout_ddp_two_cpu_workers(tmp_path):
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), str(worker), str(tmp_path)], env=env, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, timeout=300)
+    proc = subprocess.run(
+        [str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), str(worker), str(tmp_path)],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     r0, r1 = (torch.load(tmp_path / f"final_rank{r}.pt", weights_only=True) for r in (0, 1))
     for key in ("d", "a", "g"):

@@ -7,10 +7,12 @@ random-region AD-DROP's draws made inside the kernel, LayerDrop's uniform rows),
 pass that set them has ended. Hidden and attention dropout are on, so the recompute's own
 dropout draws (restored by torch's checkpoint) are exercised too.
 """
+
 import pytest
 import torch
 import transformers
 
+import helpers
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
@@ -23,16 +25,21 @@ from attn_reg_plugin.hf import (
     AttnRegSeq2SeqTrainer,
     AttnRegTrainer,
 )
-import helpers
 from helpers import tiny_bert_classifier
 
 DROPOUT = 0.1
 
 
 def tiny_bert():
-    return tiny_bert_classifier(hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100,
-                                hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT,
-                                attn_implementation="sdpa")
+    return tiny_bert_classifier(
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=100,
+        hidden_dropout_prob=DROPOUT,
+        attention_probs_dropout_prob=DROPOUT,
+        attn_implementation="sdpa",
+    )
 
 
 def tiny_marian():
@@ -83,19 +90,34 @@ def make_trainer(family, regularizer, checkpointing, tmp_path):
     build, batch, kinds, seq2seq = FAMILIES[family]
     model = build()
     if checkpointing is not None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
+        )
     args_cls = transformers.Seq2SeqTrainingArguments if seq2seq else transformers.TrainingArguments
-    args = args_cls(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="no",
-                    remove_unused_columns=False, per_device_eval_batch_size=2)
+    args = args_cls(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        remove_unused_columns=False,
+        per_device_eval_batch_size=2,
+    )
     if regularizer.startswith("ad-drop"):
         cls = ADDropSeq2SeqTrainer if seq2seq else ADDropTrainer
-        config = ADDropConfig(p=0.5, q=0.5, attention=kinds, schedule="always", attribution=regularizer[-2:], iga_steps=3)
+        config = ADDropConfig(
+            p=0.5, q=0.5, attention=kinds, schedule="always", attribution=regularizer[-2:], iga_steps=3
+        )
         return cls(model=model, args=args, ad_drop=config)
     if regularizer == "attendout":
         cls = AttendOutSeq2SeqTrainer if seq2seq else AttendOutTrainer
         heldout = [{k: v[i] for k, v in batch(seed=9).items()} for i in range(3)]
-        trainer = cls(model=model, args=args, eval_dataset=heldout, data_collator=torch.utils.data.default_collate,
-                      attendout=AttendOutConfig(dropout_step=2, attention=kinds, init_drop=0.4))
+        trainer = cls(
+            model=model,
+            args=args,
+            eval_dataset=heldout,
+            data_collator=torch.utils.data.default_collate,
+            attendout=AttendOutConfig(dropout_step=2, attention=kinds, init_drop=0.4),
+        )
         trainer.create_optimizer()  # the Attacker's optimizer mirrors it
         return trainer
     cls = AttnRegSeq2SeqTrainer if seq2seq else AttnRegTrainer
@@ -117,8 +139,12 @@ def one_step(family, regularizer, checkpointing, tmp_path):
     if regularizer.startswith("ad-drop"):
         acted = int(trainer._ad_drop_dropped)
     elif regularizer == "attendout":
-        acted = sum(int(h.drop.sum()) for h in trainer.attendout_game.attacker_hooks(
-            trainer.attendout_streams(trainer._prepare_inputs(batch))).values())
+        acted = sum(
+            int(h.drop.sum())
+            for h in trainer.attendout_game.attacker_hooks(
+                trainer.attendout_streams(trainer._prepare_inputs(batch))
+            ).values()
+        )
     else:
         acted = int(trainer._attn_reg_counts[0])
     return loss.detach(), grads, acted

@@ -5,12 +5,14 @@ nothing active the outputs equal stock sdpa (with padding, and causal masks wher
 has them); gradient attribution through the adapter equals autograd on eager attention maps;
 one AD-DROP step drops about p*q of the real keys and never a padding or future key.
 """
+
 import copy
 import functools
 
 import pytest
 import torch
 
+from attn_reg_lab.families import FAMILIES, REFUSED, build, families_table
 from attn_reg_plugin.core import ad_drop as ad_drop_module
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attendout.game import AttendOut as AttendOutGame
@@ -18,13 +20,12 @@ from attn_reg_plugin.core.attention import EditScores, zero_counts
 from attn_reg_plugin.core.attribution import token_loss_target
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.hf import install_attention_sites
-from attn_reg_lab.families import FAMILIES, REFUSED, build, families_table
 from helpers import REPO
 
 PADDED = 3  # the second row's last PADDED encoder (or causal-LM) tokens are padding
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _built(name):
     return build(next(f for f in FAMILIES if f.name == name))
 
@@ -38,8 +39,10 @@ def _inputs(family, model):
     g = torch.Generator().manual_seed(1)
     if family.head == "SpeechSeq2Seq":
         frames = 2 * model.config.max_source_positions
-        return {"input_features": torch.randn(2, model.config.num_mel_bins, frames, generator=g),
-                "decoder_input_ids": torch.randint(3, 99, (2, 5), generator=g)}
+        return {
+            "input_features": torch.randn(2, model.config.num_mel_bins, frames, generator=g),
+            "decoder_input_ids": torch.randint(3, 99, (2, 5), generator=g),
+        }
     ids = torch.randint(3, 99, (2, 9), generator=g)
     mask = torch.ones_like(ids)
     mask[1, -PADDED:] = 0
@@ -101,8 +104,11 @@ def _eager_maps(family, out):
         kind = family.kinds[0]
         return {(kind, i): a for i, a in enumerate(out.attentions)}
     maps = {}
-    for kind, maps_of_kind in (("encoder-self", out.encoder_attentions), ("decoder-self", out.decoder_attentions),
-                               ("encoder-decoder", out.cross_attentions)):
+    for kind, maps_of_kind in (
+        ("encoder-self", out.encoder_attentions),
+        ("decoder-self", out.decoder_attentions),
+        ("encoder-decoder", out.cross_attentions),
+    ):
         maps.update({(kind, i): a for i, a in enumerate(maps_of_kind)})
     return maps
 
@@ -122,8 +128,9 @@ def test_gradient_attribution_equals_autograd_on_eager_maps(family):
     ours, controller, _ = _adapted(stock)
     ours.eval()
     ad = ADDrop(ADDropConfig(attention=",".join(family.kinds)), controller)
-    sites, attributions, _ = ad.attributions(lambda: ours(**inputs), lambda o, y: token_loss_target(o.logits, keep, y),
-                                            frozen=ours)
+    sites, attributions, _ = ad.attributions(
+        lambda: ours(**inputs), lambda o, y: token_loss_target(o.logits, keep, y), frozen=ours
+    )
     assert sorted((s.kind, s.layer) for s in sites) == sorted(expected)
     for site, got in zip(sites, attributions):
         want = expected[(site.kind, site.layer)]
@@ -174,8 +181,9 @@ def test_one_ad_drop_step_drops_about_pq_and_no_padding_or_future_key(family, mo
 def test_deberta_is_refused_with_the_reason():
     import transformers
 
-    config = transformers.AutoConfig.for_model("deberta-v2", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                               intermediate_size=64, vocab_size=99)
+    config = transformers.AutoConfig.for_model(
+        "deberta-v2", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99
+    )
     model = transformers.AutoModelForMaskedLM.from_config(config)
     with pytest.raises(ValueError, match="disentangled attention does not go through transformers' AttentionInterface"):
         install_attention_sites(model, RegularizationController())
@@ -206,7 +214,9 @@ def test_causal_lm_target_scores_each_label_with_the_previous_position():
     keep = labels[:, 1:] != -100
     direct, _ = token_loss_target(out.logits[:, :-1], keep, labels[:, 1:].masked_fill(~keep, 0))
     torch.testing.assert_close(value, direct)
-    assert not torch.allclose(value, token_loss_target(out.logits, labels != -100, labels.masked_fill(labels == -100, 0))[0])
+    assert not torch.allclose(
+        value, token_loss_target(out.logits, labels != -100, labels.masked_fill(labels == -100, 0))[0]
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
@@ -230,12 +240,16 @@ def test_every_attribution_and_the_no_extra_cost_regularizers_train(family):
         logits = forward()
         loss = torch.nn.functional.cross_entropy(logits[keep], plain[keep].argmax(-1))
         loss.backward()
-        assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in ours.parameters() if p.grad is not None)
+        assert torch.isfinite(loss) and all(
+            torch.isfinite(p.grad).all() for p in ours.parameters() if p.grad is not None
+        )
         return logits.detach()
 
     for attribution in ("iga", "aa", "rd"):
-        ad = ADDrop(ADDropConfig(p=0.5, q=0.5, attention=kinds, attribution=attribution, iga_steps=2,
-                                 schedule="always"), controller)
+        ad = ADDrop(
+            ADDropConfig(p=0.5, q=0.5, attention=kinds, attribution=attribution, iga_steps=2, schedule="always"),
+            controller,
+        )
         with ad.masked(lambda: ours(**inputs), lambda o, y: token_loss_target(o.logits, keep, y), frozen=ours) as stats:
             logits = step(lambda: ours(**inputs).logits)
         assert float(stats["dropped"]) > 0 and not torch.allclose(logits, plain), attribution
@@ -259,6 +273,7 @@ def test_two_controllers_share_one_model_each_with_its_own_sites():
     first_sites = install_attention_sites(model, first)
     second_sites = install_attention_sites(model, RegularizationController())
     assert installed_sites(model) == second_sites and [p for p, _ in first_sites] == [p for p, _ in second_sites]
+
     def valid_positions_seen(pairs):
         counts = [torch.zeros(()), torch.zeros(())]  # dropped, valid: filled by the sites that are called
         keep_all = EditScores(drop=lambda valid: torch.zeros_like(valid), stats=counts)
@@ -301,11 +316,25 @@ def test_attendout_trains_on_every_family(family, tmp_path):
     seq2seq = family.head in ("Seq2SeqLM", "SpeechSeq2Seq")
     rows = _attendout_rows(family, model)
     args = (transformers.Seq2SeqTrainingArguments if seq2seq else transformers.TrainingArguments)(
-        output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, per_device_train_batch_size=2,
-        per_device_eval_batch_size=2, logging_steps=1, save_strategy="no", remove_unused_columns=False, seed=3)
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        logging_steps=1,
+        save_strategy="no",
+        remove_unused_columns=False,
+        seed=3,
+    )
     trainer = (AttendOutSeq2SeqTrainer if seq2seq else AttendOutTrainer)(
-        model=model, args=args, train_dataset=rows, eval_dataset=rows, data_collator=_stack,
-        attendout=AttendOutConfig(dropout_step=1, attention=kinds, init_drop=0.3))
+        model=model,
+        args=args,
+        train_dataset=rows,
+        eval_dataset=rows,
+        data_collator=_stack,
+        attendout=AttendOutConfig(dropout_step=1, attention=kinds, init_drop=0.3),
+    )
     generator_before = [p.detach().clone() for p in trainer.attendout_generator.parameters()]
     drops = []
     real_hooks = AttendOutGame.attacker_hooks
@@ -348,11 +377,26 @@ def test_attendout_on_whisper_encoder_is_refused_at_the_first_batch(tmp_path):
     family = next(f for f in FAMILIES if f.name == "Whisper")
     model = _model(family)
     rows = _attendout_rows(family, model)
-    args = transformers.Seq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1,
-                                                 per_device_train_batch_size=2, save_strategy="no",
-                                                 remove_unused_columns=False)
-    trainer = AttendOutSeq2SeqTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, data_collator=_stack,
-                                      attendout=AttendOutConfig(dropout_step=1))  # auto: encoder-self
-    with pytest.raises(ValueError, match=r"needs input_ids in every training batch: the generator reads the tokens "
-                                         r"\(this model's encoder reads features, so only --attention decoder-self"):
+    args = transformers.Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        remove_unused_columns=False,
+    )
+    trainer = AttendOutSeq2SeqTrainer(
+        model=model,
+        args=args,
+        train_dataset=rows,
+        eval_dataset=rows,
+        data_collator=_stack,
+        attendout=AttendOutConfig(dropout_step=1),
+    )  # auto: encoder-self
+    with pytest.raises(
+        ValueError,
+        match=r"needs input_ids in every training batch: the generator reads the tokens "
+        r"\(this model's encoder reads features, so only --attention decoder-self",
+    ):
         trainer.train()

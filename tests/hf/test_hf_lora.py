@@ -1,13 +1,14 @@
 """LoRA adapters (peft) on a tiny Llama and a tiny T5: the sites are found through the PeftModel,
 AD-DROP trains the adapters only, and its attribution pass gives no parameter a gradient."""
+
 import pytest
 import torch
 
+from attn_reg_lab.families import FAMILIES, build
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attribution import token_loss_target
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.hf import install_attention_sites
-from attn_reg_lab.families import FAMILIES, build
 
 peft = pytest.importorskip("peft")
 
@@ -17,8 +18,9 @@ FAMILY = {f.model_type: f for f in FAMILIES}
 @pytest.mark.parametrize("model_type,targets", [("llama", ["q_proj", "v_proj"]), ("t5", ["q", "v"])])
 def test_lora_adapters_train_and_frozen_base_weights_get_no_gradient(model_type, targets):
     family = FAMILY[model_type]
-    model = peft.get_peft_model(build(family), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                               lora_dropout=0.0))
+    model = peft.get_peft_model(
+        build(family), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+    )
     controller = RegularizationController()
     sites = install_attention_sites(model, controller)
     assert {s.kind for _, s in sites} == set(family.kinds)

@@ -1,6 +1,7 @@
 """One step off the tested path (issue: trust): a second trainer on one model, resuming from a
 ``Path``, a family outside the table, multi-label gold labels, an IterableDataset, a batch with no
 target token, every head class of every supported family. Each test fails on the code before its fix."""
+
 import logging
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from attn_reg_lab.families import FAMILIES, build
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.attribution import multi_label_target, token_loss_target
@@ -15,7 +17,6 @@ from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer, install_attention_sites
-from attn_reg_lab.families import FAMILIES, build
 from helpers import pad_collate, tiny_bert_classifier, token_data
 
 
@@ -24,9 +25,20 @@ def tiny_bert(**kw):
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=8, logging_steps=1,
-                report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-3, remove_unused_columns=False,
-                seed=0, data_seed=0, disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=3,
+        per_device_train_batch_size=8,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        learning_rate=1e-3,
+        remove_unused_columns=False,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+    )
     base.update(kw)
     return transformers.TrainingArguments(**base)
 
@@ -37,8 +49,9 @@ def _logs(trainer, key):
 
 # -- 1. a second trainer on the same model ---------------------------------------------------------
 def _stock_losses(tmp_path):
-    trainer = transformers.Trainer(model=tiny_bert(), args=_args(tmp_path / "stock"), train_dataset=token_data(24, 1),
-                                   data_collator=pad_collate)
+    trainer = transformers.Trainer(
+        model=tiny_bert(), args=_args(tmp_path / "stock"), train_dataset=token_data(24, 1), data_collator=pad_collate
+    )
     trainer.train()
     return _logs(trainer, "loss")
 
@@ -48,20 +61,35 @@ def test_an_earlier_trainer_still_regularizes_after_a_second_is_built_on_its_mod
     """The second trainer's install takes the modules' sites; the first claims its own back at its
     steps, so it trains exactly as it would alone (before: AD-DROP crashed at its first masked step,
     scheduled dropout trained the stock losses, LayerDrop logged a rate it never applied)."""
-    kwargs = {"ad_drop": dict(ad_drop=ADDropConfig(p=0.5, q=0.5, schedule="always")),
-              "scheduled_dropout": dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5")),
-              "layerdrop": dict(layerdrop=AttentionLayerDropConfig(p=0.5))}[first]
+    kwargs = {
+        "ad_drop": dict(ad_drop=ADDropConfig(p=0.5, q=0.5, schedule="always")),
+        "scheduled_dropout": dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5")),
+        "layerdrop": dict(layerdrop=AttentionLayerDropConfig(p=0.5)),
+    }[first]
     cls = ADDropTrainer if first == "ad_drop" else AttnRegTrainer
-    rate = {"ad_drop": "ad_drop_rate", "scheduled_dropout": "attn_sched_dropout_rate",
-            "layerdrop": "attn_layerdrop_rate"}[first]
+    rate = {
+        "ad_drop": "ad_drop_rate",
+        "scheduled_dropout": "attn_sched_dropout_rate",
+        "layerdrop": "attn_layerdrop_rate",
+    }[first]
 
     def run(shared):
         model = tiny_bert()
-        trainer = cls(model=model, args=_args(tmp_path / str(shared)), train_dataset=token_data(24, 1),
-                      data_collator=pad_collate, **kwargs)
+        trainer = cls(
+            model=model,
+            args=_args(tmp_path / str(shared)),
+            train_dataset=token_data(24, 1),
+            data_collator=pad_collate,
+            **kwargs,
+        )
         if shared:
-            AttnRegTrainer(model=model, args=_args(tmp_path / "second"), train_dataset=token_data(24, 1),
-                           data_collator=pad_collate, layerdrop=AttentionLayerDropConfig(p=1.0))
+            AttnRegTrainer(
+                model=model,
+                args=_args(tmp_path / "second"),
+                train_dataset=token_data(24, 1),
+                data_collator=pad_collate,
+                layerdrop=AttentionLayerDropConfig(p=1.0),
+            )
         trainer.train()
         return _logs(trainer, "loss"), _logs(trainer, rate)
 
@@ -75,10 +103,13 @@ def test_a_regularizer_that_cannot_act_logs_zero_and_warns(tmp_path, regularizer
     """Rates are counted by the kernel from what it applied: with the model switched back to stock sdpa
     after construction nothing reaches the kernel, and the log says 0 (before: LayerDrop logged 1.0)."""
     model = tiny_bert()
-    config = {"scheduled_dropout": dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5")),
-              "layerdrop": dict(layerdrop=AttentionLayerDropConfig(p=1.0))}[regularizer]
-    trainer = AttnRegTrainer(model=model, args=_args(tmp_path), train_dataset=token_data(24, 1),
-                             data_collator=pad_collate, **config)
+    config = {
+        "scheduled_dropout": dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5")),
+        "layerdrop": dict(layerdrop=AttentionLayerDropConfig(p=1.0)),
+    }[regularizer]
+    trainer = AttnRegTrainer(
+        model=model, args=_args(tmp_path), train_dataset=token_data(24, 1), data_collator=pad_collate, **config
+    )
     model.config._attn_implementation = "sdpa"  # the attention bypasses the plugin from here on
     with caplog.at_level(logging.WARNING, logger="attn_reg_plugin.hf.attn_reg_trainer"):
         trainer.train()
@@ -92,9 +123,14 @@ def test_a_regularizer_that_cannot_act_logs_zero_and_warns(tmp_path, regularizer
 # -- 2. resume from any os.PathLike ---------------------------------------------------------------
 def test_attendout_resumes_its_game_from_a_pathlib_path(tmp_path):
     def trainer(folder, **kw):
-        return AttendOutTrainer(model=tiny_bert(), args=_args(folder, max_steps=8, **kw), train_dataset=token_data(48, 1),
-                                eval_dataset=token_data(12, 2), data_collator=pad_collate,
-                                attendout=AttendOutConfig(dropout_step=3))
+        return AttendOutTrainer(
+            model=tiny_bert(),
+            args=_args(folder, max_steps=8, **kw),
+            train_dataset=token_data(48, 1),
+            eval_dataset=token_data(12, 2),
+            data_collator=pad_collate,
+            attendout=AttendOutConfig(dropout_step=3),
+        )
 
     full = trainer(tmp_path / "full", save_strategy="steps", save_steps=4)
     full.train()
@@ -106,8 +142,10 @@ def test_attendout_resumes_its_game_from_a_pathlib_path(tmp_path):
 
     for key in ("loss", "attendout_attacker_loss", "attendout_win_rate", "attendout_baseline"):
         assert after(resumed, key) == after(full, key), key
-    assert all(torch.equal(a, b) for a, b in zip(resumed.attendout_generator.parameters(),
-                                                 full.attendout_generator.parameters()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(resumed.attendout_generator.parameters(), full.attendout_generator.parameters())
+    )
 
 
 # -- 3. a model whose attention the plugin does not reproduce ---------------------------------------
@@ -130,10 +168,17 @@ def test_a_model_whose_forward_the_plugin_would_change_is_refused_and_left_as_it
     model = _tiny_llama("skewed_for_test")
     ids = torch.tensor([[5, 6, 7, 8]])
     before = model(ids).logits
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM \(llama\): routing attention through attn_reg_plugin "
-                                         r"changes this model's forward \(max \|difference\| .* at model\.layers\.0\.self_attn"):
-        ADDropTrainer(model=model, args=_args(tmp_path), train_dataset=token_data(8, 1),
-                      ad_drop=ADDropConfig(attention="decoder-self"))
+    with pytest.raises(
+        ValueError,
+        match=r"LlamaForCausalLM \(llama\): routing attention through attn_reg_plugin "
+        r"changes this model's forward \(max \|difference\| .* at model\.layers\.0\.self_attn",
+    ):
+        ADDropTrainer(
+            model=model,
+            args=_args(tmp_path),
+            train_dataset=token_data(8, 1),
+            ad_drop=ADDropConfig(attention="decoder-self"),
+        )
     assert model.config._attn_implementation == "skewed_for_test"
     assert not any("attn_reg_sites" in vars(m) for m in model.modules())
     assert torch.equal(model(ids).logits, before)
@@ -160,8 +205,13 @@ def _multi_label_rows(n):
 def test_multi_label_classification_trains_with_ad_drop(tmp_path, labels):
     """Before: gold labels crashed at the first AD-DROP step (an index tensor of the wrong rank)."""
     model = tiny_bert(num_labels=3, problem_type="multi_label_classification")
-    trainer = ADDropTrainer(model=model, args=_args(tmp_path, max_steps=2), train_dataset=_multi_label_rows(16),
-                            data_collator=pad_collate, ad_drop=ADDropConfig(p=0.5, q=0.5, schedule="always", labels=labels))
+    trainer = ADDropTrainer(
+        model=model,
+        args=_args(tmp_path, max_steps=2),
+        train_dataset=_multi_label_rows(16),
+        data_collator=pad_collate,
+        ad_drop=ADDropConfig(p=0.5, q=0.5, schedule="always", labels=labels),
+    )
     trainer.train()
     assert all(r > 0.1 for r in _logs(trainer, "ad_drop_rate")) and _logs(trainer, "ad_drop_skipped") == [0, 0]
 
@@ -170,7 +220,9 @@ def test_multi_label_target_is_minus_the_binary_cross_entropy():
     logits = torch.tensor([[2.0, -1.0, 0.5], [-0.3, 0.2, -4.0]], requires_grad=True)
     gold = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     value, used = multi_label_target(logits, gold)
-    torch.testing.assert_close(value, -torch.nn.functional.binary_cross_entropy_with_logits(logits, gold, reduction="sum"))
+    torch.testing.assert_close(
+        value, -torch.nn.functional.binary_cross_entropy_with_logits(logits, gold, reduction="sum")
+    )
     # Pseudo labels: sigmoid > 0.5. A sample with no positive label still has a target (a gradient).
     _, pseudo = multi_label_target(logits)
     assert torch.equal(pseudo, torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]))
@@ -190,9 +242,13 @@ class _Stream(torch.utils.data.IterableDataset):
 def test_cross_tuning_phase_follows_the_pass_of_an_iterable_dataset(tmp_path):
     """2 batches per pass, 6 steps: plain, AD-DROP, plain passes (before: the first step of each new
     pass ran the previous pass's phase: [0, 0, 0, 1, 1, 0])."""
-    trainer = ADDropTrainer(model=tiny_bert(), args=_args(tmp_path, max_steps=6, per_device_train_batch_size=4),
-                            train_dataset=_Stream(token_data(8, 1)), data_collator=pad_collate,
-                            ad_drop=ADDropConfig(p=0.5, q=0.5))
+    trainer = ADDropTrainer(
+        model=tiny_bert(),
+        args=_args(tmp_path, max_steps=6, per_device_train_batch_size=4),
+        train_dataset=_Stream(token_data(8, 1)),
+        data_collator=pad_collate,
+        ad_drop=ADDropConfig(p=0.5, q=0.5),
+    )
     trainer.train()
     assert _logs(trainer, "ad_drop_on") == [0, 0, 1, 1, 0, 0]
 
@@ -251,8 +307,12 @@ def test_sites_are_found_for_every_head_class(family):
 
     base = counts(MODEL_MAPPING_NAMES[family.model_type])
     assert set(base) == set(family.kinds)
-    heads = [c for c in _head_classes(family.model_type) if getattr(transformers, c, None) is not None
-             and getattr(getattr(transformers, c), "config_class", None) is type(config())]
+    heads = [
+        c
+        for c in _head_classes(family.model_type)
+        if getattr(transformers, c, None) is not None
+        and getattr(getattr(transformers, c), "config_class", None) is type(config())
+    ]
     assert len(heads) >= 2
     for head in heads:
         got = counts(head)

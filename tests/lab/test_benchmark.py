@@ -1,4 +1,5 @@
 """attn-reg-benchmark end to end at smoke size: every variant runs, rows are well-formed."""
+
 import json
 import math
 import subprocess
@@ -18,8 +19,7 @@ from attn_reg_lab import benchmark  # noqa: E402
 
 
 def _run(args, cwd):
-    return subprocess.run([str(COMMAND), *map(str, args)], cwd=cwd, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=600)
+    return subprocess.run([str(COMMAND), *map(str, args)], cwd=cwd, text=True, capture_output=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +91,16 @@ def test_cpu_peak_memory_sees_the_step_allocations():
     del keep
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--variants", "nope"], "--variants"),
-    (["--profile", "nope"], "--profile"),
-    (["--frameworks", "jax"], "--frameworks"),
-    (["--repeats", "0"], "--repeats must be an integer >= 1"),
-    (["--dtype", "fp16"], "--dtype fp16 needs --device cuda"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--variants", "nope"], "--variants"),
+        (["--profile", "nope"], "--profile"),
+        (["--frameworks", "jax"], "--frameworks"),
+        (["--repeats", "0"], "--repeats must be an integer >= 1"),
+        (["--dtype", "fp16"], "--dtype fp16 needs --device cuda"),
+    ],
+)
 def test_bad_options_fail_before_any_work(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
         benchmark.parse_args(args)

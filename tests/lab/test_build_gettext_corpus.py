@@ -121,8 +121,9 @@ def locale_dir(tmp_path):
 
 def test_filtering_rules_and_dedup(locale_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    rc, stdout, err = run_main(capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", out,
-                               "--valid", 5, "--test", 5)
+    rc, stdout, err = run_main(
+        capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", out, "--valid", 5, "--test", 5
+    )
     assert rc == 0, err
     pairs = all_pairs(out)
     english = [en for en, _ in pairs]
@@ -144,8 +145,7 @@ def test_filtering_rules_and_dedup(locale_dir, tmp_path, capsys):
 
 def test_split_sizes_and_alignment(locale_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    rc, _, err = run_main(capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", out,
-                          "--valid", 7, "--test", 4)
+    rc, _, err = run_main(capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", out, "--valid", 7, "--test", 4)
     assert rc == 0, err
     sizes = {}
     for name in ("train", "valid", "test"):
@@ -165,8 +165,9 @@ def test_split_sizes_and_alignment(locale_dir, tmp_path, capsys):
 
 def test_min_words(locale_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    rc, _, err = run_main(capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", out,
-                          "--valid", 1, "--test", 1, "--min-words", 2)
+    rc, _, err = run_main(
+        capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", out, "--valid", 1, "--test", 1, "--min-words", 2
+    )
     assert rc == 0, err
     assert "Open file" in [en for en, _ in all_pairs(out)]
 
@@ -175,8 +176,9 @@ def test_deterministic_for_fixed_seed(locale_dir, tmp_path, capsys):
     outputs = []
     for run, seed in enumerate((3, 3, 4)):
         out = tmp_path / f"out{run}"
-        rc, _, err = run_main(capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", out,
-                              "--valid", 5, "--test", 5, "--seed", seed)
+        rc, _, err = run_main(
+            capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", out, "--valid", 5, "--test", 5, "--seed", seed
+        )
         assert rc == 0, err
         outputs.append({p.name: p.read_bytes() for p in sorted(out.iterdir())})
     assert outputs[0] == outputs[1]
@@ -203,21 +205,25 @@ def test_too_few_pairs_for_splits(locale_dir, tmp_path, capsys):
 
 def test_unreadable_catalog_is_skipped(locale_dir, tmp_path, capsys):
     (locale_dir / "ro" / "LC_MESSAGES" / "broken.mo").write_bytes(b"not a mo file at all")
-    rc, stdout, err = run_main(capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", tmp_path / "o",
-                               "--valid", 5, "--test", 5)
+    rc, stdout, err = run_main(
+        capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", tmp_path / "o", "--valid", 5, "--test", 5
+    )
     assert rc == 0
     assert "skipping unreadable catalog" in err and "broken.mo" in err
     assert "catalogs read: 3 (1 unreadable, skipped)" in stdout
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--lang", "ro", "--out", "x", "--valid", "-1"], "must be >= 0"),
-    (["--lang", "ro", "--out", "x", "--test", "many"], "expected a whole number"),
-    (["--lang", "ro", "--out", "x", "--min-words", "0"], "must be >= 1"),
-    (["--lang", "../etc", "--out", "x"], "is not a locale name"),
-    (["--lang", "en", "--out", "x"], "source side"),
-    (["--lang", "ro"], "--out"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lang", "ro", "--out", "x", "--valid", "-1"], "must be >= 0"),
+        (["--lang", "ro", "--out", "x", "--test", "many"], "expected a whole number"),
+        (["--lang", "ro", "--out", "x", "--min-words", "0"], "must be >= 1"),
+        (["--lang", "../etc", "--out", "x"], "is not a locale name"),
+        (["--lang", "en", "--out", "x"], "source side"),
+        (["--lang", "ro"], "--out"),
+    ],
+)
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         bgc.main(argv)
@@ -228,23 +234,37 @@ def test_bad_arguments(argv, message, capsys):
 def test_command_line(locale_dir, tmp_path):
     out = tmp_path / "cli"
     proc = subprocess.run(
-        [str(COMMAND), "--lang", "ro", "--locale-dir", str(locale_dir), "--out", str(out),
-         "--valid", "2", "--test", "3"],
-        capture_output=True, text=True, timeout=60,
+        [
+            str(COMMAND),
+            "--lang",
+            "ro",
+            "--locale-dir",
+            str(locale_dir),
+            "--out",
+            str(out),
+            "--valid",
+            "2",
+            "--test",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert "train: 42 pairs" in proc.stdout
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        f"{s}.{l}" for s in ("train", "valid", "test") for l in ("en", "ro"))
+        f"{s}.{l}" for s in ("train", "valid", "test") for l in ("en", "ro")
+    )
 
 
 def test_exclude_catalogs(locale_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    rc, stdout, err = run_main(capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", out,
-                               "--valid", 2, "--test", 2, "--exclude", "gam*")
+    rc, stdout, err = run_main(
+        capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", out, "--valid", 2, "--test", 2, "--exclude", "gam*"
+    )
     assert rc == 0, err
     assert "catalogs read: 2" in stdout
     assert not any(en.startswith("Gamma") for en, _ in all_pairs(out))
-    rc, _, err = run_main(capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", out,
-                          "--exclude", "*.mo")
+    rc, _, err = run_main(capsys, "--lang", "ro", "--locale-dir", locale_dir, "--out", out, "--exclude", "*.mo")
     assert rc == 1 and "outside --exclude *.mo" in err

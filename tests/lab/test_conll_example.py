@@ -1,14 +1,13 @@
 """examples/conll: the script's own code path on a hand-written NER file with the real MiniLM encoder."""
+
 import json
 import math
 
 import pytest
 
-from helpers import TEST_DATA, REPO, minilm_path, load_script
+from helpers import REPO, TEST_DATA, load_script, minilm_path
 
 NER = TEST_DATA / "conll_tiny.jsonl"
-
-
 
 
 conll = load_script(REPO / "examples" / "conll" / "run_conll.py", "run_conll")
@@ -17,9 +16,33 @@ conll = load_script(REPO / "examples" / "conll" / "run_conll.py", "run_conll")
 def test_local_ner_plain_then_ad_drop_epoch(tmp_path, capsys):
     p, q = 0.3, 0.3
     out = tmp_path / "out"
-    assert conll.main(["--model", minilm_path(), "--train-file", str(NER), "--validation-file", str(NER),
-                       "--epochs", "2", "--batch-size", "8", "--lr", "1e-4", "--methods", "ad-drop",
-                       "--ad-drop-p", str(p), "--ad-drop-q", str(q), "--out", str(out)]) == 0
+    assert (
+        conll.main(
+            [
+                "--model",
+                minilm_path(),
+                "--train-file",
+                str(NER),
+                "--validation-file",
+                str(NER),
+                "--epochs",
+                "2",
+                "--batch-size",
+                "8",
+                "--lr",
+                "1e-4",
+                "--methods",
+                "ad-drop",
+                "--ad-drop-p",
+                str(p),
+                "--ad-drop-q",
+                str(q),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     (result,) = json.loads((out / "results.json").read_text())
     first, second = result["epochs"]
@@ -47,7 +70,11 @@ def test_first_word_piece_carries_the_tag():
 
 def test_entity_spans_and_f1_on_hand_built_tags():
     assert conll.entity_spans(["B-PER", "I-PER", "O", "B-LOC", "B-LOC", "I-ORG"]) == {
-        (0, 2, "PER"), (3, 4, "LOC"), (4, 5, "LOC"), (5, 6, "ORG")}
+        (0, 2, "PER"),
+        (3, 4, "LOC"),
+        (4, 5, "LOC"),
+        (5, 6, "ORG"),
+    }
     assert conll.entity_spans(["I-MISC", "I-MISC", "I-PER"]) == {(0, 2, "MISC"), (2, 3, "PER")}  # IOB1 starts
     gold = [["B-PER", "I-PER", "O", "B-LOC"]]
     pred = [["B-PER", "O", "O", "B-LOC"]]  # PER span cut short: wrong; LOC right
@@ -55,14 +82,20 @@ def test_entity_spans_and_f1_on_hand_built_tags():
     assert conll.entity_f1([["O"]], [["O"]])["f1"] == 0.0
 
 
-@pytest.mark.parametrize("line,message", [
-    ('{"tokens": ["Paris"], "ner_tags": ["B-CITY"]}', r":2: tag 0 \('B-CITY', token 'Paris'\) is not in the label set"),
-    ('{"tokens": [], "ner_tags": []}', r":2: empty sentence"),
-    ('{"tokens": ["a", "b"], "ner_tags": ["O"]}', r":2: 2 tokens but 1 ner_tags"),
-    ('{"tokens": ["a", ""], "ner_tags": ["O", "O"]}', r":2: token 1 is empty"),
-    ('{"tokens": ["a"], "ner_tags": ["O"]', r":2: not valid JSON"),
-    ('{"tokens": "a b", "ner_tags": ["O", "O"]}', r":2: needs lists 'tokens' and 'ner_tags'"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        (
+            '{"tokens": ["Paris"], "ner_tags": ["B-CITY"]}',
+            r":2: tag 0 \('B-CITY', token 'Paris'\) is not in the label set",
+        ),
+        ('{"tokens": [], "ner_tags": []}', r":2: empty sentence"),
+        ('{"tokens": ["a", "b"], "ner_tags": ["O"]}', r":2: 2 tokens but 1 ner_tags"),
+        ('{"tokens": ["a", ""], "ner_tags": ["O", "O"]}', r":2: token 1 is empty"),
+        ('{"tokens": ["a"], "ner_tags": ["O"]', r":2: not valid JSON"),
+        ('{"tokens": "a b", "ner_tags": ["O", "O"]}', r":2: needs lists 'tokens' and 'ner_tags'"),
+    ],
+)
 def test_local_file_rejects_malformed_lines(tmp_path, line, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"tokens": ["Rome"], "ner_tags": ["B-LOC"]}\n' + line + "\n", encoding="utf-8")

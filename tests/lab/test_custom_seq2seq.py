@@ -1,4 +1,5 @@
 """examples/custom_seq2seq: the porting API in a plain-PyTorch model, and its training CLI."""
+
 import json
 import math
 import subprocess
@@ -7,14 +8,11 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, load_script
-
 from attn_reg_plugin.core import RegularizationController
 from attn_reg_plugin.core.attention import EditScores
+from helpers import REPO, load_script
 
 EXAMPLE = REPO / "examples" / "custom_seq2seq"
-
-
 
 
 model_mod = load_script(EXAMPLE / "seq2seq_model.py", "seq2seq_model")
@@ -24,9 +22,11 @@ train_mod = load_script(EXAMPLE / "train.py", "custom_seq2seq_train")
 
 def test_core_api_is_framework_free():
     """The porting API imports neither fairseq nor transformers."""
-    code = ("import sys; from attn_reg_plugin.core import attend, RegularizationController, ADDrop, ADDropConfig, "
-            "ad_drop_epoch, token_loss_target, logit_target, regression_target; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'fairseq', 'transformers'}))")
+    code = (
+        "import sys; from attn_reg_plugin.core import attend, RegularizationController, ADDrop, ADDropConfig, "
+        "ad_drop_epoch, token_loss_target, logit_target, regression_target; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'fairseq', 'transformers'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -84,17 +84,52 @@ def test_custom_attention_drop_hook_removes_exactly_those_keys():
 def test_model_registers_one_site_per_attention():
     model = model_mod.Seq2SeqTransformer(50, 0, dim=16, heads=2, ffn_dim=32, encoder_layers=2, decoder_layers=3)
     kinds = [(s.kind, s.layer) for s in model.controller.sites]
-    assert sorted(kinds) == sorted([("encoder-self", 0), ("encoder-self", 1)]
-                                   + [(k, i) for k in ("decoder-self", "encoder-decoder") for i in range(3)])
+    assert sorted(kinds) == sorted(
+        [("encoder-self", 0), ("encoder-self", 1)]
+        + [(k, i) for k in ("decoder-self", "encoder-decoder") for i in range(3)]
+    )
 
 
-TINY = ["--train-size", "48", "--valid-size", "12", "--bleu-sentences", "6", "--vocab-size", "150", "--dim", "32",
-        "--heads", "2", "--ffn-dim", "64", "--layers", "2", "--batch-size", "12", "--warmup", "8", "--epochs", "2"]
+TINY = [
+    "--train-size",
+    "48",
+    "--valid-size",
+    "12",
+    "--bleu-sentences",
+    "6",
+    "--vocab-size",
+    "150",
+    "--dim",
+    "32",
+    "--heads",
+    "2",
+    "--ffn-dim",
+    "64",
+    "--layers",
+    "2",
+    "--batch-size",
+    "12",
+    "--warmup",
+    "8",
+    "--epochs",
+    "2",
+]
 
 
-@pytest.mark.parametrize("variant", [["--norm", "pre", "--positions", "sinusoidal"],
-                                     ["--norm", "post", "--positions", "learned",
-                                      "--ad-drop-attention", "encoder-self,decoder-self,encoder-decoder"]])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ["--norm", "pre", "--positions", "sinusoidal"],
+        [
+            "--norm",
+            "post",
+            "--positions",
+            "learned",
+            "--ad-drop-attention",
+            "encoder-self,decoder-self,encoder-decoder",
+        ],
+    ],
+)
 def test_train_cli_plain_then_ad_drop_epoch(tmp_path, capsys, variant):
     p, q = 0.3, 0.3
     out = tmp_path / "run"

@@ -1,4 +1,5 @@
 """examples/decoder_lm: the SFT script's own code path offline, on a tiny random Llama (with LoRA)."""
+
 import json
 
 import pytest
@@ -15,11 +16,26 @@ def tiny_lm(tmp_path_factory):
     import transformers
 
     path = tmp_path_factory.mktemp("tiny_lm")
-    tiny.build(path, CORPUS, "en", "ro", train_lines=400, vocab_size=300, d_model=32, layers=1, heads=4, ffn_dim=64,
-               family="t5")  # for its tokenizer; the model is replaced below
+    tiny.build(
+        path,
+        CORPUS,
+        "en",
+        "ro",
+        train_lines=400,
+        vocab_size=300,
+        d_model=32,
+        layers=1,
+        heads=4,
+        ffn_dim=64,
+        family="t5",
+    )  # for its tokenizer; the model is replaced below
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    tiny_llama(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-               bos_token_id=None).save_pretrained(path)
+    tiny_llama(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    ).save_pretrained(path)
     return path
 
 
@@ -29,8 +45,8 @@ def test_encode_masks_the_prompt_and_ends_with_eos(tiny_lm):
     tok = transformers.AutoTokenizer.from_pretrained(tiny_lm)
     (row,) = sft.encode(tok, ["Open file"], ["Deschide fișierul"], 64)
     prompt = tok(sft.PROMPT.format("Open file"), add_special_tokens=False)["input_ids"]
-    assert row["input_ids"][:len(prompt)] == prompt and row["labels"][:len(prompt)] == [-100] * len(prompt)
-    assert row["labels"][len(prompt):] == row["input_ids"][len(prompt):] and row["input_ids"][-1] == tok.eos_token_id
+    assert row["input_ids"][: len(prompt)] == prompt and row["labels"][: len(prompt)] == [-100] * len(prompt)
+    assert row["labels"][len(prompt) :] == row["input_ids"][len(prompt) :] and row["input_ids"][-1] == tok.eos_token_id
 
 
 @pytest.mark.parametrize("lora", [0, 4])
@@ -39,9 +55,35 @@ def test_plain_and_ad_drop_sft_runs(tmp_path, tiny_lm, lora, capsys):
         pytest.importorskip("peft")
     out = tmp_path / "out"
     p, q = 0.3, 0.3
-    assert sft.main(["--model", str(tiny_lm), "--out", str(out), "--max-train-samples", "24", "--max-eval-samples", "6",
-                     "--epochs", "2", "--batch-size", "8", "--lr", "1e-3", "--samples", "1", "--lora", str(lora),
-                     "--ad-drop-p", str(p), "--ad-drop-q", str(q)]) == 0
+    assert (
+        sft.main(
+            [
+                "--model",
+                str(tiny_lm),
+                "--out",
+                str(out),
+                "--max-train-samples",
+                "24",
+                "--max-eval-samples",
+                "6",
+                "--epochs",
+                "2",
+                "--batch-size",
+                "8",
+                "--lr",
+                "1e-3",
+                "--samples",
+                "1",
+                "--lora",
+                str(lora),
+                "--ad-drop-p",
+                str(p),
+                "--ad-drop-q",
+                str(q),
+            ]
+        )
+        == 0
+    )
     results = {r["method"]: r for r in json.loads((out / "results.json").read_text())}
     assert list(results) == ["plain", "ad-drop"]
     ad = results["ad-drop"]["epochs"]

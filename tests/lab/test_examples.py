@@ -1,4 +1,5 @@
 """The demo and the WMT16 recipe, on local data (no download)."""
+
 import json
 import math
 
@@ -6,8 +7,6 @@ import pytest
 import sacrebleu
 
 from helpers import REPO, load_script
-
-
 
 
 def test_wmt16_download_writes_parallel_text_in_pair_direction(tmp_path):
@@ -40,7 +39,9 @@ def test_pipeline_refuses_mismatched_parallel_files(tmp_path):
         (tmp_path / f"{split}.en").write_text("a\nb\n")
         (tmp_path / f"{split}.ro").write_text("a\nb\n")
     (tmp_path / "valid.ro").write_text("a\n")
-    with pytest.raises(mt.CorpusError, match=r"valid\.en has 2 lines but .*valid\.ro has 1: .*valid\.en:2 has no counterpart"):
+    with pytest.raises(
+        mt.CorpusError, match=r"valid\.en has 2 lines but .*valid\.ro has 1: .*valid\.en:2 has no counterpart"
+    ):
         mt.check_parallel({split: tmp_path / split for split in mt.SPLITS}, "en", "ro")
 
 
@@ -50,7 +51,10 @@ def test_demo_quick_prints_the_table(tmp_path, capsys):
 
     assert demo.main(["--quick", "--epochs", "2", "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
-    assert "| method | best valid loss | test BLEU | train time (s) | AD-DROP rate | AttendOut drop prob. (last epoch) |" in out
+    assert (
+        "| method | best valid loss | test BLEU | train time (s) | AD-DROP rate | AttendOut drop prob. (last epoch) |"
+        in out
+    )
     results = json.loads((tmp_path / "demo" / "results.json").read_text())
     rows = results["rows"]
     environment = results["environment"]  # the versions and the lock behind the numbers
@@ -73,8 +77,10 @@ def test_plot_attendout_reads_the_log_and_rejects_bad_lines(tmp_path):
     from attn_reg_lab import plot_attendout
 
     log = tmp_path / "drop.jsonl"
-    log.write_text('{"update": 20, "drop_prob": {"encoder-self.0": 0.2, "encoder-self.1": 0.3}}\n'
-                   '{"update": 40, "drop_prob": {"encoder-self.0": 0.25, "encoder-self.1": 0.1}}\n')
+    log.write_text(
+        '{"update": 20, "drop_prob": {"encoder-self.0": 0.2, "encoder-self.1": 0.3}}\n'
+        '{"update": 40, "drop_prob": {"encoder-self.0": 0.25, "encoder-self.1": 0.1}}\n'
+    )
     updates, series = plot_attendout.read_log(log)
     assert updates == [20, 40] and series == {"encoder-self.0": [0.2, 0.25], "encoder-self.1": [0.3, 0.1]}
     assert plot_attendout.main([str(log), "--out", str(tmp_path / "p.png")]) == 0

@@ -4,6 +4,7 @@ A tiny random MarianMTModel + MarianTokenizer (build_tiny_marian.py, sentencepie
 the shipped corpus) stands in for Helsinki-NLP/opus-mt-en-ro, and a slice of
 data/gettext_en_ro stands in for WMT16; everything else is what a real run executes.
 """
+
 import json
 import math
 
@@ -13,8 +14,6 @@ import sacrebleu
 from helpers import CORPUS, REPO, load_script
 
 EXAMPLE = REPO / "examples" / "opus_mt"
-
-
 
 
 opus = load_script(EXAMPLE / "run_opus_mt.py", "run_opus_mt")
@@ -55,9 +54,35 @@ def test_plain_and_ad_drop_runs_log_rate_and_bleu(tmp_path, tiny_marian, capsys)
     data = _slice(tmp_path / "data", {"train": 48, "valid": 12, "test": 10})
     out = tmp_path / "out"
     p, q = 0.3, 0.3
-    assert opus.main(["--pair", "en-ro", "--out", str(out), "--model", str(tiny_marian), "--data-dir", str(data),
-                      "--epochs", "2", "--batch-size", "8", "--lr", "1e-3", "--num-beams", "2", "--max-new-tokens", "16",
-                      "--ad-drop-p", str(p), "--ad-drop-q", str(q)]) == 0
+    assert (
+        opus.main(
+            [
+                "--pair",
+                "en-ro",
+                "--out",
+                str(out),
+                "--model",
+                str(tiny_marian),
+                "--data-dir",
+                str(data),
+                "--epochs",
+                "2",
+                "--batch-size",
+                "8",
+                "--lr",
+                "1e-3",
+                "--num-beams",
+                "2",
+                "--max-new-tokens",
+                "16",
+                "--ad-drop-p",
+                str(p),
+                "--ad-drop-q",
+                str(q),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     results = {r["method"]: r for r in json.loads((out / "results.json").read_text())}
     assert list(results) == ["plain", "ad-drop"]
@@ -119,14 +144,53 @@ def test_bad_options_fail_before_loading(tmp_path):
 
 def test_t5_runs_through_the_same_runner_with_a_source_prefix(tmp_path):
     """T5 is a model name away: the runner with a tiny random T5 and the task prefix."""
-    model_dir = tiny.build(tmp_path / "t5", CORPUS, "en", "ro", train_lines=400, vocab_size=300, d_model=32, layers=2,
-                           heads=4, ffn_dim=64, family="t5")
+    model_dir = tiny.build(
+        tmp_path / "t5",
+        CORPUS,
+        "en",
+        "ro",
+        train_lines=400,
+        vocab_size=300,
+        d_model=32,
+        layers=2,
+        heads=4,
+        ffn_dim=64,
+        family="t5",
+    )
     data = _slice(tmp_path / "data", {"train": 32, "valid": 8, "test": 6})
     out = tmp_path / "out"
     prefix = "translate English to Romanian: "
-    assert opus.main(["--pair", "en-ro", "--out", str(out), "--model", str(model_dir), "--data-dir", str(data),
-                      "--epochs", "2", "--batch-size", "8", "--lr", "1e-3", "--num-beams", "1", "--max-new-tokens", "8",
-                      "--source-prefix", prefix, "--ad-drop-p", "0.3", "--ad-drop-q", "0.3"]) == 0
+    assert (
+        opus.main(
+            [
+                "--pair",
+                "en-ro",
+                "--out",
+                str(out),
+                "--model",
+                str(model_dir),
+                "--data-dir",
+                str(data),
+                "--epochs",
+                "2",
+                "--batch-size",
+                "8",
+                "--lr",
+                "1e-3",
+                "--num-beams",
+                "1",
+                "--max-new-tokens",
+                "8",
+                "--source-prefix",
+                prefix,
+                "--ad-drop-p",
+                "0.3",
+                "--ad-drop-q",
+                "0.3",
+            ]
+        )
+        == 0
+    )
     results = {r["method"]: r for r in json.loads((out / "results.json").read_text())}
     ad = results["ad-drop"]["epochs"]
     assert ad[0]["ad_drop_on"] == 0 and ad[1]["ad_drop_on"] == 1 and 0 < ad[1]["ad_drop_rate"] < 0.3 * 0.3 + 0.05
@@ -146,8 +210,19 @@ def test_nllb_runs_through_the_same_runner_with_language_codes(tmp_path, monkeyp
     """NLLB is a model name away too: a tiny random M2M100 with an NllbTokenizer, --src/--tgt-lang-code.
     Inside the runner, each side of every training pair starts with its language code and generation
     starts with the target code."""
-    model_dir = tiny.build(tmp_path / "nllb", CORPUS, "en", "ro", train_lines=400, vocab_size=300, d_model=32, layers=2,
-                           heads=4, ffn_dim=64, family="nllb")
+    model_dir = tiny.build(
+        tmp_path / "nllb",
+        CORPUS,
+        "en",
+        "ro",
+        train_lines=400,
+        vocab_size=300,
+        d_model=32,
+        layers=2,
+        heads=4,
+        ffn_dim=64,
+        family="nllb",
+    )
     data = _slice(tmp_path / "data", {"train": 32, "valid": 8, "test": 6})
     out = tmp_path / "out"
     first_tokens, generated = [], []
@@ -167,14 +242,46 @@ def test_nllb_runs_through_the_same_runner_with_language_codes(tmp_path, monkeyp
 
     monkeypatch.setattr(opus, "tokenize", tokenize)
     monkeypatch.setattr(opus, "translate", translate)
-    assert opus.main(["--pair", "en-ro", "--out", str(out), "--model", str(model_dir), "--data-dir", str(data),
-                      "--epochs", "2", "--batch-size", "8", "--lr", "1e-3", "--num-beams", "1", "--max-new-tokens", "8",
-                      "--src-lang-code", "eng_Latn", "--tgt-lang-code", "ron_Latn", "--methods", "ad-drop",
-                      "--ad-drop-p", "0.3", "--ad-drop-q", "0.3"]) == 0
+    assert (
+        opus.main(
+            [
+                "--pair",
+                "en-ro",
+                "--out",
+                str(out),
+                "--model",
+                str(model_dir),
+                "--data-dir",
+                str(data),
+                "--epochs",
+                "2",
+                "--batch-size",
+                "8",
+                "--lr",
+                "1e-3",
+                "--num-beams",
+                "1",
+                "--max-new-tokens",
+                "8",
+                "--src-lang-code",
+                "eng_Latn",
+                "--tgt-lang-code",
+                "ron_Latn",
+                "--methods",
+                "ad-drop",
+                "--ad-drop-p",
+                "0.3",
+                "--ad-drop-q",
+                "0.3",
+            ]
+        )
+        == 0
+    )
     (result,) = json.loads((out / "results.json").read_text())
     assert result["epochs"][1]["ad_drop_on"] == 1 and 0 < result["epochs"][1]["ad_drop_rate"] < 0.3 * 0.3 + 0.05
     assert first_tokens and set(first_tokens) == {("eng_Latn", "ron_Latn")}
     assert generated and all(set(tokens) == {"ron_Latn"} for tokens in generated)
     hyps = (out / "ad-drop" / "test.hyp").read_text(encoding="utf-8").splitlines()
-    assert len(hyps) == 6 and result["bleu"] == round(sacrebleu.corpus_bleu(hyps, [(data / "test.ro").read_text(
-        encoding="utf-8").splitlines()]).score, 2)
+    assert len(hyps) == 6 and result["bleu"] == round(
+        sacrebleu.corpus_bleu(hyps, [(data / "test.ro").read_text(encoding="utf-8").splitlines()]).score, 2
+    )

@@ -1,4 +1,5 @@
 """attn-reg-sweep: the grid, dev-only selection, resume after a kill, refusal of other settings, the heatmap."""
+
 import dataclasses
 import json
 import random
@@ -6,7 +7,8 @@ import random
 import pytest
 
 from attn_reg_lab import sweep
-from helpers import MOVIE_REVIEWS_TINY as REVIEWS, minilm_path
+from helpers import MOVIE_REVIEWS_TINY as REVIEWS
+from helpers import minilm_path
 
 
 def test_grid_names_and_dev_only_selection():
@@ -14,23 +16,39 @@ def test_grid_names_and_dev_only_selection():
     assert cells[0] == {"method": "plain"} and len(cells) == 1 + 2 * 1 * 2 * 2
     assert sweep.cell_name(cells[1]) == "p0.1_q0.5_layers-all_cross-tuning"
     assert sweep.cell_name(cells[3]) == "p0.1_q0.5_layers-0-1_cross-tuning"
-    results = [{"cell": c, "dev": d, "test": t} for c, d, t in
-               zip(cells, [0.99, 0.7, 0.8, 0.8, 0.6, 0.5, 0.5, 0.5, 0.5], [0.0, 0.9, 0.1, 0.2, 0.99, 0, 0, 0, 0])]
+    results = [
+        {"cell": c, "dev": d, "test": t}
+        for c, d, t in zip(
+            cells, [0.99, 0.7, 0.8, 0.8, 0.6, 0.5, 0.5, 0.5, 0.5], [0.0, 0.9, 0.1, 0.2, 0.99, 0, 0, 0, 0]
+        )
+    ]
     # plain is never chosen; ties go to the first cell in grid order; test plays no part.
     assert sweep.best_cell(results, higher_is_better=True)["cell"] == cells[2]
     assert sweep.best_cell(results, higher_is_better=False)["cell"] == cells[5]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["fewshot", "--p", "0.1,1.0", "--", "--sizes", "8"], "--p must be a comma list of distinct numbers in the open interval (0, 1), got '0.1,1.0'"),
-    (["fewshot", "--q", "0.2,0.2", "--", "--sizes", "8"], "--q must be a comma list of distinct numbers in the open interval (0, 1)"),
-    (["mt", "--schedules", "odd"], "--schedules must be a comma list of cross-tuning, always, got 'odd'"),
-    (["fewshot", "--", "--sizes", "8", "--ad-drop-p", "0.3"], "--ad-drop-p after '--' are set by the sweep for each cell"),
-    (["fewshot", "--", "--sizes", "8", "--out-dir=x"], "--out-dir after '--' are set by the sweep"),
-    (["lm"], "invalid choice: 'lm'"),
-    (["fewshot", "--", "--sizes", "16,64"], "fewshot: give exactly one training-set size after '--' (--sizes N)"),
-    (["fewshot"], "fewshot: give exactly one training-set size after '--' (--sizes N)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["fewshot", "--p", "0.1,1.0", "--", "--sizes", "8"],
+            "--p must be a comma list of distinct numbers in the open interval (0, 1), got '0.1,1.0'",
+        ),
+        (
+            ["fewshot", "--q", "0.2,0.2", "--", "--sizes", "8"],
+            "--q must be a comma list of distinct numbers in the open interval (0, 1)",
+        ),
+        (["mt", "--schedules", "odd"], "--schedules must be a comma list of cross-tuning, always, got 'odd'"),
+        (
+            ["fewshot", "--", "--sizes", "8", "--ad-drop-p", "0.3"],
+            "--ad-drop-p after '--' are set by the sweep for each cell",
+        ),
+        (["fewshot", "--", "--sizes", "8", "--out-dir=x"], "--out-dir after '--' are set by the sweep"),
+        (["lm"], "invalid choice: 'lm'"),
+        (["fewshot", "--", "--sizes", "16,64"], "fewshot: give exactly one training-set size after '--' (--sizes N)"),
+        (["fewshot"], "fewshot: give exactly one training-set size after '--' (--sizes N)"),
+    ],
+)
 def test_bad_arguments_are_refused_before_any_cell_runs(capsys, argv, message):
     with pytest.raises(SystemExit):
         sweep.parse_args(argv)
@@ -45,11 +63,26 @@ def tiny_fewshot_args(tmp_path):
     for name, chunk in (("train", lines[:32]), ("dev", lines[32:48]), ("test", lines[48:64])):
         (tmp_path / f"{name}.jsonl").write_text("".join(chunk), encoding="utf-8")
         files += [f"--{name}", str(tmp_path / f"{name}.jsonl")]
-    return [*files, "--model", minilm_path(), "--sizes", "8", "--seeds", "1", "--epochs", "2", "--batch-size", "4",
-            "--max-length", "32"]
+    return [
+        *files,
+        "--model",
+        minilm_path(),
+        "--sizes",
+        "8",
+        "--seeds",
+        "1",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--max-length",
+        "32",
+    ]
 
 
-def test_fewshot_sweep_resumes_after_a_kill_and_refuses_other_settings(tmp_path, tiny_fewshot_args, monkeypatch, capsys):
+def test_fewshot_sweep_resumes_after_a_kill_and_refuses_other_settings(
+    tmp_path, tiny_fewshot_args, monkeypatch, capsys
+):
     out = tmp_path / "sweep"
     argv = ["fewshot", "--out-dir", str(out), "--p", "0.3,0.5", "--q", "0.5", "--plain", "--", *tiny_fewshot_args]
     real = sweep.RUNNERS["fewshot"]
@@ -72,7 +105,10 @@ def test_fewshot_sweep_resumes_after_a_kill_and_refuses_other_settings(tmp_path,
     capsys.readouterr()
     assert sweep.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "[cell 1/3] plain: kept from" in printed and "[cell 2/3] p0.3_q0.5_layers-all_cross-tuning: kept from" in printed
+    assert (
+        "[cell 1/3] plain: kept from" in printed
+        and "[cell 2/3] p0.3_q0.5_layers-all_cross-tuning: kept from" in printed
+    )
     assert "[cell 3/3] p0.5_q0.5_layers-all_cross-tuning: running" in printed
     assert all((out / "cells" / name).read_text() == text for name, text in kept.items())
 
@@ -89,8 +125,26 @@ def test_fewshot_sweep_resumes_after_a_kill_and_refuses_other_settings(tmp_path,
 
 def test_mt_sweep_runs_the_demo_with_the_cell_settings(tmp_path, capsys):
     out = tmp_path / "sweep"
-    assert sweep.main(["mt", "--out-dir", str(out), "--p", "0.4", "--q", "0.3", "--schedules", "always", "--",
-                       "--quick", "--epochs", "2"]) == 0
+    assert (
+        sweep.main(
+            [
+                "mt",
+                "--out-dir",
+                str(out),
+                "--p",
+                "0.4",
+                "--q",
+                "0.3",
+                "--schedules",
+                "always",
+                "--",
+                "--quick",
+                "--epochs",
+                "2",
+            ]
+        )
+        == 0
+    )
     (record,) = [json.loads(p.read_text()) for p in (out / "cells").iterdir()]
     assert record["cell"] == {"method": "ad-drop", "p": 0.4, "q": 0.3, "layers": "all", "schedule": "always"}
     log = (out / "runs" / "p0.4_q0.3_layers-all_always" / "checkpoints" / "AD-DROP" / "train.log").read_text()

@@ -1,4 +1,5 @@
 """AttendOut's options (``--attendout-*`` in fairseq, ``AttendOutConfig`` in Python)."""
+
 from __future__ import annotations
 
 import math
@@ -16,15 +17,16 @@ class AttendOutConfig(RegularizerOptions):
     dropout_step: int = option(20, "T: updates per dropout step and held-out samples per evaluation", "integer >= 1")
     generator_dim: int = option(64, "generator width (embeddings and its single attention head)", "integer >= 1")
     lr: float = option(1e-3, "generator Adam learning rate", "finite number > 0")
-    temperature: float = option(1.0, "Gumbel temperature: drop probability = sigmoid(logit / temperature)",
-                                "finite number > 0")
+    temperature: float = option(
+        1.0, "Gumbel temperature: drop probability = sigmoid(logit / temperature)", "finite number > 0"
+    )
     baseline_decay: float = option(0.9, "moving-average baseline: b = decay * b + (1 - decay) * mean reward", "[0, 1)")
     init_drop: float = option(0.2, "drop probability the generator starts from", "(0, 1)")
     attention: str = attention_option()
     layers: str = layers_option()
     max_positions: int = option(1024, "longest sequence the generator covers", "integer >= 1")
 
-    def validate(self) -> "AttendOutConfig":
+    def validate(self) -> AttendOutConfig:
         flag = self.name
 
         def integer(name, low):
@@ -46,4 +48,3 @@ class AttendOutConfig(RegularizerOptions):
         number("init_drop", lambda v: 0 < v < 1, "in the open interval (0, 1)")
         self.check_site_options()
         return self
-

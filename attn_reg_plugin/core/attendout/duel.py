@@ -8,6 +8,7 @@ building the Attacker, scoring both networks on the held-out samples, and ending
 target, keep)`` (how its models score a held-out batch) and ``copy_network(source, destination)``
 (what a copy of one network over the other includes: weights, master weights, optimizer state).
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,7 +21,10 @@ from ..distributed import from_rank0
 from .game import AttendOut
 from .heldout import LogitsOf, heldout_losses
 
-def build_attacker(defender: torch.nn.Module, install_sites: Callable) -> Tuple[torch.nn.Module, RegularizationController]:
+
+def build_attacker(
+    defender: torch.nn.Module, install_sites: Callable
+) -> Tuple[torch.nn.Module, RegularizationController]:
     """A: a copy of D as it is now, with attention sites of its own (the Generator's masks go there)."""
     attacker = copy.deepcopy(defender)
     controller = RegularizationController()
@@ -28,9 +32,15 @@ def build_attacker(defender: torch.nn.Module, install_sites: Callable) -> Tuple[
     return attacker, controller
 
 
-def end_dropout_step(game: AttendOut, defender: torch.nn.Module, attacker: torch.nn.Module, batches: Iterable,
-                     logits_of: LogitsOf, copy_network: Callable[[str, str], None],
-                     generator: Optional[torch.Generator] = None) -> Dict[str, object]:
+def end_dropout_step(
+    game: AttendOut,
+    defender: torch.nn.Module,
+    attacker: torch.nn.Module,
+    batches: Iterable,
+    logits_of: LogitsOf,
+    copy_network: Callable[[str, str], None],
+    generator: Optional[torch.Generator] = None,
+) -> Dict[str, object]:
     """Score D and A on the same held-out batches, reward the Generator, pick the survivor (rank 0's
     choice on every worker) and copy it over the other: ``copy_network("attacker", "defender")``
     or the reverse. Returns the game's statistics."""

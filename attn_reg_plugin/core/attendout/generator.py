@@ -4,6 +4,7 @@ Its own token and position embeddings, ONE single-head attention whose parameter
 all layers, no feed-forward. The layer-i attention scores, plus a shared bias and divided by the
 temperature, are the drop logits of the Attacker's layer i.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,6 @@ from torch import nn
 from ..controller import AttentionSite
 from ..options import flag_name
 from .config import AttendOutConfig
-
 
 # Which token stream the generator reads for each attention kind: (query stream, key stream).
 STREAMS_OF_KIND = {
@@ -33,9 +33,17 @@ class Generator(nn.Module):
     ``share_streams``). Layer i's hidden state is ``LayerNorm(h + Attention(h))`` of layer i-1.
     """
 
-    def __init__(self, vocab_sizes: Dict[str, int], padding_idx: Dict[str, int], dim: int, max_positions: int,
-                 init_drop: float, temperature: float, share_streams: bool = False,
-                 positions_option: str = flag_name(AttendOutConfig.FLAG_PREFIX, "max_positions")):
+    def __init__(
+        self,
+        vocab_sizes: Dict[str, int],
+        padding_idx: Dict[str, int],
+        dim: int,
+        max_positions: int,
+        init_drop: float,
+        temperature: float,
+        share_streams: bool = False,
+        positions_option: str = flag_name(AttendOutConfig.FLAG_PREFIX, "max_positions"),
+    ):
         super().__init__()
         self.dim, self.temperature, self.padding_idx = dim, float(temperature), dict(padding_idx)
         self.positions_option = positions_option  # how a too-long sequence's error names the option
@@ -48,10 +56,10 @@ class Generator(nn.Module):
                 {s: nn.Embedding(vocab_sizes[s], dim, padding_idx=padding_idx[s]) for s in streams}
             )
         for table in self.embeddings.values():
-            nn.init.normal_(table.weight, std=dim ** -0.5)
+            nn.init.normal_(table.weight, std=dim**-0.5)
             nn.init.zeros_(table.weight[table.padding_idx])
         self.positions = nn.Embedding(max_positions, dim)
-        nn.init.normal_(self.positions.weight, std=dim ** -0.5)
+        nn.init.normal_(self.positions.weight, std=dim**-0.5)
         # The one attention head, shared by every layer (paper: "share one group of parameters").
         self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
         self.norm = nn.LayerNorm(dim)
@@ -59,9 +67,11 @@ class Generator(nn.Module):
         self.drop_bias = nn.Parameter(torch.tensor(math.log(init_drop / (1 - init_drop)) * self.temperature))
 
     def _scores(self, hq: torch.Tensor, hk: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(self.query(hq), self.key(hk).transpose(-2, -1)) * self.dim ** -0.5
+        return torch.matmul(self.query(hq), self.key(hk).transpose(-2, -1)) * self.dim**-0.5
 
-    def hidden_states(self, stream: str, tokens: torch.Tensor, num_layers: int, causal: bool) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    def hidden_states(
+        self, stream: str, tokens: torch.Tensor, num_layers: int, causal: bool
+    ) -> Tuple[List[torch.Tensor], torch.Tensor]:
         """Inputs of layers 0..num_layers-1 for one stream, and its (B, 1, L, L) validity."""
         length = tokens.shape[1]
         if length > self.positions.num_embeddings:
@@ -76,7 +86,7 @@ class Generator(nn.Module):
         # Positions count the sentence's own tokens (as fairseq's make_positions does): a
         # left-padded sentence (fairseq sources) gets the masks it gets unpadded, whatever batch it is in.
         positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
-        h = self.embeddings[stream](tokens) * self.dim ** 0.5 + self.positions(positions)
+        h = self.embeddings[stream](tokens) * self.dim**0.5 + self.positions(positions)
         states = [h]
         fill = torch.finfo(h.dtype).min / 4
         for _ in range(num_layers - 1):
@@ -86,7 +96,9 @@ class Generator(nn.Module):
             states.append(h)
         return states, valid
 
-    def drop_logits(self, streams: Dict[str, torch.Tensor], sites: Sequence[AttentionSite]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def drop_logits(
+        self, streams: Dict[str, torch.Tensor], sites: Sequence[AttentionSite]
+    ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """(logits (B, 1, T, S), valid units (B, 1, T, S)) for each site, in order."""
         needed: Dict[str, int] = {}
         for site in sites:

@@ -1,4 +1,5 @@
 """AttendOut's JSONL log: one line per dropout step (the data of the paper's Fig. 3)."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """The Generator's policy: Gumbel-max sampling of drop actions and the REINFORCE loss (Eq. 5)."""
+
 from __future__ import annotations
 
 from typing import Optional

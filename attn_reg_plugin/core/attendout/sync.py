@@ -1,4 +1,5 @@
 """Re-syncing Defender and Attacker: the survivor's weights and optimizer state overwrite the other's."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -16,8 +17,12 @@ def copy_model_state(source: nn.Module, destination: nn.Module) -> None:
         d.copy_(s)
 
 
-def copy_optimizer_state(source: torch.optim.Optimizer, source_params: Sequence[torch.Tensor],
-                         destination: torch.optim.Optimizer, destination_params: Sequence[torch.Tensor]) -> None:
+def copy_optimizer_state(
+    source: torch.optim.Optimizer,
+    source_params: Sequence[torch.Tensor],
+    destination: torch.optim.Optimizer,
+    destination_params: Sequence[torch.Tensor],
+) -> None:
     """Give ``destination`` a copy of ``source``'s per-parameter state (Adam moments, step)."""
     for s, d in zip(source_params, destination_params):
         state = source.state.get(s)
