@@ -18,6 +18,7 @@ pseudo-label token loss. A transformers model classifies: its pseudo-label logit
 target (an encoder without a trained head, such as the offline MiniLM, gets a new 2-class head
 from ``--seed``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,31 +42,44 @@ KINDS = ("encoder-self", "decoder-self", "encoder-decoder")
 class Picture:
     """One model and one input: what a site's attention and attribution are computed from."""
 
-    def __init__(self, controller, forward: Callable[[], object], target, model: torch.nn.Module,
-                 tokens: dict):
+    def __init__(self, controller, forward: Callable[[], object], target, model: torch.nn.Module, tokens: dict):
         self.controller, self.forward, self.target, self.model = controller, forward, target, model
         self.tokens = tokens  # kind -> (query tokens, key tokens)
 
-    def panels(self, kind: str, layer: int, head: int, attribution: str, p: float, q: float, seed: int,
-               iga_steps: int = 20) -> dict:
+    def panels(
+        self, kind: str, layer: int, head: int, attribution: str, p: float, q: float, seed: int, **options
+    ) -> dict:
+        """``options``: further ADDropConfig fields (e.g. ``iga_steps``); unset ones keep the config's defaults."""
         config = dict(attention=kind, layers=str(layer), p=p, q=q)
         maps = self._site_values(ADDrop(ADDropConfig(**config, attribution="aa"), self.controller))
-        scores = self._site_values(ADDrop(ADDropConfig(**config, attribution=attribution, iga_steps=iga_steps),
-                                          self.controller))
+        scores = self._site_values(ADDrop(ADDropConfig(**config, attribution=attribution, **options), self.controller))
         attention, valid = maps
         attr, _ = scores
         if not 0 <= head < attention.shape[1]:
-            raise ValueError(f"--head must be in 0..{attention.shape[1] - 1} (the layer has {attention.shape[1]} heads), "
-                             f"got {head}")
+            raise ValueError(
+                f"--head must be in 0..{attention.shape[1] - 1} (the layer has {attention.shape[1]} heads), got {head}"
+            )
         region = candidate_region(attr, valid, p)
         generator = torch.Generator(device=attr.device).manual_seed(seed)
         dropped = sample_drops(region, q, valid, attr, generator)
-        pick = (lambda t: t.expand_as(attention)[0, head].detach().cpu())  # first (only) sentence, one head
+        pick = lambda t: t.expand_as(attention)[0, head].detach().cpu()  # first (only) sentence, one head
         queries, keys = self.tokens[kind]
-        return {"kind": kind, "layer": layer, "head": head, "attribution_method": attribution, "p": p, "q": q,
-                "seed": seed, "queries": queries, "keys": keys,
-                "attention": pick(attention).tolist(), "attribution": pick(attr).tolist(),
-                "valid": pick(valid).tolist(), "candidates": pick(region).tolist(), "dropped": pick(dropped).tolist()}
+        return {
+            "kind": kind,
+            "layer": layer,
+            "head": head,
+            "attribution_method": attribution,
+            "p": p,
+            "q": q,
+            "seed": seed,
+            "queries": queries,
+            "keys": keys,
+            "attention": pick(attention).tolist(),
+            "attribution": pick(attr).tolist(),
+            "valid": pick(valid).tolist(),
+            "candidates": pick(region).tolist(),
+            "dropped": pick(dropped).tolist(),
+        }
 
     def _site_values(self, ad_drop: ADDrop):
         was_training = self.model.training
@@ -81,8 +95,9 @@ class Picture:
 
 
 # -- the two kinds of model -------------------------------------------------------------------------
-def fairseq_picture(checkpoint: Path, data_bin: Path, sentence: str, target: Optional[str],
-                    spm_model: Optional[Path]) -> Picture:
+def fairseq_picture(
+    checkpoint: Path, data_bin: Path, sentence: str, target: Optional[str], spm_model: Optional[Path]
+) -> Picture:
     from fairseq.dataclass.configs import GenerationConfig
 
     model, task, criterion = fairseq_translation(checkpoint, data_bin)
@@ -111,10 +126,18 @@ def fairseq_picture(checkpoint: Path, data_bin: Path, sentence: str, target: Opt
     sample = {"net_input": {**net_input, "prev_output_tokens": prev[None]}, "target": tgt[None], "ntokens": len(tgt)}
     src_tokens = [src_dict[i] for i in src.tolist()]
     tgt_inputs = [tgt_dict[i] for i in prev.tolist()]
-    tokens = {"encoder-self": (src_tokens, src_tokens), "decoder-self": (tgt_inputs, tgt_inputs),
-              "encoder-decoder": (tgt_inputs, src_tokens)}
-    return Picture(task.attn_reg_controller, lambda: criterion.attribution_forward(model, sample),
-                   criterion.attribution_target(model, sample), model, tokens)
+    tokens = {
+        "encoder-self": (src_tokens, src_tokens),
+        "decoder-self": (tgt_inputs, tgt_inputs),
+        "encoder-decoder": (tgt_inputs, src_tokens),
+    }
+    return Picture(
+        task.attn_reg_controller,
+        lambda: criterion.attribution_forward(model, sample),
+        criterion.attribution_target(model, sample),
+        model,
+        tokens,
+    )
 
 
 def hf_picture(model_dir: str, sentence: str, num_labels: int, seed: int) -> Picture:
@@ -126,8 +149,13 @@ def hf_picture(model_dir: str, sentence: str, num_labels: int, seed: int) -> Pic
     inputs = dict(tokenizer([sentence], return_tensors="pt"))
     forward_inputs = trainer.ad_drop_forward_inputs(model, inputs)
     words = tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
-    return Picture(trainer.ad_drop_controller, lambda: model(**forward_inputs), trainer.ad_drop_target(model, inputs),
-                   model, {"encoder-self": (words, words)})
+    return Picture(
+        trainer.ad_drop_controller,
+        lambda: model(**forward_inputs),
+        trainer.ad_drop_target(model, inputs),
+        model,
+        {"encoder-self": (words, words)},
+    )
 
 
 # -- drawing ----------------------------------------------------------------------------------------
@@ -140,12 +168,20 @@ def draw(numbers: dict, path: Path, title: str) -> Path:
     valid = torch.tensor(numbers["valid"])
     attribution = torch.tensor(numbers["attribution"]).masked_fill(~valid, float("nan"))
     limit = float(attribution.nan_to_num(0.0).abs().max()) or 1.0
-    panels = [("attention weights", torch.tensor(numbers["attention"]), dict(cmap="Blues", vmin=0.0)),
-              (f"attribution ({numbers['attribution_method']})", attribution, dict(cmap="RdBu_r", vmin=-limit, vmax=limit)),
-              (f"candidate region (top {numbers['p']:g} of each row)", torch.tensor(numbers["candidates"]).float(),
-               dict(cmap="Oranges", vmin=0.0, vmax=1.0)),
-              (f"dropped (each candidate with q = {numbers['q']:g})", torch.tensor(numbers["dropped"]).float(),
-               dict(cmap="Reds", vmin=0.0, vmax=1.0))]
+    panels = [
+        ("attention weights", torch.tensor(numbers["attention"]), dict(cmap="Blues", vmin=0.0)),
+        (f"attribution ({numbers['attribution_method']})", attribution, dict(cmap="RdBu_r", vmin=-limit, vmax=limit)),
+        (
+            f"candidate region (top {numbers['p']:g} of each row)",
+            torch.tensor(numbers["candidates"]).float(),
+            dict(cmap="Oranges", vmin=0.0, vmax=1.0),
+        ),
+        (
+            f"dropped (each candidate with q = {numbers['q']:g})",
+            torch.tensor(numbers["dropped"]).float(),
+            dict(cmap="Reds", vmin=0.0, vmax=1.0),
+        ),
+    ]
     queries, keys = numbers["queries"], numbers["keys"]
     size = 0.28 * max(len(keys), 6)
     fig, axes = plt.subplots(1, 4, figsize=(4 * size + 2.5, 0.28 * max(len(queries), 6) + 1.8))
@@ -169,10 +205,16 @@ def draw(numbers: dict, path: Path, title: str) -> Path:
 # -- the command ------------------------------------------------------------------------------------
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fairseq-checkpoint", type=Path, help="a translation checkpoint trained with --task attn_reg_translation")
+    ap.add_argument(
+        "--fairseq-checkpoint", type=Path, help="a translation checkpoint trained with --task attn_reg_translation"
+    )
     ap.add_argument("--data-bin", type=Path, help="its binarized data (dictionaries)")
-    ap.add_argument("--spm-model", type=Path, help="sentencepiece model of the data (default <data-bin>/../spm/spm.model "
-                                                   "if it exists; without one the sentence is taken as dictionary units)")
+    ap.add_argument(
+        "--spm-model",
+        type=Path,
+        help="sentencepiece model of the data (default <data-bin>/../spm/spm.model "
+        "if it exists; without one the sentence is taken as dictionary units)",
+    )
     ap.add_argument("--target", help="fairseq: the decoder's input sentence (default: the model's greedy translation)")
     ap.add_argument("--hf-model", help="a transformers model folder, or 'minilm' for the offline MiniLM")
     ap.add_argument("--num-labels", type=int, default=2, help="HF: classes of the head (default 2)")
@@ -220,12 +262,17 @@ def main(argv=None) -> int:
         ap.error(str(e))
     numbers.update(model=source, sentence=args.sentence, environment=environment())
     short = "/".join(Path(source).parts[-2:])
-    png = draw(numbers, args.out.with_suffix(".png"),
-               f"{short}: {args.attention} layer {args.layer}, head {args.head}\n{args.sentence}")
+    png = draw(
+        numbers,
+        args.out.with_suffix(".png"),
+        f"{short}: {args.attention} layer {args.layer}, head {args.head}\n{args.sentence}",
+    )
     args.out.with_suffix(".json").write_text(json.dumps(numbers, indent=1) + "\n", encoding="utf-8")
     dropped = sum(map(sum, numbers["dropped"]))
-    print(f"{png} and {args.out.with_suffix('.json')}: {sum(map(sum, numbers['candidates']))} candidates, "
-          f"{dropped} dropped of {sum(map(sum, numbers['valid']))} attendable positions")
+    print(
+        f"{png} and {args.out.with_suffix('.json')}: {sum(map(sum, numbers['candidates']))} candidates, "
+        f"{dropped} dropped of {sum(map(sum, numbers['valid']))} attendable positions"
+    )
     return 0
 
 

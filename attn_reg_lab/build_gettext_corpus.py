@@ -146,7 +146,8 @@ def find_catalogs(locale_dir: str, lang: str, exclude=()) -> list[str]:
     return sorted(
         os.path.join(folder, name)
         for name in os.listdir(folder)
-        if name.endswith(".mo") and os.path.isfile(os.path.join(folder, name))
+        if name.endswith(".mo")
+        and os.path.isfile(os.path.join(folder, name))
         and not any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude)
     )
 
@@ -198,8 +199,8 @@ def split_pairs(pairs, n_valid: int, n_test: int, seed: int):
     shuffled = list(pairs)
     random.Random(seed).shuffle(shuffled)
     valid = shuffled[:n_valid]
-    test = shuffled[n_valid:n_valid + n_test]
-    train = shuffled[n_valid + n_test:]
+    test = shuffled[n_valid : n_valid + n_test]
+    train = shuffled[n_valid + n_test :]
     return {"train": train, "valid": valid, "test": test}
 
 
@@ -213,8 +214,7 @@ def write_splits(out_dir: str, lang: str, splits) -> None:
                     fp.write(pair[index] + "\n")
 
 
-def build(lang, locale_dir, out_dir, n_valid=500, n_test=1000, seed=1, min_words=3,
-          exclude=()):
+def build(lang, locale_dir, out_dir, n_valid=500, n_test=1000, seed=1, min_words=3, exclude=()):
     """Build the corpus; returns (splits, stats). Raises CorpusError."""
     if not os.path.isdir(locale_dir):
         raise CorpusError(f"locale directory {locale_dir!r} does not exist")
@@ -223,7 +223,8 @@ def build(lang, locale_dir, out_dir, n_valid=500, n_test=1000, seed=1, min_words
         raise CorpusError(
             f"no gettext catalogs for language {lang!r}: nothing matches "
             f"{os.path.join(locale_dir, lang, 'LC_MESSAGES', '*.mo')}"
-            + (f" outside --exclude {' '.join(exclude)}" if exclude else "") + " "
+            + (f" outside --exclude {' '.join(exclude)}" if exclude else "")
+            + " "
             "(install the language's translations, e.g. its language-pack or l10n "
             "packages, or pick a language listed under the locale directory)"
         )
@@ -246,7 +247,7 @@ def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -261,13 +262,9 @@ def _positive_int(text: str) -> int:
 
 def _lang(text: str) -> str:
     if not LANG_RE.match(text):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a locale name such as ro, tr, pt_BR or sr@latin"
-        )
+        raise argparse.ArgumentTypeError(f"{text!r} is not a locale name such as ro, tr, pt_BR or sr@latin")
     if text == "en":
-        raise argparse.ArgumentTypeError(
-            "'en' is the source side; pick the target language (e.g. ro, tr, en_GB)"
-        )
+        raise argparse.ArgumentTypeError("'en' is the source side; pick the target language (e.g. ro, tr, en_GB)")
     return text
 
 
@@ -278,21 +275,31 @@ def make_parser() -> argparse.ArgumentParser:
         "(LOCALE_DIR/LANG/LC_MESSAGES/*.mo) of a Debian/Ubuntu machine. The output "
         "inherits the licences of the source packages.",
     )
-    parser.add_argument("--lang", required=True, type=_lang,
-                        help="target language as named under the locale directory (ro, tr, pt_BR, ...)")
-    parser.add_argument("--locale-dir", default="/usr/share/locale",
-                        help="directory holding <lang>/LC_MESSAGES/*.mo (default: %(default)s)")
+    parser.add_argument(
+        "--lang",
+        required=True,
+        type=_lang,
+        help="target language as named under the locale directory (ro, tr, pt_BR, ...)",
+    )
+    parser.add_argument(
+        "--locale-dir",
+        default="/usr/share/locale",
+        help="directory holding <lang>/LC_MESSAGES/*.mo (default: %(default)s)",
+    )
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
-    parser.add_argument("--valid", type=_non_negative_int, default=500,
-                        help="validation pairs (default: %(default)s)")
-    parser.add_argument("--test", type=_non_negative_int, default=1000,
-                        help="test pairs (default: %(default)s)")
+    parser.add_argument("--valid", type=_non_negative_int, default=500, help="validation pairs (default: %(default)s)")
+    parser.add_argument("--test", type=_non_negative_int, default=1000, help="test pairs (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1, help="shuffle seed (default: %(default)s)")
-    parser.add_argument("--min-words", type=_positive_int, default=3,
-                        help="minimum English words per message (default: %(default)s)")
-    parser.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                        help="skip catalogs whose file name matches GLOB, e.g. 'iso_*' "
-                        "(country/language/currency names); repeatable")
+    parser.add_argument(
+        "--min-words", type=_positive_int, default=3, help="minimum English words per message (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="skip catalogs whose file name matches GLOB, e.g. 'iso_*' (country/language/currency names); repeatable",
+    )
     return parser
 
 
@@ -300,21 +307,25 @@ def main(argv=None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     try:
-        splits, stats = build(args.lang, args.locale_dir, args.out, args.valid,
-                              args.test, args.seed, args.min_words, args.exclude)
+        splits, stats = build(
+            args.lang, args.locale_dir, args.out, args.valid, args.test, args.seed, args.min_words, args.exclude
+        )
     except CorpusError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1
-    print(f"catalogs read: {stats['catalogs']}"
-          + (f" ({stats['unreadable catalogs']} unreadable, skipped)"
-             if stats["unreadable catalogs"] else ""))
-    dropped = ", ".join(f"{reason} {count}" for reason, count in sorted(stats.items())
-                        if reason not in ("catalogs", "unreadable catalogs"))
+    print(
+        f"catalogs read: {stats['catalogs']}"
+        + (f" ({stats['unreadable catalogs']} unreadable, skipped)" if stats["unreadable catalogs"] else "")
+    )
+    dropped = ", ".join(
+        f"{reason} {count}"
+        for reason, count in sorted(stats.items())
+        if reason not in ("catalogs", "unreadable catalogs")
+    )
     print(f"dropped: {dropped or 'none'}")
     for name in SPLITS:
         print(f"{name}: {len(splits[name])} pairs")
-    print(f"total: {sum(len(s) for s in splits.values())} pairs -> {args.out}"
-          f" ({{train,valid,test}}.en / .{args.lang})")
+    print(f"total: {sum(len(s) for s in splits.values())} pairs -> {args.out} ({{train,valid,test}}.en / .{args.lang})")
     return 0
 
 

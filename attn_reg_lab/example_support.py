@@ -3,6 +3,7 @@
 Readers never skip or repair a bad line: they raise ``ValueError`` naming the file and the
 1-based line, before any training starts.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,13 +21,20 @@ def read_text_lines(path: Path) -> List[str]:
         try:
             lines.append(raw.decode("utf-8"))
         except UnicodeDecodeError as err:
-            raise ValueError(f"{path}:{number}: not valid UTF-8 ({err.reason} at byte {err.start} of the line)") from None
+            raise ValueError(
+                f"{path}:{number}: not valid UTF-8 ({err.reason} at byte {err.start} of the line)"
+            ) from None
     return lines
 
 
 def read_jsonl(path: Path) -> Iterator[Tuple[int, dict]]:
-    """(line number, object) for each line of a JSON-lines file; blank lines and non-objects are errors."""
+    """(line number, object) for each line of a JSON-lines file; blank lines and non-objects are errors.
+
+    The lab's one JSONL reader (the few-shot loader checks its fields on top). A byte-order mark
+    before the first line is dropped."""
     for number, line in enumerate(read_text_lines(path), start=1):
+        if number == 1:
+            line = line.removeprefix("\ufeff")
         if not line.strip():
             raise ValueError(f"{path}:{number}: empty line (every line must hold one JSON object)")
         try:
@@ -38,7 +46,9 @@ def read_jsonl(path: Path) -> Iterator[Tuple[int, dict]]:
         yield number, row
 
 
-def read_parallel(directory: Path, split: str, src: str, tgt: str, limit: Optional[int] = None) -> Tuple[List[str], List[str]]:
+def read_parallel(
+    directory: Path, split: str, src: str, tgt: str, limit: Optional[int] = None
+) -> Tuple[List[str], List[str]]:
     """``{split}.{src}`` and ``{split}.{tgt}``: same line count, no empty sentence; first ``limit`` pairs."""
     sides = []
     for lang in (src, tgt):
@@ -77,7 +87,9 @@ def epoch_table(log_history: Sequence[Dict[str, float]]) -> List[Dict[str, objec
     return [rows[e] for e in sorted(rows)]
 
 
-def train_and_log(method: str, trainer, metric: Optional[str] = None, finite: bool = False) -> Tuple[List[Dict[str, object]], float]:
+def train_and_log(
+    method: str, trainer, metric: Optional[str] = None, finite: bool = False
+) -> Tuple[List[Dict[str, object]], float]:
     """Train, print one line per epoch (``[method] epoch 2 | AD-DROP | ...``) and return the epoch rows
     and the training seconds; with ``finite``, an epoch without a finite training loss is an error."""
     import math
@@ -119,15 +131,21 @@ def format_epoch_row(row: Dict[str, object], metric: Optional[str] = None) -> st
 METHODS = ("plain", "ad-drop")
 
 
-def add_ad_drop_options(ap, p: float = 0.2, q: float = 0.2, layers: str = "all", attention: str = "encoder-self") -> None:
+def add_ad_drop_options(
+    ap, p: float = 0.2, q: float = 0.2, layers: str = "all", attention: str = "encoder-self"
+) -> None:
     """``--methods`` and the ``--ad-drop-*`` options (ADDropConfig's fields, as in fairseq); a
     default of None means the runner picks the paper's value for the task."""
     from attn_reg_plugin.core import ADDropConfig
     from attn_reg_plugin.core.options import add_arguments
 
     ap.add_argument("--methods", default="plain,ad-drop", help=f"comma list of {', '.join(METHODS)}, run in that order")
-    add_arguments(ap, ADDropConfig, only=("p", "q", "layers", "attention", "attribution", "schedule"),
-                  defaults={"p": p, "q": q, "layers": layers, "attention": attention})
+    add_arguments(
+        ap,
+        ADDropConfig,
+        only=("p", "q", "layers", "attention", "attribution", "schedule"),
+        defaults={"p": p, "q": q, "layers": layers, "attention": attention},
+    )
 
 
 def check_common_args(ap, args, positive: Sequence[str] = ()) -> None:
@@ -159,12 +177,22 @@ def hf_trainer(method: str, args, output_dir: Path, seq2seq: bool = False, **tra
     from attn_reg_plugin.hf import ADDropSeq2SeqTrainer, ADDropTrainer
 
     arguments = (transformers.Seq2SeqTrainingArguments if seq2seq else transformers.TrainingArguments)(
-        output_dir=str(output_dir), learning_rate=args.lr, num_train_epochs=args.epochs,
-        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
-        eval_strategy="epoch", logging_strategy="epoch", save_strategy="no", report_to=[], seed=args.seed,
-        fp16=args.fp16, remove_unused_columns=False, disable_tqdm=True,
+        output_dir=str(output_dir),
+        learning_rate=args.lr,
+        num_train_epochs=args.epochs,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        eval_strategy="epoch",
+        logging_strategy="epoch",
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        fp16=args.fp16,
+        remove_unused_columns=False,
+        disable_tqdm=True,
     )
     if method == "plain":
         return (transformers.Seq2SeqTrainer if seq2seq else transformers.Trainer)(args=arguments, **trainer_kwargs)
-    return (ADDropSeq2SeqTrainer if seq2seq else ADDropTrainer)(args=arguments, ad_drop=ad_drop_config(args),
-                                                                **trainer_kwargs)
+    return (ADDropSeq2SeqTrainer if seq2seq else ADDropTrainer)(
+        args=arguments, ad_drop=ad_drop_config(args), **trainer_kwargs
+    )

@@ -1,16 +1,18 @@
 """Few-shot data: the JSON-lines loader with its errors, class-balanced subsets, file digests."""
+
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+from .example_support import read_jsonl
+
 
 class DataError(ValueError):
-    """Malformed input file; the message starts with ``path:line:``."""
+    """Malformed input file; the message starts with ``path:line:`` (``path:`` for a whole-file problem)."""
 
 
 @dataclass(frozen=True)
@@ -23,31 +25,13 @@ def load_jsonl(path: Path, num_labels: int = 2) -> List[Example]:
     """Every line of ``path`` as an :class:`Example`; any malformed line raises :class:`DataError`."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise DataError(f"{path}: cannot read: {e.strerror}") from None
-    lines = raw.split(b"\n")
-    if lines and lines[-1] == b"":  # the newline that ends the last line
-        lines.pop()
+        rows = list(read_jsonl(path))
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, blank, not JSON, not an object
+        raise DataError(str(e)) from None
     label_set = "{" + ", ".join(str(i) for i in range(num_labels)) + "}"
     examples = []
-    for number, data in enumerate(lines, start=1):
+    for number, record in rows:
         where = f"{path}:{number}"
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start} of the line)") from None
-        if number == 1:
-            text = text.removeprefix("\ufeff")
-        text = text.rstrip("\r")
-        if not text.strip():
-            raise DataError(f"{where}: blank line; expected one JSON object per line")
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: bad JSON: {e.msg} (column {e.colno})") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{where}: expected a JSON object with 'sentence' and 'label', got {type(record).__name__}")
         for key in ("sentence", "label"):
             if key not in record:
                 raise DataError(f"{where}: missing key {key!r}")
@@ -96,5 +80,3 @@ def sample_balanced(examples: Sequence[Example], size: int, seed: int, num_label
 
 def file_digest(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-

@@ -15,6 +15,7 @@ cell is picked on the dev metric only; test numbers are reported beside it, neve
 heatmap of the dev metric over p x q (the paper's Fig. 4) is written per schedule and layer
 choice, side by side.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
+from .provenance import environment
 
 
 @dataclass(frozen=True)
@@ -48,13 +50,24 @@ def _fewshot_cell(cell: dict, runner_args: List[str], run_dir: Path) -> Dict[str
     methods = ["plain"] if cell["method"] == "plain" else ["ad-drop"]
     argv = [*runner_args, "--methods", *methods, "--out-dir", str(run_dir), "--resume"]
     if cell["method"] == "ad-drop":
-        argv += ["--ad-drop-p", str(cell["p"]), "--ad-drop-q", str(cell["q"]), "--ad-drop-layers", cell["layers"],
-                 "--ad-drop-schedule", cell["schedule"]]
+        argv += [
+            "--ad-drop-p",
+            str(cell["p"]),
+            "--ad-drop-q",
+            str(cell["q"]),
+            "--ad-drop-layers",
+            cell["layers"],
+            "--ad-drop-schedule",
+            cell["schedule"],
+        ]
     if fewshot.main(argv) != 0:
         raise RuntimeError(f"attn-reg-fewshot {shlex.join(argv)} failed")
     runs = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))["runs"]
-    return {"dev": statistics.fmean(r["best_dev_acc"] for r in runs),
-            "test": statistics.fmean(r["test_acc"] for r in runs), "runs": len(runs)}
+    return {
+        "dev": statistics.fmean(r["best_dev_acc"] for r in runs),
+        "test": statistics.fmean(r["test_acc"] for r in runs),
+        "runs": len(runs),
+    }
 
 
 def _mt_cell(cell: dict, runner_args: List[str], run_dir: Path) -> Dict[str, float]:
@@ -63,8 +76,16 @@ def _mt_cell(cell: dict, runner_args: List[str], run_dir: Path) -> Dict[str, flo
     method = "plain" if cell["method"] == "plain" else "AD-DROP"
     argv = [*runner_args, "--methods", method, "--out", str(run_dir)]
     if cell["method"] == "ad-drop":
-        argv += ["--ad-drop-p", str(cell["p"]), "--ad-drop-q", str(cell["q"]), "--ad-drop-layers", cell["layers"],
-                 "--ad-drop-schedule", cell["schedule"]]
+        argv += [
+            "--ad-drop-p",
+            str(cell["p"]),
+            "--ad-drop-q",
+            str(cell["q"]),
+            "--ad-drop-layers",
+            cell["layers"],
+            "--ad-drop-schedule",
+            cell["schedule"],
+        ]
     if demo.main(argv) != 0:
         raise RuntimeError(f"attn-reg-demo {shlex.join(argv)} failed")
     (row,) = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))["rows"]
@@ -84,11 +105,17 @@ def cell_name(cell: dict) -> str:
     return f"p{cell['p']:g}_q{cell['q']:g}_layers-{cell['layers'].replace(',', '-')}_{cell['schedule']}"
 
 
-def grid(p_values: Sequence[float], q_values: Sequence[float], layers: Sequence[str], schedules: Sequence[str],
-         plain: bool) -> List[dict]:
+def grid(
+    p_values: Sequence[float], q_values: Sequence[float], layers: Sequence[str], schedules: Sequence[str], plain: bool
+) -> List[dict]:
     cells = [{"method": "plain"}] if plain else []
-    cells += [{"method": "ad-drop", "p": p, "q": q, "layers": lay, "schedule": s}
-              for s in schedules for lay in layers for p in p_values for q in q_values]
+    cells += [
+        {"method": "ad-drop", "p": p, "q": q, "layers": lay, "schedule": s}
+        for s in schedules
+        for lay in layers
+        for p in p_values
+        for q in q_values
+    ]
     return cells
 
 
@@ -115,8 +142,12 @@ def heatmap(results: List[dict], runner: Runner, path: Path, title: str) -> Path
     low, high = min(values), max(values)
     best = best_cell(results, runner.higher_is_better)
     plain = next((r for r in results if r["cell"]["method"] == "plain"), None)
-    fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 1.1 * len(qs) * len(panels) + 1.0 * len(panels),
-                                                      1.6 + 0.8 * len(ps)), squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(1.2 + 1.1 * len(qs) * len(panels) + 1.0 * len(panels), 1.6 + 0.8 * len(ps)),
+        squeeze=False,
+    )
     for ax, (schedule, layers) in zip(axes[0], panels):
         table = [[None] * len(qs) for _ in ps]
         for r in cells:
@@ -129,12 +160,24 @@ def heatmap(results: List[dict], runner: Runner, path: Path, title: str) -> Path
             for j, v in enumerate(row):
                 if v is None:
                     continue
-                mark = best["cell"] == {"method": "ad-drop", "p": ps[i], "q": qs[j], "layers": layers,
-                                        "schedule": schedule}
+                mark = best["cell"] == {
+                    "method": "ad-drop",
+                    "p": ps[i],
+                    "q": qs[j],
+                    "layers": layers,
+                    "schedule": schedule,
+                }
                 goodness = (v - low) / ((high - low) or 1.0)
                 goodness = goodness if runner.higher_is_better else 1.0 - goodness
-                ax.text(j, i, f"{v:.4f}" + ("\nbest" if mark else ""), ha="center", va="center", fontsize=8,
-                        color="white" if goodness < 0.5 else "black")
+                ax.text(
+                    j,
+                    i,
+                    f"{v:.4f}" + ("\nbest" if mark else ""),
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white" if goodness < 0.5 else "black",
+                )
         ax.set_xticks(range(len(qs)), [f"{q:g}" for q in qs])
         ax.set_yticks(range(len(ps)), [f"{p:g}" for p in ps])
         ax.set_xlabel("q (drop probability)")
@@ -167,12 +210,16 @@ def parse_args(argv=None):
     runner_args: List[str] = []
     if "--" in argv:
         split = argv.index("--")
-        argv, runner_args = argv[:split], argv[split + 1:]
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 usage="attn-reg-sweep {fewshot,mt} [options] -- [runner options]")
+        argv, runner_args = argv[:split], argv[split + 1 :]
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], usage="attn-reg-sweep {fewshot,mt} [options] -- [runner options]"
+    )
     ap.add_argument("runner", choices=tuple(RUNNERS), help="fewshot: attn-reg-fewshot; mt: attn-reg-demo (EN-RO)")
-    ap.add_argument("--out-dir", type=Path, help="where cells/, runs/, sweep.json and the heatmap go "
-                                                  "(default outputs/sweep/<runner>)")
+    ap.add_argument(
+        "--out-dir",
+        type=Path,
+        help="where cells/, runs/, sweep.json and the heatmap go (default outputs/sweep/<runner>)",
+    )
     ap.add_argument("--p", default="0.1,0.3,0.5", help="comma list of p (the paper's grid is 0.1..0.9)")
     ap.add_argument("--q", default="0.1,0.3,0.5", help="comma list of q")
     ap.add_argument("--layers", default="all", help="';'-separated list of --ad-drop-layers values, e.g. 'all;0'")
@@ -188,8 +235,16 @@ def parse_args(argv=None):
     opts.schedules = [x.strip() for x in opts.schedules.split(",") if x.strip()]
     if not opts.schedules or not set(opts.schedules) <= set(SCHEDULES):
         ap.error(f"--schedules must be a comma list of {', '.join(SCHEDULES)}, got {','.join(opts.schedules)!r}")
-    owned = {"--methods", "--out-dir", "--out", "--resume", "--ad-drop-p", "--ad-drop-q", "--ad-drop-layers",
-             "--ad-drop-schedule"}
+    owned = {
+        "--methods",
+        "--out-dir",
+        "--out",
+        "--resume",
+        "--ad-drop-p",
+        "--ad-drop-q",
+        "--ad-drop-layers",
+        "--ad-drop-schedule",
+    }
     clash = sorted(a.split("=")[0] for a in runner_args if a.split("=")[0] in owned)
     if clash:
         ap.error(f"{', '.join(clash)} after '--' are set by the sweep for each cell; leave them out")
@@ -197,8 +252,10 @@ def parse_args(argv=None):
         sizes = [runner_args[i + 1] for i, a in enumerate(runner_args[:-1]) if a == "--sizes"]
         sizes += [a.split("=", 1)[1] for a in runner_args if a.startswith("--sizes=")]
         if len(sizes) != 1 or "," in sizes[0]:
-            ap.error("fewshot: give exactly one training-set size after '--' (--sizes N): cells are compared on the "
-                     "dev accuracy of one size")
+            ap.error(
+                "fewshot: give exactly one training-set size after '--' (--sizes N): cells are compared on the "
+                "dev accuracy of one size"
+            )
     if opts.out_dir is None:
         opts.out_dir = Path("outputs") / "sweep" / opts.runner
     return ap, opts
@@ -213,9 +270,11 @@ def main(argv=None) -> int:
     if settings_path.exists():
         saved = json.loads(settings_path.read_text(encoding="utf-8"))
         if saved != settings:
-            ap.error(f"{settings_path} was written by a sweep with other settings ({runner.name} "
-                     f"{shlex.join(saved.get('runner_args', []))!r}, not {shlex.join(opts.runner_args)!r}); "
-                     f"use another --out-dir")
+            ap.error(
+                f"{settings_path} was written by a sweep with other settings ({runner.name} "
+                f"{shlex.join(saved.get('runner_args', []))!r}, not {shlex.join(opts.runner_args)!r}); "
+                f"use another --out-dir"
+            )
     (out / "cells").mkdir(parents=True, exist_ok=True)
     settings_path.write_text(json.dumps(settings, indent=1) + "\n", encoding="utf-8")
 
@@ -242,21 +301,36 @@ def main(argv=None) -> int:
         partial.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         os.replace(partial, record_path)
         results.append(record)
-        so_far = best_cell(results, runner.higher_is_better) if any(r["cell"]["method"] == "ad-drop" for r in results) else None
-        print(f"{prefix}: dev {record['dev']:.4f}, test {record['test']:.4f}, {record['seconds']:.0f} s"
-              + (f"; best so far {cell_name(so_far['cell'])} (dev {so_far['dev']:.4f})" if so_far else ""), flush=True)
+        so_far = (
+            best_cell(results, runner.higher_is_better)
+            if any(r["cell"]["method"] == "ad-drop" for r in results)
+            else None
+        )
+        print(
+            f"{prefix}: dev {record['dev']:.4f}, test {record['test']:.4f}, {record['seconds']:.0f} s"
+            + (f"; best so far {cell_name(so_far['cell'])} (dev {so_far['dev']:.4f})" if so_far else ""),
+            flush=True,
+        )
 
     best = best_cell(results, runner.higher_is_better)
     png = heatmap(results, runner, out / "heatmap.png", f"AD-DROP sweep, {runner.name}: {shlex.join(opts.runner_args)}")
     lines = [f"| cell | dev: {runner.dev_metric} | {runner.test_metric} (not used to choose) |", "|---|---|---|"]
     lines += [f"| {cell_name(r['cell'])} | {r['dev']:.4f} | {r['test']:.4f} |" for r in results]
-    summary = {"environment": environment(), "settings": settings, "best": best, "results": results, "heatmap": str(png),
-               "seconds": round(time.time() - started, 1)}
+    summary = {
+        "environment": environment(),
+        "settings": settings,
+        "best": best,
+        "results": results,
+        "heatmap": str(png),
+        "seconds": round(time.time() - started, 1),
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     (out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
-    print(f"\nbest on dev: {cell_name(best['cell'])} (dev {best['dev']:.4f}, test {best['test']:.4f}); "
-          f"heatmap {png}; summary {out / 'summary.md'}")
+    print(
+        f"\nbest on dev: {cell_name(best['cell'])} (dev {best['dev']:.4f}, test {best['test']:.4f}); "
+        f"heatmap {png}; summary {out / 'summary.md'}"
+    )
     return 0
 
 

@@ -16,14 +16,17 @@ This is fairseq's own ``fairseq_cli.train.cli_main`` with two test-only addition
 processes, and ``torchrun`` makes it divide by that count; one process per rank started by the
 test with ``--distributed-no-spawn`` is what remains.)
 """
+
 import os
 import sys
 
-from fairseq_cli.train import cli_main  # first: it sets up fairseq-train's log format
+# isort: off
+from fairseq_cli.train import cli_main  # first: importing it sets up fairseq-train's log format
 
-import torch  # noqa: E402
-from fairseq import checkpoint_utils  # noqa: E402
-from fairseq.models import distributed_fairseq_model  # noqa: E402
+import torch
+from fairseq import checkpoint_utils
+from fairseq.models import distributed_fairseq_model
+# isort: on
 
 
 class _CpuDistributedDataParallel(distributed_fairseq_model.DistributedDataParallel):

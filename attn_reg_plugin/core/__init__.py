@@ -37,18 +37,32 @@ This is also the porting API for your own model (no fairseq or transformers need
 
 ``masked`` runs the attribution pass (no parameter gradients, graph freed) before the block;
 only the block's loss is back-propagated. Bad options raise ``ValueError`` naming the option.
+
+The other regularizers take the same controller: ``AttendOut(AttendOutConfig(...), controller, generator)``,
+``ScheduledAttentionDropout(ScheduledDropoutConfig(...), controller)``,
+``AttentionLayerDrop(AttentionLayerDropConfig(...), controller)`` (docs/PORTING.md).
 """
+
 from .ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
+from .attendout import AttendOut, AttendOutConfig
 from .attention import attend
 from .attribution import logit_target, multi_label_target, regression_target, token_loss_target
 from .controller import ATTENTION_KINDS, AttentionSite, RegularizationController
+from .layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
+from .scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 
 __all__ = [
     "ADDrop",
     "ADDropConfig",
     "ATTENTION_KINDS",
+    "AttendOut",
+    "AttendOutConfig",
+    "AttentionLayerDrop",
+    "AttentionLayerDropConfig",
     "AttentionSite",
     "RegularizationController",
+    "ScheduledAttentionDropout",
+    "ScheduledDropoutConfig",
     "ad_drop_epoch",
     "attend",
     "bare_module",

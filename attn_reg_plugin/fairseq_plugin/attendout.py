@@ -25,6 +25,7 @@ skips the step) and then trains the same batch again (``--amp-batch-retries``); 
 scale drops, A drops that update's gradients and cached masks too, and the update does not count
 towards T (A and D see the retried batch once each). A's own overflow skips A's step, as above.
 """
+
 import inspect
 import logging
 from typing import Callable, Dict, Optional
@@ -32,6 +33,7 @@ from typing import Callable, Dict, Optional
 import torch
 from fairseq import checkpoint_utils, metrics, optim, utils
 
+from ..core.ad_drop import bare_module
 from ..core.attendout import (
     AttendOut,
     AttendOutConfig,
@@ -41,14 +43,15 @@ from ..core.attendout import (
     copy_model_state,
     copy_optimizer_state,
     end_dropout_step,
+    heldout_indices,
     scaler_skipped_step,
 )
-from ..core.ad_drop import bare_module
 from ..core.controller import RegularizationController
-from ..core.distributed import is_distributed, rank
+from ..core.distributed import all_reduce_sum_, is_distributed, rank
 from .attention import install_attention_sites
 
 logger = logging.getLogger(__name__)
+
 
 def _checkpoint_utils_source() -> str:
     # The module's file, not its (possibly wrapped or patched) functions.
@@ -69,9 +72,17 @@ def check_fairseq_supports_task_state() -> None:
 class FairseqAttendOut:
     """The Attacker, its optimizer and the game, for one fairseq task."""
 
-    def __init__(self, config: AttendOutConfig, clip_norm: float, valid_subset: str, log_file: str,
-                 heldout_logits: Callable, streams_of: Callable[[dict], Dict[str, torch.Tensor]],
-                 generator_vocab: Dict[str, object], whole_config=None):
+    def __init__(
+        self,
+        config: AttendOutConfig,
+        clip_norm: float,
+        valid_subset: str,
+        log_file: str,
+        heldout_logits: Callable,
+        streams_of: Callable[[dict], Dict[str, torch.Tensor]],
+        generator_vocab: Dict[str, object],
+        whole_config=None,
+    ):
         self.config = config
         self.clip_norm = clip_norm
         self.valid_subset = valid_subset
@@ -97,9 +108,13 @@ class FairseqAttendOut:
         dicts = self.generator_vocab
         shared = len({id(d) for d in dicts.values()}) == 1
         return Generator(
-            {s: len(d) for s, d in dicts.items()}, {s: d.pad() for s, d in dicts.items()},
-            self.config.generator_dim, self.config.max_positions, self.config.init_drop,
-            self.config.temperature, share_streams=shared,
+            {s: len(d) for s, d in dicts.items()},
+            {s: d.pad() for s, d in dicts.items()},
+            self.config.generator_dim,
+            self.config.max_positions,
+            self.config.init_drop,
+            self.config.temperature,
+            share_streams=shared,
         ).to(device)
 
     def _ensure_attacker(self, defender: torch.nn.Module, optimizer) -> None:
@@ -109,7 +124,9 @@ class FairseqAttendOut:
         wrappers = ("FP16Optimizer", "MemoryEfficientFP16Optimizer", "AMPOptimizer")
         if kind in wrappers and self.whole_config is None:
             # A task built without fairseq-train's whole config cannot build the same wrapper for A.
-            raise NotImplementedError(f"--attendout cannot mirror a {kind} without fairseq-train's config; train in fp32")
+            raise NotImplementedError(
+                f"--attendout cannot mirror a {kind} without fairseq-train's config; train in fp32"
+            )
         defender = bare_module(defender)
         self.attacker, controller = build_attacker(defender, install_attention_sites)
         device = next(defender.parameters()).device
@@ -145,8 +162,11 @@ class FairseqAttendOut:
             loss = loss * 0
         self.attacker_optimizer.backward(loss)  # scaled by A's own loss scaler in half precision
         self.sample_size += float(sample_size) if not ignore_grad else 0.0
-        log = {"attendout_attacker_loss": loss.detach(), "attendout_sample_size": sample_size,
-               "attendout_attacker_overflows": self.attacker_overflows}
+        log = {
+            "attendout_attacker_loss": loss.detach(),
+            "attendout_sample_size": sample_size,
+            "attendout_attacker_overflows": self.attacker_overflows,
+        }
         self.attacker_overflows = 0
         for name, prob in zip(self.game.site_names(), self.game.last_drop_probabilities):
             log[f"attendout_p_{name}"] = prob
@@ -156,8 +176,9 @@ class FairseqAttendOut:
         """D's AMP loss scale before its step (None without --amp), for ``scaler_skipped_step``."""
         return optimizer.scaler.get_scale() if self.attacker is not None and _amp(optimizer) else None
 
-    def after_optimizer_step(self, defender, optimizer, criterion, task, update_num,
-                             scale_before: Optional[float] = None) -> None:
+    def after_optimizer_step(
+        self, defender, optimizer, criterion, task, update_num, scale_before: Optional[float] = None
+    ) -> None:
         if self.attacker is None:
             return
         if scale_before is not None and scaler_skipped_step(optimizer.scaler, scale_before):
@@ -172,9 +193,8 @@ class FairseqAttendOut:
         sample_size = torch.tensor(self.sample_size, dtype=torch.float64)
         if is_distributed():
             for g in grads:
-                torch.distributed.all_reduce(g)
-            sample_size = sample_size.to(grads[0].device if grads else "cpu")
-            torch.distributed.all_reduce(sample_size)
+                all_reduce_sum_(g)
+            sample_size = all_reduce_sum_(sample_size.to(grads[0].device if grads else "cpu"))
         # As the trainer does for D: sum of gradients over all workers / total sample size.
         self.attacker_optimizer.multiply_grads(1.0 / max(float(sample_size), 1.0))
         try:
@@ -200,9 +220,8 @@ class FairseqAttendOut:
     # -- every T updates ------------------------------------------------------------------
     @staticmethod
     def _shared_generator() -> torch.Generator:
-        """Same on every worker and on resume: fairseq seeds torch with seed + num_updates before
-        each update, and torch.initial_seed() is that seed whatever has been drawn since (dropout
-        draws a worker-dependent amount, so the global stream itself differs across workers)."""
+        """The same on resume: fairseq seeds torch with seed + num_updates before each update, and
+        torch.initial_seed() is that seed whatever dropout has drawn since."""
         return torch.Generator().manual_seed(torch.initial_seed() + 1)
 
     def heldout_dataset(self, task):
@@ -215,16 +234,18 @@ class FairseqAttendOut:
                 raise ValueError(f"--attendout-valid-subset {self.valid_subset!r} cannot be loaded: {e}") from None
         dataset = task.datasets[self.valid_subset]
         if len(dataset) == 0:
-            raise ValueError(f"--attendout-valid-subset {self.valid_subset!r} is empty: AttendOut needs held-out samples")
+            raise ValueError(
+                f"--attendout-valid-subset {self.valid_subset!r} is empty: AttendOut needs held-out samples"
+            )
         return dataset
 
     def _heldout_samples(self, task, device, generator):
         dataset = self.heldout_dataset(task)
         n, T = len(dataset), self.config.dropout_step
-        idx = torch.randperm(n, generator=generator)[:T] if n >= T else torch.randint(0, n, (T,), generator=generator)
+        idx = heldout_indices(n, T, generator)
         samples = []
         for start in range(0, len(idx), 64):
-            batch = dataset.collater([dataset[int(i)] for i in idx[start:start + 64]])
+            batch = dataset.collater([dataset[int(i)] for i in idx[start : start + 64]])
             samples.append(utils.move_to_cuda(batch, device=device) if device.type == "cuda" else batch)
         return samples
 
@@ -234,8 +255,14 @@ class FairseqAttendOut:
         samples = self._heldout_samples(task, next(bare.parameters()).device, shared)
         sides = {"defender": (bare, optimizer), "attacker": (self.attacker, self.attacker_optimizer)}
         stats = end_dropout_step(
-            self.game, bare, self.attacker, samples, lambda model, sample: self.heldout_logits(model, sample, criterion),
-            lambda source, destination: _copy_network(*sides[source], *sides[destination]), generator=shared)
+            self.game,
+            bare,
+            self.attacker,
+            samples,
+            lambda model, sample: self.heldout_logits(model, sample, criterion),
+            lambda source, destination: _copy_network(*sides[source], *sides[destination]),
+            generator=shared,
+        )
         if rank() == 0:
             self.drop_log.write(update_num + 1, stats)
             probs = ", ".join(f"{k} {v:.4f}" for k, v in stats["drop_prob"].items())
@@ -289,7 +316,10 @@ def stepped_tensors(model: torch.nn.Module, optimizer) -> list:
 def _copy_network(source, source_optimizer, destination, destination_optimizer) -> None:
     """The survivor's weights, fp32 masters (if any) and optimizer state overwrite the other's."""
     copy_model_state(source, destination)
-    sources, destinations = stepped_tensors(source, source_optimizer), stepped_tensors(destination, destination_optimizer)
+    sources, destinations = (
+        stepped_tensors(source, source_optimizer),
+        stepped_tensors(destination, destination_optimizer),
+    )
     if getattr(source_optimizer, "fp32_params", None) is not None:
         for s, d in zip(sources, destinations):
             d.copy_(s)

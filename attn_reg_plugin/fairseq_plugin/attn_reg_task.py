@@ -12,27 +12,57 @@ Validation and generation are untouched.
 import math
 from dataclasses import field
 
-
 from ..core.attendout import AttendOutConfig
 from ..core.controller import RegularizationController
-from ..core.options import one_regularizer
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
+from ..core.options import one_regularizer
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attendout import FairseqAttendOut, check_fairseq_supports_task_state, reduce_attendout_metrics
 from .attention import install_attention_sites
 from .options import fairseq_options
 
-
 # Flags of the task-level regularizers: the core configs' fields, defaults and help
 # (core.options), after the switches and settings that exist only in fairseq.
-AttnRegTaskOptions = fairseq_options("AttnRegTaskOptions", [
-    AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig,
-], extra=[
-    ("attendout", bool, field(default=False, metadata={"help": "train with AttendOut (Defender/Attacker + learned score dropout)"})),
-    ("attendout_clip_norm", float, field(default=0.0, metadata={"help": "gradient clipping of the Attacker (fairseq does not pass --clip-norm to tasks: use the same value), >= 0"})),
-    ("attendout_valid_subset", str, field(default="valid", metadata={"help": "dataset split the held-out samples are drawn from"})),
-    ("attendout_log_file", str, field(default="", metadata={"help": "append one JSON line per dropout step (per-layer mean drop probability, reward) to this file"})),
-])
+AttnRegTaskOptions = fairseq_options(
+    "AttnRegTaskOptions",
+    [
+        AttendOutConfig,
+        ScheduledDropoutConfig,
+        AttentionLayerDropConfig,
+    ],
+    extra=[
+        (
+            "attendout",
+            bool,
+            field(default=False, metadata={"help": "train with AttendOut (Defender/Attacker + learned score dropout)"}),
+        ),
+        (
+            "attendout_clip_norm",
+            float,
+            field(
+                default=0.0,
+                metadata={
+                    "help": "gradient clipping of the Attacker (fairseq does not pass --clip-norm to tasks: use the same value), >= 0"
+                },
+            ),
+        ),
+        (
+            "attendout_valid_subset",
+            str,
+            field(default="valid", metadata={"help": "dataset split the held-out samples are drawn from"}),
+        ),
+        (
+            "attendout_log_file",
+            str,
+            field(
+                default="",
+                metadata={
+                    "help": "append one JSON line per dropout step (per-layer mean drop probability, reward) to this file"
+                },
+            ),
+        ),
+    ],
+)
 
 
 def _validate_task_options(cfg):
@@ -42,8 +72,15 @@ def _validate_task_options(cfg):
         raise ValueError(f"--attendout-clip-norm must be a finite number >= 0, got {cfg.attendout_clip_norm!r}")
     sched = ScheduledDropoutConfig.from_namespace(cfg).validate()
     layerdrop = AttentionLayerDropConfig.from_namespace(cfg).validate()
-    enabled = [name for name, on in (("--attendout", cfg.attendout), (sched.name("schedule"), sched.enabled),
-                                     (layerdrop.name("p"), layerdrop.enabled)) if on]
+    enabled = [
+        name
+        for name, on in (
+            ("--attendout", cfg.attendout),
+            (sched.name("schedule"), sched.enabled),
+            (layerdrop.name("p"), layerdrop.enabled),
+        )
+        if on
+    ]
     one_regularizer(enabled)
     if enabled:
         refuse_unsupported_training(cfg, enabled[0])
@@ -120,9 +157,14 @@ class AttnRegTaskMixin:
             self.attn_reg_layerdrop = AttentionLayerDrop(layerdrop, self.attn_reg_controller)
         if cfg.attendout:
             self.attn_reg_attendout = FairseqAttendOut(
-                AttendOutConfig.from_namespace(cfg), cfg.attendout_clip_norm, cfg.attendout_valid_subset,
-                cfg.attendout_log_file, self.attendout_heldout_logits, self.attendout_streams,
-                self.attendout_generator_vocab(), _whole_config(cfg),
+                AttendOutConfig.from_namespace(cfg),
+                cfg.attendout_clip_norm,
+                cfg.attendout_valid_subset,
+                cfg.attendout_log_file,
+                self.attendout_heldout_logits,
+                self.attendout_streams,
+                self.attendout_generator_vocab(),
+                _whole_config(cfg),
             )
             self.attn_reg_attendout.validate_against(self.attn_reg_controller)
 
@@ -132,12 +174,14 @@ class AttnRegTaskMixin:
         if attach is not None:
             if self.attn_reg_controller is None:
                 raise RuntimeError("attn_reg_plugin: the model must be built before the criterion")
-            if self.attn_reg_attendout or self.attn_reg_scheduled_dropout or self.attn_reg_layerdrop:
-                raise ValueError(
-                    "an ad_drop criterion cannot be combined with --attendout, --attn-sched-dropout-schedule or "
-                    "--attn-layerdrop-p: choose one attention regularizer per run"
-                )
-            refuse_unsupported_training(self.cfg, "--criterion " + str(getattr(cfg, "_name", "ad_drop")))
+            criterion_option = "--criterion " + str(getattr(cfg, "_name", "ad_drop"))
+            task_regularizers = (
+                ("--attendout", self.attn_reg_attendout),
+                ("--attn-sched-dropout-schedule", self.attn_reg_scheduled_dropout),
+                ("--attn-layerdrop-p", self.attn_reg_layerdrop),
+            )
+            one_regularizer([criterion_option] + [option for option, on in task_regularizers if on])
+            refuse_unsupported_training(self.cfg, criterion_option)
             attach(self.attn_reg_controller)  # validates layers / kinds against the model
         return criterion
 
@@ -159,7 +203,9 @@ class AttnRegTaskMixin:
             loss, sample_size, log = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
         if self.attn_reg_attendout is not None:
             self._attn_reg_criterion = criterion  # the held-out evaluation in optimizer_step needs it
-            log.update(self.attn_reg_attendout.train_attacker(sample, model, criterion, optimizer, update_num, ignore_grad))
+            log.update(
+                self.attn_reg_attendout.train_attacker(sample, model, criterion, optimizer, update_num, ignore_grad)
+            )
         return loss, sample_size, log
 
     def optimizer_step(self, optimizer, model, update_num):

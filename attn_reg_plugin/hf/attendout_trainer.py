@@ -25,6 +25,7 @@ scaler's settings), so each network skips its own overflowing steps: when D's st
 the update still counts (the Trainer counts it too) and A steps unless its own gradients
 overflowed; when A's step is skipped, D steps, and ``attendout_attacker_overflows`` is logged.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,14 +41,22 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..core.ad_drop import bare_module
 from ..core.attendout import (
-    AttendOut, AttendOutConfig, DropProbabilityLog, Generator, build_attacker, copy_model_state, copy_optimizer_state,
-    end_dropout_step, scaler_skipped_step,
+    AttendOut,
+    AttendOutConfig,
+    DropProbabilityLog,
+    Generator,
+    build_attacker,
+    copy_model_state,
+    copy_optimizer_state,
+    end_dropout_step,
+    heldout_indices,
+    scaler_skipped_step,
 )
-from ..core.options import named_by_field
 from ..core.controller import RegularizationController
-from ..core.distributed import all_reduce_mean_, from_rank0, is_distributed, rank
-from .model_inputs import causal_lm, decoder_input_ids_from_labels
+from ..core.distributed import all_reduce_mean_, is_distributed, rank
+from ..core.options import named_by_field
 from .attention import install_attention_sites
+from .model_inputs import causal_lm, decoder_input_ids_from_labels
 from .training_configurations import model_argument, refuse_unsupported, training_arguments
 
 logger = logging.getLogger(__name__)
@@ -73,22 +82,28 @@ def optimizer_like(optimizer, source: torch.nn.Module, twin: torch.nn.Module) ->
     for group in raw.param_groups:
         missing = [p for p in group["params"] if id(p) not in twin_of]
         if missing:
-            raise ValueError("AttendOut: the Trainer's optimizer holds parameters that are not the model's; "
-                             "the Attacker's optimizer cannot mirror it")
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [twin_of[id(p)] for p in group["params"]]})
+            raise ValueError(
+                "AttendOut: the Trainer's optimizer holds parameters that are not the model's; "
+                "the Attacker's optimizer cannot mirror it"
+            )
+        groups.append(
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [twin_of[id(p)] for p in group["params"]]}
+        )
     # defaults only fill keys a group lacks (none here); pass those the constructor accepts.
     accepted = inspect.signature(type(raw)).parameters
     defaults = {k: v for k, v in raw.defaults.items() if k in accepted}
     try:
         return type(raw)(groups, **defaults)
     except TypeError as err:
-        raise TypeError(f"AttendOut cannot build the Attacker's optimizer as a {type(raw).__name__} like the Trainer's: {err}") from None
+        raise TypeError(
+            f"AttendOut cannot build the Attacker's optimizer as a {type(raw).__name__} like the Trainer's: {err}"
+        ) from None
 
 
 class _AttendOutCallback(TrainerCallback):
     """A's step right after D's (before the scheduler moves the learning rate), the dropout step after the update."""
 
-    def __init__(self, trainer: "AttendOutTrainerMixin"):
+    def __init__(self, trainer: AttendOutTrainerMixin):
         self.trainer = trainer
 
     def on_optimizer_step(self, args, state, control, **kwargs):
@@ -122,15 +137,21 @@ class AttendOutTrainerMixin:
         self._attendout_encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
         # A decoder-only LM: its one token stream is the generator's "target" (decoder-self) stream,
         # and held-out losses compare logits t with labels t + 1, as the model's own loss does.
-        self._attendout_decoder_only = (not self._attendout_encoder_decoder
-                                        and self.attendout_defender_controller.num_layers("encoder-self") == 0)
+        self._attendout_decoder_only = (
+            not self._attendout_encoder_decoder and self.attendout_defender_controller.num_layers("encoder-self") == 0
+        )
         self._attendout_causal_lm = causal_lm(model)
         sizes, self._attendout_start_id, shared = self._attendout_vocab(model)
         # A fork: the generator's random init must not shift the Trainer's seeded stream.
         with torch.random.fork_rng(devices=[]):
             self.attendout_generator = Generator(
-                sizes, {s: config.pad_token_id for s in sizes}, attendout.generator_dim, attendout.max_positions,
-                attendout.init_drop, attendout.temperature, share_streams=shared,
+                sizes,
+                {s: config.pad_token_id for s in sizes},
+                attendout.generator_dim,
+                attendout.max_positions,
+                attendout.init_drop,
+                attendout.temperature,
+                share_streams=shared,
                 positions_option=attendout.name("max_positions"),
             )
         # Selecting the sites now checks kinds and layers against the model, before training.
@@ -150,11 +171,17 @@ class AttendOutTrainerMixin:
     def _attendout_check_eval_dataset(self):
         dataset = self.eval_dataset
         if dataset is None:
-            raise ValueError("AttendOutTrainer needs eval_dataset: the held-out samples of every dropout step are drawn from it")
+            raise ValueError(
+                "AttendOutTrainer needs eval_dataset: the held-out samples of every dropout step are drawn from it"
+            )
         if isinstance(dataset, dict):
-            raise ValueError("AttendOutTrainer needs one eval_dataset (not a dict): it draws the held-out samples from it")
+            raise ValueError(
+                "AttendOutTrainer needs one eval_dataset (not a dict): it draws the held-out samples from it"
+            )
         if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
-            raise ValueError("AttendOutTrainer needs an eval_dataset with len() and indexing (held-out samples are drawn at random)")
+            raise ValueError(
+                "AttendOutTrainer needs an eval_dataset with len() and indexing (held-out samples are drawn at random)"
+            )
         if len(dataset) == 0:
             raise ValueError("AttendOutTrainer: eval_dataset is empty; AttendOut needs held-out samples")
         try:
@@ -168,6 +195,7 @@ class AttendOutTrainerMixin:
 
     def _attendout_vocab(self, model):
         """Generator table sizes per stream, the id it reads for the decoder start, whether streams share a table."""
+
         def size(module, fallback):
             get = getattr(module, "get_input_embeddings", None)
             emb = get() if callable(get) else None
@@ -235,14 +263,21 @@ class AttendOutTrainerMixin:
         elif not self._attendout_encoder_decoder or any(s.kind != "decoder-self" for s in self.attendout_game.sites):
             raise ValueError(
                 "AttendOutTrainer needs input_ids in every training batch: the generator reads the tokens"
-                + (" (this model's encoder reads features, so only --attention decoder-self can be regularized: "
-                   "AttendOutConfig(attention='decoder-self'))" if self._attendout_encoder_decoder else ""))
+                + (
+                    " (this model's encoder reads features, so only --attention decoder-self can be regularized: "
+                    "AttendOutConfig(attention='decoder-self'))"
+                    if self._attendout_encoder_decoder
+                    else ""
+                )
+            )
         if self._attendout_encoder_decoder:
             target = inputs.get("decoder_input_ids")
             if target is None:
                 labels = inputs.get("labels")
                 if labels is None:
-                    raise ValueError("AttendOutSeq2SeqTrainer needs labels or decoder_input_ids in every training batch")
+                    raise ValueError(
+                        "AttendOutSeq2SeqTrainer needs labels or decoder_input_ids in every training batch"
+                    )
                 target = decoder_input_ids_from_labels(bare_module(self.model), labels)
             dmask = inputs.get("decoder_attention_mask")
             if dmask is not None and dmask.dim() == 2:
@@ -259,7 +294,11 @@ class AttendOutTrainerMixin:
         hooks = self.attendout_game.attacker_hooks(self.attendout_streams(inputs))
         # The Trainer's own step on A: same loss, same gradient-accumulation scaling, under the
         # Trainer's autocast (D's forward is wrapped in it by accelerate).
-        with self.attendout_game.controller.hooks(hooks), self.accelerator.autocast(), self._attendout_backward_scaler():
+        with (
+            self.attendout_game.controller.hooks(hooks),
+            self.accelerator.autocast(),
+            self._attendout_backward_scaler(),
+        ):
             attacker_loss = super().training_step(self.attendout_attacker, dict(inputs), num_items_in_batch)
         self._attendout_loss_sum = self._attendout_loss_sum + attacker_loss
         return loss
@@ -310,7 +349,7 @@ class AttendOutTrainerMixin:
     def _attendout_heldout_batches(self) -> List[Dict[str, Any]]:
         dataset = self._attendout_heldout_dataset
         n, T = len(dataset), self.attendout_config.dropout_step
-        idx = from_rank0(torch.randperm(n)[:T] if n >= T else torch.randint(0, n, (T,)))  # the same samples everywhere
+        idx = heldout_indices(n, T)  # rank 0's draw: the same samples everywhere
         collate = self.data_collator
         try:
             import datasets
@@ -320,14 +359,18 @@ class AttendOutTrainerMixin:
             plain = True
         if plain:
             collate = self._get_collator_with_removed_columns(collate, description="AttendOut held-out")
-        return [self._prepare_inputs(collate([dataset[int(i)] for i in chunk]))
-                for chunk in idx.split(self.args.eval_batch_size)]
+        return [
+            self._prepare_inputs(collate([dataset[int(i)] for i in chunk]))
+            for chunk in idx.split(self.args.eval_batch_size)
+        ]
 
     def _attendout_logits(self, model: torch.nn.Module, batch):
         """(logits, target, keep) of a held-out batch, as the Trainer's autocast computes them."""
         labels = batch.get("labels")
         if labels is None:
-            raise ValueError("AttendOutTrainer scores held-out samples by their loss: eval_dataset batches need `labels`")
+            raise ValueError(
+                "AttendOutTrainer scores held-out samples by their loss: eval_dataset batches need `labels`"
+            )
         with self.accelerator.autocast():
             outputs = model(**batch)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
@@ -339,15 +382,24 @@ class AttendOutTrainerMixin:
 
     def _attendout_finish_dropout_step(self) -> Dict[str, object]:
         defender, attacker = bare_module(self.model), self.attendout_attacker
-        sides = {"defender": (defender, _raw_optimizer(self.optimizer)), "attacker": (attacker, self.attendout_optimizer)}
+        sides = {
+            "defender": (defender, _raw_optimizer(self.optimizer)),
+            "attacker": (attacker, self.attendout_optimizer),
+        }
 
         def copy_network(source: str, destination: str) -> None:  # weights and optimizer state
             (s_model, s_opt), (d_model, d_opt) = sides[source], sides[destination]
             copy_model_state(s_model, d_model)
             copy_optimizer_state(s_opt, list(s_model.parameters()), d_opt, list(d_model.parameters()))
 
-        stats = end_dropout_step(self.attendout_game, defender, attacker, self._attendout_heldout_batches(),
-                                 self._attendout_logits, copy_network)
+        stats = end_dropout_step(
+            self.attendout_game,
+            defender,
+            attacker,
+            self._attendout_heldout_batches(),
+            self._attendout_logits,
+            copy_network,
+        )
         logs = {f"attendout_p_{name}": p for name, p in stats["drop_prob"].items()}
         logs.update(
             attendout_dropout_step=self.attendout_game.dropout_steps_done,
@@ -398,8 +450,10 @@ class AttendOutTrainerMixin:
     def _attendout_load(self, folder: str) -> None:
         path = os.path.join(folder, ATTENDOUT_STATE)
         if not os.path.isfile(path):
-            logger.warning(f"{folder} has no {ATTENDOUT_STATE}: AttendOut starts a new game from the loaded model "
-                           "(Attacker = Defender, fresh generator)")
+            logger.warning(
+                f"{folder} has no {ATTENDOUT_STATE}: AttendOut starts a new game from the loaded model "
+                "(Attacker = Defender, fresh generator)"
+            )
             return
         state = torch.load(path, map_location="cpu", weights_only=True)
         self.attendout_attacker.load_state_dict(state["attacker"])

@@ -1,4 +1,5 @@
 """attn-reg-fewshot (attn_reg_lab.fewshot): the JSONL loader's errors, balanced subsets, option checks, and a toy end-to-end run."""
+
 import json
 import math
 import random
@@ -8,8 +9,9 @@ from collections import Counter
 import pytest
 
 from attn_reg_lab import fewshot
-from helpers import minilm_path, MOVIE_REVIEWS_TINY as REVIEWS
 from attn_reg_lab.fewshot_data import DataError, Example, load_jsonl, sample_balanced
+from helpers import MOVIE_REVIEWS_TINY as REVIEWS
+from helpers import minilm_path
 
 GOOD = b'{"sentence": "fine film", "label": 1}\n'
 
@@ -26,7 +28,7 @@ def test_loader_reads_the_tiny_file():
 @pytest.mark.parametrize(
     "bad_line,message",
     [
-        (b'{"sentence": "good", "label": 1', "bad JSON"),
+        (b'{"sentence": "good", "label": 1', "not valid JSON"),
         (b'{"label": 1}', "missing key 'sentence'"),
         (b'{"sentence": "good"}', "missing key 'label'"),
         (b'{"sentence": "good", "label": 2}', r"label 2 is not in the label set \{0, 1\}"),
@@ -38,7 +40,7 @@ def test_loader_reads_the_tiny_file():
         (b'{"sentence": "  \\t ", "label": 0}', "empty sentence"),
         (b'{"sentence": 7, "label": 0}', "'sentence' must be a string"),
         (b'["good", 1]', "expected a JSON object"),
-        (b"", "blank line"),
+        (b"", "empty line"),
         (b'{"sentence": "caf\xe9", "label": 1}', "not valid UTF-8"),
     ],
 )
@@ -124,8 +126,26 @@ def test_bad_data_file_stops_the_cli_naming_file_and_line(tmp_path, minilm, caps
     text[4] = '{"sentence": "x", "label": 5}\n'
     paths["dev"].write_text("".join(text), encoding="utf-8")
     with pytest.raises(SystemExit):
-        fewshot.main(["--train", str(paths["train"]), "--dev", str(paths["dev"]), "--test", str(paths["test"]),
-                      "--model", minilm, "--sizes", "8", "--seeds", "1", "--epochs", "2", "--out-dir", str(tmp_path / "o")])
+        fewshot.main(
+            [
+                "--train",
+                str(paths["train"]),
+                "--dev",
+                str(paths["dev"]),
+                "--test",
+                str(paths["test"]),
+                "--model",
+                minilm,
+                "--sizes",
+                "8",
+                "--seeds",
+                "1",
+                "--epochs",
+                "2",
+                "--out-dir",
+                str(tmp_path / "o"),
+            ]
+        )
     assert f"{paths['dev']}:5: label 5 is not in the label set" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -134,12 +154,39 @@ def test_end_to_end_toy_run(tmp_path, minilm):
     paths = _tiny_splits(tmp_path)
     out = tmp_path / "out"
     p, q = 0.3, 0.3
-    code = fewshot.main([
-        "--train", str(paths["train"]), "--dev", str(paths["dev"]), "--test", str(paths["test"]), "--model", minilm,
-        "--sizes", "8", "--seeds", "1", "--methods", "plain,ad-drop", "--epochs", "2", "--batch-size", "4",
-        "--lr", "1e-4", "--max-length", "32", "--ad-drop-p", str(p), "--ad-drop-q", str(q),
-        "--test-every-epoch", "--out-dir", str(out),
-    ])
+    code = fewshot.main(
+        [
+            "--train",
+            str(paths["train"]),
+            "--dev",
+            str(paths["dev"]),
+            "--test",
+            str(paths["test"]),
+            "--model",
+            minilm,
+            "--sizes",
+            "8",
+            "--seeds",
+            "1",
+            "--methods",
+            "plain,ad-drop",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "4",
+            "--lr",
+            "1e-4",
+            "--max-length",
+            "32",
+            "--ad-drop-p",
+            str(p),
+            "--ad-drop-q",
+            str(q),
+            "--test-every-epoch",
+            "--out-dir",
+            str(out),
+        ]
+    )
     assert code == 0
     result = json.loads((out / "results.json").read_text(encoding="utf-8"))
     runs = {r["method"]: r for r in result["runs"]}
@@ -166,7 +213,10 @@ def test_end_to_end_toy_run(tmp_path, minilm):
     (paired,) = result["paired"]
     assert paired["diff_mean"] == pytest.approx(runs["ad-drop"]["test_acc"] - runs["plain"]["test_acc"])
     assert result["config"]["method_settings"]["ad-drop"]["p"] == p
-    assert [json.loads(line)["method"] for line in (out / "runs.jsonl").read_text().splitlines()] == ["plain", "ad-drop"]
+    assert [json.loads(line)["method"] for line in (out / "runs.jsonl").read_text().splitlines()] == [
+        "plain",
+        "ad-drop",
+    ]
 
     table = (out / "results.md").read_text(encoding="utf-8").splitlines()
     assert "| method | 8-shot |" in table
@@ -180,11 +230,36 @@ def test_end_to_end_toy_run(tmp_path, minilm):
 def test_attendout_method_draws_held_out_samples_from_dev(tmp_path, minilm):
     paths = _tiny_splits(tmp_path)
     out = tmp_path / "out"
-    code = fewshot.main([
-        "--train", str(paths["train"]), "--dev", str(paths["dev"]), "--test", str(paths["test"]), "--model", minilm,
-        "--sizes", "8", "--seeds", "1", "--methods", "plain,attendout", "--epochs", "2", "--batch-size", "4",
-        "--lr", "1e-4", "--max-length", "32", "--attendout-dropout-step", "2", "--out-dir", str(out),
-    ])
+    code = fewshot.main(
+        [
+            "--train",
+            str(paths["train"]),
+            "--dev",
+            str(paths["dev"]),
+            "--test",
+            str(paths["test"]),
+            "--model",
+            minilm,
+            "--sizes",
+            "8",
+            "--seeds",
+            "1",
+            "--methods",
+            "plain,attendout",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "4",
+            "--lr",
+            "1e-4",
+            "--max-length",
+            "32",
+            "--attendout-dropout-step",
+            "2",
+            "--out-dir",
+            str(out),
+        ]
+    )
     assert code == 0
     result = json.loads((out / "results.json").read_text(encoding="utf-8"))
     runs = {r["method"]: r for r in result["runs"]}
@@ -197,9 +272,28 @@ def test_attendout_method_draws_held_out_samples_from_dev(tmp_path, minilm):
 def test_resume_keeps_finished_runs_and_refuses_other_settings(tmp_path, minilm, capsys):
     paths = _tiny_splits(tmp_path)
     out = tmp_path / "out"
-    argv = ["--train", str(paths["train"]), "--dev", str(paths["dev"]), "--test", str(paths["test"]), "--model", minilm,
-            "--sizes", "8", "--methods", "plain", "--epochs", "1", "--batch-size", "4", "--max-length", "32",
-            "--out-dir", str(out)]
+    argv = [
+        "--train",
+        str(paths["train"]),
+        "--dev",
+        str(paths["dev"]),
+        "--test",
+        str(paths["test"]),
+        "--model",
+        minilm,
+        "--sizes",
+        "8",
+        "--methods",
+        "plain",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "4",
+        "--max-length",
+        "32",
+        "--out-dir",
+        str(out),
+    ]
     assert fewshot.main(argv + ["--seeds", "1"]) == 0
     (first,) = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert fewshot.main(argv + ["--seeds", "1,2", "--resume"]) == 0
@@ -216,25 +310,40 @@ def test_resume_keeps_finished_runs_and_refuses_other_settings(tmp_path, minilm,
 
 # -- merging runs from several result files ----------------------------------------------------
 def _result(lr, runs):
-    config = {"model": "m", "num_labels": 2, "max_length": 64, "dev_subset": None,
-              "training": {"epochs": 10, "lr": lr, "batch_size": 8},
-              "files": {"train": {"path": "a", "sha256": "x"}, "dev": {"path": "b", "sha256": "y"}}}
-    return {"config": config, "runs": [dict(size=s, seed=k, method=m, test_acc=a, best_dev_acc=a, best_epoch=1,
-                                            train_seconds=1.0, epochs=[]) for s, k, m, a in runs]}
+    config = {
+        "model": "m",
+        "num_labels": 2,
+        "max_length": 64,
+        "dev_subset": None,
+        "training": {"epochs": 10, "lr": lr, "batch_size": 8},
+        "files": {"train": {"path": "a", "sha256": "x"}, "dev": {"path": "b", "sha256": "y"}},
+    }
+    return {
+        "config": config,
+        "runs": [
+            dict(size=s, seed=k, method=m, test_acc=a, best_dev_acc=a, best_epoch=1, train_seconds=1.0, epochs=[])
+            for s, k, m, a in runs
+        ],
+    }
 
 
 def test_merge_pairs_variants_with_the_baseline_by_seed():
     from attn_reg_lab.fewshot_merge import merge
 
-    base = _result(2e-4, [(64, 1, "plain", 0.70), (64, 2, "plain", 0.60), (64, 3, "plain", 0.65),
-                          (64, 1, "ad-drop", 0.0)])
+    base = _result(
+        2e-4, [(64, 1, "plain", 0.70), (64, 2, "plain", 0.60), (64, 3, "plain", 0.65), (64, 1, "ad-drop", 0.0)]
+    )
     variant = _result(2e-4, [(64, 2, "ad-drop", 0.64), (64, 1, "ad-drop", 0.71), (64, 1, "plain", 0.5)])
     runs, sizes, methods = merge(base, [("layer 0", variant)])
     assert sizes == [64] and methods == ["plain", "ad-drop (layer 0)"]
     # The baseline file's own ad-drop and the variant file's plain runs are not used.
     assert sorted((r["method"], r["seed"], r["test_acc"]) for r in runs) == [
-        ("ad-drop (layer 0)", 1, 0.71), ("ad-drop (layer 0)", 2, 0.64),
-        ("plain", 1, 0.70), ("plain", 2, 0.60), ("plain", 3, 0.65)]
+        ("ad-drop (layer 0)", 1, 0.71),
+        ("ad-drop (layer 0)", 2, 0.64),
+        ("plain", 1, 0.70),
+        ("plain", 2, 0.60),
+        ("plain", 3, 0.65),
+    ]
     more = _result(2e-4, [(64, 3, "ad-drop", 0.66)])
     runs3, _, methods3 = merge(base, [("layer 0", variant), ("layer 0", more)])
     assert methods3 == methods and len(runs3) == len(runs) + 1
@@ -254,7 +363,9 @@ def test_merge_cli_writes_the_table(tmp_path, capsys):
     base, variant = tmp_path / "base.json", tmp_path / "var.json"
     base.write_text(json.dumps(_result(2e-4, [(16, 1, "plain", 0.5), (16, 2, "plain", 0.7)])))
     variant.write_text(json.dumps(_result(2e-4, [(16, 1, "ad-drop", 0.6), (16, 2, "ad-drop", 0.6)])))
-    assert merge_main(["--baseline", str(base), "--variant", f"p=q=0.1={variant}", "--out", str(tmp_path / "t.md")]) == 0
+    assert (
+        merge_main(["--baseline", str(base), "--variant", f"p=q=0.1={variant}", "--out", str(tmp_path / "t.md")]) == 0
+    )
     table = (tmp_path / "t.md").read_text()
     assert "| plain | 60.00 ± 14.14 |" in table
     assert "| plain | 60.00 |" in table  # mean dev accuracy at the selected epochs (= test here)
@@ -263,8 +374,10 @@ def test_merge_cli_writes_the_table(tmp_path, capsys):
     assert capsys.readouterr().out == table
 
 
-@pytest.mark.parametrize("t, df, p", [(2.262157, 9, 0.05), (12.7062, 1, 0.05), (1.0, 1, 0.5), (2.776445, 4, 0.05),
-                                      (3.249836, 9, 0.01), (0.0, 5, 1.0)])
+@pytest.mark.parametrize(
+    "t, df, p",
+    [(2.262157, 9, 0.05), (12.7062, 1, 0.05), (1.0, 1, 0.5), (2.776445, 4, 0.05), (3.249836, 9, 0.01), (0.0, 5, 1.0)],
+)
 def test_paired_t_test_two_sided_p_matches_student_t_quantiles(t, df, p):
     from attn_reg_lab.fewshot_summary import paired_t_test
 

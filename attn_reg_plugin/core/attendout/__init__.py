@@ -18,17 +18,32 @@ networks and their optimizers and call into them:
   score both on held-out batches, end a dropout step, tell a step the loss scaler skipped);
   :mod:`.log`: the JSONL log.
 """
+
 from .config import AttendOutConfig
 from .duel import build_attacker, end_dropout_step, scaler_skipped_step
 from .game import AttendOut
 from .generator import STREAMS_OF_KIND, Generator
-from .heldout import heldout_losses, per_sample_loss, win_probability
+from .heldout import heldout_indices, heldout_losses, per_sample_loss, win_probability
 from .log import DropProbabilityLog
 from .policy import drop_log_prob, gumbel_drops, reinforce_loss
 from .sync import copy_model_state, copy_optimizer_state
 
 __all__ = [
-    "AttendOut", "AttendOutConfig", "DropProbabilityLog", "Generator", "STREAMS_OF_KIND", "build_attacker",
-    "copy_model_state", "copy_optimizer_state", "drop_log_prob", "end_dropout_step", "gumbel_drops",
-    "heldout_losses", "per_sample_loss", "reinforce_loss", "scaler_skipped_step", "win_probability",
+    "AttendOut",
+    "AttendOutConfig",
+    "DropProbabilityLog",
+    "Generator",
+    "STREAMS_OF_KIND",
+    "build_attacker",
+    "copy_model_state",
+    "copy_optimizer_state",
+    "drop_log_prob",
+    "heldout_indices",
+    "end_dropout_step",
+    "gumbel_drops",
+    "heldout_losses",
+    "per_sample_loss",
+    "reinforce_loss",
+    "scaler_skipped_step",
+    "win_probability",
 ]

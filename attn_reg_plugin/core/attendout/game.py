@@ -12,6 +12,7 @@ Choices the paper leaves open (also in docs/design.md):
   log-probabilities are recomputed at the update (G does not change within a dropout step),
   which keeps memory flat and the cache small enough to checkpoint.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ class AttendOut:
     # -- during the T updates ------------------------------------------------------------
     def attacker_hooks(self, streams: Dict[str, torch.Tensor]) -> Dict[AttentionSite, EditScores]:
         """Sample this batch's masks; remember how to recompute their log-probability."""
-        seed = int(torch.randint(0, 2 ** 62, (1,)).item())  # global CPU generator: seeded per update
+        seed = int(torch.randint(0, 2**62, (1,)).item())  # global CPU generator: seeded per update
         streams = {k: v.detach() for k, v in streams.items()}
         self.cache.append(_CachedBatch(self.update_in_step, streams, seed))
         with torch.no_grad():
@@ -119,8 +120,9 @@ class AttendOut:
         values = (self._prob_sums / self._prob_batches).tolist()
         return dict(zip(self.site_names(), values))
 
-    def finish_dropout_step(self, defender_losses: torch.Tensor, attacker_losses: torch.Tensor,
-                            generator: Optional[torch.Generator] = None) -> Dict[str, object]:
+    def finish_dropout_step(
+        self, defender_losses: torch.Tensor, attacker_losses: torch.Tensor, generator: Optional[torch.Generator] = None
+    ) -> Dict[str, object]:
         """Reward G (Eq. 5) from per-sample held-out losses, update the baseline, pick the survivor.
 
         Returns ``{"keep_attacker": bool, "win_rate", "reward", "baseline", "drop_prob": {...}, "drop_rate"}``:
@@ -131,8 +133,10 @@ class AttendOut:
         rewards = (defender_losses.float() - attacker_losses.float()).detach()
         updates = sorted({c.update for c in self.cache})
         dropped, valid = (int(c) for c in self._applied)
-        stats: Dict[str, object] = {"drop_prob": self.mean_drop_probabilities(),
-                                    "drop_rate": dropped / valid if valid else 0.0}
+        stats: Dict[str, object] = {
+            "drop_prob": self.mean_drop_probabilities(),
+            "drop_rate": dropped / valid if valid else 0.0,
+        }
         if updates:
             self.generator.train()
             log_probs = []
@@ -151,8 +155,8 @@ class AttendOut:
         mean_reward = float(rewards.mean())
         self.baseline = self.config.baseline_decay * self.baseline + (1 - self.config.baseline_decay) * mean_reward
         win_rate = win_probability(defender_losses.float(), attacker_losses.float())
-        # Every worker must draw the same survivor: adapters pass a generator seeded alike on all
-        # workers (the global one has consumed worker-dependent amounts of randomness by now).
+        # ``generator`` keeps this draw off the global stream (fairseq passes one reseeded per update,
+        # so a resumed run draws the same); workers agree by taking rank 0's choice (duel.end_dropout_step).
         keep_attacker = bool(torch.rand((), generator=generator) < win_rate.cpu())
         stats.update(keep_attacker=keep_attacker, win_rate=float(win_rate), reward=mean_reward, baseline=self.baseline)
         self.cache.clear()
@@ -170,8 +174,10 @@ class AttendOut:
             "baseline": self.baseline,
             "update_in_step": self.update_in_step,
             "dropout_steps_done": self.dropout_steps_done,
-            "cache": [{"update": c.update, "streams": {k: v.cpu() for k, v in c.streams.items()}, "seed": c.seed}
-                      for c in self.cache],
+            "cache": [
+                {"update": c.update, "streams": {k: v.cpu() for k, v in c.streams.items()}, "seed": c.seed}
+                for c in self.cache
+            ],
             "prob_sums": None if self._prob_sums is None else self._prob_sums.cpu(),
             "prob_batches": self._prob_batches,
             "applied": [int(c) for c in self._applied],
@@ -184,8 +190,10 @@ class AttendOut:
         self.baseline = float(state["baseline"])
         self.update_in_step = int(state["update_in_step"])
         self.dropout_steps_done = int(state["dropout_steps_done"])
-        self.cache = [_CachedBatch(int(c["update"]), {k: v.to(device) for k, v in c["streams"].items()}, int(c["seed"]))
-                      for c in state["cache"]]
+        self.cache = [
+            _CachedBatch(int(c["update"]), {k: v.to(device) for k, v in c["streams"].items()}, int(c["seed"]))
+            for c in state["cache"]
+        ]
         sums = state["prob_sums"]
         self._prob_sums = None if sums is None else sums.to(device)
         self._prob_batches = int(state["prob_batches"])

@@ -1,4 +1,5 @@
 """Scoring the Defender and the Attacker on held-out samples: per-sample losses and the win rate."""
+
 from __future__ import annotations
 
 from typing import Callable, Iterable, Optional, Tuple
@@ -6,8 +7,21 @@ from typing import Callable, Iterable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..distributed import from_rank0
+
 # (model, batch) -> (logits, target, keep): how an adapter scores one held-out batch
 LogitsOf = Callable[[torch.nn.Module, object], Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
+
+
+def heldout_indices(n: int, count: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """``count`` indices into a held-out set of ``n`` samples (distinct when ``n >= count``), drawn
+    with ``generator`` (None: the global stream) and taken from rank 0, so every worker scores the
+    same samples. The one way workers agree in the game: the survivor is rank 0's choice too."""
+    if n >= count:
+        idx = torch.randperm(n, generator=generator)[:count]
+    else:
+        idx = torch.randint(0, n, (count,), generator=generator)
+    return from_rank0(idx)
 
 
 def per_sample_loss(logits: torch.Tensor, target: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
