@@ -187,18 +187,22 @@ def main(argv=None) -> int:
         ap.error(str(e))
     if args.epochs < 2:
         ap.error(f"--epochs must be >= 2 (cross-tuning's first AD-DROP epoch is epoch 2), got {args.epochs}")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        ap.error(f"--methods: unknown {unknown}; accepted: {', '.join(METHODS)}")
+    # Any case: the few-shot runner and the benchmark spell the same methods ad-drop, attendout.
+    by_key = {name.lower(): name for name in METHODS}
+    requested = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in requested if m.lower() not in by_key]
+    if unknown or not requested:
+        ap.error(f"--methods: unknown {unknown}; accepted (any case): {', '.join(METHODS)}")
+    methods = [by_key[m.lower()] for m in requested]
 
     started = time.time()
     out = args.out.resolve()
+    checkout_data(args.data, "--data")  # before anything is removed or written
     if out.exists():
         shutil.rmtree(out)  # a rerun starts clean: fairseq would otherwise resume old checkpoints
     out.mkdir(parents=True)
     print(f"== attn_reg_plugin demo: EN->RO, {', '.join(methods)}; outputs in {out}", flush=True)
-    raw = checkout_data(args.data, "--data").resolve()
+    raw = args.data.resolve()
     model_args = MODEL_ARGS
     if args.quick:
         raw = subset_corpus(raw, out / "raw-subset", 400)

@@ -34,18 +34,13 @@ import torch
 from fairseq import checkpoint_utils, metrics, optim, utils
 
 from ..core.ad_drop import bare_module
-from ..core.attendout import (
-    AttendOut,
-    AttendOutConfig,
-    DropProbabilityLog,
-    Generator,
-    build_attacker,
-    copy_model_state,
-    copy_optimizer_state,
-    end_dropout_step,
-    heldout_indices,
-    scaler_skipped_step,
-)
+from ..core.attendout.config import AttendOutConfig
+from ..core.attendout.duel import build_attacker, end_dropout_step, scaler_skipped_step
+from ..core.attendout.game import AttendOut
+from ..core.attendout.generator import Generator
+from ..core.attendout.heldout import heldout_indices
+from ..core.attendout.log import DropProbabilityLog
+from ..core.attendout.sync import copy_model_state, copy_optimizer_state
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_sum_, is_distributed, rank
 from .attention import install_attention_sites

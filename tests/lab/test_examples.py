@@ -88,3 +88,26 @@ def test_plot_attendout_reads_the_log_and_rejects_bad_lines(tmp_path):
     log.write_text('{"update": 20, "drop_prob": {"encoder-self.0": 0.2}}\n{"oops": 1}\n')
     with pytest.raises(ValueError, match=r"drop\.jsonl:2: not an AttendOut drop-probability record"):
         plot_attendout.read_log(log)
+
+
+def test_lab_commands_name_the_checkout_data_they_miss(tmp_path):
+    """Installed from a wheel the shipped data are absent: a command exits naming the option that
+    takes its data instead of failing deep inside with FileNotFoundError."""
+    from attn_reg_lab import demo
+
+    missing = tmp_path / "no-corpus"
+    with pytest.raises(
+        SystemExit, match=r"no-corpus not found: it ships with the attn_reg_plugin repository.*pass --data"
+    ):
+        demo.main(["--data", str(missing), "--out", str(tmp_path / "out"), "--quick"])
+    assert not (tmp_path / "out").exists()  # checked before anything is written
+
+
+def test_demo_methods_are_named_in_any_case(tmp_path, capsys):
+    """`ad-drop` / `attendout` as the few-shot runner and the benchmark spell them; only the unknown
+    name is reported."""
+    from attn_reg_lab import demo
+
+    with pytest.raises(SystemExit):
+        demo.main(["--methods", "ad-drop,AttendOut,bogus", "--out", str(tmp_path / "out")])
+    assert "--methods: unknown ['bogus']" in capsys.readouterr().err
