@@ -41,7 +41,7 @@ lock:
 	$(call install_venv,.venv-lock,)
 	{ echo "# make lock, $$(date -u +%Y-%m-%d), Python $$(.venv-lock/bin/python -c 'import platform; print(platform.python_version())'):"; \
 	  echo "# every package make .venv installs, exactly (torchaudio is installed by fairseq and removed)."; \
-	  .venv-lock/bin/python -m pip freeze --all --exclude-editable | sed -e 's/+cpu$$//' | LC_ALL=C sort -f; } > $(LOCK)
+	  .venv-lock/bin/python -m pip freeze --all --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' | LC_ALL=C sort -f; } > $(LOCK)
 	rm -rf .venv-lock
 
 demo: $(STAMP)

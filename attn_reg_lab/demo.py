@@ -194,6 +194,8 @@ def main(argv=None) -> int:
     if unknown or not requested:
         ap.error(f"--methods: unknown {unknown}; accepted (any case): {', '.join(METHODS)}")
     methods = [by_key[m.lower()] for m in requested]
+    if len(set(methods)) < len(methods):  # a second run would resume the first one's finished checkpoints
+        ap.error(f"--methods: {args.methods!r} names a method twice")
 
     started = time.time()
     out = args.out.resolve()

@@ -17,7 +17,11 @@ def read_text_lines(path: Path) -> List[str]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     lines = []
-    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+    # Split at \n only (a CRLF's \r dropped), as fairseq-preprocess and attn-reg-prepare count lines.
+    pieces = path.read_bytes().split(b"\n")
+    if pieces and pieces[-1] == b"":
+        pieces.pop()  # the newline that ends the last line
+    for number, raw in enumerate((p[:-1] if p.endswith(b"\r") else p for p in pieces), start=1):
         try:
             lines.append(raw.decode("utf-8"))
         except UnicodeDecodeError as err:

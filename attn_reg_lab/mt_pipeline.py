@@ -137,7 +137,10 @@ def generate_bleu(
             hyps[int(ident[2:])] = text
         elif "BLEU" in line and line.startswith("Generate"):
             fairseq_bleu = line.strip()
-    refs = raw_ref.read_text(encoding="utf-8").splitlines()
+    # Lines end at \n only, as fairseq-preprocess counted them (splitlines would also split at \u2028).
+    refs = raw_ref.read_text(encoding="utf-8").split("\n")
+    if refs and refs[-1] == "":
+        refs.pop()
     if len(hyps) != len(refs):
         raise RuntimeError(f"fairseq-generate produced {len(hyps)} hypotheses for {len(refs)} references ({gen_log})")
     ordered = [hyps[i] for i in range(len(refs))]

@@ -22,7 +22,7 @@ from .core import (  # noqa: F401
     token_loss_target,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 if "fairseq" in sys.modules:
     from . import fairseq_plugin  # noqa: F401

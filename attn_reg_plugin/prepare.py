@@ -19,6 +19,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +27,11 @@ from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional, Sequence
 
 
-class CorpusError(ValueError):
+class PrepareError(ValueError):
+    """Input ``attn-reg-prepare`` cannot use; the message names the option or the file."""
+
+
+class CorpusError(PrepareError):
     """Malformed parallel text; the message names the file and, where there is one, the line."""
 
 
@@ -113,11 +118,15 @@ def run_logged(
 
 
 def fairseq_command(name: str) -> str:
-    """The console script ``name`` (fairseq-preprocess, fairseq-train, ...) beside this interpreter."""
+    """The console script ``name`` (fairseq-preprocess, fairseq-train, ...): the one beside this
+    interpreter (a venv), else the one on PATH (a system or --user install)."""
     exe = Path(sys.executable).parent / name
-    if not exe.exists():
-        raise FileNotFoundError(f"{exe} not found: install fairseq into the environment that runs this Python")
-    return str(exe)
+    if exe.exists():
+        return str(exe)
+    found = shutil.which(name)
+    if found is None:
+        raise PrepareError(f"{name} not found beside {sys.executable} nor on PATH: install fairseq for this Python")
+    return found
 
 
 def prepare(
@@ -128,27 +137,45 @@ def prepare(
     vocab_size: int,
     workers: int = 2,
     log: Callable[[str], None] = print,
+    character_coverage: float = 1.0,
 ) -> Path:
     """Check the corpus, train a joint sentencepiece model on train, encode every split, binarize;
     return the data-bin folder. ``prefixes`` maps split names (train, valid, test) to prefixes."""
     import sentencepiece as spm
 
+    for name, path in [("--out", out), *((f"--{split}", prefix) for split, prefix in prefixes.items())]:
+        if "," in str(path):
+            # sentencepiece's input and fairseq-preprocess's prefixes are comma-separated lists
+            raise PrepareError(
+                f"{name} {path}: a path with a comma cannot be passed to sentencepiece / fairseq-preprocess"
+            )
+    preprocess = fairseq_command("fairseq-preprocess")  # before any work: a missing fairseq fails now
     counts = check_parallel(prefixes, src, tgt)
     log(f"data: {', '.join(f'{split} {n} pairs ({prefixes[split]}.{{{src},{tgt}}})' for split, n in counts.items())}")
     spm_dir = out / "spm"
+    created = not spm_dir.exists()
     spm_dir.mkdir(parents=True, exist_ok=True)
     model_prefix = spm_dir / "spm"
     train = prefixes["train"]
-    spm.SentencePieceTrainer.train(
-        input=f"{train}.{src},{train}.{tgt}",
-        model_prefix=str(model_prefix),
-        vocab_size=vocab_size,
-        character_coverage=1.0,
-        model_type="unigram",
-        num_threads=2,
-        minloglevel=2,
-        seed_sentencepiece_size=200000,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            input=f"{train}.{src},{train}.{tgt}",
+            model_prefix=str(model_prefix),
+            vocab_size=vocab_size,
+            character_coverage=character_coverage,
+            model_type="unigram",
+            num_threads=2,
+            minloglevel=2,
+            seed_sentencepiece_size=200000,
+        )
+    except RuntimeError as e:  # e.g. "Vocabulary size too high (8000). Please set it to a value <= 5263."
+        if created:
+            shutil.rmtree(spm_dir, ignore_errors=True)
+        reason = str(e).strip().splitlines()[-1]
+        raise PrepareError(
+            f"--vocab-size {vocab_size} / --character-coverage {character_coverage}: sentencepiece cannot build "
+            f"this vocabulary from {train}.{{{src},{tgt}}}: {reason}"
+        ) from None
     sp = spm.SentencePieceProcessor(model_file=f"{model_prefix}.model")
     for split, prefix in prefixes.items():
         for lang in (src, tgt):
@@ -162,7 +189,7 @@ def prepare(
     split_flags = [flag for split in prefixes for flag in (f"--{split}pref", str(spm_dir / split))]
     run_logged(
         [
-            fairseq_command("fairseq-preprocess"),
+            preprocess,
             "--source-lang",
             src,
             "--target-lang",
@@ -180,7 +207,8 @@ def prepare(
     return data_bin
 
 
-_LANG = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+# No '-': fairseq reads the pair back from file names like train.en-tr.en by splitting at '-'.
+_LANG = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -196,15 +224,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument(
         "--vocab-size", type=int, default=8000, help="joint sentencepiece vocabulary (>= 100; default 8000)"
     )
+    ap.add_argument(
+        "--character-coverage",
+        type=float,
+        default=1.0,
+        help="characters sentencepiece must cover, in (0, 1] (default 1.0; 0.9995 for Chinese or Japanese)",
+    )
     ap.add_argument("--workers", type=int, default=2, help="fairseq-preprocess workers (>= 1)")
     args = ap.parse_args(argv)
     for option, lang in (("--src", args.src), ("--tgt", args.tgt)):
         if not _LANG.match(lang):
-            ap.error(f"{option} {lang!r}: a language suffix is letters, digits, '_' or '-', starting with a letter")
+            ap.error(
+                f"{option} {lang!r}: a language suffix is letters, digits or '_', starting with a letter "
+                "(fairseq splits file names at '-': write en_US, not en-US)"
+            )
     if args.src == args.tgt:
         ap.error(f"--src and --tgt are both {args.src!r}: they must differ")
     if args.vocab_size < 100:
         ap.error(f"--vocab-size {args.vocab_size}: must be at least 100")
+    if not 0 < args.character_coverage <= 1:
+        ap.error(f"--character-coverage {args.character_coverage}: must be in (0, 1]")
     if args.workers < 1:
         ap.error(f"--workers {args.workers}: must be at least 1")
     if (args.out / "data-bin").exists():
@@ -213,8 +252,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.test is not None:
         prefixes["test"] = args.test
     try:
-        prepare(args.src, args.tgt, prefixes, args.out, args.vocab_size, args.workers)
-    except CorpusError as e:
+        prepare(
+            args.src,
+            args.tgt,
+            prefixes,
+            args.out,
+            args.vocab_size,
+            args.workers,
+            character_coverage=args.character_coverage,
+        )
+    except PrepareError as e:
         print(f"attn-reg-prepare: {e}", file=sys.stderr)
         return 2
     return 0

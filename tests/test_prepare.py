@@ -184,3 +184,34 @@ def test_prepare_command_refuses_an_existing_data_bin(tmp_path):
         ["--src", "en", "--tgt", "tr", "--train", tmp_path / "t", "--valid", tmp_path / "v", "--out", tmp_path / "work"]
     )
     assert proc.returncode == 2 and "already exists" in proc.stdout, proc.stdout
+
+
+def test_prepare_command_names_the_vocabulary_option_sentencepiece_cannot_meet(tmp_path):
+    """The default 8,000 pieces from 50 pairs: sentencepiece's limit, by option, exit 2, no model left."""
+    train = _pair(tmp_path / "raw", "train", *_cut("train", 50))
+    valid = _pair(tmp_path / "raw", "valid", *_cut("valid", 5))
+    proc = _prepare_cli(["--src", "en", "--tgt", "tr", "--train", train, "--valid", valid, "--out", tmp_path / "work"])
+    assert proc.returncode == 2, proc.stdout
+    assert re.search(r"--vocab-size 8000 / --character-coverage 1.0: sentencepiece cannot build .*<= \d+", proc.stdout)
+    assert "Traceback" not in proc.stdout
+    assert not (tmp_path / "work" / "spm").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--src", "en-US", "--tgt", "tr"], "write en_US, not en-US"),
+        (["--src", "en", "--tgt", "tr", "--character-coverage", "0"], "--character-coverage 0.0: must be in (0, 1]"),
+    ],
+)
+def test_prepare_command_refuses_suffixes_fairseq_would_misread(tmp_path, args, message):
+    proc = _prepare_cli([*args, "--train", tmp_path / "t", "--valid", tmp_path / "v", "--out", tmp_path / "work"])
+    assert proc.returncode == 2 and message in proc.stdout, proc.stdout
+
+
+def test_prepare_command_refuses_a_comma_in_a_path(tmp_path):
+    train = _pair(tmp_path / "raw", "train", *_cut("train", 50))
+    valid = _pair(tmp_path / "raw", "valid", *_cut("valid", 5))
+    proc = _prepare_cli(["--src", "en", "--tgt", "tr", "--train", train, "--valid", valid, "--out", tmp_path / "a,b"])
+    assert proc.returncode == 2 and "--out" in proc.stdout and "comma" in proc.stdout, proc.stdout
+    assert not (tmp_path / "a,b").exists()

@@ -44,6 +44,11 @@ from .masks import MASKED_BIAS, additive_mask, mask_fill_value, valid_keys_from_
 # Since torch 2.5 every sdpa backend gives a row whose keys are all masked (False, or -inf) output 0
 # and no gradient, which is what the kernel promises for a query row with no valid key; before, NaN.
 _SDPA_ZEROES_EMPTY_ROWS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+# Where that is verified for the kernel's masks (tests/core/test_attention.py; the CUDA case is
+# make gpu-check's, not yet run on a GPU): elsewhere a masked ordinary call keeps the prepared
+# path, which zeroes such rows itself. CUDA's memory-efficient kernel has returned NaN for fully
+# masked rows in the past (pytorch#110213), and a NaN from a mask must never reach training.
+_FAST_MASKED_DEVICES = ("cpu",)
 
 
 def _ordinary_attention(q, k, v, bias, dropout_p: float, scale: Optional[float]) -> torch.Tensor:
@@ -132,7 +137,11 @@ def attend(
     """
     # What this call does, read from the site once (in a recompute: what its forward did).
     call = begin_call(site, recomputing()) if site is not None else ORDINARY_CALL
-    if call.hook is None and not need_weights and (bias is None or _SDPA_ZEROES_EMPTY_ROWS):
+    if (
+        call.hook is None
+        and not need_weights
+        and (bias is None or (_SDPA_ZEROES_EMPTY_ROWS and q.device.type in _FAST_MASKED_DEVICES))
+    ):
         return _ordinary_attention(q, k, v, bias, dropout_p, scale), None
 
     # Prepared: a finite bias that drops can be added to, and the validity captures and counts need.

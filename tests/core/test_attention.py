@@ -263,9 +263,15 @@ def test_a_site_without_hook_forgets_its_last_edit_only_when_called():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("case", list(_idle_cases(torch.float32)))
-def test_idle_fast_path_on_cuda_equals_the_explicit_softmax_path(dtype, case):
-    """The fast path leans on sdpa giving a fully masked row 0 and no gradient; on CUDA that is the
-    flash / memory-efficient / cuDNN kernels' promise, checked here against float64 softmax."""
+@pytest.mark.parametrize("fast", [False, True], ids=["prepared", "fast"])
+def test_idle_call_on_cuda_equals_the_explicit_softmax_path(dtype, case, fast, monkeypatch):
+    """On CUDA a masked ordinary call takes the prepared path (rows without keys zeroed by the
+    kernel); ``fast`` checks what turning the fast path on for CUDA would rely on: sdpa's flash /
+    memory-efficient / cuDNN kernels giving a fully masked row 0 and no gradient."""
+    from attn_reg_plugin.core import attention
+
+    if fast:
+        monkeypatch.setattr(attention, "_FAST_MASKED_DEVICES", ("cpu", "cuda"))
     bias, valid = _idle_cases(dtype)[case]
     q0, k0, v0 = (t.cuda() for t in _qkv(B=2, H=2, T=6, S=6, d=8, dtype=dtype, seed=3))
     bias, valid = (None if bias is None else bias.cuda()), valid.cuda()
@@ -279,3 +285,28 @@ def test_idle_fast_path_on_cuda_equals_the_explicit_softmax_path(dtype, case):
     for mine, want in zip(got, [ref_out.detach(), ref_q.grad, ref_k.grad, ref_v.grad]):
         assert torch.isfinite(mine).all()
         torch.testing.assert_close(mine.double(), want, atol=tol * 4, rtol=tol * 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("fast", [False, True], ids=["prepared", "fast"])
+def test_idle_call_on_cuda_at_a_real_size_with_dropout_stays_finite(dtype, fast, monkeypatch):
+    """A left-padded causal batch at a model's size (S = 128, d = 64) with attention dropout:
+    every output and gradient finite, padding queries 0."""
+    from attn_reg_plugin.core import attention
+
+    if fast:
+        monkeypatch.setattr(attention, "_FAST_MASKED_DEVICES", ("cpu", "cuda"))
+    B, H, S, d = 4, 8, 128, 64
+    lengths = torch.tensor([128, 100, 37, 1])
+    keys = torch.arange(S)[None, :] >= (S - lengths)[:, None]  # left padding
+    valid = (keys[:, None, None, :] & torch.ones(S, S, dtype=torch.bool).tril()).cuda()
+    q, k, v = (torch.randn(B, H, S, d, dtype=dtype, device="cuda", requires_grad=True) for _ in range(3))
+    bias = torch.zeros(valid.shape, dtype=dtype, device="cuda").masked_fill(~valid, torch.finfo(dtype).min)
+    out, _ = attend(q, k, v, bias, dropout_p=0.1)
+    out.float().sum().backward()
+    for t in (out, q.grad, k.grad, v.grad):
+        assert torch.isfinite(t).all()
+    keyless = ~valid.any(-1)  # (B, 1, S)
+    assert (out.detach()[keyless.expand(B, H, S)] == 0).all()
