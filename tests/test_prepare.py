@@ -91,6 +91,7 @@ def _cut(split, n):
 
 
 def _prepare_cli(args):
+    """The installed console script, in a process of its own (what a user runs)."""
     return subprocess.run(
         [str(VENV_BIN / "attn-reg-prepare"), *map(str, args)],
         text=True,
@@ -98,6 +99,16 @@ def _prepare_cli(args):
         stderr=subprocess.STDOUT,
         timeout=300,
     )
+
+
+def _prepare_main(args, capsys):
+    """The command's ``main`` in this process (no interpreter start-up per refusal): (exit code, output)."""
+    try:
+        code = prep.main([str(a) for a in args])
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
 
 
 def test_prepare_command_binarizes_any_language_pair_from_prefixes_in_different_folders(tmp_path):
@@ -147,7 +158,7 @@ def test_prepare_command_binarizes_any_language_pair_from_prefixes_in_different_
         ("missing", r"valid\.tr: no such file"),
     ],
 )
-def test_prepare_command_refuses_bad_corpora_before_writing_anything(tmp_path, broken, message):
+def test_prepare_command_refuses_bad_corpora_before_writing_anything(tmp_path, broken, message, capsys):
     train = _pair(tmp_path / "raw", "train", *_cut("train", 50))
     tgt = {"mismatch": "a\nb\n", "empty": "", "latin1": None, "missing": None}[broken]
     valid = _pair(tmp_path / "raw", "valid", ["x\n", "y\n", "z\n"], [tgt or ""])
@@ -155,9 +166,11 @@ def test_prepare_command_refuses_bad_corpora_before_writing_anything(tmp_path, b
         (tmp_path / "raw" / "valid.tr").write_bytes("bir\nçok\nüç\n".encode("latin-1"))
     if broken == "missing":
         (tmp_path / "raw" / "valid.tr").unlink()
-    proc = _prepare_cli(["--src", "en", "--tgt", "tr", "--train", train, "--valid", valid, "--out", tmp_path / "work"])
-    assert proc.returncode == 2, proc.stdout
-    assert re.search(message, proc.stdout), proc.stdout
+    code, output = _prepare_main(
+        ["--src", "en", "--tgt", "tr", "--train", train, "--valid", valid, "--out", tmp_path / "work"], capsys
+    )
+    assert code == 2, output
+    assert re.search(message, output), output
     assert not (tmp_path / "work").exists()
 
 
@@ -170,20 +183,32 @@ def test_prepare_command_refuses_bad_corpora_before_writing_anything(tmp_path, b
         (["--src", "en", "--tgt", "tr", "--workers", "0"], "--workers 0: must be at least 1"),
     ],
 )
-def test_prepare_command_refuses_bad_options_by_name(tmp_path, args, message):
-    proc = _prepare_cli(
-        [*args, "--train", tmp_path / "train", "--valid", tmp_path / "valid", "--out", tmp_path / "work"]
+def test_prepare_command_refuses_bad_options_by_name(tmp_path, args, message, capsys):
+    code, output = _prepare_main(
+        [*args, "--train", tmp_path / "train", "--valid", tmp_path / "valid", "--out", tmp_path / "work"], capsys
     )
-    assert proc.returncode == 2 and message in proc.stdout, proc.stdout
+    assert code == 2 and message in output, output
     assert not (tmp_path / "work").exists()
 
 
-def test_prepare_command_refuses_an_existing_data_bin(tmp_path):
+def test_prepare_command_refuses_an_existing_data_bin(tmp_path, capsys):
     (tmp_path / "work" / "data-bin").mkdir(parents=True)
-    proc = _prepare_cli(
-        ["--src", "en", "--tgt", "tr", "--train", tmp_path / "t", "--valid", tmp_path / "v", "--out", tmp_path / "work"]
+    code, output = _prepare_main(
+        [
+            "--src",
+            "en",
+            "--tgt",
+            "tr",
+            "--train",
+            tmp_path / "t",
+            "--valid",
+            tmp_path / "v",
+            "--out",
+            tmp_path / "work",
+        ],
+        capsys,
     )
-    assert proc.returncode == 2 and "already exists" in proc.stdout, proc.stdout
+    assert code == 2 and "already exists" in output, output
 
 
 def test_prepare_command_names_the_vocabulary_option_sentencepiece_cannot_meet(tmp_path):
@@ -204,14 +229,18 @@ def test_prepare_command_names_the_vocabulary_option_sentencepiece_cannot_meet(t
         (["--src", "en", "--tgt", "tr", "--character-coverage", "0"], "--character-coverage 0.0: must be in (0, 1]"),
     ],
 )
-def test_prepare_command_refuses_suffixes_fairseq_would_misread(tmp_path, args, message):
-    proc = _prepare_cli([*args, "--train", tmp_path / "t", "--valid", tmp_path / "v", "--out", tmp_path / "work"])
-    assert proc.returncode == 2 and message in proc.stdout, proc.stdout
+def test_prepare_command_refuses_suffixes_fairseq_would_misread(tmp_path, args, message, capsys):
+    code, output = _prepare_main(
+        [*args, "--train", tmp_path / "t", "--valid", tmp_path / "v", "--out", tmp_path / "work"], capsys
+    )
+    assert code == 2 and message in output, output
 
 
-def test_prepare_command_refuses_a_comma_in_a_path(tmp_path):
+def test_prepare_command_refuses_a_comma_in_a_path(tmp_path, capsys):
     train = _pair(tmp_path / "raw", "train", *_cut("train", 50))
     valid = _pair(tmp_path / "raw", "valid", *_cut("valid", 5))
-    proc = _prepare_cli(["--src", "en", "--tgt", "tr", "--train", train, "--valid", valid, "--out", tmp_path / "a,b"])
-    assert proc.returncode == 2 and "--out" in proc.stdout and "comma" in proc.stdout, proc.stdout
+    code, output = _prepare_main(
+        ["--src", "en", "--tgt", "tr", "--train", train, "--valid", valid, "--out", tmp_path / "a,b"], capsys
+    )
+    assert code == 2 and "--out" in output and "comma" in output, output
     assert not (tmp_path / "a,b").exists()
