@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
-from attn_reg_plugin.prepare import CorpusError, check_parallel, fairseq_command, prepare, run_logged  # noqa: F401
+from attn_reg_plugin.prepare import fairseq_command, prepare, run_logged
 from attn_reg_plugin.user_dir import FAIRSEQ_USER_DIR
 
 from .provenance import environment

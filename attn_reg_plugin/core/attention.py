@@ -36,7 +36,6 @@ from .controller import (  # noqa: F401
     CaptureProbs,
     EditScores,
     Hook,
-    _all_last,  # noqa: F401  (EditScores.resolve's helper; its test imports it from here)
     zero_counts,
 )
 from .masks import MASKED_BIAS, additive_mask, mask_fill_value, valid_keys_from_bias

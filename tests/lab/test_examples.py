@@ -39,10 +39,13 @@ def test_pipeline_refuses_mismatched_parallel_files(tmp_path):
         (tmp_path / f"{split}.en").write_text("a\nb\n")
         (tmp_path / f"{split}.ro").write_text("a\nb\n")
     (tmp_path / "valid.ro").write_text("a\n")
+    from attn_reg_plugin.prepare import CorpusError
+
     with pytest.raises(
-        mt.CorpusError, match=r"valid\.en has 2 lines but .*valid\.ro has 1: .*valid\.en:2 has no counterpart"
+        CorpusError, match=r"valid\.en has 2 lines but .*valid\.ro has 1: .*valid\.en:2 has no counterpart"
     ):
-        mt.check_parallel({split: tmp_path / split for split in mt.SPLITS}, "en", "ro")
+        mt.prepare_data(tmp_path, tmp_path / "work", "en", "ro", vocab_size=100, log=lambda s: None)
+    assert not (tmp_path / "work").exists()  # refused before anything is written
 
 
 def test_demo_quick_prints_the_table(tmp_path, capsys):
