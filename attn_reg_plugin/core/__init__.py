@@ -50,6 +50,7 @@ from .attribution import logit_target, multi_label_target, regression_target, to
 from .controller import ATTENTION_KINDS, AttentionSite, RegularizationController
 from .layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from .scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
+from .sharding import check_supported_sharding, shard_like
 
 __all__ = [
     "ADDrop",
@@ -66,8 +67,10 @@ __all__ = [
     "ad_drop_epoch",
     "attend",
     "bare_module",
+    "check_supported_sharding",
     "logit_target",
     "multi_label_target",
     "regression_target",
+    "shard_like",
     "token_loss_target",
 ]

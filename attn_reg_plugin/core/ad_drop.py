@@ -23,6 +23,7 @@ from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
 from .masks import ad_drop_masks
 from .options import RegularizerOptions, attention_option, layers_option, option
+from .sharding import initialize, reshard
 
 logger = logging.getLogger(__name__)
 
@@ -187,16 +188,21 @@ def frozen_parameters(module: Optional[torch.nn.Module]) -> Iterator[None]:
 
     The pass then builds autograd graph only from the first captured attention output up,
     which saves the activations parameter gradients would need; nothing reaches ``.grad``.
+    An FSDP2 model is initialised first and resharded on both sides (core.sharding): its modules
+    then unshard with the flags of the moment, and none keeps frozen unsharded parameters into pass 2.
     """
     if module is None:
         yield
         return
+    initialize(module)
+    reshard(module)
     params = [p for p in module.parameters() if p.requires_grad]
     try:
         for p in params:
             p.requires_grad_(False)
         yield
     finally:
+        reshard(module)
         for p in params:
             p.requires_grad_(True)
 

@@ -18,6 +18,7 @@ import torch
 
 from ..controller import RegularizationController
 from ..distributed import from_rank0
+from ..sharding import is_fully_sharded
 from .game import AttendOut
 from .heldout import LogitsOf, heldout_losses
 
@@ -25,7 +26,16 @@ from .heldout import LogitsOf, heldout_losses
 def build_attacker(
     defender: torch.nn.Module, install_sites: Callable
 ) -> Tuple[torch.nn.Module, RegularizationController]:
-    """A: a copy of D as it is now, with attention sites of its own (the Generator's masks go there)."""
+    """A: a copy of D as it is now, with attention sites of its own (the Generator's masks go there).
+
+    Under FSDP2, build A from the unsharded D and shard both (:func:`~attn_reg_plugin.core.sharding.shard_like`):
+    a sharded module cannot be copied."""
+    if is_fully_sharded(defender):
+        raise ValueError(
+            "AttendOut: the Defender is already sharded with FSDP2 (fully_shard), which cannot be copied. Build the "
+            "Attacker from the unsharded model first, then shard both, e.g. core.sharding.shard_like(defender, "
+            "attacker) after sharding the Defender (docs/DISTRIBUTED.md)"
+        )
     attacker = copy.deepcopy(defender)
     controller = RegularizationController()
     install_sites(attacker, controller)

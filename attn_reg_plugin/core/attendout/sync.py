@@ -7,10 +7,17 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..sharding import reshard
+
 
 @torch.no_grad()
 def copy_model_state(source: nn.Module, destination: nn.Module) -> None:
-    """Overwrite ``destination``'s parameters and buffers in place (optimizers keep their references)."""
+    """Overwrite ``destination``'s parameters and buffers in place (optimizers keep their references).
+
+    FSDP2 models are resharded first, so both list their sharded parameters (the ones optimizers
+    hold) and each rank copies its own shard."""
+    reshard(source)
+    reshard(destination)
     for s, d in zip(source.parameters(), destination.parameters()):
         d.copy_(s)
     for s, d in zip(source.buffers(), destination.buffers()):
@@ -23,7 +30,9 @@ def copy_optimizer_state(
     destination: torch.optim.Optimizer,
     destination_params: Sequence[torch.Tensor],
 ) -> None:
-    """Give ``destination`` a copy of ``source``'s per-parameter state (Adam moments, step)."""
+    """Give ``destination`` a copy of ``source``'s per-parameter state (Adam moments, step).
+
+    The parameter lists are the sharded ones for FSDP2 models (read after :func:`copy_model_state`)."""
     for s, d in zip(source_params, destination_params):
         state = source.state.get(s)
         if state:
