@@ -97,9 +97,10 @@ def test_hf_logs_skipped_steps(tmp_path):
 
 # -- refusals before training ----------------------------------------------------------------------
 FSDP_FAIRSEQ = (
-    "does not support --ddp-backend fully_sharded: sharded parameters are gathered per forward, and the "
-    "attribution pass and the Attacker copy are not sharded with them. Use --ddp-backend pytorch_ddp "
-    "(or legacy_ddp), with --checkpoint-activations to save memory"
+    "does not support --ddp-backend fully_sharded: fairseq shards with fairscale's FSDP, which is not verified "
+    "with the regularizers' extra forward passes (it does not run without CUDA, and fairscale is not a "
+    "dependency). Use --ddp-backend pytorch_ddp (or legacy_ddp), with --checkpoint-activations to save memory; "
+    "to shard parameters, use FSDP2 through the Hugging Face trainers or the core API (docs/DISTRIBUTED.md)"
 )
 
 
@@ -431,28 +432,89 @@ HF_TRAINERS = {
 }
 
 
+FSDP1 = (
+    "does not support FSDP1 (fsdp_config version 1): its flat parameters are gathered once per forward-backward "
+    "pair, and the regularizers run extra forwards. Use FSDP2: fsdp_config={'version': 2} (docs/DISTRIBUTED.md)"
+)
+FSDP_OFFLOAD = (
+    "does not support FSDP2 with fsdp_config cpu_offload: it is not verified with the regularizers' extra passes. "
+    "Shard over more GPUs instead, with activation_checkpointing=True to save memory"
+)
+FSDP_CHECKPOINTING = (
+    "does not support fsdp_config activation_checkpointing (FSDP's checkpoint wrapper): AD-DROP's attribution "
+    "pass cannot pause it. Use the TrainingArguments' activation_checkpointing=True (the layers' own flag), which "
+    "the regularizers keep exact under FSDP2"
+)
+FSDP_COMPILE = (
+    "does not support torch_compile=True with FSDP: compiled FSDP2 modules are not verified with the "
+    "regularizers' extra passes. Use one of the two"
+)
+ZERO3 = (
+    "does not support DeepSpeed ZeRO stage 3: ZeRO-3 partitions the parameters and gathers them per forward, and "
+    "it fails on a second forward in one step (upstream). Use ZeRO-1 or ZeRO-2, or FSDP2 (fsdp_config={'version': "
+    "2}), which shards the parameters too"
+)
+ZERO_OFFLOAD = (
+    "does not support DeepSpeed zero_optimization.offload_optimizer (device cpu): offload is not verified with "
+    "the regularizers' extra passes. Leave it out (ZeRO-1/2 without offload)"
+)
+ATTENDOUT_DEEPSPEED = (
+    "does not support DeepSpeed (TrainingArguments.deepspeed): the engine owns the Defender's backward and "
+    "optimizer step, and the Attacker's backward would run through it. Use FSDP2 (fsdp_config={'version': 2}) "
+    "or DDP (torchrun)"
+)
+
+
+def _sharded_args(tmp_path, fsdp=None, deepspeed=None, **fields):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **fields)
+    # Set after construction: on a CPU without a process group the Trainer refuses FSDP itself, and
+    # DeepSpeed is not installed here. The check reads these fields only.
+    if fsdp is not None:
+        args.fsdp, args.fsdp_config = True, fsdp
+    if deepspeed is not None:
+        args.deepspeed = deepspeed
+    return args
+
+
 @pytest.mark.parametrize("who", list(HF_TRAINERS))
 @pytest.mark.parametrize(
     "setting,message",
     [
-        (
-            "fsdp",
-            "does not support FSDP (TrainingArguments.fsdp): sharded parameters are gathered per forward, and the "
-            "attribution pass and the Attacker copy are not sharded with them. Use DDP instead (torchrun, fsdp unset), "
-            "with gradient_checkpointing=True to save memory.",
-        ),
-        (
-            "deepspeed",
-            "does not support DeepSpeed (TrainingArguments.deepspeed): its engine owns the model's forward and "
-            "backward, around which the regularizers run extra passes. Use DDP instead (torchrun, no deepspeed).",
-        ),
+        ({"fsdp": {"version": 1}}, FSDP1),
+        ({"fsdp": {"version": 2, "cpu_offload": True}}, FSDP_OFFLOAD),
+        ({"fsdp": {"version": 2, "activation_checkpointing": "true"}}, FSDP_CHECKPOINTING),
+        ({"fsdp": {"version": 2}, "torch_compile": True}, FSDP_COMPILE),
+        ({"deepspeed": {"zero_optimization": {"stage": 3}}}, ZERO3),
+        ({"deepspeed": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}}, ZERO_OFFLOAD),
     ],
 )
-def test_hf_trainers_refuse_sharded_training_at_construction(tmp_path, who, setting, message):
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    # Set after construction: DeepSpeed itself is not installed here, and the check reads the field only.
-    setattr(args, setting, True if setting == "fsdp" else {"zero_optimization": {"stage": 3}})
+def test_hf_trainers_refuse_unverified_sharding_at_construction(tmp_path, who, setting, message):
+    if who == "AttendOutTrainer" and "deepspeed" in setting:
+        message = ATTENDOUT_DEEPSPEED  # AttendOut refuses DeepSpeed whatever its configuration
     with pytest.raises(NotImplementedError) as e:
-        HF_TRAINERS[who](tiny_bert_classifier(), args)
+        HF_TRAINERS[who](tiny_bert_classifier(), _sharded_args(tmp_path, **setting))
     assert str(e.value) == f"{who} {message}"
     _documented(message)
+
+
+@pytest.mark.parametrize("who", list(HF_TRAINERS))
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"fsdp": {"version": 2}},
+        {"fsdp": {"version": 2, "reshard_after_forward": False}},
+        {"fsdp": {"version": 2}, "activation_checkpointing": True},
+        {"deepspeed": {"zero_optimization": {"stage": 1}}},
+        {"deepspeed": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}},
+    ],
+)
+def test_hf_trainers_accept_fsdp2_and_zero_1_2(tmp_path, who, setting):
+    """What tests/test_fsdp.py and tests/test_deepspeed.py run passes the construction check."""
+    from attn_reg_plugin.hf.training_configurations import refuse_unsupported
+
+    args = _sharded_args(tmp_path, **setting)
+    if who == "AttendOutTrainer" and "deepspeed" in setting:
+        with pytest.raises(NotImplementedError, match="AttendOutTrainer does not support DeepSpeed"):
+            refuse_unsupported(who, args, tiny_bert_classifier())
+    else:
+        refuse_unsupported(who, args, tiny_bert_classifier())

@@ -102,9 +102,11 @@ def refuse_unsupported_training(cfg, regularizer_option: str) -> None:
         return
     if root.distributed_training.get("ddp_backend") == "fully_sharded":
         raise ValueError(
-            f"{regularizer_option} does not support --ddp-backend fully_sharded: sharded parameters are gathered "
-            "per forward, and the attribution pass and the Attacker copy are not sharded with them. Use "
-            "--ddp-backend pytorch_ddp (or legacy_ddp), with --checkpoint-activations to save memory"
+            f"{regularizer_option} does not support --ddp-backend fully_sharded: fairseq shards with fairscale's "
+            "FSDP, which is not verified with the regularizers' extra forward passes (it does not run without CUDA, "
+            "and fairscale is not a dependency). Use --ddp-backend pytorch_ddp (or legacy_ddp), with "
+            "--checkpoint-activations to save memory; to shard parameters, use FSDP2 through the Hugging Face "
+            "trainers or the core API (docs/DISTRIBUTED.md)"
         )
 
 

@@ -55,6 +55,14 @@ from ..core.attendout import (
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_mean_, is_distributed, rank
 from ..core.options import named_by_field
+from ..core.sharding import (
+    full_state_dicts,
+    is_fully_sharded,
+    load_full_state_dicts,
+    meta_copy,
+    reshard,
+    shard_like,
+)
 from .attention import install_attention_sites
 from .model_inputs import causal_lm, decoder_input_ids_from_labels
 from .training_configurations import model_argument, refuse_unsupported, training_arguments
@@ -62,6 +70,7 @@ from .training_configurations import model_argument, refuse_unsupported, trainin
 logger = logging.getLogger(__name__)
 
 ATTENDOUT_STATE = "attendout.pt"  # in each checkpoint folder: Attacker, its optimizer, the game
+FULL_OPTIMIZER_STATE = "attacker_optimizer_by_name"  # a sharded Attacker's optimizer state, gathered
 
 
 def _raw_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -74,8 +83,11 @@ def _raw_optimizer(optimizer) -> torch.optim.Optimizer:
 def optimizer_like(optimizer, source: torch.nn.Module, twin: torch.nn.Module) -> torch.optim.Optimizer:
     """A fresh optimizer of ``optimizer``'s class, same parameter groups and hyperparameters, on ``twin``'s parameters.
 
-    ``twin`` is a copy of ``source`` (same parameter order).
+    ``twin`` is a copy of ``source`` (same parameter order). FSDP2 models are resharded first: an
+    optimizer holds the sharded parameters, which a model lists only while no forward holds them gathered.
     """
+    reshard(source)
+    reshard(twin)
     raw = _raw_optimizer(optimizer)
     twin_of = {id(s): t for s, t in zip(source.parameters(), twin.parameters())}
     groups = []
@@ -100,6 +112,16 @@ def optimizer_like(optimizer, source: torch.nn.Module, twin: torch.nn.Module) ->
         ) from None
 
 
+def mirror_activation_checkpointing(source: torch.nn.Module, destination: torch.nn.Module) -> None:
+    """Give ``destination``'s layers ``source``'s activation-checkpointing flags (transformers' layer
+    attributes, set by the Trainer on D after the Attacker's skeleton was taken)."""
+    modules = dict(destination.named_modules())
+    for path, module in source.named_modules():
+        for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
+            if name in module.__dict__:
+                setattr(modules[path], name, module.__dict__[name])
+
+
 class _AttendOutCallback(TrainerCallback):
     """A's step right after D's (before the scheduler moves the learning rate), the dropout step after the update."""
 
@@ -122,6 +144,12 @@ class AttendOutTrainerMixin:
         named_by_field(attendout).validate()
         model = model_argument("AttendOutTrainer", args, kwargs)
         refuse_unsupported("AttendOutTrainer", training_arguments(args, kwargs), model=model)
+        if is_fully_sharded(model):
+            raise ValueError(
+                "AttendOutTrainer needs the unsharded model (it was sharded with FSDP2 before the Trainer was built): "
+                "the Attacker is a copy of it, and a sharded module cannot be copied. Pass the unsharded model and "
+                "let the Trainer shard it (fsdp_config={'version': 2})"
+            )
         super().__init__(*args, **kwargs)
         self._attendout_heldout_dataset = self._attendout_check_eval_dataset()
         config = model.config
@@ -134,6 +162,9 @@ class AttendOutTrainerMixin:
         # D's attention goes through the same kernel as A's (idle here: transformers' sdpa).
         self.attendout_defender_controller = RegularizationController()
         install_attention_sites(model, self.attendout_defender_controller)
+        # A's skeleton (parameters on the meta device, no memory): under FSDP2 the Trainer shards D
+        # before the first step, and A is then built from this, sharded like D (see _attendout_start).
+        self._attendout_skeleton: Optional[torch.nn.Module] = meta_copy(model)
         self._attendout_encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
         # A decoder-only LM: its one token stream is the generator's "target" (decoder-self) stream,
         # and held-out losses compare logits t with labels t + 1, as the model's own loss does.
@@ -229,7 +260,11 @@ class AttendOutTrainerMixin:
         """Build A (a copy of D as it is now), its optimizer and the game; restore them on resume."""
         if self.attendout_attacker is None:
             defender = bare_module(self.model)
-            attacker, controller = build_attacker(defender, install_attention_sites)
+            if is_fully_sharded(defender):
+                attacker, controller = self._attendout_sharded_attacker(defender)
+            else:
+                attacker, controller = build_attacker(defender, install_attention_sites)
+            self._attendout_skeleton = None
             if self.args.torch_compile:
                 # Compiled like D, in place (parameter names unchanged); its masks are tensors, so
                 # the graph does not change from one batch to the next.
@@ -246,6 +281,19 @@ class AttendOutTrainerMixin:
         if self._attendout_resume_from is not None:
             folder, self._attendout_resume_from = self._attendout_resume_from, None
             self._attendout_load(folder)
+
+    def _attendout_sharded_attacker(self, defender: torch.nn.Module):
+        """A under FSDP2: the skeleton sharded like D, only this rank's shards allocated, D's weights
+        and buffers copied in, D's activation-checkpointing flags mirrored, then its own sites (the
+        probe forward runs on every rank at once, as the first step does)."""
+        attacker = self._attendout_skeleton
+        shard_like(defender, attacker)
+        attacker.to_empty(device=next(defender.parameters()).device)
+        copy_model_state(defender, attacker)
+        mirror_activation_checkpointing(defender, attacker)
+        controller = RegularizationController()
+        install_attention_sites(attacker, controller)
+        return attacker, controller
 
     # -- per micro-batch ------------------------------------------------------------------
     def attendout_streams(self, inputs: Dict[str, Any]) -> Dict[str, torch.Tensor]:
@@ -321,7 +369,8 @@ class AttendOutTrainerMixin:
         if self.attendout_attacker is None:
             return
         params = [p for p in self.attendout_attacker.parameters() if p.requires_grad]
-        all_reduce_mean_([p.grad for p in params if p.grad is not None])  # D's grads: averaged by DDP
+        if not is_fully_sharded(self.attendout_attacker):  # FSDP2 reduce-scattered them already
+            all_reduce_mean_([p.grad for p in params if p.grad is not None])  # D's grads: averaged by DDP
         scaler = self.attendout_scaler
         if scaler is not None:
             scaler.unscale_(self.attendout_optimizer)  # clip the true gradients
@@ -430,9 +479,18 @@ class AttendOutTrainerMixin:
 
     # -- checkpoints ----------------------------------------------------------------------
     def attendout_state_dict(self) -> Dict[str, object]:
+        """A, its optimizer, the game (and A's loss scaler). Under FSDP2, A and its optimizer state are
+        gathered into full tensors on the CPU (a collective: every rank calls this), keyed by
+        parameter name, so the file does not depend on the number of ranks."""
+        if is_fully_sharded(self.attendout_attacker):
+            attacker, optimizer = full_state_dicts(self.attendout_attacker, self.attendout_optimizer)
+            optimizer_key = FULL_OPTIMIZER_STATE
+        else:
+            attacker, optimizer = self.attendout_attacker.state_dict(), self.attendout_optimizer.state_dict()
+            optimizer_key = "attacker_optimizer"
         return {
-            "attacker": self.attendout_attacker.state_dict(),
-            "attacker_optimizer": self.attendout_optimizer.state_dict(),
+            "attacker": attacker,
+            optimizer_key: optimizer,
             "game": self.attendout_game.state_dict(),
             **({"attacker_scaler": self.attendout_scaler.state_dict()} if self.attendout_scaler is not None else {}),
         }
@@ -442,8 +500,9 @@ class AttendOutTrainerMixin:
         if self.attendout_attacker is None or self.args.save_only_model:
             return
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        state = self.attendout_state_dict()  # on every rank: gathering a sharded A is a collective
         if self.args.should_save:
-            torch.save(self.attendout_state_dict(), os.path.join(folder, ATTENDOUT_STATE))
+            torch.save(state, os.path.join(folder, ATTENDOUT_STATE))
         if is_distributed():  # each worker caches its own batches
             torch.save(self.attendout_game.state_dict(), os.path.join(folder, f"attendout_game_rank{rank()}.pt"))
 
@@ -456,8 +515,18 @@ class AttendOutTrainerMixin:
             )
             return
         state = torch.load(path, map_location="cpu", weights_only=True)
-        self.attendout_attacker.load_state_dict(state["attacker"])
-        self.attendout_optimizer.load_state_dict(state["attacker_optimizer"])
+        if is_fully_sharded(self.attendout_attacker) or FULL_OPTIMIZER_STATE in state:
+            if FULL_OPTIMIZER_STATE not in state:
+                raise ValueError(
+                    f"{path} was saved by an unsharded run: its Attacker optimizer state is indexed by position and "
+                    "cannot be sharded. Resume it without FSDP, or start a new AttendOut game from the model"
+                )
+            load_full_state_dicts(
+                self.attendout_attacker, self.attendout_optimizer, state["attacker"], state[FULL_OPTIMIZER_STATE]
+            )
+        else:
+            self.attendout_attacker.load_state_dict(state["attacker"])
+            self.attendout_optimizer.load_state_dict(state["attacker_optimizer"])
         if self.attendout_scaler is not None and "attacker_scaler" in state:
             self.attendout_scaler.load_state_dict(state["attacker_scaler"])
         game = state["game"]

@@ -7,10 +7,13 @@ Also the trainers' shared constructor helper for the model argument.
 
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 import torch
 import transformers
+
+from ..core.sharding import check_supported_sharding
 
 
 def training_arguments(args, kwargs) -> Optional[transformers.TrainingArguments]:
@@ -19,6 +22,8 @@ def training_arguments(args, kwargs) -> Optional[transformers.TrainingArguments]
 
 
 def refuse_unsupported(who: str, args, model=None) -> None:
+    if model is not None:
+        check_supported_sharding(model, who)
     if args is None:
         return
     # The layers' own flags, as transformers' is_activation_checkpointing reads them (its older
@@ -35,15 +40,71 @@ def refuse_unsupported(who: str, args, model=None) -> None:
             "one of the two (gradient_checkpointing=True is exact without torch_compile)."
         )
     if args.deepspeed:
-        raise NotImplementedError(
-            f"{who} does not support DeepSpeed (TrainingArguments.deepspeed): its engine owns the model's forward "
-            "and backward, around which the regularizers run extra passes. Use DDP instead (torchrun, no deepspeed)."
-        )
+        refuse_unsupported_deepspeed(who, deepspeed_config(args))
     if args.fsdp:
+        refuse_unsupported_fsdp(who, args.fsdp_config or {})
+        if args.torch_compile:
+            raise NotImplementedError(
+                f"{who} does not support torch_compile=True with FSDP: compiled FSDP2 modules are not verified "
+                "with the regularizers' extra passes. Use one of the two"
+            )
+
+
+def deepspeed_config(args) -> dict:
+    """The DeepSpeed configuration the Trainer will use (a dict, or the JSON file it names)."""
+    hf_config = getattr(args, "hf_deepspeed_config", None)
+    if hf_config is not None:
+        return hf_config.config
+    if isinstance(args.deepspeed, dict):
+        return args.deepspeed
+    with open(args.deepspeed) as f:
+        return json.load(f)
+
+
+def refuse_unsupported_deepspeed(who: str, config: dict) -> None:
+    """ZeRO stages 0-2 without offload are supported for AD-DROP and the no-extra-cost regularizers."""
+    if who.startswith("AttendOut"):
         raise NotImplementedError(
-            f"{who} does not support FSDP (TrainingArguments.fsdp): sharded parameters are gathered per forward, "
-            "and the attribution pass and the Attacker copy are not sharded with them. Use DDP instead "
-            "(torchrun, fsdp unset), with gradient_checkpointing=True to save memory."
+            f"{who} does not support DeepSpeed (TrainingArguments.deepspeed): the engine owns the Defender's "
+            "backward and optimizer step, and the Attacker's backward would run through it. Use FSDP2 "
+            "(fsdp_config={'version': 2}) or DDP (torchrun)"
+        )
+    zero = config.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    if stage not in (0, 1, 2):
+        raise NotImplementedError(
+            f"{who} does not support DeepSpeed ZeRO stage {stage}: ZeRO-3 partitions the parameters and gathers "
+            "them per forward, and it fails on a second forward in one step (upstream). Use ZeRO-1 or ZeRO-2, or "
+            "FSDP2 (fsdp_config={'version': 2}), which shards the parameters too"
+        )
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in (None, "none"):
+            raise NotImplementedError(
+                f"{who} does not support DeepSpeed zero_optimization.{key} (device {device}): offload is not "
+                "verified with the regularizers' extra passes. Leave it out (ZeRO-1/2 without offload)"
+            )
+
+
+def refuse_unsupported_fsdp(who: str, fsdp_config: dict) -> None:
+    """FSDP2 (``fsdp_config={"version": 2}``, transformers' default) is supported; what is not verified is refused."""
+    version = int(fsdp_config.get("version", 2))
+    if version != 2:
+        raise NotImplementedError(
+            f"{who} does not support FSDP1 (fsdp_config version {version}): its flat parameters are gathered once "
+            "per forward-backward pair, and the regularizers run extra forwards. Use FSDP2: fsdp_config={'version': "
+            "2} (docs/DISTRIBUTED.md)"
+        )
+    if str(fsdp_config.get("cpu_offload", False)).lower() == "true":
+        raise NotImplementedError(
+            f"{who} does not support FSDP2 with fsdp_config cpu_offload: it is not verified with the regularizers' "
+            "extra passes. Shard over more GPUs instead, with activation_checkpointing=True to save memory"
+        )
+    if str(fsdp_config.get("activation_checkpointing", False)).lower() == "true":
+        raise NotImplementedError(
+            f"{who} does not support fsdp_config activation_checkpointing (FSDP's checkpoint wrapper): AD-DROP's "
+            "attribution pass cannot pause it. Use the TrainingArguments' activation_checkpointing=True (the "
+            "layers' own flag), which the regularizers keep exact under FSDP2"
         )
 
 
