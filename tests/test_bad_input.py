@@ -64,6 +64,7 @@ AD_DROP_BAD: List[Bad] = [
     Bad("iga_steps", None, True, "{opt} must be an integer >= 1, got True"),
     Bad("labels", "silver", _SAME, "{opt} must be one of pseudo, gold, got 'silver'"),
     Bad("schedule", "odd", _SAME, "{opt} must be one of cross-tuning, always, got 'odd'"),
+    Bad("region", "middle", _SAME, "{opt} must be one of top, bottom, got 'middle'"),
     Bad("attribution_precision", "fp16", _SAME, "{opt} must be one of auto, fp32, bf16, got 'fp16'"),
 ]
 

@@ -28,6 +28,7 @@ from .sharding import initialize, reshard
 logger = logging.getLogger(__name__)
 
 SCHEDULES = ("cross-tuning", "always")
+REGIONS = ("top", "bottom")
 ATTRIBUTION_PRECISIONS = ("auto", "fp32", "bf16")
 
 # output, fixed labels (None on the first call) -> (scalar F, labels used)
@@ -44,6 +45,12 @@ class ADDropConfig(RegularizerOptions):
         0.2, "candidate region: the top ceil(p*n) of each query row's n real keys by attribution", "(0, 1)"
     )
     q: float = option(0.2, "drop probability of each candidate", "(0, 1)")
+    region: str = option(
+        "top",
+        "which keys of each row are candidates: top = the highest-attribution ceil(p*n) (AD-DROP), bottom = the "
+        "lowest (analysis only: the paper's Fig. 2 drops either end to show which one regularizes)",
+        "top, bottom",
+    )
     layers: str = layers_option()
     attention: str = attention_option()
     attribution: str = option(
@@ -72,6 +79,8 @@ class ADDropConfig(RegularizerOptions):
             if not isinstance(value, (int, float)) or not (0.0 < float(value) < 1.0) or math.isnan(value):
                 raise ValueError(f"{flag(name)} must be in the open interval (0, 1), got {value!r}")
         self.check_site_options()
+        if self.region not in REGIONS:
+            raise ValueError(f"{flag('region')} must be one of {', '.join(REGIONS)}, got {self.region!r}")
         if self.attribution not in ATTRIBUTIONS:
             raise ValueError(
                 f"{flag('attribution')} must be one of {', '.join(ATTRIBUTIONS)}, got {self.attribution!r}"
@@ -86,6 +95,16 @@ class ADDropConfig(RegularizerOptions):
             raise ValueError(
                 f"{flag('attribution_precision')} must be one of {', '.join(ATTRIBUTION_PRECISIONS)}, "
                 f"got {self.attribution_precision!r}"
+            )
+        if self.region == "bottom" and self.attribution in ("rd", "aa"):
+            what = (
+                "draws its region at random"
+                if self.attribution == "rd"
+                else "ranks by attention weights, not attribution"
+            )
+            raise ValueError(
+                f"{flag('region')} bottom ranks keys by attribution, but {flag('attribution')} "
+                f"{self.attribution} {what}; use ga or iga, or region top"
             )
         if self.attribution == "rd" and self.attribution_precision != "auto":
             raise ValueError(
@@ -362,7 +381,9 @@ class ADDrop:
                 # A sample the target does not depend on (every label ignored) has all-zero gradient
                 # attributions: its candidates would be topk's tie order, so it is not masked. (AA's
                 # attention weights do not come from the target.)
-                drops = [ad_drop_masks(a, v, p, q) for a, v in zip(attributions, valids)]
+                # The bottom-p by attribution is the top-p of its negation (the kept key of an emptied row too).
+                ranked = attributions if self.config.region == "top" else [a.neg() for a in attributions]
+                drops = [ad_drop_masks(a, v, p, q) for a, v in zip(ranked, valids)]
                 if self.config.attribution != "aa":
                     targeted = samples_with_target(attributions).view(-1, 1, 1, 1)
                     stats["skipped"] = (~targeted.any()).long()

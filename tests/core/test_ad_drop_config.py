@@ -79,3 +79,54 @@ def test_frozen_parameters_restores_requires_grad():
         with frozen_parameters(m):
             raise KeyError
     assert [p.requires_grad for p in m.parameters()] == [True, True, True, False]
+
+
+# -- the candidate region: top-p (AD-DROP) or bottom-p (analysis) ------------------------------------
+def _masks_for(region, attribution, valid, p, monkeypatch):
+    """The drop masks ADDrop.masked builds from hand-built attributions, with every candidate dropped
+    (q's coin replaced by 'always', keeping the never-empty rule), read off the site's hook."""
+    from attn_reg_plugin.core import ad_drop as core_ad_drop
+    from attn_reg_plugin.core import masks
+
+    monkeypatch.setattr(
+        masks, "sample_drops", lambda r, q, v, a, generator=None: masks.keep_one_valid_key(r, v.expand_as(r), a)
+    )
+    controller = controller_with_sites({"encoder-self": 1})
+    ad_drop = ADDrop(ADDropConfig(p=p, q=0.5, region=region, attention="encoder-self"), controller)
+    (site,) = ad_drop.sites
+    monkeypatch.setattr(
+        core_ad_drop.ADDrop, "attributions", lambda self, f, t, frozen=None: ([site], [attribution], [valid])
+    )
+    with ad_drop.masked(lambda: None, None):
+        return site.hook.drop
+
+
+def test_region_top_drops_the_highest_and_bottom_the_lowest_attributions(monkeypatch):
+    attribution = torch.tensor([[[[0.9, -0.5, 0.1, 0.7, 0.3, 5.0]]]])  # key 5 is padding
+    valid = torch.tensor([[[[True, True, True, True, True, False]]]])
+    top = _masks_for("top", attribution, valid, 0.4, monkeypatch)  # ceil(0.4 * 5) = 2 candidates
+    bottom = _masks_for("bottom", attribution, valid, 0.4, monkeypatch)
+    assert top.squeeze().tolist() == [True, False, False, True, False, False]
+    assert bottom.squeeze().tolist() == [False, True, True, False, False, False]  # padding never a candidate
+
+
+def test_region_bottom_keeps_the_highest_key_of_an_emptied_row(monkeypatch):
+    attribution = torch.tensor([[[[0.2, 0.9, -0.4]]]])
+    valid = torch.ones(1, 1, 1, 3, dtype=torch.bool)
+    # p near 1: every valid key is a candidate; the never-empty rule keeps one, the one the region
+    # wants least: the lowest attribution for top, the highest for bottom.
+    assert _masks_for("top", attribution, valid, 0.99, monkeypatch).squeeze().tolist() == [True, True, False]
+    assert _masks_for("bottom", attribution, valid, 0.99, monkeypatch).squeeze().tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize(
+    "attribution,why", [("rd", "draws its region at random"), ("aa", "ranks by attention weights")]
+)
+def test_region_bottom_is_refused_where_it_means_nothing(attribution, why):
+    with pytest.raises(
+        ValueError,
+        match=f"--ad-drop-region bottom ranks keys by attribution, but --ad-drop-attribution {attribution} {why}",
+    ):
+        ADDropConfig(region="bottom", attribution=attribution).validate()
+    ADDropConfig(region="top", attribution=attribution).validate()
+    ADDropConfig(region="bottom", attribution="iga").validate()
