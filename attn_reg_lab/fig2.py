@@ -2,6 +2,7 @@
 
     attn-reg-fig2 --out-dir outputs/fig2/minilm        # MiniLM on 400 movie reviews, 4 strategies x 3 seeds
     attn-reg-fig2 --train-size 200 --epochs 6 --seeds 1 --strategies none,high --out-dir OUT
+    attn-reg-fig2 --backend fairseq --train-size 2000 --epochs 30 --out-dir outputs/fig2/fairseq
 
 The paper (Sec. 2.2, Fig. 2) fine-tunes RoBERTa-base on MRPC. It attributes the gold-label logit
 by gradient to the first layer's attention maps, then per query row drops positions of high or
@@ -26,6 +27,13 @@ After every epoch, in eval mode (no dropout, nothing dropped), it records:
 * ``dev_acc``.
 
 Beside them it records the Trainer's running training loss (``running_loss``, under dropping).
+
+``--backend fairseq`` runs the same four strategies on the demo's Transformer (attn-reg-demo's model)
+trained from scratch on the first ``--train-size`` pairs of the shipped EN-RO corpus. The
+attribution target is the negative token loss of the reference (``labels="gold"``) and the maps are
+the encoder self-attention of layer 0. fairseq logs no eval-mode training loss, so its
+``train_loss`` is the running loss of the epoch, under dropping. ``dev_loss`` is the valid loss. Both
+are fairseq's label-smoothed loss in base 2.
 ``results.json`` has every run with its curves and the mean over seeds. ``fig2.png`` plots the
 means, with a band from the lowest to the highest seed. ``runs.jsonl`` grows as runs finish, and
 a rerun with the same settings skips the runs it already holds.
@@ -46,7 +54,7 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 
 from .fewshot import encode, eval_batches
 from .fewshot_data import DataError, load_jsonl, sample_balanced
-from .paths import MOVIE_REVIEWS, checkout_data, require_minilm
+from .paths import MOVIE_REVIEWS, MT_CORPUS, checkout_data, require_minilm
 from .provenance import environment
 
 STRATEGIES = ("none", "high", "low", "random")
@@ -131,6 +139,77 @@ def run_one(opts, strategy: str, seed: int, tokenizer, train_examples, dev_batch
     }
 
 
+def fairseq_strategy_args(strategy: str) -> List[str]:
+    """The fairseq flags of a strategy: the same ADDropConfig as the HF runs, on encoder layer 0."""
+    config = strategy_config(strategy)
+    if config is None:
+        return ["--criterion", "label_smoothed_cross_entropy"]
+    args = ["--criterion", "ad_drop_label_smoothed_cross_entropy"]
+    for name in ("p", "q", "region", "attribution", "schedule", "layers", "attention", "labels"):
+        args += [config.name(name), str(getattr(config, name))]
+    return args
+
+
+def prepare_fairseq_data(opts) -> Path:
+    """The first --train-size training pairs, the full valid split, one sentencepiece vocabulary."""
+    from . import mt_pipeline as mt
+
+    work = opts.out_dir / "data"
+    data_bin = work / "data-bin"
+    if data_bin.exists():
+        return data_bin
+    raw = work / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for split in mt.SPLITS:
+        for lang in ("en", "ro"):
+            lines = (opts.mt_data / f"{split}.{lang}").read_text(encoding="utf-8").split("\n")
+            if lines and lines[-1] == "":
+                lines.pop()
+            if split == "train":
+                if opts.train_size > len(lines):
+                    raise SystemExit(f"attn-reg-fig2: --train-size {opts.train_size} > the {len(lines)} training pairs")
+                lines = lines[: opts.train_size]
+            (raw / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return mt.prepare_data(raw, work, "en", "ro", opts.vocab_size, log=lambda line: print("  " + line, flush=True))
+
+
+def run_one_fairseq(opts, strategy: str, seed: int, data_bin: Path) -> Dict:
+    from . import mt_pipeline as mt
+    from .demo import MODEL_ARGS
+
+    model_args = list(MODEL_ARGS)
+    model_args[model_args.index("--dropout") + 1] = str(opts.dropout)
+    with tempfile.TemporaryDirectory(prefix="fig2-fairseq-") as tmp:
+        result = mt.train(
+            f"{strategy} seed {seed}",
+            data_bin,
+            Path(tmp),
+            [
+                *model_args,
+                "--cpu",
+                "--no-save",
+                *fairseq_strategy_args(strategy),
+                "--max-epoch",
+                str(opts.epochs),
+                "--seed",
+                str(seed),
+            ],  # fmt: skip
+            log=lambda line: None,
+        )
+    curve = [
+        {
+            "epoch": e["epoch"],
+            "train_loss": e["train_loss"],
+            "dev_loss": e["valid_loss"],
+            "drop_rate": float(e.get("ad_drop_rate") or 0.0),
+        }
+        for e in result.epochs
+    ]
+    if len(curve) != opts.epochs:
+        raise RuntimeError(f"expected {opts.epochs} epochs in the fairseq log, got {len(curve)}")
+    return {"strategy": strategy, "seed": seed, "train_seconds": round(result.train_seconds, 1), "epochs": curve}
+
+
 def summarize(runs: List[Dict], strategies, epochs: int) -> Dict[str, Dict[str, List[float]]]:
     """Per strategy and measure: the mean, lowest and highest over seeds at every epoch."""
     summary = {}
@@ -140,6 +219,8 @@ def summarize(runs: List[Dict], strategies, epochs: int) -> Dict[str, Dict[str, 
             continue
         summary[strategy] = {"seeds": len(mine)}
         for key in ("train_loss", "dev_loss", "dev_acc", "drop_rate"):
+            if key not in mine[0]["epochs"][0]:
+                continue
             columns = [[r["epochs"][e][key] for r in mine] for e in range(epochs)]
             summary[strategy][key] = {
                 "mean": [statistics.fmean(c) for c in columns],
@@ -149,14 +230,14 @@ def summarize(runs: List[Dict], strategies, epochs: int) -> Dict[str, Dict[str, 
     return summary
 
 
-def plot(summary: Dict, path: Path, title: str) -> None:
+def plot(summary: Dict, path: Path, title: str, train_label: str = "train loss") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((axes[0], "train_loss", "train loss"), (axes[1], "dev_loss", "dev loss")):
+    for ax, key, label in ((axes[0], "train_loss", train_label), (axes[1], "dev_loss", "dev loss")):
         for strategy, s in summary.items():
             xs = range(1, len(s[key]["mean"]) + 1)
             line = ax.plot(xs, s[key]["mean"], marker="o", label=f"{strategy} ({s['seeds']} seeds)")[0]
@@ -191,6 +272,7 @@ def _list(option: str, text: str, accepted=None, minimum=None):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=("hf", "fairseq"), default="hf")
     ap.add_argument("--train", type=Path, default=MOVIE_REVIEWS / "train.jsonl")
     ap.add_argument("--dev", type=Path, default=MOVIE_REVIEWS / "dev.jsonl")
     ap.add_argument("--model", help="a transformers classifier folder (default: the offline MiniLM)")
@@ -202,8 +284,14 @@ def parse_args(argv=None):
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--max-length", type=int, default=64)
-    ap.add_argument("--out-dir", type=Path, default=Path("outputs/fig2/minilm"))
+    ap.add_argument("--out-dir", type=Path, default=None, help="default: outputs/fig2/minilm or outputs/fig2/fairseq")
+    fs = ap.add_argument_group("fairseq backend")
+    fs.add_argument("--mt-data", type=Path, default=MT_CORPUS, help="folder with {train,valid,test}.{en,ro}")
+    fs.add_argument("--vocab-size", type=int, default=2000)
+    fs.add_argument("--dropout", type=float, default=0.3, help="the Transformer's dropout (the demo's 0.3)")
     opts = ap.parse_args(argv)
+    if opts.out_dir is None:
+        opts.out_dir = Path("outputs/fig2") / ("minilm" if opts.backend == "hf" else "fairseq")
     try:
         opts.strategies = _list("--strategies", opts.strategies, accepted=STRATEGIES)
         opts.seeds = _list("--seeds", opts.seeds, minimum=0)
@@ -214,25 +302,18 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be >= {minimum}, got {getattr(opts, name)}")
     if not opts.lr > 0:
         ap.error(f"--lr must be > 0, got {opts.lr}")
-    opts.train = checkout_data(opts.train, "--train")
-    opts.dev = checkout_data(opts.dev, "--dev")
+    if not 0.0 <= opts.dropout < 1.0:
+        ap.error(f"--dropout must be in [0, 1), got {opts.dropout}")
+    if opts.backend == "fairseq":
+        opts.mt_data = checkout_data(opts.mt_data, "--mt-data")
+    else:
+        opts.train = checkout_data(opts.train, "--train")
+        opts.dev = checkout_data(opts.dev, "--dev")
     return opts
 
 
-def settings(opts) -> Dict:
-    keys = ("train_size", "dev_size", "epochs", "batch_size", "lr", "max_length")
-    return {
-        **{k: getattr(opts, k) for k in keys},
-        "train": str(opts.train),
-        "dev": str(opts.dev),
-        "model": opts.model,
-        "p": P,
-        "q": Q,
-    }
-
-
-def main(argv=None) -> int:
-    opts = parse_args(argv)
+def _hf_setup(opts):
+    """Data and tokenizer of the MiniLM runs, loaded once; returns (strategy, seed) -> run."""
     try:
         train_examples = load_jsonl(opts.train)
         dev_examples = load_jsonl(opts.dev)
@@ -250,7 +331,38 @@ def main(argv=None) -> int:
     if opts.dev_size:
         dev_examples = dev_examples[: opts.dev_size]
     dev_batches = eval_batches(tokenizer, encode(tokenizer, dev_examples, opts.max_length), 64)
+    return lambda strategy, seed: run_one(opts, strategy, seed, tokenizer, train_examples, dev_batches)
+
+
+def settings(opts) -> Dict:
+    if opts.backend == "fairseq":
+        keys = ("backend", "train_size", "epochs", "vocab_size", "dropout")
+        return {**{k: getattr(opts, k) for k in keys}, "mt_data": str(opts.mt_data), "p": P, "q": Q}
+    keys = ("train_size", "dev_size", "epochs", "batch_size", "lr", "max_length")
+    return {
+        **{k: getattr(opts, k) for k in keys},
+        "train": str(opts.train),
+        "dev": str(opts.dev),
+        "model": opts.model,
+        "p": P,
+        "q": Q,
+    }
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
     opts.out_dir.mkdir(parents=True, exist_ok=True)
+    if opts.backend == "fairseq":
+        data_bin = prepare_fairseq_data(opts)
+
+        def train_one(strategy, seed):
+            return run_one_fairseq(opts, strategy, seed, data_bin)
+
+        title = f"AD-DROP Fig. 2: fairseq Transformer, {opts.train_size} EN-RO pairs, encoder layer 1"
+        train_label = "train loss (running, under dropping; base 2)"
+    else:
+        train_one, title = _hf_setup(opts), f"AD-DROP Fig. 2: MiniLM, {opts.train_size} movie reviews, layer 1"
+        train_label = "train loss (eval mode)"
     runs_file = opts.out_dir / "runs.jsonl"
     config = settings(opts)
     done: Dict = {}
@@ -269,7 +381,7 @@ def main(argv=None) -> int:
             if (strategy, seed) in done:
                 runs.append(done[(strategy, seed)])
                 continue
-            run = run_one(opts, strategy, seed, tokenizer, train_examples, dev_batches)
+            run = train_one(strategy, seed)
             runs.append(run)
             with runs_file.open("a", encoding="utf-8") as f:
                 f.write(json.dumps({"settings": config, "run": run}) + "\n")
@@ -283,7 +395,7 @@ def main(argv=None) -> int:
     summary = summarize(runs, opts.strategies, opts.epochs)
     result = {"environment": environment(), "settings": config, "summary": summary, "runs": runs}
     (opts.out_dir / "results.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    plot(summary, opts.out_dir / "fig2.png", f"AD-DROP Fig. 2: MiniLM, {opts.train_size} movie reviews, layer 1")
+    plot(summary, opts.out_dir / "fig2.png", title, train_label)
     print(f"wrote {opts.out_dir / 'results.json'} and {opts.out_dir / 'fig2.png'}")
     return 0
 

@@ -78,3 +78,30 @@ def test_bad_options_fail_before_anything_runs(argv, message, capsys):
     with pytest.raises(SystemExit):
         fig2.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_fairseq_backend_runs_the_strategies_through_fairseq_train(tmp_path):
+    pytest.importorskip("fairseq")
+    out = tmp_path / "fs"
+    argv = ["--backend", "fairseq", "--train-size", "120", "--epochs", "2", "--seeds", "1", "--strategies",
+            "none,low", "--vocab-size", "300", "--out-dir", str(out)]  # fmt: skip
+    assert fig2.main(argv) == 0
+    result = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    runs = {r["strategy"]: r for r in result["runs"]}
+    assert result["settings"]["backend"] == "fairseq" and set(runs) == {"none", "low"}
+    assert [e["drop_rate"] for e in runs["none"]["epochs"]] == [0.0, 0.0]
+    assert all(0.2 < e["drop_rate"] < 0.5 for e in runs["low"]["epochs"])
+    assert all(e["dev_loss"] > 0 and e["train_loss"] > 0 for r in runs.values() for e in r["epochs"])
+    assert (out / "data" / "data-bin").is_dir() and (out / "fig2.png").exists()
+
+
+def test_fairseq_strategy_flags_are_the_hf_configs():
+    assert fig2.fairseq_strategy_args("none") == ["--criterion", "label_smoothed_cross_entropy"]
+    low = fig2.fairseq_strategy_args("low")
+    flags = dict(zip(low[2::2], low[3::2]))
+    assert flags["--ad-drop-region"] == "bottom" and flags["--ad-drop-layers"] == "0"
+    assert (flags["--ad-drop-p"], flags["--ad-drop-q"], flags["--ad-drop-labels"]) == ("0.5", "0.6", "gold")
+    assert (
+        fig2.fairseq_strategy_args("random")[fig2.fairseq_strategy_args("random").index("--ad-drop-attribution") + 1]
+        == "rd"
+    )
