@@ -42,24 +42,53 @@ def bert():
     return transformers.BertForSequenceClassification(config)
 
 
-def rows(n, seed):
+def llama(tied):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+        vocab_size=VOCAB, pad_token_id=0, tie_word_embeddings=tied, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def rows(n, seed, causal=False):
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        ids = torch.randint(3, VOCAB, (4 + i % 5,), generator=g)
-        out.append({"input_ids": ids, "labels": torch.tensor(int(ids.sum()) % 2)})
+        ids = torch.randint(3, VOCAB, (6 if causal else 4 + i % 5,), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone() if causal else torch.tensor(int(ids.sum()) % 2)})
     return out
 
 
 def collate(batch):
     n = max(len(b["input_ids"]) for b in batch)
     ids = torch.stack([torch.nn.functional.pad(b["input_ids"], (0, n - len(b["input_ids"]))) for b in batch])
-    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.stack([b["labels"] for b in batch])}
+    labels = torch.stack([b["labels"] for b in batch])
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": labels}
 
 
-def global_batch(step, rank):
-    batch = rows(BATCH, 100 + step)
+def global_batch(step, rank, causal=False):
+    batch = rows(BATCH, 100 + step, causal)
     return collate(batch[rank * BATCH // 2 : (rank + 1) * BATCH // 2])
+
+
+def shard_as_accelerate(model, layer_class, mesh):
+    """What the Trainer's FSDP2 path does to the model: accelerate's own fsdp2_prepare_model (its
+    embedding and tied-head units included), called with the few accelerator fields it reads."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=[layer_class]
+    )
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh={("dp_shard",): mesh},
+        parallelism_config=SimpleNamespace(fsdp_dim_names=["dp_shard"]), mixed_precision="no",
+        is_main_process=True, device=torch.device("cpu"),
+    )  # fmt: skip
+    return fsdp2_prepare_model(accelerator, model)
 
 
 def full(tensor):
@@ -71,27 +100,30 @@ def parameters(model):
 
 
 def make_trainer(scenario, out_dir, mesh):
-    model = bert()
+    causal = "llama" in scenario
+    model = llama("tied" in scenario) if causal else bert()
     args = transformers.TrainingArguments(
         output_dir=out_dir, use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no", disable_tqdm=True,
         per_device_train_batch_size=BATCH // 2, per_device_eval_batch_size=2, remove_unused_columns=False,
         max_grad_norm=0.5,
     )  # fmt: skip
-    common = dict(model=model, args=args, data_collator=collate, train_dataset=rows(BATCH, 0))
+    common = dict(model=model, args=args, data_collator=collate, train_dataset=rows(BATCH, 0, causal))
     if scenario.startswith("ad-drop"):
         trainer = ADDropTrainer(**common, ad_drop=ADDropConfig(p=0.3, q=0.5, schedule="always"))
     elif scenario == "scheduled-dropout":
         trainer = AttnRegTrainer(**common, scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.4,3:0.2"))
     elif scenario.startswith("attendout"):
         trainer = AttendOutTrainer(
-            **common, eval_dataset=rows(6, 1), attendout=AttendOutConfig(dropout_step=2, generator_dim=8)
+            **common, eval_dataset=rows(6, 1, causal), attendout=AttendOutConfig(dropout_step=2, generator_dim=8)
         )
     if scenario.endswith("-checkpointing") or scenario.endswith("-reentrant"):
         # What the Trainer does at train() for activation_checkpointing=True, before accelerate shards.
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": scenario.endswith("-reentrant")}
         )
-    if mesh is not None:
+    if mesh is not None and causal:
+        model = trainer.model = shard_as_accelerate(model, "LlamaDecoderLayer", mesh)
+    elif mesh is not None:
         for layer in model.bert.encoder.layer:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -100,11 +132,11 @@ def make_trainer(scenario, out_dir, mesh):
     return trainer
 
 
-def update(trainer, step, rank):
+def update(trainer, step, rank, causal):
     """One optimizer update as the Trainer's loop runs it (its callbacks included)."""
     model = trainer.model
     torch.manual_seed(1000 + 10 * step + rank)
-    loss = trainer.training_step(model, global_batch(step, rank))
+    loss = trainer.training_step(model, global_batch(step, rank, causal))
     if not is_fully_sharded(model):
         all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None])
     grads = {n: None if p.grad is None else full(p.grad).clone() for n, p in model.named_parameters()}
@@ -126,9 +158,13 @@ def counts(trainer):
 
 def run(scenario, out_dir, rank, mesh):
     trainer = make_trainer(scenario, os.path.join(out_dir, f"{scenario}-{mesh is not None}"), mesh)
-    steps = [update(trainer, step, rank) for step in range(3)]
+    steps = [update(trainer, step, rank, "llama" in scenario) for step in range(3)]
     result = {"steps": steps, "counts": counts(trainer), "params": parameters(trainer.model)}
     if isinstance(trainer, AttendOutTrainer):
+        result["attacker_fsdp_units"] = [
+            n for n, m in trainer.attendout_attacker.named_modules() if "FSDP" in type(m).__name__
+        ]
+        result["defender_fsdp_units"] = [n for n, m in trainer.model.named_modules() if "FSDP" in type(m).__name__]
         result["attacker_checkpointed"] = [
             n for n, m in trainer.attendout_attacker.named_modules() if m.__dict__.get("gradient_checkpointing")
         ]

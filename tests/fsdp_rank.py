@@ -232,14 +232,23 @@ def train_attendout(defender, controller, rank, mesh):
     }
 
 
-def bf16_parameters(rank, mesh):
+def bf16_parameters(rank, mesh, layers_only=False):
     """AD-DROP under FSDP2 mixed precision (bf16 compute, fp32 gradient reduction): no reference to
-    equal, so what it did: losses, counts, gradients (fp32, finite)."""
+    equal, so what it did: losses, counts, gradients (fp32, finite). ``layers_only``: the root is not
+    sharded, so every layer is a root of its own."""
     controller = RegularizationController()
     model = build(controller)
     if mesh is None:
         return None
-    shard(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if layers_only:  # the unsharded embeddings and head stay fp32: the layers hand back fp32
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+        )
+        for layer in list(model.encoder) + list(model.decoder):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    else:
+        shard(model, mesh, mp_policy=policy)
     return train_ad_drop(model, controller, rank, "ga")
 
 
@@ -262,8 +271,8 @@ def refusals(mesh):
 
 
 def run(scenario, rank, mesh):
-    if scenario == "ad-drop-bf16-parameters":
-        return bf16_parameters(rank, mesh)
+    if scenario.startswith("ad-drop-bf16-parameters"):
+        return bf16_parameters(rank, mesh, layers_only=scenario.endswith("-layers-only"))
     controller = RegularizationController()
     model = build(controller)
     if scenario == "attendout":

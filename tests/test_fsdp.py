@@ -31,6 +31,7 @@ SCENARIOS = [
     "layerdrop",
     "attendout",
     "ad-drop-bf16-parameters",
+    "ad-drop-bf16-parameters-layers-only",
 ]
 ENV = {
     **os.environ,
@@ -83,7 +84,7 @@ def assert_same_tensors(reference, sharded, what, atol=1e-6):
             )
 
 
-@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s not in ("attendout", "ad-drop-bf16-parameters")])
+@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s != "attendout" and "bf16" not in s])
 def test_fsdp2_training_equals_unsharded(porting_runs, scenario):
     for rank, results in enumerate(porting_runs):
         ref, fsdp = results[scenario]["reference"], results[scenario]["fsdp2"]
@@ -128,10 +129,12 @@ def test_fsdp2_attendout_equals_unsharded(porting_runs):
     assert_same_tensors(after["defender"], after["attacker"], "Defender vs Attacker after the re-sync")
 
 
-def test_fsdp2_mixed_precision_ad_drop_trains(porting_runs):
-    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): attribution and masks in bf16."""
+@pytest.mark.parametrize("scenario", ["ad-drop-bf16-parameters", "ad-drop-bf16-parameters-layers-only"])
+def test_fsdp2_mixed_precision_ad_drop_trains(porting_runs, scenario):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): attribution and masks in bf16; the
+    frozen pass is the first forward, with the root sharded or only the layers."""
     for results in porting_runs:
-        run = results["ad-drop-bf16-parameters"]["fsdp2"]
+        run = results[scenario]["fsdp2"]
         for step in run["steps"]:
             assert torch.isfinite(step["loss"]) and 0.05 < step["dropped"] / step["valid"] < 0.3
             assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in step["grads"].values())
@@ -178,6 +181,8 @@ if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 
 
+# *-llama: a causal LM sharded by accelerate's own fsdp2_prepare_model (the Trainer's FSDP2 path): the
+# embedding a unit of its own, the final norm and head (tied or not) one unit, a root without parameters.
 HF_SCENARIOS = [
     "ad-drop",
     "ad-drop-checkpointing",
@@ -185,7 +190,11 @@ HF_SCENARIOS = [
     "scheduled-dropout",
     "attendout",
     "attendout-checkpointing",
+    "ad-drop-llama",
+    "attendout-llama",
+    "attendout-llama-tied",
 ]
+ATTENDOUT_HF = [s for s in HF_SCENARIOS if s.startswith("attendout")]
 
 
 @pytest.fixture(scope="module")
@@ -210,12 +219,14 @@ def test_fsdp2_hf_trainer_steps_equal_unsharded(hf_runs, scenario):
         assert_same_tensors(ref["params"], fsdp["params"], f"{scenario} rank {rank} parameters")
 
 
-@pytest.mark.parametrize("scenario", ["attendout", "attendout-checkpointing"])
+@pytest.mark.parametrize("scenario", ATTENDOUT_HF)
 def test_fsdp2_hf_attendout_attacker_and_its_saved_state(hf_runs, scenario):
     """The Attacker is built sharded like the Defender, trains like the unsharded one, and its
     attendout.pt (gathered, keyed by name) loads back into a fresh sharded Attacker and optimizer."""
     for rank, results in enumerate(hf_runs):
         ref, fsdp = results[scenario]["reference"], results[scenario]["fsdp2"]
+        # A is sharded in the same units as D (accelerate's grouped head unit included).
+        assert fsdp["attacker_fsdp_units"] == fsdp["defender_fsdp_units"] and fsdp["defender_fsdp_units"]
         # The Trainer turned checkpointing on for D after the trainer was built; A has it too.
         assert ref["attacker_checkpointed"] == fsdp["attacker_checkpointed"]
         assert bool(fsdp["attacker_checkpointed"]) == scenario.endswith("checkpointing")
@@ -259,3 +270,19 @@ def test_hf_trainer_runs_fsdp2_end_to_end(tmp_path, kind):
     if kind == "attendout":
         assert result["attacker_sharded"] and result["game"] >= 2
         assert result["resumed_game"] > result["game"]
+
+
+def test_ad_drop_refuses_an_fsdp1_model_on_its_first_step():
+    """The core API has no construction-time model: ADDrop checks the model of its first masked step."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from attn_reg_plugin.core import ADDrop, ADDropConfig
+    from helpers import controller_with_sites
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    # What FSDP1's wrapper is to isinstance, without a process group.
+    model[0].__class__ = type("FSDP1Linear", (FullyShardedDataParallel, torch.nn.Linear), {})
+    ad_drop = ADDrop(ADDropConfig(attention="encoder-self"), controller_with_sites({"encoder-self": 1}))
+    with pytest.raises(NotImplementedError, match=r"^ADDrop does not support FSDP1"):
+        with ad_drop.masked(lambda: None, None, frozen=model):
+            pass

@@ -466,11 +466,10 @@ ATTENDOUT_DEEPSPEED = (
 
 
 def _sharded_args(tmp_path, fsdp=None, deepspeed=None, **fields):
+    if fsdp is not None:  # as given: transformers derives the accelerate plugin's arguments from it
+        fields.update(fsdp=fsdp.pop("fsdp", True), fsdp_config=fsdp)
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **fields)
-    # Set after construction: on a CPU without a process group the Trainer refuses FSDP itself, and
-    # DeepSpeed is not installed here. The check reads these fields only.
-    if fsdp is not None:
-        args.fsdp, args.fsdp_config = True, fsdp
+    # Set after construction: DeepSpeed is not installed here (the check reads the field only).
     if deepspeed is not None:
         args.deepspeed = deepspeed
     return args
@@ -482,7 +481,12 @@ def _sharded_args(tmp_path, fsdp=None, deepspeed=None, **fields):
     [
         ({"fsdp": {"version": 1}}, FSDP1),
         ({"fsdp": {"version": 2, "cpu_offload": True}}, FSDP_OFFLOAD),
+        # Spelled the ways transformers reads as offload: any truthy value, the fsdp_ prefix, the legacy string.
+        ({"fsdp": {"version": 2, "cpu_offload": "yes"}}, FSDP_OFFLOAD),
+        ({"fsdp": {"fsdp_version": 2, "fsdp_cpu_offload": 1}}, FSDP_OFFLOAD),
+        ({"fsdp": {"fsdp": "full_shard offload"}}, FSDP_OFFLOAD),
         ({"fsdp": {"version": 2, "activation_checkpointing": "true"}}, FSDP_CHECKPOINTING),
+        ({"fsdp": {"version": 2, "activation_checkpointing": 1}}, FSDP_CHECKPOINTING),
         ({"fsdp": {"version": 2}, "torch_compile": True}, FSDP_COMPILE),
         ({"deepspeed": {"zero_optimization": {"stage": 3}}}, ZERO3),
         ({"deepspeed": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}}, ZERO_OFFLOAD),
@@ -495,6 +499,39 @@ def test_hf_trainers_refuse_unverified_sharding_at_construction(tmp_path, who, s
         HF_TRAINERS[who](tiny_bert_classifier(), _sharded_args(tmp_path, **setting))
     assert str(e.value) == f"{who} {message}"
     _documented(message)
+
+
+@pytest.mark.parametrize(
+    "plugin,message",
+    [
+        (dict(fsdp_version=1), FSDP1),
+        (dict(fsdp_version=2, cpu_offload=True), FSDP_OFFLOAD),
+        (dict(fsdp_version=2, activation_checkpointing=True), FSDP_CHECKPOINTING),
+        (dict(fsdp_version=2), None),
+    ],
+)
+def test_hf_trainers_refuse_what_accelerate_launch_turned_on(tmp_path, plugin, message):
+    """accelerate launch can enable FSDP from its own config with the TrainingArguments' fsdp unset:
+    the trainers check the accelerator's plugin after the Trainer built it."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from attn_reg_plugin.hf.training_configurations import refuse_unsupported_launch
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    state = SimpleNamespace(fsdp_plugin=FullyShardedDataParallelPlugin(**plugin), deepspeed_plugin=None)
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(state=state), args=args)
+    if message is None:
+        refuse_unsupported_launch("ADDropTrainer", trainer)
+        return
+    with pytest.raises(NotImplementedError) as e:
+        refuse_unsupported_launch("ADDropTrainer", trainer)
+    assert str(e.value) == f"ADDropTrainer {message}"
+    zero3 = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 3}})
+    trainer.accelerator.state = SimpleNamespace(fsdp_plugin=None, deepspeed_plugin=zero3)
+    with pytest.raises(NotImplementedError, match="AttnRegTrainer does not support DeepSpeed ZeRO stage 3"):
+        refuse_unsupported_launch("AttnRegTrainer", trainer)
 
 
 @pytest.mark.parametrize("who", list(HF_TRAINERS))

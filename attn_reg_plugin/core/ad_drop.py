@@ -23,7 +23,7 @@ from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
 from .masks import ad_drop_masks
 from .options import RegularizerOptions, attention_option, layers_option, option
-from .sharding import initialize, reshard
+from .sharding import check_supported_sharding, initialize, reshard
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +235,7 @@ class ADDrop:
         # fp16 attribution backwards are scaled so small gradients do not flush to zero.
         self.gradient_scale: Optional[GradientScale] = GradientScale()
         self._warned_slow_bf16 = False
+        self._checked_sharding: set = set()  # ids of the models check_supported_sharding has seen
         self.sites: List[AttentionSite] = config.select_sites(controller)
 
     # -- attribution ---------------------------------------------------------------------
@@ -359,6 +360,9 @@ class ADDrop:
         reproducible and survive a resume.
         """
         p, q = self.config.p, self.config.q
+        if frozen is not None and id(frozen) not in self._checked_sharding:
+            check_supported_sharding(frozen, "ADDrop")  # before this step trains anything
+            self._checked_sharding.add(id(frozen))
         counts = zero_counts()
         stats: Dict[str, torch.Tensor] = {"skipped": torch.zeros((), dtype=torch.long)}
         if self.config.attribution == "rd":

@@ -19,7 +19,8 @@ and reduces nothing. Three things still need care, each handled here in one plac
   all-reduce them again (:func:`is_fully_sharded`).
 
 FSDP1 (``FullyShardedDataParallel``), CPU offload and a post-forward reshard to a smaller mesh
-are refused by :func:`check_supported_sharding` before any training.
+are refused by :func:`check_supported_sharding`: the HF trainers call it at construction, and
+``ADDrop`` on the model of its first step, before that step trains anything.
 """
 
 from __future__ import annotations
@@ -61,10 +62,15 @@ def initialize(model: nn.Module) -> None:
     """Run FSDP2's lazy initialisation now, if the model's first forward has not. It fixes the
     dtype gradients are reduced in from the parameters that require grad at that moment: were
     AD-DROP's frozen pass the first forward, a MixedPrecisionPolicy's reduce_dtype would be lost
-    and the first backward would fail. Idempotent; the FSDP2 call is private, hence here alone."""
-    modules = fully_sharded_modules(model)
-    if modules:
-        modules[-1]._get_fsdp_state()._lazy_init()  # the outermost: the root
+    and the first backward would fail. Every outermost sharded module is a root of its own (only
+    the layers may be sharded). Idempotent; the FSDP2 call is private, hence here alone."""
+    fsdp_module, _ = _fsdp2()
+    covered = set()
+    for module in model.modules():  # parents before children
+        if id(module) in covered or fsdp_module is None or not isinstance(module, fsdp_module):
+            continue
+        module._get_fsdp_state()._lazy_init()
+        covered.update(id(m) for m in module.modules())
 
 
 def _param_groups(module: nn.Module):
@@ -104,31 +110,56 @@ def check_supported_sharding(model: nn.Module, who: str) -> None:
 
 
 def shard_like(source: nn.Module, destination: nn.Module) -> None:
-    """Apply ``fully_shard`` to ``destination`` as it was applied to ``source``: same module paths,
-    mesh, ``reshard_after_forward`` and mixed-precision policy. ``destination`` is an unsharded copy
-    of ``source``'s architecture (the AttendOut Attacker); it may be on the meta device, in which
-    case ``destination.to_empty(device=...)`` then allocates only this rank's shards."""
-    fsdp_module, fully_shard = _fsdp2()
-    modules = dict(destination.named_modules())
-    # fully_shard goes bottom-up: a parent's shard leaves out the parameters its sharded children own.
-    for path, module in reversed(list(source.named_modules())):
-        if not isinstance(module, fsdp_module):
-            continue
-        groups = _param_groups(module)
-        if not groups:
-            raise NotImplementedError(
-                f"shard_like: {path or 'the root'} is sharded but holds no parameters of its own; shard the "
-                "Attacker yourself, as you shard the Defender"
-            )
-        group = groups[0]
-        target = modules.get(path)
-        if target is None:
-            raise ValueError(f"shard_like: the copy has no module {path!r}; it is not a copy of the sharded model")
+    """Apply ``fully_shard`` to ``destination`` as it was applied to ``source``: the same calls on the
+    same module paths (several modules sharded together, as accelerate shards a tied head with the
+    final norm, stay one call), with the same mesh, ``reshard_after_forward``, mixed-precision policy
+    and parameters left out of sharding. ``destination`` is an unsharded copy of ``source``'s
+    architecture (the AttendOut Attacker); on the meta device, ``destination.to_empty(device=...)``
+    then allocates only this rank's shards."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    _, fully_shard = _fsdp2()
+    reshard(source)  # a gathered module lists plain tensors, which would read as parameters left out
+    targets = dict(destination.named_modules())
+    paths = {id(m): p for p, m in source.named_modules()}
+    states = []  # one per fully_shard call, children before parents
+    for module in fully_sharded_modules(source):
+        state = module._get_fsdp_state()
+        if all(state is not seen for seen in states):
+            states.append(state)
+    meshes = {id(g.mesh_info.mesh): g.mesh_info.mesh for st in states for g in st._fsdp_param_groups}
+    if len(meshes) != 1:
+        raise NotImplementedError(
+            f"shard_like: the model is sharded over {len(meshes)} meshes; shard the Attacker yourself, as the Defender"
+        )
+    (mesh,) = meshes.values()
+    for state in states:
+        for group in state._fsdp_param_groups:
+            if any(p.fsdp_placement != Shard(0) for p in group.fsdp_params):
+                raise NotImplementedError(
+                    "shard_like: the model was sharded with a shard_placement_fn; shard the Attacker yourself, as the "
+                    "Defender"
+                )
+    copies = dict(destination.named_parameters(remove_duplicate=False))
+    ignored = {copies[name] for name, p in source.named_parameters() if not isinstance(p, DTensor)}
+    for state in states:
+        try:
+            modules = [targets[paths[id(m)]] for m in state._modules]
+        except KeyError:
+            raise ValueError(
+                "shard_like: the copy lacks a sharded module of the model; it is not a copy of it"
+            ) from None
+        groups = state._fsdp_param_groups
+        # None: fully_shard's own default (the root keeps its parameters gathered after forward).
+        reshard_after_forward = None
+        if not state._auto_reshard_after_forward and groups:
+            reshard_after_forward = groups[0].post_forward_mesh_info is not None
         fully_shard(
-            target,
-            mesh=group.mesh_info.mesh,
-            reshard_after_forward=group.post_forward_mesh_info is not None,
-            mp_policy=group.mp_policy,
+            modules if len(modules) > 1 else modules[0],
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=state._mp_policy,
+            ignored_params=ignored or None,
         )
 
 

@@ -19,7 +19,7 @@ from ..core.options import named_by_field
 from .attention import install_attention_sites
 from .model_inputs import causal_lm, decoder_input_ids_from_labels
 from .sites import site_claim
-from .training_configurations import model_argument, refuse_unsupported, training_arguments
+from .training_configurations import model_argument, refuse_unsupported, refuse_unsupported_launch, training_arguments
 
 
 class ADDropTrainerMixin:
@@ -39,6 +39,7 @@ class ADDropTrainerMixin:
         self._ad_drop_reset()
         self._ad_drop_epoch_index = None  # 0-based epoch of the Trainer's running pass (_run_epoch)
         super().__init__(*args, **kwargs)
+        refuse_unsupported_launch("ADDropTrainer", self)  # what accelerate's own config turned on, too
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _ad_drop_reset(self) -> None:

@@ -65,7 +65,7 @@ from ..core.sharding import (
 )
 from .attention import install_attention_sites
 from .model_inputs import causal_lm, decoder_input_ids_from_labels
-from .training_configurations import model_argument, refuse_unsupported, training_arguments
+from .training_configurations import model_argument, refuse_unsupported, refuse_unsupported_launch, training_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +151,7 @@ class AttendOutTrainerMixin:
                 "let the Trainer shard it (fsdp_config={'version': 2})"
             )
         super().__init__(*args, **kwargs)
+        refuse_unsupported_launch("AttendOutTrainer", self)  # what accelerate's own config turned on, too
         self._attendout_heldout_dataset = self._attendout_check_eval_dataset()
         config = model.config
         if getattr(config, "problem_type", None) == "multi_label_classification":

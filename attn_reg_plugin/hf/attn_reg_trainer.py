@@ -22,7 +22,7 @@ from ..core.options import named_by_field, one_regularizer
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attention import install_attention_sites
 from .sites import site_claim
-from .training_configurations import model_argument, refuse_unsupported, training_arguments
+from .training_configurations import model_argument, refuse_unsupported, refuse_unsupported_launch, training_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class AttnRegTrainerMixin:
         )
         self._attn_reg_reset()
         super().__init__(*args, **kwargs)
+        refuse_unsupported_launch("AttnRegTrainer", self)  # what accelerate's own config turned on, too
 
     def _attn_reg_reset(self) -> None:
         # dropped / valid units, or skipped / selected layer calls, counted by the kernel as it

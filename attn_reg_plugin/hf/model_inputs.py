@@ -18,9 +18,15 @@ def _causal_lm_classes() -> frozenset:
 
 def causal_lm(model: torch.nn.Module) -> bool:
     """A decoder-only language model (``...ForCausalLM``, also inside a peft wrapper): its labels are its
-    inputs, shifted inside the loss. Asked every AD-DROP step, so the class names are gathered once."""
+    inputs, shifted inside the loss. Asked every AD-DROP step, so the class names are gathered once.
+
+    Read from the class's ancestry, not its own name: FSDP2 swaps a sharded model's class for a
+    subclass named ``FSDPLlamaForCausalLM``, and a user's subclass of a causal LM is one too."""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    return not getattr(model.config, "is_encoder_decoder", False) and type(base).__name__ in _causal_lm_classes()
+    if getattr(model.config, "is_encoder_decoder", False):
+        return False
+    names = _causal_lm_classes()
+    return any(cls.__name__ in names for cls in type(base).__mro__)
 
 
 def decoder_input_ids_from_labels(model, labels: torch.Tensor) -> torch.Tensor:

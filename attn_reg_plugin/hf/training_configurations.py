@@ -42,12 +42,37 @@ def refuse_unsupported(who: str, args, model=None) -> None:
     if args.deepspeed:
         refuse_unsupported_deepspeed(who, deepspeed_config(args))
     if args.fsdp:
-        refuse_unsupported_fsdp(who, args.fsdp_config or {})
-        if args.torch_compile:
-            raise NotImplementedError(
-                f"{who} does not support torch_compile=True with FSDP: compiled FSDP2 modules are not verified "
-                "with the regularizers' extra passes. Use one of the two"
-            )
+        # The plugin arguments transformers derived from fsdp / fsdp_config: what accelerate will run
+        # (e.g. fsdp_config cpu_offload="yes" or the legacy fsdp="full_shard offload" both mean offload).
+        plugin = args.fsdp_plugin_args or {}
+        refuse_unsupported_fsdp(
+            who,
+            version=int(plugin.get("fsdp_version", 2)),
+            offload=bool(plugin.get("cpu_offload", False)),
+            wrapper_checkpointing=bool(plugin.get("activation_checkpointing", False)),
+            torch_compile=bool(args.torch_compile),
+        )
+
+
+def refuse_unsupported_launch(who: str, trainer) -> None:
+    """The same checks on what the Trainer's accelerator was set up with: ``accelerate launch`` can
+    turn FSDP or DeepSpeed on from its own config, with the TrainingArguments' fields unset."""
+    state = trainer.accelerator.state
+    fsdp = getattr(state, "fsdp_plugin", None)
+    if fsdp is not None:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        offload = fsdp.cpu_offload
+        refuse_unsupported_fsdp(
+            who,
+            version=int(fsdp.fsdp_version),
+            offload=isinstance(offload, CPUOffloadPolicy) or bool(getattr(offload, "offload_params", False)),
+            wrapper_checkpointing=bool(fsdp.activation_checkpointing),
+            torch_compile=bool(trainer.args.torch_compile),
+        )
+    deepspeed = getattr(state, "deepspeed_plugin", None)
+    if deepspeed is not None:
+        refuse_unsupported_deepspeed(who, deepspeed.deepspeed_config)
 
 
 def deepspeed_config(args) -> dict:
@@ -86,25 +111,31 @@ def refuse_unsupported_deepspeed(who: str, config: dict) -> None:
             )
 
 
-def refuse_unsupported_fsdp(who: str, fsdp_config: dict) -> None:
-    """FSDP2 (``fsdp_config={"version": 2}``, transformers' default) is supported; what is not verified is refused."""
-    version = int(fsdp_config.get("version", 2))
+def refuse_unsupported_fsdp(
+    who: str, version: int, offload: bool, wrapper_checkpointing: bool, torch_compile: bool
+) -> None:
+    """FSDP2 (transformers' default version) is supported; what is not verified is refused."""
     if version != 2:
         raise NotImplementedError(
             f"{who} does not support FSDP1 (fsdp_config version {version}): its flat parameters are gathered once "
             "per forward-backward pair, and the regularizers run extra forwards. Use FSDP2: fsdp_config={'version': "
             "2} (docs/DISTRIBUTED.md)"
         )
-    if str(fsdp_config.get("cpu_offload", False)).lower() == "true":
+    if offload:
         raise NotImplementedError(
             f"{who} does not support FSDP2 with fsdp_config cpu_offload: it is not verified with the regularizers' "
             "extra passes. Shard over more GPUs instead, with activation_checkpointing=True to save memory"
         )
-    if str(fsdp_config.get("activation_checkpointing", False)).lower() == "true":
+    if wrapper_checkpointing:
         raise NotImplementedError(
             f"{who} does not support fsdp_config activation_checkpointing (FSDP's checkpoint wrapper): AD-DROP's "
             "attribution pass cannot pause it. Use the TrainingArguments' activation_checkpointing=True (the "
             "layers' own flag), which the regularizers keep exact under FSDP2"
+        )
+    if torch_compile:
+        raise NotImplementedError(
+            f"{who} does not support torch_compile=True with FSDP: compiled FSDP2 modules are not verified "
+            "with the regularizers' extra passes. Use one of the two"
         )
 
 
