@@ -80,6 +80,7 @@ def test_bad_options_fail_before_anything_runs(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # two fairseq trainings, about 40 s: make test-all
 def test_fairseq_backend_runs_the_strategies_through_fairseq_train(tmp_path):
     pytest.importorskip("fairseq")
     out = tmp_path / "fs"

@@ -1,0 +1,52 @@
+"""attn-reg-regime on 120 pairs for 2 epochs: runs, BLEU of the best checkpoint, paired table, resume."""
+
+import json
+
+import pytest
+
+from attn_reg_lab import regime
+
+pytest.importorskip("fairseq")
+
+
+@pytest.mark.slow  # 4 fairseq trainings and translations, about a minute: make test-all
+def test_two_methods_two_seeds_then_a_resume_that_trains_nothing(tmp_path, capsys):
+    out = tmp_path / "regime"
+    argv = ["--train-size", "120", "--epochs", "2", "--seeds", "1,2", "--methods", "plain,rd", "--vocab-size",
+            "300", "--test-size", "8", "--out-dir", str(out)]  # fmt: skip
+    assert regime.main(argv) == 0
+    result = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    runs = {(r["method"], r["seed"]): r for r in result["runs"]}
+    assert set(runs) == {("plain", 1), ("rd", 1), ("plain", 2), ("rd", 2)}
+    for run in runs.values():
+        valid = [e["valid_loss"] for e in run["epochs"]]
+        assert run["best_valid_loss"] == min(valid) and valid[run["best_epoch"] - 1] == min(valid)
+        assert run["test_bleu"] >= 0 and run["final_gap"] == pytest.approx(
+            run["epochs"][-1]["valid_loss"] - run["epochs"][-1]["train_loss"], abs=1e-4
+        )
+    assert all(e["ad_drop_rate"] > 0 for e in runs[("rd", 1)]["epochs"])  # always on, epoch 1 too
+    assert all(e["ad_drop_rate"] == 0 for e in runs[("plain", 1)]["epochs"])
+    (paired,) = [p for p in result["summary"]["paired"] if p["measure"] == "test_bleu"]
+    diffs = [runs[("rd", s)]["test_bleu"] - runs[("plain", s)]["test_bleu"] for s in (1, 2)]
+    assert paired["pairs"] == 2 and paired["mean_diff"] == pytest.approx(sum(diffs) / 2)
+    assert (out / "curves.png").exists() and "| rd | test_bleu | 2 |" in (out / "results.md").read_text()
+    capsys.readouterr()
+    assert regime.main(argv) == 0
+    assert "== plain, seed 1:" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        regime.main([*argv[:-2], "--epochs", "3", "--out-dir", str(out)])
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--methods", "plain,dropout"], "--methods: unknown 'dropout'"),
+        (["--methods", "plain,plain"], "--methods names an item twice"),
+        (["--epochs", "1"], "--epochs must be >= 2"),
+        (["--fp16"], "--fp16 needs --device cuda"),
+    ],
+)
+def test_bad_options_fail_before_anything_runs(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        regime.parse_args(argv)
+    assert message in capsys.readouterr().err
