@@ -58,6 +58,7 @@ from .fewshot import encode, eval_batches
 from .fewshot_data import DataError, load_jsonl, sample_balanced
 from .paths import MOVIE_REVIEWS, MT_CORPUS, checkout_data, require_minilm
 from .provenance import environment
+from .resume import finished_runs, record_run
 
 STRATEGIES = ("none", "high", "low", "random")
 P, Q = 0.5, 0.6  # expected drop rate p*q = 0.3, the paper's
@@ -150,29 +151,6 @@ def fairseq_strategy_args(strategy: str) -> List[str]:
     for name in ("p", "q", "region", "attribution", "schedule", "layers", "attention", "labels"):
         args += [config.name(name), str(getattr(config, name))]
     return args
-
-
-def prepare_fairseq_data(opts) -> Path:
-    """The first --train-size training pairs, the full valid split, one sentencepiece vocabulary."""
-    from . import mt_pipeline as mt
-
-    work = opts.out_dir / "data"
-    data_bin = work / "data-bin"
-    if data_bin.exists():
-        return data_bin
-    raw = work / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    for split in mt.SPLITS:
-        for lang in ("en", "ro"):
-            lines = (opts.mt_data / f"{split}.{lang}").read_text(encoding="utf-8").split("\n")
-            if lines and lines[-1] == "":
-                lines.pop()
-            if split == "train":
-                if opts.train_size > len(lines):
-                    raise SystemExit(f"attn-reg-fig2: --train-size {opts.train_size} > the {len(lines)} training pairs")
-                lines = lines[: opts.train_size]
-            (raw / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return mt.prepare_data(raw, work, "en", "ro", opts.vocab_size, log=lambda line: print("  " + line, flush=True))
 
 
 def run_one_fairseq(opts, strategy: str, seed: int, data_bin: Path) -> Dict:
@@ -356,7 +334,15 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     if opts.backend == "fairseq":
-        data_bin = prepare_fairseq_data(opts)
+        from . import mt_pipeline as mt
+
+        data_bin = mt.prepare_subset(
+            opts.mt_data,
+            opts.out_dir / "data",
+            {"train": opts.train_size},
+            opts.vocab_size,
+            log=lambda line: print("  " + line, flush=True),
+        )
 
         def train_one(strategy, seed):
             return run_one_fairseq(opts, strategy, seed, data_bin)
@@ -372,16 +358,7 @@ def main(argv=None) -> int:
         ]
     runs_file = opts.out_dir / "runs.jsonl"
     config = settings(opts)
-    done: Dict = {}
-    if runs_file.exists():
-        for line in runs_file.read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
-            if row["settings"] != config:
-                print(
-                    f"attn-reg-fig2: {runs_file} holds runs with other settings; use another --out-dir", file=sys.stderr
-                )
-                raise SystemExit(2)
-            done[(row["run"]["strategy"], row["run"]["seed"])] = row["run"]
+    done = finished_runs(runs_file, config, lambda run: (run["strategy"], run["seed"]), "attn-reg-fig2")
     runs = []
     for seed in opts.seeds:
         for strategy in opts.strategies:
@@ -390,8 +367,7 @@ def main(argv=None) -> int:
                 continue
             run = train_one(strategy, seed)
             runs.append(run)
-            with runs_file.open("a", encoding="utf-8") as f:
-                f.write(json.dumps({"settings": config, "run": run}) + "\n")
+            record_run(runs_file, config, run)
             last = run["epochs"][-1]
             best = min(run["epochs"], key=lambda e: e["dev_loss"])
             print(

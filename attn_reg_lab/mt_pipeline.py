@@ -30,6 +30,29 @@ def prepare_data(
     return prepare(src, tgt, {split: raw_dir / split for split in SPLITS}, work_dir, vocab_size, log=log)
 
 
+def prepare_subset(
+    raw_dir: Path, work_dir: Path, sizes: Dict[str, int], vocab_size: int, log: Callable[[str], None] = print
+) -> Path:
+    """:func:`prepare_data` over the first ``sizes[split]`` pairs of each split (absent or 0: all), as
+    EN-RO; returns ``work_dir/data-bin``, or the one already there (a resumed run)."""
+    data_bin = work_dir / "data-bin"
+    if data_bin.exists():
+        return data_bin
+    subset = work_dir / "raw"
+    subset.mkdir(parents=True, exist_ok=True)
+    for split in SPLITS:
+        for lang in ("en", "ro"):
+            # Lines end at \n only, as fairseq-preprocess counts them.
+            lines = (raw_dir / f"{split}.{lang}").read_text(encoding="utf-8").split("\n")
+            if lines and lines[-1] == "":
+                lines.pop()
+            size = sizes.get(split, 0)
+            if size > len(lines):
+                raise SystemExit(f"--{split}-size {size} is more than the {len(lines)} {split} pairs of {raw_dir}")
+            (subset / f"{split}.{lang}").write_text("\n".join(lines[: size or None]) + "\n", encoding="utf-8")
+    return prepare_data(subset, work_dir, "en", "ro", vocab_size, log=log)
+
+
 @dataclass
 class TrainResult:
     name: str

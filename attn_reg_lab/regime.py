@@ -49,6 +49,7 @@ from .demo import MODEL_ARGS
 from .fewshot_summary import paired_t_test
 from .paths import MT_CORPUS, checkout_data
 from .provenance import environment
+from .resume import finished_runs, record_run
 
 AD_DROP = ["--criterion", "ad_drop_label_smoothed_cross_entropy", "--ad-drop-attention", "encoder-self",
            "--ad-drop-p", "0.2", "--ad-drop-q", "0.2"]  # fmt: skip
@@ -112,28 +113,6 @@ def parse_args(argv=None):
 def settings(opts) -> Dict:
     keys = ("train_size", "test_size", "epochs", "vocab_size", "device", "fp16")
     return {**{k: getattr(opts, k) for k in keys}, "data": str(opts.data)}
-
-
-def prepare(opts) -> Path:
-    """The first --train-size pairs, the full valid and test splits, one sentencepiece vocabulary."""
-    work = opts.out_dir / "data"
-    data_bin = work / "data-bin"
-    if data_bin.exists():
-        return data_bin
-    raw = work / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    for split in mt.SPLITS:
-        for lang in ("en", "ro"):
-            lines = (opts.data / f"{split}.{lang}").read_text(encoding="utf-8").split("\n")
-            if lines and lines[-1] == "":
-                lines.pop()
-            size = {"train": opts.train_size, "test": opts.test_size}.get(split, 0)
-            if size > len(lines):
-                raise SystemExit(f"attn-reg-regime: --{split}-size {size} > the {len(lines)} {split} pairs")
-            if size:
-                lines = lines[:size]
-            (raw / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return mt.prepare_data(raw, work, "en", "ro", opts.vocab_size, log=lambda line: print("  " + line, flush=True))
 
 
 def run_one(opts, method: str, seed: int, data_bin: Path) -> Dict:
@@ -275,18 +254,14 @@ def main(argv=None) -> int:
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     runs_file = opts.out_dir / "runs.jsonl"
     config = settings(opts)
-    done: Dict = {}
-    if runs_file.exists():
-        for line in runs_file.read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
-            if row["settings"] != config:
-                print(
-                    f"attn-reg-regime: {runs_file} holds runs with other settings; use another --out-dir",
-                    file=sys.stderr,
-                )
-                raise SystemExit(2)
-            done[(row["run"]["method"], row["run"]["seed"])] = row["run"]
-    data_bin = prepare(opts)
+    done = finished_runs(runs_file, config, lambda run: (run["method"], run["seed"]), "attn-reg-regime")
+    data_bin = mt.prepare_subset(
+        opts.data,
+        opts.out_dir / "data",
+        {"train": opts.train_size, "test": opts.test_size},
+        opts.vocab_size,
+        log=lambda line: print("  " + line, flush=True),
+    )
     runs = []
     for seed in opts.seeds:
         for method in opts.methods:
@@ -296,8 +271,7 @@ def main(argv=None) -> int:
             print(f"== {method}, seed {seed}: {opts.epochs} epochs on {opts.train_size} pairs", flush=True)
             run = run_one(opts, method, seed, data_bin)
             runs.append(run)
-            with runs_file.open("a", encoding="utf-8") as f:
-                f.write(json.dumps({"settings": config, "run": run}) + "\n")
+            record_run(runs_file, config, run)
             print(
                 f"== {method}, seed {seed}: best valid loss {run['best_valid_loss']:.3f} at epoch {run['best_epoch']}, "
                 f"test BLEU {run['test_bleu']}, final gap {run['final_gap']:+.3f}, {run['train_seconds']} s",

@@ -16,21 +16,7 @@ import transformers
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttnRegTrainer
-
-
-def rows(n=32, vocab=50):
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for i in range(n):
-        ids = torch.randint(3, vocab, (4 + i % 6,), generator=g)
-        out.append({"input_ids": ids, "labels": torch.tensor(int(ids.sum()) % 2)})
-    return out
-
-
-def collate(batch):
-    n = max(len(b["input_ids"]) for b in batch)
-    ids = torch.stack([torch.nn.functional.pad(b["input_ids"], (0, n - len(b["input_ids"]))) for b in batch])
-    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.stack([b["labels"] for b in batch])}
+from helpers import classification_rows, pad_collate
 
 
 def deepspeed_config(mode):
@@ -63,7 +49,9 @@ def main(out_dir, regularizer, mode):
         use_cpu=True, ddp_backend="gloo", save_strategy="no", learning_rate=1e-3, seed=0, disable_tqdm=True,
         remove_unused_columns=False, deepspeed=deepspeed_config(mode), bf16=mode.endswith("-bf16"), fp16=mode.endswith("-fp16"),
     )  # fmt: skip
-    common = dict(model=model, args=args, train_dataset=rows(), data_collator=collate)
+    common = dict(
+        model=model, args=args, train_dataset=classification_rows(32, 1, length_spread=6), data_collator=pad_collate
+    )
     if regularizer == "ad-drop":
         trainer = ADDropTrainer(**common, ad_drop=ADDropConfig(p=0.3, q=0.5))
     else:

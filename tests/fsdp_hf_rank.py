@@ -29,6 +29,7 @@ from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.core.sharding import is_fully_sharded
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from attn_reg_plugin.hf.attendout_trainer import ATTENDOUT_STATE
+from helpers import classification_rows, pad_collate
 
 BATCH, VOCAB = 8, 50
 
@@ -52,24 +53,12 @@ def llama(tied):
 
 
 def rows(n, seed, causal=False):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        ids = torch.randint(3, VOCAB, (6 if causal else 4 + i % 5,), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone() if causal else torch.tensor(int(ids.sum()) % 2)})
-    return out
-
-
-def collate(batch):
-    n = max(len(b["input_ids"]) for b in batch)
-    ids = torch.stack([torch.nn.functional.pad(b["input_ids"], (0, n - len(b["input_ids"]))) for b in batch])
-    labels = torch.stack([b["labels"] for b in batch])
-    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": labels}
+    return classification_rows(n, seed, vocab=VOCAB, causal=causal)
 
 
 def global_batch(step, rank, causal=False):
     batch = rows(BATCH, 100 + step, causal)
-    return collate(batch[rank * BATCH // 2 : (rank + 1) * BATCH // 2])
+    return pad_collate(batch[rank * BATCH // 2 : (rank + 1) * BATCH // 2])
 
 
 def shard_as_accelerate(model, layer_class, mesh):
@@ -107,7 +96,7 @@ def make_trainer(scenario, out_dir, mesh):
         per_device_train_batch_size=BATCH // 2, per_device_eval_batch_size=2, remove_unused_columns=False,
         max_grad_norm=0.5,
     )  # fmt: skip
-    common = dict(model=model, args=args, data_collator=collate, train_dataset=rows(BATCH, 0, causal))
+    common = dict(model=model, args=args, data_collator=pad_collate, train_dataset=rows(BATCH, 0, causal))
     if scenario.startswith("ad-drop"):
         trainer = ADDropTrainer(**common, ad_drop=ADDropConfig(p=0.3, q=0.5, schedule="always"))
     elif scenario == "scheduled-dropout":

@@ -20,21 +20,7 @@ from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.core.sharding import is_fully_sharded
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-
-
-def rows(n, seed, vocab=50):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        ids = torch.randint(3, vocab, (4 + i % 6,), generator=g)
-        out.append({"input_ids": ids, "labels": torch.tensor(int(ids.sum()) % 2)})
-    return out
-
-
-def collate(batch):
-    n = max(len(b["input_ids"]) for b in batch)
-    ids = torch.stack([torch.nn.functional.pad(b["input_ids"], (0, n - len(b["input_ids"]))) for b in batch])
-    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.stack([b["labels"] for b in batch])}
+from helpers import classification_rows, pad_collate
 
 
 def trainer_for(kind, out_dir, epochs):
@@ -50,13 +36,17 @@ def trainer_for(kind, out_dir, epochs):
         activation_checkpointing=True, fsdp="full_shard",
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]},
     )  # fmt: skip
-    common = dict(model=model, args=args, train_dataset=rows(32, 0), data_collator=collate)
+    common = dict(
+        model=model, args=args, train_dataset=classification_rows(32, 0, length_spread=6), data_collator=pad_collate
+    )
     if kind == "ad-drop":
         return ADDropTrainer(**common, ad_drop=ADDropConfig(p=0.3, q=0.5, schedule="always"))
     if kind == "scheduled-dropout":
         return AttnRegTrainer(**common, scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.3"))
     return AttendOutTrainer(
-        **common, eval_dataset=rows(8, 1), attendout=AttendOutConfig(dropout_step=2, generator_dim=8)
+        **common,
+        eval_dataset=classification_rows(8, 1, length_spread=6),
+        attendout=AttendOutConfig(dropout_step=2, generator_dim=8),
     )
 
 

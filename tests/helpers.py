@@ -412,3 +412,45 @@ def pad_collate(batch):
     n = max(len(b["input_ids"]) for b in batch)
     ids = torch.stack([torch.nn.functional.pad(b["input_ids"], (0, n - len(b["input_ids"]))) for b in batch])
     return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.stack([b["labels"] for b in batch])}
+
+
+# -- multi-process runs: rank scripts (tests/*_rank.py) and their data -------------------------------
+RANK_ENV = {
+    **os.environ,
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+}
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_ranks(script, out_dir, *args, world=2, env=None, timeout=600):
+    """``torch.distributed.run`` of ``tests/<script>`` (which writes ``out_dir/rank{R}.pt``) on ``world``
+    CPU ranks; returns every rank's saved result. Through ``python -m``, so any venv that runs the tests
+    can launch it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
+         str(free_port()), str(REPO / "tests" / script), str(out_dir), *map(str, args)],
+        env={**RANK_ENV, **(env or {})}, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def classification_rows(n, seed, vocab=50, min_length=4, length_spread=5, causal=False):
+    """Token rows of varied length (padding in every batch), labelled by the parity of their sum, or,
+    ``causal``, labelled by themselves (a causal LM shifts them) at one length."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = 6 if causal else min_length + i % length_spread
+        ids = torch.randint(3, vocab, (length,), generator=g)
+        rows.append({"input_ids": ids, "labels": ids.clone() if causal else torch.tensor(int(ids.sum()) % 2)})
+    return rows

@@ -15,6 +15,7 @@ import transformers
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.hf import ADDropTrainer
+from helpers import classification_rows, pad_collate
 
 
 class CountRecordingTrainer(ADDropTrainer):
@@ -24,22 +25,6 @@ class CountRecordingTrainer(ADDropTrainer):
         if "loss" in logs:
             self.local_counts.append((int(self._ad_drop_dropped), int(self._ad_drop_valid)))
         return super().log(logs, *args, **kwargs)
-
-
-def data(n=48, vocab=100):
-    g = torch.Generator().manual_seed(1)
-    rows = []
-    for i in range(n):
-        length = 4 + i % 9  # padding in every batch
-        ids = torch.randint(3, vocab, (length,), generator=g)
-        rows.append({"input_ids": ids, "labels": torch.tensor(int(ids.sum()) % 2)})
-    return rows
-
-
-def collate(batch):
-    n = max(len(b["input_ids"]) for b in batch)
-    ids = torch.stack([torch.nn.functional.pad(b["input_ids"], (0, n - len(b["input_ids"]))) for b in batch])
-    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.stack([b["labels"] for b in batch])}
 
 
 def main(out_dir):
@@ -68,7 +53,11 @@ def main(out_dir):
         remove_unused_columns=False,
     )
     trainer = CountRecordingTrainer(
-        model=model, args=args, train_dataset=data(), data_collator=collate, ad_drop=ADDropConfig(p=0.3, q=0.3)
+        model=model,
+        args=args,
+        train_dataset=classification_rows(48, 1, vocab=100, length_spread=9),
+        data_collator=pad_collate,
+        ad_drop=ADDropConfig(p=0.3, q=0.3),
     )
     trainer.train()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -9,31 +9,14 @@ weights) AD-DROP trains with finite losses at its usual rate. ZeRO-3, offload an
 refused before training (tests/test_training_configurations.py).
 """
 
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import torchrun_ranks
 
 pytest.importorskip("deepspeed")
 
 WORLD = 2
-ENV = {
-    **os.environ,
-    "DS_ACCELERATOR": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-}
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _RUNS = {}
@@ -43,14 +26,7 @@ def run(tmp_path_factory, regularizer, mode):
     key = (regularizer, mode)
     if key not in _RUNS:
         out = tmp_path_factory.mktemp(f"{regularizer}-{mode}")
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-             "--master_port", str(_free_port()), str(REPO / "tests" / "deepspeed_rank.py"), str(out), regularizer,
-             mode],
-            env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stdout[-6000:]
-        _RUNS[key] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        _RUNS[key] = torchrun_ranks("deepspeed_rank.py", out, regularizer, mode, env={"DS_ACCELERATOR": "cpu"})
     return _RUNS[key]
 
 

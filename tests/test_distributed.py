@@ -9,9 +9,7 @@ the logged AD-DROP flag and drop rate are those of the whole job; a slow test re
 HF: ``torchrun --nproc_per_node 2`` of ADDropTrainer on a tiny BERT.
 """
 
-import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -20,27 +18,15 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from helpers import REPO, TRAIN_ARGS, USER_DIR, VENV_BIN, train_updates  # noqa: E402
+from helpers import RANK_ENV, REPO, TRAIN_ARGS, USER_DIR, free_port, torchrun_ranks, train_updates  # noqa: E402
 
 WORLD = 2
 UPDATES_PER_EPOCH = 6  # 12 batches of the tiny corpus shared by 2 ranks
-ENV = {
-    **os.environ,
-    "PYTHONUNBUFFERED": "1",
-    "OMP_NUM_THREADS": "1",
-    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-}
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fairseq_ranks(data_bin, save, extra, max_epoch, regularizer="ad_drop", timeout=300):
     """Start every rank, wait for all; return rank 0's log (the other ranks log warnings only)."""
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     for rank in range(WORLD):
         log = open(save.parent / f"{save.name}-rank{rank}-epoch{max_epoch}.log", "w+")
@@ -66,7 +52,7 @@ def _fairseq_ranks(data_bin, save, extra, max_epoch, regularizer="ad_drop", time
             "gloo",
             *extra,
         ]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV))
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=RANK_ENV))
         logs.append(log)
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
@@ -144,24 +130,7 @@ def test_fairseq_two_ranks_resume_into_an_ad_drop_epoch(tiny_mt_data, tmp_path):
 @pytest.mark.slow
 def test_hf_trainer_torchrun_two_ranks(tmp_path):
     pytest.importorskip("transformers")
-    proc = subprocess.run(
-        [
-            str(VENV_BIN / "torchrun"),
-            "--nproc_per_node",
-            str(WORLD),
-            "--master_port",
-            str(_free_port()),
-            str(REPO / "tests" / "hf_rank.py"),
-            str(tmp_path),
-        ],
-        env=ENV,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    ranks = torchrun_ranks("hf_rank.py", tmp_path, world=WORLD, timeout=300)
     assert all(r["world_size"] == WORLD for r in ranks)
     params = [r["params"] for r in ranks]
     assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])

@@ -9,15 +9,12 @@ and both networks after the re-sync and one more update (so the optimizer state 
 One launch runs every scenario (about 15 s), so all of it is in ``make test``.
 """
 
-import os
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import REPO, VENV_BIN
+from helpers import torchrun_ranks
 
 FSDPModule = pytest.importorskip("torch.distributed.fsdp").FSDPModule
 
@@ -33,44 +30,11 @@ SCENARIOS = [
     "ad-drop-bf16-parameters",
     "ad-drop-bf16-parameters-layers-only",
 ]
-ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-}
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(script, out_dir, *args, timeout=600):
-    proc = subprocess.run(
-        [
-            str(VENV_BIN / "torchrun"),
-            "--nproc_per_node",
-            str(WORLD),
-            "--master_port",
-            str(_free_port()),
-            str(REPO / "tests" / script),
-            str(out_dir),
-            *args,
-        ],
-        env=ENV,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
 @pytest.fixture(scope="module")
 def porting_runs(tmp_path_factory):
-    return torchrun("fsdp_rank.py", tmp_path_factory.mktemp("fsdp"), *SCENARIOS)
+    return torchrun_ranks("fsdp_rank.py", tmp_path_factory.mktemp("fsdp"), *SCENARIOS)
 
 
 def assert_same_tensors(reference, sharded, what, atol=1e-6):
@@ -200,7 +164,7 @@ ATTENDOUT_HF = [s for s in HF_SCENARIOS if s.startswith("attendout")]
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory):
     pytest.importorskip("transformers")
-    return torchrun("fsdp_hf_rank.py", tmp_path_factory.mktemp("fsdp-hf"), *HF_SCENARIOS)
+    return torchrun_ranks("fsdp_hf_rank.py", tmp_path_factory.mktemp("fsdp-hf"), *HF_SCENARIOS)
 
 
 @pytest.mark.parametrize("scenario", HF_SCENARIOS)
@@ -253,14 +217,7 @@ def test_attendout_trainer_refuses_a_model_sharded_before_it(hf_runs):
 def test_hf_trainer_runs_fsdp2_end_to_end(tmp_path, kind):
     """The Trainer's own FSDP2 path (accelerate shards the model), one rank per GPU, with activation
     checkpointing, a checkpoint per epoch and (AttendOut) a resume from the last one."""
-    world = min(torch.cuda.device_count(), 2)
-    proc = subprocess.run(
-        [str(VENV_BIN / "torchrun"), "--nproc_per_node", str(world), "--master_port", str(_free_port()),
-         str(REPO / "tests" / "fsdp_trainer_rank.py"), str(tmp_path), kind],
-        env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    result = torchrun_ranks("fsdp_trainer_rank.py", tmp_path, kind, world=min(torch.cuda.device_count(), 2))[0]
     assert result["sharded"]
     logs = [h for h in result["log_history"] if "loss" in h]
     assert logs and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
