@@ -30,8 +30,9 @@ Beside them it records the Trainer's running training loss (``running_loss``, un
 paper's "training loss" is most likely this one. The two differ most for ``low``: a model trained
 with its low-attribution keys dropped fits fast under that dropping and badly without it.
 
-``--backend fairseq`` runs the same four strategies on the demo's Transformer (attn-reg-demo's model)
-trained from scratch on the first ``--train-size`` pairs of the shipped EN-RO corpus. The
+``--backend fairseq`` runs the same four strategies on the demo's Transformer (attn-reg-demo's model,
+with a warm-up of ``--warmup-updates``, 50: a 1,000-pair epoch is about 15 updates) trained from
+scratch on the first ``--train-size`` pairs of the shipped EN-RO corpus. The
 attribution target is the negative token loss of the reference (``labels="gold"``) and the maps are
 the encoder self-attention of layer 0. fairseq logs no eval-mode training loss, so its
 ``train_loss`` is the running loss of the epoch, under dropping. ``dev_loss`` is the valid loss. Both
@@ -159,6 +160,7 @@ def run_one_fairseq(opts, strategy: str, seed: int, data_bin: Path) -> Dict:
 
     model_args = list(MODEL_ARGS)
     model_args[model_args.index("--dropout") + 1] = str(opts.dropout)
+    model_args[model_args.index("--warmup-updates") + 1] = str(opts.warmup_updates)
     with tempfile.TemporaryDirectory(prefix="fig2-fairseq-") as tmp:
         result = mt.train(
             f"{strategy} seed {seed}",
@@ -270,6 +272,12 @@ def parse_args(argv=None):
     fs.add_argument("--mt-data", type=Path, default=MT_CORPUS, help="folder with {train,valid,test}.{en,ro}")
     fs.add_argument("--vocab-size", type=int, default=2000)
     fs.add_argument("--dropout", type=float, default=0.3, help="the Transformer's dropout (the demo's 0.3)")
+    fs.add_argument(
+        "--warmup-updates",
+        type=int,
+        default=50,
+        help="learning-rate warm-up (the demo's 300 updates are 20 epochs of 1,000 pairs)",
+    )
     opts = ap.parse_args(argv)
     if opts.out_dir is None:
         opts.out_dir = Path("outputs/fig2") / ("minilm" if opts.backend == "hf" else "fairseq")
@@ -283,6 +291,8 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be >= {minimum}, got {getattr(opts, name)}")
     if not opts.lr > 0:
         ap.error(f"--lr must be > 0, got {opts.lr}")
+    if opts.warmup_updates < 1:
+        ap.error(f"--warmup-updates must be >= 1, got {opts.warmup_updates}")
     if not 0.0 <= opts.dropout < 1.0:
         ap.error(f"--dropout must be in [0, 1), got {opts.dropout}")
     if opts.backend == "fairseq":
@@ -317,7 +327,7 @@ def _hf_setup(opts):
 
 def settings(opts) -> Dict:
     if opts.backend == "fairseq":
-        keys = ("backend", "train_size", "epochs", "vocab_size", "dropout")
+        keys = ("backend", "train_size", "epochs", "vocab_size", "dropout", "warmup_updates")
         return {**{k: getattr(opts, k) for k in keys}, "mt_data": str(opts.mt_data), "p": P, "q": Q}
     keys = ("train_size", "dev_size", "epochs", "batch_size", "lr", "max_length")
     return {
