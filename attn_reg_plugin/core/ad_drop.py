@@ -23,7 +23,7 @@ from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
 from .masks import ad_drop_masks
 from .options import RegularizerOptions, attention_option, layers_option, option
-from .sharding import check_supported_sharding, initialize, reshard
+from .sharding import check_supported_sharding, initialize, is_fully_sharded, reshard
 
 logger = logging.getLogger(__name__)
 
@@ -213,15 +213,19 @@ def frozen_parameters(module: Optional[torch.nn.Module]) -> Iterator[None]:
     if module is None:
         yield
         return
-    initialize(module)
-    reshard(module)
+    # One walk over the modules for an unsharded model (every AD-DROP step runs this), not three.
+    sharded = is_fully_sharded(module)
+    if sharded:
+        initialize(module)
+        reshard(module)
     params = [p for p in module.parameters() if p.requires_grad]
     try:
         for p in params:
             p.requires_grad_(False)
         yield
     finally:
-        reshard(module)
+        if sharded:
+            reshard(module)
         for p in params:
             p.requires_grad_(True)
 

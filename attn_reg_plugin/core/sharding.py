@@ -48,8 +48,10 @@ def fully_sharded_modules(model: nn.Module) -> List[nn.Module]:
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 shards some of ``model``'s parameters (it then reduces their gradients itself)."""
-    return bool(fully_sharded_modules(model))
+    """Whether FSDP2 shards some of ``model``'s parameters (it then reduces their gradients itself).
+    Stops at the first sharded module (the root, when it is sharded): cheap enough for every step."""
+    fsdp_module, _ = _fsdp2()
+    return fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules())
 
 
 def reshard(model: nn.Module) -> None:
@@ -74,7 +76,7 @@ def initialize(model: nn.Module) -> None:
 
 
 def _param_groups(module: nn.Module):
-    # FSDP2's per-module settings are not public; read in this one place (checked by tests/test_fsdp.py).
+    # FSDP2's per-module settings are not public: only this module reads them (tests/test_fsdp.py checks it).
     return list(module._get_fsdp_state()._fsdp_param_groups)
 
 
