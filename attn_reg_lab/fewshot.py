@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .arguments import comma_list
 from .fewshot_data import DataError, Example, file_digest, load_jsonl, sample_balanced  # noqa: F401
 from .fewshot_methods import METHODS, Method  # noqa: F401
 from .fewshot_summary import markdown, summarize  # noqa: F401
@@ -215,21 +216,6 @@ def run_one(opts, method: Method, splits: Splits, size: int, seed: int) -> dict:
 
 
 # -- command line ---------------------------------------------------------------------------
-def _int_list(option: str, text: str, minimum: int) -> List[int]:
-    try:
-        values = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{option} must be a comma-separated list of integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"{option} must name at least one value")
-    bad = [v for v in values if v < minimum]
-    if bad:
-        raise argparse.ArgumentTypeError(f"{option}: every value must be >= {minimum}, got {bad[0]}")
-    if len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"{option}: repeated value in {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     data = ap.add_argument_group("data")
@@ -288,8 +274,8 @@ def parse_args(argv=None):
     ap = build_parser()
     opts = ap.parse_args(argv)
     try:
-        opts.sizes = _int_list("--sizes", opts.sizes, 1)
-        opts.seeds = _int_list("--seeds", opts.seeds, 0)
+        opts.sizes = comma_list("--sizes", opts.sizes, minimum=1)
+        opts.seeds = comma_list("--seeds", opts.seeds, minimum=0)
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
     names = [m.strip() for m in opts.methods.split(",") if m.strip()]

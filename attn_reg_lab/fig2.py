@@ -55,6 +55,7 @@ from typing import Dict, List
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 
+from .arguments import comma_list
 from .fewshot import encode, eval_batches
 from .fewshot_data import DataError, load_jsonl, sample_balanced
 from .paths import MOVIE_REVIEWS, MT_CORPUS, checkout_data, require_minilm
@@ -235,24 +236,6 @@ def plot(summary: Dict, path: Path, title: str, panels) -> None:
     plt.close(fig)
 
 
-def _list(option: str, text: str, accepted=None, minimum=None):
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"{option} is empty")
-    if accepted is not None:
-        bad = [t for t in items if t not in accepted]
-        if bad:
-            raise argparse.ArgumentTypeError(f"{option}: unknown {bad[0]!r}; accepted: {', '.join(accepted)}")
-        return items
-    try:
-        values = [int(t) for t in items]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{option} must be comma-separated integers, got {text!r}") from None
-    if any(v < minimum for v in values):
-        raise argparse.ArgumentTypeError(f"{option}: every value must be >= {minimum}, got {text!r}")
-    return values
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=("hf", "fairseq"), default="hf")
@@ -282,8 +265,8 @@ def parse_args(argv=None):
     if opts.out_dir is None:
         opts.out_dir = Path("outputs/fig2") / ("minilm" if opts.backend == "hf" else "fairseq")
     try:
-        opts.strategies = _list("--strategies", opts.strategies, accepted=STRATEGIES)
-        opts.seeds = _list("--seeds", opts.seeds, minimum=0)
+        opts.strategies = comma_list("--strategies", opts.strategies, accepted=STRATEGIES)
+        opts.seeds = comma_list("--seeds", opts.seeds, minimum=0)
     except argparse.ArgumentTypeError as err:
         ap.error(str(err))
     for name, minimum in (("train_size", 2), ("dev_size", 0), ("epochs", 1), ("batch_size", 1), ("max_length", 8)):

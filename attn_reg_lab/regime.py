@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from . import mt_pipeline as mt
+from .arguments import comma_list
 from .demo import METHODS as DEMO_METHODS
 from .demo import MODEL_ARGS
 from .fewshot_summary import paired_t_test
@@ -62,26 +63,6 @@ METHODS: Dict[str, List[str]] = {
     "attendout": DEMO_METHODS["AttendOut"],
     "sched-dropout": DEMO_METHODS["sched-dropout"],
 }
-
-
-def _list(ap, option, text, accepted=None):
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        ap.error(f"{option} is empty")
-    if accepted is not None:
-        bad = [t for t in items if t not in accepted]
-        if bad:
-            ap.error(f"{option}: unknown {bad[0]!r}; accepted: {', '.join(accepted)}")
-        if len(set(items)) < len(items):
-            ap.error(f"{option} names an item twice: {text!r}")
-        return items
-    try:
-        values = [int(t) for t in items]
-    except ValueError:
-        ap.error(f"{option} must be comma-separated integers, got {text!r}")
-    if len(set(values)) < len(values):
-        ap.error(f"{option} names an item twice: {text!r}")
-    return values
 
 
 def parse_args(argv=None):
@@ -103,8 +84,11 @@ def parse_args(argv=None):
     ap.add_argument("--fp16", action="store_true", help="fairseq --fp16 (GPU)")
     ap.add_argument("--out-dir", type=Path, default=Path("outputs/regime"))
     opts = ap.parse_args(argv)
-    opts.methods = _list(ap, "--methods", opts.methods, accepted=tuple(METHODS))
-    opts.seeds = _list(ap, "--seeds", opts.seeds)
+    try:
+        opts.methods = comma_list("--methods", opts.methods, accepted=tuple(METHODS))
+        opts.seeds = comma_list("--seeds", opts.seeds, minimum=0)
+    except argparse.ArgumentTypeError as err:
+        ap.error(str(err))
     if opts.warmup_updates < 1:
         ap.error(f"--warmup-updates must be >= 1, got {opts.warmup_updates}")
     if opts.test_size < 0:

@@ -69,7 +69,7 @@ def test_four_strategies_curves_and_resume(tmp_path, minilm, capsys):
     "argv,message",
     [
         (["--strategies", "high,middle"], "--strategies: unknown 'middle'; accepted: none, high, low, random"),
-        (["--seeds", "a"], "--seeds must be comma-separated integers, got 'a'"),
+        (["--seeds", "a"], "--seeds must be a comma-separated list of integers, got 'a'"),
         (["--epochs", "0"], "--epochs must be >= 1, got 0"),
         (["--lr", "0"], "--lr must be > 0, got 0.0"),
     ],

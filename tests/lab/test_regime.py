@@ -41,7 +41,7 @@ def test_two_methods_two_seeds_then_a_resume_that_trains_nothing(tmp_path, capsy
     "argv,message",
     [
         (["--methods", "plain,dropout"], "--methods: unknown 'dropout'"),
-        (["--methods", "plain,plain"], "--methods names an item twice"),
+        (["--methods", "plain,plain"], "--methods: repeated value in 'plain,plain'"),
         (["--epochs", "1"], "--epochs must be >= 2"),
         (["--fp16"], "--fp16 needs --device cuda"),
     ],
