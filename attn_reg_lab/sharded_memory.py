@@ -135,11 +135,9 @@ def _worker(method: str, hidden: int, layers: int, vocab: int, batch: int, lengt
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     nets = [model] + ([attacker] if attacker is not None else [])
-    # Held before the step (its gradients were freed): parameters and optimizer state, this rank's shards.
-    held = sum(_local_bytes(n.parameters()) for n in nets) + sum(
-        _local_bytes(v for s in o.state.values() for v in s.values() if torch.is_tensor(v)) for o in optimizers
-    )
-    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else _rss_mb("VmRSS")
+    # Held before the step: this rank's parameters and optimizer state (its gradients were freed).
+    held = sum(_model_state_bytes(n, o) for n, o in zip(nets, optimizers))
+    before = None if device.type == "cuda" else _rss_mb("VmRSS")
     _reset_peak(device)
     step()
     if device.type == "cuda":
