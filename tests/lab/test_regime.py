@@ -37,6 +37,31 @@ def test_two_methods_two_seeds_then_a_resume_that_trains_nothing(tmp_path, capsy
         regime.main([*argv[:-2], "--epochs", "3", "--out-dir", str(out)])
 
 
+def test_summary_pairs_each_method_with_plain_at_the_same_seed():
+    def run(method, seed, valid, bleu):
+        epochs = [
+            {"epoch": i + 1, "train_loss": 1.0, "valid_loss": v, "ad_drop_rate": 0.0} for i, v in enumerate(valid)
+        ]
+        best = min(range(len(valid)), key=lambda i: valid[i])
+        return {"method": method, "seed": seed, "best_valid_loss": valid[best], "best_epoch": best + 1,
+                "test_bleu": bleu, "final_gap": valid[-1] - 1.0, "train_seconds": 10.0, "epochs": epochs}  # fmt: skip
+
+    runs = [run("plain", 1, [5.0, 4.0, 4.5], 10.0), run("plain", 2, [5.0, 3.0, 3.9], 12.0),
+            run("rd", 1, [5.0, 4.2, 4.3], 11.0), run("rd", 2, [5.0, 3.1, 3.5], 12.5), run("rd", 3, [4.0, 2.0, 2.0], 1.0)]  # fmt: skip
+    summary = regime.summarize(runs, ["plain", "rd"])
+    rows = {r["method"]: r for r in summary["table"]}
+    assert rows["plain"]["final_valid_loss"] == pytest.approx(4.2) and rows["rd"]["seeds"] == 3
+    assert rows["plain"]["best_epoch"] == 2 and rows["plain"]["best_epoch_std"] == 0
+    paired = {p["measure"]: p for p in summary["paired"]}
+    assert set(paired) == {"best_valid_loss", "test_bleu", "final_valid_loss"}
+    # Seed 3 has no plain run, so it is in rd's row but in no pair.
+    assert paired["final_valid_loss"]["pairs"] == 2
+    assert paired["final_valid_loss"]["mean_diff"] == pytest.approx(((4.3 - 4.5) + (3.5 - 3.9)) / 2)
+    assert paired["test_bleu"]["mean_diff"] == pytest.approx(0.75)
+    assert paired["best_valid_loss"]["mean_diff"] == pytest.approx(0.15)
+    assert "| rd | 3 |" in regime.markdown(summary) and "last valid loss" in regime.markdown(summary)
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
