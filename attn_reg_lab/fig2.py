@@ -31,7 +31,7 @@ paper's "training loss" is most likely this one. The two differ most for ``low``
 with its low-attribution keys dropped fits fast under that dropping and badly without it.
 
 ``--backend fairseq`` runs the same four strategies on the demo's Transformer (attn-reg-demo's model,
-with a warm-up of ``--warmup-updates``, 50: a 1,000-pair epoch is about 15 updates) trained from
+with a warm-up of ``--warmup-updates``, 50: a 1,000-pair epoch is 29 updates) trained from
 scratch on the first ``--train-size`` pairs of the shipped EN-RO corpus. The
 attribution target is the negative token loss of the reference (``labels="gold"``) and the maps are
 the encoder self-attention of layer 0. fairseq logs no eval-mode training loss, so its
@@ -259,7 +259,7 @@ def parse_args(argv=None):
         "--warmup-updates",
         type=int,
         default=50,
-        help="learning-rate warm-up (the demo's 300 updates are 20 epochs of 1,000 pairs)",
+        help="learning-rate warm-up (the demo's 300 updates are 10 epochs of 1,000 pairs)",
     )
     opts = ap.parse_args(argv)
     if opts.out_dir is None:

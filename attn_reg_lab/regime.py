@@ -7,8 +7,8 @@ The demo (attn-reg-demo) trains 12 epochs on all 6,526 shipped pairs, and its va
 falling at the end: no run so far has overfit, which is the regime a dropout regularizer exists
 for. This runner keeps the demo's Transformer and optimizer (dropout 0.3, lr 2e-3, inverse-sqrt
 decay) and trains it on the first ``--train-size`` pairs (1,000) for ``--epochs`` epochs (60), with
-a warm-up of ``--warmup-updates`` (50; a 1,000-pair epoch is about 15 updates, so the demo's 300
-would last 20 epochs). In that setting plain training's valid loss is lowest at epoch 40 and then
+a warm-up of ``--warmup-updates`` (50; a 1,000-pair epoch is 29 updates, so the demo's 300 would
+last 10 epochs). In that setting plain training's valid loss is lowest at epoch 40 and then
 rises while its training loss keeps falling (the AD-DROP Fig. 2 pilot, docs/RESULTS.md). The full
 valid set picks the best epoch, and the test set (all 1,000 pairs, or the first ``--test-size``) is
 translated with that checkpoint (beam 5; sacrebleu on detokenized output against the raw
@@ -80,7 +80,7 @@ def parse_args(argv=None):
         "--warmup-updates",
         type=int,
         default=50,
-        help="learning-rate warm-up (the demo's 300 updates are 20 epochs of 1,000 pairs)",
+        help="learning-rate warm-up (the demo's 300 updates are 10 epochs of 1,000 pairs)",
     )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--fp16", action="store_true", help="fairseq --fp16 (GPU)")
