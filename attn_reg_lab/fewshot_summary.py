@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 
 def _mean_std(values: Sequence[float]):
@@ -55,6 +55,18 @@ def paired_t_test(diffs: Sequence[float]) -> Tuple[Optional[float], Optional[flo
     t = mean / (sd / math.sqrt(n))
     df = n - 1
     return t, _incomplete_beta(df / (df + t * t), df / 2.0, 0.5)
+
+
+def paired_difference(values: Dict[Hashable, float], baseline: Dict[Hashable, float]) -> Optional[dict]:
+    """``values`` minus ``baseline`` at the seeds both hold (dicts keyed by seed): the number of pairs,
+    mean and sample std of the differences, Student's paired t and its two-sided p; None if no seed is shared."""
+    common = [seed for seed in values if seed in baseline]
+    if not common:
+        return None
+    diffs = [values[seed] - baseline[seed] for seed in common]
+    t, p = paired_t_test(diffs)
+    std = statistics.stdev(diffs) if len(diffs) > 1 else None
+    return {"pairs": len(diffs), "mean_diff": statistics.fmean(diffs), "std_diff": std, "t": t, "p": p}
 
 
 def summarize(runs: List[dict], sizes: Sequence[int], methods: Sequence[str], baseline: str = "plain"):

@@ -58,6 +58,7 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from .arguments import comma_list
 from .fewshot import encode, eval_batches
 from .fewshot_data import DataError, load_jsonl, sample_balanced
+from .fewshot_summary import paired_difference
 from .paths import MOVIE_REVIEWS, MT_CORPUS, checkout_data, require_minilm
 from .provenance import environment
 from .resume import finished_runs, record_run
@@ -211,6 +212,67 @@ def summarize(runs: List[Dict], strategies, epochs: int) -> Dict[str, Dict[str, 
                 "high": [max(c) for c in columns],
             }
     return summary
+
+
+def _mean_std_text(values: List[float], digits: int) -> str:
+    text = f"{statistics.fmean(values):.{digits}f}"
+    return text + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
+
+
+def markdown(runs: List[Dict], strategies, train_panels) -> str:
+    """The table behind the picture, mean ± sample std over seeds, and each strategy minus ``none`` by seed.
+
+    ``train_panels`` are the (key, label) training losses to report. They are read at the last epoch
+    and at ``none``'s turning point: the epoch where its mean dev loss is lowest, where plain
+    training starts to overfit. The fitting speeds are compared there."""
+    mine = {s: sorted((r for r in runs if r["strategy"] == s), key=lambda r: r["seed"]) for s in strategies}
+    mine = {s: rs for s, rs in mine.items() if rs}
+    turn = None
+    if "none" in mine:
+        mean_dev = [statistics.fmean(c) for c in zip(*[[e["dev_loss"] for e in r["epochs"]] for r in mine["none"]])]
+        turn = min(range(len(mean_dev)), key=mean_dev.__getitem__)
+    last = min(len(r["epochs"]) for rs in mine.values() for r in rs) - 1
+    read_at = ([turn] if turn is not None and turn != last else []) + [last]
+
+    def best(run):
+        return min(run["epochs"], key=lambda e: e["dev_loss"])
+
+    head = ["strategy", "seeds", "best dev loss", "its epoch, by seed"]
+    if any("dev_acc" in r["epochs"][0] for rs in mine.values() for r in rs):
+        head.append("dev acc. there")
+    head.append(f"dev loss, epoch {last + 1}")
+    for _, label in train_panels:
+        head += [f"{label}, epoch {i + 1}" for i in read_at]
+    head.append("drop rate")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for strategy, rs in mine.items():
+        cells = [strategy, str(len(rs)), _mean_std_text([best(r)["dev_loss"] for r in rs], 3)]
+        cells.append(", ".join(str(best(r)["epoch"]) for r in rs))
+        if "dev acc. there" in head:
+            cells.append(_mean_std_text([best(r)["dev_acc"] for r in rs], 3))
+        cells.append(_mean_std_text([r["epochs"][last]["dev_loss"] for r in rs], 3))
+        for key, _ in train_panels:
+            cells += [_mean_std_text([r["epochs"][i][key] for r in rs], 3) for i in read_at]
+        cells.append(f"{statistics.fmean(e['drop_rate'] for r in rs for e in r['epochs']):.3f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    if "none" in mine and len(mine) > 1:
+        lines += ["", "| strategy − none, paired by seed | pairs | best dev loss | p | last dev loss | p |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for strategy, rs in mine.items():
+            if strategy == "none":
+                continue
+            diffs = [
+                paired_difference({r["seed"]: measure(r) for r in rs}, {r["seed"]: measure(r) for r in mine["none"]})
+                for measure in (lambda r: best(r)["dev_loss"], lambda r: r["epochs"][last]["dev_loss"])
+            ]
+            if diffs[0] is None:  # no seed in common with none
+                continue
+            cells = [f"{strategy} − none", str(diffs[0]["pairs"])]
+            for diff in diffs:
+                std = "" if diff["std_diff"] is None else f" ± {diff['std_diff']:.3f}"
+                cells += [f"{diff['mean_diff']:+.3f}{std}", "-" if diff["p"] is None else f"{diff['p']:.3f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(summary: Dict, path: Path, title: str, panels) -> None:
@@ -372,7 +434,10 @@ def main(argv=None) -> int:
     result = {"environment": environment(), "settings": config, "summary": summary, "runs": runs}
     (opts.out_dir / "results.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     plot(summary, opts.out_dir / "fig2.png", title, panels)
-    print(f"wrote {opts.out_dir / 'results.json'} and {opts.out_dir / 'fig2.png'}")
+    table = markdown(runs, opts.strategies, [p for p in panels if p[0] != "dev_loss"])
+    (opts.out_dir / "results.md").write_text(table, encoding="utf-8")
+    print(table)
+    print(f"wrote {opts.out_dir / 'results.json'}, results.md and fig2.png")
     return 0
 
 

@@ -50,7 +50,7 @@ from . import mt_pipeline as mt
 from .arguments import comma_list
 from .demo import METHODS as DEMO_METHODS
 from .demo import MODEL_ARGS
-from .fewshot_summary import paired_t_test
+from .fewshot_summary import paired_difference
 from .paths import MT_CORPUS, checkout_data
 from .provenance import environment
 from .resume import finished_runs, record_run
@@ -193,18 +193,12 @@ def summarize(runs: List[Dict], methods: List[str]) -> Dict:
             continue
         for key in PAIRED_MEASURES:
             measure = MEASURES[key]
-            diffs = [
-                measure(by[(method, s)]) - measure(by[("plain", s)])
-                for (m, s) in by
-                if m == method and ("plain", s) in by
-            ]
-            if not diffs:
-                continue
-            t, p = paired_t_test(diffs)
-            paired.append(
-                {"method": method, "measure": key, "pairs": len(diffs), "mean_diff": statistics.fmean(diffs),
-                 "std_diff": statistics.stdev(diffs) if len(diffs) > 1 else None, "t": t, "p": p}
-            )  # fmt: skip
+            diff = paired_difference(
+                {s: measure(r) for (m, s), r in by.items() if m == method},
+                {s: measure(r) for (m, s), r in by.items() if m == "plain"},
+            )
+            if diff is not None:
+                paired.append({"method": method, "measure": key, **diff})
     return {"table": table, "paired": paired}
 
 

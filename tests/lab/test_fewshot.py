@@ -394,3 +394,19 @@ def test_paired_t_test_two_sided_p_matches_student_t_quantiles(t, df, p):
         assert got_t == pytest.approx(t, rel=1e-9) and got_p == pytest.approx(p, abs=2e-6)
     assert paired_t_test([0.1]) == (None, None)
     assert paired_t_test([0.1, 0.1]) == (math.inf, 0.0) and paired_t_test([0.0, 0.0]) == (0.0, 1.0)
+
+
+def test_paired_difference_pairs_only_the_seeds_both_hold():
+    from attn_reg_lab.fewshot_summary import paired_difference, paired_t_test
+
+    diff = paired_difference({1: 2.0, 2: 3.5, 4: 9.0}, {1: 1.0, 2: 3.0, 3: 7.0})
+    assert (diff["pairs"], diff["mean_diff"]) == (2, 0.75)
+    assert diff["std_diff"] == pytest.approx(0.3535534) and (diff["t"], diff["p"]) == paired_t_test([1.0, 0.5])
+    assert paired_difference({1: 2.0}, {2: 1.0}) is None
+    assert paired_difference({1: 2.0}, {1: 1.5}) == {
+        "pairs": 1,
+        "mean_diff": 0.5,
+        "std_diff": None,
+        "t": None,
+        "p": None,
+    }

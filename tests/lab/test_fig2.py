@@ -65,6 +65,36 @@ def test_four_strategies_curves_and_resume(tmp_path, minilm, capsys):
     assert "holds runs with other settings" in capsys.readouterr().err
 
 
+def test_table_reads_the_turning_point_of_none_and_pairs_by_seed():
+    def run(strategy, seed, dev, train, rate):
+        epochs = [
+            {"epoch": i + 1, "dev_loss": d, "train_loss": t, "drop_rate": rate}
+            for i, (d, t) in enumerate(zip(dev, train))
+        ]
+        return {"strategy": strategy, "seed": seed, "epochs": epochs}  # fmt: skip
+
+    runs = [
+        run("none", 1, [3.0, 2.0, 2.5], [2.0, 1.0, 0.5], 0.0),
+        run("none", 2, [3.0, 2.2, 2.1], [2.0, 1.2, 0.7], 0.0),  # its own best is epoch 3; the mean's is epoch 2
+        run("high", 1, [3.0, 2.5, 1.9], [2.5, 2.0, 1.5], 0.3),
+        run("high", 2, [3.0, 2.4, 2.0], [2.5, 2.2, 1.7], 0.3),
+        run("high", 3, [3.0, 2.4, 2.0], [2.5, 2.2, 1.7], 0.3),  # no none at seed 3: in the row, in no pair
+        run("low", 3, [2.0, 2.0, 2.0], [1.0, 1.0, 1.0], 0.3),  # shares no seed with none: no paired row
+    ]
+    table = fig2.markdown(runs, ["none", "high", "low", "random"], [("train_loss", "train")]).splitlines()
+    assert table[0] == (
+        "| strategy | seeds | best dev loss | its epoch, by seed | dev loss, epoch 3 | train, epoch 2 | train, epoch 3 "
+        "| drop rate |"
+    )
+    rows = {line.split(" | ")[0][2:]: line for line in table}
+    assert rows["none"] == "| none | 2 | 2.050 ± 0.071 | 2, 3 | 2.300 ± 0.283 | 1.100 ± 0.141 | 0.600 ± 0.141 | 0.000 |"
+    assert rows["high"].startswith("| high | 3 | 1.967 ± 0.058 | 3, 3, 3 | 1.967 ± 0.058 | 2.133 ± 0.115 |")
+    assert "random" not in rows and "low − none" not in rows
+    # high − none at seeds 1 and 2: best dev (1.9 − 2.0, 2.0 − 2.1), last dev (1.9 − 2.5, 2.0 − 2.1);
+    # the last pair gives t = -1.4 on 1 degree of freedom, p = 1 − 2·atan(1.4)/π = 0.395.
+    assert rows["high − none"] == "| high − none | 2 | -0.100 ± 0.000 | 0.000 | -0.350 ± 0.354 | 0.395 |"
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
