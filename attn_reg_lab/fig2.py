@@ -56,6 +56,7 @@ from typing import Dict, List
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 
 from .arguments import comma_list
+from .curves import band, draw_band, seeds_label, zoom_start
 from .fewshot import encode, eval_batches
 from .fewshot_data import DataError, load_jsonl, sample_balanced
 from .fewshot_summary import paired_difference
@@ -205,12 +206,7 @@ def summarize(runs: List[Dict], strategies, epochs: int) -> Dict[str, Dict[str, 
         for key in ("running_loss", "train_loss", "dev_loss", "dev_acc", "drop_rate"):
             if key not in mine[0]["epochs"][0]:
                 continue
-            columns = [[r["epochs"][e][key] for r in mine] for e in range(epochs)]
-            summary[strategy][key] = {
-                "mean": [statistics.fmean(c) for c in columns],
-                "low": [min(c) for c in columns],
-                "high": [max(c) for c in columns],
-            }
+            summary[strategy][key] = band(mine, key, epochs)
     return summary
 
 
@@ -276,18 +272,16 @@ def markdown(runs: List[Dict], strategies, train_panels) -> str:
 
 
 def plot(summary: Dict, path: Path, title: str, panels) -> None:
-    """One panel per (measure, label), mean over seeds with a lowest-to-highest band."""
+    """One panel per (measure, label[, first epoch]), mean over seeds with a lowest-to-highest band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
-    for ax, (key, label) in zip(axes, panels):
+    for ax, (key, label, *first) in zip(axes, panels):
         for strategy, s in summary.items():
-            xs = range(1, len(s[key]["mean"]) + 1)
-            line = ax.plot(xs, s[key]["mean"], marker="o", label=f"{strategy} ({s['seeds']} seeds)")[0]
-            ax.fill_between(xs, s[key]["low"], s[key]["high"], color=line.get_color(), alpha=0.15)
+            draw_band(ax, **s[key], first=first[0] if first else 1, label=seeds_label(strategy, s["seeds"]))
         ax.set_xlabel("epoch")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -404,6 +398,10 @@ def main(argv=None) -> int:
 
         title = f"AD-DROP Fig. 2: fairseq Transformer, {opts.train_size} EN-RO pairs, encoder layer 1"
         panels = [("train_loss", "train loss (running, under dropping; base 2)"), ("dev_loss", "valid loss (base 2)")]
+        if zoom_start(opts.epochs):
+            panels.append(
+                ("dev_loss", f"valid loss from epoch {zoom_start(opts.epochs)} (base 2)", zoom_start(opts.epochs))
+            )
     else:
         train_one, title = _hf_setup(opts), f"AD-DROP Fig. 2: MiniLM, {opts.train_size} movie reviews, layer 1"
         panels = [

@@ -48,6 +48,7 @@ from typing import Dict, List
 
 from . import mt_pipeline as mt
 from .arguments import comma_list
+from .curves import band, draw_band, seeds_label, zoom_start
 from .demo import METHODS as DEMO_METHODS
 from .demo import MODEL_ARGS
 from .fewshot_summary import paired_difference
@@ -208,20 +209,26 @@ def plot(runs: List[Dict], methods: List[str], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    epochs = min(len(r["epochs"]) for r in runs)
+    late = zoom_start(epochs)
+    panels = [("train_loss", "train loss (running, base 2)", 1), ("valid_loss", "valid loss (base 2)", 1)]
+    if late:
+        panels.append(("valid_loss", f"valid loss from epoch {late} (base 2)", late))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, method in enumerate(methods):
         mine = [r for r in runs if r["method"] == method]
         if not mine:
             continue
-        for ax, key in ((axes[0], "train_loss"), (axes[1], "valid_loss")):
-            columns = list(zip(*[[e[key] for e in r["epochs"]] for r in mine]))
-            xs = range(1, len(columns) + 1)
-            color = colors[i % len(colors)]
-            ax.plot(xs, [statistics.fmean(c) for c in columns], color=color, label=f"{method} ({len(mine)} seeds)")
-            ax.fill_between(xs, [min(c) for c in columns], [max(c) for c in columns], color=color, alpha=0.15)
-    axes[0].set_ylabel("train loss (running, base 2)")
-    axes[1].set_ylabel("valid loss (base 2)")
+        for ax, (key, label, first) in zip(axes, panels):
+            draw_band(
+                ax,
+                **band(mine, key, epochs),
+                first=first,
+                color=colors[i % len(colors)],
+                label=seeds_label(method, len(mine)),
+            )
+            ax.set_ylabel(label)
     for ax in axes:
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)

@@ -75,3 +75,16 @@ def test_bad_options_fail_before_anything_runs(argv, message, capsys):
     with pytest.raises(SystemExit):
         regime.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_curves_band_over_seeds_and_the_late_panel_of_long_runs(tmp_path):
+    from attn_reg_lab.curves import band, zoom_start
+
+    runs = [{"epochs": [{"valid_loss": v} for v in vs]} for vs in ([3.0, 2.0, 2.5], [5.0, 1.0, 2.5], [4.0, 3.0, 1.0])]
+    assert band(runs, "valid_loss", 2) == {"mean": [4.0, 2.0], "low": [3.0, 1.0], "high": [5.0, 3.0]}
+    assert (zoom_start(29), zoom_start(30), zoom_start(60)) == (None, 11, 21)
+    for epochs in (3, 30):  # without and with the zoomed third panel
+        curve = [{"epoch": e + 1, "train_loss": 9.0 - e / 10, "valid_loss": 8.0 - e / 20} for e in range(epochs)]
+        plain = {"method": "plain", "seed": 1, "epochs": curve}
+        regime.plot([plain, {**plain, "seed": 2}, {**plain, "method": "rd"}], ["plain", "rd"], tmp_path / "c.png", "t")
+        assert (tmp_path / "c.png").stat().st_size > 0
