@@ -398,10 +398,9 @@ def main(argv=None) -> int:
 
         title = f"AD-DROP Fig. 2: fairseq Transformer, {opts.train_size} EN-RO pairs, encoder layer 1"
         panels = [("train_loss", "train loss (running, under dropping; base 2)"), ("dev_loss", "valid loss (base 2)")]
-        if zoom_start(opts.epochs):
-            panels.append(
-                ("dev_loss", f"valid loss from epoch {zoom_start(opts.epochs)} (base 2)", zoom_start(opts.epochs))
-            )
+        late = zoom_start(opts.epochs)
+        if late:
+            panels.append(("dev_loss", f"valid loss from epoch {late} (base 2)", late))
     else:
         train_one, title = _hf_setup(opts), f"AD-DROP Fig. 2: MiniLM, {opts.train_size} movie reviews, layer 1"
         panels = [
