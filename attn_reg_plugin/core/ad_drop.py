@@ -21,7 +21,7 @@ from .attention import CaptureOutput, CaptureProbs, EditScores, zero_counts
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES, GradientScale, gradient_attribution, probs_gradient
 from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
-from .masks import ad_drop_masks
+from .masks import ad_drop_masks, decimal_fraction
 from .options import RegularizerOptions, attention_option, layers_option, option
 from .sharding import check_supported_sharding, initialize, is_fully_sharded, reshard
 
@@ -78,6 +78,10 @@ class ADDropConfig(RegularizerOptions):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (0.0 < float(value) < 1.0) or math.isnan(value):
                 raise ValueError(f"{flag(name)} must be in the open interval (0, 1), got {value!r}")
+        try:
+            decimal_fraction(self.p)
+        except ValueError as e:
+            raise ValueError(f"{flag('p')}: {e}") from None
         self.check_site_options()
         if self.region not in REGIONS:
             raise ValueError(f"{flag('region')} must be one of {', '.join(REGIONS)}, got {self.region!r}")

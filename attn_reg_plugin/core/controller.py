@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
+import re
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -61,7 +63,10 @@ class EditScores:
     ``uniform_rows``: True (every row) or bool broadcastable to (B, H, T, 1), e.g. a (1, 1, 1, 1)
     per-pass flag; such rows attend uniformly to their valid keys (attention LayerDrop). A row whose every valid key is in ``drop`` is made
     uniform the same way (AttendOut Eq. 4), never left all-masked.
-    ``stats``: when given, ``[dropped, valid]`` counts of this pass are added to it.
+    ``stats``: when given, ``[dropped, droppable]`` counts of this pass are added to it.
+    ``droppable``: bool broadcastable to (B, H, T, S), the units this edit could drop (AttendOut's
+    Generator never masks a padding query row); the count's denominator is the valid units inside
+    it, so a logged rate is the fraction of what could have been dropped. None: every valid unit.
     ``calls``: when given, ``[calls whose uniform_rows flag was set, calls]`` are added to it.
     Both are counted by the kernel from what it applied, so a hook that never reaches the kernel
     (a module not routed through it) counts nothing.
@@ -71,6 +76,7 @@ class EditScores:
     uniform_rows: Optional[Union[bool, torch.Tensor]] = None
     stats: Optional[List[torch.Tensor]] = None
     calls: Optional[List[torch.Tensor]] = None
+    droppable: Optional[torch.Tensor] = None
 
     def resolve(self, valid: torch.Tensor, shape: Tuple[int, int, int, int], device) -> ResolvedEdit:
         """The final (drop, uniform rows) of one call: random draws made, emptied rows made uniform."""
@@ -156,19 +162,23 @@ class AttentionSite:
 
 
 def parse_layers(spec: Union[str, Sequence[int], None], option: str) -> Optional[List[int]]:
-    """``'all'`` / None -> None (every layer); ``'0,2'`` or ``[0, 2]`` -> sorted unique ints."""
+    """``'all'`` / None -> None (every layer); ``'0,2'`` or ``[0, 2]`` -> sorted unique ints.
+
+    An index is an integer (not a bool, not a float: ``0.9`` is no layer) or a string of ASCII
+    digits (``int()`` would also read ``'١'``, an Arabic-Indic one)."""
     if spec is None or (isinstance(spec, str) and spec.strip().lower() == "all"):
         return None
+    wanted = f"{option} must be 'all' or a comma-separated list of 0-based layer indices, got {spec!r}"
     if isinstance(spec, str):
         parts = [s.strip() for s in spec.split(",") if s.strip()]
-        try:
-            layers = [int(s) for s in parts]
-        except ValueError:
-            raise ValueError(
-                f"{option} must be 'all' or a comma-separated list of 0-based layer indices, got {spec!r}"
-            ) from None
+        if not all(re.fullmatch(r"-?[0-9]+", s) for s in parts):
+            raise ValueError(wanted)
+        layers = [int(s) for s in parts]
     else:
-        layers = [int(x) for x in spec]
+        bad = [x for x in spec if isinstance(x, bool) or not hasattr(type(x), "__index__")]
+        if bad:
+            raise ValueError(f"{wanted}: {bad[0]!r} is not an integer")
+        layers = [operator.index(x) for x in spec]
     if not layers:
         raise ValueError(f"{option} must name at least one layer, got {spec!r}")
     bad = [x for x in layers if x < 0]

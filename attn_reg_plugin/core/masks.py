@@ -8,8 +8,8 @@ Everything here is vectorised over whole tensors: no loop over heads or rows.
 
 from __future__ import annotations
 
-import math
-from typing import Optional
+import fractions
+from typing import Optional, Tuple
 
 import torch
 
@@ -43,22 +43,63 @@ def valid_keys_from_bias(bias: torch.Tensor) -> torch.Tensor:
     return bias > MASKED_BIAS
 
 
+# A decimal with at most this many places has a denominator dividing 10**18 < 2**62,
+# which keeps every intermediate of :func:`ceil_of_product` below 2**63.
+MAX_DECIMAL_PLACES = 18
+
+
+@torch.compiler.assume_constant_result  # a pure function of a Python float: traced as its result
+def decimal_fraction(p: float) -> Tuple[int, int]:
+    """``p`` as the decimal it is written as, ``(numerator, denominator)`` in lowest terms: 0.2 ->
+    (1, 5), 0.2000000001 -> (2000000001, 10000000000). Python's ``repr`` is the shortest decimal
+    that reads back as the same float, so this is the value the user typed, not the binary
+    float's expansion (0.2 as a float is 0.2000000000000000111…, whose ceil(10 p) would be 3)."""
+    value = fractions.Fraction(repr(float(p)))
+    if value.denominator > 10**MAX_DECIMAL_PLACES:
+        raise ValueError(
+            f"p = {p!r} has more than {MAX_DECIMAL_PLACES} decimal places; "
+            "the candidate count ceil(p * n) is computed exactly for decimals up to that"
+        )
+    return value.numerator, value.denominator
+
+
+def ceil_of_product(n: torch.Tensor, numerator: int, denominator: int, n_max: int) -> torch.Tensor:
+    """``ceil(n * numerator / denominator)`` exactly, for an integer tensor ``0 <= n <= n_max`` and
+    ``0 <= numerator <= denominator <= 10**18`` (in integers: no float rounding, no tolerance)."""
+    n = n.long()
+    if n_max * numerator + denominator < 2**63:  # the usual case (p with a few decimals)
+        return torch.div(n * numerator + (denominator - 1), denominator, rounding_mode="floor")
+    # Long multiplication over n's bits, reducing modulo the denominator at every step, so that
+    # no intermediate exceeds 2 * denominator < 2**63: quotient * den + remainder = n * num so far.
+    quotient, remainder = torch.zeros_like(n), torch.zeros_like(n)
+    for bit in reversed(range(max(n_max, 1).bit_length())):
+        quotient, remainder = quotient * 2, remainder * 2
+        for addend in (None, ((n >> bit) & 1) * numerator):
+            if addend is not None:
+                remainder = remainder + addend
+            carry = remainder >= denominator
+            quotient, remainder = quotient + carry, remainder - carry * denominator
+    return quotient + (remainder > 0)
+
+
 def candidate_region(attribution: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tensor:
     """Boolean mask of each row's top ``ceil(p * n)`` valid keys by attribution.
 
-    ``n`` is the number of valid keys of the row. Invalid keys are never candidates. Ties are
-    broken by ``topk``'s order, so every row has exactly ``ceil(p * n)`` candidates.
+    ``n`` is the number of valid keys of the row, and ``ceil(p * n)`` is exact for the decimal p
+    (:func:`candidate_count`). Invalid keys are never candidates. Ties are broken by ``topk``'s
+    order, so every row has exactly ``ceil(p * n)`` candidates.
     """
     if not 0.0 < p <= 1.0:
         raise ValueError(f"p must be in (0, 1], got {p}")
     # Counted before broadcasting: a padding mask (B, 1, 1, S) is summed once per sequence,
     # not once per head and query.
     n_valid = valid.sum(dim=-1, keepdim=True)
-    # ceil(p * n) computed in float64 then clamped to n: p * n can land a hair above an integer.
-    k = torch.ceil(n_valid.double() * p - 1e-9).clamp_(max=n_valid).long()
+    keys = attribution.shape[-1]
+    numerator, denominator = decimal_fraction(p)
+    k = ceil_of_product(n_valid, numerator, denominator, keys)
     # Every row has at most S valid keys, so ceil(p * S) bounds k without reading k back
     # to the host (no device synchronisation).
-    k_max = min(attribution.shape[-1], math.ceil(attribution.shape[-1] * p))
+    k_max = -(-keys * numerator // denominator)
     scores = torch.where(valid, attribution.float().nan_to_num(0.0), float("-inf"))
     top_idx = scores.topk(k_max, dim=-1, sorted=True).indices
     take = torch.arange(k_max, device=attribution.device) < k  # first k of each row

@@ -53,6 +53,18 @@ def test_parse_layers():
         assert "--my-layers-opt" in str(e.value), bad
 
 
+def test_parse_layers_takes_integers_only():
+    """``int()`` truncated 0.9 and 1.7 to layers 0 and 1, read True as layer 1 and the
+    Arabic-Indic digit one as layer 1; each is refused, naming the option."""
+    import numpy as np
+
+    assert parse_layers([np.int64(2), 0], "--x") == [0, 2]  # any integer type with __index__
+    for bad in [[0.9, 1.7], [True], [False, 1], ["1"], [1.0], "١", "٣,0", "１"]:
+        with pytest.raises(ValueError, match="--my-layers-opt must be 'all' or a comma-separated list") as e:
+            parse_layers(bad, "--my-layers-opt")
+        assert repr(bad) in str(e.value)
+
+
 def test_parse_kinds():
     assert parse_kinds("encoder-self, decoder-self,encoder-self", "--k") == ["encoder-self", "decoder-self"]
     assert parse_kinds(["encoder-decoder"], "--k") == ["encoder-decoder"]

@@ -5,6 +5,7 @@ every mask shape (rows with no valid key included) on the fused and the math sdp
 """
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -53,7 +54,9 @@ def test_masks_drop_only_valid_keys_and_never_empty_a_row(case, p, q, heads, see
     attribution = torch.randn(valid.shape[0], heads, *valid.shape[2:], generator=g)
     region = candidate_region(attribution, valid, p)
     n = valid.sum(-1, keepdim=True).expand(region.shape[:-1] + (1,))
-    assert torch.equal(region.sum(-1, keepdim=True), torch.ceil(n.double() * p - 1e-9).long())
+    exact = Fraction(repr(p))  # the decimal p, in integers: ceil(p n) = -(-n num // den)
+    expected = n.clone().apply_(lambda m: -(-m * exact.numerator // exact.denominator))
+    assert torch.equal(region.sum(-1, keepdim=True), expected)
     drop = ad_drop_masks(attribution, valid, p, q, generator=g)
     assert not (drop & ~valid).any()  # padding and future keys are never dropped
     has_key = valid.any(-1, keepdim=True).expand_as(drop[..., :1])

@@ -13,11 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attention import EditScores, attend
 from attn_reg_plugin.core.masks import (
     ad_drop_masks,
     additive_mask,
     candidate_region,
+    ceil_of_product,
     keep_one_valid_key,
     mask_fill_value,
     sample_drops,
@@ -81,6 +83,38 @@ def test_candidate_region_ceil_is_not_fooled_by_rounding():
         attr = torch.randn(2, 3, 4, n)
         region = candidate_region(attr, torch.ones(1, 1, 1, n, dtype=torch.bool), p)
         assert (region.sum(-1) == want).all(), (p, n, region.sum(-1))
+
+
+@pytest.mark.parametrize(
+    "p, n, want",
+    [
+        (1e-9, 10, 1),  # any p > 0 makes one candidate of a non-empty row (a -1e-9 tolerance made 0)
+        (1e-9, 1, 1),
+        (0.2000000001, 10, 3),  # ceil(2.000000001) (the tolerance made 2)
+        (0.2, 10, 2),  # the float 0.2 is 0.2000000000000000111: its exact ceil(10 p) would be 3
+        (0.999999999999999999, 3, 3),
+        (0.123456789012345678, 4096, 506),  # 18 decimals: the long-multiplication path
+        (1 / 3, 100000, 33334),
+    ],
+)
+def test_candidate_region_counts_ceil_of_the_decimal_p_exactly(p, n, want):
+    region = candidate_region(torch.randn(2, 1, 3, n), torch.ones(1, 1, 1, n, dtype=torch.bool), p)
+    assert (region.sum(-1) == want).all(), region.sum(-1)
+
+
+def test_ceil_of_product_is_exact_on_both_paths():
+    g = torch.Generator().manual_seed(0)
+    for numerator, denominator, n_max in [(3, 10, 5000), (2000000001, 10**10, 2**20), (10**18 - 1, 10**18, 2**26)]:
+        n = torch.cat([torch.randint(0, n_max + 1, (300,), generator=g), torch.tensor([0, 1, n_max])])
+        want = torch.tensor([-(-int(m) * numerator // denominator) for m in n])
+        assert torch.equal(ceil_of_product(n, numerator, denominator, n_max), want)
+
+
+def test_p_with_more_decimal_places_than_the_exact_count_allows_is_refused():
+    with pytest.raises(ValueError, match="more than 18 decimal places"):
+        candidate_region(torch.randn(1, 1, 1, 4), torch.ones(1, 1, 1, 4, dtype=torch.bool), 1.5e-19)
+    with pytest.raises(ValueError, match="--ad-drop-p: p = 1.5e-19 has more than 18 decimal places"):
+        ADDropConfig(p=1.5e-19).validate()
 
 
 def test_candidate_region_ignores_extreme_values_at_invalid_keys():
