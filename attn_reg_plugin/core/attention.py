@@ -168,9 +168,9 @@ def attend(
                 bias = torch.add(bias, edit.drop, alpha=mask_fill_value(q.dtype))
             if hook.stats is not None and call.fresh:
                 # Count over the full (B, H, T, S): a mask shared by heads drops in each head.
-                dropped = (edit.drop & valid).expand(shape).sum()
-                hook.stats[0] = hook.stats[0] + dropped
-                hook.stats[1] = hook.stats[1] + _broadcast_count(valid, shape)
+                units = valid if hook.droppable is None else valid & hook.droppable.to(valid.device)
+                hook.stats[0] = hook.stats[0] + (edit.drop & units).expand(shape).sum()
+                hook.stats[1] = hook.stats[1] + _broadcast_count(units, shape)
         hook = None  # the edited scores are attended like any others
 
     if isinstance(hook, CaptureOutput):

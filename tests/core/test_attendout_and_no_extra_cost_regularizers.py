@@ -138,9 +138,41 @@ def test_log_probability_recomputed_from_the_recorded_seed_matches_the_sampled_a
     game = AttendOut(AttendOutConfig(dropout_step=2), controller, generator)
     tokens = torch.randint(2, 12, (2, 5))
     hooks = game.attacker_hooks({"source": tokens})
-    drops, _ = game._sample({"source": tokens}, game.cache[0].seed)
+    drops, _, _ = game._sample({"source": tokens}, game.cache[0].seed)
     for site, d in zip(game.sites, drops):
         assert torch.equal(hooks[site].drop, d)
+
+
+def _attendout_rate(tokens: torch.Tensor, pad: int = 1) -> float:
+    """The drop rate AttendOut logs for one batch of ``tokens`` through one encoder-self site, with
+    a Generator whose every unit has drop probability 0.3 (its score weights zeroed)."""
+    torch.manual_seed(0)
+    controller = controller_with_sites({"encoder-self": 1})
+    generator = Generator({"source": 12}, {"source": pad}, 8, 64, 0.3, 1.0)
+    with torch.no_grad():
+        for layer in (generator.query, generator.key):
+            layer.weight.zero_()
+            layer.bias.zero_()
+    game = AttendOut(AttendOutConfig(dropout_step=1), controller, generator)
+    b, t = tokens.shape
+    q, k, v = (torch.randn(b, 2, t, 4) for _ in range(3))
+    bias = torch.zeros(b, 1, 1, t).masked_fill(tokens.eq(pad)[:, None, None, :], float("-inf"))
+    with controller.hooks(game.attacker_hooks({"source": tokens})):
+        attend(q, k, v, bias, site=controller.sites[0])
+    game.end_update()
+    return game.finish_dropout_step(torch.zeros(1), torch.zeros(1))["drop_rate"]
+
+
+def test_attendout_rate_counts_only_units_the_generator_can_drop():
+    """Padding query rows are never masked by the Generator, so they are not in the denominator: a
+    padded batch logs the same rate as an unpadded one with the same probabilities (0.3), where the
+    count over every valid unit read about half of it (issue 31: 0.095 logged for 0.20)."""
+    real = torch.randint(2, 12, (8, 48), generator=torch.Generator().manual_seed(1))
+    padded = real.clone()
+    padded[:, 12:] = 1  # three quarters of each sequence is padding: right-padded keys and queries
+    unpadded_rate, padded_rate = _attendout_rate(real), _attendout_rate(padded)
+    # 8 x 2 heads x 48 x 48 units unpadded, 8 x 2 x 12 x 12 padded: 5 sigma of the smaller is 0.04
+    assert abs(unpadded_rate - 0.3) < 0.02 and abs(padded_rate - 0.3) < 0.04, (unpadded_rate, padded_rate)
 
 
 def test_attendout_state_round_trip_continues_identically():
@@ -388,8 +420,8 @@ def test_scaler_skipped_step_tells_an_overflow_from_a_step(grad, skipped):
 
 
 def test_attendout_drop_rate_is_what_the_kernel_applied():
-    """The game reports the fraction of the Attacker's real units its kernel dropped: 0 when the masks
-    reach no attention call, the masks' own fraction of valid units when they do."""
+    """The game reports the fraction of the Attacker's units (real query, real key) its kernel dropped:
+    0 when the masks reach no attention call, the masks' own fraction of those units when they do."""
     torch.manual_seed(0)
     controller = controller_with_sites({"encoder-self": 1})
     config = AttendOutConfig(dropout_step=1, generator_dim=8, init_drop=0.4)
@@ -408,7 +440,9 @@ def test_attendout_drop_rate_is_what_the_kernel_applied():
     with controller.hooks(hooks):
         attend(*(torch.randn(3, 2, 5, 4) for _ in range(3)), bias=valid, site=site)
     game.end_update()
-    drop = hooks[site].drop & valid
-    expected = drop.expand(3, 2, 5, 5).sum().item() / valid.expand(3, 2, 5, 5).sum().item()
+    real = tokens.ne(1)
+    units = real[:, None, :, None] & real[:, None, None, :]  # real query and real key: what G can mask
+    drop = hooks[site].drop & units
+    expected = drop.expand(3, 2, 5, 5).sum().item() / units.expand(3, 2, 5, 5).sum().item()
     assert game.finish_dropout_step(torch.zeros(1), torch.zeros(1))["drop_rate"] == pytest.approx(expected)
     assert expected > 0

@@ -69,22 +69,26 @@ class AttendOut:
         streams = {k: v.detach() for k, v in streams.items()}
         self.cache.append(_CachedBatch(self.update_in_step, streams, seed))
         with torch.no_grad():
-            drops, probs = self._sample(streams, seed)
+            drops, units, probs = self._sample(streams, seed)
         self._prob_sums = probs if self._prob_sums is None else self._prob_sums + probs
         self._prob_batches += 1
         self._update_probs.append(probs)
         self.last_drop_probabilities = probs  # per site, this batch (a tensor: no host sync)
-        return {site: EditScores(drop=d, stats=self._applied) for site, d in zip(self.sites, drops)}
+        # The rate's denominator is the Generator's units: padding query rows are never masked.
+        return {
+            site: EditScores(drop=d, stats=self._applied, droppable=u) for site, d, u in zip(self.sites, drops, units)
+        }
 
     def _sample(self, streams, seed, log_prob: bool = False):
         outputs = self.generator.drop_logits(streams, self.sites)
         device = outputs[0][0].device
         rng = torch.Generator(device=device)
         rng.manual_seed(seed)
-        drops, probs, total, count = [], [], 0.0, 0
+        drops, units, probs, total, count = [], [], [], 0.0, 0
         for logits, valid in outputs:
             d = gumbel_drops(logits, rng) & valid
             drops.append(d)
+            units.append(valid)
             p = torch.sigmoid(logits)
             probs.append((p * valid).sum() / valid.sum().clamp(min=1))
             if log_prob:
@@ -93,7 +97,7 @@ class AttendOut:
         if log_prob:
             # Per sample: mean over its valid units in all selected layers; then over samples.
             return (total / count.clamp(min=1)).mean()
-        return drops, torch.stack(probs).detach()
+        return drops, units, torch.stack(probs).detach()
 
     def end_update(self) -> bool:
         """Count one finished update; True when the dropout step is complete (evaluate now)."""
@@ -127,8 +131,8 @@ class AttendOut:
 
         Returns ``{"keep_attacker": bool, "win_rate", "reward", "baseline", "drop_prob": {...}, "drop_rate"}``:
         ``drop_prob`` is the Generator's mean probability per layer, ``drop_rate`` the fraction of the
-        Attacker's real attention units the kernel dropped over the step (0 if its masks reached no
-        attention). The adapter then copies the survivor over the other network.
+        Attacker's units the Generator could mask (real query, real and allowed key) that the kernel
+        dropped over the step (0 if its masks reached no attention). The adapter then copies the survivor over the other network.
         """
         rewards = (defender_losses.float() - attacker_losses.float()).detach()
         updates = sorted({c.update for c in self.cache})
