@@ -268,6 +268,11 @@ def test_drop_probability_logged(tmp_path):
             assert abs(p - 0.3) < 0.05  # the generator starts near init_drop
         assert 0 <= entry["attendout_win_rate"] <= 1 and entry["attendout_kept_attacker"] in (0.0, 1.0)
         assert record["keep_attacker"] == bool(entry["attendout_kept_attacker"])
+        # The batches are padded; the rate counts the units the Generator can mask, so it reads the
+        # Generator's probability, not a fraction of it (issue 31: 0.095 logged for 0.20).
+        mean_p = sum(record["drop_prob"].values()) / len(record["drop_prob"])
+        assert abs(entry["attendout_drop_rate"] - mean_p) < 0.03, (entry["attendout_drop_rate"], mean_p)
+    assert len({len(row["input_ids"]) for row in token_data(48, seed=1)[:8]}) > 1  # so each batch is padded
     training = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["step"] for h in training] == list(range(1, 7))  # the dropout-step logs do not eat training logs
     assert all(math.isfinite(h["attendout_attacker_loss"]) for h in training)
