@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 # Encoder and decoder probe lengths: different, so a call's key length tells where its keys come from.
 _ENCODER_LEN, _DECODER_LEN = 7, 4
+# Padding tokens in front of the left-padded probe row (decoder-only models, own attention not sdpa).
+_LEFT_PADDING = 3
 
 _recorded: Optional[List[Tuple[torch.nn.Module, bool, int, int]]] = None  # set during the probe
 
@@ -80,6 +82,23 @@ def _probe_inputs(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
         start = tokens[0] if start is None else start
         inputs["decoder_input_ids"] = torch.tensor([[start] + tokens[1:_DECODER_LEN]], device=device)
     return inputs
+
+
+def _left_padded(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
+    """The probe input plus a left-padded copy of its row (None: the input has no padding mask).
+
+    In causal attention a left-padding query sees only padding keys: a query row with no valid
+    key. Its output is the logits at the last padding position, which predict the first real token.
+    """
+    ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
+    if ids is None or mask is None or ids.shape[0] != 1 or ids.shape[1] <= _LEFT_PADDING:
+        return None
+    pad, vocab = getattr(model.config, "pad_token_id", None), int(getattr(model.config, "vocab_size", 0) or 0)
+    if not (isinstance(pad, int) and 0 <= pad < vocab):  # no pad token (GPT-2): any token, it is masked
+        pad = int(ids[0, 0])
+    row = torch.cat([ids.new_full((1, _LEFT_PADDING), pad), ids[:, : ids.shape[1] - _LEFT_PADDING]], dim=1)
+    row_mask = torch.cat([mask.new_zeros(1, _LEFT_PADDING), mask[:, : mask.shape[1] - _LEFT_PADDING]], dim=1)
+    return {**inputs, "input_ids": torch.cat([ids, row]), "attention_mask": torch.cat([mask, row_mask])}
 
 
 @contextlib.contextmanager
@@ -232,11 +251,26 @@ def _run_recorded(
     return outputs, per_call
 
 
-def _first_difference(reference, candidate, paths) -> Optional[Tuple[str, float, float]]:
-    """(where, |difference|, tolerance) of the first attention call, else output, that differs."""
+def _keyless_part(t: torch.Tensor, length: int) -> torch.Tensor:
+    """The left-padded probe row's padding positions of a (batch, position, ...) tensor (:func:`_left_padded`)."""
+    return t[1, :_LEFT_PADDING] if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == length else t[:0]
+
+
+def _first_difference(reference, candidate, paths, keyless_of: int = 0) -> Optional[Tuple[str, float, float]]:
+    """(where, |difference|, tolerance) of the first attention call, else output, that differs.
+
+    ``keyless_of``: compare only the padding positions of the left-padded row of a probe that long,
+    at float32's tolerance whatever the dtype. Those positions see no other, so two implementations
+    that both give their keyless rows 0 agree there up to float32 rounding even in half precision,
+    while giving them anything else shows however small the model's values are.
+    """
 
     def difference(a, b) -> Tuple[float, float]:  # (max |a - b|, tolerance), relative to max(1, |a|)
-        tol = _tolerance(a.dtype) * max(1.0, float(a.float().abs().max()))
+        if keyless_of:
+            a, b = _keyless_part(a, keyless_of), _keyless_part(b, keyless_of)
+            if a.numel() == 0:
+                return 0.0, 0.0
+        tol = _tolerance(torch.float32 if keyless_of else a.dtype) * max(1.0, float(a.float().abs().max()))
         return (float((a.float() - b.float()).abs().max()) if a.shape == b.shape else float("inf")), tol
 
     (ref_out, ref_calls), (out, calls) = reference, candidate
@@ -253,40 +287,60 @@ def _first_difference(reference, candidate, paths) -> Optional[Tuple[str, float,
 
 
 def _check_equivalent(
-    model, controller, probed, inputs, attention_modules, paths, configs, before, implementation
+    model, controller, probed, inputs, attention_modules, paths, configs, before, implementation, causal_lm=False
 ) -> None:
     """Refuse a model whose outputs change when its attention runs through the plugin: the idle
     path (transformers' sdpa) against the model's own implementation, and the kernel path with a
-    hook that edits nothing against the idle path. Both on the probe input."""
+    hook that edits nothing against the idle path. Both on the probe input; a decoder-only
+    (``causal_lm``) model whose own implementation is not sdpa is also compared on a batch with a
+    left-padded row, whose padding queries have no valid key (:func:`_left_padded`)."""
     from ..core.attention import EditScores
 
     name = f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')})"
 
-    def refuse_if_different(reference, candidate, what: str, why: str) -> None:
-        found = _first_difference(reference, candidate, paths)
+    def refuse_if_different(reference, candidate, what: str, why: str, probe: str = "probe input", **how) -> None:
+        found = _first_difference(reference, candidate, paths, **how)
         if found is not None:
             where, diff, tol = found
             raise ValueError(
-                f"{name}: {what} (max |difference| {diff:.3g} > {tol:.3g} at {where}, probe input, eval mode): {why}"
+                f"{name}: {what} (max |difference| {diff:.3g} > {tol:.3g} at {where}, {probe}, eval mode): {why}"
             )
+
+    def run_own(module, given):
+        for key, config in configs.items():
+            config._attn_implementation = before[key]
+        try:
+            return _run_recorded(module, given, attention_modules)
+        finally:
+            for config in configs.values():
+                config._attn_implementation = implementation
 
     with _eval_mode(model):
         idle = _run_recorded(probed, inputs, attention_modules)
         own = set(before.values()) - {implementation}  # empty: installed before (the Attacker is a copy)
         if own:
-            for key, config in configs.items():
-                config._attn_implementation = before[key]
-            try:
-                stock = _run_recorded(probed, inputs, attention_modules)
-            finally:
-                for config in configs.values():
-                    config._attn_implementation = implementation
             refuse_if_different(
-                stock,
+                run_own(probed, inputs),
                 idle,
                 "routing attention through attn_reg_plugin changes this model's forward",
                 f"its attention implementation {sorted(own)} computes something transformers' sdpa does "
                 "not. Refused, to leave no forward silently changed; the README lists the supported families",
+            )
+        padded = _left_padded(model, inputs) if causal_lm and own - {"sdpa"} else None
+        if padded is not None:
+            module, stock = _run_padded(model, probed, padded, run_own)
+            refuse_if_different(
+                stock,
+                _run_recorded(module, _accepted(module, padded), attention_modules),
+                "routing attention through attn_reg_plugin changes this model's forward on left-padded input",
+                f"its attention implementation {sorted(own - {'sdpa'})} does not give 0 for a query row with no "
+                "valid key (a left-padding position: its logits predict the first real token; eager spreads the "
+                "row uniformly over all keys, masked and future ones included), while the plugin, like "
+                "transformers' sdpa, gives it 0. Refused, to leave no loss or gradient silently changed; for "
+                'exact equivalence switch the model to sdpa first: from_pretrained(..., attn_implementation="sdpa") '
+                'or model.set_attn_implementation("sdpa")',
+                probe="the left-padded row's padding positions",
+                keyless_of=padded["input_ids"].shape[1],
             )
         try:
             with controller.hooks({site: EditScores() for site in controller.sites}):
@@ -299,6 +353,22 @@ def _check_equivalent(
             "attn_reg_plugin's regularized kernel does not reproduce this model's attention with nothing dropped",
             "refused: every regularized step would change more than the regularizer",
         )
+
+
+def _run_padded(model, probed, padded, run_own):
+    """(the module run, its outputs) for the left-padded probe under the model's own attention: the
+    probed module, else its backbone (a classification head without a pad token rejects a batch of two)."""
+    failures = []
+    candidates = [probed] + [m for m in _probe_candidates(model) if m is not probed and m is not model]
+    for module in candidates:
+        try:
+            return module, run_own(module, _accepted(module, padded))
+        except Exception as err:
+            failures.append(f"{type(module).__name__}: {type(err).__name__}: {err}")
+    raise ValueError(
+        f"{type(model).__name__}: the left-padded probe forward that checks rows with no valid key failed "
+        f"({'; '.join(failures)})"
+    )
 
 
 def route_attention_calls(
@@ -377,7 +447,10 @@ def _install(model, controller, configs, before, implementation) -> List[Tuple[s
             module.attn_reg_calls = 0
         reset = probed.register_forward_pre_hook(_reset_call_counts(shared))
     try:
-        _check_equivalent(model, own, probed, inputs, attention_modules, paths, configs, before, implementation)
+        causal_lm = not getattr(model.config, "is_encoder_decoder", False) and any(c for _, c, _, _ in calls)
+        _check_equivalent(
+            model, own, probed, inputs, attention_modules, paths, configs, before, implementation, causal_lm
+        )
     except ValueError:
         if reset is not None:  # a refused model is left as it was
             reset.remove()

@@ -134,7 +134,8 @@ def test_gradient_attribution_equals_autograd_on_eager_maps(family):
     assert sorted((s.kind, s.layer) for s in sites) == sorted(expected)
     for site, got in zip(sites, attributions):
         want = expected[(site.kind, site.layer)]
-        torch.testing.assert_close(got.expand_as(want), want, rtol=1e-4, atol=1e-6)
+        # atol: float32 sums that cancel to ~1e-3 differ by ~1e-6 between one and two torch threads (mT5)
+        torch.testing.assert_close(got.expand_as(want), want, rtol=1e-4, atol=5e-6)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)

@@ -184,10 +184,13 @@ def test_a_model_whose_forward_the_plugin_would_change_is_refused_and_left_as_it
     assert torch.equal(model(ids).logits, before)
 
 
-def test_eager_attention_is_accepted_as_equivalent():
-    """The model's own eager implementation and sdpa differ only by rounding: accepted."""
+def test_eager_causal_lm_is_refused_for_its_keyless_rows_and_accepted_as_sdpa():
+    """Eager spreads a left-padded row with no valid key over the masked keys, the kernel gives it 0:
+    an eager causal LM is refused (tests/hf/test_keyless_rows.py has the detail); as sdpa it installs."""
+    with pytest.raises(ValueError, match="no valid key"):
+        install_attention_sites(_tiny_llama("eager"), RegularizationController())
     controller = RegularizationController()
-    install_attention_sites(_tiny_llama("eager"), controller)
+    install_attention_sites(_tiny_llama("sdpa"), controller)
     assert [s.kind for s in controller.sites] == ["decoder-self", "decoder-self"]
 
 
