@@ -26,6 +26,7 @@ import torch
 
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.masks import candidate_region
+from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 
 from .attribution_models import fairseq_translation, hf_classifier
 from .paths import MOVIE_REVIEWS, checkout_data, require_minilm
@@ -198,6 +199,18 @@ def parse_args(argv=None):
         ap.error("--device cuda: torch sees no CUDA device")
     if args.hf_model == "minilm":
         args.hf_model = require_minilm("--hf-model minilm")
+    try:  # the JSON is written last: it must not replace the checkpoint, a data-bin file or the reviews
+        check_outputs_spare_inputs(
+            [("--out", args.out)],
+            [
+                ("--fairseq-checkpoint", args.fairseq_checkpoint),
+                ("--data-bin", args.data_bin),
+                ("--hf-model", args.hf_model),
+                ("--reviews", args.reviews if args.hf_model is not None else None),
+            ],
+        )
+    except OutputOverwritesInputError as e:
+        ap.error(str(e))
     return args
 
 

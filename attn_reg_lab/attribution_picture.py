@@ -31,6 +31,7 @@ import torch
 
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.masks import candidate_region, sample_drops
+from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 
 from .attribution_models import fairseq_translation, hf_classifier
 from .paths import require_minilm
@@ -245,6 +246,18 @@ def parse_args(argv=None):
     if args.data_bin is not None and args.spm_model is None:
         default = args.data_bin.parent / "spm" / "spm.model"
         args.spm_model = default if default.exists() else None
+    try:  # OUT.png and OUT.json must not replace the model, its dictionaries or its sentencepiece model
+        check_outputs_spare_inputs(
+            [("--out", args.out.with_suffix(".png")), ("--out", args.out.with_suffix(".json"))],
+            [
+                ("--fairseq-checkpoint", args.fairseq_checkpoint),
+                ("--data-bin", args.data_bin),
+                ("--spm-model", args.spm_model),
+                ("--hf-model", args.hf_model),
+            ],
+        )
+    except OutputOverwritesInputError as e:
+        ap.error(str(e))
     return ap, args
 
 

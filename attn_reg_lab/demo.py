@@ -23,6 +23,7 @@ from pathlib import Path
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.options import add_arguments
+from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 
 from . import mt_pipeline as mt
 from .paths import MT_CORPUS as DEFAULT_DATA
@@ -200,6 +201,13 @@ def main(argv=None) -> int:
     started = time.time()
     out = args.out.resolve()
     checkout_data(args.data, "--data")  # before anything is removed or written
+    try:  # --out is cleared and refilled: the corpus must not lie in it
+        check_outputs_spare_inputs(
+            [("--out", out)],
+            [("--data", args.data / f"{split}.{lang}") for split in mt.SPLITS for lang in ("en", "ro")],
+        )
+    except OutputOverwritesInputError as e:
+        ap.error(str(e))
     if out.exists():
         shutil.rmtree(out)  # a rerun starts clean: fairseq would otherwise resume old checkpoints
     out.mkdir(parents=True)

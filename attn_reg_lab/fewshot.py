@@ -309,6 +309,18 @@ def parse_args(argv=None):
             METHODS[name].settings(opts)
         except ValueError as e:  # option ranges, e.g. ADDropConfig.validate via the trainer below
             ap.error(str(e))
+    from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
+
+    try:  # what main writes into --out-dir never replaces a data file it reads
+        check_outputs_spare_inputs(
+            [
+                ("--out-dir", opts.out_dir / name)
+                for name in ("settings.json", "runs.jsonl", "results.json", "results.md")
+            ],
+            [(f"--{name}", getattr(opts, name)) for name in ("train", "dev", "test")],
+        )
+    except OutputOverwritesInputError as e:
+        ap.error(str(e))
     return ap, opts
 
 

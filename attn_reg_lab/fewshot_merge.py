@@ -95,6 +95,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="also write the markdown here")
     opts = ap.parse_args(argv)
     seeds = [int(s) for s in opts.seeds.split(",")] if opts.seeds else None
+    from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
+
+    try:  # before anything is read: --out results.json would replace the runs it merges
+        check_outputs_spare_inputs(
+            [("--out", opts.out)],
+            [("--baseline", opts.baseline), *(("--variant", path) for _label, path in opts.variant)],
+        )
+    except OutputOverwritesInputError as e:
+        ap.error(str(e))
 
     def load(path: Path) -> dict:
         try:

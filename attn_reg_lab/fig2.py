@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 
 from .arguments import comma_list
 from .curves import band, draw_band, seeds_label, zoom_start
@@ -334,11 +335,23 @@ def parse_args(argv=None):
         ap.error(f"--warmup-updates must be >= 1, got {opts.warmup_updates}")
     if not 0.0 <= opts.dropout < 1.0:
         ap.error(f"--dropout must be in [0, 1), got {opts.dropout}")
+    outputs = [("--out-dir", opts.out_dir / name) for name in ("runs.jsonl", "results.json", "results.md", "fig2.png")]
     if opts.backend == "fairseq":
         opts.mt_data = checkout_data(opts.mt_data, "--mt-data")
+        outputs.append(("--out-dir", opts.out_dir / "data"))  # the subset, its sentencepiece model and data-bin
+        inputs = [
+            ("--mt-data", opts.mt_data / f"{split}.{lang}")
+            for split in ("train", "valid", "test")
+            for lang in ("en", "ro")
+        ]
     else:
         opts.train = checkout_data(opts.train, "--train")
         opts.dev = checkout_data(opts.dev, "--dev")
+        inputs = [("--train", opts.train), ("--dev", opts.dev)]
+    try:
+        check_outputs_spare_inputs(outputs, inputs)
+    except OutputOverwritesInputError as err:
+        ap.error(str(err))
     return opts
 
 

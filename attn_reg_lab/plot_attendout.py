@@ -67,7 +67,14 @@ def main(argv=None) -> int:
     ap.add_argument("log", type=Path, help="JSONL written by --attendout-log-file")
     ap.add_argument("--out", type=Path, default=None, help="PNG to write (default: next to the log)")
     args = ap.parse_args(argv)
-    out = plot(args.log, args.out or args.log.with_suffix(".png"))
+    out = args.out or args.log.with_suffix(".png")
+    from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
+
+    try:  # e.g. --out drop.jsonl, or a log named drop.png whose default PNG is itself
+        check_outputs_spare_inputs([("--out", out)], [("LOG", args.log)])
+    except OutputOverwritesInputError as e:
+        ap.error(str(e))
+    out = plot(args.log, out)
     print(f"wrote {out}")
     return 0
 

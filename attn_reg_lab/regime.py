@@ -46,6 +46,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
+from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
+
 from . import mt_pipeline as mt
 from .arguments import comma_list
 from .curves import band, draw_band, seeds_label, zoom_start
@@ -103,6 +105,14 @@ def parse_args(argv=None):
     if opts.fp16 and opts.device != "cuda":
         ap.error("--fp16 needs --device cuda (fairseq cannot recover from an fp16 overflow on a CPU)")
     opts.data = checkout_data(opts.data, "--data")
+    written = ("data", "checkpoints", "runs.jsonl", "results.json", "results.md", "curves.png")
+    try:  # data/ (the subset and its data-bin) and checkpoints/ are refilled, the rest rewritten
+        check_outputs_spare_inputs(
+            [("--out-dir", opts.out_dir / name) for name in written],
+            [("--data", opts.data / f"{split}.{lang}") for split in mt.SPLITS for lang in ("en", "ro")],
+        )
+    except OutputOverwritesInputError as err:
+        ap.error(str(err))
     return opts
 
 

@@ -6,7 +6,11 @@
 Prefixes are as ``fairseq-preprocess`` takes them: ``--train raw/train`` means ``raw/train.en``
 and ``raw/train.tr``. Every file is checked before anything is written (it exists, is non-empty,
 is UTF-8, has no empty line or stray carriage return, and both sides have the same number of
-lines); an error names the file and the line. Then one sentencepiece model is trained on both
+lines); an error names the file and the line. A line is empty when sentencepiece's normalisation
+(nmt_nfkc, what the model is trained with) leaves nothing of it: a line holding only U+200B, a
+BOM or control characters would otherwise become an empty sentence. No output may be an input
+(``--out W`` with ``--train W/spm/train``, through a symlink or a hard link too): that is
+refused before anything is written. Then one sentencepiece model is trained on both
 sides of the training text, every split is encoded with it, and ``fairseq-preprocess`` binarizes
 them with one joined dictionary (what ``--share-all-embeddings`` needs). Written under ``--out``:
 ``spm/spm.model`` (what ``--remove-bpe sentencepiece`` undoes), ``spm/{split}.{lang}``,
@@ -16,6 +20,7 @@ them with one joined dictionary (what ``--share-all-embeddings`` needs). Written
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shlex
@@ -23,8 +28,11 @@ import shutil
 import subprocess
 import sys
 import time
+import unicodedata
 from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional, Sequence
+
+from .paths import OutputOverwritesInputError, check_outputs_spare_inputs
 
 
 class PrepareError(ValueError):
@@ -35,11 +43,47 @@ class CorpusError(PrepareError):
     """Malformed parallel text; the message names the file and, where there is one, the line."""
 
 
+# What sentencepiece's default nmt_nfkc rule removes after NFKC (U+2581 and U+FFFD included: they
+# become spaces), for a sentencepiece without SentencePieceNormalizer (before 0.2.0); the tests
+# check it against the real normaliser over every code point.
+_NMT_NFKC_REMOVED = frozenset(
+    [*range(0x01, 0x21), 0x7F, 0x8F, 0x9F, 0x061C, 0x1680, 0x200B, 0x200C, 0x200E, 0x200F]
+    + [0x2028, 0x2029, 0x2581, 0xFEFF, 0xFFFD]
+)
+
+
+@functools.cache
+def _normaliser():
+    """sentencepiece's normaliser with the trainer's defaults (nmt_nfkc, extra whitespace removed),
+    or None where sentencepiece is missing or too old to have one."""
+    try:
+        import sentencepiece
+    except ImportError:
+        return None
+    normaliser = getattr(sentencepiece, "SentencePieceNormalizer", None)
+    return None if normaliser is None else normaliser(rule_name="nmt_nfkc")
+
+
+def _nmt_nfkc_leaves_text(text: str) -> bool:
+    """The fallback of :func:`_has_pieces`: NFKC, then the characters nmt_nfkc removes."""
+    return any(ord(c) not in _NMT_NFKC_REMOVED for c in unicodedata.normalize("NFKC", text))
+
+
+def _has_pieces(text: str) -> bool:
+    """Whether sentencepiece's normalisation (the model does not exist yet, but its rule does)
+    leaves any text of the line, i.e. whether it becomes at least one piece."""
+    normaliser = _normaliser()
+    if normaliser is None:
+        return _nmt_nfkc_leaves_text(text)
+    return normaliser.normalize(text) != ""
+
+
 def check_text_file(path: Path) -> int:
     """Number of lines of ``path`` after checking every one; raises :class:`CorpusError`.
 
     Read as bytes split at ``\\n`` only, so the count is the one every later tool sees:
-    a line must be UTF-8, must hold some non-whitespace text, and must not contain a lone
+    a line must be UTF-8, must keep some text after sentencepiece's normalisation (see
+    :func:`_has_pieces`: not only whitespace, U+200B, a BOM or control characters), and must not contain a lone
     ``\\r``: Python's text mode (which encodes the corpus below) and fairseq-preprocess end a
     line there while ``wc -l`` does not, so one side would silently shift. CRLF endings are fine.
     """
@@ -62,9 +106,12 @@ def check_text_file(path: Path) -> int:
                 raise CorpusError(
                     f"{path}:{count}: carriage return inside the line (tools disagree on where such a line ends)"
                 )
-            if not text.strip():
+            if not text.strip() or not _has_pieces(text):
+                held = sorted({f"U+{ord(c):04X}" for c in text if not c.isspace()})
+                what = f" (it holds only {', '.join(held[:8])}{', ...' if len(held) > 8 else ''})" if held else ""
                 raise CorpusError(
-                    f"{path}:{count}: empty line (every line must be a sentence; remove the pair from both sides)"
+                    f"{path}:{count}: empty line after normalisation{what}: sentencepiece's nmt_nfkc leaves nothing "
+                    "of it (every line must be a sentence; remove the pair from both sides)"
                 )
     if count == 0:
         raise CorpusError(f"{path}: the file is empty")
@@ -129,6 +176,21 @@ def fairseq_command(name: str) -> str:
     return found
 
 
+def check_outputs_spare_prefixes(src: str, tgt: str, prefixes: Mapping[str, Path], out: Path) -> None:
+    """:class:`PrepareError` if anything :func:`prepare` writes under ``out`` (``spm/spm.model``,
+    ``spm/spm.vocab``, ``spm/{split}.{lang}``, ``data-bin/``, ``logs/preprocess.log``) is, holds or
+    links to one of the ``{prefix}.{lang}`` files it reads (e.g. re-preparing ``W/spm/train`` into ``W``)."""
+    spm_dir = out / "spm"
+    outputs = [("--out", spm_dir / "spm.model"), ("--out", spm_dir / "spm.vocab")]
+    outputs += [("--out", spm_dir / f"{split}.{lang}") for split in prefixes for lang in (src, tgt)]
+    outputs += [("--out", out / "data-bin"), ("--out", out / "logs" / "preprocess.log")]
+    inputs = [(f"--{split}", Path(f"{prefix}.{lang}")) for split, prefix in prefixes.items() for lang in (src, tgt)]
+    try:
+        check_outputs_spare_inputs(outputs, inputs)
+    except OutputOverwritesInputError as e:
+        raise PrepareError(str(e)) from None
+
+
 def prepare(
     src: str,
     tgt: str,
@@ -140,7 +202,8 @@ def prepare(
     character_coverage: float = 1.0,
 ) -> Path:
     """Check the corpus, train a joint sentencepiece model on train, encode every split, binarize;
-    return the data-bin folder. ``prefixes`` maps split names (train, valid, test) to prefixes."""
+    return the data-bin folder. ``prefixes`` maps split names (train, valid, test) to prefixes.
+    Nothing is written when an output would overwrite an input (:func:`check_outputs_spare_prefixes`)."""
     import sentencepiece as spm
 
     for name, path in [("--out", out), *((f"--{split}", prefix) for split, prefix in prefixes.items())]:
@@ -149,6 +212,7 @@ def prepare(
             raise PrepareError(
                 f"{name} {path}: a path with a comma cannot be passed to sentencepiece / fairseq-preprocess"
             )
+    check_outputs_spare_prefixes(src, tgt, prefixes, out)
     preprocess = fairseq_command("fairseq-preprocess")  # before any work: a missing fairseq fails now
     counts = check_parallel(prefixes, src, tgt)
     log(f"data: {', '.join(f'{split} {n} pairs ({prefixes[split]}.{{{src},{tgt}}})' for split, n in counts.items())}")

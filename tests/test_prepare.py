@@ -1,12 +1,16 @@
 """attn-reg-prepare: malformed parallel text is refused with its file and line before anything is
 written; good text of any language pair becomes a data-bin that fairseq-train reads."""
 
+import os
 import re
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from attn_reg_plugin import prepare as prep
+from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 from helpers import CORPUS, VENV_BIN
 
 SPLITS = ("train", "valid", "test")
@@ -244,3 +248,170 @@ def test_prepare_command_refuses_a_comma_in_a_path(tmp_path, capsys):
     )
     assert code == 2 and "--out" in output and "comma" in output, output
     assert not (tmp_path / "a,b").exists()
+
+
+# -- lines that sentencepiece normalises to nothing ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content, held",
+    [
+        ("first\n\u200b\nthird\n", "U+200B"),  # a zero-width space alone
+        ("first\n\ufeff\nthird\n", "U+FEFF"),  # a BOM on a line of its own
+        ("first\n\x01\x02\nthird\n", "U+0001, U+0002"),  # C0 controls
+        ("first\n \u00a0\u3000\u200b\nthird\n", "U+200B"),  # no-break and ideographic spaces are spaces
+    ],
+)
+def test_a_line_that_normalises_to_nothing_is_an_empty_line(tmp_path, content, held):
+    """str.strip() keeps these characters, sentencepiece's nmt_nfkc removes them: an empty sentence."""
+    _corpus(tmp_path, valid_ro=content.encode())
+    with pytest.raises(
+        prep.CorpusError, match=rf"valid\.ro:2: empty line after normalisation \(it holds only {re.escape(held)}\)"
+    ):
+        prep.check_parallel({s: tmp_path / s for s in SPLITS}, "en", "ro")
+
+
+def test_a_bom_at_the_start_of_the_file_before_text_is_accepted(tmp_path):
+    _corpus(tmp_path, train_en="\ufeffHello\nsecond\u200b one\nthird\n".encode())
+    assert prep.check_parallel({s: tmp_path / s for s in SPLITS}, "en", "ro")["train"] == 3
+
+
+def test_the_emptiness_rule_is_sentencepieces_normaliser(prepared):
+    """Lines check_text_file calls empty are exactly those a trained model encodes to no piece."""
+    import sentencepiece as spm
+
+    model = spm.SentencePieceProcessor(model_file=str(prepared / "spm" / "spm.model"))
+    for text in ["\u200b", "\ufeff", "\x01\x02", "\x7f", "\u2028", "\u2581", " \t", "\ufeffHello", "a", "\u00ad"]:
+        assert prep._has_pieces(text) == bool(model.encode(text)), repr(text)
+        assert prep._nmt_nfkc_leaves_text(text) == bool(model.encode(text)), repr(text)
+
+
+def test_the_fallback_rule_matches_sentencepieces_normaliser_on_every_code_point():
+    """Without SentencePieceNormalizer (sentencepiece < 0.2.0) the rule is written out; same answers."""
+    real = prep._normaliser()
+    if real is None:
+        pytest.skip("this sentencepiece has no SentencePieceNormalizer")
+    differ = [
+        f"U+{cp:04X}"
+        for cp in range(1, 0x110000)
+        if not 0xD800 <= cp < 0xE000 and prep._nmt_nfkc_leaves_text(chr(cp)) != (real.normalize(chr(cp)) != "")
+    ]
+    assert differ == []
+
+
+# -- an output that is an input ---------------------------------------------------------------------
+
+
+def test_same_path_is_refused_naming_options_and_paths(tmp_path):
+    (tmp_path / "a.en").write_text("x\n")
+    with pytest.raises(OutputOverwritesInputError) as e:
+        check_outputs_spare_inputs([("--out", tmp_path / "a.en")], [("--train", tmp_path / "a.en")])
+    assert f"--out {tmp_path / 'a.en'} would overwrite --train {tmp_path / 'a.en'}" in str(e.value)
+
+
+def test_a_path_through_a_symlink_is_the_same_path(tmp_path):
+    (tmp_path / "W" / "spm").mkdir(parents=True)
+    (tmp_path / "W" / "spm" / "train.en").write_text("x\n")
+    (tmp_path / "W2").mkdir()
+    (tmp_path / "W2" / "spm").symlink_to(tmp_path / "W" / "spm")
+    with pytest.raises(
+        OutputOverwritesInputError,
+        match=r"--out \S*W2/spm/train\.en would overwrite --train \S*W/spm/train\.en \(both are ",
+    ):
+        check_outputs_spare_inputs(
+            {"--out": tmp_path / "W2" / "spm" / "train.en"}, {"--train": tmp_path / "W" / "spm" / "train.en"}
+        )
+    # a file that does not exist yet, reached through a symlinked folder, too
+    with pytest.raises(OutputOverwritesInputError):
+        check_outputs_spare_inputs(
+            {"--out": tmp_path / "W2" / "spm" / "new"}, {"--train": tmp_path / "W" / "spm" / "new"}
+        )
+
+
+def test_a_relative_path_is_the_same_as_its_absolute_one(tmp_path, monkeypatch):
+    (tmp_path / "train.en").write_text("x\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OutputOverwritesInputError, match="--out ./train.en would overwrite --train "):
+        check_outputs_spare_inputs([("--out", "./train.en")], [("--train", tmp_path / "train.en")])
+
+
+def test_a_hard_link_is_the_same_file(tmp_path):
+    (tmp_path / "train.en").write_text("x\n")
+    os.link(tmp_path / "train.en", tmp_path / "copy.en")
+    with pytest.raises(
+        OutputOverwritesInputError, match=r"copy\.en is the same file as --train \S*train\.en \(a hard link\)"
+    ):
+        check_outputs_spare_inputs([("--out", tmp_path / "copy.en")], [("--train", tmp_path / "train.en")])
+    # also when the link lies in a folder the command writes as a whole
+    (tmp_path / "bin").mkdir()
+    os.link(tmp_path / "train.en", tmp_path / "bin" / "x")
+    with pytest.raises(OutputOverwritesInputError, match=r"--out \S*bin \(its \S*bin/x\) is the same file"):
+        check_outputs_spare_inputs([("--out", tmp_path / "bin")], [("--train", tmp_path / "train.en")])
+
+
+def test_folders_stand_for_what_is_under_them(tmp_path):
+    with pytest.raises(
+        OutputOverwritesInputError,
+        match=r"--out \S*out is a folder this command writes, and --data \S*out/raw/train\.en lies inside it",
+    ):
+        check_outputs_spare_inputs([("--out", tmp_path / "out")], [("--data", tmp_path / "out" / "raw" / "train.en")])
+    with pytest.raises(OutputOverwritesInputError, match=r"--out \S*model/x\.json lies inside --model \S*model, which"):
+        check_outputs_spare_inputs([("--out", tmp_path / "model" / "x.json")], [("--model", tmp_path / "model")])
+
+
+def test_distinct_paths_pass(tmp_path):
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "train.en").write_text("x\n")
+    (tmp_path / "raw" / "train.ro").write_text("x\n")
+    check_outputs_spare_inputs(
+        [("--out", tmp_path / "raw" / "train.ro.out"), ("--out", tmp_path / "rawer"), ("--log", None)],
+        [("--train", tmp_path / "raw" / "train.en"), ("--valid", tmp_path / "raw" / "train.ro"), ("--test", None)],
+    )
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A real prepared folder W: spm/{train,valid}.{en,ro} are encoded text a user may feed back in."""
+    root = tmp_path_factory.mktemp("prepared")
+    raw = root / "raw"
+    train = _pair(raw, "train", *_cut("train", 300), tgt="ro")
+    valid = _pair(raw, "valid", *_cut("valid", 20), tgt="ro")
+    prep.prepare("en", "ro", {"train": train, "valid": valid}, root / "W", vocab_size=300, log=lambda s: None)
+    return root / "W"
+
+
+def _snapshot(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("how", ["same-out-without-data-bin", "out-whose-spm-is-a-symlink", "relative-paths"])
+def test_re_preparing_encoded_text_into_its_own_folder_is_refused_before_writing(
+    prepared, tmp_path, how, capsys, monkeypatch
+):
+    """Issue 31: --train W/spm/train --out W trained on W/spm/train.en, then truncated it (exit 0)."""
+    work = tmp_path / "W"
+    shutil.copytree(prepared, work)
+    shutil.rmtree(work / "data-bin")  # the guard against an existing data-bin is not what refuses it
+    out = work
+    if how == "out-whose-spm-is-a-symlink":
+        out = tmp_path / "W2"
+        out.mkdir()
+        (out / "spm").symlink_to(work / "spm")
+    before = _snapshot(work)
+    train, valid = work / "spm" / "train", work / "spm" / "valid"
+    if how == "relative-paths":
+        monkeypatch.chdir(tmp_path)
+        train, valid, out = Path("W/spm/train"), Path("W/spm/valid"), Path(str(work))
+    code, output = _prepare_main(
+        ["--src", "en", "--tgt", "ro", "--train", train, "--valid", valid, "--vocab-size", "300", "--out", out], capsys
+    )
+    assert code == 2, output
+    assert output.startswith("attn-reg-prepare: --out "), output
+    assert re.search(
+        rf"--out {re.escape(str(out / 'spm'))}/\w+\.\w+ would overwrite --(train|valid) {re.escape(str(train.parent))}/",
+        output,
+    ), output
+    assert _snapshot(work) == before  # every input byte for byte, and nothing new
+    assert not (out / "data-bin").exists()
+    if how == "out-whose-spm-is-a-symlink":
+        assert os.listdir(out) == ["spm"]

@@ -12,8 +12,10 @@ from typing import List
 
 import torch
 
+from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
+
 from ..provenance import environment
-from .fairseq_bench import FairseqBench
+from .fairseq_bench import FairseqBench, corpus_dir
 from .hf_bench import HFBench
 from .measure import DTYPES, add_targets, derived_rows, make_rows, run_workload
 from .profile import profile_variants
@@ -141,6 +143,14 @@ def parse_args(argv=None):
         parser.error(
             "--dtype fp16 needs --device cuda (fp16 training on CPU is neither supported by fairseq nor meaningful)"
         )
+    if opts.out is not None:
+        try:  # the rows are written last: not over the cached corpus or the model they were measured on
+            check_outputs_spare_inputs(
+                [("--out", opts.out), ("--out", opts.out.with_suffix(".meta.json"))],
+                [("--work-dir", corpus_dir(opts.work_dir, opts.quick)), ("--hf-model", opts.hf_model)],
+            )
+        except OutputOverwritesInputError as e:
+            parser.error(str(e))
     return opts
 
 

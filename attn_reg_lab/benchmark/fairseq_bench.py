@@ -38,12 +38,16 @@ FAIRSEQ_QUICK = [
 ]
 
 
+def corpus_dir(work_dir: Path, quick: bool) -> Path:
+    """The folder under ``work_dir`` that caches the prepared corpus (raw cut, spm/, data-bin/)."""
+    return Path(work_dir) / ("gettext_en_ro_quick" if quick else "gettext_en_ro_sp2000")
+
+
 def prepare_corpus(work_dir: Path, quick: bool, log) -> Path:
     """Sentencepiece + fairseq-preprocess of the shipped corpus, cached under ``work_dir``."""
     from .. import mt_pipeline as mt
 
-    name = "gettext_en_ro_quick" if quick else "gettext_en_ro_sp2000"
-    root = work_dir / name
+    root = corpus_dir(work_dir, quick)
     data_bin = root / "data-bin"
     if (data_bin / "dict.en.txt").exists() and (data_bin / "train.en-ro.en.bin").exists():
         return data_bin
