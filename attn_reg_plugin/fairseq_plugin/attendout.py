@@ -19,6 +19,15 @@ kept and A steps once over both updates; when A's own gradients overflow, A skip
 the update still counts. Plain ``--fp16`` / ``--bf16`` (FP16Optimizer) step fp32 master copies
 of the weights: the re-sync copies the survivor's masters and their optimizer state too.
 
+Resuming (docs/CHECKPOINTS.md has a table of fairseq's ``--reset-*`` flags): the game's state
+travels in the checkpoint's task state. fairseq hands it to the task (``set_checkpoint_dict``)
+except with ``--reset-dataloader``; then, and whenever fairseq loaded a checkpoint without handing
+it, AttendOut reads it from the file fairseq loaded itself (:meth:`FairseqAttendOut.begin_training`),
+so a resume never silently starts a new game. ``--reset-optimizer`` resets A's optimizer as it
+resets D's. A's param-group settings (lr, betas, weight decay, ...) are D's after a resume, before
+every step of A, after every re-sync and when saved: "its own optimizer of the same type" has D's
+settings, whatever the resumed command changed.
+
 ``--amp``: A's forward runs under the same autocast as D's, and A's AMPOptimizer has its own
 GradScaler. fairseq's AMP still calls ``optimizer_step`` when D's gradients overflow (its scaler
 skips the step) and then trains the same batch again (``--amp-batch-retries``); so when D's
@@ -26,12 +35,15 @@ scale drops, A drops that update's gradients and cached masks too, and the updat
 towards T (A and D see the retried batch once each). A's own overflow skips A's step, as above.
 """
 
+import copy
 import inspect
 import logging
-from typing import Callable, Dict, Optional
+import os
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from fairseq import checkpoint_utils, metrics, optim, utils
+from fairseq.file_io import PathManager
 
 from ..core.ad_drop import bare_module
 from ..core.attendout.config import AttendOutConfig
@@ -42,7 +54,7 @@ from ..core.attendout.heldout import heldout_indices
 from ..core.attendout.log import DropProbabilityLog
 from ..core.attendout.sync import copy_model_state, copy_optimizer_state
 from ..core.controller import RegularizationController
-from ..core.distributed import all_reduce_sum_, is_distributed, rank
+from ..core.distributed import all_reduce_sum_, from_rank0, is_distributed, rank
 from .attention import install_attention_sites
 
 logger = logging.getLogger(__name__)
@@ -92,6 +104,9 @@ class FairseqAttendOut:
         self.game: Optional[AttendOut] = None
         self.pending_state = None
         self.sample_size = 0.0
+        self.defender_optimizer = None  # D's (fairseq's) optimizer, whose param-group settings A follows
+        self.defender_loaded = False  # set when fairseq loads D's weights from a checkpoint
+        self.training_began = False
 
     # -- set-up ---------------------------------------------------------------------------
     def validate_against(self, controller: RegularizationController) -> None:
@@ -142,10 +157,12 @@ class FairseqAttendOut:
         if self.pending_state is not None:
             self._load(self.pending_state)
             self.pending_state = None
+        self.follow_defender(optimizer)  # also a resumed A: D's settings, not the saved ones
 
     # -- per batch ------------------------------------------------------------------------
     def train_attacker(self, sample, defender, criterion, optimizer, update_num, ignore_grad) -> Dict[str, object]:
         """A's forward/backward on D's batch with the generator's masks; returns logging entries."""
+        self.defender_optimizer = optimizer
         self._ensure_attacker(defender, optimizer)
         self.attacker.train()
         self.attacker.set_num_updates(update_num)
@@ -200,7 +217,7 @@ class FairseqAttendOut:
             # as fairseq skips D's; the update still counts for the dropout step.
             self.attacker_overflows += 1
         else:
-            self.attacker_optimizer.set_lr(optimizer.get_lr())
+            self.follow_defender(optimizer)  # the lr D has just stepped with, and every other setting
             if _amp(self.attacker_optimizer):  # AMP's scaler skips an overflowing step itself
                 scale = self.attacker_optimizer.scaler.get_scale()
                 self.attacker_optimizer.step()
@@ -258,6 +275,7 @@ class FairseqAttendOut:
             lambda source, destination: _copy_network(*sides[source], *sides[destination]),
             generator=shared,
         )
+        self.follow_defender(optimizer)  # the copy moves per-parameter state only
         if rank() == 0:
             self.drop_log.write(update_num + 1, stats)
             probs = ", ".join(f"{k} {v:.4f}" for k, v in stats["drop_prob"].items())
@@ -268,10 +286,73 @@ class FairseqAttendOut:
                 f"dropped by the kernel: {stats['drop_rate']:.4f}"
             )
 
+    def follow_defender(self, optimizer) -> None:
+        """A's param-group settings become D's: every key but 'params' (lr, betas, weight decay, eps...)."""
+        if self.attacker_optimizer is None or optimizer is None:
+            return
+        follow_param_groups(optimizer.param_groups, self.attacker_optimizer.param_groups)
+
     # -- checkpoints ----------------------------------------------------------------------
+    def reset_optimizer(self) -> bool:
+        """fairseq-train's ``--reset-optimizer``: D's optimizer state is not restored, so neither is A's."""
+        checkpoint = self._checkpoint_config()
+        return bool(checkpoint is not None and checkpoint.get("reset_optimizer", False))
+
+    def _checkpoint_config(self):
+        root = self.whole_config
+        return root.checkpoint if root is not None and "checkpoint" in root else None
+
+    def begin_training(self, task_state_key: str) -> None:
+        """Called when training begins (the first ``begin_epoch``), after fairseq loaded its checkpoint.
+
+        fairseq hands the task its checkpoint state only without ``--reset-dataloader``; when it
+        loaded a checkpoint and handed none, read it from that file, so that the game goes on whatever
+        the flags. Logs one line saying what was restored, or that a new game starts."""
+        if self.training_began:
+            return
+        self.training_began = True
+        if self.pending_state is not None or self.attacker is not None:
+            source = "the checkpoint's task state"
+        else:
+            # Rank 0 finds and reads the file, as fairseq does, and every rank gets its state.
+            path, why = self._loaded_checkpoint() if rank() == 0 else (None, "")
+            state = from_rank0(_read_attendout_state(path, task_state_key) if path is not None else None)
+            if not state:
+                if rank() == 0:
+                    reason = why or (f"{path} holds no AttendOut state" if path else "no checkpoint was loaded")
+                    logger.info(f"AttendOut: new game ({reason})")
+                return
+            self.load_state_dict(state)
+            reset = self._checkpoint_config().get("reset_dataloader", False)
+            source = f"{path}, read by AttendOut (fairseq hands the task no checkpoint state"
+            source += " with --reset-dataloader)" if reset else ")"
+        if rank() == 0:
+            game = self.game.state_dict() if self.game is not None else self.pending_state["game"]
+            logger.info(_restored_message(game, self.config.dropout_step, source, self.reset_optimizer()))
+
+    def _loaded_checkpoint(self) -> Tuple[Optional[str], str]:
+        """The file fairseq's ``checkpoint_utils.load_checkpoint`` loaded D from (its own rules), or
+        None and why AttendOut starts a new game."""
+        checkpoint = self._checkpoint_config()
+        if checkpoint is None or not self.defender_loaded:
+            return None, ""
+        suffix = checkpoint.get("checkpoint_suffix", "") or ""
+        restore_file = checkpoint.get("restore_file", "checkpoint_last.pt")
+        if restore_file == "checkpoint_last.pt":
+            path = os.path.join(checkpoint.save_dir, f"checkpoint_last{suffix}.pt")
+            if not PathManager.exists(path):
+                if checkpoint.get("continue_once", None) is not None:
+                    path = checkpoint.continue_once
+                elif checkpoint.get("finetune_from_model", None) is not None:
+                    return None, "--finetune-from-model takes the model's weights only"
+        else:
+            path = restore_file.replace(".pt", suffix + ".pt")
+        return (path, "") if PathManager.isfile(path) else (None, "")
+
     def state_dict(self) -> Dict[str, object]:
         if self.attacker is None:
             return self.pending_state or {}
+        self.follow_defender(self.defender_optimizer)  # D's lr has moved on since A's last step
         return {
             "game": self.game.state_dict(),
             "attacker": self.attacker.state_dict(),
@@ -288,8 +369,45 @@ class FairseqAttendOut:
 
     def _load(self, state) -> None:
         self.attacker.load_state_dict(state["attacker"])
-        self.attacker_optimizer.load_state_dict(state["attacker_optimizer"])
+        if not self.reset_optimizer():  # fairseq did not restore D's optimizer either
+            self.attacker_optimizer.load_state_dict(state["attacker_optimizer"])
         self.game.load_state_dict(state["game"])
+
+
+def follow_param_groups(source_groups, destination_groups) -> None:
+    """Copy every param-group setting but 'params' (group by group, or the first group's to all
+    when the counts differ)."""
+    for i, destination in enumerate(destination_groups):
+        source = source_groups[i] if len(source_groups) == len(destination_groups) else source_groups[0]
+        for key, value in source.items():
+            if key != "params":
+                destination[key] = value
+
+
+def _restored_message(game, dropout_step: int, source: str, reset_optimizer: bool) -> str:
+    optimizer = "" if reset_optimizer else "its optimizer, "
+    message = (
+        f"AttendOut: restored the Attacker, {optimizer}the Generator and its Adam state, the baseline and the "
+        f"unfinished dropout step (update {game['update_in_step']} of {dropout_step} done, after "
+        f"{game['dropout_steps_done']} finished dropout steps) from {source}"
+    )
+    if reset_optimizer:
+        message += "; the Attacker's optimizer is reset (--reset-optimizer), as the Defender's is"
+    return message
+
+
+def _read_attendout_state(path: str, task_state_key: str):
+    """The AttendOut part of a checkpoint's task state, or None. Memory-mapped where the file allows,
+    so that the rest of the checkpoint is not read again; the tensors kept are copied out."""
+    local = PathManager.get_local_path(path)
+    try:
+        state = torch.load(local, map_location="cpu", mmap=True)
+    except RuntimeError:  # a legacy (not zip) file cannot be memory-mapped
+        with open(local, "rb") as f:
+            state = torch.load(f, map_location="cpu")
+    task_state = (state.get("extra_state") or {}).get(task_state_key) or {}
+    # deepcopy gives the tensors storage of their own (a later save may rewrite the mapped file).
+    return copy.deepcopy(task_state.get("attendout")) or None
 
 
 def _amp(optimizer) -> bool:

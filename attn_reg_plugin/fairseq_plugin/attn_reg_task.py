@@ -169,6 +169,8 @@ class AttnRegTaskMixin:
                 _whole_config(cfg),
             )
             self.attn_reg_attendout.validate_against(self.attn_reg_controller)
+            # Tells AttendOut that fairseq loaded the Defender from a checkpoint (begin_training).
+            model.register_load_state_dict_post_hook(_note_defender_loaded(self.attn_reg_attendout))
 
     def build_criterion(self, cfg, *args, **kwargs):
         criterion = super().build_criterion(cfg, *args, **kwargs)
@@ -191,6 +193,8 @@ class AttnRegTaskMixin:
         super().begin_epoch(epoch, model)
         self.attn_reg_epoch = epoch
         if self.attn_reg_attendout is not None:
+            # After fairseq's load_checkpoint: the game resumes from it, whatever the --reset-* flags.
+            self.attn_reg_attendout.begin_training(type(self).__name__)
             self.attn_reg_attendout.heldout_dataset(self)
 
     # -- training -------------------------------------------------------------------------
@@ -227,5 +231,14 @@ class AttnRegTaskMixin:
         return {type(self).__name__: {"attendout": state}} if state else {}
 
     def set_checkpoint_dict(self, state):
+        """fairseq calls it on load only without --reset-dataloader; AttendOut.begin_training covers the rest."""
         if self.attn_reg_attendout is not None and state.get("attendout"):
             self.attn_reg_attendout.load_state_dict(state["attendout"])
+
+
+def _note_defender_loaded(attendout: FairseqAttendOut):
+    def hook(module, incompatible_keys):
+        if not attendout.training_began:  # not the Attacker (a copy of D, hooks included) loading its state
+            attendout.defender_loaded = True
+
+    return hook
