@@ -8,17 +8,26 @@ adapter; pass 1's graph is released before pass 2 runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch.profiler import record_function
 
 from .attention import CaptureOutput, CaptureProbs, EditScores, zero_counts
-from .attribution import ATTRIBUTIONS, LABEL_SOURCES, GradientScale, gradient_attribution, probs_gradient
+from .attribution import (
+    ATTRIBUTIONS,
+    LABEL_SOURCES,
+    GradientScale,
+    dense_gradient_attribution,
+    output_gradients,
+    probs_gradient,
+)
+from .blockwise import GradientScores, RandomScores, TopRegionRule, blockwise_rows
 from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
 from .masks import ad_drop_masks, decimal_fraction
@@ -139,11 +148,13 @@ def _set_rng_state(state) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-def samples_with_target(attributions: List[torch.Tensor]) -> torch.Tensor:
+def samples_with_target(attributions: List[Union[torch.Tensor, GradientScores]]) -> torch.Tensor:
     """(B,) True for samples whose attribution is non-zero somewhere in some selected map: the
-    samples the attribution target depends on. No host synchronisation."""
+    samples the attribution target depends on (for a map kept as dF/dO and V: dF/dO is non-zero).
+    No host synchronisation."""
     found = None
     for a in attributions:
+        a = a.grad_output if isinstance(a, GradientScores) else a
         nonzero = a.reshape(a.shape[0], -1).ne(0).any(dim=1)
         found = nonzero if found is None else found | nonzero
     return found
@@ -248,10 +259,16 @@ class ADDrop:
 
     # -- attribution ---------------------------------------------------------------------
     def attributions(
-        self, forward: Callable[[], object], target: Target, frozen: Optional[torch.nn.Module] = None
-    ) -> Optional[Tuple[List[AttentionSite], List[torch.Tensor], List[torch.Tensor]]]:
+        self,
+        forward: Callable[[], object],
+        target: Target,
+        frozen: Optional[torch.nn.Module] = None,
+        dense: bool = True,
+    ) -> Optional[Tuple[List[AttentionSite], List[Union[torch.Tensor, GradientScores]], List[torch.Tensor]]]:
         """Pass 1 (and IGA's extra passes): the sites in call order, their attributions and validity.
 
+        ``dense=False`` (training): a GA map longer than one block of the kernel stays
+        :class:`GradientScores` (dF/dO and V, linear in length), formed per block in pass 2.
         None when the target is not finite (a half-precision overflow): no ranking survives, and
         masks from all-zero attributions would drop arbitrary keys.
         """
@@ -273,7 +290,14 @@ class ADDrop:
                 self._check_captured(capture.sites, capture.outputs)
                 if not _finite(value, capture.outputs):
                     return None
-                return capture.sites, gradient_attribution(value, capture, self.gradient_scale), capture.valid
+                grads = output_gradients(value, capture, self.gradient_scale)
+                attributions = [
+                    GradientScores(g, v)
+                    if not dense and blockwise_rows(g, v, None)
+                    else dense_gradient_attribution(g, v)
+                    for g, v in zip(grads, capture.values)
+                ]
+                return capture.sites, attributions, capture.valid
             if method == "aa":
                 capture = CaptureProbs(requires_grad=False)
                 with torch.no_grad(), self.controller.hooks({s: capture for s in self.sites}):
@@ -374,37 +398,48 @@ class ADDrop:
         counts = zero_counts()
         stats: Dict[str, torch.Tensor] = {"skipped": torch.zeros((), dtype=torch.long)}
         if self.config.attribution == "rd":
-            # A random candidate region needs no attribution pass: draw it inside the kernel,
-            # where the shape of every map is known.
-            def random_drop(valid):
-                with record_function("ad_drop::masks"):
-                    return ad_drop_masks(torch.rand(valid.shape, device=valid.device), valid, p, q)
-
-            edits = {s: EditScores(drop=random_drop, stats=counts) for s in self.sites}
+            # A random candidate region needs no attribution pass: it is drawn inside the kernel,
+            # where the shape of every map is known (per block of queries for long maps).
+            rule = TopRegionRule(RandomScores(), p, q)
+            edits = {s: EditScores(drop=rule, stats=counts) for s in self.sites}
         else:
-            found = self.attributions(attribution_forward, target, frozen)
+            found = self.attributions(attribution_forward, target, frozen, dense=False)
             if found is None:  # not finite: this step trains with the plain loss, counted as skipped
                 stats["skipped"] = torch.ones((), dtype=torch.long)
                 yield stats
                 stats["dropped"], stats["valid"] = counts
                 return
-            sites, attributions, valids = found
             with record_function("ad_drop::masks"):
-                # A sample the target does not depend on (every label ignored) has all-zero gradient
-                # attributions: its candidates would be topk's tie order, so it is not masked. (AA's
-                # attention weights do not come from the target.)
-                # The bottom-p by attribution is the top-p of its negation (the kept key of an emptied row too).
-                ranked = attributions if self.config.region == "top" else [a.neg() for a in attributions]
-                drops = [ad_drop_masks(a, v, p, q) for a, v in zip(ranked, valids)]
-                if self.config.attribution != "aa":
-                    targeted = samples_with_target(attributions).view(-1, 1, 1, 1)
-                    stats["skipped"] = (~targeted.any()).long()
-                    drops = [d & targeted for d in drops]
-                edits = {site: EditScores(drop=d, stats=counts) for site, d in zip(sites, drops)}
-            del attributions, valids  # pass 1 is gone before pass 2 allocates
+                edits = self._edits(*found, counts, stats)
+            del found  # pass 1 is gone before pass 2 allocates
         with self.controller.hooks(edits):
             yield stats
         stats["dropped"], stats["valid"] = counts
+
+    def _edits(self, sites, attributions, valids, counts, stats) -> Dict[AttentionSite, EditScores]:
+        """Pass 2's edit of each site from pass 1's attributions: dense maps (AA, IGA, and GA for a
+        map that fits one block of the kernel) become masks here; GA for a longer map becomes a
+        :class:`TopRegionRule` that the kernel evaluates per block of queries from dF/dO and V."""
+        p, q, bottom = self.config.p, self.config.q, self.config.region == "bottom"
+        targeted = None
+        if self.config.attribution != "aa":
+            # A sample the target does not depend on (every label ignored) has all-zero gradient
+            # attributions: its candidates would be topk's tie order, so it is not masked. (AA's
+            # attention weights do not come from the target.)
+            targeted = samples_with_target(attributions)
+            stats["skipped"] = (~targeted.any()).long()
+        edits = {}
+        for site, attribution, valid in zip(sites, attributions, valids):
+            if isinstance(attribution, GradientScores):
+                rule = TopRegionRule(dataclasses.replace(attribution, negate=bottom), p, q, targeted)
+                edits[site] = EditScores(drop=rule, stats=counts)
+                continue
+            # The bottom-p by attribution is the top-p of its negation (the kept key of an emptied row too).
+            drop = ad_drop_masks(attribution.neg() if bottom else attribution, valid, p, q)
+            if targeted is not None:
+                drop = drop & targeted.view(-1, 1, 1, 1)
+            edits[site] = EditScores(drop=drop, stats=counts)
+        return edits
 
     def step(
         self,

@@ -27,7 +27,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .checkpointing import ORDINARY_CALL, begin_call, recomputing
+from .blockwise import BlockCall, blockwise_attention, blockwise_rows, rule_of
+from .checkpointing import ORDINARY_CALL, SiteCall, begin_call, recomputing
 
 # The hooks live beside the site they are set on; this module stays their public import path.
 from .controller import (  # noqa: F401
@@ -143,11 +144,21 @@ def attend(
     ):
         return _ordinary_attention(q, k, v, bias, dropout_p, scale), None
 
+    hook = call.hook
+    if isinstance(hook, EditScores) and not need_weights:
+        rows = blockwise_rows(q, k, hook.drop)
+        if rows is not None:  # maps larger than a block: drops regenerated per block of queries
+            return _blockwise_edit(call, q, k, v, bias, dropout_p, scale, rows), None
+    fast_masks = bias is None or (_SDPA_ZEROES_EMPTY_ROWS and q.device.type in _FAST_MASKED_DEVICES)
+    if isinstance(hook, CaptureOutput) and not need_weights and fast_masks:
+        # The model's own mask goes to sdpa (no float copy of it saved per layer for the backward):
+        # the ordinary path's bits, with the output kept for the attribution.
+        return _capture_output(call, q, k, v, bias, scale), None
+
     # Prepared: a finite bias that drops can be added to, and the validity captures and counts need.
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     bias, valid = _combined_bias(bias, shape, q.dtype, q.device)
     keyless = _keyless_rows(bias, valid)
-    hook = call.hook
 
     if isinstance(hook, EditScores):
         edit = call.edit(valid, shape, q.device)
@@ -174,19 +185,8 @@ def attend(
         hook = None  # the edited scores are attended like any others
 
     if isinstance(hook, CaptureOutput):
-        if call.fresh:
-            _check_grad_mode()
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)
-        if not out.requires_grad:
-            # Layers below the first captured one may carry no graph (parameters frozen for
-            # the attribution pass): make this output the leaf the attribution is taken of.
-            out.requires_grad_(True)
-        if call.fresh:
-            hook.sites.append(site)
-            hook.outputs.append(out)
-            hook.values.append(v.detach())
-            hook.valid.append(valid)
-        return _zero_rows(out, keyless), None
+        return _zero_rows(_captured(call, out, v, valid), keyless), None
 
     if isinstance(hook, CaptureProbs) or need_weights:
         scale_ = scale if scale is not None else q.shape[-1] ** -0.5
@@ -215,6 +215,52 @@ def attend(
 
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     return _zero_rows(out, keyless), None
+
+
+def _captured(call: SiteCall, out: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Keep a GA capture's output (the leaf the attribution is taken of), V and validity."""
+    if call.fresh:
+        _check_grad_mode()
+    if not out.requires_grad:
+        # Layers below the first captured one may carry no graph (parameters frozen for
+        # the attribution pass): make this output the leaf the attribution is taken of.
+        out.requires_grad_(True)
+    if call.fresh:
+        hook = call.hook
+        hook.sites.append(call.site)
+        hook.outputs.append(out)
+        hook.values.append(v.detach())
+        hook.valid.append(valid)
+    return out
+
+
+def _capture_output(call: SiteCall, q, k, v, bias, scale) -> torch.Tensor:
+    """GA's capture with the model's mask as given: ``_ordinary_attention`` zeroes keyless rows."""
+    if bias is None:  # every key valid: the key dimension is kept, since counts are taken along it
+        valid = torch.ones((1, 1, 1, k.shape[2]), dtype=torch.bool, device=q.device)
+    else:
+        valid = valid_keys_from_bias(bias)
+    return _captured(call, _ordinary_attention(q, k, v, bias, 0.0, scale), v, valid)
+
+
+def _blockwise_edit(call: SiteCall, q, k, v, bias, dropout_p: float, scale, rows: int) -> torch.Tensor:
+    """An :class:`EditScores` call run block by block (:mod:`.blockwise`); counts as the prepared path."""
+    hook = call.hook
+    uniform = hook.uniform_rows
+    if uniform is True:
+        uniform = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device)
+    elif isinstance(uniform, torch.Tensor):
+        uniform = uniform.to(q.device)
+    count = call.fresh and hook.stats is not None and hook.drop is not None
+    plan = BlockCall(rule_of(hook.drop), uniform, hook.droppable, rows, call.block_seed(), dropout_p, scale, count)
+    out, dropped, droppable = blockwise_attention(q, k, v, bias, plan)
+    if count:
+        hook.stats[0] = hook.stats[0] + dropped
+        hook.stats[1] = hook.stats[1] + droppable
+    if hook.calls is not None and call.fresh:
+        hook.calls[0] = hook.calls[0] + torch.as_tensor(hook.uniform_rows).any().long()
+        hook.calls[1] = hook.calls[1] + 1
+    return out
 
 
 def _zero_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:

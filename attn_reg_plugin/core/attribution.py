@@ -124,25 +124,32 @@ def _float_grads(target: torch.Tensor, inputs: List[torch.Tensor]) -> List[Optio
     return [None if g is None else g.float() for g in grads]
 
 
+def output_gradients(
+    target: torch.Tensor, capture: CaptureOutput, scale: Optional[GradientScale] = None
+) -> List[torch.Tensor]:
+    """float32 dF/dO for every captured layer from ONE autograd call (zeros where F does not depend
+    on it). Only the captured outputs are asked for, so no parameter gradient is computed or touched.
+    ``scale`` keeps fp16 gradients from flushing to zero (:class:`GradientScale`); None: unscaled."""
+    with record_function("ad_drop::attribution_gradient"):
+        grads = scale.grad(target, capture.outputs) if scale is not None else _float_grads(target, capture.outputs)
+    # None: the layer does not influence the target (e.g. cut off by a mask)
+    return [torch.zeros_like(o, dtype=torch.float32) if g is None else g for g, o in zip(grads, capture.outputs)]
+
+
+def dense_gradient_attribution(grad_output: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """dF/dA = (dF/dO) V^T, the whole (B, H, T, S) map."""
+    # In float32 even under a bf16 attribution pass: rounding the product to bf16's 8 bits
+    # would tie keys of a row that the ranking has to tell apart.
+    with torch.autocast(grad_output.device.type, enabled=False):
+        return torch.matmul(grad_output, values.float().transpose(-2, -1))
+
+
 def gradient_attribution(
     target: torch.Tensor, capture: CaptureOutput, scale: Optional[GradientScale] = None
 ) -> List[torch.Tensor]:
-    """dF/dA for every captured layer from ONE autograd call: (dF/dO) V^T.
-
-    Only the captured outputs are asked for, so no parameter gradient is computed or touched.
-    ``scale`` keeps fp16 gradients from flushing to zero (:class:`GradientScale`); None: unscaled.
-    """
-    with record_function("ad_drop::attribution_gradient"):
-        grads = scale.grad(target, capture.outputs) if scale is not None else _float_grads(target, capture.outputs)
-    out = []
-    for g, o, v in zip(grads, capture.outputs, capture.values):
-        if g is None:  # the layer does not influence the target (e.g. cut off by a mask)
-            g = torch.zeros_like(o, dtype=torch.float32)
-        # In float32 even under a bf16 attribution pass: rounding the product to bf16's 8 bits
-        # would tie keys of a row that the ranking has to tell apart.
-        with torch.autocast(g.device.type, enabled=False):
-            out.append(torch.matmul(g, v.float().transpose(-2, -1)))
-    return out
+    """dF/dA for every captured layer from ONE autograd call: (dF/dO) V^T (:func:`output_gradients`)."""
+    grads = output_gradients(target, capture, scale)
+    return [dense_gradient_attribution(g, v) for g, v in zip(grads, capture.values)]
 
 
 def probs_gradient(

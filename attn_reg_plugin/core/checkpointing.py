@@ -23,6 +23,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
+from .blockwise import call_seed
 from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores, Hook, Replay, ResolvedEdit
 
 
@@ -79,6 +80,18 @@ class SiteCall:
     hook: Optional[Hook] = None
     fresh: bool = True
     record: Optional[Replay] = None  # fresh: where this call's edit is kept (None while traced)
+    site: Optional[AttentionSite] = None
+
+    def block_seed(self) -> int:
+        """The seed of a blockwise edit (:mod:`.blockwise`): drawn by a forward and kept, so that a
+        recompute regenerates the same drops; a recompute draws too, discarding the draw, so that
+        the random stream is left where the forward left it."""
+        seed = call_seed()
+        if not self.fresh and self.record is not None and self.record.seed is not None:
+            return self.record.seed
+        if self.record is not None:
+            self.record.seed = seed
+        return seed
 
     def edit(self, valid: torch.Tensor, shape: Tuple[int, int, int, int], device) -> ResolvedEdit:
         """The masks of an :class:`EditScores` call. A forward resolves them (its random draws made)
@@ -112,18 +125,18 @@ def begin_call(site: Optional[AttentionSite], recompute: bool) -> SiteCall:
     if torch.compiler.is_compiling():
         # Traced: no record is kept (a Python object per call would be a guard per step), and
         # none is needed, since a compiled region recomputes from its own graph.
-        return ORDINARY_CALL if site.hook is None else SiteCall(site.hook)
+        return ORDINARY_CALL if site.hook is None else SiteCall(site.hook, site=site)
     if recompute:
         record = site.replay
         if record is None:
-            return SiteCall(fresh=False)
+            return SiteCall(fresh=False, site=site)
         if record.calls > 1:
             raise RuntimeError(
                 f"attention site {site} was called {record.calls} times in one regularized pass, and a "
                 "checkpointed layer recomputed in backward cannot tell which call it repeats: register one "
                 "site per call (or train without activation checkpointing)"
             )
-        return SiteCall(record.hook, fresh=False, record=record)
+        return SiteCall(record.hook, fresh=False, record=record, site=site)
     hook = site.hook
     if hook is None:
         site.replay = None
@@ -132,7 +145,7 @@ def begin_call(site: Optional[AttentionSite], recompute: bool) -> SiteCall:
     calls = previous.calls + 1 if previous is not None and previous.owner() is hook else 1
     redraw = hook.drop if isinstance(hook, EditScores) and callable(hook.drop) else None
     site.replay = Replay(_emptied(hook), weakref.ref(hook), calls, redraw=redraw)
-    return SiteCall(hook, record=site.replay)
+    return SiteCall(hook, record=site.replay, site=site)
 
 
 def _emptied(hook: Hook) -> Hook:

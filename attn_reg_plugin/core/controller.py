@@ -140,6 +140,7 @@ class Replay:
     calls: int = 1  # calls of the site under ``owner``; a recompute refuses more than one
     edit: ResolvedEdit = ResolvedEdit()  # resolved: random draws are not used again
     redraw: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # the edit's in-kernel draw, made again
+    seed: Optional[int] = None  # a blockwise edit's seed: its drops are regenerated from it
 
 
 @dataclass(eq=False)

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .attention import EditScores
+from .blockwise import BernoulliRule
 from .controller import AttentionSite, RegularizationController
 from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
 
@@ -121,15 +122,11 @@ class ScheduledAttentionDropout:
         """Hooks for one training forward at ``update``: each key dropped with its layer's probability."""
         probs = self.probabilities(update)
 
-        def bernoulli(p: float):
-            # A tensor, not a float: a compiled model sees a new probability every update as
-            # new data, where a Python float would be baked into the graph and recompile it.
-            p = torch.tensor(p)
-
-            def drop(valid: torch.Tensor) -> torch.Tensor:
-                # Drawn per (sample, head, query, key) inside the kernel, where the shape is known.
-                return torch.rand(valid.shape, device=valid.device) < p
-
-            return drop
-
-        return {s: EditScores(drop=bernoulli(probs[s.layer]), stats=stats) for s in self.sites if probs[s.layer] > 0}
+        # Drawn per (sample, head, query, key) inside the kernel, where the shape is known. The
+        # probability is a tensor, not a float: a compiled model sees a new probability every update
+        # as new data, where a Python float would be baked into the graph and recompile it.
+        return {
+            s: EditScores(drop=BernoulliRule(torch.tensor(probs[s.layer])), stats=stats)
+            for s in self.sites
+            if probs[s.layer] > 0
+        }

@@ -95,7 +95,9 @@ def _masks_for(region, attribution, valid, p, monkeypatch):
     ad_drop = ADDrop(ADDropConfig(p=p, q=0.5, region=region, attention="encoder-self"), controller)
     (site,) = ad_drop.sites
     monkeypatch.setattr(
-        core_ad_drop.ADDrop, "attributions", lambda self, f, t, frozen=None: ([site], [attribution], [valid])
+        core_ad_drop.ADDrop,
+        "attributions",
+        lambda self, f, t, frozen=None, dense=True: ([site], [attribution], [valid]),
     )
     with ad_drop.masked(lambda: None, None):
         return site.hook.drop

@@ -1,0 +1,320 @@
+"""The blockwise kernel (core.blockwise): a regularized call split into blocks of query rows gives the
+dense path's output and gradients for the same drop decisions, the decisions do not depend on the
+split, and AD-DROP's region is each row's exact top ceil(p n) by attribution.
+
+Blocks are forced at tiny sizes by shrinking the budget (``small_blocks``)."""
+
+import functools
+
+import pytest
+import torch
+
+from attn_reg_plugin.core import blockwise
+from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.attention import EditScores, attend, zero_counts
+from attn_reg_plugin.core.attribution import dense_gradient_attribution, logit_target
+from attn_reg_plugin.core.blockwise import (
+    BernoulliRule,
+    Block,
+    DenseRule,
+    GradientScores,
+    RandomScores,
+    TopRegionRule,
+    chunk_uniform,
+)
+from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.core.masks import candidate_region
+from helpers import site_with_hook
+
+
+@pytest.fixture(autouse=True)
+def block_calls(monkeypatch):
+    """Rows per block of every call the kernel ran blockwise, so a test knows the path it took."""
+    from attn_reg_plugin.core import attention
+
+    seen = []
+
+    def counted(q, k, v, bias, call):
+        seen.append(call.rows_per_block)
+        return blockwise.BlockwiseAttention.apply(q, k, v, bias, call)
+
+    monkeypatch.setattr(attention, "blockwise_attention", counted)
+    return seen
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 2 query rows (chunks of 2) whatever the size: the multi-block path at test sizes."""
+    monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+
+
+def _one_block(monkeypatch):
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1 << 40)
+
+
+def _valid(kind, b=2, t=7):
+    """Padding (sample 1 ends 2 early), or left-padded causal (sample 1's first rows see no key)."""
+    if kind == "padding":
+        keys = torch.arange(t)[None, :] < torch.tensor([t, t - 2])[:, None]
+        return keys[:, None, None, :]
+    keys = torch.arange(t)[None, :] >= torch.tensor([0, 3])[:, None]
+    return keys[:, None, None, :] & torch.ones(t, t, dtype=torch.bool).tril()
+
+
+def test_block_sizes_follow_the_budget():
+    assert blockwise.query_block_rows(32, 12, 128, 128, 64) == 128  # BERT-base at 128: one block
+    assert blockwise.query_block_rows(1, 2, 512, 512, 32) == 512  # under the fixed floor
+    assert blockwise.query_block_rows(1, 2, 4096, 4096, 32) == 64  # 2**19 elements / (2 x 4096)
+    rows = blockwise.query_block_rows(1, 12, 2048, 2048, 64)  # BERT-base width at 2k: 2 x T x d
+    assert rows == 128 and rows % blockwise.CHUNK_ROWS == 0
+
+
+def test_coins_do_not_depend_on_the_split(monkeypatch):
+    monkeypatch.setattr(blockwise, "CHUNK_ROWS", 4)
+    shape = (2, 3, 11, 5)
+    whole = chunk_uniform(7, shape, slice(0, 11), "cpu")
+    for cuts in ([0, 4, 8, 11], [0, 8, 11], [0, 3, 6, 11]):  # on chunk boundaries or not
+        parts = [chunk_uniform(7, shape, slice(a, b), "cpu") for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat(parts, dim=2), whole)
+    assert not torch.equal(chunk_uniform(8, shape, slice(0, 11), "cpu"), whole)
+    assert 0.45 < chunk_uniform(1, (4, 4, 64, 64), slice(0, 64), "cpu").mean() < 0.55
+
+
+def _attend_pair(q, k, v, bias, hook_of, monkeypatch, block_calls, dropout_p=0.0):
+    """Output and gradients of ``attend`` through blocks of 2 rows, then as one block, where
+    ``hook_of()`` builds the (fresh) hook of each run."""
+    results = []
+    for split in (True, False):
+        if split:
+            monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+            monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+            monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+        else:
+            _one_block(monkeypatch)
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        bias_leaf = bias.detach().clone().requires_grad_(bias.is_floating_point()) if bias is not None else None
+        torch.manual_seed(5)
+        out, _ = attend(*leaves, bias_leaf, dropout_p=dropout_p, site=site_with_hook(hook_of()))
+        assert (split and bool(block_calls)) or (not split and not block_calls), split
+        block_calls.clear()
+        (out.double() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        grads = [x.grad for x in leaves] + (
+            [bias_leaf.grad] if bias_leaf is not None and bias_leaf.requires_grad else []
+        )
+        results.append((out, grads))
+    return results
+
+
+TOL = {torch.float32: dict(atol=2e-6, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["padding", "causal"])
+@pytest.mark.parametrize("uniform", [False, True])
+def test_blocks_equal_one_block_for_the_same_dense_drops(dtype, kind, uniform, monkeypatch, block_calls):
+    """Rows without a valid key (left-padded causal), rows whose every key is dropped (made
+    uniform), and LayerDrop's uniform flag, with a bool bias."""
+    g = torch.Generator().manual_seed(0)
+    b, h, t, d = 2, 3, 7, 4
+    q, k, v = (torch.randn(b, h, t, d, generator=g).to(dtype) for _ in range(3))
+    valid = _valid(kind, b, t)
+    drop = torch.rand(b, h, t, t, generator=g) < 0.4
+    drop[0, 0, 3] = True  # a row losing every key: attends uniformly to them
+    flag = torch.ones(1, 1, 1, 1, dtype=torch.bool) if uniform else None
+    (split, whole) = _attend_pair(
+        q, k, v, valid, lambda: EditScores(drop=drop, uniform_rows=flag), monkeypatch, block_calls
+    )
+    torch.testing.assert_close(split[0], whole[0], **TOL[dtype])
+    for a, w in zip(split[1], whole[1]):
+        torch.testing.assert_close(a, w, **TOL[dtype])
+    assert torch.isfinite(split[0]).all()
+
+
+def test_blocks_back_propagate_into_a_float_bias(monkeypatch, block_calls):
+    """T5's relative position bias is a learned float bias: its gradient comes back per block."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
+    bias = torch.randn(1, 2, 6, 6, generator=g).masked_fill(~_valid("padding", 1, 6)[0, :, :, :], float("-inf"))
+    drop = torch.rand(2, 2, 6, 6, generator=g) < 0.3
+    split, whole = _attend_pair(q, k, v, bias, lambda: EditScores(drop=drop), monkeypatch, block_calls)
+    torch.testing.assert_close(split[0], whole[0])
+    assert len(split[1]) == 4
+    for a, w in zip(split[1], whole[1]):
+        torch.testing.assert_close(a, w)
+
+
+def test_blocks_replay_attention_dropout_in_the_backward(small_blocks, block_calls):
+    """sdpa's own dropout inside a block is drawn again identically in the backward: the analytical
+    gradient equals the numerical one (gradcheck, float64, the same seed at every evaluation)."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 5, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    drop = torch.rand(1, 2, 5, 5, generator=g) < 0.3
+
+    def f(q, k, v):
+        torch.manual_seed(0)
+        return attend(q, k, v, dropout_p=0.3, site=site_with_hook(EditScores(drop=drop)))[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    assert block_calls and set(block_calls) == {2}
+
+
+def _rule_drops(rule, valid, shape, seed, rows_per_block):
+    out = []
+    for start in range(0, shape[2], rows_per_block):
+        rows = slice(start, min(shape[2], start + rows_per_block))
+        part = valid[..., rows, :] if valid.shape[-2] > 1 else valid
+        block = Block(rows, part, (shape[0], shape[1], rows.stop - rows.start, shape[3]), shape, seed)
+        drop, state = rule.first(block)
+        assert torch.equal(rule.again(block, state), drop)  # the backward regenerates the forward's drops
+        out.append(drop.expand(block.shape))
+    return torch.cat(out, dim=2)
+
+
+@pytest.mark.parametrize("kind", ["padding", "causal"])
+@pytest.mark.parametrize("p", [0.2, 0.5, 0.99])
+def test_gradient_region_is_the_dense_top_p_in_every_block(kind, p, monkeypatch):
+    monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+    g = torch.Generator().manual_seed(3)
+    b, h, t, d = 2, 2, 7, 4
+    grad_out, values = torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g)
+    valid = _valid(kind, b, t)
+    shape = (b, h, t, t)
+    # q = 1: every candidate dropped (bar the never-empty rule), so the drops show the region.
+    rule = TopRegionRule(GradientScores(grad_out, values), p, 1.0)
+    dense = candidate_region(dense_gradient_attribution(grad_out, values), valid, p)
+    n = valid.expand(shape).sum(-1, keepdim=True)
+    for rows_per_block in (2, 4, 7):
+        drops = _rule_drops(rule, valid, shape, 11, rows_per_block)
+        assert not (drops & ~valid).any()
+        everything = dense.sum(-1, keepdim=True) == n  # rows whose region is all their keys keep one
+        assert torch.equal(drops | everything & dense, dense), rows_per_block
+        assert torch.equal((dense & ~drops).sum(-1, keepdim=True), everything.long() * (n > 0))
+
+
+def test_ties_at_the_threshold_are_taken_lowest_key_first():
+    scores = torch.tensor([[[[1.0, 3.0, 2.0, 2.0, 2.0, 0.0]]]])
+
+    class Fixed(RandomScores):
+        def scores(self, block):
+            return scores
+
+    valid = torch.ones(1, 1, 1, 6, dtype=torch.bool)
+    rule = TopRegionRule(Fixed(), 0.5, 1.0)  # 3 candidates: key 1, then two of the three 2.0s
+    drops = _rule_drops(rule, valid, (1, 1, 1, 6), 0, 1)
+    assert drops.squeeze().tolist() == [False, True, True, True, False, False]
+
+
+def test_rules_regenerate_the_same_drops_for_any_split(monkeypatch):
+    monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+    valid = _valid("causal", 2, 8)
+    shape = (2, 3, 8, 8)
+    for rule in (BernoulliRule(torch.tensor(0.4)), TopRegionRule(RandomScores(), 0.3, 0.5), DenseRule(valid)):
+        first = _rule_drops(rule, valid, shape, 3, 2)
+        assert torch.equal(first, _rule_drops(rule, valid, shape, 3, 4)), rule
+        assert torch.equal(first, _rule_drops(rule, valid, shape, 3, 8)), rule
+
+
+# -- AD-DROP through a model, split into blocks ------------------------------------------------------
+class _Encoder(torch.nn.Module):
+    """Two self-attention layers over a padded batch, optionally activation-checkpointed."""
+
+    def __init__(self, width=8, heads=2, checkpointed=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.controller = RegularizationController()
+        self.heads, self.checkpointed = heads, checkpointed
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, 3 * width) for _ in range(2))
+        self.sites = [self.controller.register("encoder-self", i) for i in range(2)]
+        self.out = torch.nn.Linear(width, 3)
+
+    def _layer(self, i, x, bias):
+        b, t, w = x.shape
+        q, k, v = self.layers[i](x).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        o, _ = attend(q, k, v, bias, dropout_p=0.1 if self.training else 0.0, site=self.sites[i])
+        return x + o.transpose(1, 2).reshape(b, t, w)
+
+    def forward(self, x, bias):
+        from torch.utils.checkpoint import checkpoint
+
+        for i in range(2):
+            layer = functools.partial(self._layer, i)
+            x = checkpoint(layer, x, bias, use_reentrant=False) if self.checkpointed else layer(x, bias)
+        return self.out(x.mean(1))
+
+
+def _ad_drop_step(model, x, bias, attribution="ga", seed=0):
+    torch.manual_seed(seed)
+    ad_drop = ADDrop(ADDropConfig(p=0.3, q=0.5, schedule="always", attribution=attribution), model.controller)
+    with ad_drop.masked(lambda: model(x, bias), logit_target, frozen=model) as stats:
+        loss = model(x, bias).logsumexp(-1).sum()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return loss.detach(), grads, stats
+
+
+@pytest.mark.parametrize("attribution", ["ga", "rd"])
+def test_ad_drop_split_into_blocks_keeps_no_map_and_checkpointing_changes_nothing(
+    attribution, small_blocks, block_calls
+):
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(4))
+    bias = _valid("padding", 2, 6)
+    plain = _Encoder()
+    loss, grads, stats = _ad_drop_step(plain, x, bias, attribution)
+    assert len(block_calls) == 2  # pass 2's two layers ran blockwise
+    # GA's pass 2 ranks by (dF/dO, V) rules, never a dense attribution map
+    rate = float(stats["dropped"]) / float(stats["valid"])
+    assert 0.02 < rate < 0.4 and torch.isfinite(loss)
+    again, grads_again, _ = _ad_drop_step(_Encoder(), x, bias, attribution)
+    assert torch.equal(loss, again) and all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+    checkpointed, grads_ckpt, _ = _ad_drop_step(_Encoder(checkpointed=True), x, bias, attribution)
+    torch.testing.assert_close(checkpointed, loss)
+    for a, b in zip(grads_ckpt, grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_ad_drop_ga_hooks_hold_rules_not_maps(small_blocks):
+    model = _Encoder()
+    x = torch.randn(2, 6, 8)
+    ad_drop = ADDrop(ADDropConfig(p=0.3, q=0.5, schedule="always"), model.controller)
+    with ad_drop.masked(lambda: model(x, None), logit_target, frozen=model):
+        rules = [site.hook.drop for site in model.sites]
+    assert all(isinstance(r, TopRegionRule) and isinstance(r.source, GradientScores) for r in rules)
+    assert all(r.source.grad_output.shape == (2, 2, 6, 4) for r in rules)  # (B, H, T, d): linear in T
+
+
+def test_blockwise_counts_match_the_drops(small_blocks, block_calls):
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
+    valid = _valid("padding", 2, 6)
+    drop = torch.rand(2, 2, 6, 6, generator=g) < 0.3
+    counts = zero_counts()
+    attend(q, k, v, valid, site=site_with_hook(EditScores(drop=drop, stats=counts)))
+    assert block_calls == [2]
+    applied = drop & valid
+    emptied = ((applied | ~valid).all(-1, keepdim=True)) & valid.any(-1, keepdim=True)
+    assert int(counts[0]) == int((applied & ~emptied).sum())
+    assert int(counts[1]) == int(valid.expand(2, 2, 6, 6).sum())
+
+
+@pytest.mark.parametrize("blocks", ["one", "several"])
+def test_without_a_bias_every_key_counts_towards_ceil_p_n(blocks, monkeypatch, block_calls):
+    """A call with no mask has S valid keys per row, so GA's region is ceil(p S) keys per row. (The
+    capture's validity once held a single key, which made the region 1 key per row.)"""
+    if blocks == "several":
+        monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+        monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+    model = _Encoder()
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(1)
+    ad_drop = ADDrop(ADDropConfig(p=0.5, q=0.5, schedule="always"), model.controller)
+    with ad_drop.masked(lambda: model(x, None), logit_target, frozen=model) as stats:
+        model(x, None)
+    assert len(block_calls) == (2 if blocks == "several" else 0)
+    assert int(stats["valid"]) == 2 * 2 * 2 * 6 * 6  # 2 layers x 2 samples x 2 heads x 6 rows x 6 keys
+    # 144 candidates (3 of 6 keys in each of 48 rows), each dropped with q = 0.5: 72 expected, sd 6
+    # (a region of one key per row would drop about 24)
+    assert 50 < int(stats["dropped"]) < 95, int(stats["dropped"])
