@@ -1,0 +1,707 @@
+"""Step memory and CPU time of each attention regularizer against sequence length (``attn-reg-scaling``).
+
+    attn-reg-scaling                                      # 3 models, 128 .. 8192 tokens, one thread
+    attn-reg-scaling --models a --lengths 512,1024,2048 --methods plain,ga
+    attn-reg-scaling --quick --out-dir outputs/scaling_quick   # lengths 32 and 64, a smoke run
+
+Models (``--models``, batch 1, random tokens, one fixed label):
+
+* ``a``: an encoder written with the plugin's porting API (``attn_reg_plugin.core``: sites
+  registered with a ``RegularizationController``, ``attend(q, k, v, bias=key_padding, site=...)``),
+  width 64, 2 heads, 2 layers, FFN 4x, a 2-class head on the mean state (``logit_target``);
+* ``b``: the same encoder at BERT-base width (768, 12 heads), 2 layers;
+* ``c``: a tiny Llama (hidden 64, 4 heads, 2 layers; ``transformers.LlamaConfig``, sdpa, no
+  download) trained as a causal LM through the Trainers: the stock ``transformers.Trainer`` for
+  plain, ``ADDropTrainer`` for AD-DROP, ``AttnRegTrainer`` for scheduled dropout,
+  ``AttendOutTrainer`` for AttendOut.
+
+Methods (``--methods``): ``plain``; AD-DROP (all layers, p = q = 0.3, schedule ``always``) with
+gradient (``ga``), attention-weight (``aa``), random (``rd``) and integrated-gradient (``iga``,
+by default only up to ``--iga-max-length`` 512 tokens) attribution; ``sched-dropout`` (scheduled
+Bernoulli attention dropout, 0.3 falling to 0.1 by update 10,000); ``attendout`` (Defender +
+Attacker + Generator, one update of the duel: the held-out evaluation every T updates is not in it).
+
+Every (model, method, length) runs in a fresh subprocess with ``--threads`` torch threads
+(``OMP_NUM_THREADS`` too), so no peak or resident memory leaks from one run into the next. What it
+measures:
+
+* models a and b: ``--warmup`` training steps, then ``--repeats`` timed steps (the median process
+  CPU time per step; with one thread, the step's own work), then one more step under
+  torch.profiler for the **step memory**: the peak of the bytes torch's CPU allocator holds during
+  the step above what it held before it (:func:`attn_reg_lab.benchmark.measure.cpu_step_peak_bytes`,
+  as ``attn-reg-benchmark`` measures it). The process's resident-set growth over the timed steps
+  is recorded too (``rss_growth_mib``);
+* model c: ``Trainer.train()`` for ``--hf-steps`` steps; the memory is the **process RSS growth**
+  (peak resident set during ``train()``, Linux VmHWM reset before it, minus the resident set
+  before it; the run uses ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the
+  resident set), the time the median CPU time of the steps after the first.
+
+A run that exceeds ``--timeout`` seconds, or runs out of memory (each run's data segment is capped
+at ``--max-memory-gib``, so an allocation that would exceed it fails inside torch), is recorded with
+that status; longer lengths of the same model and method are then skipped, not run.
+
+Written to ``--out-dir``: ``scaling.json`` (settings, environment, every run), ``scaling.png``
+(per model, step memory and CPU time against length, log-log, one line per method) and
+``results.md`` (the command line, the table, the verdict against issue 32's targets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+MIB = 2**20
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+MODELS = {
+    "a": dict(kind="core", dim=64, heads=2, layers=2, description="porting-API encoder, width 64, 2 heads, 2 layers"),
+    "b": dict(
+        kind="core", dim=768, heads=12, layers=2, description="porting-API encoder, width 768, 12 heads, 2 layers"
+    ),
+    "c": dict(
+        kind="hf", dim=64, heads=4, layers=2, description="tiny HF Llama (hidden 64, 4 heads, 2 layers), Trainer"
+    ),
+}
+METHODS = ("plain", "ga", "aa", "rd", "iga", "sched-dropout", "attendout")
+AD_DROP_METHODS = ("ga", "aa", "rd", "iga")
+DEFAULT_LENGTHS = (128, 512, 1024, 2048, 4096, 8192)
+AD_DROP_P = AD_DROP_Q = 0.3
+SCHEDULE = "0:0.3,10000:0.1"
+VOCAB = 1000
+PAD = 0
+RESULT_MARK = "SCALING_RESULT "
+
+# Issue 32's targets (CPU, one thread): (model, length, metric, bound, what).
+TARGETS = (
+    ("a", 4096, "mem_ratio", 1.5, "AD-DROP GA step memory <= 1.5x plain at 4096 tokens on (a)"),
+    ("a", 4096, "time_ratio", 5.0, "AD-DROP GA CPU time <= 5x plain at 4096 tokens on (a)"),
+    ("a", 8192, "runs", None, "every length up to 8192 runs on (a) (AD-DROP GA)"),
+    ("b", 2048, "mem_ratio", 1.3, "AD-DROP GA step memory <= 1.3x plain at 2048 tokens on (b)"),
+    ("b", 2048, "time_ratio", 2.5, "AD-DROP GA CPU time <= 2.5x plain at 2048 tokens on (b)"),
+    ("c", 4096, "mem_ratio", 2.0, "ADDropTrainer GA process memory growth <= 2x the stock Trainer's at 4096 on (c)"),
+    ("c", 4096, "time_ratio", 6.0, "ADDropTrainer GA CPU time <= 6x the stock Trainer's at 4096 on (c)"),
+)
+
+
+# ===================================================================== the child: one measurement
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak resident set (VmHWM)
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def build_encoder(dim: int, heads: int, layers: int, max_len: int):
+    """The porting-API encoder: token + learned position embeddings, pre-LN blocks, mean-pooled 2-class head.
+
+    Its attention sites are registered with its own ``controller``; ``install_sites(net, controller)``
+    registers a copy's (AttendOut's Attacker) with another."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from attn_reg_plugin.core import RegularizationController, attend
+
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+            self.site = None
+
+        def forward(self, x, allowed):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
+            o, _ = attend(q, k, v, bias=allowed, site=self.site)
+            return self.out(o.transpose(1, 2).reshape(b, t, dim))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.norm1, self.norm2 = SelfAttention(), nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.ffn = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+        def forward(self, x, allowed):
+            x = x + F.dropout(self.attn(self.norm1(x), allowed), 0.1, self.training)
+            return x + F.dropout(self.ffn(self.norm2(x)), 0.1, self.training)
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.positions = nn.Embedding(VOCAB, dim, padding_idx=PAD), nn.Embedding(max_len, dim)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 2)
+            self.controller = RegularizationController()
+            install_sites(self, self.controller)
+
+        def forward(self, ids):
+            real = ids.ne(PAD)
+            allowed = real[:, None, None, :]  # key padding, True = may attend (none in these batches)
+            x = self.embed(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+            for block in self.blocks:
+                x = block(x, allowed)
+            x = self.norm(x)
+            return self.head((x * real[..., None]).sum(1) / real.sum(1, keepdim=True))
+
+    def install_sites(net, controller):
+        for i, block in enumerate(net.blocks):
+            block.attn.site = controller.register("encoder-self", i)
+
+    return Encoder(), install_sites
+
+
+def _core_step(spec: dict):
+    """(model, step function) of one method on a core-API encoder; step() runs one training update."""
+    import torch
+    import torch.nn.functional as F
+
+    from attn_reg_plugin.core import (
+        ADDrop,
+        ADDropConfig,
+        AttendOut,
+        AttendOutConfig,
+        ScheduledAttentionDropout,
+        ScheduledDropoutConfig,
+        logit_target,
+    )
+    from attn_reg_plugin.core.attendout import Generator, build_attacker
+
+    cfg, method, length = MODELS[spec["model"]], spec["method"], spec["length"]
+    torch.manual_seed(spec["seed"])
+    model, install_sites = build_encoder(cfg["dim"], cfg["heads"], cfg["layers"], max_len=length)
+    model.train()
+    g = torch.Generator().manual_seed(spec["seed"])
+    ids = torch.randint(3, VOCAB, (1, length), generator=g)
+    labels = torch.tensor([1])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    info: Dict[str, object] = {}
+
+    def loss_of(net):
+        return F.cross_entropy(net(ids), labels)
+
+    if method == "plain":
+
+        def update():
+            loss_of(model).backward()
+
+    elif method in AD_DROP_METHODS:
+        config = ADDropConfig(
+            p=AD_DROP_P, q=AD_DROP_Q, attribution=method, layers="all", attention="encoder-self",
+            schedule="always", iga_steps=spec["iga_steps"],
+        )  # fmt: skip
+        ad_drop = ADDrop(config, model.controller)
+
+        def update():
+            with ad_drop.masked(lambda: model(ids), logit_target, frozen=model) as stats:
+                loss = loss_of(model)
+            loss.backward()
+            valid = int(stats["valid"])
+            info["drop_rate"] = round(int(stats["dropped"]) / valid, 4) if valid else None
+
+    elif method == "sched-dropout":
+        sched = ScheduledAttentionDropout(
+            ScheduledDropoutConfig(schedule=SCHEDULE, attention="encoder-self"), model.controller
+        )
+        counter = {"update": 0}
+
+        def update():
+            with model.controller.hooks(sched.hooks(counter["update"])):
+                loss = loss_of(model)
+            loss.backward()
+            counter["update"] += 1
+
+    elif method == "attendout":
+        attacker, attacker_controller = build_attacker(model, install_sites)
+        attacker_optimizer = torch.optim.AdamW(attacker.parameters(), lr=1e-4)
+        config = AttendOutConfig(dropout_step=10**6, attention="encoder-self", layers="all", max_positions=length)
+        generator = Generator(
+            {"source": VOCAB}, {"source": PAD}, config.generator_dim, length, config.init_drop, config.temperature
+        )
+        game = AttendOut(config, attacker_controller, generator)
+
+        def update():
+            loss_of(model).backward()
+            with attacker_controller.hooks(game.attacker_hooks({"source": ids})):
+                loss = loss_of(attacker)
+            loss.backward()
+            attacker_optimizer.step()
+            attacker_optimizer.zero_grad(set_to_none=True)
+            game.end_update()
+
+    else:
+        raise ValueError(method)
+
+    def step():
+        update()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, info
+
+
+def measure_core(spec: dict) -> dict:
+    import torch
+
+    from .benchmark.measure import cpu_step_peak_bytes
+
+    step, info = _core_step(spec)
+    for _ in range(spec["warmup"]):
+        step()
+    cpu, wall = [], []
+    rss_before = _status_kib("VmRSS")
+    peak_ok = _reset_peak_rss()
+    for _ in range(spec["repeats"]):
+        c0, t0 = time.process_time(), time.perf_counter()
+        step()
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - t0)
+    rss_growth = (_status_kib("VmHWM") - rss_before) / 1024 if peak_ok and spec["repeats"] else None
+    peak = cpu_step_peak_bytes(step)
+    return {
+        "memory_mib": round(peak / MIB, 2),
+        "memory_metric": "allocator step peak",
+        "step_peak_mib": round(peak / MIB, 2),
+        "rss_growth_mib": None if rss_growth is None else round(rss_growth, 1),
+        "cpu_s": round(statistics.median(cpu), 4) if cpu else None,
+        "wall_s": round(statistics.median(wall), 4) if wall else None,
+        "cpu_s_all": [round(c, 4) for c in cpu],
+        "torch_threads": torch.get_num_threads(),
+        **info,
+    }
+
+
+def measure_hf(spec: dict) -> dict:
+    import tempfile
+
+    import torch
+    import transformers
+
+    from attn_reg_plugin.core import ADDropConfig, AttendOutConfig, ScheduledDropoutConfig
+
+    cfg, method, length = MODELS[spec["model"]], spec["method"], spec["length"]
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(spec["seed"])
+    config = transformers.LlamaConfig(
+        hidden_size=cfg["dim"], intermediate_size=4 * cfg["dim"], num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"], num_key_value_heads=cfg["heads"], vocab_size=VOCAB,
+        max_position_embeddings=max(length, 2048), pad_token_id=PAD, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(spec["seed"])
+    steps = spec["hf_steps"]
+    rows = []
+    for _ in range(steps):
+        ids = torch.randint(3, VOCAB, (length,), generator=g)
+        rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+    times: List[tuple] = []
+
+    class StepTimes(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = (time.process_time(), time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append((time.process_time() - self.start[0], time.perf_counter() - self.start[1]))
+
+    with tempfile.TemporaryDirectory(prefix="attn_reg_scaling_") as tmp:
+        args = transformers.TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=1, max_steps=steps, learning_rate=1e-4,
+            report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+            use_cpu=True, seed=spec["seed"], dataloader_num_workers=0,
+        )  # fmt: skip
+        common = dict(model=model, args=args, train_dataset=rows, callbacks=[StepTimes()])
+        if method == "plain":
+            trainer = transformers.Trainer(**common)
+        elif method in AD_DROP_METHODS:
+            from attn_reg_plugin.hf import ADDropTrainer
+
+            ad_drop = ADDropConfig(
+                p=AD_DROP_P, q=AD_DROP_Q, attribution=method, layers="all", schedule="always",
+                iga_steps=spec["iga_steps"],
+            )  # fmt: skip
+            trainer = ADDropTrainer(ad_drop=ad_drop, **common)
+        elif method == "sched-dropout":
+            from attn_reg_plugin.hf import AttnRegTrainer
+
+            trainer = AttnRegTrainer(scheduled_dropout=ScheduledDropoutConfig(schedule=SCHEDULE), **common)
+        elif method == "attendout":
+            from attn_reg_plugin.hf import AttendOutTrainer
+
+            attendout = AttendOutConfig(dropout_step=10**6, max_positions=length)
+            trainer = AttendOutTrainer(attendout=attendout, eval_dataset=rows[:1], **common)
+        else:
+            raise ValueError(method)
+        rss_before = _status_kib("VmRSS")
+        peak_ok = _reset_peak_rss()
+        trainer.train()
+        rss_growth = (_status_kib("VmHWM") - rss_before) / 1024 if peak_ok else None
+    measured = times[1:] if len(times) > 1 else times
+    return {
+        "memory_mib": None if rss_growth is None else round(rss_growth, 1),
+        "memory_metric": "process RSS growth",
+        "step_peak_mib": None,
+        "rss_growth_mib": None if rss_growth is None else round(rss_growth, 1),
+        "cpu_s": round(statistics.median(c for c, _ in measured), 4) if measured else None,
+        "wall_s": round(statistics.median(w for _, w in measured), 4) if measured else None,
+        "cpu_s_all": [round(c, 4) for c, _ in times],
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _is_oom(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, MemoryError) or any(
+        s in text for s in ("can't allocate memory", "cannot allocate memory", "out of memory", "defaultcpuallocator")
+    )
+
+
+def worker(spec: dict) -> dict:
+    """One measurement in this (fresh) process; never raises: failures become a status."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    started = time.perf_counter()
+    try:
+        result = (measure_hf if MODELS[spec["model"]]["kind"] == "hf" else measure_core)(spec)
+        result["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - recorded, the parent goes on
+        import traceback
+
+        result = {"status": "oom" if _is_oom(e) else "error", "reason": f"{type(e).__name__}: {e}"[:2000]}
+        if result["status"] == "error":
+            result["traceback"] = traceback.format_exc()[-4000:]
+    result["seconds"] = round(time.perf_counter() - started, 2)
+    return result
+
+
+# ===================================================================== the parent: the grid
+def _memory_limit_bytes(gib: Optional[float]) -> Optional[int]:
+    if gib is not None:
+        return int(gib * 2**30) if gib > 0 else None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * 0.75)
+    except OSError:
+        pass
+    return None
+
+
+def run_one(spec: dict, opts) -> dict:
+    """Run ``spec`` in a fresh interpreter; its result, or a status (timeout, oom, killed, error)."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(opts.threads),
+        "MKL_NUM_THREADS": str(opts.threads),
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    if MODELS[spec["model"]]["kind"] == "hf":
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors leave the resident set (RSS is the metric)
+    limit = opts.memory_limit
+
+    def cap_memory():
+        if limit:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+    cmd = [sys.executable, "-m", "attn_reg_lab.scaling", "--worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(
+            cmd, env=env, text=True, capture_output=True,
+            timeout=opts.timeout, preexec_fn=cap_memory, cwd=str(REPO_ROOT),
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "reason": f"over --timeout {opts.timeout:g} s", "seconds": opts.timeout}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK) :])
+    if proc.returncode < 0 and -proc.returncode == 9:
+        return {"status": "oom", "reason": "killed by SIGKILL (the kernel's out-of-memory killer?)"}
+    tail = (proc.stderr or proc.stdout)[-2000:]
+    oom = any(s in tail.lower() for s in ("can't allocate memory", "cannot allocate memory", "memoryerror"))
+    return {"status": "oom" if oom else "error", "reason": f"exit status {proc.returncode}: {tail}"}
+
+
+def _ratio(a, b) -> Optional[float]:
+    if a is None or b is None or not b:
+        return None
+    return round(a / b, 3)
+
+
+def add_ratios(runs: List[dict]) -> None:
+    plain = {(r["model"], r["length"]): r for r in runs if r["method"] == "plain" and r["status"] == "ok"}
+    for r in runs:
+        p = plain.get((r["model"], r["length"]))
+        ok = r["status"] == "ok" and p is not None
+        r["mem_ratio"] = _ratio(r.get("memory_mib"), p.get("memory_mib")) if ok else None
+        r["time_ratio"] = _ratio(r.get("cpu_s"), p.get("cpu_s")) if ok else None
+        extra = r.get("memory_mib") - p.get("memory_mib") if ok and r.get("memory_mib") is not None else None
+        r["extra_memory_mib"] = None if extra is None else round(extra, 2)
+
+
+def verdicts(runs: List[dict], models: List[str], lengths: List[int]) -> List[dict]:
+    """Issue 32's targets: met (True), missed (False) or not measured (None) in this run."""
+    by_key = {(r["model"], r["method"], r["length"]): r for r in runs}
+    out = []
+    for model, length, metric, bound, what in TARGETS:
+        value, met = None, None
+        if model in models:
+            if metric == "runs":
+                wanted = [n for n in lengths if n <= length]
+                rows = [by_key.get((model, "ga", n)) for n in wanted]
+                if length in lengths and all(rows):
+                    failed = [n for n, r in zip(wanted, rows) if r["status"] != "ok"]
+                    value = "all ran" if not failed else f"failed at {', '.join(map(str, failed))}"
+                    met = not failed
+            else:
+                r = by_key.get((model, "ga", length))
+                if r is not None and r["status"] != "ok":
+                    value, met = r["status"], False
+                elif r is not None and r.get(metric) is not None:
+                    value = r[metric]
+                    met = value <= bound
+        out.append({"target": what, "model": model, "length": length, "metric": metric, "bound": bound,
+                    "value": value, "met": met})  # fmt: skip
+    return out
+
+
+def _fmt(x, digits=2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def format_tables(runs: List[dict], models: List[str]) -> str:
+    lines = []
+    for model in models:
+        rows = [r for r in runs if r["model"] == model]
+        if not rows:
+            continue
+        metric = next((r["memory_metric"] for r in rows if r.get("memory_metric")), "memory")
+        lines += [
+            f"### ({model}) {MODELS[model]['description']}",
+            "",
+            f"| length | method | memory MiB ({metric}) | × plain | CPU time s / step | × plain | status |",
+            "|---:|---|---:|---:|---:|---:|---|",
+        ]
+        for r in rows:
+            status = r["status"] if r["status"] == "ok" else f"**{r['status']}**"
+            lines.append(
+                f"| {r['length']} | {r['method']} | {_fmt(r.get('memory_mib'), 1)} | {_fmt(r.get('mem_ratio'))} | "
+                f"{_fmt(r.get('cpu_s'), 3)} | {_fmt(r.get('time_ratio'))} | {status} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def format_verdicts(checks: List[dict]) -> str:
+    lines = ["| target (CPU, one thread) | measured | verdict |", "|---|---:|---|"]
+    for c in checks:
+        value = c["value"]
+        shown = f"{value:.2f}×" if isinstance(value, float) else ("-" if value is None else str(value))
+        verdict = {True: "met", False: "**missed**", None: "not measured"}[c["met"]]
+        lines.append(f"| {c['target']} | {shown} | {verdict} |")
+    return "\n".join(lines)
+
+
+def plot(runs: List[dict], models: List[str], methods: List[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m for m in models if any(r["model"] == m for r in runs)]
+    fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.8 * len(models)), squeeze=False)
+    for row, model in zip(axes, models):
+        for method in methods:
+            pts = [r for r in runs if r["model"] == model and r["method"] == method and r["status"] == "ok"]
+            for ax, key in zip(row, ("memory_mib", "cpu_s")):
+                xy = [(r["length"], r[key]) for r in pts if r.get(key)]
+                if xy:
+                    ax.plot(*zip(*xy), marker="o", label=method)
+        metric = next((r["memory_metric"] for r in runs if r["model"] == model and r.get("memory_metric")), "memory")
+        for ax, label in zip(row, (f"{metric} (MiB)", "CPU time per step (s)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length (tokens)")
+            ax.set_ylabel(label)
+            ax.set_title(f"({model}) {MODELS[model]['description']}", fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.has_data():
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _csv(text: str) -> List[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="attn-reg-scaling",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--models", default="a,b,c", help="comma list of a, b, c (see the module docstring)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    parser.add_argument("--lengths", help="comma list of sequence lengths (default 128,...,8192; quick 32,64)")
+    parser.add_argument("--iga-max-length", type=int, default=512, help="IGA runs only up to this length (512)")
+    parser.add_argument("--iga-steps", type=int, help="m of integrated gradients (default 20, quick 3)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads and OMP_NUM_THREADS of each run (1)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before measuring (1)")
+    parser.add_argument(
+        "--repeats", type=int, help="timed steps of models a, b; the median is taken (default 2, quick 1)"
+    )
+    parser.add_argument(
+        "--hf-steps", type=int, help="Trainer steps of model c; the first is not timed (default 3, quick 2)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds per run before it is recorded as a timeout"
+    )
+    parser.add_argument(
+        "--max-memory-gib", type=float,
+        help="cap of each run's data segment (RLIMIT_DATA; default 75%% of the memory available at start; 0: none)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="smoke run: lengths 32,64, 1 timed step, IGA m = 3")
+    parser.add_argument("--out-dir", type=Path, default=Path("outputs") / "scaling")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    if opts.worker:
+        return opts
+    models = _csv(opts.models)
+    bad = [m for m in models if m not in MODELS]
+    if not models or bad:
+        parser.error(f"--models: unknown {bad[0] if bad else opts.models!r}; accepted: a comma list of a, b, c")
+    methods = _csv(opts.methods)
+    bad = [m for m in methods if m not in METHODS]
+    if not methods or bad:
+        parser.error(f"--methods: unknown {bad[0] if bad else opts.methods!r}; accepted: {', '.join(METHODS)}")
+    if "plain" not in methods:
+        methods.insert(0, "plain")  # the reference of every ratio
+    methods = [m for m in METHODS if m in methods]
+    try:
+        lengths = sorted({int(x) for x in _csv(opts.lengths)}) if opts.lengths else None
+    except ValueError:
+        parser.error(f"--lengths must be a comma list of integers, got {opts.lengths!r}")
+    if lengths is None:
+        lengths = [32, 64] if opts.quick else list(DEFAULT_LENGTHS)
+    if not lengths or lengths[0] < 2:
+        parser.error(f"--lengths must be integers >= 2, got {opts.lengths!r}")
+    defaults = dict(iga_steps=3 if opts.quick else 20, repeats=1 if opts.quick else 2, hf_steps=2 if opts.quick else 3)
+    for key, value in defaults.items():
+        if getattr(opts, key) is None:
+            setattr(opts, key, value)
+    for key, low in (("iga_steps", 1), ("threads", 1), ("warmup", 0), ("repeats", 0), ("hf_steps", 1)):
+        if getattr(opts, key) < low:
+            parser.error(f"--{key.replace('_', '-')} must be an integer >= {low}, got {getattr(opts, key)}")
+    if opts.timeout <= 0:
+        parser.error(f"--timeout must be > 0, got {opts.timeout}")
+    opts.models, opts.methods, opts.lengths = models, methods, lengths
+    opts.memory_limit = _memory_limit_bytes(opts.max_memory_gib)
+    return opts
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    if opts.worker:
+        result = worker(json.loads(opts.worker))
+        print(RESULT_MARK + json.dumps(result), flush=True)
+        return 0
+    from .provenance import environment
+
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["attn-reg-scaling", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
+    load_before = os.getloadavg()
+    started = time.time()
+    runs: List[dict] = []
+    failed_at: Dict[tuple, int] = {}
+    for model in opts.models:
+        for length in opts.lengths:
+            for method in opts.methods:
+                base = {"model": model, "method": method, "length": length}
+                if method == "iga" and length > opts.iga_max_length:
+                    runs.append(
+                        {
+                            **base,
+                            "status": "skipped",
+                            "reason": f"IGA only up to --iga-max-length {opts.iga_max_length}",
+                        }
+                    )
+                    continue
+                if (model, method) in failed_at:
+                    first = failed_at[(model, method)]
+                    runs.append({**base, "status": "skipped", "reason": f"did not complete at {first} tokens"})
+                    continue
+                spec = {
+                    **base, "seed": opts.seed, "threads": opts.threads, "warmup": opts.warmup,
+                    "repeats": opts.repeats, "hf_steps": opts.hf_steps, "iga_steps": opts.iga_steps,
+                }  # fmt: skip
+                result = run_one(spec, opts)
+                run = {**base, **result}
+                runs.append(run)
+                if run["status"] in ("oom", "timeout", "error"):
+                    failed_at[(model, method)] = length
+                shown = (
+                    f"{_fmt(run.get('memory_mib'), 1)} MiB, {_fmt(run.get('cpu_s'), 3)} s CPU/step"
+                    if run["status"] == "ok"
+                    else f"{run['status']}: {run.get('reason', '')[:300]}"
+                )
+                print(f"({model}) {length:>5} {method:<13} {shown}  [{run.get('seconds', '-')} s]", flush=True)
+    add_ratios(runs)
+    checks = verdicts(runs, opts.models, opts.lengths)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k != "worker"}
+    result = {
+        "command": command,
+        "settings": settings,
+        "models": {m: MODELS[m] for m in opts.models},
+        "ad_drop": {"p": AD_DROP_P, "q": AD_DROP_Q, "layers": "all", "schedule": "always"},
+        "environment": environment(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "seconds": round(time.time() - started, 1),
+        "runs": runs,
+        "verdicts": checks,
+    }
+    (opts.out_dir / "scaling.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(runs, opts.models, opts.methods, opts.out_dir / "scaling.png")
+    tables, verdict = format_tables(runs, opts.models), format_verdicts(checks)
+    note = (
+        f"Memory: (a), (b) torch's CPU allocator peak during one training step; (c) process RSS growth over "
+        f"{opts.hf_steps} Trainer steps. CPU time: median process CPU time per step, {opts.threads} thread(s). "
+        f"Load average before {result['load_average_before']}, after {result['load_average_after']}; "
+        f"{result['seconds']} s."
+    )
+    md = f"# attn-reg-scaling\n\n```\n{command}\n```\n\n{note}\n\n{tables}\n## Verdict (issue 32's targets)\n\n{verdict}\n"
+    (opts.out_dir / "results.md").write_text(md)
+    print()
+    print(tables)
+    print("Verdict (issue 32's targets, CPU, one thread):")
+    print(verdict)
+    print(f"\n{note}\nwrote {opts.out_dir / 'scaling.json'}, scaling.png, results.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""attn-reg-scaling: the table, JSON, PNG and verdict of a tiny grid, its refusals, and the property
+the blockwise kernel exists for: AD-DROP's extra step memory grows linearly with length."""
+
+import json
+
+import pytest
+import torch
+
+from attn_reg_lab import scaling
+from attn_reg_lab.benchmark.measure import cpu_step_peak_bytes
+
+
+def _extra_memory(length: int) -> float:
+    """GA's step peak above plain's, in bytes, on model (a) at ``length`` tokens (this process)."""
+    peaks = {}
+    for method in ("plain", "ga"):
+        spec = dict(model="a", method=method, length=length, seed=1, iga_steps=3)
+        step, _ = scaling._core_step(spec)
+        step()  # optimizer state and allocator caches exist before the measured step
+        peaks[method] = cpu_step_peak_bytes(step)
+    return peaks["ga"] - peaks["plain"]
+
+
+def test_ad_drop_extra_memory_is_linear_in_length():
+    """At 1,024 and 2,048 tokens the maps are several blocks of the kernel: doubling the length at most
+    about doubles what AD-DROP holds beyond plain (dense maps would quadruple it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        at_t, at_2t = _extra_memory(1024), _extra_memory(2048)
+    finally:
+        torch.set_num_threads(threads)
+    assert at_t > 0
+    assert at_2t <= 2.3 * at_t, (at_t / 2**20, at_2t / 2**20)
+
+
+def test_a_tiny_grid_writes_table_json_png_and_verdict(tmp_path, capsys):
+    out = tmp_path / "scaling"
+    assert scaling.main(["--models", "a", "--methods", "ga", "--lengths", "32", "--repeats", "1",
+                         "--warmup", "0", "--out-dir", str(out)]) == 0  # fmt: skip
+    result = json.loads((out / "scaling.json").read_text())
+    runs = {r["method"]: r for r in result["runs"]}
+    assert set(runs) == {"plain", "ga"}  # plain is always run: every ratio is against it
+    assert all(r["status"] == "ok" for r in runs.values()), runs
+    ga, plain = runs["ga"], runs["plain"]
+    assert ga["memory_mib"] > 0 and plain["cpu_s"] > 0
+    assert ga["mem_ratio"] == round(ga["memory_mib"] / plain["memory_mib"], 3)
+    assert ga["time_ratio"] == round(ga["cpu_s"] / plain["cpu_s"], 3)
+    assert 0 < ga["drop_rate"] < 0.3  # p = q = 0.3: at most p q of a row's keys, fewer on short rows
+    assert ga["torch_threads"] == 1
+    # lengths that were not run are "not measured", never met or missed
+    assert all(v["met"] is None for v in result["verdicts"]), result["verdicts"]
+    assert (out / "scaling.png").stat().st_size > 0
+    md = (out / "results.md").read_text()
+    assert "attn-reg-scaling --models a" in md and "| 32 | ga |" in md and "not measured" in md
+
+
+def test_verdicts_compare_with_the_targets():
+    runs = [
+        {"model": "a", "method": "plain", "length": 4096, "status": "ok", "memory_mib": 40.0, "cpu_s": 1.0},
+        {"model": "a", "method": "ga", "length": 4096, "status": "ok", "memory_mib": 50.0, "cpu_s": 6.0},
+    ]
+    scaling.add_ratios(runs)
+    checks = {(c["model"], c["length"], c["metric"]): c for c in scaling.verdicts(runs, ["a"], [4096])}
+    assert checks[("a", 4096, "mem_ratio")]["met"] is True  # 1.25 <= 1.5
+    assert checks[("a", 4096, "time_ratio")]["met"] is False  # 6 > 5
+    assert checks[("a", 8192, "runs")]["met"] is None  # 8192 not in the grid
+    assert checks[("b", 2048, "mem_ratio")]["met"] is None  # model b not run
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--models", "a,z"], ["--models", "z"]),
+        (["--methods", "ga,xx"], ["--methods", "xx"]),
+        (["--lengths", "64,abc"], ["--lengths"]),
+        (["--lengths", "1"], ["--lengths", ">= 2"]),
+        (["--threads", "0"], ["--threads"]),
+        (["--timeout", "0"], ["--timeout"]),
+    ],
+)
+def test_bad_options_are_refused_before_anything_runs(argv, names, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        scaling.main([*argv, "--out-dir", str(tmp_path / "out")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.split("error: ", 1)[1]
+    assert all(n in err for n in names), err
+    assert not (tmp_path / "out").exists()
