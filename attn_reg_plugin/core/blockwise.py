@@ -298,6 +298,8 @@ def _block_bias(bias_rows: Optional[torch.Tensor], dtype: torch.dtype):
         return None, None
     valid = valid_keys_from_bias(bias_rows)
     if bias_rows.dtype == torch.bool:
+        if bias_rows.device.type == "cpu" and bool(bias_rows.all()):
+            return None, valid  # nothing to add (no padding in the block): the drops are the mask
         part = torch.zeros((), dtype=dtype, device=bias_rows.device).masked_fill(~bias_rows, mask_fill_value(dtype))
     else:
         part = bias_rows.to(dtype).clamp(min=mask_fill_value(dtype))
@@ -330,8 +332,13 @@ def _block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=N
             drop = drop & ~emptied
             uniform = emptied if uniform is None else (uniform | emptied)
     if drop is not None:
-        fill = mask_fill_value(q_rows.dtype)
-        part = drop.to(q_rows.dtype).mul_(fill) if part is None else torch.add(part, drop, alpha=fill)
+        # Cast from bytes (a CPU casts uint8 to float ~3x faster than bool), scale, then add the
+        # bias in place: several times faster than one add of a bool to a float.
+        additive = drop.view(torch.uint8).to(q_rows.dtype).mul_(mask_fill_value(q_rows.dtype))
+        if part is not None:
+            fits = torch.broadcast_shapes(additive.shape, part.shape) == additive.shape
+            additive = additive.add_(part) if fits else additive + part
+        part = additive
     keyless = None if bias_rows is None else ~valid.any(-1, keepdim=True)
     return part, uniform, keyless, valid, drop, state
 
@@ -400,6 +407,8 @@ class BlockwiseAttention(torch.autograd.Function):
         states: List[object] = []
         rng_states: List[object] = []
         keep_stats = _keeps_softmax_stats(q, k, v, bias, call, bias is not None and bias.requires_grad)
+        # Every block reads all of k and v: once contiguous, sdpa's CPU kernel reads them faster.
+        k, v = k.contiguous(), v.contiguous()
         lse = q.new_empty((b, h, t), dtype=torch.float32) if keep_stats else None
         for start in range(0, t, call.rows_per_block):
             rows = slice(start, min(t, start + call.rows_per_block))

@@ -99,7 +99,7 @@ def _attend_pair(q, k, v, bias, hook_of, monkeypatch, block_calls, dropout_p=0.0
         out, _ = attend(*leaves, bias_leaf, dropout_p=dropout_p, site=site_with_hook(hook_of()))
         assert (split and bool(block_calls)) or (not split and not block_calls), split
         block_calls.clear()
-        (out.double() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        (out.double() * torch.linspace(-1, 1, out.numel(), device=out.device).view(out.shape)).sum().backward()
         grads = [x.grad for x in leaves] + (
             [bias_leaf.grad] if bias_leaf is not None and bias_leaf.requires_grad else []
         )
@@ -107,7 +107,11 @@ def _attend_pair(q, k, v, bias, hook_of, monkeypatch, block_calls, dropout_p=0.0
     return results
 
 
-TOL = {torch.float32: dict(atol=2e-6, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=1e-2)}
+TOL = {
+    torch.float32: dict(atol=2e-6, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=1e-2),
+    torch.bfloat16: dict(atol=2e-2, rtol=5e-2),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -130,6 +134,47 @@ def test_blocks_equal_one_block_for_the_same_dense_drops(dtype, kind, uniform, m
     for a, w in zip(split[1], whole[1]):
         torch.testing.assert_close(a, w, **TOL[dtype])
     assert torch.isfinite(split[0]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["padding", "causal"])
+def test_blocks_on_cuda_equal_one_block(dtype, kind, monkeypatch, block_calls):
+    """The same kernel on CUDA (its backward recomputes each block through sdpa): several blocks
+    equal one for the same drops, in half precision, with fully masked rows (left-padded causal)
+    and a row that loses every key; the output stays finite."""
+    g = torch.Generator().manual_seed(0)
+    b, h, t, d = 2, 3, 7, 8
+    q, k, v = (torch.randn(b, h, t, d, generator=g).to("cuda", dtype) for _ in range(3))
+    valid = _valid(kind, b, t).cuda()
+    drop = torch.rand(b, h, t, t, generator=g) < 0.4
+    drop[0, 0, 3] = True
+    drop = drop.cuda()
+    split, whole = _attend_pair(q, k, v, valid, lambda: EditScores(drop=drop), monkeypatch, block_calls)
+    assert torch.isfinite(split[0]).all()
+    torch.testing.assert_close(split[0], whole[0], **TOL[dtype])
+    for a, w in zip(split[1], whole[1]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, w, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_ad_drop_ga_region_on_cuda_is_the_exact_top_p(dtype, monkeypatch):
+    """GA's per-block region on CUDA (sorted top-k, ties by key index) is each row's dense top ceil(p n)."""
+    monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+    g = torch.Generator().manual_seed(3)
+    b, h, t, d = 2, 2, 7, 4
+    grad_out, values = torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g).to(dtype)
+    valid = _valid("causal", b, t)
+    rule = TopRegionRule(GradientScores(grad_out.cuda(), values.cuda()), 0.5, 1.0)
+    dense = candidate_region(dense_gradient_attribution(grad_out, values.float()), valid, 0.5)
+    n = valid.expand(b, h, t, t).sum(-1, keepdim=True)
+    drops = _rule_drops(rule, valid.cuda(), (b, h, t, t), 11, 2).cpu()
+    everything = dense.sum(-1, keepdim=True) == n
+    assert torch.equal(drops | everything & dense, dense)
 
 
 def test_blocks_back_propagate_into_a_float_bias(monkeypatch, block_calls):
