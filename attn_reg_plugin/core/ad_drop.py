@@ -27,7 +27,7 @@ from .attribution import (
     output_gradients,
     probs_gradient,
 )
-from .blockwise import GradientScores, RandomScores, TopRegionRule, blockwise_rows
+from .blockwise import AttentionScores, GradientScores, RandomScores, ScoreSource, TopRegionRule, blockwise_rows
 from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
 from .masks import ad_drop_masks, decimal_fraction
@@ -299,11 +299,12 @@ class ADDrop:
                 ]
                 return capture.sites, attributions, capture.valid
             if method == "aa":
-                capture = CaptureProbs(requires_grad=False)
+                capture = CaptureProbs(requires_grad=False, inputs_when_long=not dense)
                 with torch.no_grad(), self.controller.hooks({s: capture for s in self.sites}):
                     forward()
                 self._check_captured(capture.sites, capture.probs)
-                return capture.sites, [p.float() for p in capture.probs], capture.valid
+                maps = [p if isinstance(p, AttentionScores) else p.float() for p in capture.probs]
+                return capture.sites, maps, capture.valid
             if method == "iga":
                 return self._integrated_gradients(forward, target)
         raise AssertionError(method)
@@ -417,9 +418,10 @@ class ADDrop:
         stats["dropped"], stats["valid"] = counts
 
     def _edits(self, sites, attributions, valids, counts, stats) -> Dict[AttentionSite, EditScores]:
-        """Pass 2's edit of each site from pass 1's attributions: dense maps (AA, IGA, and GA for a
-        map that fits one block of the kernel) become masks here; GA for a longer map becomes a
-        :class:`TopRegionRule` that the kernel evaluates per block of queries from dF/dO and V."""
+        """Pass 2's edit of each site from pass 1's attributions: dense maps (IGA, and GA or AA for a
+        map that fits one block of the kernel) become masks here; GA or AA for a longer map becomes
+        a :class:`TopRegionRule` that the kernel evaluates per block of queries from dF/dO and V
+        (GA) or from q and k (AA)."""
         p, q, bottom = self.config.p, self.config.q, self.config.region == "bottom"
         targeted = None
         if self.config.attribution != "aa":
@@ -430,8 +432,9 @@ class ADDrop:
             stats["skipped"] = (~targeted.any()).long()
         edits = {}
         for site, attribution, valid in zip(sites, attributions, valids):
-            if isinstance(attribution, GradientScores):
-                rule = TopRegionRule(dataclasses.replace(attribution, negate=bottom), p, q, targeted)
+            if isinstance(attribution, ScoreSource):  # GA's (dF/dO, V) or AA's (q, k): ranked per block
+                source = dataclasses.replace(attribution, negate=True) if bottom else attribution
+                rule = TopRegionRule(source, p, q, targeted)
                 edits[site] = EditScores(drop=rule, stats=counts)
                 continue
             # The bottom-p by attribution is the top-p of its negation (the kept key of an emptied row too).

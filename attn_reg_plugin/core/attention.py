@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .blockwise import BlockCall, blockwise_attention, blockwise_rows, rule_of
+from .blockwise import AttentionScores, BlockCall, blockwise_attention, blockwise_rows, rule_of
 from .checkpointing import ORDINARY_CALL, SiteCall, begin_call, recomputing
 
 # The hooks live beside the site they are set on; this module stays their public import path.
@@ -154,6 +154,14 @@ def attend(
         # The model's own mask goes to sdpa (no float copy of it saved per layer for the backward):
         # the ordinary path's bits, with the output kept for the attribution.
         return _capture_output(call, q, k, v, bias, scale), None
+    if _keeps_inputs(hook, q, k, need_weights) and fast_masks:
+        # AA on a long map: keep q, k and the bias, not the weights; pass 2 recomputes them per block.
+        if call.fresh:
+            scale_ = scale if scale is not None else q.shape[-1] ** -0.5
+            hook.sites.append(call.site)
+            hook.probs.append(AttentionScores(q.detach(), k.detach(), bias, scale_))
+            hook.valid.append(_validity(bias, k))
+        return _ordinary_attention(q, k, v, bias, 0.0, scale), None
 
     # Prepared: a finite bias that drops can be added to, and the validity captures and counts need.
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -234,13 +242,29 @@ def _captured(call: SiteCall, out: torch.Tensor, v: torch.Tensor, valid: torch.T
     return out
 
 
+def _validity(bias: Optional[torch.Tensor], k: torch.Tensor) -> torch.Tensor:
+    """Valid keys of a call from the model's mask; with none, every key (the key dimension is kept,
+    since counts are taken along it)."""
+    if bias is None:
+        return torch.ones((1, 1, 1, k.shape[2]), dtype=torch.bool, device=k.device)
+    return valid_keys_from_bias(bias)
+
+
+def _keeps_inputs(hook, q: torch.Tensor, k: torch.Tensor, need_weights: bool) -> bool:
+    """Whether this call is AA's capture of a map longer than one block of the kernel."""
+    return (
+        isinstance(hook, CaptureProbs)
+        and hook.inputs_when_long
+        and not need_weights
+        and not hook.requires_grad
+        and hook.alpha == 1.0
+        and blockwise_rows(q, k, None) is not None
+    )
+
+
 def _capture_output(call: SiteCall, q, k, v, bias, scale) -> torch.Tensor:
     """GA's capture with the model's mask as given: ``_ordinary_attention`` zeroes keyless rows."""
-    if bias is None:  # every key valid: the key dimension is kept, since counts are taken along it
-        valid = torch.ones((1, 1, 1, k.shape[2]), dtype=torch.bool, device=q.device)
-    else:
-        valid = valid_keys_from_bias(bias)
-    return _captured(call, _ordinary_attention(q, k, v, bias, 0.0, scale), v, valid)
+    return _captured(call, _ordinary_attention(q, k, v, bias, 0.0, scale), v, _validity(bias, k))
 
 
 def _blockwise_edit(call: SiteCall, q, k, v, bias, dropout_p: float, scale, rows: int) -> torch.Tensor:

@@ -180,6 +180,31 @@ class GradientScores(ScoreSource):
 
 
 @dataclass(frozen=True, eq=False)
+class AttentionScores(ScoreSource):
+    """Attention weights softmax(q k^T scale + bias) of a block's rows, recomputed from q and k (AA):
+    the same operations as the kernel's dense weights, row by row."""
+
+    query: torch.Tensor  # (B, H, T, d)
+    key: torch.Tensor  # (B, H, S, d)
+    bias: Optional[torch.Tensor]  # as the model gave it (bool: True = may attend; or float)
+    scale: float
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    def scores(self, block: Block) -> torch.Tensor:
+        q_rows = self.query[:, :, block.rows]
+        logits = torch.matmul(q_rows, self.key.transpose(-2, -1)) * self.scale
+        part, _ = _block_bias(rows_of(self.bias, block.rows), q_rows.dtype)
+        if part is not None:
+            logits = logits + part
+        # Softmax in at least float32, then the model's dtype, as the dense weights are.
+        half = logits.dtype in (torch.float16, torch.bfloat16)
+        return torch.softmax(logits.float() if half else logits, dim=-1).to(q_rows.dtype).float()
+
+
+@dataclass(frozen=True, eq=False)
 class RandomScores(ScoreSource):
     """Uniform random scores: a random candidate region (AD-DROP's RD control)."""
 
@@ -551,6 +576,7 @@ def blockwise_rows(q: torch.Tensor, k: torch.Tensor, drop) -> Optional[int]:
 
 
 __all__: Sequence[str] = (
+    "AttentionScores",
     "BernoulliRule",
     "BlockRule",
     "DenseRule",

@@ -153,7 +153,7 @@ def _emptied(hook: Hook) -> Hook:
     if isinstance(hook, CaptureOutput):
         return CaptureOutput()
     if isinstance(hook, CaptureProbs):
-        return CaptureProbs(alpha=hook.alpha, requires_grad=hook.requires_grad)
+        return CaptureProbs(alpha=hook.alpha, requires_grad=hook.requires_grad, inputs_when_long=hook.inputs_when_long)
     return EditScores()
 
 

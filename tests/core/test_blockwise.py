@@ -363,3 +363,44 @@ def test_without_a_bias_every_key_counts_towards_ceil_p_n(blocks, monkeypatch, b
     # 144 candidates (3 of 6 keys in each of 48 rows), each dropped with q = 0.5: 72 expected, sd 6
     # (a region of one key per row would drop about 24)
     assert 50 < int(stats["dropped"]) < 95, int(stats["dropped"])
+
+
+@pytest.mark.parametrize("kind", ["padding", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_weight_region_is_the_dense_top_p_in_every_block(kind, dtype, monkeypatch):
+    """AA on a long map keeps q, k and the bias; each block's weights, recomputed, rank the keys as
+    the dense weights do: the region is each row's top ceil(p n) by the dense path's weights."""
+    from attn_reg_plugin.core.blockwise import AttentionScores
+
+    monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+    g = torch.Generator().manual_seed(4)
+    b, h, t, d = 2, 2, 7, 4
+    q, k, v = (torch.randn(b, h, t, d, generator=g).to(dtype) for _ in range(3))
+    valid = _valid(kind, b, t)
+    weights = attend(q, k, v, valid, need_weights=True)[1].float()  # the kernel's dense weights
+    dense = candidate_region(weights, valid, 0.5)
+    n = valid.expand(b, h, t, t).sum(-1, keepdim=True)
+    rule = TopRegionRule(AttentionScores(q, k, valid, d**-0.5), 0.5, 1.0)
+    for rows_per_block in (2, 4, 7):
+        drops = _rule_drops(rule, valid, (b, h, t, t), 5, rows_per_block)
+        everything = dense.sum(-1, keepdim=True) == n
+        assert torch.equal(drops | everything & dense, dense), rows_per_block
+
+
+def test_ad_drop_aa_split_into_blocks_keeps_q_and_k_not_weights(small_blocks, block_calls):
+    model = _Encoder()
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(7))
+    bias = _valid("padding", 2, 6)
+    ad_drop = ADDrop(ADDropConfig(p=0.3, q=0.5, schedule="always", attribution="aa"), model.controller)
+    with ad_drop.masked(lambda: model(x, bias), logit_target, frozen=model) as stats:
+        rules = [site.hook.drop for site in model.sites]
+        model(x, bias).sum().backward()
+    from attn_reg_plugin.core.blockwise import AttentionScores
+
+    assert all(isinstance(r, TopRegionRule) and isinstance(r.source, AttentionScores) for r in rules)
+    assert len(block_calls) == 2
+    rate = float(stats["dropped"]) / float(stats["valid"])
+    assert 0.05 < rate < 0.3, rate
+    # the dense attributions (dense=True, what the lab's tools read) are still weight maps
+    sites, maps, _ = ad_drop.attributions(lambda: model(x, bias), logit_target, frozen=model)
+    assert all(isinstance(m, torch.Tensor) and m.shape == (2, 2, 6, 6) for m in maps)
