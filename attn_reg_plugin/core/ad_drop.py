@@ -27,7 +27,8 @@ from .attribution import (
     output_gradients,
     probs_gradient,
 )
-from .blockwise import AttentionScores, GradientScores, RandomScores, ScoreSource, TopRegionRule, blockwise_rows
+from .block_rules import AttentionScores, GradientScores, RandomScores, ScoreSource, TopRegionRule
+from .blockwise import blockwise_rows
 from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
 from .masks import ad_drop_masks, decimal_fraction

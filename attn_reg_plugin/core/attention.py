@@ -27,7 +27,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .blockwise import AttentionScores, BlockCall, blockwise_attention, blockwise_rows, rule_of
+from .block_rules import AttentionScores, rule_of
+from .blockwise import BlockCall, blockwise_attention, blockwise_rows
 from .checkpointing import ORDINARY_CALL, SiteCall, begin_call, recomputing
 
 # The hooks live beside the site they are set on; this module stays their public import path.

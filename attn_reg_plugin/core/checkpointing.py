@@ -23,7 +23,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from .blockwise import call_seed
+from .block_rules import call_seed
 from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores, Hook, Replay, ResolvedEdit
 
 

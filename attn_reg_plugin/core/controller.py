@@ -46,7 +46,7 @@ class CaptureProbs:
     alpha: float = 1.0
     requires_grad: bool = True
     # AA's training pass: a map longer than one block of the kernel is kept as its inputs
-    # (``blockwise.AttentionScores``: q, k, bias), its weights recomputed per block in pass 2.
+    # (``block_rules.AttentionScores``: q, k, bias), its weights recomputed per block in pass 2.
     inputs_when_long: bool = False
     sites: List[AttentionSite] = field(default_factory=list)
     probs: List[torch.Tensor] = field(default_factory=list)

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .attention import EditScores
-from .blockwise import BernoulliRule
+from .block_rules import BernoulliRule
 from .controller import AttentionSite, RegularizationController
 from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
 

@@ -9,11 +9,11 @@ import functools
 import pytest
 import torch
 
-from attn_reg_plugin.core import blockwise
+from attn_reg_plugin.core import block_rules, blockwise
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attention import EditScores, attend, zero_counts
 from attn_reg_plugin.core.attribution import dense_gradient_attribution, logit_target
-from attn_reg_plugin.core.blockwise import (
+from attn_reg_plugin.core.block_rules import (
     BernoulliRule,
     Block,
     DenseRule,
@@ -45,7 +45,7 @@ def block_calls(monkeypatch):
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks of 2 query rows (chunks of 2) whatever the size: the multi-block path at test sizes."""
-    monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
     monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
     monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
 
@@ -68,11 +68,11 @@ def test_block_sizes_follow_the_budget():
     assert blockwise.query_block_rows(1, 2, 512, 512, 32) == 512  # under the fixed floor
     assert blockwise.query_block_rows(1, 2, 4096, 4096, 32) == 64  # 2**19 elements / (2 x 4096)
     rows = blockwise.query_block_rows(1, 12, 2048, 2048, 64)  # BERT-base width at 2k: 2 x T x d
-    assert rows == 128 and rows % blockwise.CHUNK_ROWS == 0
+    assert rows == 128 and rows % block_rules.CHUNK_ROWS == 0
 
 
 def test_coins_do_not_depend_on_the_split(monkeypatch):
-    monkeypatch.setattr(blockwise, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 4)
     shape = (2, 3, 11, 5)
     whole = chunk_uniform(7, shape, slice(0, 11), "cpu")
     for cuts in ([0, 4, 8, 11], [0, 8, 11], [0, 3, 6, 11]):  # on chunk boundaries or not
@@ -88,7 +88,7 @@ def _attend_pair(q, k, v, bias, hook_of, monkeypatch, block_calls, dropout_p=0.0
     results = []
     for split in (True, False):
         if split:
-            monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+            monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
             monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
             monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
         else:
@@ -164,7 +164,7 @@ def test_blocks_on_cuda_equal_one_block(dtype, kind, monkeypatch, block_calls):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_ad_drop_ga_region_on_cuda_is_the_exact_top_p(dtype, monkeypatch):
     """GA's per-block region on CUDA (sorted top-k, ties by key index) is each row's dense top ceil(p n)."""
-    monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
     g = torch.Generator().manual_seed(3)
     b, h, t, d = 2, 2, 7, 4
     grad_out, values = torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g).to(dtype)
@@ -220,7 +220,7 @@ def _rule_drops(rule, valid, shape, seed, rows_per_block):
 @pytest.mark.parametrize("kind", ["padding", "causal"])
 @pytest.mark.parametrize("p", [0.2, 0.5, 0.99])
 def test_gradient_region_is_the_dense_top_p_in_every_block(kind, p, monkeypatch):
-    monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
     g = torch.Generator().manual_seed(3)
     b, h, t, d = 2, 2, 7, 4
     grad_out, values = torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g)
@@ -252,7 +252,7 @@ def test_ties_at_the_threshold_are_taken_lowest_key_first():
 
 
 def test_rules_regenerate_the_same_drops_for_any_split(monkeypatch):
-    monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
     valid = _valid("causal", 2, 8)
     shape = (2, 3, 8, 8)
     for rule in (BernoulliRule(torch.tensor(0.4)), TopRegionRule(RandomScores(), 0.3, 0.5), DenseRule(valid)):
@@ -349,7 +349,7 @@ def test_without_a_bias_every_key_counts_towards_ceil_p_n(blocks, monkeypatch, b
     """A call with no mask has S valid keys per row, so GA's region is ceil(p S) keys per row. (The
     capture's validity once held a single key, which made the region 1 key per row.)"""
     if blocks == "several":
-        monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+        monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
         monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
         monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
     model = _Encoder()
@@ -370,9 +370,9 @@ def test_without_a_bias_every_key_counts_towards_ceil_p_n(blocks, monkeypatch, b
 def test_attention_weight_region_is_the_dense_top_p_in_every_block(kind, dtype, monkeypatch):
     """AA on a long map keeps q, k and the bias; each block's weights, recomputed, rank the keys as
     the dense weights do: the region is each row's top ceil(p n) by the dense path's weights."""
-    from attn_reg_plugin.core.blockwise import AttentionScores
+    from attn_reg_plugin.core.block_rules import AttentionScores
 
-    monkeypatch.setattr(blockwise, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
     g = torch.Generator().manual_seed(4)
     b, h, t, d = 2, 2, 7, 4
     q, k, v = (torch.randn(b, h, t, d, generator=g).to(dtype) for _ in range(3))
@@ -395,7 +395,7 @@ def test_ad_drop_aa_split_into_blocks_keeps_q_and_k_not_weights(small_blocks, bl
     with ad_drop.masked(lambda: model(x, bias), logit_target, frozen=model) as stats:
         rules = [site.hook.drop for site in model.sites]
         model(x, bias).sum().backward()
-    from attn_reg_plugin.core.blockwise import AttentionScores
+    from attn_reg_plugin.core.block_rules import AttentionScores
 
     assert all(isinstance(r, TopRegionRule) and isinstance(r.source, AttentionScores) for r in rules)
     assert len(block_calls) == 2

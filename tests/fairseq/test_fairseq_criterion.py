@@ -97,7 +97,7 @@ def test_attribution_pass_touches_no_parameter_gradient(tiny_mt_data):
 def test_same_seed_same_masks_and_loss(tiny_mt_data, monkeypatch, method):
     """CPU determinism: the same seed gives the same masks, loss and gradients; another seed other masks."""
     from attn_reg_plugin.core import ad_drop as ad_drop_module
-    from attn_reg_plugin.core import blockwise
+    from attn_reg_plugin.core import block_rules
 
     masks = []
 
@@ -108,7 +108,7 @@ def test_same_seed_same_masks_and_loss(tiny_mt_data, monkeypatch, method):
 
     real = ad_drop_module.ad_drop_masks
     monkeypatch.setattr(ad_drop_module, "ad_drop_masks", recording)  # GA: masks from pass 1's maps
-    monkeypatch.setattr(blockwise, "ad_drop_masks", recording)  # RD: drawn inside the kernel
+    monkeypatch.setattr(block_rules, "ad_drop_masks", recording)  # RD: drawn inside the kernel
     runs = []
     for seed in (0, 0, 1):
         masks.append([])
