@@ -42,12 +42,17 @@ def block_calls(monkeypatch):
     return seen
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """Blocks of 2 query rows (chunks of 2) whatever the size: the multi-block path at test sizes."""
+def _force_small_blocks(monkeypatch):
     monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
     monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
     monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 2 query rows (chunks of 2) whatever the size: the multi-block path at test sizes."""
+    _force_small_blocks(monkeypatch)
 
 
 def _one_block(monkeypatch):
@@ -65,10 +70,12 @@ def _valid(kind, b=2, t=7):
 
 def test_block_sizes_follow_the_budget():
     assert blockwise.query_block_rows(32, 12, 128, 128, 64) == 128  # BERT-base at 128: one block
+    assert blockwise.query_block_rows(4, 12, 4096, 128, 64) == 4096  # cross-attention to 128 keys: one
     assert blockwise.query_block_rows(1, 2, 512, 512, 32) == 512  # under the fixed floor
     assert blockwise.query_block_rows(1, 2, 4096, 4096, 32) == 64  # 2**19 elements / (2 x 4096)
-    rows = blockwise.query_block_rows(1, 12, 2048, 2048, 64)  # BERT-base width at 2k: 2 x T x d
-    assert rows == 128 and rows % block_rules.CHUNK_ROWS == 0
+    rows = blockwise.query_block_rows(1, 12, 2048, 2048, 64)  # BERT-base width at 2k: H x T x d
+    assert rows == 64 and rows % block_rules.CHUNK_ROWS == 0
+    assert blockwise.query_block_rows(2, 12, 4096, 4096, 64) == 64  # a block holds as many as q
 
 
 def test_coins_do_not_depend_on_the_split(monkeypatch):
@@ -88,9 +95,7 @@ def _attend_pair(q, k, v, bias, hook_of, monkeypatch, block_calls, dropout_p=0.0
     results = []
     for split in (True, False):
         if split:
-            monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
-            monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
-            monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+            _force_small_blocks(monkeypatch)
         else:
             _one_block(monkeypatch)
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
@@ -349,9 +354,7 @@ def test_without_a_bias_every_key_counts_towards_ceil_p_n(blocks, monkeypatch, b
     """A call with no mask has S valid keys per row, so GA's region is ceil(p S) keys per row. (The
     capture's validity once held a single key, which made the region 1 key per row.)"""
     if blocks == "several":
-        monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
-        monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
-        monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+        _force_small_blocks(monkeypatch)
     model = _Encoder()
     x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(5))
     torch.manual_seed(1)
