@@ -14,7 +14,16 @@ settings.register_profile("default", max_examples=150, deadline=None, suppress_h
 settings.register_profile("thorough", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-from helpers import CORPUS, MOVIE_REVIEWS_TINY, RESUMABLE, TRAIN_ARGS, USER_DIR, run_cli, train_updates
+from helpers import (
+    CORPUS,
+    LOGGED_TRAIN,
+    MOVIE_REVIEWS_TINY,
+    RESUMABLE,
+    TRAIN_ARGS,
+    USER_DIR,
+    run_cli,
+    train_updates,
+)
 
 
 @pytest.fixture(scope="session")
@@ -141,3 +150,37 @@ def reference_runs(tiny_mt_data, tmp_path_factory):
 def ad_drop_run(reference_runs):
     """The AD-DROP reference run: epoch 1 plain, epoch 2 AD-DROP, epoch 3 plain."""
     return reference_runs("ad_drop")
+
+
+@pytest.fixture(scope="session")
+def logged_runs(tiny_mt_data, tmp_path_factory):
+    """name -> one 2-epoch fairseq-train run of LOGGED_TRAIN[name], made once: its output ("log"), per-update
+    JSON records ("updates"), epoch checkpoints ("save": checkpoint1.pt, checkpoint2.pt) and TensorBoard
+    event files ("tb", --tensorboard-logdir)."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            root = tmp_path_factory.mktemp(f"{name}_logged")
+            proc = run_cli(
+                "fairseq-train",
+                [
+                    tiny_mt_data["bin"],
+                    "--user-dir",
+                    USER_DIR,
+                    "--save-dir",
+                    root / "ckpt",
+                    "--tensorboard-logdir",
+                    root / "tb",
+                    *LOGGED_TRAIN[name],
+                ],
+            )
+            runs[name] = {
+                "save": root / "ckpt",
+                "tb": root / "tb",
+                "log": proc.stdout,
+                "updates": train_updates(proc.stdout),
+            }
+        return runs[name]
+
+    return get

@@ -249,6 +249,66 @@ ATTENDOUT_TRAIN = [
 ]
 TRAIN_ARGS = {"ad_drop": AD_DROP_TRAIN, "attendout": ATTENDOUT_TRAIN}
 
+# Tiny 2-epoch runs (conftest.logged_runs) logged as JSON every update, keeping each epoch's
+# checkpoint: "plain" is the attn_reg task with the ordinary criterion, the others one regularizer each.
+_LOGGED_BASE = [
+    "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--label-smoothing", "0.1", "--dropout", "0.1",
+    "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu", "--seed", "3", "--no-progress-bar",
+    "--log-format", "json", "--log-interval", "1", "--max-epoch", "2",
+]  # fmt: skip
+_PLAIN_CRITERION = ["--criterion", "label_smoothed_cross_entropy"]
+SCHED_DROPOUT_SCHEDULE = "0:0.1,24:0.5"  # p(update): 0.1 at the first update, rising linearly to 0.5 at the 25th
+LAYERDROP_P = 0.3
+LOGGED_TRAIN = {
+    "plain": [*_LOGGED_BASE, *_PLAIN_CRITERION],
+    "ad_drop": [
+        *_LOGGED_BASE, "--criterion", "ad_drop_label_smoothed_cross_entropy", "--ad-drop-p", "0.3", "--ad-drop-q", "0.5",
+    ],
+    "attendout": [*_LOGGED_BASE, *_PLAIN_CRITERION, "--attendout", "--attendout-dropout-step", "4"],
+    "sched_dropout": [*_LOGGED_BASE, *_PLAIN_CRITERION, "--attn-sched-dropout-schedule", SCHED_DROPOUT_SCHEDULE],
+    # every attention kind: 6 selected layer calls per update, so the rate has 144 draws over the run
+    "layerdrop": [
+        *_LOGGED_BASE, *_PLAIN_CRITERION, "--attn-layerdrop-p", str(LAYERDROP_P),
+        "--attn-layerdrop-attention", "encoder-self,decoder-self,encoder-decoder",
+    ],
+}  # fmt: skip
+
+
+def train_epochs_json(log: str):
+    """{epoch: fields without the ``train_`` prefix} from fairseq's end-of-epoch JSON lines (--log-format json)."""
+    import json
+    import re
+
+    out = {}
+    for m in re.finditer(r"\| train \| (\{.*\})", log):
+        record = {k.removeprefix("train_"): v for k, v in json.loads(m.group(1)).items()}
+        out[int(record["epoch"])] = record
+    return out
+
+
+def tensorboard_scalars(logdir):
+    """{fairseq tag ("train_inner", "train", "valid"): {key: {step: value}}} from the event files
+    fairseq's --tensorboard-logdir writes (one folder per tag), read with tensorboardX's protobufs."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = {}
+    for path in sorted(Path(logdir).glob("*/events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):  # records: uint64 length, uint32 crc, the event, uint32 crc
+            (length,) = struct.unpack_from("<Q", data, pos)
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    out.setdefault(path.parent.name, {}).setdefault(value.tag, {})[event.step] = value.simple_value
+    return out
+
+
+# A line of a Python warning (``path:line: SomeWarning: ...``) or a logged warning in fairseq's format.
+WARNING_LINE = r"(?m)^.*(\b\w*Warning: |\| WARNING \|).*$"
+
 
 def record_results(monkeypatch, module, name):
     """Replace ``module.name`` by a wrapper that keeps a clone of every tensor it returns.
@@ -454,3 +514,54 @@ def classification_rows(n, seed, vocab=50, min_length=4, length_spread=5, causal
         ids = torch.randint(3, vocab, (length,), generator=g)
         rows.append({"input_ids": ids, "labels": ids.clone() if causal else torch.tensor(int(ids.sum()) % 2)})
     return rows
+
+
+# What fairseq's scripts/average_checkpoints.py does (a fairseq checkout has it, the pip package does
+# not): each file read by torch.load with map_location only (torch's default weights_only=True), the
+# "model" tensors averaged into the first file's state, saved. argv: INPUT... OUTPUT.
+AVERAGE_CHECKPOINTS = """
+import collections, sys, torch
+inputs, output = sys.argv[1:-1], sys.argv[-1]
+new_state, params = None, collections.OrderedDict()
+for path in inputs:
+    with open(path, "rb") as f:
+        state = torch.load(f, map_location=lambda s, _: torch.serialization.default_restore_location(s, "cpu"))
+    new_state = new_state or state
+    for k, p in state["model"].items():
+        params[k] = p.clone() if k not in params else params[k] + p
+new_state["model"] = collections.OrderedDict((k, v / len(inputs)) for k, v in params.items())
+torch.save(new_state, output)
+print("averaged with the plugin imported:", "attn_reg_plugin" in sys.modules)
+"""
+
+# fairseq-generate of a tiny test-set translation with stock fairseq's task (no --user-dir).
+STOCK_GENERATE = [
+    "--task",
+    "translation",
+    "--cpu",
+    "--beam",
+    "2",
+    "--max-len-b",
+    "20",
+    "--required-batch-size-multiple",
+    "1",
+]
+STOCK_GENERATE += ["--scoring", "sacrebleu", "--remove-bpe", "sentencepiece"]
+# fairseq-generate's score line with STOCK_GENERATE: (BLEU, its verbose part).
+STOCK_GENERATE_BLEU = r"Generate test with beam=2: BLEU = (\d+\.\d+) (\S+ \(BP = .*\))"
+
+
+def run_python(args, cwd, expect_ok=True):
+    """``python ARGS`` with the test's interpreter (the venv's commands on PATH); returns its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
+    proc = subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=300,
+    )
+    assert (proc.returncode == 0) == expect_ok, proc.stdout[-3000:]
+    return proc.stdout

@@ -151,6 +151,18 @@ def test_prepare_command_binarizes_any_language_pair_from_prefixes_in_different_
 
     train_src = data_utils.load_indexed_dataset(str(data_bin / "train.en-tr.en"), None)
     assert len(train_src) == 300
+    # The one joint data-bin trains either direction (docs/FAIRSEQ.md): -s tr -t en reads train.en-tr.*
+    # with the sides swapped.
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    for src, tgt in (("en", "tr"), ("tr", "en")):
+        parser = options.get_training_parser()
+        args = ["--task", "translation", "-s", src, "-t", tgt, "--arch", "transformer", str(data_bin)]
+        task = tasks.setup_task(convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, args)).task)
+        task.load_dataset("train")
+        pair, side = task.dataset("train"), data_utils.load_indexed_dataset(str(data_bin / f"train.en-tr.{src}"), None)
+        assert len(pair) == 300 and pair[7]["source"].tolist() == side[7].tolist()
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,9 @@
 Tasks: ``attn_reg_translation``, ``attn_reg_sentence_prediction`` (shared part: ``attn_reg_task``).
 Criterions: ``ad_drop_label_smoothed_cross_entropy``, ``ad_drop_sentence_prediction`` (shared
 part: ``ad_drop_criterion``). Also the attention module (``attention``), AttendOut's Attacker
-driver (``attendout``), the option dataclasses generated from the core configs (``options``) and
-safe checkpoint loading (``safe_load``).
+driver (``attendout``), the option dataclasses generated from the core configs (``options``),
+safe checkpoint loading (``safe_load``) and the filters of fairseq's known-harmless warnings
+(``known_warnings``).
 """
 
 from . import (  # noqa: F401  (registration side effects)
@@ -13,5 +14,6 @@ from . import (  # noqa: F401  (registration side effects)
     attention,
     attn_reg_sentence_prediction,
     attn_reg_translation,
+    known_warnings,  # noqa: F401  (silences fairseq's known-harmless start-up warnings)
     safe_load,  # noqa: F401  (allow-lists fairseq's pickled checkpoint globals)
 )

@@ -92,9 +92,10 @@ class ADDropCriterionMixin:
         metrics.log_scalar("ad_drop_on", on / n, n, round=2)
         valid = utils.item(sum(log.get("ad_drop_valid", 0) for log in steps))
         dropped = utils.item(sum(log.get("ad_drop_dropped", 0) for log in steps))
-        # Weighted by positions, so an epoch's value is its exact dropped fraction; plain
-        # epochs drop nothing and log 0.
-        metrics.log_scalar("ad_drop_rate", dropped / valid if valid else 0.0, valid if valid else 1, round=4)
+        # Weighted by the AD-DROP steps' real positions, so an interval's or an epoch's value is the
+        # exact dropped fraction of its AD-DROP steps; a plain step adds no weight (a span with
+        # no AD-DROP step logs 0).
+        metrics.log_scalar("ad_drop_rate", dropped / valid if valid else 0.0, valid, round=4)
         # Steps of AD-DROP epochs whose attribution target was not finite (half-precision
         # overflow): they trained with the plain loss. A sum over the interval, not a mean.
         skipped = utils.item(sum(log.get("ad_drop_skipped", 0) for log in steps))

@@ -9,10 +9,17 @@ dropout (``--attn-sched-dropout-*``) and attention LayerDrop (``--attn-layerdrop
 Validation and generation are untouched.
 """
 
+import argparse
+import logging
 import math
 from dataclasses import field
 
+from fairseq import metrics, utils
+from omegaconf import OmegaConf, open_dict
+
+from ..core.ad_drop import ad_drop_epoch
 from ..core.attendout import AttendOutConfig
+from ..core.attention import zero_counts
 from ..core.controller import RegularizationController
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from ..core.options import one_regularizer
@@ -20,6 +27,8 @@ from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropout
 from .attendout import FairseqAttendOut, check_fairseq_supports_task_state, reduce_attendout_metrics
 from .attention import install_attention_sites
 from .options import fairseq_options
+
+logger = logging.getLogger(__name__)
 
 # Flags of the task-level regularizers: the core configs' fields, defaults and help
 # (core.options), after the switches and settings that exist only in fairseq.
@@ -95,6 +104,25 @@ def _whole_config(cfg):
     return get_root() if callable(get_root) else None
 
 
+def store_model_args_as_config(cfg, model_args) -> None:
+    """Make the checkpoints fairseq-train writes loadable by torch's safe unpickler, plugin or not.
+
+    For an architecture registered the legacy way (``--arch transformer``, ``roberta``, ...)
+    fairseq keeps the model's arguments as an ``argparse.Namespace`` in ``cfg.model`` and pickles
+    it into every checkpoint, which torch >= 2.6's ``weights_only`` load refuses unless the
+    plugin is imported (stock ``fairseq-generate --task translation``, fairseq's
+    ``scripts/average_checkpoints.py``). The same arguments as a config node are saved as a
+    plain dict, which fairseq reads back exactly as it reads a ``fairseq-hydra-train`` checkpoint.
+    Only fairseq-train's own model node is replaced (not a checkpoint's, e.g. in fairseq-generate),
+    after the model was built from it.
+    """
+    root = _whole_config(cfg)
+    if root is None or not isinstance(model_args, argparse.Namespace) or root.get("model") is not model_args:
+        return
+    with open_dict(root):
+        root.model = OmegaConf.create(vars(model_args))
+
+
 def refuse_unsupported_training(cfg, regularizer_option: str) -> None:
     """Training set-ups the regularizers cannot honour, refused when the task is set up."""
     root = _whole_config(cfg)
@@ -118,6 +146,7 @@ class AttnRegTaskMixin:
     attn_reg_scheduled_dropout = None
     attn_reg_layerdrop = None
     attn_reg_attendout: FairseqAttendOut = None
+    attn_reg_ad_drop_schedule: str = None  # set by an ad_drop criterion: the epoch's phase is logged
 
     def attn_reg_setup(self) -> None:
         """Call at the end of the task's __init__: validates the regularizer options."""
@@ -146,6 +175,7 @@ class AttnRegTaskMixin:
             self._build_task_regularizers(model)
         else:
             install_attention_sites(model, RegularizationController())
+        store_model_args_as_config(self.cfg, cfg)
         return model
 
     def _build_task_regularizers(self, model) -> None:
@@ -187,11 +217,16 @@ class AttnRegTaskMixin:
             one_regularizer([criterion_option] + [option for option, on in task_regularizers if on])
             refuse_unsupported_training(self.cfg, criterion_option)
             attach(self.attn_reg_controller)  # validates layers / kinds against the model
+            self.attn_reg_ad_drop_schedule = criterion.ad_drop_config.schedule
         return criterion
 
     def begin_epoch(self, epoch, model):
         super().begin_epoch(epoch, model)
         self.attn_reg_epoch = epoch
+        if self.attn_reg_ad_drop_schedule is not None:
+            # The phase is in every metric line too (ad_drop_on), but only once an update is logged.
+            phase = "AD-DROP" if ad_drop_epoch(self.attn_reg_ad_drop_schedule, epoch) else "plain"
+            logger.info(f"epoch {epoch}: {phase} (--ad-drop-schedule {self.attn_reg_ad_drop_schedule})")
         if self.attn_reg_attendout is not None:
             # After fairseq's load_checkpoint: the game resumes from it, whatever the --reset-* flags.
             self.attn_reg_attendout.begin_training(type(self).__name__)
@@ -199,14 +234,25 @@ class AttnRegTaskMixin:
 
     # -- training -------------------------------------------------------------------------
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        # [dropped, real units] or [skipped, selected layer calls], counted by the kernel as it
+        # applies them; tensors, so no host-device sync inside the step (reduce_metrics sums them).
+        counts = zero_counts()
         if self.attn_reg_scheduled_dropout is not None:
-            hooks = self.attn_reg_scheduled_dropout.hooks(update_num)
+            hooks = self.attn_reg_scheduled_dropout.hooks(update_num, stats=counts)
         elif self.attn_reg_layerdrop is not None:
-            hooks = self.attn_reg_layerdrop.hooks()
+            hooks = self.attn_reg_layerdrop.hooks(calls=counts)
         else:
             hooks = {}
         with self.attn_reg_controller.hooks(hooks):
             loss, sample_size, log = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+        if self.attn_reg_scheduled_dropout is not None:
+            log.update(
+                attn_sched_dropout_dropped=counts[0], attn_sched_dropout_units=counts[1], attn_sched_dropout_steps=1
+            )
+            for layer, p in self.attn_reg_scheduled_dropout.probabilities(update_num).items():
+                log[f"attn_sched_dropout_p_layer{layer}"] = p
+        elif self.attn_reg_layerdrop is not None:
+            log.update(attn_layerdrop_skipped=counts[0], attn_layerdrop_calls=counts[1])
         if self.attn_reg_attendout is not None:
             self._attn_reg_criterion = criterion  # the held-out evaluation in optimizer_step needs it
             log.update(
@@ -224,6 +270,7 @@ class AttnRegTaskMixin:
     def reduce_metrics(self, logging_outputs, criterion):
         super().reduce_metrics(logging_outputs, criterion)
         reduce_attendout_metrics(logging_outputs)
+        reduce_task_regularizer_metrics(logging_outputs)
 
     # -- checkpoints ----------------------------------------------------------------------
     def get_checkpoint_dict(self):
@@ -234,6 +281,31 @@ class AttnRegTaskMixin:
         """fairseq calls it on load only without --reset-dataloader; AttendOut.begin_training covers the rest."""
         if self.attn_reg_attendout is not None and state.get("attendout"):
             self.attn_reg_attendout.load_state_dict(state["attendout"])
+
+
+def _log_rate(logging_outputs, key: str, part: str, whole: str) -> None:
+    """``key`` = sum of ``part`` / sum of ``whole`` over the logs that have them, weighted by ``whole``:
+    averaged over an interval or an epoch it is that span's exact fraction (a step that counted
+    nothing, e.g. one whose scheduled p is 0, adds no weight)."""
+    logs = [log for log in logging_outputs if whole in log]
+    if not logs:
+        return  # validation, or another regularizer
+    total = utils.item(sum(log[whole] for log in logs))
+    done = utils.item(sum(log[part] for log in logs))
+    metrics.log_scalar(key, done / total if total else 0.0, total, round=4)
+
+
+def reduce_task_regularizer_metrics(logging_outputs) -> None:
+    """The task-level regularizers' training metrics, per update interval and per epoch as fairseq
+    logs every metric (the same keys as the Hugging Face trainers log)."""
+    _log_rate(logging_outputs, "attn_sched_dropout_rate", "attn_sched_dropout_dropped", "attn_sched_dropout_units")
+    _log_rate(logging_outputs, "attn_layerdrop_rate", "attn_layerdrop_skipped", "attn_layerdrop_calls")
+    steps = [log for log in logging_outputs if "attn_sched_dropout_steps" in log]
+    # Divided by the summed step count, not averaged per log: fairseq sums the workers' logs key by key.
+    n = utils.item(sum(log["attn_sched_dropout_steps"] for log in steps)) if steps else 0
+    if n:
+        for key in sorted(k for k in steps[0] if k.startswith("attn_sched_dropout_p_layer")):
+            metrics.log_scalar(key, utils.item(sum(log[key] for log in steps)) / n, n, round=4)
 
 
 def _note_defender_loaded(attendout: FairseqAttendOut):

@@ -3,12 +3,15 @@
 
     python examples/opus_mt/run_opus_mt.py --pair en-ro --out outputs/opus-mt-en-ro
     python examples/opus_mt/run_opus_mt.py --pair tr-en --out outputs/opus-mt-tr-en
+    python examples/opus_mt/run_opus_mt.py --pair en-tr --out outputs/opus-mt-en-tr
 
 Defaults are the paper's OPUS-MT setting (Appendix A): ``Helsinki-NLP/opus-mt-{en-ro,tr-en}``,
 learning rate 2e-5, 5 epochs, AD-DROP cross-tuned on encoder self-attention (all layers) with
-EN-RO p = q = 0.2 and TR-EN p = 0.6, q = 0.1. Data: ``datasets.load_dataset("wmt16", "ro-en")``
-(or ``"tr-en"``): train, validation (newsdev2016, dev loss per epoch), test (newstest2016,
-BLEU). Each method starts from the same checkpoint and seed; plain runs the stock
+EN-RO p = q = 0.2 and TR-EN p = 0.6, q = 0.1. Any other pair SRC-TGT runs
+``Helsinki-NLP/opus-mt-SRC-TGT`` with p = q = 0.2 (the ``--ad-drop-*`` defaults). Data:
+``datasets.load_dataset("wmt16", "ro-en")`` (WMT names a pair with English last: ``"tr-en"``
+for both tr-en and en-tr; ``--dataset-config`` for anything else): train, validation
+(newsdev2016, dev loss per epoch), test (newstest2016, BLEU). Each method starts from the same checkpoint and seed; plain runs the stock
 ``Seq2SeqTrainer``, AD-DROP runs ``attn_reg_plugin.hf.ADDropSeq2SeqTrainer``. After training,
 ``model.generate`` translates the test sources and sacrebleu scores them against the raw
 references. ``--model`` and ``--data-dir`` swap in any local checkpoint folder and any
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -43,28 +47,53 @@ from attn_reg_lab.example_support import (
     read_parallel,
     train_and_log,
 )
+from attn_reg_plugin.core import ADDropConfig
 
-# The paper's OPUS-MT fine-tuning setting per pair.
-PAIRS = {
-    "en-ro": {"model": "Helsinki-NLP/opus-mt-en-ro", "wmt16": "ro-en", "src": "en", "tgt": "ro", "p": 0.2, "q": 0.2},
-    "tr-en": {"model": "Helsinki-NLP/opus-mt-tr-en", "wmt16": "tr-en", "src": "tr", "tgt": "en", "p": 0.6, "q": 0.1},
-}
+# The paper's AD-DROP p and q of its two OPUS-MT pairs; any other pair gets the flags' defaults.
+PAPER_PQ = {"en-ro": (0.2, 0.2), "tr-en": (0.6, 0.1)}
+# OPUS-MT's bilingual models are named by two ISO 639 codes (2 letters, or 3 for languages and
+# groups without one: opus-mt-tr-en, opus-mt-en-zle). Which pairs exist cannot be checked offline.
+PAIR_FORM = re.compile(r"([a-z]{2,3})-([a-z]{2,3})")
 SPLITS = {"train": "train", "valid": "validation", "test": "test"}  # ours -> the hub dataset's
 
 Pairs = Tuple[List[str], List[str]]
 
 
+def pair_spec(pair: str) -> dict:
+    """--pair SRC-TGT -> its languages, the default Helsinki-NLP/opus-mt-SRC-TGT model and WMT config name."""
+    match = PAIR_FORM.fullmatch(pair)
+    if match is None or match.group(1) == match.group(2):
+        raise argparse.ArgumentTypeError(
+            "must be SRC-TGT, two different lowercase 2- or 3-letter language codes as in "
+            f"Helsinki-NLP/opus-mt-SRC-TGT (en-ro, tr-en, en-de, ...), got {pair!r}"
+        )
+    src, tgt = match.groups()
+    # WMT's configs put English last ("ro-en" holds en-ro and ro-en); other pairs keep their order.
+    config = f"{tgt}-{src}" if src == "en" else pair
+    return {"pair": pair, "src": src, "tgt": tgt, "model": f"Helsinki-NLP/opus-mt-{pair}", "config": config}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pair", choices=sorted(PAIRS), required=True)
+    ap.add_argument(
+        "--pair",
+        type=pair_spec,
+        required=True,
+        help="SRC-TGT language codes of an OPUS-MT model Helsinki-NLP/opus-mt-SRC-TGT (en-ro, tr-en, en-de, ...)",
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument(
-        "--model", default=None, help="hub name or local folder (default: the pair's Helsinki-NLP/opus-mt-*)"
+        "--model", default=None, help="hub name or local folder (default: the pair's Helsinki-NLP/opus-mt-SRC-TGT)"
     )
     ap.add_argument(
         "--data-dir", type=Path, default=None, help="local {train,valid,test}.{src,tgt} instead of the hub dataset"
     )
     ap.add_argument("--dataset", default="wmt16", help="hub dataset name for datasets.load_dataset")
+    ap.add_argument(
+        "--dataset-config",
+        default=None,
+        help="the dataset's config (subset) name (default: WMT's name of the pair, English last: ro-en for en-ro)",
+    )
     ap.add_argument(
         "--drop-empty-pairs",
         action="store_true",
@@ -99,9 +128,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add_ad_drop_options(ap, p=None, q=None, layers="all", attention="encoder-self")  # p, q: the pair's paper values
     args = ap.parse_args(argv)
-    spec = PAIRS[args.pair]
-    args.ad_drop_p = spec["p"] if args.ad_drop_p is None else args.ad_drop_p
-    args.ad_drop_q = spec["q"] if args.ad_drop_q is None else args.ad_drop_q
+    spec, args.pair = args.pair, args.pair["pair"]
+    args.src, args.tgt = spec["src"], spec["tgt"]
+    default = ADDropConfig()
+    p, q = PAPER_PQ.get(args.pair, (default.p, default.q))
+    args.ad_drop_p = p if args.ad_drop_p is None else args.ad_drop_p
+    args.ad_drop_q = q if args.ad_drop_q is None else args.ad_drop_q
+    args.dataset_config = args.dataset_config or spec["config"]
     check_common_args(
         ap,
         args,
@@ -124,13 +157,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_pairs(args, load_dataset=None) -> Dict[str, Pairs]:
     """{"train", "valid", "test"} -> (sources, targets), from ``--data-dir`` or the hub dataset."""
-    spec = PAIRS[args.pair]
+    src_lang, tgt_lang = args.src, args.tgt
     limits = {"train": args.max_train_samples, "valid": args.max_eval_samples, "test": args.max_test_samples}
     if args.data_dir is not None:
-        return {split: read_parallel(args.data_dir, split, spec["src"], spec["tgt"], limits[split]) for split in SPLITS}
+        return {split: read_parallel(args.data_dir, split, src_lang, tgt_lang, limits[split]) for split in SPLITS}
     if load_dataset is None:
         from datasets import load_dataset
-    dataset = load_dataset(args.dataset, spec["wmt16"])
+    dataset = load_dataset(args.dataset, args.dataset_config)
     out = {}
     for split, hub_split in SPLITS.items():
         rows, limit = dataset[hub_split], limits[split]
@@ -140,12 +173,12 @@ def load_pairs(args, load_dataset=None) -> Dict[str, Pairs]:
         for i, row in enumerate(rows["translation"]):
             if limit is not None and i >= limit:
                 break
-            s, t = (row[spec["src"]] or "").strip(), (row[spec["tgt"]] or "").strip()
+            s, t = (row[src_lang] or "").strip(), (row[tgt_lang] or "").strip()
             if not s or not t:
                 if not args.drop_empty_pairs:
                     raise ValueError(
-                        f"{args.dataset} {spec['wmt16']} {hub_split} row {i}: empty "
-                        f"{spec['src'] if not s else spec['tgt']} side (use --drop-empty-pairs to remove such pairs)"
+                        f"{args.dataset} {args.dataset_config} {hub_split} row {i}: empty "
+                        f"{src_lang if not s else tgt_lang} side (use --drop-empty-pairs to remove such pairs)"
                     )
                 empty += 1
                 continue

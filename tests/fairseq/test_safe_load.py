@@ -1,10 +1,12 @@
 """Checkpoints written by fairseq-train with the plugin load with torch's safe unpickler
-(``weights_only=True``, the torch >= 2.6 default) through the plugin's allow-list, and a
-checkpoint carrying any other global is refused: loading never needs blanket pickle trust."""
+(``weights_only=True``, the torch >= 2.6 default); stock fairseq checkpoints, which pickle an
+argparse.Namespace, through the plugin's allow-list (--user-dir, ``python -m attn_reg_plugin.safe_run``);
+a checkpoint carrying any other global is refused: loading never needs blanket pickle trust."""
 
 import io
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -12,7 +14,15 @@ import torch
 pytest.importorskip("fairseq")
 
 import attn_reg_plugin.fairseq_plugin  # noqa: E402,F401  (the allow-list, as --user-dir installs it)
-from helpers import USER_DIR, run_cli  # noqa: E402
+from helpers import (  # noqa: E402
+    AVERAGE_CHECKPOINTS,
+    STOCK_GENERATE,
+    STOCK_GENERATE_BLEU,
+    TINY_TRANSFORMER,
+    USER_DIR,
+    run_cli,
+    run_python,
+)
 
 
 class ShellPayload:
@@ -35,9 +45,9 @@ def _checkpoint(ad_drop_run):
     return ad_drop_run["save"] / "checkpoint_last.pt"
 
 
-def test_checkpoint_needs_only_the_allow_listed_class(ad_drop_run):
+def test_checkpoint_needs_no_allow_listed_class(ad_drop_run):
     path = _checkpoint(ad_drop_run)
-    # Nothing outside the allow-list (argparse.Namespace is the one class fairseq needs).
+    # Nothing outside torch's own default: the model arguments are a dict, not fairseq's Namespace.
     assert torch.serialization.get_unsafe_globals_in_checkpoint(path) == []
     state = torch.load(path, weights_only=True)
     assert "encoder.layers.0.self_attn.q_proj.weight" in state["model"]
@@ -104,3 +114,53 @@ def test_fairseq_generate_refuses_tampered_checkpoint(tiny_mt_data, ad_drop_run,
     assert proc.returncode != 0
     assert "unsupported GLOBAL posix.system" in proc.stdout
     assert not marker.exists()
+
+
+def test_a_checkpoint_with_a_namespace_runs_through_safe_run(tiny_mt_data, tmp_path):
+    """A stock --task translation run's checkpoint pickles fairseq's argparse.Namespace: refused by
+    the same averaging without the plugin, working through python -m attn_reg_plugin.safe_run."""
+    save = tmp_path / "stock"
+    run_cli(
+        "fairseq-train",
+        [tiny_mt_data["bin"], "--task", "translation", *TINY_TRANSFORMER, "--save-dir", save, "--max-epoch", "1"]
+        + ["--criterion", "label_smoothed_cross_entropy", "--optimizer", "adam", "--lr", "1e-3"]
+        + ["--max-tokens", "500", "--cpu", "--seed", "3", "--no-progress-bar"],
+    )
+    script = tmp_path / "average_checkpoints.py"
+    script.write_text(AVERAGE_CHECKPOINTS, encoding="utf-8")
+    averaged = tmp_path / "averaged.pt"
+    inputs = [save / "checkpoint1.pt", save / "checkpoint_last.pt"]
+    refused = run_python([script, *inputs, averaged], tmp_path, expect_ok=False)
+    assert "Unsupported global: GLOBAL argparse.Namespace" in refused
+
+    out = run_python(["-m", "attn_reg_plugin.safe_run", script, *inputs, averaged], tmp_path)
+    assert "averaged with the plugin imported: True" in out
+    gen = run_python(
+        [
+            "-m",
+            "attn_reg_plugin.safe_run",
+            "fairseq-generate",
+            tiny_mt_data["bin"],
+            "--path",
+            averaged,
+            *STOCK_GENERATE,
+        ],
+        tmp_path,
+    )
+    assert re.search(STOCK_GENERATE_BLEU, gen)
+
+
+def test_safe_run_names_a_tool_it_cannot_run(tmp_path, capsys):
+    from attn_reg_plugin.safe_run import main
+
+    for tool, message in (
+        ("no-such-tool", "TOOL 'no-such-tool' is neither a file nor a command of this environment or on PATH"),
+        ("/bin/sh", "TOOL '/bin/sh' (/bin/sh) is not a Python script"),
+    ):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            main([tool, "--help"])
+    with pytest.raises(SystemExit) as exit:
+        main([])
+    assert (
+        exit.value.code == 2 and "usage: python -m attn_reg_plugin.safe_run TOOL [ARGS...]" in capsys.readouterr().out
+    )

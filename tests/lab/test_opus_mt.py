@@ -132,6 +132,35 @@ def test_hub_data_in_pair_direction_and_empty_sides_rejected(tmp_path):
     assert len(opus.load_pairs(args, load)["train"][0]) == 4
 
 
+def test_any_opus_mt_pair_runs_with_its_model_and_wmt_config(tmp_path):
+    rows = [{"en": f"source {i}", "tr": f"hedef {i}"} for i in range(3)]
+    load, calls = _fake_wmt16({"train": rows, "validation": rows[:2], "test": rows})
+    args = opus.parse_args(["--pair", "en-tr", "--out", str(tmp_path)])
+    data = opus.load_pairs(args, load)
+    assert calls == [("wmt16", "tr-en")]  # WMT names the pair English last, whichever the direction
+    assert data["train"] == (["source 0", "source 1", "source 2"], ["hedef 0", "hedef 1", "hedef 2"])
+    assert (args.model, args.ad_drop_p, args.ad_drop_q) == ("Helsinki-NLP/opus-mt-en-tr", 0.2, 0.2)
+
+    args = opus.parse_args(["--pair", "de-fr", "--out", str(tmp_path), "--ad-drop-p", "0.4"])
+    assert (args.model, args.dataset_config, args.ad_drop_p) == ("Helsinki-NLP/opus-mt-de-fr", "de-fr", 0.4)
+    args = opus.parse_args(["--pair", "en-zle", "--out", str(tmp_path), "--dataset-config", "ru-en"])
+    assert (args.model, args.src, args.tgt, args.dataset_config) == (
+        "Helsinki-NLP/opus-mt-en-zle",
+        "en",
+        "zle",
+        "ru-en",
+    )
+
+
+@pytest.mark.parametrize("pair", ["en_ro", "EN-RO", "en-en", "english-ro", "en-ro-de", "enro"])
+def test_a_pair_not_of_the_form_src_tgt_is_refused(tmp_path, capsys, pair):
+    with pytest.raises(SystemExit):
+        opus.parse_args(["--pair", pair, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "argument --pair: must be SRC-TGT, two different lowercase 2- or 3-letter language codes" in err
+    assert repr(pair) in err
+
+
 def test_bad_options_fail_before_loading(tmp_path):
     def never(*a):
         raise AssertionError("data must not be loaded")
