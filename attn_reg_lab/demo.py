@@ -177,7 +177,7 @@ def main(argv=None) -> int:
         default="cpu",
         help="where fairseq trains and translates (default cpu, which the published table used)",
     )
-    # The AD-DROP method's settings (the paper's EN-RO p = q = 0.2 by default); attn-reg-sweep varies them.
+    # The AD-DROP method's settings (the paper's EN-RO p = q = 0.2 by default).
     add_arguments(
         ap.add_argument_group("AD-DROP method"), ADDropConfig, only=tuple(AD_DROP_DEFAULTS), defaults=AD_DROP_DEFAULTS
     )

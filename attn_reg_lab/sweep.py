@@ -4,16 +4,21 @@
         -- --sizes 64 --seeds 1,2,3
     attn-reg-sweep mt --out-dir outputs/sweep/mt --p 0.1,0.3 --q 0.1,0.3 -- --epochs 12
 
-Everything after ``--`` goes to the runner unchanged: ``attn-reg-fewshot`` (few-shot
+``fewshot``: everything after ``--`` goes to ``attn-reg-fewshot`` unchanged (few-shot
 classification; the dev metric is the best-epoch dev accuracy, mean over seeds, higher is
-better) or ``attn-reg-demo`` (EN-RO translation; the dev metric is the best valid loss, lower is
 better). Each cell writes ``cells/<cell>.json`` when it finishes (its settings, dev and test
 metrics); the runner's own outputs stay in ``runs/<cell>/``. A rerun of the same command keeps
-finished cells, so a killed sweep resumes where it stopped (the few-shot runner also resumes a
+finished cells, so a killed sweep resumes where it stopped (the runner also resumes a
 half-finished cell seed by seed); a rerun whose runner arguments differ is refused. The best
 cell is picked on the dev metric only; test numbers are reported beside it, never used. A PNG
 heatmap of the dev metric over p x q (the paper's Fig. 4) is written per schedule and layer
 choice, side by side.
+
+``mt``: the plugin's ``attn-reg-mt-sweep`` (:mod:`attn_reg_plugin.sweep`) over the demo's EN-RO
+corpus (binarized once into ``OUT/data``) and the demo's model (``attn-reg-demo``'s sizes and
+optimizer; ``--quick``: its smoke-test size on 400 pairs): valid BLEU chooses, test BLEU is
+reported beside. After ``--``: ``--epochs N`` (12), ``--seeds 1,2`` (1), ``--quick``, ``--data DIR``,
+``--vocab-size N``, ``--device cpu|cuda``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import os
 import shlex
 import statistics
 import sys
-import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,32 +74,10 @@ def _fewshot_cell(cell: dict, runner_args: List[str], run_dir: Path) -> Dict[str
     }
 
 
-def _mt_cell(cell: dict, runner_args: List[str], run_dir: Path) -> Dict[str, float]:
-    from . import demo
-
-    method = "plain" if cell["method"] == "plain" else "AD-DROP"
-    argv = [*runner_args, "--methods", method, "--out", str(run_dir)]
-    if cell["method"] == "ad-drop":
-        argv += [
-            "--ad-drop-p",
-            str(cell["p"]),
-            "--ad-drop-q",
-            str(cell["q"]),
-            "--ad-drop-layers",
-            cell["layers"],
-            "--ad-drop-schedule",
-            cell["schedule"],
-        ]
-    if demo.main(argv) != 0:
-        raise RuntimeError(f"attn-reg-demo {shlex.join(argv)} failed")
-    (row,) = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))["rows"]
-    return {"dev": float(row["valid_loss"]), "test": float(row["test_bleu"])}
-
-
 RUNNERS = {
     "fewshot": Runner("fewshot", "dev accuracy (best epoch, mean over seeds)", "test accuracy", True, _fewshot_cell),
-    "mt": Runner("mt", "best valid loss", "test BLEU", False, _mt_cell),
 }
+RUNNER_CHOICES = ("fewshot", "mt")
 SCHEDULES = ("cross-tuning", "always")
 
 
@@ -128,70 +110,25 @@ def best_cell(results: List[dict], higher_is_better: bool) -> dict:
 
 # -- the heatmap ------------------------------------------------------------------------------------
 def heatmap(results: List[dict], runner: Runner, path: Path, title: str) -> Path:
-    """One panel per (schedule, layers), p down and q across, each cell's dev metric written in it."""
-    import matplotlib
+    """One panel per (schedule, layers), p down and q across, each cell's dev metric written in it
+    (drawn by :func:`attn_reg_plugin.sweep.heatmap`)."""
+    from attn_reg_plugin.sweep import heatmap as draw
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cells = [r for r in results if r["cell"]["method"] == "ad-drop"]
-    panels = list(dict.fromkeys((r["cell"]["schedule"], r["cell"]["layers"]) for r in cells))
-    ps = sorted({r["cell"]["p"] for r in cells})
-    qs = sorted({r["cell"]["q"] for r in cells})
-    values = [r["dev"] for r in cells]
-    low, high = min(values), max(values)
     best = best_cell(results, runner.higher_is_better)
     plain = next((r for r in results if r["cell"]["method"] == "plain"), None)
-    fig, axes = plt.subplots(
-        1,
-        len(panels),
-        figsize=(1.2 + 1.1 * len(qs) * len(panels) + 1.0 * len(panels), 1.6 + 0.8 * len(ps)),
-        squeeze=False,
-    )
-    for ax, (schedule, layers) in zip(axes[0], panels):
-        table = [[None] * len(qs) for _ in ps]
-        for r in cells:
-            if (r["cell"]["schedule"], r["cell"]["layers"]) == (schedule, layers):
-                table[ps.index(r["cell"]["p"])][qs.index(r["cell"]["q"])] = r["dev"]
-        shown = [[float("nan") if v is None else v for v in row] for row in table]
-        # Brighter is better whichever way the metric points.
-        image = ax.imshow(shown, cmap="viridis" if runner.higher_is_better else "viridis_r", vmin=low, vmax=high)
-        for i, row in enumerate(table):
-            for j, v in enumerate(row):
-                if v is None:
-                    continue
-                mark = best["cell"] == {
-                    "method": "ad-drop",
-                    "p": ps[i],
-                    "q": qs[j],
-                    "layers": layers,
-                    "schedule": schedule,
-                }
-                goodness = (v - low) / ((high - low) or 1.0)
-                goodness = goodness if runner.higher_is_better else 1.0 - goodness
-                ax.text(
-                    j,
-                    i,
-                    f"{v:.4f}" + ("\nbest" if mark else ""),
-                    ha="center",
-                    va="center",
-                    fontsize=8,
-                    color="white" if goodness < 0.5 else "black",
-                )
-        ax.set_xticks(range(len(qs)), [f"{q:g}" for q in qs])
-        ax.set_yticks(range(len(ps)), [f"{p:g}" for p in ps])
-        ax.set_xlabel("q (drop probability)")
-        ax.set_ylabel("p (candidate share)")
-        ax.set_title(f"{schedule}, layers {layers}", fontsize=9)
-        fig.colorbar(image, ax=ax, shrink=0.8)
+    points = [
+        {
+            "panel": f"{r['cell']['schedule']}, layers {r['cell']['layers']}",
+            "p": r["cell"]["p"],
+            "q": r["cell"]["q"],
+            "value": r["dev"],
+            "best": r["cell"] == best["cell"],
+        }
+        for r in results
+        if r["cell"]["method"] == "ad-drop"
+    ]
     subtitle = f"dev: {runner.dev_metric}" + (f"; plain {plain['dev']:.4f}" if plain else "")
-    width = int(fig.get_size_inches()[0] * 13)  # characters that fit at fontsize 9
-    fig.suptitle(textwrap.fill(title, width, break_on_hyphens=False) + f"\n{subtitle}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return draw(points, path, title, subtitle, runner.higher_is_better, fmt="{:.4f}")
 
 
 # -- the command ------------------------------------------------------------------------------------
@@ -214,7 +151,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], usage="attn-reg-sweep {fewshot,mt} [options] -- [runner options]"
     )
-    ap.add_argument("runner", choices=tuple(RUNNERS), help="fewshot: attn-reg-fewshot; mt: attn-reg-demo (EN-RO)")
+    ap.add_argument(
+        "runner", choices=RUNNER_CHOICES, help="fewshot: attn-reg-fewshot; mt: attn-reg-mt-sweep on the demo's EN-RO"
+    )
     ap.add_argument(
         "--out-dir",
         type=Path,
@@ -256,13 +195,62 @@ def parse_args(argv=None):
                 "fewshot: give exactly one training-set size after '--' (--sizes N): cells are compared on the "
                 "dev accuracy of one size"
             )
+    if opts.runner == "mt":
+        mt_ap = _mt_parser()
+        opts.mt, unknown = mt_ap.parse_known_args(runner_args)
+        if unknown:
+            ap.error(
+                f"mt: unknown options after '--': {' '.join(unknown)} (accepted: {mt_ap.format_usage()[7:].strip()})"
+            )
     if opts.out_dir is None:
         opts.out_dir = Path("outputs") / "sweep" / opts.runner
     return ap, opts
 
 
+def _mt_parser() -> argparse.ArgumentParser:
+    from .paths import MT_CORPUS
+
+    ap = argparse.ArgumentParser(prog="attn-reg-sweep mt ... --", add_help=False)
+    ap.add_argument("--epochs", type=int, default=12)
+    ap.add_argument("--seeds", default="1")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--data", type=Path, default=MT_CORPUS)
+    ap.add_argument("--vocab-size", type=int, default=2000)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    return ap
+
+
+def _mt_main(opts) -> int:
+    """The MT sweep: the plugin's attn-reg-mt-sweep over the demo's corpus and model."""
+    from attn_reg_plugin import sweep as mt_sweep
+
+    from . import demo
+    from . import mt_pipeline as mt
+    from .paths import checkout_data
+
+    args, out = opts.mt, opts.out_dir
+    raw = checkout_data(args.data, "--data").resolve()
+    model_args, vocab_size = demo.MODEL_ARGS, args.vocab_size
+    if args.quick:
+        raw = demo.subset_corpus(raw, out / "raw-subset", 400)
+        model_args, vocab_size = demo.QUICK_MODEL_ARGS, min(vocab_size, 500)
+    data_bin = out / "data" / "data-bin"
+    if not data_bin.exists():  # binarized once; a rerun resumes on it
+        mt.prepare_data(raw, out / "data", "en", "ro", vocab_size, log=lambda s: print("  " + s, flush=True))
+    argv = [
+        str(data_bin), "--out-dir", str(out), "--source-lang", "en", "--target-lang", "ro",
+        "--p", ",".join(map(str, opts.p)), "--q", ",".join(map(str, opts.q)), "--layers", ";".join(opts.layers),
+        "--schedule", ",".join(opts.schedules), "--epochs", str(args.epochs), "--seeds", args.seeds,
+        "--valid-ref", str(raw / "valid"), "--test", "--test-ref", str(raw / "test"), *(["--plain"] * opts.plain),
+        "--", *model_args, "--ad-drop-attention", "encoder-self", *(["--cpu"] if args.device == "cpu" else []),
+    ]  # fmt: skip
+    return mt_sweep.main(argv, log=lambda s: print(s, flush=True))
+
+
 def main(argv=None) -> int:
     ap, opts = parse_args(argv)
+    if opts.runner == "mt":
+        return _mt_main(opts)
     runner = RUNNERS[opts.runner]
     out: Path = opts.out_dir
     settings = {"runner": runner.name, "runner_args": opts.runner_args}

@@ -39,6 +39,8 @@ def test_grid_names_and_dev_only_selection():
             "--q must be a comma list of distinct numbers in the open interval (0, 1)",
         ),
         (["mt", "--schedules", "odd"], "--schedules must be a comma list of cross-tuning, always, got 'odd'"),
+        (["mt", "--", "--epochs", "2", "--methods", "plain"], "--methods after '--' are set by the sweep"),
+        (["mt", "--", "--max-tokens", "100"], "mt: unknown options after '--': --max-tokens 100"),
         (
             ["fewshot", "--", "--sizes", "8", "--ad-drop-p", "0.3"],
             "--ad-drop-p after '--' are set by the sweep for each cell",
@@ -123,31 +125,38 @@ def test_fewshot_sweep_resumes_after_a_kill_and_refuses_other_settings(
     assert "was written by a sweep with other settings" in capsys.readouterr().err
 
 
-def test_mt_sweep_runs_the_demo_with_the_cell_settings(tmp_path, capsys):
+def test_mt_sweep_runs_the_plugin_sweep_on_the_demo_corpus(tmp_path, capsys):
+    """attn-reg-sweep mt is attn-reg-mt-sweep (the plugin's) over the demo's EN-RO corpus and model."""
     out = tmp_path / "sweep"
-    assert (
-        sweep.main(
-            [
-                "mt",
-                "--out-dir",
-                str(out),
-                "--p",
-                "0.4",
-                "--q",
-                "0.3",
-                "--schedules",
-                "always",
-                "--",
-                "--quick",
-                "--epochs",
-                "2",
-            ]
-        )
-        == 0
-    )
+    argv = [
+        "mt",
+        "--out-dir",
+        str(out),
+        "--p",
+        "0.4",
+        "--q",
+        "0.3",
+        "--schedules",
+        "always",
+        "--",
+        "--quick",
+        "--epochs",
+        "2",
+    ]
+    assert sweep.main(argv) == 0
     (record,) = [json.loads(p.read_text()) for p in (out / "cells").iterdir()]
-    assert record["cell"] == {"method": "ad-drop", "p": 0.4, "q": 0.3, "layers": "all", "schedule": "always"}
-    log = (out / "runs" / "p0.4_q0.3_layers-all_always" / "checkpoints" / "AD-DROP" / "train.log").read_text()
-    assert "--ad-drop-p 0.4 --ad-drop-q 0.3 --ad-drop-layers all --ad-drop-schedule always" in log
-    assert record["dev"] > 0 and record["test"] >= 0
+    cell = {"method": "ad-drop", "p": 0.4, "q": 0.3, "attribution": "ga", "layers": "all", "schedule": "always"}
+    assert record["cell"] == cell
+    log = (out / "runs" / "p0.4_q0.3_ga_layers-all_always" / "seed1" / "train.log").read_text()
+    assert (
+        "--ad-drop-p 0.4 --ad-drop-q 0.3 --ad-drop-attribution ga --ad-drop-layers all --ad-drop-schedule always" in log
+    )
+    assert "--ad-drop-attention encoder-self" in log and "--encoder-embed-dim 32" in log  # the demo's quick model
+    assert record["valid_loss"] > 0 and record["valid_bleu"] >= 0 and record["test_bleu"] >= 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["direction"] == "en→ro" and results["best"]["cell"] == cell
+    assert results["cells"][0]["runs"][0]["test"]["reference"].endswith("raw-subset/test.ro")
     assert (out / "heatmap.png").exists()
+    with pytest.raises(SystemExit):
+        sweep.main(argv[:-1] + ["3"])  # other epochs: refused, the finished cell kept
+    assert "epochs: 2 then, 3 now" in capsys.readouterr().err
