@@ -407,3 +407,28 @@ def test_ad_drop_aa_split_into_blocks_keeps_q_and_k_not_weights(small_blocks, bl
     # the dense attributions (dense=True, what the lab's tools read) are still weight maps
     sites, maps, _ = ad_drop.attributions(lambda: model(x, bias), logit_target, frozen=model)
     assert all(isinstance(m, torch.Tensor) and m.shape == (2, 2, 6, 6) for m in maps)
+
+
+def test_ties_straddling_the_threshold_in_many_rows_take_the_lowest_keys():
+    """Scores with few distinct values (a causal LM's first layer: repeated tokens share V, so their
+    scores tie) in rows of different lengths: each row's region is its keys above the threshold,
+    then the lowest-indexed keys at it, ceil(p n) in all."""
+    g = torch.Generator().manual_seed(8)
+    b, h, t = 2, 3, 9
+    scores = torch.randint(0, 3, (b, h, t, t), generator=g).float()
+    valid = _valid("causal", b, t)
+
+    class Fixed(RandomScores):
+        def scores(self, block):
+            return scores[:, :, block.rows].clone()
+
+    drops = _rule_drops(TopRegionRule(Fixed(), 0.5, 1.0), valid, (b, h, t, t), 0, 3)
+    full = valid.expand(b, h, t, t)
+    for i, j, r in ((i, j, r) for i in range(b) for j in range(h) for r in range(t)):
+        keys = [c for c in range(t) if full[i, j, r, c]]
+        got = {c for c in range(t) if drops[i, j, r, c]}
+        k = -(-len(keys) // 2)
+        if k == len(keys):  # every key a candidate (or none): all but one are dropped
+            assert got <= set(keys) and len(got) == max(0, len(keys) - 1), (i, j, r)
+            continue
+        assert got == set(sorted(keys, key=lambda c: (-scores[i, j, r, c].item(), c))[:k]), (i, j, r)
