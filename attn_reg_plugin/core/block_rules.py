@@ -262,13 +262,16 @@ class TopRegionRule(BlockRule):
         scores = self._scores(block)
         n_valid, k = self._counts(block)
         k_top = max(1, min(scores.shape[-1], int(k.max())))
-        if scores.device.type == "cpu" and int(k.min()) == k_top:
-            # Every row takes the same k (no padding or causality in the block): the k-th largest is
-            # the least of an unsorted top-k, half the cost of a sorted one.
-            threshold = scores.topk(k_top, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+        # An unsorted top-k (half the cost of a sorted one on a CPU), then each row's k-th largest
+        # from the few smallest of it: rows of a block differ in k by a few (padding, causality).
+        top = scores.topk(k_top, dim=-1, sorted=False).values
+        k_least = max(1, int(k[k > 0].min())) if bool((k > 0).any()) else k_top
+        if k_least == k_top:  # every row takes the same k (no padding or causality in the block)
+            threshold = top.amin(-1, keepdim=True)
         else:
-            top = scores.topk(k_top, dim=-1, sorted=True).values
-            threshold = top.gather(-1, (k - 1).clamp(min=0).expand(*top.shape[:-1], 1))
+            ascending = top.topk(k_top - k_least + 1, dim=-1, largest=False, sorted=True).values
+            rank = (k_top - k).clamp(min=0, max=k_top - k_least)  # the k-th largest, counted from the least
+            threshold = ascending.gather(-1, rank.expand(*ascending.shape[:-1], 1))
         threshold = threshold.masked_fill(k.expand_as(threshold) == 0, math.inf)
         region = scores >= threshold
         at_least = region.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32)
