@@ -83,17 +83,27 @@ def chunk_uniform(seed: int, shape: Tuple[int, int, int, int], rows: slice, devi
 @dataclass(frozen=True)
 class Block:
     """One block of a call: query ``rows``, their validity (bool, broadcastable to ``shape``), the
-    call's full map shape and its seed."""
+    call's full map shape and its seed. The block covers keys ``0 .. shape[-1] - 1``: fewer than the
+    call's when no row of the block has a valid key beyond them (causal attention, padding)."""
 
     rows: slice
     valid: torch.Tensor
-    shape: Tuple[int, int, int, int]  # (B, H, rows, S)
+    shape: Tuple[int, int, int, int]  # (B, H, rows, keys of the block)
     call_shape: Tuple[int, int, int, int]  # (B, H, T, S)
     seed: int
 
     def uniform(self, stream: int) -> torch.Tensor:
-        """This block's uniform numbers of ``stream`` (0: coins, 1: random scores)."""
-        return chunk_uniform(_chunk_seed(self.seed, -1 - stream), self.call_shape, self.rows, self.valid.device)
+        """This block's uniform numbers of ``stream`` (0: coins, 1: random scores), drawn for every key
+        of the call (so the numbers do not depend on the block) and cut to the block's keys."""
+        drawn = chunk_uniform(_chunk_seed(self.seed, -1 - stream), self.call_shape, self.rows, self.valid.device)
+        return keys_of(drawn, self.shape[-1])
+
+
+def keys_of(x: Optional[torch.Tensor], keys: int) -> Optional[torch.Tensor]:
+    """``x[..., :keys]``, or ``x`` itself where its key dimension broadcasts or already has ``keys``."""
+    if x is None or x.dim() < 1 or x.shape[-1] in (1, keys):
+        return x
+    return x[..., :keys]
 
 
 def rows_of(x: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
@@ -130,7 +140,7 @@ class DenseRule(BlockRule):
     mask: torch.Tensor
 
     def again(self, block: Block, state) -> torch.Tensor:
-        return rows_of(self.mask, block.rows).to(block.valid.device)
+        return keys_of(rows_of(self.mask, block.rows), block.shape[-1]).to(block.valid.device)
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,7 +176,8 @@ class GradientScores(ScoreSource):
         device = self.grad_output.device
         with torch.autocast(device.type, enabled=False):
             # float32, as the dense path: bf16 would tie keys the ranking must tell apart.
-            out = torch.matmul(self.grad_output[:, :, block.rows], self.values.float().transpose(-2, -1))
+            values = self.values[:, :, : block.shape[-1]].float()
+            out = torch.matmul(self.grad_output[:, :, block.rows], values.transpose(-2, -1))
         return out.neg_() if self.negate else out
 
 
@@ -186,8 +197,8 @@ class AttentionScores(ScoreSource):
 
     def scores(self, block: Block) -> torch.Tensor:
         q_rows = self.query[:, :, block.rows]
-        logits = torch.matmul(q_rows, self.key.transpose(-2, -1)) * self.scale
-        part, _ = block_bias(rows_of(self.bias, block.rows), q_rows.dtype)
+        logits = torch.matmul(q_rows, self.key[:, :, : block.shape[-1]].transpose(-2, -1)) * self.scale
+        part, _ = block_bias(keys_of(rows_of(self.bias, block.rows), block.shape[-1]), q_rows.dtype)
         if part is not None:
             logits = logits + part
         # Softmax in at least float32, then the model's dtype, as the dense weights are.
@@ -332,4 +343,6 @@ __all__: Sequence[str] = (
     "ScoreSource",
     "TopRegionRule",
     "chunk_uniform",
+    "keys_of",
+    "rows_of",
 )

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from . import block_rules
-from .block_rules import Block, BlockRule, block_bias, rows_of
+from .block_rules import Block, BlockRule, block_bias, keys_of, rows_of
 from .masks import mask_fill_value
 
 # A block holds at most max(BLOCK_ELEMENTS, LINEAR_FACTOR * B*H*T*d) score-sized elements: a fixed
@@ -70,15 +70,39 @@ def _all_last(mask: torch.Tensor) -> torch.Tensor:
     return mask.view(torch.uint8).amin(-1, keepdim=True).bool()
 
 
-def _block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=None, fresh_state: bool = False):
-    """A block's additive mask, uniform rows, keyless rows, validity, drops and rule state.
-    ``bias_rows``: the block's rows of the call's bias; ``rows``: which rows of the call they are."""
+class BlockMasks(NamedTuple):
+    """What a block attends with: keys ``0 .. keys - 1`` of the call, the additive mask over them,
+    rows made uniform, rows with no valid key, validity, the drops and the rule's state."""
+
+    keys: int
+    mask: Optional[torch.Tensor]
+    uniform: Optional[torch.Tensor]
+    keyless: Optional[torch.Tensor]
+    valid: torch.Tensor
+    drop: Optional[torch.Tensor]
+    state: object
+
+
+def _key_span(valid: torch.Tensor, keys: int) -> int:
+    """Keys ``0 .. n - 1`` hold every valid key of the block's rows: a causal block's last row, or
+    the longest sequence of a padded batch. On a CPU only (the look is a host read, which on an
+    accelerator would stall the stream once per block); there it halves a causal call's work."""
+    if valid.device.type != "cpu" or valid.shape[-1] != keys:
+        return keys
+    seen = valid.reshape(-1, keys).any(0)
+    return int(seen.nonzero().max()) + 1 if bool(seen.any()) else 1
+
+
+def _block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=None, fresh_state=False) -> BlockMasks:
+    """A block's masks. ``bias_rows``: the block's rows of the call's bias; ``rows``: which rows of
+    the call they are; ``fresh_state``: the forward's first evaluation of the rule (else ``state``)."""
     b, h, t, s = shape
-    block_shape = (b, h, rows.stop - rows.start, s)
     part, valid = block_bias(bias_rows, q_rows.dtype)
     if valid is None:  # every key valid; the key dimension is kept, since rules count along it
         valid = torch.ones((1, 1, 1, s), dtype=torch.bool, device=q_rows.device)
-    block = Block(rows, valid, block_shape, shape, call.seed)
+    keys = _key_span(valid, s)
+    part, valid = keys_of(part, keys), keys_of(valid, keys)
+    block = Block(rows, valid, (b, h, rows.stop - rows.start, keys), shape, call.seed)
     drop = None
     if call.rule is not None:
         if fresh_state:
@@ -104,7 +128,18 @@ def _block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=N
             additive = additive.add_(part) if fits else additive + part
         part = additive
     keyless = None if bias_rows is None else ~valid.any(-1, keepdim=True)
-    return part, uniform, keyless, valid, drop, state
+    return BlockMasks(keys, part, uniform, keyless, valid, drop, state)
+
+
+def _block_counts(m: BlockMasks, droppable, rows: slice, block_shape) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dropped, droppable) units of a block: drops within the units the edit could drop, and those
+    units among the valid ones (``droppable`` None: every valid unit)."""
+    if droppable is None:
+        units, counted = m.valid, m.drop  # drops are within valid
+    else:
+        units = m.valid & keys_of(rows_of(droppable, rows), m.keys).to(m.valid.device)
+        counted = m.drop & units
+    return counted.expand(block_shape).count_nonzero(), units.sum() * (math.prod(block_shape) // max(1, units.numel()))
 
 
 def _attend_block(q_rows, k, v, mask, uniform, keyless, call: BlockCall):
@@ -179,25 +214,22 @@ class BlockwiseAttention(torch.autograd.Function):
         for start in range(0, t, call.rows_per_block):
             rows = slice(start, min(t, start + call.rows_per_block))
             q_rows = q[:, :, rows]
-            mask, uniform, keyless, valid, drop, state = _block_masks(
-                call, q_rows, rows_of(bias, rows), rows, shape, fresh_state=True
-            )
-            states.append(state)
+            m = _block_masks(call, q_rows, rows_of(bias, rows), rows, shape, fresh_state=True)
+            states.append(m.state)
             if call.dropout_p > 0:  # sdpa's dropout draws, replayed in the backward
                 rng_states.append(_get_rng_state(q.device))
+            k_keys, v_keys = k[:, :, : m.keys], v[:, :, : m.keys]
             if keep_stats:
                 o, lse[:, :, rows] = _FLASH_CPU(
-                    _zero_query_rows(q_rows, uniform), k, v, 0.0, False, attn_mask=mask, scale=call.scale
+                    _zero_query_rows(q_rows, m.uniform), k_keys, v_keys, 0.0, False, attn_mask=m.mask, scale=call.scale
                 )
-                out[:, :, rows] = o if keyless is None else o.masked_fill(keyless, 0.0)
+                out[:, :, rows] = o if m.keyless is None else o.masked_fill(m.keyless, 0.0)
             else:
-                out[:, :, rows] = _attend_block(q_rows, k, v, mask, uniform, keyless, call)
-            if call.count and drop is not None:
-                block_shape = (b, h, rows.stop - rows.start, shape[3])
-                units = valid if call.droppable is None else valid & rows_of(call.droppable, rows).to(valid.device)
-                counted = drop if call.droppable is None else drop & units  # drops are within valid
-                dropped += counted.expand(block_shape).count_nonzero()
-                droppable += units.sum() * (math.prod(block_shape) // max(1, units.numel()))
+                out[:, :, rows] = _attend_block(q_rows, k_keys, v_keys, m.mask, m.uniform, m.keyless, call)
+            if call.count and m.drop is not None:
+                dropped_now, units_now = _block_counts(m, call.droppable, rows, (b, h, rows.stop - rows.start, m.keys))
+                dropped += dropped_now
+                droppable += units_now
         ctx.save_for_backward(q, k_in, v_in, bias, out if keep_stats else None, lse)
         ctx.call, ctx.states, ctx.rng_states = call, states, rng_states
         ctx.mark_non_differentiable(dropped, droppable)
@@ -227,8 +259,9 @@ class BlockwiseAttention(torch.autograd.Function):
             with torch.enable_grad(), torch.random.fork_rng(devices=_devices(q), enabled=call.dropout_p > 0):
                 if call.dropout_p > 0:
                     _set_rng_state(ctx.rng_states[i], q.device)
-                mask, uniform, keyless, _, _, _ = _block_masks(call, q_rows, bias_rows, rows, shape, ctx.states[i])
-                out = _attend_block(q_rows, k_leaf, v_leaf, mask, uniform, keyless, call)
+                m = _block_masks(call, q_rows, bias_rows, rows, shape, ctx.states[i])
+                k_keys, v_keys = k_leaf[:, :, : m.keys], v_leaf[:, :, : m.keys]
+                out = _attend_block(q_rows, k_keys, v_keys, m.mask, m.uniform, m.keyless, call)
             inputs = [x for x in (q_rows, k_leaf, v_leaf) if x.requires_grad]
             if bias_grad:
                 inputs.append(bias_rows)
@@ -270,20 +303,20 @@ def _backward_from_softmax_stats(ctx, grad_out, q, k, v, bias, out, lse):
     for i, start in enumerate(range(0, t, call.rows_per_block)):
         rows = slice(start, min(t, start + call.rows_per_block))
         q_rows = q[:, :, rows]
-        mask, uniform, keyless, _, _, _ = _block_masks(call, q_rows, rows_of(bias, rows), rows, shape, ctx.states[i])
+        m = _block_masks(call, q_rows, rows_of(bias, rows), rows, shape, ctx.states[i])
         grad_rows = grad_out[:, :, rows]
-        if keyless is not None:  # the forward zeroed these rows: no gradient flows back from them
-            grad_rows = grad_rows.masked_fill(keyless, 0.0)
+        if m.keyless is not None:  # the forward zeroed these rows: no gradient flows back from them
+            grad_rows = grad_rows.masked_fill(m.keyless, 0.0)
         gq, gk, gv = _FLASH_CPU_BACKWARD(
-            grad_rows.to(q.dtype), _zero_query_rows(q_rows, uniform), k, v, out[:, :, rows], lse[:, :, rows],
-            0.0, False, attn_mask=mask, scale=call.scale,
+            grad_rows.to(q.dtype), _zero_query_rows(q_rows, m.uniform), k[:, :, : m.keys], v[:, :, : m.keys],
+            out[:, :, rows], lse[:, :, rows], 0.0, False, attn_mask=m.mask, scale=call.scale,
         )  # fmt: skip
         if grad_q is not None:
-            grad_q[:, :, rows] += gq if uniform is None else gq.masked_fill(uniform, 0.0)
+            grad_q[:, :, rows] += gq if m.uniform is None else gq.masked_fill(m.uniform, 0.0)
         if grad_k is not None:
-            grad_k += gk
+            grad_k[:, :, : m.keys] += gk
         if grad_v is not None:
-            grad_v += gv
+            grad_v[:, :, : m.keys] += gv
     return [None if g is None else g.to(x.dtype) for g, x in ((grad_q, q), (grad_k, k), (grad_v, v))] + [None]
 
 
