@@ -258,6 +258,16 @@ def _core_step(spec: dict):
     return step, info
 
 
+def _profile(step, rows: int = 12) -> List[dict]:
+    """The operators of one step by self CPU time (torch.profiler), the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
+    return [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1000, 1), "calls": e.count} for e in ops]
+
+
 def measure_core(spec: dict) -> dict:
     import torch
 
@@ -276,6 +286,8 @@ def measure_core(spec: dict) -> dict:
         wall.append(time.perf_counter() - t0)
     rss_growth = (_status_kib("VmHWM") - rss_before) / 1024 if peak_ok and spec["repeats"] else None
     peak = cpu_step_peak_bytes(step)
+    if spec.get("profile"):
+        info["profile"] = _profile(step)
     return {
         "memory_mib": round(peak / MIB, 2),
         "memory_metric": "allocator step peak",
@@ -602,6 +614,10 @@ def parse_args(argv=None):
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="smoke run: lengths 32,64, 1 timed step, IGA m = 3")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="models a, b: one more step under torch.profiler; its top operators by self CPU time are printed",
+    )  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=Path("outputs") / "scaling")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
@@ -674,6 +690,7 @@ def main(argv=None) -> int:
                 spec = {
                     **base, "seed": opts.seed, "threads": opts.threads, "warmup": opts.warmup,
                     "repeats": opts.repeats, "hf_steps": opts.hf_steps, "iga_steps": opts.iga_steps,
+                    "profile": opts.profile,
                 }  # fmt: skip
                 result = run_one(spec, opts)
                 run = {**base, **result}
@@ -686,6 +703,8 @@ def main(argv=None) -> int:
                     else f"{run['status']}: {run.get('reason', '')[:300]}"
                 )
                 print(f"({model}) {length:>5} {method:<13} {shown}  [{run.get('seconds', '-')} s]", flush=True)
+                for op in run.get("profile") or []:
+                    print(f"        {op['self_cpu_ms']:>9.1f} ms  {op['calls']:>5} calls  {op['op']}")
     add_ratios(runs)
     checks = verdicts(runs, opts.models, opts.lengths)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k != "worker"}

@@ -37,7 +37,7 @@ def test_ad_drop_extra_memory_is_linear_in_length():
 def test_a_tiny_grid_writes_table_json_png_and_verdict(tmp_path, capsys):
     out = tmp_path / "scaling"
     assert scaling.main(["--models", "a", "--methods", "ga", "--lengths", "32", "--repeats", "1",
-                         "--warmup", "0", "--out-dir", str(out)]) == 0  # fmt: skip
+                         "--warmup", "0", "--profile", "--out-dir", str(out)]) == 0  # fmt: skip
     result = json.loads((out / "scaling.json").read_text())
     runs = {r["method"]: r for r in result["runs"]}
     assert set(runs) == {"plain", "ga"}  # plain is always run: every ratio is against it
@@ -48,6 +48,9 @@ def test_a_tiny_grid_writes_table_json_png_and_verdict(tmp_path, capsys):
     assert ga["time_ratio"] == round(ga["cpu_s"] / plain["cpu_s"], 3)
     assert 0 < ga["drop_rate"] < 0.3  # p = q = 0.3: at most p q of a row's keys, fewer on short rows
     assert ga["torch_threads"] == 1
+    # --profile: the step's operators by self CPU time, the attribution pass among them
+    times = [op["self_cpu_ms"] for op in ga["profile"]]
+    assert times == sorted(times, reverse=True) and any(op["op"] == "ad_drop::attribution_pass" for op in ga["profile"])
     # lengths that were not run are "not measured", never met or missed
     assert all(v["met"] is None for v in result["verdicts"]), result["verdicts"]
     assert (out / "scaling.png").stat().st_size > 0
