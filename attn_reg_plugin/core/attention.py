@@ -277,7 +277,9 @@ def _blockwise_edit(call: SiteCall, q, k, v, bias, dropout_p: float, scale, rows
     elif isinstance(uniform, torch.Tensor):
         uniform = uniform.to(q.device)
     count = call.fresh and hook.stats is not None and hook.drop is not None
-    plan = BlockCall(rule_of(hook.drop), uniform, hook.droppable, rows, call.block_seed(), dropout_p, scale, count)
+    rule = rule_of(hook.drop)
+    seed = call.block_seed() if rule is not None and rule.draws else 0
+    plan = BlockCall(rule, uniform, hook.droppable, rows, seed, dropout_p, scale, count)
     out, dropped, droppable = blockwise_attention(q, k, v, bias, plan)
     if count:
         hook.stats[0] = hook.stats[0] + dropped

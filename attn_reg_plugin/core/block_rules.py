@@ -120,6 +120,9 @@ class BlockRule:
     row by construction, so the kernel need not check (a full pass over the block each)."""
 
     keeps_rows = False
+    # Whether the rule draws random numbers (from the call's seed). A call whose rule draws none
+    # takes no seed, so it leaves torch's global random stream where the one-block path would.
+    draws = True
 
     def first(self, block: Block) -> Tuple[torch.Tensor, object]:
         return self.again(block, None), None
@@ -138,6 +141,7 @@ class DenseRule(BlockRule):
     """A mask given whole (bool, broadcastable to (B, H, T, S)): each block takes its rows."""
 
     mask: torch.Tensor
+    draws = False
 
     def again(self, block: Block, state) -> torch.Tensor:
         return keys_of(rows_of(self.mask, block.rows), block.shape[-1]).to(block.valid.device)

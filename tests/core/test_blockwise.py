@@ -432,3 +432,16 @@ def test_ties_straddling_the_threshold_in_many_rows_take_the_lowest_keys():
             assert got <= set(keys) and len(got) == max(0, len(keys) - 1), (i, j, r)
             continue
         assert got == set(sorted(keys, key=lambda c: (-scores[i, j, r, c].item(), c))[:k]), (i, j, r)
+
+
+def test_a_given_mask_through_blocks_leaves_the_random_stream_alone(small_blocks, block_calls):
+    """AttendOut's Generator masks draw nothing in the kernel, so a blockwise call takes no seed: the
+    global stream is where the one-block path leaves it, and what follows trains identically."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
+    drop = torch.rand(2, 1, 6, 6, generator=g) < 0.3
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    attend(q, k, v, _valid("padding", 2, 6), site=site_with_hook(EditScores(drop=drop)))
+    assert block_calls == [2]
+    assert torch.equal(torch.get_rng_state(), before)
