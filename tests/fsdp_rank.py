@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(REPO, "examples", "custom_seq2seq"))
 from seq2seq_model import Seq2SeqTransformer  # noqa: E402
 
 import attn_reg_plugin.core.ad_drop as core_ad_drop  # noqa: E402
+import attn_reg_plugin.core.block_rules as core_block_rules  # noqa: E402
 from attn_reg_plugin.core import (  # noqa: E402
     ADDrop,
     ADDropConfig,
@@ -59,7 +60,8 @@ def _recording_masks(*args, **kwargs):
 
 
 _ad_drop_masks = core_ad_drop.ad_drop_masks
-core_ad_drop.ad_drop_masks = _recording_masks
+core_ad_drop.ad_drop_masks = _recording_masks  # GA, AA, IGA: masks from pass 1's maps
+core_block_rules.ad_drop_masks = _recording_masks  # RD: drawn inside the kernel
 
 
 def build(controller):
