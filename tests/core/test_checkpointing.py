@@ -43,12 +43,34 @@ def test_a_site_called_twice_under_checkpointing_is_refused_in_backward(reentran
 
 
 def test_same_site_twice_without_checkpointing_trains():
-    model = _model(calls=2, checkpointed=False)
+    """Without checkpointing a site may be called twice in a pass: each call applies its own edit.
+    An edit that drops nothing trains exactly as no edit; one that drops keys changes the loss and
+    every call was edited."""
+    model = _model(calls=2, checkpointed=False).eval()  # no model dropout: the runs are comparable
+    x = torch.randn(B, T, D)
+    params = list(model.parameters())
+    plain = model(x).sum()
+    plain_grads = torch.autograd.grad(plain, params)
+
+    calls = []
+
+    def nothing(valid):
+        calls.append(valid.shape)
+        return torch.zeros(valid.shape, dtype=torch.bool)
+
+    with model.controller.hooks({s: EditScores(drop=nothing) for s in model.controller.sites}):
+        loss = model(x).sum()
+    grads = torch.autograd.grad(loss, params)
+    assert len(calls) == 2 * len(model.controller.sites)  # every call of every site was edited
+    torch.testing.assert_close(loss, plain)
+    for got, want in zip(grads, plain_grads):
+        torch.testing.assert_close(got, want)
+
     edits = {s: EditScores(drop=lambda valid: torch.rand(valid.shape) < 0.3) for s in model.controller.sites}
     with model.controller.hooks(edits):
-        loss = model(torch.randn(B, T, D)).sum()
-    loss.backward()
-    assert all(p.grad is not None for p in model.parameters())
+        dropped = model(x).sum()
+    grads = torch.autograd.grad(dropped, params)
+    assert not torch.allclose(dropped, plain) and all(torch.isfinite(g).all() for g in grads)
 
 
 def test_attribution_inside_a_reentrant_checkpoint_is_a_clear_error():

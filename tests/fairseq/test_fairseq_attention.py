@@ -62,7 +62,9 @@ def test_encoder_decoder_attention_and_weights_match_stock():
     torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6)
     ref_h, ref_hw = stock(q, kv, kv, key_padding_mask=kpm, static_kv=True, need_head_weights=True)
     got_h, got_hw = ours(q, kv, kv, key_padding_mask=kpm, static_kv=True, need_head_weights=True)
+    torch.testing.assert_close(got_h, ref_h, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_hw, ref_hw, rtol=1e-5, atol=1e-6)
+    assert got_hw.shape == ref_hw.shape and got_hw.dim() == 4  # per head: (heads, B, T, S)
 
 
 def test_dropped_key_gets_zero_weight_in_fairseq_module():
