@@ -38,6 +38,7 @@ towards T (A and D see the retried batch once each). A's own overflow skips A's 
 import copy
 import inspect
 import logging
+import math
 import os
 from typing import Callable, Dict, Optional, Tuple
 
@@ -446,7 +447,7 @@ def reduce_attendout_metrics(logging_outputs) -> None:
     loss = utils.item(sum(log["attendout_attacker_loss"] for log in steps))
     size = utils.item(sum(log["attendout_sample_size"] for log in steps))
     # Same units as fairseq's `loss` (base 2, per sample-size unit).
-    metrics.log_scalar("attendout_attacker_loss", loss / max(size, 1) / 0.6931471805599453, size, round=3)
+    metrics.log_scalar("attendout_attacker_loss", loss / max(size, 1) / math.log(2), size, round=3)
     overflows = utils.item(sum(log.get("attendout_attacker_overflows", 0) for log in steps))
     if overflows:
         metrics.log_scalar_sum("attendout_attacker_overflows", overflows)

@@ -94,8 +94,8 @@ def test_ad_drop_layer_error_names_the_flag():
 
 
 def test_register_refuses_a_duplicate_and_selection_refuses_gaps():
-    """Before: duplicates and gaps were accepted; layers=[1] then selected one of two sites and
-    layers=[2] was refused with 'accepted indices are 0..1'."""
+    """A site registered twice is refused, and so is a selection over a kind whose layers leave a gap
+    (layers 1 and 2, not 0..1), naming the registered layers and the indices accepted."""
     controller = RegularizationController()
     controller.register("encoder-self", 1)
     with pytest.raises(ValueError, match="encoder-self layer 1 is registered already"):

@@ -125,8 +125,9 @@ def _explicit(q, k, v, allowed):
 @pytest.mark.parametrize("backend", ["fused", "math"])
 @pytest.mark.parametrize("edit", ["none", "drop", "capture"])
 def test_kernel_gradients_equal_the_explicit_softmax_path(dtype, backend, edit):
-    """Before: with a regularizer active, rows with no valid key (left-padded causal batches) got O(1)
-    wrong gradients from torch's fused CPU backward (the finite fill spread them over padding keys)."""
+    """Rows with no valid key (left-padded causal batches) send back no gradient with a regularizer
+    active, on the fused and the math backends: the finite fill would spread them over padding keys,
+    where torch's fused CPU backward is wrong by O(1)."""
     from attn_reg_plugin.core.attention import CaptureOutput
 
     valid = _left_padded_causal()
