@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
 from attn_reg_plugin.prepare import fairseq_command, prepare, run_logged
+from attn_reg_plugin.sweep import log_fields
 from attn_reg_plugin.user_dir import FAIRSEQ_USER_DIR
 
 from .provenance import environment
@@ -65,15 +66,6 @@ class TrainResult:
 _EPOCH_LINE = re.compile(r"\| (train|valid) \| epoch (\d+) \|(.*)")
 
 
-def _metrics(text: str) -> Dict[str, str]:
-    out = {}
-    for part in text.split("|"):
-        bits = part.strip().split(" ", 1)
-        if len(bits) == 2:
-            out[bits[0]] = bits[1].strip()
-    return out
-
-
 def train(
     name: str, data_bin: Path, save_dir: Path, args: Sequence[str], log: Callable[[str], None] = print
 ) -> TrainResult:
@@ -85,7 +77,7 @@ def train(
         m = _EPOCH_LINE.search(line)
         if not m:
             return
-        kind, epoch, rest = m.group(1), int(m.group(2)), _metrics(m.group(3))
+        kind, epoch, rest = m.group(1), int(m.group(2)), log_fields(m.group(3))
         rec = epochs.setdefault(epoch, {"epoch": epoch})
         if kind == "train":
             rec.update(

@@ -144,23 +144,28 @@ def run_logged(
     log_path: Path,
     on_line: Optional[Callable[[str], None]] = None,
     env: Optional[Dict[str, str]] = None,
+    append: bool = False,
 ) -> float:
-    """Run ``cmd``, tee its output into ``log_path``, call ``on_line`` per line; return seconds."""
+    """Run ``cmd``, tee its output into ``log_path`` (``append``: after the lines already there, as a
+    resumed run keeps its earlier attempts'), call ``on_line`` per line; return seconds; raise
+    RuntimeError with the log's tail on failure."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n")
+    with open(log_path, "a" if append else "w", encoding="utf-8") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
-        )
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, encoding="utf-8", errors="replace",
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
         for line in proc.stdout:
             log.write(line)
             if on_line is not None:
                 on_line(line.rstrip("\n"))
         code = proc.wait()
     if code != 0:
-        tail = log_path.read_text().splitlines()[-25:]
-        raise RuntimeError(f"command failed with exit code {code}: {cmd[0]}\n  log: {log_path}\n" + "\n".join(tail))
+        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-25:]
+        raise RuntimeError(f"{Path(cmd[0]).name} failed with exit code {code}; log {log_path}:\n" + "\n".join(tail))
     return time.time() - start
 
 

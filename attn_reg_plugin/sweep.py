@@ -43,7 +43,6 @@ import os
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import textwrap
 import time
@@ -51,7 +50,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .paths import OutputOverwritesInputError, check_outputs_spare_inputs
-from .prepare import fairseq_command
+from .prepare import fairseq_command, run_logged
 from .user_dir import FAIRSEQ_USER_DIR
 
 SCHEDULES = ("cross-tuning", "always")
@@ -372,28 +371,12 @@ def check_fairseq_args(opts, cells: List[dict]) -> None:
 
 # -- one run --------------------------------------------------------------------------------------
 def run_appended(cmd: Sequence[str], log_path: Path, on_line: Optional[Callable[[str], None]] = None) -> float:
-    """Run ``cmd``, appending its output to ``log_path`` (a resumed run keeps the earlier attempts'
-    lines) and calling ``on_line`` per line; return seconds; raise RuntimeError with the log's tail on failure."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    with open(log_path, "a", encoding="utf-8") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, encoding="utf-8", errors="replace"
-        )
-        for line in proc.stdout:
-            log.write(line)
-            if on_line is not None:
-                on_line(line.rstrip("\n"))
-        code = proc.wait()
-    if code != 0:
-        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-25:]
-        raise RuntimeError(f"{Path(cmd[0]).name} failed with exit code {code}; log {log_path}:\n" + "\n".join(tail))
-    return time.time() - start
+    """``prepare.run_logged`` after the log's earlier lines: a resumed run keeps its earlier attempts'."""
+    return run_logged(cmd, log_path, on_line, append=True)
 
 
-def _fields(text: str) -> Dict[str, str]:
+def log_fields(text: str) -> Dict[str, str]:
+    """The ``key value`` fields of one of fairseq-train's ``|``-separated log lines."""
     out = {}
     for part in text.split("|"):
         bits = part.strip().split(" ", 1)
@@ -414,7 +397,7 @@ def read_train_log(text: str) -> dict:
     for line in text.splitlines():
         m = _SIMPLE_LINE.search(line)
         if m:
-            kind, epoch, fields = m.group(1), int(m.group(2)), _fields(m.group(3))
+            kind, epoch, fields = m.group(1), int(m.group(2)), log_fields(m.group(3))
         else:
             m = _JSON_LINE.search(line)
             if not m:
