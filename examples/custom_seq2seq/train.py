@@ -32,7 +32,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 from seq2seq_model import Seq2SeqTransformer  # this example's model, next to this file
 
-from attn_reg_lab.example_support import ad_drop_config, read_parallel
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/example_support.py
+from example_support import ad_drop_config, read_parallel
+
 from attn_reg_plugin.core import ADDrop, ad_drop_epoch, token_loss_target
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3

@@ -33,7 +33,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-from attn_reg_lab.example_support import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/example_support.py
+from example_support import (
     add_ad_drop_options,
     check_common_args,
     hf_trainer,

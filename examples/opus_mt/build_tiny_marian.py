@@ -27,7 +27,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-from attn_reg_lab.example_support import read_parallel
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/example_support.py
+from example_support import read_parallel
 
 
 def build(

@@ -39,7 +39,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-from attn_reg_lab.example_support import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/example_support.py
+from example_support import (
     add_ad_drop_options,
     check_common_args,
     hf_trainer,
@@ -47,6 +48,7 @@ from attn_reg_lab.example_support import (
     read_parallel,
     train_and_log,
 )
+
 from attn_reg_plugin.core import ADDropConfig
 
 # The paper's AD-DROP p and q of its two OPUS-MT pairs; any other pair gets the flags' defaults.

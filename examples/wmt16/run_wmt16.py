@@ -5,22 +5,23 @@
     python examples/wmt16/run_wmt16.py --pair tr-en --out outputs/wmt16-tr-en
 
 Stages (``--stages``, default all): ``download`` (datasets.load_dataset("wmt16", ...): train,
-newsdev2016 as valid, newstest2016 as test, written as raw text), ``prepare`` (joint
-sentencepiece + fairseq-preprocess), ``train`` (fairseq-train, plain and AD-DROP with the
-paper's p/q for the pair: EN-RO p=q=0.2, TR-EN p=0.6 q=0.1, encoder self-attention, all
-layers, cross-tuning), ``generate`` (fairseq-generate beam 5, sacrebleu on detokenized output
-against the raw newstest2016 references). It needs internet for ``download`` and a GPU for
-``train`` in reasonable time; the pipeline code is the same the demo runs on the shipped corpus.
+newsdev2016 as valid, newstest2016 as test, written as raw text), ``prepare`` (the plugin's
+``attn-reg-prepare``: joint sentencepiece + fairseq-preprocess), ``train`` (the plugin's
+``attn-reg-mt-sweep`` with one cell, the paper's p/q for the pair: EN-RO p=q=0.2, TR-EN p=0.6
+q=0.1, encoder self-attention, all layers, cross-tuning, and ``--plain`` beside it; each run is
+translated with its best checkpoint, beam 5, sacrebleu on detokenized output against the raw
+newsdev2016 / newstest2016 references). It needs internet for ``download`` and a GPU for
+``train`` in reasonable time. Results: ``OUT/sweep/results.md`` and ``results.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from attn_reg_lab import mt_pipeline as mt
+from attn_reg_plugin import sweep
+from attn_reg_plugin.prepare import prepare
 
 # The paper's AD-DROP hyper-parameters per pair (Appendix A, OPUS-MT fine-tuning).
 PAIRS = {
@@ -30,8 +31,6 @@ PAIRS = {
 SPLIT_NAMES = {"train": "train", "validation": "valid", "test": "test"}
 
 TRANSFORMER_BASE = [
-    "--task",
-    "attn_reg_translation",
     "--arch",
     "transformer_wmt_en_de",
     "--share-all-embeddings",
@@ -55,8 +54,6 @@ TRANSFORMER_BASE = [
     "0.1",
     "--max-tokens",
     "8192",
-    "--max-epoch",
-    "40",
     "--no-epoch-checkpoints",
     "--log-interval",
     "100",
@@ -91,55 +88,34 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", choices=sorted(PAIRS), required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--stages", default="download,prepare,train,generate")
+    ap.add_argument("--stages", default="download,prepare,train")
     ap.add_argument("--vocab-size", type=int, default=32000)
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--epochs", type=int, default=40)
+    ap.add_argument("--seeds", default="1", help="comma list of seeds (each method runs each)")
     ap.add_argument("--train-args", default="", help="extra fairseq-train arguments (e.g. '--fp16 --max-update 60000')")
     args = ap.parse_args(argv)
     spec = PAIRS[args.pair]
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    bad = [s for s in stages if s not in ("download", "prepare", "train", "generate")]
+    bad = [s for s in stages if s not in ("download", "prepare", "train")]
     if bad:
-        ap.error(f"--stages: unknown {bad}; accepted: download, prepare, train, generate")
+        ap.error(f"--stages: unknown {bad}; accepted: download, prepare, train")
     out = args.out.resolve()
-    raw, data_bin = out / "raw", out / "data-bin"
-    methods = {
-        "plain": ["--criterion", "label_smoothed_cross_entropy"],
-        "ad-drop": [
-            "--criterion",
-            "ad_drop_label_smoothed_cross_entropy",
-            "--ad-drop-p",
-            str(spec["p"]),
-            "--ad-drop-q",
-            str(spec["q"]),
-            "--ad-drop-attention",
-            "encoder-self",
-            "--ad-drop-layers",
-            "all",
-        ],
-    }
+    raw = out / "raw"
     if "download" in stages:
         print("downloaded", download(args.pair, raw))
     if "prepare" in stages:
-        mt.prepare_data(raw, out, spec["src"], spec["tgt"], args.vocab_size)
-    results = {}
-    for name, method_args in methods.items():
-        save = out / "checkpoints" / name
-        if "train" in stages:
-            mt.train(
-                name,
-                data_bin,
-                save,
-                [*TRANSFORMER_BASE, *method_args, "--seed", str(args.seed), *args.train_args.split()],
-            )
-        if "generate" in stages:
-            results[name] = mt.generate_bleu(
-                data_bin, save / "checkpoint_best.pt", raw / f"test.{spec['tgt']}", out / "translations" / name
-            )
-            print(name, results[name]["signature"])
-    if results:
-        (out / "bleu.json").write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+        prepare(spec["src"], spec["tgt"], {split: raw / split for split in SPLIT_NAMES.values()}, out, args.vocab_size)
+    if "train" not in stages:
+        return 0
+    return sweep.main(
+        [
+            str(out / "data-bin"), "--out-dir", str(out / "sweep"), "--source-lang", spec["src"],
+            "--target-lang", spec["tgt"], "--p", str(spec["p"]), "--q", str(spec["q"]), "--plain",
+            "--epochs", str(args.epochs), "--seeds", args.seeds, "--valid-ref", str(raw / "valid"),
+            "--test", "--test-ref", str(raw / "test"),
+            "--", *TRANSFORMER_BASE, "--ad-drop-attention", "encoder-self", *args.train_args.split(),
+        ]
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

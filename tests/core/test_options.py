@@ -91,10 +91,10 @@ def test_add_arguments_generates_runner_options():
 
 
 def test_docs_option_tables_are_generated_from_the_configs():
-    from attn_reg_lab.docs_tables import options_table, with_generated_tables
+    from docs_tables import options_table, with_generated_tables
 
     doc = (REPO / "docs" / "OPTIONS.md").read_text(encoding="utf-8")
-    assert with_generated_tables(doc) == doc, "run: python -m attn_reg_lab.docs_tables docs/OPTIONS.md README.md"
+    assert with_generated_tables(doc) == doc, "run: .venv/bin/python tests/docs_tables.py docs/OPTIONS.md README.md"
     for config in (ADDropConfig, AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig):
         table = options_table(config)
         assert f"<!-- options: {config.__name__} -->\n{table}\n" in doc

@@ -1,4 +1,4 @@
-"""Every supported Hugging Face family (attn_reg_lab.families), on its tiny random config.
+"""Every supported Hugging Face family (tests/families.py), on its tiny random config.
 
 Per family: the sites found by watching the calls have the family's kinds and depths; with
 nothing active the outputs equal stock sdpa (with padding, and causal masks where the family
@@ -11,8 +11,8 @@ import functools
 
 import pytest
 import torch
+from families import FAMILIES, REFUSED, build, families_table
 
-from attn_reg_lab.families import FAMILIES, REFUSED, build, families_table
 from attn_reg_plugin.core import ad_drop as ad_drop_module
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attendout.game import AttendOut as AttendOutGame

@@ -3,8 +3,8 @@ AD-DROP trains the adapters only, and its attribution pass gives no parameter a 
 
 import pytest
 import torch
+from families import FAMILIES, build
 
-from attn_reg_lab.families import FAMILIES, build
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attribution import token_loss_target
 from attn_reg_plugin.core.controller import RegularizationController

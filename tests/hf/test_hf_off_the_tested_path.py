@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from families import FAMILIES, build
 
-from attn_reg_lab.families import FAMILIES, build
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.attribution import multi_label_target, token_loss_target

@@ -13,9 +13,9 @@ import copy
 import pytest
 import torch
 import transformers
+from families import FAMILIES, build
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from attn_reg_lab.families import FAMILIES, build
 from attn_reg_plugin.core.attention import EditScores
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.hf import install_attention_sites

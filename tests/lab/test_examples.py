@@ -114,3 +114,22 @@ def test_demo_methods_are_named_in_any_case(tmp_path, capsys):
     with pytest.raises(SystemExit):
         demo.main(["--methods", "ad-drop,AttendOut,bogus", "--out", str(tmp_path / "out")])
     assert "--methods: unknown ['bogus']" in capsys.readouterr().err
+
+
+def test_wmt16_train_stage_is_a_valid_plugin_sweep(tmp_path, monkeypatch):
+    """The recipe's train stage is attn-reg-mt-sweep with the paper's cell and plain beside it."""
+    from attn_reg_plugin import sweep
+
+    wmt16 = load_script(REPO / "examples" / "wmt16" / "run_wmt16.py", "run_wmt16")
+    calls = []
+    monkeypatch.setattr(sweep, "main", lambda argv: calls.append(argv) or 0)
+    assert wmt16.main(["--pair", "tr-en", "--out", str(tmp_path), "--stages", "train"]) == 0
+    (argv,) = calls
+    split = argv.index("--")
+    opts = sweep.build_parser().parse_args(argv[:split])
+    assert (opts.p, opts.q, opts.plain, opts.test) == ("0.6", "0.1", True, True)
+    assert (opts.source_lang, opts.target_lang, opts.epochs) == ("tr", "en", 40)
+    assert opts.valid_ref == tmp_path / "raw" / "valid"
+    train_args = argv[split + 1 :]
+    assert not set(train_args) & set(sweep.OWNED), "the recipe passes an option the sweep sets itself"
+    assert train_args[train_args.index("--arch") + 1] == "transformer_wmt_en_de"

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence
-
-from .example_support import read_jsonl
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 
 class DataError(ValueError):
@@ -21,13 +20,37 @@ class Example:
     label: int
 
 
+def _json_objects(path: Path) -> Iterator[Tuple[int, dict]]:
+    """(1-based line, object) per line: UTF-8 split at ``\\n`` (a CRLF's ``\\r`` and a leading BOM
+    dropped); an undecodable, blank or non-object line raises :class:`DataError`."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    data = path.read_bytes()
+    for number, raw in enumerate(data.removesuffix(b"\n").split(b"\n") if data else [], start=1):
+        try:
+            line = raw.removesuffix(b"\r").decode("utf-8").removeprefix("\ufeff" if number == 1 else "")
+        except UnicodeDecodeError as err:
+            raise DataError(
+                f"{path}:{number}: not valid UTF-8 ({err.reason} at byte {err.start} of the line)"
+            ) from None
+        if not line.strip():
+            raise DataError(f"{path}:{number}: empty line (every line must hold one JSON object)")
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+        yield number, row
+
+
 def load_jsonl(path: Path, num_labels: int = 2) -> List[Example]:
     """Every line of ``path`` as an :class:`Example`; any malformed line raises :class:`DataError`."""
     path = Path(path)
     try:
-        rows = list(read_jsonl(path))
-    except (OSError, ValueError) as e:  # unreadable, not UTF-8, blank, not JSON, not an object
-        raise DataError(str(e)) from None
+        rows = list(_json_objects(path))
+    except OSError as e:
+        raise DataError(f"{path}: {e.strerror}") from None
     label_set = "{" + ", ".join(str(i) for i in range(num_labels)) + "}"
     examples = []
     for number, record in rows:

@@ -34,8 +34,7 @@ def read_text_lines(path: Path) -> List[str]:
 def read_jsonl(path: Path) -> Iterator[Tuple[int, dict]]:
     """(line number, object) for each line of a JSON-lines file; blank lines and non-objects are errors.
 
-    The lab's one JSONL reader (the few-shot loader checks its fields on top). A byte-order mark
-    before the first line is dropped."""
+    A byte-order mark before the first line is dropped."""
     for number, line in enumerate(read_text_lines(path), start=1):
         if number == 1:
             line = line.removeprefix("\ufeff")

@@ -60,8 +60,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from .paths import REPO
+
 MIB = 2**20
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = {
     "a": dict(kind="core", dim=64, heads=2, layers=2, description="porting-API encoder, width 64, 2 heads, 2 layers"),
@@ -440,7 +441,7 @@ def _run_worker(spec: dict, opts, extra_env: Dict[str, str]) -> dict:
         **os.environ,
         "OMP_NUM_THREADS": str(opts.threads),
         "MKL_NUM_THREADS": str(opts.threads),
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "lab"), os.environ.get("PYTHONPATH", "")]),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
         "PYTHONWARNINGS": "ignore",
@@ -458,7 +459,7 @@ def _run_worker(spec: dict, opts, extra_env: Dict[str, str]) -> dict:
     try:
         proc = subprocess.run(
             cmd, env=env, text=True, capture_output=True,
-            timeout=opts.timeout, preexec_fn=cap_memory, cwd=str(REPO_ROOT),
+            timeout=opts.timeout, preexec_fn=cap_memory, cwd=str(REPO),
         )  # fmt: skip
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "reason": f"over --timeout {opts.timeout:g} s", "seconds": opts.timeout}

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]  # the checkout this package sits in
+REPO = Path(__file__).resolve().parents[2]  # the checkout: this package is lab/attn_reg_lab
 MT_CORPUS = REPO / "data" / "gettext_en_ro"  # the EN-RO corpus of the demo and the benchmark
 MOVIE_REVIEWS = REPO / "data" / "movie_reviews"  # the few-shot classification data
 TINY_REVIEWS = REPO / "tests" / "data" / "movie_reviews_tiny.jsonl"

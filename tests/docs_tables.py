@@ -1,7 +1,8 @@
 """The generated tables of the docs: every option table of docs/OPTIONS.md (from the configs'
-field metadata) and the README's supported-models table (from ``hf.families``).
+field metadata) and the README's supported-models table (from ``tests/families.py``, the
+families the test suite builds).
 
-    python -m attn_reg_lab.docs_tables docs/OPTIONS.md README.md
+    .venv/bin/python tests/docs_tables.py docs/OPTIONS.md README.md
 
 rewrites the table after each ``<!-- options: ConfigName -->`` and ``<!-- supported models -->``
 marker (up to the next blank line); tests fail when a committed table is stale.
@@ -38,7 +39,7 @@ def _configs():
 def _table_for(marker: str):
     """The generated table a marker line asks for, or None for any other line."""
     if marker == "<!-- supported models -->":
-        from .families import families_table
+        from families import families_table  # tests/ is this script's folder and pytest's path
 
         return families_table()
     if marker.startswith("<!-- options: ") and marker.endswith(" -->"):

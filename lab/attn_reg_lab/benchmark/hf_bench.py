@@ -210,8 +210,9 @@ class HFBench:
         def run() -> None:
             trainer.training_step(self.model, dict(inputs))
             self.optimizer.step()
-            trainer._attendout_optimizer_step()
-            trainer._attendout_step_end()
+            # What Trainer.train() does after each update: the callbacks, AttendOut's among them.
+            trainer.callback_handler.on_optimizer_step(trainer.args, trainer.state, trainer.control)
+            trainer.callback_handler.on_step_end(trainer.args, trainer.state, trainer.control)
 
         def held() -> int:
             if trainer.attendout_attacker is None:
