@@ -1,26 +1,13 @@
 """attn_reg_plugin: AD-DROP and AttendOut attention regularizers.
 
-The science lives in :mod:`attn_reg_plugin.core` (plain PyTorch); its docstring is the
-four-step guide to porting AD-DROP into your own model, and the names below are that API.
-When fairseq imports this package as ``--user-dir``, fairseq is already loaded and its parts
-are registered here.
+Three entry points, one per way in: :mod:`attn_reg_plugin.core` (plain PyTorch; its docstring is
+the four-step guide to porting AD-DROP into your own model), :mod:`attn_reg_plugin.hf` (the
+Hugging Face trainers) and fairseq's ``--user-dir`` (``attn-reg-user-dir`` prints the folder).
+The package itself re-exports nothing, so each name has one import path. When fairseq is
+already loaded, its parts are registered on import.
 """
 
 import sys
-
-from .core import (  # noqa: F401
-    ATTENTION_KINDS,
-    ADDrop,
-    ADDropConfig,
-    AttentionSite,
-    RegularizationController,
-    ad_drop_epoch,
-    attend,
-    bare_module,
-    logit_target,
-    regression_target,
-    token_loss_target,
-)
 
 __version__ = "0.2.0"
 

@@ -209,8 +209,6 @@ def prepare(
     """Check the corpus, train a joint sentencepiece model on train, encode every split, binarize;
     return the data-bin folder. ``prefixes`` maps split names (train, valid, test) to prefixes.
     Nothing is written when an output would overwrite an input (:func:`check_outputs_spare_prefixes`)."""
-    import sentencepiece as spm
-
     for name, path in [("--out", out), *((f"--{split}", prefix) for split, prefix in prefixes.items())]:
         if "," in str(path):
             # sentencepiece's input and fairseq-preprocess's prefixes are comma-separated lists
@@ -222,14 +220,34 @@ def prepare(
     counts = check_parallel(prefixes, src, tgt)
     log(f"data: {', '.join(f'{split} {n} pairs ({prefixes[split]}.{{{src},{tgt}}})' for split, n in counts.items())}")
     spm_dir = out / "spm"
+    train_sentencepiece(prefixes["train"], src, tgt, spm_dir, vocab_size, character_coverage)
+    encode_splits(spm_dir, prefixes, src, tgt)
+    data_bin = out / "data-bin"
+    split_flags = [flag for split in prefixes for flag in (f"--{split}pref", str(spm_dir / split))]
+    run_logged(
+        [
+            preprocess, "--source-lang", src, "--target-lang", tgt, *split_flags, "--destdir", str(data_bin),
+            "--joined-dictionary", "--workers", str(workers),
+        ],
+        out / "logs" / "preprocess.log",
+    )  # fmt: skip
+    log(f"sentencepiece ({vocab_size} pieces, {spm_dir / 'spm.model'}) + fairseq-preprocess -> {data_bin}")
+    return data_bin
+
+
+def train_sentencepiece(
+    train: Path, src: str, tgt: str, spm_dir: Path, vocab_size: int, character_coverage: float
+) -> None:
+    """One unigram model on both sides of ``train``: ``spm_dir/spm.model``; a vocabulary sentencepiece
+    cannot build is a :class:`PrepareError` naming the options (and leaves no new ``spm_dir``)."""
+    import sentencepiece as spm
+
     created = not spm_dir.exists()
     spm_dir.mkdir(parents=True, exist_ok=True)
-    model_prefix = spm_dir / "spm"
-    train = prefixes["train"]
     try:
         spm.SentencePieceTrainer.train(
             input=f"{train}.{src},{train}.{tgt}",
-            model_prefix=str(model_prefix),
+            model_prefix=str(spm_dir / "spm"),
             vocab_size=vocab_size,
             character_coverage=character_coverage,
             model_type="unigram",
@@ -245,7 +263,13 @@ def prepare(
             f"--vocab-size {vocab_size} / --character-coverage {character_coverage}: sentencepiece cannot build "
             f"this vocabulary from {train}.{{{src},{tgt}}}: {reason}"
         ) from None
-    sp = spm.SentencePieceProcessor(model_file=f"{model_prefix}.model")
+
+
+def encode_splits(spm_dir: Path, prefixes: Mapping[str, Path], src: str, tgt: str) -> None:
+    """Every split's both sides as pieces: ``spm_dir/{split}.{lang}``."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(spm_dir / "spm.model"))
     for split, prefix in prefixes.items():
         for lang in (src, tgt):
             with (
@@ -254,26 +278,6 @@ def prepare(
             ):
                 for line in fin:
                     fout.write(" ".join(sp.encode(line.rstrip("\n"), out_type=str)) + "\n")
-    data_bin = out / "data-bin"
-    split_flags = [flag for split in prefixes for flag in (f"--{split}pref", str(spm_dir / split))]
-    run_logged(
-        [
-            preprocess,
-            "--source-lang",
-            src,
-            "--target-lang",
-            tgt,
-            *split_flags,
-            "--destdir",
-            str(data_bin),
-            "--joined-dictionary",
-            "--workers",
-            str(workers),
-        ],
-        out / "logs" / "preprocess.log",
-    )
-    log(f"sentencepiece ({vocab_size} pieces, {spm_dir / 'spm.model'}) + fairseq-preprocess -> {data_bin}")
-    return data_bin
 
 
 # No '-': fairseq reads the pair back from file names like train.en-tr.en by splitting at '-'.

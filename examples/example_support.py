@@ -134,21 +134,19 @@ def format_epoch_row(row: Dict[str, object], metric: Optional[str] = None) -> st
 METHODS = ("plain", "ad-drop")
 
 
-def add_ad_drop_options(
-    ap, p: float = 0.2, q: float = 0.2, layers: str = "all", attention: str = "encoder-self"
-) -> None:
-    """``--methods`` and the ``--ad-drop-*`` options (ADDropConfig's fields, as in fairseq); a
-    default of None means the runner picks the paper's value for the task."""
+def add_ad_drop_options(ap, **task_defaults) -> None:
+    """``--methods`` and the ``--ad-drop-*`` options (ADDropConfig's fields, as in fairseq), with the
+    config's defaults except where the example's task overrides one (``p=0.3``: the paper's value for
+    that task; None: the runner picks it after parsing)."""
     from attn_reg_plugin.core import ADDropConfig
     from attn_reg_plugin.core.options import add_arguments
 
     ap.add_argument("--methods", default="plain,ad-drop", help=f"comma list of {', '.join(METHODS)}, run in that order")
-    add_arguments(
-        ap,
-        ADDropConfig,
-        only=("p", "q", "layers", "attention", "attribution", "schedule"),
-        defaults={"p": p, "q": q, "layers": layers, "attention": attention},
-    )
+    only = ("p", "q", "layers", "attention", "attribution", "schedule")
+    unknown = set(task_defaults) - set(only)
+    if unknown:
+        raise TypeError(f"add_ad_drop_options: no option {sorted(unknown)}; the options are {', '.join(only)}")
+    add_arguments(ap, ADDropConfig, only=only, defaults=task_defaults)
 
 
 def check_common_args(ap, args, positive: Sequence[str] = ()) -> None:

@@ -20,7 +20,7 @@ from helpers import (
     MOVIE_REVIEWS_TINY,
     RESUMABLE,
     TRAIN_ARGS,
-    USER_DIR,
+    fairseq_train,
     run_cli,
     train_updates,
 )
@@ -126,12 +126,9 @@ def reference_runs(tiny_mt_data, tmp_path_factory):
     def get(name):
         if name not in runs:
             save = tmp_path_factory.mktemp(f"{name}_run")
-            proc = run_cli(
-                "fairseq-train",
+            proc = fairseq_train(
+                tiny_mt_data["bin"],
                 [
-                    tiny_mt_data["bin"],
-                    "--user-dir",
-                    USER_DIR,
                     "--save-dir",
                     save,
                     *TRAIN_ARGS[name],
@@ -162,12 +159,9 @@ def logged_runs(tiny_mt_data, tmp_path_factory):
     def get(name):
         if name not in runs:
             root = tmp_path_factory.mktemp(f"{name}_logged")
-            proc = run_cli(
-                "fairseq-train",
+            proc = fairseq_train(
+                tiny_mt_data["bin"],
                 [
-                    tiny_mt_data["bin"],
-                    "--user-dir",
-                    USER_DIR,
                     "--save-dir",
                     root / "ckpt",
                     "--tensorboard-logdir",

@@ -72,6 +72,11 @@ def run_cli(name, args, cwd=None, expect_ok=True, timeout=300):
     return proc
 
 
+def fairseq_train(data_bin, args, **run_options):
+    """``fairseq-train DATA_BIN --user-dir <the plugin> ARGS`` (:func:`run_cli`'s options)."""
+    return run_cli("fairseq-train", [data_bin, "--user-dir", USER_DIR, *args], **run_options)
+
+
 def fairseq_setup(data_bin, extra):
     """Build (cfg, task, model, criterion) in-process exactly as fairseq-train does."""
     from fairseq import options, tasks

@@ -16,7 +16,7 @@ from typing import Callable, List, Optional
 
 import pytest
 
-from helpers import REPO, TINY_TRANSFORMER, USER_DIR, fairseq_setup, run_cli
+from helpers import REPO, TINY_TRANSFORMER, fairseq_setup, fairseq_train
 
 INTERVAL = "{opt} must be in the open interval (0, 1), got {got}"
 KINDS = "encoder-self, decoder-self, encoder-decoder"
@@ -314,12 +314,9 @@ def test_fairseq_ad_drop_criterion_needs_an_attn_reg_task(tiny_mt_data):
 
 def test_fairseq_train_stops_before_training(tiny_mt_data, tmp_path):
     """The real CLI: a bad value ends fairseq-train before the first epoch and writes nothing."""
-    proc = run_cli(
-        "fairseq-train",
+    proc = fairseq_train(
+        tiny_mt_data["bin"],
         [
-            tiny_mt_data["bin"],
-            "--user-dir",
-            USER_DIR,
             "--save-dir",
             tmp_path,
             "--cpu",

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from attn_reg_plugin import sweep
+from attn_reg_plugin.sweep import runs as sweep_runs  # where the runs look up what the tests replace
 from helpers import TINY_TRANSFORMER
 
 # A made-up Turkish-like language: each English word has one Turkish-looking counterpart; a
@@ -81,7 +82,7 @@ def counted(monkeypatch):
         calls[name] += 1
         return real(cmd, *args, **kwargs)
 
-    monkeypatch.setattr(sweep, "run_appended", run)
+    monkeypatch.setattr(sweep_runs, "run_appended", run)
     return calls
 
 
@@ -89,7 +90,7 @@ def test_sweep_over_a_tr_en_run_resumes_and_refuses_other_settings(tiny_tr_en, t
     out = tmp_path / "sweep"
     # Killed after the first run trained, before it was scored.
     real_score = sweep.translate_and_score
-    monkeypatch.setattr(sweep, "translate_and_score", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(sweep_runs, "translate_and_score", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         sweep.main(_argv(tiny_tr_en, out))
     assert counted == {"fairseq-train": 1, "fairseq-generate": 0}
@@ -97,7 +98,7 @@ def test_sweep_over_a_tr_en_run_resumes_and_refuses_other_settings(tiny_tr_en, t
         not list((out / "cells").iterdir())
         and (out / "runs" / "p0.2_q0.3_ga_layers-all_always" / "seed1" / "trained.json").exists()
     )
-    monkeypatch.setattr(sweep, "translate_and_score", real_score)
+    monkeypatch.setattr(sweep_runs, "translate_and_score", real_score)
 
     # Rerun with a second p and the plain reference: the trained run is scored, not retrained.
     argv = _argv(tiny_tr_en, out, "--plain", p="0.2,0.5")

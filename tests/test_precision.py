@@ -19,7 +19,14 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from helpers import TINY_TRANSFORMER, USER_DIR, classifier_rows, cpu_fp16, run_cli, tiny_bert_classifier, train_updates
+from helpers import (
+    TINY_TRANSFORMER,
+    classifier_rows,
+    cpu_fp16,
+    fairseq_train,
+    tiny_bert_classifier,
+    train_updates,
+)
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.cuda.is_available()
@@ -67,12 +74,9 @@ def test_fairseq_precision(tiny_mt_data, tmp_path, regularizer, precision):
     if not (CUDA or on_cpu):
         pytest.skip(f"fairseq {' '.join(flags)} needs CUDA")
     device = [] if CUDA else ["--cpu"]
-    proc = run_cli(
-        "fairseq-train",
+    proc = fairseq_train(
+        tiny_mt_data["bin"],
         [
-            tiny_mt_data["bin"],
-            "--user-dir",
-            USER_DIR,
             "--save-dir",
             tmp_path,
             *device,

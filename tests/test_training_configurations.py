@@ -547,11 +547,13 @@ def test_hf_trainers_refuse_what_accelerate_launch_turned_on(tmp_path, plugin, m
 )
 def test_hf_trainers_accept_fsdp2_and_zero_1_2(tmp_path, who, setting):
     """What tests/test_fsdp.py and tests/test_deepspeed.py run passes the construction check."""
+    from attn_reg_plugin.hf.attendout_trainer import NO_DEEPSPEED
     from attn_reg_plugin.hf.training_configurations import refuse_unsupported
 
     args = _sharded_args(tmp_path, **setting)
-    if who == "AttendOutTrainer" and "deepspeed" in setting:
+    no_deepspeed = NO_DEEPSPEED if who == "AttendOutTrainer" else None  # what each trainer passes
+    if no_deepspeed is not None and "deepspeed" in setting:
         with pytest.raises(NotImplementedError, match="AttendOutTrainer does not support DeepSpeed"):
-            refuse_unsupported(who, args, tiny_bert_classifier())
+            refuse_unsupported(who, args, tiny_bert_classifier(), no_deepspeed=no_deepspeed)
     else:
-        refuse_unsupported(who, args, tiny_bert_classifier())
+        refuse_unsupported(who, args, tiny_bert_classifier(), no_deepspeed=no_deepspeed)

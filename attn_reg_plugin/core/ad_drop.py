@@ -1,4 +1,5 @@
-"""AD-DROP's two-pass training step and the cross-tuning schedule (paper Sec. 2.3-2.4).
+"""AD-DROP's two-pass training step (paper Sec. 2.3). Its options and schedule are in
+:mod:`.ad_drop_config`, what the attribution pass runs under in :mod:`.attribution_pass`.
 
 The step is framework-free: an adapter hands over two forward callables and a target, and
 gets back pass 2's output plus drop statistics. Only pass 2's loss is back-propagated by the
@@ -9,123 +10,39 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
-import math
-from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch.profiler import record_function
 
+from .ad_drop_config import ADDropConfig, ad_drop_epoch  # noqa: F401  (the step's public import path too)
 from .attention import CaptureOutput, CaptureProbs, EditScores, zero_counts
 from .attribution import (
-    ATTRIBUTIONS,
-    LABEL_SOURCES,
     GradientScale,
     dense_gradient_attribution,
     output_gradients,
     probs_gradient,
 )
+from .attribution_pass import (  # noqa: F401  (bare_module, cpu_has_native_bf16: public here too)
+    attribution_precision,
+    bare_module,
+    cpu_has_native_bf16,
+    frozen_parameters,
+    rng_state,
+    set_rng_state,
+)
 from .block_rules import AttentionScores, GradientScores, RandomScores, ScoreSource, TopRegionRule
 from .blockwise import blockwise_rows
 from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
-from .masks import ad_drop_masks, decimal_fraction
-from .options import RegularizerOptions, attention_option, layers_option, option
-from .sharding import check_supported_sharding, initialize, is_fully_sharded, reshard
+from .masks import ad_drop_masks
+from .sharding import check_supported_sharding
 
 logger = logging.getLogger(__name__)
 
-SCHEDULES = ("cross-tuning", "always")
-REGIONS = ("top", "bottom")
-ATTRIBUTION_PRECISIONS = ("auto", "fp32", "bf16")
-
 # output, fixed labels (None on the first call) -> (scalar F, labels used)
 Target = Callable[[object, Optional[torch.Tensor]], Tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class ADDropConfig(RegularizerOptions):
-    """AD-DROP's options; the fairseq flags are these names prefixed with ``--ad-drop-``."""
-
-    FLAG_PREFIX = "--ad-drop-"
-
-    p: float = option(
-        0.2, "candidate region: the top ceil(p*n) of each query row's n real keys by attribution", "(0, 1)"
-    )
-    q: float = option(0.2, "drop probability of each candidate", "(0, 1)")
-    region: str = option(
-        "top",
-        "which keys of each row are candidates: top = the highest-attribution ceil(p*n) (AD-DROP), bottom = the "
-        "lowest (analysis only: the paper's Fig. 2 drops either end to show which one regularizes)",
-        "top, bottom",
-    )
-    layers: str = layers_option()
-    attention: str = attention_option()
-    attribution: str = option(
-        "ga", "gradient, integrated gradients, attention weights, random region", "ga, iga, aa, rd"
-    )
-    iga_steps: int = option(20, "integration steps m of attribution iga", "integer >= 1")
-    labels: str = option(
-        "pseudo", "attribution target labels: pass-1 argmax (the paper) or gold (its ablation)", "pseudo, gold"
-    )
-    schedule: str = option(
-        "cross-tuning", "cross-tuning: plain on odd 1-based epochs, AD-DROP on even ones", "cross-tuning, always"
-    )
-    attribution_precision: str = option(
-        "auto",
-        "precision of the attribution pass (pass 1; pass 2 and the update keep the training precision): "
-        "auto = the training precision, fp32 = autocast off, bf16 = under bf16 autocast (faster, a ranking "
-        "only; docs/PERFORMANCE.md measures how often it picks the fp32 candidates)",
-        "auto, fp32, bf16",
-    )
-
-    def validate(self) -> ADDropConfig:
-        """Check every option; the error names the option as the user spelled it (core.options.option_name)."""
-        flag = self.name
-        for name in ("p", "q"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not (0.0 < float(value) < 1.0) or math.isnan(value):
-                raise ValueError(f"{flag(name)} must be in the open interval (0, 1), got {value!r}")
-        try:
-            decimal_fraction(self.p)
-        except ValueError as e:
-            raise ValueError(f"{flag('p')}: {e}") from None
-        self.check_site_options()
-        if self.region not in REGIONS:
-            raise ValueError(f"{flag('region')} must be one of {', '.join(REGIONS)}, got {self.region!r}")
-        if self.attribution not in ATTRIBUTIONS:
-            raise ValueError(
-                f"{flag('attribution')} must be one of {', '.join(ATTRIBUTIONS)}, got {self.attribution!r}"
-            )
-        if not isinstance(self.iga_steps, int) or isinstance(self.iga_steps, bool) or self.iga_steps < 1:
-            raise ValueError(f"{flag('iga_steps')} must be an integer >= 1, got {self.iga_steps!r}")
-        if self.labels not in LABEL_SOURCES:
-            raise ValueError(f"{flag('labels')} must be one of {', '.join(LABEL_SOURCES)}, got {self.labels!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"{flag('schedule')} must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.attribution_precision not in ATTRIBUTION_PRECISIONS:
-            raise ValueError(
-                f"{flag('attribution_precision')} must be one of {', '.join(ATTRIBUTION_PRECISIONS)}, "
-                f"got {self.attribution_precision!r}"
-            )
-        if self.region == "bottom" and self.attribution in ("rd", "aa"):
-            what = (
-                "draws its region at random"
-                if self.attribution == "rd"
-                else "ranks by attention weights, not attribution"
-            )
-            raise ValueError(
-                f"{flag('region')} bottom ranks keys by attribution, but {flag('attribution')} "
-                f"{self.attribution} {what}; use ga or iga, or region top"
-            )
-        if self.attribution == "rd" and self.attribution_precision != "auto":
-            raise ValueError(
-                f"{flag('attribution_precision')} {self.attribution_precision} sets the precision of the "
-                f"attribution pass, which {flag('attribution')} rd does not run; leave it at auto"
-            )
-        return self
 
 
 def _finite(value: torch.Tensor, captured: List[torch.Tensor]) -> bool:
@@ -134,19 +51,6 @@ def _finite(value: torch.Tensor, captured: List[torch.Tensor]) -> bool:
     if value.device.type != "cpu" and not any(t.dtype in (torch.float16, torch.bfloat16) for t in captured):
         return True
     return bool(torch.isfinite(value).all())
-
-
-def _rng_state():
-    """The random streams a forward's dropout draws from: CPU, and every CUDA device in use."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
 
 
 def samples_with_target(attributions: List[Union[torch.Tensor, GradientScores]]) -> torch.Tensor:
@@ -159,91 +63,6 @@ def samples_with_target(attributions: List[Union[torch.Tensor, GradientScores]])
         nonzero = a.reshape(a.shape[0], -1).ne(0).any(dim=1)
         found = nonzero if found is None else found | nonzero
     return found
-
-
-def ad_drop_epoch(schedule: str, epoch: int) -> bool:
-    """Whether 1-based ``epoch`` is an AD-DROP epoch (paper Alg. 1: plain on odd epochs)."""
-    if schedule == "always":
-        return True
-    if schedule == "cross-tuning":
-        return epoch % 2 == 0
-    raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-
-
-def bare_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The model under DDP-style wrappers (anything exposing ``.module``).
-
-    The attribution pass runs it directly: it needs no gradient synchronisation.
-    """
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN has a bf16 path on this CPU (it asks for AVX-512; AVX-512 BF16 and AMX do it in
-    hardware, plain AVX-512 by conversion). Asked once: bf16 attribution on CPU looks at every step.
-
-    Without it torch falls back to a reference bf16 matmul: on an AVX2-only AMD EPYC a 512x384 by
-    384x1536 bf16 product took 476 ms against 8.9 ms in fp32 (docs/PERFORMANCE.md)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def _autocast_devices() -> List[str]:
-    """The device types a forward may run on: the CPU and the current accelerator, if any."""
-    devices = ["cpu"]
-    if torch.cuda.is_available():
-        devices.append("cuda")
-    return devices
-
-
-@contextlib.contextmanager
-def attribution_precision(precision: str) -> Iterator[None]:
-    """The autocast state of the attribution pass. The backward of ``autograd.grad`` runs each op
-    in its forward's precision, so the whole pass is in that precision; pass 2 is outside."""
-    if precision == "auto":  # whatever the training step runs under
-        yield
-        return
-    with contextlib.ExitStack() as stack:
-        for device in _autocast_devices():
-            if precision == "bf16":
-                stack.enter_context(torch.autocast(device, dtype=torch.bfloat16))
-            else:  # fp32
-                stack.enter_context(torch.autocast(device, enabled=False))
-        yield
-
-
-@contextlib.contextmanager
-def frozen_parameters(module: Optional[torch.nn.Module]) -> Iterator[None]:
-    """Parameters stop requiring grad for the attribution pass.
-
-    The pass then builds autograd graph only from the first captured attention output up,
-    which saves the activations parameter gradients would need; nothing reaches ``.grad``.
-    An FSDP2 model is initialised first and resharded on both sides (core.sharding): its modules
-    then unshard with the flags of the moment, and none keeps frozen unsharded parameters into pass 2.
-    """
-    if module is None:
-        yield
-        return
-    # One walk over the modules for an unsharded model (every AD-DROP step runs this), not three.
-    sharded = is_fully_sharded(module)
-    if sharded:
-        initialize(module)
-        reshard(module)
-    params = [p for p in module.parameters() if p.requires_grad]
-    try:
-        for p in params:
-            p.requires_grad_(False)
-        yield
-    finally:
-        if sharded:
-            reshard(module)
-        for p in params:
-            p.requires_grad_(True)
 
 
 class ADDrop:
@@ -322,23 +141,23 @@ class ADDrop:
         m = self.config.iga_steps
         # Every forward of the integral sees the hidden-dropout draw of the first, so the
         # integral is over one function; afterwards the stream is where one forward leaves it.
-        start = _rng_state()
+        start = rng_state()
         capture = CaptureProbs(alpha=1.0)
         with self.controller.hooks({s: capture for s in self.sites}):
             output = forward()
-        after_one_forward = _rng_state()
+        after_one_forward = rng_state()
         value, labels = target(output, None)
         del output
         self._check_captured(capture.sites, capture.probs)
         if not _finite(value, capture.probs):
-            _set_rng_state(after_one_forward)
+            set_rng_state(after_one_forward)
             return None
         sites, probs, valid = capture.sites, [p.detach() for p in capture.probs], capture.valid
         totals = probs_gradient(value, capture, self.gradient_scale)
         for i, site in enumerate(sites):
             for k in range(1, m):
                 step = CaptureProbs(alpha=k / m)
-                _set_rng_state(start)
+                set_rng_state(start)
                 with self.controller.hooks({site: step}):
                     output = forward()
                 value, _ = target(output, labels)
@@ -346,7 +165,7 @@ class ADDrop:
                 if step.sites != [site]:
                     raise RuntimeError(f"integrated gradients: expected one call of {site}, saw {step.sites}")
                 totals[i] = totals[i] + probs_gradient(value, step, self.gradient_scale)[0]
-        _set_rng_state(after_one_forward)
+        set_rng_state(after_one_forward)
         return sites, [p.float() * t / m for p, t in zip(probs, totals)], valid
 
     def _check_captured(self, seen: List[AttentionSite], captured: List[torch.Tensor]) -> None:

@@ -40,15 +40,15 @@ from .controller import (  # noqa: F401
     Hook,
     zero_counts,
 )
-from .masks import MASKED_BIAS, additive_mask, mask_fill_value, valid_keys_from_bias
+from .masks import MASKED_BIAS, additive_mask, mask_fill_value, may_hold_true, valid_keys_from_bias
 
 # Since torch 2.5 every sdpa backend gives a row whose keys are all masked (False, or -inf) output 0
 # and no gradient, which is what the kernel promises for a query row with no valid key; before, NaN.
 _SDPA_ZEROES_EMPTY_ROWS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
-# Where that is verified for the kernel's masks (tests/core/test_attention.py; the CUDA case is
-# make gpu-check's, not yet run on a GPU): elsewhere a masked ordinary call keeps the prepared
-# path, which zeroes such rows itself. CUDA's memory-efficient kernel has returned NaN for fully
-# masked rows in the past (pytorch#110213), and a NaN from a mask must never reach training.
+# Where that is verified for the kernel's masks (tests/core/test_attention.py; CUDA's case is in
+# make gpu-check, and CUDA joins this list once it passes there): elsewhere a masked ordinary call
+# keeps the prepared path, which zeroes such rows itself. CUDA's memory-efficient kernel has
+# returned NaN for fully masked rows (pytorch#110213), and a NaN from a mask must never reach training.
 _FAST_MASKED_DEVICES = ("cpu",)
 
 
@@ -94,10 +94,7 @@ def _keyless_rows(bias: Optional[torch.Tensor], valid: torch.Tensor) -> Optional
     if bias is None:
         return None
     rows = ~valid.any(dim=-1, keepdim=True)
-    # On the host, looking is cheaper than editing; on an accelerator it would synchronise.
-    if rows.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(rows.any()):
-        return None
-    return rows
+    return rows if may_hold_true(rows) else None
 
 
 def _broadcast_count(mask: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
@@ -138,92 +135,109 @@ def attend(
     """
     # What this call does, read from the site once (in a recompute: what its forward did).
     call = begin_call(site, recomputing()) if site is not None else ORDINARY_CALL
-    if (
-        call.hook is None
-        and not need_weights
-        and (bias is None or (_SDPA_ZEROES_EMPTY_ROWS and q.device.type in _FAST_MASKED_DEVICES))
-    ):
+    fast_masks = bias is None or (_SDPA_ZEROES_EMPTY_ROWS and q.device.type in _FAST_MASKED_DEVICES)
+    if call.hook is None and not need_weights and fast_masks:
         return _ordinary_attention(q, k, v, bias, dropout_p, scale), None
+    if not need_weights:
+        out = _without_prepared_bias(call, q, k, v, bias, dropout_p, scale, fast_masks)
+        if out is not None:
+            return out, None
+    return _prepared(call, q, k, v, bias, dropout_p, scale, need_weights)
 
+
+def _without_prepared_bias(call: SiteCall, q, k, v, bias, dropout_p: float, scale, fast_masks: bool):
+    """The calls that need no float copy of the model's mask: a long edit (block by block), GA's
+    capture and AA's capture of a long map; None for every other call."""
     hook = call.hook
-    if isinstance(hook, EditScores) and not need_weights:
+    if isinstance(hook, EditScores):
         rows = blockwise_rows(q, k, hook.drop)
         if rows is not None:  # maps larger than a block: drops regenerated per block of queries
-            return _blockwise_edit(call, q, k, v, bias, dropout_p, scale, rows), None
-    fast_masks = bias is None or (_SDPA_ZEROES_EMPTY_ROWS and q.device.type in _FAST_MASKED_DEVICES)
-    if isinstance(hook, CaptureOutput) and not need_weights and fast_masks:
+            return _blockwise_edit(call, q, k, v, bias, dropout_p, scale, rows)
+    if not fast_masks:
+        return None
+    if isinstance(hook, CaptureOutput):
         # The model's own mask goes to sdpa (no float copy of it saved per layer for the backward):
         # the ordinary path's bits, with the output kept for the attribution.
-        return _capture_output(call, q, k, v, bias, scale), None
-    if _keeps_inputs(hook, q, k, need_weights) and fast_masks:
+        return _capture_output(call, q, k, v, bias, scale)
+    if _keeps_inputs(hook, q, k, False):
         # AA on a long map: keep q, k and the bias, not the weights; pass 2 recomputes them per block.
         if call.fresh:
             scale_ = scale if scale is not None else q.shape[-1] ** -0.5
             hook.sites.append(call.site)
             hook.probs.append(AttentionScores(q.detach(), k.detach(), bias, scale_))
             hook.valid.append(_validity(bias, k))
-        return _ordinary_attention(q, k, v, bias, 0.0, scale), None
+        return _ordinary_attention(q, k, v, bias, 0.0, scale)
+    return None
 
-    # Prepared: a finite bias that drops can be added to, and the validity captures and counts need.
+
+def _prepared(call: SiteCall, q, k, v, bias, dropout_p: float, scale, need_weights: bool):
+    """A finite bias that drops can be added to, and the validity captures and counts need."""
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     bias, valid = _combined_bias(bias, shape, q.dtype, q.device)
     keyless = _keyless_rows(bias, valid)
-
+    hook = call.hook
     if isinstance(hook, EditScores):
-        edit = call.edit(valid, shape, q.device)
-        if hook.calls is not None and call.fresh:
-            skipped = torch.as_tensor(hook.uniform_rows).any()  # stays where the flag is: no host sync
-            hook.calls[0] = hook.calls[0] + skipped.long()
-            hook.calls[1] = hook.calls[1] + 1
-        if edit.uniform is not None:
-            # A zero query row scores every key 0, so softmax is uniform over the valid keys
-            # (the bias still removes padding); the row's query receives no gradient, as it
-            # has no influence on a uniform row.
-            q = q.masked_fill(edit.uniform, 0.0)
-        if edit.drop is not None:
-            if bias is None:
-                bias = additive_mask(edit.drop, q.dtype)
-            else:
-                # bias + drop * fill in one pass: the same values as bias + additive_mask(drop).
-                bias = torch.add(bias, edit.drop, alpha=mask_fill_value(q.dtype))
-            if hook.stats is not None and call.fresh:
-                # Count over the full (B, H, T, S): a mask shared by heads drops in each head.
-                units = valid if hook.droppable is None else valid & hook.droppable.to(valid.device)
-                hook.stats[0] = hook.stats[0] + (edit.drop & units).expand(shape).sum()
-                hook.stats[1] = hook.stats[1] + _broadcast_count(units, shape)
+        q, bias = _edited(call, q, bias, valid, shape)
         hook = None  # the edited scores are attended like any others
-
     if isinstance(hook, CaptureOutput):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)
         return _zero_rows(_captured(call, out, v, valid), keyless), None
-
     if isinstance(hook, CaptureProbs) or need_weights:
-        scale_ = scale if scale is not None else q.shape[-1] ** -0.5
-        scores = torch.matmul(q, k.transpose(-2, -1)) * scale_
-        if bias is not None:
-            scores = scores + bias
-        # Softmax in at least float32: half-precision exponentials lose the small weights.
-        probs = torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1).to(
-            q.dtype
-        )
-        probs = _zero_rows(probs, keyless)
-        used = probs
-        if isinstance(hook, CaptureProbs):
-            if call.fresh and hook.requires_grad:
-                _check_grad_mode()
-            used = probs * hook.alpha if hook.alpha != 1.0 else probs
-            if hook.requires_grad and not used.requires_grad:
-                used.requires_grad_(True)
-            if call.fresh:
-                hook.sites.append(site)
-                hook.probs.append(used)
-                hook.valid.append(valid)
-            dropout_p = 0.0
-        out = torch.matmul(F.dropout(used, p=dropout_p) if dropout_p > 0 else used, v)
-        return out, probs
-
+        return _with_weights(call, hook, q, k, v, bias, valid, keyless, dropout_p, scale)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     return _zero_rows(out, keyless), None
+
+
+def _edited(call: SiteCall, q, bias, valid, shape):
+    """(q, bias) with an :class:`EditScores` call's edit applied, counted where it is applied."""
+    hook = call.hook
+    edit = call.edit(valid, shape, q.device)
+    if hook.calls is not None and call.fresh:
+        skipped = torch.as_tensor(hook.uniform_rows).any()  # stays where the flag is: no host sync
+        hook.calls[0] = hook.calls[0] + skipped.long()
+        hook.calls[1] = hook.calls[1] + 1
+    if edit.uniform is not None:
+        # A zero query row scores every key 0, so softmax is uniform over the valid keys (the bias
+        # still removes padding); the row's query receives no gradient, as it has no influence on a
+        # uniform row.
+        q = q.masked_fill(edit.uniform, 0.0)
+    if edit.drop is not None:
+        if bias is None:
+            bias = additive_mask(edit.drop, q.dtype)
+        else:
+            # bias + drop * fill in one pass: the same values as bias + additive_mask(drop).
+            bias = torch.add(bias, edit.drop, alpha=mask_fill_value(q.dtype))
+        if hook.stats is not None and call.fresh:
+            # Count over the full (B, H, T, S): a mask shared by heads drops in each head.
+            units = valid if hook.droppable is None else valid & hook.droppable.to(valid.device)
+            hook.stats[0] = hook.stats[0] + (edit.drop & units).expand(shape).sum()
+            hook.stats[1] = hook.stats[1] + _broadcast_count(units, shape)
+    return q, bias
+
+
+def _with_weights(call: SiteCall, hook, q, k, v, bias, valid, keyless, dropout_p: float, scale):
+    """The explicit softmax path: the map is materialised (CaptureProbs, or the caller wants it)."""
+    scale_ = scale if scale is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale_
+    if bias is not None:
+        scores = scores + bias
+    # Softmax in at least float32: half-precision exponentials lose the small weights.
+    half = scores.dtype in (torch.float16, torch.bfloat16)
+    probs = _zero_rows(torch.softmax(scores.float() if half else scores, dim=-1).to(q.dtype), keyless)
+    used = probs
+    if isinstance(hook, CaptureProbs):
+        if call.fresh and hook.requires_grad:
+            _check_grad_mode()
+        used = probs * hook.alpha if hook.alpha != 1.0 else probs
+        if hook.requires_grad and not used.requires_grad:
+            used.requires_grad_(True)
+        if call.fresh:
+            hook.sites.append(call.site)
+            hook.probs.append(used)
+            hook.valid.append(valid)
+        dropout_p = 0.0
+    out = torch.matmul(F.dropout(used, p=dropout_p) if dropout_p > 0 else used, v)
+    return out, probs
 
 
 def _captured(call: SiteCall, out: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from .masks import (
     decimal_fraction,
     keep_one_valid_key,
     mask_fill_value,
+    may_hold_true,
     valid_keys_from_bias,
 )
 
@@ -291,7 +292,7 @@ class TopRegionRule(BlockRule):
         region = scores >= threshold
         at_least = region.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32)
         # Whether ties straddle the threshold in some row: kept, so the backward need not count.
-        tied = scores.device.type != "cpu" or bool((at_least > k).any())
+        tied = may_hold_true(at_least > k)
         state = (threshold, k, tied)
         return self._drop(block, scores, state, n_valid, region, at_least), state
 
@@ -310,7 +311,7 @@ class TopRegionRule(BlockRule):
             drop &= self.samples.view(-1, 1, 1, 1)
         if n_valid is None:
             n_valid = block.valid.sum(-1, keepdim=True)
-        if scores.device.type != "cpu" or bool((k >= n_valid).any()):
+        if may_hold_true(k >= n_valid):
             # A row whose every key is a candidate can lose them all: it keeps its lowest-scored one.
             drop = keep_one_valid_key(drop, block.valid.expand(drop.shape), scores)
         return drop

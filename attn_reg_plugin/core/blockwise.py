@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from . import block_rules
 from .block_rules import Block, BlockRule, block_bias, keys_of, rows_of
-from .masks import mask_fill_value
+from .masks import mask_fill_value, uniform_instead_of_empty
 
 # A block holds at most max(BLOCK_ELEMENTS, LINEAR_FACTOR * B*H*T*d) score-sized elements: a fixed
 # floor (2**19 elements: ~12 MiB of block temporaries at ~24 bytes each) or as many as q has, so
@@ -61,13 +61,6 @@ class BlockCall:
     dropout_p: float
     scale: Optional[float]
     count: bool  # add dropped / droppable counts (a fresh forward; a recompute counts nothing)
-
-
-def _all_last(mask: torch.Tensor) -> torch.Tensor:
-    """``mask.all(-1, keepdim=True)``; on a CPU as the byte minimum, which is vectorised."""
-    if mask.device.type != "cpu" or mask.shape[-1] == 0:
-        return mask.all(-1, keepdim=True)
-    return mask.view(torch.uint8).amin(-1, keepdim=True).bool()
 
 
 class BlockMasks(NamedTuple):
@@ -113,12 +106,7 @@ def _block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=N
     if uniform is not None and uniform.dim() >= 2:
         uniform = rows_of(uniform, rows)
     if drop is not None and not call.rule.keeps_rows:
-        drop = drop & valid
-        # A row that would lose every real key attends uniformly to them (AttendOut Eq. 4).
-        emptied = _all_last(drop | ~valid) & valid.any(-1, keepdim=True)
-        if emptied.device.type != "cpu" or bool(emptied.any()):
-            drop = drop & ~emptied
-            uniform = emptied if uniform is None else (uniform | emptied)
+        drop, uniform = uniform_instead_of_empty(drop & valid, valid, uniform)
     if drop is not None:
         # Cast from bytes (a CPU casts uint8 to float ~3x faster than bool), scale, then add the
         # bias in place: several times faster than one add of a bool to a float.

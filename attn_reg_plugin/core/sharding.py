@@ -80,6 +80,14 @@ def _param_groups(module: nn.Module):
     return list(module._get_fsdp_state()._fsdp_param_groups)
 
 
+# Why each sharded configuration is refused: one wording for the core check (on the wrapped model)
+# and the HF trainers' check (on their arguments, before anything is wrapped).
+FSDP1_REASON = (
+    "its flat parameters are gathered once per forward-backward pair, and the regularizers run extra forwards"
+)
+OFFLOAD_REASON = "it is not verified with the regularizers' extra passes"
+
+
 def check_supported_sharding(model: nn.Module, who: str) -> None:
     """Refuse, before training, the sharded configurations the regularizers are not verified on."""
     try:
@@ -88,9 +96,8 @@ def check_supported_sharding(model: nn.Module, who: str) -> None:
         return
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         raise NotImplementedError(
-            f"{who} does not support FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel): its flat parameters "
-            "are gathered once per forward-backward pair, and AD-DROP and AttendOut run extra forwards. Use FSDP2 "
-            "(torch.distributed.fsdp.fully_shard; HF: fsdp_config={'version': 2}), docs/DISTRIBUTED.md"
+            f"{who} does not support FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel): {FSDP1_REASON}. "
+            "Use FSDP2 (torch.distributed.fsdp.fully_shard; HF: fsdp_config={'version': 2}), docs/DISTRIBUTED.md"
         )
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -99,8 +106,8 @@ def check_supported_sharding(model: nn.Module, who: str) -> None:
             if isinstance(group.offload_policy, CPUOffloadPolicy):
                 raise NotImplementedError(
                     f"{who} does not support FSDP2 CPU offload (offload_policy=CPUOffloadPolicy; HF: "
-                    "fsdp_config cpu_offload): it is not verified with the regularizers' extra passes. Shard over "
-                    "more ranks instead, with activation checkpointing to save memory"
+                    f"fsdp_config cpu_offload): {OFFLOAD_REASON}. Shard over more ranks instead, with activation "
+                    "checkpointing to save memory"
                 )
             post = group.post_forward_mesh_info
             if post is not None and post is not group.mesh_info:

@@ -20,13 +20,11 @@ the update still counts. Plain ``--fp16`` / ``--bf16`` (FP16Optimizer) step fp32
 of the weights: the re-sync copies the survivor's masters and their optimizer state too.
 
 Resuming (docs/CHECKPOINTS.md has a table of fairseq's ``--reset-*`` flags): the game's state
-travels in the checkpoint's task state. fairseq hands it to the task (``set_checkpoint_dict``)
-except with ``--reset-dataloader``; then, and whenever fairseq loaded a checkpoint without handing
-it, AttendOut reads it from the file fairseq loaded itself (:meth:`FairseqAttendOut.begin_training`),
-so a resume never silently starts a new game. ``--reset-optimizer`` resets A's optimizer as it
-resets D's. A's param-group settings (lr, betas, weight decay, ...) are D's after a resume, before
-every step of A, after every re-sync and when saved: "its own optimizer of the same type" has D's
-settings, whatever the resumed command changed.
+travels in the checkpoint's task state, and a resume never silently starts a new game
+(:mod:`.attendout_checkpoint`). ``--reset-optimizer`` resets A's optimizer as it resets D's. A's
+param-group settings (lr, betas, weight decay, ...) are D's after a resume, before every step of
+A, after every re-sync and when saved: "its own optimizer of the same type" has D's settings,
+whatever the resumed command changed.
 
 ``--amp``: A's forward runs under the same autocast as D's, and A's AMPOptimizer has its own
 GradScaler. fairseq's AMP still calls ``optimizer_step`` when D's gradients overflow (its scaler
@@ -35,18 +33,13 @@ scale drops, A drops that update's gradients and cached masks too, and the updat
 towards T (A and D see the retried batch once each). A's own overflow skips A's step, as above.
 """
 
-import copy
-import inspect
 import logging
 import math
-import os
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
-from fairseq import checkpoint_utils, metrics, optim, utils
-from fairseq.file_io import PathManager
+from fairseq import metrics, optim, utils
 
-from ..core.ad_drop import bare_module
 from ..core.attendout.config import AttendOutConfig
 from ..core.attendout.duel import build_attacker, end_dropout_step, scaler_skipped_step
 from ..core.attendout.game import AttendOut
@@ -54,27 +47,17 @@ from ..core.attendout.generator import Generator
 from ..core.attendout.heldout import heldout_indices
 from ..core.attendout.log import DropProbabilityLog
 from ..core.attendout.sync import copy_model_state, copy_optimizer_state
+from ..core.attribution_pass import bare_module
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_sum_, from_rank0, is_distributed, rank
+from .attendout_checkpoint import (
+    loaded_checkpoint_path,
+    read_attendout_state,
+    restored_message,
+)
 from .attention import install_attention_sites
 
 logger = logging.getLogger(__name__)
-
-
-def _checkpoint_utils_source() -> str:
-    # The module's file, not its (possibly wrapped or patched) functions.
-    return inspect.getsource(checkpoint_utils)
-
-
-def check_fairseq_supports_task_state() -> None:
-    """AttendOut's state lives in the task's checkpoint dict, which fairseq 0.12.2 does not save."""
-    source = _checkpoint_utils_source()
-    if "get_checkpoint_dict" not in source or "set_checkpoint_dict" not in source:
-        raise RuntimeError(
-            "--attendout needs a fairseq whose checkpoints carry task state (task.get_checkpoint_dict, "
-            "fairseq-fixed 0.12.3.1 / fairseq main after 0.12.2); this fairseq would lose the generator, "
-            "baseline and Attacker on every checkpoint. Install fairseq-fixed (Python >= 3.11) or fairseq from main."
-        )
 
 
 class FairseqAttendOut:
@@ -316,8 +299,10 @@ class FairseqAttendOut:
             source = "the checkpoint's task state"
         else:
             # Rank 0 finds and reads the file, as fairseq does, and every rank gets its state.
-            path, why = self._loaded_checkpoint() if rank() == 0 else (None, "")
-            state = from_rank0(_read_attendout_state(path, task_state_key) if path is not None else None)
+            path, why = (
+                loaded_checkpoint_path(self._checkpoint_config(), self.defender_loaded) if rank() == 0 else (None, "")
+            )
+            state = from_rank0(read_attendout_state(path, task_state_key) if path is not None else None)
             if not state:
                 if rank() == 0:
                     reason = why or (f"{path} holds no AttendOut state" if path else "no checkpoint was loaded")
@@ -329,26 +314,7 @@ class FairseqAttendOut:
             source += " with --reset-dataloader)" if reset else ")"
         if rank() == 0:
             game = self.game.state_dict() if self.game is not None else self.pending_state["game"]
-            logger.info(_restored_message(game, self.config.dropout_step, source, self.reset_optimizer()))
-
-    def _loaded_checkpoint(self) -> Tuple[Optional[str], str]:
-        """The file fairseq's ``checkpoint_utils.load_checkpoint`` loaded D from (its own rules), or
-        None and why AttendOut starts a new game."""
-        checkpoint = self._checkpoint_config()
-        if checkpoint is None or not self.defender_loaded:
-            return None, ""
-        suffix = checkpoint.get("checkpoint_suffix", "") or ""
-        restore_file = checkpoint.get("restore_file", "checkpoint_last.pt")
-        if restore_file == "checkpoint_last.pt":
-            path = os.path.join(checkpoint.save_dir, f"checkpoint_last{suffix}.pt")
-            if not PathManager.exists(path):
-                if checkpoint.get("continue_once", None) is not None:
-                    path = checkpoint.continue_once
-                elif checkpoint.get("finetune_from_model", None) is not None:
-                    return None, "--finetune-from-model takes the model's weights only"
-        else:
-            path = restore_file.replace(".pt", suffix + ".pt")
-        return (path, "") if PathManager.isfile(path) else (None, "")
+            logger.info(restored_message(game, self.config.dropout_step, source, self.reset_optimizer()))
 
     def state_dict(self) -> Dict[str, object]:
         if self.attacker is None:
@@ -383,32 +349,6 @@ def follow_param_groups(source_groups, destination_groups) -> None:
         for key, value in source.items():
             if key != "params":
                 destination[key] = value
-
-
-def _restored_message(game, dropout_step: int, source: str, reset_optimizer: bool) -> str:
-    optimizer = "" if reset_optimizer else "its optimizer, "
-    message = (
-        f"AttendOut: restored the Attacker, {optimizer}the Generator and its Adam state, the baseline and the "
-        f"unfinished dropout step (update {game['update_in_step']} of {dropout_step} done, after "
-        f"{game['dropout_steps_done']} finished dropout steps) from {source}"
-    )
-    if reset_optimizer:
-        message += "; the Attacker's optimizer is reset (--reset-optimizer), as the Defender's is"
-    return message
-
-
-def _read_attendout_state(path: str, task_state_key: str):
-    """The AttendOut part of a checkpoint's task state, or None. Memory-mapped where the file allows,
-    so that the rest of the checkpoint is not read again; the tensors kept are copied out."""
-    local = PathManager.get_local_path(path)
-    try:
-        state = torch.load(local, map_location="cpu", mmap=True)
-    except RuntimeError:  # a legacy (not zip) file cannot be memory-mapped
-        with open(local, "rb") as f:
-            state = torch.load(f, map_location="cpu")
-    task_state = (state.get("extra_state") or {}).get(task_state_key) or {}
-    # deepcopy gives the tensors storage of their own (a later save may rewrite the mapped file).
-    return copy.deepcopy(task_state.get("attendout")) or None
 
 
 def _amp(optimizer) -> bool:

@@ -17,14 +17,15 @@ from dataclasses import field
 from fairseq import metrics, utils
 from omegaconf import OmegaConf, open_dict
 
-from ..core.ad_drop import ad_drop_epoch
+from ..core.ad_drop_config import ad_drop_epoch
 from ..core.attendout import AttendOutConfig
 from ..core.attention import zero_counts
 from ..core.controller import RegularizationController
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from ..core.options import one_regularizer
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
-from .attendout import FairseqAttendOut, check_fairseq_supports_task_state, reduce_attendout_metrics
+from .attendout import FairseqAttendOut, reduce_attendout_metrics
+from .attendout_checkpoint import check_fairseq_supports_task_state
 from .attention import install_attention_sites
 from .options import fairseq_options
 

@@ -19,7 +19,8 @@ from ..core.options import named_by_field
 from .attention import install_attention_sites
 from .model_inputs import causal_lm, decoder_input_ids_from_labels
 from .sites import site_claim
-from .training_configurations import model_argument, refuse_unsupported, refuse_unsupported_launch, training_arguments
+from .trainer_arguments import model_argument, training_arguments
+from .training_configurations import refuse_unsupported, refuse_unsupported_launch
 
 
 class ADDropTrainerMixin:

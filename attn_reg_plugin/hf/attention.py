@@ -70,29 +70,10 @@ def attn_reg_attention(
         raise NotImplementedError(
             f"{type(module).__name__}: attn_reg attention supports neither logit softcapping nor paged caches"
         )
-    position_bias = kwargs.get("position_bias")
     n_rep = getattr(module, "num_key_value_groups", 1) or 1
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
-    q_len, kv_len = query.shape[2], key.shape[2]
-    bias = attention_mask
-    if bias is not None and bias.dim() == 4:
-        bias = bias[:, :, :, :kv_len]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
-    if bias is None and causal and q_len > 1:
-        # transformers skips the mask when it is purely causal and lets sdpa use is_causal;
-        # the core kernel needs it explicitly (aligned to the last keys, as with a cache).
-        rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
-        bias = (rows >= torch.arange(kv_len, device=query.device)[None, :]).view(1, 1, q_len, kv_len)
-    if position_bias is not None:
-        # T5's relative position bias is a float bias on the scores: added before any mask, and
-        # masked positions keep the fill, so the candidate region still excludes them.
-        position_bias = position_bias[:, :, -q_len:, :kv_len].to(query.dtype)
-        if bias is None:
-            bias = position_bias
-        elif bias.dtype == torch.bool:
-            bias = position_bias.masked_fill(~bias, mask_fill_value(query.dtype))
-        else:
-            bias = position_bias + bias
+    bias = _score_bias(attention_mask, kwargs.get("position_bias"), query, key.shape[2], causal)
     out, weights = attend(
         query,
         key,
@@ -104,6 +85,30 @@ def attn_reg_attention(
         need_weights=bool(kwargs.get("output_attentions", False)),
     )
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _score_bias(attention_mask, position_bias, query: torch.Tensor, kv_len: int, causal: bool):
+    """The additive (or boolean) bias the kernel takes: the model's mask cut to the keys, the causal
+    mask transformers left to sdpa's ``is_causal``, and T5's relative position bias."""
+    q_len = query.shape[2]
+    bias = attention_mask
+    if bias is not None and bias.dim() == 4:
+        bias = bias[:, :, :, :kv_len]
+    if bias is None and causal and q_len > 1:
+        # transformers skips the mask when it is purely causal and lets sdpa use is_causal;
+        # the core kernel needs it explicitly (aligned to the last keys, as with a cache).
+        rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+        bias = (rows >= torch.arange(kv_len, device=query.device)[None, :]).view(1, 1, q_len, kv_len)
+    if position_bias is None:
+        return bias
+    # T5's relative position bias is a float bias on the scores: added before any mask, and masked
+    # positions keep the fill, so the candidate region still excludes them.
+    position_bias = position_bias[:, :, -q_len:, :kv_len].to(query.dtype)
+    if bias is None:
+        return position_bias
+    if bias.dtype == torch.bool:
+        return position_bias.masked_fill(~bias, mask_fill_value(query.dtype))
+    return position_bias + bias
 
 
 def register_attn_reg() -> None:

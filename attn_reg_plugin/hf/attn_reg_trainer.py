@@ -22,7 +22,8 @@ from ..core.options import named_by_field, one_regularizer
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attention import install_attention_sites
 from .sites import site_claim
-from .training_configurations import model_argument, refuse_unsupported, refuse_unsupported_launch, training_arguments
+from .trainer_arguments import model_argument, training_arguments
+from .training_configurations import refuse_unsupported, refuse_unsupported_launch
 
 logger = logging.getLogger(__name__)
 

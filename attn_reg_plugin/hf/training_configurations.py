@@ -2,7 +2,8 @@
 
 Checked on the TrainingArguments before ``Trainer.__init__`` runs, so a bad combination stops
 before any set-up or training. docs/CONFIGURATIONS.md lists every configuration and its status.
-Also the trainers' shared constructor helper for the model argument.
+A trainer that cannot run under DeepSpeed at all says so by passing its reason
+(``no_deepspeed``); the others get ZeRO-1/2 without offload.
 """
 
 from __future__ import annotations
@@ -10,18 +11,10 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-import torch
-import transformers
-
-from ..core.sharding import check_supported_sharding
+from ..core.sharding import FSDP1_REASON, OFFLOAD_REASON, check_supported_sharding
 
 
-def training_arguments(args, kwargs) -> Optional[transformers.TrainingArguments]:
-    """The TrainingArguments given to the Trainer; None: its defaults, which use none of the below."""
-    return kwargs.get("args", args[1] if len(args) > 1 else None)
-
-
-def refuse_unsupported(who: str, args, model=None) -> None:
+def refuse_unsupported(who: str, args, model=None, no_deepspeed: Optional[str] = None) -> None:
     if model is not None:
         check_supported_sharding(model, who)
     if args is None:
@@ -40,7 +33,7 @@ def refuse_unsupported(who: str, args, model=None) -> None:
             "one of the two (gradient_checkpointing=True is exact without torch_compile)."
         )
     if args.deepspeed:
-        refuse_unsupported_deepspeed(who, deepspeed_config(args))
+        refuse_unsupported_deepspeed(who, deepspeed_config(args), no_deepspeed)
     if args.fsdp:
         # The plugin arguments transformers derived from fsdp / fsdp_config: what accelerate will run
         # (e.g. fsdp_config cpu_offload="yes" or the legacy fsdp="full_shard offload" both mean offload).
@@ -54,7 +47,7 @@ def refuse_unsupported(who: str, args, model=None) -> None:
         )
 
 
-def refuse_unsupported_launch(who: str, trainer) -> None:
+def refuse_unsupported_launch(who: str, trainer, no_deepspeed: Optional[str] = None) -> None:
     """The same checks on what the Trainer's accelerator was set up with: ``accelerate launch`` can
     turn FSDP or DeepSpeed on from its own config, with the TrainingArguments' fields unset."""
     state = trainer.accelerator.state
@@ -72,7 +65,7 @@ def refuse_unsupported_launch(who: str, trainer) -> None:
         )
     deepspeed = getattr(state, "deepspeed_plugin", None)
     if deepspeed is not None:
-        refuse_unsupported_deepspeed(who, deepspeed.deepspeed_config)
+        refuse_unsupported_deepspeed(who, deepspeed.deepspeed_config, no_deepspeed)
 
 
 def deepspeed_config(args) -> dict:
@@ -86,14 +79,10 @@ def deepspeed_config(args) -> dict:
         return json.load(f)
 
 
-def refuse_unsupported_deepspeed(who: str, config: dict) -> None:
-    """ZeRO stages 0-2 without offload are supported for AD-DROP and the no-extra-cost regularizers."""
-    if who.startswith("AttendOut"):
-        raise NotImplementedError(
-            f"{who} does not support DeepSpeed (TrainingArguments.deepspeed): the engine owns the Defender's "
-            "backward and optimizer step, and the Attacker's backward would run through it. Use FSDP2 "
-            "(fsdp_config={'version': 2}) or DDP (torchrun)"
-        )
+def refuse_unsupported_deepspeed(who: str, config: dict, no_deepspeed: Optional[str] = None) -> None:
+    """ZeRO stages 0-2 without offload are supported, unless the trainer gives ``no_deepspeed``, its reason."""
+    if no_deepspeed is not None:
+        raise NotImplementedError(f"{who} does not support DeepSpeed (TrainingArguments.deepspeed): {no_deepspeed}")
     zero = config.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
     if stage not in (0, 1, 2):
@@ -117,14 +106,13 @@ def refuse_unsupported_fsdp(
     """FSDP2 (transformers' default version) is supported; what is not verified is refused."""
     if version != 2:
         raise NotImplementedError(
-            f"{who} does not support FSDP1 (fsdp_config version {version}): its flat parameters are gathered once "
-            "per forward-backward pair, and the regularizers run extra forwards. Use FSDP2: fsdp_config={'version': "
-            "2} (docs/DISTRIBUTED.md)"
+            f"{who} does not support FSDP1 (fsdp_config version {version}): {FSDP1_REASON}. Use FSDP2: "
+            "fsdp_config={'version': 2} (docs/DISTRIBUTED.md)"
         )
     if offload:
         raise NotImplementedError(
-            f"{who} does not support FSDP2 with fsdp_config cpu_offload: it is not verified with the regularizers' "
-            "extra passes. Shard over more GPUs instead, with activation_checkpointing=True to save memory"
+            f"{who} does not support FSDP2 with fsdp_config cpu_offload: {OFFLOAD_REASON}. Shard over more GPUs "
+            "instead, with activation_checkpointing=True to save memory"
         )
     if wrapper_checkpointing:
         raise NotImplementedError(
@@ -137,12 +125,3 @@ def refuse_unsupported_fsdp(
             f"{who} does not support torch_compile=True with FSDP: compiled FSDP2 modules are not verified "
             "with the regularizers' extra passes. Use one of the two"
         )
-
-
-def model_argument(who: str, args, kwargs) -> torch.nn.Module:
-    model = kwargs.get("model", args[0] if args else None)
-    if model is None:
-        raise ValueError(
-            f"{who} needs `model` (model_init is not supported): attention sites are installed at construction"
-        )
-    return model

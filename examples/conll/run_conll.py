@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-length", type=int, default=256, help="word pieces per sentence; longer ones are an error")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--fp16", action="store_true")
-    add_ad_drop_options(ap, p=0.3, q=0.3, layers="all")
+    add_ad_drop_options(ap, p=0.3, q=0.3)
     args = ap.parse_args(argv)
     if (args.train_file is None) != (args.validation_file is None):
         ap.error("--train-file and --validation-file go together")

@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fp16", action="store_true")
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank on the attention projections; 0 = full fine-tuning")
     ap.add_argument("--samples", type=int, default=3, help="dev prompts continued greedily after training")
-    add_ad_drop_options(ap, p=0.2, q=0.2, layers="all", attention="auto")
+    add_ad_drop_options(ap)  # the config's defaults: p = q = 0.2, all decoder layers
     args = ap.parse_args(argv)
     if args.lora < 0 or args.samples < 0:
         ap.error(f"--lora and --samples must be >= 0, got {args.lora}, {args.samples}")

@@ -128,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="target language code (NLLB: ron_Latn); generation is forced to start with it",
     )
-    add_ad_drop_options(ap, p=None, q=None, layers="all", attention="encoder-self")  # p, q: the pair's paper values
+    add_ad_drop_options(ap, p=None, q=None)  # p, q: the pair's paper values
     args = ap.parse_args(argv)
     spec, args.pair = args.pair, args.pair["pair"]
     args.src, args.tgt = spec["src"], spec["tgt"]

@@ -18,7 +18,8 @@ def test_config_rejects_p_q_outside_open_unit_interval(name, value):
 
 @pytest.mark.parametrize("value", [1e-6, 0.5, 0.999999])
 def test_config_accepts_p_q_inside(value):
-    ADDropConfig(p=value, q=value).validate()
+    config = ADDropConfig(p=value, q=value)
+    assert config.validate() is config and (config.p, config.q) == (value, value)  # accepted as given, not clamped
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from helpers import (  # noqa: E402
     TINY_TRANSFORMER,
     USER_DIR,
     fairseq_setup,
+    fairseq_train,
     run_cli,
 )
 
@@ -263,9 +264,9 @@ def test_ad_drop_criterion_cannot_be_combined_with_a_task_regularizer(tiny_mt_da
     ],
 )
 def test_bad_attendout_option_stops_the_cli_before_training(tiny_mt_data, tmp_path, extra, message, not_reached):
-    proc = run_cli(
-        "fairseq-train",
-        [tiny_mt_data["bin"], "--user-dir", USER_DIR, *BASE, "--attendout", *extra, "--save-dir", tmp_path],
+    proc = fairseq_train(
+        tiny_mt_data["bin"],
+        [*BASE, "--attendout", *extra, "--save-dir", tmp_path],
         expect_ok=False,
     )
     assert proc.returncode != 0
@@ -313,7 +314,7 @@ def test_no_extra_cost_regularizers_train_and_change_the_training_loss_only(tiny
 
 def test_attendout_on_a_fairseq_without_task_checkpoint_state_says_so(monkeypatch):
     """fairseq 0.12.2 saves no task state: --attendout must refuse rather than lose the game on resume."""
-    from attn_reg_plugin.fairseq_plugin import attendout
+    from attn_reg_plugin.fairseq_plugin import attendout_checkpoint as attendout
 
     attendout.check_fairseq_supports_task_state()  # the installed fairseq-fixed has it
     # 0.12.2's checkpoint_utils never asks the task for its state.

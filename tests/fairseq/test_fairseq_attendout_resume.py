@@ -15,7 +15,7 @@ pytest.importorskip("fairseq")
 
 from test_fairseq_attendout import ATTENDOUT, BASE, _trainer, _updates  # noqa: E402
 
-from helpers import USER_DIR, run_cli  # noqa: E402
+from helpers import fairseq_train  # noqa: E402
 
 # The issue's set-up: Adam with betas 0.9/0.98 and no weight decay before the resume.
 TRAIN = [*BASE, *ATTENDOUT, "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0"]
@@ -25,10 +25,9 @@ TRAIN = [*BASE, *ATTENDOUT, "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0"
 def uninterrupted(tiny_mt_data, tmp_path_factory):
     """The 6-update run: its log, and its checkpoint of update 4."""
     save = tmp_path_factory.mktemp("attendout_uninterrupted")
-    proc = run_cli(
-        "fairseq-train",
-        [tiny_mt_data["bin"], "--user-dir", USER_DIR, *TRAIN, "--max-update", "6", "--save-interval-updates", "4"]
-        + ["--save-dir", save],
+    proc = fairseq_train(
+        tiny_mt_data["bin"],
+        [*TRAIN, "--max-update", "6", "--save-interval-updates", "4"] + ["--save-dir", save],
     )
     return {"log": _updates(proc.stdout), "stdout": proc.stdout, "checkpoint": save / "checkpoint_1_4.pt"}
 
@@ -38,7 +37,7 @@ def _resume(tiny_mt_data, uninterrupted, tmp_path, *flags):
     save = tmp_path / "resumed"
     save.mkdir()
     shutil.copy(uninterrupted["checkpoint"], save / "checkpoint_last.pt")
-    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], "--user-dir", USER_DIR, *TRAIN, *flags, "--save-dir", save])
+    proc = fairseq_train(tiny_mt_data["bin"], [*TRAIN, *flags, "--save-dir", save])
     import attn_reg_plugin.fairseq_plugin  # noqa: F401  (safe loading of fairseq checkpoints)
 
     state = torch.load(save / "checkpoint_last.pt", weights_only=True)

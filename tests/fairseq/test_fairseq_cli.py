@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from helpers import REPO, TINY_TRANSFORMER, USER_DIR, run_cli, train_epoch_stats  # noqa: E402
+from helpers import REPO, TINY_TRANSFORMER, USER_DIR, fairseq_train, run_cli, train_epoch_stats  # noqa: E402
 
 AD_DROP = [
     "--task",
@@ -44,9 +44,7 @@ AD_DROP = [
 
 def test_train_cross_tuning_generate_and_resume(tiny_mt_data, tmp_path):
     save = tmp_path / "ckpt"
-    first = run_cli(
-        "fairseq-train", [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--save-dir", save, *AD_DROP, "--max-epoch", "2"]
-    )
+    first = fairseq_train(tiny_mt_data["bin"], ["--save-dir", save, *AD_DROP, "--max-epoch", "2"])
     stats = train_epoch_stats(first.stdout)
     assert set(stats) == {1, 2}
     assert stats[1]["ad_drop_on"] == "0" and stats[1]["ad_drop_rate"] == "0"  # odd epoch: plain, nothing dropped
@@ -56,9 +54,7 @@ def test_train_cross_tuning_generate_and_resume(tiny_mt_data, tmp_path):
     assert "nan" not in first.stdout.lower().replace("nan_", "")
 
     # Resume from checkpoint_last: epoch 3 continues the count and is a plain epoch again.
-    second = run_cli(
-        "fairseq-train", [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--save-dir", save, *AD_DROP, "--max-epoch", "3"]
-    )
+    second = fairseq_train(tiny_mt_data["bin"], ["--save-dir", save, *AD_DROP, "--max-epoch", "3"])
     assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch 3 @ [1-9]\d* updates\)", second.stdout)
     stats = train_epoch_stats(second.stdout)
     assert set(stats) == {3} and stats[3]["ad_drop_on"] == "0" and stats[3]["ad_drop_rate"] == "0"

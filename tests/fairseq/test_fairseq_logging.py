@@ -13,9 +13,8 @@ from helpers import (  # noqa: E402
     LAYERDROP_P,
     LOGGED_TRAIN,
     TINY_TRANSFORMER,
-    USER_DIR,
     WARNING_LINE,
-    run_cli,
+    fairseq_train,
     tensorboard_scalars,
     train_epochs_json,
 )
@@ -113,12 +112,9 @@ def test_fairseq_train_starts_without_warnings(logged_runs):
 def test_eval_bleu_is_0_when_every_hypothesis_is_empty(tiny_mt_data, tmp_path):
     """--best-checkpoint-metric bleu with no n-gram to count (max length 0: every hypothesis empty)
     logged no bleu in fairseq's translation task and stopped with KeyError: 'bleu'."""
-    proc = run_cli(
-        "fairseq-train",
+    proc = fairseq_train(
+        tiny_mt_data["bin"],
         [
-            tiny_mt_data["bin"],
-            "--user-dir",
-            USER_DIR,
             "--save-dir",
             tmp_path,
             *LOGGED_TRAIN["plain"],

@@ -16,8 +16,8 @@ pytest.importorskip("fairseq")
 from helpers import (  # noqa: E402
     SENTENCE_PREDICTION_TOKENS,
     TINY_ROBERTA,
-    USER_DIR,
     fairseq_setup,
+    fairseq_train,
     run_cli,
     train_epoch_stats,
 )
@@ -55,7 +55,7 @@ SELF_ATTN = ["encoder.sentence_encoder.layers.0.self_attn", "encoder.sentence_en
 
 
 def _train(data_bin, *extra):
-    proc = run_cli("fairseq-train", [data_bin, "--user-dir", USER_DIR, *CLI, *extra])
+    proc = fairseq_train(data_bin, [*CLI, *extra])
     assert "nan" not in proc.stdout.lower().replace("nan_", "")
     return proc.stdout, train_epoch_stats(proc.stdout)
 
@@ -160,9 +160,9 @@ def test_cli_regression_ad_drop_epoch_with_find_unused_parameters(tiny_sp_data):
     ],
 )
 def test_cli_bad_option_fails_before_training(tiny_sp_data, tmp_path, flag, value, message):
-    proc = run_cli(
-        "fairseq-train",
-        [tiny_sp_data["cls"], "--user-dir", USER_DIR, *CLI, "--num-classes", "2", "--max-epoch", "1", flag, value],
+    proc = fairseq_train(
+        tiny_sp_data["cls"],
+        [*CLI, "--num-classes", "2", "--max-epoch", "1", flag, value],
         expect_ok=False,
     )
     assert proc.returncode != 0
@@ -229,7 +229,7 @@ def test_roberta_self_attention_routed_as_encoder_self(tiny_sp_data):
 def test_attribution_forward_is_the_criterion_forward(tiny_sp_data, data, extra):
     """In eval mode the attribution pass's logits are bit-identical to those the criterion
     trains on, and its target is the pseudo/gold-label logit sum or minus the criterion's loss."""
-    from attn_reg_plugin.core.ad_drop import bare_module
+    from attn_reg_plugin.core.attribution_pass import bare_module
 
     _, task, model, criterion, sample = _setup(tiny_sp_data[data], *extra)
     model.eval()

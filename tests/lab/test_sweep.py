@@ -3,8 +3,10 @@
 import dataclasses
 import json
 import random
+from pathlib import Path
 
 import pytest
+import sacrebleu
 
 from attn_reg_lab import sweep
 from helpers import MOVIE_REVIEWS_TINY as REVIEWS
@@ -152,7 +154,16 @@ def test_mt_sweep_runs_the_plugin_sweep_on_the_demo_corpus(tmp_path, capsys):
         "--ad-drop-p 0.4 --ad-drop-q 0.3 --ad-drop-attribution ga --ad-drop-layers all --ad-drop-schedule always" in log
     )
     assert "--ad-drop-attention encoder-self" in log and "--encoder-embed-dim 32" in log  # the demo's quick model
-    assert record["valid_loss"] > 0 and record["valid_bleu"] >= 0 and record["test_bleu"] >= 0
+    assert record["valid_loss"] > 0
+    # Each BLEU is sacrebleu's over the run's written hypotheses against the raw references.
+    seed_dir = out / "runs" / "p0.4_q0.3_ga_layers-all_always" / "seed1"
+    run = record["runs"][0]
+    for split in ("valid", "test"):
+        hyps = (seed_dir / f"{split}.hyp").read_text(encoding="utf-8").split("\n")[:-1]
+        refs = Path(run[split]["reference"]).read_text(encoding="utf-8").split("\n")[:-1]
+        assert len(hyps) == len(refs) > 0
+        assert run[split]["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=0.005)
+    assert record["valid_bleu"] == run["valid"]["bleu"] and record["test_bleu"] == run["test"]["bleu"]
     results = json.loads((out / "results.json").read_text())
     assert results["direction"] == "en→ro" and results["best"]["cell"] == cell
     assert results["cells"][0]["runs"][0]["test"]["reference"].endswith("raw-subset/test.ro")

@@ -129,7 +129,7 @@ def layerdrop_builders() -> Dict[str, Builder]:
 
 def no_native_bf16(opts) -> Optional[str]:
     """bf16 attribution on a CPU that emulates bf16 takes 15-30 plain steps: only when named."""
-    from attn_reg_plugin.core.ad_drop import cpu_has_native_bf16
+    from attn_reg_plugin.core.attribution_pass import cpu_has_native_bf16
 
     if opts.device == "cpu" and not cpu_has_native_bf16():
         return "this CPU has no AVX-512, so bf16 matmuls are emulated (name it in --variants to measure it anyway)"

@@ -1,0 +1,107 @@
+"""AD-DROP's options (one dataclass, the source of its fairseq flags and its Python API) and the
+cross-tuning schedule (paper Sec. 2.4, Alg. 1)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .attribution import ATTRIBUTIONS, LABEL_SOURCES
+from .masks import decimal_fraction
+from .options import RegularizerOptions, attention_option, layers_option, option
+
+SCHEDULES = ("cross-tuning", "always")
+REGIONS = ("top", "bottom")
+ATTRIBUTION_PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@dataclass
+class ADDropConfig(RegularizerOptions):
+    """AD-DROP's options; the fairseq flags are these names prefixed with ``--ad-drop-``."""
+
+    FLAG_PREFIX = "--ad-drop-"
+
+    p: float = option(
+        0.2, "candidate region: the top ceil(p*n) of each query row's n real keys by attribution", "(0, 1)"
+    )
+    q: float = option(0.2, "drop probability of each candidate", "(0, 1)")
+    region: str = option(
+        "top",
+        "which keys of each row are candidates: top = the highest-attribution ceil(p*n) (AD-DROP), bottom = the "
+        "lowest (analysis only: the paper's Fig. 2 drops either end to show which one regularizes)",
+        "top, bottom",
+    )
+    layers: str = layers_option()
+    attention: str = attention_option()
+    attribution: str = option(
+        "ga", "gradient, integrated gradients, attention weights, random region", "ga, iga, aa, rd"
+    )
+    iga_steps: int = option(20, "integration steps m of attribution iga", "integer >= 1")
+    labels: str = option(
+        "pseudo", "attribution target labels: pass-1 argmax (the paper) or gold (its ablation)", "pseudo, gold"
+    )
+    schedule: str = option(
+        "cross-tuning", "cross-tuning: plain on odd 1-based epochs, AD-DROP on even ones", "cross-tuning, always"
+    )
+    attribution_precision: str = option(
+        "auto",
+        "precision of the attribution pass (pass 1; pass 2 and the update keep the training precision): "
+        "auto = the training precision, fp32 = autocast off, bf16 = under bf16 autocast (faster, a ranking "
+        "only; docs/PERFORMANCE.md measures how often it picks the fp32 candidates)",
+        "auto, fp32, bf16",
+    )
+
+    def validate(self) -> ADDropConfig:
+        """Check every option; the error names the option as the user spelled it (core.options.option_name)."""
+        flag = self.name
+        for name in ("p", "q"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (0.0 < float(value) < 1.0) or math.isnan(value):
+                raise ValueError(f"{flag(name)} must be in the open interval (0, 1), got {value!r}")
+        try:
+            decimal_fraction(self.p)
+        except ValueError as e:
+            raise ValueError(f"{flag('p')}: {e}") from None
+        self.check_site_options()
+        if self.region not in REGIONS:
+            raise ValueError(f"{flag('region')} must be one of {', '.join(REGIONS)}, got {self.region!r}")
+        if self.attribution not in ATTRIBUTIONS:
+            raise ValueError(
+                f"{flag('attribution')} must be one of {', '.join(ATTRIBUTIONS)}, got {self.attribution!r}"
+            )
+        if not isinstance(self.iga_steps, int) or isinstance(self.iga_steps, bool) or self.iga_steps < 1:
+            raise ValueError(f"{flag('iga_steps')} must be an integer >= 1, got {self.iga_steps!r}")
+        if self.labels not in LABEL_SOURCES:
+            raise ValueError(f"{flag('labels')} must be one of {', '.join(LABEL_SOURCES)}, got {self.labels!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"{flag('schedule')} must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.attribution_precision not in ATTRIBUTION_PRECISIONS:
+            raise ValueError(
+                f"{flag('attribution_precision')} must be one of {', '.join(ATTRIBUTION_PRECISIONS)}, "
+                f"got {self.attribution_precision!r}"
+            )
+        if self.region == "bottom" and self.attribution in ("rd", "aa"):
+            what = (
+                "draws its region at random"
+                if self.attribution == "rd"
+                else "ranks by attention weights, not attribution"
+            )
+            raise ValueError(
+                f"{flag('region')} bottom ranks keys by attribution, but {flag('attribution')} "
+                f"{self.attribution} {what}; use ga or iga, or region top"
+            )
+        if self.attribution == "rd" and self.attribution_precision != "auto":
+            raise ValueError(
+                f"{flag('attribution_precision')} {self.attribution_precision} sets the precision of the "
+                f"attribution pass, which {flag('attribution')} rd does not run; leave it at auto"
+            )
+        return self
+
+
+def ad_drop_epoch(schedule: str, epoch: int) -> bool:
+    """Whether 1-based ``epoch`` is an AD-DROP epoch (paper Alg. 1: plain on odd epochs)."""
+    if schedule == "always":
+        return True
+    if schedule == "cross-tuning":
+        return epoch % 2 == 0
+    raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")

@@ -1,0 +1,23 @@
+"""The model and TrainingArguments a Trainer was constructed with, read from its ``(*args, **kwargs)``
+before ``Trainer.__init__`` runs: the plugin installs its sites and checks its refusals first."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import transformers
+
+
+def training_arguments(args, kwargs) -> Optional[transformers.TrainingArguments]:
+    """The TrainingArguments given to the Trainer; None: its defaults, which use none of the refused configurations."""
+    return kwargs.get("args", args[1] if len(args) > 1 else None)
+
+
+def model_argument(who: str, args, kwargs) -> torch.nn.Module:
+    model = kwargs.get("model", args[0] if args else None)
+    if model is None:
+        raise ValueError(
+            f"{who} needs `model` (model_init is not supported): attention sites are installed at construction"
+        )
+    return model
