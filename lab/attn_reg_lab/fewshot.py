@@ -387,6 +387,12 @@ def resumable_runs(out: Path, config: dict) -> Dict[Tuple[int, int, str], dict]:
 
 
 def main(argv=None) -> int:
+    run_all(argv)
+    return 0
+
+
+def run_all(argv=None) -> List[dict]:
+    """What ``attn-reg-fewshot ARGV`` does (bad input exits through argparse); returns its runs."""
     ap, opts = parse_args(argv)
     started = time.time()
     import torch
@@ -507,7 +513,7 @@ def main(argv=None) -> int:
     print()
     print(table, end="")
     print(f"\nwall time {wall:.0f} s; written to {out}/results.{{md,json}}")
-    return 0
+    return runs
 
 
 if __name__ == "__main__":

@@ -64,9 +64,7 @@ def _fewshot_cell(cell: dict, runner_args: List[str], run_dir: Path) -> Dict[str
             "--ad-drop-schedule",
             cell["schedule"],
         ]
-    if fewshot.main(argv) != 0:
-        raise RuntimeError(f"attn-reg-fewshot {shlex.join(argv)} failed")
-    runs = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))["runs"]
+    runs = fewshot.run_all(argv)
     return {
         "dev": statistics.fmean(r["best_dev_acc"] for r in runs),
         "test": statistics.fmean(r["test_acc"] for r in runs),
