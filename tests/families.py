@@ -2,7 +2,7 @@
 
 One list serves three purposes: the per-family tests build each tiny model from it
 (``tests/hf/test_hf_families.py``), the README's supported-models table is generated from it
-(``python -m attn_reg_lab.docs_tables README.md``), and it documents which attention kinds
+(``.venv/bin/python tests/docs_tables.py README.md``), and it documents which attention kinds
 each family has. Sizes are the smallest each family accepts; nothing is downloaded.
 """
 

@@ -272,7 +272,8 @@ class AttendOutDriver:
     def attacker_step(self, inputs: Dict[str, Any]):
         """Around the Trainer's own training step on A: the generator's masks on A's attention, the
         Trainer's autocast (D's forward is wrapped in it by accelerate) and A's loss scaler."""
-        hooks = self.game.attacker_hooks(self.streams(inputs))
+        # Through the trainer: a subclass that overrides attendout_streams is heard.
+        hooks = self.game.attacker_hooks(self.trainer.attendout_streams(inputs))
         with self.game.controller.hooks(hooks), self.trainer.accelerator.autocast(), self._backward_scaler():
             yield
 
@@ -372,7 +373,7 @@ class AttendOutDriver:
             copy_optimizer_state(s_opt, list(s_model.parameters()), d_opt, list(d_model.parameters()))
 
         stats = end_dropout_step(
-            self.game, defender, attacker, self.heldout_batches(), self.heldout_logits, copy_network
+            self.game, defender, attacker, self.heldout_batches(), self.trainer._attendout_logits, copy_network
         )
         self.logs.log_dropout_step(self.trainer, stats, self.game.dropout_steps_done)
         return stats

@@ -158,8 +158,8 @@ class AttendOutTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         inputs = self._prepare_inputs(inputs)  # once: the steps below find it on the device already
         loss = super().training_step(model, dict(inputs), num_items_in_batch)
+        self._attendout_start()  # through the trainer, as the step's other parts: overridable
         driver = self.attendout_driver
-        driver.start()
         # The Trainer's own step on A: same loss, same gradient-accumulation scaling.
         with driver.attacker_step(inputs):
             attacker_loss = super().training_step(driver.attacker, dict(inputs), num_items_in_batch)

@@ -608,3 +608,30 @@ def test_attendout_ddp_two_cpu_workers(tmp_path):
     assert [len(c) for c in caches] == [1, 1]  # mid dropout step, each worker's own batch
     assert not torch.equal(caches[0][0]["streams"]["source"], caches[1][0]["streams"]["source"])
     assert (checkpoint / ATTENDOUT_STATE).is_file()
+
+
+def test_a_subclass_override_of_the_trainer_hooks_is_heard(tmp_path):
+    """The game's driver calls back through the trainer: overriding attendout_streams (the documented
+    way to give the Generator other token streams) or the held-out logits takes effect."""
+    seen = {"streams": 0, "logits": 0}
+
+    class Traced(AttendOutTrainer):
+        def attendout_streams(self, inputs):
+            seen["streams"] += 1
+            return super().attendout_streams(inputs)
+
+        def _attendout_logits(self, model, batch):
+            seen["logits"] += 1
+            return super()._attendout_logits(model, batch)
+
+    trainer = Traced(
+        model=tiny_bert(),
+        args=_args(tmp_path, max_steps=2),
+        train_dataset=token_data(16, seed=1),
+        eval_dataset=token_data(8, seed=2),
+        data_collator=collate,
+        attendout=AttendOutConfig(dropout_step=2),
+    )
+    trainer.train()
+    assert seen["streams"] == 2  # one Attacker step per update
+    assert seen["logits"] > 0  # the held-out evaluation at update 2 scored through the override
