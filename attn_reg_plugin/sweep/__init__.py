@@ -53,6 +53,7 @@ from .options import (
     grid,
     language_pairs,
     parse_args,
+    probabilities,
     resolve_pair,
 )
 from .report import best_cell, heatmap, write_json, write_results
@@ -74,6 +75,7 @@ __all__ = [
     "log_fields",
     "main",
     "parse_args",
+    "probabilities",
     "resolve_pair",
     "run_appended",
     "translate_and_score",

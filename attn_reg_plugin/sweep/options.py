@@ -106,7 +106,8 @@ def resolve_pair(data_bin: Path, src: Optional[str], tgt: Optional[str], splits:
 
 
 # -- the options ----------------------------------------------------------------------------------
-def _floats(ap, option: str, text: str) -> List[float]:
+def probabilities(ap, option: str, text: str) -> List[float]:
+    """A comma list of distinct values in (0, 1) (``--p``, ``--q``); anything else is ``ap.error``."""
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -197,8 +198,8 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 
 def _parse_grid(ap, opts) -> None:
     """The grid's axes, epochs and seeds, as lists."""
-    opts.p = _floats(ap, "--p", opts.p)
-    opts.q = _floats(ap, "--q", opts.q)
+    opts.p = probabilities(ap, "--p", opts.p)
+    opts.q = probabilities(ap, "--q", opts.q)
     opts.attribution = _choices(ap, "--attribution", opts.attribution, ATTRIBUTIONS)
     opts.schedule = _choices(ap, "--schedule", opts.schedule, SCHEDULES)
     opts.layers = [x.strip().replace(" ", "") for x in opts.layers.split(";") if x.strip()]

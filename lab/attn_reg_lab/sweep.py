@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
+from attn_reg_plugin.sweep import probabilities
+
 from .provenance import environment
 
 
@@ -130,16 +132,6 @@ def heatmap(results: List[dict], runner: Runner, path: Path, title: str) -> Path
 
 
 # -- the command ------------------------------------------------------------------------------------
-def _floats(ap, option: str, text: str) -> List[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(0.0 < v < 1.0 for v in values) or len(set(values)) != len(values):
-        ap.error(f"{option} must be a comma list of distinct numbers in the open interval (0, 1), got {text!r}")
-    return values
-
-
 def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     runner_args: List[str] = []
@@ -164,8 +156,8 @@ def parse_args(argv=None):
     ap.add_argument("--plain", action="store_true", help="also run plain training once, for reference")
     opts = ap.parse_args(argv)
     opts.runner_args = runner_args
-    opts.p = _floats(ap, "--p", opts.p)
-    opts.q = _floats(ap, "--q", opts.q)
+    opts.p = probabilities(ap, "--p", opts.p)
+    opts.q = probabilities(ap, "--q", opts.q)
     opts.layers = [x.strip() for x in opts.layers.split(";") if x.strip()]
     if not opts.layers:
         ap.error("--layers must name at least one --ad-drop-layers value")
