@@ -36,7 +36,9 @@ This is also the porting API for your own model (no fairseq or transformers need
        loss.backward()
 
 ``masked`` runs the attribution pass (no parameter gradients, graph freed) before the block;
-only the block's loss is back-propagated. Bad options raise ``ValueError`` naming the option.
+only the block's loss is back-propagated. A model that checkpoints activations runs forward and
+backward inside ``with controller.training_step():``, where a recomputed layer repeats the pass.
+Bad options raise ``ValueError`` naming the option.
 
 The other regularizers take the same controller: ``AttendOut(AttendOutConfig(...), controller, generator)``,
 ``ScheduledAttentionDropout(ScheduledDropoutConfig(...), controller)``,

@@ -103,14 +103,16 @@ class ADDrop:
         ):
             if method == "ga":
                 capture = CaptureOutput()
+                # The gradient is taken inside the pass: a layer the model checkpoints itself is
+                # recomputed by it and must see the same hooks.
                 with self.controller.hooks({s: capture for s in self.sites}):
                     output = forward()
-                value, _ = target(output, None)
-                del output
-                self._check_captured(capture.sites, capture.outputs)
-                if not _finite(value, capture.outputs):
-                    return None
-                grads = output_gradients(value, capture, self.gradient_scale)
+                    value, _ = target(output, None)
+                    del output
+                    self._check_captured(capture.sites, capture.outputs)
+                    if not _finite(value, capture.outputs):
+                        return None
+                    grads = output_gradients(value, capture, self.gradient_scale)
                 attributions = [
                     # Contiguous: each block multiplies them, ~3x faster than on the model's layout
                     # (and a copy of V frees the fused projection output it may be a view of).
@@ -143,28 +145,28 @@ class ADDrop:
         # integral is over one function; afterwards the stream is where one forward leaves it.
         start = rng_state()
         capture = CaptureProbs(alpha=1.0)
-        with self.controller.hooks({s: capture for s in self.sites}):
+        with self.controller.hooks({s: capture for s in self.sites}):  # gradients inside: see attributions
             output = forward()
-        after_one_forward = rng_state()
-        value, labels = target(output, None)
-        del output
-        self._check_captured(capture.sites, capture.probs)
-        if not _finite(value, capture.probs):
-            set_rng_state(after_one_forward)
-            return None
-        sites, probs, valid = capture.sites, [p.detach() for p in capture.probs], capture.valid
-        totals = probs_gradient(value, capture, self.gradient_scale)
+            after_one_forward = rng_state()
+            value, labels = target(output, None)
+            del output
+            self._check_captured(capture.sites, capture.probs)
+            if not _finite(value, capture.probs):
+                set_rng_state(after_one_forward)
+                return None
+            sites, probs, valid = capture.sites, [p.detach() for p in capture.probs], capture.valid
+            totals = probs_gradient(value, capture, self.gradient_scale)
         for i, site in enumerate(sites):
             for k in range(1, m):
                 step = CaptureProbs(alpha=k / m)
                 set_rng_state(start)
                 with self.controller.hooks({site: step}):
                     output = forward()
-                value, _ = target(output, labels)
-                del output
-                if step.sites != [site]:
-                    raise RuntimeError(f"integrated gradients: expected one call of {site}, saw {step.sites}")
-                totals[i] = totals[i] + probs_gradient(value, step, self.gradient_scale)[0]
+                    value, _ = target(output, labels)
+                    del output
+                    if step.sites != [site]:
+                        raise RuntimeError(f"integrated gradients: expected one call of {site}, saw {step.sites}")
+                    totals[i] = totals[i] + probs_gradient(value, step, self.gradient_scale)[0]
         set_rng_state(after_one_forward)
         return sites, [p.float() * t / m for p, t in zip(probs, totals)], valid
 
@@ -212,7 +214,9 @@ class ADDrop:
         masked pass runs; its ``skipped`` is 1 when the attribution target was not finite, in
         which case nothing is masked and the block's loss is the plain one. Randomness comes
         from torch's global generator, which frameworks seed per update, so masks are
-        reproducible and survive a resume.
+        reproducible and survive a resume. A model that checkpoints activations runs the block
+        and the loss's backward inside ``controller.training_step()``, where a recomputed layer
+        repeats the masked pass.
         """
         p, q = self.config.p, self.config.q
         if frozen is not None and id(frozen) not in self._checked_sharding:

@@ -2,10 +2,12 @@
 
 Adapters (fairseq, transformers, custom models) project queries, keys and values themselves
 and hand them here together with the attention's additive bias (padding / causal masks) and
-the module's :class:`~attn_reg_plugin.core.controller.AttentionSite`. What the kernel does on
-top of ordinary scaled dot-product attention is decided by the site's current *hook*, set by
-the controller for one forward pass (the hooks are defined in :mod:`.controller`, next to the
-site, and exported here too):
+the module's :class:`~attn_reg_plugin.core.controller.AttentionSite`. :func:`attend` reads what the
+current pass does on the site once, as an immutable :class:`AttentionCall`, runs the pure kernel
+:func:`attention_kernel` with it, and hands what the kernel captured and counted to the pass
+(:func:`hand_over`). What the kernel does on top of ordinary scaled dot-product attention is
+decided by the call's *hook*, set on the site by the controller for one pass (the hooks are
+defined in :mod:`.controller`, next to the site, and exported here too):
 
 * no hook                  ordinary attention: ``scaled_dot_product_attention`` and nothing else
                            (the first thing :func:`attend` checks, so an idle model pays nothing);
@@ -27,9 +29,9 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .block_rules import AttentionScores, rule_of
+from .attention_call import ORDINARY, AttentionCall, Captured, call_of, hand_over, refuse_unrecomputable  # noqa: F401
+from .block_rules import AttentionScores, call_seed, rule_of
 from .blockwise import BlockCall, blockwise_attention, blockwise_rows
-from .checkpointing import ORDINARY_CALL, SiteCall, begin_call, recomputing
 
 # The hooks live beside the site they are set on; this module stays their public import path.
 from .controller import (  # noqa: F401
@@ -133,21 +135,33 @@ def attend(
     Returns the per-head output (B, H, T, d) and, if ``need_weights``, the attention map.
     A query row with no valid key attends to nothing: its output (and map row) is 0.
     """
-    # What this call does, read from the site once (in a recompute: what its forward did).
-    call = begin_call(site, recomputing()) if site is not None else ORDINARY_CALL
+    call = call_of(site)
+    if call.hook is not None and not call.recompute and not site.through_backward:
+        refuse_unrecomputable(call.hook, site)
+    out, weights, captured = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, call)
+    if captured is not None:
+        hand_over(call.hook, site, captured)
+    return out, weights
+
+
+def attention_kernel(
+    q, k, v, bias, dropout_p: float, scale: Optional[float], need_weights: bool, call: AttentionCall
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[Captured]]:
+    """(output, attention map if ``need_weights``, what the call captured) of one call described by
+    ``call``. Reads its arguments, changes none of them: the same call gives the same drops."""
     fast_masks = bias is None or (_SDPA_ZEROES_EMPTY_ROWS and q.device.type in _FAST_MASKED_DEVICES)
     if call.hook is None and not need_weights and fast_masks:
-        return _ordinary_attention(q, k, v, bias, dropout_p, scale), None
+        return _ordinary_attention(q, k, v, bias, dropout_p, scale), None, None
     if not need_weights:
-        out = _without_prepared_bias(call, q, k, v, bias, dropout_p, scale, fast_masks)
-        if out is not None:
-            return out, None
+        done = _without_prepared_bias(call, q, k, v, bias, dropout_p, scale, fast_masks)
+        if done is not None:
+            return done[0], None, done[1]
     return _prepared(call, q, k, v, bias, dropout_p, scale, need_weights)
 
 
-def _without_prepared_bias(call: SiteCall, q, k, v, bias, dropout_p: float, scale, fast_masks: bool):
-    """The calls that need no float copy of the model's mask: a long edit (block by block), GA's
-    capture and AA's capture of a long map; None for every other call."""
+def _without_prepared_bias(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, fast_masks: bool):
+    """(output, captured) of the calls that need no float copy of the model's mask: a long edit
+    (block by block), GA's capture and AA's capture of a long map; None for every other call."""
     hook = call.hook
     if isinstance(hook, EditScores):
         rows = blockwise_rows(q, k, hook.drop)
@@ -158,64 +172,73 @@ def _without_prepared_bias(call: SiteCall, q, k, v, bias, dropout_p: float, scal
     if isinstance(hook, CaptureOutput):
         # The model's own mask goes to sdpa (no float copy of it saved per layer for the backward):
         # the ordinary path's bits, with the output kept for the attribution.
-        return _capture_output(call, q, k, v, bias, scale)
+        out = _ordinary_attention(q, k, v, bias, 0.0, scale)
+        return _captured(call, out, v, _validity(bias, k))
     if _keeps_inputs(hook, q, k, False):
         # AA on a long map: keep q, k and the bias, not the weights; pass 2 recomputes them per block.
-        if call.fresh:
-            scale_ = scale if scale is not None else q.shape[-1] ** -0.5
-            hook.sites.append(call.site)
-            hook.probs.append(AttentionScores(q.detach(), k.detach(), bias, scale_))
-            hook.valid.append(_validity(bias, k))
-        return _ordinary_attention(q, k, v, bias, 0.0, scale)
+        out = _ordinary_attention(q, k, v, bias, 0.0, scale)
+        if call.recompute:
+            return out, None
+        scale_ = scale if scale is not None else q.shape[-1] ** -0.5
+        scores = AttentionScores(q.detach(), k.detach(), bias, scale_)
+        return out, Captured(probs=scores, valid=_validity(bias, k))
     return None
 
 
-def _prepared(call: SiteCall, q, k, v, bias, dropout_p: float, scale, need_weights: bool):
+def _prepared(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weights: bool):
     """A finite bias that drops can be added to, and the validity captures and counts need."""
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     bias, valid = _combined_bias(bias, shape, q.dtype, q.device)
     keyless = _keyless_rows(bias, valid)
     hook = call.hook
+    counted = None
     if isinstance(hook, EditScores):
-        q, bias = _edited(call, q, bias, valid, shape)
+        q, bias, counted = _edited(call, q, bias, valid, shape)
         hook = None  # the edited scores are attended like any others
     if isinstance(hook, CaptureOutput):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)
-        return _zero_rows(_captured(call, out, v, valid), keyless), None
+        out, captured = _captured(call, out, v, valid)
+        return _zero_rows(out, keyless), None, captured
     if isinstance(hook, CaptureProbs) or need_weights:
-        return _with_weights(call, hook, q, k, v, bias, valid, keyless, dropout_p, scale)
+        out, weights, captured = _with_weights(call, hook, q, k, v, bias, valid, keyless, dropout_p, scale)
+        return out, weights, captured or counted
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
-    return _zero_rows(out, keyless), None
+    return _zero_rows(out, keyless), None, counted
 
 
-def _edited(call: SiteCall, q, bias, valid, shape):
-    """(q, bias) with an :class:`EditScores` call's edit applied, counted where it is applied."""
+def _edited(call: AttentionCall, q, bias, valid, shape):
+    """(q, bias) with an :class:`EditScores` call's edit applied, and its counts (None in a recompute)."""
     hook = call.hook
-    edit = call.edit(valid, shape, q.device)
-    if hook.calls is not None and call.fresh:
-        skipped = torch.as_tensor(hook.uniform_rows).any()  # stays where the flag is: no host sync
-        hook.calls[0] = hook.calls[0] + skipped.long()
-        hook.calls[1] = hook.calls[1] + 1
+    edit = hook.resolve(valid, shape, q.device)
     if edit.uniform is not None:
         # A zero query row scores every key 0, so softmax is uniform over the valid keys (the bias
         # still removes padding); the row's query receives no gradient, as it has no influence on a
         # uniform row.
         q = q.masked_fill(edit.uniform, 0.0)
+    dropped = droppable = None
     if edit.drop is not None:
         if bias is None:
             bias = additive_mask(edit.drop, q.dtype)
         else:
             # bias + drop * fill in one pass: the same values as bias + additive_mask(drop).
             bias = torch.add(bias, edit.drop, alpha=mask_fill_value(q.dtype))
-        if hook.stats is not None and call.fresh:
+        if hook.stats is not None and not call.recompute:
             # Count over the full (B, H, T, S): a mask shared by heads drops in each head.
             units = valid if hook.droppable is None else valid & hook.droppable.to(valid.device)
-            hook.stats[0] = hook.stats[0] + (edit.drop & units).expand(shape).sum()
-            hook.stats[1] = hook.stats[1] + _broadcast_count(units, shape)
-    return q, bias
+            dropped = (edit.drop & units).expand(shape).sum()
+            droppable = _broadcast_count(units, shape)
+    if call.recompute:
+        return q, bias, None
+    return q, bias, Captured(dropped=dropped, droppable=droppable, uniform_call=_uniform_call(hook))
 
 
-def _with_weights(call: SiteCall, hook, q, k, v, bias, valid, keyless, dropout_p: float, scale):
+def _uniform_call(hook: EditScores) -> Optional[torch.Tensor]:
+    """1 when the edit's rows-made-uniform flag is set (a LayerDrop'd call), else 0, where calls are
+    counted: stays where the flag is, so no host sync."""
+    return None if hook.calls is None else torch.as_tensor(hook.uniform_rows).any().long()
+
+
+def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, dropout_p: float, scale):
     """The explicit softmax path: the map is materialised (CaptureProbs, or the caller wants it)."""
     scale_ = scale if scale is not None else q.shape[-1] ** -0.5
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale_
@@ -224,37 +247,30 @@ def _with_weights(call: SiteCall, hook, q, k, v, bias, valid, keyless, dropout_p
     # Softmax in at least float32: half-precision exponentials lose the small weights.
     half = scores.dtype in (torch.float16, torch.bfloat16)
     probs = _zero_rows(torch.softmax(scores.float() if half else scores, dim=-1).to(q.dtype), keyless)
-    used = probs
+    used, captured = probs, None
     if isinstance(hook, CaptureProbs):
-        if call.fresh and hook.requires_grad:
+        if not call.recompute and hook.requires_grad:
             _check_grad_mode()
         used = probs * hook.alpha if hook.alpha != 1.0 else probs
         if hook.requires_grad and not used.requires_grad:
             used.requires_grad_(True)
-        if call.fresh:
-            hook.sites.append(call.site)
-            hook.probs.append(used)
-            hook.valid.append(valid)
+        if not call.recompute:
+            captured = Captured(probs=used, valid=valid)
         dropout_p = 0.0
     out = torch.matmul(F.dropout(used, p=dropout_p) if dropout_p > 0 else used, v)
-    return out, probs
+    return out, probs, captured
 
 
-def _captured(call: SiteCall, out: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Keep a GA capture's output (the leaf the attribution is taken of), V and validity."""
-    if call.fresh:
-        _check_grad_mode()
+def _captured(call: AttentionCall, out: torch.Tensor, v: torch.Tensor, valid: torch.Tensor):
+    """(output, captured) of a GA capture: its output (the leaf the attribution is taken of), V and validity."""
+    if call.recompute:
+        return out, None
+    _check_grad_mode()
     if not out.requires_grad:
         # Layers below the first captured one may carry no graph (parameters frozen for
         # the attribution pass): make this output the leaf the attribution is taken of.
         out.requires_grad_(True)
-    if call.fresh:
-        hook = call.hook
-        hook.sites.append(call.site)
-        hook.outputs.append(out)
-        hook.values.append(v.detach())
-        hook.valid.append(valid)
-    return out
+    return out, Captured(output=out, values=v.detach(), valid=valid)
 
 
 def _validity(bias: Optional[torch.Tensor], k: torch.Tensor) -> torch.Tensor:
@@ -277,31 +293,25 @@ def _keeps_inputs(hook, q: torch.Tensor, k: torch.Tensor, need_weights: bool) ->
     )
 
 
-def _capture_output(call: SiteCall, q, k, v, bias, scale) -> torch.Tensor:
-    """GA's capture with the model's mask as given: ``_ordinary_attention`` zeroes keyless rows."""
-    return _captured(call, _ordinary_attention(q, k, v, bias, 0.0, scale), v, _validity(bias, k))
-
-
-def _blockwise_edit(call: SiteCall, q, k, v, bias, dropout_p: float, scale, rows: int) -> torch.Tensor:
-    """An :class:`EditScores` call run block by block (:mod:`.blockwise`); counts as the prepared path."""
+def _blockwise_edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, rows: int):
+    """(output, counts) of an :class:`EditScores` call run block by block (:mod:`.blockwise`)."""
     hook = call.hook
     uniform = hook.uniform_rows
     if uniform is True:
         uniform = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device)
     elif isinstance(uniform, torch.Tensor):
         uniform = uniform.to(q.device)
-    count = call.fresh and hook.stats is not None and hook.drop is not None
+    count = not call.recompute and hook.stats is not None and hook.drop is not None
     rule = rule_of(hook.drop)
-    seed = call.block_seed() if rule is not None and rule.draws else 0
+    seed = call.seed
+    if seed is None and rule is not None and rule.draws:
+        seed = call_seed()  # a hook set by hand, outside a pass: a checkpoint's recompute replays the draw
     plan = BlockCall(rule, uniform, hook.droppable, rows, seed, dropout_p, scale, count)
     out, dropped, droppable = blockwise_attention(q, k, v, bias, plan)
-    if count:
-        hook.stats[0] = hook.stats[0] + dropped
-        hook.stats[1] = hook.stats[1] + droppable
-    if hook.calls is not None and call.fresh:
-        hook.calls[0] = hook.calls[0] + torch.as_tensor(hook.uniform_rows).any().long()
-        hook.calls[1] = hook.calls[1] + 1
-    return out
+    if call.recompute:
+        return out, None
+    counts = (dropped, droppable) if count else (None, None)
+    return out, Captured(dropped=counts[0], droppable=counts[1], uniform_call=_uniform_call(hook))
 
 
 def _zero_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:

@@ -2,9 +2,10 @@
 
 A :class:`BlockRule` makes a block's drop decisions (``first``, in the forward, which may return a
 small per-row state) and makes them again from that state (``again``: in the backward and in an
-activation-checkpoint recompute). Every random number comes from a generator seeded by (the call's
-seed, the 64-row chunk of queries), so the decisions depend on the seed and the indices, not on how
-the rows are split into blocks (:func:`chunk_uniform`).
+activation-checkpoint recompute). Every random number comes from a generator seeded by (the site's
+seed for the pass, the stream, the 64-row chunk of queries), so the decisions depend on the seed and
+the indices, not on how the rows are split into blocks nor on when they are made
+(:func:`chunk_uniform`). Nothing is stored and no generator state is replayed.
 
 Rules: dense masks sliced per block (:class:`DenseRule`, AttendOut's Generator output), Bernoulli
 coins (:class:`BernoulliRule`, scheduled dropout), and AD-DROP's top-p region with Bernoulli(q) drops
@@ -50,9 +51,10 @@ def block_bias(bias_rows: Optional[torch.Tensor], dtype: torch.dtype):
     return part, valid
 
 
-def _chunk_seed(seed: int, chunk: int) -> int:
-    """A 63-bit seed for one chunk (splitmix64 of seed + chunk): nearby chunks get unrelated streams."""
-    z = (seed + 0x9E3779B97F4A7C15 * (chunk + 1)) & 0xFFFFFFFFFFFFFFFF
+def key_seed(seed: int, key: int) -> int:
+    """A 63-bit seed for ``key`` under ``seed`` (splitmix64 of seed + key): a site of a pass, a
+    stream of a call, a chunk of a stream; nearby keys get unrelated streams."""
+    z = (seed + 0x9E3779B97F4A7C15 * (key + 1)) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) >> 1
@@ -69,12 +71,12 @@ def chunk_uniform(seed: int, shape: Tuple[int, int, int, int], rows: slice, devi
     first, end = rows.start // CHUNK_ROWS, -(-rows.stop // CHUNK_ROWS)
     if end == first + 1 and rows.start == first * CHUNK_ROWS and rows.stop == min(end * CHUNK_ROWS, shape[2]):
         # The rows are exactly one chunk (the usual block): its numbers, without a copy.
-        generator.manual_seed(_chunk_seed(seed, first))
+        generator.manual_seed(key_seed(seed, first))
         return torch.rand((b, h, rows.stop - rows.start, s), generator=generator, device=device)
     out = torch.empty((b, h, rows.stop - rows.start, s), device=device)
     for chunk in range(first, end):
         lo, hi = chunk * CHUNK_ROWS, (chunk + 1) * CHUNK_ROWS
-        generator.manual_seed(_chunk_seed(seed, chunk))
+        generator.manual_seed(key_seed(seed, chunk))
         drawn = torch.rand((b, h, min(hi, shape[2]) - lo, s), generator=generator, device=device)
         take_lo, take_hi = max(lo, rows.start), min(hi, rows.stop)
         out[:, :, take_lo - rows.start : take_hi - rows.start] = drawn[:, :, take_lo - lo : take_hi - lo]
@@ -91,12 +93,14 @@ class Block:
     valid: torch.Tensor
     shape: Tuple[int, int, int, int]  # (B, H, rows, keys of the block)
     call_shape: Tuple[int, int, int, int]  # (B, H, T, S)
-    seed: int
+    seed: Optional[int]  # None: a call that is one block, drawn from torch's global stream
 
     def uniform(self, stream: int) -> torch.Tensor:
         """This block's uniform numbers of ``stream`` (0: coins, 1: random scores), drawn for every key
         of the call (so the numbers do not depend on the block) and cut to the block's keys."""
-        drawn = chunk_uniform(_chunk_seed(self.seed, -1 - stream), self.call_shape, self.rows, self.valid.device)
+        if self.seed is None:  # a whole call (:meth:`BlockRule.whole`)
+            return torch.rand(self.shape, device=self.valid.device)
+        drawn = chunk_uniform(key_seed(self.seed, -1 - stream), self.call_shape, self.rows, self.valid.device)
         return keys_of(drawn, self.shape[-1])
 
 
@@ -121,8 +125,8 @@ class BlockRule:
     row by construction, so the kernel need not check (a full pass over the block each)."""
 
     keeps_rows = False
-    # Whether the rule draws random numbers (from the call's seed). A call whose rule draws none
-    # takes no seed, so it leaves torch's global random stream where the one-block path would.
+    # Whether the rule draws random numbers. A pass whose rules draw none takes no seed, so it
+    # leaves torch's global random stream as it was.
     draws = True
 
     def first(self, block: Block) -> Tuple[torch.Tensor, object]:
@@ -131,9 +135,14 @@ class BlockRule:
     def again(self, block: Block, state) -> torch.Tensor:
         raise NotImplementedError
 
-    def __call__(self, valid: torch.Tensor) -> torch.Tensor:
-        """The drops of a call that is one block (``valid`` expanded to the call's shape)."""
-        block = Block(slice(0, valid.shape[-2]), valid, tuple(valid.shape), tuple(valid.shape), call_seed())
+    def whole(self, valid: torch.Tensor) -> torch.Tensor:
+        """The drops of a call that is one block (``valid`` expanded to the call's shape). Its random
+        numbers come from torch's global stream, as sdpa's own dropout does, eager or compiled (a
+        compiled graph holds no generator object); an activation checkpoint restores that stream for
+        its recompute (``preserve_rng_state``, the default of torch's, transformers' and fairseq's),
+        so the recompute makes the same drops. A call split into blocks draws from the site's seed
+        instead: its backward makes the drops again outside any checkpoint."""
+        block = Block(slice(0, valid.shape[-2]), valid, tuple(valid.shape), tuple(valid.shape), None)
         return self.first(block)[0]
 
 
@@ -157,8 +166,7 @@ class BernoulliRule(BlockRule):
     def again(self, block: Block, state) -> torch.Tensor:
         return block.uniform(0) < self.probability.to(block.valid.device)
 
-    def __call__(self, valid: torch.Tensor) -> torch.Tensor:
-        # One block draws from torch's global stream, as the kernel always did for short maps.
+    def whole(self, valid: torch.Tensor) -> torch.Tensor:
         return torch.rand(valid.shape, device=valid.device) < self.probability
 
 
@@ -299,6 +307,11 @@ class TopRegionRule(BlockRule):
     def again(self, block: Block, state) -> torch.Tensor:
         return self._drop(block, self._scores(block), state, None)
 
+    def whole(self, valid: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.source, RandomScores) and self.samples is None:
+            return ad_drop_masks(torch.rand(valid.shape, device=valid.device), valid, self.p, self.q)
+        return super().whole(valid)
+
     def _drop(self, block: Block, scores, state, n_valid, region=None, at_least=None) -> torch.Tensor:
         threshold, k, tied = state
         if region is None:
@@ -316,15 +329,9 @@ class TopRegionRule(BlockRule):
             drop = keep_one_valid_key(drop, block.valid.expand(drop.shape), scores)
         return drop
 
-    def __call__(self, valid: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.source, RandomScores) and self.samples is None:
-            # One block draws from torch's global stream, as the kernel always did for short maps.
-            return ad_drop_masks(torch.rand(valid.shape, device=valid.device), valid, self.p, self.q)
-        return super().__call__(valid)
-
 
 def call_seed() -> int:
-    """The seed of one blockwise call: one draw from torch's global generator."""
+    """The seed of one pass: one draw from torch's global generator."""
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
@@ -347,7 +354,9 @@ __all__: Sequence[str] = (
     "RandomScores",
     "ScoreSource",
     "TopRegionRule",
+    "call_seed",
     "chunk_uniform",
+    "key_seed",
     "keys_of",
     "rows_of",
 )

@@ -13,12 +13,12 @@ import contextlib
 import logging
 import operator
 import re
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .block_rules import BlockRule, call_seed, key_seed
 from .masks import uniform_instead_of_empty
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ AUTO = "auto"  # encoder-self when the model has an encoder, else decoder-self
 
 
 # -- hooks: what the kernel does on a site for one pass ------------------------------------------
-@dataclass
+@dataclass(frozen=True, eq=False)
 class CaptureOutput:
     """Record what gradient attribution needs; attention dropout is off for this pass.
 
@@ -41,7 +41,7 @@ class CaptureOutput:
     valid: List[torch.Tensor] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class CaptureProbs:
     """Materialise the attention map, scaled by ``alpha`` (integrated gradients); keep it."""
 
@@ -58,7 +58,7 @@ class CaptureProbs:
 DropMask = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class EditScores:
     """Edits applied to the scores before softmax.
 
@@ -84,16 +84,26 @@ class EditScores:
     droppable: Optional[torch.Tensor] = None
 
     def resolve(self, valid: torch.Tensor, shape: Tuple[int, int, int, int], device) -> ResolvedEdit:
-        """The final (drop, uniform rows) of one call: random draws made, emptied rows made uniform."""
+        """The final (drop, uniform rows) of one call that is one block: a rule's drops made
+        (:meth:`~.block_rules.BlockRule.whole`), emptied rows made uniform."""
         uniform = self.uniform_rows
         if uniform is True:  # every row (attention LayerDrop); made on q's device, no copy
             uniform = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
         elif isinstance(uniform, torch.Tensor) and uniform.device != device:
             uniform = uniform.to(device)  # a per-pass flag drawn on the host (LayerDrop)
-        drop = self.drop(valid.expand(shape)) if callable(self.drop) else self.drop
+        drop = self.drop
+        if isinstance(drop, BlockRule):
+            drop = drop.whole(valid.expand(shape))
+        elif callable(drop):
+            drop = drop(valid.expand(shape))
         if drop is not None:
             drop, uniform = uniform_instead_of_empty(drop, valid, uniform)
         return ResolvedEdit(drop, uniform)
+
+    @property
+    def draws(self) -> bool:
+        """Whether the edit's drops, made block by block, come from random numbers keyed by the site's seed."""
+        return isinstance(self.drop, BlockRule) and self.drop.draws
 
 
 Hook = Union[CaptureOutput, CaptureProbs, EditScores]
@@ -114,37 +124,27 @@ def zero_counts() -> List[torch.Tensor]:
 
 
 # -- sites ------------------------------------------------------------------------------------
-@dataclass
-class Replay:
-    """What one forward call of a site did, kept on the site for an activation-checkpoint recompute
-    (see :func:`~attn_reg_plugin.core.checkpointing.begin_call`).
-
-    It holds no captured tensor (those would keep an attribution pass's graph alive): for a capture
-    an empty hook of the same kind, for an edit the resolved masks (set once the call resolved them).
-    """
-
-    hook: Hook  # what the recompute applies: an empty capture, or an edit without counters
-    owner: weakref.ref  # the pass's hook object: a second call under it is ambiguous
-    calls: int = 1  # calls of the site under ``owner``; a recompute refuses more than one
-    edit: ResolvedEdit = ResolvedEdit()  # resolved: random draws are not used again
-    redraw: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # the edit's in-kernel draw, made again
-    seed: Optional[int] = None  # a blockwise edit's seed: its drops are regenerated from it
-
-
 @dataclass(eq=False)
 class AttentionSite:
-    """One attention module: its kind, its 0-based layer, and the hook of the current pass.
+    """One attention module: its kind, its 0-based layer, and what the current pass does on it.
 
-    ``replay`` is what the site's last forward call did (kept by
-    :func:`~attn_reg_plugin.core.checkpointing.begin_call`), so that a checkpointed layer recomputed
-    in backward applies exactly the same masks, after the pass that set the hook has ended.
-    ``None``: that call was ordinary attention.
+    ``hook``, ``seed``, ``through_backward`` and ``ended_pass`` are set by the controller
+    (:meth:`RegularizationController.hooks`, :meth:`RegularizationController.training_step`) and by
+    nothing else: the kernel only reads them. ``seed`` keys the counter-based random numbers of a
+    drop rule split into blocks (:mod:`.block_rules`), so every evaluation of the same pass on the
+    same site (the forward, its backward, an activation-checkpoint recompute) makes the same drops.
+    ``ended_pass``: inside a training step, the (hook, seed) of the last pass that ended on the site,
+    which a checkpointed layer recomputed in the step's backward repeats; cleared when the step
+    ends. ``through_backward``: the pass runs inside a training step, or began without autograd
+    (no backward follows), so a checkpointed forward under it will find it when recomputed.
     """
 
     kind: str
     layer: int
     hook: Optional[Hook] = None
-    replay: Optional[Replay] = None
+    seed: Optional[int] = None
+    through_backward: bool = False
+    ended_pass: Optional[Tuple[Hook, Optional[int]]] = None
 
     def __repr__(self) -> str:  # readable in error messages
         return f"{self.kind}[{self.layer}]"
@@ -198,6 +198,7 @@ class RegularizationController:
 
     def __init__(self) -> None:
         self.sites: List[AttentionSite] = []
+        self._held: Optional[set] = None  # inside training_step: the sites whose ended_pass it clears
 
     def register(self, kind: str, layer: int) -> AttentionSite:
         """A new site of ``kind`` at 0-based ``layer``; each (kind, layer) once. Any order, but a
@@ -263,12 +264,50 @@ class RegularizationController:
 
     @contextlib.contextmanager
     def hooks(self, assignment: Dict[AttentionSite, Optional[Hook]]) -> Iterator[None]:
-        """Set ``site.hook`` for the sites given, for the duration of one pass."""
-        previous = {site: site.hook for site in assignment}
+        """Set ``site.hook`` for the sites given, for the duration of one pass.
+
+        Inside :meth:`training_step` each site keeps the pass as its ``ended_pass`` when it ends,
+        until the step ends: a checkpointed layer recomputed in the backward repeats it (same hook,
+        same seed, same drops), while forwards after the pass see it no more. When some edit draws
+        random numbers, the pass takes one seed from torch's global generator and each site a seed
+        keyed by it and the site.
+        """
+        previous = {site: (site.hook, site.seed, site.through_backward) for site in assignment}
+        draws = any(isinstance(h, EditScores) and h.draws for h in assignment.values())
+        pass_seed = call_seed() if draws else None
+        through_backward = self._held is not None or not torch.is_grad_enabled()
         try:
             for site, hook in assignment.items():
                 site.hook = hook
+                site.seed = None if pass_seed is None else key_seed(pass_seed, _site_key(site))
+                site.through_backward = through_backward
             yield
         finally:
-            for site, hook in previous.items():
-                site.hook = hook
+            for site, (hook, seed, through) in previous.items():
+                if self._held is not None and site.hook is not None:
+                    site.ended_pass = (site.hook, site.seed)
+                    self._held.add(site)
+                site.hook, site.seed, site.through_backward = hook, seed, through
+
+    @contextlib.contextmanager
+    def training_step(self) -> Iterator[None]:
+        """One training step, forward and backward: a pass that ends inside it stays what its sites
+        repeat when a checkpointed layer is recomputed in the backward, until the step ends. Every
+        driver of the plugin runs its steps inside one; a custom loop whose model checkpoints
+        activations does too (:func:`~attn_reg_plugin.core.attention.attend` refuses a checkpointed
+        regularized forward outside one, whose recompute would find no pass)."""
+        if self._held is not None:  # nested: the outer step clears
+            yield
+            return
+        self._held = set()
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            for site in held:
+                site.ended_pass = None
+
+
+def _site_key(site: AttentionSite) -> int:
+    """A number naming the site within its model: its kind and layer."""
+    return ATTENTION_KINDS.index(site.kind) << 32 | site.layer

@@ -17,8 +17,7 @@ import torch
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
-from ..core.attention import attend
-from ..core.checkpointing import is_ordinary_call, record_ordinary_call
+from ..core.attention import attend, call_of
 from ..core.controller import AttentionSite, RegularizationController
 from ..core.masks import mask_fill_value
 
@@ -55,11 +54,7 @@ class RegularizedMultiheadAttention(MultiheadAttention):
         need_head_weights: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         site = self.attn_reg_site
-        stock = site is None or incremental_state is not None or before_softmax
-        if not stock and is_ordinary_call(site):
-            record_ordinary_call(site)  # a recompute of this call must not repeat an older edit
-            stock = True
-        if stock:
+        if call_of(site).hook is None or incremental_state is not None or before_softmax:
             return super().forward(
                 query,
                 key,

@@ -18,7 +18,6 @@ from ..core.distributed import all_reduce_sum_
 from ..core.options import named_by_field
 from .attention import install_attention_sites
 from .model_inputs import causal_lm, decoder_input_ids_from_labels
-from .sites import site_claim
 from .trainer_arguments import model_argument, training_arguments
 from .training_configurations import refuse_unsupported, refuse_unsupported_launch
 
@@ -35,7 +34,6 @@ class ADDropTrainerMixin:
         # Before the Trainer's own setup, so bad layers / kinds fail before anything else happens.
         self.ad_drop_controller = RegularizationController()
         self.ad_drop_sites = install_attention_sites(model, self.ad_drop_controller)
-        self._ad_drop_claim_sites = site_claim(model, self.ad_drop_sites)
         self.ad_drop = ADDrop(ad_drop, self.ad_drop_controller)
         self._ad_drop_reset()
         self._ad_drop_epoch_index = None  # 0-based epoch of the Trainer's running pass (_run_epoch)
@@ -128,6 +126,11 @@ class ADDropTrainerMixin:
         return fwd
 
     # -- the step --------------------------------------------------------------------------
+    def training_step(self, model, inputs, *args, **kwargs):
+        # The step's passes stay set through its backward: a checkpointed layer recomputes with them.
+        with self.ad_drop_controller.training_step():
+            return super().training_step(model, inputs, *args, **kwargs)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (model.training and torch.is_grad_enabled()):
             return super().compute_loss(
@@ -141,7 +144,6 @@ class ADDropTrainerMixin:
         # The attribution pass runs the eager model (torch.compile unwrapped too): it needs
         # requires_grad on intermediate outputs, which would break a compiled graph at every
         # layer; the masked pass and its backward run compiled.
-        self._ad_drop_claim_sites()  # another trainer built on this model since installed its own
         accelerator = getattr(self, "accelerator", None)
         bare = bare_module(
             accelerator.unwrap_model(model, keep_torch_compile=False) if accelerator is not None else model

@@ -274,7 +274,12 @@ class AttendOutDriver:
         Trainer's autocast (D's forward is wrapped in it by accelerate) and A's loss scaler."""
         # Through the trainer: a subclass that overrides attendout_streams is heard.
         hooks = self.game.attacker_hooks(self.trainer.attendout_streams(inputs))
-        with self.game.controller.hooks(hooks), self.trainer.accelerator.autocast(), self._backward_scaler():
+        with (
+            self.game.controller.training_step(),
+            self.game.controller.hooks(hooks),
+            self.trainer.accelerator.autocast(),
+            self._backward_scaler(),
+        ):
             yield
 
     @contextlib.contextmanager

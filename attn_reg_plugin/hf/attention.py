@@ -20,8 +20,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..core.attention import attend
-from ..core.checkpointing import is_ordinary_call, record_ordinary_call
+from ..core.attention import attend, call_of
 from ..core.controller import AttentionSite, RegularizationController
 from ..core.masks import mask_fill_value
 from .sites import route_attention_calls, site_of_call
@@ -58,10 +57,8 @@ def attn_reg_attention(
     (only with ``output_attentions`` while a hook is set; sdpa never returns them).
     """
     site: Optional[AttentionSite] = site_of_call(module, query, key, is_causal)
-    if site is None or is_ordinary_call(site):
+    if call_of(site).hook is None:
         # transformers' own sdpa, not the kernel's ordinary path: the equivalence checks compare against it
-        if site is not None:
-            record_ordinary_call(site)
         return _sdpa_forward()(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )

@@ -21,7 +21,6 @@ from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from ..core.options import named_by_field, one_regularizer
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attention import install_attention_sites
-from .sites import site_claim
 from .trainer_arguments import model_argument, training_arguments
 from .training_configurations import refuse_unsupported, refuse_unsupported_launch
 
@@ -66,7 +65,7 @@ class AttnRegTrainerMixin:
         refuse_unsupported("AttnRegTrainer", training_arguments(args, kwargs), model=model)
         # Before the Trainer's own setup: bad layers / kinds fail first.
         self.attn_reg_controller = RegularizationController()
-        self._attn_reg_claim_sites = site_claim(model, install_attention_sites(model, self.attn_reg_controller))
+        install_attention_sites(model, self.attn_reg_controller)
         self.attn_reg_scheduled_dropout = (
             ScheduledAttentionDropout(scheduled_dropout, self.attn_reg_controller)
             if scheduled_dropout is not None
@@ -85,12 +84,16 @@ class AttnRegTrainerMixin:
         self._attn_reg_counts: List[Any] = zero_counts()
         self._attn_reg_hooked_steps = 0  # training forwards that had at least one hook set
 
+    def training_step(self, model, inputs, *args, **kwargs):
+        # The step's passes stay set through its backward: a checkpointed layer recomputes with them.
+        with self.attn_reg_controller.training_step():
+            return super().training_step(model, inputs, *args, **kwargs)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (model.training and torch.is_grad_enabled()):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-        self._attn_reg_claim_sites()  # another trainer built on this model since installed its own
         if self.attn_reg_scheduled_dropout is not None:
             # Every micro-batch of an update uses that update's probability.
             hooks = self.attn_reg_scheduled_dropout.hooks(self.state.global_step, stats=self._attn_reg_counts)

@@ -13,13 +13,17 @@ inputs of different lengths) with the recorder on, and gives each call a site:
 
 A module called at several depths in one forward (ALBERT shares one layer across the stack)
 gets one site per depth; its calls are counted from the start of each forward of the model.
+
+The sites belong to the model: a second install on it (a second trainer built on the same model)
+finds them on the modules and registers the same sites with its own controller, so every
+controller drives the same modules and none has to claim them back before its steps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -31,18 +35,16 @@ from .probe_inputs import DECODER_LEN, ENCODER_LEN, accepted_inputs, eval_mode, 
 logger = logging.getLogger(__name__)
 
 
-_recorded: Optional[List[Tuple[torch.nn.Module, bool, int, int]]] = None  # set during the probe
-
-
 def site_of_call(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, is_causal: Optional[bool]
 ) -> Optional[AttentionSite]:
     """The site of this call of ``module`` (None: not regularized); records calls during the probe."""
-    if _recorded is not None:
+    probe = module.__dict__.get("attn_reg_probe")
+    if probe is not None:
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
-        _recorded.append((module, causal, query.shape[2], key.shape[2]))
+        probe.append((module, causal, query.shape[2], key.shape[2]))
         return None
-    sites = getattr(module, "attn_reg_sites", None)
+    sites = module.__dict__.get("attn_reg_sites")
     if not sites:
         return None
     if len(sites) == 1:
@@ -58,13 +60,18 @@ def site_of_call(
 
 
 @contextlib.contextmanager
-def _recording() -> Iterator[List[Tuple[torch.nn.Module, bool, int, int]]]:
-    global _recorded
-    _recorded = []
+def _recording(model: torch.nn.Module) -> Iterator[List[Tuple[torch.nn.Module, bool, int, int]]]:
+    """The attention calls of ``model``'s modules while the block runs: the list is held by the
+    modules themselves, so probing one model never records another's calls."""
+    calls: List[Tuple[torch.nn.Module, bool, int, int]] = []
+    modules = list(model.modules())
+    for module in modules:
+        module.__dict__["attn_reg_probe"] = calls
     try:
-        yield _recorded
+        yield calls
     finally:
-        _recorded = None
+        for module in modules:
+            module.__dict__.pop("attn_reg_probe", None)
 
 
 def _probe(
@@ -76,7 +83,7 @@ def _probe(
     for module in probe_candidates(model):
         given = accepted_inputs(module, inputs)
         try:
-            with _recording() as calls, eval_mode(model), torch.no_grad():
+            with _recording(model) as calls, eval_mode(model), torch.no_grad():
                 module(**given)
             return module, given, calls
         except Exception as err:  # a head that cannot take the probe input: try its backbone
@@ -109,40 +116,14 @@ def installed_sites(model: torch.nn.Module) -> List[Tuple[str, AttentionSite]]:
     ]
 
 
-def site_claim(model: torch.nn.Module, pairs: List[Tuple[str, AttentionSite]]) -> Callable[[], None]:
-    """A function that gives the modules named in ``pairs`` (from an install on this model) those
-    sites again, in order. Modules hold one set of sites at a time and every install replaces them,
-    so whoever regularizes a model that another install has touched since (a second trainer on
-    the same model) claims its own sites before its regularized forward. A claim is one attribute
-    per attention module: cheap enough for every training step."""
+def assign_sites(model: torch.nn.Module, pairs: List[Tuple[str, AttentionSite]]) -> None:
+    """Give the modules named in ``pairs`` (from an install on this model) those sites, in order."""
     modules = dict(model.named_modules())
     grouped: Dict[str, List[AttentionSite]] = {}
     for path, site in pairs:
         grouped.setdefault(path, []).append(site)
-    owned = [(modules[path], sites) for path, sites in grouped.items()]
-
-    def claim() -> None:
-        for module, sites in owned:
-            if module.__dict__.get("attn_reg_sites") is not sites:
-                module.attn_reg_sites = sites
-
-    return claim
-
-
-def assign_sites(model: torch.nn.Module, pairs: List[Tuple[str, AttentionSite]]) -> None:
-    """Give the modules named in ``pairs`` (from an install on this model) those sites, in order."""
-    site_claim(model, pairs)()
-
-
-@contextlib.contextmanager
-def sites_in_use(model: torch.nn.Module, pairs: List[Tuple[str, AttentionSite]]) -> Iterator[None]:
-    """:func:`assign_sites` for a while: several controllers can share one model, each in turn."""
-    before = installed_sites(model)
-    assign_sites(model, pairs)
-    try:
-        yield
-    finally:
-        assign_sites(model, before)
+    for path, sites in grouped.items():
+        modules[path].attn_reg_sites = sites
 
 
 def route_attention_calls(
@@ -171,6 +152,12 @@ def route_attention_calls(
     }
     before = {key: config._attn_implementation for key, config in configs.items()}
     previous_sites = installed_sites(model)
+    if previous_sites and model.__dict__.get("attn_reg_installed") == id(model):
+        # A second install on this model: the same sites, driven by this controller too. (A copy of
+        # an installed model, AttendOut's Attacker, carries its original's id: it is installed afresh.)
+        for _, site in previous_sites:
+            controller.add(site)
+        return previous_sites
     set_impl = getattr(model, "set_attn_implementation", None)
     try:
         if callable(set_impl):
@@ -179,7 +166,7 @@ def route_attention_calls(
         raise ValueError(f"{name} does not accept a custom attention implementation: {e}") from None
     for config in configs.values():
         config._attn_implementation = implementation
-    for module in model.modules():  # a second install (the AttendOut Attacker is a copy) starts afresh
+    for module in model.modules():  # a copy of an installed model starts afresh
         module.__dict__.pop("attn_reg_sites", None)
     try:
         found = _install(model, controller, configs, before, implementation)
@@ -190,6 +177,7 @@ def route_attention_calls(
             module.__dict__.pop("attn_reg_sites", None)
         assign_sites(model, previous_sites)
         raise
+    model.__dict__["attn_reg_installed"] = id(model)
     return found
 
 

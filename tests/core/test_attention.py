@@ -242,21 +242,25 @@ def test_idle_fast_path_is_the_prepared_path_bit_for_bit(dtype, case, dropout_p,
         assert torch.equal(a, b)
 
 
-def test_a_site_without_hook_forgets_its_last_edit_only_when_called():
-    """The adapters' query has no side effect; the call (the kernel's, or an adapter's stock path
-    through record_ordinary_call) makes the site forget the edit of an earlier pass, so a checkpoint
-    recompute of this ordinary call repeats nothing."""
-    from attn_reg_plugin.core.checkpointing import is_ordinary_call, record_ordinary_call
+def test_a_call_writes_nothing_on_its_site_and_a_recompute_captures_nothing():
+    """attend() reads the site's hook and hands the counts to the pass: the site is as it was. The
+    kernel given the same AttentionCall as a recompute, from the same point of torch's stream (where
+    a checkpoint restores it), makes the same drops and captures and counts nothing."""
+    from attn_reg_plugin.core.attention import AttentionCall, attention_kernel
+    from attn_reg_plugin.core.block_rules import BernoulliRule
 
     q, k, v = _qkv()
-    for forget in (lambda site: attend(q, k, v, site=site), record_ordinary_call):
-        site = site_with_hook(EditScores(drop=torch.zeros(1, 1, 1, 7, dtype=torch.bool)))
-        attend(q, k, v, site=site)
-        assert site.replay is not None and not is_ordinary_call(site)
-        site.hook = None
-        assert is_ordinary_call(site) and site.replay is not None  # asking changes nothing
-        forget(site)
-        assert site.replay is None
+    stats = zero_counts()
+    hook = EditScores(drop=BernoulliRule(torch.tensor(0.5)), stats=stats)
+    site = site_with_hook(hook)
+    before = dict(vars(site))
+    torch.manual_seed(0)
+    out, _ = attend(q, k, v, site=site)
+    assert vars(site) == before and site.hook is hook
+    assert 0 < int(stats[0]) < int(stats[1]) == q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    torch.manual_seed(0)
+    again, _, recounted = attention_kernel(q, k, v, None, 0.0, None, False, AttentionCall(hook, recompute=True))
+    assert torch.equal(again, out) and recounted is None and int(stats[0]) > 0
 
 
 @pytest.mark.gpu

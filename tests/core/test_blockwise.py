@@ -297,9 +297,10 @@ class _Encoder(torch.nn.Module):
 def _ad_drop_step(model, x, bias, attribution="ga", seed=0):
     torch.manual_seed(seed)
     ad_drop = ADDrop(ADDropConfig(p=0.3, q=0.5, schedule="always", attribution=attribution), model.controller)
-    with ad_drop.masked(lambda: model(x, bias), logit_target, frozen=model) as stats:
-        loss = model(x, bias).logsumexp(-1).sum()
-    loss.backward()
+    with model.controller.training_step():  # the recompute of a checkpointed layer reads the pass
+        with ad_drop.masked(lambda: model(x, bias), logit_target, frozen=model) as stats:
+            loss = model(x, bias).logsumexp(-1).sum()
+        loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     return loss.detach(), grads, stats
@@ -445,3 +446,20 @@ def test_a_given_mask_through_blocks_leaves_the_random_stream_alone(small_blocks
     attend(q, k, v, _valid("padding", 2, 6), site=site_with_hook(EditScores(drop=drop)))
     assert block_calls == [2]
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_blockwise_call_makes_its_drops_from_the_sites_seed_alone(small_blocks):
+    """Split into blocks, a drawing rule's drops depend on the seed its pass gave the site, not on
+    torch's stream: the forward, a recompute and another point of the stream agree; another seed
+    drops otherwise."""
+    from attn_reg_plugin.core.attention import AttentionCall, attention_kernel
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
+    hook = EditScores(drop=BernoulliRule(torch.tensor(0.5)), stats=zero_counts())
+    outs = []
+    for stream, recompute, seed in ((0, False, 11), (1, True, 11), (2, False, 12)):
+        torch.manual_seed(stream)
+        out, _, _ = attention_kernel(q, k, v, None, 0.0, None, False, AttentionCall(hook, recompute, seed))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])

@@ -1,4 +1,4 @@
-"""The kernel's replay for activation checkpointing, on a plain-PyTorch model (no framework)."""
+"""Activation checkpointing and the regularizers' passes, on a plain-PyTorch model (no framework)."""
 
 import functools
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
-from attn_reg_plugin.core.attention import CaptureOutput, EditScores
+from attn_reg_plugin.core.attention import EditScores
 from attn_reg_plugin.core.attribution import logit_target
+from attn_reg_plugin.core.block_rules import BernoulliRule
 from attn_reg_plugin.core.checkpointing import activation_checkpointing_paused
 from helpers import CORE_B, CORE_D, CORE_T, CoreBlock, tiny_core_model
 
@@ -15,62 +16,67 @@ B, T, D = CORE_B, CORE_T, CORE_D
 _model = tiny_core_model
 
 
-def test_records_keep_no_attribution_graph():
+def test_a_pass_stays_set_until_its_training_step_ends_and_leaves_nothing_behind():
     model = _model(checkpointed=True)
     x = torch.randn(B, T, D, requires_grad=True)
     ad_drop = ADDrop(ADDropConfig(p=0.5, q=0.5, schedule="always"), model.controller)
-    with ad_drop.masked(lambda: model(x), logit_target, frozen=model):
-        # pass 1 is over: what the sites remember of it is an empty capture, no tensor
-        for site in model.controller.sites:
-            assert isinstance(site.replay.hook, CaptureOutput)
-            assert site.replay.hook.outputs == [] and site.replay.edit.drop is None
+    with model.controller.training_step():
+        with ad_drop.masked(lambda: model(x), logit_target, frozen=model):
+            hooks = [site.hook for site in model.controller.sites]
+            assert all(isinstance(h, EditScores) and h.drop is not None for h in hooks)
+            loss = model(x).sum()
+        # the block has ended, the step has not: a forward sees no hook, its backward's recompute
+        # repeats the pass (same hook, same seed)
+        assert all(s.hook is None and s.ended_pass[0] is h for s, h in zip(model.controller.sites, hooks))
+        loss.backward()
+    state = [(s.hook, s.seed, s.through_backward, s.ended_pass) for s in model.controller.sites]
+    assert state == [(None, None, False, None)] * len(state)
+
+
+def _two_calls_step(checkpointed, reentrant):
+    """One step of a model whose sites are each called twice per forward, drops drawn from the pass's
+    seeds: (loss, gradients)."""
+    model = _model(calls=2, checkpointed=checkpointed)
+    for block in model.blocks:
+        block.forward = functools.partial(CoreBlock.forward, block, reentrant=reentrant)
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    torch.manual_seed(3)
+    edits = {s: EditScores(drop=BernoulliRule(torch.tensor(0.3))) for s in model.controller.sites}
+    with model.controller.training_step(), model.controller.hooks(edits):
         loss = model(x).sum()
-    assert all(isinstance(s.replay.hook, EditScores) and s.replay.edit.drop is not None for s in model.controller.sites)
-    loss.backward()
+        loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_a_site_called_twice_under_checkpointing_is_refused_in_backward(reentrant):
-    model = _model(calls=2, checkpointed=True)
+def test_a_site_called_twice_recomputes_exactly_under_checkpointing(reentrant):
+    """Nothing of a call is recorded, so a site called twice in one pass is no ambiguity: its
+    checkpointed recompute repeats both calls' drops, and the step equals the uncheckpointed one."""
+    loss, grads = _two_calls_step(checkpointed=False, reentrant=reentrant)
+    loss_ckpt, grads_ckpt = _two_calls_step(checkpointed=True, reentrant=reentrant)
+    assert torch.equal(loss, loss_ckpt)
+    for a, b in zip(grads, grads_ckpt):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpointed_regularized_forward_outside_a_training_step_is_refused(reentrant):
+    """Its pass would end before the backward recomputes it (as ordinary attention): refused in the
+    forward. Without checkpointing, or under a pass begun without autograd, nothing is refused."""
+    model = _model(checkpointed=True)
     for block in model.blocks:
         block.forward = functools.partial(CoreBlock.forward, block, reentrant=reentrant)
     x = torch.randn(B, T, D, requires_grad=True)
-    edits = {s: EditScores(drop=lambda valid: torch.rand(valid.shape) < 0.3) for s in model.controller.sites}
+    edits = {s: EditScores(drop=BernoulliRule(torch.tensor(0.3))) for s in model.controller.sites}
+    with pytest.raises(RuntimeError, match=r"encoder-self\[0\] ran a regularized forward inside an activation"):
+        with model.controller.hooks(edits):
+            model(x)
+    for block in model.blocks:
+        block.gradient_checkpointing = False
     with model.controller.hooks(edits):
-        loss = model(x).sum()
-    with pytest.raises(RuntimeError, match=r"encoder-self\[1\] was called 2 times in one regularized pass"):
-        loss.backward()
-
-
-def test_same_site_twice_without_checkpointing_trains():
-    """Without checkpointing a site may be called twice in a pass: each call applies its own edit.
-    An edit that drops nothing trains exactly as no edit; one that drops keys changes the loss and
-    every call was edited."""
-    model = _model(calls=2, checkpointed=False).eval()  # no model dropout: the runs are comparable
-    x = torch.randn(B, T, D)
-    params = list(model.parameters())
-    plain = model(x).sum()
-    plain_grads = torch.autograd.grad(plain, params)
-
-    calls = []
-
-    def nothing(valid):
-        calls.append(valid.shape)
-        return torch.zeros(valid.shape, dtype=torch.bool)
-
-    with model.controller.hooks({s: EditScores(drop=nothing) for s in model.controller.sites}):
-        loss = model(x).sum()
-    grads = torch.autograd.grad(loss, params)
-    assert len(calls) == 2 * len(model.controller.sites)  # every call of every site was edited
-    torch.testing.assert_close(loss, plain)
-    for got, want in zip(grads, plain_grads):
-        torch.testing.assert_close(got, want)
-
-    edits = {s: EditScores(drop=lambda valid: torch.rand(valid.shape) < 0.3) for s in model.controller.sites}
-    with model.controller.hooks(edits):
-        dropped = model(x).sum()
-    grads = torch.autograd.grad(dropped, params)
-    assert not torch.allclose(dropped, plain) and all(torch.isfinite(g).all() for g in grads)
+        model(x).sum().backward()
+    with torch.no_grad(), model.controller.hooks(edits):
+        model(x)
 
 
 def test_attribution_inside_a_reentrant_checkpoint_is_a_clear_error():

@@ -165,12 +165,18 @@ def test_checkpointed_step_equals_plain_step(family, regularizer, tmp_path):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"{mode} gradient")
 
 
-def test_checkpointing_without_replay_would_differ(tmp_path, monkeypatch):
-    """The test above can fail: with the recompute forgetting the masks, the gradients differ."""
+def test_checkpointing_with_the_pass_ended_before_the_backward_would_differ(tmp_path, monkeypatch):
+    """The test above can fail: with the pass ended at the loss, before its backward (no training_step
+    scope, and the refusal of such a forward switched off), the recompute runs ordinary attention and
+    the gradients differ."""
+    import contextlib
+
     from attn_reg_plugin.core import attention
+    from attn_reg_plugin.core.controller import RegularizationController
 
     loss, grads, _ = one_step("bert", "ad-drop-ga", None, tmp_path)
-    monkeypatch.setattr(attention, "recomputing", lambda: False)  # recompute runs as a fresh, idle forward
+    monkeypatch.setattr(RegularizationController, "training_step", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(attention, "refuse_unrecomputable", lambda hook, site: None)
     _, grads_ck, _ = one_step("bert", "ad-drop-ga", "reentrant", tmp_path)
     distance = sum(float((a - b).pow(2).sum()) for a, b in zip(grads_ck, grads)) ** 0.5
     assert distance / sum(float(g.pow(2).sum()) for g in grads) ** 0.5 > 1e-3

@@ -265,26 +265,29 @@ def test_every_attribution_and_the_no_extra_cost_regularizers_train(family):
     assert [int(c) for c in calls] == [len(layerdrop.sites)] * 2
 
 
-def test_two_controllers_share_one_model_each_with_its_own_sites():
-    """sites_in_use points the modules at one install's sites for a while (the benchmark's trainers share a model)."""
-    from attn_reg_plugin.hf.sites import installed_sites, sites_in_use
+def test_two_controllers_on_one_model_drive_the_same_sites():
+    """A second install on a model registers the sites its modules hold with the second controller:
+    either controller's pass reaches the model, no claim needed (the benchmark's trainers share a
+    model). A copy of an installed model gets sites of its own."""
+    from attn_reg_plugin.hf.sites import installed_sites
 
     model = build(FAMILIES[0])
-    first = RegularizationController()
+    first, second = RegularizationController(), RegularizationController()
     first_sites = install_attention_sites(model, first)
-    second_sites = install_attention_sites(model, RegularizationController())
-    assert installed_sites(model) == second_sites and [p for p, _ in first_sites] == [p for p, _ in second_sites]
+    second_sites = install_attention_sites(model, second)
+    assert second_sites == first_sites == installed_sites(model) and first.sites == second.sites
 
-    def valid_positions_seen(pairs):
+    def valid_positions_seen(controller):
         counts = [torch.zeros(()), torch.zeros(())]  # dropped, valid: filled by the sites that are called
         keep_all = EditScores(drop=lambda valid: torch.zeros_like(valid), stats=counts)
-        with sites_in_use(model, pairs), first.hooks({s: keep_all for s in first.sites}), torch.no_grad():
+        with torch.no_grad(), controller.hooks({s: keep_all for s in controller.sites}):
             model(input_ids=torch.tensor([[5, 6, 7]]))
         return float(counts[1])
 
-    assert valid_positions_seen(first_sites) == 2 * 4 * 3 * 3  # 2 layers x 4 heads x 3 x 3 positions
-    assert valid_positions_seen(second_sites) == 0  # the first controller's hooks are not reached
-    assert installed_sites(model) == second_sites
+    assert valid_positions_seen(first) == valid_positions_seen(second) == 2 * 4 * 3 * 3  # 2 layers x 4 heads x 3 x 3
+    copied = install_attention_sites(copy.deepcopy(model), RegularizationController())
+    assert [p for p, _ in copied] == [p for p, _ in first_sites]
+    assert not {id(s) for _, s in copied} & {id(s) for _, s in first_sites}
 
 
 def _attendout_rows(family, model, n=4):

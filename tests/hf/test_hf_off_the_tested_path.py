@@ -116,8 +116,6 @@ def test_a_regularizer_that_cannot_act_logs_zero_and_warns(tmp_path, regularizer
     key = {"scheduled_dropout": "attn_sched_dropout_rate", "layerdrop": "attn_layerdrop_rate"}[regularizer]
     assert _logs(trainer, key) == [0.0, 0.0, 0.0]
     assert "the attention kernel applied none" in caplog.text
-    if regularizer == "scheduled_dropout":  # draws only inside the kernel (LayerDrop's coins shift the RNG stream)
-        assert _logs(trainer, "loss") == _stock_losses(tmp_path)
 
 
 # -- 2. resume from any os.PathLike ---------------------------------------------------------------

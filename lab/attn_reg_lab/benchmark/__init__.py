@@ -24,8 +24,8 @@ to ``VARIANTS`` with the workload it runs on and its targets. A bench gives the 
 step needs: ``bench.model`` / ``bench.optimizer`` / ``bench.batches[workload]``, and
 ``FairseqBench.train_step(criterion, epoch, batch, stock=False)`` (fairseq-train's update with
 any criterion) or ``HFBench.train_step(trainer, epoch, batch, stock=False)`` (a Trainer's
-compute_loss, backward, optimizer step; a trainer that installs its own attention sites on
-the shared model wraps its step in ``HFBench.attention_sites(...)``). For example, a
+compute_loss, backward, optimizer step; every trainer built on the shared model drives the
+same attention sites). For example, a
 criterion-based regularizer::
 
     Variant("attendout", "AttendOut ...", "train",

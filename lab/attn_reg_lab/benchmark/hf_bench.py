@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
-from typing import ContextManager, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -103,18 +103,6 @@ class HFBench:
         finally:
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
-    def attention_sites(self, sites) -> ContextManager[None]:
-        """Point the model's attention modules at ``sites`` for one step, then restore.
-
-        ``sites`` are (module path, site) pairs as ``install_attention_sites`` returns them
-        (``ADDropTrainer.ad_drop_sites``). Every trainer that installs its own sites on the
-        shared model keeps them this way, so the benchmark's trainers do not take each
-        other's sites over.
-        """
-        from attn_reg_plugin.hf.sites import sites_in_use
-
-        return sites_in_use(self.model, sites)
-
     def train_step(self, trainer, epoch: int, batch: str, stock: bool = False) -> Step:
         """The Trainer's compute_loss (which AD-DROP wraps), backward, optimizer step."""
         inputs = self.batches[batch]
@@ -145,7 +133,6 @@ class HFBench:
         trainer = self.ad_trainer
         ad_drop = ADDrop(named_by_field(config), trainer.ad_drop_controller)
         step = self.train_step(trainer, epoch=epoch, batch=batch)
-        step.state = lambda: self.attention_sites(trainer.ad_drop_sites)
         inner_prepare = step.prepare
 
         def prepare(round_index: int) -> None:
@@ -155,24 +142,13 @@ class HFBench:
         step.prepare = prepare
         return step
 
-    def _own_sites_trainer(self, make):
-        """Build a trainer that installs its own sites on the shared model; return it and its sites."""
-        from attn_reg_plugin.hf.sites import assign_sites, installed_sites
-
-        trainer = make()
-        sites = installed_sites(self.model)
-        assign_sites(self.model, self.ad_trainer.ad_drop_sites)  # the other trainers keep theirs
-        return trainer, sites
-
     def attn_reg_step(self, batch: str, **regularizer) -> Step:
         """AttnRegTrainer (scheduled attention dropout or attention LayerDrop): its compute_loss, backward, step."""
         from attn_reg_plugin.hf import AttnRegTrainer
 
-        trainer, sites = self._own_sites_trainer(
-            lambda: AttnRegTrainer(model=self.model, args=self.plain_trainer.args, **regularizer)
-        )
+        # A second install on the shared model: the same sites, driven by this trainer's controller too.
+        trainer = AttnRegTrainer(model=self.model, args=self.plain_trainer.args, **regularizer)
         step = self.train_step(trainer, epoch=1, batch=batch)
-        step.state = lambda: self.attention_sites(sites)
         return step
 
     def attendout_step(self, config, batch: str) -> Optional[Step]:
@@ -190,14 +166,12 @@ class HFBench:
         import transformers
 
         tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path())
-        trainer, sites = self._own_sites_trainer(
-            lambda: AttendOutTrainer(
-                model=self.model,
-                args=self.plain_trainer.args,
-                eval_dataset=heldout,
-                data_collator=transformers.DataCollatorWithPadding(tokenizer),
-                attendout=config,
-            )
+        trainer = AttendOutTrainer(
+            model=self.model,
+            args=self.plain_trainer.args,
+            eval_dataset=heldout,
+            data_collator=transformers.DataCollatorWithPadding(tokenizer),
+            attendout=config,
         )
         trainer.optimizer = self.optimizer
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which is not run here
@@ -221,7 +195,7 @@ class HFBench:
                 trainer.attendout_generator, trainer.attendout_game.optimizer
             )
 
-        return Step(run=run, prepare=prepare, state=lambda: self.attention_sites(sites), held=held)
+        return Step(run=run, prepare=prepare, state=contextlib.nullcontext, held=held)
 
     def validation_step(self, plugin: bool) -> Step:
         inputs = self.batches["validation"]
@@ -234,7 +208,7 @@ class HFBench:
         return Step(
             run=run,
             prepare=lambda r: self.model.eval(),
-            state=(lambda: self.attention_sites(trainer.ad_drop_sites)) if plugin else self.stock_attention,
+            state=contextlib.nullcontext if plugin else self.stock_attention,
         )
 
     def reference(self, workload: str) -> Step:

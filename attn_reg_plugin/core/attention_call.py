@@ -1,0 +1,105 @@
+"""What one attention call does, fixed before the kernel runs, and where what it captured goes.
+
+:func:`call_of` reads a site once into an immutable :class:`AttentionCall`;
+:func:`~attn_reg_plugin.core.attention.attention_kernel` computes from it alone and returns what it
+captured and counted as a :class:`Captured`, which :func:`hand_over` gives to the pass. Only the
+controller writes sites (:mod:`.controller`); nothing here or in the kernel does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .block_rules import AttentionScores
+from .checkpointing import recomputing
+from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores, Hook
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What one call of the kernel does, fixed before it starts: the pass's ``hook`` for the site,
+    whether the call is an activation-checkpoint ``recompute`` (the same drops, nothing captured or
+    counted), and the site's ``seed`` for the pass, which keys every random drop decision."""
+
+    hook: Optional[Hook] = None
+    recompute: bool = False
+    seed: Optional[int] = None
+
+
+ORDINARY = AttentionCall()
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What a call hands back to its pass besides its output: GA's ``output`` (the leaf of the
+    attribution) and ``values``; AA's or IGA's ``probs`` (a map, or for a long map the
+    :class:`AttentionScores` it is recomputed from); the keys' ``valid``ity; an edit's ``dropped`` /
+    ``droppable`` counts and ``uniform_call`` (1 when its rows-made-uniform flag was set)."""
+
+    output: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    probs: Optional[Union[torch.Tensor, AttentionScores]] = None
+    valid: Optional[torch.Tensor] = None
+    dropped: Optional[torch.Tensor] = None
+    droppable: Optional[torch.Tensor] = None
+    uniform_call: Optional[torch.Tensor] = None
+
+
+def call_of(site: Optional[AttentionSite]) -> AttentionCall:
+    """What this call of ``site`` does: in a forward, the hook and seed of the pass set on it; in an
+    activation-checkpoint recompute, the same, or after the pass ended (inside a training step) the
+    hook and seed it ended with. Adapters ask it too: an ordinary call may take their stock path."""
+    if site is None:
+        return ORDINARY
+    if torch.compiler.is_compiling():
+        # Traced: a compiled region recomputes from its own graph and draws from torch's stream;
+        # reading the per-pass seed would be a guard on its value, a recompile every step.
+        return ORDINARY if site.hook is None else AttentionCall(site.hook)
+    if site.hook is not None:
+        return AttentionCall(site.hook, recomputing(), site.seed)
+    if site.ended_pass is not None and recomputing():
+        return AttentionCall(site.ended_pass[0], True, site.ended_pass[1])
+    return ORDINARY
+
+
+def hand_over(hook: Hook, site: AttentionSite, captured: Captured) -> None:
+    """Give the pass what one call of ``site`` captured and counted: appended to a capture's lists
+    in call order, added to an edit's counters."""
+    if isinstance(hook, CaptureOutput):
+        hook.sites.append(site)
+        hook.outputs.append(captured.output)
+        hook.values.append(captured.values)
+        hook.valid.append(captured.valid)
+    elif isinstance(hook, CaptureProbs):
+        hook.sites.append(site)
+        hook.probs.append(captured.probs)
+        hook.valid.append(captured.valid)
+    elif isinstance(hook, EditScores):
+        if hook.stats is not None and captured.dropped is not None:
+            hook.stats[0] = hook.stats[0] + captured.dropped
+            hook.stats[1] = hook.stats[1] + captured.droppable
+        if hook.calls is not None and captured.uniform_call is not None:
+            hook.calls[0] = hook.calls[0] + captured.uniform_call
+            hook.calls[1] = hook.calls[1] + 1
+
+
+def refuse_unrecomputable(hook: Hook, site: AttentionSite) -> None:
+    """A forward that an activation checkpoint will recompute in the backward (reentrant: it runs
+    without autograd; non-reentrant: saved-tensor hooks are set), under a pass that will have ended
+    by then, would be recomputed as ordinary attention: refused, before any gradient is wrong."""
+    if torch.compiler.is_compiling():
+        return
+    edits = isinstance(hook, EditScores) and (hook.drop is not None or hook.uniform_rows is not None)
+    if not (edits or (isinstance(hook, CaptureProbs) and hook.alpha != 1.0)):
+        return  # what the call computes is ordinary attention's output: a recompute may run ordinary
+    if not torch.is_grad_enabled() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        raise RuntimeError(
+            f"attention site {site} ran a regularized forward inside an activation checkpoint (or without "
+            "autograd under a pass begun with it), and its pass ends before the backward that recomputes it: "
+            "run the forward and its backward inside `with controller.training_step():` (the plugin's "
+            "trainers do), or back-propagate inside the pass; a forward meant without autograd begins its "
+            "pass under torch.no_grad()"
+        )
