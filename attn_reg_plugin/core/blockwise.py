@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from . import block_rules
 from .block_rules import Block, BlockRule, block_bias, keys_of, rows_of
-from .masks import mask_fill_value, uniform_instead_of_empty
+from .masks import mask_fill_value, pack_bits, uniform_instead_of_empty, unpack_bits
 
 # A block holds at most max(BLOCK_ELEMENTS, LINEAR_FACTOR * B*H*T*d) score-sized elements: a fixed
 # floor (2**19 elements: ~12 MiB of block temporaries at ~24 bytes each) or as many as q has, so
@@ -31,6 +31,10 @@ from .masks import mask_fill_value, uniform_instead_of_empty
 # CPU time: the per-element work dominates, not the per-block overhead.)
 BLOCK_ELEMENTS = 1 << 19
 LINEAR_FACTOR = 1
+# A call whose rule is costly to evaluate again (a top-p region, coins) keeps its drops as bits for
+# the backward while they take at most this many times q's bytes: linear in length, and measured
+# faster than regenerating them (docs/PERFORMANCE.md). Past it the backward makes them again.
+KEPT_DROPS_FACTOR = 8
 # Rows of at most this many keys are one block whatever the batch (BERT-base at 128 tokens and
 # batch 32, the benchmark's sizes): such a map holds at most 128 numbers per query row, linear in T.
 ONE_BLOCK_KEYS = 128
@@ -63,6 +67,23 @@ class BlockCall:
     count: bool  # add dropped / droppable counts (a fresh forward; a recompute counts nothing)
 
 
+class KeptDrops(NamedTuple):
+    """A block's drops kept for the backward: packed bits (:func:`~.masks.pack_bits`), the keys the
+    block covers and its rows made uniform."""
+
+    bits: torch.Tensor
+    keys: int
+    uniform: Optional[torch.Tensor]
+
+
+def _keeps_drops(q: torch.Tensor, k: torch.Tensor, rule: Optional[BlockRule]) -> bool:
+    """Whether a call keeps its blocks' drops as bits rather than making them again in the backward."""
+    if rule is None or isinstance(rule, block_rules.DenseRule):  # a dense mask is sliced again for free
+        return False
+    b, h, t, d = q.shape
+    return b * h * t * k.shape[2] // 8 <= KEPT_DROPS_FACTOR * q.numel() * q.element_size()
+
+
 class BlockMasks(NamedTuple):
     """What a block attends with: keys ``0 .. keys - 1`` of the call, the additive mask over them,
     rows made uniform, rows with no valid key, validity, the drops and the rule's state."""
@@ -93,8 +114,27 @@ def _block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=N
     part, valid = block_bias(bias_rows, q_rows.dtype)
     if valid is None:  # every key valid; the key dimension is kept, since rules count along it
         valid = torch.ones((1, 1, 1, s), dtype=torch.bool, device=q_rows.device)
-    keys = _key_span(valid, s)
+    keys = state.keys if isinstance(state, KeptDrops) else _key_span(valid, s)
     part, valid = keys_of(part, keys), keys_of(valid, keys)
+    if isinstance(state, KeptDrops):  # the forward's drops, unpacked: no rule evaluated again
+        drop, uniform = unpack_bits(state.bits, keys), state.uniform
+    else:
+        drop, uniform, state = _rule_drops(call, valid, rows, shape, keys, state, fresh_state)
+    if drop is not None:
+        # Cast from bytes (a CPU casts uint8 to float ~3x faster than bool), scale, then add the
+        # bias in place: several times faster than one add of a bool to a float.
+        additive = drop.view(torch.uint8).to(q_rows.dtype).mul_(mask_fill_value(q_rows.dtype))
+        if part is not None:
+            fits = torch.broadcast_shapes(additive.shape, part.shape) == additive.shape
+            additive = additive.add_(part) if fits else additive + part
+        part = additive
+    keyless = None if bias_rows is None else ~valid.any(-1, keepdim=True)
+    return BlockMasks(keys, part, uniform, keyless, valid, drop, state)
+
+
+def _rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fresh_state: bool):
+    """(drop, rows made uniform, the rule's state) of a block, from the call's rule."""
+    b, h, _, _ = shape
     block = Block(rows, valid, (b, h, rows.stop - rows.start, keys), shape, call.seed)
     drop = None
     if call.rule is not None:
@@ -107,16 +147,7 @@ def _block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=N
         uniform = rows_of(uniform, rows)
     if drop is not None and not call.rule.keeps_rows:
         drop, uniform = uniform_instead_of_empty(drop & valid, valid, uniform)
-    if drop is not None:
-        # Cast from bytes (a CPU casts uint8 to float ~3x faster than bool), scale, then add the
-        # bias in place: several times faster than one add of a bool to a float.
-        additive = drop.view(torch.uint8).to(q_rows.dtype).mul_(mask_fill_value(q_rows.dtype))
-        if part is not None:
-            fits = torch.broadcast_shapes(additive.shape, part.shape) == additive.shape
-            additive = additive.add_(part) if fits else additive + part
-        part = additive
-    keyless = None if bias_rows is None else ~valid.any(-1, keepdim=True)
-    return BlockMasks(keys, part, uniform, keyless, valid, drop, state)
+    return drop, uniform, state
 
 
 def _block_counts(m: BlockMasks, droppable, rows: slice, block_shape) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -194,6 +225,7 @@ class BlockwiseAttention(torch.autograd.Function):
         states: List[object] = []
         rng_states: List[object] = []
         keep_stats = _keeps_softmax_stats(q, k, v, bias, call, bias is not None and bias.requires_grad)
+        keep_drops = _keeps_drops(q, k, call.rule)
         # Every block reads all of k and v: once contiguous, sdpa's CPU kernel reads them faster.
         # The copies live for the call; the backward saves the originals (views the model keeps).
         k_in, v_in = k, v
@@ -203,7 +235,11 @@ class BlockwiseAttention(torch.autograd.Function):
             rows = slice(start, min(t, start + call.rows_per_block))
             q_rows = q[:, :, rows]
             m = _block_masks(call, q_rows, rows_of(bias, rows), rows, shape, fresh_state=True)
-            states.append(m.state)
+            if keep_drops and m.drop is not None:
+                block_shape = (b, h, rows.stop - rows.start, m.keys)
+                states.append(KeptDrops(pack_bits(m.drop.expand(block_shape)), m.keys, m.uniform))
+            else:
+                states.append(m.state)
             if call.dropout_p > 0:  # sdpa's dropout draws, replayed in the backward
                 rng_states.append(_get_rng_state(q.device))
             k_keys, v_keys = k[:, :, : m.keys], v[:, :, : m.keys]

@@ -197,3 +197,27 @@ def ad_drop_masks(
     """AD-DROP's boolean drop mask for one attention map: candidates, then Bernoulli(q) drops."""
     region = candidate_region(attribution, valid, p)
     return sample_drops(region, q, valid, attribution, generator)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool ``(..., n)`` as uint8 ``(..., ceil(n / 8))``: bit i of byte j is ``mask[..., 8 j + i]``.
+
+    Shifts and ors on 64-bit words, an eighth as many as the mask has elements (no multiply, so no
+    overflow), the same on every device."""
+    n = mask.shape[-1]
+    if n % 8:
+        mask = torch.cat([mask, mask.new_zeros(mask.shape[:-1] + (8 - n % 8,))], dim=-1)
+    words = mask.contiguous().view(torch.uint8).view(torch.int64)  # byte i of a word: element i (0 or 1)
+    words = words | (words >> 7)  # byte i: elements i, i + 1 in bits 0, 1
+    words = words | (words >> 14)  # bits 0-3: elements i .. i + 3
+    words = words | (words >> 28)  # byte 0: the word's eight elements
+    return (words & 0xFF).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The bool ``(..., n)`` that :func:`pack_bits` packed."""
+    words = packed.to(torch.int64)
+    words = (words | (words << 28)) & 0x0000000F0000000F  # bits 4-7 to the upper half
+    words = (words | (words << 14)) & 0x0003000300030003
+    words = (words | (words << 7)) & 0x0101010101010101  # bit i in byte i
+    return words.view(torch.uint8).view(torch.bool)[..., :n]

@@ -463,3 +463,42 @@ def test_a_blockwise_call_makes_its_drops_from_the_sites_seed_alone(small_blocks
         out, _, _ = attention_kernel(q, k, v, None, 0.0, None, False, AttentionCall(hook, recompute, seed))
         outs.append(out)
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("rule", ["coins", "gradient-region"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1], ids=["lse-backward", "recompute-backward"])
+def test_drops_kept_as_bits_give_the_backward_the_same_drops(rule, dropout_p, small_blocks, monkeypatch):
+    """Kept as bits (the default at these sizes) or made again by the rule (past the budget), a
+    blockwise call's output and every gradient are the same bits; kept, the backward never
+    evaluates the rule."""
+    from attn_reg_plugin.core.attention import AttentionCall, attention_kernel
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
+    if rule == "coins":
+        drop = BernoulliRule(torch.tensor(0.4))
+    else:
+        drop = TopRegionRule(GradientScores(torch.randn(2, 2, 6, 4, generator=g), v.detach()), 0.5, 0.5)
+    call = AttentionCall(EditScores(drop=drop), False, 21)
+    again_calls = []  # the backward's evaluations of the rule
+    rule_drops = blockwise._rule_drops
+
+    def counted(*args):
+        again_calls.extend([] if args[-1] else [1])  # args[-1]: fresh_state, the forward's evaluation
+        return rule_drops(*args)
+
+    monkeypatch.setattr(blockwise, "_rule_drops", counted)
+
+    def step():
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        torch.manual_seed(0)
+        out, _, _ = attention_kernel(*leaves, _valid("padding", 2, 6), dropout_p, None, False, call)
+        return [out, *torch.autograd.grad(out.square().sum(), leaves)]
+
+    kept = step()
+    assert again_calls == []
+    monkeypatch.setattr(blockwise, "KEPT_DROPS_FACTOR", 0)
+    made_again = step()
+    assert len(again_calls) == 3  # one per block of 2 rows
+    for a, b in zip(kept, made_again):
+        assert torch.equal(a, b)

@@ -22,7 +22,9 @@ from attn_reg_plugin.core.masks import (
     ceil_of_product,
     keep_one_valid_key,
     mask_fill_value,
+    pack_bits,
     sample_drops,
+    unpack_bits,
 )
 from helpers import FLOAT_DTYPES, site_with_hook
 
@@ -390,3 +392,22 @@ def test_property_ad_drop_masks(case):
     assert torch.isfinite(fused).all()
     (out.float().sum() + fused.float().square().sum()).backward()  # both paths, backward too
     assert all(torch.isfinite(t.grad).all() for t in (q_, k_, v_))
+
+
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=0, max_size=3),
+    n=st.integers(1, 70),
+    density=st.floats(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_packed_bits_unpack_to_the_mask_and_take_an_eighth(shape, n, density, seed):
+    mask = torch.rand((*shape, n), generator=torch.Generator().manual_seed(seed)) < density
+    packed = pack_bits(mask)
+    assert packed.dtype == torch.uint8 and packed.shape == (*shape, -(-n // 8))
+    assert torch.equal(unpack_bits(packed, n), mask)
+
+
+def test_packed_bits_are_little_endian_per_byte():
+    mask = torch.zeros(2, 16, dtype=torch.bool)
+    mask[0, 3] = mask[0, 9] = mask[1, 7] = mask[1, 8] = True
+    assert pack_bits(mask).tolist() == [[8, 2], [128, 1]]
