@@ -465,20 +465,16 @@ def test_a_blockwise_call_makes_its_drops_from_the_sites_seed_alone(small_blocks
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("rule", ["coins", "gradient-region"])
-@pytest.mark.parametrize("dropout_p", [0.0, 0.1], ids=["lse-backward", "recompute-backward"])
-def test_drops_kept_as_bits_give_the_backward_the_same_drops(rule, dropout_p, small_blocks, monkeypatch):
-    """Kept as bits (the default at these sizes) or made again by the rule (past the budget), a
-    blockwise call's output and every gradient are the same bits; kept, the backward never
-    evaluates the rule."""
+def _kept_against_made_again(rule, dropout_p, monkeypatch, device="cpu", dtype=torch.float32):
     from attn_reg_plugin.core.attention import AttentionCall, attention_kernel
 
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g).to(device, dtype) for _ in range(3))
     if rule == "coins":
-        drop = BernoulliRule(torch.tensor(0.4))
+        drop = BernoulliRule(torch.tensor(0.4, device=device))
     else:
-        drop = TopRegionRule(GradientScores(torch.randn(2, 2, 6, 4, generator=g), v.detach()), 0.5, 0.5)
+        scores = GradientScores(torch.randn(2, 2, 6, 4, generator=g).to(device), v.detach())
+        drop = TopRegionRule(scores, 0.5, 0.5)
     call = AttentionCall(EditScores(drop=drop), False, 21)
     again_calls = []  # the backward's evaluations of the rule
     rule_drops = blockwise._rule_drops
@@ -492,8 +488,9 @@ def test_drops_kept_as_bits_give_the_backward_the_same_drops(rule, dropout_p, sm
     def step():
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         torch.manual_seed(0)
-        out, _, _ = attention_kernel(*leaves, _valid("padding", 2, 6), dropout_p, None, False, call)
-        return [out, *torch.autograd.grad(out.square().sum(), leaves)]
+        bias = _valid("padding", 2, 6).to(device)
+        out, _, _ = attention_kernel(*leaves, bias, dropout_p, None, False, call)
+        return [out, *torch.autograd.grad(out.float().square().sum(), leaves)]
 
     kept = step()
     assert again_calls == []
@@ -502,3 +499,20 @@ def test_drops_kept_as_bits_give_the_backward_the_same_drops(rule, dropout_p, sm
     assert len(again_calls) == 3  # one per block of 2 rows
     for a, b in zip(kept, made_again):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rule", ["coins", "gradient-region"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1], ids=["lse-backward", "recompute-backward"])
+def test_drops_kept_as_bits_give_the_backward_the_same_drops(rule, dropout_p, small_blocks, monkeypatch):
+    """Kept as bits (the default at these sizes) or made again by the rule (past the budget), a
+    blockwise call's output and every gradient are the same bits; kept, the backward never
+    evaluates the rule."""
+    _kept_against_made_again(rule, dropout_p, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rule", ["coins", "gradient-region"])
+def test_drops_kept_as_bits_on_cuda_give_the_backward_the_same_drops(rule, dtype, small_blocks, monkeypatch):
+    _kept_against_made_again(rule, 0.0, monkeypatch, device="cuda", dtype=dtype)
