@@ -60,9 +60,22 @@ def call_of(site: Optional[AttentionSite]) -> AttentionCall:
         return ORDINARY if site.hook is None else AttentionCall(site.hook)
     if site.hook is not None:
         return AttentionCall(site.hook, recomputing(), site.seed)
-    if site.ended_pass is not None and recomputing():
-        return AttentionCall(site.ended_pass[0], True, site.ended_pass[1])
+    if site.ended_pass is not None:
+        if recomputing():
+            return AttentionCall(site.ended_pass[0], True, site.ended_pass[1])
+        if checkpointed_forward():
+            raise RuntimeError(
+                f"attention site {site} ran an ordinary forward inside an activation checkpoint after a pass "
+                "ended in the same training step: its recompute could not tell it from the pass's forwards. "
+                "End the training step (`controller.training_step()`) before the next step's forward"
+            )
     return ORDINARY
+
+
+def checkpointed_forward() -> bool:
+    """Whether this forward will be recomputed by an activation checkpoint: a reentrant one runs it
+    without autograd, a non-reentrant one under saved-tensor hooks."""
+    return not torch.is_grad_enabled() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 def hand_over(hook: Hook, site: AttentionSite, captured: Captured) -> None:
@@ -95,7 +108,7 @@ def refuse_unrecomputable(hook: Hook, site: AttentionSite) -> None:
     edits = isinstance(hook, EditScores) and (hook.drop is not None or hook.uniform_rows is not None)
     if not (edits or (isinstance(hook, CaptureProbs) and hook.alpha != 1.0)):
         return  # what the call computes is ordinary attention's output: a recompute may run ordinary
-    if not torch.is_grad_enabled() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    if checkpointed_forward():
         raise RuntimeError(
             f"attention site {site} ran a regularized forward inside an activation checkpoint (or without "
             "autograd under a pass begun with it), and its pass ends before the backward that recomputes it: "

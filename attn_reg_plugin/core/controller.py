@@ -135,7 +135,7 @@ class AttentionSite:
     same site (the forward, its backward, an activation-checkpoint recompute) makes the same drops.
     ``ended_pass``: inside a training step, the (hook, seed) of the last pass that ended on the site,
     which a checkpointed layer recomputed in the step's backward repeats; cleared when the step
-    ends. ``through_backward``: the pass runs inside a training step, or began without autograd
+    ends or another pass of the controller begins. ``through_backward``: the pass runs inside a training step, or began without autograd
     (no backward follows), so a checkpointed forward under it will find it when recomputed.
     """
 
@@ -267,8 +267,8 @@ class RegularizationController:
         """Set ``site.hook`` for the sites given, for the duration of one pass.
 
         Inside :meth:`training_step` each site keeps the pass as its ``ended_pass`` when it ends,
-        until the step ends: a checkpointed layer recomputed in the backward repeats it (same hook,
-        same seed, same drops), while forwards after the pass see it no more. When some edit draws
+        until the step or the next pass begins: a checkpointed layer recomputed in the backward
+        repeats it (same hook, same seed, same drops), while forwards after the pass see it no more. When some edit draws
         random numbers, the pass takes one seed from torch's global generator and each site a seed
         keyed by it and the site.
         """
@@ -276,6 +276,9 @@ class RegularizationController:
         draws = any(isinstance(h, EditScores) and h.draws for h in assignment.values())
         pass_seed = call_seed() if draws else None
         through_backward = self._held is not None or not torch.is_grad_enabled()
+        for site in (*self.sites, *assignment):
+            # A pass that began after it: what is recomputed from now on ran under this pass or none.
+            site.ended_pass = None
         try:
             for site, hook in assignment.items():
                 site.hook = hook

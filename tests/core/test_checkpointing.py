@@ -102,3 +102,24 @@ def test_pausing_restores_both_conventions():
         assert wrapped.forward is original
     assert [b.gradient_checkpointing for b in model.blocks] == [True, True]
     assert wrapped.forward() == "checkpointed"
+
+
+def test_inside_a_step_a_new_pass_forgets_the_ended_one_and_a_checkpointed_plain_forward_is_refused():
+    """An ended pass is what the step's backward recomputes, until another pass of the controller
+    begins (IGA's per-layer passes, AD-DROP's pass 2 after pass 1). A checkpointed ordinary forward
+    after it in the same step could not be told from the pass's forwards: refused, not recomputed
+    with the pass's drops."""
+    model = _model(checkpointed=True)
+    first, second = model.controller.sites
+    x = torch.randn(B, T, D, requires_grad=True)
+    edit = EditScores(drop=BernoulliRule(torch.tensor(0.3)))
+    with model.controller.training_step():
+        with model.controller.hooks({first: edit}):
+            pass
+        assert first.ended_pass[0] is edit
+        with model.controller.hooks({second: edit}):
+            assert first.ended_pass is None
+        assert second.ended_pass[0] is edit
+        with pytest.raises(RuntimeError, match=r"encoder-self\[1\] ran an ordinary forward inside an activation"):
+            model(x)
+    model(x).sum().backward()  # the step over, the same forward is ordinary and recomputes as such
