@@ -5,6 +5,7 @@ split, and AD-DROP's region is each row's exact top ceil(p n) by attribution.
 Blocks are forced at tiny sizes by shrinking the budget (``small_blocks``)."""
 
 import functools
+import math
 
 import pytest
 import torch
@@ -516,3 +517,24 @@ def test_drops_kept_as_bits_give_the_backward_the_same_drops(rule, dropout_p, sm
 @pytest.mark.parametrize("rule", ["coins", "gradient-region"])
 def test_drops_kept_as_bits_on_cuda_give_the_backward_the_same_drops(rule, dtype, small_blocks, monkeypatch):
     _kept_against_made_again(rule, 0.0, monkeypatch, device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_rows_kth_largest_is_the_same_from_numpy_and_from_topk(seed, monkeypatch):
+    """The CPU's numpy selection and torch.topk (CUDA, torch.compile) give each row's k-th largest
+    score, ties and invalid (-inf) keys included, with one k for the block or one per row."""
+    g = torch.Generator().manual_seed(seed)
+    rows, keys = 2 + seed, 5 + 7 * seed
+    scores = torch.randint(0, 4, (2, rows, keys), generator=g).float()  # many ties
+    scores[torch.rand(scores.shape, generator=g) < 0.3] = -math.inf
+    per_row = torch.randint(1, keys + 1, (2, rows, 1), generator=g)
+    for k in (per_row, per_row[:1, :1]):
+        from_numpy = block_rules.kth_largest(scores, k)
+        want = torch.stack([
+            torch.sort(row, descending=True).values[int(kk) - 1]
+            for row, kk in zip(scores.reshape(-1, keys), k.expand(2, rows, 1).reshape(-1))
+        ]).view(2, rows, 1)  # fmt: skip
+        with monkeypatch.context() as patched:
+            patched.setattr(block_rules, "_numpy", None)
+            from_topk = block_rules.kth_largest(scores, k)
+        assert torch.equal(from_numpy, want) and torch.equal(from_topk, want)
