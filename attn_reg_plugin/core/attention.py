@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .attention_call import ORDINARY, AttentionCall, Captured, call_of, hand_over, refuse_unrecomputable  # noqa: F401
+from .attention_call import ORDINARY, AttentionCall, Captured, call_of, count_for_the_pass, hand_over  # noqa: F401
 from .block_rules import AttentionScores, call_seed, rule_of
 from .blockwise import BlockCall, blockwise_attention, blockwise_rows
 
@@ -136,8 +136,8 @@ def attend(
     A query row with no valid key attends to nothing: its output (and map row) is 0.
     """
     call = call_of(site)
-    if call.hook is not None and not call.recompute and not site.through_backward:
-        refuse_unrecomputable(call.hook, site)
+    if call.hook is not None:
+        count_for_the_pass(call, site)
     out, weights, captured = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, call)
     if captured is not None:
         hand_over(call.hook, site, captured)

@@ -8,6 +8,7 @@ controller writes sites (:mod:`.controller`); nothing here or in the kernel does
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -15,7 +16,7 @@ import torch
 
 from .block_rules import AttentionScores
 from .checkpointing import recomputing
-from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores, Hook
+from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores, Hook, PassLedger, changes_output
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class AttentionCall:
     hook: Optional[Hook] = None
     recompute: bool = False
     seed: Optional[int] = None
+    ledger: Optional[PassLedger] = None  # the pass's counts (attend's, not the kernel's)
 
 
 ORDINARY = AttentionCall()
@@ -59,10 +61,11 @@ def call_of(site: Optional[AttentionSite]) -> AttentionCall:
         # reading the per-pass seed would be a guard on its value, a recompile every step.
         return ORDINARY if site.hook is None else AttentionCall(site.hook)
     if site.hook is not None:
-        return AttentionCall(site.hook, recomputing(), site.seed)
+        return AttentionCall(site.hook, recomputing(), site.seed, site.ledger)
     if site.ended_pass is not None:
         if recomputing():
-            return AttentionCall(site.ended_pass[0], True, site.ended_pass[1])
+            hook, seed, ledger = site.ended_pass
+            return AttentionCall(hook, True, seed, ledger)
         if checkpointed_forward():
             raise RuntimeError(
                 f"attention site {site} ran an ordinary forward inside an activation checkpoint after a pass "
@@ -73,9 +76,24 @@ def call_of(site: Optional[AttentionSite]) -> AttentionCall:
 
 
 def checkpointed_forward() -> bool:
-    """Whether this forward will be recomputed by an activation checkpoint: a reentrant one runs it
-    without autograd, a non-reentrant one under saved-tensor hooks."""
-    return not torch.is_grad_enabled() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    """Whether this forward runs inside an activation checkpoint that will recompute it: a
+    non-reentrant one (torch's saved-tensor hooks of a checkpoint; offloading hooks such as
+    ``save_on_cpu`` are not one) or a reentrant one (without autograd, inside a ``CheckpointFunction``:
+    torch's, fairseq's and DeepSpeed's are named so)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and "checkpoint" in getattr(hooks[0], "__qualname__", ""):
+        return True
+    if torch.is_grad_enabled():
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if getattr(code, "co_qualname", "").endswith("CheckpointFunction.forward") or (
+            code.co_name == "forward" and "checkpoint" in code.co_filename.rsplit("/", 1)[-1]
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def hand_over(hook: Hook, site: AttentionSite, captured: Captured) -> None:
@@ -100,19 +118,23 @@ def hand_over(hook: Hook, site: AttentionSite, captured: Captured) -> None:
 
 
 def refuse_unrecomputable(hook: Hook, site: AttentionSite) -> None:
-    """A forward that an activation checkpoint will recompute in the backward (reentrant: it runs
-    without autograd; non-reentrant: saved-tensor hooks are set), under a pass that will have ended
-    by then, would be recomputed as ordinary attention: refused, before any gradient is wrong."""
-    if torch.compiler.is_compiling():
+    """Refuse a checkpointed regularized forward outside a training step: its pass may end before
+    the backward that recomputes it, which would then run ordinary attention."""
+    raise RuntimeError(
+        f"attention site {site} ran a regularized forward inside an activation checkpoint outside a "
+        "training step, so its pass may end before the backward that recomputes it: run the forward and "
+        "its backward inside `with controller.training_step():` (the plugin's trainers do)"
+    )
+
+
+def count_for_the_pass(call: AttentionCall, site: AttentionSite) -> None:
+    """A regularized call's part in its pass's ledger: a recompute, or a forward that a checkpoint will
+    recompute (refused outside a training step, where the pass may end before its backward)."""
+    if torch.compiler.is_compiling() or call.ledger is None:
         return
-    edits = isinstance(hook, EditScores) and (hook.drop is not None or hook.uniform_rows is not None)
-    if not (edits or (isinstance(hook, CaptureProbs) and hook.alpha != 1.0)):
-        return  # what the call computes is ordinary attention's output: a recompute may run ordinary
-    if checkpointed_forward():
-        raise RuntimeError(
-            f"attention site {site} ran a regularized forward inside an activation checkpoint (or without "
-            "autograd under a pass begun with it), and its pass ends before the backward that recomputes it: "
-            "run the forward and its backward inside `with controller.training_step():` (the plugin's "
-            "trainers do), or back-propagate inside the pass; a forward meant without autograd begins its "
-            "pass under torch.no_grad()"
-        )
+    if call.recompute:
+        call.ledger.recomputed += 1
+    elif changes_output(call.hook) and checkpointed_forward():
+        if not site.through_backward:
+            refuse_unrecomputable(call.hook, site)
+        call.ledger.checkpointed += 1

@@ -109,6 +109,15 @@ class EditScores:
 Hook = Union[CaptureOutput, CaptureProbs, EditScores]
 
 
+def changes_output(hook: Optional[Hook]) -> bool:
+    """Whether a call under ``hook`` computes something else than ordinary attention: an edit that
+    drops or makes rows uniform, or a map scaled for integrated gradients. Only such a pass must be
+    repeated by a checkpoint's recompute (a capture's gradient is taken inside its pass)."""
+    if isinstance(hook, EditScores):
+        return hook.drop is not None or hook.uniform_rows is not None
+    return isinstance(hook, CaptureProbs) and hook.alpha != 1.0
+
+
 @dataclass(frozen=True)
 class ResolvedEdit:
     """An :class:`EditScores` as one call applies it: ``drop`` (bool, True = key removed) and
@@ -125,6 +134,25 @@ def zero_counts() -> List[torch.Tensor]:
 
 # -- sites ------------------------------------------------------------------------------------
 @dataclass(eq=False)
+class PassLedger:
+    """What :func:`~attn_reg_plugin.core.attention.attend` counts for one pass inside a training
+    step: its forward calls that an activation checkpoint will recompute, and the recomputes. A
+    pass whose checkpointed calls were not all recomputed when the next pass or the step ends was
+    not back-propagated in time, and would be recomputed with another pass's drops or none."""
+
+    checkpointed: int = 0
+    recomputed: int = 0
+
+    def check(self, when: str) -> None:
+        if self.recomputed < self.checkpointed:
+            raise RuntimeError(
+                f"{self.checkpointed - self.recomputed} activation-checkpointed regularized attention calls were "
+                f"not back-propagated before {when}: their recompute would repeat another pass's drops, or none. "
+                "Back-propagate each regularized pass's loss inside the training step and before the next pass"
+            )
+
+
+@dataclass(eq=False)
 class AttentionSite:
     """One attention module: its kind, its 0-based layer, and what the current pass does on it.
 
@@ -133,10 +161,11 @@ class AttentionSite:
     nothing else: the kernel only reads them. ``seed`` keys the counter-based random numbers of a
     drop rule split into blocks (:mod:`.block_rules`), so every evaluation of the same pass on the
     same site (the forward, its backward, an activation-checkpoint recompute) makes the same drops.
-    ``ended_pass``: inside a training step, the (hook, seed) of the last pass that ended on the site,
+    ``ledger``: the pass's :class:`PassLedger`. ``ended_pass``: inside a training step, the (hook,
+    seed, ledger) of the last pass that ended on the site,
     which a checkpointed layer recomputed in the step's backward repeats; cleared when the step
-    ends or another pass of the controller begins. ``through_backward``: the pass runs inside a training step, or began without autograd
-    (no backward follows), so a checkpointed forward under it will find it when recomputed.
+    ends or another pass of the controller begins. ``through_backward``: the pass runs inside a training step, so a checkpointed forward under it
+    will find it when recomputed.
     """
 
     kind: str
@@ -144,10 +173,16 @@ class AttentionSite:
     hook: Optional[Hook] = None
     seed: Optional[int] = None
     through_backward: bool = False
-    ended_pass: Optional[Tuple[Hook, Optional[int]]] = None
+    ledger: Optional[PassLedger] = None
+    ended_pass: Optional[Tuple[Hook, Optional[int], PassLedger]] = None
 
     def __repr__(self) -> str:  # readable in error messages
         return f"{self.kind}[{self.layer}]"
+
+    def __deepcopy__(self, memo) -> AttentionSite:
+        # A copy of a model (an EMA, a teacher, a snapshot) taken during a pass gets sites of the
+        # same kind and layer, with no pass on them.
+        return AttentionSite(self.kind, self.layer)
 
 
 def parse_layers(spec: Union[str, Sequence[int], None], option: str) -> Optional[List[int]]:
@@ -272,10 +307,20 @@ class RegularizationController:
         random numbers, the pass takes one seed from torch's global generator and each site a seed
         keyed by it and the site.
         """
-        previous = {site: (site.hook, site.seed, site.through_backward) for site in assignment}
+        nested = [s for s, h in assignment.items() if changes_output(h) and changes_output(s.hook)]
+        if nested:
+            raise RuntimeError(
+                f"a regularized pass began on {nested[0]} inside another one on the same site: a recompute in "
+                "the backward could not tell which to repeat. Run one regularized pass per site at a time"
+            )
+        for site in self.sites:
+            if site.ended_pass is not None:
+                site.ended_pass[2].check("the next regularized pass began")
+        previous = {site: (site.hook, site.seed, site.through_backward, site.ledger) for site in assignment}
+        ledger = PassLedger()
         draws = any(isinstance(h, EditScores) and h.draws for h in assignment.values())
         pass_seed = call_seed() if draws else None
-        through_backward = self._held is not None or not torch.is_grad_enabled()
+        through_backward = self._held is not None
         for site in (*self.sites, *assignment):
             # A pass that began after it: what is recomputed from now on ran under this pass or none.
             site.ended_pass = None
@@ -284,13 +329,14 @@ class RegularizationController:
                 site.hook = hook
                 site.seed = None if pass_seed is None else key_seed(pass_seed, _site_key(site))
                 site.through_backward = through_backward
+                site.ledger = ledger
             yield
         finally:
-            for site, (hook, seed, through) in previous.items():
-                if self._held is not None and site.hook is not None:
-                    site.ended_pass = (site.hook, site.seed)
+            for site, (hook, seed, through, ledger_before) in previous.items():
+                if self._held is not None and changes_output(site.hook):
+                    site.ended_pass = (site.hook, site.seed, site.ledger)
                     self._held.add(site)
-                site.hook, site.seed, site.through_backward = hook, seed, through
+                site.hook, site.seed, site.through_backward, site.ledger = hook, seed, through, ledger_before
 
     @contextlib.contextmanager
     def training_step(self) -> Iterator[None]:
@@ -303,12 +349,20 @@ class RegularizationController:
             yield
             return
         self._held = set()
+        # A pass begun before the step (and set on its sites) stays until the step's backward too.
+        begun_before = [s for s in self.sites if s.hook is not None and not s.through_backward]
+        for site in begun_before:
+            site.through_backward = True
         try:
             yield
+            for ledger in {id(s.ended_pass[2]): s.ended_pass[2] for s in self._held if s.ended_pass}.values():
+                ledger.check("the training step ended")
         finally:
             held, self._held = self._held, None
             for site in held:
                 site.ended_pass = None
+            for site in begun_before:
+                site.through_backward = False
 
 
 def _site_key(site: AttentionSite) -> int:

@@ -205,9 +205,11 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     Shifts and ors on 64-bit words, an eighth as many as the mask has elements (no multiply, so no
     overflow), the same on every device."""
     n = mask.shape[-1]
-    if n % 8:
+    if n % 8 or n == 0:
         mask = torch.cat([mask, mask.new_zeros(mask.shape[:-1] + (8 - n % 8,))], dim=-1)
-    words = mask.contiguous().view(torch.uint8).view(torch.int64)  # byte i of a word: element i (0 or 1)
+    elif not mask.is_contiguous() or mask.storage_offset() % 8:
+        mask = mask.clone(memory_format=torch.contiguous_format)  # 64-bit words must start aligned
+    words = mask.view(torch.uint8).view(torch.int64)  # byte i of a word: element i (0 or 1)
     words = words | (words >> 7)  # byte i: elements i, i + 1 in bits 0, 1
     words = words | (words >> 14)  # bits 0-3: elements i .. i + 3
     words = words | (words >> 28)  # byte 0: the word's eight elements

@@ -123,3 +123,83 @@ def test_inside_a_step_a_new_pass_forgets_the_ended_one_and_a_checkpointed_plain
         with pytest.raises(RuntimeError, match=r"encoder-self\[1\] ran an ordinary forward inside an activation"):
             model(x)
     model(x).sum().backward()  # the step over, the same forward is ordinary and recomputes as such
+
+
+def _edits(model, p=0.3):
+    return {s: EditScores(drop=BernoulliRule(torch.tensor(p))) for s in model.controller.sites}
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_skipped_ad_drop_step_trains_plainly_under_checkpointing(reentrant):
+    """A non-finite attribution target skips the masks: the checkpointed step is the plain one (pass 1's
+    captures leave nothing for the backward to repeat)."""
+
+    def step(checkpointed):
+        model = _model(checkpointed=checkpointed)
+        for block in model.blocks:
+            block.forward = functools.partial(CoreBlock.forward, block, reentrant=reentrant)
+        x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        ad_drop = ADDrop(ADDropConfig(p=0.5, q=0.5, schedule="always"), model.controller)
+        overflow = lambda out, labels: (out.sum() * float("inf"), labels)  # noqa: E731
+        torch.manual_seed(0)
+        with model.controller.training_step():
+            with ad_drop.masked(lambda: model(x), overflow, frozen=model) as stats:
+                loss = model(x).sum()
+            loss.backward()
+        return int(stats["skipped"]), loss.detach(), [p.grad for p in model.parameters()]
+
+    plain, checkpointed = step(False), step(True)
+    assert plain[0] == checkpointed[0] == 1 and torch.equal(plain[1], checkpointed[1])
+    assert all(torch.equal(a, b) for a, b in zip(plain[2], checkpointed[2]))
+
+
+def test_passes_not_back_propagated_in_their_step_are_refused_and_others_are_not():
+    """Two checkpointed regularized passes back-propagated together, or a backward after the step,
+    would be recomputed with the wrong pass or none: refused. Back-propagated in turn, they train."""
+    model = _model(checkpointed=True)
+    x = torch.randn(B, T, D, requires_grad=True)
+    c = model.controller
+    with pytest.raises(RuntimeError, match="not back-propagated before the next regularized pass began"):
+        with c.training_step():
+            with c.hooks(_edits(model)):
+                first = model(x).sum()
+            with c.hooks(_edits(model)):
+                (first + model(x).sum()).backward()
+    with pytest.raises(RuntimeError, match="not back-propagated before the training step ended"):
+        with c.training_step(), c.hooks(_edits(model)):
+            model(x).sum()
+    with c.training_step():
+        for _ in range(2):  # micro-batches, each back-propagated
+            with c.hooks(_edits(model)):
+                loss = model(x).sum()
+            loss.backward()
+    assert all(s.ended_pass is None and s.ledger is None for s in c.sites)
+
+
+def test_what_is_not_a_checkpoint_is_not_refused():
+    """An evaluation without autograd inside a step, and saved-tensor hooks that offload rather than
+    checkpoint, are no recompute: nothing is refused."""
+    model = _model(checkpointed=False)
+    x = torch.randn(B, T, D, requires_grad=True)
+    c = model.controller
+    with c.training_step():
+        with c.hooks(_edits(model)):
+            loss = model(x).sum()
+        with torch.no_grad():
+            model(x)
+        loss.backward()
+    with torch.autograd.graph.save_on_cpu(), c.hooks(_edits(model)):
+        model(x).sum().backward()
+
+
+def test_a_copy_of_a_site_carries_no_pass_and_passes_do_not_nest_on_a_site():
+    import copy
+
+    model = _model()
+    c = model.controller
+    with c.hooks(_edits(model)):
+        copied = copy.deepcopy(c.sites[0])
+        assert (copied.kind, copied.layer, copied.hook, copied.seed) == ("encoder-self", 0, None, None)
+        with pytest.raises(RuntimeError, match=r"began on encoder-self\[0\] inside another one"):
+            with c.hooks({c.sites[0]: EditScores(drop=BernoulliRule(torch.tensor(0.1)))}):
+                pass
