@@ -203,7 +203,8 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """A bool ``(..., n)`` as uint8 ``(..., ceil(n / 8))``: bit i of byte j is ``mask[..., 8 j + i]``.
 
     Shifts and ors on 64-bit words, an eighth as many as the mask has elements (no multiply, so no
-    overflow), the same on every device."""
+    overflow), the same on every device. Its bytes are taken as they are: 0 or 1, as every torch
+    operation makes a bool tensor (a bool viewed from other bytes is not one)."""
     n = mask.shape[-1]
     if n % 8 or n == 0:
         mask = torch.cat([mask, mask.new_zeros(mask.shape[:-1] + (8 - n % 8,))], dim=-1)
