@@ -538,3 +538,5 @@ def test_each_rows_kth_largest_is_the_same_from_numpy_and_from_topk(seed, monkey
             patched.setattr(block_rules, "_numpy", None)
             from_topk = block_rules.kth_largest(scores, k)
         assert torch.equal(from_numpy, want) and torch.equal(from_topk, want)
+    in_bf16 = block_rules.kth_largest(scores.bfloat16(), per_row)  # numpy has no bfloat16: topk's path
+    assert torch.equal(in_bf16, block_rules.kth_largest(scores, per_row).bfloat16())
