@@ -117,7 +117,7 @@ def hand_over(hook: Hook, site: AttentionSite, captured: Captured) -> None:
             hook.calls[1] = hook.calls[1] + 1
 
 
-def refuse_unrecomputable(hook: Hook, site: AttentionSite) -> None:
+def refuse_unrecomputable(site: AttentionSite) -> None:
     """Refuse a checkpointed regularized forward outside a training step: its pass may end before
     the backward that recomputes it, which would then run ordinary attention."""
     raise RuntimeError(
@@ -136,5 +136,5 @@ def count_for_the_pass(call: AttentionCall, site: AttentionSite) -> None:
         call.ledger.recomputed += 1
     elif changes_output(call.hook) and checkpointed_forward():
         if not site.through_backward:
-            refuse_unrecomputable(call.hook, site)
+            refuse_unrecomputable(site)
         call.ledger.checkpointed += 1

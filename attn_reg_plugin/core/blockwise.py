@@ -80,8 +80,8 @@ def _keeps_drops(q: torch.Tensor, k: torch.Tensor, rule: Optional[BlockRule]) ->
     """Whether a call keeps its blocks' drops as bits rather than making them again in the backward."""
     if rule is None or isinstance(rule, block_rules.DenseRule):  # a dense mask is sliced again for free
         return False
-    b, h, t, d = q.shape
-    return b * h * t * k.shape[2] // 8 <= KEPT_DROPS_FACTOR * q.numel() * q.element_size()
+    bits = math.prod(q.shape[:3]) * k.shape[2]  # one per (sample, head, query, key)
+    return bits // 8 <= KEPT_DROPS_FACTOR * q.numel() * q.element_size()
 
 
 class BlockMasks(NamedTuple):

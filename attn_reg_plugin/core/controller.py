@@ -156,16 +156,16 @@ class PassLedger:
 class AttentionSite:
     """One attention module: its kind, its 0-based layer, and what the current pass does on it.
 
-    ``hook``, ``seed``, ``through_backward`` and ``ended_pass`` are set by the controller
-    (:meth:`RegularizationController.hooks`, :meth:`RegularizationController.training_step`) and by
-    nothing else: the kernel only reads them. ``seed`` keys the counter-based random numbers of a
-    drop rule split into blocks (:mod:`.block_rules`), so every evaluation of the same pass on the
-    same site (the forward, its backward, an activation-checkpoint recompute) makes the same drops.
-    ``ledger``: the pass's :class:`PassLedger`. ``ended_pass``: inside a training step, the (hook,
-    seed, ledger) of the last pass that ended on the site,
-    which a checkpointed layer recomputed in the step's backward repeats; cleared when the step
-    ends or another pass of the controller begins. ``through_backward``: the pass runs inside a training step, so a checkpointed forward under it
-    will find it when recomputed.
+    ``hook``, ``seed``, ``through_backward``, ``ledger`` and ``ended_pass`` are set by the
+    controller (:meth:`RegularizationController.hooks`, :meth:`RegularizationController.training_step`)
+    and by nothing else: the kernel only reads them. ``seed`` keys the counter-based random numbers
+    of a drop rule split into blocks (:mod:`.block_rules`), so every evaluation of the same pass on
+    the same site (the forward, its backward, an activation-checkpoint recompute) makes the same
+    drops. ``through_backward``: the pass runs inside a training step, so a checkpointed forward
+    under it will find it when recomputed. ``ledger``: the pass's :class:`PassLedger`.
+    ``ended_pass``: inside a training step, the (hook, seed, ledger) of the last pass that ended on
+    the site, which a checkpointed layer recomputed in the step's backward repeats; cleared when the
+    step ends or another pass of the controller begins.
     """
 
     kind: str
@@ -302,10 +302,10 @@ class RegularizationController:
         """Set ``site.hook`` for the sites given, for the duration of one pass.
 
         Inside :meth:`training_step` each site keeps the pass as its ``ended_pass`` when it ends,
-        until the step or the next pass begins: a checkpointed layer recomputed in the backward
-        repeats it (same hook, same seed, same drops), while forwards after the pass see it no more. When some edit draws
-        random numbers, the pass takes one seed from torch's global generator and each site a seed
-        keyed by it and the site.
+        until the step ends or the next pass begins: a checkpointed layer recomputed in the backward
+        repeats it (same hook, same seed, same drops), while forwards after the pass see it no more.
+        When some edit draws random numbers, the pass takes one seed from torch's global generator
+        and each site a seed keyed by it and the site.
         """
         nested = [s for s, h in assignment.items() if changes_output(h) and changes_output(s.hook)]
         if nested:
@@ -313,17 +313,17 @@ class RegularizationController:
                 f"a regularized pass began on {nested[0]} inside another one on the same site: a recompute in "
                 "the backward could not tell which to repeat. Run one regularized pass per site at a time"
             )
-        for site in self.sites:
+        for site in (*self.sites, *assignment):
+            # A pass that began after it: what is recomputed from now on ran under this pass or none,
+            # so the ended pass must have been back-propagated already.
             if site.ended_pass is not None:
                 site.ended_pass[2].check("the next regularized pass began")
+                site.ended_pass = None
         previous = {site: (site.hook, site.seed, site.through_backward, site.ledger) for site in assignment}
         ledger = PassLedger()
         draws = any(isinstance(h, EditScores) and h.draws for h in assignment.values())
         pass_seed = call_seed() if draws else None
         through_backward = self._held is not None
-        for site in (*self.sites, *assignment):
-            # A pass that began after it: what is recomputed from now on ran under this pass or none.
-            site.ended_pass = None
         try:
             for site, hook in assignment.items():
                 site.hook = hook

@@ -176,7 +176,7 @@ def test_checkpointing_with_the_pass_ended_before_the_backward_would_differ(tmp_
 
     loss, grads, _ = one_step("bert", "ad-drop-ga", None, tmp_path)
     monkeypatch.setattr(RegularizationController, "training_step", lambda self: contextlib.nullcontext())
-    monkeypatch.setattr(attention_call, "refuse_unrecomputable", lambda hook, site: None)
+    monkeypatch.setattr(attention_call, "refuse_unrecomputable", lambda site: None)
     _, grads_ck, _ = one_step("bert", "ad-drop-ga", "reentrant", tmp_path)
     distance = sum(float((a - b).pow(2).sum()) for a, b in zip(grads_ck, grads)) ** 0.5
     assert distance / sum(float(g.pow(2).sum()) for g in grads) ** 0.5 > 1e-3
