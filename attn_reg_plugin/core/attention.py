@@ -42,7 +42,15 @@ from .controller import (  # noqa: F401
     Hook,
     zero_counts,
 )
-from .masks import MASKED_BIAS, additive_mask, mask_fill_value, may_hold_true, valid_keys_from_bias
+from .masks import (
+    MASKED_BIAS,
+    additive_mask,
+    causal_allowed,
+    mask_fill_value,
+    may_hold_true,
+    restrict_bias,
+    valid_keys_from_bias,
+)
 
 # Since torch 2.5 every sdpa backend gives a row whose keys are all masked (False, or -inf) output 0
 # and no gradient, which is what the kernel promises for a query row with no valid key; before, NaN.
@@ -54,8 +62,12 @@ _SDPA_ZEROES_EMPTY_ROWS = torch.torch_version.TorchVersion(torch.__version__) >=
 _FAST_MASKED_DEVICES = ("cpu",)
 
 
-def _ordinary_attention(q, k, v, bias, dropout_p: float, scale: Optional[float]) -> torch.Tensor:
+def _ordinary_attention(q, k, v, bias, dropout_p: float, scale: Optional[float], is_causal: bool = False):
     """Plain sdpa, a query row without a valid key giving 0 as :func:`attend` promises.
+
+    A causal call without a bias and with as many queries as keys is sdpa's own ``is_causal`` (at
+    4,096 tokens on a CPU about half the time of an explicit mask, which it also does not build);
+    any other causal call has its mask made and combined with the bias.
 
     A boolean mask (or none) goes to sdpa as it is. A float bias marks disallowed keys by ``-inf``
     or a very negative finite value (``MASKED_BIAS``); the finite ones become ``-inf``, so that sdpa
@@ -64,6 +76,10 @@ def _ordinary_attention(q, k, v, bias, dropout_p: float, scale: Optional[float])
     the same bits, output, gradients and dropout draws, on torch 2.13's CPU backends
     (tests/core/test_attention.py).
     """
+    if is_causal:
+        if bias is None and q.shape[2] == k.shape[2]:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, is_causal=True)
+        bias = _causal_bias(bias, q, k)
     if bias is not None and bias.dtype != torch.bool:
         bias = torch.where(bias > MASKED_BIAS, bias.to(q.dtype), float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
@@ -126,62 +142,87 @@ def attend(
     scale: Optional[float] = None,
     site: Optional[AttentionSite] = None,
     need_weights: bool = False,
+    is_causal: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Scaled dot-product attention with the site's regularization hook applied.
 
     q: (B, H, T, d); k, v: (B, H, S, d); bias: additive float (``-inf`` / very negative where
     disallowed) or bool (True where allowed), broadcastable to (B, H, T, S).
     ``dropout_p`` is the attention-probability dropout, already zero outside training.
+    ``is_causal``: query i may also not attend a key j > i + S - T (aligned to the last keys, as
+    with a cache; sdpa's ``is_causal`` when T = S), on top of ``bias``. Prefer it to a causal mask:
+    the kernel then never builds a (T, S) one where sdpa or a block of queries can do without.
     Returns the per-head output (B, H, T, d) and, if ``need_weights``, the attention map.
     A query row with no valid key attends to nothing: its output (and map row) is 0.
     """
     call = call_of(site)
     if call.hook is not None:
         count_for_the_pass(call, site)
-    out, weights, captured = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, call)
+    out, weights, captured = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, call, is_causal)
     if captured is not None:
         hand_over(call.hook, site, captured)
     return out, weights
 
 
 def attention_kernel(
-    q, k, v, bias, dropout_p: float, scale: Optional[float], need_weights: bool, call: AttentionCall
+    q,
+    k,
+    v,
+    bias,
+    dropout_p: float,
+    scale: Optional[float],
+    need_weights: bool,
+    call: AttentionCall,
+    is_causal: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[Captured]]:
     """(output, attention map if ``need_weights``, what the call captured) of one call described by
     ``call``. Reads its arguments, changes none of them: the same call gives the same drops."""
-    fast_masks = bias is None or (_SDPA_ZEROES_EMPTY_ROWS and q.device.type in _FAST_MASKED_DEVICES)
+    # A causal call with more queries than keys has rows without a valid key: a mask like any other.
+    unmasked = bias is None and not (is_causal and q.shape[2] > k.shape[2])
+    fast_masks = unmasked or (_SDPA_ZEROES_EMPTY_ROWS and q.device.type in _FAST_MASKED_DEVICES)
     if call.hook is None and not need_weights and fast_masks:
-        return _ordinary_attention(q, k, v, bias, dropout_p, scale), None, None
+        return _ordinary_attention(q, k, v, bias, dropout_p, scale, is_causal), None, None
     if not need_weights:
-        done = _without_prepared_bias(call, q, k, v, bias, dropout_p, scale, fast_masks)
+        done = _without_prepared_bias(call, q, k, v, bias, dropout_p, scale, fast_masks, is_causal)
         if done is not None:
             return done[0], None, done[1]
+    if is_causal:  # the explicit paths take the causal mask as part of the bias
+        bias = _causal_bias(bias, q, k)
     return _prepared(call, q, k, v, bias, dropout_p, scale, need_weights)
 
 
-def _without_prepared_bias(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, fast_masks: bool):
+def _causal_bias(bias, q, k):
+    """The (T, S) bias of a causal call: ``bias`` with future keys disallowed too."""
+    t, s = q.shape[2], k.shape[2]
+    return restrict_bias(bias, causal_allowed(slice(0, t), s, t, s, q.device))
+
+
+def _without_prepared_bias(
+    call: AttentionCall, q, k, v, bias, dropout_p: float, scale, fast_masks: bool, is_causal: bool
+):
     """(output, captured) of the calls that need no float copy of the model's mask: a long edit
-    (block by block), GA's capture and AA's capture of a long map; None for every other call."""
+    (block by block), GA's capture and AA's capture of a long map; None for every other call.
+    None of them builds a causal call's (T, S) mask unless the map is one block."""
     hook = call.hook
     if isinstance(hook, EditScores):
         rows = blockwise_rows(q, k, hook.drop)
         if rows is not None:  # maps larger than a block: drops regenerated per block of queries
-            return _blockwise_edit(call, q, k, v, bias, dropout_p, scale, rows)
+            return _blockwise_edit(call, q, k, v, bias, dropout_p, scale, rows, is_causal)
     if not fast_masks:
         return None
     if isinstance(hook, CaptureOutput):
         # The model's own mask goes to sdpa (no float copy of it saved per layer for the backward):
         # the ordinary path's bits, with the output kept for the attribution.
-        out = _ordinary_attention(q, k, v, bias, 0.0, scale)
-        return _captured(call, out, v, _validity(bias, k))
+        out = _ordinary_attention(q, k, v, bias, 0.0, scale, is_causal)
+        return _captured(call, out, v, _validity(bias, q, k, is_causal))
     if _keeps_inputs(hook, q, k, False):
         # AA on a long map: keep q, k and the bias, not the weights; pass 2 recomputes them per block.
-        out = _ordinary_attention(q, k, v, bias, 0.0, scale)
+        out = _ordinary_attention(q, k, v, bias, 0.0, scale, is_causal)
         if call.recompute:
             return out, None
         scale_ = scale if scale is not None else q.shape[-1] ** -0.5
-        scores = AttentionScores(q.detach(), k.detach(), bias, scale_)
-        return out, Captured(probs=scores, valid=_validity(bias, k))
+        scores = AttentionScores(q.detach(), k.detach(), bias, scale_, is_causal)
+        return out, Captured(probs=scores, valid=_validity(bias, q, k, is_causal))
     return None
 
 
@@ -273,9 +314,12 @@ def _captured(call: AttentionCall, out: torch.Tensor, v: torch.Tensor, valid: to
     return out, Captured(output=out, values=v.detach(), valid=valid)
 
 
-def _validity(bias: Optional[torch.Tensor], k: torch.Tensor) -> torch.Tensor:
+def _validity(bias: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, is_causal: bool = False):
     """Valid keys of a call from the model's mask; with none, every key (the key dimension is kept,
-    since counts are taken along it)."""
+    since counts are taken along it). A causal map longer than one block gets None: only a dense
+    mask reads it, and the blocks make their rows' validity themselves."""
+    if is_causal:
+        return None if blockwise_rows(q, k, None) is not None else valid_keys_from_bias(_causal_bias(bias, q, k))
     if bias is None:
         return torch.ones((1, 1, 1, k.shape[2]), dtype=torch.bool, device=k.device)
     return valid_keys_from_bias(bias)
@@ -293,7 +337,7 @@ def _keeps_inputs(hook, q: torch.Tensor, k: torch.Tensor, need_weights: bool) ->
     )
 
 
-def _blockwise_edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, rows: int):
+def _blockwise_edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, rows: int, is_causal: bool):
     """(output, counts) of an :class:`EditScores` call run block by block (:mod:`.blockwise`)."""
     hook = call.hook
     uniform = hook.uniform_rows
@@ -306,7 +350,7 @@ def _blockwise_edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale,
     seed = call.seed
     if seed is None and rule is not None and rule.draws:
         seed = call_seed()  # a hook set by hand, outside a pass: a checkpoint's recompute replays the draw
-    plan = BlockCall(rule, uniform, hook.droppable, rows, seed, dropout_p, scale, count)
+    plan = BlockCall(rule, uniform, hook.droppable, rows, seed, dropout_p, scale, count, is_causal)
     out, dropped, droppable = blockwise_attention(q, k, v, bias, plan)
     if call.recompute:
         return out, None

@@ -3,9 +3,10 @@
 A :class:`BlockRule` makes a block's drop decisions (``first``, in the forward, which may return a
 small per-row state) and makes them again from that state (``again``: in the backward and in an
 activation-checkpoint recompute). Every random number comes from a generator seeded by (the site's
-seed for the pass, the stream, the 64-row chunk of queries), so the decisions depend on the seed and
-the indices, not on how the rows are split into blocks nor on when they are made
-(:func:`chunk_uniform`). Nothing is stored and no generator state is replayed.
+seed for the pass, the stream, the 64-row chunk of queries), drawn in tiles of 64 keys, so the
+decisions depend on the seed and the indices, not on how the rows are split into blocks, how many
+keys a block covers, nor on when they are made (:func:`chunk_draws`). Nothing is stored and no
+generator state is replayed.
 
 Rules: dense masks sliced per block (:class:`DenseRule`, AttendOut's Generator output), Bernoulli
 coins (:class:`BernoulliRule`, scheduled dropout), and AD-DROP's top-p region with Bernoulli(q) drops
@@ -23,30 +24,32 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-try:  # torch's CPU wheels come with numpy, but do not require it
-    import numpy as _numpy
-except ImportError:  # pragma: no cover
-    _numpy = None
-
 from .masks import (
     ad_drop_masks,
+    causal_allowed,
     ceil_of_product,
     decimal_fraction,
     keep_one_valid_key,
     mask_fill_value,
     may_hold_true,
+    restrict_bias,
     valid_keys_from_bias,
 )
+from .row_selection import kth_largest, lowest_keys_first
 
-# Coins are drawn per chunk of this many query rows; the kernel's blocks are whole chunks.
+# Random numbers are drawn per chunk of this many query rows (the kernel's blocks are whole
+# chunks), one tile of KEY_TILE keys after another.
 CHUNK_ROWS = 64
+KEY_TILE = 64
 
 
-def block_bias(bias_rows: Optional[torch.Tensor], dtype: torch.dtype):
-    """A block's additive bias (finite fill where disallowed) and validity, from its rows of the bias."""
+def block_bias(bias_rows: Optional[torch.Tensor], dtype: torch.dtype, valid: Optional[torch.Tensor] = None):
+    """A block's additive bias (finite fill where disallowed) and validity, from its rows of the bias
+    (``valid``: their validity, when already known)."""
     if bias_rows is None:
         return None, None
-    valid = valid_keys_from_bias(bias_rows)
+    if valid is None:
+        valid = valid_keys_from_bias(bias_rows)
     if bias_rows.dtype == torch.bool:
         if bias_rows.device.type == "cpu" and bool(bias_rows.all()):
             return None, valid  # nothing to add (no padding in the block): the drops are the mask
@@ -65,27 +68,35 @@ def key_seed(seed: int, key: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def chunk_uniform(seed: int, shape: Tuple[int, int, int, int], rows: slice, device) -> torch.Tensor:
-    """Uniform [0, 1) numbers for query rows ``rows`` of a call whose maps are ``shape`` (B, H, T, S).
+def chunk_draws(seed: int, shape: Tuple[int, int, int, int], rows: slice, keys: int, device, draw) -> torch.Tensor:
+    """``draw(generator, size)``'s numbers for query rows ``rows`` and keys ``0 .. keys - 1`` of a call
+    whose maps are ``shape`` (B, H, T, S).
 
-    Chunk c (rows 64c .. 64c+63) is always filled by its own generator, seeded by (seed, c), so the
-    numbers of a row depend on the seed and the row, not on how the rows are split into blocks.
+    Chunk c (rows 64c .. 64c+63) always draws from its own generator, seeded by (seed, c), one tile
+    of ``KEY_TILE`` keys after another (each tile: every sample, head and row of the chunk), so a
+    number depends on the seed, its row and its key: not on how the rows are split into blocks nor
+    on how many keys a block covers (a causal block draws for the keys it has, not for all S).
     """
-    b, h, _, s = shape
+    b, h, t, _ = shape
+    tiles = -(-keys // KEY_TILE)
     generator = torch.Generator(device=device)
-    first, end = rows.start // CHUNK_ROWS, -(-rows.stop // CHUNK_ROWS)
-    if end == first + 1 and rows.start == first * CHUNK_ROWS and rows.stop == min(end * CHUNK_ROWS, shape[2]):
-        # The rows are exactly one chunk (the usual block): its numbers, without a copy.
-        generator.manual_seed(key_seed(seed, first))
-        return torch.rand((b, h, rows.stop - rows.start, s), generator=generator, device=device)
-    out = torch.empty((b, h, rows.stop - rows.start, s), device=device)
-    for chunk in range(first, end):
-        lo, hi = chunk * CHUNK_ROWS, (chunk + 1) * CHUNK_ROWS
+    parts = []
+    for chunk in range(rows.start // CHUNK_ROWS, -(-rows.stop // CHUNK_ROWS)):
+        lo, hi = chunk * CHUNK_ROWS, min((chunk + 1) * CHUNK_ROWS, t)
         generator.manual_seed(key_seed(seed, chunk))
-        drawn = torch.rand((b, h, min(hi, shape[2]) - lo, s), generator=generator, device=device)
-        take_lo, take_hi = max(lo, rows.start), min(hi, rows.stop)
-        out[:, :, take_lo - rows.start : take_hi - rows.start] = drawn[:, :, take_lo - lo : take_hi - lo]
-    return out
+        drawn = draw(generator, (tiles, b, h, hi - lo, KEY_TILE))
+        drawn = drawn.permute(1, 2, 3, 0, 4).reshape(b, h, hi - lo, tiles * KEY_TILE)
+        parts.append(drawn[:, :, max(lo, rows.start) - lo : min(hi, rows.stop) - lo, :keys])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def coin_limit(probability):
+    """The largest 31-bit coin that drops, for coins uniform over 0 .. 2**31 - 1: a coin drops with
+    probability round(probability * 2**31) / 2**31 (float coins in [0, 1) are exact to 2**-24 only).
+    ``probability``: a float, or a 0-d tensor (a scheduled rate) giving a 0-d int64 tensor."""
+    if isinstance(probability, torch.Tensor):
+        return (probability.double() * 2**31).round().long() - 1
+    return round(probability * 2**31) - 1
 
 
 @dataclass(frozen=True)
@@ -100,13 +111,29 @@ class Block:
     call_shape: Tuple[int, int, int, int]  # (B, H, T, S)
     seed: Optional[int]  # None: a call that is one block, drawn from torch's global stream
 
-    def uniform(self, stream: int) -> torch.Tensor:
-        """This block's uniform numbers of ``stream`` (0: coins, 1: random scores), drawn for every key
-        of the call (so the numbers do not depend on the block) and cut to the block's keys."""
+    def coins(self, probability) -> torch.Tensor:
+        """This block's Bernoulli(``probability``) drops (bool): 31-bit integer coins, which draw a
+        third faster than float ones on a CPU (:func:`coin_limit`)."""
         if self.seed is None:  # a whole call (:meth:`BlockRule.whole`)
+            return torch.rand(self.shape, device=self.valid.device) < probability
+        limit = coin_limit(probability)
+        if isinstance(limit, torch.Tensor):
+            limit = limit.to(self.valid.device)
+
+        def draw(generator, size):
+            return torch.empty(size, dtype=torch.int32, device=self.valid.device).random_(generator=generator) <= limit
+
+        return chunk_draws(key_seed(self.seed, -1), self.call_shape, self.rows, self.shape[-1], self.valid.device, draw)
+
+    def uniform(self) -> torch.Tensor:
+        """This block's uniform [0, 1) numbers (random scores), from their own stream."""
+        if self.seed is None:
             return torch.rand(self.shape, device=self.valid.device)
-        drawn = chunk_uniform(key_seed(self.seed, -1 - stream), self.call_shape, self.rows, self.valid.device)
-        return keys_of(drawn, self.shape[-1])
+
+        def draw(generator, size):
+            return torch.rand(size, generator=generator, device=self.valid.device)
+
+        return chunk_draws(key_seed(self.seed, -2), self.call_shape, self.rows, self.shape[-1], self.valid.device, draw)
 
 
 def keys_of(x: Optional[torch.Tensor], keys: int) -> Optional[torch.Tensor]:
@@ -169,7 +196,7 @@ class BernoulliRule(BlockRule):
     probability: torch.Tensor
 
     def again(self, block: Block, state) -> torch.Tensor:
-        return block.uniform(0) < self.probability.to(block.valid.device)
+        return block.coins(self.probability)
 
     def whole(self, valid: torch.Tensor) -> torch.Tensor:
         return torch.rand(valid.shape, device=valid.device) < self.probability
@@ -208,15 +235,20 @@ class AttentionScores(ScoreSource):
     key: torch.Tensor  # (B, H, S, d)
     bias: Optional[torch.Tensor]  # as the model gave it (bool: True = may attend; or float)
     scale: float
+    causal: bool = False  # future keys disallowed too (attend's is_causal)
 
     @property
     def device(self) -> torch.device:
         return self.query.device
 
     def scores(self, block: Block) -> torch.Tensor:
-        q_rows = self.query[:, :, block.rows]
-        logits = torch.matmul(q_rows, self.key[:, :, : block.shape[-1]].transpose(-2, -1)) * self.scale
-        part, _ = block_bias(keys_of(rows_of(self.bias, block.rows), block.shape[-1]), q_rows.dtype)
+        q_rows, keys = self.query[:, :, block.rows], block.shape[-1]
+        logits = torch.matmul(q_rows, self.key[:, :, :keys].transpose(-2, -1)) * self.scale
+        bias_rows = keys_of(rows_of(self.bias, block.rows), keys)
+        if self.causal:
+            _, _, t, s = block.call_shape
+            bias_rows = restrict_bias(bias_rows, causal_allowed(block.rows, keys, t, s, q_rows.device))
+        part, _ = block_bias(bias_rows, q_rows.dtype)
         if part is not None:
             logits = logits + part
         # Softmax in at least float32, then the model's dtype, as the dense weights are.
@@ -229,66 +261,7 @@ class RandomScores(ScoreSource):
     """Uniform random scores: a random candidate region (AD-DROP's RD control)."""
 
     def scores(self, block: Block) -> torch.Tensor:
-        return block.uniform(1)
-
-
-def kth_largest(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Each row's k-th largest score, (..., 1); ``k`` (..., 1) per row, at least 1 where it matters
-    (a row with k = 0 gets its largest). On a CPU, numpy's selection on the values alone, one
-    partition per group of rows sharing k: for 128 rows of 4,096 keys and one k, 0.65 ms against
-    torch.topk's 4.4 ms; for a causal block (20 values of k over 256 rows) 0.70 ms against 5.0 ms
-    for one partition at every k. Elsewhere (another device, bfloat16, which numpy lacks), and while
-    torch.compile traces, torch.topk."""
-    rows = scores.shape[:-1] + (1,)
-    k = k.clamp(min=1, max=scores.shape[-1]).expand(rows)
-    on_numpy = scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64, torch.float16)
-    if _numpy is not None and on_numpy and not torch.compiler.is_compiling():
-        return _kth_largest_numpy(scores, k)
-    k_top, k_least = int(k.max()), int(k.min())
-    # An unsorted top-k (half the cost of a sorted one on a CPU), then each row's k-th largest
-    # from the few smallest of it: rows of a block differ in k by a few (padding, causality).
-    top = scores.topk(k_top, dim=-1, sorted=False).values
-    if k_least == k_top:  # every row takes the same k (no padding or causality in the block)
-        return top.amin(-1, keepdim=True)
-    ascending = top.topk(k_top - k_least + 1, dim=-1, largest=False, sorted=True).values
-    return ascending.gather(-1, k_top - k)  # the k-th largest, counted from the least
-
-
-def _kth_largest_numpy(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    keys = scores.shape[-1]
-    values = scores.detach().numpy().reshape(-1, keys)
-    position = (keys - k).reshape(-1).numpy()  # in ascending order; invalid keys (-inf) come first
-    out = _numpy.empty(position.shape, dtype=values.dtype)
-    order = _numpy.argsort(position, kind="stable")
-    for group in _numpy.split(order, _numpy.flatnonzero(_numpy.diff(position[order])) + 1):
-        at = position[group[0]]
-        part = values[group]  # a copy, partitioned in place
-        part.partition(at, axis=-1)
-        out[group] = part[:, at]
-    return torch.from_numpy(out).view(k.shape)
-
-
-def _lowest_keys_first(scores, threshold, k, region, at_least) -> torch.Tensor:
-    """The region when ties straddle the threshold in some row: the keys above it, then of the keys
-    equal to it the lowest-indexed ones, up to k per row."""
-    equal = scores == threshold
-    if scores.device.type != "cpu":
-        if at_least is None:
-            at_least = region.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32)
-        take = k - (at_least - equal.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32))
-        return (region & ~equal) | (equal & (equal.cumsum(-1, dtype=torch.int32) <= take))
-    # On a CPU a row's scan (cumsum) costs about 5 ns a key; the keys at the threshold are few
-    # (repeated tokens' values tie), so they are ranked from their positions: 2.4x faster on a
-    # (1, 4, 64, 4096) block of a causal LM's first layer.
-    above = scores > threshold
-    take = (k - above.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32)).expand(equal.shape[:-1] + (1,))
-    flat = equal.reshape(-1, equal.shape[-1])
-    rows, cols = flat.nonzero(as_tuple=True)
-    counts = torch.bincount(rows, minlength=flat.shape[0])
-    rank = torch.arange(rows.numel(), device=rows.device) - (counts.cumsum(0) - counts)[rows]
-    keep = rank < take.reshape(-1)[rows]
-    above.view(-1, above.shape[-1])[rows[keep], cols[keep]] = True
-    return above
+        return block.uniform()
 
 
 @dataclass(frozen=True, eq=False)
@@ -347,8 +320,8 @@ class TopRegionRule(BlockRule):
         if region is None:
             region = scores >= threshold
         if tied:
-            region = _lowest_keys_first(scores, threshold, k.to(torch.int32), region, at_least)
-        drop = block.uniform(0) < self.q
+            region = lowest_keys_first(scores, threshold, k.to(torch.int32), region, at_least)
+        drop = block.coins(self.q)
         drop &= region
         if self.samples is not None:
             drop &= self.samples.view(-1, 1, 1, 1)
@@ -385,9 +358,9 @@ __all__: Sequence[str] = (
     "ScoreSource",
     "TopRegionRule",
     "call_seed",
-    "chunk_uniform",
+    "chunk_draws",
+    "coin_limit",
     "key_seed",
-    "kth_largest",
     "keys_of",
     "rows_of",
 )

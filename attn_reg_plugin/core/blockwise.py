@@ -13,16 +13,15 @@ threshold and a count.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from . import block_rules
-from .block_rules import Block, BlockRule, block_bias, keys_of, rows_of
-from .masks import mask_fill_value, pack_bits, uniform_instead_of_empty, unpack_bits
+from .block_masks import BlockCall, KeptDrops, block_counts, block_masks, keeps_drops
+from .block_rules import BlockRule, rows_of
+from .masks import pack_bits
 
 # A block holds at most max(BLOCK_ELEMENTS, LINEAR_FACTOR * B*H*T*d) score-sized elements: a fixed
 # floor (2**19 elements: ~12 MiB of block temporaries at ~24 bytes each) or as many as q has, so
@@ -31,10 +30,6 @@ from .masks import mask_fill_value, pack_bits, uniform_instead_of_empty, unpack_
 # CPU time: the per-element work dominates, not the per-block overhead.)
 BLOCK_ELEMENTS = 1 << 19
 LINEAR_FACTOR = 1
-# A call whose rule is costly to evaluate again (a top-p region, coins) keeps its drops as bits for
-# the backward while they take at most this many times q's bytes: linear in length, and measured
-# faster than regenerating them (docs/PERFORMANCE.md). Past it the backward makes them again.
-KEPT_DROPS_FACTOR = 8
 # Rows of at most this many keys are one block whatever the batch (BERT-base at 128 tokens and
 # batch 32, the benchmark's sizes): such a map holds at most 128 numbers per query row, linear in T.
 ONE_BLOCK_KEYS = 128
@@ -53,114 +48,6 @@ def query_block_rows(batch: int, heads: int, queries: int, keys: int, head_dim: 
 
 
 # -- the kernel ------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class BlockCall:
-    """Everything a blockwise call does besides q, k, v and the bias: fixed before the call."""
-
-    rule: Optional[BlockRule]
-    uniform: Optional[torch.Tensor]  # bool rows made uniform (LayerDrop flag), broadcastable
-    droppable: Optional[torch.Tensor]  # units the rate counts (see EditScores.droppable)
-    rows_per_block: int
-    seed: int
-    dropout_p: float
-    scale: Optional[float]
-    count: bool  # add dropped / droppable counts (a fresh forward; a recompute counts nothing)
-
-
-class KeptDrops(NamedTuple):
-    """A block's drops kept for the backward: packed bits (:func:`~.masks.pack_bits`), the keys the
-    block covers and its rows made uniform."""
-
-    bits: torch.Tensor
-    keys: int
-    uniform: Optional[torch.Tensor]
-
-
-def _keeps_drops(q: torch.Tensor, k: torch.Tensor, rule: Optional[BlockRule]) -> bool:
-    """Whether a call keeps its blocks' drops as bits rather than making them again in the backward."""
-    if rule is None or isinstance(rule, block_rules.DenseRule):  # a dense mask is sliced again for free
-        return False
-    bits = math.prod(q.shape[:3]) * k.shape[2]  # one per (sample, head, query, key)
-    return bits // 8 <= KEPT_DROPS_FACTOR * q.numel() * q.element_size()
-
-
-class BlockMasks(NamedTuple):
-    """What a block attends with: keys ``0 .. keys - 1`` of the call, the additive mask over them,
-    rows made uniform, rows with no valid key, validity, the drops and the rule's state."""
-
-    keys: int
-    mask: Optional[torch.Tensor]
-    uniform: Optional[torch.Tensor]
-    keyless: Optional[torch.Tensor]
-    valid: torch.Tensor
-    drop: Optional[torch.Tensor]
-    state: object
-
-
-def _key_span(valid: torch.Tensor, keys: int) -> int:
-    """Keys ``0 .. n - 1`` hold every valid key of the block's rows: a causal block's last row, or
-    the longest sequence of a padded batch. On a CPU only (the look is a host read, which on an
-    accelerator would stall the stream once per block); there it halves a causal call's work."""
-    if valid.device.type != "cpu" or valid.shape[-1] != keys:
-        return keys
-    seen = valid.reshape(-1, keys).any(0)
-    return int(seen.nonzero().max()) + 1 if bool(seen.any()) else 1
-
-
-def _block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=None, fresh_state=False) -> BlockMasks:
-    """A block's masks. ``bias_rows``: the block's rows of the call's bias; ``rows``: which rows of
-    the call they are; ``fresh_state``: the forward's first evaluation of the rule (else ``state``)."""
-    b, h, t, s = shape
-    part, valid = block_bias(bias_rows, q_rows.dtype)
-    if valid is None:  # every key valid; the key dimension is kept, since rules count along it
-        valid = torch.ones((1, 1, 1, s), dtype=torch.bool, device=q_rows.device)
-    keys = state.keys if isinstance(state, KeptDrops) else _key_span(valid, s)
-    part, valid = keys_of(part, keys), keys_of(valid, keys)
-    if isinstance(state, KeptDrops):  # the forward's drops, unpacked: no rule evaluated again
-        drop, uniform = unpack_bits(state.bits, keys), state.uniform
-    else:
-        drop, uniform, state = _rule_drops(call, valid, rows, shape, keys, state, fresh_state)
-    if drop is not None:
-        # Cast from bytes (a CPU casts uint8 to float ~3x faster than bool), scale, then add the
-        # bias in place: several times faster than one add of a bool to a float.
-        additive = drop.view(torch.uint8).to(q_rows.dtype).mul_(mask_fill_value(q_rows.dtype))
-        if part is not None:
-            fits = torch.broadcast_shapes(additive.shape, part.shape) == additive.shape
-            additive = additive.add_(part) if fits else additive + part
-        part = additive
-    keyless = None if bias_rows is None else ~valid.any(-1, keepdim=True)
-    return BlockMasks(keys, part, uniform, keyless, valid, drop, state)
-
-
-def _rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fresh_state: bool):
-    """(drop, rows made uniform, the rule's state) of a block, from the call's rule."""
-    b, h, _, _ = shape
-    block = Block(rows, valid, (b, h, rows.stop - rows.start, keys), shape, call.seed)
-    drop = None
-    if call.rule is not None:
-        if fresh_state:
-            drop, state = call.rule.first(block)
-        else:
-            drop = call.rule.again(block, state)
-    uniform = call.uniform
-    if uniform is not None and uniform.dim() >= 2:
-        uniform = rows_of(uniform, rows)
-    if drop is not None and not call.rule.keeps_rows:
-        drop, uniform = uniform_instead_of_empty(drop & valid, valid, uniform)
-    return drop, uniform, state
-
-
-def _block_counts(m: BlockMasks, droppable, rows: slice, block_shape) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(dropped, droppable) units of a block: drops within the units the edit could drop, and those
-    units among the valid ones (``droppable`` None: every valid unit)."""
-    if droppable is None:
-        units, counted = m.valid, m.drop  # drops are within valid
-    else:
-        units = m.valid & keys_of(rows_of(droppable, rows), m.keys).to(m.valid.device)
-        counted = m.drop & units
-    return counted.expand(block_shape).count_nonzero(), units.sum() * (math.prod(block_shape) // max(1, units.numel()))
-
-
 def _attend_block(q_rows, k, v, mask, uniform, keyless, call: BlockCall):
     """One block through sdpa, as the kernel's prepared path: a zero query row is uniform over its
     valid keys, and a row with no valid key gives 0 (and so sends back no gradient)."""
@@ -225,7 +112,7 @@ class BlockwiseAttention(torch.autograd.Function):
         states: List[object] = []
         rng_states: List[object] = []
         keep_stats = _keeps_softmax_stats(q, k, v, bias, call, bias is not None and bias.requires_grad)
-        keep_drops = _keeps_drops(q, k, call.rule)
+        keep_drops = keeps_drops(q, k, call.rule)
         # Every block reads all of k and v: once contiguous, sdpa's CPU kernel reads them faster.
         # The copies live for the call; the backward saves the originals (views the model keeps).
         k_in, v_in = k, v
@@ -234,7 +121,7 @@ class BlockwiseAttention(torch.autograd.Function):
         for start in range(0, t, call.rows_per_block):
             rows = slice(start, min(t, start + call.rows_per_block))
             q_rows = q[:, :, rows]
-            m = _block_masks(call, q_rows, rows_of(bias, rows), rows, shape, fresh_state=True)
+            m = block_masks(call, q_rows, rows_of(bias, rows), rows, shape, fresh_state=True)
             if keep_drops and m.drop is not None:
                 block_shape = (b, h, rows.stop - rows.start, m.keys)
                 states.append(KeptDrops(pack_bits(m.drop.expand(block_shape)), m.keys, m.uniform))
@@ -251,7 +138,7 @@ class BlockwiseAttention(torch.autograd.Function):
             else:
                 out[:, :, rows] = _attend_block(q_rows, k_keys, v_keys, m.mask, m.uniform, m.keyless, call)
             if call.count and m.drop is not None:
-                dropped_now, units_now = _block_counts(m, call.droppable, rows, (b, h, rows.stop - rows.start, m.keys))
+                dropped_now, units_now = block_counts(m, call.droppable, rows, (b, h, rows.stop - rows.start, m.keys))
                 dropped += dropped_now
                 droppable += units_now
         ctx.save_for_backward(q, k_in, v_in, bias, out if keep_stats else None, lse)
@@ -283,7 +170,7 @@ class BlockwiseAttention(torch.autograd.Function):
             with torch.enable_grad(), torch.random.fork_rng(devices=_devices(q), enabled=call.dropout_p > 0):
                 if call.dropout_p > 0:
                     _set_rng_state(ctx.rng_states[i], q.device)
-                m = _block_masks(call, q_rows, bias_rows, rows, shape, ctx.states[i])
+                m = block_masks(call, q_rows, bias_rows, rows, shape, ctx.states[i])
                 k_keys, v_keys = k_leaf[:, :, : m.keys], v_leaf[:, :, : m.keys]
                 out = _attend_block(q_rows, k_keys, v_keys, m.mask, m.uniform, m.keyless, call)
             inputs = [x for x in (q_rows, k_leaf, v_leaf) if x.requires_grad]
@@ -327,7 +214,7 @@ def _backward_from_softmax_stats(ctx, grad_out, q, k, v, bias, out, lse):
     for i, start in enumerate(range(0, t, call.rows_per_block)):
         rows = slice(start, min(t, start + call.rows_per_block))
         q_rows = q[:, :, rows]
-        m = _block_masks(call, q_rows, rows_of(bias, rows), rows, shape, ctx.states[i])
+        m = block_masks(call, q_rows, rows_of(bias, rows), rows, shape, ctx.states[i])
         grad_rows = grad_out[:, :, rows]
         if m.keyless is not None:  # the forward zeroed these rows: no gradient flows back from them
             grad_rows = grad_rows.masked_fill(m.keyless, 0.0)

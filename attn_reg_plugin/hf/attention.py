@@ -22,7 +22,7 @@ import torch
 
 from ..core.attention import attend, call_of
 from ..core.controller import AttentionSite, RegularizationController
-from ..core.masks import mask_fill_value
+from ..core.masks import causal_allowed, mask_fill_value
 from .sites import route_attention_calls, site_of_call
 
 ATTN_IMPLEMENTATION = "attn_reg"
@@ -70,7 +70,7 @@ def attn_reg_attention(
     n_rep = getattr(module, "num_key_value_groups", 1) or 1
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
-    bias = _score_bias(attention_mask, kwargs.get("position_bias"), query, key.shape[2], causal)
+    bias, causal = _score_bias(attention_mask, kwargs.get("position_bias"), query, key.shape[2], causal)
     out, weights = attend(
         query,
         key,
@@ -80,32 +80,33 @@ def attn_reg_attention(
         scale=scaling,
         site=site,
         need_weights=bool(kwargs.get("output_attentions", False)),
+        is_causal=causal,
     )
     return out.transpose(1, 2).contiguous(), weights
 
 
 def _score_bias(attention_mask, position_bias, query: torch.Tensor, kv_len: int, causal: bool):
-    """The additive (or boolean) bias the kernel takes: the model's mask cut to the keys, the causal
-    mask transformers left to sdpa's ``is_causal``, and T5's relative position bias."""
+    """(bias, is_causal) for the kernel: the model's mask cut to the keys, and T5's relative position
+    bias; ``is_causal`` where transformers left a purely causal mask to sdpa's ``is_causal``."""
     q_len = query.shape[2]
     bias = attention_mask
     if bias is not None and bias.dim() == 4:
         bias = bias[:, :, :, :kv_len]
-    if bias is None and causal and q_len > 1:
-        # transformers skips the mask when it is purely causal and lets sdpa use is_causal;
-        # the core kernel needs it explicitly (aligned to the last keys, as with a cache).
-        rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
-        bias = (rows >= torch.arange(kv_len, device=query.device)[None, :]).view(1, 1, q_len, kv_len)
+    # transformers skips the mask when it is purely causal and lets sdpa use is_causal; so does the
+    # kernel, which builds a causal mask only for the paths that need one (aligned to the last keys).
+    causal = bias is None and causal and q_len > 1
     if position_bias is None:
-        return bias
+        return bias, causal
+    if causal:
+        bias = causal_allowed(slice(0, q_len), kv_len, q_len, kv_len, query.device)
     # T5's relative position bias is a float bias on the scores: added before any mask, and masked
     # positions keep the fill, so the candidate region still excludes them.
     position_bias = position_bias[:, :, -q_len:, :kv_len].to(query.dtype)
     if bias is None:
-        return position_bias
+        return position_bias, False
     if bias.dtype == torch.bool:
-        return position_bias.masked_fill(~bias, mask_fill_value(query.dtype))
-    return position_bias + bias
+        return position_bias.masked_fill(~bias, mask_fill_value(query.dtype)), False
+    return position_bias + bias, False
 
 
 def register_attn_reg() -> None:

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from attn_reg_plugin.core import block_rules, blockwise
+from attn_reg_plugin.core import block_masks, block_rules, blockwise, row_selection
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attention import EditScores, attend, zero_counts
 from attn_reg_plugin.core.attribution import dense_gradient_attribution, logit_target
@@ -21,7 +21,7 @@ from attn_reg_plugin.core.block_rules import (
     GradientScores,
     RandomScores,
     TopRegionRule,
-    chunk_uniform,
+    chunk_draws,
 )
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.masks import candidate_region
@@ -79,15 +79,38 @@ def test_block_sizes_follow_the_budget():
     assert blockwise.query_block_rows(2, 12, 4096, 4096, 64) == 64  # a block holds as many as q
 
 
-def test_coins_do_not_depend_on_the_split(monkeypatch):
+def _uniform_draw(generator, size):
+    return torch.rand(size, generator=generator)
+
+
+def test_draws_depend_on_the_row_and_key_not_on_the_split_or_the_keys_covered(monkeypatch):
     monkeypatch.setattr(block_rules, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(block_rules, "KEY_TILE", 2)
     shape = (2, 3, 11, 5)
-    whole = chunk_uniform(7, shape, slice(0, 11), "cpu")
+    whole = chunk_draws(7, shape, slice(0, 11), 5, "cpu", _uniform_draw)
+    assert whole.shape == (2, 3, 11, 5)
     for cuts in ([0, 4, 8, 11], [0, 8, 11], [0, 3, 6, 11]):  # on chunk boundaries or not
-        parts = [chunk_uniform(7, shape, slice(a, b), "cpu") for a, b in zip(cuts, cuts[1:])]
+        parts = [chunk_draws(7, shape, slice(a, b), 5, "cpu", _uniform_draw) for a, b in zip(cuts, cuts[1:])]
         assert torch.equal(torch.cat(parts, dim=2), whole)
-    assert not torch.equal(chunk_uniform(8, shape, slice(0, 11), "cpu"), whole)
-    assert 0.45 < chunk_uniform(1, (4, 4, 64, 64), slice(0, 64), "cpu").mean() < 0.55
+    for keys in (1, 2, 3, 4):  # a block covering fewer keys (causal) has the same numbers on them
+        assert torch.equal(chunk_draws(7, shape, slice(4, 11), keys, "cpu", _uniform_draw), whole[:, :, 4:, :keys])
+    assert len({float(x) for x in whole.flatten()}) == whole.numel()  # no two positions share a number
+    assert not torch.equal(chunk_draws(8, shape, slice(0, 11), 5, "cpu", _uniform_draw), whole)
+    assert 0.45 < chunk_draws(1, (4, 4, 64, 64), slice(0, 64), 64, "cpu", _uniform_draw).mean() < 0.55
+
+
+@pytest.mark.parametrize("probability", [0.0, 0.3, 0.5, 1.0, torch.tensor(0.3), torch.tensor(1.0)], ids=str)
+def test_integer_coins_drop_with_the_probability(probability):
+    shape = (2, 4, 128, 1000)
+    block = block_rules.Block(slice(0, 128), torch.ones(1, 1, 1, 1000, dtype=torch.bool), shape, shape, 11)
+    drops = block.coins(probability)
+    assert drops.dtype == torch.bool and drops.shape == shape
+    p = float(probability)
+    rate = drops.float().mean().item()
+    assert abs(rate - p) < 4 * math.sqrt(max(p * (1 - p), 1e-12) / drops.numel()) + (0 if p in (0.0, 1.0) else 1e-9)
+    assert torch.equal(block.coins(probability), drops)  # made again identically
+    assert block_rules.coin_limit(0.3) == 644245093  # round(0.3 * 2**31) - 1: P = 0.29999999981
+    assert block_rules.coin_limit(0.0) == -1 and block_rules.coin_limit(1.0) == 2**31 - 1
 
 
 def _attend_pair(q, k, v, bias, hook_of, monkeypatch, block_calls, dropout_p=0.0):
@@ -478,13 +501,13 @@ def _kept_against_made_again(rule, dropout_p, monkeypatch, device="cpu", dtype=t
         drop = TopRegionRule(scores, 0.5, 0.5)
     call = AttentionCall(EditScores(drop=drop), False, 21)
     again_calls = []  # the backward's evaluations of the rule
-    rule_drops = blockwise._rule_drops
+    rule_drops = block_masks.rule_drops
 
     def counted(*args):
         again_calls.extend([] if args[-1] else [1])  # args[-1]: fresh_state, the forward's evaluation
         return rule_drops(*args)
 
-    monkeypatch.setattr(blockwise, "_rule_drops", counted)
+    monkeypatch.setattr(block_masks, "rule_drops", counted)
 
     def step():
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
@@ -495,7 +518,7 @@ def _kept_against_made_again(rule, dropout_p, monkeypatch, device="cpu", dtype=t
 
     kept = step()
     assert again_calls == []
-    monkeypatch.setattr(blockwise, "KEPT_DROPS_FACTOR", 0)
+    monkeypatch.setattr(block_masks, "KEPT_DROPS_FACTOR", 0)
     made_again = step()
     assert len(again_calls) == 3  # one per block of 2 rows
     for a, b in zip(kept, made_again):
@@ -529,14 +552,14 @@ def test_each_rows_kth_largest_is_the_same_from_numpy_and_from_topk(seed, monkey
     scores[torch.rand(scores.shape, generator=g) < 0.3] = -math.inf
     per_row = torch.randint(1, keys + 1, (2, rows, 1), generator=g)
     for k in (per_row, per_row[:1, :1]):
-        from_numpy = block_rules.kth_largest(scores, k)
+        from_numpy = row_selection.kth_largest(scores, k)
         want = torch.stack([
             torch.sort(row, descending=True).values[int(kk) - 1]
             for row, kk in zip(scores.reshape(-1, keys), k.expand(2, rows, 1).reshape(-1))
         ]).view(2, rows, 1)  # fmt: skip
         with monkeypatch.context() as patched:
-            patched.setattr(block_rules, "_numpy", None)
-            from_topk = block_rules.kth_largest(scores, k)
+            patched.setattr(row_selection, "_numpy", None)
+            from_topk = row_selection.kth_largest(scores, k)
         assert torch.equal(from_numpy, want) and torch.equal(from_topk, want)
-    in_bf16 = block_rules.kth_largest(scores.bfloat16(), per_row)  # numpy has no bfloat16: topk's path
-    assert torch.equal(in_bf16, block_rules.kth_largest(scores, per_row).bfloat16())
+    in_bf16 = row_selection.kth_largest(scores.bfloat16(), per_row)  # numpy has no bfloat16: topk's path
+    assert torch.equal(in_bf16, row_selection.kth_largest(scores, per_row).bfloat16())

@@ -5,6 +5,7 @@ Tensors are (B, H, T, S) = batch, heads, queries, keys; ``valid`` is True where 
 may attend a key (real key, and not a future one in causal attention).
 """
 
+import contextlib
 import math
 from fractions import Fraction
 
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.core import masks as masks_module
 from attn_reg_plugin.core.attention import EditScores, attend
 from attn_reg_plugin.core.masks import (
     ad_drop_masks,
@@ -405,9 +407,30 @@ def test_packed_bits_unpack_to_the_mask_and_take_an_eighth(shape, n, density, se
     packed = pack_bits(mask)
     assert packed.dtype == torch.uint8 and packed.shape == (*shape, -(-n // 8))
     assert torch.equal(unpack_bits(packed, n), mask)
+    # The shifts (every device but a CPU) write the same bytes as numpy's packbits (a CPU), and
+    # each unpacks the other's.
+    with without_numpy():
+        by_shifts = pack_bits(mask)
+        assert torch.equal(unpack_bits(packed, n), mask)
+    assert torch.equal(by_shifts, packed)
+    assert torch.equal(unpack_bits(by_shifts, n), mask)
 
 
-def test_packed_bits_are_little_endian_per_byte():
+@contextlib.contextmanager
+def without_numpy():
+    saved, masks_module._numpy = masks_module._numpy, None
+    try:
+        yield
+    finally:
+        masks_module._numpy = saved
+
+
+@pytest.mark.parametrize("numpy_path", [True, False])
+def test_packed_bits_are_little_endian_per_byte(numpy_path):
     mask = torch.zeros(2, 16, dtype=torch.bool)
     mask[0, 3] = mask[0, 9] = mask[1, 7] = mask[1, 8] = True
-    assert pack_bits(mask).tolist() == [[8, 2], [128, 1]]
+    with contextlib.nullcontext() if numpy_path else without_numpy():
+        assert pack_bits(mask).tolist() == [[8, 2], [128, 1]]
+        # A view that starts mid-word and a broadcast one (stride 0) pack as their values do.
+        assert pack_bits(mask.view(-1)[3:19].view(1, 16)).tolist() == [[65, 0]]
+        assert pack_bits(mask[:1].expand(3, 16)).tolist() == [[8, 2]] * 3

@@ -1,0 +1,187 @@
+"""attend(is_causal=True): the same outputs, gradients, drops and counts as the causal mask given as a
+bias, on every path of the kernel, without a (T, S) mask where sdpa or a block of queries can do
+without one."""
+
+import pytest
+import torch
+
+from attn_reg_plugin.core import attention, block_masks, block_rules, blockwise, masks
+from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.attention import CaptureOutput, EditScores, attend, zero_counts
+from attn_reg_plugin.core.attribution import logit_target
+from attn_reg_plugin.core.block_rules import BernoulliRule, RandomScores, TopRegionRule
+from attn_reg_plugin.core.controller import RegularizationController
+from helpers import site_with_hook
+
+
+def _small_blocks(monkeypatch):
+    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
+
+
+def _explicit(bias, t, s):
+    """The causal mask as a bias (queries aligned to the last keys), combined with ``bias``."""
+    allowed = torch.arange(t)[:, None] + (s - t) >= torch.arange(s)[None, :]
+    if bias is None:
+        return allowed.view(1, 1, t, s)
+    if bias.dtype == torch.bool:
+        return bias & allowed
+    return bias.masked_fill(~allowed, float("-inf"))
+
+
+def _padding(kind, b, s):
+    if kind is None:
+        return None
+    allowed = (torch.arange(s)[None, :] < torch.tensor([s, s - 2])[:, None]).view(b, 1, 1, s)
+    if kind == "bool":
+        return allowed
+    return torch.zeros(b, 1, 1, s).masked_fill(~allowed, -1e9)  # fairseq's finite fill
+
+
+HOOKS = {
+    "none": lambda b, h, t, s: None,
+    "dense drop": lambda b, h, t, s: EditScores(
+        drop=torch.rand(b, h, t, s, generator=torch.Generator().manual_seed(3)) < 0.4, stats=zero_counts()
+    ),
+    "coins, blocks": lambda b, h, t, s: EditScores(drop=BernoulliRule(torch.tensor(0.4)), stats=zero_counts()),
+    "random region, blocks": lambda b, h, t, s: EditScores(
+        drop=TopRegionRule(RandomScores(), 0.5, 0.5), stats=zero_counts()
+    ),
+}
+
+
+@pytest.mark.parametrize("hook_name", list(HOOKS))
+@pytest.mark.parametrize("bias_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("t,s", [(6, 6), (4, 6), (6, 4)], ids=["T=S", "cache", "more-queries"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_the_causal_flag_equals_the_causal_mask_as_a_bias(hook_name, bias_kind, t, s, need_weights, monkeypatch):
+    """Queries aligned to the last keys (a cache: T < S) and rows without a valid key (T > S: they
+    give 0), with a padding bias of either convention, on the ordinary, dense and blockwise paths."""
+    if "blocks" in hook_name:
+        _small_blocks(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    b, h, d = 2, 2, 4
+    q = torch.randn(b, h, t, d, generator=g)
+    k, v = (torch.randn(b, h, s, d, generator=g) for _ in range(2))
+    bias = _padding(bias_kind, b, s)
+    results = []
+    for causal in (True, False):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        hook = HOOKS[hook_name](b, h, t, s)
+        torch.manual_seed(7)  # a hand-set drawing hook takes its seed from the global stream
+        out, weights = attend(
+            *leaves,
+            bias if causal else _explicit(bias, t, s),
+            site=site_with_hook(hook),
+            need_weights=need_weights,
+            is_causal=causal,
+        )
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        counts = None if hook is None else [int(c) for c in hook.stats]
+        results.append((out, weights, [x.grad for x in leaves], counts))
+    (out, weights, grads, counts), (out_, weights_, grads_, counts_) = results
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, out_, atol=1e-6, rtol=1e-5)
+    for a, e in zip(grads, grads_):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-5)
+    if need_weights:
+        torch.testing.assert_close(weights, weights_)
+    assert counts == counts_
+    if t > s:  # the first T - S queries see no key: output 0
+        assert not out[:, :, : t - s].any()
+
+
+@pytest.mark.parametrize("t", [6, 4])
+def test_ga_capture_of_a_causal_call_keeps_the_same_output_and_validity(t):
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 2, t, 4, generator=g)
+    k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(2))
+    captured = []
+    for causal in (True, False):
+        capture = CaptureOutput()
+        out, _ = attend(
+            q, k, v, None if causal else _explicit(None, t, 6), site=site_with_hook(capture), is_causal=causal
+        )
+        captured.append((out, capture.outputs[0], capture.valid[0]))
+    (out, kept, valid), (out_, kept_, valid_) = captured
+    torch.testing.assert_close(out, out_)
+    assert kept is out and kept.requires_grad
+    assert torch.equal(valid.expand(1, 1, t, 6), valid_.expand(1, 1, t, 6))
+
+
+class _CausalLM(torch.nn.Module):
+    """Two causal self-attention layers over a right-padded batch; the causal part is given as
+    ``is_causal`` or folded into the bias."""
+
+    def __init__(self, flag: bool, width=8, heads=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.flag, self.heads = flag, heads
+        self.controller = RegularizationController()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, 3 * width) for _ in range(2))
+        self.sites = [self.controller.register("decoder-self", i) for i in range(2)]
+        self.out = torch.nn.Linear(width, 3)
+
+    def forward(self, x, padding):
+        b, t, w = x.shape
+        bias = padding if self.flag else _explicit(padding, t, t)
+        for i in range(2):
+            q, k, v = self.layers[i](x).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+            o, _ = attend(q, k, v, bias, site=self.sites[i], is_causal=self.flag)
+            x = x + o.transpose(1, 2).reshape(b, t, w)
+        return self.out(x.mean(1))
+
+
+def _step(model, x, padding, attribution):
+    torch.manual_seed(0)
+    ad_drop = ADDrop(ADDropConfig(p=0.3, q=0.5, schedule="always", attribution=attribution), model.controller)
+    with model.controller.training_step():
+        with ad_drop.masked(lambda: model(x, padding), logit_target, frozen=model) as stats:
+            loss = model(x, padding).logsumexp(-1).sum()
+        loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    return loss.detach(), grads, int(stats["dropped"]), int(stats["valid"])
+
+
+@pytest.mark.parametrize("attribution", ["ga", "aa", "rd", "iga"])
+@pytest.mark.parametrize("blocks", ["one", "several"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_ad_drop_on_a_causal_model_is_the_same_with_the_flag(attribution, blocks, padded, monkeypatch):
+    """Pass 1, the region, the drops, the counts and the gradients of a whole AD-DROP step. Through
+    blocks, no causal mask of more rows than a block is ever built."""
+    built = []
+    allowed = masks.causal_allowed
+
+    def recorded(rows, *args):
+        built.append(rows.stop - rows.start)
+        return allowed(rows, *args)
+
+    for module in (masks, block_masks, block_rules, attention):  # every module that builds one
+        monkeypatch.setattr(module, "causal_allowed", recorded)
+    if blocks == "several":
+        _small_blocks(monkeypatch)
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(4))
+    padding = _padding("bool", 2, 6) if padded else None
+    flagged = _step(_CausalLM(True), x, padding, attribution)
+    if blocks == "several" and attribution != "iga" and not padded:
+        # Blocks of 2 rows; pass 1 went to sdpa's is_causal. (IGA's maps are dense, and sdpa takes
+        # a padding mask or is_causal, not both: those build the call's mask.)
+        assert built and max(built) <= 2, built
+    explicit = _step(_CausalLM(False), x, padding, attribution)
+    torch.testing.assert_close(flagged[0], explicit[0])
+    for a, e in zip(flagged[1], explicit[1]):
+        torch.testing.assert_close(a, e)
+    assert flagged[2:] == explicit[2:] and flagged[2] > 0
+
+
+def test_the_blockwise_causal_mask_is_built_per_block(monkeypatch):
+    """causal_allowed gives a block's rows only, aligned to the last keys."""
+    got = masks.causal_allowed(slice(2, 4), 5, 4, 6, "cpu")
+    assert got.shape == (1, 1, 2, 5)
+    assert got[0, 0].tolist() == [[True] * 5, [True] * 5]  # rows 2, 3 of 4 over 6 keys: keys <= 4, 5
+    assert masks.causal_allowed(slice(0, 2), 3, 4, 2, "cpu")[0, 0].tolist() == [[False] * 3, [False] * 3]
+    assert masks.causal_key_span(slice(0, 2), 4, 2) == 1  # no valid key at all: still one key
+    assert masks.causal_key_span(slice(2, 4), 4, 6) == 6
+    assert masks.causal_key_span(slice(0, 2), 6, 6) == 2
