@@ -30,6 +30,10 @@ from .masks import pack_bits
 # CPU time: the per-element work dominates, not the per-block overhead.)
 BLOCK_ELEMENTS = 1 << 19
 LINEAR_FACTOR = 1
+# sdpa's CPU backward runs on groups of forward blocks covering at least this many rows per unit of
+# head dimension (:func:`_backward_group`): at BERT-base width and 2,048 tokens, 64-row calls took
+# 423 ms a layer against 300 ms at 256 rows and 229 ms for one call over all rows.
+BACKWARD_ROWS_PER_DIM = 4
 # Rows of at most this many keys are one block whatever the batch (BERT-base at 128 tokens and
 # batch 32, the benchmark's sizes): such a map holds at most 128 numbers per query row, linear in T.
 ONE_BLOCK_KEYS = 128
@@ -200,8 +204,9 @@ class BlockwiseAttention(torch.autograd.Function):
 
 
 def _backward_from_softmax_stats(ctx, grad_out, q, k, v, bias, out, lse):
-    """The backward of a call that kept its rows' log-sum-exp: per block, the drops are made again
-    and sdpa's CPU backward runs from the saved output, with no forward recompute."""
+    """The backward of a call that kept its rows' log-sum-exp: per group of blocks, the drops are
+    unpacked (or made again) and sdpa's CPU backward runs from the saved output, with no forward
+    recompute."""
     call: BlockCall = ctx.call
     k, v = k.contiguous(), v.contiguous()  # as in the forward: every block reads all of them
     b, h, t, _ = q.shape
@@ -211,24 +216,71 @@ def _backward_from_softmax_stats(ctx, grad_out, q, k, v, bias, out, lse):
     grad_q = torch.zeros_like(q, dtype=torch.float32) if need_q else None
     grad_k = torch.zeros_like(k, dtype=torch.float32) if need_k else None
     grad_v = torch.zeros_like(v, dtype=torch.float32) if need_v else None
-    for i, start in enumerate(range(0, t, call.rows_per_block)):
-        rows = slice(start, min(t, start + call.rows_per_block))
-        q_rows = q[:, :, rows]
-        m = block_masks(call, q_rows, rows_of(bias, rows), rows, shape, ctx.states[i])
-        grad_rows = grad_out[:, :, rows]
-        if m.keyless is not None:  # the forward zeroed these rows: no gradient flows back from them
-            grad_rows = grad_rows.masked_fill(m.keyless, 0.0)
+    blocks = len(ctx.states)
+    group = _backward_group(call, q.shape[-1], ctx.states)
+    for first in range(0, blocks, group):
+        rows, keys, mask, uniform, keyless = _group_masks(call, q, bias, shape, ctx.states, first, group)
+        q_rows, grad_rows = q[:, :, rows], grad_out[:, :, rows]
+        if keyless is not None:  # the forward zeroed these rows: no gradient flows back from them
+            grad_rows = grad_rows.masked_fill(keyless, 0.0)
         gq, gk, gv = _FLASH_CPU_BACKWARD(
-            grad_rows.to(q.dtype), _zero_query_rows(q_rows, m.uniform), k[:, :, : m.keys], v[:, :, : m.keys],
-            out[:, :, rows], lse[:, :, rows], 0.0, False, attn_mask=m.mask, scale=call.scale,
+            grad_rows.to(q.dtype), _zero_query_rows(q_rows, uniform), k[:, :, :keys], v[:, :, :keys],
+            out[:, :, rows], lse[:, :, rows], 0.0, False, attn_mask=mask, scale=call.scale,
         )  # fmt: skip
         if grad_q is not None:
-            grad_q[:, :, rows] += gq if m.uniform is None else gq.masked_fill(m.uniform, 0.0)
+            grad_q[:, :, rows] += gq if uniform is None else gq.masked_fill(uniform, 0.0)
         if grad_k is not None:
-            grad_k[:, :, : m.keys] += gk
+            grad_k[:, :, :keys] += gk
         if grad_v is not None:
-            grad_v[:, :, : m.keys] += gv
+            grad_v[:, :, :keys] += gv
     return [None if g is None else g.to(x.dtype) for g, x in ((grad_q, q), (grad_k, k), (grad_v, v))] + [None]
+
+
+def _backward_group(call: BlockCall, head_dim: int, states) -> int:
+    """Forward blocks per call of sdpa's CPU backward. Each call writes a (B, H, S, d) gradient of k
+    and of v whatever its rows, so a group covers at least BACKWARD_ROWS_PER_DIM * d rows: that write
+    is then at most a small part of the (B, H, rows, S) work. Blocks group only when their drops
+    were kept (their key spans are known before any is unpacked)."""
+    wanted = -(-BACKWARD_ROWS_PER_DIM * head_dim // call.rows_per_block)
+    if wanted <= 1 or not all(isinstance(state, KeptDrops) for state in states):
+        return 1
+    return wanted
+
+
+def _group_masks(call: BlockCall, q, bias, shape, states, first: int, group: int):
+    """(rows, keys, additive mask, rows made uniform, rows without a valid key) of forward blocks
+    ``first .. first + group - 1`` as one call, from their kept drops stacked (:func:`_stacked_drops`)."""
+    b, h, t, _ = shape
+    blocks = states[first : first + group]
+    spans = [
+        slice(i * call.rows_per_block, min(t, (i + 1) * call.rows_per_block)) for i in range(first, first + len(blocks))
+    ]
+    rows = slice(spans[0].start, spans[-1].stop)
+    state = blocks[0] if len(blocks) == 1 else _stacked_drops(blocks, spans, b, h, q.device)
+    m = block_masks(call, q[:, :, rows], rows_of(bias, rows), rows, shape, state)
+    return rows, m.keys, m.mask, m.uniform, m.keyless
+
+
+def _stacked_drops(blocks: List[KeptDrops], spans, b: int, h: int, device) -> KeptDrops:
+    """Consecutive blocks' kept drops as one block's: over the most keys any of them covers, no drop
+    at the keys beyond a block's own (none is valid for its rows, so the mask fills them anyway)."""
+    keys = max(block.keys for block in blocks)
+    bits = blocks[0].bits.new_zeros((b, h, spans[-1].stop - spans[0].start, -(-keys // 8)))
+    for block, span in zip(blocks, spans):
+        bits[:, :, span.start - spans[0].start : span.stop - spans[0].start, : block.bits.shape[-1]] = block.bits
+    return KeptDrops(bits, keys, _stacked_rows([block.uniform for block in blocks], spans, b, h, device))
+
+
+def _stacked_rows(flags, spans, b: int, h: int, device) -> Optional[torch.Tensor]:
+    """Per-row flags of consecutive blocks (each bool, broadcastable to (B, H, rows, 1), or None)
+    as one (B, H, rows, 1) tensor; None when no block has any."""
+    if all(f is None for f in flags):
+        return None
+    return torch.cat([
+        torch.zeros((b, h, s.stop - s.start, 1), dtype=torch.bool, device=device)
+        if f is None else f.expand(b, h, s.stop - s.start, 1)
+        for f, s in zip(flags, spans)
+    ], dim=2)  # fmt: skip
 
 
 def blockwise_attention(q, k, v, bias, call: BlockCall) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -236,7 +236,8 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     0 or 1, as every torch operation makes a bool tensor (a bool viewed from other bytes is not one)."""
     n = mask.shape[-1]
     if _numpy is not None and mask.device.type == "cpu" and n > 0:
-        return torch.from_numpy(_numpy.packbits(mask.detach().numpy(), axis=-1, bitorder="little"))
+        # Cloned into torch's allocator, which memory measurements (and its caching) see.
+        return torch.from_numpy(_numpy.packbits(mask.detach().numpy(), axis=-1, bitorder="little")).clone()
     if n % 8 or n == 0:
         mask = torch.cat([mask, mask.new_zeros(mask.shape[:-1] + (8 - n % 8,))], dim=-1)
     elif not mask.is_contiguous() or mask.storage_offset() % 8:
@@ -252,7 +253,7 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The bool ``(..., n)`` that :func:`pack_bits` packed (numpy's ``unpackbits`` on a CPU)."""
     if _numpy is not None and packed.device.type == "cpu" and n > 0:
         bits = _numpy.unpackbits(packed.numpy(), axis=-1, count=n, bitorder="little")
-        return torch.from_numpy(bits).view(torch.bool)
+        return torch.from_numpy(bits).view(torch.bool).clone()
     words = packed.to(torch.int64)
     words = (words | (words << 28)) & 0x0000000F0000000F  # bits 4-7 to the upper half
     words = (words | (words << 14)) & 0x0003000300030003

@@ -492,6 +492,8 @@ def test_a_blockwise_call_makes_its_drops_from_the_sites_seed_alone(small_blocks
 def _kept_against_made_again(rule, dropout_p, monkeypatch, device="cpu", dtype=torch.float32):
     from attn_reg_plugin.core.attention import AttentionCall, attention_kernel
 
+    # One backward call per block either way, so the bits compare (groups sum in another order).
+    monkeypatch.setattr(blockwise, "BACKWARD_ROWS_PER_DIM", 0)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 2, 6, 4, generator=g).to(device, dtype) for _ in range(3))
     if rule == "coins":
@@ -563,3 +565,37 @@ def test_each_rows_kth_largest_is_the_same_from_numpy_and_from_topk(seed, monkey
         assert torch.equal(from_numpy, want) and torch.equal(from_topk, want)
     in_bf16 = row_selection.kth_largest(scores.bfloat16(), per_row)  # numpy has no bfloat16: topk's path
     assert torch.equal(in_bf16, row_selection.kth_largest(scores, per_row).bfloat16())
+
+
+@pytest.mark.parametrize("kind", ["padding", "causal"])
+@pytest.mark.parametrize("layerdrop", [False, True])
+def test_backward_groups_of_blocks_equal_one_backward_call_per_block(kind, layerdrop, small_blocks, monkeypatch):
+    """sdpa's CPU backward over groups of kept blocks (of different key spans in causal attention,
+    with rows without a valid key and rows made uniform) gives the gradients of one call per block."""
+    g = torch.Generator().manual_seed(8)
+    b, h, t, d = 2, 2, 9, 4
+    q, k, v = (torch.randn(b, h, t, d, generator=g) for _ in range(3))
+    bias = _valid(kind, b, t)
+    flag = torch.tensor([True, False]).view(2, 1, 1, 1) if layerdrop else None
+    groups = []
+    results = []
+    backward_group = blockwise._backward_group
+
+    def recorded(*args):
+        groups.append(backward_group(*args))
+        return groups[-1]
+
+    monkeypatch.setattr(blockwise, "_backward_group", recorded)
+    for per_dim in (4, 0):  # groups of 8 blocks of 2 rows (4 x d / 2), then one block per call
+        monkeypatch.setattr(blockwise, "BACKWARD_ROWS_PER_DIM", per_dim)
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        torch.manual_seed(2)
+        hook = EditScores(drop=TopRegionRule(RandomScores(), 0.5, 0.9), uniform_rows=flag)
+        out, _ = attend(*leaves, bias, site=site_with_hook(hook))
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        results.append((out, [x.grad for x in leaves]))
+    assert groups == [8, 1]
+    (out, grads), (out_, grads_) = results
+    assert torch.equal(out, out_)
+    for a, e in zip(grads, grads_):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-5)
