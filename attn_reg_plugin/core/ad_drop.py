@@ -32,7 +32,14 @@ from .attribution_pass import (  # noqa: F401  (bare_module, cpu_has_native_bf16
     rng_state,
     set_rng_state,
 )
-from .block_rules import AttentionScores, GradientScores, RandomScores, ScoreSource, TopRegionRule
+from .block_rules import (
+    AttentionScores,
+    GradientScores,
+    IntegratedGradientScores,
+    RandomScores,
+    ScoreSource,
+    TopRegionRule,
+)
 from .blockwise import blockwise_rows
 from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
@@ -59,6 +66,7 @@ def samples_with_target(attributions: List[Union[torch.Tensor, GradientScores]])
     No host synchronisation."""
     found = None
     for a in attributions:
+        a = a.gradient if isinstance(a, IntegratedGradientScores) else a
         a = a.grad_output if isinstance(a, GradientScores) else a
         nonzero = a.reshape(a.shape[0], -1).ne(0).any(dim=1)
         found = nonzero if found is None else found | nonzero
@@ -84,11 +92,12 @@ class ADDrop:
         target: Target,
         frozen: Optional[torch.nn.Module] = None,
         dense: bool = True,
-    ) -> Optional[Tuple[List[AttentionSite], List[Union[torch.Tensor, GradientScores]], List[torch.Tensor]]]:
+    ) -> Optional[Tuple[List[AttentionSite], List[Union[torch.Tensor, ScoreSource]], List[torch.Tensor]]]:
         """Pass 1 (and IGA's extra passes): the sites in call order, their attributions and validity.
 
         ``dense=False`` (training): a GA map longer than one block of the kernel stays
-        :class:`GradientScores` (dF/dO and V, linear in length), formed per block in pass 2.
+        :class:`GradientScores` (dF/dO and V, linear in length), formed per block in pass 2, and
+        IGA's maps are :class:`IntegratedGradientScores` (its summed dF/dO, V, q and k) at any length.
         None when the target is not finite (a half-precision overflow): no ranking survives, and
         masks from all-zero attributions would drop arbitrary keys.
         """
@@ -130,35 +139,64 @@ class ADDrop:
                 maps = [p if isinstance(p, AttentionScores) else p.float() for p in capture.probs]
                 return capture.sites, maps, capture.valid
             if method == "iga":
-                return self._integrated_gradients(forward, target)
+                if dense:
+                    return self._integrated_gradients(forward, target)
+                return self._integrated_gradient_scores(forward, target)
         raise AssertionError(method)
 
     def _integrated_gradients(self, forward, target):
-        """Paper Eq. 3 per layer (as Hao et al.): only that layer's map is scaled by k/m.
+        """Paper Eq. 3 per layer (as Hao et al.): only that layer's map is scaled by k/m, its
+        gradients summed; A ⊙ sum / m. Dense maps: what the lab's tools read."""
+        found = self._integrate(
+            forward, target, CaptureProbs(alpha=1.0), lambda a: CaptureProbs(alpha=a), probs_gradient
+        )
+        if found is None:
+            return None
+        capture, totals = found
+        m = self.config.iga_steps
+        probs = [p.detach() for p in capture.probs]
+        return capture.sites, [p.float() * t / m for p, t in zip(probs, totals)], capture.valid
 
-        The k = m step (nothing scaled) is the model's own forward: it is run once for all
-        layers, fixing the pseudo labels and the unscaled maps A that Eq. 3 multiplies with.
-        The other m - 1 steps run per layer, so IGA costs about (m - 1) * layers + 1 passes.
-        """
+    def _integrated_gradient_scores(self, forward, target):
+        """Eq. 3 for training, linear in length. A map scaled by alpha gives output alpha A V over
+        the same V (only that layer is scaled, and every forward sees the first's dropout draws),
+        so the sum of its m gradients dF/dA is (sum of dF/dO) V^T: each layer keeps the summed
+        dF/dO (B, H, T, d), V and what its weights are recomputed from, and pass 2 ranks
+        A ⊙ (sum dF/dO) V^T / m per block of queries (:class:`IntegratedGradientScores`)."""
+        first = CaptureOutput(keeps_weights=True)
+        found = self._integrate(forward, target, first, lambda a: CaptureOutput(alpha=a), output_gradients)
+        if found is None:
+            return None
+        capture, totals = found
+        scores = [
+            IntegratedGradientScores(w, GradientScores(t.contiguous(), v.contiguous()), self.config.iga_steps)
+            for w, t, v in zip(capture.weights, totals, capture.values)
+        ]
+        return capture.sites, scores, capture.valid
+
+    def _integrate(self, forward, target, first, scaled, gradient):
+        """(the k = m step's capture, each site's gradient summed over k = 1..m), or None when the
+        target is not finite. The k = m step (nothing scaled) is the model's own forward, run once
+        for all layers: it fixes the pseudo labels and the unscaled maps. The other m - 1 steps run
+        per layer (``scaled(k / m)``), so IGA costs about (m - 1) * layers + 1 passes."""
         m = self.config.iga_steps
         # Every forward of the integral sees the hidden-dropout draw of the first, so the
         # integral is over one function; afterwards the stream is where one forward leaves it.
         start = rng_state()
-        capture = CaptureProbs(alpha=1.0)
-        with self.controller.hooks({s: capture for s in self.sites}):  # gradients inside: see attributions
+        captured = first.probs if isinstance(first, CaptureProbs) else first.outputs
+        with self.controller.hooks({s: first for s in self.sites}):  # gradients inside: see attributions
             output = forward()
             after_one_forward = rng_state()
             value, labels = target(output, None)
             del output
-            self._check_captured(capture.sites, capture.probs)
-            if not _finite(value, capture.probs):
+            self._check_captured(first.sites, captured)
+            if not _finite(value, captured):
                 set_rng_state(after_one_forward)
                 return None
-            sites, probs, valid = capture.sites, [p.detach() for p in capture.probs], capture.valid
-            totals = probs_gradient(value, capture, self.gradient_scale)
-        for i, site in enumerate(sites):
+            totals = gradient(value, first, self.gradient_scale)
+        for i, site in enumerate(first.sites):
             for k in range(1, m):
-                step = CaptureProbs(alpha=k / m)
+                step = scaled(k / m)
                 set_rng_state(start)
                 with self.controller.hooks({site: step}):
                     output = forward()
@@ -166,9 +204,9 @@ class ADDrop:
                     del output
                     if step.sites != [site]:
                         raise RuntimeError(f"integrated gradients: expected one call of {site}, saw {step.sites}")
-                    totals[i] = totals[i] + probs_gradient(value, step, self.gradient_scale)[0]
+                    totals[i] = totals[i] + gradient(value, step, self.gradient_scale)[0]
         set_rng_state(after_one_forward)
-        return sites, [p.float() * t / m for p, t in zip(probs, totals)], valid
+        return first, totals
 
     def _check_captured(self, seen: List[AttentionSite], captured: List[torch.Tensor]) -> None:
         if len(seen) != len(self.sites) or set(seen) != set(self.sites):

@@ -214,7 +214,7 @@ def _without_prepared_bias(
         # The model's own mask goes to sdpa (no float copy of it saved per layer for the backward):
         # the ordinary path's bits, with the output kept for the attribution.
         out = _ordinary_attention(q, k, v, bias, 0.0, scale, is_causal)
-        return _captured(call, out, v, _validity(bias, q, k, is_causal))
+        return _captured(call, out, q, k, v, bias, scale, is_causal)
     if _keeps_inputs(hook, q, k, False):
         # AA on a long map: keep q, k and the bias, not the weights; pass 2 recomputes them per block.
         out = _ordinary_attention(q, k, v, bias, 0.0, scale, is_causal)
@@ -238,7 +238,7 @@ def _prepared(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_
         hook = None  # the edited scores are attended like any others
     if isinstance(hook, CaptureOutput):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)
-        out, captured = _captured(call, out, v, valid)
+        out, captured = _captured(call, out, q, k, v, bias, scale, False, valid)
         return _zero_rows(out, keyless), None, captured
     if isinstance(hook, CaptureProbs) or need_weights:
         out, weights, captured = _with_weights(call, hook, q, k, v, bias, valid, keyless, dropout_p, scale)
@@ -302,8 +302,13 @@ def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, drop
     return out, probs, captured
 
 
-def _captured(call: AttentionCall, out: torch.Tensor, v: torch.Tensor, valid: torch.Tensor):
-    """(output, captured) of a GA capture: its output (the leaf the attribution is taken of), V and validity."""
+def _captured(call: AttentionCall, out, q, k, v, bias, scale, is_causal: bool, valid=None):
+    """(output, captured) of a gradient capture: its output (the leaf the attribution is taken of),
+    V and validity, and with ``keeps_weights`` what the weights are recomputed from. A map scaled by
+    alpha (integrated gradients) gives alpha A V, so dF/d(alpha A) = (dF/dO) V^T as for GA."""
+    hook = call.hook
+    if hook.alpha != 1.0:
+        out = out * hook.alpha
     if call.recompute:
         return out, None
     _check_grad_mode()
@@ -311,7 +316,13 @@ def _captured(call: AttentionCall, out: torch.Tensor, v: torch.Tensor, valid: to
         # Layers below the first captured one may carry no graph (parameters frozen for
         # the attribution pass): make this output the leaf the attribution is taken of.
         out.requires_grad_(True)
-    return out, Captured(output=out, values=v.detach(), valid=valid)
+    weights = None
+    if hook.keeps_weights:
+        scale_ = scale if scale is not None else q.shape[-1] ** -0.5
+        weights = AttentionScores(q.detach(), k.detach(), bias, scale_, is_causal)
+    if valid is None:
+        valid = _validity(bias, q, k, is_causal)
+    return out, Captured(output=out, values=v.detach(), valid=valid, probs=weights)
 
 
 def _validity(bias: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, is_causal: bool = False):

@@ -104,6 +104,8 @@ def hand_over(hook: Hook, site: AttentionSite, captured: Captured) -> None:
         hook.outputs.append(captured.output)
         hook.values.append(captured.values)
         hook.valid.append(captured.valid)
+        if hook.keeps_weights:
+            hook.weights.append(captured.probs)
     elif isinstance(hook, CaptureProbs):
         hook.sites.append(site)
         hook.probs.append(captured.probs)

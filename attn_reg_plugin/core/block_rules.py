@@ -257,6 +257,22 @@ class AttentionScores(ScoreSource):
 
 
 @dataclass(frozen=True, eq=False)
+class IntegratedGradientScores(ScoreSource):
+    """Integrated gradients (AD-DROP's IGA, Eq. 3), A ⊙ (Σ_k dF/dO_k) Vᵀ / m per block of rows: the
+    weights recomputed from q and k, times the gradient attribution of the summed output gradients
+    of the layer's m scaled passes (``gradient``), over m."""
+
+    weights: AttentionScores
+    gradient: GradientScores
+    steps: int
+    negate: bool = False
+
+    def scores(self, block: Block) -> torch.Tensor:
+        out = self.weights.scores(block).mul_(self.gradient.scores(block)).div_(self.steps)
+        return out.neg_() if self.negate else out
+
+
+@dataclass(frozen=True, eq=False)
 class RandomScores(ScoreSource):
     """Uniform random scores: a random candidate region (AD-DROP's RD control)."""
 
@@ -354,6 +370,7 @@ __all__: Sequence[str] = (
     "BlockRule",
     "DenseRule",
     "GradientScores",
+    "IntegratedGradientScores",
     "RandomScores",
     "ScoreSource",
     "TopRegionRule",

@@ -32,13 +32,18 @@ AUTO = "auto"  # encoder-self when the model has an encoder, else decoder-self
 class CaptureOutput:
     """Record what gradient attribution needs; attention dropout is off for this pass.
 
-    Entries are appended in call order; ``sites[i]`` says whose entry ``i`` is.
+    Entries are appended in call order; ``sites[i]`` says whose entry ``i`` is. ``alpha``: the map
+    is scaled by it (integrated gradients), so the output is alpha A V; ``keeps_weights``: also keep
+    what the weights are recomputed from (``block_rules.AttentionScores``: q, k, bias) in ``weights``.
     """
 
+    alpha: float = 1.0
+    keeps_weights: bool = False
     sites: List[AttentionSite] = field(default_factory=list)
     outputs: List[torch.Tensor] = field(default_factory=list)
     values: List[torch.Tensor] = field(default_factory=list)
     valid: List[torch.Tensor] = field(default_factory=list)
+    weights: List[object] = field(default_factory=list)
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,7 +120,7 @@ def changes_output(hook: Optional[Hook]) -> bool:
     repeated by a checkpoint's recompute (a capture's gradient is taken inside its pass)."""
     if isinstance(hook, EditScores):
         return hook.drop is not None or hook.uniform_rows is not None
-    return isinstance(hook, CaptureProbs) and hook.alpha != 1.0
+    return isinstance(hook, (CaptureProbs, CaptureOutput)) and hook.alpha != 1.0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from attn_reg_plugin.core import attribution
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attention import attend
+from attn_reg_plugin.core.block_rules import Block, IntegratedGradientScores, ScoreSource
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.masks import ad_drop_masks
 
@@ -87,13 +88,30 @@ def _explicit_grads(model, x, key_pad, layers=range(LAYERS)):
     return [g.detach() for g in grads], [m.detach() for m in maps], labels
 
 
-def _attributions(adrop, model, x, key_pad, tgt=target, frozen="model"):
-    """ADDrop.attributions on the kernel-mode model; checks the sites come back in call order."""
+def _attributions(adrop, model, x, key_pad, tgt=target, frozen="model", dense=True):
+    """ADDrop.attributions on the kernel-mode model; checks the sites come back in call order.
+    ``dense=False``: training's attributions (score sources, linear in length), evaluated whole."""
     frozen = model if frozen == "model" else frozen
-    sites, attrs, valids = adrop.attributions(lambda: model(x, key_pad), tgt, frozen=frozen)
+    sites, attrs, valids = adrop.attributions(lambda: model(x, key_pad), tgt, frozen=frozen, dense=dense)
     assert list(sites) == [s for s in model.sites if s in adrop.sites]
     assert len(attrs) == len(valids) == len(sites)
+    if not dense:
+        assert all(isinstance(a, IntegratedGradientScores) for a in attrs) or adrop.config.attribution != "iga"
+        attrs = [_whole_map(a, x) if isinstance(a, ScoreSource) else a for a in attrs]
     return attrs, valids
+
+
+def _whole_map(source, x):
+    """A score source's (B, H, T, T) map, evaluated as one block."""
+    shape = (B, HEADS, T, T)
+    return source.scores(Block(slice(0, T), torch.ones(1, 1, 1, T, dtype=torch.bool), shape, shape, None))
+
+
+# IGA's dense maps (what the lab reads) in float64, and training's factored scores, A ⊙ (Σ dF/dO) Vᵀ / m
+# formed in float32 (as GA's per-block scores are).
+IGA_FORMS = pytest.mark.parametrize(
+    "dense, tol", [(True, dict(atol=1e-6, rtol=1e-5)), (False, dict(atol=1e-5, rtol=1e-4))], ids=["dense", "factored"]
+)
 
 
 # ---------------------------------------------------------------- GA
@@ -208,50 +226,55 @@ def _iga_reference(model, x, key_pad, m, scaled_layers, wrt):
     return maps[wrt].detach() / m * total
 
 
+@IGA_FORMS
 @pytest.mark.parametrize("layer", [0, 1])
-def test_iga_single_layer_equals_explicit_integrated_gradients(layer):
+def test_iga_single_layer_equals_explicit_integrated_gradients(layer, dense, tol):
     m = 4
     model, x, key_pad, adrop = _setup(attribution="iga", iga_steps=m, layers=str(layer), seed=3)
-    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model)
+    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model, dense=dense)
     ref = _iga_reference(model, x, key_pad, m, {layer}, layer)
     assert len(attrs) == 1
     assert ref.abs().max() > 1e-3
     # Explicit kernel path computes softmax in float32 (see test_attention.py), hence 1e-6.
-    assert torch.allclose(attrs[0].double(), ref, atol=1e-6, rtol=1e-5), (attrs[0].double() - ref).abs().max()
+    assert torch.allclose(attrs[0].double(), ref, **tol), (attrs[0].double() - ref).abs().max()
     assert all(p.grad is None for p in model.parameters())
     assert all(p.requires_grad for p in model.parameters())
 
 
-def test_iga_one_step_is_attention_times_gradient():
+@IGA_FORMS
+def test_iga_one_step_is_attention_times_gradient(dense, tol):
     model, x, key_pad, adrop = _setup(attribution="iga", iga_steps=1, seed=4)
-    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model)
+    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model, dense=dense)
     grads, maps, _ = _explicit_grads(model, x, key_pad)
     for a, g, mp in zip(attrs, grads, maps):
-        assert torch.allclose(a.double(), mp * g, atol=1e-6, rtol=1e-5)
+        assert torch.allclose(a.double(), mp * g, **tol)
 
 
-def test_iga_all_layers_equals_per_layer_integrated_gradients():
+@IGA_FORMS
+def test_iga_all_layers_equals_per_layer_integrated_gradients(dense, tol):
     # Paper Eq. 3 (Hao et al.): each layer's integral scales only that layer's map.
     m = 3
     model, x, key_pad, adrop = _setup(attribution="iga", iga_steps=m, layers="all", seed=5)
-    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model)
+    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model, dense=dense)
     for layer in range(LAYERS):
         ref = _iga_reference(model, x, key_pad, m, {layer}, layer)
-        assert torch.allclose(attrs[layer].double(), ref, atol=1e-6, rtol=1e-5), (
+        assert torch.allclose(attrs[layer].double(), ref, **tol), (
             layer,
             (attrs[layer].double() - ref).abs().max(),
         )
 
 
-def test_iga_under_hidden_dropout_integrates_one_function():
+@IGA_FORMS
+def test_iga_under_hidden_dropout_integrates_one_function(dense, tol):
     """With dropout on, every forward of one IGA step sees the same dropout draw: the result is
     the explicit integrated gradients with that one draw, and the random stream ends where one
-    forward leaves it (as after a GA pass)."""
+    forward leaves it (as after a GA pass). (The factored form rests on it: V is the same in every
+    step of a layer's integral.)"""
     m = 3
     model, x, key_pad, adrop = _setup(attribution="iga", iga_steps=m, layers="all", seed=7, model_kw={"dropout": 0.3})
     model.train()
     torch.manual_seed(11)
-    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model)
+    attrs, _ = _attributions(adrop, model, x, key_pad, frozen=model, dense=dense)
     after = torch.get_rng_state()
 
     class Reseeded(torch.nn.Module):  # every explicit forward starts from the same draw
@@ -265,7 +288,7 @@ def test_iga_under_hidden_dropout_integrates_one_function():
 
     for layer in range(LAYERS):
         ref = _iga_reference(Reseeded(), x, key_pad, m, {layer}, layer)
-        assert torch.allclose(attrs[layer].double(), ref, atol=1e-6, rtol=1e-5), (
+        assert torch.allclose(attrs[layer].double(), ref, **tol), (
             layer,
             (attrs[layer].double() - ref).abs().max(),
         )
@@ -274,7 +297,7 @@ def test_iga_under_hidden_dropout_integrates_one_function():
     assert torch.equal(after, torch.get_rng_state())
     # and the draw matters: another draw gives other attributions
     torch.manual_seed(12)
-    other, _ = _attributions(adrop, model, x, key_pad, frozen=model)
+    other, _ = _attributions(adrop, model, x, key_pad, frozen=model, dense=dense)
     assert not torch.allclose(other[0], attrs[0])
 
 

@@ -434,6 +434,35 @@ def test_ad_drop_aa_split_into_blocks_keeps_q_and_k_not_weights(small_blocks, bl
     assert all(isinstance(m, torch.Tensor) and m.shape == (2, 2, 6, 6) for m in maps)
 
 
+def test_ad_drop_iga_split_into_blocks_keeps_summed_gradients_not_maps(small_blocks, block_calls):
+    """IGA's pass 2 ranks A ⊙ (Σ_k dF/dO_k) Vᵀ / m per block: the hooks hold dF/dO sums (B, H, T, d),
+    V, q and k, and each block's region is the top-p of the dense integrated-gradient map."""
+    from attn_reg_plugin.core.block_rules import AttentionScores, IntegratedGradientScores
+
+    model = _Encoder()
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(7))
+    bias = _valid("padding", 2, 6)
+    ad_drop = ADDrop(ADDropConfig(p=0.5, q=0.5, schedule="always", attribution="iga", iga_steps=3), model.controller)
+    torch.manual_seed(3)
+    with ad_drop.masked(lambda: model(x, bias), logit_target, frozen=model) as stats:
+        rules = [site.hook.drop for site in model.sites]
+        model(x, bias).sum().backward()
+    sources = [r.source for r in rules]
+    assert all(isinstance(s, IntegratedGradientScores) and isinstance(s.weights, AttentionScores) for s in sources)
+    assert all(s.gradient.grad_output.shape == (2, 2, 6, 4) for s in sources)  # (B, H, T, d): linear in T
+    assert len(block_calls) == 2 and 0.05 < float(stats["dropped"]) / float(stats["valid"]) < 0.45
+    torch.manual_seed(3)
+    _, maps, valids = ad_drop.attributions(lambda: model(x, bias), logit_target, frozen=model)  # dense, Eq. 3
+    for source, dense, valid in zip(sources, maps, valids):
+        rule = TopRegionRule(source, 0.5, 1.0)
+        region = candidate_region(dense, valid, 0.5)
+        n = valid.expand(2, 2, 6, 6).sum(-1, keepdim=True)
+        everything = region.sum(-1, keepdim=True) == n
+        for rows_per_block in (2, 4):
+            drops = _rule_drops(rule, valid, (2, 2, 6, 6), 5, rows_per_block)
+            assert torch.equal(drops | everything & region, region), rows_per_block
+
+
 def test_ties_straddling_the_threshold_in_many_rows_take_the_lowest_keys():
     """Scores with few distinct values (a causal LM's first layer: repeated tokens share V, so their
     scores tie) in rows of different lengths: each row's region is its keys above the threshold,

@@ -166,9 +166,9 @@ def test_ad_drop_on_a_causal_model_is_the_same_with_the_flag(attribution, blocks
     x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(4))
     padding = _padding("bool", 2, 6) if padded else None
     flagged = _step(_CausalLM(True), x, padding, attribution)
-    if blocks == "several" and attribution != "iga" and not padded:
-        # Blocks of 2 rows, 4 in the backward's calls; pass 1 went to sdpa's is_causal. (IGA's maps
-        # are dense, and sdpa takes a padding mask or is_causal, not both: those build the call's.)
+    if blocks == "several" and not padded:
+        # Blocks of 2 rows, 4 in the backward's calls; pass 1 (and IGA's scaled passes) went to
+        # sdpa's is_causal. (sdpa takes a padding mask or is_causal, not both: padded calls build it.)
         assert built and max(built) <= 4, built
     explicit = _step(_CausalLM(False), x, padding, attribution)
     torch.testing.assert_close(flagged[0], explicit[0])
