@@ -60,8 +60,19 @@ def _recording_masks(*args, **kwargs):
 
 
 _ad_drop_masks = core_ad_drop.ad_drop_masks
-core_ad_drop.ad_drop_masks = _recording_masks  # GA, AA, IGA: masks from pass 1's maps
+core_ad_drop.ad_drop_masks = _recording_masks  # GA, AA: masks from pass 1's maps
 core_block_rules.ad_drop_masks = _recording_masks  # RD: drawn inside the kernel
+_whole_drops = core_block_rules.TopRegionRule.whole
+
+
+def _recording_whole(rule, valid):  # IGA: its scores ranked inside the kernel (one block per call)
+    drop = _whole_drops(rule, valid)
+    if not isinstance(rule.source, core_block_rules.RandomScores):  # RD's are recorded above
+        RECORDED.append(drop.clone())
+    return drop
+
+
+core_block_rules.TopRegionRule.whole = _recording_whole
 
 
 def build(controller):

@@ -111,7 +111,7 @@ class ADDrop:
             attribution_precision(self.config.attribution_precision),
         ):
             if method == "ga":
-                capture = CaptureOutput()
+                capture = CaptureOutput(keeps_long_causal_valid=dense)
                 # The gradient is taken inside the pass: a layer the model checkpoints itself is
                 # recomputed by it and must see the same hooks.
                 with self.controller.hooks({s: capture for s in self.sites}):
@@ -163,8 +163,11 @@ class ADDrop:
         so the sum of its m gradients dF/dA is (sum of dF/dO) V^T: each layer keeps the summed
         dF/dO (B, H, T, d), V and what its weights are recomputed from, and pass 2 ranks
         A ⊙ (sum dF/dO) V^T / m per block of queries (:class:`IntegratedGradientScores`)."""
-        first = CaptureOutput(keeps_weights=True)
-        found = self._integrate(forward, target, first, lambda a: CaptureOutput(alpha=a), output_gradients)
+        first = CaptureOutput(keeps_weights=True, keeps_long_causal_valid=False)
+        def scaled(alpha):
+            return CaptureOutput(alpha=alpha, keeps_long_causal_valid=False)
+
+        found = self._integrate(forward, target, first, scaled, output_gradients)
         if found is None:
             return None
         capture, totals = found

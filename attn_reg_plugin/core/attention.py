@@ -309,28 +309,32 @@ def _captured(call: AttentionCall, out, q, k, v, bias, scale, is_causal: bool, v
     hook = call.hook
     if hook.alpha != 1.0:
         out = out * hook.alpha
+    if not call.recompute:
+        _check_grad_mode()
+    if not out.requires_grad and torch.is_grad_enabled():
+        # Layers below the first captured one may carry no graph (parameters frozen for the
+        # attribution pass): this output is the leaf the attribution is taken of, in a checkpoint's
+        # recompute too (which must save what the forward saved).
+        out.requires_grad_(True)
     if call.recompute:
         return out, None
-    _check_grad_mode()
-    if not out.requires_grad:
-        # Layers below the first captured one may carry no graph (parameters frozen for
-        # the attribution pass): make this output the leaf the attribution is taken of.
-        out.requires_grad_(True)
     weights = None
     if hook.keeps_weights:
         scale_ = scale if scale is not None else q.shape[-1] ** -0.5
         weights = AttentionScores(q.detach(), k.detach(), bias, scale_, is_causal)
     if valid is None:
-        valid = _validity(bias, q, k, is_causal)
+        valid = _validity(bias, q, k, is_causal, hook.keeps_long_causal_valid)
     return out, Captured(output=out, values=v.detach(), valid=valid, probs=weights)
 
 
-def _validity(bias: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, is_causal: bool = False):
+def _validity(bias, q: torch.Tensor, k: torch.Tensor, is_causal: bool = False, long_causal: bool = False):
     """Valid keys of a call from the model's mask; with none, every key (the key dimension is kept,
-    since counts are taken along it). A causal map longer than one block gets None: only a dense
-    mask reads it, and the blocks make their rows' validity themselves."""
+    since counts are taken along it). A causal map longer than one block gets None unless
+    ``long_causal``: only dense attributions read it, and blocks make their rows' validity themselves."""
     if is_causal:
-        return None if blockwise_rows(q, k, None) is not None else valid_keys_from_bias(_causal_bias(bias, q, k))
+        if not long_causal and blockwise_rows(q, k, None) is not None:
+            return None
+        return valid_keys_from_bias(_causal_bias(bias, q, k))
     if bias is None:
         return torch.ones((1, 1, 1, k.shape[2]), dtype=torch.bool, device=k.device)
     return valid_keys_from_bias(bias)

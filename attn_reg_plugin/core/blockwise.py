@@ -84,6 +84,11 @@ def _keeps_softmax_stats(q, k, v, bias, call: BlockCall, bias_grad: bool) -> boo
     )
 
 
+def _accumulated(dtype: torch.dtype) -> torch.dtype:
+    """What sums over blocks (and sdpa's CPU row log-sum-exp) are kept in: float32, or float64's own."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _zero_query_rows(q_rows, uniform):
     return q_rows if uniform is None else q_rows.masked_fill(uniform, 0.0)
 
@@ -121,7 +126,7 @@ class BlockwiseAttention(torch.autograd.Function):
         # The copies live for the call; the backward saves the originals (views the model keeps).
         k_in, v_in = k, v
         k, v = k.contiguous(), v.contiguous()
-        lse = q.new_empty((b, h, t), dtype=torch.float32) if keep_stats else None
+        lse = q.new_empty((b, h, t), dtype=_accumulated(q.dtype)) if keep_stats else None
         for start in range(0, t, call.rows_per_block):
             rows = slice(start, min(t, start + call.rows_per_block))
             q_rows = q[:, :, rows]
@@ -158,12 +163,13 @@ class BlockwiseAttention(torch.autograd.Function):
         shape = (b, h, t, k.shape[2])
         if lse is not None:
             return (*_backward_from_softmax_stats(ctx, grad_out, q, k, v, bias, out, lse), None)
-        # Accumulated over blocks in float32: half-precision partial sums would round each block.
-        grad_q = torch.zeros_like(q, dtype=torch.float32) if ctx.needs_input_grad[0] else None
-        grad_k = torch.zeros_like(k, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        grad_v = torch.zeros_like(v, dtype=torch.float32) if ctx.needs_input_grad[2] else None
+        # Accumulated over blocks in at least float32: half-precision partial sums would round each block.
+        acc = _accumulated(q.dtype)
+        grad_q = torch.zeros_like(q, dtype=acc) if ctx.needs_input_grad[0] else None
+        grad_k = torch.zeros_like(k, dtype=acc) if ctx.needs_input_grad[1] else None
+        grad_v = torch.zeros_like(v, dtype=acc) if ctx.needs_input_grad[2] else None
         bias_grad = bias is not None and ctx.needs_input_grad[3]
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias_grad else None
+        grad_bias = torch.zeros_like(bias, dtype=_accumulated(bias.dtype)) if bias_grad else None
         k_leaf, v_leaf = k.detach().requires_grad_(grad_k is not None), v.detach().requires_grad_(grad_v is not None)
         for i, start in enumerate(range(0, t, call.rows_per_block)):
             rows = slice(start, min(t, start + call.rows_per_block))
@@ -212,10 +218,11 @@ def _backward_from_softmax_stats(ctx, grad_out, q, k, v, bias, out, lse):
     b, h, t, _ = q.shape
     shape = (b, h, t, k.shape[2])
     need_q, need_k, need_v = ctx.needs_input_grad[:3]
-    # Accumulated in float32: half-precision partial sums would round each block.
-    grad_q = torch.zeros_like(q, dtype=torch.float32) if need_q else None
-    grad_k = torch.zeros_like(k, dtype=torch.float32) if need_k else None
-    grad_v = torch.zeros_like(v, dtype=torch.float32) if need_v else None
+    # Accumulated in at least float32: half-precision partial sums would round each block.
+    acc = _accumulated(q.dtype)
+    grad_q = torch.zeros_like(q, dtype=acc) if need_q else None
+    grad_k = torch.zeros_like(k, dtype=acc) if need_k else None
+    grad_v = torch.zeros_like(v, dtype=acc) if need_v else None
     blocks = len(ctx.states)
     group = _backward_group(call, q.shape[-1], ctx.states)
     for first in range(0, blocks, group):

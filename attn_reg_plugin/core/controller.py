@@ -39,6 +39,9 @@ class CaptureOutput:
 
     alpha: float = 1.0
     keeps_weights: bool = False
+    # A causal map longer than one block has its (T, S) validity made only for dense attributions;
+    # training ranks it per block, which makes each block's own.
+    keeps_long_causal_valid: bool = True
     sites: List[AttentionSite] = field(default_factory=list)
     outputs: List[torch.Tensor] = field(default_factory=list)
     values: List[torch.Tensor] = field(default_factory=list)
@@ -120,7 +123,9 @@ def changes_output(hook: Optional[Hook]) -> bool:
     repeated by a checkpoint's recompute (a capture's gradient is taken inside its pass)."""
     if isinstance(hook, EditScores):
         return hook.drop is not None or hook.uniform_rows is not None
-    return isinstance(hook, (CaptureProbs, CaptureOutput)) and hook.alpha != 1.0
+    # A scaled CaptureOutput changes its output too, but its gradient, like GA's, is taken of that
+    # output itself, inside the pass: a checkpoint may recompute it or not (nothing after it saved).
+    return isinstance(hook, CaptureProbs) and hook.alpha != 1.0
 
 
 @dataclass(frozen=True)

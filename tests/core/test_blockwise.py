@@ -628,3 +628,31 @@ def test_backward_groups_of_blocks_equal_one_backward_call_per_block(kind, layer
     assert torch.equal(out, out_)
     for a, e in zip(grads, grads_):
         torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("learned_bias", [False, True], ids=["lse-backward", "recompute-backward"])
+def test_float64_blocks_keep_float64(learned_bias, monkeypatch):
+    """float64 through blocks: the row log-sum-exp and the sums over blocks stay float64 (sdpa's CPU
+    backward takes a float64 log-sum-exp for float64 inputs), equal to one block to float64 rounding;
+    a bias that needs a gradient takes the backward that recomputes each block."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 2, 7, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    bias = torch.zeros(2, 1, 7, 7, dtype=torch.float64).masked_fill(~_valid("causal", 2, 7), -1e9)
+    bias = bias + 0.1 * torch.randn(bias.shape, generator=g, dtype=torch.float64)
+    results = []
+    for split in (True, False):
+        with monkeypatch.context() as patched:
+            if split:
+                patched.setattr(block_rules, "CHUNK_ROWS", 2)
+                patched.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+                patched.setattr(blockwise, "LINEAR_FACTOR", 0)
+                patched.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v, bias)]
+            leaves[3].requires_grad_(learned_bias)
+            drop = torch.rand(2, 2, 7, 7, generator=torch.Generator().manual_seed(1)) < 0.3
+            out, _ = attend(*leaves, site=site_with_hook(EditScores(drop=drop)))
+            out.sum().backward()
+            results.append([out, *(x.grad for x in leaves if x.requires_grad)])
+    for a, e in zip(*results):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, e, atol=1e-12, rtol=1e-10)

@@ -4,6 +4,7 @@ without one."""
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from attn_reg_plugin.core import attention, block_masks, block_rules, blockwise, masks
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
@@ -115,22 +116,29 @@ class _CausalLM(torch.nn.Module):
     """Two causal self-attention layers over a right-padded batch; the causal part is given as
     ``is_causal`` or folded into the bias."""
 
-    def __init__(self, flag: bool, width=8, heads=2):
+    def __init__(self, flag: bool, checkpointed=False, need_weights=False, width=8, heads=2):
         super().__init__()
         torch.manual_seed(0)
-        self.flag, self.heads = flag, heads
+        self.flag, self.checkpointed, self.need_weights, self.heads = flag, checkpointed, need_weights, heads
         self.controller = RegularizationController()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(width, 3 * width) for _ in range(2))
+        self.projections = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(2))
         self.sites = [self.controller.register("decoder-self", i) for i in range(2)]
         self.out = torch.nn.Linear(width, 3)
 
-    def forward(self, x, padding):
+    def _layer(self, i, x, bias):
         b, t, w = x.shape
-        bias = padding if self.flag else _explicit(padding, t, t)
+        q, k, v = self.layers[i](x).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        o, _ = attend(q, k, v, bias, site=self.sites[i], is_causal=self.flag, need_weights=self.need_weights)
+        return x + self.projections[i](o.transpose(1, 2).reshape(b, t, w))
+
+    def forward(self, x, padding):
+        bias = padding if self.flag else _explicit(padding, x.shape[1], x.shape[1])
         for i in range(2):
-            q, k, v = self.layers[i](x).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
-            o, _ = attend(q, k, v, bias, site=self.sites[i], is_causal=self.flag)
-            x = x + o.transpose(1, 2).reshape(b, t, w)
+            if self.checkpointed:  # the recompute must save what the forward saved (a projection follows)
+                x = checkpoint(self._layer, i, x, bias, use_reentrant=False)
+            else:
+                x = self._layer(i, x, bias)
         return self.out(x.mean(1))
 
 
@@ -175,6 +183,38 @@ def test_ad_drop_on_a_causal_model_is_the_same_with_the_flag(attribution, blocks
     for a, e in zip(flagged[1], explicit[1]):
         torch.testing.assert_close(a, e)
     assert flagged[2:] == explicit[2:] and flagged[2] > 0
+
+
+@pytest.mark.parametrize("attribution", ["ga", "aa", "rd", "iga"])
+@pytest.mark.parametrize("blocks", ["one", "several"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_ad_drop_with_checkpointed_layers_is_the_same(attribution, blocks, need_weights, monkeypatch):
+    """torch.utils.checkpoint (non-reentrant) around each layer, inside the training step: IGA's
+    scaled captures (which a checkpoint may or may not recompute) and captures whose output is a
+    fresh leaf (parameters frozen below) give the unchecked step's loss, counts and gradients, on the
+    fast path and the explicit one (need_weights), with left padding."""
+    if blocks == "several":
+        _small_blocks(monkeypatch)
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(4))
+    left = (torch.arange(6)[None, :] >= torch.tensor([0, 3])[:, None]).view(2, 1, 1, 6)
+    plain = _step(_CausalLM(True, need_weights=need_weights), x, left, attribution)
+    checkpointed = _step(_CausalLM(True, checkpointed=True, need_weights=need_weights), x, left, attribution)
+    torch.testing.assert_close(checkpointed[0], plain[0])
+    for a, e in zip(checkpointed[1], plain[1]):
+        torch.testing.assert_close(a, e)
+    assert checkpointed[2:] == plain[2:] and plain[2] > 0
+
+
+def test_dense_ga_attributions_of_a_long_causal_map_keep_its_validity(monkeypatch):
+    """The lab's tools read attributions(dense=True) with each map's validity, also for a causal map
+    longer than one block (training's per-block ranking does without it)."""
+    _small_blocks(monkeypatch)
+    model = _CausalLM(True)
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(4))
+    ad_drop = ADDrop(ADDropConfig(p=0.3, q=0.5, schedule="always"), model.controller)
+    _, maps, valids = ad_drop.attributions(lambda: model(x, None), logit_target, frozen=model)
+    assert all(m.shape == (2, 2, 6, 6) for m in maps)
+    assert all(torch.equal(v.expand(1, 1, 6, 6), _explicit(None, 6, 6)) for v in valids)
 
 
 def test_the_blockwise_causal_mask_is_built_per_block(monkeypatch):

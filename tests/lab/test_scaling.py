@@ -10,24 +10,25 @@ from attn_reg_lab import scaling
 from attn_reg_lab.benchmark.measure import cpu_step_peak_bytes
 
 
-def _extra_memory(length: int) -> float:
-    """GA's step peak above plain's, in bytes, on model (a) at ``length`` tokens (this process)."""
+def _extra_memory(length: int, attribution: str) -> float:
+    """AD-DROP's step peak above plain's, in bytes, on model (a) at ``length`` tokens (this process)."""
     peaks = {}
-    for method in ("plain", "ga"):
+    for method in ("plain", attribution):
         spec = dict(model="a", method=method, length=length, seed=1, iga_steps=3)
         step, _ = scaling._core_step(spec)
         step()  # optimizer state and allocator caches exist before the measured step
         peaks[method] = cpu_step_peak_bytes(step)
-    return peaks["ga"] - peaks["plain"]
+    return peaks[attribution] - peaks["plain"]
 
 
-def test_ad_drop_extra_memory_is_linear_in_length():
+@pytest.mark.parametrize("attribution", ["ga", "iga"])
+def test_ad_drop_extra_memory_is_linear_in_length(attribution):
     """At 1,024 and 2,048 tokens the maps are several blocks of the kernel: doubling the length at most
     about doubles what AD-DROP holds beyond plain (dense maps would quadruple it)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        at_t, at_2t = _extra_memory(1024), _extra_memory(2048)
+        at_t, at_2t = _extra_memory(1024, attribution), _extra_memory(2048, attribution)
     finally:
         torch.set_num_threads(threads)
     assert at_t > 0
