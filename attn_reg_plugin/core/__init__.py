@@ -13,7 +13,8 @@ This is also the porting API for your own model (no fairseq or transformers need
 
        out, _ = attend(q, k, v, bias=mask, dropout_p=p if self.training else 0.0, site=self.site)
 
-   ``mask``: bool (True = may attend) or additive float, broadcastable to (B, H, T, S). With no
+   ``mask``: bool (True = may attend) or additive float, broadcastable to (B, H, T, S); a causal
+   self-attention may pass ``is_causal=True`` (sdpa's flag) instead of the causal mask. With no
    regularizer pass running this is ``F.scaled_dot_product_attention`` and next to nothing else
    (``attend`` checks that first), so the plugin costs an idle model nothing.
 
