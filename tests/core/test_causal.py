@@ -60,33 +60,59 @@ HOOKS = {
 def test_the_causal_flag_equals_the_causal_mask_as_a_bias(hook_name, bias_kind, t, s, need_weights, monkeypatch):
     """Queries aligned to the last keys (a cache: T < S) and rows without a valid key (T > S: they
     give 0), with a padding bias of either convention, on the ordinary, dense and blockwise paths."""
+    _flag_against_mask(hook_name, bias_kind, t, s, need_weights, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("hook_name", list(HOOKS))
+@pytest.mark.parametrize("bias_kind", [None, "bool"])
+@pytest.mark.parametrize("t,s", [(6, 6), (4, 6), (6, 4)], ids=["T=S", "cache", "more-queries"])
+def test_the_causal_flag_on_cuda_equals_the_causal_mask(dtype, hook_name, bias_kind, t, s, monkeypatch):
+    """On CUDA: sdpa's is_causal, blocks whose key span is arithmetic (no host read), integer coins
+    from a CUDA generator, rows without a valid key; in half precision too."""
+    _flag_against_mask(hook_name, bias_kind, t, s, False, monkeypatch, device="cuda", dtype=dtype)
+
+
+TOLERANCE = {
+    torch.float32: dict(atol=1e-6, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=1e-2),
+    torch.bfloat16: dict(atol=2e-2, rtol=5e-2),
+}
+
+
+def _flag_against_mask(hook_name, bias_kind, t, s, need_weights, monkeypatch, device="cpu", dtype=torch.float32):
     if "blocks" in hook_name:
         _small_blocks(monkeypatch)
     g = torch.Generator().manual_seed(1)
     b, h, d = 2, 2, 4
-    q = torch.randn(b, h, t, d, generator=g)
-    k, v = (torch.randn(b, h, s, d, generator=g) for _ in range(2))
+    q = torch.randn(b, h, t, d, generator=g).to(device, dtype)
+    k, v = (torch.randn(b, h, s, d, generator=g).to(device, dtype) for _ in range(2))
     bias = _padding(bias_kind, b, s)
+    bias = None if bias is None else bias.to(device)
     results = []
     for causal in (True, False):
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         hook = HOOKS[hook_name](b, h, t, s)
+        if hook is not None and isinstance(hook.drop, torch.Tensor):
+            hook = EditScores(drop=hook.drop.to(device), stats=hook.stats)
         torch.manual_seed(7)  # a hand-set drawing hook takes its seed from the global stream
         out, weights = attend(
             *leaves,
-            bias if causal else _explicit(bias, t, s),
+            bias if causal else _explicit(bias, t, s).to(device),
             site=site_with_hook(hook),
             need_weights=need_weights,
             is_causal=causal,
         )
-        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        (out.float() * torch.linspace(-1, 1, out.numel(), device=device).view(out.shape)).sum().backward()
         counts = None if hook is None else [int(c) for c in hook.stats]
         results.append((out, weights, [x.grad for x in leaves], counts))
     (out, weights, grads, counts), (out_, weights_, grads_, counts_) = results
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, out_, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, out_, **TOLERANCE[dtype])
     for a, e in zip(grads, grads_):
-        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a, e, **TOLERANCE[dtype])
     if need_weights:
         torch.testing.assert_close(weights, weights_)
     assert counts == counts_
