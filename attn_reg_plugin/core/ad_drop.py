@@ -164,6 +164,7 @@ class ADDrop:
         dF/dO (B, H, T, d), V and what its weights are recomputed from, and pass 2 ranks
         A ⊙ (sum dF/dO) V^T / m per block of queries (:class:`IntegratedGradientScores`)."""
         first = CaptureOutput(keeps_weights=True, keeps_long_causal_valid=False)
+
         def scaled(alpha):
             return CaptureOutput(alpha=alpha, keeps_long_causal_valid=False)
 
