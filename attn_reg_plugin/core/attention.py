@@ -45,10 +45,9 @@ from .controller import (  # noqa: F401
 from .masks import (
     MASKED_BIAS,
     additive_mask,
-    causal_allowed,
+    causal_bias,
     mask_fill_value,
     may_hold_true,
-    restrict_bias,
     valid_keys_from_bias,
 )
 
@@ -194,7 +193,7 @@ def attention_kernel(
 def _causal_bias(bias, q, k):
     """The (T, S) bias of a causal call: ``bias`` with future keys disallowed too."""
     t, s = q.shape[2], k.shape[2]
-    return restrict_bias(bias, causal_allowed(slice(0, t), s, t, s, q.device))
+    return causal_bias(bias, slice(0, t), s, t, s, q.device)
 
 
 def _without_prepared_bias(
@@ -220,9 +219,9 @@ def _without_prepared_bias(
         out = _ordinary_attention(q, k, v, bias, 0.0, scale, is_causal)
         if call.recompute:
             return out, None
-        scale_ = scale if scale is not None else q.shape[-1] ** -0.5
-        scores = AttentionScores(q.detach(), k.detach(), bias, scale_, is_causal)
-        return out, Captured(probs=scores, valid=_validity(bias, q, k, is_causal))
+        return out, Captured(
+            probs=_weights_source(q, k, bias, scale, is_causal), valid=_validity(bias, q, k, is_causal)
+        )
     return None
 
 
@@ -318,13 +317,16 @@ def _captured(call: AttentionCall, out, q, k, v, bias, scale, is_causal: bool, v
         out.requires_grad_(True)
     if call.recompute:
         return out, None
-    weights = None
-    if hook.keeps_weights:
-        scale_ = scale if scale is not None else q.shape[-1] ** -0.5
-        weights = AttentionScores(q.detach(), k.detach(), bias, scale_, is_causal)
+    weights = _weights_source(q, k, bias, scale, is_causal) if hook.keeps_weights else None
     if valid is None:
         valid = _validity(bias, q, k, is_causal, hook.keeps_long_causal_valid)
     return out, Captured(output=out, values=v.detach(), valid=valid, probs=weights)
+
+
+def _weights_source(q, k, bias, scale: Optional[float], is_causal: bool) -> AttentionScores:
+    """What a call's attention weights are recomputed from per block (AA's long map, IGA's)."""
+    scale_ = scale if scale is not None else q.shape[-1] ** -0.5
+    return AttentionScores(q.detach(), k.detach(), bias, scale_, is_causal)
 
 
 def _validity(bias, q: torch.Tensor, k: torch.Tensor, is_causal: bool = False, long_causal: bool = False):

@@ -12,10 +12,9 @@ import torch
 from . import block_rules
 from .block_rules import Block, BlockRule, block_bias, keys_of, rows_of
 from .masks import (
-    causal_allowed,
+    additive_mask,
+    causal_bias,
     causal_key_span,
-    mask_fill_value,
-    restrict_bias,
     uniform_instead_of_empty,
     unpack_bits,
     valid_keys_from_bias,
@@ -90,7 +89,7 @@ def block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=No
     span = s
     if call.causal:  # the block's rows of the causal mask, over the keys they may attend only
         span = causal_key_span(rows, t, s)
-        bias_rows = restrict_bias(keys_of(bias_rows, span), causal_allowed(rows, span, t, s, q_rows.device))
+        bias_rows = causal_bias(keys_of(bias_rows, span), rows, span, t, s, q_rows.device)
     if bias_rows is None:  # every key valid; the key dimension is kept, since rules count along it
         valid = torch.ones((1, 1, 1, span), dtype=torch.bool, device=q_rows.device)
     else:
@@ -101,17 +100,15 @@ def block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=No
         drop, uniform = unpack_bits(state.bits, keys), state.uniform
     else:
         drop, uniform, state = rule_drops(call, valid, rows, shape, keys, state, fresh_state)
-    fill = mask_fill_value(q_rows.dtype)
     if drop is not None and (bias_rows is None or bias_rows.dtype == torch.bool):
         # Drops lie within the valid keys, so the mask is the fill wherever a key is dropped or not
-        # valid: one cast from bytes (a CPU casts uint8 to float ~3x faster than bool) and a scale.
-        disallowed = drop if bias_rows is None else drop | ~valid
-        part = disallowed.view(torch.uint8).to(q_rows.dtype).mul_(fill)
+        # valid: one cast and a scale.
+        part = additive_mask(drop if bias_rows is None else drop | ~valid, q_rows.dtype)
     else:
         # The additive bias of the keys the block covers only (half of a causal call's).
         part, _ = block_bias(keys_of(bias_rows, keys), q_rows.dtype, None if bias_rows is None else valid)
         if drop is not None:  # a float bias: the drops' fill added to it in place
-            additive = drop.view(torch.uint8).to(q_rows.dtype).mul_(fill)
+            additive = additive_mask(drop, q_rows.dtype)
             fits = torch.broadcast_shapes(additive.shape, part.shape) == additive.shape
             part = additive.add_(part) if fits else additive + part
     keyless = None if bias_rows is None else ~valid.any(-1, keepdim=True)

@@ -26,13 +26,12 @@ import torch
 
 from .masks import (
     ad_drop_masks,
-    causal_allowed,
+    causal_bias,
     ceil_of_product,
     decimal_fraction,
     keep_one_valid_key,
     mask_fill_value,
     may_hold_true,
-    restrict_bias,
     valid_keys_from_bias,
 )
 from .row_selection import kth_largest, lowest_keys_first
@@ -247,7 +246,7 @@ class AttentionScores(ScoreSource):
         bias_rows = keys_of(rows_of(self.bias, block.rows), keys)
         if self.causal:
             _, _, t, s = block.call_shape
-            bias_rows = restrict_bias(bias_rows, causal_allowed(block.rows, keys, t, s, q_rows.device))
+            bias_rows = causal_bias(bias_rows, block.rows, keys, t, s, q_rows.device)
         part, _ = block_bias(bias_rows, q_rows.dtype)
         if part is not None:
             logits = logits + part

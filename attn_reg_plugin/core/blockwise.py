@@ -84,6 +84,11 @@ def _keeps_softmax_stats(q, k, v, bias, call: BlockCall, bias_grad: bool) -> boo
     )
 
 
+def _block_rows(call: BlockCall, t: int) -> List[slice]:
+    """The query rows of each block of a call of ``t`` queries, in order."""
+    return [slice(start, min(t, start + call.rows_per_block)) for start in range(0, t, call.rows_per_block)]
+
+
 def _accumulated(dtype: torch.dtype) -> torch.dtype:
     """What sums over blocks (and sdpa's CPU row log-sum-exp) are kept in: float32, or float64's own."""
     return torch.promote_types(dtype, torch.float32)
@@ -127,8 +132,7 @@ class BlockwiseAttention(torch.autograd.Function):
         k_in, v_in = k, v
         k, v = k.contiguous(), v.contiguous()
         lse = q.new_empty((b, h, t), dtype=_accumulated(q.dtype)) if keep_stats else None
-        for start in range(0, t, call.rows_per_block):
-            rows = slice(start, min(t, start + call.rows_per_block))
+        for rows in _block_rows(call, t):
             q_rows = q[:, :, rows]
             m = block_masks(call, q_rows, rows_of(bias, rows), rows, shape, fresh_state=True)
             if keep_drops and m.drop is not None:
@@ -171,8 +175,7 @@ class BlockwiseAttention(torch.autograd.Function):
         bias_grad = bias is not None and ctx.needs_input_grad[3]
         grad_bias = torch.zeros_like(bias, dtype=_accumulated(bias.dtype)) if bias_grad else None
         k_leaf, v_leaf = k.detach().requires_grad_(grad_k is not None), v.detach().requires_grad_(grad_v is not None)
-        for i, start in enumerate(range(0, t, call.rows_per_block)):
-            rows = slice(start, min(t, start + call.rows_per_block))
+        for i, rows in enumerate(_block_rows(call, t)):
             q_rows = q[:, :, rows].detach().requires_grad_(grad_q is not None)
             bias_rows = rows_of(bias, rows)
             if bias_grad:  # the block's rows stand for the bias, so their gradient is the block's
@@ -259,9 +262,7 @@ def _group_masks(call: BlockCall, q, bias, shape, states, first: int, group: int
     ``first .. first + group - 1`` as one call, from their kept drops stacked (:func:`_stacked_drops`)."""
     b, h, t, _ = shape
     blocks = states[first : first + group]
-    spans = [
-        slice(i * call.rows_per_block, min(t, (i + 1) * call.rows_per_block)) for i in range(first, first + len(blocks))
-    ]
+    spans = _block_rows(call, t)[first : first + len(blocks)]
     rows = slice(spans[0].start, spans[-1].stop)
     state = blocks[0] if len(blocks) == 1 else _stacked_drops(blocks, spans, b, h, q.device)
     m = block_masks(call, q[:, :, rows], rows_of(bias, rows), rows, shape, state)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from attn_reg_plugin.core import attention, block_masks, block_rules, blockwise, masks
+from attn_reg_plugin.core import block_rules, blockwise, masks
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attention import CaptureOutput, EditScores, attend, zero_counts
 from attn_reg_plugin.core.attribution import logit_target
@@ -192,8 +192,7 @@ def test_ad_drop_on_a_causal_model_is_the_same_with_the_flag(attribution, blocks
         built.append(rows.stop - rows.start)
         return allowed(rows, *args)
 
-    for module in (masks, block_masks, block_rules, attention):  # every module that builds one
-        monkeypatch.setattr(module, "causal_allowed", recorded)
+    monkeypatch.setattr(masks, "causal_allowed", recorded)  # masks.causal_bias builds every causal mask
     if blocks == "several":
         _small_blocks(monkeypatch)
         monkeypatch.setattr(blockwise, "BACKWARD_ROWS_PER_DIM", 1)  # backward calls of 2 blocks (d = 4)
