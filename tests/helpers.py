@@ -506,7 +506,7 @@ def torchrun_ranks(script, out_dir, *args, world=2, env=None, timeout=600):
         env={**RANK_ENV, **(env or {})}, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:]
-    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 
 def classification_rows(n, seed, vocab=50, min_length=4, length_spread=5, causal=False):
