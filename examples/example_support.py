@@ -172,11 +172,14 @@ def ad_drop_config(args):
 
 def hf_trainer(method: str, args, output_dir: Path, seq2seq: bool = False, **trainer_kwargs):
     """A stock (Seq2Seq)Trainer for ``plain``, ``ADDrop(Seq2Seq)Trainer`` for ``ad-drop``; both log and
-    evaluate once per epoch with the same arguments (``args.lr``, ``epochs``, ``batch_size``, ``seed``, ``fp16``)."""
+    evaluate once per epoch with the same arguments (``args.lr``, ``epochs``, ``batch_size``, ``seed``, ``fp16``,
+    and where the script has them ``bf16`` and ``gradient_checkpointing``)."""
+    import torch
     import transformers
 
     from attn_reg_plugin.hf import ADDropSeq2SeqTrainer, ADDropTrainer
 
+    bf16 = getattr(args, "bf16", False)
     arguments = (transformers.Seq2SeqTrainingArguments if seq2seq else transformers.TrainingArguments)(
         output_dir=str(output_dir),
         learning_rate=args.lr,
@@ -189,6 +192,10 @@ def hf_trainer(method: str, args, output_dir: Path, seq2seq: bool = False, **tra
         report_to=[],
         seed=args.seed,
         fp16=args.fp16,
+        bf16=bf16,
+        # transformers refuses bf16 without a bf16 GPU unless told to train on the CPU
+        use_cpu=bf16 and not torch.cuda.is_available(),
+        gradient_checkpointing=getattr(args, "gradient_checkpointing", False),
         remove_unused_columns=False,
         disable_tqdm=True,
     )

@@ -3,6 +3,8 @@
 
     python examples/decoder_lm/sft.py --model Qwen/Qwen2-0.5B --out outputs/sft-qwen2 --fp16
     python examples/decoder_lm/sft.py --model meta-llama/Llama-3.2-1B --out outputs/sft-llama --lora 16
+    python examples/decoder_lm/sft.py --model Qwen/Qwen2-0.5B --out outputs/sft-long --bf16 \
+        --gradient-checkpointing --max-length 4096 --batch-size 1
 
 The task is the shipped EN-RO corpus as instructions: the prompt ``Translate to Romanian: <en>``
 and a newline, the response the Romanian sentence and the end-of-text token. The causal-LM loss
@@ -10,8 +12,11 @@ counts the response only (prompt and padding labels are -100). Each method start
 checkpoint and seed: ``plain`` runs the stock Trainer, ``ad-drop`` ``ADDropTrainer``, whose
 ``attention="auto"`` is the model's decoder self-attention and whose attribution target is the
 negative pseudo-label loss of the response tokens. ``--lora R`` trains peft LoRA adapters of rank
-R on the attention projections instead of every weight (``pip install ".[peft]"``). Prints the
-dev loss per epoch, the AD-DROP rate, and greedy continuations of a few dev prompts.
+R on the attention projections instead of every weight (``pip install ".[peft]"``). ``--bf16`` /
+``--fp16`` train under the Trainer's autocast (bf16 on a machine without CUDA trains on the CPU),
+``--gradient-checkpointing`` recomputes each layer in the backward (the regularizers stay exact),
+``--max-length`` is the token budget per example. Prints the dev loss per epoch, the AD-DROP rate,
+and greedy continuations of a few dev prompts.
 """
 
 from __future__ import annotations
@@ -49,7 +54,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--fp16", action="store_true")
+    precision = ap.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true", help="mixed precision (autocast) in float16")
+    precision.add_argument("--bf16", action="store_true", help="mixed precision (autocast) in bfloat16")
+    ap.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each decoder layer in the backward: activation memory for time, at long --max-length",
+    )
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank on the attention projections; 0 = full fine-tuning")
     ap.add_argument("--samples", type=int, default=3, help="dev prompts continued greedily after training")
     add_ad_drop_options(ap)  # the config's defaults: p = q = 0.2, all decoder layers
