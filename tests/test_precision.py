@@ -18,13 +18,16 @@ import transformers
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from helpers import (
     TINY_TRANSFORMER,
+    classification_rows,
     classifier_rows,
     cpu_fp16,
     fairseq_train,
     tiny_bert_classifier,
+    tiny_llama,
     train_updates,
 )
 
@@ -159,3 +162,75 @@ def test_hf_precision(tmp_path, regularizer, precision):
     if regularizer != "attendout":
         assert sum(h[key] for h in logs) > 0
     print(f"HF {precision} {regularizer}: {[(round(h['loss'], 4), h[key]) for h in logs]}")
+
+
+# -- mixed precision through the blockwise kernel --------------------------------------------------
+def _blocks_of_two_rows(monkeypatch):
+    """Every regularized call runs block by block (2 query rows a block), as long calls do."""
+    from attn_reg_plugin.core import block_rules, blockwise
+
+    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
+
+
+LM_REGULARIZER = {
+    **{
+        f"ad-drop-{attribution}": (
+            lambda common, a=attribution: ADDropTrainer(
+                **common, ad_drop=ADDropConfig(p=0.3, q=0.5, schedule="always", attribution=a)
+            ),
+            "ad_drop_rate",
+        )
+        for attribution in ("ga", "iga", "aa", "rd")
+    },
+    "ad-drop-ga-fp32-attribution": (
+        lambda common: ADDropTrainer(
+            **common, ad_drop=ADDropConfig(p=0.3, q=0.5, schedule="always", attribution_precision="fp32")
+        ),
+        "ad_drop_rate",
+    ),
+    "scheduled-dropout": (
+        lambda common: AttnRegTrainer(**common, scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.3")),
+        "attn_sched_dropout_rate",
+    ),
+    "layerdrop": (
+        lambda common: AttnRegTrainer(**common, layerdrop=AttentionLayerDropConfig(p=0.5)),
+        "attn_layerdrop_rate",
+    ),
+    "attendout": (
+        lambda common: AttendOutTrainer(
+            **common, eval_dataset=classification_rows(4, 2, causal=True), attendout=AttendOutConfig(dropout_step=2)
+        ),
+        "attendout_attacker_loss",
+    ),
+}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("regularizer", list(LM_REGULARIZER))
+def test_hf_mixed_precision_through_blocks(tmp_path, monkeypatch, regularizer, precision):
+    """A causal LM's whole Trainer step under the Trainer's autocast, every regularized call split
+    into blocks: the kernel's backward runs in its forward's dtypes (bf16=True crashed it), and
+    attribution_precision fp32 turns the Trainer's autocast off for the attribution pass."""
+    _blocks_of_two_rows(monkeypatch)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=not CUDA,
+        report_to=[],
+        max_steps=3,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        save_strategy="no",
+        **{precision: True},
+    )
+    build, key = LM_REGULARIZER[regularizer]
+    trainer = build(dict(model=tiny_llama(), args=args, train_dataset=classification_rows(6, 1, causal=True)))
+    if precision == "fp16" and not CUDA:
+        cpu_fp16(trainer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and key in h]
+    assert len(logs) == 3 and all(math.isfinite(h["loss"]) and math.isfinite(h[key]) for h in logs)
+    if regularizer != "attendout":
+        assert sum(h[key] for h in logs) > 0

@@ -292,8 +292,19 @@ def _stacked_rows(flags, spans, b: int, h: int, device) -> Optional[torch.Tensor
 
 
 def blockwise_attention(q, k, v, bias, call: BlockCall) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(output (B, H, T, d), dropped, droppable) of a regularized call, block by block."""
-    return BlockwiseAttention.apply(q, k, v, bias, call)
+    """(output (B, H, T, d), dropped, droppable) of a regularized call, block by block.
+
+    Under autocast the call runs in autocast's dtype, as sdpa itself would: q, k and v are cast
+    here (differentiably, so their gradients come back in their own dtypes) and autocast is off
+    inside. The backward runs outside any autocast, so the function must not depend on it: it
+    then sees the very dtypes its forward saw."""
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return BlockwiseAttention.apply(q, k, v, bias, call)
+    dtype = torch.get_autocast_dtype(device)
+    q, k, v = (x.to(dtype) if x.is_floating_point() else x for x in (q, k, v))
+    with torch.autocast(device, enabled=False):
+        return BlockwiseAttention.apply(q, k, v, bias, call)
 
 
 def blockwise_rows(q: torch.Tensor, k: torch.Tensor, drop) -> Optional[int]:

@@ -150,7 +150,7 @@ class ADDropTrainerMixin:
         )
         target = self.ad_drop_target(bare, inputs)
         fwd_inputs = self.ad_drop_forward_inputs(bare, inputs)
-        with self.ad_drop.masked(lambda: bare(**fwd_inputs), target, frozen=bare) as stats:
+        with self.ad_drop.masked(lambda: self._attribution_forward(bare, fwd_inputs), target, frozen=bare) as stats:
             result = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
@@ -159,6 +159,21 @@ class ADDropTrainerMixin:
         self._ad_drop_valid = self._ad_drop_valid + stats["valid"].detach()
         self._ad_drop_skipped = self._ad_drop_skipped + stats["skipped"]
         return result
+
+    def _attribution_forward(self, bare, inputs: Dict[str, Any]):
+        """Pass 1's forward. With a mixed-precision Trainer, accelerate wraps the model's forward in
+        the Trainer's autocast, which would override the attribution pass's own precision (fp32:
+        autocast off); an explicit precision runs the forward accelerate wrapped (kept in
+        ``_original_forward``), with the module's hooks still called."""
+        original = bare.__dict__.get("_original_forward")
+        if self.ad_drop.config.attribution_precision == "auto" or original is None:
+            return bare(**inputs)
+        wrapped = bare.__dict__["forward"]
+        bare.forward = original
+        try:
+            return bare(**inputs)
+        finally:
+            bare.forward = wrapped
 
     def ad_drop_counts(self) -> Tuple[int, int, int]:
         """Dropped and valid attention positions, and skipped steps, since the last log, summed over all processes.
