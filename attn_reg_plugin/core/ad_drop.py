@@ -126,7 +126,7 @@ class ADDrop:
                     # Contiguous: each block multiplies them, ~3x faster than on the model's layout
                     # (and a copy of V frees the fused projection output it may be a view of).
                     GradientScores(g.contiguous(), v.contiguous())
-                    if not dense and blockwise_rows(g, v, None)
+                    if not dense and blockwise_rows(g, v)
                     else dense_gradient_attribution(g, v)
                     for g, v in zip(grads, capture.values)
                 ]

@@ -204,7 +204,7 @@ def _without_prepared_bias(
     None of them builds a causal call's (T, S) mask unless the map is one block."""
     hook = call.hook
     if isinstance(hook, EditScores):
-        rows = blockwise_rows(q, k, hook.drop)
+        rows = blockwise_rows(q, k)
         if rows is not None:  # maps larger than a block: drops regenerated per block of queries
             return _blockwise_edit(call, q, k, v, bias, dropout_p, scale, rows, is_causal)
     if not fast_masks:
@@ -214,7 +214,7 @@ def _without_prepared_bias(
         # the ordinary path's bits, with the output kept for the attribution.
         out = _ordinary_attention(q, k, v, bias, 0.0, scale, is_causal)
         return _captured(call, out, q, k, v, bias, scale, is_causal)
-    if _keeps_inputs(hook, q, k, False):
+    if _keeps_inputs(hook, q, k):
         # AA on a long map: keep q, k and the bias, not the weights; pass 2 recomputes them per block.
         out = _ordinary_attention(q, k, v, bias, 0.0, scale, is_causal)
         if call.recompute:
@@ -334,7 +334,7 @@ def _validity(bias, q: torch.Tensor, k: torch.Tensor, is_causal: bool = False, l
     since counts are taken along it). A causal map longer than one block gets None unless
     ``long_causal``: only dense attributions read it, and blocks make their rows' validity themselves."""
     if is_causal:
-        if not long_causal and blockwise_rows(q, k, None) is not None:
+        if not long_causal and blockwise_rows(q, k) is not None:
             return None
         return valid_keys_from_bias(_causal_bias(bias, q, k))
     if bias is None:
@@ -342,15 +342,15 @@ def _validity(bias, q: torch.Tensor, k: torch.Tensor, is_causal: bool = False, l
     return valid_keys_from_bias(bias)
 
 
-def _keeps_inputs(hook, q: torch.Tensor, k: torch.Tensor, need_weights: bool) -> bool:
-    """Whether this call is AA's capture of a map longer than one block of the kernel."""
+def _keeps_inputs(hook, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether this call (one that returns no weights) is AA's capture of a map longer than one
+    block of the kernel."""
     return (
         isinstance(hook, CaptureProbs)
         and hook.inputs_when_long
-        and not need_weights
         and not hook.requires_grad
         and hook.alpha == 1.0
-        and blockwise_rows(q, k, None) is not None
+        and blockwise_rows(q, k) is not None
     )
 
 

@@ -144,14 +144,6 @@ def dense_gradient_attribution(grad_output: torch.Tensor, values: torch.Tensor) 
         return torch.matmul(grad_output, values.float().transpose(-2, -1))
 
 
-def gradient_attribution(
-    target: torch.Tensor, capture: CaptureOutput, scale: Optional[GradientScale] = None
-) -> List[torch.Tensor]:
-    """dF/dA for every captured layer from ONE autograd call: (dF/dO) V^T (:func:`output_gradients`)."""
-    grads = output_gradients(target, capture, scale)
-    return [dense_gradient_attribution(g, v) for g, v in zip(grads, capture.values)]
-
-
 def probs_gradient(
     target: torch.Tensor, capture: CaptureProbs, scale: Optional[GradientScale] = None
 ) -> List[torch.Tensor]:

@@ -357,9 +357,7 @@ def rule_of(drop) -> Optional[BlockRule]:
     """The :class:`BlockRule` of an ``EditScores.drop``: a rule, a dense bool mask, or None."""
     if drop is None or isinstance(drop, BlockRule):
         return drop
-    if isinstance(drop, torch.Tensor):
-        return DenseRule(drop)
-    return None  # a plain callable: evaluated whole (one block)
+    return DenseRule(drop)
 
 
 __all__: Sequence[str] = (

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from . import block_rules
 from .block_masks import BlockCall, KeptDrops, block_counts, block_masks, keeps_drops
-from .block_rules import BlockRule, rows_of
+from .block_rules import rows_of
 from .masks import pack_bits
 
 # A block holds at most max(BLOCK_ELEMENTS, LINEAR_FACTOR * B*H*T*d) score-sized elements: a fixed
@@ -307,12 +307,10 @@ def blockwise_attention(q, k, v, bias, call: BlockCall) -> Tuple[torch.Tensor, t
         return BlockwiseAttention.apply(q, k, v, bias, call)
 
 
-def blockwise_rows(q: torch.Tensor, k: torch.Tensor, drop) -> Optional[int]:
+def blockwise_rows(q: torch.Tensor, k: torch.Tensor) -> Optional[int]:
     """Rows per block when this regularized call should run blockwise, else None (one block)."""
     if torch.compiler.is_compiling():
         return None  # a compiled region takes the one-block path (no generator objects in a graph)
-    if drop is not None and not isinstance(drop, (BlockRule, torch.Tensor)):
-        return None
     b, h, t, d = q.shape
     rows = query_block_rows(b, h, t, k.shape[2], d)
     return rows if rows < t else None

@@ -14,7 +14,7 @@ import logging
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -63,16 +63,13 @@ class CaptureProbs:
     valid: List[torch.Tensor] = field(default_factory=list)
 
 
-DropMask = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
-
-
 @dataclass(frozen=True, eq=False)
 class EditScores:
     """Edits applied to the scores before softmax.
 
     ``drop``: bool, True where a key is removed from a row (broadcastable to (B, H, T, S)), or
-    a callable ``(valid) -> drop`` evaluated inside the kernel when the mask depends only on
-    shapes and validity (random-region AD-DROP, scheduled dropout).
+    a :class:`~.block_rules.BlockRule` that the kernel evaluates per block of query rows (AD-DROP's
+    regions, random draws of scheduled dropout).
     ``uniform_rows``: True (every row) or bool broadcastable to (B, H, T, 1), e.g. a (1, 1, 1, 1)
     per-pass flag; such rows attend uniformly to their valid keys (attention LayerDrop). A row whose every valid key is in ``drop`` is made
     uniform the same way (AttendOut Eq. 4), never left all-masked.
@@ -85,11 +82,15 @@ class EditScores:
     (a module not routed through it) counts nothing.
     """
 
-    drop: Optional[DropMask] = None
+    drop: Optional[Union[torch.Tensor, BlockRule]] = None
     uniform_rows: Optional[Union[bool, torch.Tensor]] = None
     stats: Optional[List[torch.Tensor]] = None
     calls: Optional[List[torch.Tensor]] = None
     droppable: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.drop is not None and not isinstance(self.drop, (torch.Tensor, BlockRule)):
+            raise TypeError(f"EditScores.drop must be a bool tensor or a BlockRule, got {type(self.drop).__name__}")
 
     def resolve(self, valid: torch.Tensor, shape: Tuple[int, int, int, int], device) -> ResolvedEdit:
         """The final (drop, uniform rows) of one call that is one block: a rule's drops made
@@ -102,8 +103,6 @@ class EditScores:
         drop = self.drop
         if isinstance(drop, BlockRule):
             drop = drop.whole(valid.expand(shape))
-        elif callable(drop):
-            drop = drop(valid.expand(shape))
         if drop is not None:
             drop, uniform = uniform_instead_of_empty(drop, valid, uniform)
         return ResolvedEdit(drop, uniform)

@@ -107,18 +107,14 @@ def test_attend_with_drop_matches_reference_with_keys_removed(need_weights):
     assert torch.allclose(out.double(), _reference(q, k, v, ~drop)[0], atol=1e-5)
 
 
-def test_attend_drop_callable_gets_validity_and_stats_count():
+def test_attend_drop_counts_dropped_and_valid_keys_and_refuses_what_is_no_mask_or_rule():
     q, k, v = _qkv()
     bias, valid = _pad_bias([7, 3], 7)
-    seen = []
-
-    def drop_fn(valid_arg):
-        seen.append(valid_arg)
-        return (torch.arange(7) == 0).view(1, 1, 1, 7).expand(2, 3, 5, 7)
-
     stats = zero_counts()
-    out, _ = attend(q, k, v, bias, site=site_with_hook(EditScores(drop=drop_fn, stats=stats)))
-    assert len(seen) == 1 and torch.equal(seen[0].expand(2, 3, 5, 7), valid.expand(2, 3, 5, 7))
+    drop = (torch.arange(7) == 0).view(1, 1, 1, 7)
+    out, _ = attend(q, k, v, bias, site=site_with_hook(EditScores(drop=drop, stats=stats)))
+    with pytest.raises(TypeError, match="EditScores.drop must be a bool tensor or a BlockRule"):
+        EditScores(drop=lambda valid: valid)
     assert torch.allclose(out.double(), _reference(q, k, v, valid & (torch.arange(7) != 0))[0], atol=1e-5)
     assert stats[0].item() == 2 * 3 * 5  # key 0 of every row
     assert stats[1].item() == 3 * 5 * (7 + 3)
@@ -152,7 +148,7 @@ def test_attend_site_without_hook_is_plain_attention():
 
 
 def test_edit_stats_count_every_head_and_callable_sees_full_shape():
-    """A mask shared by heads (B, 1, T, S) drops in every head; a callable gets the full (B, H, T, S)."""
+    """A mask shared by heads (B, 1, T, S) drops in every head."""
     q = k = v = torch.randn(2, 3, 4, 4)
     shared = torch.zeros(2, 1, 4, 4, dtype=torch.bool)
     shared[:, :, :, 1] = True
@@ -160,16 +156,6 @@ def test_edit_stats_count_every_head_and_callable_sees_full_shape():
     site = AttentionSite("encoder-self", 0, hook=EditScores(drop=shared, stats=counts))
     attend(q, k, v, site=site)
     assert counts[0].item() == 2 * 3 * 4 and counts[1].item() == 2 * 3 * 4 * 4
-
-    seen = []
-
-    def draw(valid):
-        seen.append(valid.shape)
-        return torch.zeros(valid.shape, dtype=torch.bool)
-
-    site.hook = EditScores(drop=draw)
-    attend(q, k, v, bias=torch.zeros(2, 1, 1, 4), site=site)
-    assert seen == [torch.Size([2, 3, 4, 4])]
 
 
 # ---------------------------------------------------------------- the ordinary (idle) fast path

@@ -279,7 +279,7 @@ def test_two_controllers_on_one_model_drive_the_same_sites():
 
     def valid_positions_seen(controller):
         counts = [torch.zeros(()), torch.zeros(())]  # dropped, valid: filled by the sites that are called
-        keep_all = EditScores(drop=lambda valid: torch.zeros_like(valid), stats=counts)
+        keep_all = EditScores(drop=torch.zeros((1, 1, 1, 1), dtype=torch.bool), stats=counts)
         with torch.no_grad(), controller.hooks({s: keep_all for s in controller.sites}):
             model(input_ids=torch.tensor([[5, 6, 7]]))
         return float(counts[1])
