@@ -13,6 +13,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .row_selection import kth_largest, lowest_keys_first
+
 try:  # torch's CPU wheels come with numpy, but do not require it
     import numpy as _numpy
 except ImportError:  # pragma: no cover
@@ -116,25 +118,26 @@ def candidate_region(attribution: torch.Tensor, valid: torch.Tensor, p: float) -
     """Boolean mask of each row's top ``ceil(p * n)`` valid keys by attribution.
 
     ``n`` is the number of valid keys of the row, and ``ceil(p * n)`` is exact for the decimal p
-    (:func:`candidate_count`). Invalid keys are never candidates. Ties are broken by ``topk``'s
-    order, so every row has exactly ``ceil(p * n)`` candidates.
+    (:func:`ceil_of_product` of :func:`decimal_fraction`). Invalid keys are never candidates. Every row has exactly
+    ``ceil(p * n)`` candidates: the keys above its ``ceil(p * n)``-th largest attribution, then of
+    the keys equal to it the lowest-indexed ones, the rule of the blockwise kernel
+    (:class:`~.block_rules.TopRegionRule`), so a call's region does not depend on its length.
     """
     if not 0.0 < p <= 1.0:
         raise ValueError(f"p must be in (0, 1], got {p}")
     # Counted before broadcasting: a padding mask (B, 1, 1, S) is summed once per sequence,
     # not once per head and query.
     n_valid = valid.sum(dim=-1, keepdim=True)
-    keys = attribution.shape[-1]
     numerator, denominator = decimal_fraction(p)
-    k = ceil_of_product(n_valid, numerator, denominator, keys)
-    # Every row has at most S valid keys, so ceil(p * S) bounds k without reading k back
-    # to the host (no device synchronisation).
-    k_max = -(-keys * numerator // denominator)
+    k = ceil_of_product(n_valid, numerator, denominator, attribution.shape[-1])
+    k = k.expand(attribution.shape[:-1] + (1,))
     scores = torch.where(valid, attribution.float().nan_to_num(0.0), float("-inf"))
-    top_idx = scores.topk(k_max, dim=-1, sorted=True).indices
-    take = torch.arange(k_max, device=attribution.device) < k  # first k of each row
-    region = torch.zeros(attribution.shape, dtype=torch.bool, device=attribution.device)
-    return region.scatter_(-1, top_idx, take.expand(top_idx.shape))
+    threshold = kth_largest(scores, k).masked_fill(k == 0, float("inf"))  # k = 0: a row without keys
+    region = scores >= threshold
+    at_least = region.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32)
+    if may_hold_true(at_least > k):  # ties straddle the threshold in some row
+        region = lowest_keys_first(scores, threshold, k.to(torch.int32), region, at_least)
+    return region
 
 
 def sample_drops(

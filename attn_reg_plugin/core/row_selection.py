@@ -53,7 +53,7 @@ def lowest_keys_first(scores, threshold, k, region, at_least) -> torch.Tensor:
     """The region when ties straddle the threshold in some row: the keys above it, then of the keys
     equal to it the lowest-indexed ones, up to k per row."""
     equal = scores == threshold
-    if scores.device.type != "cpu":
+    if scores.device.type != "cpu" or torch.compiler.is_compiling():  # no data-dependent shapes in a graph
         if at_least is None:
             at_least = region.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32)
         take = k - (at_least - equal.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32))

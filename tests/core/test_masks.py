@@ -6,6 +6,7 @@ may attend a key (real key, and not a future one in causal attention).
 """
 
 import contextlib
+import itertools
 import math
 from fractions import Fraction
 
@@ -434,3 +435,22 @@ def test_packed_bits_are_little_endian_per_byte(numpy_path):
         # A view that starts mid-word and a broadcast one (stride 0) pack as their values do.
         assert pack_bits(mask.view(-1)[3:19].view(1, 16)).tolist() == [[65, 0]]
         assert pack_bits(mask[:1].expand(3, 16)).tolist() == [[8, 2]] * 3
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.75, 1.0])
+@pytest.mark.parametrize("seed", range(4))
+def test_dense_candidates_take_tied_keys_lowest_first_as_the_blockwise_rule_does(p, seed):
+    """Attributions with many exact ties (AA's weights of repeated tokens tie exactly): each row's
+    region is its ceil(p n) valid keys by score, the lowest-indexed first among equal scores: the
+    order a stable descending sort gives, and the rule of every block of the blockwise kernel."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, t, s = 2, 3, 5, 40
+    scores = torch.randint(0, 3, (b, h, t, s), generator=g).float()
+    valid = (torch.arange(s)[None, :] < torch.tensor([s, s - 9])[:, None])[:, None, None, :]
+    region = candidate_region(scores, valid, p)
+    for i, j, r in itertools.product(range(b), range(h), range(t)):
+        n = int(valid[i, 0, 0].sum())
+        order = sorted(range(n), key=lambda key: (-float(scores[i, j, r, key]), key))
+        expected = torch.zeros(s, dtype=torch.bool)
+        expected[order[: math.ceil(Fraction(repr(p)) * n)]] = True
+        assert torch.equal(region[i, j, r], expected), (i, j, r)
