@@ -16,10 +16,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 from helpers import (
     CORPUS,
+    EVAL_BLEU,
     LOGGED_TRAIN,
     MOVIE_REVIEWS_TINY,
     RESUMABLE,
     TRAIN_ARGS,
+    USER_DIR,
     fairseq_train,
     run_cli,
     train_updates,
@@ -178,3 +180,14 @@ def logged_runs(tiny_mt_data, tmp_path_factory):
         return runs[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def eval_bleu_run(tiny_mt_data, tmp_path_factory):
+    """A plain 2-epoch run (LOGGED_TRAIN["plain"]) validated by BLEU and keeping its best checkpoint by
+    it (EVAL_BLEU): "save" holds checkpoint1.pt, checkpoint2.pt, checkpoint_best.pt, checkpoint_last.pt;
+    "args" is its fairseq-train argument list after the data-bin."""
+    save = tmp_path_factory.mktemp("eval_bleu") / "ckpt"
+    args = ["--user-dir", USER_DIR, "--save-dir", save, *LOGGED_TRAIN["plain"], *EVAL_BLEU]
+    proc = run_cli("fairseq-train", [tiny_mt_data["bin"], *args])
+    return {"save": save, "args": args, "log": proc.stdout}

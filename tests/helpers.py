@@ -55,8 +55,9 @@ def load_script(path, name=None):
     return module
 
 
-def run_cli(name, args, cwd=None, expect_ok=True, timeout=300):
-    """Run one of the venv's fairseq console scripts; return the completed process (text)."""
+def run_cli(name, args, cwd=None, expect_ok=True, timeout=300, input=None):
+    """Run one of the venv's fairseq console scripts (``input``: its standard input); return the
+    completed process (text)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [str(VENV_BIN / name), *map(str, args)],
@@ -66,6 +67,7 @@ def run_cli(name, args, cwd=None, expect_ok=True, timeout=300):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         timeout=timeout,
+        input=input,
     )
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
@@ -277,6 +279,13 @@ LOGGED_TRAIN = {
         "--attn-layerdrop-attention", "encoder-self,decoder-self,encoder-decoder",
     ],
 }  # fmt: skip
+
+# Early stopping by validation BLEU, the MT habit: fairseq's meters then keep the BLEU n-gram counts
+# as numpy arrays in every checkpoint's extra_state (conftest.eval_bleu_run).
+EVAL_BLEU = [
+    "--eval-bleu", "--eval-bleu-args", '{"beam": 1, "max_len_b": 10}', "--eval-bleu-remove-bpe", "sentencepiece",
+    "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
+]  # fmt: skip
 
 
 def train_epochs_json(log: str):

@@ -3,11 +3,14 @@
 argparse.Namespace, through the plugin's allow-list (--user-dir, ``python -m attn_reg_plugin.safe_run``);
 a checkpoint carrying any other global is refused: loading never needs blanket pickle trust."""
 
+import contextlib
 import io
 import os
 import pickle
 import re
+import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +84,86 @@ def test_tampered_checkpoint_is_refused(ad_drop_run, tmp_path, kind):
     if kind == "shell":  # the payload is real: trusting the pickle runs it
         torch.load(path, weights_only=False)
         assert marker.exists()
+
+
+NUMPY_REFUSED = "Unsupported global: GLOBAL numpy._core.multiarray._reconstruct"
+
+
+@contextlib.contextmanager
+def without_the_allow_list():
+    """torch's safe unpickler as a process without the plugin has it."""
+    allowed = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        yield
+    finally:
+        torch.serialization.add_safe_globals(allowed)
+
+
+def _bleu_meters(state):
+    return {name: meter for _, name, _, meter in state["extra_state"]["metrics"]["valid"] if name.startswith("_bleu")}
+
+
+def test_eval_bleu_checkpoints_load_safely(eval_bleu_run):
+    """--eval-bleu keeps the BLEU n-gram counts as numpy arrays in the meters of extra_state: refused by
+    torch alone (Unsupported global: GLOBAL numpy._core.multiarray._reconstruct), loaded with the plugin's
+    allow-list by torch.load and by fairseq's loader (fairseq-generate, -interactive, resume)."""
+    from fairseq import checkpoint_utils
+
+    for name in ("checkpoint_best.pt", "checkpoint_last.pt", "checkpoint1.pt"):
+        path = eval_bleu_run["save"] / name
+        with without_the_allow_list(), pytest.raises(pickle.UnpicklingError, match=NUMPY_REFUSED):
+            torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True)
+        counts = _bleu_meters(state)["_bleu_counts"]["sum"]
+        assert isinstance(counts, np.ndarray) and counts.dtype == np.int64 and counts.shape == (4,)
+        assert checkpoint_utils.load_checkpoint_to_cpu(str(path))["extra_state"]["best"] >= 0
+
+
+def test_numpy_arrays_other_than_fairseqs_are_refused(tmp_path):
+    """The allow-list holds int64 and float64 arrays (fairseq's BLEU counts, the attn_reg task's zeros);
+    an object array (its items are arbitrary pickled objects) or another dtype is still refused. A
+    checkpoint pickled under numpy 1 (numpy.core, not numpy._core) loads too."""
+    buffer = io.BytesIO()
+    torch.save({"counts": np.array([3, 1]), "zeros": np.zeros(4)}, buffer, _use_new_zipfile_serialization=False)
+    for raw in (buffer.getvalue(), buffer.getvalue().replace(b"numpy._core.multiarray", b"numpy.core.multiarray")):
+        state = torch.load(io.BytesIO(raw), weights_only=True)
+        assert state["counts"].tolist() == [3, 1] and state["zeros"].dtype == np.float64
+    for array, dtype in ((np.array([1, None], dtype=object), "ObjectDType"), (np.array([1], np.int32), "Int32DType")):
+        buffer = io.BytesIO()
+        torch.save({"note": array}, buffer)
+        with pytest.raises(pickle.UnpicklingError, match=f"numpy.dtypes.{dtype}"):
+            torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+
+
+BEST_GENERATE = ["--cpu", "--beam", "1", "--max-len-b", "5", "--required-batch-size-multiple", "1"]
+
+
+def test_eval_bleu_checkpoint_generates(tiny_mt_data, eval_bleu_run, tmp_path):
+    """checkpoint_best.pt of an --eval-bleu run in fairseq-generate with the plugin, and in stock
+    fairseq's through attn_reg_plugin.safe_run."""
+    generate = [tiny_mt_data["bin"], "--path", eval_bleu_run["save"] / "checkpoint_best.pt", *BEST_GENERATE]
+    gen = run_cli("fairseq-generate", [*generate, "--user-dir", USER_DIR, "--task", "attn_reg_translation"])
+    assert len(re.findall(r"^D-\d+\t", gen.stdout, flags=re.M)) == 40
+    out = run_python(["-m", "attn_reg_plugin.safe_run", "fairseq-generate", *generate], tmp_path)
+    assert len(re.findall(r"^D-\d+\t", out, flags=re.M)) == 40
+
+
+def test_eval_bleu_checkpoint_translates_interactively(tiny_mt_data, eval_bleu_run):
+    best = eval_bleu_run["save"] / "checkpoint_best.pt"
+    args = [tiny_mt_data["bin"], "--user-dir", USER_DIR, "--path", best, *BEST_GENERATE]
+    interactive = run_cli("fairseq-interactive", args, input="a b\n")
+    assert re.search(r"^H-0\t", interactive.stdout, flags=re.M), interactive.stdout[-2000:]
+
+
+def test_eval_bleu_run_resumes(tiny_mt_data, eval_bleu_run, tmp_path):
+    """The same fairseq-train command again, one epoch further, from its checkpoint_last.pt."""
+    save = tmp_path / "resumed"
+    shutil.copytree(eval_bleu_run["save"], save)
+    args = [save if str(a) == str(eval_bleu_run["save"]) else a for a in eval_bleu_run["args"]]
+    resumed = run_cli("fairseq-train", [tiny_mt_data["bin"], *args, "--max-epoch", "3"])
+    assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch 3 @ 24 updates\)", resumed.stdout)
+    assert '"valid_bleu"' in resumed.stdout and (save / "checkpoint3.pt").exists()
 
 
 def test_distributed_resume_broadcast_loads_safely(ad_drop_run, tmp_path):
