@@ -13,7 +13,9 @@ Models (``--models``, batch 1, random tokens, one fixed label):
 * ``c``: a tiny Llama (hidden 64, 4 heads, 2 layers; ``transformers.LlamaConfig``, sdpa, no
   download) trained as a causal LM through the Trainers: the stock ``transformers.Trainer`` for
   plain, ``ADDropTrainer`` for AD-DROP, ``AttnRegTrainer`` for scheduled dropout,
-  ``AttendOutTrainer`` for AttendOut.
+  ``AttendOutTrainer`` for AttendOut;
+* ``d``: a wider tiny Llama (hidden 128, 4 heads, 2 key/value heads, 4 layers) through the same
+  Trainers with ``gradient_checkpointing=True`` for plain and regularized runs alike.
 
 Methods (``--methods``): ``plain``; AD-DROP (all layers, p = q = 0.3, schedule ``always``) with
 gradient (``ga``), attention-weight (``aa``), random (``rd``) and integrated-gradient (``iga``,
@@ -31,7 +33,7 @@ measures:
   the step above what it held before it (:func:`attn_reg_lab.benchmark.measure.cpu_step_peak_bytes`,
   as ``attn-reg-benchmark`` measures it). The process's resident-set growth over the timed steps
   is recorded too (``rss_growth_mib``);
-* model c: ``Trainer.train()`` for ``--hf-steps`` steps; the memory is the **process RSS growth**
+* models c and d: ``Trainer.train()`` for ``--hf-steps`` steps; the memory is the **process RSS growth**
   (peak resident set during ``train()``, Linux VmHWM reset before it, minus the resident set
   before it, in a run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the
   resident set); the time is the median CPU time of the steps after the first, in a second run
@@ -44,7 +46,7 @@ that status; longer lengths of the same model and method are then skipped, not r
 
 Written to ``--out-dir``: ``scaling.json`` (settings, environment, every run), ``scaling.png``
 (per model, step memory and CPU time against length, log-log, one line per method) and
-``results.md`` (the command line, the table, the verdict against issue 32's targets).
+``results.md`` (the command line, the table, the verdict against the targets).
 """
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -61,28 +62,10 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .paths import REPO
+from .scaling_worker import AD_DROP_P, AD_DROP_Q, DEFAULT_LENGTHS, METHODS, MODELS, RESULT_MARK, worker
 
-MIB = 2**20
-
-MODELS = {
-    "a": dict(kind="core", dim=64, heads=2, layers=2, description="porting-API encoder, width 64, 2 heads, 2 layers"),
-    "b": dict(
-        kind="core", dim=768, heads=12, layers=2, description="porting-API encoder, width 768, 12 heads, 2 layers"
-    ),
-    "c": dict(
-        kind="hf", dim=64, heads=4, layers=2, description="tiny HF Llama (hidden 64, 4 heads, 2 layers), Trainer"
-    ),
-}
-METHODS = ("plain", "ga", "aa", "rd", "iga", "sched-dropout", "attendout")
-AD_DROP_METHODS = ("ga", "aa", "rd", "iga")
-DEFAULT_LENGTHS = (128, 512, 1024, 2048, 4096, 8192)
-AD_DROP_P = AD_DROP_Q = 0.3
-SCHEDULE = "0:0.3,10000:0.1"
-VOCAB = 1000
-PAD = 0
-RESULT_MARK = "SCALING_RESULT "
-
-# Issue 32's targets (CPU, one thread): (model, length, metric, bound, what).
+# The targets (CPU, one thread): (model, length, metric, bound, what); issue 32's, then issue 41's
+# for gradient checkpointing (d).
 TARGETS = (
     ("a", 4096, "mem_ratio", 1.5, "AD-DROP GA step memory <= 1.5x plain at 4096 tokens on (a)"),
     ("a", 4096, "time_ratio", 5.0, "AD-DROP GA CPU time <= 5x plain at 4096 tokens on (a)"),
@@ -91,318 +74,14 @@ TARGETS = (
     ("b", 2048, "time_ratio", 2.5, "AD-DROP GA CPU time <= 2.5x plain at 2048 tokens on (b)"),
     ("c", 4096, "mem_ratio", 2.0, "ADDropTrainer GA process memory growth <= 2x the stock Trainer's at 4096 on (c)"),
     ("c", 4096, "time_ratio", 6.0, "ADDropTrainer GA CPU time <= 6x the stock Trainer's at 4096 on (c)"),
+    (
+        "d",
+        4096,
+        "mem_ratio",
+        1.3,
+        "ADDropTrainer GA RSS growth <= 1.3x the stock Trainer's, both with gradient checkpointing, at 4096 on (d)",
+    ),
 )
-
-
-# ===================================================================== the child: one measurement
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak resident set (VmHWM)
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def build_encoder(dim: int, heads: int, layers: int, max_len: int):
-    """The porting-API encoder: token + learned position embeddings, pre-LN blocks, mean-pooled 2-class head.
-
-    Its attention sites are registered with its own ``controller``; ``install_sites(net, controller)``
-    registers a copy's (AttendOut's Attacker) with another."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    from attn_reg_plugin.core import RegularizationController, attend
-
-    class SelfAttention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-            self.site = None
-
-        def forward(self, x, allowed):
-            b, t, _ = x.shape
-            q, k, v = self.qkv(x).view(b, t, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
-            o, _ = attend(q, k, v, bias=allowed, site=self.site)
-            return self.out(o.transpose(1, 2).reshape(b, t, dim))
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn, self.norm1, self.norm2 = SelfAttention(), nn.LayerNorm(dim), nn.LayerNorm(dim)
-            self.ffn = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-        def forward(self, x, allowed):
-            x = x + F.dropout(self.attn(self.norm1(x), allowed), 0.1, self.training)
-            return x + F.dropout(self.ffn(self.norm2(x)), 0.1, self.training)
-
-    class Encoder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed, self.positions = nn.Embedding(VOCAB, dim, padding_idx=PAD), nn.Embedding(max_len, dim)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
-            self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 2)
-            self.controller = RegularizationController()
-            install_sites(self, self.controller)
-
-        def forward(self, ids):
-            real = ids.ne(PAD)
-            allowed = real[:, None, None, :]  # key padding, True = may attend (none in these batches)
-            x = self.embed(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
-            for block in self.blocks:
-                x = block(x, allowed)
-            x = self.norm(x)
-            return self.head((x * real[..., None]).sum(1) / real.sum(1, keepdim=True))
-
-    def install_sites(net, controller):
-        for i, block in enumerate(net.blocks):
-            block.attn.site = controller.register("encoder-self", i)
-
-    return Encoder(), install_sites
-
-
-def _core_step(spec: dict):
-    """(model, step function) of one method on a core-API encoder; step() runs one training update."""
-    import torch
-    import torch.nn.functional as F
-
-    from attn_reg_plugin.core import (
-        ADDrop,
-        ADDropConfig,
-        AttendOut,
-        AttendOutConfig,
-        ScheduledAttentionDropout,
-        ScheduledDropoutConfig,
-        logit_target,
-    )
-    from attn_reg_plugin.core.attendout import Generator, build_attacker
-
-    cfg, method, length = MODELS[spec["model"]], spec["method"], spec["length"]
-    torch.manual_seed(spec["seed"])
-    model, install_sites = build_encoder(cfg["dim"], cfg["heads"], cfg["layers"], max_len=length)
-    model.train()
-    g = torch.Generator().manual_seed(spec["seed"])
-    ids = torch.randint(3, VOCAB, (1, length), generator=g)
-    labels = torch.tensor([1])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    info: Dict[str, object] = {}
-
-    def loss_of(net):
-        return F.cross_entropy(net(ids), labels)
-
-    if method == "plain":
-
-        def update():
-            loss_of(model).backward()
-
-    elif method in AD_DROP_METHODS:
-        config = ADDropConfig(
-            p=AD_DROP_P, q=AD_DROP_Q, attribution=method, layers="all", attention="encoder-self",
-            schedule="always", iga_steps=spec["iga_steps"],
-        )  # fmt: skip
-        ad_drop = ADDrop(config, model.controller)
-
-        def update():
-            with ad_drop.masked(lambda: model(ids), logit_target, frozen=model) as stats:
-                loss = loss_of(model)
-            loss.backward()
-            valid = int(stats["valid"])
-            info["drop_rate"] = round(int(stats["dropped"]) / valid, 4) if valid else None
-
-    elif method == "sched-dropout":
-        sched = ScheduledAttentionDropout(
-            ScheduledDropoutConfig(schedule=SCHEDULE, attention="encoder-self"), model.controller
-        )
-        counter = {"update": 0}
-
-        def update():
-            with model.controller.hooks(sched.hooks(counter["update"])):
-                loss = loss_of(model)
-            loss.backward()
-            counter["update"] += 1
-
-    elif method == "attendout":
-        attacker, attacker_controller = build_attacker(model, install_sites)
-        attacker_optimizer = torch.optim.AdamW(attacker.parameters(), lr=1e-4)
-        config = AttendOutConfig(dropout_step=10**6, attention="encoder-self", layers="all", max_positions=length)
-        generator = Generator(
-            {"source": VOCAB}, {"source": PAD}, config.generator_dim, length, config.init_drop, config.temperature
-        )
-        game = AttendOut(config, attacker_controller, generator)
-
-        def update():
-            loss_of(model).backward()
-            with attacker_controller.hooks(game.attacker_hooks({"source": ids})):
-                loss = loss_of(attacker)
-            loss.backward()
-            attacker_optimizer.step()
-            attacker_optimizer.zero_grad(set_to_none=True)
-            game.end_update()
-
-    else:
-        raise ValueError(method)
-
-    def step():
-        update()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step, info
-
-
-def _profile(step, rows: int = 12) -> List[dict]:
-    """The operators of one step by self CPU time (torch.profiler), the largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
-    return [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1000, 1), "calls": e.count} for e in ops]
-
-
-def measure_core(spec: dict) -> dict:
-    import torch
-
-    from .benchmark.measure import cpu_step_peak_bytes
-
-    step, info = _core_step(spec)
-    for _ in range(spec["warmup"]):
-        step()
-    cpu, wall = [], []
-    rss_before = _status_kib("VmRSS")
-    peak_ok = _reset_peak_rss()
-    for _ in range(spec["repeats"]):
-        c0, t0 = time.process_time(), time.perf_counter()
-        step()
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - t0)
-    rss_growth = (_status_kib("VmHWM") - rss_before) / 1024 if peak_ok and spec["repeats"] else None
-    peak = cpu_step_peak_bytes(step)
-    if spec.get("profile"):
-        info["profile"] = _profile(step)
-    return {
-        "memory_mib": round(peak / MIB, 2),
-        "memory_metric": "allocator step peak",
-        "step_peak_mib": round(peak / MIB, 2),
-        "rss_growth_mib": None if rss_growth is None else round(rss_growth, 1),
-        "cpu_s": round(statistics.median(cpu), 4) if cpu else None,
-        "wall_s": round(statistics.median(wall), 4) if wall else None,
-        "cpu_s_all": [round(c, 4) for c in cpu],
-        "torch_threads": torch.get_num_threads(),
-        **info,
-    }
-
-
-def measure_hf(spec: dict) -> dict:
-    import tempfile
-
-    import torch
-    import transformers
-
-    from attn_reg_plugin.core import ADDropConfig, AttendOutConfig, ScheduledDropoutConfig
-
-    cfg, method, length = MODELS[spec["model"]], spec["method"], spec["length"]
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(spec["seed"])
-    config = transformers.LlamaConfig(
-        hidden_size=cfg["dim"], intermediate_size=4 * cfg["dim"], num_hidden_layers=cfg["layers"],
-        num_attention_heads=cfg["heads"], num_key_value_heads=cfg["heads"], vocab_size=VOCAB,
-        max_position_embeddings=max(length, 2048), pad_token_id=PAD, attn_implementation="sdpa",
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
-    g = torch.Generator().manual_seed(spec["seed"])
-    steps = spec["hf_steps"]
-    rows = []
-    for _ in range(steps):
-        ids = torch.randint(3, VOCAB, (length,), generator=g)
-        rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
-    times: List[tuple] = []
-
-    class StepTimes(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = (time.process_time(), time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append((time.process_time() - self.start[0], time.perf_counter() - self.start[1]))
-
-    with tempfile.TemporaryDirectory(prefix="attn_reg_scaling_") as tmp:
-        args = transformers.TrainingArguments(
-            output_dir=tmp, per_device_train_batch_size=1, max_steps=steps, learning_rate=1e-4,
-            report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
-            use_cpu=True, seed=spec["seed"], dataloader_num_workers=0,
-        )  # fmt: skip
-        common = dict(model=model, args=args, train_dataset=rows, callbacks=[StepTimes()])
-        if method == "plain":
-            trainer = transformers.Trainer(**common)
-        elif method in AD_DROP_METHODS:
-            from attn_reg_plugin.hf import ADDropTrainer
-
-            ad_drop = ADDropConfig(
-                p=AD_DROP_P, q=AD_DROP_Q, attribution=method, layers="all", schedule="always",
-                iga_steps=spec["iga_steps"],
-            )  # fmt: skip
-            trainer = ADDropTrainer(ad_drop=ad_drop, **common)
-        elif method == "sched-dropout":
-            from attn_reg_plugin.hf import AttnRegTrainer
-
-            trainer = AttnRegTrainer(scheduled_dropout=ScheduledDropoutConfig(schedule=SCHEDULE), **common)
-        elif method == "attendout":
-            from attn_reg_plugin.hf import AttendOutTrainer
-
-            attendout = AttendOutConfig(dropout_step=10**6, max_positions=length)
-            trainer = AttendOutTrainer(attendout=attendout, eval_dataset=rows[:1], **common)
-        else:
-            raise ValueError(method)
-        rss_before = _status_kib("VmRSS")
-        peak_ok = _reset_peak_rss()
-        trainer.train()
-        rss_growth = (_status_kib("VmHWM") - rss_before) / 1024 if peak_ok else None
-    measured = times[1:] if len(times) > 1 else times
-    return {
-        "memory_mib": None if rss_growth is None else round(rss_growth, 1),
-        "memory_metric": "process RSS growth",
-        "step_peak_mib": None,
-        "rss_growth_mib": None if rss_growth is None else round(rss_growth, 1),
-        "cpu_s": round(statistics.median(c for c, _ in measured), 4) if measured else None,
-        "wall_s": round(statistics.median(w for _, w in measured), 4) if measured else None,
-        "cpu_s_all": [round(c, 4) for c, _ in times],
-        "torch_threads": torch.get_num_threads(),
-    }
-
-
-def _is_oom(error: BaseException) -> bool:
-    text = str(error).lower()
-    return isinstance(error, MemoryError) or any(
-        s in text for s in ("can't allocate memory", "cannot allocate memory", "out of memory", "defaultcpuallocator")
-    )
-
-
-def worker(spec: dict) -> dict:
-    """One measurement in this (fresh) process; never raises: failures become a status."""
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    started = time.perf_counter()
-    try:
-        result = (measure_hf if MODELS[spec["model"]]["kind"] == "hf" else measure_core)(spec)
-        result["status"] = "ok"
-    except Exception as e:  # noqa: BLE001 - recorded, the parent goes on
-        import traceback
-
-        result = {"status": "oom" if _is_oom(e) else "error", "reason": f"{type(e).__name__}: {e}"[:2000]}
-        if result["status"] == "error":
-            result["traceback"] = traceback.format_exc()[-4000:]
-    result["seconds"] = round(time.perf_counter() - started, 2)
-    return result
 
 
 # ===================================================================== the parent: the grid
@@ -421,7 +100,7 @@ def _memory_limit_bytes(gib: Optional[float]) -> Optional[int]:
 
 def run_one(spec: dict, opts) -> dict:
     """Run ``spec`` in a fresh interpreter; its result, or a status (timeout, oom, killed, error).
-    Model c runs twice: for its resident-set growth (small allocations returned to the system) and
+    Models c and d run twice: for its resident-set growth (small allocations returned to the system) and
     for its time (the default allocator)."""
     if MODELS[spec["model"]]["kind"] != "hf":
         return _run_worker(spec, opts, {})
@@ -491,7 +170,7 @@ def add_ratios(runs: List[dict]) -> None:
 
 
 def verdicts(runs: List[dict], models: List[str], lengths: List[int]) -> List[dict]:
-    """Issue 32's targets: met (True), missed (False) or not measured (None) in this run."""
+    """The targets: met (True), missed (False) or not measured (None) in this run."""
     by_key = {(r["model"], r["method"], r["length"]): r for r in runs}
     out = []
     for model, length, metric, bound, what in TARGETS:
@@ -593,7 +272,7 @@ def parse_args(argv=None):
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--models", default="a,b,c", help="comma list of a, b, c (see the module docstring)")
+    parser.add_argument("--models", default="a,b,c,d", help="comma list of a, b, c, d (see the module docstring)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
     parser.add_argument("--lengths", help="comma list of sequence lengths (default 128,...,8192; quick 32,64)")
     parser.add_argument("--iga-max-length", type=int, default=512, help="IGA runs only up to this length (512)")
@@ -604,7 +283,7 @@ def parse_args(argv=None):
         "--repeats", type=int, help="timed steps of models a, b; the median is taken (default 2, quick 1)"
     )
     parser.add_argument(
-        "--hf-steps", type=int, help="Trainer steps of model c; the first is not timed (default 3, quick 2)"
+        "--hf-steps", type=int, help="Trainer steps of models c, d; the first is not timed (default 3, quick 2)"
     )
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds per run before it is recorded as a timeout"
@@ -627,7 +306,7 @@ def parse_args(argv=None):
     models = _csv(opts.models)
     bad = [m for m in models if m not in MODELS]
     if not models or bad:
-        parser.error(f"--models: unknown {bad[0] if bad else opts.models!r}; accepted: a comma list of a, b, c")
+        parser.error(f"--models: unknown {bad[0] if bad else opts.models!r}; accepted: a comma list of a, b, c, d")
     methods = _csv(opts.methods)
     bad = [m for m in methods if m not in METHODS]
     if not methods or bad:
@@ -725,16 +404,16 @@ def main(argv=None) -> int:
     plot(runs, opts.models, opts.methods, opts.out_dir / "scaling.png")
     tables, verdict = format_tables(runs, opts.models), format_verdicts(checks)
     note = (
-        f"Memory: (a), (b) torch's CPU allocator peak during one training step; (c) process RSS growth over "
+        f"Memory: (a), (b) torch's CPU allocator peak during one training step; (c), (d) process RSS growth over "
         f"{opts.hf_steps} Trainer steps. CPU time: median process CPU time per step, {opts.threads} thread(s). "
         f"Load average before {result['load_average_before']}, after {result['load_average_after']}; "
         f"{result['seconds']} s."
     )
-    md = f"# attn-reg-scaling\n\n```\n{command}\n```\n\n{note}\n\n{tables}\n## Verdict (issue 32's targets)\n\n{verdict}\n"
+    md = f"# attn-reg-scaling\n\n```\n{command}\n```\n\n{note}\n\n{tables}\n## Verdict (the targets)\n\n{verdict}\n"
     (opts.out_dir / "results.md").write_text(md)
     print()
     print(tables)
-    print("Verdict (issue 32's targets, CPU, one thread):")
+    print("Verdict (the targets, CPU, one thread):")
     print(verdict)
     print(f"\n{note}\nwrote {opts.out_dir / 'scaling.json'}, scaling.png, results.md")
     return 0

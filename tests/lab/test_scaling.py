@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from attn_reg_lab import scaling
+from attn_reg_lab import scaling, scaling_worker
 from attn_reg_lab.benchmark.measure import cpu_step_peak_bytes
 
 
@@ -15,7 +15,7 @@ def _extra_memory(length: int, attribution: str) -> float:
     peaks = {}
     for method in ("plain", attribution):
         spec = dict(model="a", method=method, length=length, seed=1, iga_steps=3)
-        step, _ = scaling._core_step(spec)
+        step, _ = scaling_worker._core_step(spec)
         step()  # optimizer state and allocator caches exist before the measured step
         peaks[method] = cpu_step_peak_bytes(step)
     return peaks[attribution] - peaks["plain"]
@@ -90,3 +90,13 @@ def test_bad_options_are_refused_before_anything_runs(argv, names, tmp_path, cap
     err = capsys.readouterr().err.split("error: ", 1)[1]
     assert all(n in err for n in names), err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model", ["c", "d"])
+def test_the_trainer_models_train_with_checkpointing_only_on_d(model):
+    """(d) is the checkpointing case: the stock Trainer and ADDropTrainer both run it with gradient
+    checkpointing on, (c) without."""
+    spec = dict(model=model, method="ga", length=24, seed=1, hf_steps=2, iga_steps=2)
+    result = scaling_worker.measure_hf(spec)
+    assert result["gradient_checkpointing"] is (model == "d")
+    assert result["cpu_s"] > 0
