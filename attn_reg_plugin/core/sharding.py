@@ -175,7 +175,7 @@ def shard_like(source: nn.Module, destination: nn.Module) -> None:
 def meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` whose parameters and buffers are on the meta device (no memory):
     the Attacker's skeleton, taken before the Defender is sharded. Tied weights stay tied."""
-    import copy
+    from .module_copy import deepcopy_module
 
     memo = {}
     for tensor in list(model.parameters()) + list(model.buffers()):
@@ -185,7 +185,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
         if isinstance(tensor, nn.Parameter):
             meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = meta
-    return copy.deepcopy(model, memo)
+    return deepcopy_module(model, memo)
 
 
 def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer):

@@ -11,13 +11,13 @@ target, keep)`` (how its models score a held-out batch) and ``copy_network(sourc
 
 from __future__ import annotations
 
-import copy
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
 from ..controller import RegularizationController
 from ..distributed import from_rank0
+from ..module_copy import deepcopy_module
 from ..sharding import is_fully_sharded
 from .game import AttendOut
 from .heldout import LogitsOf, heldout_losses
@@ -36,7 +36,7 @@ def build_attacker(
             "Attacker from the unsharded model first, then shard both, e.g. core.sharding.shard_like(defender, "
             "attacker) after sharding the Defender (docs/DISTRIBUTED.md)"
         )
-    attacker = copy.deepcopy(defender)
+    attacker = deepcopy_module(defender)  # a forward wrapped on the instance (TRL) runs the copy too
     controller = RegularizationController()
     install_sites(attacker, controller)
     return attacker, controller
