@@ -6,16 +6,36 @@
 * every dropout step logs the generator's drop probabilities and the game's statistics
   (``attendout_p_*``, ``attendout_dropout_step``, ``attendout_win_rate``, ...) and appends one line
   to the JSONL log (``attendout_log_file``).
+
+The Trainer's own counts stay the Defender's (:func:`trainer_counts_kept`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from typing import Any, Dict, Optional
 
 import torch
 
 from ..core.attendout import DropProbabilityLog
 from ..core.distributed import all_reduce_mean_
+
+# What a Trainer subclass counts in its compute_loss: TRL's SFTTrainer logs them as num_tokens,
+# entropy and mean_token_accuracy.
+TRAINER_COUNTS = ("_total_train_tokens", "_metrics")
+
+
+@contextlib.contextmanager
+def trainer_counts_kept(trainer):
+    """Around the Attacker's step, which runs the Trainer's own ``compute_loss``: a subclass's counts
+    (:data:`TRAINER_COUNTS`) are put back afterwards, so they do not count the Attacker's forward as a
+    second batch and stay what the Trainer logs without AttendOut."""
+    saved = {name: copy.deepcopy(trainer.__dict__[name]) for name in TRAINER_COUNTS if name in trainer.__dict__}
+    try:
+        yield
+    finally:
+        trainer.__dict__.update(saved)
 
 
 def dropout_step_logs(stats: Dict[str, object], dropout_steps_done: int) -> Dict[str, object]:

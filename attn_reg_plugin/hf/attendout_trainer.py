@@ -45,6 +45,7 @@ from ..core.options import named_by_field
 from ..core.sharding import is_fully_sharded
 from .attendout_checkpoint import ATTENDOUT_STATE, attendout_state_dict, save_attendout_state
 from .attendout_driver import AttendOutDriver, mirror_activation_checkpointing, optimizer_like
+from .attendout_logging import trainer_counts_kept
 from .trainer_arguments import model_argument, training_arguments
 from .training_configurations import refuse_unsupported, refuse_unsupported_launch
 
@@ -161,7 +162,7 @@ class AttendOutTrainerMixin:
         self._attendout_start()  # through the trainer, as the step's other parts: overridable
         driver = self.attendout_driver
         # The Trainer's own step on A: same loss, same gradient-accumulation scaling.
-        with driver.attacker_step(inputs):
+        with driver.attacker_step(inputs), trainer_counts_kept(self):
             attacker_loss = super().training_step(driver.attacker, dict(inputs), num_items_in_batch)
         driver.logs.add_attacker_loss(attacker_loss)
         return loss

@@ -3,6 +3,7 @@ before ``Trainer.__init__`` runs: the plugin installs its sites and checks its r
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -19,5 +20,11 @@ def model_argument(who: str, args, kwargs) -> torch.nn.Module:
     if model is None:
         raise ValueError(
             f"{who} needs `model` (model_init is not supported): attention sites are installed at construction"
+        )
+    if isinstance(model, (str, os.PathLike)):
+        # TRL's SFTTrainer loads a model named by a string itself, after the plugin would have installed
+        raise ValueError(
+            f"{who} needs the model object, not its name ({os.fspath(model)!r}): load it first, e.g. "
+            "AutoModelForCausalLM.from_pretrained(name), since attention sites are installed at construction"
         )
     return model
