@@ -23,7 +23,7 @@ import torch
 from ..core.attention import attend, call_of
 from ..core.controller import AttentionSite, RegularizationController
 from ..core.masks import causal_allowed, mask_fill_value
-from .sites import route_attention_calls, site_of_call
+from .sites import UnsupportedAttention, route_attention_calls, site_of_call
 
 ATTN_IMPLEMENTATION = "attn_reg"
 
@@ -57,16 +57,19 @@ def attn_reg_attention(
     (only with ``output_attentions`` while a hook is set; sdpa never returns them).
     """
     site: Optional[AttentionSite] = site_of_call(module, query, key, is_causal)
+    if kwargs.get("softcap") is not None:  # Gemma-2: sdpa would raise its own error, naming neither model nor fix
+        raise UnsupportedAttention(
+            f"its attention caps the scores ({type(module).__name__}: attention logit soft-capping, "
+            f"softcap * tanh(scores / softcap) with softcap={kwargs['softcap']})"
+        )
     if call_of(site).hook is None:
         # transformers' own sdpa, not the kernel's ordinary path: the equivalence checks compare against it
         return _sdpa_forward()(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    # A sliding window (Mistral) is already in the mask sdpa's mask function built; these are not.
-    if kwargs.get("softcap") is not None or kwargs.get("cache") is not None:
-        raise NotImplementedError(
-            f"{type(module).__name__}: attn_reg attention supports neither logit softcapping nor paged caches"
-        )
+    # A sliding window (Mistral) is already in the mask sdpa's mask function built; a paged cache is not.
+    if kwargs.get("cache") is not None:
+        raise NotImplementedError(f"{type(module).__name__}: attn_reg attention does not support paged caches")
     n_rep = getattr(module, "num_key_value_groups", 1) or 1
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)

@@ -35,6 +35,35 @@ from .probe_inputs import DECODER_LEN, ENCODER_LEN, accepted_inputs, eval_mode, 
 logger = logging.getLogger(__name__)
 
 
+class UnsupportedAttention(ValueError):
+    """An attention call that asks for something the plugin does not compute (logit soft-capping):
+    the probe refuses the model with it, naming the difference, instead of wrapping it as a failed probe."""
+
+
+def softcap_refusal(model: torch.nn.Module, err: UnsupportedAttention) -> ValueError:
+    """The refusal of a model whose attention caps its logits, with what its user can do."""
+    name = f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')})"
+    option = (
+        "attn_logit_softcapping" if hasattr(model.config, "attn_logit_softcapping") else "<its soft-capping option>"
+    )
+    if getattr(model, "_supports_sdpa", False):  # Gemma-3 with a cap set: uncapped, it runs on sdpa
+        fix = (
+            f'Setting config.{option}=None (and attn_implementation="sdpa") makes it trainable, but as another '
+            "model: a checkpoint trained with the cap attends differently wherever a score nears it, so evaluate "
+            "it uncapped before training"
+        )
+    else:  # Gemma-2: transformers gives it no sdpa, and eager's rows with no valid key are refused
+        fix = (
+            f"Setting config.{option}=None is not enough: transformers runs {type(model).__name__} with eager "
+            "attention only, whose left-padded rows the plugin refuses too (docs/HF.md, eager attention and left "
+            "padding). The supported families without the cap (Gemma, Gemma-3) train with the plugin"
+        )
+    return ValueError(
+        f"{name}: {err}, which attn_reg_plugin does not implement: neither its idle path (transformers' sdpa) nor "
+        f"its regularized kernel applies the cap. Refused, to leave no forward silently changed. {fix}"
+    )
+
+
 def site_of_call(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, is_causal: Optional[bool]
 ) -> Optional[AttentionSite]:
@@ -86,6 +115,8 @@ def _probe(
             with _recording(model) as calls, eval_mode(model), torch.no_grad():
                 module(**given)
             return module, given, calls
+        except UnsupportedAttention as err:  # the model's own attention, not the probe input: say what differs
+            raise softcap_refusal(model, err) from None
         except Exception as err:  # a head that cannot take the probe input: try its backbone
             failures.append(f"{type(module).__name__}: {type(err).__name__}: {err}")
     raise ValueError(
