@@ -19,7 +19,7 @@ def options_table(config_cls) -> str:
     """The Markdown table of a config's options (docs/OPTIONS.md embeds one per config)."""
     rows = ["| flag | Python | accepted | default | meaning |", "|---|---|---|---|---|"]
     for opt in options_of(config_cls):
-        default = "(empty: off)" if opt.default == "" else f"`{opt.default}`"
+        default = "(empty: off)" if opt.default == "" else "(unset)" if opt.default is None else f"`{opt.default}`"
         rows.append(
             f"| `{flag_name(config_cls.FLAG_PREFIX, opt.name)}` | `{config_cls.__name__}.{opt.name}` | "
             f"{opt.accepted.replace('|', chr(92) + '|')} | {default} | {opt.meaning.replace('|', chr(92) + '|')} |"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES
 from .masks import decimal_fraction
@@ -105,3 +106,9 @@ def ad_drop_epoch(schedule: str, epoch: int) -> bool:
     if schedule == "cross-tuning":
         return epoch % 2 == 0
     raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+
+
+def first_ad_drop_epoch(schedule: str, planned_epochs: int) -> Optional[int]:
+    """The first 1-based epoch of a run of ``planned_epochs`` in which AD-DROP acts; None when it
+    never acts (cross-tuning over one epoch: its first AD-DROP epoch is epoch 2)."""
+    return next((e for e in range(1, min(planned_epochs, 2) + 1) if ad_drop_epoch(schedule, e)), None)

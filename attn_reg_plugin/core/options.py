@@ -149,7 +149,9 @@ def add_arguments(
         if opt.type is bool:
             parser.add_argument(flag_name(prefix, opt.name), action="store_true", default=default, help=opt.help)
         else:
-            parser.add_argument(flag_name(prefix, opt.name), type=opt.type, default=default, help=text)
+            # Optional[int] (unset by default) parses as int
+            kind = next((t for t in typing.get_args(opt.type) if t is not type(None)), opt.type)
+            parser.add_argument(flag_name(prefix, opt.name), type=kind, default=default, help=text)
 
 
 def config_from_namespace(config_cls, ns, prefix: Optional[str] = None):

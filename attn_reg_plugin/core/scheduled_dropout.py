@@ -67,6 +67,16 @@ def schedule_value(schedule: Schedule, update: int) -> float:
     return p0 + (p1 - p0) * (update - u0) / (u1 - u0)
 
 
+def first_dropping_update(schedules: List[Schedule], planned_updates: int) -> Optional[int]:
+    """The first 0-based update before ``planned_updates`` at which some schedule's probability is
+    above 0; None when it is 0 throughout. Linear between knots, so the first positive update
+    is 0, a knot, or the update after a knot."""
+    candidates = sorted({0} | {u + d for schedule in schedules for u, _ in schedule for d in (0, 1)})
+    return next(
+        (u for u in candidates if u < planned_updates and any(schedule_value(s, u) > 0 for s in schedules)), None
+    )
+
+
 @dataclass
 class ScheduledDropoutConfig(RegularizerOptions):
     """``--attn-sched-dropout-*``; empty ``schedule`` means off."""

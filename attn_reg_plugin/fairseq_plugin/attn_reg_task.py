@@ -10,6 +10,7 @@ Validation and generation are untouched.
 """
 
 import argparse
+import dataclasses
 import logging
 import math
 from dataclasses import field
@@ -19,6 +20,7 @@ from omegaconf import OmegaConf, open_dict
 
 from ..core.ad_drop_config import ad_drop_epoch
 from ..core.attendout import AttendOutConfig
+from ..core.attendout.config import generator_positions
 from ..core.attention import zero_counts
 from ..core.controller import RegularizationController
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
@@ -28,6 +30,7 @@ from .attendout import FairseqAttendOut, reduce_attendout_metrics
 from .attendout_checkpoint import check_fairseq_supports_task_state
 from .attention import install_attention_sites
 from .options import fairseq_options
+from .planned_run import warn_if_idle
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +150,9 @@ class AttnRegTaskMixin:
     attn_reg_scheduled_dropout = None
     attn_reg_layerdrop = None
     attn_reg_attendout: FairseqAttendOut = None
-    attn_reg_ad_drop_schedule: str = None  # set by an ad_drop criterion: the epoch's phase is logged
+    attn_reg_ad_drop_config = None  # set by an ad_drop criterion: the epoch's phase is logged
+    attn_reg_train_batches = None  # this worker's training batches per epoch, once fairseq-train batched them
+    attn_reg_plan_checked = False
 
     def attn_reg_setup(self) -> None:
         """Call at the end of the task's __init__: validates the regularizer options."""
@@ -189,8 +194,12 @@ class AttnRegTaskMixin:
         if layerdrop.enabled:
             self.attn_reg_layerdrop = AttentionLayerDrop(layerdrop, self.attn_reg_controller)
         if cfg.attendout:
+            config = AttendOutConfig.from_namespace(cfg)
+            # Unset, the generator covers every sequence the model takes (source and target alike).
+            lengths = [n for n in _flat(model.max_positions()) if isinstance(n, int) and n > 0]
+            positions = generator_positions(config, max(lengths, default=None))
             self.attn_reg_attendout = FairseqAttendOut(
-                AttendOutConfig.from_namespace(cfg),
+                dataclasses.replace(config, max_positions=positions),
                 cfg.attendout_clip_norm,
                 cfg.attendout_valid_subset,
                 cfg.attendout_log_file,
@@ -218,20 +227,36 @@ class AttnRegTaskMixin:
             one_regularizer([criterion_option] + [option for option, on in task_regularizers if on])
             refuse_unsupported_training(self.cfg, criterion_option)
             attach(self.attn_reg_controller)  # validates layers / kinds against the model
-            self.attn_reg_ad_drop_schedule = criterion.ad_drop_config.schedule
+            self.attn_reg_ad_drop_config = criterion.ad_drop_config
         return criterion
 
     def begin_epoch(self, epoch, model):
         super().begin_epoch(epoch, model)
         self.attn_reg_epoch = epoch
-        if self.attn_reg_ad_drop_schedule is not None:
+        if not self.attn_reg_plan_checked:  # the first epoch of this process, before its first update
+            self.attn_reg_plan_checked = True
+            warn_if_idle(logger, self._attn_reg_configs(), _whole_config(self.cfg), self.attn_reg_train_batches)
+        if self.attn_reg_ad_drop_config is not None:
             # The phase is in every metric line too (ad_drop_on), but only once an update is logged.
-            phase = "AD-DROP" if ad_drop_epoch(self.attn_reg_ad_drop_schedule, epoch) else "plain"
-            logger.info(f"epoch {epoch}: {phase} (--ad-drop-schedule {self.attn_reg_ad_drop_schedule})")
+            schedule = self.attn_reg_ad_drop_config.schedule
+            phase = "AD-DROP" if ad_drop_epoch(schedule, epoch) else "plain"
+            logger.info(f"epoch {epoch}: {phase} (--ad-drop-schedule {schedule})")
         if self.attn_reg_attendout is not None:
             # After fairseq's load_checkpoint: the game resumes from it, whatever the --reset-* flags.
             self.attn_reg_attendout.begin_training(type(self).__name__)
             self.attn_reg_attendout.heldout_dataset(self)
+
+    def _attn_reg_configs(self):
+        """The configs of the run's regularizers (at most one; AD-DROP's from the criterion)."""
+        configs = [r.config for r in (self.attn_reg_attendout, self.attn_reg_scheduled_dropout) if r is not None]
+        return configs + ([self.attn_reg_ad_drop_config] if self.attn_reg_ad_drop_config is not None else [])
+
+    def get_batch_iterator(self, dataset, *args, **kwargs):
+        itr = super().get_batch_iterator(dataset, *args, **kwargs)
+        root = _whole_config(self.cfg)
+        if root is not None and "dataset" in root and dataset is self.datasets.get(root.dataset.train_subset):
+            self.attn_reg_train_batches = len(itr)  # the planned run's updates per epoch
+        return itr
 
     # -- training -------------------------------------------------------------------------
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
@@ -309,6 +334,11 @@ def reduce_task_regularizer_metrics(logging_outputs) -> None:
     if n:
         for key in sorted(k for k in steps[0] if k.startswith("attn_sched_dropout_p_layer")):
             metrics.log_scalar(key, utils.item(sum(log[key] for log in steps)) / n, n, round=4)
+
+
+def _flat(value):
+    """The numbers of a model's max_positions(): an int, or a tuple of them (source, target)."""
+    return [n for item in value for n in _flat(item)] if isinstance(value, (tuple, list)) else [value]
 
 
 def _note_defender_loaded(attendout: FairseqAttendOut):

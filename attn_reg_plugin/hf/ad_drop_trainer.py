@@ -18,6 +18,7 @@ from ..core.distributed import all_reduce_sum_
 from ..core.options import named_by_field
 from .attention import install_attention_sites
 from .model_inputs import causal_lm, decoder_input_ids_from_labels
+from .notices import IdleRunWarning, SiteReport
 from .trainer_arguments import model_argument, training_arguments
 from .training_configurations import refuse_unsupported, refuse_unsupported_launch
 
@@ -39,6 +40,8 @@ class ADDropTrainerMixin:
         self._ad_drop_epoch_index = None  # 0-based epoch of the Trainer's running pass (_run_epoch)
         super().__init__(*args, **kwargs)
         refuse_unsupported_launch("ADDropTrainer", self)  # what accelerate's own config turned on, too
+        self.add_callback(IdleRunWarning(ad_drop))  # cross-tuning over one planned epoch never acts
+        self.attn_reg_site_report = SiteReport(self.ad_drop_sites, self.ad_drop.sites)
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _ad_drop_reset(self) -> None:
@@ -198,6 +201,7 @@ class ADDropTrainerMixin:
             logs["ad_drop_rate"] = round(dropped / valid, 6) if valid else 0.0
             logs["ad_drop_skipped"] = skipped  # non-finite attribution target: trained with the plain loss
             self._ad_drop_reset()
+        self.attn_reg_site_report.add_once(logs)
         return super().log(logs, *args, **kwargs)
 
 

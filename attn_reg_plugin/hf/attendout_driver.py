@@ -28,10 +28,12 @@ from ..core.attendout import (
     heldout_indices,
     scaler_skipped_step,
 )
+from ..core.attendout.config import generator_positions
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_mean_
 from ..core.sharding import is_fully_sharded, meta_copy, reshard, shard_like
 from .attendout_checkpoint import load_attendout_state
+from .attendout_heldout import heldout_dataset
 from .attendout_logging import AttendOutLogs
 from .attention import install_attention_sites
 from .model_inputs import causal_lm, decoder_input_ids_from_labels
@@ -86,29 +88,11 @@ def mirror_activation_checkpointing(source: torch.nn.Module, destination: torch.
                 setattr(modules[path], name, module.__dict__[name])
 
 
-def heldout_dataset(trainer):
-    """The trainer's eval_dataset, checked for drawing held-out samples, unused columns removed."""
-    dataset = trainer.eval_dataset
-    if dataset is None:
-        raise ValueError(
-            "AttendOutTrainer needs eval_dataset: the held-out samples of every dropout step are drawn from it"
-        )
-    if isinstance(dataset, dict):
-        raise ValueError("AttendOutTrainer needs one eval_dataset (not a dict): it draws the held-out samples from it")
-    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
-        raise ValueError(
-            "AttendOutTrainer needs an eval_dataset with len() and indexing (held-out samples are drawn at random)"
-        )
-    if len(dataset) == 0:
-        raise ValueError("AttendOutTrainer: eval_dataset is empty; AttendOut needs held-out samples")
-    try:
-        import datasets
-
-        if isinstance(dataset, datasets.Dataset):
-            return trainer._remove_unused_columns(dataset, description="AttendOut held-out")
-    except ImportError:
-        pass
-    return dataset
+def model_max_length(config) -> Optional[int]:
+    """The longest input the model's config states it takes (None: it states none, e.g. T5)."""
+    names = ("max_position_embeddings", "n_positions", "max_source_positions", "max_target_positions")
+    lengths = [getattr(config, name, None) for name in names]
+    return max((n for n in lengths if isinstance(n, int) and n > 0), default=None)
 
 
 def generator_vocab(model, encoder_decoder: bool, decoder_only: bool):
@@ -139,9 +123,16 @@ def generator_vocab(model, encoder_decoder: bool, decoder_only: bool):
 class AttendOutDriver:
     """The game's per-run state and steps, for the trainer that owns it (its model is D)."""
 
-    def __init__(self, trainer, model: torch.nn.Module, config: AttendOutConfig, log_file: Optional[str]):
+    def __init__(
+        self,
+        trainer,
+        model: torch.nn.Module,
+        config: AttendOutConfig,
+        log_file: Optional[str],
+        valid_subset: Optional[str] = None,
+    ):
         self.trainer = trainer
-        self.heldout_dataset = heldout_dataset(trainer)
+        self.heldout_dataset = heldout_dataset(trainer, valid_subset)
         model_config = model.config
         if getattr(model_config, "problem_type", None) == "multi_label_classification":
             raise ValueError("AttendOutTrainer: multi-label classification has no per-sample held-out loss here")
@@ -151,7 +142,7 @@ class AttendOutDriver:
         self.logs = AttendOutLogs(log_file)
         # D's attention goes through the same kernel as A's (idle here: transformers' sdpa).
         self.defender_controller = RegularizationController()
-        install_attention_sites(model, self.defender_controller)
+        self.found_sites = install_attention_sites(model, self.defender_controller)
         # A's skeleton (parameters on the meta device, no memory): under FSDP2 the Trainer shards D
         # before the first step, and A is then built from this, sharded like D (see start).
         self.skeleton: Optional[torch.nn.Module] = meta_copy(model)
@@ -167,14 +158,14 @@ class AttendOutDriver:
                 sizes,
                 {s: model_config.pad_token_id for s in sizes},
                 config.generator_dim,
-                config.max_positions,
+                generator_positions(config, model_max_length(model_config)),
                 config.init_drop,
                 config.temperature,
                 share_streams=shared,
                 positions_option=config.name("max_positions"),
             )
         # Selecting the sites now checks kinds and layers against the model, before training.
-        AttendOut(config, self.defender_controller, self.generator)
+        self.sites = AttendOut(config, self.defender_controller, self.generator).sites
         self.attacker: Optional[torch.nn.Module] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.scaler: Optional[torch.amp.GradScaler] = None  # A's own fp16 loss scaler

@@ -13,7 +13,8 @@ Same semantics as the fairseq task option ``--attendout``; the science is in
   step, right after D's, through the Trainer's own ``training_step`` (same loss, same
   gradient-accumulation scaling);
 * every T optimizer steps, T samples drawn at random (torch's global generator) from
-  ``eval_dataset`` are scored by D and A in eval mode (per-sample cross-entropy, squared error
+  ``eval_dataset`` (or, with ``attendout_valid_subset="heldout"``, from ``eval_dataset["heldout"]``,
+  the counterpart of fairseq's ``--attendout-valid-subset``) are scored by D and A in eval mode (per-sample cross-entropy, squared error
   for regression); the generator takes its REINFORCE step and the survivor's parameters *and*
   optimizer state overwrite the other's, so D and A start every dropout step identical and the
   model the Trainer saves is the survivor.
@@ -46,6 +47,7 @@ from ..core.sharding import is_fully_sharded
 from .attendout_checkpoint import ATTENDOUT_STATE, attendout_state_dict, save_attendout_state
 from .attendout_driver import AttendOutDriver, mirror_activation_checkpointing, optimizer_like
 from .attendout_logging import trainer_counts_kept
+from .notices import IdleRunWarning, SiteReport
 from .trainer_arguments import model_argument, training_arguments
 from .training_configurations import refuse_unsupported, refuse_unsupported_launch
 
@@ -95,7 +97,14 @@ class AttendOutTrainerMixin:
     attendout_game = _driver_attribute("game", "The game (A's sites, masks, REINFORCE); None until the first step.")
     _attendout_start_id = _driver_attribute("start_id", "The id the generator reads at decoder position 0.")
 
-    def __init__(self, *args, attendout: AttendOutConfig, attendout_log_file: Optional[str] = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        attendout: AttendOutConfig,
+        attendout_log_file: Optional[str] = None,
+        attendout_valid_subset: Optional[str] = None,
+        **kwargs,
+    ):
         if not isinstance(attendout, AttendOutConfig):
             raise TypeError(f"attendout must be an AttendOutConfig, got {type(attendout).__name__}")
         named_by_field(attendout).validate()
@@ -111,8 +120,10 @@ class AttendOutTrainerMixin:
         refuse_unsupported_launch(
             "AttendOutTrainer", self, no_deepspeed=NO_DEEPSPEED
         )  # what accelerate's own config turned on, too
-        self.attendout_driver = AttendOutDriver(self, model, attendout, attendout_log_file)
+        self.attendout_driver = AttendOutDriver(self, model, attendout, attendout_log_file, attendout_valid_subset)
         self.add_callback(_AttendOutCallback(self))
+        self.add_callback(IdleRunWarning(attendout))  # fewer planned updates than one dropout step never act
+        self.attn_reg_site_report = SiteReport(self.attendout_driver.found_sites, self.attendout_driver.sites)
 
     # -- the game's state and steps, by the trainer's names -----------------------------------
     @property
@@ -170,6 +181,7 @@ class AttendOutTrainerMixin:
     def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
         driver = self.attendout_driver
         driver.logs.add_to_training_log(logs, own_scaler=driver.scaler is not None)
+        self.attn_reg_site_report.add_once(logs)
         return super().log(logs, *args, **kwargs)
 
     # transformers 5.23.0 Trainer._save_checkpoint writes checkpoint-<global_step>/; this adds the game's state to it.
@@ -182,8 +194,9 @@ class AttendOutTrainerMixin:
 
 
 class AttendOutTrainer(AttendOutTrainerMixin, transformers.Trainer):
-    """``transformers.Trainer`` with AttendOut; keywords ``attendout: AttendOutConfig``, ``attendout_log_file``."""
+    """``transformers.Trainer`` with AttendOut; keywords ``attendout: AttendOutConfig``, ``attendout_log_file``,
+    ``attendout_valid_subset`` (the key of a dict ``eval_dataset`` the held-out samples are drawn from)."""
 
 
 class AttendOutSeq2SeqTrainer(AttendOutTrainerMixin, transformers.Seq2SeqTrainer):
-    """``transformers.Seq2SeqTrainer`` with AttendOut; keywords ``attendout: AttendOutConfig``, ``attendout_log_file``."""
+    """``transformers.Seq2SeqTrainer`` with AttendOut; the keywords of :class:`AttendOutTrainer`."""

@@ -21,6 +21,7 @@ from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from ..core.options import named_by_field, one_regularizer
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attention import install_attention_sites
+from .notices import IdleRunWarning, SiteReport
 from .trainer_arguments import model_argument, training_arguments
 from .training_configurations import refuse_unsupported, refuse_unsupported_launch
 
@@ -65,7 +66,7 @@ class AttnRegTrainerMixin:
         refuse_unsupported("AttnRegTrainer", training_arguments(args, kwargs), model=model)
         # Before the Trainer's own setup: bad layers / kinds fail first.
         self.attn_reg_controller = RegularizationController()
-        install_attention_sites(model, self.attn_reg_controller)
+        found = install_attention_sites(model, self.attn_reg_controller)
         self.attn_reg_scheduled_dropout = (
             ScheduledAttentionDropout(scheduled_dropout, self.attn_reg_controller)
             if scheduled_dropout is not None
@@ -77,6 +78,9 @@ class AttnRegTrainerMixin:
         self._attn_reg_reset()
         super().__init__(*args, **kwargs)
         refuse_unsupported_launch("AttnRegTrainer", self)  # what accelerate's own config turned on, too
+        regularizer = self.attn_reg_scheduled_dropout or self.attn_reg_layerdrop
+        self.add_callback(IdleRunWarning(regularizer.config))  # a schedule at 0 over the whole run never acts
+        self.attn_reg_site_report = SiteReport(found, regularizer.sites)
 
     def _attn_reg_reset(self) -> None:
         # dropped / valid units, or skipped / selected layer calls, counted by the kernel as it
@@ -123,6 +127,7 @@ class AttnRegTrainerMixin:
             else:
                 logs["attn_layerdrop_rate"] = round(rate, 6)  # fraction of selected layer passes skipped
             self._attn_reg_reset()
+        self.attn_reg_site_report.add_once(logs)
         return super().log(logs, *args, **kwargs)
 
 

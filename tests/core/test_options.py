@@ -3,6 +3,7 @@ options are generated from it (attn_reg_plugin.core.options, fairseq_plugin.opti
 
 import argparse
 import dataclasses
+import typing
 
 import pytest
 
@@ -24,8 +25,11 @@ CONFIGS = [
 def test_every_config_field_has_a_type_default_and_help():
     for config_cls, _ in CONFIGS:
         for opt in options_of(config_cls):
-            assert opt.type in (int, float, str, bool), (config_cls.__name__, opt)
-            assert opt.help and isinstance(opt.default, opt.type), (config_cls.__name__, opt)
+            # Optional[int] (AttendOutConfig.max_positions): unset (None) by default, an int when set
+            kind = next((t for t in typing.get_args(opt.type) if t is not type(None)), opt.type)
+            assert kind in (int, float, str, bool), (config_cls.__name__, opt)
+            unset = opt.default is None and kind is not opt.type
+            assert opt.help and (isinstance(opt.default, kind) or unset), (config_cls.__name__, opt)
 
 
 @pytest.mark.parametrize("config_cls,prefix", CONFIGS)

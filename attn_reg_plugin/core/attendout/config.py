@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from ..options import RegularizerOptions, attention_option, layers_option, option
+
+# The generator's positions for a model whose maximum length is not known (T5's relative positions).
+DEFAULT_MAX_POSITIONS = 1024
 
 
 @dataclass
@@ -24,7 +28,14 @@ class AttendOutConfig(RegularizerOptions):
     init_drop: float = option(0.2, "drop probability the generator starts from", "(0, 1)")
     attention: str = attention_option()
     layers: str = layers_option()
-    max_positions: int = option(1024, "longest sequence the generator covers", "integer >= 1")
+    max_positions: Optional[int] = option(
+        None,
+        "longest sequence the generator covers (its position table: max_positions x generator_dim); unset: the "
+        f"model's maximum length (HF: config.max_position_embeddings or n_positions; fairseq: the model's "
+        f"max_positions), {DEFAULT_MAX_POSITIONS} for a model that states none (T5). A longer batch stops before "
+        "its first update",
+        "integer >= 1, or unset",
+    )
 
     def validate(self) -> AttendOutConfig:
         flag = self.name
@@ -41,10 +52,20 @@ class AttendOutConfig(RegularizerOptions):
 
         integer("dropout_step", 1)
         integer("generator_dim", 1)
-        integer("max_positions", 1)
+        if self.max_positions is not None:
+            integer("max_positions", 1)
         number("lr", lambda v: 0 < v < math.inf, "a finite number > 0")
         number("temperature", lambda v: 0 < v < math.inf, "a finite number > 0")
         number("baseline_decay", lambda v: 0 <= v < 1, "in [0, 1)")
         number("init_drop", lambda v: 0 < v < 1, "in the open interval (0, 1)")
         self.check_site_options()
         return self
+
+
+def generator_positions(config: AttendOutConfig, model_max_length: Optional[int]) -> int:
+    """How many positions the generator covers: ``config.max_positions`` when set, else the model's
+    maximum length (None: the model states none, so :data:`DEFAULT_MAX_POSITIONS`). Sized to the model,
+    the generator takes every sequence the model takes; a smaller explicit value is checked on each batch."""
+    if config.max_positions is not None:
+        return config.max_positions
+    return model_max_length if model_max_length else DEFAULT_MAX_POSITIONS

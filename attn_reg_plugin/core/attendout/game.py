@@ -189,6 +189,12 @@ class AttendOut:
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         device = next(self.generator.parameters()).device
+        saved, mine = state["generator"]["positions.weight"].shape[0], self.generator.positions.num_embeddings
+        if saved != mine:  # max_positions unset sizes the generator to the model; older runs had 1024
+            option = self.generator.positions_option
+            raise ValueError(
+                f"the saved game's generator has {saved} positions, this run's {mine}: set {option} to {saved}"
+            )
         self.generator.load_state_dict(state["generator"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.baseline = float(state["baseline"])

@@ -77,7 +77,8 @@ class Generator(nn.Module):
         if length > self.positions.num_embeddings:
             raise ValueError(
                 f"{self.positions_option}: a sequence of {length} tokens is longer than the generator's "
-                f"{self.positions.num_embeddings} positions"
+                f"{self.positions.num_embeddings} positions; set {self.positions_option} to at least {length} "
+                "(unset, it is the model's maximum length)"
             )
         real = tokens.ne(self.padding_idx[stream])
         valid = real[:, None, None, :] & real[:, None, :, None]
