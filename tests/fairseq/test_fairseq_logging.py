@@ -170,3 +170,42 @@ def test_eval_bleu_is_fairseqs_score_when_hypotheses_have_ngrams(tiny_mt_data):
             expected = round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
             assert expected > 0
         assert score == expected
+
+
+def test_tensorboard_serves_the_runs_scalars(logged_runs, tmp_path):
+    """`tensorboard --logdir` (installed from the lock) starts on the run's folder and serves the
+    regularizer's scalars over HTTP on the loopback address."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    tensorboard = shutil.which("tensorboard") or str(Path(sys.executable).parent / "tensorboard")
+    log = tmp_path / "tensorboard.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [tensorboard, "--logdir", str(logged_runs("ad_drop")["tb"]), "--host", "127.0.0.1", "--port", "0"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        url = None
+        for _ in range(600):  # the address it prints once it serves (at most 60 s)
+            found = re.search(r"http://127\.0\.0\.1:\d+/", log.read_text())
+            if found or server.poll() is not None:
+                url = found and found.group(0)
+                break
+            time.sleep(0.1)
+        assert url, log.read_text()[-2000:]
+        tags = {}
+        for _ in range(100):  # the first scan of the folder may still run
+            with urllib.request.urlopen(url + "data/plugin/scalars/tags", timeout=10) as response:
+                tags = json.loads(response.read())
+            if "ad_drop_rate" in tags.get("train_inner", {}):
+                break
+            time.sleep(0.2)
+        assert "ad_drop_rate" in tags.get("train_inner", {}), tags
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
