@@ -1,9 +1,11 @@
 """``--task attn_reg_translation``: fairseq's translation task with its attention routed through the plugin."""
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 from fairseq import metrics, utils
+from fairseq.data import data_utils
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import EVAL_BLEU_ORDER, TranslationConfig, TranslationTask
 
@@ -30,6 +32,12 @@ class AttnRegTranslationTask(AttnRegTaskMixin, TranslationTask):
     def __init__(self, cfg, src_dict, tgt_dict):
         super().__init__(cfg, src_dict, tgt_dict)
         self.attn_reg_setup()
+
+    def load_dataset(self, split, epoch=1, combine=False, task_cfg=None, **kwargs):
+        # fairseq-generate and fairseq-validate pass the checkpoint's task config (after loading it)
+        if task_cfg is not None:
+            refuse_reversed_direction(task_cfg, self.cfg.source_lang, self.cfg.target_lang)
+        super().load_dataset(split, epoch=epoch, combine=combine, task_cfg=task_cfg, **kwargs)
 
     def reduce_metrics(self, logging_outputs, criterion):
         bleu_logs = [log for log in logging_outputs if "_bleu_sys_len" in log] if self.cfg.eval_bleu else []
@@ -63,6 +71,32 @@ class AttnRegTranslationTask(AttnRegTaskMixin, TranslationTask):
         if self.src_dict is self.tgt_dict or self.src_dict.symbols == self.tgt_dict.symbols:
             return {"source": self.src_dict, "target": self.src_dict}
         return {"source": self.src_dict, "target": self.tgt_dict}
+
+
+def trained_direction(task_cfg):
+    """(source, target) a checkpoint was trained on: its -s/-t, or when it was trained without them
+    the pair its task inferred from its data-bin, read there again if that folder still exists
+    (fairseq saves the task options as given); (None, None) when neither can be known."""
+    src, tgt = getattr(task_cfg, "source_lang", None), getattr(task_cfg, "target_lang", None)
+    if src is None or tgt is None:
+        paths = utils.split_paths(getattr(task_cfg, "data", None) or "")
+        if paths and os.path.isdir(paths[0]):
+            src, tgt = data_utils.infer_language_pair(paths[0])
+    return src, tgt
+
+
+def refuse_reversed_direction(task_cfg, src: str, tgt: str) -> None:
+    """A joint data-bin serves both directions, so a checkpoint trained tgt->src decodes a
+    src->tgt set up without an error: it translates the other side and is scored against the
+    wrong references. Refused before decoding, naming both directions and the flags."""
+    trained = trained_direction(task_cfg)
+    if trained == (tgt, src) and src != tgt:
+        raise ValueError(
+            f"the checkpoint was trained {tgt}->{src} (-s {tgt} -t {src}), but this command reads the data "
+            f"{src}->{tgt} (its -s/-t, or without them the data-bin's own pair): it would translate the {src} "
+            f"side and score it against the {tgt} references. Pass -s {tgt} -t {src} "
+            f"(--source-lang/--target-lang) to decode in the direction the model was trained"
+        )
 
 
 def validation_bleu(meters) -> float:
