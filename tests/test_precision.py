@@ -234,3 +234,26 @@ def test_hf_mixed_precision_through_blocks(tmp_path, monkeypatch, regularizer, p
     assert len(logs) == 3 and all(math.isfinite(h["loss"]) and math.isfinite(h[key]) for h in logs)
     if regularizer != "attendout":
         assert sum(h[key] for h in logs) > 0
+
+
+@pytest.mark.parametrize("variant", ["checkpointing", "lora", "bf16-attribution"])
+def test_hf_bf16_ad_drop_through_blocks_with_what_users_add(tmp_path, monkeypatch, variant):
+    """The reported crash also came with gradient checkpointing, LoRA and a bf16 attribution pass."""
+    _blocks_of_two_rows(monkeypatch)
+    model = tiny_llama()
+    if variant == "lora":
+        peft = pytest.importorskip("peft")
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        model = peft.get_peft_model(model, config)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=not CUDA, report_to=[], max_steps=2, per_device_train_batch_size=2,
+        logging_steps=1, save_strategy="no", bf16=True, gradient_checkpointing=variant == "checkpointing",
+    )  # fmt: skip
+    precision = "bf16" if variant == "bf16-attribution" else "auto"
+    ad_drop = ADDropConfig(p=0.3, q=0.5, schedule="always", attribution_precision=precision)
+    trainer = ADDropTrainer(
+        model=model, args=args, train_dataset=classification_rows(4, 1, causal=True), ad_drop=ad_drop
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "ad_drop_rate" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) and h["ad_drop_rate"] > 0 for h in logs)
