@@ -132,6 +132,42 @@ def test_sft_trainer_trains_with_attendout(trl, tmp_path, layout):
     assert logged and logged[-1] == tokens
 
 
+def test_sft_trainer_with_peft_config_and_with_scheduled_dropout(trl, tmp_path):
+    """SFTTrainer wraps the model with peft after the mixin installed its sites: they stay on the
+    modules peft wraps and only the adapters train. AttnRegTrainerMixin composes the same way."""
+    peft = pytest.importorskip("peft")
+    from attn_reg_plugin.core import ScheduledDropoutConfig
+    from attn_reg_plugin.hf import AttnRegTrainerMixin
+
+    ADDropSFTTrainer, _ = trainer_classes(trl)
+    model = sft_model()
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = ADDropSFTTrainer(
+        model=model,
+        args=sft_config(trl, tmp_path / "lora"),
+        train_dataset=prompt_completion(),
+        processing_class=word_tokenizer(),
+        peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        ad_drop=ADDropConfig(p=0.3, q=0.3, schedule="always"),
+    )
+    trainer.train()
+    assert all(log["ad_drop_on"] == 1 and log["ad_drop_rate"] > 0.03 for log in training_logs(trainer))
+    assert all(torch.equal(base[n], p) for n, p in model.named_parameters() if n in base)  # frozen base weights
+
+    class AttnRegSFTTrainer(AttnRegTrainerMixin, trl.SFTTrainer):
+        pass
+
+    trainer = AttnRegSFTTrainer(
+        model=sft_model(),
+        args=sft_config(trl, tmp_path / "sched"),
+        train_dataset=prompt_completion(),
+        processing_class=word_tokenizer(),
+        scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.3"),
+    )
+    trainer.train()
+    assert all(0.2 < log["attn_sched_dropout_rate"] < 0.4 for log in training_logs(trainer))
+
+
 def test_padding_free_drops_per_document_and_at_the_padded_rate(trl, tmp_path):
     """The same documents padding-free (one row, position_ids restarting per document) and padded (one
     per row): the kernel's units are exactly the documents' own causal triangles, the AD-DROP rate is
