@@ -9,7 +9,7 @@ already loaded, its parts are registered on import.
 
 import sys
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 if "fairseq" in sys.modules:
     from . import fairseq_plugin  # noqa: F401

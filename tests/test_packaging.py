@@ -7,10 +7,12 @@ imports it, and the lab uses only the plugin's public names.
 
 import ast
 import configparser
+import re
 import shutil
 import subprocess
 import sys
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ PLUGIN_COMMANDS = {
     "attn-reg-prepare": "attn_reg_plugin.prepare:main",
     "attn-reg-user-dir": "attn_reg_plugin.user_dir:main",
     "attn-reg-mt-sweep": "attn_reg_plugin.sweep:main",
+    "attn-reg-average-checkpoints": "attn_reg_plugin.average_checkpoints:main",
 }
 # What a build must not see: local environments, outputs and build leftovers.
 NOT_SOURCE = shutil.ignore_patterns(
@@ -60,6 +63,19 @@ def test_plugin_wheel_holds_the_plugin_and_its_commands_only(tmp_path):
         sources = {p.relative_to(REPO).as_posix() for p in (REPO / "attn_reg_plugin").rglob("*.py")}
         assert sources <= packaged, f"missing from the wheel: {sorted(sources - packaged)}"
         assert console_scripts(wheel) == PLUGIN_COMMANDS
+
+
+def test_the_installed_version_is_the_changelogs():
+    """pyproject.toml, ``attn_reg_plugin.__version__`` and the installed distribution all name the version
+    of CHANGELOG.md's top heading (the install said 0.2.0 while the docs described 0.3.0)."""
+    import attn_reg_plugin
+
+    changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
+    top = re.search(r"^## (\d+\.\d+\.\d+)\b", changelog, flags=re.M).group(1)
+    project = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(encoding="utf-8"), flags=re.M)
+    assert (project.group(1), attn_reg_plugin.__version__) == (top, top)
+    installed = metadata.version("attn_reg_plugin")
+    assert installed == top, f"the venv holds attn_reg_plugin {installed}: reinstall it (make .venv)"
 
 
 def test_lab_wheel_holds_the_lab_and_its_commands(tmp_path):
