@@ -7,7 +7,7 @@ versions before 0.3 pickle the legacy model arguments as an ``argparse.Namespace
 >= 2.6 refuses (``Unsupported global: GLOBAL argparse.Namespace``) in every tool that does not
 import the plugin. ``--user-dir`` imports it for fairseq's commands; this runs any other tool,
 e.g. fairseq's ``scripts/average_checkpoints.py`` (in a fairseq checkout, not in the pip
-package), after the import. Unlike ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` it trusts only the
+package; ``attn-reg-average-checkpoints`` is the same averaging, installed), after the import. Unlike ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` it trusts only the
 classes ``fairseq_plugin.safe_load`` lists, not every global a checkpoint names.
 """
 

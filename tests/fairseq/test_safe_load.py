@@ -218,6 +218,11 @@ def test_a_checkpoint_with_a_namespace_runs_through_safe_run(tiny_mt_data, tmp_p
 
     out = run_python(["-m", "attn_reg_plugin.safe_run", script, *inputs, averaged], tmp_path)
     assert "averaged with the plugin imported: True" in out
+    # the plugin's own averaging command reads them with the allow-list: the same average
+    ours = tmp_path / "ours.pt"
+    run_python(["-m", "attn_reg_plugin.average_checkpoints", "--inputs", *inputs, "--output", ours], tmp_path)
+    mean, same = (torch.load(p, weights_only=True)["model"] for p in (averaged, ours))
+    assert all(torch.allclose(mean[k], same[k]) for k in mean)
     gen = run_python(
         [
             "-m",
