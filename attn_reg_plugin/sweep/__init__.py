@@ -14,33 +14,44 @@ optimizer, batch, ``--cpu``/``--fp16``, ...). For each cell of the grid (p x q, 
         --source-lang S --target-lang T --max-epoch N --seed SEED --save-dir OUT/runs/<cell>/seed<SEED>/checkpoints
 
 then ``fairseq-generate`` on the **valid** split with that run's ``checkpoint_best.pt`` (beam 5,
-``--post-process sentencepiece``: what ``attn-reg-prepare`` data needs), and scores the
+``--post-process sentencepiece``: what ``attn-reg-prepare`` data needs; hypotheses bounded by
+``--max-len-a 1.2 --max-len-b 10``, i.e. 1.2 x source length + 10 tokens), and scores the
 detokenized hypotheses with sacrebleu's Python API, against ``--valid-ref PREFIX.T`` (your raw
 references) when given, else against fairseq's own references (the binarized valid target, post-
 processed the same way: an out-of-vocabulary piece reads ``<unk>`` there). The test split is
 never used to choose; ``--test`` translates it with each run's best checkpoint and reports it
 beside. A cell's score is the mean valid BLEU over its seeds (the best valid loss, mean over
-seeds, breaks ties); the best AD-DROP cell is named at the end. ``--plain`` adds one cell of
-plain training (``label_smoothed_cross_entropy``, same task and arguments) for reference.
+seeds, breaks ties); the best AD-DROP cell is named at the end, with what weakens the choice (one
+seed; differences within the seed spread; BLEU near 0; hypotheses far from the references'
+length). A cell that diverged, or whose AD-DROP steps were mostly skipped, is flagged and not
+ranked. ``--plain`` adds one cell of plain training (``label_smoothed_cross_entropy``, same task
+and arguments) for reference.
 
-Resumable: a seed's finished run writes ``runs/<cell>/seed<S>/result.json``, a finished cell
-``cells/<cell>.json``; a rerun of the same command keeps them (and fairseq-train itself resumes an
-interrupted run from its ``checkpoint_last.pt``), so a killed sweep continues where it stopped, and
-more p, q or seeds can be added later. A rerun with another data-bin, language pair, epochs or
-fairseq arguments is refused, naming what differs. Written under ``--out-dir``: ``sweep.json``
-(the settings), ``cells/``, ``runs/``, ``results.json``, ``results.md`` (the table) and
-``heatmap.png`` (valid BLEU over p x q, one panel per attribution, layers and schedule; needs
-matplotlib). Bad options are refused before anything runs.
+Resumable and cumulative: a seed's finished run writes ``runs/<cell>/seed<S>/result.json``, a
+finished cell ``cells/<cell>.json``; a rerun keeps them (and fairseq-train resumes an interrupted
+run from its ``checkpoint_last.pt``, the console saying from which epoch; the run's record reads
+every attempt's epochs and time). A later command with more seeds or another grid adds its cells
+to the results, never drops the earlier ones. A rerun with another data-bin, language pair,
+epochs, fairseq or scoring arguments is refused, naming what differs. SIGTERM, SIGINT or SIGHUP
+ends the running fairseq child before the sweep exits (and on Linux a child ends when the sweep
+dies by any means); a second sweep on a running sweep's ``--out-dir`` is refused. Written under
+``--out-dir``: ``sweep.json`` (the settings), ``sweep.lock`` (while running), ``cells/``,
+``runs/``, ``results.json``, ``results.md`` (the table) and ``heatmap.png`` (valid BLEU minus
+plain's over p x q on a scale centred on 0, one panel per attribution, layers and schedule;
+needs matplotlib). Bad options are refused before anything runs.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ..paths import OutputOverwritesInputError, check_outputs_spare_inputs
+from .heatmap import heatmap
 from .options import (
     ATTRIBUTIONS,
     OWNED,
@@ -56,8 +67,11 @@ from .options import (
     probabilities,
     resolve_pair,
 )
-from .report import best_cell, heatmap, write_json, write_results
-from .runs import check_fairseq_args, log_fields, run_appended, run_cells, translate_and_score
+from .processes import LockedError, SweepStopped, out_dir_lock, stop_on_signals
+from .records import log_fields
+from .report import write_json, write_results
+from .runs import check_fairseq_args, run_appended, run_cells, translate_and_score
+from .verdict import best_cell
 
 __all__ = [
     "ATTRIBUTIONS",
@@ -83,19 +97,47 @@ __all__ = [
 
 
 def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = print) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap, opts = parse_args(argv)
     try:
         _check_inputs(opts)
         opts.data_bin = opts.data_bin.resolve()
         settings = sweep_settings(opts)
-        _check_same_settings(opts.out_dir, settings)
         cells = grid(opts)
         check_fairseq_args(opts, cells)
     except (SweepError, OutputOverwritesInputError) as e:
         ap.error(str(e))
+    command = shlex.join(["attn-reg-mt-sweep", *argv])
+    try:
+        with stop_on_signals(), out_dir_lock(opts.out_dir, command, log):
+            return _locked_main(ap, opts, settings, cells, log)
+    except LockedError as e:
+        ap.error(str(e))
+    except (SweepStopped, KeyboardInterrupt) as e:
+        signum = getattr(e, "signum", 2)
+        ended = ", ".join(getattr(e, "ended", [])) or "no child was running"
+        print(
+            f"attn-reg-mt-sweep: stopped by {signal_name(signum)}: ended {ended}; finished runs are kept, the "
+            "same command resumes the rest",
+            file=sys.stderr,
+        )
+        return 128 + signum
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
+
+
+def _locked_main(ap, opts, settings: dict, cells: list, log: Callable[[str], None]) -> int:
+    """The sweep, with its ``--out-dir`` locked."""
+    try:
+        _check_same_settings(opts.out_dir, settings)
+    except SweepError as e:
+        ap.error(str(e))
     (opts.out_dir / "cells").mkdir(parents=True, exist_ok=True)
     write_json(opts.out_dir / "sweep.json", settings)
-
     log(
         f"== AD-DROP sweep {opts.source_lang}→{opts.target_lang} on {opts.data_bin}: {len(cells)} cell(s) x "
         f"{len(opts.seeds)} seed(s), {opts.epochs} epoch(s) each; outputs in {opts.out_dir}"
@@ -119,7 +161,7 @@ def _check_inputs(opts) -> None:
         if prefix is not None and not Path(f"{prefix}.{opts.target_lang}").is_file():
             raise SweepError(f"{option} {prefix}: no such file {prefix}.{opts.target_lang}")
     # What the sweep writes (not the whole --out-dir: the data-bin may sit beside them).
-    written = ["sweep.json", "cells", "runs", "results.json", "results.md", "heatmap.png"]
+    written = ["sweep.json", "sweep.lock", "cells", "runs", "results.json", "results.md", "heatmap.png"]
     check_outputs_spare_inputs(
         [("--out-dir", opts.out_dir / name) for name in written],
         [("DATA_BIN", opts.data_bin)]
@@ -142,6 +184,8 @@ def sweep_settings(opts) -> dict:
         "test": opts.test,
         "test_ref": None if opts.test_ref is None else str(Path(f"{opts.test_ref}.{opts.target_lang}").resolve()),
         "generate_args": opts.generate_args,
+        "max_len_a": opts.max_len_a,
+        "max_len_b": opts.max_len_b,
     }
 
 

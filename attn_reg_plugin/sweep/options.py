@@ -170,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--test", action="store_true", help="also translate the test split (reported, never used to choose)"
     )
     ap.add_argument("--test-ref", type=Path, help="prefix of the raw test text, with --test")
+    ap.add_argument(
+        "--max-len-a",
+        type=float,
+        default=1.2,
+        help="fairseq-generate --max-len-a: hypotheses end by A x source length + B tokens (default 1.2), so a "
+        "degenerate model's looping output cannot run to fairseq's 200 tokens per sentence",
+    )
+    ap.add_argument("--max-len-b", type=int, default=10, help="fairseq-generate --max-len-b (default 10)")
     ap.add_argument("--tokenize", default="13a", help="sacrebleu tokenizer (default 13a; zh, ja-mecab, ... )")
     ap.add_argument(
         "--generate-args",
@@ -240,7 +248,14 @@ def _parse_scoring(ap, opts) -> None:
         ap.error("sacrebleu is not installed: pip install 'attn_reg_plugin[fairseq]'")
     except Exception as e:  # sacrebleu raises a bare RuntimeError / KeyError naming the tokenizer
         ap.error(f"--tokenize {opts.tokenize!r}: sacrebleu refuses it ({e})")
+    if not 0 <= opts.max_len_a < float("inf"):
+        ap.error(f"--max-len-a must be a finite number >= 0, got {opts.max_len_a:g}")
+    if opts.max_len_b < 1:
+        ap.error(f"--max-len-b must be an integer >= 1, got {opts.max_len_b}")
     opts.generate_args = shlex.split(opts.generate_args)
+    own = [a for a in map(option_name, opts.generate_args) if a in ("--max-len-a", "--max-len-b")]
+    if own:
+        ap.error(f"{own[0]} in --generate-args: give it as the sweep's own {own[0]} (it bounds every translation)")
 
 
 def _check_train_args(ap, train_args: List[str]) -> None:

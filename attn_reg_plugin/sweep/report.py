@@ -1,18 +1,22 @@
-"""What the sweep writes: the records (whole or not at all), the cells' scores, the best cell, the
-heatmap, ``results.md`` and ``results.json``."""
+"""What the sweep writes: the records (whole or not at all), the heatmap, ``results.md`` and
+``results.json``, over every cell of the ``--out-dir`` (earlier commands' cells included)."""
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from .options import cell_name, number_text, panel_name
+from .heatmap import color_limits, heatmap
+from .options import panel_name
+from .verdict import best_cell, best_line, caveats, closing_hints, flags, plain_of, seed_spread
+
+# The heatmap's colour scale reaches at least this far either side of plain: differences under a
+# BLEU point are within seed noise in MT (DESIGN.md, "Evidence in MT") and must not look maximal.
+HEATMAP_MIN_SPAN = 1.0
 
 
 def write_json(path: Path, data) -> None:
@@ -23,186 +27,113 @@ def write_json(path: Path, data) -> None:
     os.replace(partial, path)
 
 
-# -- the cells' scores ----------------------------------------------------------------------------
-def _mean(values: List[Optional[float]]) -> Optional[float]:
-    values = [v for v in values if v is not None]
-    return round(statistics.fmean(values), 4) if values else None
-
-
-def summarize(cell: dict, runs: List[dict], settings: dict) -> dict:
-    """A cell's record: its seeds' runs and their means."""
-    bleus = [r["valid_bleu"] for r in runs]
-    return {
-        "cell": cell,
-        "name": cell_name(cell),
-        "settings": settings,
-        "seeds": [r["seed"] for r in runs],
-        "valid_bleu": round(statistics.fmean(bleus), 2),
-        "valid_bleu_sd": round(statistics.stdev(bleus), 2) if len(bleus) > 1 else 0.0,
-        "valid_loss": _mean([r["valid_loss"] for r in runs]),
-        "test_bleu": _mean([r["test_bleu"] for r in runs]),
-        "ad_drop_rate": _mean([r["ad_drop_rate"] for r in runs]),
-        "empty_hypotheses": sum(r["valid"]["empty_hypotheses"] for r in runs),
-        "runs": runs,
-    }
-
-
-def best_cell(records: List[dict]) -> dict:
-    """The AD-DROP cell with the highest mean valid BLEU; the lower mean valid loss breaks ties, then
-    grid order. Test is not looked at."""
-    candidates = [r for r in records if r["cell"]["method"] == "ad-drop"]
-    return max(candidates, key=lambda r: (r["valid_bleu"], -r["valid_loss"]))  # max keeps the first of equal keys
-
-
-# -- the heatmap ----------------------------------------------------------------------------------
-def heatmap(
-    points: List[dict], path: Path, title: str, subtitle: str, higher_is_better: bool, fmt: str = "{:.2f}"
-) -> Path:
-    """p down, q across, one panel per distinct ``point["panel"]``; each point is
-    ``{"panel", "p", "q", "value", "best": bool, "note": optional second line}``. Brighter is better."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = list(dict.fromkeys(pt["panel"] for pt in points))
-    ps = sorted({pt["p"] for pt in points})
-    qs = sorted({pt["q"] for pt in points})
-    values = [pt["value"] for pt in points]
-    low, high = min(values), max(values)
-    fig, axes = plt.subplots(
-        1,
-        len(panels),
-        figsize=(max(5.0, 1.4 + 1.3 * len(qs) * len(panels) + 1.0 * len(panels)), max(3.8, 2.2 + 0.9 * len(ps))),
-        squeeze=False,
-    )
-    for ax, panel in zip(axes[0], panels):
-        shown = [[float("nan")] * len(qs) for _ in ps]
-        for pt in points:
-            if pt["panel"] == panel:
-                shown[ps.index(pt["p"])][qs.index(pt["q"])] = pt["value"]
-        image = ax.imshow(
-            shown, cmap="viridis" if higher_is_better else "viridis_r", vmin=low, vmax=high if high > low else low + 1
-        )
-        for pt in points:
-            if pt["panel"] != panel:
-                continue
-            goodness = (pt["value"] - low) / ((high - low) or 1.0)
-            goodness = goodness if higher_is_better else 1.0 - goodness
-            text = fmt.format(pt["value"]) + (f"\n{pt['note']}" if pt.get("note") else "")
-            ax.text(
-                qs.index(pt["q"]),
-                ps.index(pt["p"]),
-                text + ("\nbest" if pt.get("best") else ""),
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="white" if goodness < 0.5 else "black",
-            )
-        ax.set_xticks(range(len(qs)), [number_text(q) for q in qs])
-        ax.set_yticks(range(len(ps)), [number_text(p) for p in ps])
-        ax.set_xlabel("q (drop probability)")
-        ax.set_ylabel("p (candidate share)")
-        ax.set_title(panel, fontsize=9)
-        fig.colorbar(image, ax=ax, shrink=0.8)
-    width = int(fig.get_size_inches()[0] * 13)  # characters that fit at fontsize 9
-    fig.suptitle(
-        textwrap.fill(title, width, break_on_hyphens=False) + "\n" + textwrap.fill(subtitle, width), fontsize=9
-    )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 # -- results.md and results.json ------------------------------------------------------------------
 def write_results(records: List[dict], opts, settings: dict, started: float, log: Callable[[str], None]) -> None:
-    """The heatmap, ``results.md`` and ``results.json`` of the finished cells; logs the table."""
+    """The heatmap, ``results.md`` and ``results.json`` of every cell in ``records``; logs the table."""
     out: Path = opts.out_dir
-    best = best_cell(records)
-    plain = next((r for r in records if r["cell"]["method"] == "plain"), None)
-    seeds = ",".join(map(str, opts.seeds))
+    best, plain = best_cell(records), plain_of(records)
+    seeds = sorted({s for r in records for s in r["seeds"]})
     title = (
         f"AD-DROP p x q sweep, {opts.source_lang}→{opts.target_lang}, {opts.epochs} "
-        f"epoch{'s' * (opts.epochs != 1)}, seeds {seeds}"
+        f"epoch{'s' * (opts.epochs != 1)}, seeds {','.join(map(str, seeds))}"
     )
-    png = _draw_heatmap(records, best, plain, title, opts, log)
-    lines = _results_lines(records, best, plain, title, opts)
-    summary = _results_summary(records, best, plain, png, opts, settings)
+    drawn = _draw_heatmap(records, best, plain, title, opts, log)
+    lines = [f"{title}, on {opts.data_bin}", "", *_table(records, opts.test), "", best_line(best, plain, records)]
+    reference = records[0]["runs"][0]["valid"]["reference"]
+    lines += ["", f"BLEU: sacrebleu on detokenized fairseq-generate output (beam {opts.beam}) vs {reference}"]
+    summary = _results_summary(records, best, plain, drawn, opts, settings)
     summary["seconds"] = round(time.time() - started, 1)
     write_json(out / "results.json", summary)
     (out / "results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     log("\n".join(lines))
-    log(f"results: {out / 'results.md'}, {out / 'results.json'}" + (f", {png}" if png else ""))
-    if all(r["valid_bleu"] == 0.0 for r in records):
-        log(
-            "every cell's valid BLEU is 0: the runs are too short to translate (empty or repeated-token "
-            "hypotheses); raise --epochs, the cells were ranked by valid loss"
-        )
+    log(f"results: {out / 'results.md'}, {out / 'results.json'}" + (f", {drawn['path']}" if drawn else ""))
+    for hint in closing_hints(records):
+        log(hint)
 
 
 def _draw_heatmap(
-    records: List[dict], best: dict, plain: Optional[dict], title: str, opts, log: Callable[[str], None]
-) -> Optional[Path]:
-    """``OUT/heatmap.png`` of the AD-DROP cells' valid BLEU, or None without matplotlib."""
-    png = opts.out_dir / "heatmap.png"
+    records: List[dict], best: Optional[dict], plain: Optional[dict], title: str, opts, log: Callable[[str], None]
+) -> Optional[dict]:
+    """``OUT/heatmap.png`` of the AD-DROP cells' valid BLEU minus plain's (centred on 0) or, without a
+    plain cell, their valid BLEU; what it shows, or None without matplotlib or AD-DROP cells."""
+    cells = [r for r in records if r["cell"]["method"] == "ad-drop"]
+    if not cells:
+        return None
+    base = plain["valid_bleu"] if plain else 0.0
+    points = [
+        {
+            "panel": panel_name(r["cell"]),
+            "p": r["cell"]["p"],
+            "q": r["cell"]["q"],
+            "value": round(r["valid_bleu"] - base, 2),
+            "note": ("loss -" if r["valid_loss"] is None else f"loss {r['valid_loss']:.3f}")
+            + ("\nnot ranked" if flags(r, plain) else ""),
+            "best": r is best,
+        }
+        for r in cells
+    ]
+    center = 0.0 if plain else None
+    span = max(HEATMAP_MIN_SPAN, 2 * (seed_spread(records) or 0.0))
+    vmin, vmax = color_limits([pt["value"] for pt in points], center, span)
+    if plain:
+        shows = f"valid BLEU − plain's {plain['valid_bleu']:.2f} (plain valid loss {plain['valid_loss']:.3f})"
+        subtitle = f"{shows}; mean over seeds, colours centred on plain (0); valid loss below"
+    else:
+        shows = "valid BLEU"
+        subtitle = "valid BLEU (sacrebleu, mean over seeds), valid loss below; no plain cell to centre on (--plain)"
+    drawn = {"path": str(opts.out_dir / "heatmap.png"), "shows": shows, "center": center, "vmin": vmin, "vmax": vmax}
+    drawn["plain_valid_bleu"] = plain["valid_bleu"] if plain else None
     try:
-        points = [
-            {
-                "panel": panel_name(r["cell"]),
-                "p": r["cell"]["p"],
-                "q": r["cell"]["q"],
-                "value": r["valid_bleu"],
-                "note": f"loss {r['valid_loss']:.3f}",
-                "best": r is best,
-            }
-            for r in records
-            if r["cell"]["method"] == "ad-drop"
-        ]
-        subtitle = "valid BLEU (sacrebleu, mean over seeds), valid loss below" + (
-            f"; plain {plain['valid_bleu']:.2f} / {plain['valid_loss']:.3f}" if plain else ""
-        )
-        heatmap(points, png, f"{title} ({'/'.join(opts.data_bin.parts[-2:])})", subtitle, higher_is_better=True)
+        heatmap(
+            points, Path(drawn["path"]), f"{title} ({'/'.join(opts.data_bin.parts[-2:])})", subtitle,
+            higher_is_better=True, fmt="{:+.2f}" if plain else "{:.2f}", center=center, min_span=span,
+            colorbar_label="valid BLEU − plain" if plain else "valid BLEU",
+        )  # fmt: skip
     except ImportError:
         log("heatmap.png skipped: matplotlib is not installed (pip install 'attn_reg_plugin[plots]')")
         return None
-    return png
+    return drawn
+
+
+def _number(x: Optional[float], fmt: str) -> str:
+    return "-" if x is None else fmt.format(x)
 
 
 def _table(records: List[dict], with_test: bool) -> List[str]:
-    head = "| cell | valid BLEU (mean ± sd over seeds) | valid loss | AD-DROP rate | empty hypotheses |"
+    head = (
+        "| cell | seeds | valid BLEU (mean ± sd over seeds) | valid loss | hyp/ref length | AD-DROP rate | "
+        "skipped AD-DROP steps | empty hypotheses |"
+    )
     head += " test BLEU (not used to choose) |" if with_test else ""
-    lines = [head, "|" + "---|" * (6 if with_test else 5)]
+    lines = [head + " note |", "|" + "---|" * (10 if with_test else 9)]
+    plain = plain_of(records)
     for r in records:
-        rate = "-" if r["ad_drop_rate"] is None else f"{r['ad_drop_rate']:.4f}"
+        spread = "n/a" if r["valid_bleu_sd"] is None else f"{r['valid_bleu_sd']:.2f}"
+        skipped = _number(r.get("ad_drop_skipped"), "{}")
+        if r.get("ad_drop_skipped_share") is not None:
+            skipped += f" ({100 * r['ad_drop_skipped_share']:.0f}%)"
+        notes = flags(r, plain) + [f"seed {s} logged no epoch {e}" for s, e in r.get("missing_epochs", {}).items()]
         row = (
-            f"| {r['name']} | {r['valid_bleu']:.2f} ± {r['valid_bleu_sd']:.2f} | {r['valid_loss']:.3f} | "
-            f"{rate} | {r['empty_hypotheses']} |"
+            f"| {r['name']} | {','.join(map(str, r['seeds']))} | {r['valid_bleu']:.2f} ± {spread} | "
+            f"{_number(r['valid_loss'], '{:.3f}')} | {_number(r.get('length_ratio'), '{:.2f}')} | "
+            f"{_number(r['ad_drop_rate'], '{:.4f}')} | {skipped} | {r['empty_hypotheses']} |"
         )
         if with_test:
-            row += f" {r['test_bleu']:.2f} |"
-        lines.append(row)
+            row += f" {_number(r['test_bleu'], '{:.2f}')} |"
+        lines.append(row + f" {'; '.join(notes)} |")
     return lines
 
 
-def _results_lines(records: List[dict], best: dict, plain: Optional[dict], title: str, opts) -> List[str]:
-    """``results.md``: the title, the table, the best cell and how BLEU was computed."""
-    lines = [f"{title}, on {opts.data_bin}", "", *_table(records, opts.test)]
-    best_line = (
-        f"best on valid: {best['name']} (p {number_text(best['cell']['p'])}, q {number_text(best['cell']['q'])}): "
-        f"valid BLEU {best['valid_bleu']:.2f}, valid loss {best['valid_loss']:.3f}"
-        + (f"; plain: valid BLEU {plain['valid_bleu']:.2f}, valid loss {plain['valid_loss']:.3f}" if plain else "")
-    )
-    lines += ["", best_line, "", f"BLEU: sacrebleu on detokenized fairseq-generate output (beam {opts.beam}) "
-              f"vs {best['runs'][0]['valid']['reference']}"]  # fmt: skip
-    return lines
+def _axis(records: List[dict], key: str) -> list:
+    values = {r["cell"][key] for r in records if key in r["cell"]}
+    return sorted(values)
 
 
 def _results_summary(
-    records: List[dict], best: dict, plain: Optional[dict], png: Optional[Path], opts, settings: dict
+    records: List[dict], best: Optional[dict], plain: Optional[dict], drawn: Optional[dict], opts, settings: dict
 ) -> dict:
-    """``results.json`` but its ``seconds``: the grid, the best and plain cells, every cell, versions."""
+    """``results.json`` but its ``seconds``: the grid of every cell so far, the best and plain cells,
+    every cell with its flags, the heatmap, versions."""
 
     def without(record: dict, *keys: str) -> dict:
         return {k: v for k, v in record.items() if k not in keys}
@@ -212,18 +143,16 @@ def _results_summary(
         "direction": f"{opts.source_lang}→{opts.target_lang}",
         "settings": settings,
         "grid": {
-            "p": opts.p,
-            "q": opts.q,
-            "attribution": opts.attribution,
-            "layers": opts.layers,
-            "schedule": opts.schedule,
-            "seeds": opts.seeds,
-            "plain": opts.plain,
+            **{key: _axis(records, key) for key in ("p", "q", "attribution", "layers", "schedule")},
+            "seeds": sorted({s for r in records for s in r["seeds"]}),
+            "plain": plain is not None,
         },
-        "best": without(best, "runs", "settings"),
+        "best": None if best is None else without(best, "runs", "settings"),
+        "best_caveats": [] if best is None else caveats(records, best),
+        "seed_spread": seed_spread(records),
         "plain": None if plain is None else without(plain, "runs", "settings"),
-        "cells": [without(r, "settings") for r in records],
-        "heatmap": None if png is None else str(png),
+        "cells": [{**without(r, "settings"), "flags": flags(r, plain)} for r in records],
+        "heatmap": drawn,
         "versions": _versions(),
     }
 

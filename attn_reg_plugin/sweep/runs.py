@@ -7,14 +7,16 @@ import contextlib
 import io
 import json
 import re
-import statistics
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..prepare import fairseq_command, run_logged
+from ..prepare import fairseq_command
 from ..user_dir import FAIRSEQ_USER_DIR
 from .options import AD_DROP_CRITERION, PLAIN_CRITERION, TASK, SweepError, cell_name, number_text, option_name
-from .report import summarize, write_json
+from .processes import SweepStopped, run_child
+from .records import Attempts, divergence_bound, read_train_log, resumed_from, train_facts
+from .report import write_json
+from .verdict import summarize
 
 
 # -- the fairseq-train command --------------------------------------------------------------------
@@ -83,47 +85,15 @@ def check_fairseq_args(opts, cells: List[dict]) -> None:
 
 
 # -- one run --------------------------------------------------------------------------------------
-def run_appended(cmd: Sequence[str], log_path: Path, on_line: Optional[Callable[[str], None]] = None) -> float:
-    """``prepare.run_logged`` after the log's earlier lines: a resumed run keeps its earlier attempts'."""
-    return run_logged(cmd, log_path, on_line, append=True)
-
-
-def log_fields(text: str) -> Dict[str, str]:
-    """The ``key value`` fields of one of fairseq-train's ``|``-separated log lines."""
-    out = {}
-    for part in text.split("|"):
-        bits = part.strip().split(" ", 1)
-        if len(bits) == 2:
-            out[bits[0]] = bits[1].strip()
-    return out
-
-
-_SIMPLE_LINE = re.compile(r"\| (train|valid) \| epoch (\d+) \|(.*)$")
-_JSON_LINE = re.compile(r"\| (train|valid) \| (\{.*\})\s*$")
-
-
-def read_train_log(text: str) -> dict:
-    """Per-epoch valid loss and AD-DROP rate (epochs that ran AD-DROP) from fairseq-train's
-    end-of-epoch lines, in the simple or the json log format."""
-    valid: Dict[int, float] = {}
-    rates: Dict[int, float] = {}
-    for line in text.splitlines():
-        m = _SIMPLE_LINE.search(line)
-        if m:
-            kind, epoch, fields = m.group(1), int(m.group(2)), log_fields(m.group(3))
-        else:
-            m = _JSON_LINE.search(line)
-            if not m:
-                continue
-            kind, data = m.group(1), json.loads(m.group(2))
-            tag = f"{kind}_"  # the json format prefixes every key with its tag: valid_loss
-            fields = {k[len(tag) :] if k.startswith(tag) else k: str(v) for k, v in data.items()}
-            epoch = int(float(fields["epoch"]))
-        if kind == "valid" and "loss" in fields:
-            valid[epoch] = float(fields["loss"])
-        elif kind == "train" and fields.get("ad_drop_on") in ("1", "1.0"):
-            rates[epoch] = float(fields["ad_drop_rate"])
-    return {"valid_loss": valid, "ad_drop_rate": rates}
+def run_appended(
+    cmd: Sequence[str],
+    log_path: Path,
+    on_line: Optional[Callable[[str], None]] = None,
+    on_tick: Optional[Callable[[float], None]] = None,
+) -> float:
+    """:func:`processes.run_child`: the child writes after the log's earlier lines (a resumed run
+    keeps its earlier attempts'), and never outlives the sweep."""
+    return run_child(cmd, log_path, on_line, on_tick)
 
 
 def _references(path: Path) -> List[str]:
@@ -134,24 +104,23 @@ def _references(path: Path) -> List[str]:
     return [r[:-1] if r.endswith("\r") else r for r in refs]
 
 
-def translate_and_score(opts, checkpoint: Path, split: str, out_dir: Path, ref_prefix: Optional[Path]) -> dict:
-    """fairseq-generate ``split`` with ``checkpoint``; sacrebleu of the detokenized hypotheses."""
-    import sacrebleu
-
+def generate_command(opts, checkpoint: Path, split: str) -> List[str]:
+    """fairseq-generate of ``split`` with ``checkpoint``, its length bounded (--max-len-a/-b)."""
     # --required-batch-size-multiple 1: with the default 8 fairseq drops a last batch smaller than 8.
-    cmd = [
+    return [
         fairseq_command("fairseq-generate"), str(opts.data_bin), "--user-dir", FAIRSEQ_USER_DIR,
         "--path", str(checkpoint), "--gen-subset", split,
         "--source-lang", opts.source_lang, "--target-lang", opts.target_lang,
         "--beam", str(opts.beam), "--required-batch-size-multiple", "1", "--max-tokens", "4096",
+        "--max-len-a", number_text(opts.max_len_a), "--max-len-b", str(opts.max_len_b),
         *([] if opts.post_process == "none" else ["--post-process", opts.post_process]),
         *(["--cpu"] if "--cpu" in opts.train_args else []),
         *opts.generate_args,
     ]  # fmt: skip
-    log = out_dir / f"generate-{split}.log"
-    if log.exists():
-        log.unlink()  # a rerun translates again from scratch
-    seconds = run_appended(cmd, log)
+
+
+def _generated(log: Path) -> tuple:
+    """The ``D-`` hypotheses and ``T-`` references of a fairseq-generate log, by sentence id."""
     hyps: Dict[int, str] = {}
     targets: Dict[int, str] = {}
     for line in log.read_text(encoding="utf-8").split("\n"):
@@ -162,6 +131,18 @@ def translate_and_score(opts, checkpoint: Path, split: str, out_dir: Path, ref_p
                 hyps[ident] = parts[2] if len(parts) > 2 else ""
             else:
                 targets[ident] = parts[1] if len(parts) > 1 else ""
+    return hyps, targets
+
+
+def translate_and_score(opts, checkpoint: Path, split: str, out_dir: Path, ref_prefix: Optional[Path]) -> dict:
+    """fairseq-generate ``split`` with ``checkpoint``; sacrebleu of the detokenized hypotheses."""
+    import sacrebleu
+
+    log = out_dir / f"generate-{split}.log"
+    if log.exists():
+        log.unlink()  # a rerun translates again from scratch
+    seconds = run_appended(generate_command(opts, checkpoint, split), log)
+    hyps, targets = _generated(log)
     if ref_prefix is not None:
         ref_path = Path(f"{ref_prefix}.{opts.target_lang}")
         refs = _references(ref_path)
@@ -181,52 +162,70 @@ def translate_and_score(opts, checkpoint: Path, split: str, out_dir: Path, ref_p
         "reference": reference,
         "sentences": len(refs),
         "empty_hypotheses": sum(1 for h in ordered if not h.strip()),
+        "length_ratio": round(score.sys_len / score.ref_len, 3) if score.ref_len else None,
         "seconds": round(seconds, 1),
     }
 
 
+def _train(cell: dict, seed: int, opts, seed_dir: Path, log: Callable[[str], None]) -> None:
+    """fairseq-train of one run (resuming from its checkpoint_last.pt when an earlier attempt left
+    one), its attempts in ``attempts.json``; ``trained.json`` marks it trained."""
+    attempts = Attempts(seed_dir / "attempts.json")
+    entry = attempts.start()
+    name = f"{cell_name(cell)} seed {seed}"
+
+    def on_line(line: str) -> None:
+        resumed = resumed_from(line)
+        if resumed is not None:
+            entry["resumed_from_epoch"] = resumed[0]
+            done = f"all {opts.epochs} epochs done" if resumed[0] > opts.epochs else f"{resumed[1]} updates done"
+            log(
+                f"    resuming {name} from epoch {resumed[0]} (checkpoint_last.pt: {done}; the record covers every attempt)"
+            )
+        for epoch, loss in read_train_log(line)["valid_loss"].items():
+            log(f"    {name} epoch {epoch}/{opts.epochs}: valid loss {loss:.3f}")
+
+    cmd = [fairseq_command("fairseq-train"), *train_command(cell, seed, opts, seed_dir / "checkpoints")]
+    try:
+        seconds = run_appended(cmd, seed_dir / "train.log", on_line, attempts.tick)
+    except BaseException as e:
+        attempts.end(f"stopped by {e}" if isinstance(e, SweepStopped) else f"failed ({type(e).__name__})")
+        raise
+    attempts.end("finished", seconds)
+    write_json(seed_dir / "trained.json", {"train_seconds": attempts.seconds, "attempts": len(attempts.entries)})
+
+
 def run_seed(cell: dict, seed: int, opts, settings: dict, seed_dir: Path, log: Callable[[str], None] = print) -> dict:
     """Train (resuming from checkpoint_last.pt if an earlier attempt stopped), translate valid (and
-    test), score; ``seed_dir/result.json`` marks it finished."""
+    test), score; ``seed_dir/result.json`` marks it finished. The epochs are read from every
+    attempt's lines in ``train.log``, the time from every attempt's ``attempts.json`` entry."""
     result_path = seed_dir / "result.json"
     if result_path.exists():
         saved = json.loads(result_path.read_text(encoding="utf-8"))
         if saved.get("settings") == settings and saved.get("cell") == cell:
             return saved
-    save_dir = seed_dir / "checkpoints"
+    if not (seed_dir / "trained.json").exists():
+        _train(cell, seed, opts, seed_dir, log)
+    trained = json.loads((seed_dir / "trained.json").read_text(encoding="utf-8"))
     train_log = seed_dir / "train.log"
-    trained_path = seed_dir / "trained.json"
-    if not trained_path.exists():
-
-        def progress(line: str) -> None:
-            for epoch, loss in read_train_log(line)["valid_loss"].items():
-                log(f"    {cell_name(cell)} seed {seed} epoch {epoch}/{opts.epochs}: valid loss {loss:.3f}")
-
-        seconds = run_appended(
-            [fairseq_command("fairseq-train"), *train_command(cell, seed, opts, save_dir)], train_log, progress
-        )
-        trained = {"train_seconds": round(seconds, 1)}
-        write_json(trained_path, trained)
-    trained = json.loads(trained_path.read_text(encoding="utf-8"))
     epochs = read_train_log(train_log.read_text(encoding="utf-8"))
     if not epochs["valid_loss"]:
         raise RuntimeError(f"no validation result in {train_log}")
-    checkpoint = save_dir / "checkpoint_best.pt"
+    facts = train_facts(epochs, opts.train_args, divergence_bound(opts.data_bin, opts.target_lang))
+    checkpoint = seed_dir / "checkpoints" / "checkpoint_best.pt"
     valid = translate_and_score(opts, checkpoint, "valid", seed_dir, opts.valid_ref)
     test = translate_and_score(opts, checkpoint, "test", seed_dir, opts.test_ref) if opts.test else None
-    rates = list(epochs["ad_drop_rate"].values())
     result = {
         "cell": cell,
         "seed": seed,
         "settings": settings,
-        "valid_loss": min(epochs["valid_loss"].values()),
+        **facts,
         "valid_bleu": valid["bleu"],
         "valid": valid,
         "test_bleu": test["bleu"] if test else None,
         "test": test,
-        "ad_drop_rate": round(statistics.fmean(rates), 4) if rates else None,
-        "epochs": max(epochs["valid_loss"]),
         "train_seconds": trained["train_seconds"],
+        "attempts": trained.get("attempts", 1),
     }
     write_json(result_path, result)
     return result
@@ -234,48 +233,85 @@ def run_seed(cell: dict, seed: int, opts, settings: dict, seed_dir: Path, log: C
 
 # -- the grid's cells -----------------------------------------------------------------------------
 def run_cells(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) -> List[dict]:
-    """Every cell's record, in grid order: kept from ``OUT/cells/<cell>.json`` when that holds the same
-    seeds, else run (each seed resuming on its own) and written there. Raises :class:`SweepError` when
-    such a file holds another cell or settings."""
-    records: List[dict] = []
+    """Every cell's record, this command's and earlier ones' in ``OUT/cells/``: a cell of this command
+    is kept from ``OUT/cells/<cell>.json`` when that holds its seeds, else its missing seeds are run
+    and the record rewritten over every finished seed. Raises :class:`SweepError` when such a file
+    holds another cell or settings."""
     for index, cell in enumerate(cells, 1):
         name = cell_name(cell)
         record_path = opts.out_dir / "cells" / f"{name}.json"
         prefix = f"[cell {index}/{len(cells)}] {name}"
         record = _kept_record(record_path, cell, settings, opts.seeds)
         if record is not None:
-            log(f"{prefix}: kept from {record_path} (valid BLEU {record['valid_bleu']:.2f})")
+            log(f"{prefix}: kept from {record_path} (valid BLEU {record['valid_bleu']:.2f}, seeds {record['seeds']})")
         else:
-            record = summarize(cell, _run_seeds(cell, prefix, opts, settings, log), settings)
-            write_json(record_path, record)
-        records.append(record)
-    return records
+            write_json(record_path, summarize(cell, _run_seeds(cell, prefix, opts, settings, log), settings))
+    return all_records(opts.out_dir, settings)
+
+
+def _read_record(record_path: Path, cell: Optional[dict], settings: dict) -> dict:
+    record = json.loads(record_path.read_text(encoding="utf-8"))
+    if (cell is not None and record["cell"] != cell) or record["settings"] != settings:
+        raise SweepError(f"{record_path} holds another cell or settings; use another --out-dir")
+    return record
 
 
 def _kept_record(record_path: Path, cell: dict, settings: dict, seeds: List[int]) -> Optional[dict]:
     """The finished record at ``record_path`` if it covers ``seeds``; None when there is none or it
-    has other seeds (the cell is then run again, its finished seeds kept)."""
+    lacks one of them (the cell's missing seeds then run, its finished ones kept)."""
     if not record_path.exists():
         return None
-    record = json.loads(record_path.read_text(encoding="utf-8"))
-    if record["cell"] != cell or record["settings"] != settings:
-        raise SweepError(f"{record_path} holds another cell or settings; use another --out-dir")
-    return record if record["seeds"] == seeds else None
+    record = _read_record(record_path, cell, settings)
+    return record if set(seeds) <= set(record["seeds"]) else None
+
+
+def all_records(out: Path, settings: dict) -> List[dict]:
+    """Every cell record under ``out/cells``: plain first, then in grid order."""
+    records = [_read_record(path, None, settings) for path in sorted((out / "cells").glob("*.json"))]
+
+    def order(r: dict) -> tuple:
+        c = r["cell"]
+        if c["method"] == "plain":
+            return (0,)
+        return (1, c["schedule"], c["layers"], c["attribution"], c["p"], c["q"])
+
+    return sorted(records, key=order)
+
+
+def _finished_seeds(cell: dict, settings: dict, cell_dir: Path) -> List[int]:
+    """Seeds of ``cell`` finished by earlier commands (a ``result.json`` of the same cell and settings)."""
+    seeds = []
+    for path in cell_dir.glob("seed*/result.json"):
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved.get("settings") == settings and saved.get("cell") == cell:
+            seeds.append(saved["seed"])
+    return seeds
 
 
 def _run_seeds(cell: dict, prefix: str, opts, settings: dict, log: Callable[[str], None]) -> List[dict]:
-    """Each seed's result for ``cell``; a finished seed's is kept."""
+    """Each seed's result for ``cell``, this command's seeds and those finished earlier; a finished seed's is kept."""
     runs = []
-    for seed in opts.seeds:
-        seed_dir = opts.out_dir / "runs" / cell_name(cell) / f"seed{seed}"
-        done = (seed_dir / "result.json").exists()
-        log(f"{prefix} seed {seed}: {'kept' if done else 'training'}")
+    cell_dir = opts.out_dir / "runs" / cell_name(cell)
+    for seed in sorted(set(opts.seeds) | set(_finished_seeds(cell, settings, cell_dir))):
+        seed_dir = cell_dir / f"seed{seed}"
+        if (seed_dir / "result.json").exists():
+            state = "kept"
+        elif (seed_dir / "trained.json").exists():
+            state = "trained earlier, scoring"
+        elif (seed_dir / "checkpoints" / "checkpoint_last.pt").exists():
+            state = "resuming an earlier attempt"
+        else:
+            state = "training"
+        log(f"{prefix} seed {seed}: {state}")
         run = run_seed(cell, seed, opts, settings, seed_dir, log)
         runs.append(run)
-        if not done:
+        if state != "kept":
             log(
-                f"{prefix} seed {seed}: valid BLEU {run['valid_bleu']:.2f}, valid loss {run['valid_loss']:.3f}"
+                f"{prefix} seed {seed}: valid BLEU {run['valid_bleu']:.2f}, valid loss "
+                + ("-" if run["valid_loss"] is None else f"{run['valid_loss']:.3f}")
                 + (f", AD-DROP rate {run['ad_drop_rate']:.4f}" if run["ad_drop_rate"] is not None else "")
-                + f", {run['train_seconds']:.0f} s training"
+                + (f", {run['ad_drop_skipped']} AD-DROP steps skipped" if run.get("ad_drop_skipped") else "")
+                + (f", DIVERGED: {run['diverged']}" if run.get("diverged") else "")
+                + f", {run['train_seconds']:.0f} s training over {run['attempts']} attempt(s)"
             )
     return runs
