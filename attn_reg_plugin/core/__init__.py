@@ -43,7 +43,13 @@ Bad options raise ``ValueError`` naming the option.
 
 The other regularizers take the same controller: ``AttendOut(AttendOutConfig(...), controller, generator)``,
 ``ScheduledAttentionDropout(ScheduledDropoutConfig(...), controller)``,
-``AttentionLayerDrop(AttentionLayerDropConfig(...), controller)`` (docs/PORTING.md).
+``AttentionLayerDrop(AttentionLayerDropConfig(...), controller)`` (docs/PORTING.md). R-Drop needs no
+controller, only the model's own dropout (``core/rdrop.py``)::
+
+    config = RDropConfig(alpha=5.0).validate()
+    out_1, out_2 = model(src, prev), model(src, prev)           # two passes, different dropout draws
+    kl, _ = rdrop_kl(out_1, out_2, keep=tgt != pad)             # summed over the real tokens
+    loss = rdrop_objective(ce_sum(out_1) + ce_sum(out_2), kl, config.alpha) / (tgt != pad).sum()
 """
 
 from .ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
@@ -52,6 +58,7 @@ from .attention import attend
 from .attribution import logit_target, multi_label_target, regression_target, token_loss_target
 from .controller import ATTENTION_KINDS, AttentionSite, RegularizationController
 from .layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
+from .rdrop import RDropConfig, concat_with_itself, rdrop_kl, rdrop_objective, split_in_two
 from .scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .sharding import check_supported_sharding, shard_like
 
@@ -64,6 +71,7 @@ __all__ = [
     "AttentionLayerDrop",
     "AttentionLayerDropConfig",
     "AttentionSite",
+    "RDropConfig",
     "RegularizationController",
     "ScheduledAttentionDropout",
     "ScheduledDropoutConfig",
@@ -71,9 +79,13 @@ __all__ = [
     "attend",
     "bare_module",
     "check_supported_sharding",
+    "concat_with_itself",
     "logit_target",
     "multi_label_target",
+    "rdrop_kl",
+    "rdrop_objective",
     "regression_target",
     "shard_like",
+    "split_in_two",
     "token_loss_target",
 ]
