@@ -166,18 +166,24 @@ def test_eval_bleu_run_resumes(tiny_mt_data, eval_bleu_run, tmp_path):
     assert '"valid_bleu"' in resumed.stdout and (save / "checkpoint3.pt").exists()
 
 
-def test_distributed_resume_broadcast_loads_safely(ad_drop_run, tmp_path):
-    """What rank 0 sends the other ranks on a distributed resume, unpickled as they do."""
+def test_distributed_resume_broadcast_loads_safely(ad_drop_run, eval_bleu_run, tmp_path):
+    """What rank 0 sends the other ranks on a distributed resume, unpickled as they do (also an
+    --eval-bleu run's, whose meters hold numpy arrays)."""
     from fairseq import checkpoint_utils
     from fairseq.distributed.utils import _put_tensors_in_obj, _split_tensors_from_obj
 
-    state = checkpoint_utils.load_checkpoint_to_cpu(str(_checkpoint(ad_drop_run)))
-    tensors = []
-    buffer = io.BytesIO()
-    torch.save(_split_tensors_from_obj(state, tensors), buffer)
-    received = _put_tensors_in_obj(torch.load(io.BytesIO(buffer.getvalue()), map_location="cpu"), tensors)
-    assert received["cfg"] == state["cfg"]
-    assert all(torch.equal(received["model"][k], state["model"][k]) for k in state["model"])
+    for path in (eval_bleu_run["save"] / "checkpoint_last.pt", _checkpoint(ad_drop_run)):
+        state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
+        tensors = []
+        buffer = io.BytesIO()
+        torch.save(_split_tensors_from_obj(state, tensors), buffer)
+        received = _put_tensors_in_obj(torch.load(io.BytesIO(buffer.getvalue()), map_location="cpu"), tensors)
+        assert received["cfg"] == state["cfg"]
+        assert all(torch.equal(received["model"][k], state["model"][k]) for k in state["model"])
+        if path.parent == eval_bleu_run["save"]:
+            assert np.array_equal(
+                _bleu_meters(received)["_bleu_counts"]["sum"], _bleu_meters(state)["_bleu_counts"]["sum"]
+            )
     # The wider allow-list still refuses foreign globals inside such a message.
     state["extra_state"]["note"] = ForeignClass()
     buffer = io.BytesIO()
