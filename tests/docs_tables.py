@@ -1,8 +1,8 @@
 """The generated tables of the docs: every option table of docs/OPTIONS.md (from the configs'
-field metadata) and the README's supported-models table (from ``tests/families.py``, the
+field metadata) and docs/HF.md's supported-models table (from ``tests/families.py``, the
 families the test suite builds).
 
-    .venv/bin/python tests/docs_tables.py docs/OPTIONS.md README.md
+    .venv/bin/python tests/docs_tables.py docs/OPTIONS.md docs/HF.md
 
 rewrites the table after each ``<!-- options: ConfigName -->`` and ``<!-- supported models -->``
 marker (up to the next blank line); tests fail when a committed table is stale.

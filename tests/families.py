@@ -1,8 +1,8 @@
 """The Hugging Face model families the adapter supports, each with a tiny random configuration.
 
 One list serves three purposes: the per-family tests build each tiny model from it
-(``tests/hf/test_hf_families.py``), the README's supported-models table is generated from it
-(``.venv/bin/python tests/docs_tables.py README.md``), and it documents which attention kinds
+(``tests/hf/test_hf_families.py``), docs/HF.md's supported-models table is generated from it
+(``.venv/bin/python tests/docs_tables.py docs/HF.md``), and it documents which attention kinds
 each family has. Sizes are the smallest each family accepts; nothing is downloaded.
 """
 
@@ -55,7 +55,7 @@ _T5 = dict(
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # as the README lists it
+    name: str  # as docs/HF.md's table lists it
     model_type: str  # transformers' model_type
     head: str  # the Auto class the tests build: MaskedLM, Seq2SeqLM, SpeechSeq2Seq or CausalLM
     config: Dict[str, object] = field(default_factory=dict)
@@ -172,7 +172,7 @@ def build(family: Family, seed: int = 0, **overrides):
 
 
 def families_table() -> str:
-    """The README's supported-models table."""
+    """docs/HF.md's supported-models table."""
     rows = ["| family | attention kinds | status | notes |", "|---|---|---|---|"]
     for f in FAMILIES:
         rows.append(f"| {f.name} | {', '.join(f.kinds)} | supported, tested | {f.notes} |")

@@ -21,3 +21,8 @@ def test_the_readme_quotes_no_measured_ratio_and_links_to_the_current_rows():
     headings = re.findall(r"^#+ (.+)$", (ROOT / "docs" / "PERFORMANCE.md").read_text(), flags=re.M)
     anchors = {_anchor(h) for h in headings}
     assert set(links) <= anchors, set(links) - anchors
+
+
+def test_the_readme_is_at_most_250_lines():
+    """The front page stays a front page: detail lives in docs/ (issue 41's bar)."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250

@@ -98,7 +98,7 @@ def test_docs_option_tables_are_generated_from_the_configs():
     from docs_tables import options_table, with_generated_tables
 
     doc = (REPO / "docs" / "OPTIONS.md").read_text(encoding="utf-8")
-    assert with_generated_tables(doc) == doc, "run: .venv/bin/python tests/docs_tables.py docs/OPTIONS.md README.md"
+    assert with_generated_tables(doc) == doc, "run: .venv/bin/python tests/docs_tables.py docs/OPTIONS.md docs/HF.md"
     for config in (ADDropConfig, AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig):
         table = options_table(config)
         assert f"<!-- options: {config.__name__} -->\n{table}\n" in doc

@@ -190,10 +190,15 @@ def test_deberta_is_refused_with_the_reason():
         install_attention_sites(model, RegularizationController())
 
 
-def test_readme_table_is_generated_from_the_families():
+def test_the_hf_docs_table_is_generated_from_the_families_and_the_readme_names_them():
+    doc = (REPO / "docs" / "HF.md").read_text(encoding="utf-8")
+    assert "<!-- supported models -->\n" + families_table() + "\n\n" in doc
+    assert all(f"| {name} |" in doc for name in [f.name for f in FAMILIES] + list(REFUSED))
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert "<!-- supported models -->\n" + families_table() + "\n\n" in readme
-    assert all(f"| {name} |" in readme for name in [f.name for f in FAMILIES] + list(REFUSED))
+    named = readme[
+        readme.index("## Quick start: Hugging Face Trainer") : readme.index("## Quick start: your own model")
+    ]
+    assert f"{len(FAMILIES)} families are tested" in named.replace("\n", " ").replace("Nineteen", "19")
 
 
 def test_causal_lm_target_scores_each_label_with_the_previous_position():
