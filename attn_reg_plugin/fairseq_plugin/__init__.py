@@ -2,10 +2,10 @@
 
 Tasks: ``attn_reg_translation``, ``attn_reg_sentence_prediction`` (shared part: ``attn_reg_task``).
 Criterions: ``ad_drop_label_smoothed_cross_entropy``, ``ad_drop_sentence_prediction`` (shared
-part: ``ad_drop_criterion``). Also the attention module (``attention``), AttendOut's Attacker
-driver (``attendout``), the option dataclasses generated from the core configs (``options``),
-safe checkpoint loading (``safe_load``) and the filters of fairseq's known-harmless warnings
-(``known_warnings``).
+part: ``ad_drop_criterion``) and ``rdrop_label_smoothed_cross_entropy`` (R-Drop). Also the
+attention module (``attention``), AttendOut's Attacker driver (``attendout``), the option
+dataclasses generated from the core configs (``options``), safe checkpoint loading
+(``safe_load``) and the filters of fairseq's known-harmless warnings (``known_warnings``).
 """
 
 from . import (  # noqa: F401  (registration side effects)
@@ -15,5 +15,6 @@ from . import (  # noqa: F401  (registration side effects)
     attn_reg_sentence_prediction,
     attn_reg_translation,
     known_warnings,  # noqa: F401  (silences fairseq's known-harmless start-up warnings)
+    rdrop_label_smoothed_cross_entropy,
     safe_load,  # noqa: F401  (allow-lists fairseq's pickled checkpoint globals)
 )
