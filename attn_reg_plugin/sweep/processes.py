@@ -2,7 +2,9 @@
 one sweep at a time writes an ``--out-dir``.
 
 A child runs in its own process group (so ending it reaches its data-loader workers too), and on
-Linux with ``PR_SET_PDEATHSIG``: the kernel sends it SIGTERM when the sweep dies, even by SIGKILL.
+Linux with ``PR_SET_PDEATHSIG``: the kernel sends it SIGTERM when the sweep dies, even by SIGKILL
+(its data-loader workers, forked without that signal, follow within 5 s, when torch's watchdog sees
+their parent gone; they write nothing).
 Its output goes straight into its log file, not through a pipe, so every line it wrote survives
 the sweep; the sweep follows the file to print progress. SIGTERM, SIGINT and SIGHUP on the sweep
 raise :class:`SweepStopped`, which ends the running child before the sweep exits.
