@@ -1,0 +1,224 @@
+"""R-Drop through the Hugging Face trainers (RDropTrainer, RDropSeq2SeqTrainer): the Trainer's own loss
+of two passes plus alpha times the symmetric KL, for a classifier, a seq2seq model (labels -100
+ignored) and a causal LM (shifted); the caller's batch untouched; gradient checkpointing; the logs;
+the refusals. DDP on 2 gloo ranks: tests/rdrop_rank.py."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import helpers
+from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.core.rdrop import RDropConfig
+from attn_reg_plugin.hf import ADDropTrainerMixin, RDropSeq2SeqTrainer, RDropTrainer, RDropTrainerMixin
+from helpers import classifier_rows, tiny_bert_classifier, torchrun_ranks
+
+DROPOUT = 0.1
+ALPHA = 2.0
+
+
+def tiny_bert(dropout=DROPOUT, **kw):
+    return tiny_bert_classifier(
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=100,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        attn_implementation="sdpa",
+        **kw,
+    )
+
+
+def bert_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    mask[2, 3:] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "labels": torch.tensor([0, 1, 1])}
+
+
+def marian_batch():
+    g = torch.Generator().manual_seed(1)
+    labels = torch.randint(3, 100, (3, 6), generator=g)
+    labels[2, 3:] = -100
+    return {"input_ids": torch.randint(3, 100, (3, 8), generator=g), "labels": labels}
+
+
+def llama_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (3, 8), generator=g)
+    return {"input_ids": ids, "labels": ids.masked_fill(torch.arange(8) >= 6, -100)}
+
+
+FAMILIES = {
+    "bert": (tiny_bert, bert_batch, False),
+    "marian": (lambda: helpers.tiny_marian(dropout=DROPOUT, attn_implementation="sdpa"), marian_batch, True),
+    "llama": (lambda: helpers.tiny_llama(attention_dropout=DROPOUT, attn_implementation="sdpa"), llama_batch, False),
+}
+
+
+def _args(tmp_path, seq2seq=False, **kw):
+    cls = transformers.Seq2SeqTrainingArguments if seq2seq else transformers.TrainingArguments
+    base = dict(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="no")
+    return cls(**{**base, "remove_unused_columns": False, **kw})
+
+
+def make_trainer(family, tmp_path, model=None, **rdrop):
+    build, _, seq2seq = FAMILIES[family]
+    cls = RDropSeq2SeqTrainer if seq2seq else RDropTrainer
+    return cls(model=model or build(), args=_args(tmp_path, seq2seq), rdrop=RDropConfig(**{"alpha": ALPHA, **rdrop}))
+
+
+def one_step(trainer, batch, seed=5, **kwargs):
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by train(); one step is taken here by hand
+    torch.manual_seed(seed)
+    loss = trainer.training_step(trainer.model, batch, **kwargs)
+    return loss.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+
+def explicit_loss(family, model, batch, concat, seed=5):
+    """loss(pass 1) + loss(pass 2) + alpha * mean over the CE's positions of (KL(p1||p2) + KL(p2||p1)) / 2,
+    written with F.kl_div, the passes drawn as the trainer draws them."""
+    model.train()
+    torch.manual_seed(seed)
+    if concat:
+        out = model(**{k: torch.cat([v, v]) for k, v in batch.items()})
+        (l1, l2), ce = out.logits.chunk(2), 2 * out.loss
+    else:
+        out_1, out_2 = model(**batch), model(**batch)
+        (l1, l2), ce = (out_1.logits, out_2.logits), out_1.loss + out_2.loss
+    labels = batch["labels"]
+    if family == "llama":
+        l1, l2, labels = l1[:, :-1], l2[:, :-1], labels[:, 1:]
+    keep = torch.ones(l1.shape[:-1], dtype=torch.bool) if family == "bert" else labels.ne(-100)
+    lp1, lp2 = l1.log_softmax(-1)[keep], l2.log_softmax(-1)[keep]
+    kl = (F.kl_div(lp1, lp2.exp(), reduction="sum") + F.kl_div(lp2, lp1.exp(), reduction="sum")) / 2
+    return ce + ALPHA * kl / keep.sum(), kl
+
+
+@pytest.mark.parametrize("concat", [False, True], ids=["two-forwards", "concat-batch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_is_both_passes_loss_plus_alpha_times_the_mean_symmetric_kl(family, concat, tmp_path):
+    trainer = make_trainer(family, tmp_path, concat_batch=concat)
+    batch = FAMILIES[family][1]()
+    loss, _ = one_step(trainer, batch)
+    with torch.no_grad():
+        expected, kl = explicit_loss(family, trainer.model, batch, concat)
+    assert kl > 0
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_kl_is_normalized_as_the_models_loss_over_the_accumulated_batch(tmp_path):
+    """A causal LM takes num_items_in_batch: its loss is the summed CE over them, and so is the KL."""
+    trainer = make_trainer("llama", tmp_path)
+    assert trainer.model_accepts_loss_kwargs
+    batch = llama_batch()
+    items = 4 * int(batch["labels"][:, 1:].ne(-100).sum())  # as if 4 micro-batches made the update
+    loss, _ = one_step(trainer, batch, num_items_in_batch=torch.tensor(items))
+    trainer.model.train()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        ce = sum(trainer.model(**batch, num_items_in_batch=torch.tensor(items)).loss for _ in range(2))
+        _, kl = explicit_loss("llama", trainer.model, batch, concat=False)
+    torch.testing.assert_close(loss, ce + ALPHA * kl / items, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("concat", [False, True], ids=["two-forwards", "concat-batch"])
+def test_the_callers_batch_is_unchanged(concat, tmp_path):
+    """Also with label smoothing, where the Trainer's compute_loss pops `labels` from the dict it gets."""
+    model = tiny_bert()
+    args = _args(tmp_path, label_smoothing_factor=0.1)
+    trainer = RDropTrainer(model=model, args=args, rdrop=RDropConfig(alpha=ALPHA, concat_batch=concat))
+    batch = bert_batch()
+    before, tensors = copy.deepcopy(batch), dict(batch)
+    loss, _ = one_step(trainer, batch)
+    assert batch.keys() == before.keys()
+    for k, v in batch.items():
+        assert v is tensors[k] and torch.equal(v, before[k]), k
+    # both passes had their labels: twice the smoothed loss of one pass, plus the KL
+    assert loss > 0 and trainer._rdrop_positions == 3
+
+
+def test_without_dropout_the_kl_is_zero_and_the_loss_twice_the_plain_loss(tmp_path):
+    trainer = RDropTrainer(model=tiny_bert(dropout=0.0), args=_args(tmp_path), rdrop=RDropConfig(alpha=ALPHA))
+    batch = bert_batch()
+    loss, _ = one_step(trainer, batch)
+    assert float(trainer._rdrop_kl_sum) == 0
+    with torch.no_grad():
+        plain = trainer.model(**batch).loss
+    torch.testing.assert_close(loss, 2 * plain)
+
+
+def test_same_seed_same_step(tmp_path):
+    steps = [one_step(make_trainer("bert", tmp_path), bert_batch(), seed=3) for _ in range(2)]
+    assert torch.equal(steps[0][0], steps[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(steps[0][1], steps[1][1]))
+    assert not torch.equal(steps[0][0], one_step(make_trainer("bert", tmp_path), bert_batch(), seed=4)[0])
+
+
+@pytest.mark.parametrize("concat", [False, True], ids=["two-forwards", "concat-batch"])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(concat, tmp_path):
+    loss, grads = one_step(make_trainer("bert", tmp_path, concat_batch=concat), bert_batch())
+    for reentrant in (True, False):
+        model = tiny_bert()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        loss_ck, grads_ck = one_step(make_trainer("bert", tmp_path, model=model, concat_batch=concat), bert_batch())
+        torch.testing.assert_close(loss_ck, loss, rtol=1e-5, atol=0)
+        assert len(grads_ck) == len(grads)
+        for a, b in zip(grads_ck, grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_training_logs_rdrop_kl_and_evaluation_is_one_pass(tmp_path):
+    args = _args(tmp_path, per_device_train_batch_size=4, logging_steps=2, max_steps=4, learning_rate=1e-3)
+    trainer = RDropTrainer(
+        model=tiny_bert(), args=args, train_dataset=classifier_rows(16, 0), eval_dataset=classifier_rows(4, 1),
+        data_collator=torch.utils.data.default_collate, rdrop=RDropConfig(alpha=ALPHA),
+    )  # fmt: skip
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(h["rdrop_kl"] > 0 for h in logs)
+    calls = []
+    trainer.model.register_forward_hook(lambda *a: calls.append(1))
+    metrics = trainer.evaluate()
+    assert len(calls) == 1 and "eval_rdrop_kl" not in metrics
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(TypeError, match=r"^rdrop must be an RDropConfig, got dict$"):
+        RDropTrainer(model=tiny_bert(), args=_args(tmp_path), rdrop={"alpha": 1.0})
+    with pytest.raises(ValueError, match=r"^RDropConfig.alpha must be a finite number >= 0, got -1$"):
+        RDropTrainer(model=tiny_bert(), args=_args(tmp_path), rdrop=RDropConfig(alpha=-1))
+
+    class Both(RDropTrainerMixin, ADDropTrainerMixin, transformers.Trainer):
+        pass
+
+    with pytest.raises(ValueError) as e:
+        Both(model=tiny_bert(), args=_args(tmp_path), rdrop=RDropConfig(), ad_drop=ADDropConfig())
+    assert str(e.value) == "choose one attention regularizer per run; got rdrop=RDropConfig and ad_drop=ADDropConfig"
+
+
+def test_a_regression_head_is_refused_at_the_first_step(tmp_path):
+    trainer = RDropTrainer(model=tiny_bert(num_labels=1), args=_args(tmp_path), rdrop=RDropConfig())
+    batch = {**bert_batch(), "labels": torch.tensor([0.5, 1.0, -0.2])}
+    with pytest.raises(ValueError, match="logits have one output \\(a regression head\\)"):
+        one_step(trainer, batch)
+
+
+def test_two_gloo_ranks_without_find_unused_parameters(tmp_path):
+    ranks = torchrun_ranks("rdrop_rank.py", tmp_path, timeout=300)
+    assert all(r["world_size"] == 2 and r["find_unused_parameters"] is False for r in ranks)
+    params = [r["params"] for r in ranks]
+    assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
+    assert any(not torch.equal(params[0][k], ranks[0]["initial"][k]) for k in params[0])  # it trained
+    logs = [h for h in ranks[0]["log_history"] if "loss" in h]
+    assert logs and all(h["rdrop_kl"] > 0 for h in logs)
+    # the logged KL is the whole job's: both ranks' sums over both ranks' positions
+    (k0, n0), (k1, n1) = ranks[0]["local"][0], ranks[1]["local"][0]
+    assert logs[0]["rdrop_kl"] == pytest.approx((k0 + k1) / (n0 + n1), abs=1e-6)
