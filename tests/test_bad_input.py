@@ -149,6 +149,16 @@ LAYERDROP_BAD: List[Bad] = [
 ]
 LAYERDROP_BAD_TYPES = [("--attn-layerdrop-p", "x", "argument --attn-layerdrop-p: invalid float value: 'x'")]
 
+NON_NEGATIVE = "{opt} must be a finite number >= 0, got {got}"
+RDROP_BAD: List[Bad] = [
+    Bad("alpha", "-1", -1.0, NON_NEGATIVE),
+    Bad("alpha", "nan", math.nan, NON_NEGATIVE),
+    Bad("alpha", "inf", math.inf, NON_NEGATIVE),
+    Bad("alpha", None, "5", NON_NEGATIVE),
+    Bad("concat_batch", None, "yes", "{opt} must be True or False, got {got}"),
+]
+RDROP_BAD_TYPES = [("--rdrop-alpha", "x", "argument --rdrop-alpha: invalid float value: 'x'")]
+
 
 @dataclass
 class Regularizer:
@@ -194,6 +204,13 @@ def _layerdrop_trainer(model, args, fields):
     from attn_reg_plugin.hf import AttnRegTrainer
 
     return AttnRegTrainer(model=model, args=args, layerdrop=AttentionLayerDropConfig(**{"p": 0.2, **fields}))
+
+
+def _rdrop_trainer(model, args, fields):
+    from attn_reg_plugin.core.rdrop import RDropConfig
+    from attn_reg_plugin.hf import RDropTrainer
+
+    return RDropTrainer(model=model, args=args, rdrop=RDropConfig(**fields))
 
 
 def _config_class(module, name):
@@ -249,6 +266,16 @@ REGULARIZERS = [
         _layerdrop_trainer,
         _config_class("layerdrop", "AttentionLayerDropConfig"),
     ),
+    Regularizer(
+        "rdrop",
+        RDROP_BAD,
+        RDROP_BAD_TYPES,
+        ["--criterion", "rdrop_label_smoothed_cross_entropy", "--label-smoothing", "0.1"],
+        _prefixed("--rdrop-"),
+        lambda field: f"RDropConfig.{field}",
+        _rdrop_trainer,
+        _config_class("rdrop", "RDropConfig"),
+    ),
 ]
 
 
@@ -299,6 +326,7 @@ def test_fairseq_valid_options_build(tiny_mt_data, reg):
         "attendout": task.attn_reg_attendout,
         "sched_dropout": task.attn_reg_scheduled_dropout,
         "layerdrop": task.attn_reg_layerdrop,
+        "rdrop": getattr(criterion, "rdrop_config", None),
     }
     assert [name for name, regularizer in built.items() if regularizer is not None] == [reg.name]
 

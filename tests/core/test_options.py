@@ -11,6 +11,7 @@ from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.core.options import add_arguments, options_of
+from attn_reg_plugin.core.rdrop import RDropConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from helpers import REPO, controller_with_sites
 
@@ -19,6 +20,7 @@ CONFIGS = [
     (AttendOutConfig, "attendout_"),
     (ScheduledDropoutConfig, "attn_sched_dropout_"),
     (AttentionLayerDropConfig, "attn_layerdrop_"),
+    (RDropConfig, "rdrop_"),
 ]
 
 
@@ -40,12 +42,12 @@ def test_fairseq_flags_are_the_config_fields(config_cls, prefix):
     from attn_reg_plugin.fairseq_plugin.ad_drop_sentence_prediction import ADDropSentencePredictionConfig
     from attn_reg_plugin.fairseq_plugin.attn_reg_sentence_prediction import AttnRegSentencePredictionConfig
     from attn_reg_plugin.fairseq_plugin.attn_reg_translation import AttnRegTranslationConfig
+    from attn_reg_plugin.fairseq_plugin.rdrop_label_smoothed_cross_entropy import RDropLabelSmoothedCrossEntropyConfig
 
-    holders = (
-        [ADDropLabelSmoothedCrossEntropyConfig, ADDropSentencePredictionConfig]
-        if config_cls is ADDropConfig
-        else [AttnRegTranslationConfig, AttnRegSentencePredictionConfig]
-    )
+    holders = {
+        ADDropConfig: [ADDropLabelSmoothedCrossEntropyConfig, ADDropSentencePredictionConfig],
+        RDropConfig: [RDropLabelSmoothedCrossEntropyConfig],
+    }.get(config_cls, [AttnRegTranslationConfig, AttnRegSentencePredictionConfig])
     for holder in holders:
         fields = {f.name: f for f in dataclasses.fields(holder)}
         for opt in options_of(config_cls):
@@ -99,7 +101,7 @@ def test_docs_option_tables_are_generated_from_the_configs():
 
     doc = (REPO / "docs" / "OPTIONS.md").read_text(encoding="utf-8")
     assert with_generated_tables(doc) == doc, "run: .venv/bin/python tests/docs_tables.py docs/OPTIONS.md docs/HF.md"
-    for config in (ADDropConfig, AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig):
+    for config in (ADDropConfig, AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig, RDropConfig):
         table = options_table(config)
         assert f"<!-- options: {config.__name__} -->\n{table}\n" in doc
         assert table.count("\n") == len(dataclasses.fields(config)) + 1  # header, rule, one row per field
