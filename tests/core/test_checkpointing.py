@@ -10,7 +10,9 @@ from attn_reg_plugin.core.attention import EditScores
 from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.block_rules import BernoulliRule
 from attn_reg_plugin.core.checkpointing import activation_checkpointing_paused
-from helpers import CORE_B, CORE_D, CORE_T, CoreBlock, tiny_core_model
+from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.hf import install_attention_sites
+from helpers import CORE_B, CORE_D, CORE_T, CoreBlock, tiny_core_model, tiny_llama
 
 B, T, D = CORE_B, CORE_T, CORE_D
 _model = tiny_core_model
@@ -203,3 +205,30 @@ def test_a_copy_of_a_site_carries_no_pass_and_passes_do_not_nest_on_a_site():
         with pytest.raises(RuntimeError, match=r"began on encoder-self\[0\] inside another one"):
             with c.hooks({c.sites[0]: EditScores(drop=BernoulliRule(torch.tensor(0.1)))}):
                 pass
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_the_attribution_pass_pauses_only_reentrant_checkpoints(reentrant):
+    """A reentrant checkpoint refuses autograd.grad, so pass 1 runs those layers plainly; torch's
+    non-reentrant one (transformers' default) stays on, and autograd.grad recomputes its layers
+    inside pass 1 instead of pass 1 holding every layer's activations: the layers run twice there."""
+    model = tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    layers = model.model.layers
+    with activation_checkpointing_paused(model):
+        assert [layer.gradient_checkpointing for layer in layers] == [not reentrant] * len(layers)
+    assert all(layer.gradient_checkpointing for layer in layers)
+    controller = RegularizationController()
+    install_attention_sites(model, controller)
+    calls = []
+    layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))  # a recompute calls it too
+    ad_drop = ADDrop(ADDropConfig(p=0.3, q=0.5, schedule="always", attention="decoder-self"), controller)
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def target(output, labels):
+        return logit_target(output.logits[:, -1], labels)
+
+    found = ad_drop.attributions(lambda: model(input_ids=ids), target, frozen=model, dense=False)
+    assert found is not None
+    assert len(calls) == (1 if reentrant else 2)
