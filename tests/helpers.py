@@ -254,7 +254,14 @@ ATTENDOUT_TRAIN = [
     "1",
     "--no-epoch-checkpoints",
 ]
-TRAIN_ARGS = {"ad_drop": AD_DROP_TRAIN, "attendout": ATTENDOUT_TRAIN}
+# R-Drop is a criterion of fairseq's own translation task (two forwards per update by default).
+RDROP_TRAIN = [
+    "--task", "translation", *TINY_TRANSFORMER, "--criterion", "rdrop_label_smoothed_cross_entropy",
+    "--label-smoothing", "0.1", "--dropout", "0.1", "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500",
+    "--cpu", "--seed", "3", "--no-progress-bar", "--log-format", "json", "--log-interval", "1",
+    "--no-epoch-checkpoints",
+]  # fmt: skip
+TRAIN_ARGS = {"ad_drop": AD_DROP_TRAIN, "attendout": ATTENDOUT_TRAIN, "rdrop": RDROP_TRAIN}
 
 # Tiny 2-epoch runs (conftest.logged_runs) logged as JSON every update, keeping each epoch's
 # checkpoint: "plain" is the attn_reg task with the ordinary criterion, the others one regularizer each.

@@ -6,7 +6,8 @@ dumps and lets ``pytorch_ddp`` wrap a CPU module) with ``--distributed-world-siz
 ``legacy_ddp``, for AD-DROP and for AttendOut; after a plain and an AD-DROP epoch both ranks hold the same parameters, and
 the logged AD-DROP flag and drop rate are those of the whole job; a slow test resumes a
 2-rank run from checkpoint_last (rank 0 reads it, the others receive it).
-HF: ``torchrun --nproc_per_node 2`` of ADDropTrainer on a tiny BERT.
+HF: ``torchrun --nproc_per_node 2`` of ADDropTrainer on a tiny BERT. R-Drop's two forwards under
+``pytorch_ddp`` without ``--find-unused-parameters`` (its HF run: tests/hf/test_hf_rdrop.py).
 """
 
 import re
@@ -164,4 +165,15 @@ def test_fairseq_two_ranks_attendout_stay_in_sync(tiny_mt_data, tmp_path, extra)
     updates = train_updates(log)
     assert len(updates) == UPDATES_PER_EPOCH and all("attendout_attacker_loss" in r for r in updates.values())
     assert "AttendOut dropout step 1 (update 4)" in log
+    _same_parameters_on_every_rank(save, UPDATES_PER_EPOCH)
+
+
+def test_fairseq_two_ranks_rdrop_without_find_unused_parameters(tiny_mt_data, tmp_path):
+    """R-Drop's two forwards through torch's DDP (pytorch_ddp, find_unused_parameters off): one backward
+    reduces every gradient once, the ranks stay identical, and rdrop_kl is logged at every update."""
+    save = tmp_path / "ckpt"
+    log = _fairseq_ranks(tiny_mt_data["bin"], save, ["--ddp-backend", "pytorch_ddp"], max_epoch=1, regularizer="rdrop")
+    updates = train_updates(log)
+    assert sorted(updates) == list(range(1, UPDATES_PER_EPOCH + 1))
+    assert all(float(r["rdrop_kl"]) > 0 for r in updates.values())
     _same_parameters_on_every_rank(save, UPDATES_PER_EPOCH)
