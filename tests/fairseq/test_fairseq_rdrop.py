@@ -192,6 +192,8 @@ def test_fairseq_train_logs_rdrop_kl(tiny_mt_data, tmp_path):
     assert len(updates) == 12
     kl = {u: float(r["rdrop_kl"]) for u, r in updates.items()}
     assert all(v > 0 for v in kl.values())
+    nll = [float(updates[u]["nll_loss"]) for u in sorted(updates)]
+    assert sum(nll[-3:]) < sum(nll[:3])  # it trains
     tb = tensorboard_scalars(tmp_path / "tb")
     assert tb["train_inner"]["rdrop_kl"] == pytest.approx(kl, abs=1e-5)
     assert "rdrop_kl" in tb["train"] and "rdrop_kl" not in tb.get("valid", {})
