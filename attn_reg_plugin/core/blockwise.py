@@ -124,6 +124,7 @@ class BlockwiseAttention(torch.autograd.Function):
         dropped = torch.zeros((), dtype=torch.long, device=q.device)
         droppable = torch.zeros((), dtype=torch.long, device=q.device)
         states: List[object] = []
+        kept_bits: List[torch.Tensor] = []  # saved for the backward (an activation checkpoint drops them)
         rng_states: List[object] = []
         keep_stats = _keeps_softmax_stats(q, k, v, bias, call, bias is not None and bias.requires_grad)
         keep_drops = keeps_drops(q, k, call.rule)
@@ -137,7 +138,8 @@ class BlockwiseAttention(torch.autograd.Function):
             m = block_masks(call, q_rows, rows_of(bias, rows), rows, shape, fresh_state=True)
             if keep_drops and m.drop is not None:
                 block_shape = (b, h, rows.stop - rows.start, m.keys)
-                states.append(KeptDrops(pack_bits(m.drop.expand(block_shape)), m.keys, m.uniform))
+                kept_bits.append(pack_bits(m.drop.expand(block_shape)))
+                states.append(KeptDrops(None, m.keys, m.uniform))
             else:
                 states.append(m.state)
             if call.dropout_p > 0:  # sdpa's dropout draws, replayed in the backward
@@ -154,14 +156,17 @@ class BlockwiseAttention(torch.autograd.Function):
                 dropped_now, units_now = block_counts(m, call.droppable, rows, (b, h, rows.stop - rows.start, m.keys))
                 dropped += dropped_now
                 droppable += units_now
-        ctx.save_for_backward(q, k_in, v_in, bias, out if keep_stats else None, lse)
+        # The kept bits go through save_for_backward, not ctx: a checkpointed call's saved tensors are
+        # dropped until its recompute, which makes the same bits again.
+        ctx.save_for_backward(q, k_in, v_in, bias, out if keep_stats else None, lse, *kept_bits)
         ctx.call, ctx.states, ctx.rng_states = call, states, rng_states
         ctx.mark_non_differentiable(dropped, droppable)
         return out, dropped, droppable
 
     @staticmethod
     def backward(ctx, grad_out, _dropped, _droppable):
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, v, bias, out, lse, *kept_bits = ctx.saved_tensors
+        ctx.states = _with_kept_bits(ctx.states, kept_bits)
         call: BlockCall = ctx.call
         b, h, t, _ = q.shape
         shape = (b, h, t, k.shape[2])
@@ -210,6 +215,12 @@ class BlockwiseAttention(torch.autograd.Function):
             None if g is None else g.to(x.dtype) for g, x in ((grad_q, q), (grad_k, k), (grad_v, v), (grad_bias, bias))
         ]
         return (*cast, None)
+
+
+def _with_kept_bits(states: List[object], bits: List[torch.Tensor]) -> List[object]:
+    """The forward's block states with their kept drops' bits back from the saved tensors, in order."""
+    bits_of = iter(bits)
+    return [state._replace(bits=next(bits_of)) if isinstance(state, KeptDrops) else state for state in states]
 
 
 def _backward_from_softmax_stats(ctx, grad_out, q, k, v, bias, out, lse):

@@ -565,6 +565,44 @@ def test_drops_kept_as_bits_give_the_backward_the_same_drops(rule, dropout_p, sm
     _kept_against_made_again(rule, dropout_p, monkeypatch)
 
 
+def test_kept_bits_are_saved_tensors_so_a_checkpoint_drops_them_until_its_recompute(small_blocks):
+    """A blockwise call's kept drops go through save_for_backward: torch's saved-tensor hooks see them
+    (a non-reentrant activation checkpoint discards what they see until the recompute makes it again;
+    held on the autograd node instead, every checkpointed layer's bits stayed in memory), and a
+    checkpointed call's gradients equal the plain call's."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
+    rule = BernoulliRule(torch.tensor(0.4))
+    bias = _valid("padding", 2, 6)
+
+    def run(checkpointed: bool):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        torch.manual_seed(0)
+        site = site_with_hook(EditScores(drop=rule))
+
+        def call(*qkv):
+            return attend(*qkv, bias, site=site)[0]
+
+        if checkpointed:
+            out = torch.utils.checkpoint.checkpoint(call, *leaves, use_reentrant=False)
+        else:
+            out = call(*leaves)
+        return [out, *torch.autograd.grad(out.square().sum(), leaves)]
+
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run(checkpointed=False)
+    packed_bits = [shape for dtype, shape in saved if dtype == torch.uint8]
+    assert packed_bits == [(2, 2, 2, 1)] * 3  # one per block of 2 rows: 6 keys in one byte
+    for a, b in zip(run(checkpointed=True), run(checkpointed=False)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
