@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -273,6 +274,7 @@ class FairseqBench:
         )
 
     def attendout_step(self, config, batch: str) -> Optional[Step]:
+        from attn_reg_plugin.core.attendout.config import generator_positions
         from attn_reg_plugin.fairseq_plugin.attendout import FairseqAttendOut
 
         if self.opts.dtype != "fp32":
@@ -280,6 +282,10 @@ class FairseqBench:
         task = self.task
         if "valid" not in task.datasets:
             task.load_dataset("valid")
+        # As the task sizes it: the generator covers the longest sequence the model takes.
+        positions = self.model.max_positions()  # an int or (source, target)
+        lengths = [n for n in (positions if isinstance(positions, tuple) else (positions,)) if isinstance(n, int)]
+        config = dataclasses.replace(config, max_positions=generator_positions(config, max(lengths, default=None)))
         attendout = FairseqAttendOut(
             config,
             0.0,
