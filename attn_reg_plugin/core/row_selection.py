@@ -61,7 +61,7 @@ def lowest_keys_first(scores, threshold, k, region, at_least) -> torch.Tensor:
     # On a CPU a row's scan (cumsum) costs about 5 ns a key; the keys at the threshold are few
     # (repeated tokens' values tie), so they are ranked from their positions: 2.4x faster on a
     # (1, 4, 64, 4096) block of a causal LM's first layer.
-    above = scores > threshold
+    above = (scores > threshold).contiguous()  # written through a flat view below (scores may be permuted, T5's)
     take = (k - above.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32)).expand(equal.shape[:-1] + (1,))
     flat = equal.reshape(-1, equal.shape[-1])
     rows, cols = flat.nonzero(as_tuple=True)

@@ -437,9 +437,10 @@ def test_packed_bits_are_little_endian_per_byte(numpy_path):
         assert pack_bits(mask[:1].expand(3, 16)).tolist() == [[8, 2]] * 3
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "heads-innermost"])
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.75, 1.0])
 @pytest.mark.parametrize("seed", range(4))
-def test_dense_candidates_take_tied_keys_lowest_first_as_the_blockwise_rule_does(p, seed):
+def test_dense_candidates_take_tied_keys_lowest_first_as_the_blockwise_rule_does(p, seed, layout):
     """Attributions with many exact ties (AA's weights of repeated tokens tie exactly): each row's
     region is its ceil(p n) valid keys by score, the lowest-indexed first among equal scores: the
     order a stable descending sort gives, and the rule of every block of the blockwise kernel."""
@@ -447,6 +448,8 @@ def test_dense_candidates_take_tied_keys_lowest_first_as_the_blockwise_rule_does
     b, h, t, s = 2, 3, 5, 40
     scores = torch.randint(0, 3, (b, h, t, s), generator=g).float()
     valid = (torch.arange(s)[None, :] < torch.tensor([s, s - 9])[:, None])[:, None, None, :]
+    if layout == "heads-innermost":  # as T5's position-bias mask lays out its validity (B, H, T, S)
+        valid = valid.expand(b, h, t, s).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     region = candidate_region(scores, valid, p)
     for i, j, r in itertools.product(range(b), range(h), range(t)):
         n = int(valid[i, 0, 0].sum())
