@@ -87,3 +87,16 @@ def test_resuming_a_game_whose_generator_has_other_positions_names_the_option():
         ValueError, match="generator has 1024 positions, this run's 512: set --attendout-max-positions to 1024"
     ):
         game(512).load_state_dict(saved)
+
+
+def test_a_generator_sized_to_a_huge_model_length_warns_naming_the_option(caplog):
+    """Unset, max_positions follows the model: at 131,072 positions (Llama 3.1) the position table
+    alone is about 100 MiB in memory and in each checkpoint, which the user is told, with the fix."""
+    with caplog.at_level("WARNING"):
+        assert generator_positions(named_by_field(AttendOutConfig()), 131072) == 131072
+    assert "AttendOutConfig.max_positions is unset" in caplog.text and "131072 positions" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        generator_positions(AttendOutConfig(), 8192)
+        generator_positions(AttendOutConfig(max_positions=512), 131072)
+    assert caplog.text == ""

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 from ..options import RegularizerOptions, attention_option, layers_option, option
 
+logger = logging.getLogger(__name__)
+
 # The generator's positions for a model whose maximum length is not known (T5's relative positions).
 DEFAULT_MAX_POSITIONS = 1024
+# Sized to a model stating more positions than this, the generator's table is worth a warning: at
+# 131,072 (Llama 3.1) it adds about 100 MiB to every checkpoint, at 1M about 0.75 GiB.
+LARGE_POSITION_TABLE = 16384
 
 
 @dataclass
@@ -68,4 +74,12 @@ def generator_positions(config: AttendOutConfig, model_max_length: Optional[int]
     the generator takes every sequence the model takes; a smaller explicit value is checked on each batch."""
     if config.max_positions is not None:
         return config.max_positions
+    if model_max_length and model_max_length > LARGE_POSITION_TABLE:
+        mib = model_max_length * config.generator_dim * 4 * 3 / 2**20  # float32 weights and Adam's two moments
+        logger.warning(
+            "%s is unset, so AttendOut's generator covers the model's %d positions: a position table of about "
+            "%.0f MiB with its optimizer state, in memory and in every checkpoint. Set %s to the longest "
+            "sequence you train on",
+            config.name("max_positions"), model_max_length, mib, config.name("max_positions"),
+        )  # fmt: skip
     return model_max_length if model_max_length else DEFAULT_MAX_POSITIONS

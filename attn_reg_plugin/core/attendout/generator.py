@@ -78,7 +78,7 @@ class Generator(nn.Module):
             raise ValueError(
                 f"{self.positions_option}: a sequence of {length} tokens is longer than the generator's "
                 f"{self.positions.num_embeddings} positions; set {self.positions_option} to at least {length} "
-                "(unset, it is the model's maximum length)"
+                "(unset, it is the model's maximum length, or 1024 for a model that states none)"
             )
         real = tokens.ne(self.padding_idx[stream])
         valid = real[:, None, None, :] & real[:, None, :, None]
