@@ -114,6 +114,32 @@ def tiny_bert_classifier(**config):
     return transformers.BertForSequenceClassification(transformers.BertConfig(**{**fields, **config}))
 
 
+def small_bert(**config):
+    """``tiny_bert_classifier`` 32 wide with 4 heads and 100 tokens: the HF trainer tests' model."""
+    return tiny_bert_classifier(hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100, **config)
+
+
+def trainer_args(tmp_path, cls=None, **overrides):
+    """The HF trainer tests' ``TrainingArguments`` (or ``cls``): CPU, a log per step, nothing saved or
+    reported, seed 0 for the model and the data; ``overrides`` win."""
+    import transformers
+
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        learning_rate=1e-3,
+        remove_unused_columns=False,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+    )
+    return (cls or transformers.TrainingArguments)(**{**base, **overrides})
+
+
 def cpu_fp16(trainer):
     """Give a Trainer built with ``fp16=True`` on CPU what accelerate gives it on a GPU.
 

@@ -20,38 +20,19 @@ from attn_reg_plugin.hf import (
     AttnRegTrainer,
 )
 from attn_reg_plugin.hf.attendout_trainer import ATTENDOUT_STATE
-from helpers import CORPUS, REPO, minilm_path, record_results, tiny_bert_classifier, tiny_marian, token_data
+from helpers import CORPUS, REPO, minilm_path, record_results, small_bert, tiny_marian, token_data, trainer_args
 from helpers import MOVIE_REVIEWS_TINY as REVIEWS
 from helpers import pad_collate as collate
 
 
-def tiny_bert(**kw):
-    return tiny_bert_classifier(hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100, **kw)
-
-
-def _args(tmp_path, cls=transformers.TrainingArguments, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        max_steps=6,
-        per_device_train_batch_size=8,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        learning_rate=1e-3,
-        remove_unused_columns=False,
-        seed=0,
-        data_seed=0,
-        disable_tqdm=True,
-    )
-    base.update(kw)
-    return cls(**base)
+def _args(tmp_path, cls=None, **kw):
+    return trainer_args(tmp_path, cls, **{"max_steps": 6, **kw})
 
 
 def attendout_trainer(tmp_path, model=None, config=None, train=None, dev=None, **kw):
     log_file = kw.pop("attendout_log_file", None)
     return AttendOutTrainer(
-        model=model if model is not None else tiny_bert(),
+        model=model if model is not None else small_bert(),
         args=_args(tmp_path, **kw),
         train_dataset=train if train is not None else token_data(48, seed=1),
         eval_dataset=dev if dev is not None else token_data(12, seed=2),
@@ -94,7 +75,7 @@ def test_attendout_bad_config_fails_at_construction(tmp_path, config, message):
 
 
 def test_attendout_bad_setup_fails_at_construction(tmp_path):
-    model = tiny_bert()
+    model = small_bert()
     with pytest.raises(ValueError, match="AttendOutTrainer needs eval_dataset"):
         AttendOutTrainer(
             model=model,
@@ -155,7 +136,7 @@ def test_attendout_bad_setup_fails_at_construction(tmp_path):
 def test_attn_reg_bad_config_fails_at_construction(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         AttnRegTrainer(
-            model=tiny_bert(), args=_args(tmp_path), train_dataset=token_data(8, 1), data_collator=collate, **kwargs
+            model=small_bert(), args=_args(tmp_path), train_dataset=token_data(8, 1), data_collator=collate, **kwargs
         )
 
 
@@ -338,7 +319,7 @@ def test_resume_mid_dropout_step_continues_identically(tmp_path):
 
 def test_resume_without_attendout_state_starts_a_new_game(tmp_path, caplog):
     plain = transformers.Trainer(
-        model=tiny_bert(),
+        model=small_bert(),
         args=_args(tmp_path / "plain", max_steps=2, save_strategy="steps", save_steps=2),
         train_dataset=token_data(16, 1),
         data_collator=collate,
@@ -441,7 +422,7 @@ def test_attendout_seq2seq_marian(tmp_path, precision):
 # -- scheduled attention dropout and attention LayerDrop ---------------------------------------
 def test_scheduled_dropout_follows_schedule(tmp_path):
     schedule = "0:0.6,4:0.1"
-    model = tiny_bert()
+    model = small_bert()
     data = token_data(96, seed=4, min_len=12, max_len=20)
     trainer = AttnRegTrainer(
         model=model,
@@ -466,7 +447,7 @@ def test_scheduled_dropout_follows_schedule(tmp_path):
 
 
 def test_scheduled_dropout_only_in_training_forward(tmp_path):
-    model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = small_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     trainer = AttnRegTrainer(
         model=model,
         args=_args(tmp_path),
@@ -486,7 +467,7 @@ def test_scheduled_dropout_only_in_training_forward(tmp_path):
 
 
 def test_layerdrop_p1_is_exactly_uniform_through_bert_attention(tmp_path):
-    model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = small_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     trainer = AttnRegTrainer(
         model=model,
         args=_args(tmp_path),
@@ -523,7 +504,7 @@ def test_layerdrop_p1_is_exactly_uniform_through_bert_attention(tmp_path):
 
 def test_layerdrop_rate_logged(tmp_path):
     trainer = AttnRegTrainer(
-        model=tiny_bert(),
+        model=small_bert(),
         args=_args(tmp_path, max_steps=40, logging_steps=40),
         train_dataset=token_data(64, 1),
         data_collator=collate,
@@ -554,12 +535,12 @@ DDP_WORKER = """
 import sys
 from pathlib import Path
 import torch
-from test_hf_attendout import _args, collate, tiny_bert, token_data
+from test_hf_attendout import _args, collate, small_bert, token_data
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.hf import AttendOutTrainer
 
 out = Path(sys.argv[1])
-trainer = AttendOutTrainer(model=tiny_bert(), args=_args(out, max_steps=4, per_device_train_batch_size=4,
+trainer = AttendOutTrainer(model=small_bert(), args=_args(out, max_steps=4, per_device_train_batch_size=4,
                                                          save_strategy="steps", save_steps=3),
                            train_dataset=token_data(32, 1), eval_dataset=token_data(6, 2), data_collator=collate,
                            attendout=AttendOutConfig(dropout_step=2))
@@ -625,7 +606,7 @@ def test_a_subclass_override_of_the_trainer_hooks_is_heard(tmp_path):
             return super()._attendout_logits(model, batch)
 
     trainer = Traced(
-        model=tiny_bert(),
+        model=small_bert(),
         args=_args(tmp_path, max_steps=2),
         train_dataset=token_data(16, seed=1),
         eval_dataset=token_data(8, seed=2),

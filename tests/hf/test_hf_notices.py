@@ -14,27 +14,7 @@ from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from helpers import pad_collate, tiny_bert_classifier, tiny_llama, token_data
-
-
-def tiny_bert(**kw):
-    return tiny_bert_classifier(hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100, **kw)
-
-
-def _args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        learning_rate=1e-3,
-        remove_unused_columns=False,
-        seed=0,
-        disable_tqdm=True,
-    )
-    return transformers.TrainingArguments(**{**base, **kw})
+from helpers import pad_collate, small_bert, tiny_llama, token_data, trainer_args
 
 
 class _WarningsBeforeTheFirstStep(TrainerCallback):
@@ -66,8 +46,8 @@ def _train_and_collect(trainer, caplog):
 )
 def test_one_planned_epoch_of_cross_tuning_warns_before_training(tmp_path, caplog, length, rows, plan):
     trainer = ADDropTrainer(
-        model=tiny_bert(),
-        args=_args(tmp_path, **length),
+        model=small_bert(),
+        args=trainer_args(tmp_path, **length),
         train_dataset=token_data(rows, seed=1),
         data_collator=pad_collate,
         ad_drop=ADDropConfig(p=0.3, q=0.3, layers="all"),
@@ -82,8 +62,8 @@ def test_one_planned_epoch_of_cross_tuning_warns_before_training(tmp_path, caplo
 @pytest.mark.parametrize("schedule,epochs", [("always", 1), ("cross-tuning", 2)])
 def test_a_run_in_which_ad_drop_acts_gets_no_warning(tmp_path, caplog, schedule, epochs):
     trainer = ADDropTrainer(
-        model=tiny_bert(),
-        args=_args(tmp_path, num_train_epochs=epochs),
+        model=small_bert(),
+        args=trainer_args(tmp_path, num_train_epochs=epochs),
         train_dataset=token_data(8, seed=1),
         data_collator=pad_collate,
         ad_drop=ADDropConfig(p=0.3, q=0.3, schedule=schedule),
@@ -94,8 +74,8 @@ def test_a_run_in_which_ad_drop_acts_gets_no_warning(tmp_path, caplog, schedule,
 
 def test_attendout_and_scheduled_dropout_that_never_act_warn(tmp_path, caplog):
     attendout = AttendOutTrainer(
-        model=tiny_bert(),
-        args=_args(tmp_path, max_steps=1),
+        model=small_bert(),
+        args=trainer_args(tmp_path, max_steps=1),
         train_dataset=token_data(16, seed=1),
         eval_dataset=token_data(4, seed=2),
         data_collator=pad_collate,
@@ -105,8 +85,8 @@ def test_attendout_and_scheduled_dropout_that_never_act_warn(tmp_path, caplog):
     assert "every AttendOutConfig(dropout_step=2) updates, and this run plans 1 update" in message
     caplog.clear()
     scheduled = AttnRegTrainer(
-        model=tiny_bert(),
-        args=_args(tmp_path, max_steps=1),
+        model=small_bert(),
+        args=trainer_args(tmp_path, max_steps=1),
         train_dataset=token_data(16, seed=1),
         data_collator=pad_collate,
         scheduled_dropout=ScheduledDropoutConfig(schedule="0:0,10:0.5"),  # 0 at update 0, the only one planned
@@ -126,8 +106,8 @@ def _lm_collate(batch):
 def test_the_first_training_log_record_names_the_regularized_sites(tmp_path, model_kind):
     if model_kind == "encoder":
         trainer = ADDropTrainer(
-            model=tiny_bert(),
-            args=_args(tmp_path, max_steps=2),
+            model=small_bert(),
+            args=trainer_args(tmp_path, max_steps=2),
             train_dataset=token_data(16, seed=1),
             data_collator=pad_collate,
             ad_drop=ADDropConfig(layers="1"),
@@ -136,7 +116,7 @@ def test_the_first_training_log_record_names_the_regularized_sites(tmp_path, mod
     else:
         trainer = AttnRegTrainer(
             model=tiny_llama(),
-            args=_args(tmp_path, max_steps=2),
+            args=trainer_args(tmp_path, max_steps=2),
             train_dataset=token_data(16, seed=1),
             data_collator=_lm_collate,
             layerdrop=AttentionLayerDropConfig(p=0.1),
@@ -151,10 +131,10 @@ def test_the_first_training_log_record_names_the_regularized_sites(tmp_path, mod
 # -- item 4: AttendOut's held-out set and the generator's length -------------------------------------
 def _attendout(tmp_path, eval_dataset, **kw):
     config = kw.pop("attendout", AttendOutConfig(dropout_step=2))
-    model = kw.pop("model", None) or tiny_bert()
+    model = kw.pop("model", None) or small_bert()
     return AttendOutTrainer(
         model=model,
-        args=_args(tmp_path, max_steps=kw.pop("max_steps", 2), per_device_eval_batch_size=4),
+        args=trainer_args(tmp_path, max_steps=kw.pop("max_steps", 2), per_device_eval_batch_size=4),
         train_dataset=kw.pop("train", None) or token_data(16, seed=1),
         eval_dataset=eval_dataset,
         data_collator=pad_collate,
@@ -207,7 +187,7 @@ def test_the_generator_covers_the_models_length_unless_max_positions_is_set(tmp_
     trainer = _attendout(
         tmp_path,
         token_data(2, seed=2, min_len=1030, max_len=1030),
-        model=tiny_bert(max_position_embeddings=1040),
+        model=small_bert(max_position_embeddings=1040),
         train=long_rows,
         attendout=AttendOutConfig(dropout_step=1),
         max_steps=1,
@@ -244,7 +224,7 @@ def test_gemma2_with_eager_attention_is_refused_naming_its_soft_capping(tmp_path
     )
     model = transformers.Gemma2ForCausalLM(config)
     with pytest.raises(ValueError) as refused:
-        ADDropTrainer(model=model, args=_args(tmp_path, max_steps=1), ad_drop=ADDropConfig())
+        ADDropTrainer(model=model, args=trainer_args(tmp_path, max_steps=1), ad_drop=ADDropConfig())
     message = str(refused.value)
     assert message.startswith("Gemma2ForCausalLM (gemma2): its attention caps the scores")
     assert "attention logit soft-capping, softcap * tanh(scores / softcap) with softcap=50.0" in message

@@ -17,30 +17,11 @@ from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer, install_attention_sites
-from helpers import pad_collate, tiny_bert_classifier, token_data
-
-
-def tiny_bert(**kw):
-    return tiny_bert_classifier(hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100, **kw)
+from helpers import pad_collate, small_bert, token_data, trainer_args
 
 
 def _args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        max_steps=3,
-        per_device_train_batch_size=8,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        learning_rate=1e-3,
-        remove_unused_columns=False,
-        seed=0,
-        data_seed=0,
-        disable_tqdm=True,
-    )
-    base.update(kw)
-    return transformers.TrainingArguments(**base)
+    return trainer_args(tmp_path, **{"max_steps": 3, **kw})
 
 
 def _logs(trainer, key):
@@ -50,7 +31,7 @@ def _logs(trainer, key):
 # -- 1. a second trainer on the same model ---------------------------------------------------------
 def _stock_losses(tmp_path):
     trainer = transformers.Trainer(
-        model=tiny_bert(), args=_args(tmp_path / "stock"), train_dataset=token_data(24, 1), data_collator=pad_collate
+        model=small_bert(), args=_args(tmp_path / "stock"), train_dataset=token_data(24, 1), data_collator=pad_collate
     )
     trainer.train()
     return _logs(trainer, "loss")
@@ -74,7 +55,7 @@ def test_an_earlier_trainer_still_regularizes_after_a_second_is_built_on_its_mod
     }[first]
 
     def run(shared):
-        model = tiny_bert()
+        model = small_bert()
         trainer = cls(
             model=model,
             args=_args(tmp_path / str(shared)),
@@ -102,7 +83,7 @@ def test_an_earlier_trainer_still_regularizes_after_a_second_is_built_on_its_mod
 def test_a_regularizer_that_cannot_act_logs_zero_and_warns(tmp_path, regularizer, caplog):
     """Rates are counted by the kernel from what it applied: with the model switched back to stock sdpa
     after construction nothing reaches the kernel, and the log says 0 (before: LayerDrop logged 1.0)."""
-    model = tiny_bert()
+    model = small_bert()
     config = {
         "scheduled_dropout": dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5")),
         "layerdrop": dict(layerdrop=AttentionLayerDropConfig(p=1.0)),
@@ -122,7 +103,7 @@ def test_a_regularizer_that_cannot_act_logs_zero_and_warns(tmp_path, regularizer
 def test_attendout_resumes_its_game_from_a_pathlib_path(tmp_path):
     def trainer(folder, **kw):
         return AttendOutTrainer(
-            model=tiny_bert(),
+            model=small_bert(),
             args=_args(folder, max_steps=8, **kw),
             train_dataset=token_data(48, 1),
             eval_dataset=token_data(12, 2),
@@ -206,7 +187,7 @@ def _multi_label_rows(n):
 def test_multi_label_classification_trains_with_ad_drop(tmp_path, labels):
     """A multi-label classifier (a float label per class) trains with AD-DROP on gold and on pseudo
     labels, with drops at every step and none skipped."""
-    model = tiny_bert(num_labels=3, problem_type="multi_label_classification")
+    model = small_bert(num_labels=3, problem_type="multi_label_classification")
     trainer = ADDropTrainer(
         model=model,
         args=_args(tmp_path, max_steps=2),
@@ -245,7 +226,7 @@ def test_cross_tuning_phase_follows_the_pass_of_an_iterable_dataset(tmp_path):
     """2 batches per pass, 6 steps: plain, AD-DROP, plain passes (before: the first step of each new
     pass ran the previous pass's phase: [0, 0, 0, 1, 1, 0])."""
     trainer = ADDropTrainer(
-        model=tiny_bert(),
+        model=small_bert(),
         args=_args(tmp_path, max_steps=6, per_device_train_batch_size=4),
         train_dataset=_Stream(token_data(8, 1)),
         data_collator=pad_collate,
