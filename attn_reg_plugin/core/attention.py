@@ -46,6 +46,7 @@ from .masks import (
     MASKED_BIAS,
     additive_mask,
     causal_bias,
+    finite_bias,
     mask_fill_value,
     may_hold_true,
     valid_keys_from_bias,
@@ -90,13 +91,7 @@ def _combined_bias(
     """Bias as a float tensor in ``dtype`` plus the boolean validity it implies."""
     if bias is None:
         return None, torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device).expand(shape)
-    valid = valid_keys_from_bias(bias)
-    if bias.dtype == torch.bool:
-        bias = torch.zeros((), dtype=dtype, device=device).masked_fill(~bias, mask_fill_value(dtype))
-    else:
-        # Clamp -inf to a finite negative: a padding mask plus a drop mask stays finite.
-        bias = bias.to(dtype).clamp(min=mask_fill_value(dtype))
-    return bias, valid
+    return finite_bias(bias, dtype), valid_keys_from_bias(bias)
 
 
 def _keyless_rows(bias: Optional[torch.Tensor], valid: torch.Tensor) -> Optional[torch.Tensor]:

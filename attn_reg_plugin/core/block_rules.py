@@ -29,8 +29,8 @@ from .masks import (
     causal_bias,
     ceil_of_product,
     decimal_fraction,
+    finite_bias,
     keep_one_valid_key,
-    mask_fill_value,
     may_hold_true,
     valid_keys_from_bias,
 )
@@ -49,13 +49,9 @@ def block_bias(bias_rows: Optional[torch.Tensor], dtype: torch.dtype, valid: Opt
         return None, None
     if valid is None:
         valid = valid_keys_from_bias(bias_rows)
-    if bias_rows.dtype == torch.bool:
-        if bias_rows.device.type == "cpu" and bool(bias_rows.all()):
-            return None, valid  # nothing to add (no padding in the block): the drops are the mask
-        part = torch.zeros((), dtype=dtype, device=bias_rows.device).masked_fill(~bias_rows, mask_fill_value(dtype))
-    else:
-        part = bias_rows.to(dtype).clamp(min=mask_fill_value(dtype))
-    return part, valid
+    if bias_rows.dtype == torch.bool and bias_rows.device.type == "cpu" and bool(bias_rows.all()):
+        return None, valid  # nothing to add (no padding in the block): the drops are the mask
+    return finite_bias(bias_rows, dtype), valid
 
 
 def key_seed(seed: int, key: int) -> int:

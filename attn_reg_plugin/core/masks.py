@@ -213,6 +213,16 @@ def keep_one_valid_key(
     return drop & ~restore
 
 
+def finite_bias(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bias as an additive float tensor of ``dtype`` whose disallowed scores are a finite fill: a bool
+    bias (True = may attend) becomes 0 or the fill, a float one is clamped to it (-inf included), so a
+    padding bias plus a drop mask never overflows to NaN in half precision."""
+    fill = mask_fill_value(dtype)
+    if bias.dtype == torch.bool:
+        return torch.zeros((), dtype=dtype, device=bias.device).masked_fill(~bias, fill)
+    return bias.to(dtype).clamp(min=fill)
+
+
 def additive_mask(drop: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Turn a boolean drop mask into an additive score mask of ``dtype`` (0 kept, very negative dropped)."""
     # drop * fill: exact (fill is a power-of-two multiple of the dtype's minimum), and one

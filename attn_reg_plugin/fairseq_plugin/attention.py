@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..core.attention import attend, call_of
 from ..core.controller import AttentionSite, RegularizationController
-from ..core.masks import mask_fill_value
+from ..core.masks import finite_bias
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -88,18 +88,14 @@ class RegularizedMultiheadAttention(MultiheadAttention):
         bias = None
         if attn_mask is not None:
             if attn_mask.dtype == torch.bool:  # fairseq's bool masks mark *disallowed* positions
-                attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-                    attn_mask, mask_fill_value(q.dtype)
-                )
+                attn_mask = finite_bias(~attn_mask, q.dtype)
             bias = (
                 attn_mask.view(1, 1, tgt_len, src_len)
                 if attn_mask.dim() == 2
                 else attn_mask.view(bsz, heads, tgt_len, src_len)
             )
         if key_padding_mask is not None:
-            pad = torch.zeros((bsz, 1, 1, src_len), dtype=q.dtype, device=q.device).masked_fill(
-                key_padding_mask.bool().view(bsz, 1, 1, src_len), mask_fill_value(q.dtype)
-            )
+            pad = finite_bias(~key_padding_mask.bool().view(bsz, 1, 1, src_len), q.dtype)
             # -inf + pad stays -inf; the kernel clamps every bias to a finite fill value.
             bias = pad if bias is None else bias.to(q.dtype) + pad
 
