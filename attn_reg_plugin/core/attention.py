@@ -352,11 +352,7 @@ def _keeps_inputs(hook, q: torch.Tensor, k: torch.Tensor) -> bool:
 def _blockwise_edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, rows: int, is_causal: bool):
     """(output, counts) of an :class:`EditScores` call run block by block (:mod:`.blockwise`)."""
     hook = call.hook
-    uniform = hook.uniform_rows
-    if uniform is True:
-        uniform = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device)
-    elif isinstance(uniform, torch.Tensor):
-        uniform = uniform.to(q.device)
+    uniform = hook.uniform_rows_on(q.device)
     count = not call.recompute and hook.stats is not None and hook.drop is not None
     rule = rule_of(hook.drop)
     seed = call.seed

@@ -92,14 +92,19 @@ class EditScores:
         if self.drop is not None and not isinstance(self.drop, (torch.Tensor, BlockRule)):
             raise TypeError(f"EditScores.drop must be a bool tensor or a BlockRule, got {type(self.drop).__name__}")
 
+    def uniform_rows_on(self, device) -> Optional[torch.Tensor]:
+        """``uniform_rows`` as a bool tensor on ``device`` (True: every row, (1, 1, 1, 1)), or None."""
+        uniform = self.uniform_rows
+        if uniform is True:  # every row (attention LayerDrop); made on q's device, no copy
+            return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+        if isinstance(uniform, torch.Tensor):
+            return uniform.to(device)  # a per-pass flag drawn on the host (LayerDrop): moved once
+        return uniform
+
     def resolve(self, valid: torch.Tensor, shape: Tuple[int, int, int, int], device) -> ResolvedEdit:
         """The final (drop, uniform rows) of one call that is one block: a rule's drops made
         (:meth:`~.block_rules.BlockRule.whole`), emptied rows made uniform."""
-        uniform = self.uniform_rows
-        if uniform is True:  # every row (attention LayerDrop); made on q's device, no copy
-            uniform = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
-        elif isinstance(uniform, torch.Tensor) and uniform.device != device:
-            uniform = uniform.to(device)  # a per-pass flag drawn on the host (LayerDrop)
+        uniform = self.uniform_rows_on(device)
         drop = self.drop
         if isinstance(drop, BlockRule):
             drop = drop.whole(valid.expand(shape))
