@@ -50,6 +50,7 @@ from .masks import (
     mask_fill_value,
     may_hold_true,
     valid_keys_from_bias,
+    zero_rows,
 )
 
 # Since torch 2.5 every sdpa backend gives a row whose keys are all masked (False, or -inf) output 0
@@ -233,12 +234,12 @@ def _prepared(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_
     if isinstance(hook, CaptureOutput):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)
         out, captured = _captured(call, out, q, k, v, bias, scale, False, valid)
-        return _zero_rows(out, keyless), None, captured
+        return zero_rows(out, keyless), None, captured
     if isinstance(hook, CaptureProbs) or need_weights:
         out, weights, captured = _with_weights(call, hook, q, k, v, bias, valid, keyless, dropout_p, scale)
         return out, weights, captured or counted
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
-    return _zero_rows(out, keyless), None, counted
+    return zero_rows(out, keyless), None, counted
 
 
 def _edited(call: AttentionCall, q, bias, valid, shape):
@@ -281,7 +282,7 @@ def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, drop
         scores = scores + bias
     # Softmax in at least float32: half-precision exponentials lose the small weights.
     half = scores.dtype in (torch.float16, torch.bfloat16)
-    probs = _zero_rows(torch.softmax(scores.float() if half else scores, dim=-1).to(q.dtype), keyless)
+    probs = zero_rows(torch.softmax(scores.float() if half else scores, dim=-1).to(q.dtype), keyless)
     used, captured = probs, None
     if isinstance(hook, CaptureProbs):
         if not call.recompute and hook.requires_grad:
@@ -364,7 +365,3 @@ def _blockwise_edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale,
         return out, None
     counts = (dropped, droppable) if count else (None, None)
     return out, Captured(dropped=counts[0], droppable=counts[1], uniform_call=_uniform_call(hook))
-
-
-def _zero_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
-    return x if rows is None else x.masked_fill(rows, 0.0)

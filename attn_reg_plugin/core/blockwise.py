@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from . import block_rules
 from .block_masks import BlockCall, KeptDrops, block_counts, block_masks, keeps_drops
 from .block_rules import rows_of
-from .masks import pack_bits
+from .masks import pack_bits, zero_rows
 
 # A block holds at most max(BLOCK_ELEMENTS, LINEAR_FACTOR * B*H*T*d) score-sized elements: a fixed
 # floor (2**19 elements: ~12 MiB of block temporaries at ~24 bytes each) or as many as q has, so
@@ -55,10 +55,10 @@ def query_block_rows(batch: int, heads: int, queries: int, keys: int, head_dim: 
 def _attend_block(q_rows, k, v, mask, uniform, keyless, call: BlockCall):
     """One block through sdpa, as the kernel's prepared path: a zero query row is uniform over its
     valid keys, and a row with no valid key gives 0 (and so sends back no gradient)."""
-    if uniform is not None:
-        q_rows = q_rows.masked_fill(uniform, 0.0)
-    out = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale)
-    return out if keyless is None else out.masked_fill(keyless, 0.0)
+    out = F.scaled_dot_product_attention(
+        zero_rows(q_rows, uniform), k, v, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale
+    )
+    return zero_rows(out, keyless)
 
 
 # sdpa's own CPU kernel, called directly so that the forward can keep each row's log-sum-exp and the
@@ -92,10 +92,6 @@ def _block_rows(call: BlockCall, t: int) -> List[slice]:
 def _accumulated(dtype: torch.dtype) -> torch.dtype:
     """What sums over blocks (and sdpa's CPU row log-sum-exp) are kept in: float32, or float64's own."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def _zero_query_rows(q_rows, uniform):
-    return q_rows if uniform is None else q_rows.masked_fill(uniform, 0.0)
 
 
 def _get_rng_state(device: torch.device) -> torch.Tensor:
@@ -147,9 +143,9 @@ class BlockwiseAttention(torch.autograd.Function):
             k_keys, v_keys = k[:, :, : m.keys], v[:, :, : m.keys]
             if keep_stats:
                 o, lse[:, :, rows] = _FLASH_CPU(
-                    _zero_query_rows(q_rows, m.uniform), k_keys, v_keys, 0.0, False, attn_mask=m.mask, scale=call.scale
+                    zero_rows(q_rows, m.uniform), k_keys, v_keys, 0.0, False, attn_mask=m.mask, scale=call.scale
                 )
-                out[:, :, rows] = o if m.keyless is None else o.masked_fill(m.keyless, 0.0)
+                out[:, :, rows] = zero_rows(o, m.keyless)
             else:
                 out[:, :, rows] = _attend_block(q_rows, k_keys, v_keys, m.mask, m.uniform, m.keyless, call)
             if call.count and m.drop is not None:
@@ -242,14 +238,13 @@ def _backward_from_softmax_stats(ctx, grad_out, q, k, v, bias, out, lse):
     for first in range(0, blocks, group):
         rows, keys, mask, uniform, keyless = _group_masks(call, q, bias, shape, ctx.states, first, group)
         q_rows, grad_rows = q[:, :, rows], grad_out[:, :, rows]
-        if keyless is not None:  # the forward zeroed these rows: no gradient flows back from them
-            grad_rows = grad_rows.masked_fill(keyless, 0.0)
+        grad_rows = zero_rows(grad_rows, keyless)  # the forward zeroed these rows: no gradient flows back
         gq, gk, gv = _FLASH_CPU_BACKWARD(
-            grad_rows.to(q.dtype), _zero_query_rows(q_rows, uniform), k[:, :, :keys], v[:, :, :keys],
+            grad_rows.to(q.dtype), zero_rows(q_rows, uniform), k[:, :, :keys], v[:, :, :keys],
             out[:, :, rows], lse[:, :, rows], 0.0, False, attn_mask=mask, scale=call.scale,
         )  # fmt: skip
         if grad_q is not None:
-            grad_q[:, :, rows] += gq if uniform is None else gq.masked_fill(uniform, 0.0)
+            grad_q[:, :, rows] += zero_rows(gq, uniform)
         if grad_k is not None:
             grad_k[:, :, :keys] += gk
         if grad_v is not None:

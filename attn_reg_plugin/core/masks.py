@@ -213,6 +213,12 @@ def keep_one_valid_key(
     return drop & ~restore
 
 
+def zero_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x`` with the rows flagged in ``rows`` (bool, broadcastable, or None: none) set to 0: a query
+    made 0 attends uniformly, an output row with no valid key gives 0 and sends back no gradient."""
+    return x if rows is None else x.masked_fill(rows, 0.0)
+
+
 def finite_bias(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A bias as an additive float tensor of ``dtype`` whose disallowed scores are a finite fill: a bool
     bias (True = may attend) becomes 0 or the fill, a float one is clamped to it (-inf included), so a
