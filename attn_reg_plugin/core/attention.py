@@ -45,6 +45,7 @@ from .controller import (  # noqa: F401
 from .masks import (
     MASKED_BIAS,
     additive_mask,
+    attention_weights,
     causal_bias,
     finite_bias,
     mask_fill_value,
@@ -280,9 +281,7 @@ def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, drop
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale_
     if bias is not None:
         scores = scores + bias
-    # Softmax in at least float32: half-precision exponentials lose the small weights.
-    half = scores.dtype in (torch.float16, torch.bfloat16)
-    probs = zero_rows(torch.softmax(scores.float() if half else scores, dim=-1).to(q.dtype), keyless)
+    probs = zero_rows(attention_weights(scores, q.dtype), keyless)
     used, captured = probs, None
     if isinstance(hook, CaptureProbs):
         if not call.recompute and hook.requires_grad:

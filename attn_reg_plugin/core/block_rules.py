@@ -26,6 +26,7 @@ import torch
 
 from .masks import (
     ad_drop_masks,
+    attention_weights,
     causal_bias,
     ceil_of_product,
     decimal_fraction,
@@ -246,9 +247,7 @@ class AttentionScores(ScoreSource):
         part, _ = block_bias(bias_rows, q_rows.dtype)
         if part is not None:
             logits = logits + part
-        # Softmax in at least float32, then the model's dtype, as the dense weights are.
-        half = logits.dtype in (torch.float16, torch.bfloat16)
-        return torch.softmax(logits.float() if half else logits, dim=-1).to(q_rows.dtype).float()
+        return attention_weights(logits, q_rows.dtype).float()  # as the dense weights are
 
 
 @dataclass(frozen=True, eq=False)

@@ -213,6 +213,14 @@ def keep_one_valid_key(
     return drop & ~restore
 
 
+def attention_weights(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """softmax over the keys in at least float32 (half-precision exponentials lose the small weights),
+    then in ``dtype``: the weights a model in ``dtype`` computes, for the kernel's explicit path and
+    for AA's weights recomputed per block alike."""
+    half = scores.dtype in (torch.float16, torch.bfloat16)
+    return torch.softmax(scores.float() if half else scores, dim=-1).to(dtype)
+
+
 def zero_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
     """``x`` with the rows flagged in ``rows`` (bool, broadcastable, or None: none) set to 0: a query
     made 0 attends uniformly, an output row with no valid key gives 0 and sends back no gradient."""
