@@ -23,7 +23,6 @@ defined in :mod:`.controller`, next to the site, and exported here too):
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -46,6 +45,7 @@ from .masks import (
     MASKED_BIAS,
     additive_mask,
     attention_weights,
+    broadcast_count,
     causal_bias,
     finite_bias,
     mask_fill_value,
@@ -109,13 +109,6 @@ def _keyless_rows(bias: Optional[torch.Tensor], valid: torch.Tensor) -> Optional
         return None
     rows = ~valid.any(dim=-1, keepdim=True)
     return rows if may_hold_true(rows) else None
-
-
-def _broadcast_count(mask: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
-    """Number of True entries of ``mask`` broadcast to ``shape``, without materialising it."""
-    if mask.numel() == 0:
-        return mask.sum()
-    return mask.sum() * (math.prod(shape) // mask.numel())
 
 
 def _check_grad_mode() -> None:
@@ -263,7 +256,7 @@ def _edited(call: AttentionCall, q, bias, valid, shape):
             # Count over the full (B, H, T, S): a mask shared by heads drops in each head.
             units = valid if hook.droppable is None else valid & hook.droppable.to(valid.device)
             dropped = (edit.drop & units).expand(shape).sum()
-            droppable = _broadcast_count(units, shape)
+            droppable = broadcast_count(units, shape)
     if call.recompute:
         return q, bias, None
     return q, bias, Captured(dropped=dropped, droppable=droppable, uniform_call=_uniform_call(hook))

@@ -13,6 +13,7 @@ from . import block_rules
 from .block_rules import Block, BlockRule, block_bias, keys_of, rows_of
 from .masks import (
     additive_mask,
+    broadcast_count,
     causal_bias,
     causal_key_span,
     uniform_instead_of_empty,
@@ -141,7 +142,7 @@ def block_counts(m: BlockMasks, droppable, rows: slice, block_shape) -> Tuple[to
     else:
         units = m.valid & keys_of(rows_of(droppable, rows), m.keys).to(m.valid.device)
         counted = m.drop & units
-    return counted.expand(block_shape).count_nonzero(), units.sum() * (math.prod(block_shape) // max(1, units.numel()))
+    return counted.expand(block_shape).count_nonzero(), broadcast_count(units, block_shape)
 
 
 __all__: Sequence[str] = ("BlockCall", "BlockMasks", "KeptDrops", "block_counts", "block_masks", "keeps_drops")

@@ -9,6 +9,7 @@ Everything here is vectorised over whole tensors: no loop over heads or rows.
 from __future__ import annotations
 
 import fractions
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -211,6 +212,12 @@ def keep_one_valid_key(
     lowest = torch.where(valid, rank_source, float("inf")).argmin(dim=-1, keepdim=True)
     restore = torch.zeros_like(drop).scatter_(-1, lowest.expand(emptied.shape), emptied)
     return drop & ~restore
+
+
+def broadcast_count(mask: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
+    """The number of True entries of ``mask`` broadcast to ``shape``, without materialising it: a
+    mask shared by heads (or rows) counts once in each."""
+    return mask.sum() * (math.prod(shape) // max(1, mask.numel()))
 
 
 def attention_weights(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
