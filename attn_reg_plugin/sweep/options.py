@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from ..core.ad_drop_config import first_ad_drop_epoch
+
 SCHEDULES = ("cross-tuning", "always")
 ATTRIBUTIONS = ("ga", "iga", "aa", "rd")
 # fairseq's --post-process values (fairseq.data.data_utils.post_process); "none" passes nothing.
@@ -219,7 +221,7 @@ def _parse_grid(ap, opts) -> None:
         )
     if opts.epochs < 1:
         ap.error(f"--epochs must be an integer >= 1, got {opts.epochs}")
-    if opts.epochs < 2 and "cross-tuning" in opts.schedule:
+    if any(first_ad_drop_epoch(schedule, opts.epochs) is None for schedule in opts.schedule):
         ap.error(
             f"--epochs {opts.epochs} with --schedule cross-tuning never runs AD-DROP (its first AD-DROP epoch is "
             "epoch 2): give --epochs >= 2, or --schedule always"
