@@ -451,10 +451,11 @@ CORE_B, CORE_T, CORE_D, CORE_H = 2, 6, 8, 2  # batch, length, width, heads
 
 
 class CoreBlock(torch.nn.Module):
-    def __init__(self, site, calls=1):
+    def __init__(self, site, calls=1, controller=None):
         super().__init__()
         self.qkv, self.site, self.calls = torch.nn.Linear(CORE_D, 3 * CORE_D), site, calls
         self.gradient_checkpointing = False
+        self.checkpoint = controller.checkpoint  # carries the pass into the recompute (PORTING.md)
 
     def attention(self, h):
         from attn_reg_plugin.core.attention import attend
@@ -466,10 +467,8 @@ class CoreBlock(torch.nn.Module):
         return h + torch.nn.functional.dropout(o.transpose(1, 2).reshape(CORE_B, CORE_T, CORE_D), 0.2, self.training)
 
     def forward(self, h, reentrant=True):
-        from torch.utils.checkpoint import checkpoint
-
         if self.gradient_checkpointing and self.training:
-            return checkpoint(self.attention, h, use_reentrant=reentrant)
+            return self.checkpoint(self.attention, h, use_reentrant=reentrant)
         return self.attention(h)
 
 
@@ -482,7 +481,7 @@ class TinyCoreModel(torch.nn.Module):
 
         self.controller = RegularizationController()
         self.blocks = torch.nn.ModuleList(
-            CoreBlock(self.controller.register("encoder-self", i), calls) for i in range(2)
+            CoreBlock(self.controller.register("encoder-self", i), calls, self.controller) for i in range(2)
         )
         self.out = torch.nn.Linear(CORE_D, 3)
 

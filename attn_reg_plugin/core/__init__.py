@@ -37,8 +37,8 @@ This is also the porting API for your own model (no fairseq or transformers need
        loss.backward()
 
 ``masked`` runs the attribution pass (no parameter gradients, graph freed) before the block;
-only the block's loss is back-propagated. A model that checkpoints activations runs forward and
-backward inside ``with controller.training_step():``, where a recomputed layer repeats the pass.
+only the block's loss is back-propagated. A model that checkpoints activations does it with
+``controller.checkpoint(layer, *args)``: the call carries the pass, so a recomputed layer repeats it.
 Bad options raise ``ValueError`` naming the option.
 
 The other regularizers take the same controller: ``AttendOut(AttendOutConfig(...), controller, generator)``,

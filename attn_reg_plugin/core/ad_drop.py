@@ -256,9 +256,9 @@ class ADDrop:
         masked pass runs; its ``skipped`` is 1 when the attribution target was not finite, in
         which case nothing is masked and the block's loss is the plain one. Randomness comes
         from torch's global generator, which frameworks seed per update, so masks are
-        reproducible and survive a resume. A model that checkpoints activations runs the block
-        and the loss's backward inside ``controller.training_step()``, where a recomputed layer
-        repeats the masked pass.
+        reproducible and survive a resume. A layer checkpointed with ``controller.checkpoint`` (or
+        by transformers or fairseq) carries the pass in its call and repeats the masked pass when
+        recomputed, whenever the loss is back-propagated.
         """
         p, q = self.config.p, self.config.q
         if frozen is not None and id(frozen) not in self._checked_sharding:

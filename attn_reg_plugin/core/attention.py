@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .attention_call import ORDINARY, AttentionCall, Captured, call_of, count_for_the_pass, hand_over  # noqa: F401
+from .attention_call import ORDINARY, AttentionCall, Captured, call_of, hand_over  # noqa: F401
 from .block_rules import AttentionScores, call_seed, rule_of
 from .blockwise import BlockCall, blockwise_attention, blockwise_rows
 
@@ -39,6 +39,7 @@ from .controller import (  # noqa: F401
     CaptureProbs,
     EditScores,
     Hook,
+    Plan,
     zero_counts,
 )
 from .masks import (
@@ -132,6 +133,7 @@ def attend(
     site: Optional[AttentionSite] = None,
     need_weights: bool = False,
     is_causal: bool = False,
+    plan: Optional[Plan] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Scaled dot-product attention with the site's regularization hook applied.
 
@@ -141,12 +143,13 @@ def attend(
     ``is_causal``: query i may also not attend a key j > i + S - T (aligned to the last keys, as
     with a cache; sdpa's ``is_causal`` when T = S), on top of ``bias``. Prefer it to a causal mask:
     the kernel then never builds a (T, S) one where sdpa or a block of queries can do without.
+    ``plan``: the pass, when the model's call carries it (transformers' model kwargs); else the
+    site's slot says what the pass does. A checkpointed layer must carry it to its recompute
+    (:meth:`~.controller.RegularizationController.checkpoint`).
     Returns the per-head output (B, H, T, d) and, if ``need_weights``, the attention map.
     A query row with no valid key attends to nothing: its output (and map row) is 0.
     """
-    call = call_of(site)
-    if call.hook is not None:
-        count_for_the_pass(call, site)
+    call = call_of(site, plan)
     out, weights, captured = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, call, is_causal)
     if captured is not None:
         hand_over(call.hook, site, captured)

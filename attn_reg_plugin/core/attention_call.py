@@ -1,6 +1,7 @@
 """What one attention call does, fixed before the kernel runs, and where what it captured goes.
 
-:func:`call_of` reads a site once into an immutable :class:`AttentionCall`;
+:func:`call_of` reads the call's site, or the :class:`~.controller.Plan` the call carried, once into
+an immutable :class:`AttentionCall`;
 :func:`~attn_reg_plugin.core.attention.attention_kernel` computes from it alone and returns what it
 captured and counted as a :class:`Captured`, which :func:`hand_over` gives to the pass. Only the
 controller writes sites (:mod:`.controller`); nothing here or in the kernel does.
@@ -8,7 +9,6 @@ controller writes sites (:mod:`.controller`); nothing here or in the kernel does
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -16,7 +16,7 @@ import torch
 
 from .block_rules import AttentionScores
 from .checkpointing import recomputing
-from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores, Hook, PassLedger, changes_output
+from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores, Hook, Plan
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,6 @@ class AttentionCall:
     hook: Optional[Hook] = None
     recompute: bool = False
     seed: Optional[int] = None
-    ledger: Optional[PassLedger] = None  # the pass's counts (attend's, not the kernel's)
 
 
 ORDINARY = AttentionCall()
@@ -50,50 +49,20 @@ class Captured:
     uniform_call: Optional[torch.Tensor] = None
 
 
-def call_of(site: Optional[AttentionSite]) -> AttentionCall:
-    """What this call of ``site`` does: in a forward, the hook and seed of the pass set on it; in an
-    activation-checkpoint recompute, the same, or after the pass ended (inside a training step) the
-    hook and seed it ended with. Adapters ask it too: an ordinary call may take their stock path."""
+def call_of(site: Optional[AttentionSite], plan: Optional[Plan] = None) -> AttentionCall:
+    """What this call of ``site`` does: the hook and seed of the pass, read from the ``plan`` the call
+    carried (transformers' model kwargs; a checkpointed layer's arguments, also in its recompute), or
+    else from the site's slot. Adapters ask it too: an ordinary call may take their stock path."""
     if site is None:
         return ORDINARY
     if torch.compiler.is_compiling():
         # Traced: a compiled region recomputes from its own graph and draws from torch's stream;
         # reading the per-pass seed would be a guard on its value, a recompile every step.
         return ORDINARY if site.hook is None else AttentionCall(site.hook)
-    if site.hook is not None:
-        return AttentionCall(site.hook, recomputing(), site.seed, site.ledger)
-    if site.ended_pass is not None:
-        if recomputing():
-            hook, seed, ledger = site.ended_pass
-            return AttentionCall(hook, True, seed, ledger)
-        if checkpointed_forward():
-            raise RuntimeError(
-                f"attention site {site} ran an ordinary forward inside an activation checkpoint after a pass "
-                "ended in the same training step: its recompute could not tell it from the pass's forwards. "
-                "End the training step (`controller.training_step()`) before the next step's forward"
-            )
-    return ORDINARY
-
-
-def checkpointed_forward() -> bool:
-    """Whether this forward runs inside an activation checkpoint that will recompute it: a
-    non-reentrant one (torch's saved-tensor hooks of a checkpoint; offloading hooks such as
-    ``save_on_cpu`` are not one) or a reentrant one (without autograd, inside a ``CheckpointFunction``:
-    torch's, fairseq's and DeepSpeed's are named so)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is not None and "checkpoint" in getattr(hooks[0], "__qualname__", ""):
-        return True
-    if torch.is_grad_enabled():
-        return False
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if getattr(code, "co_qualname", "").endswith("CheckpointFunction.forward") or (
-            code.co_name == "forward" and "checkpoint" in code.co_filename.rsplit("/", 1)[-1]
-        ):
-            return True
-        frame = frame.f_back
-    return False
+    hook, seed = plan.calls.get(site, (None, None)) if plan is not None else (site.hook, site.seed)
+    if hook is None:
+        return ORDINARY
+    return AttentionCall(hook, recomputing(), seed)
 
 
 def hand_over(hook: Hook, site: AttentionSite, captured: Captured) -> None:
@@ -117,26 +86,3 @@ def hand_over(hook: Hook, site: AttentionSite, captured: Captured) -> None:
         if hook.calls is not None and captured.uniform_call is not None:
             hook.calls[0] = hook.calls[0] + captured.uniform_call
             hook.calls[1] = hook.calls[1] + 1
-
-
-def refuse_unrecomputable(site: AttentionSite) -> None:
-    """Refuse a checkpointed regularized forward outside a training step: its pass may end before
-    the backward that recomputes it, which would then run ordinary attention."""
-    raise RuntimeError(
-        f"attention site {site} ran a regularized forward inside an activation checkpoint outside a "
-        "training step, so its pass may end before the backward that recomputes it: run the forward and "
-        "its backward inside `with controller.training_step():` (the plugin's trainers do)"
-    )
-
-
-def count_for_the_pass(call: AttentionCall, site: AttentionSite) -> None:
-    """A regularized call's part in its pass's ledger: a recompute, or a forward that a checkpoint will
-    recompute (refused outside a training step, where the pass may end before its backward)."""
-    if torch.compiler.is_compiling() or call.ledger is None:
-        return
-    if call.recompute:
-        call.ledger.recomputed += 1
-    elif changes_output(call.hook) and checkpointed_forward():
-        if not site.through_backward:
-            refuse_unrecomputable(site)
-        call.ledger.checkpointed += 1

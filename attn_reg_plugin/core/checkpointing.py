@@ -3,11 +3,12 @@
 A checkpointed layer keeps no activations in its forward and runs its forward again inside
 backward. Two consequences, handled here and in the kernel:
 
-* the recompute must apply exactly the masks and score edits of the forward it repeats. It
-  reads the same site, which inside a training step still holds the pass
-  (:meth:`~.controller.RegularizationController.training_step`; every driver of the plugin runs
-  its steps in one), and the same hook and seed give the same drops (a short call's random draws
-  come from torch's stream, which the checkpoint restores): nothing of a call is recorded;
+* the recompute must apply exactly the masks and score edits of the forward it repeats, although
+  the pass may have ended. The checkpointed call carries the pass (a
+  :class:`~.controller.Plan`: transformers' model kwargs, fairseq's wrapped layers,
+  :meth:`~.controller.RegularizationController.checkpoint`), and the same hook and seed give the
+  same drops (a short call's random draws come from torch's stream, which the checkpoint
+  restores): nothing of a call is recorded, and no step scope is needed;
 * a *reentrant* checkpoint (``use_reentrant=True``, fairseq's ``--checkpoint-activations``)
   runs the layer's forward without autograd and refuses ``torch.autograd.grad``, so AD-DROP's
   attribution pass could not see inside it. That pass therefore runs with such checkpointing

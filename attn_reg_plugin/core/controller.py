@@ -10,11 +10,14 @@ the controller to set hooks (a :data:`Hook`: :class:`CaptureOutput`, :class:`Cap
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import operator
 import re
+import warnings
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from types import MappingProxyType
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -148,47 +151,20 @@ def zero_counts() -> List[torch.Tensor]:
 
 # -- sites ------------------------------------------------------------------------------------
 @dataclass(eq=False)
-class PassLedger:
-    """What :func:`~attn_reg_plugin.core.attention.attend` counts for one pass inside a training
-    step: its forward calls that an activation checkpoint will recompute, and the recomputes. A
-    pass whose checkpointed calls were not all recomputed when the next pass or the step ends was
-    not back-propagated in time, and would be recomputed with another pass's drops or none."""
-
-    checkpointed: int = 0
-    recomputed: int = 0
-
-    def check(self, when: str) -> None:
-        if self.recomputed < self.checkpointed:
-            raise RuntimeError(
-                f"{self.checkpointed - self.recomputed} activation-checkpointed regularized attention calls were "
-                f"not back-propagated before {when}: their recompute would repeat another pass's drops, or none. "
-                "Back-propagate each regularized pass's loss inside the training step and before the next pass"
-            )
-
-
-@dataclass(eq=False)
 class AttentionSite:
     """One attention module: its kind, its 0-based layer, and what the current pass does on it.
 
-    ``hook``, ``seed``, ``through_backward``, ``ledger`` and ``ended_pass`` are set by the
-    controller (:meth:`RegularizationController.hooks`, :meth:`RegularizationController.training_step`)
-    and by nothing else: the kernel only reads them. ``seed`` keys the counter-based random numbers
-    of a drop rule split into blocks (:mod:`.block_rules`), so every evaluation of the same pass on
-    the same site (the forward, its backward, an activation-checkpoint recompute) makes the same
-    drops. ``through_backward``: the pass runs inside a training step, so a checkpointed forward
-    under it will find it when recomputed. ``ledger``: the pass's :class:`PassLedger`.
-    ``ended_pass``: inside a training step, the (hook, seed, ledger) of the last pass that ended on
-    the site, which a checkpointed layer recomputed in the step's backward repeats; cleared when the
-    step ends or another pass of the controller begins.
+    ``hook`` and ``seed`` are the slot a pass fills for its forward (:meth:`RegularizationController.hooks`)
+    and nothing else writes, but a recompute that carries the pass back (:func:`applied`): the
+    kernel only reads them. ``seed`` keys the counter-based random numbers of a drop rule split into
+    blocks (:mod:`.block_rules`), so every evaluation of the same pass on the same site (the forward,
+    its backward, an activation-checkpoint recompute) makes the same drops.
     """
 
     kind: str
     layer: int
     hook: Optional[Hook] = None
     seed: Optional[int] = None
-    through_backward: bool = False
-    ledger: Optional[PassLedger] = None
-    ended_pass: Optional[Tuple[Hook, Optional[int], PassLedger]] = None
 
     def __repr__(self) -> str:  # readable in error messages
         return f"{self.kind}[{self.layer}]"
@@ -197,6 +173,44 @@ class AttentionSite:
         # A copy of a model (an EMA, a teacher, a snapshot) taken during a pass gets sites of the
         # same kind and layer, with no pass on them.
         return AttentionSite(self.kind, self.layer)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """What one pass asks of each site, as a value: ``calls`` maps each site the pass hooks to its
+    (hook, seed). It travels with the model's call (transformers' model kwargs, the arguments a
+    checkpoint keeps for its recompute), so a layer recomputed in the backward, after the pass
+    ended, repeats it: the same hook and seed give the same drops."""
+
+    calls: Mapping[AttentionSite, Tuple[Hook, Optional[int]]]
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
+
+
+def plan_of(sites: Iterable[AttentionSite]) -> Plan:
+    """The pass set on ``sites`` now, as a :class:`Plan` (empty when none is)."""
+    return Plan(MappingProxyType({s: (s.hook, s.seed) for s in sites if s.hook is not None}))
+
+
+@contextlib.contextmanager
+def applied(plan: Optional[Plan], sites: Sequence[AttentionSite]) -> Iterator[None]:
+    """Fill the slots of ``sites`` with what ``plan`` asks (nothing where it asks nothing) for the
+    block: a checkpointed function recomputed in the backward runs under the pass of its forward."""
+    calls = plan.calls if plan is not None else {}
+    previous = [(s, s.hook, s.seed) for s in sites]
+    try:
+        for site in sites:
+            site.hook, site.seed = calls.get(site, (None, None))
+        yield
+    finally:
+        for site, hook, seed in previous:
+            site.hook, site.seed = hook, seed
+
+
+def _with_the_pass(function: Callable, sites: Sequence[AttentionSite], plan: Plan, *args, **kwargs):
+    with applied(plan, sites):
+        return function(*args, **kwargs)
 
 
 def parse_layers(spec: Union[str, Sequence[int], None], option: str) -> Optional[List[int]]:
@@ -247,7 +261,6 @@ class RegularizationController:
 
     def __init__(self) -> None:
         self.sites: List[AttentionSite] = []
-        self._held: Optional[set] = None  # inside training_step: the sites whose ended_pass it clears
 
     def register(self, kind: str, layer: int) -> AttentionSite:
         """A new site of ``kind`` at 0-based ``layer``; each (kind, layer) once. Any order, but a
@@ -315,68 +328,49 @@ class RegularizationController:
     def hooks(self, assignment: Dict[AttentionSite, Optional[Hook]]) -> Iterator[None]:
         """Set ``site.hook`` for the sites given, for the duration of one pass.
 
-        Inside :meth:`training_step` each site keeps the pass as its ``ended_pass`` when it ends,
-        until the step ends or the next pass begins: a checkpointed layer recomputed in the backward
-        repeats it (same hook, same seed, same drops), while forwards after the pass see it no more.
+        A layer recomputed in the backward, after the pass ended, finds it in the :class:`Plan` its
+        call carried (:meth:`checkpoint`; transformers' model kwargs; fairseq's checkpointed layers).
         When some edit draws random numbers, the pass takes one seed from torch's global generator
         and each site a seed keyed by it and the site.
         """
         nested = [s for s, h in assignment.items() if changes_output(h) and changes_output(s.hook)]
         if nested:
             raise RuntimeError(
-                f"a regularized pass began on {nested[0]} inside another one on the same site: a recompute in "
-                "the backward could not tell which to repeat. Run one regularized pass per site at a time"
+                f"a regularized pass began on {nested[0]} inside another one on the same site. "
+                "Run one regularized pass per site at a time"
             )
-        for site in (*self.sites, *assignment):
-            # A pass that began after it: what is recomputed from now on ran under this pass or none,
-            # so the ended pass must have been back-propagated already.
-            if site.ended_pass is not None:
-                site.ended_pass[2].check("the next regularized pass began")
-                site.ended_pass = None
-        previous = {site: (site.hook, site.seed, site.through_backward, site.ledger) for site in assignment}
-        ledger = PassLedger()
+        previous = {site: (site.hook, site.seed) for site in assignment}
         draws = any(isinstance(h, EditScores) and h.draws for h in assignment.values())
         pass_seed = call_seed() if draws else None
-        through_backward = self._held is not None
         try:
             for site, hook in assignment.items():
                 site.hook = hook
                 site.seed = None if pass_seed is None else key_seed(pass_seed, _site_key(site))
-                site.through_backward = through_backward
-                site.ledger = ledger
             yield
         finally:
-            for site, (hook, seed, through, ledger_before) in previous.items():
-                if self._held is not None and changes_output(site.hook):
-                    site.ended_pass = (site.hook, site.seed, site.ledger)
-                    self._held.add(site)
-                site.hook, site.seed, site.through_backward, site.ledger = hook, seed, through, ledger_before
+            for site, (hook, seed) in previous.items():
+                site.hook, site.seed = hook, seed
+
+    def checkpoint(self, function: Callable, *args, use_reentrant: bool = False, **kwargs):
+        """``torch.utils.checkpoint.checkpoint(function, *args, ...)`` that carries the pass set now
+        on this controller's sites into its recompute (a custom model's checkpointed layer: a
+        recompute in the backward, after the pass ended, makes the forward's drops again)."""
+        import torch.utils.checkpoint
+
+        carried = functools.partial(_with_the_pass, function, list(self.sites), plan_of(self.sites))
+        return torch.utils.checkpoint.checkpoint(carried, *args, use_reentrant=use_reentrant, **kwargs)
 
     @contextlib.contextmanager
     def training_step(self) -> Iterator[None]:
-        """One training step, forward and backward: a pass that ends inside it stays what its sites
-        repeat when a checkpointed layer is recomputed in the backward, until the step ends. Every
-        driver of the plugin runs its steps inside one; a custom loop whose model checkpoints
-        activations does too (:func:`~attn_reg_plugin.core.attention.attend` refuses a checkpointed
-        regularized forward outside one, whose recompute would find no pass)."""
-        if self._held is not None:  # nested: the outer step clears
-            yield
-            return
-        self._held = set()
-        # A pass begun before the step (and set on its sites) stays until the step's backward too.
-        begun_before = [s for s in self.sites if s.hook is not None and not s.through_backward]
-        for site in begun_before:
-            site.through_backward = True
-        try:
-            yield
-            for ledger in {id(s.ended_pass[2]): s.ended_pass[2] for s in self._held if s.ended_pass}.values():
-                ledger.check("the training step ended")
-        finally:
-            held, self._held = self._held, None
-            for site in held:
-                site.ended_pass = None
-            for site in begun_before:
-                site.through_backward = False
+        """Kept so that loops written for 0.2 run: a step needs no scope any more (the pass travels
+        with each checkpointed call). Does nothing."""
+        warnings.warn(
+            "RegularizationController.training_step() does nothing since attn_reg_plugin 0.3: remove it "
+            "(checkpoint a custom model's layers with controller.checkpoint)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        yield
 
 
 def _site_key(site: AttentionSite) -> int:

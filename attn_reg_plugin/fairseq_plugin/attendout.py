@@ -151,9 +151,8 @@ class FairseqAttendOut:
         self.attacker.train()
         self.attacker.set_num_updates(update_num)
         hooks = self.game.attacker_hooks(self.streams_of(sample))
-        # The pass spans A's backward (a checkpointed layer recomputes with it); the forward runs under
-        # the autocast fairseq's train_step gives D's forward (on with --amp only).
-        with self.game.controller.training_step(), self.game.controller.hooks(hooks):
+        # The forward runs under the autocast fairseq's train_step gives D's forward (on with --amp only).
+        with self.game.controller.hooks(hooks):
             with torch.autocast("cuda", enabled=_amp(optimizer)):
                 loss, sample_size, _ = criterion(self.attacker, sample)
             if ignore_grad:

@@ -10,15 +10,16 @@ generation, incremental decoding).
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
 from ..core.attention import attend, call_of
-from ..core.controller import AttentionSite, RegularizationController
+from ..core.controller import AttentionSite, RegularizationController, applied, plan_of
 from ..core.masks import finite_bias
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -148,7 +149,36 @@ def install_attention_sites(model: torch.nn.Module, controller: RegularizationCo
         elif not isinstance(module, RegularizedMultiheadAttention):
             raise ValueError(f"attn_reg_plugin: cannot route {name} ({type(module).__name__}) through the kernel")
         module.attn_reg_site = controller.register(_kind_of(name, module), int(match.group(1)))
+    for module in model.modules():
+        if "precheckpoint_forward" in vars(module) and "attn_reg_carries_the_pass" not in vars(module):
+            _carry_the_pass(module)
     return controller
+
+
+def _layer_sites(layer: torch.nn.Module) -> List[AttentionSite]:
+    return [m.attn_reg_site for m in layer.modules() if getattr(m, "attn_reg_site", None) is not None]
+
+
+def _carry_the_pass(layer: torch.nn.Module) -> None:
+    """A layer of ``--checkpoint-activations`` (fairseq's ``checkpoint_wrapper``: ``forward`` checkpoints
+    ``precheckpoint_forward``) is recomputed in the backward, after the pass ended: its call carries
+    the pass as one more argument, which the checkpoint keeps, and its function runs under it."""
+    checkpointed = layer.forward  # partial(_checkpointed_forward, original forward, offload)
+    if not isinstance(checkpointed, functools.partial) or not checkpointed.args:
+        raise ValueError(f"attn_reg_plugin: cannot carry a pass through {type(layer).__name__}'s checkpoint wrapper")
+    under_the_pass = functools.partial(_under_the_pass, layer)
+    inner = functools.partial(checkpointed.func, under_the_pass, *checkpointed.args[1:], **checkpointed.keywords)
+    layer.forward = functools.partial(_carrying_the_pass, layer, inner)
+    layer.__dict__["attn_reg_carries_the_pass"] = True
+
+
+def _carrying_the_pass(layer, checkpointed, *args, **kwargs):
+    return checkpointed(*args, attn_reg_plan=plan_of(_layer_sites(layer)), **kwargs)
+
+
+def _under_the_pass(layer, *args, attn_reg_plan=None, **kwargs):
+    with applied(attn_reg_plan, _layer_sites(layer)):
+        return layer.precheckpoint_forward(*args, **kwargs)
 
 
 def plain_fairseq_attention(model: torch.nn.Module) -> torch.nn.Module:

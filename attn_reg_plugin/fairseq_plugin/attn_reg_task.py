@@ -269,9 +269,8 @@ class AttnRegTaskMixin:
             hooks = self.attn_reg_layerdrop.hooks(calls=counts)
         else:
             hooks = {}
-        # forward and backward in one step: its passes (these hooks, AD-DROP's) stay set through the
-        # backward, where a checkpointed layer (--checkpoint-activations) recomputes with them
-        with self.attn_reg_controller.training_step(), self.attn_reg_controller.hooks(hooks):
+        # a checkpointed layer (--checkpoint-activations) carries these hooks (and AD-DROP's) to its recompute
+        with self.attn_reg_controller.hooks(hooks):
             loss, sample_size, log = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
         if self.attn_reg_scheduled_dropout is not None:
             log.update(

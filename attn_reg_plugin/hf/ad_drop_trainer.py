@@ -129,11 +129,6 @@ class ADDropTrainerMixin:
         return fwd
 
     # -- the step --------------------------------------------------------------------------
-    def training_step(self, model, inputs, *args, **kwargs):
-        # The step's passes stay set through its backward: a checkpointed layer recomputes with them.
-        with self.ad_drop_controller.training_step():
-            return super().training_step(model, inputs, *args, **kwargs)
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (model.training and torch.is_grad_enabled()):
             return super().compute_loss(

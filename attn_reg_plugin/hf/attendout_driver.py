@@ -266,7 +266,6 @@ class AttendOutDriver:
         # Through the trainer: a subclass that overrides attendout_streams is heard.
         hooks = self.game.attacker_hooks(self.trainer.attendout_streams(inputs))
         with (
-            self.game.controller.training_step(),
             self.game.controller.hooks(hooks),
             self.trainer.accelerator.autocast(),
             self._backward_scaler(),

@@ -8,6 +8,11 @@ This module registers one more implementation, ``"attn_reg"``:
   runs transformers' own ``sdpa`` function unchanged, so outputs are identical;
 * with a hook, it calls :func:`attn_reg_plugin.core.attention.attend` with the module's site.
 
+What a pass does reaches the function as a model kwarg, ``attn_reg_plan`` (a
+:class:`~attn_reg_plugin.core.controller.Plan` that :mod:`.sites` adds to the model's call while a pass
+is set), as flash-attention's ``cu_seq_lens`` travel: transformers keeps a checkpointed layer's kwargs
+for its recompute, so a layer recomputed in the backward repeats the pass of its forward.
+
 Which module gets which site is found by watching the calls (:mod:`.sites`), not by names.
 
 Masks for ``"attn_reg"`` are built by the same function as for ``"sdpa"`` (registered in
@@ -23,7 +28,7 @@ import torch
 from ..core.attention import attend, call_of
 from ..core.controller import AttentionSite, RegularizationController
 from ..core.masks import causal_allowed, mask_fill_value
-from .sites import UnsupportedAttention, route_attention_calls, site_of_call
+from .sites import PLAN_KWARG, UnsupportedAttention, route_attention_calls, site_of_call
 
 ATTN_IMPLEMENTATION = "attn_reg"
 
@@ -57,12 +62,13 @@ def attn_reg_attention(
     (only with ``output_attentions`` while a hook is set; sdpa never returns them).
     """
     site: Optional[AttentionSite] = site_of_call(module, query, key, is_causal)
+    plan = kwargs.pop(PLAN_KWARG, None)
     if kwargs.get("softcap") is not None:  # Gemma-2: sdpa would raise its own error, naming neither model nor fix
         raise UnsupportedAttention(
             f"its attention caps the scores ({type(module).__name__}: attention logit soft-capping, "
             f"softcap * tanh(scores / softcap) with softcap={kwargs['softcap']})"
         )
-    if call_of(site).hook is None:
+    if call_of(site, plan).hook is None:
         # transformers' own sdpa, not the kernel's ordinary path: the equivalence checks compare against it
         return _sdpa_forward()(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
@@ -84,6 +90,7 @@ def attn_reg_attention(
         site=site,
         need_weights=bool(kwargs.get("output_attentions", False)),
         is_causal=causal,
+        plan=plan,
     )
     return out.transpose(1, 2).contiguous(), weights
 

@@ -88,11 +88,6 @@ class AttnRegTrainerMixin:
         self._attn_reg_counts: List[Any] = zero_counts()
         self._attn_reg_hooked_steps = 0  # training forwards that had at least one hook set
 
-    def training_step(self, model, inputs, *args, **kwargs):
-        # The step's passes stay set through its backward: a checkpointed layer recomputes with them.
-        with self.attn_reg_controller.training_step():
-            return super().training_step(model, inputs, *args, **kwargs)
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (model.training and torch.is_grad_enabled()):
             return super().compute_loss(

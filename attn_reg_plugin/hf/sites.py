@@ -28,11 +28,13 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..core.checkpointing import recomputing
-from ..core.controller import AttentionSite, RegularizationController
+from ..core.controller import AttentionSite, RegularizationController, plan_of
 from .equivalence import check_equivalent
 from .probe_inputs import DECODER_LEN, ENCODER_LEN, accepted_inputs, eval_mode, probe_candidates, probe_inputs
 
 logger = logging.getLogger(__name__)
+
+PLAN_KWARG = "attn_reg_plan"  # the model kwarg that carries a pass to the attention function
 
 
 class UnsupportedAttention(ValueError):
@@ -140,6 +142,25 @@ def _reset_call_counts(modules):
     return reset
 
 
+def _carry_the_pass(model: torch.nn.Module, args, kwargs):
+    """Forward pre-hook of an installed model: while a pass is set on its sites, its call carries
+    the pass as a model kwarg, which transformers hands to every attention call and keeps in a
+    checkpointed layer's kwargs for the recompute. Sites are read from the module called (a copy
+    of the model has its own)."""
+    if PLAN_KWARG in kwargs or torch.compiler.is_compiling():
+        return None
+    plan = plan_of(site for m in model.modules() for site in m.__dict__.get("attn_reg_sites", ()))
+    if not plan:
+        return None
+    return args, {**kwargs, PLAN_KWARG: plan}
+
+
+def _carries_the_pass(model: torch.nn.Module) -> None:
+    if "attn_reg_carries_the_pass" not in model.__dict__:  # a copy of the model has the hook already
+        model.register_forward_pre_hook(_carry_the_pass, with_kwargs=True)
+        model.__dict__["attn_reg_carries_the_pass"] = True
+
+
 def installed_sites(model: torch.nn.Module) -> List[Tuple[str, AttentionSite]]:
     """The ``(module path, site)`` pairs the model's modules hold now, as :func:`route_attention_calls` returned them."""
     return [
@@ -188,6 +209,7 @@ def route_attention_calls(
         # an installed model, AttendOut's Attacker, carries its original's id: it is installed afresh.)
         for _, site in previous_sites:
             controller.add(site)
+        _carries_the_pass(model)
         return previous_sites
     set_impl = getattr(model, "set_attn_implementation", None)
     try:
@@ -209,6 +231,7 @@ def route_attention_calls(
         assign_sites(model, previous_sites)
         raise
     model.__dict__["attn_reg_installed"] = id(model)
+    _carries_the_pass(model)
     return found
 
 

@@ -310,21 +310,19 @@ class _Encoder(torch.nn.Module):
         return x + o.transpose(1, 2).reshape(b, t, w)
 
     def forward(self, x, bias):
-        from torch.utils.checkpoint import checkpoint
 
         for i in range(2):
             layer = functools.partial(self._layer, i)
-            x = checkpoint(layer, x, bias, use_reentrant=False) if self.checkpointed else layer(x, bias)
+            x = self.controller.checkpoint(layer, x, bias) if self.checkpointed else layer(x, bias)
         return self.out(x.mean(1))
 
 
 def _ad_drop_step(model, x, bias, attribution="ga", seed=0):
     torch.manual_seed(seed)
     ad_drop = ADDrop(ADDropConfig(p=0.3, q=0.5, schedule="always", attribution=attribution), model.controller)
-    with model.controller.training_step():  # the recompute of a checkpointed layer reads the pass
-        with ad_drop.masked(lambda: model(x, bias), logit_target, frozen=model) as stats:
-            loss = model(x, bias).logsumexp(-1).sum()
-        loss.backward()
+    with ad_drop.masked(lambda: model(x, bias), logit_target, frozen=model) as stats:
+        loss = model(x, bias).logsumexp(-1).sum()
+    loss.backward()  # after the pass: a checkpointed layer's recompute gets it from its call
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     return loss.detach(), grads, stats

@@ -18,21 +18,47 @@ B, T, D = CORE_B, CORE_T, CORE_D
 _model = tiny_core_model
 
 
-def test_a_pass_stays_set_until_its_training_step_ends_and_leaves_nothing_behind():
-    model = _model(checkpointed=True)
-    x = torch.randn(B, T, D, requires_grad=True)
+def _ad_drop_step(checkpointed, reentrant, plain_after=False):
+    """One AD-DROP step of the custom model, its backward after the pass ended and outside any scope,
+    as a user's own loop runs it: (loss, gradients). ``plain_after``: a plain forward's loss is added
+    before the one backward (a checkpointed ordinary call recomputed beside the pass's)."""
+    model = _model(checkpointed=checkpointed)
+    for block in model.blocks:
+        block.forward = functools.partial(CoreBlock.forward, block, reentrant=reentrant)
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1), requires_grad=True)
     ad_drop = ADDrop(ADDropConfig(p=0.5, q=0.5, schedule="always"), model.controller)
-    with model.controller.training_step():
-        with ad_drop.masked(lambda: model(x), logit_target, frozen=model):
-            hooks = [site.hook for site in model.controller.sites]
-            assert all(isinstance(h, EditScores) and h.drop is not None for h in hooks)
-            loss = model(x).sum()
-        # the block has ended, the step has not: a forward sees no hook, its backward's recompute
-        # repeats the pass (same hook, same seed)
-        assert all(s.hook is None and s.ended_pass[0] is h for s, h in zip(model.controller.sites, hooks))
-        loss.backward()
-    state = [(s.hook, s.seed, s.through_backward, s.ended_pass) for s in model.controller.sites]
-    assert state == [(None, None, False, None)] * len(state)
+    torch.manual_seed(0)
+    with ad_drop.masked(lambda: model(x), logit_target, frozen=model) as stats:
+        loss = model(x).sum()
+    if plain_after:
+        loss = loss + model(x).sum()
+    assert all(s.hook is None and s.seed is None for s in model.controller.sites)  # nothing left behind
+    loss.backward()
+    assert int(stats["dropped"]) > 0
+    return loss.detach(), [p.grad for p in model.parameters()], x.grad
+
+
+@pytest.mark.parametrize("plain_after", [False, True])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpointed_step_back_propagated_after_its_pass_equals_the_plain_one(reentrant, plain_after):
+    """The pass travels with each checkpointed call (controller.checkpoint keeps it for the recompute):
+    a backward after the pass ended, with no step scope, repeats the forward's drops, and a plain
+    forward back-propagated beside it recomputes as plain. Loss and every parameter's gradient are
+    bit-identical to the step without checkpointing; the input's, summed from two paths in another
+    order by a reentrant backward, equal within float rounding."""
+    loss, grads, x_grad = _ad_drop_step(False, reentrant, plain_after)
+    loss_ckpt, grads_ckpt, x_grad_ckpt = _ad_drop_step(True, reentrant, plain_after)
+    assert torch.equal(loss, loss_ckpt)
+    for a, b in zip(grads, grads_ckpt):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(x_grad, x_grad_ckpt, rtol=1e-6, atol=1e-7)
+
+
+def test_training_step_is_kept_as_a_no_op_that_says_so():
+    model = _model()
+    with pytest.warns(DeprecationWarning, match="does nothing"):
+        with model.controller.training_step():
+            pass
 
 
 def _two_calls_step(checkpointed, reentrant):
@@ -44,9 +70,9 @@ def _two_calls_step(checkpointed, reentrant):
     x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1), requires_grad=True)
     torch.manual_seed(3)
     edits = {s: EditScores(drop=BernoulliRule(torch.tensor(0.3))) for s in model.controller.sites}
-    with model.controller.training_step(), model.controller.hooks(edits):
+    with model.controller.hooks(edits):
         loss = model(x).sum()
-        loss.backward()
+    loss.backward()
     return loss.detach(), [p.grad for p in model.parameters()]
 
 
@@ -59,26 +85,6 @@ def test_a_site_called_twice_recomputes_exactly_under_checkpointing(reentrant):
     assert torch.equal(loss, loss_ckpt)
     for a, b in zip(grads, grads_ckpt):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("reentrant", [True, False])
-def test_a_checkpointed_regularized_forward_outside_a_training_step_is_refused(reentrant):
-    """Its pass would end before the backward recomputes it (as ordinary attention): refused in the
-    forward. Without checkpointing, or under a pass begun without autograd, nothing is refused."""
-    model = _model(checkpointed=True)
-    for block in model.blocks:
-        block.forward = functools.partial(CoreBlock.forward, block, reentrant=reentrant)
-    x = torch.randn(B, T, D, requires_grad=True)
-    edits = {s: EditScores(drop=BernoulliRule(torch.tensor(0.3))) for s in model.controller.sites}
-    with pytest.raises(RuntimeError, match=r"encoder-self\[0\] ran a regularized forward inside an activation"):
-        with model.controller.hooks(edits):
-            model(x)
-    for block in model.blocks:
-        block.gradient_checkpointing = False
-    with model.controller.hooks(edits):
-        model(x).sum().backward()
-    with torch.no_grad(), model.controller.hooks(edits):
-        model(x)
 
 
 def test_attribution_inside_a_reentrant_checkpoint_is_a_clear_error():
@@ -106,27 +112,6 @@ def test_pausing_restores_both_conventions():
     assert wrapped.forward() == "checkpointed"
 
 
-def test_inside_a_step_a_new_pass_forgets_the_ended_one_and_a_checkpointed_plain_forward_is_refused():
-    """An ended pass is what the step's backward recomputes, until another pass of the controller
-    begins (IGA's per-layer passes, AD-DROP's pass 2 after pass 1). A checkpointed ordinary forward
-    after it in the same step could not be told from the pass's forwards: refused, not recomputed
-    with the pass's drops."""
-    model = _model(checkpointed=True)
-    first, second = model.controller.sites
-    x = torch.randn(B, T, D, requires_grad=True)
-    edit = EditScores(drop=BernoulliRule(torch.tensor(0.3)))
-    with model.controller.training_step():
-        with model.controller.hooks({first: edit}):
-            pass
-        assert first.ended_pass[0] is edit
-        with model.controller.hooks({second: edit}):
-            assert first.ended_pass is None
-        assert second.ended_pass[0] is edit
-        with pytest.raises(RuntimeError, match=r"encoder-self\[1\] ran an ordinary forward inside an activation"):
-            model(x)
-    model(x).sum().backward()  # the step over, the same forward is ordinary and recomputes as such
-
-
 def _edits(model, p=0.3):
     return {s: EditScores(drop=BernoulliRule(torch.tensor(p))) for s in model.controller.sites}
 
@@ -144,10 +129,9 @@ def test_a_skipped_ad_drop_step_trains_plainly_under_checkpointing(reentrant):
         ad_drop = ADDrop(ADDropConfig(p=0.5, q=0.5, schedule="always"), model.controller)
         overflow = lambda out, labels: (out.sum() * float("inf"), labels)  # noqa: E731
         torch.manual_seed(0)
-        with model.controller.training_step():
-            with ad_drop.masked(lambda: model(x), overflow, frozen=model) as stats:
-                loss = model(x).sum()
-            loss.backward()
+        with ad_drop.masked(lambda: model(x), overflow, frozen=model) as stats:
+            loss = model(x).sum()
+        loss.backward()
         return int(stats["skipped"]), loss.detach(), [p.grad for p in model.parameters()]
 
     plain, checkpointed = step(False), step(True)
@@ -155,41 +139,34 @@ def test_a_skipped_ad_drop_step_trains_plainly_under_checkpointing(reentrant):
     assert all(torch.equal(a, b) for a, b in zip(plain[2], checkpointed[2]))
 
 
-def test_passes_not_back_propagated_in_their_step_are_refused_and_others_are_not():
-    """Two checkpointed regularized passes back-propagated together, or a backward after the step,
-    would be recomputed with the wrong pass or none: refused. Back-propagated in turn, they train."""
-    model = _model(checkpointed=True)
-    x = torch.randn(B, T, D, requires_grad=True)
-    c = model.controller
-    with pytest.raises(RuntimeError, match="not back-propagated before the next regularized pass began"):
-        with c.training_step():
-            with c.hooks(_edits(model)):
-                first = model(x).sum()
-            with c.hooks(_edits(model)):
-                (first + model(x).sum()).backward()
-    with pytest.raises(RuntimeError, match="not back-propagated before the training step ended"):
-        with c.training_step(), c.hooks(_edits(model)):
-            model(x).sum()
-    with c.training_step():
-        for _ in range(2):  # micro-batches, each back-propagated
-            with c.hooks(_edits(model)):
-                loss = model(x).sum()
-            loss.backward()
-    assert all(s.ended_pass is None and s.ledger is None for s in c.sites)
+def test_two_checkpointed_passes_back_propagated_together_recompute_each_its_own():
+    """Each checkpointed call keeps its own pass, so two passes summed into one loss (once refused) are
+    recomputed each with its drops: the same gradients as without checkpointing."""
+
+    def step(checkpointed):
+        model = _model(checkpointed=checkpointed)
+        x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        torch.manual_seed(5)
+        with model.controller.hooks(_edits(model)):
+            first = model(x).sum()
+        with model.controller.hooks(_edits(model, p=0.6)):
+            (first + model(x).sum()).backward()
+        return [p.grad for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(step(False), step(True)))
 
 
-def test_what_is_not_a_checkpoint_is_not_refused():
-    """An evaluation without autograd inside a step, and saved-tensor hooks that offload rather than
-    checkpoint, are no recompute: nothing is refused."""
+def test_what_is_not_a_checkpoint_runs():
+    """An evaluation without autograd between a pass and its backward, and saved-tensor hooks that
+    offload rather than checkpoint, are no recompute: they run."""
     model = _model(checkpointed=False)
     x = torch.randn(B, T, D, requires_grad=True)
     c = model.controller
-    with c.training_step():
-        with c.hooks(_edits(model)):
-            loss = model(x).sum()
-        with torch.no_grad():
-            model(x)
-        loss.backward()
+    with c.hooks(_edits(model)):
+        loss = model(x).sum()
+    with torch.no_grad():
+        model(x)
+    loss.backward()
     with torch.autograd.graph.save_on_cpu(), c.hooks(_edits(model)):
         model(x).sum().backward()
 

@@ -165,18 +165,37 @@ def test_checkpointed_step_equals_plain_step(family, regularizer, tmp_path):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"{mode} gradient")
 
 
-def test_checkpointing_with_the_pass_ended_before_the_backward_would_differ(tmp_path, monkeypatch):
-    """The test above can fail: with the pass ended at the loss, before its backward (no training_step
-    scope, and the refusal of such a forward switched off), the recompute runs ordinary attention and
-    the gradients differ."""
-    import contextlib
-
-    from attn_reg_plugin.core import attention_call
-    from attn_reg_plugin.core.controller import RegularizationController
+def test_checkpointing_without_the_pass_carried_would_differ(tmp_path, monkeypatch):
+    """The test above can fail: when the model's call does not carry the pass (the model kwarg
+    ``attn_reg_plan``), the recompute in the backward, after the pass ended, runs ordinary attention
+    and the gradients differ."""
+    from attn_reg_plugin.hf import sites
 
     loss, grads, _ = one_step("bert", "ad-drop-ga", None, tmp_path)
-    monkeypatch.setattr(RegularizationController, "training_step", lambda self: contextlib.nullcontext())
-    monkeypatch.setattr(attention_call, "refuse_unrecomputable", lambda site: None)
+    monkeypatch.setattr(sites, "_carry_the_pass", lambda model, args, kwargs: None)
     _, grads_ck, _ = one_step("bert", "ad-drop-ga", "reentrant", tmp_path)
     distance = sum(float((a - b).pow(2).sum()) for a, b in zip(grads_ck, grads)) ** 0.5
     assert distance / sum(float(g.pow(2).sum()) for g in grads) ** 0.5 > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("regularizer", ["ad-drop-ga", "scheduled-dropout"])
+def test_a_users_own_compute_loss_and_backward_equals_the_plain_step(regularizer, mode, tmp_path):
+    """A user's own loop, no trainer step around it: ``loss = trainer.compute_loss(model, batch);
+    loss.backward()`` on a tiny Llama with gradient checkpointing gives the gradients of the same
+    step without checkpointing (it was refused once, as a forward outside a training step)."""
+
+    def step(checkpointing):
+        trainer = make_trainer("llama", regularizer, checkpointing, tmp_path)
+        model = trainer.model.train()
+        torch.manual_seed(5)
+        loss = trainer.compute_loss(model, llama_batch())
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    loss, grads = step(None)
+    loss_ck, grads_ck = step(mode)
+    torch.testing.assert_close(loss_ck, loss, rtol=1e-6, atol=0)
+    assert len(grads_ck) == len(grads) and all(g is not None for g in grads)
+    for a, b in zip(grads_ck, grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
