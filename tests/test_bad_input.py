@@ -134,6 +134,11 @@ SCHED_DROPOUT_BAD: List[Bad] = [
         "([0, 1]): give one schedule, or one per layer",
     ),
     Bad("schedule", None, "", "{opt} is empty: scheduled attention dropout is off"),
+    Bad("schedule", "dropkey:1", _SAME, "{opt}: DropKey's rate must be a number in [0, 1), got 1.0"),
+    Bad("schedule", "dropkey:-0.1", _SAME, "{opt}: DropKey's rate must be a number in [0, 1), got -0.1"),
+    Bad(
+        "schedule", "dropkey:abc", _SAME, "{opt}: cannot read 'dropkey:abc'; expected dropkey:RATE such as dropkey:0.1"
+    ),
     Bad("layers", "0,7", _SAME, NO_LAYER_7),
     Bad("attention", "cross", _SAME, UNKNOWN_KIND),
 ]

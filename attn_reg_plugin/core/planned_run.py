@@ -18,7 +18,7 @@ from typing import Optional
 
 from .ad_drop_config import ADDropConfig, first_ad_drop_epoch
 from .attendout.config import AttendOutConfig
-from .scheduled_dropout import ScheduledDropoutConfig, first_dropping_update, parse_schedules
+from .scheduled_dropout import ScheduledDropoutConfig
 
 WHY_A_WARNING = " (a warning, not an error: a longer run may resume this one)"
 
@@ -58,7 +58,7 @@ def idle_run_warning(config, epochs: Optional[int], updates: Optional[int], plan
             f"AttendOut. Lower {config.name('dropout_step')} to at most {updates}, or plan more updates{WHY_A_WARNING}"
         )
     if isinstance(config, ScheduledDropoutConfig) and config.enabled and updates is not None:
-        if first_dropping_update(parse_schedules(config.schedule, config.name("schedule")), updates) is None:
+        if config.first_dropping_update(updates) is None:
             return (
                 f"{setting(config, 'schedule', config.schedule)} is 0 at every one of the "
                 f"{_count(updates, 'update')} this run plans ({plan}): scheduled attention dropout will never "

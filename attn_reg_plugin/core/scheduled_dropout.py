@@ -4,11 +4,16 @@ Scores dropout (Eq. 3: a dropped key gets the masked fill before softmax) with a
 probability that follows a piecewise-linear schedule over training updates, the random stand-in
 for the patterns the AttendOut generator learns (paper Fig. 3). Random draws come from torch's
 global generator, which fairseq and the Trainer seed per update, so runs are reproducible.
+
+DropKey (Li et al., CVPR 2023) is a preset of it, not a second implementation: the schedule
+``dropkey:RATE`` gives each selected layer a constant rate that decreases linearly with depth
+(:func:`dropkey_rates`), resolved when the sites are selected, since the depth is the model's.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -20,6 +25,59 @@ from .controller import AttentionSite, RegularizationController
 from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
 
 Schedule = List[Tuple[int, float]]  # (update, drop probability) knots, updates increasing
+
+DROPKEY = "dropkey"  # the preset's name in a schedule: 'dropkey:RATE'
+
+
+def check_dropkey_rate(value, option: str) -> float:
+    """DropKey's base rate: a number in [0, 1) (1 would drop every key of the first layer)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0 <= value < 1:
+        raise ValueError(f"{option}: DropKey's rate must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+def dropkey_rate(spec: str, option: str) -> Optional[float]:
+    """The base rate of a ``'dropkey:RATE'`` schedule (checked); None for a knot schedule."""
+    if not isinstance(spec, str) or not spec.strip().lower().startswith(DROPKEY):
+        return None
+    name, _, text = spec.strip().partition(":")
+    try:
+        rate = float(text) if name.strip().lower() == DROPKEY else None
+    except ValueError:
+        rate = None
+    if rate is None:
+        raise ValueError(f"{option}: cannot read {spec.strip()!r}; expected dropkey:RATE such as dropkey:0.1")
+    return check_dropkey_rate(rate, option)
+
+
+def dropkey_rates(rate: float, num_layers: int) -> List[float]:
+    """DropKey's per-layer rates for a stack of ``num_layers``: ``rate * (1 - l / num_layers)`` at
+    0-based depth ``l``, constant over training.
+
+    The paper's "decreasing schedule" lowers the drop ratio along the stack of self-attention layers
+    (low-level features regularized most, the top semantic layers least); the exact line is this
+    plugin's choice: the first layer drops at the base rate and the rate falls linearly towards 0,
+    reaching it one layer past the last. So every layer keeps a rate above 0 (the last
+    ``rate / num_layers``) and a one-layer stack keeps the base rate, where a line ending at 0 on
+    the last layer would leave that layer unregularized and is undefined for one layer.
+    """
+    return [rate * (1 - layer / num_layers) for layer in range(num_layers)]
+
+
+def dropkey_schedules(
+    rate: float, sites: List[AttentionSite], controller: RegularizationController, config: ScheduledDropoutConfig
+) -> Dict[int, Schedule]:
+    """One constant schedule per selected layer, at its DropKey rate for its depth in its stack.
+    The depth count is the stack's (the model's layers of the selected kinds), not the selection's."""
+    depths = {kind: controller.num_layers(kind) for kind in dict.fromkeys(s.kind for s in sites)}
+    if len(set(depths.values())) > 1:
+        raise ValueError(
+            f"{config.name('schedule')} {config.schedule.strip()}: the selected attention kinds have different "
+            f"layer counts ({depths}), so a layer index has no single DropKey rate; select kinds of one "
+            f"depth with {config.name('attention')}"
+        )
+    rates = dropkey_rates(rate, next(iter(depths.values())))
+    return {layer: [(0, rates[layer])] for layer in sorted({s.layer for s in sites})}
 
 
 def parse_schedules(spec: str, option: str) -> List[Schedule]:
@@ -86,9 +144,10 @@ class ScheduledDropoutConfig(RegularizerOptions):
     schedule: str = option(
         "",
         "scheduled attention dropout: each real key dropped before softmax with its layer's "
-        "piecewise-linear probability at the current update; empty = off",
+        "piecewise-linear probability at the current update; dropkey:RATE = DropKey (Li et al. 2023), "
+        "layer l of L dropped at RATE * (1 - l/L) throughout; empty = off",
         "UPDATE:PROB,... knots, updates increasing, PROB in [0, 1]; one schedule, or one per "
-        "selected layer joined by '|'",
+        "selected layer joined by '|'; or dropkey:RATE, RATE in [0, 1)",
     )
     layers: str = layers_option()
     attention: str = attention_option()
@@ -98,14 +157,23 @@ class ScheduledDropoutConfig(RegularizerOptions):
         return bool(self.schedule and self.schedule.strip())
 
     def validate(self) -> ScheduledDropoutConfig:
-        if self.enabled:
+        if self.enabled and dropkey_rate(self.schedule, self.name("schedule")) is None:
             parse_schedules(self.schedule, self.name("schedule"))
         self.check_site_options()
         return self
 
+    def first_dropping_update(self, planned_updates: int) -> Optional[int]:
+        """:func:`first_dropping_update` of this schedule; DropKey's rates are all above 0 or all 0."""
+        rate = dropkey_rate(self.schedule, self.name("schedule"))
+        if rate is not None:
+            return 0 if rate > 0 and planned_updates > 0 else None
+        return first_dropping_update(parse_schedules(self.schedule, self.name("schedule")), planned_updates)
+
 
 class ScheduledAttentionDropout:
     """Bernoulli scores dropout whose per-layer probability follows a schedule over updates."""
+
+    schedule_of_layer: Dict[int, Schedule]
 
     def __init__(self, config: ScheduledDropoutConfig, controller: RegularizationController):
         self.config = config.validate()
@@ -113,6 +181,10 @@ class ScheduledAttentionDropout:
         if not config.enabled:
             raise ValueError(f"{flag('schedule')} is empty: scheduled attention dropout is off")
         self.sites: List[AttentionSite] = config.select_sites(controller)
+        rate = dropkey_rate(config.schedule, flag("schedule"))
+        if rate is not None:
+            self.schedule_of_layer = dropkey_schedules(rate, self.sites, controller, config)
+            return
         schedules = parse_schedules(config.schedule, flag("schedule"))
         layer_ids = sorted({s.layer for s in self.sites})
         if len(schedules) == 1:
@@ -122,7 +194,7 @@ class ScheduledAttentionDropout:
                 f"{flag('schedule')} gives {len(schedules)} schedules separated by '|', but "
                 f"{len(layer_ids)} layers are selected ({layer_ids}): give one schedule, or one per layer"
             )
-        self.schedule_of_layer: Dict[int, Schedule] = dict(zip(layer_ids, schedules))
+        self.schedule_of_layer = dict(zip(layer_ids, schedules))
 
     def probabilities(self, update: int) -> Dict[int, float]:
         """Drop probability of each selected layer at ``update``."""

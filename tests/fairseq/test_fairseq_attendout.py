@@ -312,6 +312,24 @@ def test_no_extra_cost_regularizers_train_and_change_the_training_loss_only(tiny
     assert losses["plain"] != losses["regularized"]
 
 
+def test_dropkey_preset_logs_each_layers_depth_rate(tiny_mt_data):
+    """--attn-sched-dropout-schedule dropkey:0.4 on the 2-layer encoder and decoder: layer 0 at 0.4,
+    layer 1 at 0.2 in every kind, logged each update; the kernel's rate between the two."""
+    extra = [
+        "--attn-sched-dropout-schedule",
+        "dropkey:0.4",
+        "--attn-sched-dropout-attention",
+        "encoder-self,decoder-self",
+    ]
+    task, trainer, itr = _trainer(tiny_mt_data["bin"], extra)
+    assert task.attn_reg_scheduled_dropout.probabilities(0) == pytest.approx({0: 0.4, 1: 0.2})
+    for batch, _ in zip(itr, range(2)):
+        log = trainer.train_step([batch])
+        assert torch.isfinite(torch.tensor(float(log["loss"])))
+        assert (log["attn_sched_dropout_p_layer0"], log["attn_sched_dropout_p_layer1"]) == (0.4, 0.2)
+        assert 0.2 < log["attn_sched_dropout_rate"] < 0.4, log
+
+
 def test_attendout_on_a_fairseq_without_task_checkpoint_state_says_so(monkeypatch):
     """fairseq 0.12.2 saves no task state: --attendout must refuse rather than lose the game on resume."""
     from attn_reg_plugin.fairseq_plugin import attendout_checkpoint as attendout

@@ -446,6 +446,24 @@ def test_scheduled_dropout_follows_schedule(tmp_path):
     assert all(s.hook is None for s in trainer.attn_reg_controller.sites)
 
 
+def test_dropkey_preset_logs_each_layers_depth_rate(tmp_path):
+    """schedule="dropkey:0.4" on 4 layers: 0.4, 0.3, 0.2, 0.1 logged at every step; the kernel's
+    rate near their mean (equal units per layer; rows of 12+ keys are never all dropped here)."""
+    trainer = AttnRegTrainer(
+        model=small_bert(num_hidden_layers=4),
+        args=_args(tmp_path, max_steps=3, per_device_train_batch_size=16),
+        train_dataset=token_data(48, seed=4, min_len=12, max_len=20),
+        data_collator=collate,
+        scheduled_dropout=ScheduledDropoutConfig(schedule="dropkey:0.4"),
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3
+    for h in logs:
+        assert [h[f"attn_sched_dropout_p_layer{i}"] for i in range(4)] == pytest.approx([0.4, 0.3, 0.2, 0.1])
+        assert abs(h["attn_sched_dropout_rate"] - 0.25) < 0.02, h
+
+
 def test_scheduled_dropout_only_in_training_forward(tmp_path):
     model = small_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     trainer = AttnRegTrainer(
