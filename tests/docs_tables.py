@@ -30,11 +30,19 @@ def options_table(config_cls) -> str:
 def _configs():
     from attn_reg_plugin.core.ad_drop import ADDropConfig
     from attn_reg_plugin.core.attendout.config import AttendOutConfig
+    from attn_reg_plugin.core.drophead import DropHeadConfig
     from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
     from attn_reg_plugin.core.rdrop import RDropConfig
     from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 
-    return [ADDropConfig, AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig, RDropConfig]
+    return [
+        ADDropConfig,
+        AttendOutConfig,
+        ScheduledDropoutConfig,
+        AttentionLayerDropConfig,
+        DropHeadConfig,
+        RDropConfig,
+    ]
 
 
 def _table_for(marker: str):

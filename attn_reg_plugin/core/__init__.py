@@ -43,7 +43,8 @@ Bad options raise ``ValueError`` naming the option.
 
 The other regularizers take the same controller: ``AttendOut(AttendOutConfig(...), controller, generator)``,
 ``ScheduledAttentionDropout(ScheduledDropoutConfig(...), controller)``,
-``AttentionLayerDrop(AttentionLayerDropConfig(...), controller)`` (docs/PORTING.md). R-Drop needs no
+``AttentionLayerDrop(AttentionLayerDropConfig(...), controller)``, ``DropHead(DropHeadConfig(...),
+controller)`` (docs/PORTING.md). R-Drop needs no
 controller, only the model's own dropout (``core/rdrop.py``)::
 
     config = RDropConfig(alpha=5.0).validate()
@@ -57,6 +58,7 @@ from .attendout import AttendOut, AttendOutConfig
 from .attention import attend
 from .attribution import logit_target, multi_label_target, regression_target, token_loss_target
 from .controller import ATTENTION_KINDS, AttentionSite, RegularizationController
+from .drophead import DropHead, DropHeadConfig
 from .layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from .rdrop import RDropConfig, concat_with_itself, rdrop_kl, rdrop_objective, split_in_two
 from .scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
@@ -71,6 +73,8 @@ __all__ = [
     "AttentionLayerDrop",
     "AttentionLayerDropConfig",
     "AttentionSite",
+    "DropHead",
+    "DropHeadConfig",
     "RDropConfig",
     "RegularizationController",
     "ScheduledAttentionDropout",

@@ -169,6 +169,11 @@ def attention_kernel(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[Captured]]:
     """(output, attention map if ``need_weights``, what the call captured) of one call described by
     ``call``. Reads its arguments, changes none of them: the same call gives the same drops."""
+    hook = call.hook
+    if isinstance(hook, EditScores) and hook.drop_heads is not None:  # DropHead: attention, then heads
+        out, weights, _ = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, ORDINARY, is_causal)
+        out, captured = _dropped_heads(out, hook, call.recompute)
+        return out, weights, captured
     # A causal call with more queries than keys has rows without a valid key: a mask like any other.
     unmasked = bias is None and not (is_causal and q.shape[2] > k.shape[2])
     fast_masks = unmasked or (_SDPA_ZEROES_EMPTY_ROWS and q.device.type in _FAST_MASKED_DEVICES)
@@ -181,6 +186,21 @@ def attention_kernel(
     if is_causal:  # the explicit paths take the causal mask as part of the bias
         bias = _causal_bias(bias, q, k)
     return _prepared(call, q, k, v, bias, dropout_p, scale, need_weights)
+
+
+def _dropped_heads(out: torch.Tensor, hook: EditScores, recompute: bool):
+    """DropHead on a call's (B, H, T, d) output: each (sample, head) dropped with the hook's
+    probability (torch's stream, which a checkpoint restores for its recompute), a sample's kept
+    heads scaled by H / kept. A sample drawn to lose every head keeps them all (no rescaling by
+    H / 0). Returns the output and the counts, [dropped, pairs]."""
+    b, h = out.shape[:2]
+    drop = torch.rand((b, h), device=out.device) < hook.drop_heads.to(out.device)
+    drop &= drop.sum(-1, keepdim=True) < h
+    scale = (~drop).to(out.dtype) * (h / (h - drop.sum(-1, keepdim=True))).to(out.dtype)
+    out = out * scale.view(b, h, 1, 1)
+    if recompute or hook.stats is None:
+        return out, None
+    return out, Captured(dropped=drop.sum(), droppable=torch.tensor(b * h, device=out.device))
 
 
 def _causal_bias(bias, q, k):

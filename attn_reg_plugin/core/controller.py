@@ -83,6 +83,9 @@ class EditScores:
     ``calls``: when given, ``[calls whose uniform_rows flag was set, calls]`` are added to it.
     Both are counted by the kernel from what it applied, so a hook that never reaches the kernel
     (a module not routed through it) counts nothing.
+    ``drop_heads``: a 0-d probability (DropHead): each (sample, head) of the output dropped with it,
+    a sample's kept heads rescaled by heads / kept; ``stats`` then counts (sample, head) pairs. It
+    edits the output, not the scores, so it stands alone in its edit.
     """
 
     drop: Optional[Union[torch.Tensor, BlockRule]] = None
@@ -90,10 +93,17 @@ class EditScores:
     stats: Optional[List[torch.Tensor]] = None
     calls: Optional[List[torch.Tensor]] = None
     droppable: Optional[torch.Tensor] = None
+    drop_heads: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.drop is not None and not isinstance(self.drop, (torch.Tensor, BlockRule)):
             raise TypeError(f"EditScores.drop must be a bool tensor or a BlockRule, got {type(self.drop).__name__}")
+        if self.drop_heads is not None and (self.drop is not None or self.uniform_rows is not None):
+            raise ValueError("EditScores.drop_heads edits the output: it cannot share an edit with score edits")
+
+    @property
+    def edits_scores(self) -> bool:
+        return self.drop is not None or self.uniform_rows is not None
 
     def uniform_rows_on(self, device) -> Optional[torch.Tensor]:
         """``uniform_rows`` as a bool tensor on ``device`` (True: every row, (1, 1, 1, 1)), or None."""
@@ -129,7 +139,7 @@ def changes_output(hook: Optional[Hook]) -> bool:
     drops or makes rows uniform, or a map scaled for integrated gradients. Only such a pass must be
     repeated by a checkpoint's recompute (a capture's gradient is taken inside its pass)."""
     if isinstance(hook, EditScores):
-        return hook.drop is not None or hook.uniform_rows is not None
+        return hook.edits_scores or hook.drop_heads is not None
     # A scaled CaptureOutput changes its output too, but its gradient, like GA's, is taken of that
     # output itself, inside the pass: a checkpoint may recompute it or not (nothing after it saved).
     return isinstance(hook, CaptureProbs) and hook.alpha != 1.0

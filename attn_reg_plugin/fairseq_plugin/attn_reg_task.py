@@ -23,6 +23,7 @@ from ..core.attendout import AttendOutConfig
 from ..core.attendout.config import generator_positions
 from ..core.attention import zero_counts
 from ..core.controller import RegularizationController
+from ..core.drophead import DropHead, DropHeadConfig
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from ..core.options import one_regularizer
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
@@ -42,6 +43,7 @@ AttnRegTaskOptions = fairseq_options(
         AttendOutConfig,
         ScheduledDropoutConfig,
         AttentionLayerDropConfig,
+        DropHeadConfig,
     ],
     extra=[
         (
@@ -85,12 +87,14 @@ def _validate_task_options(cfg):
         raise ValueError(f"--attendout-clip-norm must be a finite number >= 0, got {cfg.attendout_clip_norm!r}")
     sched = ScheduledDropoutConfig.from_namespace(cfg).validate()
     layerdrop = AttentionLayerDropConfig.from_namespace(cfg).validate()
+    drophead = DropHeadConfig.from_namespace(cfg).validate()
     enabled = [
         name
         for name, on in (
             ("--attendout", cfg.attendout),
             (sched.name("schedule"), sched.enabled),
             (layerdrop.name("p"), layerdrop.enabled),
+            (drophead.name("schedule"), drophead.enabled),
         )
         if on
     ]
@@ -149,6 +153,7 @@ class AttnRegTaskMixin:
     attn_reg_controller: RegularizationController = None
     attn_reg_scheduled_dropout = None
     attn_reg_layerdrop = None
+    attn_reg_drophead = None
     attn_reg_attendout: FairseqAttendOut = None
     attn_reg_ad_drop_config = None  # set by an ad_drop criterion: the epoch's phase is logged
     attn_reg_train_batches = None  # this worker's training batches per epoch, once fairseq-train batched them
@@ -193,6 +198,9 @@ class AttnRegTaskMixin:
         layerdrop = AttentionLayerDropConfig.from_namespace(cfg)
         if layerdrop.enabled:
             self.attn_reg_layerdrop = AttentionLayerDrop(layerdrop, self.attn_reg_controller)
+        drophead = DropHeadConfig.from_namespace(cfg)
+        if drophead.enabled:
+            self.attn_reg_drophead = DropHead(drophead, self.attn_reg_controller)
         if cfg.attendout:
             config = AttendOutConfig.from_namespace(cfg)
             # Unset, the generator covers every sequence the model takes (source and target alike).
@@ -223,6 +231,7 @@ class AttnRegTaskMixin:
                 ("--attendout", self.attn_reg_attendout),
                 ("--attn-sched-dropout-schedule", self.attn_reg_scheduled_dropout),
                 ("--attn-layerdrop-p", self.attn_reg_layerdrop),
+                ("--attn-drophead-schedule", self.attn_reg_drophead),
             )
             one_regularizer([criterion_option] + [option for option, on in task_regularizers if on])
             refuse_unsupported_training(self.cfg, criterion_option)
@@ -248,7 +257,8 @@ class AttnRegTaskMixin:
 
     def _attn_reg_configs(self):
         """The configs of the run's regularizers (at most one; AD-DROP's from the criterion)."""
-        configs = [r.config for r in (self.attn_reg_attendout, self.attn_reg_scheduled_dropout) if r is not None]
+        regularizers = (self.attn_reg_attendout, self.attn_reg_scheduled_dropout, self.attn_reg_drophead)
+        configs = [r.config for r in regularizers if r is not None]
         return configs + ([self.attn_reg_ad_drop_config] if self.attn_reg_ad_drop_config is not None else [])
 
     def get_batch_iterator(self, dataset, *args, **kwargs):
@@ -267,6 +277,8 @@ class AttnRegTaskMixin:
             hooks = self.attn_reg_scheduled_dropout.hooks(update_num, stats=counts)
         elif self.attn_reg_layerdrop is not None:
             hooks = self.attn_reg_layerdrop.hooks(calls=counts)
+        elif self.attn_reg_drophead is not None:
+            hooks = self.attn_reg_drophead.hooks(update_num, stats=counts)
         else:
             hooks = {}
         # a checkpointed layer (--checkpoint-activations) carries these hooks (and AD-DROP's) to its recompute
@@ -280,6 +292,10 @@ class AttnRegTaskMixin:
                 log[f"attn_sched_dropout_p_layer{layer}"] = p
         elif self.attn_reg_layerdrop is not None:
             log.update(attn_layerdrop_skipped=counts[0], attn_layerdrop_calls=counts[1])
+        elif self.attn_reg_drophead is not None:
+            p = self.attn_reg_drophead.probability(update_num)
+            log.update(attn_drophead_dropped=counts[0], attn_drophead_heads=counts[1], attn_drophead_p=p)
+            log["attn_drophead_steps"] = 1
         if self.attn_reg_attendout is not None:
             self._attn_reg_criterion = criterion  # the held-out evaluation in optimizer_step needs it
             log.update(
@@ -327,11 +343,12 @@ def reduce_task_regularizer_metrics(logging_outputs) -> None:
     logs every metric (the same keys as the Hugging Face trainers log)."""
     _log_rate(logging_outputs, "attn_sched_dropout_rate", "attn_sched_dropout_dropped", "attn_sched_dropout_units")
     _log_rate(logging_outputs, "attn_layerdrop_rate", "attn_layerdrop_skipped", "attn_layerdrop_calls")
-    steps = [log for log in logging_outputs if "attn_sched_dropout_steps" in log]
-    # Divided by the summed step count, not averaged per log: fairseq sums the workers' logs key by key.
-    n = utils.item(sum(log["attn_sched_dropout_steps"] for log in steps)) if steps else 0
-    if n:
-        for key in sorted(k for k in steps[0] if k.startswith("attn_sched_dropout_p_layer")):
+    _log_rate(logging_outputs, "attn_drophead_rate", "attn_drophead_dropped", "attn_drophead_heads")
+    for prefix, kept in (("attn_sched_dropout", "attn_sched_dropout_p_layer"), ("attn_drophead", "attn_drophead_p")):
+        steps = [log for log in logging_outputs if f"{prefix}_steps" in log]
+        # Divided by the summed step count, not averaged per log: fairseq sums the workers' logs key by key.
+        n = utils.item(sum(log[f"{prefix}_steps"] for log in steps)) if steps else 0
+        for key in sorted(k for k in (steps[0] if n else ()) if k.startswith(kept)):
             metrics.log_scalar(key, utils.item(sum(log[key] for log in steps)) / n, n, round=4)
 
 

@@ -1,10 +1,11 @@
-"""Scheduled attention dropout and attention LayerDrop for transformers' Trainer.
+"""Scheduled attention dropout, attention LayerDrop and DropHead for transformers' Trainer.
 
 :class:`AttnRegTrainer` / :class:`AttnRegSeq2SeqTrainer` add scheduled Bernoulli attention
-dropout (probability a piecewise-linear function of ``state.global_step``) or attention
-LayerDrop to the training forward; evaluation and generation are untouched.
+dropout (probability a piecewise-linear function of ``state.global_step``), attention
+LayerDrop or DropHead to the training forward; evaluation and generation are untouched.
 
-Same semantics as the fairseq task options ``--attn-sched-dropout-*`` and ``--attn-layerdrop-*``.
+Same semantics as the fairseq task options ``--attn-sched-dropout-*``, ``--attn-layerdrop-*`` and
+``--attn-drophead-*``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import transformers
 
 from ..core.attention import zero_counts
 from ..core.controller import RegularizationController
+from ..core.drophead import DropHead, DropHeadConfig
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from ..core.options import named_by_field, one_regularizer
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
@@ -29,35 +31,40 @@ logger = logging.getLogger(__name__)
 
 
 class AttnRegTrainerMixin:
-    """Scheduled Bernoulli attention dropout or attention LayerDrop around the training forward."""
+    """Scheduled Bernoulli attention dropout, attention LayerDrop or DropHead around the training forward."""
 
     def __init__(
         self,
         *args,
         scheduled_dropout: Optional[ScheduledDropoutConfig] = None,
         layerdrop: Optional[AttentionLayerDropConfig] = None,
+        drophead: Optional[DropHeadConfig] = None,
         **kwargs,
     ):
-        if scheduled_dropout is not None and not isinstance(scheduled_dropout, ScheduledDropoutConfig):
-            raise TypeError(
-                f"scheduled_dropout must be a ScheduledDropoutConfig, got {type(scheduled_dropout).__name__}"
-            )
-        if layerdrop is not None and not isinstance(layerdrop, AttentionLayerDropConfig):
-            raise TypeError(f"layerdrop must be an AttentionLayerDropConfig, got {type(layerdrop).__name__}")
-        if scheduled_dropout is None and layerdrop is None:
+        given = {"scheduled_dropout": scheduled_dropout, "layerdrop": layerdrop, "drophead": drophead}
+        kinds = {
+            "scheduled_dropout": ScheduledDropoutConfig,
+            "layerdrop": AttentionLayerDropConfig,
+            "drophead": DropHeadConfig,
+        }
+        for name, kind in kinds.items():
+            if given[name] is not None and not isinstance(given[name], kind):
+                raise TypeError(f"{name} must be a {kind.__name__}, got {type(given[name]).__name__}")
+        if all(config is None for config in given.values()):
             raise ValueError(
-                "AttnRegTrainer needs scheduled_dropout=ScheduledDropoutConfig(...) or layerdrop=AttentionLayerDropConfig(...)"
+                "AttnRegTrainer needs scheduled_dropout=ScheduledDropoutConfig(...), "
+                "layerdrop=AttentionLayerDropConfig(...) or drophead=DropHeadConfig(...)"
             )
-        if scheduled_dropout is not None:
-            named_by_field(scheduled_dropout).validate()
-        if layerdrop is not None:
-            named_by_field(layerdrop).validate()
+        for config in given.values():
+            if config is not None:
+                named_by_field(config).validate()
         one_regularizer(
             [
                 config.name(field)
                 for config, field, on in (
                     (scheduled_dropout, "schedule", scheduled_dropout is not None),
                     (layerdrop, "p", layerdrop is not None and layerdrop.enabled),
+                    (drophead, "schedule", drophead is not None),
                 )
                 if on
             ]
@@ -72,13 +79,16 @@ class AttnRegTrainerMixin:
             if scheduled_dropout is not None
             else None
         )
+        self.attn_reg_drophead = DropHead(drophead, self.attn_reg_controller) if drophead is not None else None
         self.attn_reg_layerdrop = (
-            AttentionLayerDrop(layerdrop, self.attn_reg_controller) if self.attn_reg_scheduled_dropout is None else None
+            AttentionLayerDrop(layerdrop, self.attn_reg_controller)
+            if self.attn_reg_scheduled_dropout is None and self.attn_reg_drophead is None
+            else None
         )
         self._attn_reg_reset()
         super().__init__(*args, **kwargs)
         refuse_unsupported_launch("AttnRegTrainer", self)  # what accelerate's own config turned on, too
-        regularizer = self.attn_reg_scheduled_dropout or self.attn_reg_layerdrop
+        regularizer = self.attn_reg_scheduled_dropout or self.attn_reg_drophead or self.attn_reg_layerdrop
         self.add_callback(IdleRunWarning(regularizer.config))  # a schedule at 0 over the whole run never acts
         self.attn_reg_site_report = SiteReport(found, regularizer.sites)
 
@@ -96,6 +106,8 @@ class AttnRegTrainerMixin:
         if self.attn_reg_scheduled_dropout is not None:
             # Every micro-batch of an update uses that update's probability.
             hooks = self.attn_reg_scheduled_dropout.hooks(self.state.global_step, stats=self._attn_reg_counts)
+        elif self.attn_reg_drophead is not None:
+            hooks = self.attn_reg_drophead.hooks(self.state.global_step, stats=self._attn_reg_counts)
         else:
             hooks = self.attn_reg_layerdrop.hooks(calls=self._attn_reg_counts)
         self._attn_reg_hooked_steps += bool(hooks)
@@ -119,6 +131,11 @@ class AttnRegTrainerMixin:
                 last_update = max(self.state.global_step - 1, 0)  # the interval's last update
                 for layer, p in self.attn_reg_scheduled_dropout.probabilities(last_update).items():
                     logs[f"attn_sched_dropout_p_layer{layer}"] = round(p, 6)
+            elif self.attn_reg_drophead is not None:
+                logs["attn_drophead_rate"] = round(rate, 6)  # fraction of (sample, head) outputs dropped
+                logs["attn_drophead_p"] = round(
+                    self.attn_reg_drophead.probability(max(self.state.global_step - 1, 0)), 6
+                )
             else:
                 logs["attn_layerdrop_rate"] = round(rate, 6)  # fraction of selected layer passes skipped
             self._attn_reg_reset()
@@ -127,8 +144,9 @@ class AttnRegTrainerMixin:
 
 
 class AttnRegTrainer(AttnRegTrainerMixin, transformers.Trainer):
-    """``transformers.Trainer`` with ``scheduled_dropout=ScheduledDropoutConfig`` or ``layerdrop=AttentionLayerDropConfig``."""
+    """``transformers.Trainer`` with ``scheduled_dropout=ScheduledDropoutConfig``,
+    ``layerdrop=AttentionLayerDropConfig`` or ``drophead=DropHeadConfig``."""
 
 
 class AttnRegSeq2SeqTrainer(AttnRegTrainerMixin, transformers.Seq2SeqTrainer):
-    """``transformers.Seq2SeqTrainer`` with ``scheduled_dropout`` or ``layerdrop``."""
+    """``transformers.Seq2SeqTrainer`` with ``scheduled_dropout``, ``layerdrop`` or ``drophead``."""

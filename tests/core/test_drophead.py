@@ -1,0 +1,124 @@
+"""DropHead (core.drophead): whole heads of the attention output dropped per sample, kept heads
+rescaled by heads / kept, on hand-built tensors, through checkpointing, and through both adapters."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attn_reg_plugin.core.attention import EditScores, attend, zero_counts
+from attn_reg_plugin.core.drophead import DropHead, DropHeadConfig
+from attn_reg_plugin.core.planned_run import idle_run_warning
+from helpers import CORE_B, CORE_D, CORE_T, CoreBlock, controller_with_sites, site_with_hook, tiny_core_model
+
+
+def _qkv(b=3, h=4, t=5, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, t, d, generator=g, requires_grad=True) for _ in range(3)]
+
+
+def test_dropped_heads_are_zero_and_kept_heads_scaled_by_heads_over_kept():
+    q, k, v = _qkv()
+    counts = zero_counts()
+    site = site_with_hook(EditScores(drop_heads=torch.tensor(0.4), stats=counts))
+    torch.manual_seed(7)
+    out, _ = attend(q, k, v, site=site)
+    torch.manual_seed(7)
+    drop = torch.rand(3, 4) < 0.4  # the kernel's draws: one per (sample, head), torch's stream
+    drop &= drop.sum(-1, keepdim=True) < 4
+    assert drop.any() and not drop.all()
+    plain = F.scaled_dot_product_attention(q, k, v)
+    kept = 4 - drop.sum(-1)
+    for b in range(3):
+        for h in range(4):
+            expected = torch.zeros_like(plain[b, h]) if drop[b, h] else plain[b, h] * (4 / kept[b])
+            torch.testing.assert_close(out[b, h], expected, rtol=1e-6, atol=1e-7)
+    assert (int(counts[0]), int(counts[1])) == (int(drop.sum()), 12)  # counted by the kernel
+
+
+def test_gradients_equal_autograd_of_the_explicit_rescaled_heads():
+    q, k, v = _qkv(seed=1)
+    torch.manual_seed(3)
+    out, _ = attend(q, k, v, site=site_with_hook(EditScores(drop_heads=torch.tensor(0.5))))
+    grads = torch.autograd.grad(out.pow(2).sum(), [q, k, v])
+    torch.manual_seed(3)
+    drop = torch.rand(3, 4) < 0.5
+    drop &= drop.sum(-1, keepdim=True) < 4
+    scale = (~drop).float() * 4 / (4 - drop.sum(-1, keepdim=True))
+    q2, k2, v2 = (x.detach().requires_grad_() for x in (q, k, v))
+    weights = torch.softmax(q2 @ k2.transpose(-1, -2) / 8**0.5, -1)
+    expected = torch.autograd.grad(((weights @ v2) * scale[:, :, None, None]).pow(2).sum(), [q2, k2, v2])
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sample_drawn_to_lose_every_head_keeps_them_all():
+    q, k, v = _qkv(seed=2)
+    counts = zero_counts()
+    out, _ = attend(q, k, v, site=site_with_hook(EditScores(drop_heads=torch.tensor(1.0), stats=counts)))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+    assert int(counts[0]) == 0 and torch.isfinite(out).all()
+
+
+def test_the_rate_is_p_and_the_same_seed_gives_the_same_drops():
+    q, k, v = (x.detach() for x in _qkv(b=2000, h=8, t=2, d=4, seed=3))
+    counts = zero_counts()
+    site = site_with_hook(EditScores(drop_heads=torch.tensor(0.3), stats=counts))
+    torch.manual_seed(0)
+    first, _ = attend(q, k, v, site=site)
+    assert abs(int(counts[0]) / int(counts[1]) - 0.3) < 0.01  # all 8 heads drawn: 0.3**8, negligible
+    torch.manual_seed(0)
+    again, _ = attend(q, k, v, site=site)
+    torch.manual_seed(1)
+    other, _ = attend(q, k, v, site=site)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_step_equals_the_plain_one(reentrant):
+    """The heads are drawn from torch's stream at the call, which a checkpoint restores for its
+    recompute; the pass travels with the checkpointed call: the same loss and gradients."""
+
+    def step(checkpointed):
+        model = tiny_core_model(checkpointed=checkpointed)
+        for block in model.blocks:
+            block.forward = functools.partial(CoreBlock.forward, block, reentrant=reentrant)
+        x = torch.randn(CORE_B, CORE_T, CORE_D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        drophead = DropHead(DropHeadConfig(schedule="0:0.5"), model.controller)
+        torch.manual_seed(4)
+        with model.controller.hooks(drophead.hooks(update=0)):
+            loss = model(x).sum()
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    loss, grads = step(False)
+    loss_ckpt, grads_ckpt = step(True)
+    assert torch.equal(loss, loss_ckpt) and all(torch.equal(a, b) for a, b in zip(grads, grads_ckpt))
+
+
+def test_the_schedule_is_piecewise_linear_and_a_v_needs_three_knots():
+    drophead = DropHead(DropHeadConfig(schedule="0:0.2,100:0,200:0.2"), controller_with_sites({"encoder-self": 2}))
+    assert [drophead.probability(u) for u in (0, 50, 100, 150, 250)] == pytest.approx([0.2, 0.1, 0.0, 0.1, 0.2])
+    assert drophead.hooks(update=100) == {}  # p = 0: no hook, nothing drawn
+    assert len(drophead.hooks(update=10)) == 2
+
+
+@pytest.mark.parametrize(
+    "schedule,message",
+    [
+        ("0:1.5", r"--attn-drophead-schedule: knot '0:1.5' probability must be a probability in \[0, 1\]"),
+        ("0:0.1|0:0.2", r"--attn-drophead-schedule takes one schedule \(every selected layer follows it\)"),
+        ("zero", r"--attn-drophead-schedule: cannot read knot 'zero'"),
+    ],
+)
+def test_bad_schedules_are_refused_naming_the_option(schedule, message):
+    with pytest.raises(ValueError, match=message):
+        DropHeadConfig(schedule=schedule).validate()
+
+
+def test_a_schedule_at_zero_for_the_planned_run_warns():
+    config = DropHeadConfig(schedule="0:0,1000:0.1").validate()
+    message = idle_run_warning(config, epochs=1, updates=1, plan="--max-update 1")
+    assert "DropHead will never drop anything" in message
+    assert idle_run_warning(config, epochs=1, updates=5, plan="--max-update 5") is None
