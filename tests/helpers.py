@@ -287,7 +287,14 @@ RDROP_TRAIN = [
     "--cpu", "--seed", "3", "--no-progress-bar", "--log-format", "json", "--log-interval", "1",
     "--no-epoch-checkpoints",
 ]  # fmt: skip
-TRAIN_ARGS = {"ad_drop": AD_DROP_TRAIN, "attendout": ATTENDOUT_TRAIN, "rdrop": RDROP_TRAIN}
+# DropHead on both self-attentions, a task-level regularizer with the ordinary criterion.
+_ATTENDOUT_AT = ATTENDOUT_TRAIN.index("--attendout")
+DROPHEAD_TRAIN = [
+    *ATTENDOUT_TRAIN[:_ATTENDOUT_AT],
+    *["--attn-drophead-schedule", "0:0.3", "--attn-drophead-attention", "encoder-self,decoder-self"],
+    *ATTENDOUT_TRAIN[_ATTENDOUT_AT + 3 :],
+]
+TRAIN_ARGS = {"ad_drop": AD_DROP_TRAIN, "attendout": ATTENDOUT_TRAIN, "rdrop": RDROP_TRAIN, "drophead": DROPHEAD_TRAIN}
 
 # Tiny 2-epoch runs (conftest.logged_runs) logged as JSON every update, keeping each epoch's
 # checkpoint: "plain" is the attn_reg task with the ordinary criterion, the others one regularizer each.

@@ -168,6 +168,18 @@ def test_fairseq_two_ranks_attendout_stay_in_sync(tiny_mt_data, tmp_path, extra)
     _same_parameters_on_every_rank(save, UPDATES_PER_EPOCH)
 
 
+def test_fairseq_two_ranks_drophead_without_find_unused_parameters(tiny_mt_data, tmp_path):
+    """DropHead through torch's DDP (pytorch_ddp, find_unused_parameters off): a dropped head's
+    projections still get a (zero) gradient in the one backward, so every gradient is reduced, the
+    ranks stay identical, and the rate summed over both ranks is logged at every update."""
+    save = tmp_path / "ckpt"
+    extra = ["--ddp-backend", "pytorch_ddp"]
+    updates = train_updates(_fairseq_ranks(tiny_mt_data["bin"], save, extra, max_epoch=1, regularizer="drophead"))
+    assert sorted(updates) == list(range(1, UPDATES_PER_EPOCH + 1))
+    assert all(0.1 < float(r["attn_drophead_rate"]) < 0.5 for r in updates.values()), updates
+    _same_parameters_on_every_rank(save, UPDATES_PER_EPOCH)
+
+
 def test_fairseq_two_ranks_rdrop_without_find_unused_parameters(tiny_mt_data, tmp_path):
     """R-Drop's two forwards through torch's DDP (pytorch_ddp, find_unused_parameters off): one backward
     reduces every gradient once, the ranks stay identical, and rdrop_kl is logged at every update."""
