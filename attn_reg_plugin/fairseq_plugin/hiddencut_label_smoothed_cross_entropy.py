@@ -1,0 +1,188 @@
+"""``--criterion hiddencut_label_smoothed_cross_entropy``: label-smoothed cross-entropy with HiddenCut
+(``--hiddencut-ratio``, ``--hiddencut-top``, ``--hiddencut-alpha``, ``--hiddencut-layers``), with
+``--task translation`` or ``attn_reg_translation``; the science is ``core.hiddencut``.
+
+Training: a clean pass, then a cut pass in which each selected **encoder** layer zeroes one contiguous
+span of its feed-forward output: the output of the layer's ``fc2``, before its dropout and residual,
+the point the paper cuts (fairseq's ``TransformerEncoderLayerBase`` names it, in every version). The
+span's start is drawn among the tokens that receive the most attention in that layer's self-attention
+of the clean pass: the head-averaged softmax of the layer's own q and k (its ``q_proj``, ``k_proj``,
+``scaling``), recomputed without gradient from the attention's input (fairseq's encoder calls its
+attention with ``need_weights=False``, so no map comes back). The loss is the sum over real target
+tokens of both passes' label-smoothed CE plus alpha times their JS divergence, divided by one copy's
+``ntokens``. Validation: one pass, the stock loss.
+
+The cut pass's masks are held only while it runs, so a layer recomputed in the backward would not
+repeat them: ``--checkpoint-activations`` is refused at the first training step.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from fairseq import metrics, utils
+from fairseq.criterions import register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    LabelSmoothedCrossEntropyCriterionConfig,
+    label_smoothed_nll_loss,
+)
+from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
+
+from ..core.hiddencut import (
+    CutPlan,
+    HiddenCutConfig,
+    SpanCut,
+    attention_received,
+    hiddencut_objective,
+    hiddencut_spans,
+    js_consistency,
+)
+from ..core.layerdrop import AttentionLayerDropConfig
+from ..core.options import one_regularizer
+from ..core.scheduled_dropout import ScheduledDropoutConfig
+from .options import fairseq_options
+
+NAME = "hiddencut_label_smoothed_cross_entropy"
+
+# The --hiddencut-* flags: HiddenCutConfig's fields, defaults and help (core.options).
+HiddenCutOptions = fairseq_options("HiddenCutOptions", [HiddenCutConfig])
+
+
+@dataclass
+class HiddenCutLabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig, HiddenCutOptions):
+    pass
+
+
+def refuse_task_regularizers(task) -> None:
+    """HiddenCut with an attn_reg task's own regularizer is not supported (not verified): refused, both named."""
+    cfg = getattr(task, "cfg", None)
+    if cfg is None or not hasattr(task, "attn_reg_epoch"):
+        return  # fairseq's own task: it has no regularizer of its own
+    task_regularizers = (
+        ("--attendout", bool(getattr(cfg, "attendout", False))),
+        ("--attn-sched-dropout-schedule", ScheduledDropoutConfig.from_namespace(cfg).enabled),
+        ("--attn-layerdrop-p", AttentionLayerDropConfig.from_namespace(cfg).enabled),
+    )
+    one_regularizer([f"--criterion {NAME}"] + [option for option, on in task_regularizers if on])
+
+
+def self_attention_received(attn, query, key_padding_mask, attn_mask) -> tuple:
+    """(attention received (B, T), real tokens (B, T)) of a fairseq self-attention's call, without gradient."""
+    length, batch, _ = query.shape
+    heads, head_dim = attn.num_heads, attn.head_dim
+    with torch.no_grad():
+        q = (attn.q_proj(query) * attn.scaling).view(length, batch, heads, head_dim).permute(1, 2, 0, 3)
+        k = attn.k_proj(query).view(length, batch, heads, head_dim).permute(1, 2, 0, 3)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float()  # (B, H, T, T)
+        if attn_mask is not None:
+            scores = scores + attn_mask.float()
+        valid = torch.ones(batch, length, dtype=torch.bool, device=query.device)
+        if key_padding_mask is not None:
+            valid = ~key_padding_mask.bool()
+        scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
+        return attention_received(torch.softmax(scores, dim=-1).nan_to_num(0.0), valid), valid
+
+
+class _Hooks:
+    """The encoder layers' hooks: the clean pass records each selected layer's attention received, the
+    cut pass zeroes spans of their ``fc2`` outputs."""
+
+    def __init__(self, model, config: HiddenCutConfig):
+        layers = [m for m in model.modules() if isinstance(m, TransformerEncoderLayerBase)]
+        if not layers:
+            raise ValueError(f"--criterion {NAME} cuts encoder layers; this model has no TransformerEncoderLayer")
+        if any(hasattr(layer, "precheckpoint_forward") for layer in layers):
+            raise ValueError(
+                f"--criterion {NAME} with --checkpoint-activations is not supported: a recomputed layer would "
+                "not repeat its cut"
+            )
+        self.selected = config.selected_layers(len(layers))
+        self.recorded = None  # {layer: (received, valid)} while the clean pass runs
+        self.cut = SpanCut()
+        for index in self.selected:
+            layers[index].self_attn.register_forward_pre_hook(self._recorder(index), with_kwargs=True)
+            self.cut.attach(layers[index].fc2, index, time_first=True)
+
+    def _recorder(self, index):
+        def record(module, args, kwargs):
+            if self.recorded is not None:
+                query = kwargs["query"] if "query" in kwargs else args[0]
+                self.recorded[index] = self_attention_received(
+                    module, query, kwargs.get("key_padding_mask"), kwargs.get("attn_mask")
+                )
+
+        return record
+
+
+@register_criterion(NAME, dataclass=HiddenCutLabelSmoothedCrossEntropyConfig)
+class HiddenCutLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
+    """Label-smoothed cross-entropy trained with HiddenCut; validation is the base criterion unchanged."""
+
+    @classmethod
+    def build_criterion(cls, cfg, task):
+        """The base criterion, built as fairseq builds it, then HiddenCut's options from the same cfg (checked here)."""
+        criterion = super().build_criterion(cfg, task)
+        criterion.hiddencut_config = HiddenCutConfig.from_namespace(cfg).validate()
+        criterion.hiddencut_hooks = None
+        refuse_task_regularizers(task)
+        return criterion
+
+    def forward(self, model, sample, reduce=True):
+        if not (model.training and torch.is_grad_enabled()):
+            return super().forward(model, sample, reduce)  # validation: one pass, the stock loss
+        if not reduce:
+            raise ValueError(f"--criterion {NAME} trains with a summed loss (reduce=True)")
+        out_clean, out_cut, plan = self.two_passes(model, sample["net_input"])
+        lprobs_1, target = self.get_lprobs_and_target(model, out_clean, sample)
+        lprobs_2, _ = self.get_lprobs_and_target(model, out_cut, sample)
+        ce_1, nll_1 = label_smoothed_nll_loss(lprobs_1, target, self.eps, ignore_index=self.padding_idx)
+        ce_2, nll_2 = label_smoothed_nll_loss(lprobs_2, target, self.eps, ignore_index=self.padding_idx)
+        js, positions = js_consistency(lprobs_1, lprobs_2, target.ne(self.padding_idx), log_probs=True)
+        loss = hiddencut_objective(ce_1, ce_2, js, self.hiddencut_config.alpha)
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        log = {
+            "loss": loss.data,
+            "nll_loss": (nll_1.data + nll_2.data) / 2,  # per pass: ppl stays comparable with a plain run
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample_size,
+            "hiddencut_js_sum": js.data,
+            "hiddencut_positions": positions,
+            "hiddencut_cut": plan.cut,
+            "hiddencut_tokens": plan.tokens,
+        }
+        if self.report_accuracy:
+            n_correct, total = self.compute_accuracy(model, out_clean, sample)
+            log.update(n_correct=utils.item(n_correct.data), total=utils.item(total.data))
+        return loss, sample_size, log
+
+    def two_passes(self, model, net_input):
+        """The clean pass's and the cut pass's net outputs, and the cut pass's plan (what it cut)."""
+        if self.hiddencut_hooks is None:
+            self.hiddencut_hooks = _Hooks(model, self.hiddencut_config)
+        hooks, config = self.hiddencut_hooks, self.hiddencut_config
+        hooks.recorded = {}
+        try:
+            out_clean = model(**net_input)
+            recorded = hooks.recorded
+        finally:
+            hooks.recorded = None
+        masks = {
+            index: (hiddencut_spans(valid, received, config.ratio, config.top), valid)
+            for index, (received, valid) in recorded.items()
+        }
+        with hooks.cut.cutting(CutPlan(masks)) as plan:
+            out_cut = model(**net_input)
+        return out_clean, out_cut, plan
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        positions = utils.item(sum(log.get("hiddencut_positions", 0) for log in logging_outputs))
+        if positions:  # training only: validation runs one pass
+            js = utils.item(sum(log.get("hiddencut_js_sum", 0) for log in logging_outputs))
+            # in bits, as fairseq logs loss: the training loss is (CE1 + CE2) + alpha * hiddencut_js per token
+            metrics.log_scalar("hiddencut_js", js / positions / math.log(2), positions, round=5)
+            for key in ("hiddencut_cut", "hiddencut_tokens"):
+                metrics.log_scalar_sum(key, utils.item(sum(log.get(key, 0) for log in logging_outputs)))

@@ -1,0 +1,186 @@
+"""HiddenCut for transformers' Trainer / Seq2SeqTrainer (``core.hiddencut``): the Trainer's own loss on a
+clean pass and on a cut pass, plus alpha times the JS divergence of their output distributions.
+
+    loss = loss(clean) + loss(cut) + alpha * JS
+
+``loss`` is what the Trainer computes for the model (its CE, label smoothing included); JS is summed
+over the positions the CE covers (every sample of a classifier, each label that is not -100 of a
+token-level model, shifted for a causal LM) and divided by what the model's loss is divided by, as
+R-Drop's KL (``hf.rdrop_trainer``). Evaluation and generation run one pass, unchanged.
+
+Where the cut is: the output of each selected transformer layer (the modules transformers
+checkpoints, ``GradientCheckpointingLayer``; the encoder's for an encoder-decoder model), not the
+paper's feed-forward output, which no name common to the families reaches (BERT adds it to the
+residual inside ``BertOutput``). Cutting the layer output zeroes the whole token, residual included.
+
+The span's start comes from the clean pass's attention maps (``output_attentions=True``), which
+transformers returns only for eager attention: a model with another attention implementation is
+refused, naming the fix. The cut pass's masks travel with its call as the layers' keyword
+``hiddencut_plan`` (nothing is held between calls: evaluation and generation never cut). With gradient
+checkpointing, transformers 5.x checkpoints a layer's ``forward``, not its ``__call__``, so the cut (a
+module hook) runs outside the recompute, once per pass; a recompute that did run the hook would get
+the same keyword and cut the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+import transformers
+
+from ..core.distributed import all_reduce_sum_
+from ..core.hiddencut import (
+    CutPlan,
+    HiddenCutConfig,
+    SpanCut,
+    attention_received,
+    hiddencut_objective,
+    hiddencut_spans,
+    js_consistency,
+)
+from ..core.options import named_by_field, one_regularizer
+from .model_inputs import causal_lm
+from .rdrop_trainer import RDropTrainerMixin, _logits
+
+PLAN_KWARG = "hiddencut_plan"
+
+
+def _other_regularizers(trainer) -> list:
+    from .ad_drop_trainer import ADDropTrainerMixin
+    from .attendout_trainer import AttendOutTrainerMixin
+    from .attn_reg_trainer import AttnRegTrainerMixin
+
+    mixins = (
+        (ADDropTrainerMixin, "ad_drop=ADDropConfig"),
+        (AttendOutTrainerMixin, "attendout=AttendOutConfig"),
+        (AttnRegTrainerMixin, "scheduled_dropout= / layerdrop="),
+        (RDropTrainerMixin, "rdrop=RDropConfig"),
+    )
+    return [name for mixin, name in mixins if isinstance(trainer, mixin)]
+
+
+def hiddencut_layers(model) -> List[torch.nn.Module]:
+    """The transformer layers whose outputs HiddenCut cuts, in order: the encoder's of an encoder-decoder
+    model, else every ``GradientCheckpointingLayer``."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    base = model.get_encoder() if getattr(model.config, "is_encoder_decoder", False) else model
+    return [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _check_eager(model) -> None:
+    impl = getattr(model.config, "_attn_implementation", "eager")
+    if impl != "eager":
+        raise ValueError(
+            f"HiddenCut draws each span's start from the layer's attention map, which transformers returns "
+            f"only with eager attention; this model uses {impl!r}: load it with attn_implementation='eager'"
+        )
+
+
+class HiddenCutTrainerMixin:
+    """Shared by :class:`HiddenCutTrainer` and :class:`HiddenCutSeq2SeqTrainer`."""
+
+    def __init__(self, *args, hiddencut: HiddenCutConfig, **kwargs):
+        if not isinstance(hiddencut, HiddenCutConfig):
+            raise TypeError(f"hiddencut must be a HiddenCutConfig, got {type(hiddencut).__name__}")
+        self.hiddencut = named_by_field(hiddencut).validate()
+        one_regularizer(["hiddencut=HiddenCutConfig", *_other_regularizers(self)])
+        self._hiddencut_reset()
+        super().__init__(*args, **kwargs)
+        _check_eager(self.model)
+        layers = hiddencut_layers(self.model)
+        if not layers:
+            raise ValueError(f"HiddenCut: {type(self.model).__name__} has no transformer layer to cut")
+        self._hiddencut_layers = self.hiddencut.selected_layers(len(layers))
+        self._hiddencut_cut = SpanCut()
+        for index in self._hiddencut_layers:
+            self._hiddencut_cut.attach(layers[index], index, kwarg=PLAN_KWARG)
+        self._hiddencut_count = len(layers)
+
+    def _hiddencut_reset(self) -> None:
+        # sums since the last log, tensors once a step ran: no host sync per step
+        self._hc_js: Any = 0.0
+        self._hc_positions: Any = 0
+        self._hc_cut: Any = 0
+        self._hc_tokens: Any = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not (model.training and torch.is_grad_enabled()):
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        # copies: the Trainer's compute_loss may pop labels, and the caller's inputs are never changed
+        loss_clean, out_clean = super().compute_loss(
+            model, {**inputs, "output_attentions": True}, return_outputs=True, num_items_in_batch=num_items_in_batch
+        )
+        plan = CutPlan(self._hiddencut_masks(model, inputs, out_clean))
+        loss_cut, out_cut = super().compute_loss(
+            model, {**inputs, PLAN_KWARG: plan}, return_outputs=True, num_items_in_batch=num_items_in_batch
+        )
+        first, second, keep = self._hiddencut_positions(model, inputs, _logits(out_clean), _logits(out_cut))
+        js_sum, positions = js_consistency(first, second, keep)
+        divisor = RDropTrainerMixin._rdrop_divisor(self, positions, num_items_in_batch)
+        loss = hiddencut_objective(loss_clean, loss_cut, js_sum / divisor, self.hiddencut.alpha)
+        self._hc_js = self._hc_js + js_sum.detach()
+        self._hc_positions = self._hc_positions + positions
+        self._hc_cut = self._hc_cut + plan.cut
+        self._hc_tokens = self._hc_tokens + plan.tokens
+        return (loss, out_clean) if return_outputs else loss
+
+    def _hiddencut_masks(self, model, inputs: Dict[str, Any], outputs) -> Dict[int, Any]:
+        """{layer: (cut, valid)} from the clean pass's attention maps (no gradient reaches them)."""
+        encoder_decoder = getattr(self.accelerator.unwrap_model(model).config, "is_encoder_decoder", False)
+        maps = outputs.get("encoder_attentions" if encoder_decoder else "attentions")
+        if not maps or len(maps) != self._hiddencut_count or any(m is None for m in maps):
+            raise ValueError(
+                f"HiddenCut needs one attention map per layer from the clean pass ({self._hiddencut_count} "
+                f"layers), got {0 if not maps else len(maps)}: use attn_implementation='eager'"
+            )
+        batch, _, length, _ = maps[0].shape
+        valid = inputs.get("attention_mask")
+        valid = torch.ones(batch, length, dtype=torch.bool, device=maps[0].device) if valid is None else valid.bool()
+        masks = {}
+        for index in self._hiddencut_layers:
+            received = attention_received(maps[index].detach(), valid)
+            masks[index] = (hiddencut_spans(valid, received, self.hiddencut.ratio, self.hiddencut.top), valid)
+        return masks
+
+    def _hiddencut_positions(self, model, inputs: Dict[str, Any], first, second):
+        """The two passes' scores at the positions the CE covers, and which of them count (None: all)."""
+        if first.size(-1) < 2:
+            raise ValueError("HiddenCut's JS compares class distributions; this model has one output (regression)")
+        if first.dim() == 2:
+            return first, second, None
+        labels = inputs.get("labels")
+        if labels is None:
+            raise ValueError("HiddenCut on a token-level model needs `labels` (-100 marks ignored tokens)")
+        if causal_lm(self.accelerator.unwrap_model(model)):
+            first, second, labels = first[:, :-1], second[:, :-1], labels[:, 1:]
+        return first, second, labels.ne(-100)
+
+    def hiddencut_stats(self) -> Dict[str, float]:
+        """Since the last log, over all processes: mean JS per position (nats), tokens cut, real tokens of
+        the cut layers."""
+        device = self.args.device
+        sums = [self._hc_js, self._hc_positions, self._hc_cut, self._hc_tokens]
+        js, positions, cut, tokens = all_reduce_sum_(
+            torch.stack([torch.as_tensor(v, device=device) for v in sums]).double()
+        ).tolist()
+        return {"hiddencut_js": js / positions if positions else 0.0, "hiddencut_cut": cut, "hiddencut_tokens": tokens}
+
+    def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs:  # a training log; every process logs at the same steps
+            stats = self.hiddencut_stats()
+            logs.update(hiddencut_js=round(stats["hiddencut_js"], 6), hiddencut_cut=int(stats["hiddencut_cut"]))
+            logs["hiddencut_tokens"] = int(stats["hiddencut_tokens"])
+            self._hiddencut_reset()
+        return super().log(logs, *args, **kwargs)
+
+
+class HiddenCutTrainer(HiddenCutTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with HiddenCut; extra keyword ``hiddencut: HiddenCutConfig``."""
+
+
+class HiddenCutSeq2SeqTrainer(HiddenCutTrainerMixin, transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` with HiddenCut; extra keyword ``hiddencut: HiddenCutConfig``."""

@@ -1,0 +1,188 @@
+"""``--criterion hiddencut_label_smoothed_cross_entropy`` in-process: the objective rebuilt by hand (a clean
+pass, a pass with the drawn spans of each encoder layer's fc2 output zeroed, label-smoothed CE of both
+plus alpha times their JS over real target tokens), the attention statistic against fairseq's own
+attention weights, the counts, the caller's sample untouched, validation one pass, the refusals."""
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("fairseq")
+
+# registers the criterion under the package path the user dir imports (no second registration)
+import attn_reg_plugin.fairseq_plugin.hiddencut_label_smoothed_cross_entropy as hc  # noqa: E402
+from helpers import TINY_TRANSFORMER, fairseq_setup  # noqa: E402
+
+HIDDENCUT = ["--criterion", "hiddencut_label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
+
+
+def _setup(tiny_mt_data, task, *extra, dropout="0.1"):
+    torch.manual_seed(123)  # model initialisation
+    cfg, task, model, criterion = fairseq_setup(
+        tiny_mt_data["bin"],
+        ["--task", task, *TINY_TRANSFORMER, "--dropout", dropout, "--optimizer", "adam", *HIDDENCUT, *extra],
+    )
+    task.load_dataset("train")
+    itr = task.get_batch_iterator(task.dataset("train"), max_tokens=600, seed=1).next_epoch_itr(shuffle=False)
+    return cfg, task, model, criterion, next(iter(itr))
+
+
+def _train_step(cfg, task, model, criterion, sample, seed=0):
+    from fairseq.optim.adam import FairseqAdam
+
+    optimizer = FairseqAdam(cfg.optimizer, list(model.parameters()))
+    model.zero_grad()
+    torch.manual_seed(seed)
+    return task.train_step(sample, model, criterion, optimizer, update_num=0)
+
+
+def _spy(monkeypatch):
+    seen = {"spans": [], "received": []}
+    spans, received = hc.hiddencut_spans, hc.self_attention_received
+
+    def spy_spans(*a, **kw):
+        seen["spans"].append(spans(*a, **kw))
+        return seen["spans"][-1]
+
+    def spy_received(attn, query, *a):
+        seen["received"].append((attn, query.detach().clone(), *received(attn, query, *a)))
+        return seen["received"][-1][2:]
+
+    monkeypatch.setattr(hc, "hiddencut_spans", spy_spans)
+    monkeypatch.setattr(hc, "self_attention_received", spy_received)
+    return seen
+
+
+def _by_hand(model, sample, cuts, eps, pad, alpha):
+    from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+
+    layers = model.encoder.layers
+    clean = model.get_normalized_probs(model(**sample["net_input"]), log_probs=True)
+    handles = [
+        layer.fc2.register_forward_hook(lambda m, a, out, c=cut: out.masked_fill(c.t()[..., None], 0.0))
+        for layer, cut in zip(layers, cuts)
+    ]
+    try:
+        cut = model.get_normalized_probs(model(**sample["net_input"]), log_probs=True)
+    finally:
+        for h in handles:
+            h.remove()
+    target = sample["target"]
+    ce = sum(
+        label_smoothed_nll_loss(lp.view(-1, lp.size(-1)), target.view(-1), eps, ignore_index=pad)[0]
+        for lp in (clean, cut)
+    )
+    p, q = clean.exp(), cut.exp()
+    m = (p + q) / 2
+    js = 0.5 * ((p * (p / m).log()).sum(-1) + (q * (q / m).log()).sum(-1))
+    return ce + alpha * js.masked_fill(target.eq(pad), 0.0).sum()
+
+
+@pytest.mark.parametrize("task", ["attn_reg_translation", "translation"])
+def test_objective_by_hand_and_the_counts(tiny_mt_data, task, monkeypatch):
+    seen = _spy(monkeypatch)
+    cfg, task_, model, criterion, sample = _setup(
+        tiny_mt_data, task, "--hiddencut-alpha", "3", "--hiddencut-ratio", "0.3", dropout="0"
+    )
+    loss, sample_size, log = _train_step(cfg, task_, model, criterion, sample, seed=7)
+    cuts = seen["spans"]
+    assert len(cuts) == 2 and all(c.any() for c in cuts)
+    src = sample["net_input"]["src_tokens"]
+    valid = src.ne(criterion.padding_idx)
+    assert not any((c & ~valid).any() for c in cuts)
+    assert log["hiddencut_cut"] == sum(int(c.sum()) for c in cuts)
+    assert log["hiddencut_tokens"] == 2 * int(valid.sum())
+    assert sample_size == sample["ntokens"] and log["hiddencut_positions"] == sample["ntokens"]
+    model.train()
+    with torch.no_grad():
+        expected = _by_hand(model, sample, cuts, 0.1, criterion.padding_idx, 3.0)
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_attention_received_is_fairseqs_own_attention_map(tiny_mt_data, monkeypatch):
+    """The statistic from the layer's q and k equals fairseq's head-averaged weights (need_weights=True),
+    averaged over the real queries."""
+    seen = _spy(monkeypatch)
+    cfg, task, model, criterion, sample = _setup(tiny_mt_data, "translation", dropout="0")
+    _train_step(cfg, task, model, criterion, sample)
+    pad_mask = sample["net_input"]["src_tokens"].eq(criterion.padding_idx)
+    assert pad_mask.any()  # the batch has padding
+    attn, query, received, valid = seen["received"][0]
+    attn.eval()
+    with torch.no_grad():
+        _, weights = attn(query=query, key=query, value=query, key_padding_mask=pad_mask, need_weights=True)
+    expected = (weights * valid[:, :, None]).sum(1) / valid.sum(1, keepdim=True)  # (B, S): over real queries
+    torch.testing.assert_close(received, expected.masked_fill(pad_mask, 0.0), rtol=1e-4, atol=1e-6)
+
+
+def test_the_callers_sample_is_unchanged(tiny_mt_data):
+    cfg, task, model, criterion, sample = _setup(tiny_mt_data, "attn_reg_translation")
+    before = copy.deepcopy(sample)
+    objects = dict(sample["net_input"])
+    _train_step(cfg, task, model, criterion, sample)
+    assert sample.keys() == before.keys()
+    for k, v in sample["net_input"].items():
+        assert v is objects[k] and torch.equal(v, before["net_input"][k]), k
+    assert torch.equal(sample["target"], before["target"])
+
+
+def test_validation_is_one_uncut_pass_of_the_stock_loss(tiny_mt_data):
+    cfg, task, model, criterion, sample = _setup(tiny_mt_data, "attn_reg_translation")
+    _train_step(cfg, task, model, criterion, sample)  # hooks installed
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    loss, _, log = task.valid_step(sample, model, criterion)
+    assert len(calls) == 1 and "hiddencut_cut" not in log
+    with torch.no_grad():
+        stock = criterion.compute_loss(model, model(**sample["net_input"]), sample)[0]
+    torch.testing.assert_close(loss, stock)
+
+
+def test_same_seed_same_step(tiny_mt_data):
+    runs = []
+    for _ in range(2):
+        cfg, task, model, criterion, sample = _setup(tiny_mt_data, "attn_reg_translation")
+        loss, _, log = _train_step(cfg, task, model, criterion, sample, seed=4)
+        runs.append((loss.detach(), log["hiddencut_cut"], [p.grad.clone() for p in model.parameters()]))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2]))
+
+
+def test_reduce_metrics_logs_js_in_bits_and_summed_counts():
+    from fairseq import metrics
+
+    logs = [
+        dict(loss=4.0, nll_loss=1.0, ntokens=4, nsentences=1, sample_size=4, hiddencut_js_sum=0.4,
+             hiddencut_positions=4, hiddencut_cut=3, hiddencut_tokens=10),
+        dict(loss=4.0, nll_loss=1.0, ntokens=4, nsentences=1, sample_size=4, hiddencut_js_sum=0.2,
+             hiddencut_positions=4, hiddencut_cut=2, hiddencut_tokens=12),
+    ]  # fmt: skip
+    with metrics.aggregate() as agg:
+        hc.HiddenCutLabelSmoothedCrossEntropyCriterion.reduce_metrics(logs)
+    values = agg.get_smoothed_values()
+    assert values["hiddencut_cut"] == 5 and values["hiddencut_tokens"] == 22
+    assert values["hiddencut_js"] == pytest.approx(0.6 / 8 / 0.693147, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--hiddencut-ratio", "0"], r"^--hiddencut-ratio must be a fraction in \(0, 1\], got 0.0$"),
+        (["--hiddencut-top", "1.5"], r"^--hiddencut-top must be a fraction in \(0, 1\], got 1.5$"),
+        (["--hiddencut-alpha", "-1"], r"^--hiddencut-alpha must be a finite number >= 0, got -1.0$"),
+        (["--attn-layerdrop-p", "0.2"], r"^choose one attention regularizer per run; got --criterion hiddencut_"),
+    ],
+)
+def test_refused_before_training(tiny_mt_data, extra, message):
+    with pytest.raises(ValueError, match=message):
+        fairseq_setup(tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER, *HIDDENCUT, *extra])
+
+
+def test_layers_past_the_encoder_and_checkpoint_activations_are_refused_at_the_first_step(tiny_mt_data):
+    cfg, task, model, criterion, sample = _setup(tiny_mt_data, "translation", "--hiddencut-layers", "2")
+    with pytest.raises(ValueError, match=r"^--hiddencut-layers: the model has 2 layers \(0-1\), got 2$"):
+        _train_step(cfg, task, model, criterion, sample)
+    cfg, task, model, criterion, sample = _setup(tiny_mt_data, "translation", "--checkpoint-activations")
+    with pytest.raises(ValueError, match=r"with --checkpoint-activations is not supported"):
+        _train_step(cfg, task, model, criterion, sample)

@@ -1,0 +1,216 @@
+"""HiddenCut through the Hugging Face trainers (HiddenCutTrainer, HiddenCutSeq2SeqTrainer): the Trainer's
+loss of a clean and a cut pass plus alpha times their JS, the cut at each layer's output (spans drawn
+from the clean pass's eager attention maps), for a BERT classifier, a Llama causal LM and a Marian
+seq2seq model; the caller's batch untouched; gradient checkpointing; the logs; the refusals."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import helpers
+from attn_reg_plugin.core import hiddencut as core
+from attn_reg_plugin.core.hiddencut import CutPlan, HiddenCutConfig, js_consistency
+from attn_reg_plugin.core.rdrop import RDropConfig
+from attn_reg_plugin.hf import RDropTrainerMixin
+from attn_reg_plugin.hf.hiddencut_trainer import HiddenCutSeq2SeqTrainer, HiddenCutTrainer, HiddenCutTrainerMixin
+from helpers import classifier_rows
+
+ALPHA = 2.0
+
+
+def tiny_bert(dropout=0.1, attn_implementation="eager", **kw):
+    return helpers.small_bert(
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        attn_implementation=attn_implementation,
+        **kw,
+    )
+
+
+def bert_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    mask[2, 3:] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "labels": torch.tensor([0, 1, 1])}
+
+
+def llama_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (3, 8), generator=g)
+    return {"input_ids": ids, "labels": ids.masked_fill(torch.arange(8) >= 6, -100)}
+
+
+def marian_batch():
+    g = torch.Generator().manual_seed(1)
+    labels = torch.randint(3, 100, (3, 6), generator=g)
+    labels[2, 3:] = -100
+    return {"input_ids": torch.randint(3, 100, (3, 8), generator=g), "labels": labels}
+
+
+FAMILIES = {  # build, batch, seq2seq, real tokens of the batch's cut rows
+    "bert": (tiny_bert, bert_batch, False, 9 + 6 + 3),
+    "llama": (
+        lambda dropout=0.1: helpers.tiny_llama(attention_dropout=dropout, attn_implementation="eager"),
+        llama_batch,
+        False,
+        24,
+    ),
+    "marian": (
+        lambda dropout=0.1: helpers.tiny_marian(dropout=dropout, attn_implementation="eager"),
+        marian_batch,
+        True,
+        24,
+    ),
+}
+
+
+def _args(tmp_path, seq2seq=False, **kw):
+    cls = transformers.Seq2SeqTrainingArguments if seq2seq else transformers.TrainingArguments
+    base = dict(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="no")
+    return cls(**{**base, "remove_unused_columns": False, **kw})
+
+
+def make_trainer(family, tmp_path, model=None, **config):
+    build, _, seq2seq, _ = FAMILIES[family]
+    cls = HiddenCutSeq2SeqTrainer if seq2seq else HiddenCutTrainer
+    config = HiddenCutConfig(**{"alpha": ALPHA, **config})
+    return cls(model=model or build(), args=_args(tmp_path, seq2seq), hiddencut=config)
+
+
+def one_step(trainer, batch, seed=5):
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by train(); one step is taken here by hand
+    torch.manual_seed(seed)
+    loss = trainer.training_step(trainer.model, batch)
+    return loss.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+
+def _spy_spans(monkeypatch):
+    drawn = []
+
+    def spans(*args, **kwargs):
+        drawn.append(real(*args, **kwargs))
+        return drawn[-1]
+
+    real = core.hiddencut_spans
+    monkeypatch.setattr("attn_reg_plugin.hf.hiddencut_trainer.hiddencut_spans", spans)
+    return drawn
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_is_clean_plus_cut_plus_alpha_js_and_the_cut_is_counted(family, tmp_path, monkeypatch):
+    """Without dropout the two passes differ by the cut alone: the loss is rebuilt from the drawn spans."""
+    build, make_batch, _, real_tokens = FAMILIES[family]
+    model = build(dropout=0.0)
+    drawn = _spy_spans(monkeypatch)
+    trainer = make_trainer(family, tmp_path, model=model)
+    batch = make_batch()
+    loss, grads = one_step(trainer, batch)
+    assert torch.isfinite(loss) and grads
+    assert len(drawn) == 2  # one span per row in each of the 2 layers; floor(0.1 * n) <= 1: one token each
+    assert all(int(cut.sum()) == 3 and cut.sum(1).tolist() == [1, 1, 1] for cut in drawn)
+    stats = trainer.hiddencut_stats()
+    assert stats["hiddencut_cut"] == 6 and stats["hiddencut_tokens"] == 2 * real_tokens
+    valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
+    plan = CutPlan({i: (cut, valid) for i, cut in enumerate(drawn)})
+    model.train()
+    with torch.no_grad():
+        clean, cut = model(**batch), model(**batch, hiddencut_plan=plan)
+    first, second, keep = trainer._hiddencut_positions(model, batch, clean.logits, cut.logits)
+    js, positions = js_consistency(first, second, keep)
+    assert js > 0 and not torch.equal(clean.logits, cut.logits)
+    torch.testing.assert_close(loss, clean.loss + cut.loss + ALPHA * js / positions, rtol=1e-5, atol=1e-6)
+
+
+def test_the_cut_zeroes_the_layer_outputs_at_the_span(tmp_path, monkeypatch):
+    drawn = _spy_spans(monkeypatch)
+    trainer = make_trainer("bert", tmp_path, ratio=0.5)
+    outputs = []
+    for layer in trainer.model.bert.encoder.layer:
+        layer.register_forward_hook(lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+    one_step(trainer, bert_batch())
+    clean, cut = outputs[:2], outputs[2:]
+    for index in range(2):
+        span = drawn[index]
+        assert int(span.sum()) >= 3 and span.sum(1).tolist() != [0, 0, 0]
+        assert cut[index][span].abs().sum() == 0
+        assert (cut[index][~span].abs().sum(-1) > 0).all()
+        assert (clean[index].abs().sum(-1) > 0).all()
+
+
+def test_the_callers_batch_is_unchanged(tmp_path):
+    args = _args(tmp_path, label_smoothing_factor=0.1)
+    trainer = HiddenCutTrainer(model=tiny_bert(), args=args, hiddencut=HiddenCutConfig())
+    batch = bert_batch()
+    before, tensors = copy.deepcopy(batch), dict(batch)
+    loss, _ = one_step(trainer, batch)
+    assert batch.keys() == before.keys() and torch.isfinite(loss)
+    for k, v in batch.items():
+        assert v is tensors[k] and torch.equal(v, before[k]), k
+
+
+def test_same_seed_same_step(tmp_path):
+    steps = [one_step(make_trainer("bert", tmp_path), bert_batch(), seed=3) for _ in range(2)]
+    assert torch.equal(steps[0][0], steps[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(steps[0][1], steps[1][1]))
+    assert not torch.equal(steps[0][0], one_step(make_trainer("bert", tmp_path), bert_batch(), seed=4)[0])
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_gradient_checkpointing_gives_the_same_loss_gradients_and_counts(family, tmp_path):
+    """transformers 5.x checkpoints a layer's forward, not its __call__: the cut (a module hook) runs once,
+    outside the recompute, and the plan travels with the call."""
+    batch = FAMILIES[family][1]()
+    plain = make_trainer(family, tmp_path, ratio=0.5)
+    loss, grads = one_step(plain, batch)
+    for reentrant in (True, False):
+        model = FAMILIES[family][0]()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        trainer = make_trainer(family, tmp_path, model=model, ratio=0.5)
+        loss_ck, grads_ck = one_step(trainer, batch)
+        torch.testing.assert_close(loss_ck, loss, rtol=1e-5, atol=0)
+        assert len(grads_ck) == len(grads)
+        for a, b in zip(grads_ck, grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert trainer.hiddencut_stats() == plain.hiddencut_stats()
+
+
+def test_training_logs_the_counts_and_evaluation_is_one_uncut_pass(tmp_path):
+    args = _args(tmp_path, per_device_train_batch_size=4, logging_steps=2, max_steps=4, learning_rate=1e-3)
+    trainer = HiddenCutTrainer(
+        model=tiny_bert(), args=args, train_dataset=classifier_rows(16, 0), eval_dataset=classifier_rows(4, 1),
+        data_collator=torch.utils.data.default_collate, hiddencut=HiddenCutConfig(layers="1"),
+    )  # fmt: skip
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    # 2 steps a log, 4 rows of 6 tokens, one layer: 8 spans of floor(0.6) -> 1 token over 48 real tokens
+    assert len(logs) == 2 and all(h["hiddencut_cut"] == 8 and h["hiddencut_tokens"] == 48 for h in logs)
+    assert all(h["hiddencut_js"] > 0 for h in logs)
+    calls = []
+    trainer.model.register_forward_hook(lambda m, a, kw, out: calls.append("hiddencut_plan" in kw), with_kwargs=True)
+    metrics = trainer.evaluate()
+    assert calls == [False] and "eval_hiddencut_cut" not in metrics
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(TypeError, match=r"^hiddencut must be a HiddenCutConfig, got dict$"):
+        HiddenCutTrainer(model=tiny_bert(), args=_args(tmp_path), hiddencut={"ratio": 0.1})
+    with pytest.raises(ValueError, match=r"^HiddenCutConfig.ratio must be a fraction in \(0, 1\], got 2$"):
+        HiddenCutTrainer(model=tiny_bert(), args=_args(tmp_path), hiddencut=HiddenCutConfig(ratio=2))
+    with pytest.raises(ValueError, match=r"^HiddenCutConfig.layers: the model has 2 layers \(0-1\), got 2$"):
+        HiddenCutTrainer(model=tiny_bert(), args=_args(tmp_path), hiddencut=HiddenCutConfig(layers="2"))
+    with pytest.raises(ValueError, match=r"only with eager attention; this model uses 'sdpa': load it with"):
+        HiddenCutTrainer(model=tiny_bert(attn_implementation="sdpa"), args=_args(tmp_path), hiddencut=HiddenCutConfig())
+
+    class Both(HiddenCutTrainerMixin, RDropTrainerMixin, transformers.Trainer):
+        pass
+
+    with pytest.raises(ValueError) as e:
+        Both(model=tiny_bert(), args=_args(tmp_path), hiddencut=HiddenCutConfig(), rdrop=RDropConfig())
+    assert (
+        str(e.value) == "choose one attention regularizer per run; got hiddencut=HiddenCutConfig and rdrop=RDropConfig"
+    )
