@@ -31,6 +31,7 @@ def _configs():
     from attn_reg_plugin.core.ad_drop import ADDropConfig
     from attn_reg_plugin.core.attendout.config import AttendOutConfig
     from attn_reg_plugin.core.drophead import DropHeadConfig
+    from attn_reg_plugin.core.hiddencut import HiddenCutConfig
     from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
     from attn_reg_plugin.core.rdrop import RDropConfig
     from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
@@ -42,6 +43,7 @@ def _configs():
         AttentionLayerDropConfig,
         DropHeadConfig,
         RDropConfig,
+        HiddenCutConfig,
     ]
 
 

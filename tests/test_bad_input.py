@@ -18,6 +18,11 @@ import pytest
 
 from helpers import REPO, TINY_TRANSFORMER, fairseq_setup, fairseq_train
 
+try:  # registers --criterion hiddencut_label_smoothed_cross_entropy (under the user dir's package path)
+    import attn_reg_plugin.fairseq_plugin.hiddencut_label_smoothed_cross_entropy  # noqa: F401
+except ImportError:  # no fairseq: its tests skip
+    pass
+
 INTERVAL = "{opt} must be in the open interval (0, 1), got {got}"
 KINDS = "encoder-self, decoder-self, encoder-decoder"
 
@@ -164,6 +169,25 @@ RDROP_BAD: List[Bad] = [
 ]
 RDROP_BAD_TYPES = [("--rdrop-alpha", "x", "argument --rdrop-alpha: invalid float value: 'x'")]
 
+FRACTION = "{opt} must be a fraction in (0, 1], got {got}"
+HIDDENCUT_BAD: List[Bad] = [
+    Bad("ratio", "0", 0, FRACTION, got_cli="0.0"),
+    Bad("ratio", "1.5", 1.5, FRACTION),
+    Bad("ratio", "nan", math.nan, FRACTION),
+    Bad("ratio", None, "0.1", FRACTION),
+    Bad("top", "-0.4", -0.4, FRACTION),
+    Bad("top", None, True, FRACTION),
+    Bad("alpha", "-1", -1.0, NON_NEGATIVE),
+    Bad("alpha", "inf", math.inf, NON_NEGATIVE),
+    Bad("layers", "-1", _SAME, "{opt}: layer indices are 0-based and >= 0, got [-1]"),
+    Bad(
+        "layers", "first", _SAME, "{opt} must be 'all' or a comma-separated list of 0-based layer indices, got 'first'"
+    ),
+    # past the model's layers: the trainer knows the model at construction; fairseq's criterion at its first step
+    Bad("layers", None, "5", "{opt}: the model has 2 layers (0-1), got 5"),
+]
+HIDDENCUT_BAD_TYPES = [("--hiddencut-ratio", "x", "argument --hiddencut-ratio: invalid float value: 'x'")]
+
 
 @dataclass
 class Regularizer:
@@ -216,6 +240,13 @@ def _rdrop_trainer(model, args, fields):
     from attn_reg_plugin.hf import RDropTrainer
 
     return RDropTrainer(model=model, args=args, rdrop=RDropConfig(**fields))
+
+
+def _hiddencut_trainer(model, args, fields):
+    from attn_reg_plugin.core.hiddencut import HiddenCutConfig
+    from attn_reg_plugin.hf.hiddencut_trainer import HiddenCutTrainer
+
+    return HiddenCutTrainer(model=model, args=args, hiddencut=HiddenCutConfig(**fields))
 
 
 def _config_class(module, name):
@@ -281,6 +312,16 @@ REGULARIZERS = [
         _rdrop_trainer,
         _config_class("rdrop", "RDropConfig"),
     ),
+    Regularizer(
+        "hiddencut",
+        HIDDENCUT_BAD,
+        HIDDENCUT_BAD_TYPES,
+        ["--criterion", "hiddencut_label_smoothed_cross_entropy", "--label-smoothing", "0.1"],
+        _prefixed("--hiddencut-"),
+        lambda field: f"HiddenCutConfig.{field}",
+        _hiddencut_trainer,
+        _config_class("hiddencut", "HiddenCutConfig"),
+    ),
 ]
 
 
@@ -332,6 +373,7 @@ def test_fairseq_valid_options_build(tiny_mt_data, reg):
         "sched_dropout": task.attn_reg_scheduled_dropout,
         "layerdrop": task.attn_reg_layerdrop,
         "rdrop": getattr(criterion, "rdrop_config", None),
+        "hiddencut": getattr(criterion, "hiddencut_config", None),
     }
     assert [name for name, regularizer in built.items() if regularizer is not None] == [reg.name]
 

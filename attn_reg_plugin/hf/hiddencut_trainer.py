@@ -88,11 +88,11 @@ class HiddenCutTrainerMixin:
         one_regularizer(["hiddencut=HiddenCutConfig", *_other_regularizers(self)])
         self._hiddencut_reset()
         super().__init__(*args, **kwargs)
-        _check_eager(self.model)
         layers = hiddencut_layers(self.model)
         if not layers:
             raise ValueError(f"HiddenCut: {type(self.model).__name__} has no transformer layer to cut")
         self._hiddencut_layers = self.hiddencut.selected_layers(len(layers))
+        _check_eager(self.model)
         self._hiddencut_cut = SpanCut()
         for index in self._hiddencut_layers:
             self._hiddencut_cut.attach(layers[index], index, kwarg=PLAN_KWARG)
