@@ -15,7 +15,7 @@ from attn_reg_plugin.core.hiddencut import CutPlan, HiddenCutConfig, js_consiste
 from attn_reg_plugin.core.rdrop import RDropConfig
 from attn_reg_plugin.hf import RDropTrainerMixin
 from attn_reg_plugin.hf.hiddencut_trainer import HiddenCutSeq2SeqTrainer, HiddenCutTrainer, HiddenCutTrainerMixin
-from helpers import classifier_rows
+from helpers import classifier_rows, torchrun_ranks
 
 ALPHA = 2.0
 
@@ -214,3 +214,18 @@ def test_refusals(tmp_path):
     assert (
         str(e.value) == "choose one attention regularizer per run; got hiddencut=HiddenCutConfig and rdrop=RDropConfig"
     )
+
+
+def test_two_gloo_ranks_without_find_unused_parameters(tmp_path):
+    ranks = torchrun_ranks("hiddencut_rank.py", tmp_path, timeout=300)
+    assert all(r["world_size"] == 2 and r["find_unused_parameters"] is False for r in ranks)
+    params = [r["params"] for r in ranks]
+    assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
+    assert any(not torch.equal(params[0][k], ranks[0]["initial"][k]) for k in params[0])  # it trained
+    logs = [h for h in ranks[0]["log_history"] if "loss" in h]
+    assert len(logs) == 3 and all(h["hiddencut_js"] > 0 for h in logs)
+    # the logged counts are the whole job's: both ranks' own counts added
+    for step, log in enumerate(logs):
+        (c0, t0), (c1, t1) = ranks[0]["local"][step], ranks[1]["local"][step]
+        assert c0 > 0 and c1 > 0 and t0 > 0 and t1 > 0
+        assert log["hiddencut_cut"] == c0 + c1 and log["hiddencut_tokens"] == t0 + t1
