@@ -186,3 +186,55 @@ def test_layers_past_the_encoder_and_checkpoint_activations_are_refused_at_the_f
     cfg, task, model, criterion, sample = _setup(tiny_mt_data, "translation", "--checkpoint-activations")
     with pytest.raises(ValueError, match=r"with --checkpoint-activations is not supported"):
         _train_step(cfg, task, model, criterion, sample)
+
+
+# Until attn_reg_plugin/fairseq_plugin/__init__.py imports the criterion, each rank imports it itself
+# (after fairseq_cli.train, which sets up fairseq-train's log format), then runs tests/fairseq_rank.py.
+_RANK_LAUNCHER = (
+    "import runpy, fairseq_cli.train, attn_reg_plugin.fairseq_plugin.hiddencut_label_smoothed_cross_entropy; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+HIDDENCUT_TRAIN = [
+    "--task", "translation", *TINY_TRANSFORMER, *HIDDENCUT, "--dropout", "0.1", "--optimizer", "adam",
+    "--lr", "1e-3", "--max-tokens", "500", "--cpu", "--seed", "3", "--no-progress-bar", "--log-format", "json",
+    "--log-interval", "1", "--no-epoch-checkpoints", "--max-epoch", "1",
+]  # fmt: skip
+
+
+@pytest.mark.slow  # two fairseq-train processes: about 30 s on 2 shared cores
+def test_two_gloo_ranks_without_find_unused_parameters(tiny_mt_data, tmp_path):
+    """fairseq-train's own loop on 2 CPU ranks (pytorch_ddp, find_unused_parameters off): both passes'
+    gradients reduced once, the ranks identical, and the JSON log carries hiddencut_js, hiddencut_cut and
+    hiddencut_tokens (summed over the ranks) at every update, none in validation."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from helpers import RANK_ENV, REPO, USER_DIR, free_port, train_updates
+
+    save, port, procs = tmp_path / "ckpt", free_port(), []
+    for rank in range(2):
+        cmd = [
+            sys.executable, "-c", "import sys; sys.argv = sys.argv[1:]; " + _RANK_LAUNCHER,
+            str(REPO / "tests" / "fairseq_rank.py"), str(tiny_mt_data["bin"]), "--user-dir", USER_DIR,
+            "--save-dir", str(save), *HIDDENCUT_TRAIN, "--ddp-backend", "pytorch_ddp",
+            "--distributed-world-size", "2", "--distributed-rank", str(rank), "--distributed-no-spawn",
+            "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-backend", "gloo",
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=RANK_ENV))
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), outs[0][-4000:] + outs[1][-4000:]
+    updates = train_updates(outs[0])
+    assert sorted(updates) == list(range(1, 7))  # 12 batches shared by 2 ranks
+    for row in updates.values():
+        assert float(row["hiddencut_js"]) > 0 and 0 < int(row["hiddencut_cut"]) < int(row["hiddencut_tokens"])
+    valid = json.loads(re.search(r"\| valid \| (\{.*\})", outs[0]).group(1))
+    assert not any(k.startswith("valid_hiddencut") for k in valid)
+    dumps = [torch.load(save / f"params-rank{r}-update6.pt") for r in range(2)]
+    assert all(torch.equal(dumps[0][k], dumps[1][k]) for k in dumps[0])
