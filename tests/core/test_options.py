@@ -9,6 +9,7 @@ import pytest
 
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
+from attn_reg_plugin.core.hiddencut import HiddenCutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.core.options import add_arguments, options_of
 from attn_reg_plugin.core.rdrop import RDropConfig
@@ -21,6 +22,7 @@ CONFIGS = [
     (ScheduledDropoutConfig, "attn_sched_dropout_"),
     (AttentionLayerDropConfig, "attn_layerdrop_"),
     (RDropConfig, "rdrop_"),
+    (HiddenCutConfig, "hiddencut_"),
 ]
 
 
@@ -42,11 +44,15 @@ def test_fairseq_flags_are_the_config_fields(config_cls, prefix):
     from attn_reg_plugin.fairseq_plugin.ad_drop_sentence_prediction import ADDropSentencePredictionConfig
     from attn_reg_plugin.fairseq_plugin.attn_reg_sentence_prediction import AttnRegSentencePredictionConfig
     from attn_reg_plugin.fairseq_plugin.attn_reg_translation import AttnRegTranslationConfig
+    from attn_reg_plugin.fairseq_plugin.hiddencut_label_smoothed_cross_entropy import (
+        HiddenCutLabelSmoothedCrossEntropyConfig,
+    )
     from attn_reg_plugin.fairseq_plugin.rdrop_label_smoothed_cross_entropy import RDropLabelSmoothedCrossEntropyConfig
 
     holders = {
         ADDropConfig: [ADDropLabelSmoothedCrossEntropyConfig, ADDropSentencePredictionConfig],
         RDropConfig: [RDropLabelSmoothedCrossEntropyConfig],
+        HiddenCutConfig: [HiddenCutLabelSmoothedCrossEntropyConfig],
     }.get(config_cls, [AttnRegTranslationConfig, AttnRegSentencePredictionConfig])
     for holder in holders:
         fields = {f.name: f for f in dataclasses.fields(holder)}
@@ -101,7 +107,8 @@ def test_docs_option_tables_are_generated_from_the_configs():
 
     doc = (REPO / "docs" / "OPTIONS.md").read_text(encoding="utf-8")
     assert with_generated_tables(doc) == doc, "run: .venv/bin/python tests/docs_tables.py docs/OPTIONS.md docs/HF.md"
-    for config in (ADDropConfig, AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig, RDropConfig):
+    configs = (ADDropConfig, AttendOutConfig, ScheduledDropoutConfig, AttentionLayerDropConfig, RDropConfig)
+    for config in (*configs, HiddenCutConfig):
         table = options_table(config)
         assert f"<!-- options: {config.__name__} -->\n{table}\n" in doc
         assert table.count("\n") == len(dataclasses.fields(config)) + 1  # header, rule, one row per field
