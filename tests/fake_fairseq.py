@@ -8,7 +8,7 @@ that run :func:`main` with the JSON ``plan`` file (:func:`write_plan`):
   5.0 - 0.1 x epoch, 0, 10; ``cells``: cell-name substring -> overrides of those per-epoch lists.
 - ``hang_after_epoch`` with ``hang_marker``: the first train run (no marker yet) creates the marker
   and sleeps after that epoch, as a run killed there; its PID is written to ``pid_dir``.
-- ``hyps``: "<cell>/seed<S>" substring -> how hypotheses read: "ref" (the reference), "drop:K"
+- ``hyps``: "<cell>/seed<S>/<split>" substring (the first that matches) -> how hypotheses read: "ref" (the reference), "drop:K"
   (every K-th word dropped), "long" (the reference five times), "junk"; ``refs``: the references.
 
 A checkpoint is a JSON file ``{"epoch": next epoch, "updates": n}``: like fairseq, train resumes
@@ -103,7 +103,7 @@ def _hypothesis(mode: str, ref: str) -> str:
 
 def generate(plan: dict, args) -> None:
     run = Path(_value(args, "--path")).parent.parent  # runs/<cell>/seed<S>
-    key = f"{run.parent.name}/{run.name}"
+    key = f"{run.parent.name}/{run.name}/{_value(args, '--gen-subset')}"  # <cell>/seed<S>/<split>
     mode = next((m for part, m in plan.get("hyps", {}).items() if part in key), "ref")
     for i, ref in enumerate(plan["refs"]):
         print(f"S-{i}\tsource {i}\nT-{i}\t{ref}\nH-{i}\t-0.5\t{ref}\nD-{i}\t-0.5\t{_hypothesis(mode, ref)}", flush=True)

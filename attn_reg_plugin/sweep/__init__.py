@@ -44,7 +44,6 @@ needs matplotlib). Bad options are refused before anything runs.
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -67,7 +66,7 @@ from .options import (
     probabilities,
     resolve_pair,
 )
-from .processes import LockedError, SweepStopped, out_dir_lock, stop_on_signals
+from .processes import run_locked
 from .records import log_fields
 from .report import write_json, write_results
 from .runs import check_fairseq_args, run_appended, run_cells, translate_and_score
@@ -96,6 +95,10 @@ __all__ = [
 ]
 
 
+# What the sweep writes (not the whole --out-dir: the data-bin may sit beside them).
+SWEEP_OUTPUTS = ("sweep.json", "sweep.lock", "cells", "runs", "results.json", "results.md", "heatmap.png")
+
+
 def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = print) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap, opts = parse_args(argv)
@@ -107,27 +110,8 @@ def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = prin
         check_fairseq_args(opts, cells)
     except (SweepError, OutputOverwritesInputError) as e:
         ap.error(str(e))
-    command = shlex.join(["attn-reg-mt-sweep", *argv])
-    try:
-        with stop_on_signals(), out_dir_lock(opts.out_dir, command, log):
-            return _locked_main(ap, opts, settings, cells, log)
-    except LockedError as e:
-        ap.error(str(e))
-    except (SweepStopped, KeyboardInterrupt) as e:
-        signum = getattr(e, "signum", 2)
-        ended = ", ".join(getattr(e, "ended", [])) or "no child was running"
-        print(
-            f"attn-reg-mt-sweep: stopped by {signal_name(signum)}: ended {ended}; finished runs are kept, the "
-            "same command resumes the rest",
-            file=sys.stderr,
-        )
-        return 128 + signum
-
-
-def signal_name(signum: int) -> str:
-    import signal
-
-    return signal.Signals(signum).name
+    body = lambda: _locked_main(ap, opts, settings, cells, log)
+    return run_locked(ap, opts.out_dir, "attn-reg-mt-sweep", argv, body, log)
 
 
 def _locked_main(ap, opts, settings: dict, cells: list, log: Callable[[str], None]) -> int:
@@ -151,7 +135,7 @@ def _locked_main(ap, opts, settings: dict, cells: list, log: Callable[[str], Non
     return 0
 
 
-def _check_inputs(opts) -> None:
+def _check_inputs(opts, written: Sequence[str] = SWEEP_OUTPUTS) -> None:
     """Sets the language pair; checks the data-bin, the reference files, and that nothing the sweep
     writes is one of them. Raises :class:`SweepError` or :class:`OutputOverwritesInputError`."""
     splits = ["train", "valid"] + (["test"] if opts.test else [])
@@ -160,8 +144,6 @@ def _check_inputs(opts) -> None:
     for option, prefix in refs:
         if prefix is not None and not Path(f"{prefix}.{opts.target_lang}").is_file():
             raise SweepError(f"{option} {prefix}: no such file {prefix}.{opts.target_lang}")
-    # What the sweep writes (not the whole --out-dir: the data-bin may sit beside them).
-    written = ["sweep.json", "sweep.lock", "cells", "runs", "results.json", "results.md", "heatmap.png"]
     check_outputs_spare_inputs(
         [("--out-dir", opts.out_dir / name) for name in written],
         [("DATA_BIN", opts.data_bin)]

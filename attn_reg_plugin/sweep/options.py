@@ -151,11 +151,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--layers", default="all", help="';'-separated list of --ad-drop-layers values, e.g. 'all;0' (default all)"
     )
     ap.add_argument("--schedule", default="cross-tuning", help=f"comma list of {', '.join(SCHEDULES)}")
+    ap.add_argument("--plain", action="store_true", help="also run plain training, for reference")
+    add_run_options(ap)
+    ap.add_argument(
+        "--test", action="store_true", help="also translate the test split (reported, never used to choose)"
+    )
+    return ap
+
+
+def add_run_options(ap: argparse.ArgumentParser) -> None:
+    """The options of every run, shared by attn-reg-mt-sweep and attn-reg-mt-compare: epochs, seeds,
+    the pair, and how translations are generated and scored."""
     ap.add_argument("--epochs", type=int, required=True, help="fairseq-train --max-epoch of every run (>= 1)")
     ap.add_argument("--seeds", default="1", help="comma list of seeds; a cell's score is the mean over them")
     ap.add_argument("--source-lang", help="source language (default: the data-bin's only pair)")
     ap.add_argument("--target-lang", help="target language")
-    ap.add_argument("--plain", action="store_true", help="also run plain training, for reference")
     ap.add_argument(
         "--post-process",
         default="sentencepiece",
@@ -167,9 +177,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--valid-ref",
         type=Path,
         help="prefix of the raw valid text (PREFIX.TARGET-LANG is the reference); default: fairseq's references",
-    )
-    ap.add_argument(
-        "--test", action="store_true", help="also translate the test split (reported, never used to choose)"
     )
     ap.add_argument("--test-ref", type=Path, help="prefix of the raw test text, with --test")
     ap.add_argument(
@@ -186,24 +193,28 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="extra fairseq-generate arguments, one string (e.g. '--tokenizer moses'); --cpu is passed when training has it",
     )
-    return ap
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
     """``(parser, options)``: the sweep's options checked and parsed into lists, ``options.train_args``
     the fairseq-train arguments after ``--``. A bad option exits through ``parser.error``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    train_args: List[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, train_args = argv[:split], argv[split + 1 :]
+    own, train_args = split_train_args(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
-    opts = ap.parse_args(argv)
+    opts = ap.parse_args(own)
     opts.train_args = train_args
     _parse_grid(ap, opts)
-    _parse_scoring(ap, opts)
-    _check_train_args(ap, train_args)
+    parse_scoring(ap, opts)
+    check_train_args(ap, train_args)
     return ap, opts
+
+
+def split_train_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """``(the command's own arguments, the fairseq-train arguments after '--')``."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    split = argv.index("--")
+    return argv[:split], argv[split + 1 :]
 
 
 def _parse_grid(ap, opts) -> None:
@@ -219,13 +230,18 @@ def _parse_grid(ap, opts) -> None:
             "--layers must be a ';'-separated list of distinct --ad-drop-layers values (all, or comma lists of "
             f"0-based layer indices), got {';'.join(opts.layers)!r}"
         )
-    if opts.epochs < 1:
-        ap.error(f"--epochs must be an integer >= 1, got {opts.epochs}")
+    parse_epochs_seeds(ap, opts)
     if any(first_ad_drop_epoch(schedule, opts.epochs) is None for schedule in opts.schedule):
         ap.error(
             f"--epochs {opts.epochs} with --schedule cross-tuning never runs AD-DROP (its first AD-DROP epoch is "
             "epoch 2): give --epochs >= 2, or --schedule always"
         )
+
+
+def parse_epochs_seeds(ap, opts) -> None:
+    """``--epochs`` checked, ``--seeds`` as a list of ints."""
+    if opts.epochs < 1:
+        ap.error(f"--epochs must be an integer >= 1, got {opts.epochs}")
     try:
         opts.seeds = [int(x) for x in opts.seeds.split(",") if x.strip()]
     except ValueError:
@@ -234,7 +250,7 @@ def _parse_grid(ap, opts) -> None:
         ap.error(f"--seeds must be a comma list of distinct integers >= 0, got {opts.seeds!r}")
 
 
-def _parse_scoring(ap, opts) -> None:
+def parse_scoring(ap, opts) -> None:
     """The fairseq-generate and sacrebleu options."""
     if opts.post_process not in POST_PROCESS:
         ap.error(f"--post-process must be one of {', '.join(map(repr, POST_PROCESS))}, got {opts.post_process!r}")
@@ -260,7 +276,7 @@ def _parse_scoring(ap, opts) -> None:
         ap.error(f"{own[0]} in --generate-args: give it as the sweep's own {own[0]} (it bounds every translation)")
 
 
-def _check_train_args(ap, train_args: List[str]) -> None:
+def check_train_args(ap, train_args: List[str]) -> None:
     """The fairseq-train arguments after ``--``: none the sweep sets itself, no other task, an --arch."""
     clash = [a for a in train_args if option_name(a) in OWNED]
     if clash:
@@ -296,6 +312,8 @@ def grid(opts) -> List[dict]:
 
 def cell_name(cell: dict) -> str:
     """The cell's folder and file name under ``--out-dir``, and its row in the table."""
+    if "name" in cell:  # a cell of attn-reg-mt-compare names itself (sweep.methods.method_cell)
+        return cell["name"]
     if cell["method"] == "plain":
         return "plain"
     p, q, layers = number_text(cell["p"]), number_text(cell["q"]), cell["layers"].replace(",", "-")

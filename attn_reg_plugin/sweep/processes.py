@@ -215,3 +215,26 @@ def _same_file(fd: int, path: Path) -> bool:
         return os.fstat(fd).st_ino == os.stat(path).st_ino
     except FileNotFoundError:
         return False
+
+
+# -- a command under the lock and the signals -----------------------------------------------------
+def run_locked(
+    ap, out: Path, prog: str, argv: Sequence[str], body: Callable[[], int], log: Callable[[str], None]
+) -> int:
+    """``body()`` with ``out`` locked and SIGTERM/SIGINT/SIGHUP ending the running child; a held lock
+    is ``ap.error``; a stop prints what it ended and returns 128 + the signal (attn-reg-mt-sweep's and
+    attn-reg-mt-compare's main)."""
+    try:
+        with stop_on_signals(), out_dir_lock(out, shlex.join([prog, *argv]), log):
+            return body()
+    except LockedError as e:
+        ap.error(str(e))
+    except (SweepStopped, KeyboardInterrupt) as e:
+        signum = getattr(e, "signum", 2)
+        ended = ", ".join(getattr(e, "ended", [])) or "no child was running"
+        print(
+            f"{prog}: stopped by {signal.Signals(signum).name}: ended {ended}; finished runs are kept, the "
+            "same command resumes the rest",
+            file=sys.stderr,
+        )
+        return 128 + signum

@@ -36,7 +36,9 @@ def _drop_ad_drop_args(args: Sequence[str]) -> List[str]:
 def train_command(cell: dict, seed: int, opts, save_dir: Path) -> List[str]:
     """The fairseq-train argument list (without the command) of one run."""
     user = list(opts.train_args)
-    if cell["method"] == "plain":
+    if "args" in cell:  # a cell of attn-reg-mt-compare: its method's own fairseq-train arguments
+        method = list(cell["args"])
+    elif cell["method"] == "plain":
         user = _drop_ad_drop_args(user)
         method = ["--criterion", PLAIN_CRITERION]
     else:
@@ -154,11 +156,14 @@ def translate_and_score(opts, checkpoint: Path, split: str, out_dir: Path, ref_p
         raise RuntimeError(f"fairseq-generate wrote {len(hyps)} hypotheses for {len(refs)} references ({log})")
     ordered = [hyps[i] for i in range(len(refs))]
     (out_dir / f"{split}.hyp").write_text("".join(h + "\n" for h in ordered), encoding="utf-8")
-    metric = sacrebleu.BLEU(tokenize=opts.tokenize)
-    score = metric.corpus_score(ordered, [refs])
+    (out_dir / f"{split}.ref").write_text("".join(r + "\n" for r in refs), encoding="utf-8")
+    metric, chrf = sacrebleu.BLEU(tokenize=opts.tokenize), sacrebleu.CHRF()
+    score, chrf_score = metric.corpus_score(ordered, [refs]), chrf.corpus_score(ordered, [refs])
     return {
         "bleu": round(score.score, 2),
         "sacrebleu": f"{score} ({metric.get_signature()})",
+        "chrf": round(chrf_score.score, 2),
+        "chrf_sacrebleu": f"{chrf_score} ({chrf.get_signature()})",
         "reference": reference,
         "sentences": len(refs),
         "empty_hypotheses": sum(1 for h in ordered if not h.strip()),
@@ -273,6 +278,8 @@ def all_records(out: Path, settings: dict) -> List[dict]:
         c = r["cell"]
         if c["method"] == "plain":
             return (0,)
+        if "p" not in c:  # a cell of attn-reg-mt-compare
+            return (2, cell_name(c))
         return (1, c["schedule"], c["layers"], c["attribution"], c["p"], c["q"])
 
     return sorted(records, key=order)

@@ -1,0 +1,145 @@
+"""``attn-reg-mt-compare``: the papers' regularizers against plain training on your own fairseq
+translation run, over seeds, with a verdict that says how sure it is.
+
+    attn-reg-mt-compare work/en-ro/data-bin --out-dir work/compare-en-ro --epochs 60 --seeds 1,2,3 \\
+        --methods plain,ad-drop,r-drop,dropkey,attendout \\
+        --method-args 'ad-drop=--ad-drop-p 0.5 --ad-drop-q 0.5' --method-args 'r-drop=--rdrop-alpha 5' -- \\
+        --arch transformer --share-all-embeddings --optimizer adam --lr 5e-4 --lr-scheduler inverse_sqrt \\
+        --warmup-updates 4000 --max-tokens 4096 --label-smoothing 0.1 --dropout 0.1
+
+Everything after ``--`` is your own ``fairseq-train`` command line, shared by every method (no
+criterion, no method's own flags). Methods: plain (label_smoothed_cross_entropy), ad-drop
+(ad_drop_label_smoothed_cross_entropy, the plugin's --ad-drop-* defaults), r-drop
+(rdrop_label_smoothed_cross_entropy --rdrop-alpha 5, the paper's MT alpha), dropkey
+(--attn-sched-dropout-schedule dropkey:0.1), attendout (--attendout), hiddencut
+(hiddencut_label_smoothed_cross_entropy, its defaults) and drophead (--attn-drophead-schedule,
+which you give: its V is in updates), each accepted only when the installed plugin provides it.
+``--method-args METHOD='ARGS'`` (repeatable) gives a method its own options (only its own flags:
+--ad-drop-*, --rdrop-*, --attn-sched-dropout-*, --attendout*, --hiddencut-*, --attn-drophead-*); they
+replace its defaults, and a method run with other options is another row (``r-drop__rdrop-alpha-3``).
+
+Each method and seed runs as attn-reg-mt-sweep runs a cell (task attn_reg_translation, the same
+resume, lock, signals and length-bounded fairseq-generate), and the valid and test splits are
+translated with its checkpoint_best.pt and scored by sacrebleu (detokenized BLEU and chrF). For
+each method: mean and sample sd over seeds of valid BLEU, test BLEU, test chrF and best valid
+loss ("n/a" for one seed); the paired difference to plain over the seeds both ran, with a 95%
+t-interval (mean ± t(0.975, n-1) sd / sqrt(n)); per seed, sacrebleu's paired bootstrap test of
+the method's test hypotheses against plain's (sacrebleu.significance.PairedTest, 1000 resamples),
+its p-value; and the verdict in words, on the interval over seeds (seeds are the evidence; a
+per-seed test alone over-claims). Written under ``--out-dir``: results.md, results.json,
+compare.png (needs matplotlib), cells/, runs/; results accumulate over commands (more seeds, more
+methods), never erasing runs already recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+from ..paths import OutputOverwritesInputError
+from . import _check_inputs, _check_same_settings, sweep_settings
+from .compare_report import write_comparison
+from .methods import METHODS, check_shared_args, method_cell, parse_method_args, parse_methods, plugin_provides
+from .options import SweepError, add_run_options, check_train_args, parse_epochs_seeds, parse_scoring, split_train_args
+from .processes import run_locked
+from .report import write_json
+from .runs import check_fairseq_args, run_cells
+
+PROG = "attn-reg-mt-compare"
+COMPARE_OUTPUTS = ("sweep.json", "sweep.lock", "cells", "runs", "results.json", "results.md", "compare.png")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage=f"{PROG} DATA_BIN --out-dir DIR --methods plain,... [options] -- FAIRSEQ-TRAIN-ARGS...",
+    )
+    ap.add_argument(
+        "data_bin", metavar="DATA_BIN", type=Path, help="the fairseq-preprocess output (train, valid, test)"
+    )
+    ap.add_argument("--out-dir", type=Path, required=True, help="where cells/, runs/, results.* and compare.png go")
+    ap.add_argument("--methods", required=True, help=f"comma list of {', '.join(METHODS)}, plain among them")
+    ap.add_argument(
+        "--method-args",
+        action="append",
+        default=[],
+        metavar="METHOD=ARGS",
+        help="a method's own fairseq-train options, e.g. 'r-drop=--rdrop-alpha 3' (repeatable; replace its defaults)",
+    )
+    add_run_options(ap)
+    return ap
+
+
+def parse_args(argv: Sequence[str], provided: Optional[set] = None):
+    """``(parser, options)``, ``options.cells`` the methods' cells; a bad option is ``parser.error``."""
+    own, train_args = split_train_args(argv)
+    ap = build_parser()
+    opts = ap.parse_args(own)
+    opts.train_args, opts.test = train_args, True  # the comparison is on the test split
+    parse_epochs_seeds(ap, opts)
+    parse_scoring(ap, opts)
+    try:
+        check_shared_args(train_args)
+        methods = parse_methods(opts.methods, provided)
+        given = parse_method_args(opts.method_args, methods)
+        opts.cells = [method_cell(m, given.get(m, []), opts.epochs) for m in methods]
+    except SweepError as e:
+        ap.error(str(e))
+    check_train_args(ap, train_args)
+    return ap, opts
+
+
+def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = print) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    provided = plugin_provides()
+    ap, opts = parse_args(argv, provided)
+    try:
+        _check_inputs(opts, COMPARE_OUTPUTS)
+        opts.data_bin = opts.data_bin.resolve()
+        settings = {**sweep_settings(opts), "command": PROG}
+        check_fairseq_args(opts, opts.cells)
+    except (SweepError, OutputOverwritesInputError) as e:
+        ap.error(str(e))
+    return run_locked(ap, opts.out_dir, PROG, argv, lambda: _locked_main(ap, opts, settings, log), log)
+
+
+def _locked_main(ap, opts, settings: dict, log: Callable[[str], None]) -> int:
+    try:
+        _check_same_settings(opts.out_dir, settings)
+        _check_same_cells(opts.out_dir, opts.cells)
+    except SweepError as e:
+        ap.error(str(e))
+    (opts.out_dir / "cells").mkdir(parents=True, exist_ok=True)
+    write_json(opts.out_dir / "sweep.json", settings)
+    names = ", ".join(c["name"] for c in opts.cells)
+    log(
+        f"== {PROG} {opts.source_lang}→{opts.target_lang} on {opts.data_bin}: {names} x {len(opts.seeds)} "
+        f"seed(s), {opts.epochs} epoch(s) each; outputs in {opts.out_dir}"
+    )
+    started = time.time()
+    try:
+        records = run_cells(opts.cells, opts, settings, log)
+    except SweepError as e:
+        ap.error(str(e))
+    write_comparison(records, opts, started, log)
+    return 0
+
+
+def _check_same_cells(out: Path, cells: List[dict]) -> None:
+    """A run folder of this name trained with other arguments (an older plugin's defaults) is
+    refused before anything runs: its checkpoints would be scored as this cell's."""
+    import json
+
+    for cell in cells:
+        for path in sorted((out / "runs" / cell["name"]).glob("seed*/result.json")):
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            if saved.get("cell") != cell:
+                raise SweepError(
+                    f"{path} ran {cell['name']} with {saved.get('cell', {}).get('args')}, now "
+                    f"{cell['args']}: use another --out-dir"
+                )

@@ -1,0 +1,179 @@
+"""What attn-reg-mt-compare writes: the methods' table over seeds, the paired differences to plain
+with sacrebleu's per-seed test, the verdicts, ``results.md``/``results.json`` and ``compare.png``,
+over every method run in the ``--out-dir`` (earlier commands' too)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from .methods import METHODS
+from .paired import METRICS, paired_difference, per_seed, read_lines, sacrebleu_paired_test, spread, verdict
+from .report import _versions, write_json
+from .verdict import flags, plain_of
+
+
+def ordered(records: List[dict]) -> List[dict]:
+    """Plain first, then the methods in METHODS order, each method's rows by name."""
+    rank = {name: i for i, name in enumerate(METHODS)}
+    return sorted(records, key=lambda r: (rank.get(r["cell"]["method"], len(rank)), r["name"]))
+
+
+def paired_tests(record: dict, plain: dict, out: Path, tokenize: str) -> Dict[int, dict]:
+    """sacrebleu's paired bootstrap test per seed both ran: the method's test.hyp against plain's, on
+    plain's test.ref (the method's must be the same references)."""
+    tests = {}
+    for seed in sorted(set(record["seeds"]) & set(plain["seeds"])):
+        base, mine = (out / "runs" / r["name"] / f"seed{seed}" for r in (plain, record))
+        refs = read_lines(base / "test.ref")
+        if read_lines(mine / "test.ref") != refs:
+            raise RuntimeError(f"{mine / 'test.ref'} and {base / 'test.ref'} differ: not the same test set")
+        tests[seed] = sacrebleu_paired_test(
+            read_lines(base / "test.hyp"), read_lines(mine / "test.hyp"), refs, tokenize
+        )
+    return tests
+
+
+def method_summary(record: dict, plain: dict, out: Path, tokenize: str) -> dict:
+    """One method's row: its metrics over seeds, differences to plain, per-seed tests and verdict."""
+    values = {key: per_seed(record, key) for key, *_ in METRICS}
+    base = {key: per_seed(plain, key) for key, *_ in METRICS}
+    summary = {
+        "name": record["name"],
+        "method": record["cell"]["method"],
+        "args": record["cell"].get("args"),
+        "seeds": record["seeds"],
+        "metrics": {key: {**spread(list(v.values())), "per_seed": v} for key, v in values.items()},
+        "flags": flags(record, plain),
+    }
+    if record is plain:
+        return summary
+    summary["differences"] = {key: paired_difference(values[key], base[key]) for key in values}
+    summary["paired_tests"] = paired_tests(record, plain, out, tokenize)
+    plain_bleu = spread(list(base["test_bleu"].values()))["mean"]
+    summary["verdict"] = verdict(
+        record["name"], summary["differences"], summary["paired_tests"], summary["flags"], plain_bleu
+    )
+    return summary
+
+
+def _num(x: Optional[float], digits: int, sign: bool = False) -> str:
+    return "-" if x is None else f"{{:{'+' if sign else ''}.{digits}f}}".format(x)
+
+
+def _mean_sd(m: dict, digits: int) -> str:
+    if m["mean"] is None:
+        return "-"
+    return f"{_num(m['mean'], digits)} ± {'n/a' if m['sd'] is None else _num(m['sd'], digits)}"
+
+
+def _difference(d: dict, digits: int) -> str:
+    if d["mean"] is None:
+        return "-"
+    interval = "n/a" if d["ci"] is None else f"[{_num(d['ci'][0], digits, True)}, {_num(d['ci'][1], digits, True)}]"
+    return f"{_num(d['mean'], digits, True)} {interval}"
+
+
+def tables(summaries: List[dict]) -> List[str]:
+    """results.md's two tables: each method over seeds; each method minus plain, paired over seeds."""
+    head = "| method | seeds | " + " | ".join(f"{label} (mean ± sd)" for _, label, _, _ in METRICS) + " | note |"
+    lines = [head, "|" + "---|" * (len(METRICS) + 3)]
+    for s in summaries:
+        cells = " | ".join(_mean_sd(s["metrics"][key], digits) for key, _, _, digits in METRICS)
+        lines.append(f"| {s['name']} | {','.join(map(str, s['seeds']))} | {cells} | {'; '.join(s['flags'])} |")
+    lines += ["", "| method − plain | paired seeds | " + " | ".join(f"{label} [95% CI]" for _, label, _, _ in METRICS)]
+    lines[-1] += " | sacrebleu paired bootstrap p, test BLEU (chrF), per seed |"
+    lines.append("|" + "---|" * (len(METRICS) + 3))
+    for s in summaries:
+        if "differences" not in s:
+            continue
+        d = s["differences"]
+        cells = " | ".join(_difference(d[key], digits) for key, _, _, digits in METRICS)
+        tests = ", ".join(
+            f"seed {seed}: {t['bleu_p']:.3f} ({t['chrf_p']:.3f})" for seed, t in s["paired_tests"].items()
+        )
+        lines.append(f"| {s['name']} | {','.join(map(str, d['test_bleu']['seeds']))} | {cells} | {tests or '-'} |")
+    return lines
+
+
+def write_comparison(records: List[dict], opts, started: float, log: Callable[[str], None]) -> None:
+    """results.md, results.json and compare.png of every method in ``records``; logs the tables."""
+    out: Path = opts.out_dir
+    plain = plain_of(records)
+    summaries = [method_summary(r, plain, out, opts.tokenize) for r in ordered(records)]
+    seeds = sorted({s for r in records for s in r["seeds"]})
+    title = (
+        f"Regularizers against plain, {opts.source_lang}→{opts.target_lang}, {opts.epochs} "
+        f"epoch{'s' * (opts.epochs != 1)}, seeds {','.join(map(str, seeds))}"
+    )
+    drawn = draw(summaries, out / "compare.png", title, log)
+    verdicts = [s["verdict"] for s in summaries if "verdict" in s]
+    reference = records[0]["runs"][0]["test"]["reference"]
+    lines = [f"{title}, on {opts.data_bin}", "", *tables(summaries), "", "Verdicts:", *(f"- {v}" for v in verdicts)]
+    lines += [
+        "",
+        f"BLEU and chrF: sacrebleu on detokenized fairseq-generate output (beam {opts.beam}) vs {reference}; "
+        "sd: sample sd over seeds (n/a for one seed); 95% CI: mean ± t(0.975, n-1) x sd / sqrt(n) of the "
+        "per-seed differences; p: sacrebleu's paired bootstrap resampling (1000 resamples) of each seed's "
+        "test hypotheses against plain's, which alone over-claims: the verdict rests on the seeds.",
+    ]
+    summary = {
+        "pair": f"{opts.source_lang}-{opts.target_lang}",
+        "direction": f"{opts.source_lang}→{opts.target_lang}",
+        "settings": records[0]["settings"],
+        "seeds": seeds,
+        "methods": summaries,
+        "verdicts": verdicts,
+        "plot": drawn,
+        "versions": _versions(),
+        "seconds": round(time.time() - started, 1),
+    }
+    write_json(out / "results.json", summary)
+    (out / "results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    log("\n".join(lines))
+    log(f"results: {out / 'results.md'}, {out / 'results.json'}" + (f", {drawn}" if drawn else ""))
+
+
+def draw(summaries: List[dict], path: Path, title: str, log: Callable[[str], None]) -> Optional[str]:
+    """compare.png: per method the mean test BLEU with each seed's point; each method's difference to
+    plain (test BLEU, best valid loss) with its 95% interval and the per-seed differences."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("compare.png skipped: matplotlib is not installed (pip install 'attn_reg_plugin[plots]')")
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    names = [s["name"] for s in summaries]
+    for i, s in enumerate(summaries):
+        m = s["metrics"]["test_bleu"]
+        axes[0].scatter([i] * len(m["per_seed"]), list(m["per_seed"].values()), color="gray", s=14, zorder=2)
+        if m["mean"] is not None:
+            axes[0].scatter([i], [m["mean"]], color="black", marker="_", s=400, zorder=3)
+    axes[0].set_title("test BLEU: mean (bar) and seeds (dots)")
+    others = [s for s in summaries if "differences" in s]
+    for ax, key, label in (
+        (axes[1], "test_bleu", "test BLEU − plain"),
+        (axes[2], "valid_loss", "best valid loss − plain"),
+    ):
+        for i, s in enumerate(others):
+            d = s["differences"][key]
+            ax.scatter([i] * len(d["per_seed"]), list(d["per_seed"].values()), color="gray", s=14, zorder=2)
+            if d["mean"] is not None:
+                low, high = d["ci"] if d["ci"] else (d["mean"], d["mean"])
+                ax.errorbar(
+                    [i], [d["mean"]], yerr=[[d["mean"] - low], [high - d["mean"]]], fmt="o", color="C0", capsize=5
+                )
+        ax.axhline(0.0, color="black", lw=0.8)
+        ax.set_title(f"{label}: mean, 95% CI over seeds, seeds (dots)")
+        ax.set_xticks(range(len(others)), [s["name"] for s in others], rotation=30, ha="right")
+    axes[0].set_xticks(range(len(names)), names, rotation=30, ha="right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)

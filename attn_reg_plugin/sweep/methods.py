@@ -1,0 +1,204 @@
+"""attn-reg-mt-compare's methods: each is a set of the plugin's fairseq-train arguments, added to the
+user's own (``--task attn_reg_translation`` for all), with its own options given by ``--method-args``.
+
+A method's defaults are its paper's where the paper gives one for MT (R-Drop's alpha 5), else the
+plugin's own defaults (AD-DROP, AttendOut, HiddenCut) or the documented example (DropKey's base rate
+0.1); DropHead's V-shaped schedule is in updates, so the user gives it. A method is accepted only
+when the installed plugin provides its criterion and task option (:func:`plugin_provides`). A
+method's ``--method-args`` replace its defaults option by option and may only name that method's
+own options (its flag prefix): a comparison of single regularizers, each against plain.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shlex
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from ..core.ad_drop_config import first_ad_drop_epoch
+from .options import AD_DROP_CRITERION, PLAIN_CRITERION, SweepError
+
+RDROP_CRITERION = "rdrop_label_smoothed_cross_entropy"
+HIDDENCUT_CRITERION = "hiddencut_label_smoothed_cross_entropy"
+
+
+class Method(NamedTuple):
+    criterion: str
+    defaults: Tuple[Tuple[str, ...], ...]  # (flag, value...) groups
+    prefixes: Tuple[str, ...]  # the flags --method-args may give it
+    task_flag: Optional[str]  # the attn_reg_translation option the method needs, if any
+    what: str  # for the docs and the refusals
+    required: Tuple[str, ...] = ()  # options the user must give (no default fits every run)
+
+
+METHODS: Dict[str, Method] = {
+    "plain": Method(PLAIN_CRITERION, (), (), None, "label_smoothed_cross_entropy, no regularizer (the reference)"),
+    "ad-drop": Method(AD_DROP_CRITERION, (), ("--ad-drop-",), None, "AD-DROP, the plugin's --ad-drop-* defaults"),
+    "r-drop": Method(RDROP_CRITERION, (("--rdrop-alpha", "5"),), ("--rdrop-",), None, "R-Drop, alpha 5 (its MT α)"),
+    "hiddencut": Method(HIDDENCUT_CRITERION, (), ("--hiddencut-",), None, "HiddenCut, its criterion's defaults"),
+    "drophead": Method(
+        PLAIN_CRITERION,
+        (),
+        ("--attn-drophead-",),
+        "--attn-drophead-schedule",
+        "DropHead: its V-shaped schedule is in updates, so give it for your run's length, e.g. "
+        "'drophead=--attn-drophead-schedule 0:0.1,N/2:0,N:0.1' for N updates",
+        ("--attn-drophead-schedule",),
+    ),
+    "dropkey": Method(
+        PLAIN_CRITERION,
+        (("--attn-sched-dropout-schedule", "dropkey:0.1"),),
+        ("--attn-sched-dropout-",),
+        "--attn-sched-dropout-schedule",
+        "DropKey, --attn-sched-dropout-schedule dropkey:0.1",
+    ),
+    "attendout": Method(
+        PLAIN_CRITERION, (("--attendout",),), ("--attendout",), "--attendout", "AttendOut, the plugin's defaults"
+    ),
+}
+# Flags of a method: after '--' they would apply to every method's runs (plain's included).
+METHOD_FLAG_PREFIXES = (
+    "--ad-drop-",
+    "--rdrop-",
+    "--hiddencut-",
+    "--attn-sched-dropout-",
+    "--attendout",
+    "--attn-layerdrop-",
+    "--attn-drophead-",
+)
+NAME_LIMIT = 60
+
+
+def parse_methods(text: str, provided: Optional[set]) -> List[str]:
+    """``--methods``: a comma list of distinct METHODS names, plain among them. A method the plugin
+    does not provide at run time (``provided``: :func:`plugin_provides`; None: not checked) is
+    refused naming the accepted list. Raises :class:`SweepError`."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    accepted = [m for m, spec in METHODS.items() if available(spec, provided)]
+    unknown = [m for m in names if m not in accepted]
+    if unknown:
+        why = "; ".join(_why_not(m, provided) for m in unknown)
+        raise SweepError(f"--methods {text!r}: {why}; accepted here: {', '.join(accepted)}")
+    if len(set(names)) != len(names):
+        raise SweepError(f"--methods {text!r} names a method twice")
+    if "plain" not in names or len(names) < 2:
+        raise SweepError(f"--methods {text!r}: give plain and at least one method to compare with it")
+    return ["plain"] + [m for m in names if m != "plain"]
+
+
+def available(spec: Method, provided: Optional[set]) -> bool:
+    needs = [spec.criterion] + ([spec.task_flag] if spec.task_flag else [])
+    return provided is None or all(n in provided for n in needs)
+
+
+def _why_not(name: str, provided: Optional[set]) -> str:
+    if name not in METHODS:
+        return f"{name!r} is not a method"
+    spec = METHODS[name]
+    needs = [f"fairseq criterion {spec.criterion}"] + ([f"task option {spec.task_flag}"] if spec.task_flag else [])
+    missing = [n for n in needs if n.rsplit(" ", 1)[1] not in (provided or ())]
+    return f"{name}: the installed plugin has no {' and no '.join(missing)}"
+
+
+def plugin_provides() -> set:
+    """What fairseq-train will accept with the plugin's user dir: the criteria's names and the
+    attn_reg_translation task's options (``--attn-drophead-schedule``)."""
+    import argparse
+    import logging
+
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    from fairseq import utils  # its import sets the root logger to DEBUG with a handler: undone below
+    from fairseq.criterions import CRITERION_REGISTRY
+    from fairseq.tasks import TASK_DATACLASS_REGISTRY
+
+    from ..user_dir import FAIRSEQ_USER_DIR
+    from .options import TASK
+
+    root.setLevel(level)
+    root.handlers[:] = handlers
+    utils.import_user_module(argparse.Namespace(user_dir=FAIRSEQ_USER_DIR))
+    fields = TASK_DATACLASS_REGISTRY[TASK].__dataclass_fields__
+    return set(CRITERION_REGISTRY) | {"--" + name.replace("_", "-") for name in fields}
+
+
+def _groups(words: Sequence[str]) -> List[Tuple[str, ...]]:
+    """``--flag value ...`` words as (flag, values...) groups; ``--flag=value`` as (flag, value)."""
+    groups: List[List[str]] = []
+    for word in words:
+        if word.startswith("--"):
+            groups.append(word.split("=", 1))
+        elif groups:
+            groups[-1].append(word)
+        else:
+            raise SweepError(f"{word!r} is not an option (options start with '--')")
+    return [tuple(g) for g in groups]
+
+
+def parse_method_args(values: Sequence[str], methods: Sequence[str]) -> Dict[str, List[Tuple[str, ...]]]:
+    """``--method-args METHOD=ARGS`` (repeatable): each method's own options, checked against its
+    flag prefixes. Raises :class:`SweepError` naming the option."""
+    out: Dict[str, List[Tuple[str, ...]]] = {}
+    for value in values:
+        name, sep, text = value.partition("=")
+        name = name.strip()
+        where = f"--method-args {value!r}"
+        if not sep or name not in METHODS:
+            raise SweepError(f"{where}: expected METHOD=ARGS with METHOD one of {', '.join(METHODS)}")
+        if name not in methods:
+            raise SweepError(f"{where}: {name} is not in --methods ({','.join(methods)})")
+        if name in out:
+            raise SweepError(f"{where}: {name} has --method-args twice; give its options in one string")
+        prefixes = METHODS[name].prefixes
+        try:
+            groups = _groups(shlex.split(text))
+        except (SweepError, ValueError) as e:
+            raise SweepError(f"{where}: {e}") from None
+        foreign = [g[0] for g in groups if not g[0].startswith(prefixes)]
+        if foreign or not groups:
+            own = (
+                " or ".join(f"{p}*" for p in prefixes) or "none (plain is the reference; shared options go after '--')"
+            )
+            raise SweepError(f"{where}: {name}'s options are {own}; got {', '.join(foreign) or 'nothing'}")
+        out[name] = groups
+    return out
+
+
+def method_cell(name: str, given: Sequence[Tuple[str, ...]], epochs: int) -> dict:
+    """The cell of ``name`` with its options ``given`` over its defaults: ``{"method", "name",
+    "args"}``, its name the method's, plus its options when they differ from the defaults."""
+    spec = METHODS[name]
+    merged = {g[0]: g for g in spec.defaults}
+    merged.update({g[0]: g for g in given})
+    missing = [flag for flag in spec.required if flag not in merged]
+    if missing:
+        raise SweepError(f"{name} needs {', '.join(missing)} in --method-args: {spec.what}")
+    args = ["--criterion", spec.criterion] + [w for g in merged.values() for w in g]
+    changed = [g for g in merged.values() if g not in spec.defaults]
+    label = name
+    if changed:
+        slug = re.sub(r"[^A-Za-z0-9.]+", "-", " ".join(w.lstrip("-") for g in changed for w in g)).strip("-")
+        if len(slug) > NAME_LIMIT:
+            slug = slug[:NAME_LIMIT] + "-" + hashlib.sha1(slug.encode()).hexdigest()[:8]
+        label = f"{name}__{slug}"
+    if name == "ad-drop":
+        schedule = merged.get("--ad-drop-schedule", ("", "cross-tuning"))[-1]
+        if first_ad_drop_epoch(schedule, epochs) is None:
+            raise SweepError(
+                f"--epochs {epochs} with ad-drop's --ad-drop-schedule {schedule} never runs AD-DROP (its first "
+                "AD-DROP epoch is epoch 2): give --epochs >= 2, or --method-args 'ad-drop=--ad-drop-schedule always'"
+            )
+    return {"method": name, "name": label, "args": args}
+
+
+def check_shared_args(train_args: Sequence[str]) -> None:
+    """The fairseq-train arguments after '--' are every method's: no method's own flag, no criterion."""
+    clash = [
+        a.split("=", 1)[0] for a in train_args if a.startswith(METHOD_FLAG_PREFIXES) or a.startswith("--criterion")
+    ]
+    if clash:
+        raise SweepError(
+            f"{', '.join(dict.fromkeys(clash))} after '--': the arguments there are every method's, plain's "
+            "included; each method sets its criterion, give a method's own options with --method-args METHOD='...'"
+        )

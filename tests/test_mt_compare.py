@@ -1,0 +1,380 @@
+"""attn-reg-mt-compare (issue 42, part 2): the methods against plain on the user's run, on stand-in
+fairseq children (tests/fake_fairseq.py), and its statistics on hand-made records.
+
+- methods are parsed and refused before any run (unknown, unavailable, misplaced options);
+- each method's fairseq-train arguments reach its runs;
+- means, sample sds ("n/a" for one seed), paired differences and their 95% t-intervals, checked by hand;
+- sacrebleu's own paired bootstrap test is called on the runs' test hypotheses and references, and its
+  p-value is what the table shows;
+- the verdict in words for constructed cases; results accumulate over commands.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import fake_fairseq
+import pytest
+
+from attn_reg_plugin.sweep import compare, compare_report, methods, paired
+from attn_reg_plugin.sweep import runs as sweep_runs
+from attn_reg_plugin.sweep.verdict import summarize
+
+REFS = [f"the {a} cat sees the {b} dog again today." for a in ("big", "small", "old", "new") for b in ("red", "white")]
+ALL = "plain,ad-drop,r-drop,dropkey,attendout"
+# What plugin_provides says of a plugin without HiddenCut and DropHead: criteria, task options.
+PROVIDED = {
+    "label_smoothed_cross_entropy",
+    "ad_drop_label_smoothed_cross_entropy",
+    "rdrop_label_smoothed_cross_entropy",
+    "--attn-sched-dropout-schedule",
+    "--attendout",
+}
+
+
+def _data_bin(root: Path) -> Path:
+    """Just the files the command checks: dictionaries of 10 types, empty train/valid/test binaries."""
+    data_bin = root / "data-bin"
+    data_bin.mkdir()
+    for lang in ("tr", "en"):
+        (data_bin / f"dict.{lang}.txt").write_text("".join(f"w{i} 1\n" for i in range(10)))
+        for split in ("train", "valid", "test"):
+            for ext in ("bin", "idx"):
+                (data_bin / f"{split}.tr-en.{lang}.{ext}").write_bytes(b"")
+    return data_bin
+
+
+@pytest.fixture()
+def fake(tmp_path, monkeypatch):
+    """``fake["plan"](**plan)`` sets the children's plan, ``fake["argv"](out, ...)`` a command line,
+    ``fake["calls"]`` counts the children started."""
+    data_bin = _data_bin(tmp_path)
+    plan_path = tmp_path / "plan.json"
+    exes = fake_fairseq.install(tmp_path / "bin", plan_path)
+    calls = {"fairseq-train": 0, "fairseq-generate": 0}
+    real = sweep_runs.run_appended
+
+    def run(cmd, *args, **kwargs):
+        calls[cmd[0].rsplit("/", 1)[-1]] += 1
+        return real(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(sweep_runs, "fairseq_command", lambda name: exes[name])
+    monkeypatch.setattr(sweep_runs, "run_appended", run)
+    monkeypatch.setattr(compare, "check_fairseq_args", lambda *a: None)
+    monkeypatch.setattr(compare, "plugin_provides", lambda: set(PROVIDED))
+
+    def plan(**kwargs):
+        fake_fairseq.write_plan(plan_path, refs=REFS, **kwargs)
+
+    def argv(out, *extra, methods=ALL, seeds="1,2", epochs="3", train=("--arch", "transformer", "--cpu")):
+        return [
+            str(data_bin), "--out-dir", str(out), "--methods", methods, "--epochs", epochs, "--seeds", seeds,
+            *extra, "--", *train,
+        ]  # fmt: skip
+
+    plan()
+    return {"plan": plan, "argv": argv, "calls": calls}
+
+
+# -- methods and refusals -------------------------------------------------------------------------
+def test_methods_are_parsed_in_order_plain_first_and_refused_when_unavailable():
+    assert methods.parse_methods("r-drop, plain,dropkey", PROVIDED) == ["plain", "r-drop", "dropkey"]
+    with pytest.raises(
+        methods.SweepError,
+        match=r"'dropout' is not a method; accepted here: plain, ad-drop, r-drop, dropkey, attendout$",
+    ):
+        methods.parse_methods("plain,dropout", PROVIDED)
+    with pytest.raises(
+        methods.SweepError, match="hiddencut: the installed plugin has no fairseq criterion hiddencut_label_smoothed"
+    ):
+        methods.parse_methods("plain,hiddencut", PROVIDED)
+    with pytest.raises(
+        methods.SweepError,
+        match="drophead: the installed plugin has no task option --attn-drophead-schedule; accepted here: plain, ",
+    ):
+        methods.parse_methods("plain,drophead", PROVIDED)
+    # Each is accepted once the plugin provides its criterion or task option.
+    more = PROVIDED | {"hiddencut_label_smoothed_cross_entropy", "--attn-drophead-schedule"}
+    assert methods.parse_methods("plain,hiddencut,drophead", more) == ["plain", "hiddencut", "drophead"]
+    for text, message in (
+        ("ad-drop", "give plain and at least one"),
+        ("plain", "give plain and at least one"),
+        ("plain,r-drop,r-drop", "names a method twice"),
+    ):
+        with pytest.raises(methods.SweepError, match=message):
+            methods.parse_methods(text, PROVIDED)
+
+
+def test_the_installed_plugin_decides_hiddencut_and_drophead():
+    pytest.importorskip("fairseq")
+    provided = methods.plugin_provides()
+    assert PROVIDED <= provided
+    for method, needs in (
+        ("hiddencut", "hiddencut_label_smoothed_cross_entropy"),
+        ("drophead", "--attn-drophead-schedule"),
+    ):
+        try:
+            methods.parse_methods(f"plain,{method}", provided)
+            assert needs in provided
+        except methods.SweepError:
+            assert needs not in provided
+
+
+def test_method_cells_merge_options_over_defaults_and_name_what_differs():
+    cell = methods.method_cell("r-drop", [], 3)
+    assert cell == {
+        "method": "r-drop",
+        "name": "r-drop",
+        "args": ["--criterion", "rdrop_label_smoothed_cross_entropy", "--rdrop-alpha", "5"],
+    }
+    assert methods.method_cell("r-drop", [("--rdrop-alpha", "5")], 3)["name"] == "r-drop"  # the default, spelled out
+    three = methods.method_cell("r-drop", [("--rdrop-alpha", "3")], 3)
+    assert three["args"][-2:] == ["--rdrop-alpha", "3"] and three["name"] == "r-drop__rdrop-alpha-3"
+    assert methods.method_cell("dropkey", [], 3)["args"] == [
+        "--criterion", "label_smoothed_cross_entropy", "--attn-sched-dropout-schedule", "dropkey:0.1",
+    ]  # fmt: skip
+    assert methods.method_cell("attendout", [("--attendout-dropout-step", "10")], 3)["args"] == [
+        "--criterion", "label_smoothed_cross_entropy", "--attendout", "--attendout-dropout-step", "10",
+    ]  # fmt: skip
+    with pytest.raises(
+        methods.SweepError, match="--epochs 1 with ad-drop's --ad-drop-schedule cross-tuning never runs"
+    ):
+        methods.method_cell("ad-drop", [], 1)
+    assert (
+        methods.method_cell("ad-drop", [("--ad-drop-schedule", "always")], 1)["name"]
+        == "ad-drop__ad-drop-schedule-always"
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, train, message",
+    [
+        (
+            ["--methods", "plain,drophead"],
+            None,
+            "drophead: the installed plugin has no task option --attn-drophead-schedule; accepted here: plain, ad-drop",
+        ),
+        (["--methods", "plain,hiddencut"], None, "hiddencut: the installed plugin has no fairseq criterion"),
+        (
+            ["--methods", "plain,r-drop", "--method-args", "dropkey=--attn-sched-dropout-schedule dropkey:0.2"],
+            None,
+            "dropkey is not in --methods",
+        ),
+        (
+            ["--methods", "plain,r-drop", "--method-args", "r-drop=--attendout"],
+            None,
+            "r-drop's options are --rdrop-*; got --attendout",
+        ),
+        (["--methods", "plain,r-drop", "--method-args", "plain=--dropout 0.3"], None, "plain's options are none"),
+        (
+            ["--methods", "plain,r-drop", "--method-args", "rdrop=--rdrop-alpha 1"],
+            None,
+            "expected METHOD=ARGS with METHOD one of plain",
+        ),
+        (
+            [],
+            ["--arch", "transformer", "--rdrop-alpha", "3"],
+            "--rdrop-alpha after '--': the arguments there are every method's",
+        ),
+        ([], ["--arch", "transformer", "--criterion", "x"], "--criterion after '--'"),
+        ([], ["--arch", "transformer", "--seed", "3"], "--seed after '--' are set by the sweep"),
+        (["--epochs", "1"], None, "--epochs 1 with ad-drop's --ad-drop-schedule cross-tuning never runs AD-DROP"),
+        (["--seeds", "1,1"], None, "--seeds must be a comma list of distinct integers"),
+    ],
+)
+def test_bad_options_are_refused_before_any_run(fake, tmp_path, capsys, extra, train, message):
+    argv = fake["argv"](tmp_path / "o", train=train or ("--arch", "transformer"))
+    argv[argv.index("--") : argv.index("--")] = extra  # later options win: --methods, --epochs, --seeds replaced
+    with pytest.raises(SystemExit):
+        compare.main(argv)
+    assert message in capsys.readouterr().err
+    assert fake["calls"] == {"fairseq-train": 0, "fairseq-generate": 0} and not (tmp_path / "o").exists()
+
+
+# -- the command on stand-in children -------------------------------------------------------------
+def _train_line(out: Path, name: str, seed: int) -> str:
+    return (out / "runs" / name / f"seed{seed}" / "train.log").read_text().split("\n", 1)[0]
+
+
+def test_each_methods_arguments_reach_its_runs_and_results_accumulate(fake, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    extra = ["--method-args", "ad-drop=--ad-drop-p 0.5 --ad-drop-q 0.5", "--method-args", "r-drop=--rdrop-alpha 3"]
+    fake["plan"](
+        hyps={"plain/": "drop:3", "ad-drop": "drop:3", "r-drop": "ref", "dropkey": "drop:4", "attendout": "drop:5"}
+    )
+    assert compare.main(fake["argv"](out, *extra)) == 0
+    assert fake["calls"] == {"fairseq-train": 10, "fairseq-generate": 20}  # 5 methods x 2 seeds; valid and test
+    ad_drop, r_drop = "ad-drop__ad-drop-p-0.5-ad-drop-q-0.5", "r-drop__rdrop-alpha-3"
+    expected = {
+        "plain": "--criterion label_smoothed_cross_entropy --max-epoch 3",
+        ad_drop: "--criterion ad_drop_label_smoothed_cross_entropy --ad-drop-p 0.5 --ad-drop-q 0.5 --max-epoch",
+        r_drop: "--criterion rdrop_label_smoothed_cross_entropy --rdrop-alpha 3 --max-epoch",
+        "dropkey": "--criterion label_smoothed_cross_entropy --attn-sched-dropout-schedule dropkey:0.1 --max-epoch",
+        "attendout": "--criterion label_smoothed_cross_entropy --attendout --max-epoch",
+    }
+    for name, args in expected.items():
+        for seed in (1, 2):
+            line = _train_line(out, name, seed)
+            assert args in line and "--task attn_reg_translation" in line and f"--seed {seed} " in line
+    assert "--rdrop" not in _train_line(out, "plain", 1) and "--ad-drop" not in _train_line(out, r_drop, 1)
+
+    results = json.loads((out / "results.json").read_text())
+    assert [m["name"] for m in results["methods"]] == ["plain", ad_drop, r_drop, "dropkey", "attendout"]
+    by_name = {m["name"]: m for m in results["methods"]}
+    assert (
+        by_name[r_drop]["metrics"]["test_bleu"]["mean"] == 100.0
+        and by_name[r_drop]["metrics"]["test_bleu"]["sd"] == 0.0
+    )
+    assert by_name[r_drop]["differences"]["test_bleu"]["mean"] > 20  # the references against every 3rd word dropped
+    assert (
+        by_name[ad_drop]["differences"]["test_bleu"]["mean"] == 0.0
+    )  # the same hypotheses as plain ("drop:3" is plain's)
+    table = (out / "results.md").read_text()
+    assert "| method − plain | paired seeds |" in table and "Verdicts:" in table and (out / "compare.png").exists()
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # A second command: a third seed for plain and R-Drop only. Nothing recorded is erased or retrained.
+    capsys.readouterr()
+    assert (
+        compare.main(fake["argv"](out, "--method-args", "r-drop=--rdrop-alpha 3", methods="plain,r-drop", seeds="3"))
+        == 0
+    )
+    assert fake["calls"] == {"fairseq-train": 12, "fairseq-generate": 24}
+    results = json.loads((out / "results.json").read_text())
+    seeds = {m["name"]: m["seeds"] for m in results["methods"]}
+    assert seeds == {"plain": [1, 2, 3], ad_drop: [1, 2], r_drop: [1, 2, 3], "dropkey": [1, 2], "attendout": [1, 2]}
+    assert json.loads((out / "results.json").read_text())["seeds"] == [1, 2, 3]
+    assert f"| {ad_drop} | 1,2 |" in (out / "results.md").read_text()
+
+
+def test_sacrebleus_paired_test_gets_the_runs_hypotheses_and_its_p_value_is_in_the_table(fake, tmp_path, monkeypatch):
+    from sacrebleu import significance
+
+    seen = []
+    real = significance.PairedTest
+
+    class Spy(real):
+        def __init__(self, named_systems, metrics, references, **kwargs):
+            seen.append({"systems": named_systems, "references": references, **kwargs})
+            super().__init__(named_systems, metrics, references, **kwargs)
+
+        def __call__(self):
+            signatures, scores = super().__call__()
+            seen[-1]["p"] = scores["BLEU"][1].p_value
+            seen[-1]["chrf_p"] = scores["chrF2"][1].p_value
+            return signatures, scores
+
+    monkeypatch.setattr(significance, "PairedTest", Spy)
+    out = tmp_path / "cmp"
+    fake["plan"](
+        hyps={
+            "r-drop/seed1/valid": "drop:3",  # valid differs from test: the test split's are the ones compared
+            "plain/seed1": "drop:2",
+            "plain/seed2": "drop:6",
+            "r-drop/seed1": "ref",
+            "r-drop/seed2": "drop:5",
+        }  # fmt: skip
+    )
+    assert compare.main(fake["argv"](out, methods="plain,r-drop")) == 0
+    assert len(seen) == 2 and all(s["test_type"] == "bs" and s["n_samples"] == 1000 for s in seen)
+    drop2 = [fake_fairseq._hypothesis("drop:2", r) for r in REFS]
+    drop5 = [fake_fairseq._hypothesis("drop:5", r) for r in REFS]
+    assert seen[0]["systems"] == [("plain", drop2), ("method", REFS)] and seen[0]["references"] == [REFS]
+    assert seen[1]["systems"][1] == ("method", drop5) and seen[1]["references"] == [REFS]
+    table = (out / "results.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| r-drop | 1,2 | +"))
+    assert seen[1]["p"] != seen[1]["chrf_p"]  # so that the row shows which is which
+    for seed, test in enumerate(seen, 1):
+        assert f"seed {seed}: {test['p']:.3f} ({test['chrf_p']:.3f})" in row
+    assert seen[0]["p"] < 0.05  # every word against half the words: sacrebleu calls it significant
+
+
+# -- statistics and verdicts on hand-made records -------------------------------------------------
+def _run(seed, valid_bleu, test_bleu, chrf, loss):
+    return {
+        "seed": seed, "valid_bleu": valid_bleu, "test_bleu": test_bleu, "valid_loss": loss, "final_valid_loss": loss,
+        "test": {"chrf": chrf}, "valid": {"length_ratio": 1.0, "empty_hypotheses": 0}, "ad_drop_rate": None,
+        "ad_drop_skipped": None, "diverged": None, "missing_epochs": [], "train_seconds": 1.0,
+    }  # fmt: skip
+
+
+def _record(name, rows):
+    cell = {"method": name.split("__")[0], "name": name, "args": []}
+    return summarize(cell, [_run(*row) for row in rows], {})
+
+
+def test_t_quantiles_are_students():
+    stats = pytest.importorskip("scipy.stats")
+    for df in (1, 2, 3, 4, 9, 30, 31, 60, 200):
+        assert paired.t_quantile(df) == pytest.approx(stats.t.ppf(0.975, df), abs=6e-4)
+
+
+def test_table_means_spreads_and_intervals_by_hand(tmp_path, monkeypatch):
+    monkeypatch.setattr(compare_report, "paired_tests", lambda *a: {})
+    plain = _record("plain", [(1, 20.0, 29.0, 50.0, 4.00), (2, 21.0, 30.5, 51.0, 4.10), (3, 22.0, 31.0, 52.0, 4.20)])
+    method = _record("r-drop", [(1, 21.0, 30.0, 50.5, 3.95), (2, 21.0, 31.0, 51.5, 4.05), (3, 23.0, 32.5, 52.5, 4.10)])
+    one = _record("dropkey", [(1, 19.0, 28.0, 49.0, 4.05)])
+    summaries = [compare_report.method_summary(r, plain, tmp_path, "13a") for r in (plain, method, one)]
+    d = summaries[1]["differences"]["test_bleu"]
+    # differences 1.0, 0.5, 1.5: mean 1, sample sd 0.5, half width 4.303 x 0.5 / sqrt(3) = 1.2422
+    assert (
+        d["per_seed"] == {1: 1.0, 2: 0.5, 3: 1.5} and d["mean"] == pytest.approx(1.0) and d["sd"] == pytest.approx(0.5)
+    )
+    assert d["ci"] == pytest.approx([1.0 - 1.24217, 1.0 + 1.24217], abs=1e-4)
+    loss = summaries[1]["differences"]["valid_loss"]  # -0.05, -0.05, -0.10: mean -0.0667, sd 0.02887, half 0.0717
+    assert loss["mean"] == pytest.approx(-0.066667, abs=1e-5) and loss["ci"] == pytest.approx(
+        [-0.13838, 0.00505], abs=1e-4
+    )
+    assert summaries[1]["metrics"]["test_bleu"]["sd"] == pytest.approx(
+        math.sqrt(((30 - 31.1667) ** 2 + (31 - 31.1667) ** 2 + (32.5 - 31.1667) ** 2) / 2), abs=1e-4
+    )
+    lines = compare_report.tables(summaries)
+    assert "| r-drop | 1,2,3 | 21.67 ± 1.15 | 31.17 ± 1.26 | 51.50 ± 1.00 | 4.033 ± 0.076 |  |" in lines
+    assert "| dropkey | 1 | 19.00 ± n/a | 28.00 ± n/a | 49.00 ± n/a | 4.050 ± n/a |  |" in lines
+    assert (
+        "| r-drop | 1,2,3 | +0.67 [-0.77, +2.10] | +1.00 [-0.24, +2.24] | +0.50 [+0.50, +0.50] | -0.067 [-0.138, +0.005] | - |"
+        in lines
+    )
+    assert "| dropkey | 1 | -1.00 n/a | -1.00 n/a | -1.00 n/a | +0.050 n/a | - |" in lines
+
+
+def _diffs(bleu, loss):
+    return {"test_bleu": paired.paired_difference(*bleu), "valid_loss": paired.paired_difference(*loss)}
+
+
+def _tests(*ps, better=True):
+    return {i + 1: {"bleu_p": p, "bleu": 31.0 if better else 29.0, "bleu_plain": 30.0} for i, p in enumerate(ps)}
+
+
+def test_verdict_sentences():
+    plain_b, plain_l = {1: 30.0, 2: 30.5, 3: 29.5}, {1: 4.0, 2: 4.1, 3: 4.2}
+    better = _diffs(({1: 32.0, 2: 32.4, 3: 31.7}, plain_b), ({1: 4.0, 2: 4.1, 3: 4.2}, plain_l))
+    text = paired.verdict("r-drop", better, _tests(0.001, 0.2, 0.01), [], 30.0)
+    assert text.startswith("r-drop: better: test BLEU +2.03 [") and text.endswith(
+        "at 3 seeds, and sacrebleu's paired test (p < 0.05) agrees at 2 of 3 seed(s)"
+    )
+    noise = _diffs(({1: 30.6, 2: 30.1, 3: 29.9}, plain_b), ({1: 4.05, 2: 4.05, 3: 4.25}, plain_l))
+    text = paired.verdict("dropkey", noise, _tests(0.04, 0.5, 0.6), [], 30.0)
+    assert text.startswith("dropkey: not distinguishable from plain at 3 seeds (test BLEU +0.20 [")
+    assert text.endswith("agrees at 1 of 3 seed(s), but the seeds do not: a per-seed test alone over-claims")
+    loss_only = _diffs(({1: 30.5, 2: 30.0, 3: 29.8}, plain_b), ({1: 3.96, 2: 4.05, 3: 4.16}, plain_l))
+    text = paired.verdict("ad-drop", loss_only, _tests(0.3, 0.4, 0.5), [], 30.0)
+    assert text.startswith("ad-drop: better on valid loss at every seed (best valid loss -0.043 [")
+    assert "BLEU within noise (test BLEU +0.10 [" in text and text.endswith("at 3 seeds")
+    # Lower loss at 4 of 5 seeds, its interval below 0: better on valid loss, not "at every seed".
+    five_b, five_l = dict.fromkeys(range(1, 6), 30.0), dict.fromkeys(range(1, 6), 4.0)
+    loss_most = _diffs(({**five_b, 1: 30.4}, five_b), ({1: 3.9, 2: 3.9, 3: 3.9, 4: 3.9, 5: 4.01}, five_l))
+    text = paired.verdict("ad-drop", loss_most, {}, [], 30.0)
+    assert text.startswith("ad-drop: better on valid loss (best valid loss -0.078 [-0.139, -0.017])")
+    one = _diffs(({1: 31.0}, plain_b), ({1: 3.9}, plain_l))
+    assert paired.verdict("attendout", one, _tests(0.01), [], 30.0).startswith(
+        "attendout: not distinguishable from plain at 1 seed (test BLEU +1.00 (one seed, no interval); no seed spread"
+    )
+    worse = _diffs(({1: 28.0, 2: 28.4, 3: 27.7}, plain_b), ({1: 4.0, 2: 4.1, 3: 4.2}, plain_l))
+    assert paired.verdict("x", worse, _tests(0.01, 0.01, 0.01, better=False), [], 30.0).startswith(
+        "x: worse: test BLEU -1.97 ["
+    )
+    assert (
+        paired.verdict("x", better, {}, ["diverged (seed 1: ...)"], 30.0) == "x: not compared: diverged (seed 1: ...)"
+    )
+    assert "plain's test BLEU is 0.50: the models do not translate yet" in paired.verdict("x", better, {}, [], 0.5)
