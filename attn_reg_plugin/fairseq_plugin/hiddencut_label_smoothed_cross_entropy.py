@@ -8,7 +8,7 @@ the point the paper cuts (fairseq's ``TransformerEncoderLayerBase`` names it, in
 span's start is drawn among the tokens that receive the most attention in that layer's self-attention
 of the clean pass: the head-averaged softmax of the layer's own q and k (its ``q_proj``, ``k_proj``,
 ``scaling``), recomputed without gradient from the attention's input (fairseq's encoder calls its
-attention with ``need_weights=False``, so no map comes back). The loss is the sum over real target
+attention with ``need_weights=False``, so no map comes back), before attention dropout. The loss is the sum over real target
 tokens of both passes' label-smoothed CE plus alpha times their JS divergence, divided by one copy's
 ``ntokens``. Validation: one pass, the stock loss.
 
@@ -74,7 +74,7 @@ def self_attention_received(attn, query, key_padding_mask, attn_mask) -> tuple:
     with torch.no_grad():
         q = (attn.q_proj(query) * attn.scaling).view(length, batch, heads, head_dim).permute(1, 2, 0, 3)
         k = attn.k_proj(query).view(length, batch, heads, head_dim).permute(1, 2, 0, 3)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float()  # (B, H, T, T)
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2))  # (B, H, T, T), fp32 under --fp16 too
         if attn_mask is not None:
             scores = scores + attn_mask.float()
         valid = torch.ones(batch, length, dtype=torch.bool, device=query.device)

@@ -13,9 +13,10 @@ checkpoints, ``GradientCheckpointingLayer``; the encoder's for an encoder-decode
 paper's feed-forward output, which no name common to the families reaches (BERT adds it to the
 residual inside ``BertOutput``). Cutting the layer output zeroes the whole token, residual included.
 
-The span's start comes from the clean pass's attention maps (``output_attentions=True``), which
+The span's start comes from the clean pass's attention maps (``output_attentions=True``; eager
+attention returns them after its attention dropout, as the official code's BERT did), which
 transformers returns only for eager attention: a model with another attention implementation is
-refused, naming the fix. The cut pass's masks travel with its call as the layers' keyword
+refused at construction, naming the fix. The cut pass's masks travel with its call as the layers' keyword
 ``hiddencut_plan`` (nothing is held between calls: evaluation and generation never cut). With gradient
 checkpointing, transformers 5.x checkpoints a layer's ``forward``, not its ``__call__``, so the cut (a
 module hook) runs outside the recompute, once per pass; a recompute that did run the hook would get
