@@ -126,6 +126,26 @@ def test_loss_is_clean_plus_cut_plus_alpha_js_and_the_cut_is_counted(family, tmp
     torch.testing.assert_close(loss, clean.loss + cut.loss + ALPHA * js / positions, rtol=1e-5, atol=1e-6)
 
 
+def test_js_is_normalized_as_the_models_loss_over_the_accumulated_batch(tmp_path, monkeypatch):
+    """A causal LM takes num_items_in_batch: its loss is the summed CE over them, and so is the JS."""
+    model = FAMILIES["llama"][0](dropout=0.0)
+    drawn = _spy_spans(monkeypatch)
+    trainer = make_trainer("llama", tmp_path, model=model)
+    assert trainer.model_accepts_loss_kwargs
+    batch = llama_batch()
+    items = torch.tensor(4 * int(batch["labels"][:, 1:].ne(-100).sum()))  # as if 4 micro-batches made the update
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    loss = trainer.compute_loss(model, batch, num_items_in_batch=items)
+    plan = CutPlan({i: (cut, torch.ones_like(cut)) for i, cut in enumerate(drawn)})
+    with torch.no_grad():
+        clean = model(**batch, num_items_in_batch=items)
+        cut = model(**batch, num_items_in_batch=items, hiddencut_plan=plan)
+    first, second, keep = trainer._hiddencut_positions(model, batch, clean.logits, cut.logits)
+    js, _ = js_consistency(first, second, keep)
+    torch.testing.assert_close(loss.detach(), clean.loss + cut.loss + ALPHA * js / items, rtol=1e-5, atol=1e-6)
+
+
 def test_the_cut_zeroes_the_layer_outputs_at_the_span(tmp_path, monkeypatch):
     drawn = _spy_spans(monkeypatch)
     trainer = make_trainer("bert", tmp_path, ratio=0.5)
