@@ -136,10 +136,11 @@ def verdict(name: str, diffs: Dict[str, dict], tests: Dict[int, dict], flags: Se
     paired = f"sacrebleu's paired test (p < {SIGNIFICANCE:g}) agrees at {len(agree)} of {len(tests)} seed(s)"
     seeds = f"{n} seed{'s' * (n != 1)}"
     if n == 1:
-        return (
-            f"{name}: not distinguishable from plain at 1 seed (test BLEU {_interval(bleu, 2)}; no seed spread, "
-            f"add seeds); {paired}, which alone over-claims"
-        )
+        (seed,) = bleu["seeds"]
+        out = f"{name}: not distinguishable from plain at 1 seed (test BLEU {_interval(bleu, 2)}; no seed spread, add seeds)"
+        if seed in tests:
+            out += f"; sacrebleu's paired test at seed {seed}: p {tests[seed]['bleu_p']:.3f}, which alone over-claims"
+        return out
     side_bleu, side_loss = _side(bleu, True), _side(loss, False)
     bleu_text, loss_text = f"test BLEU {_interval(bleu, 2)}", f"best valid loss {_interval(loss, 3)}"
     if side_bleu:
