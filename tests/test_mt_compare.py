@@ -349,33 +349,49 @@ def _tests(*ps, better=True):
 def test_verdict_sentences():
     plain_b, plain_l = {1: 30.0, 2: 30.5, 3: 29.5}, {1: 4.0, 2: 4.1, 3: 4.2}
     better = _diffs(({1: 32.0, 2: 32.4, 3: 31.7}, plain_b), ({1: 4.0, 2: 4.1, 3: 4.2}, plain_l))
-    text = paired.verdict("r-drop", better, _tests(0.001, 0.2, 0.01), [], 30.0)
+    text = paired.verdict("r-drop", better, _tests(0.001, 0.2, 0.01), [])
     assert text.startswith("r-drop: better: test BLEU +2.03 [") and text.endswith(
         "at 3 seeds, and sacrebleu's paired test (p < 0.05) agrees at 2 of 3 seed(s)"
     )
     noise = _diffs(({1: 30.6, 2: 30.1, 3: 29.9}, plain_b), ({1: 4.05, 2: 4.05, 3: 4.25}, plain_l))
-    text = paired.verdict("dropkey", noise, _tests(0.04, 0.5, 0.6), [], 30.0)
+    text = paired.verdict("dropkey", noise, _tests(0.04, 0.5, 0.6), [])
     assert text.startswith("dropkey: not distinguishable from plain at 3 seeds (test BLEU +0.20 [")
     assert text.endswith("agrees at 1 of 3 seed(s), but the seeds do not: a per-seed test alone over-claims")
     loss_only = _diffs(({1: 30.5, 2: 30.0, 3: 29.8}, plain_b), ({1: 3.96, 2: 4.05, 3: 4.16}, plain_l))
-    text = paired.verdict("ad-drop", loss_only, _tests(0.3, 0.4, 0.5), [], 30.0)
+    text = paired.verdict("ad-drop", loss_only, _tests(0.3, 0.4, 0.5), [])
     assert text.startswith("ad-drop: better on valid loss at every seed (best valid loss -0.043 [")
     assert "BLEU within noise (test BLEU +0.10 [" in text and text.endswith("at 3 seeds")
     # Lower loss at 4 of 5 seeds, its interval below 0: better on valid loss, not "at every seed".
     five_b, five_l = dict.fromkeys(range(1, 6), 30.0), dict.fromkeys(range(1, 6), 4.0)
     loss_most = _diffs(({**five_b, 1: 30.4}, five_b), ({1: 3.9, 2: 3.9, 3: 3.9, 4: 3.9, 5: 4.01}, five_l))
-    text = paired.verdict("ad-drop", loss_most, {}, [], 30.0)
+    text = paired.verdict("ad-drop", loss_most, {}, [])
     assert text.startswith("ad-drop: better on valid loss (best valid loss -0.078 [-0.139, -0.017])")
     one = _diffs(({1: 31.0}, plain_b), ({1: 3.9}, plain_l))
-    assert paired.verdict("attendout", one, _tests(0.01), [], 30.0) == (
+    assert paired.verdict("attendout", one, _tests(0.01), []) == (
         "attendout: not distinguishable from plain at 1 seed (test BLEU +1.00 (one seed, no interval); no seed "
         "spread, add seeds); sacrebleu's paired test at seed 1: p 0.010, which alone over-claims"
     )
     worse = _diffs(({1: 28.0, 2: 28.4, 3: 27.7}, plain_b), ({1: 4.0, 2: 4.1, 3: 4.2}, plain_l))
-    assert paired.verdict("x", worse, _tests(0.01, 0.01, 0.01, better=False), [], 30.0).startswith(
+    assert paired.verdict("x", worse, _tests(0.01, 0.01, 0.01, better=False), []).startswith(
         "x: worse: test BLEU -1.97 ["
     )
-    assert (
-        paired.verdict("x", better, {}, ["diverged (seed 1: ...)"], 30.0) == "x: not compared: diverged (seed 1: ...)"
-    )
-    assert "plain's test BLEU is 0.50: the models do not translate yet" in paired.verdict("x", better, {}, [], 0.5)
+    assert paired.verdict("x", better, {}, ["diverged (seed 1: ...)"]) == "x: not compared: diverged (seed 1: ...)"
+    notes = paired.cautions({"name": "x", "length_ratio": 1.4}, {"name": "plain", "length_ratio": 1.0}, 0.5)
+    assert notes == [
+        "plain's test BLEU is 0.50: the models do not translate yet, BLEU says little",
+        "x's hypotheses are 1.40 x the references' length: degenerate output, BLEU says little",
+    ]
+    assert paired.verdict("x", better, {}, [], notes).endswith("; " + "; ".join(notes))
+    assert paired.cautions({"name": "x", "length_ratio": 1.2}, {"name": "plain", "length_ratio": 0.9}, 20.0) == []
+
+
+def test_a_method_that_never_acted_or_a_diverged_plain_is_not_compared(fake, tmp_path):
+    fake["plan"](cells={"ad-drop": {"ad_drop_skipped": [10, 10, 10]}})
+    assert compare.main(fake["argv"](tmp_path / "a", methods="plain,ad-drop,r-drop", seeds="1")) == 0
+    verdicts = json.loads((tmp_path / "a" / "results.json").read_text())["verdicts"]
+    assert verdicts[0].startswith("ad-drop: not compared: AD-DROP skipped in 100% of its steps")
+    assert verdicts[1].startswith("r-drop: not distinguishable from plain at 1 seed")
+    fake["plan"](cells={"plain": {"valid_loss": [50.0, 60.0, 70.0]}})
+    assert compare.main(fake["argv"](tmp_path / "b", methods="plain,r-drop", seeds="1")) == 0
+    (verdict,) = json.loads((tmp_path / "b" / "results.json").read_text())["verdicts"]
+    assert verdict.startswith("r-drop: not compared: plain diverged (seed 1: valid loss 50 at epoch 1")

@@ -9,7 +9,16 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from .methods import METHODS
-from .paired import METRICS, paired_difference, per_seed, read_lines, sacrebleu_paired_test, spread, verdict
+from .paired import (
+    METRICS,
+    cautions,
+    paired_difference,
+    per_seed,
+    read_lines,
+    sacrebleu_paired_test,
+    spread,
+    verdict,
+)
 from .report import _versions, write_json
 from .verdict import flags, plain_of
 
@@ -52,8 +61,9 @@ def method_summary(record: dict, plain: dict, out: Path, tokenize: str) -> dict:
     summary["differences"] = {key: paired_difference(values[key], base[key]) for key in values}
     summary["paired_tests"] = paired_tests(record, plain, out, tokenize)
     plain_bleu = spread(list(base["test_bleu"].values()))["mean"]
+    own = summary["flags"] + [f"plain {f}" for f in flags(plain, plain)]
     summary["verdict"] = verdict(
-        record["name"], summary["differences"], summary["paired_tests"], summary["flags"], plain_bleu
+        record["name"], summary["differences"], summary["paired_tests"], own, cautions(record, plain, plain_bleu)
     )
     return summary
 

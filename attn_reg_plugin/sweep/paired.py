@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
-from .verdict import NEAR_ZERO_BLEU
+from .verdict import LENGTH_RATIO_RANGE, NEAR_ZERO_BLEU
 
 # Two-sided 95% Student t quantiles t(0.975, df) for df = 1..30 (any statistics table; scipy's
 # stats.t.ppf(0.975, df) to the 3 decimals shown). The plugin does not depend on scipy.
@@ -119,7 +119,25 @@ def _side(d: dict, higher_is_better: bool) -> int:
     return 1 if (d["ci"][0] > 0) == higher_is_better else -1
 
 
-def verdict(name: str, diffs: Dict[str, dict], tests: Dict[int, dict], flags: Sequence[str], plain_bleu) -> str:
+def cautions(record: dict, plain: dict, plain_bleu: Optional[float]) -> List[str]:
+    """What weakens any verdict on ``record`` against ``plain`` (the sweep's notions, verdict.py):
+    plain's test BLEU near 0, hypotheses far from the references' length (valid split)."""
+    out = []
+    if plain_bleu is not None and plain_bleu < NEAR_ZERO_BLEU:
+        out.append(f"plain's test BLEU is {plain_bleu:.2f}: the models do not translate yet, BLEU says little")
+    low, high = LENGTH_RATIO_RANGE
+    for r in (plain, record):
+        ratio = r.get("length_ratio")
+        if ratio is not None and not low <= ratio <= high:
+            out.append(
+                f"{r['name']}'s hypotheses are {ratio:.2f} x the references' length: degenerate output, BLEU says little"
+            )
+    return out
+
+
+def verdict(
+    name: str, diffs: Dict[str, dict], tests: Dict[int, dict], flags: Sequence[str], notes: Sequence[str] = ()
+) -> str:
     """The verdict on method ``name`` against plain, in words: on test BLEU's interval over seeds,
     then on the best valid loss's; sacrebleu's per-seed test said beside, never deciding alone."""
     bleu, loss = diffs["test_bleu"], diffs["valid_loss"]
@@ -154,6 +172,4 @@ def verdict(name: str, diffs: Dict[str, dict], tests: Dict[int, dict], flags: Se
         out = f"{name}: not distinguishable from plain at {seeds} ({bleu_text}; {loss_text})"
         if agree:
             out += f"; {paired}, but the seeds do not: a per-seed test alone over-claims"
-    if plain_bleu is not None and plain_bleu < NEAR_ZERO_BLEU:
-        out += f"; plain's test BLEU is {plain_bleu:.2f}: the models do not translate yet, BLEU says little"
-    return out
+    return out + "".join(f"; {note}" for note in notes)
