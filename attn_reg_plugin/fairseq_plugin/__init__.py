@@ -2,7 +2,7 @@
 
 Tasks: ``attn_reg_translation``, ``attn_reg_sentence_prediction`` (shared part: ``attn_reg_task``).
 Criterions: ``ad_drop_label_smoothed_cross_entropy``, ``ad_drop_sentence_prediction`` (shared
-part: ``ad_drop_criterion``) and ``rdrop_label_smoothed_cross_entropy`` (R-Drop). Also the
+part: ``ad_drop_criterion``) and ``rdrop_label_smoothed_cross_entropy`` (R-Drop) and ``hiddencut_label_smoothed_cross_entropy`` (HiddenCut). Also the
 attention module (``attention``), AttendOut's Attacker driver (``attendout``), the option
 dataclasses generated from the core configs (``options``), safe checkpoint loading
 (``safe_load``) and the filters of fairseq's known-harmless warnings (``known_warnings``).
@@ -14,6 +14,7 @@ from . import (  # noqa: F401  (registration side effects)
     attention,
     attn_reg_sentence_prediction,
     attn_reg_translation,
+    hiddencut_label_smoothed_cross_entropy,
     known_warnings,  # noqa: F401  (silences fairseq's known-harmless start-up warnings)
     rdrop_label_smoothed_cross_entropy,
     safe_load,  # noqa: F401  (allow-lists fairseq's pickled checkpoint globals)
