@@ -9,7 +9,8 @@ that run :func:`main` with the JSON ``plan`` file (:func:`write_plan`):
 - ``hang_after_epoch`` with ``hang_marker``: the first train run (no marker yet) creates the marker
   and sleeps after that epoch, as a run killed there; its PID is written to ``pid_dir``.
 - ``hyps``: "<cell>/seed<S>/<split>" substring (the first that matches) -> how hypotheses read: "ref" (the reference), "drop:K"
-  (every K-th word dropped), "long" (the reference five times), "junk"; ``refs``: the references.
+  (every K-th word dropped), "long" (the reference five times), "junk", "MODE<N" (the reference
+  for the first N sentences, MODE for the rest); ``refs``: the references.
 
 A checkpoint is a JSON file ``{"epoch": next epoch, "updates": n}``: like fairseq, train resumes
 from ``checkpoint_last.pt`` and says so ("Loaded checkpoint ... (epoch N @ U updates)").
@@ -93,7 +94,11 @@ def train(plan: dict, args) -> None:
             time.sleep(600)
 
 
-def _hypothesis(mode: str, ref: str) -> str:
+def _hypothesis(mode: str, ref: str, index: int = 0) -> str:
+    if "<" in mode:  # "MODE<N": the reference for sentences 0..N-1, MODE for the rest
+        mode, n = mode.split("<")
+        if index < int(n):
+            return ref
     words = ref.split()
     if mode.startswith("drop:"):
         k = int(mode[5:])
@@ -106,7 +111,9 @@ def generate(plan: dict, args) -> None:
     key = f"{run.parent.name}/{run.name}/{_value(args, '--gen-subset')}"  # <cell>/seed<S>/<split>
     mode = next((m for part, m in plan.get("hyps", {}).items() if part in key), "ref")
     for i, ref in enumerate(plan["refs"]):
-        print(f"S-{i}\tsource {i}\nT-{i}\t{ref}\nH-{i}\t-0.5\t{ref}\nD-{i}\t-0.5\t{_hypothesis(mode, ref)}", flush=True)
+        print(
+            f"S-{i}\tsource {i}\nT-{i}\t{ref}\nH-{i}\t-0.5\t{ref}\nD-{i}\t-0.5\t{_hypothesis(mode, ref, i)}", flush=True
+        )
 
 
 def main(mode: str, plan_path: str, args) -> None:

@@ -226,10 +226,11 @@ def test_each_methods_arguments_reach_its_runs_and_results_accumulate(fake, tmp_
         and by_name[r_drop]["metrics"]["test_bleu"]["sd"] == 0.0
     )
     assert by_name[r_drop]["differences"]["test_bleu"]["mean"] > 20  # the references against every 3rd word dropped
-    assert (
-        by_name[ad_drop]["differences"]["test_bleu"]["mean"] == 0.0
-    )  # the same hypotheses as plain ("drop:3" is plain's)
+    assert by_name[ad_drop]["differences"]["test_bleu"]["mean"] == 0.0  # plain's hypotheses ("drop:3")
+    assert by_name[ad_drop]["paired_tests"]["1"]["bleu_p"] < 0.01  # sacrebleu's p for identical output...
     table = (out / "results.md").read_text()
+    assert f"| {ad_drop} | 1,2 | +0.00 [+0.00, +0.00] |" in table  # ...is shown as "same", not as a p-value
+    assert "| seed 1: same (same), seed 2: same (same) |" in table and "seed 1: 0.001 (0.001), seed 2" in table
     assert "| method − plain | paired seeds |" in table and "Verdicts:" in table and (out / "compare.png").exists()
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -270,20 +271,21 @@ def test_sacrebleus_paired_test_gets_the_runs_hypotheses_and_its_p_value_is_in_t
         hyps={
             "r-drop/seed1/valid": "drop:3",  # valid differs from test: the test split's are the ones compared
             "plain/seed1": "drop:2",
-            "plain/seed2": "drop:6",
+            "plain/seed2": "drop:3",
             "r-drop/seed1": "ref",
-            "r-drop/seed2": "drop:5",
+            "r-drop/seed2": "drop:3<2",  # the first two sentences right, the rest as plain's
         }  # fmt: skip
     )
     assert compare.main(fake["argv"](out, methods="plain,r-drop")) == 0
     assert len(seen) == 2 and all(s["test_type"] == "bs" and s["n_samples"] == 1000 for s in seen)
     drop2 = [fake_fairseq._hypothesis("drop:2", r) for r in REFS]
-    drop5 = [fake_fairseq._hypothesis("drop:5", r) for r in REFS]
+    two = [fake_fairseq._hypothesis("drop:3<2", r, i) for i, r in enumerate(REFS)]
+    assert two[:2] == REFS[:2] and two[2:] == [fake_fairseq._hypothesis("drop:3", r) for r in REFS[2:]]
     assert seen[0]["systems"] == [("plain", drop2), ("method", REFS)] and seen[0]["references"] == [REFS]
-    assert seen[1]["systems"][1] == ("method", drop5) and seen[1]["references"] == [REFS]
+    assert seen[1]["systems"][1] == ("method", two) and seen[1]["references"] == [REFS]
     table = (out / "results.md").read_text()
     row = next(line for line in table.splitlines() if line.startswith("| r-drop | 1,2 | +"))
-    assert seen[1]["p"] != seen[1]["chrf_p"]  # so that the row shows which is which
+    assert round(seen[1]["p"], 3) != round(seen[1]["chrf_p"], 3)  # so that the row shows which is which
     for seed, test in enumerate(seen, 1):
         assert f"seed {seed}: {test['p']:.3f} ({test['chrf_p']:.3f})" in row
     assert seen[0]["p"] < 0.05  # every word against half the words: sacrebleu calls it significant
@@ -356,7 +358,14 @@ def test_verdict_sentences():
     noise = _diffs(({1: 30.6, 2: 30.1, 3: 29.9}, plain_b), ({1: 4.05, 2: 4.05, 3: 4.25}, plain_l))
     text = paired.verdict("dropkey", noise, _tests(0.04, 0.5, 0.6), [])
     assert text.startswith("dropkey: not distinguishable from plain at 3 seeds (test BLEU +0.20 [")
-    assert text.endswith("agrees at 1 of 3 seed(s), but the seeds do not: a per-seed test alone over-claims")
+    assert text.endswith(
+        "; sacrebleu's paired test calls 1 of 3 seed(s) significant (p < 0.05), but the seeds do not: a per-seed "
+        "test alone over-claims"
+    )
+    # Equal scores: sacrebleu's bootstrap returns p = 1/1001 there, which is no difference at all.
+    same = {seed: {"bleu_p": 1 / 1001, "bleu": 30.0, "bleu_plain": 30.0} for seed in (1, 2, 3)}
+    assert "significant" not in paired.verdict("dropkey", noise, same, [])
+    assert paired.verdict("r-drop", better, same, []).endswith("agrees at 0 of 3 seed(s)")
     loss_only = _diffs(({1: 30.5, 2: 30.0, 3: 29.8}, plain_b), ({1: 3.96, 2: 4.05, 3: 4.16}, plain_l))
     text = paired.verdict("ad-drop", loss_only, _tests(0.3, 0.4, 0.5), [])
     assert text.startswith("ad-drop: better on valid loss at every seed (best valid loss -0.043 [")

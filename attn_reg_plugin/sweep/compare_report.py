@@ -85,6 +85,11 @@ def _difference(d: dict, digits: int) -> str:
     return f"{_num(d['mean'], digits, True)} {interval}"
 
 
+def _p(test: dict, metric: str) -> str:
+    """A seed's p-value, or "same" where the scores are equal (sacrebleu's p means nothing there)."""
+    return "same" if test[metric] == test[f"{metric}_plain"] else f"{test[f'{metric}_p']:.3f}"
+
+
 def tables(summaries: List[dict]) -> List[str]:
     """results.md's two tables: each method over seeds; each method minus plain, paired over seeds."""
     head = "| method | seeds | " + " | ".join(f"{label} (mean ± sd)" for _, label, _, _ in METRICS) + " | note |"
@@ -93,16 +98,14 @@ def tables(summaries: List[dict]) -> List[str]:
         cells = " | ".join(_mean_sd(s["metrics"][key], digits) for key, _, _, digits in METRICS)
         lines.append(f"| {s['name']} | {','.join(map(str, s['seeds']))} | {cells} | {'; '.join(s['flags'])} |")
     lines += ["", "| method − plain | paired seeds | " + " | ".join(f"{label} [95% CI]" for _, label, _, _ in METRICS)]
-    lines[-1] += " | sacrebleu paired bootstrap p, test BLEU (chrF), per seed |"
+    lines[-1] += " | sacrebleu paired bootstrap p, test BLEU (chrF), per seed; same: equal scores |"
     lines.append("|" + "---|" * (len(METRICS) + 3))
     for s in summaries:
         if "differences" not in s:
             continue
         d = s["differences"]
         cells = " | ".join(_difference(d[key], digits) for key, _, _, digits in METRICS)
-        tests = ", ".join(
-            f"seed {seed}: {t['bleu_p']:.3f} ({t['chrf_p']:.3f})" for seed, t in s["paired_tests"].items()
-        )
+        tests = ", ".join(f"seed {seed}: {_p(t, 'bleu')} ({_p(t, 'chrf')})" for seed, t in s["paired_tests"].items())
         lines.append(f"| {s['name']} | {','.join(map(str, d['test_bleu']['seeds']))} | {cells} | {tests or '-'} |")
     return lines
 

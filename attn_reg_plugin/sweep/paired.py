@@ -101,8 +101,17 @@ def sacrebleu_paired_test(plain_hyps: List[str], hyps: List[str], refs: List[str
         "chrf_p": scores[chrf_name][1].p_value,
         "bleu_plain": scores[bleu_name][0].score,
         "bleu": scores[bleu_name][1].score,
+        "chrf_plain": scores[chrf_name][0].score,
+        "chrf": scores[chrf_name][1].score,
         "signature": str(signatures[bleu_name]),
     }
+
+
+def is_significant(test: dict) -> bool:
+    """A seed's paired test says the method's BLEU differs from plain's: p < SIGNIFICANCE and the
+    scores differ (for identical scores sacrebleu's bootstrap returns its smallest p, 1 / (resamples
+    + 1): it counts resampled differences strictly above the observed 0, and none is)."""
+    return test["bleu_p"] < SIGNIFICANCE and test["bleu"] != test["bleu_plain"]
 
 
 def _interval(d: dict, digits: int) -> str:
@@ -146,19 +155,18 @@ def verdict(
         return f"{name}: not compared: " + "; ".join(flags)
     if n == 0:
         return f"{name}: no seed in common with plain: run the same --seeds"
-    agree = [
-        s
-        for s, t in tests.items()
-        if t["bleu_p"] < SIGNIFICANCE and (t["bleu"] > t["bleu_plain"]) == (bleu["mean"] > 0)
-    ]
+    significant = [s for s, t in tests.items() if is_significant(t)]
+    agree = [s for s in significant if (tests[s]["bleu"] > tests[s]["bleu_plain"]) == (bleu["mean"] > 0)]
     paired = f"sacrebleu's paired test (p < {SIGNIFICANCE:g}) agrees at {len(agree)} of {len(tests)} seed(s)"
     seeds = f"{n} seed{'s' * (n != 1)}"
     if n == 1:
         (seed,) = bleu["seeds"]
         out = f"{name}: not distinguishable from plain at 1 seed (test BLEU {_interval(bleu, 2)}; no seed spread, add seeds)"
-        if seed in tests:
+        if seed in tests and tests[seed]["bleu"] == tests[seed]["bleu_plain"]:
+            out += f"; the same test BLEU as plain at seed {seed}"
+        elif seed in tests:
             out += f"; sacrebleu's paired test at seed {seed}: p {tests[seed]['bleu_p']:.3f}, which alone over-claims"
-        return out
+        return out + "".join(f"; {note}" for note in notes)
     side_bleu, side_loss = _side(bleu, True), _side(loss, False)
     bleu_text, loss_text = f"test BLEU {_interval(bleu, 2)}", f"best valid loss {_interval(loss, 3)}"
     if side_bleu:
@@ -170,6 +178,9 @@ def verdict(
         out = f"{name}: {words} on valid loss{' at every seed' * every} ({loss_text}), BLEU within noise ({bleu_text}) at {seeds}"
     else:
         out = f"{name}: not distinguishable from plain at {seeds} ({bleu_text}; {loss_text})"
-        if agree:
-            out += f"; {paired}, but the seeds do not: a per-seed test alone over-claims"
+        if significant:
+            out += (
+                f"; sacrebleu's paired test calls {len(significant)} of {len(tests)} seed(s) significant (p < "
+                f"{SIGNIFICANCE:g}), but the seeds do not: a per-seed test alone over-claims"
+            )
     return out + "".join(f"; {note}" for note in notes)
