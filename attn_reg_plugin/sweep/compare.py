@@ -143,3 +143,7 @@ def _check_same_cells(out: Path, cells: List[dict]) -> None:
                     f"{path} ran {cell['name']} with {saved.get('cell', {}).get('args')}, now "
                     f"{cell['args']}: use another --out-dir"
                 )
+
+
+if __name__ == "__main__":  # python -m attn_reg_plugin.sweep.compare, before a reinstall adds the command
+    sys.exit(main())

@@ -159,18 +159,18 @@ def draw(summaries: List[dict], path: Path, title: str, log: Callable[[str], Non
     except ImportError:
         log("compare.png skipped: matplotlib is not installed (pip install 'attn_reg_plugin[plots]')")
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     names = [s["name"] for s in summaries]
     for i, s in enumerate(summaries):
         m = s["metrics"]["test_bleu"]
         axes[0].scatter([i] * len(m["per_seed"]), list(m["per_seed"].values()), color="gray", s=14, zorder=2)
         if m["mean"] is not None:
             axes[0].scatter([i], [m["mean"]], color="black", marker="_", s=400, zorder=3)
-    axes[0].set_title("test BLEU: mean (bar) and seeds (dots)")
+    axes[0].set_title("test BLEU (bar: mean; dots: seeds)")
     others = [s for s in summaries if "differences" in s]
     for ax, key, label in (
         (axes[1], "test_bleu", "test BLEU − plain"),
-        (axes[2], "valid_loss", "best valid loss − plain"),
+        (axes[2], "valid_loss", "valid loss − plain, lower better"),
     ):
         for i, s in enumerate(others):
             d = s["differences"][key]
@@ -181,7 +181,7 @@ def draw(summaries: List[dict], path: Path, title: str, log: Callable[[str], Non
                     [i], [d["mean"]], yerr=[[d["mean"] - low], [high - d["mean"]]], fmt="o", color="C0", capsize=5
                 )
         ax.axhline(0.0, color="black", lw=0.8)
-        ax.set_title(f"{label}: mean, 95% CI over seeds, seeds (dots)")
+        ax.set_title(f"{label} (95% CI; dots: seeds)")
         ax.set_xticks(range(len(others)), [s["name"] for s in others], rotation=30, ha="right")
     axes[0].set_xticks(range(len(names)), names, rotation=30, ha="right")
     fig.suptitle(title)
