@@ -114,30 +114,30 @@ class ADDrop:
                 capture = CaptureOutput(keeps_long_causal_valid=dense)
                 # The gradient is taken inside the pass: a layer the model checkpoints itself is
                 # recomputed by it and must see the same hooks.
-                with self.controller.hooks({s: capture for s in self.sites}):
+                with self.controller.hooks({s: capture for s in self.sites}) as record:
                     output = forward()
                     value, _ = target(output, None)
                     del output
-                    self._check_captured(capture.sites, capture.outputs)
-                    if not _finite(value, capture.outputs):
+                    self._check_captured(record.sites, record.outputs)
+                    if not _finite(value, record.outputs):
                         return None
-                    grads = output_gradients(value, capture, self.gradient_scale)
+                    grads = output_gradients(value, record.outputs, self.gradient_scale)
                 attributions = [
                     # Contiguous: each block multiplies them, ~3x faster than on the model's layout
                     # (and a copy of V frees the fused projection output it may be a view of).
                     GradientScores(g.contiguous(), v.contiguous())
                     if not dense and blockwise_rows(g, v)
                     else dense_gradient_attribution(g, v)
-                    for g, v in zip(grads, capture.values)
+                    for g, v in zip(grads, record.values)
                 ]
-                return capture.sites, attributions, capture.valid
+                return record.sites, attributions, record.valid
             if method == "aa":
                 capture = CaptureProbs(requires_grad=False, inputs_when_long=not dense)
-                with torch.no_grad(), self.controller.hooks({s: capture for s in self.sites}):
+                with torch.no_grad(), self.controller.hooks({s: capture for s in self.sites}) as record:
                     forward()
-                self._check_captured(capture.sites, capture.probs)
-                maps = [p if isinstance(p, AttentionScores) else p.float() for p in capture.probs]
-                return capture.sites, maps, capture.valid
+                self._check_captured(record.sites, record.probs)
+                maps = [p if isinstance(p, AttentionScores) else p.float() for p in record.probs]
+                return record.sites, maps, record.valid
             if method == "iga":
                 if dense:
                     return self._integrated_gradients(forward, target)
@@ -152,10 +152,10 @@ class ADDrop:
         )
         if found is None:
             return None
-        capture, totals = found
+        record, totals = found
         m = self.config.iga_steps
-        probs = [p.detach() for p in capture.probs]
-        return capture.sites, [p.float() * t / m for p, t in zip(probs, totals)], capture.valid
+        probs = [p.detach() for p in record.probs]
+        return record.sites, [p.float() * t / m for p, t in zip(probs, totals)], record.valid
 
     def _integrated_gradient_scores(self, forward, target):
         """Eq. 3 for training, linear in length. A map scaled by alpha gives output alpha A V over
@@ -171,15 +171,15 @@ class ADDrop:
         found = self._integrate(forward, target, first, scaled, output_gradients)
         if found is None:
             return None
-        capture, totals = found
+        record, totals = found
         scores = [
             IntegratedGradientScores(w, GradientScores(t.contiguous(), v.contiguous()), self.config.iga_steps)
-            for w, t, v in zip(capture.weights, totals, capture.values)
+            for w, t, v in zip(record.weights, totals, record.values)
         ]
-        return capture.sites, scores, capture.valid
+        return record.sites, scores, record.valid
 
     def _integrate(self, forward, target, first, scaled, gradient):
-        """(the k = m step's capture, each site's gradient summed over k = 1..m), or None when the
+        """(the k = m step's record, each site's gradient summed over k = 1..m), or None when the
         target is not finite. The k = m step (nothing scaled) is the model's own forward, run once
         for all layers: it fixes the pseudo labels and the unscaled maps. The other m - 1 steps run
         per layer (``scaled(k / m)``), so IGA costs about (m - 1) * layers + 1 passes."""
@@ -187,30 +187,30 @@ class ADDrop:
         # Every forward of the integral sees the hidden-dropout draw of the first, so the
         # integral is over one function; afterwards the stream is where one forward leaves it.
         start = rng_state()
-        captured = first.probs if isinstance(first, CaptureProbs) else first.outputs
-        with self.controller.hooks({s: first for s in self.sites}):  # gradients inside: see attributions
+        leaves = "probs" if isinstance(first, CaptureProbs) else "outputs"  # what the gradient is taken of
+        with self.controller.hooks({s: first for s in self.sites}) as record:  # gradients inside: see attributions
             output = forward()
             after_one_forward = rng_state()
             value, labels = target(output, None)
             del output
-            self._check_captured(first.sites, captured)
+            captured = getattr(record, leaves)
+            self._check_captured(record.sites, captured)
             if not _finite(value, captured):
                 set_rng_state(after_one_forward)
                 return None
-            totals = gradient(value, first, self.gradient_scale)
-        for i, site in enumerate(first.sites):
+            totals = gradient(value, captured, self.gradient_scale)
+        for i, site in enumerate(record.sites):
             for k in range(1, m):
-                step = scaled(k / m)
                 set_rng_state(start)
-                with self.controller.hooks({site: step}):
+                with self.controller.hooks({site: scaled(k / m)}) as step:
                     output = forward()
                     value, _ = target(output, labels)
                     del output
                     if step.sites != [site]:
                         raise RuntimeError(f"integrated gradients: expected one call of {site}, saw {step.sites}")
-                    totals[i] = totals[i] + gradient(value, step, self.gradient_scale)[0]
+                    totals[i] = totals[i] + gradient(value, getattr(step, leaves), self.gradient_scale)[0]
         set_rng_state(after_one_forward)
-        return first, totals
+        return record, totals
 
     def _check_captured(self, seen: List[AttentionSite], captured: List[torch.Tensor]) -> None:
         if len(seen) != len(self.sites) or set(seen) != set(self.sites):
@@ -264,28 +264,27 @@ class ADDrop:
         if frozen is not None and id(frozen) not in self._checked_sharding:
             check_supported_sharding(frozen, "ADDrop")  # before this step trains anything
             self._checked_sharding.add(id(frozen))
-        counts = zero_counts()
         stats: Dict[str, torch.Tensor] = {"skipped": torch.zeros((), dtype=torch.long)}
         if self.config.attribution == "rd":
             # A random candidate region needs no attribution pass: it is drawn inside the kernel,
             # where the shape of every map is known (per block of queries for long maps).
             rule = TopRegionRule(RandomScores(), p, q)
-            edits = {s: EditScores(drop=rule, stats=counts) for s in self.sites}
+            edits = {s: EditScores(drop=rule, counted=True) for s in self.sites}
         else:
             found = self.attributions(attribution_forward, target, frozen, dense=False)
             if found is None:  # not finite: this step trains with the plain loss, counted as skipped
                 stats["skipped"] = torch.ones((), dtype=torch.long)
                 yield stats
-                stats["dropped"], stats["valid"] = counts
+                stats["dropped"], stats["valid"] = zero_counts()
                 return
             with record_function("ad_drop::masks"):
-                edits = self._edits(*found, counts, stats)
+                edits = self._edits(*found, stats)
             del found  # pass 1 is gone before pass 2 allocates
-        with self.controller.hooks(edits):
+        with self.controller.hooks(edits) as record:
             yield stats
-        stats["dropped"], stats["valid"] = counts
+        stats["dropped"], stats["valid"] = record.counts()
 
-    def _edits(self, sites, attributions, valids, counts, stats) -> Dict[AttentionSite, EditScores]:
+    def _edits(self, sites, attributions, valids, stats) -> Dict[AttentionSite, EditScores]:
         """Pass 2's edit of each site from pass 1's attributions: dense maps (IGA, and GA or AA for a
         map that fits one block of the kernel) become masks here; GA or AA for a longer map becomes
         a :class:`TopRegionRule` that the kernel evaluates per block of queries from dF/dO and V
@@ -303,13 +302,13 @@ class ADDrop:
             if isinstance(attribution, ScoreSource):  # GA's (dF/dO, V) or AA's (q, k): ranked per block
                 source = dataclasses.replace(attribution, negate=True) if bottom else attribution
                 rule = TopRegionRule(source, p, q, targeted)
-                edits[site] = EditScores(drop=rule, stats=counts)
+                edits[site] = EditScores(drop=rule, counted=True)
                 continue
             # The bottom-p by attribution is the top-p of its negation (the kept key of an emptied row too).
             drop = ad_drop_masks(attribution.neg() if bottom else attribution, valid, p, q)
             if targeted is not None:
                 drop = drop & targeted.view(-1, 1, 1, 1)
-            edits[site] = EditScores(drop=drop, stats=counts)
+            edits[site] = EditScores(drop=drop, counted=True)
         return edits
 
     def step(

@@ -4,8 +4,8 @@ Adapters (fairseq, transformers, custom models) project queries, keys and values
 and hand them here together with the attention's additive bias (padding / causal masks) and
 the module's :class:`~attn_reg_plugin.core.controller.AttentionSite`. :func:`attend` reads what the
 current pass does on the site once, as an immutable :class:`AttentionCall`, runs the pure kernel
-:func:`attention_kernel` with it, and hands what the kernel captured and counted to the pass
-(:func:`hand_over`). What the kernel does on top of ordinary scaled dot-product attention is
+:func:`attention_kernel` with it, and adds what the kernel captured and counted to the pass's
+:class:`~attn_reg_plugin.core.controller.PassRecord`. What the kernel does on top of ordinary scaled dot-product attention is
 decided by the call's *hook*, set on the site by the controller for one pass (the hooks are
 defined in :mod:`.controller`, next to the site, and exported here too):
 
@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .attention_call import ORDINARY, AttentionCall, Captured, call_of, hand_over  # noqa: F401
+from .attention_call import ORDINARY, AttentionCall, Captured, call_of  # noqa: F401
 from .block_rules import AttentionScores, call_seed, rule_of
 from .blockwise import BlockCall, blockwise_attention, blockwise_rows
 
@@ -151,8 +151,8 @@ def attend(
     """
     call = call_of(site, plan)
     out, weights, captured = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, call, is_causal)
-    if captured is not None:
-        hand_over(call.hook, site, captured)
+    if captured is not None and site.record is not None:  # the pass collects it (a hook set by hand: nowhere)
+        site.record.add(site, captured)
     return out, weights
 
 
@@ -198,7 +198,7 @@ def _dropped_heads(out: torch.Tensor, hook: EditScores, recompute: bool):
     drop &= drop.sum(-1, keepdim=True) < h
     scale = (~drop).to(out.dtype) * (h / (h - drop.sum(-1, keepdim=True))).to(out.dtype)
     out = out * scale.view(b, h, 1, 1)
-    if recompute or hook.stats is None:
+    if recompute or not hook.counted:
         return out, None
     return out, Captured(dropped=drop.sum(), droppable=torch.tensor(b * h, device=out.device))
 
@@ -275,7 +275,7 @@ def _edited(call: AttentionCall, q, bias, valid, shape):
         else:
             # bias + drop * fill in one pass: the same values as bias + additive_mask(drop).
             bias = torch.add(bias, edit.drop, alpha=mask_fill_value(q.dtype))
-        if hook.stats is not None and not call.recompute:
+        if hook.counted and not call.recompute:
             # Count over the full (B, H, T, S): a mask shared by heads drops in each head.
             units = valid if hook.droppable is None else valid & hook.droppable.to(valid.device)
             dropped = (edit.drop & units).expand(shape).sum()
@@ -288,7 +288,7 @@ def _edited(call: AttentionCall, q, bias, valid, shape):
 def _uniform_call(hook: EditScores) -> Optional[torch.Tensor]:
     """1 when the edit's rows-made-uniform flag is set (a LayerDrop'd call), else 0, where calls are
     counted: stays where the flag is, so no host sync."""
-    return None if hook.calls is None else torch.as_tensor(hook.uniform_rows).any().long()
+    return None if not hook.counted or hook.uniform_rows is None else torch.as_tensor(hook.uniform_rows).any().long()
 
 
 def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, dropout_p: float, scale):
@@ -369,7 +369,7 @@ def _blockwise_edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale,
     """(output, counts) of an :class:`EditScores` call run block by block (:mod:`.blockwise`)."""
     hook = call.hook
     uniform = hook.uniform_rows_on(q.device)
-    count = not call.recompute and hook.stats is not None and hook.drop is not None
+    count = not call.recompute and hook.counted and hook.drop is not None
     rule = rule_of(hook.drop)
     seed = call.seed
     if seed is None and rule is not None and rule.draws:

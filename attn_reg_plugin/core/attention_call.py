@@ -3,7 +3,7 @@
 :func:`call_of` reads the call's site, or the :class:`~.controller.Plan` the call carried, once into
 an immutable :class:`AttentionCall`;
 :func:`~attn_reg_plugin.core.attention.attention_kernel` computes from it alone and returns what it
-captured and counted as a :class:`Captured`, which :func:`hand_over` gives to the pass. Only the
+captured and counted as a :class:`Captured`, which :func:`~.attention.attend` adds to the pass's record. Only the
 controller writes sites (:mod:`.controller`); nothing here or in the kernel does.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from .block_rules import AttentionScores
 from .checkpointing import recomputing
-from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores, Hook, Plan
+from .controller import AttentionSite, Hook, Plan
 
 
 @dataclass(frozen=True)
@@ -63,26 +63,3 @@ def call_of(site: Optional[AttentionSite], plan: Optional[Plan] = None) -> Atten
     if hook is None:
         return ORDINARY
     return AttentionCall(hook, recomputing(), seed)
-
-
-def hand_over(hook: Hook, site: AttentionSite, captured: Captured) -> None:
-    """Give the pass what one call of ``site`` captured and counted: appended to a capture's lists
-    in call order, added to an edit's counters."""
-    if isinstance(hook, CaptureOutput):
-        hook.sites.append(site)
-        hook.outputs.append(captured.output)
-        hook.values.append(captured.values)
-        hook.valid.append(captured.valid)
-        if hook.keeps_weights:
-            hook.weights.append(captured.probs)
-    elif isinstance(hook, CaptureProbs):
-        hook.sites.append(site)
-        hook.probs.append(captured.probs)
-        hook.valid.append(captured.valid)
-    elif isinstance(hook, EditScores):
-        if hook.stats is not None and captured.dropped is not None:
-            hook.stats[0] = hook.stats[0] + captured.dropped
-            hook.stats[1] = hook.stats[1] + captured.droppable
-        if hook.calls is not None and captured.uniform_call is not None:
-            hook.calls[0] = hook.calls[0] + captured.uniform_call
-            hook.calls[1] = hook.calls[1] + 1

@@ -14,8 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from .attention import CaptureOutput, CaptureProbs
-
 ATTRIBUTIONS = ("ga", "iga", "aa", "rd")
 LABEL_SOURCES = ("pseudo", "gold")
 
@@ -125,15 +123,15 @@ def _float_grads(target: torch.Tensor, inputs: List[torch.Tensor]) -> List[Optio
 
 
 def output_gradients(
-    target: torch.Tensor, capture: CaptureOutput, scale: Optional[GradientScale] = None
+    target: torch.Tensor, outputs: List[torch.Tensor], scale: Optional[GradientScale] = None
 ) -> List[torch.Tensor]:
     """float32 dF/dO for every captured layer from ONE autograd call (zeros where F does not depend
     on it). Only the captured outputs are asked for, so no parameter gradient is computed or touched.
     ``scale`` keeps fp16 gradients from flushing to zero (:class:`GradientScale`); None: unscaled."""
     with record_function("ad_drop::attribution_gradient"):
-        grads = scale.grad(target, capture.outputs) if scale is not None else _float_grads(target, capture.outputs)
+        grads = scale.grad(target, outputs) if scale is not None else _float_grads(target, outputs)
     # None: the layer does not influence the target (e.g. cut off by a mask)
-    return [torch.zeros_like(o, dtype=torch.float32) if g is None else g for g, o in zip(grads, capture.outputs)]
+    return [torch.zeros_like(o, dtype=torch.float32) if g is None else g for g, o in zip(grads, outputs)]
 
 
 def dense_gradient_attribution(grad_output: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -145,9 +143,9 @@ def dense_gradient_attribution(grad_output: torch.Tensor, values: torch.Tensor) 
 
 
 def probs_gradient(
-    target: torch.Tensor, capture: CaptureProbs, scale: Optional[GradientScale] = None
+    target: torch.Tensor, probs: List[torch.Tensor], scale: Optional[GradientScale] = None
 ) -> List[torch.Tensor]:
     """dF/dA for every captured (explicit) attention map, again from one autograd call."""
     with record_function("ad_drop::attribution_gradient"):
-        grads = scale.grad(target, capture.probs) if scale is not None else _float_grads(target, capture.probs)
-    return [torch.zeros_like(p, dtype=torch.float32) if g is None else g for g, p in zip(grads, capture.probs)]
+        grads = scale.grad(target, probs) if scale is not None else _float_grads(target, probs)
+    return [torch.zeros_like(p, dtype=torch.float32) if g is None else g for g, p in zip(grads, probs)]

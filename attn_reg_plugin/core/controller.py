@@ -30,14 +30,14 @@ ATTENTION_KINDS = ("encoder-self", "decoder-self", "encoder-decoder")
 AUTO = "auto"  # encoder-self when the model has an encoder, else decoder-self
 
 
-# -- hooks: what the kernel does on a site for one pass ------------------------------------------
+# -- hooks: what the kernel does on a site for one pass (immutable values) ----------------------
 @dataclass(frozen=True, eq=False)
 class CaptureOutput:
-    """Record what gradient attribution needs; attention dropout is off for this pass.
+    """Record what gradient attribution needs (each call's output and V); attention dropout is off.
 
-    Entries are appended in call order; ``sites[i]`` says whose entry ``i`` is. ``alpha``: the map
-    is scaled by it (integrated gradients), so the output is alpha A V; ``keeps_weights``: also keep
-    what the weights are recomputed from (``block_rules.AttentionScores``: q, k, bias) in ``weights``.
+    ``alpha``: the map is scaled by it (integrated gradients), so the output is alpha A V;
+    ``keeps_weights``: also keep what the weights are recomputed from (``block_rules.AttentionScores``:
+    q, k, bias). What the calls keep comes back in the pass's :class:`PassRecord`.
     """
 
     alpha: float = 1.0
@@ -45,30 +45,23 @@ class CaptureOutput:
     # A causal map longer than one block has its (T, S) validity made only for dense attributions;
     # training ranks it per block, which makes each block's own.
     keeps_long_causal_valid: bool = True
-    sites: List[AttentionSite] = field(default_factory=list)
-    outputs: List[torch.Tensor] = field(default_factory=list)
-    values: List[torch.Tensor] = field(default_factory=list)
-    valid: List[torch.Tensor] = field(default_factory=list)
-    weights: List[object] = field(default_factory=list)
 
 
 @dataclass(frozen=True, eq=False)
 class CaptureProbs:
-    """Materialise the attention map, scaled by ``alpha`` (integrated gradients); keep it."""
+    """Materialise the attention map, scaled by ``alpha`` (integrated gradients); the pass's
+    :class:`PassRecord` keeps it."""
 
     alpha: float = 1.0
     requires_grad: bool = True
     # AA's training pass: a map longer than one block of the kernel is kept as its inputs
     # (``block_rules.AttentionScores``: q, k, bias), its weights recomputed per block in pass 2.
     inputs_when_long: bool = False
-    sites: List[AttentionSite] = field(default_factory=list)
-    probs: List[torch.Tensor] = field(default_factory=list)
-    valid: List[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True, eq=False)
 class EditScores:
-    """Edits applied to the scores before softmax.
+    """Edits applied to the scores before softmax (or, DropHead, to the output).
 
     ``drop``: bool, True where a key is removed from a row (broadcastable to (B, H, T, S)), or
     a :class:`~.block_rules.BlockRule` that the kernel evaluates per block of query rows (AD-DROP's
@@ -76,22 +69,21 @@ class EditScores:
     ``uniform_rows``: True (every row) or bool broadcastable to (B, H, T, 1), e.g. a (1, 1, 1, 1)
     per-pass flag; such rows attend uniformly to their valid keys (attention LayerDrop). A row whose every valid key is in ``drop`` is made
     uniform the same way (AttendOut Eq. 4), never left all-masked.
-    ``stats``: when given, ``[dropped, droppable]`` counts of this pass are added to it.
+    ``counted``: each call hands the pass's :class:`PassRecord` what it applied: the dropped and
+    droppable units (a reduction over the map, so only when asked) and whether its rows-made-uniform
+    flag was set. Counted where applied, a hook that never reaches the kernel (a module not routed
+    through it) counts nothing.
     ``droppable``: bool broadcastable to (B, H, T, S), the units this edit could drop (AttendOut's
     Generator never masks a padding query row); the count's denominator is the valid units inside
     it, so a logged rate is the fraction of what could have been dropped. None: every valid unit.
-    ``calls``: when given, ``[calls whose uniform_rows flag was set, calls]`` are added to it.
-    Both are counted by the kernel from what it applied, so a hook that never reaches the kernel
-    (a module not routed through it) counts nothing.
     ``drop_heads``: a 0-d probability (DropHead): each (sample, head) of the output dropped with it,
-    a sample's kept heads rescaled by heads / kept; ``stats`` then counts (sample, head) pairs. It
+    a sample's kept heads rescaled by heads / kept; then (sample, head) pairs are counted. It
     edits the output, not the scores, so it stands alone in its edit.
     """
 
     drop: Optional[Union[torch.Tensor, BlockRule]] = None
     uniform_rows: Optional[Union[bool, torch.Tensor]] = None
-    stats: Optional[List[torch.Tensor]] = None
-    calls: Optional[List[torch.Tensor]] = None
+    counted: bool = False
     droppable: Optional[torch.Tensor] = None
     drop_heads: Optional[torch.Tensor] = None
 
@@ -155,8 +147,56 @@ class ResolvedEdit:
 
 
 def zero_counts() -> List[torch.Tensor]:
-    """A fresh ``[dropped, valid]`` (or ``[skipped, total]``) pair for ``EditScores.stats`` / ``.calls``."""
+    """A fresh ``[dropped, valid]`` (or ``[skipped, total]``) pair of counts."""
     return [torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)]
+
+
+def add_counts(total: List[torch.Tensor], more: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``total + more``, element by element (tensors: no host sync)."""
+    return [a + b for a, b in zip(total, more)]
+
+
+@dataclass(eq=False)
+class PassRecord:
+    """What the calls of one pass handed back, in call order: (site, ``Captured``) pairs, added by
+    :func:`~.attention.attend` (never by the kernel, never in a recompute). The pass
+    (:meth:`RegularizationController.hooks`) yields it; read it when the pass's forwards are done."""
+
+    entries: List[Tuple[AttentionSite, object]] = field(default_factory=list)
+
+    def add(self, site: AttentionSite, captured) -> None:
+        self.entries.append((site, captured))
+
+    @property
+    def sites(self) -> List[AttentionSite]:
+        return [site for site, _ in self.entries]
+
+    def _field(self, name: str) -> list:
+        return [getattr(captured, name) for _, captured in self.entries]
+
+    outputs = property(lambda self: self._field("output"))  # GA: each call's output, the attribution's leaf
+    values = property(lambda self: self._field("values"))
+    valid = property(lambda self: self._field("valid"))
+    probs = property(lambda self: self._field("probs"))  # AA/IGA maps, or what weights are recomputed from
+    weights = probs
+
+    def counts(self) -> List[torch.Tensor]:
+        """``[dropped, droppable]`` units the pass's counted edits applied."""
+        return self._summed("dropped", "droppable")
+
+    def calls(self) -> List[torch.Tensor]:
+        """``[calls whose rows-made-uniform flag was set, calls]`` of the pass's counted edits."""
+        return self._summed("uniform_call", None)
+
+    def _summed(self, part: str, whole: Optional[str]) -> List[torch.Tensor]:
+        total = zero_counts()
+        for _, captured in self.entries:
+            value = getattr(captured, part)
+            if value is not None:
+                total = add_counts(
+                    total, [value, getattr(captured, whole) if whole else torch.ones((), dtype=torch.long)]
+                )
+        return total
 
 
 # -- sites ------------------------------------------------------------------------------------
@@ -175,6 +215,7 @@ class AttentionSite:
     layer: int
     hook: Optional[Hook] = None
     seed: Optional[int] = None
+    record: Optional[PassRecord] = None  # where the pass collects what the site's calls hand back
 
     def __repr__(self) -> str:  # readable in error messages
         return f"{self.kind}[{self.layer}]"
@@ -335,8 +376,9 @@ class RegularizationController:
         return [s for s in self.sites if s.kind in kinds and (layers is None or s.layer in layers)]
 
     @contextlib.contextmanager
-    def hooks(self, assignment: Dict[AttentionSite, Optional[Hook]]) -> Iterator[None]:
-        """Set ``site.hook`` for the sites given, for the duration of one pass.
+    def hooks(self, assignment: Dict[AttentionSite, Optional[Hook]]) -> Iterator[PassRecord]:
+        """Set ``site.hook`` for the sites given, for the duration of one pass; yields the pass's
+        :class:`PassRecord`, which the sites' calls fill (``with controller.hooks(...) as record:``).
 
         A layer recomputed in the backward, after the pass ended, finds it in the :class:`Plan` its
         call carried (:meth:`checkpoint`; transformers' model kwargs; fairseq's checkpointed layers).
@@ -349,17 +391,18 @@ class RegularizationController:
                 f"a regularized pass began on {nested[0]} inside another one on the same site. "
                 "Run one regularized pass per site at a time"
             )
-        previous = {site: (site.hook, site.seed) for site in assignment}
+        previous = {site: (site.hook, site.seed, site.record) for site in assignment}
         draws = any(isinstance(h, EditScores) and h.draws for h in assignment.values())
         pass_seed = call_seed() if draws else None
+        record = PassRecord()
         try:
             for site, hook in assignment.items():
-                site.hook = hook
+                site.hook, site.record = hook, record
                 site.seed = None if pass_seed is None else key_seed(pass_seed, _site_key(site))
-            yield
+            yield record
         finally:
-            for site, (hook, seed) in previous.items():
-                site.hook, site.seed = hook, seed
+            for site, (hook, seed, before) in previous.items():
+                site.hook, site.seed, site.record = hook, seed, before
 
     def checkpoint(self, function: Callable, *args, use_reentrant: bool = False, **kwargs):
         """``torch.utils.checkpoint.checkpoint(function, *args, ...)`` that carries the pass set now

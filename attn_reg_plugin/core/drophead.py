@@ -75,10 +75,10 @@ class DropHead:
     def probability(self, update: int) -> float:
         return schedule_value(self.schedule, update)
 
-    def hooks(self, update: int, stats: Optional[List[torch.Tensor]] = None) -> Dict[AttentionSite, EditScores]:
-        """Hooks for one training forward at ``update``; ``stats``: ``[dropped, (sample, head) pairs]``,
-        counted by the kernel. The probability is a tensor: a compiled model sees it as data."""
+    def hooks(self, update: int) -> Dict[AttentionSite, EditScores]:
+        """Hooks for one training forward at ``update``; the pass's record counts ``[dropped, (sample,
+        head) pairs]``. The probability is a tensor: a compiled model sees it as data."""
         p = self.probability(update)
         if p <= 0:
             return {}
-        return {s: EditScores(drop_heads=torch.tensor(p), stats=stats) for s in self.sites}
+        return {s: EditScores(drop_heads=torch.tensor(p), counted=True) for s in self.sites}

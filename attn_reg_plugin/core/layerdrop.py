@@ -8,7 +8,7 @@ which fairseq and the Trainer seed per update, so runs are reproducible.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -49,14 +49,14 @@ class AttentionLayerDrop:
         self.config = config.validate()
         self.sites: List[AttentionSite] = config.select_sites(controller)
 
-    def hooks(self, calls: Optional[List[torch.Tensor]] = None) -> Dict[AttentionSite, EditScores]:
+    def hooks(self) -> Dict[AttentionSite, EditScores]:
         """Hooks for one training forward: each selected layer skipped with probability p.
 
         Every selected site gets a hook whose ``uniform_rows`` is a (1, 1, 1, 1) bool flag, True
         when the layer is skipped: a compiled model then runs one graph whichever layers are
-        skipped, instead of one per subset. ``calls``: ``[skipped, total]`` layer calls, counted
-        by the kernel as it applies them (:class:`EditScores`).
+        skipped, instead of one per subset. The pass's record counts ``[skipped, total]`` layer
+        calls as the kernel applies them (``PassRecord.calls``).
         """
         # One draw per layer on the CPU generator: no device synchronisation.
         skipped = torch.rand(len(self.sites)) < self.config.p
-        return {s: EditScores(uniform_rows=skip.view(1, 1, 1, 1), calls=calls) for s, skip in zip(self.sites, skipped)}
+        return {s: EditScores(uniform_rows=skip.view(1, 1, 1, 1), counted=True) for s, skip in zip(self.sites, skipped)}

@@ -200,15 +200,16 @@ class ScheduledAttentionDropout:
         """Drop probability of each selected layer at ``update``."""
         return {layer: schedule_value(s, update) for layer, s in self.schedule_of_layer.items()}
 
-    def hooks(self, update: int, stats: Optional[List[torch.Tensor]] = None) -> Dict[AttentionSite, EditScores]:
-        """Hooks for one training forward at ``update``: each key dropped with its layer's probability."""
+    def hooks(self, update: int) -> Dict[AttentionSite, EditScores]:
+        """Hooks for one training forward at ``update``: each key dropped with its layer's probability,
+        counted (the pass's record says how many units were dropped of how many)."""
         probs = self.probabilities(update)
 
         # Drawn per (sample, head, query, key) inside the kernel, where the shape is known. The
         # probability is a tensor, not a float: a compiled model sees a new probability every update
         # as new data, where a Python float would be baked into the graph and recompile it.
         return {
-            s: EditScores(drop=BernoulliRule(torch.tensor(probs[s.layer])), stats=stats)
+            s: EditScores(drop=BernoulliRule(torch.tensor(probs[s.layer])), counted=True)
             for s in self.sites
             if probs[s.layer] > 0
         }

@@ -150,14 +150,13 @@ class FairseqAttendOut:
         self._ensure_attacker(defender, optimizer)
         self.attacker.train()
         self.attacker.set_num_updates(update_num)
-        hooks = self.game.attacker_hooks(self.streams_of(sample))
         # The forward runs under the autocast fairseq's train_step gives D's forward (on with --amp only).
-        with self.game.controller.hooks(hooks):
+        with self.game.attacker_pass(self.streams_of(sample)):
             with torch.autocast("cuda", enabled=_amp(optimizer)):
                 loss, sample_size, _ = criterion(self.attacker, sample)
-            if ignore_grad:
-                loss = loss * 0
-            self.attacker_optimizer.backward(loss)  # scaled by A's own loss scaler in half precision
+        if ignore_grad:
+            loss = loss * 0
+        self.attacker_optimizer.backward(loss)  # scaled by A's own loss scaler in half precision
         self.sample_size += float(sample_size) if not ignore_grad else 0.0
         log = {
             "attendout_attacker_loss": loss.detach(),

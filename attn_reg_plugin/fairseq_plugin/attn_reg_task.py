@@ -21,7 +21,6 @@ from omegaconf import OmegaConf, open_dict
 from ..core.ad_drop_config import ad_drop_epoch
 from ..core.attendout import AttendOutConfig
 from ..core.attendout.config import generator_positions
-from ..core.attention import zero_counts
 from ..core.controller import RegularizationController
 from ..core.drophead import DropHead, DropHeadConfig
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
@@ -270,20 +269,20 @@ class AttnRegTaskMixin:
 
     # -- training -------------------------------------------------------------------------
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
-        # [dropped, real units] or [skipped, selected layer calls], counted by the kernel as it
-        # applies them; tensors, so no host-device sync inside the step (reduce_metrics sums them).
-        counts = zero_counts()
         if self.attn_reg_scheduled_dropout is not None:
-            hooks = self.attn_reg_scheduled_dropout.hooks(update_num, stats=counts)
+            hooks = self.attn_reg_scheduled_dropout.hooks(update_num)
         elif self.attn_reg_layerdrop is not None:
-            hooks = self.attn_reg_layerdrop.hooks(calls=counts)
+            hooks = self.attn_reg_layerdrop.hooks()
         elif self.attn_reg_drophead is not None:
-            hooks = self.attn_reg_drophead.hooks(update_num, stats=counts)
+            hooks = self.attn_reg_drophead.hooks(update_num)
         else:
             hooks = {}
         # a checkpointed layer (--checkpoint-activations) carries these hooks (and AD-DROP's) to its recompute
-        with self.attn_reg_controller.hooks(hooks):
+        with self.attn_reg_controller.hooks(hooks) as record:
             loss, sample_size, log = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+        # [dropped, real units] or [skipped, selected layer calls], counted by the kernel as it
+        # applied them; tensors, so no host-device sync inside the step (reduce_metrics sums them).
+        counts = record.calls() if self.attn_reg_layerdrop is not None else record.counts()
         if self.attn_reg_scheduled_dropout is not None:
             log.update(
                 attn_sched_dropout_dropped=counts[0], attn_sched_dropout_units=counts[1], attn_sched_dropout_steps=1

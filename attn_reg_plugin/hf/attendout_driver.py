@@ -264,9 +264,8 @@ class AttendOutDriver:
         """Around the Trainer's own training step on A: the generator's masks on A's attention, the
         Trainer's autocast (D's forward is wrapped in it by accelerate) and A's loss scaler."""
         # Through the trainer: a subclass that overrides attendout_streams is heard.
-        hooks = self.game.attacker_hooks(self.trainer.attendout_streams(inputs))
         with (
-            self.game.controller.hooks(hooks),
+            self.game.attacker_pass(self.trainer.attendout_streams(inputs)),
             self.trainer.accelerator.autocast(),
             self._backward_scaler(),
         ):

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from ..core.attention import zero_counts
-from ..core.controller import RegularizationController
+from ..core.controller import RegularizationController, add_counts
 from ..core.drophead import DropHead, DropHeadConfig
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from ..core.options import named_by_field, one_regularizer
@@ -105,16 +105,19 @@ class AttnRegTrainerMixin:
             )
         if self.attn_reg_scheduled_dropout is not None:
             # Every micro-batch of an update uses that update's probability.
-            hooks = self.attn_reg_scheduled_dropout.hooks(self.state.global_step, stats=self._attn_reg_counts)
+            hooks = self.attn_reg_scheduled_dropout.hooks(self.state.global_step)
         elif self.attn_reg_drophead is not None:
-            hooks = self.attn_reg_drophead.hooks(self.state.global_step, stats=self._attn_reg_counts)
+            hooks = self.attn_reg_drophead.hooks(self.state.global_step)
         else:
-            hooks = self.attn_reg_layerdrop.hooks(calls=self._attn_reg_counts)
+            hooks = self.attn_reg_layerdrop.hooks()
         self._attn_reg_hooked_steps += bool(hooks)
-        with self.attn_reg_controller.hooks(hooks):
-            return super().compute_loss(
+        with self.attn_reg_controller.hooks(hooks) as record:
+            result = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
+        counts = record.calls() if self.attn_reg_layerdrop is not None else record.counts()
+        self._attn_reg_counts = add_counts(self._attn_reg_counts, counts)
+        return result
 
     def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # a training log

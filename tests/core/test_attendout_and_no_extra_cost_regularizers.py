@@ -17,7 +17,7 @@ from attn_reg_plugin.core.attendout import (
     reinforce_loss,
     win_probability,
 )
-from attn_reg_plugin.core.attention import EditScores, attend, zero_counts
+from attn_reg_plugin.core.attention import EditScores, attend
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import (
@@ -157,7 +157,7 @@ def _attendout_rate(tokens: torch.Tensor, pad: int = 1) -> float:
     b, t = tokens.shape
     q, k, v = (torch.randn(b, 2, t, 4) for _ in range(3))
     bias = torch.zeros(b, 1, 1, t).masked_fill(tokens.eq(pad)[:, None, None, :], float("-inf"))
-    with controller.hooks(game.attacker_hooks({"source": tokens})):
+    with game.attacker_pass({"source": tokens}):
         attend(q, k, v, bias, site=controller.sites[0])
     game.end_update()
     return game.finish_dropout_step(torch.zeros(1), torch.zeros(1))["drop_rate"]
@@ -358,11 +358,11 @@ def test_layerdrop_p1_gives_exactly_uniform_attention_and_p0_changes_nothing():
     assert torch.allclose(out[1], v[1, :, :3].mean(dim=1, keepdim=True).expand(2, 3, 4), atol=1e-6)
     # p = 0: every selected layer gets a flag (one compiled graph whatever is skipped), none set,
     # and the output is ordinary attention
-    calls = zero_counts()
-    hooks = AttentionLayerDrop(AttentionLayerDropConfig(p=0.0), controller).hooks(calls)
+    hooks = AttentionLayerDrop(AttentionLayerDropConfig(p=0.0), controller).hooks()
     assert list(hooks) == [site]
-    with controller.hooks(hooks):
+    with controller.hooks(hooks) as record:
         out, _ = attend(q, k, v, bias=bias, site=site)
+    calls = record.calls()
     assert torch.allclose(out, attend(q, k, v, bias=bias)[0], atol=1e-6)
     assert [int(c) for c in calls] == [0, 1]  # the kernel saw the call and skipped nothing
 
@@ -377,10 +377,10 @@ def test_layerdrop_skips_layers_at_rate_p():
 def test_layerdrop_rate_is_counted_by_the_kernel_not_by_the_draws():
     """A hook that never reaches the kernel (the site is not called) counts nothing."""
     controller = controller_with_sites({"encoder-self": 2})
-    calls = zero_counts()
     q = k = v = torch.randn(1, 1, 3, 4)
-    with controller.hooks(AttentionLayerDrop(AttentionLayerDropConfig(p=1.0), controller).hooks(calls)):
+    with controller.hooks(AttentionLayerDrop(AttentionLayerDropConfig(p=1.0), controller).hooks()) as record:
         attend(q, k, v, site=controller.sites[0])  # only layer 0 attends
+    calls = record.calls()
     assert [int(c) for c in calls] == [1, 1]
 
 
@@ -434,15 +434,15 @@ def test_attendout_drop_rate_is_what_the_kernel_applied():
     game.end_update()
     assert game.finish_dropout_step(torch.zeros(1), torch.zeros(1))["drop_rate"] == 0.0
 
-    hooks = game.attacker_hooks({"source": tokens})
     (site,) = game.sites
     valid = tokens.ne(1)[:, None, None, :]
-    with controller.hooks(hooks):
+    with game.attacker_pass({"source": tokens}):
         attend(*(torch.randn(3, 2, 5, 4) for _ in range(3)), bias=valid, site=site)
+        drop = site.hook.drop
     game.end_update()
     real = tokens.ne(1)
     units = real[:, None, :, None] & real[:, None, None, :]  # real query and real key: what G can mask
-    drop = hooks[site].drop & units
+    drop = drop & units
     expected = drop.expand(3, 2, 5, 5).sum().item() / units.expand(3, 2, 5, 5).sum().item()
     assert game.finish_dropout_step(torch.zeros(1), torch.zeros(1))["drop_rate"] == pytest.approx(expected)
     assert expected > 0

@@ -4,8 +4,7 @@
 import pytest
 import torch
 
-from attn_reg_plugin.core.attention import EditScores, attend, zero_counts
-from attn_reg_plugin.core.controller import AttentionSite
+from attn_reg_plugin.core.attention import EditScores, attend
 from attn_reg_plugin.core.masks import ad_drop_masks
 from helpers import FLOAT_DTYPES, site_with_hook
 
@@ -110,9 +109,10 @@ def test_attend_with_drop_matches_reference_with_keys_removed(need_weights):
 def test_attend_drop_counts_dropped_and_valid_keys_and_refuses_what_is_no_mask_or_rule():
     q, k, v = _qkv()
     bias, valid = _pad_bias([7, 3], 7)
-    stats = zero_counts()
     drop = (torch.arange(7) == 0).view(1, 1, 1, 7)
-    out, _ = attend(q, k, v, bias, site=site_with_hook(EditScores(drop=drop, stats=stats)))
+    site = site_with_hook(EditScores(drop=drop, counted=True))
+    out, _ = attend(q, k, v, bias, site=site)
+    stats = site.record.counts()
     with pytest.raises(TypeError, match="EditScores.drop must be a bool tensor or a BlockRule"):
         EditScores(drop=lambda valid: valid)
     assert torch.allclose(out.double(), _reference(q, k, v, valid & (torch.arange(7) != 0))[0], atol=1e-5)
@@ -152,9 +152,9 @@ def test_edit_stats_count_every_head_and_callable_sees_full_shape():
     q = k = v = torch.randn(2, 3, 4, 4)
     shared = torch.zeros(2, 1, 4, 4, dtype=torch.bool)
     shared[:, :, :, 1] = True
-    counts = zero_counts()
-    site = AttentionSite("encoder-self", 0, hook=EditScores(drop=shared, stats=counts))
+    site = site_with_hook(EditScores(drop=shared, counted=True))
     attend(q, k, v, site=site)
+    counts = site.record.counts()
     assert counts[0].item() == 2 * 3 * 4 and counts[1].item() == 2 * 3 * 4 * 4
 
 
@@ -236,12 +236,12 @@ def test_a_call_writes_nothing_on_its_site_and_a_recompute_captures_nothing():
     from attn_reg_plugin.core.block_rules import BernoulliRule
 
     q, k, v = _qkv()
-    stats = zero_counts()
-    hook = EditScores(drop=BernoulliRule(torch.tensor(0.5)), stats=stats)
+    hook = EditScores(drop=BernoulliRule(torch.tensor(0.5)), counted=True)
     site = site_with_hook(hook)
     before = dict(vars(site))
     torch.manual_seed(0)
     out, _ = attend(q, k, v, site=site)
+    stats = site.record.counts()
     assert vars(site) == before and site.hook is hook
     assert 0 < int(stats[0]) < int(stats[1]) == q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ import torch
 
 from attn_reg_plugin.core import block_masks, block_rules, blockwise, row_selection
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
-from attn_reg_plugin.core.attention import EditScores, attend, zero_counts
+from attn_reg_plugin.core.attention import EditScores, attend
 from attn_reg_plugin.core.attribution import dense_gradient_attribution, logit_target
 from attn_reg_plugin.core.block_rules import (
     BernoulliRule,
@@ -363,8 +363,9 @@ def test_blockwise_counts_match_the_drops(small_blocks, block_calls):
     q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
     valid = _valid("padding", 2, 6)
     drop = torch.rand(2, 2, 6, 6, generator=g) < 0.3
-    counts = zero_counts()
-    attend(q, k, v, valid, site=site_with_hook(EditScores(drop=drop, stats=counts)))
+    site = site_with_hook(EditScores(drop=drop, counted=True))
+    attend(q, k, v, valid, site=site)
+    counts = site.record.counts()
     assert block_calls == [2]
     applied = drop & valid
     emptied = ((applied | ~valid).all(-1, keepdim=True)) & valid.any(-1, keepdim=True)
@@ -507,7 +508,7 @@ def test_a_blockwise_call_makes_its_drops_from_the_sites_seed_alone(small_blocks
 
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
-    hook = EditScores(drop=BernoulliRule(torch.tensor(0.5)), stats=zero_counts())
+    hook = EditScores(drop=BernoulliRule(torch.tensor(0.5)), counted=True)
     outs = []
     for stream, recompute, seed in ((0, False, 11), (1, True, 11), (2, False, 12)):
         torch.manual_seed(stream)

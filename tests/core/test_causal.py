@@ -7,7 +7,7 @@ import torch
 
 from attn_reg_plugin.core import block_rules, blockwise, masks
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
-from attn_reg_plugin.core.attention import CaptureOutput, EditScores, attend, zero_counts
+from attn_reg_plugin.core.attention import CaptureOutput, EditScores, attend
 from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.block_rules import BernoulliRule, RandomScores, TopRegionRule
 from attn_reg_plugin.core.controller import RegularizationController
@@ -43,12 +43,10 @@ def _padding(kind, b, s):
 HOOKS = {
     "none": lambda b, h, t, s: None,
     "dense drop": lambda b, h, t, s: EditScores(
-        drop=torch.rand(b, h, t, s, generator=torch.Generator().manual_seed(3)) < 0.4, stats=zero_counts()
+        drop=torch.rand(b, h, t, s, generator=torch.Generator().manual_seed(3)) < 0.4, counted=True
     ),
-    "coins, blocks": lambda b, h, t, s: EditScores(drop=BernoulliRule(torch.tensor(0.4)), stats=zero_counts()),
-    "random region, blocks": lambda b, h, t, s: EditScores(
-        drop=TopRegionRule(RandomScores(), 0.5, 0.5), stats=zero_counts()
-    ),
+    "coins, blocks": lambda b, h, t, s: EditScores(drop=BernoulliRule(torch.tensor(0.4)), counted=True),
+    "random region, blocks": lambda b, h, t, s: EditScores(drop=TopRegionRule(RandomScores(), 0.5, 0.5), counted=True),
 }
 
 
@@ -95,17 +93,18 @@ def _flag_against_mask(hook_name, bias_kind, t, s, need_weights, monkeypatch, de
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         hook = HOOKS[hook_name](b, h, t, s)
         if hook is not None and isinstance(hook.drop, torch.Tensor):
-            hook = EditScores(drop=hook.drop.to(device), stats=hook.stats)
+            hook = EditScores(drop=hook.drop.to(device), counted=True)
         torch.manual_seed(7)  # a hand-set drawing hook takes its seed from the global stream
+        site = site_with_hook(hook)
         out, weights = attend(
             *leaves,
             bias if causal else _explicit(bias, t, s).to(device),
-            site=site_with_hook(hook),
+            site=site,
             need_weights=need_weights,
             is_causal=causal,
         )
         (out.float() * torch.linspace(-1, 1, out.numel(), device=device).view(out.shape)).sum().backward()
-        counts = None if hook is None else [int(c) for c in hook.stats]
+        counts = None if hook is None else [int(c) for c in site.record.counts()]
         results.append((out, weights, [x.grad for x in leaves], counts))
     (out, weights, grads, counts), (out_, weights_, grads_, counts_) = results
     assert torch.isfinite(out).all()
@@ -126,11 +125,9 @@ def test_ga_capture_of_a_causal_call_keeps_the_same_output_and_validity(t):
     k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(2))
     captured = []
     for causal in (True, False):
-        capture = CaptureOutput()
-        out, _ = attend(
-            q, k, v, None if causal else _explicit(None, t, 6), site=site_with_hook(capture), is_causal=causal
-        )
-        captured.append((out, capture.outputs[0], capture.valid[0]))
+        site = site_with_hook(CaptureOutput())
+        out, _ = attend(q, k, v, None if causal else _explicit(None, t, 6), site=site, is_causal=causal)
+        captured.append((out, site.record.outputs[0], site.record.valid[0]))
     (out, kept, valid), (out_, kept_, valid_) = captured
     torch.testing.assert_close(out, out_)
     assert kept is out and kept.requires_grad

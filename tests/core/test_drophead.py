@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn_reg_plugin.core.attention import EditScores, attend, zero_counts
+from attn_reg_plugin.core.attention import EditScores, attend
 from attn_reg_plugin.core.drophead import DropHead, DropHeadConfig
 from attn_reg_plugin.core.planned_run import idle_run_warning
 from helpers import CORE_B, CORE_D, CORE_T, CoreBlock, controller_with_sites, site_with_hook, tiny_core_model
@@ -20,10 +20,10 @@ def _qkv(b=3, h=4, t=5, d=8, seed=0):
 
 def test_dropped_heads_are_zero_and_kept_heads_scaled_by_heads_over_kept():
     q, k, v = _qkv()
-    counts = zero_counts()
-    site = site_with_hook(EditScores(drop_heads=torch.tensor(0.4), stats=counts))
+    site = site_with_hook(EditScores(drop_heads=torch.tensor(0.4), counted=True))
     torch.manual_seed(7)
     out, _ = attend(q, k, v, site=site)
+    counts = site.record.counts()
     torch.manual_seed(7)
     drop = torch.rand(3, 4) < 0.4  # the kernel's draws: one per (sample, head), torch's stream
     drop &= drop.sum(-1, keepdim=True) < 4
@@ -55,18 +55,19 @@ def test_gradients_equal_autograd_of_the_explicit_rescaled_heads():
 
 def test_a_sample_drawn_to_lose_every_head_keeps_them_all():
     q, k, v = _qkv(seed=2)
-    counts = zero_counts()
-    out, _ = attend(q, k, v, site=site_with_hook(EditScores(drop_heads=torch.tensor(1.0), stats=counts)))
+    site = site_with_hook(EditScores(drop_heads=torch.tensor(1.0), counted=True))
+    out, _ = attend(q, k, v, site=site)
+    counts = site.record.counts()
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
     assert int(counts[0]) == 0 and torch.isfinite(out).all()
 
 
 def test_the_rate_is_p_and_the_same_seed_gives_the_same_drops():
     q, k, v = (x.detach() for x in _qkv(b=2000, h=8, t=2, d=4, seed=3))
-    counts = zero_counts()
-    site = site_with_hook(EditScores(drop_heads=torch.tensor(0.3), stats=counts))
+    site = site_with_hook(EditScores(drop_heads=torch.tensor(0.3), counted=True))
     torch.manual_seed(0)
     first, _ = attend(q, k, v, site=site)
+    counts = site.record.counts()
     assert abs(int(counts[0]) / int(counts[1]) - 0.3) < 0.01  # all 8 heads drawn: 0.3**8, negligible
     torch.manual_seed(0)
     again, _ = attend(q, k, v, site=site)

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.controller import zero_counts
 from attn_reg_plugin.core.options import named_by_field
 from attn_reg_plugin.core.planned_run import idle_run_warning
 from attn_reg_plugin.core.scheduled_dropout import (
@@ -80,10 +79,9 @@ def test_kernel_drops_each_layer_at_its_rate():
     q, k, v = _qkv((4, 4, 64, 8))
     torch.manual_seed(0)
     for site, expected in zip(controller.sites, (0.6, 0.45, 0.3, 0.15)):
-        counts = zero_counts()
-        site.hook = sched.hooks(0, stats=counts)[site]
-        out, _ = attend(q, k, v, site=site)
-        site.hook = None
+        with controller.hooks({site: sched.hooks(0)[site]}) as record:
+            out, _ = attend(q, k, v, site=site)
+        counts = record.counts()
         assert torch.isfinite(out).all()
         assert counts[1].item() == 4 * 4 * 64 * 64
         assert abs(counts[0].item() / counts[1].item() - expected) < 0.01, (site, expected)
@@ -122,10 +120,9 @@ def test_a_row_that_loses_every_key_attends_uniformly_never_nan(dtype):
     v = torch.tensor([1.0, -1.0], dtype=dtype).view(1, 1, 2, 1).expand(b, h, 2, 1)
     real = torch.tensor([[True, True]] * (b - 1) + [[True, False]])  # the last sample: one real key
     torch.manual_seed(0)
-    counts = zero_counts()
-    site.hook = sched.hooks(0, stats=counts)[site]
-    out, _ = attend(q, k, v, bias=real[:, None, None, :], site=site)
-    site.hook = None
+    with controller.hooks({site: sched.hooks(0)[site]}) as record:
+        out, _ = attend(q, k, v, bias=real[:, None, None, :], site=site)
+    counts = record.counts()
     assert torch.isfinite(out).all()
     out = out.float().squeeze(-1)
     assert torch.allclose(out[-1], torch.ones(h, t))  # its only key, dropped or not

@@ -16,7 +16,7 @@ from families import FAMILIES, REFUSED, build, families_table
 from attn_reg_plugin.core import ad_drop as ad_drop_module
 from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
 from attn_reg_plugin.core.attendout.game import AttendOut as AttendOutGame
-from attn_reg_plugin.core.attention import EditScores, zero_counts
+from attn_reg_plugin.core.attention import EditScores
 from attn_reg_plugin.core.attribution import token_loss_target
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.hf import install_attention_sites
@@ -263,9 +263,9 @@ def test_every_attribution_and_the_no_extra_cost_regularizers_train(family):
     with controller.hooks(sched.hooks(update=0)):
         assert not torch.allclose(step(lambda: ours(**inputs).logits), plain)
     layerdrop = AttentionLayerDrop(AttentionLayerDropConfig(p=1.0, attention=kinds), controller)
-    calls = zero_counts()
-    with controller.hooks(layerdrop.hooks(calls)):
+    with controller.hooks(layerdrop.hooks()) as record:
         assert not torch.allclose(step(lambda: ours(**inputs).logits), plain)
+    calls = record.calls()
     # counted by the kernel: every selected layer was called and skipped
     assert [int(c) for c in calls] == [len(layerdrop.sites)] * 2
 
@@ -283,11 +283,10 @@ def test_two_controllers_on_one_model_drive_the_same_sites():
     assert second_sites == first_sites == installed_sites(model) and first.sites == second.sites
 
     def valid_positions_seen(controller):
-        counts = [torch.zeros(()), torch.zeros(())]  # dropped, valid: filled by the sites that are called
-        keep_all = EditScores(drop=torch.zeros((1, 1, 1, 1), dtype=torch.bool), stats=counts)
-        with torch.no_grad(), controller.hooks({s: keep_all for s in controller.sites}):
+        keep_all = EditScores(drop=torch.zeros((1, 1, 1, 1), dtype=torch.bool), counted=True)
+        with torch.no_grad(), controller.hooks({s: keep_all for s in controller.sites}) as record:
             model(input_ids=torch.tensor([[5, 6, 7]]))
-        return float(counts[1])
+        return float(record.counts()[1])  # dropped, valid: filled by the sites that are called
 
     assert valid_positions_seen(first) == valid_positions_seen(second) == 2 * 4 * 3 * 3  # 2 layers x 4 heads x 3 x 3
     copied = install_attention_sites(copy.deepcopy(model), RegularizationController())

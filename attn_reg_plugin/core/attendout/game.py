@@ -15,13 +15,14 @@ Choices the paper leaves open (also in docs/design.md):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
 from ..attention import EditScores, zero_counts
-from ..controller import AttentionSite, RegularizationController
+from ..controller import AttentionSite, PassRecord, RegularizationController, add_counts
 from ..distributed import all_reduce_mean_
 from .config import AttendOutConfig
 from .generator import Generator
@@ -59,6 +60,14 @@ class AttendOut:
         self.last_drop_probabilities: Optional[torch.Tensor] = None
         self._applied = zero_counts()  # [dropped, valid] units the kernel applied this dropout step
 
+    @contextlib.contextmanager
+    def attacker_pass(self, streams: Dict[str, torch.Tensor]) -> Iterator[PassRecord]:
+        """One forward of the Attacker under this batch's masks (:meth:`attacker_hooks`); what the
+        kernel applied is added to this dropout step's counts when the block ends."""
+        with self.controller.hooks(self.attacker_hooks(streams)) as record:
+            yield record
+        self._applied = add_counts(self._applied, record.counts())
+
     def site_names(self) -> List[str]:
         return [f"{s.kind}.{s.layer}" for s in self.sites]
 
@@ -75,9 +84,7 @@ class AttendOut:
         self._update_probs.append(probs)
         self.last_drop_probabilities = probs  # per site, this batch (a tensor: no host sync)
         # The rate's denominator is the Generator's units: padding query rows are never masked.
-        return {
-            site: EditScores(drop=d, stats=self._applied, droppable=u) for site, d, u in zip(self.sites, drops, units)
-        }
+        return {site: EditScores(drop=d, counted=True, droppable=u) for site, d, u in zip(self.sites, drops, units)}
 
     def _sample(self, streams, seed, log_prob: bool = False):
         outputs = self.generator.drop_logits(streams, self.sites)
