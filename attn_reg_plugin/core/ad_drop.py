@@ -17,7 +17,7 @@ import torch
 from torch.profiler import record_function
 
 from .ad_drop_config import ADDropConfig, ad_drop_epoch  # noqa: F401  (the step's public import path too)
-from .attention import CaptureOutput, CaptureProbs, EditScores, zero_counts
+from .attention import CaptureOutput, CaptureProbs, EditScores
 from .attribution import (
     GradientScale,
     dense_gradient_attribution,
@@ -44,6 +44,7 @@ from .blockwise import blockwise_rows
 from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
 from .masks import ad_drop_masks
+from .passes import zero_counts
 from .sharding import check_supported_sharding
 
 logger = logging.getLogger(__name__)

@@ -39,8 +39,6 @@ from .controller import (  # noqa: F401
     CaptureProbs,
     EditScores,
     Hook,
-    Plan,
-    zero_counts,
 )
 from .masks import (
     MASKED_BIAS,
@@ -54,6 +52,7 @@ from .masks import (
     valid_keys_from_bias,
     zero_rows,
 )
+from .passes import Plan, zero_counts  # noqa: F401  (zero_counts: the tests' import path too)
 
 # Since torch 2.5 every sdpa backend gives a row whose keys are all masked (False, or -inf) output 0
 # and no gradient, which is what the kernel promises for a query row with no valid key; before, NaN.

@@ -16,7 +16,8 @@ import torch
 
 from .block_rules import AttentionScores
 from .checkpointing import recomputing
-from .controller import AttentionSite, Hook, Plan
+from .controller import AttentionSite, Hook
+from .passes import Plan
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..core.checkpointing import recomputing
-from ..core.controller import AttentionSite, RegularizationController, plan_of
+from ..core.controller import AttentionSite, RegularizationController
+from ..core.passes import plan_of
 from .equivalence import check_equivalent
 from .probe_inputs import DECODER_LEN, ENCODER_LEN, accepted_inputs, eval_mode, probe_candidates, probe_inputs
 

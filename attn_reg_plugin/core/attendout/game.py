@@ -21,9 +21,10 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from ..attention import EditScores, zero_counts
-from ..controller import AttentionSite, PassRecord, RegularizationController, add_counts
+from ..attention import EditScores
+from ..controller import AttentionSite, RegularizationController
 from ..distributed import all_reduce_mean_
+from ..passes import PassRecord, add_counts, zero_counts
 from .config import AttendOutConfig
 from .generator import Generator
 from .heldout import win_probability
