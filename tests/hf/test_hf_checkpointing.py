@@ -15,6 +15,7 @@ import transformers
 import helpers
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
+from attn_reg_plugin.core.drophead import DropHeadConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import (
@@ -83,7 +84,10 @@ FAMILIES = {
     "marian": (tiny_marian, marian_batch, "encoder-self,decoder-self,encoder-decoder", True),
     "llama": (tiny_llama, llama_batch, "decoder-self", False),
 }
-REGULARIZERS = ["ad-drop-ga", "ad-drop-iga", "ad-drop-aa", "ad-drop-rd", "attendout", "scheduled-dropout", "layerdrop"]
+REGULARIZERS = [
+    *("ad-drop-ga", "ad-drop-iga", "ad-drop-aa", "ad-drop-rd", "attendout", "scheduled-dropout", "layerdrop"),
+    "drophead",
+]
 
 
 def make_trainer(family, regularizer, checkpointing, tmp_path):
@@ -121,6 +125,8 @@ def make_trainer(family, regularizer, checkpointing, tmp_path):
         trainer.create_optimizer()  # the Attacker's optimizer mirrors it
         return trainer
     cls = AttnRegSeq2SeqTrainer if seq2seq else AttnRegTrainer
+    if regularizer == "drophead":
+        return cls(model=model, args=args, drophead=DropHeadConfig(schedule="0:0.5", attention=kinds))
     if regularizer == "scheduled-dropout":
         return cls(model=model, args=args, scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.3", attention=kinds))
     return cls(model=model, args=args, layerdrop=AttentionLayerDropConfig(p=0.5, attention=kinds))
