@@ -14,9 +14,10 @@ summary, paired differences), ``results.md`` (mean ± sample std over seeds, per
 method) and ``runs.jsonl`` (one line per finished run, written as runs finish).
 
 Methods live in the ``METHODS`` registry: a name, the options it adds, and how it builds its
-``transformers.Trainer``. ``plain`` is the stock ``transformers.Trainer``; ``ad-drop`` is
-``attn_reg_plugin.hf.ADDropTrainer``. Both get identical ``TrainingArguments``, data and
-collator, so they differ only in what the regularizer does.
+``transformers.Trainer``. ``plain`` is the stock ``transformers.Trainer``; ``ad-drop``,
+``attendout``, ``r-drop``, ``hiddencut``, ``drophead`` and ``dropkey`` are the plugin's HF trainers
+(``fewshot_methods``). All get identical ``TrainingArguments``, data and collator, so they differ
+only in what the regularizer does.
 
 Input files are JSON lines ``{"sentence": str, "label": int}`` with labels in 0..num_labels-1.
 Malformed input (bad JSON or UTF-8, a missing key, an empty sentence, a label outside the label
@@ -42,7 +43,7 @@ from .arguments import comma_list
 from .fewshot_data import DataError, Example, file_digest, load_jsonl, sample_balanced  # noqa: F401
 from .fewshot_methods import METHODS, Method  # noqa: F401
 from .fewshot_resume import comparable_settings, resumable_runs
-from .fewshot_summary import markdown, summarize  # noqa: F401
+from .fewshot_summary import markdown, regularizer_means, summarize  # noqa: F401
 from .paths import MOVIE_REVIEWS as DEFAULT_DATA
 from .paths import checkout_data, minilm_dir
 from .provenance import environment
@@ -191,10 +192,7 @@ def run_one(opts, method: Method, splits: Splits, size: int, seed: int) -> dict:
         raise RuntimeError(f"expected {opts.epochs} epoch logs and dev scores, got {len(logs)} and {len(callback.dev)}")
     epochs = []
     for i, (log, dev_acc) in enumerate(zip(logs, callback.dev)):
-        row = {"epoch": i + 1, "train_loss": log["loss"], "dev_acc": dev_acc}
-        for key in ("ad_drop_on", "ad_drop_rate"):
-            if key in log:
-                row[key] = log[key]
+        row = {"epoch": i + 1, "train_loss": log["loss"], "dev_acc": dev_acc, **method.logged(log)}
         if opts.test_every_epoch:
             row["test_acc"] = callback.test[i]
         epochs.append(row)
@@ -439,8 +437,8 @@ def run_all(argv=None) -> List[dict]:
                 runs.append(run)
                 with runs_path.open("a", encoding="utf-8") as f:
                     f.write(json.dumps(run) + "\n")
-                rates = [e["ad_drop_rate"] for e in run["epochs"] if e.get("ad_drop_on")]
-                extra = f"  ad_drop_rate {statistics.fmean(rates):.4f}" if rates else ""
+                measured = regularizer_means(run["epochs"])
+                extra = "".join(f"  {k} {v:.4f}" for k, v in measured.items())
                 print(
                     f"[{len(runs)}/{total}] size {size:4d} seed {seed} {name:8s} best epoch {run['best_epoch']:2d}  "
                     f"dev {run['best_dev_acc']:.4f}  test {run['test_acc']:.4f}  {run['train_seconds']:.0f}s{extra}",

@@ -1,10 +1,17 @@
-"""The few-shot runner's methods: plain, AD-DROP and AttendOut Trainers, each with its own options."""
+"""The few-shot runner's methods: plain, AD-DROP, AttendOut and the papers' baselines (R-Drop, HiddenCut,
+DropHead, DropKey), each a Trainer of the plugin's public HF API with its own options at the papers' defaults.
+
+Defaults: R-Drop alpha 1.0 (the runner's choice: no single GLUE value of the R-Drop paper was found to cite;
+the plugin's own default, 5, is the paper's MT value); HiddenCut ratio 0.1, top 0.4, alpha 1 (its official script); DropHead p 0.1
+constant (the paper's V schedule depends on the run's length: give it with --attn-drophead-schedule as
+knots, e.g. 0:0.1,N/2:0,N:0.1); DropKey rate 0.1 (layer l of L dropped at 0.1 * (1 - l/L)).
+"""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 
 @dataclass(frozen=True)
@@ -14,7 +21,8 @@ class Method:
     ``build(opts, **trainer_kwargs)`` returns a ``transformers.Trainer`` (``trainer_kwargs``:
     model, args, train_dataset, data_collator, callbacks); it must fail on bad options when
     built, which the runner does once before any training. ``settings(opts)`` is what gets
-    recorded; ``min_epochs(opts)`` the fewest epochs for the method to do anything.
+    recorded; ``min_epochs(opts)`` the fewest epochs for the method to do anything. ``log_keys``: the
+    Trainer log keys copied into each epoch's record (a key ending in ``*`` is a prefix).
     """
 
     name: str
@@ -23,6 +31,13 @@ class Method:
     add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
     settings: Callable[[argparse.Namespace], dict] = lambda opts: {}
     min_epochs: Callable[[argparse.Namespace], int] = lambda opts: 1
+    log_keys: Tuple[str, ...] = ()
+
+    def logged(self, log: dict) -> dict:
+        """The entries of one Trainer log that this method records per epoch."""
+        exact = {k for k in self.log_keys if not k.endswith("*")}
+        prefixes = tuple(k[:-1] for k in self.log_keys if k.endswith("*"))
+        return {k: v for k, v in log.items() if k in exact or k.startswith(prefixes)}
 
 
 def _build_plain(opts, **trainer_kwargs):
@@ -89,6 +104,95 @@ def _ad_drop_settings(opts) -> dict:
     }
 
 
+# The baselines' options: the plugin's own flags (module, config class, fields, the runner's defaults).
+_BASELINE_OPTIONS = {
+    "r-drop": ("rdrop", "RDropConfig", ("alpha",), {"alpha": 1.0}),
+    "hiddencut": ("hiddencut", "HiddenCutConfig", ("ratio", "top", "alpha", "layers"), {}),
+    "drophead": ("drophead", "DropHeadConfig", ("schedule", "layers"), {"schedule": "0:0.1"}),
+    "dropkey": ("scheduled_dropout", "ScheduledDropoutConfig", ("schedule", "layers"), {"schedule": "dropkey:0.1"}),
+}
+
+
+def _config_options_lazy(name: str) -> Callable[[argparse.ArgumentParser], None]:
+    def add(parser: argparse.ArgumentParser) -> None:
+        import importlib
+
+        from attn_reg_plugin.core.options import add_arguments
+
+        module, cls_name, only, defaults = _BASELINE_OPTIONS[name]
+        config_cls = getattr(importlib.import_module(f"attn_reg_plugin.core.{module}"), cls_name)
+        group = parser.add_argument_group(name, f"{name} options (attn_reg_plugin {cls_name} fields)")
+        add_arguments(group, config_cls, only=only, defaults=defaults)
+
+    return add
+
+
+def _rdrop_config(opts):
+    from attn_reg_plugin.core.rdrop import RDropConfig
+
+    return RDropConfig.from_namespace(opts)
+
+
+def _hiddencut_config(opts):
+    from attn_reg_plugin.core.hiddencut import HiddenCutConfig
+
+    return HiddenCutConfig.from_namespace(opts)
+
+
+def _drophead_config(opts):
+    from attn_reg_plugin.core.drophead import DropHeadConfig
+
+    return DropHeadConfig.from_namespace(opts)
+
+
+def _dropkey_config(opts):
+    from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+
+    return ScheduledDropoutConfig.from_namespace(opts)
+
+
+def _build_rdrop(opts, **trainer_kwargs):
+    from attn_reg_plugin.hf import RDropTrainer
+
+    trainer_kwargs.pop("eval_dataset", None)
+    return RDropTrainer(**trainer_kwargs, rdrop=_rdrop_config(opts))
+
+
+def _build_hiddencut(opts, **trainer_kwargs):
+    from attn_reg_plugin.hf import HiddenCutTrainer
+
+    trainer_kwargs.pop("eval_dataset", None)
+    # HiddenCut draws the span from the attention maps, which transformers returns only from eager attention.
+    trainer_kwargs["model"].set_attn_implementation("eager")
+    return HiddenCutTrainer(**trainer_kwargs, hiddencut=_hiddencut_config(opts))
+
+
+def _build_attn_reg(keyword: str, config: Callable):
+    def build(opts, **trainer_kwargs):
+        from attn_reg_plugin.hf import AttnRegTrainer
+
+        trainer_kwargs.pop("eval_dataset", None)
+        return AttnRegTrainer(**trainer_kwargs, **{keyword: config(opts)})
+
+    return build
+
+
+def _dropkey_settings(opts) -> dict:
+    config = _dropkey_config(opts).validate()
+    if not config.schedule.strip().startswith("dropkey:"):
+        raise ValueError(
+            f"--attn-sched-dropout-schedule must be dropkey:RATE for method dropkey, got {config.schedule!r}"
+        )
+    return vars(config)
+
+
+def _drophead_settings(opts) -> dict:
+    config = _drophead_config(opts).validate()
+    if not config.enabled:
+        raise ValueError("--attn-drophead-schedule is empty: method drophead would not drop anything")
+    return vars(config)
+
+
 METHODS: Dict[str, Method] = {
     "plain": Method("plain", "stock transformers.Trainer", _build_plain),
     "ad-drop": Method(
@@ -98,6 +202,7 @@ METHODS: Dict[str, Method] = {
         add_arguments=_ad_drop_arguments,
         settings=_ad_drop_settings,
         min_epochs=lambda opts: 2 if opts.ad_drop_schedule == "cross-tuning" else 1,
+        log_keys=("ad_drop_on", "ad_drop_rate"),
     ),
     "attendout": Method(
         "attendout",
@@ -105,5 +210,37 @@ METHODS: Dict[str, Method] = {
         _build_attendout,
         add_arguments=_attendout_arguments,
         settings=lambda opts: vars(_attendout_config(opts).validate()),
+    ),
+    "r-drop": Method(
+        "r-drop",
+        "attn_reg_plugin.hf.RDropTrainer (two passes + alpha * symmetric KL)",
+        _build_rdrop,
+        add_arguments=_config_options_lazy("r-drop"),
+        settings=lambda opts: vars(_rdrop_config(opts).validate()),
+        log_keys=("rdrop_kl",),
+    ),
+    "hiddencut": Method(
+        "hiddencut",
+        "attn_reg_plugin.hf.HiddenCutTrainer (clean + cut pass + alpha * JS; eager attention)",
+        _build_hiddencut,
+        add_arguments=_config_options_lazy("hiddencut"),
+        settings=lambda opts: vars(_hiddencut_config(opts).validate()),
+        log_keys=("hiddencut_js", "hiddencut_cut", "hiddencut_tokens"),
+    ),
+    "drophead": Method(
+        "drophead",
+        "attn_reg_plugin.hf.AttnRegTrainer(drophead=DropHeadConfig)",
+        _build_attn_reg("drophead", _drophead_config),
+        add_arguments=_config_options_lazy("drophead"),
+        settings=_drophead_settings,
+        log_keys=("attn_drophead_rate", "attn_drophead_p"),
+    ),
+    "dropkey": Method(
+        "dropkey",
+        "attn_reg_plugin.hf.AttnRegTrainer(scheduled_dropout=ScheduledDropoutConfig(schedule='dropkey:RATE'))",
+        _build_attn_reg("scheduled_dropout", _dropkey_config),
+        add_arguments=_config_options_lazy("dropkey"),
+        settings=_dropkey_settings,
+        log_keys=("attn_sched_dropout_rate", "attn_sched_dropout_p_layer*"),
     ),
 }

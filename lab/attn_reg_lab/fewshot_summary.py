@@ -69,6 +69,20 @@ def paired_difference(values: Dict[Hashable, float], baseline: Dict[Hashable, fl
     return {"pairs": len(diffs), "mean_diff": statistics.fmean(diffs), "std_diff": std, "t": t, "p": p}
 
 
+# What each regularizer measured, per epoch (its kernel's or criterion's log keys), summarized per run.
+MEASURED_KEYS = ("ad_drop_rate", "rdrop_kl", "hiddencut_js", "attn_drophead_rate", "attn_sched_dropout_rate")
+
+
+def regularizer_means(epochs: Sequence[dict]) -> Dict[str, float]:
+    """Mean over a run's epochs of each measured key it logged (AD-DROP's rate: over its regularized epochs)."""
+    means = {}
+    for key in MEASURED_KEYS:
+        values = [e[key] for e in epochs if key in e and (key != "ad_drop_rate" or e.get("ad_drop_on"))]
+        if values:
+            means[key] = statistics.fmean(values)
+    return means
+
+
 def summarize(runs: List[dict], sizes: Sequence[int], methods: Sequence[str], baseline: str = "plain"):
     summary, paired = [], []
     for size in sizes:
@@ -89,9 +103,9 @@ def summarize(runs: List[dict], sizes: Sequence[int], methods: Sequence[str], ba
                 "best_epochs": [r["best_epoch"] for r in rs],
                 "train_seconds_mean": statistics.fmean(r["train_seconds"] for r in rs),
             }
-            rates = [e["ad_drop_rate"] for r in rs for e in r["epochs"] if e.get("ad_drop_on")]
-            if rates:
-                row["ad_drop_rate_mean"] = statistics.fmean(rates)
+            measured = [regularizer_means(r["epochs"]) for r in rs]
+            for key in dict.fromkeys(k for m_ in measured for k in m_):
+                row[f"{key}_mean"] = statistics.fmean(m_[key] for m_ in measured if key in m_)
             probs = [r["attendout_drop_prob"] for r in rs if "attendout_drop_prob" in r]
             if probs:
                 row["attendout_drop_prob_mean"] = statistics.fmean(probs)

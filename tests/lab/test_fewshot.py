@@ -410,3 +410,76 @@ def test_paired_difference_pairs_only_the_seeds_both_hold():
         "t": None,
         "p": None,
     }
+
+
+# -- the papers' baselines (issue 42) -----------------------------------------------------------
+BASELINES = {  # method: the log keys the plugin's trainer counted, recorded in every epoch
+    "r-drop": ("rdrop_kl",),
+    "hiddencut": ("hiddencut_js", "hiddencut_cut", "hiddencut_tokens"),
+    "drophead": ("attn_drophead_rate", "attn_drophead_p"),
+    "dropkey": ("attn_sched_dropout_rate", "attn_sched_dropout_p_layer0", "attn_sched_dropout_p_layer5"),
+}
+
+
+def test_unknown_method_is_refused_naming_every_accepted_one(capsys):
+    with pytest.raises(SystemExit):
+        fewshot.parse_args(["--methods", "plain,r_drop", "--model", "unused-folder"])
+    err = capsys.readouterr().err
+    assert "--methods: got 'plain,r_drop'" in err
+    assert "plain, ad-drop, attendout, r-drop, hiddencut, drophead, dropkey" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--rdrop-alpha", "-1"], "--rdrop-alpha must be a finite number >= 0"),
+        (["--hiddencut-ratio", "0"], "--hiddencut-ratio"),
+        (["--attn-drophead-schedule", ""], "--attn-drophead-schedule is empty"),
+        (["--attn-sched-dropout-schedule", "0:0.1"], "must be dropkey:RATE for method dropkey"),
+    ],
+)
+def test_bad_baseline_options_fail_before_anything_runs(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        fewshot.parse_args([*argv, "--methods", "plain,r-drop,hiddencut,drophead,dropkey", "--model", "x"])
+    assert message in capsys.readouterr().err
+
+
+def test_baselines_run_end_to_end_with_the_papers_defaults(tmp_path, minilm):
+    paths = _tiny_splits(tmp_path)
+    out = tmp_path / "out"
+    argv = [*(f"--{n}={paths[n]}" for n in ("train", "dev", "test")), "--model", minilm, "--sizes", "8"]
+    argv += ["--seeds", "1", "--methods", "plain," + ",".join(BASELINES), "--epochs", "1", "--batch-size", "4"]
+    assert fewshot.main([*argv, "--max-length", "32", "--out-dir", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    runs = {r["method"]: r for r in result["runs"]}
+    assert set(runs) == {"plain", *BASELINES}
+    for method, keys in BASELINES.items():
+        (epoch,) = runs[method]["epochs"]
+        assert all(key in epoch for key in keys), (method, epoch)
+        assert not any(key in runs["plain"]["epochs"][0] for key in keys)
+        # same subset and initial weights as plain, a different training loss: the regularizer acted
+        assert runs[method]["train_labels"] == runs["plain"]["train_labels"] == [4, 4]
+        assert epoch["train_loss"] != runs["plain"]["epochs"][0]["train_loss"]
+    assert runs["r-drop"]["epochs"][0]["rdrop_kl"] > 0 and runs["hiddencut"]["epochs"][0]["hiddencut_js"] > 0
+    assert runs["hiddencut"]["epochs"][0]["hiddencut_cut"] > 0
+    assert runs["drophead"]["epochs"][0]["attn_drophead_p"] == 0.1
+    dk = runs["dropkey"]["epochs"][0]
+    assert dk["attn_sched_dropout_p_layer0"] == 0.1 and dk["attn_sched_dropout_p_layer5"] < 0.1  # less with depth
+    assert 0 < dk["attn_sched_dropout_rate"] < 0.2 and 0 <= runs["drophead"]["epochs"][0]["attn_drophead_rate"] < 0.5
+    settings = result["config"]["method_settings"]
+    assert settings["r-drop"]["alpha"] == 1.0 and settings["dropkey"]["schedule"] == "dropkey:0.1"
+    assert (settings["hiddencut"]["ratio"], settings["hiddencut"]["top"], settings["hiddencut"]["alpha"]) == (
+        0.1,
+        0.4,
+        1.0,
+    )
+    summary = {r["method"]: r for r in result["summary"]}
+    assert summary["r-drop"]["rdrop_kl_mean"] == runs["r-drop"]["epochs"][0]["rdrop_kl"]
+    assert summary["dropkey"]["attn_sched_dropout_rate_mean"] == dk["attn_sched_dropout_rate"]
+    paired = {r["method"]: r for r in result["paired"]}
+    assert set(paired) == set(BASELINES)
+    for method in BASELINES:
+        assert paired[method]["baseline"] == "plain"
+        assert paired[method]["diff_mean"] == pytest.approx(runs[method]["test_acc"] - runs["plain"]["test_acc"])
+    table = (out / "results.md").read_text(encoding="utf-8")
+    assert all(f"| {method} − plain |" in table for method in BASELINES)
