@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import field
+from typing import List
 
 from fairseq import metrics, utils
 from omegaconf import OmegaConf, open_dict
@@ -79,24 +80,37 @@ AttnRegTaskOptions = fairseq_options(
 )
 
 
-def _validate_task_options(cfg):
-    """Value checks that need no model; run when the task is set up (before any data is read)."""
-    AttendOutConfig.from_namespace(cfg).validate()
-    if not 0 <= cfg.attendout_clip_norm < math.inf:  # also refuses nan
-        raise ValueError(f"--attendout-clip-norm must be a finite number >= 0, got {cfg.attendout_clip_norm!r}")
+def task_regularizers_on(cfg) -> List[str]:
+    """The flags of the task-level regularizers this run turns on (each validated first)."""
     sched = ScheduledDropoutConfig.from_namespace(cfg).validate()
     layerdrop = AttentionLayerDropConfig.from_namespace(cfg).validate()
     drophead = DropHeadConfig.from_namespace(cfg).validate()
-    enabled = [
+    return [
         name
         for name, on in (
-            ("--attendout", cfg.attendout),
+            ("--attendout", bool(getattr(cfg, "attendout", False))),
             (sched.name("schedule"), sched.enabled),
             (layerdrop.name("p"), layerdrop.enabled),
             (drophead.name("schedule"), drophead.enabled),
         )
         if on
     ]
+
+
+def refuse_task_regularizers_beside(criterion_name: str, task) -> None:
+    """A two-pass criterion (R-Drop, HiddenCut) with an attn_reg task's own regularizer is not supported
+    (not verified): refused, both named. fairseq's own tasks have no regularizer of their own."""
+    cfg = getattr(task, "cfg", None)
+    if cfg is not None and hasattr(task, "attn_reg_epoch"):
+        one_regularizer([f"--criterion {criterion_name}"] + task_regularizers_on(cfg))
+
+
+def _validate_task_options(cfg):
+    """Value checks that need no model; run when the task is set up (before any data is read)."""
+    AttendOutConfig.from_namespace(cfg).validate()
+    if not 0 <= cfg.attendout_clip_norm < math.inf:  # also refuses nan
+        raise ValueError(f"--attendout-clip-norm must be a finite number >= 0, got {cfg.attendout_clip_norm!r}")
+    enabled = task_regularizers_on(cfg)
     one_regularizer(enabled)
     if enabled:
         refuse_unsupported_training(cfg, enabled[0])
@@ -226,13 +240,7 @@ class AttnRegTaskMixin:
             if self.attn_reg_controller is None:
                 raise RuntimeError("attn_reg_plugin: the model must be built before the criterion")
             criterion_option = "--criterion " + str(getattr(cfg, "_name", "ad_drop"))
-            task_regularizers = (
-                ("--attendout", self.attn_reg_attendout),
-                ("--attn-sched-dropout-schedule", self.attn_reg_scheduled_dropout),
-                ("--attn-layerdrop-p", self.attn_reg_layerdrop),
-                ("--attn-drophead-schedule", self.attn_reg_drophead),
-            )
-            one_regularizer([criterion_option] + [option for option, on in task_regularizers if on])
+            one_regularizer([criterion_option] + task_regularizers_on(self.cfg))
             refuse_unsupported_training(self.cfg, criterion_option)
             attach(self.attn_reg_controller)  # validates layers / kinds against the model
             self.attn_reg_ad_drop_config = criterion.ad_drop_config

@@ -38,9 +38,7 @@ from ..core.hiddencut import (
     hiddencut_spans,
     js_consistency,
 )
-from ..core.layerdrop import AttentionLayerDropConfig
-from ..core.options import one_regularizer
-from ..core.scheduled_dropout import ScheduledDropoutConfig
+from .attn_reg_task import refuse_task_regularizers_beside
 from .options import fairseq_options
 
 NAME = "hiddencut_label_smoothed_cross_entropy"
@@ -52,19 +50,6 @@ HiddenCutOptions = fairseq_options("HiddenCutOptions", [HiddenCutConfig])
 @dataclass
 class HiddenCutLabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig, HiddenCutOptions):
     pass
-
-
-def refuse_task_regularizers(task) -> None:
-    """HiddenCut with an attn_reg task's own regularizer is not supported (not verified): refused, both named."""
-    cfg = getattr(task, "cfg", None)
-    if cfg is None or not hasattr(task, "attn_reg_epoch"):
-        return  # fairseq's own task: it has no regularizer of its own
-    task_regularizers = (
-        ("--attendout", bool(getattr(cfg, "attendout", False))),
-        ("--attn-sched-dropout-schedule", ScheduledDropoutConfig.from_namespace(cfg).enabled),
-        ("--attn-layerdrop-p", AttentionLayerDropConfig.from_namespace(cfg).enabled),
-    )
-    one_regularizer([f"--criterion {NAME}"] + [option for option, on in task_regularizers if on])
 
 
 def self_attention_received(attn, query, key_padding_mask, attn_mask) -> tuple:
@@ -125,7 +110,7 @@ class HiddenCutLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCrite
         criterion = super().build_criterion(cfg, task)
         criterion.hiddencut_config = HiddenCutConfig.from_namespace(cfg).validate()
         criterion.hiddencut_hooks = None
-        refuse_task_regularizers(task)
+        refuse_task_regularizers_beside(NAME, task)
         return criterion
 
     def forward(self, model, sample, reduce=True):

@@ -23,10 +23,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     label_smoothed_nll_loss,
 )
 
-from ..core.layerdrop import AttentionLayerDropConfig
-from ..core.options import one_regularizer
 from ..core.rdrop import RDropConfig, concat_with_itself, rdrop_kl, rdrop_objective, split_in_two
-from ..core.scheduled_dropout import ScheduledDropoutConfig
+from .attn_reg_task import refuse_task_regularizers_beside
 from .options import fairseq_options
 
 NAME = "rdrop_label_smoothed_cross_entropy"
@@ -40,19 +38,6 @@ class RDropLabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionCon
     pass
 
 
-def refuse_task_regularizers(task) -> None:
-    """R-Drop with an attn_reg task's own regularizer is not supported (not verified): refused, both named."""
-    cfg = getattr(task, "cfg", None)
-    if cfg is None or not hasattr(task, "attn_reg_epoch"):
-        return  # fairseq's own task: it has no regularizer of its own
-    task_regularizers = (
-        ("--attendout", bool(getattr(cfg, "attendout", False))),
-        ("--attn-sched-dropout-schedule", ScheduledDropoutConfig.from_namespace(cfg).enabled),
-        ("--attn-layerdrop-p", AttentionLayerDropConfig.from_namespace(cfg).enabled),
-    )
-    one_regularizer([f"--criterion {NAME}"] + [option for option, on in task_regularizers if on])
-
-
 @register_criterion(NAME, dataclass=RDropLabelSmoothedCrossEntropyConfig)
 class RDropLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     """Label-smoothed cross-entropy trained with R-Drop; validation is the base criterion unchanged."""
@@ -62,7 +47,7 @@ class RDropLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion
         """The base criterion, built as fairseq builds it, then R-Drop's options from the same cfg (checked here)."""
         criterion = super().build_criterion(cfg, task)
         criterion.rdrop_config = RDropConfig.from_namespace(cfg).validate()
-        refuse_task_regularizers(task)
+        refuse_task_regularizers_beside(NAME, task)
         return criterion
 
     def forward(self, model, sample, reduce=True):

@@ -146,6 +146,7 @@ def test_same_seed_same_step(tiny_mt_data):
         (["--attendout"], "--attendout"),
         (["--attn-layerdrop-p", "0.2"], "--attn-layerdrop-p"),
         (["--attn-sched-dropout-schedule", "0:0.3"], "--attn-sched-dropout-schedule"),
+        (["--attn-drophead-schedule", "0:0.3"], "--attn-drophead-schedule"),
     ],
 )
 def test_other_regularizers_are_refused_naming_both(tiny_mt_data, extra, other):
