@@ -294,7 +294,16 @@ DROPHEAD_TRAIN = [
     *["--attn-drophead-schedule", "0:0.3", "--attn-drophead-attention", "encoder-self,decoder-self"],
     *ATTENDOUT_TRAIN[_ATTENDOUT_AT + 3 :],
 ]
-TRAIN_ARGS = {"ad_drop": AD_DROP_TRAIN, "attendout": ATTENDOUT_TRAIN, "rdrop": RDROP_TRAIN, "drophead": DROPHEAD_TRAIN}
+# DropKey: the scheduled-dropout preset (layer 0 at the rate, deeper layers lower), on both self-attentions.
+DROPKEY_TRAIN = [
+    *ATTENDOUT_TRAIN[:_ATTENDOUT_AT],
+    *["--attn-sched-dropout-schedule", "dropkey:0.4", "--attn-sched-dropout-attention", "encoder-self,decoder-self"],
+    *ATTENDOUT_TRAIN[_ATTENDOUT_AT + 3 :],
+]
+TRAIN_ARGS = {
+    "ad_drop": AD_DROP_TRAIN, "attendout": ATTENDOUT_TRAIN, "rdrop": RDROP_TRAIN, "drophead": DROPHEAD_TRAIN,
+    "dropkey": DROPKEY_TRAIN,
+}  # fmt: skip
 
 # Tiny 2-epoch runs (conftest.logged_runs) logged as JSON every update, keeping each epoch's
 # checkpoint: "plain" is the attn_reg task with the ordinary criterion, the others one regularizer each.
@@ -318,6 +327,8 @@ LOGGED_TRAIN = {
         *_LOGGED_BASE, *_PLAIN_CRITERION, "--attn-layerdrop-p", str(LAYERDROP_P),
         "--attn-layerdrop-attention", "encoder-self,decoder-self,encoder-decoder",
     ],
+    # HiddenCut is a criterion of the task (two passes, the second cut at the encoder's fc2 output).
+    "hiddencut": [*_LOGGED_BASE, "--criterion", "hiddencut_label_smoothed_cross_entropy"],
 }  # fmt: skip
 
 # Early stopping by validation BLEU, the MT habit: fairseq's meters then keep the BLEU n-gram counts
@@ -341,14 +352,15 @@ def train_epochs_json(log: str):
 
 
 def tensorboard_scalars(logdir):
-    """{fairseq tag ("train_inner", "train", "valid"): {key: {step: value}}} from the event files
-    fairseq's --tensorboard-logdir writes (one folder per tag), read with tensorboardX's protobufs."""
+    """{folder: {key: {step: value}}} from the event files under ``logdir``, read with tensorboardX's
+    protobufs: fairseq's --tensorboard-logdir writes one folder per tag ("train_inner", "train",
+    "valid"), an HF Trainer one folder per run."""
     import struct
 
     from tensorboardX.proto import event_pb2
 
     out = {}
-    for path in sorted(Path(logdir).glob("*/events.out.tfevents.*")):
+    for path in sorted(Path(logdir).rglob("events.out.tfevents.*")):
         data, pos = path.read_bytes(), 0
         while pos < len(data):  # records: uint64 length, uint32 crc, the event, uint32 crc
             (length,) = struct.unpack_from("<Q", data, pos)
@@ -358,6 +370,17 @@ def tensorboard_scalars(logdir):
                 if value.HasField("simple_value"):
                     out.setdefault(path.parent.name, {}).setdefault(value.tag, {})[event.step] = value.simple_value
     return out
+
+
+def hf_tensorboard_matches_the_log(trainer, keys):
+    """An HF trainer run with ``report_to=["tensorboard"]``: its event files hold each of ``keys`` as
+    ``train/KEY`` at every logged step, equal (float32) to ``trainer.state.log_history``."""
+    import pytest
+
+    (scalars,) = tensorboard_scalars(trainer.args.output_dir).values()  # one run folder
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    for key in keys:
+        assert scalars[f"train/{key}"] == pytest.approx({h["step"]: h[key] for h in logs}, rel=1e-6), key
 
 
 # A line of a Python warning (``path:line: SomeWarning: ...``) or a logged warning in fairseq's format.

@@ -7,7 +7,8 @@ dumps and lets ``pytorch_ddp`` wrap a CPU module) with ``--distributed-world-siz
 the logged AD-DROP flag and drop rate are those of the whole job; a slow test resumes a
 2-rank run from checkpoint_last (rank 0 reads it, the others receive it).
 HF: ``torchrun --nproc_per_node 2`` of ADDropTrainer on a tiny BERT. R-Drop's two forwards under
-``pytorch_ddp`` without ``--find-unused-parameters`` (its HF run: tests/hf/test_hf_rdrop.py).
+``pytorch_ddp`` without ``--find-unused-parameters`` (its HF run: tests/hf/test_hf_rdrop.py), and
+DropHead and DropKey the same way, each with rank 0's TensorBoard events checked against its JSON log.
 """
 
 import re
@@ -19,7 +20,16 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from helpers import RANK_ENV, REPO, TRAIN_ARGS, USER_DIR, free_port, torchrun_ranks, train_updates  # noqa: E402
+from helpers import (  # noqa: E402
+    RANK_ENV,
+    REPO,
+    TRAIN_ARGS,
+    USER_DIR,
+    free_port,
+    tensorboard_scalars,
+    torchrun_ranks,
+    train_updates,
+)
 
 WORLD = 2
 UPDATES_PER_EPOCH = 6  # 12 batches of the tiny corpus shared by 2 ranks
@@ -172,12 +182,36 @@ def test_fairseq_two_ranks_drophead_without_find_unused_parameters(tiny_mt_data,
     """DropHead through torch's DDP (pytorch_ddp, find_unused_parameters off): a dropped head's
     projections still get a (zero) gradient in the one backward, so every gradient is reduced, the
     ranks stay identical, and the rate summed over both ranks is logged at every update."""
-    save = tmp_path / "ckpt"
-    extra = ["--ddp-backend", "pytorch_ddp"]
+    save, tb = tmp_path / "ckpt", tmp_path / "tb"
+    extra = ["--ddp-backend", "pytorch_ddp", "--tensorboard-logdir", str(tb)]  # rank 0 writes it
     updates = train_updates(_fairseq_ranks(tiny_mt_data["bin"], save, extra, max_epoch=1, regularizer="drophead"))
     assert sorted(updates) == list(range(1, UPDATES_PER_EPOCH + 1))
     assert all(0.1 < float(r["attn_drophead_rate"]) < 0.5 for r in updates.values()), updates
     _same_parameters_on_every_rank(save, UPDATES_PER_EPOCH)
+    _tensorboard_has_the_json_log(tb, updates, ["attn_drophead_rate", "attn_drophead_p"])
+
+
+def test_fairseq_two_ranks_dropkey_without_find_unused_parameters(tiny_mt_data, tmp_path):
+    """DropKey (the scheduled-dropout preset dropkey:0.4) through torch's DDP, find_unused_parameters
+    off: layer 0 drops at 0.4 and layer 1 at 0.2 on both ranks, the rate the kernels counted on both
+    ranks lies between, the ranks stay identical, and TensorBoard holds what the JSON log holds."""
+    save, tb = tmp_path / "ckpt", tmp_path / "tb"
+    extra = ["--ddp-backend", "pytorch_ddp", "--tensorboard-logdir", str(tb)]
+    updates = train_updates(_fairseq_ranks(tiny_mt_data["bin"], save, extra, max_epoch=1, regularizer="dropkey"))
+    assert sorted(updates) == list(range(1, UPDATES_PER_EPOCH + 1))
+    for r in updates.values():
+        assert (float(r["attn_sched_dropout_p_layer0"]), float(r["attn_sched_dropout_p_layer1"])) == (0.4, 0.2)
+        assert 0.2 < float(r["attn_sched_dropout_rate"]) < 0.4, r
+    _same_parameters_on_every_rank(save, UPDATES_PER_EPOCH)
+    keys = ["attn_sched_dropout_rate", "attn_sched_dropout_p_layer0", "attn_sched_dropout_p_layer1"]
+    _tensorboard_has_the_json_log(tb, updates, keys)
+
+
+def _tensorboard_has_the_json_log(tb, updates, keys):
+    """Rank 0's TensorBoard events hold each key's per-update values of the JSON log (float32)."""
+    scalars = tensorboard_scalars(tb)["train_inner"]
+    for key in keys:
+        assert scalars[key] == pytest.approx({u: float(r[key]) for u, r in updates.items()}, abs=1e-6), key
 
 
 def test_fairseq_two_ranks_rdrop_without_find_unused_parameters(tiny_mt_data, tmp_path):

@@ -102,8 +102,29 @@ def test_attendout_keys(logged_runs):
         assert all(0.15 < v < 0.3 for v in values[key][0].values()), key
 
 
+def test_hiddencut_keys(logged_runs):
+    """HiddenCut's criterion-counted keys in the JSON log and in TensorBoard: the JS term in bits per
+    target token, and the encoder positions cut of those seen (2 layers, default ratio 0.1, summed)."""
+    run = logged_runs("hiddencut")
+    values = logged(run, ["hiddencut_js", "hiddencut_cut", "hiddencut_tokens"])
+    (js, _), (cut, cut_epoch), (tokens, tokens_epoch) = (
+        values["hiddencut_js"],
+        values["hiddencut_cut"],
+        values["hiddencut_tokens"],
+    )
+    assert all(v > 0 for v in js.values())
+    # A span of max(1, floor(0.1 n)) positions per sentence and layer: floor loses up to one per
+    # sentence of these short ones (7.5% at the first update), the minimum of one adds to the shortest.
+    assert all(0.03 < cut[u] / tokens[u] < 0.3 for u in cut), (cut, tokens)
+    for epoch in (1, 2):  # sums: the epoch's value is its updates' total
+        updates = range((epoch - 1) * UPDATES_PER_EPOCH + 1, epoch * UPDATES_PER_EPOCH + 1)
+        assert cut_epoch[epoch] == sum(cut[u] for u in updates)
+        assert tokens_epoch[epoch] == sum(tokens[u] for u in updates)
+    assert "hiddencut_js" not in tensorboard_scalars(run["tb"]).get("valid", {})
+
+
 def test_fairseq_train_starts_without_warnings(logged_runs):
-    for name in ("plain", "ad_drop"):
+    for name in ("plain", "ad_drop", "hiddencut"):
         warnings = re.findall(WARNING_LINE, logged_runs(name)["log"])
         assert warnings == [], warnings
     assert "Please install tensorboardX" not in logged_runs("plain")["log"]

@@ -15,7 +15,7 @@ from attn_reg_plugin.core.hiddencut import CutPlan, HiddenCutConfig, js_consiste
 from attn_reg_plugin.core.rdrop import RDropConfig
 from attn_reg_plugin.hf import RDropTrainerMixin
 from attn_reg_plugin.hf.hiddencut_trainer import HiddenCutSeq2SeqTrainer, HiddenCutTrainer, HiddenCutTrainerMixin
-from helpers import classifier_rows, torchrun_ranks
+from helpers import classifier_rows, hf_tensorboard_matches_the_log, torchrun_ranks
 
 ALPHA = 2.0
 
@@ -201,6 +201,7 @@ def test_gradient_checkpointing_gives_the_same_loss_gradients_and_counts(family,
 
 def test_training_logs_the_counts_and_evaluation_is_one_uncut_pass(tmp_path):
     args = _args(tmp_path, per_device_train_batch_size=4, logging_steps=2, max_steps=4, learning_rate=1e-3)
+    args.report_to = ["tensorboard"]
     trainer = HiddenCutTrainer(
         model=tiny_bert(), args=args, train_dataset=classifier_rows(16, 0), eval_dataset=classifier_rows(4, 1),
         data_collator=torch.utils.data.default_collate, hiddencut=HiddenCutConfig(layers="1"),
@@ -210,6 +211,7 @@ def test_training_logs_the_counts_and_evaluation_is_one_uncut_pass(tmp_path):
     # 2 steps a log, 4 rows of 6 tokens, one layer: 8 spans of floor(0.6) -> 1 token over 48 real tokens
     assert len(logs) == 2 and all(h["hiddencut_cut"] == 8 and h["hiddencut_tokens"] == 48 for h in logs)
     assert all(h["hiddencut_js"] > 0 for h in logs)
+    hf_tensorboard_matches_the_log(trainer, ["hiddencut_js", "hiddencut_cut", "hiddencut_tokens"])
     calls = []
     trainer.model.register_forward_hook(lambda m, a, kw, out: calls.append("hiddencut_plan" in kw), with_kwargs=True)
     metrics = trainer.evaluate()

@@ -14,7 +14,7 @@ import helpers
 from attn_reg_plugin.core.ad_drop import ADDropConfig
 from attn_reg_plugin.core.rdrop import RDropConfig
 from attn_reg_plugin.hf import ADDropTrainerMixin, RDropSeq2SeqTrainer, RDropTrainer, RDropTrainerMixin
-from helpers import classifier_rows, tiny_bert_classifier, torchrun_ranks
+from helpers import classifier_rows, hf_tensorboard_matches_the_log, tiny_bert_classifier, torchrun_ranks
 
 DROPOUT = 0.1
 ALPHA = 2.0
@@ -177,6 +177,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(concat, tmp_pa
 
 def test_training_logs_rdrop_kl_and_evaluation_is_one_pass(tmp_path):
     args = _args(tmp_path, per_device_train_batch_size=4, logging_steps=2, max_steps=4, learning_rate=1e-3)
+    args.report_to = ["tensorboard"]
     trainer = RDropTrainer(
         model=tiny_bert(), args=args, train_dataset=classifier_rows(16, 0), eval_dataset=classifier_rows(4, 1),
         data_collator=torch.utils.data.default_collate, rdrop=RDropConfig(alpha=ALPHA),
@@ -184,6 +185,7 @@ def test_training_logs_rdrop_kl_and_evaluation_is_one_pass(tmp_path):
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(h["rdrop_kl"] > 0 for h in logs)
+    hf_tensorboard_matches_the_log(trainer, ["rdrop_kl"])
     calls = []
     trainer.model.register_forward_hook(lambda *a: calls.append(1))
     metrics = trainer.evaluate()
