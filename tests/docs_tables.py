@@ -28,7 +28,7 @@ def options_table(config_cls) -> str:
 
 
 def _configs():
-    from attn_reg_plugin.core.ad_drop import ADDropConfig
+    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
     from attn_reg_plugin.core.attendout.config import AttendOutConfig
     from attn_reg_plugin.core.drophead import DropHeadConfig
     from attn_reg_plugin.core.hiddencut import HiddenCutConfig

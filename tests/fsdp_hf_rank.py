@@ -22,7 +22,7 @@ import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.distributed import all_reduce_mean_
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig

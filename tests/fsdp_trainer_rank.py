@@ -15,7 +15,7 @@ import sys
 import torch
 import transformers
 
-from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.core.sharding import is_fully_sharded

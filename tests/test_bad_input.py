@@ -202,7 +202,7 @@ class Regularizer:
 
 
 def _ad_drop_trainer(model, args, fields):
-    from attn_reg_plugin.core.ad_drop import ADDropConfig
+    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
     from attn_reg_plugin.hf import ADDropTrainer
 
     return ADDropTrainer(model=model, args=args, ad_drop=ADDropConfig(**fields))

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from attn_reg_plugin.core import masks as core_masks
-from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.attendout import game as core_attendout
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig

@@ -9,7 +9,8 @@ import pytest
 import torch
 import transformers
 
-from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.ad_drop import ADDrop
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig

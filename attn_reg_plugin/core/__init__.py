@@ -53,10 +53,12 @@ controller, only the model's own dropout (``core/rdrop.py``)::
     loss = rdrop_objective(ce_sum(out_1) + ce_sum(out_2), kl, config.alpha) / (tgt != pad).sum()
 """
 
-from .ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
+from .ad_drop import ADDrop
+from .ad_drop_config import ADDropConfig, ad_drop_epoch
 from .attendout import AttendOut, AttendOutConfig
 from .attention import attend
 from .attribution import logit_target, multi_label_target, regression_target, token_loss_target
+from .attribution_pass import bare_module
 from .controller import ATTENTION_KINDS, AttentionSite, RegularizationController
 from .drophead import DropHead, DropHeadConfig
 from .layerdrop import AttentionLayerDrop, AttentionLayerDropConfig

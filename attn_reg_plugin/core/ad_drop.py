@@ -16,21 +16,17 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch.profiler import record_function
 
-from .ad_drop_config import ADDropConfig, ad_drop_epoch  # noqa: F401  (the step's public import path too)
-from .attention import CaptureOutput, CaptureProbs, EditScores
+from .ad_drop_config import ADDropConfig
 from .attribution import (
     GradientScale,
     dense_gradient_attribution,
     output_gradients,
     probs_gradient,
 )
-from .attribution_pass import (  # noqa: F401  (bare_module, cpu_has_native_bf16: public here too)
+from .attribution_pass import (
     attribution_precision,
-    bare_module,
     cpu_has_native_bf16,
     frozen_parameters,
-    rng_state,
-    set_rng_state,
 )
 from .block_rules import (
     AttentionScores,
@@ -39,10 +35,12 @@ from .block_rules import (
     RandomScores,
     ScoreSource,
     TopRegionRule,
+    rng_state,
+    set_rng_state,
 )
 from .blockwise import blockwise_rows
 from .checkpointing import activation_checkpointing_paused
-from .controller import AttentionSite, RegularizationController
+from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores, RegularizationController
 from .masks import ad_drop_masks
 from .passes import zero_counts
 from .sharding import check_supported_sharding

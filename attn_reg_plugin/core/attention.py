@@ -28,18 +28,10 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .attention_call import ORDINARY, AttentionCall, Captured, call_of  # noqa: F401
+from .attention_call import ORDINARY, AttentionCall, Captured, call_of
 from .block_rules import AttentionScores, call_seed, rule_of
 from .blockwise import BlockCall, blockwise_attention, blockwise_rows
-
-# The hooks live beside the site they are set on; this module stays their public import path.
-from .controller import (  # noqa: F401
-    AttentionSite,
-    CaptureOutput,
-    CaptureProbs,
-    EditScores,
-    Hook,
-)
+from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores
 from .masks import (
     MASKED_BIAS,
     additive_mask,
@@ -52,7 +44,7 @@ from .masks import (
     valid_keys_from_bias,
     zero_rows,
 )
-from .passes import Plan, zero_counts  # noqa: F401  (zero_counts: the tests' import path too)
+from .passes import Plan
 
 # Since torch 2.5 every sdpa backend gives a row whose keys are all masked (False, or -inf) output 0
 # and no gradient, which is what the kernel promises for a query row with no valid key; before, NaN.

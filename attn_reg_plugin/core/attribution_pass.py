@@ -12,19 +12,6 @@ import torch
 from .sharding import initialize, is_fully_sharded, reshard
 
 
-def rng_state():
-    """The random streams a forward's dropout draws from: CPU, and every CUDA device in use."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def set_rng_state(state) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
-
 def bare_module(model: torch.nn.Module) -> torch.nn.Module:
     """The model under DDP-style wrappers (anything exposing ``.module``).
 

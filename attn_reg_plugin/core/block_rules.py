@@ -348,6 +348,25 @@ def call_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
+def rng_state(devices: Optional[Sequence[torch.device]] = None) -> dict:
+    """The global random streams of ``devices`` (default: the CPU and every initialized CUDA device),
+    {device: state}, for :func:`set_rng_state`: sdpa's own dropout and the attribution pass draw from them."""
+    if devices is None:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        devices = [torch.device("cpu")] + [
+            torch.device("cuda", i) for i in range(torch.cuda.device_count() if cuda else 0)
+        ]
+    return {d: torch.cuda.get_rng_state(d) if d.type == "cuda" else torch.get_rng_state() for d in devices}
+
+
+def set_rng_state(states: dict) -> None:
+    for device, state in states.items():
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+
+
 def rule_of(drop) -> Optional[BlockRule]:
     """The :class:`BlockRule` of an ``EditScores.drop``: a rule, a dense bool mask, or None."""
     if drop is None or isinstance(drop, BlockRule):

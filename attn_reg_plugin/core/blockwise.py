@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from . import block_rules
 from .block_masks import BlockCall, KeptDrops, block_counts, block_masks, keeps_drops
-from .block_rules import rows_of
+from .block_rules import rng_state, rows_of, set_rng_state
 from .masks import pack_bits, zero_rows
 
 # A block holds at most max(BLOCK_ELEMENTS, LINEAR_FACTOR * B*H*T*d) score-sized elements: a fixed
@@ -94,17 +94,6 @@ def _accumulated(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _get_rng_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
-
-
 def _devices(q: torch.Tensor) -> List[torch.device]:
     return [q.device] if q.device.type == "cuda" else []
 
@@ -139,7 +128,7 @@ class BlockwiseAttention(torch.autograd.Function):
             else:
                 states.append(m.state)
             if call.dropout_p > 0:  # sdpa's dropout draws, replayed in the backward
-                rng_states.append(_get_rng_state(q.device))
+                rng_states.append(rng_state([q.device]))
             k_keys, v_keys = k[:, :, : m.keys], v[:, :, : m.keys]
             if keep_stats:
                 o, lse[:, :, rows] = _FLASH_CPU(
@@ -183,7 +172,7 @@ class BlockwiseAttention(torch.autograd.Function):
                 bias_rows = bias_rows.detach().requires_grad_(True)
             with torch.enable_grad(), torch.random.fork_rng(devices=_devices(q), enabled=call.dropout_p > 0):
                 if call.dropout_p > 0:
-                    _set_rng_state(ctx.rng_states[i], q.device)
+                    set_rng_state(ctx.rng_states[i])
                 m = block_masks(call, q_rows, bias_rows, rows, shape, ctx.states[i])
                 k_keys, v_keys = k_leaf[:, :, : m.keys], v_leaf[:, :, : m.keys]
                 out = _attend_block(q_rows, k_keys, v_keys, m.mask, m.uniform, m.keyless, call)

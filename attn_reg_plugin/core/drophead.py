@@ -16,8 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .attention import EditScores
-from .controller import AttentionSite, RegularizationController
+from .controller import AttentionSite, EditScores, RegularizationController
 from .options import RegularizerOptions, attention_option, layers_option, option
 from .scheduled_dropout import Schedule, first_dropping_update, parse_schedules, schedule_value
 

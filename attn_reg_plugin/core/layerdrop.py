@@ -12,8 +12,7 @@ from typing import Dict, List
 
 import torch
 
-from .attention import EditScores
-from .controller import AttentionSite, RegularizationController
+from .controller import AttentionSite, EditScores, RegularizationController
 from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
 
 

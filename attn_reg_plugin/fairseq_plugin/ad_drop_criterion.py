@@ -12,7 +12,9 @@ validation (``model.training`` False, no grad) nothing changes.
 import torch
 from fairseq import metrics, utils
 
-from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
+from ..core.ad_drop import ADDrop
+from ..core.ad_drop_config import ADDropConfig, ad_drop_epoch
+from ..core.attribution_pass import bare_module
 from .options import fairseq_options
 
 # The --ad-drop-* flags: ADDropConfig's fields, defaults and help (core.options).

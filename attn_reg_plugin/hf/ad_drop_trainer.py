@@ -11,8 +11,10 @@ from typing import Any, Dict, Tuple
 import torch
 import transformers
 
-from ..core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, bare_module
+from ..core.ad_drop import ADDrop
+from ..core.ad_drop_config import ADDropConfig, ad_drop_epoch
 from ..core.attribution import logit_target, multi_label_target, regression_target, token_loss_target
+from ..core.attribution_pass import bare_module
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_sum_
 from ..core.options import named_by_field

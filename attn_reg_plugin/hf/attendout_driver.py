@@ -16,7 +16,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..core.ad_drop import bare_module
 from ..core.attendout import (
     AttendOut,
     AttendOutConfig,
@@ -29,6 +28,7 @@ from ..core.attendout import (
     scaler_skipped_step,
 )
 from ..core.attendout.config import generator_positions
+from ..core.attribution_pass import bare_module
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_mean_
 from ..core.sharding import is_fully_sharded, meta_copy, reshard, shard_like

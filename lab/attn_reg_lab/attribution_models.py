@@ -11,7 +11,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.user_dir import FAIRSEQ_USER_DIR
 
 

@@ -29,7 +29,8 @@ from typing import Callable, Optional
 
 import torch
 
-from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.ad_drop import ADDrop
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.masks import candidate_region, sample_drops
 from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 

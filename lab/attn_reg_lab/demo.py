@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.options import add_arguments
 from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 

@@ -50,7 +50,7 @@ def _build_plain(opts, **trainer_kwargs):
 
 
 def _ad_drop_arguments(parser: argparse.ArgumentParser) -> None:
-    from attn_reg_plugin.core.ad_drop import ADDropConfig
+    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
     from attn_reg_plugin.core.options import add_arguments
 
     group = parser.add_argument_group("ad-drop", "AD-DROP options (attn_reg_plugin ADDropConfig fields)")
@@ -60,7 +60,7 @@ def _ad_drop_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _ad_drop_config(opts):
-    from attn_reg_plugin.core.ad_drop import ADDropConfig
+    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 
     return ADDropConfig.from_namespace(opts)  # attention: encoder-self, the default
 

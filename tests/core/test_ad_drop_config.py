@@ -4,7 +4,8 @@ epoch rule, and frozen parameters restored."""
 import pytest
 import torch
 
-from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig, ad_drop_epoch, frozen_parameters
+from attn_reg_plugin.core.ad_drop import ADDrop, frozen_parameters
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig, ad_drop_epoch
 from helpers import controller_with_sites
 
 

@@ -4,7 +4,8 @@
 import pytest
 import torch
 
-from attn_reg_plugin.core.attention import EditScores, attend
+from attn_reg_plugin.core.attention import attend
+from attn_reg_plugin.core.controller import EditScores
 from attn_reg_plugin.core.masks import ad_drop_masks
 from helpers import FLOAT_DTYPES, site_with_hook
 
@@ -232,7 +233,8 @@ def test_a_call_writes_nothing_on_its_site_and_a_recompute_captures_nothing():
     """attend() reads the site's hook and hands the counts to the pass: the site is as it was. The
     kernel given the same AttentionCall as a recompute, from the same point of torch's stream (where
     a checkpoint restores it), makes the same drops and captures and counts nothing."""
-    from attn_reg_plugin.core.attention import AttentionCall, attention_kernel
+    from attn_reg_plugin.core.attention import attention_kernel
+    from attn_reg_plugin.core.attention_call import AttentionCall
     from attn_reg_plugin.core.block_rules import BernoulliRule
 
     q, k, v = _qkv()

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from attn_reg_plugin.core import attribution
-from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.ad_drop import ADDrop
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.block_rules import Block, IntegratedGradientScores, ScoreSource
 from attn_reg_plugin.core.controller import RegularizationController

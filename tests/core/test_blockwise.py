@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from attn_reg_plugin.core import block_masks, block_rules, blockwise, row_selection
-from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
-from attn_reg_plugin.core.attention import EditScores, attend
+from attn_reg_plugin.core.ad_drop import ADDrop
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attribution import dense_gradient_attribution, logit_target
 from attn_reg_plugin.core.block_rules import (
     BernoulliRule,
@@ -23,7 +24,7 @@ from attn_reg_plugin.core.block_rules import (
     TopRegionRule,
     chunk_draws,
 )
-from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.core.controller import EditScores, RegularizationController
 from attn_reg_plugin.core.masks import candidate_region
 from helpers import site_with_hook
 
@@ -504,7 +505,8 @@ def test_a_blockwise_call_makes_its_drops_from_the_sites_seed_alone(small_blocks
     """Split into blocks, a drawing rule's drops depend on the seed its pass gave the site, not on
     torch's stream: the forward, a recompute and another point of the stream agree; another seed
     drops otherwise."""
-    from attn_reg_plugin.core.attention import AttentionCall, attention_kernel
+    from attn_reg_plugin.core.attention import attention_kernel
+    from attn_reg_plugin.core.attention_call import AttentionCall
 
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
@@ -518,7 +520,8 @@ def test_a_blockwise_call_makes_its_drops_from_the_sites_seed_alone(small_blocks
 
 
 def _kept_against_made_again(rule, dropout_p, monkeypatch, device="cpu", dtype=torch.float32):
-    from attn_reg_plugin.core.attention import AttentionCall, attention_kernel
+    from attn_reg_plugin.core.attention import attention_kernel
+    from attn_reg_plugin.core.attention_call import AttentionCall
 
     # One backward call per block either way, so the bits compare (groups sum in another order).
     monkeypatch.setattr(blockwise, "BACKWARD_ROWS_PER_DIM", 0)

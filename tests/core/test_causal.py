@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from attn_reg_plugin.core import block_rules, blockwise, masks
-from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
-from attn_reg_plugin.core.attention import CaptureOutput, EditScores, attend
+from attn_reg_plugin.core.ad_drop import ADDrop
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.block_rules import BernoulliRule, RandomScores, TopRegionRule
-from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.core.controller import CaptureOutput, EditScores, RegularizationController
 from helpers import site_with_hook
 
 

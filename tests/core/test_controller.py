@@ -2,7 +2,8 @@
 
 import pytest
 
-from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.ad_drop import ADDrop
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.controller import RegularizationController, parse_kinds, parse_layers
 from helpers import controller_with_sites
 

@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attn_reg_plugin.core import masks as masks_module
-from attn_reg_plugin.core.ad_drop import ADDropConfig
-from attn_reg_plugin.core.attention import EditScores, attend
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.attention import attend
+from attn_reg_plugin.core.controller import EditScores
 from attn_reg_plugin.core.masks import (
     ad_drop_masks,
     additive_mask,

@@ -7,7 +7,7 @@ import typing
 
 import pytest
 
-from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.hiddencut import HiddenCutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig

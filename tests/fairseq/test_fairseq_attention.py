@@ -8,8 +8,10 @@ import torch
 fairseq = pytest.importorskip("fairseq")
 from fairseq.modules.multihead_attention import MultiheadAttention  # noqa: E402
 
-from attn_reg_plugin.core.attention import EditScores  # noqa: E402
-from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
+from attn_reg_plugin.core.controller import (
+    EditScores,  # noqa: E402
+    RegularizationController,  # noqa: E402
+)
 from attn_reg_plugin.fairseq_plugin.attention import RegularizedMultiheadAttention, install_attention_sites  # noqa: E402
 from helpers import TINY_TRANSFORMER, fairseq_setup  # noqa: E402
 
@@ -140,7 +142,8 @@ def test_install_on_encoder_only_model_and_missing_decoder_error():
     encoder = RobertaEncoder(args, d)
     controller = install_attention_sites(encoder, RegularizationController())
     assert [(s.kind, s.layer) for s in controller.sites] == [("encoder-self", 0), ("encoder-self", 1)]
-    from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+    from attn_reg_plugin.core.ad_drop import ADDrop
+    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 
     with pytest.raises(ValueError, match="encoder-decoder.*no such attention"):
         ADDrop(ADDropConfig(attention="encoder-decoder"), controller)

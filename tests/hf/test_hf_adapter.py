@@ -9,10 +9,13 @@ import torch
 import transformers  # noqa: E402
 
 import helpers  # noqa: E402
-from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig  # noqa: E402
-from attn_reg_plugin.core.attention import EditScores  # noqa: E402
+from attn_reg_plugin.core.ad_drop import ADDrop  # noqa: E402
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig  # noqa: E402
 from attn_reg_plugin.core.attribution import logit_target  # noqa: E402
-from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
+from attn_reg_plugin.core.controller import (
+    EditScores,  # noqa: E402
+    RegularizationController,  # noqa: E402
+)
 from attn_reg_plugin.hf import ADDropSeq2SeqTrainer, ADDropTrainer, install_attention_sites  # noqa: E402
 from helpers import CORPUS, minilm_path, record_results, tiny_bert_classifier  # noqa: E402
 from helpers import MOVIE_REVIEWS_TINY as REVIEWS

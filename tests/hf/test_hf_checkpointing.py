@@ -13,7 +13,7 @@ import torch
 import transformers
 
 import helpers
-from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.drophead import DropHeadConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig

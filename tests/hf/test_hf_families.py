@@ -14,11 +14,11 @@ import torch
 from families import FAMILIES, REFUSED, build, families_table
 
 from attn_reg_plugin.core import ad_drop as ad_drop_module
-from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.ad_drop import ADDrop
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout.game import AttendOut as AttendOutGame
-from attn_reg_plugin.core.attention import EditScores
 from attn_reg_plugin.core.attribution import token_loss_target
-from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.core.controller import EditScores, RegularizationController
 from attn_reg_plugin.hf import install_attention_sites
 from helpers import REPO
 

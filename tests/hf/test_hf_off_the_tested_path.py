@@ -10,7 +10,8 @@ import torch
 import transformers
 from families import FAMILIES, build
 
-from attn_reg_plugin.core.ad_drop import ADDrop, ADDropConfig
+from attn_reg_plugin.core.ad_drop import ADDrop
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.attribution import multi_label_target, token_loss_target
 from attn_reg_plugin.core.controller import RegularizationController

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import transformers
 
 import helpers
-from attn_reg_plugin.core.ad_drop import ADDropConfig
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.rdrop import RDropConfig
 from attn_reg_plugin.hf import ADDropTrainerMixin, RDropSeq2SeqTrainer, RDropTrainer, RDropTrainerMixin
 from helpers import classifier_rows, hf_tensorboard_matches_the_log, tiny_bert_classifier, torchrun_ranks

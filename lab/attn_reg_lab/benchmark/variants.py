@@ -62,14 +62,14 @@ AD_DROP_P = AD_DROP_Q = 0.2  # the paper's EN-RO setting; cost barely depends on
 
 
 def idle_config():
-    from attn_reg_plugin.core.ad_drop import ADDropConfig
+    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 
     return ADDropConfig(p=AD_DROP_P, q=AD_DROP_Q)
 
 
 def ad_drop_builders(**options) -> Dict[str, Builder]:
     """Both frameworks' AD-DROP step, in an AD-DROP epoch (cross-tuning's even epoch)."""
-    from attn_reg_plugin.core.ad_drop import ADDropConfig
+    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 
     def config(bench):
         return ADDropConfig(
@@ -89,7 +89,7 @@ def ad_drop_builders(**options) -> Dict[str, Builder]:
 
 def idle_train_builders() -> Dict[str, Builder]:
     """Plugin loaded, AD-DROP criterion/trainer, but a plain epoch of cross-tuning (epoch 1)."""
-    from attn_reg_plugin.core.ad_drop import ADDropConfig
+    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 
     def build(bench, workload):
         return bench.ad_drop_step(
