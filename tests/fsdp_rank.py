@@ -141,7 +141,7 @@ def train_ad_drop(model, controller, rank, attribution, steps=2):
                 "loss": loss.detach(),
                 "masks": list(RECORDED),
                 "dropped": int(stats["dropped"]),
-                "valid": int(stats["valid"]),
+                "droppable": int(stats["droppable"]),
                 "grads": gradients(model),
             }
         )

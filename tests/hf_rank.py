@@ -23,7 +23,7 @@ class CountRecordingTrainer(ADDropTrainer):
 
     def log(self, logs, *args, **kwargs):
         if "loss" in logs:
-            self.local_counts.append((int(self._ad_drop_dropped), int(self._ad_drop_valid)))
+            self.local_counts.append((int(self._ad_drop_dropped), int(self._ad_drop_droppable)))
         return super().log(logs, *args, **kwargs)
 
 

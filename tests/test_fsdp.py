@@ -57,7 +57,7 @@ def test_fsdp2_training_equals_unsharded(porting_runs, scenario):
             where = f"{scenario} rank {rank} update {step + 1}"
             assert torch.allclose(r["loss"], f["loss"], rtol=1e-6, atol=1e-7), (where, r["loss"], f["loss"])
             if scenario.startswith("ad-drop"):
-                assert r["valid"] == f["valid"] > 0 and r["dropped"] == f["dropped"] > 0, where
+                assert r["droppable"] == f["droppable"] > 0 and r["dropped"] == f["dropped"] > 0, where
                 assert len(r["masks"]) == len(f["masks"]) == 6, where  # one per attention site
                 assert all(torch.equal(a, b) for a, b in zip(r["masks"], f["masks"])), f"{where}: masks differ"
             # Every parameter has a gradient in both (a frozen root after AA's no-grad pass had none).
@@ -100,7 +100,7 @@ def test_fsdp2_mixed_precision_ad_drop_trains(porting_runs, scenario):
     for results in porting_runs:
         run = results[scenario]["fsdp2"]
         for step in run["steps"]:
-            assert torch.isfinite(step["loss"]) and 0.05 < step["dropped"] / step["valid"] < 0.3
+            assert torch.isfinite(step["loss"]) and 0.05 < step["dropped"] / step["droppable"] < 0.3
             assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in step["grads"].values())
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -70,6 +71,17 @@ def samples_with_target(attributions: List[Union[torch.Tensor, GradientScores]])
         nonzero = a.reshape(a.shape[0], -1).ne(0).any(dim=1)
         found = nonzero if found is None else found | nonzero
     return found
+
+
+class StepCounts(dict):
+    """What :meth:`ADDrop.masked` counts: ``skipped``, ``dropped``, ``droppable``. ``["valid"]``, the
+    old name of ``droppable``, still reads it, with a DeprecationWarning."""
+
+    def __getitem__(self, key):
+        if key == "valid":
+            warnings.warn('stats["valid"] is now stats["droppable"]', DeprecationWarning, stacklevel=2)
+            key = "droppable"
+        return super().__getitem__(key)
 
 
 class ADDrop:
@@ -247,12 +259,12 @@ class ADDrop:
         attribution_forward: Callable[[], object],
         target: Target,
         frozen: Optional[torch.nn.Module] = None,
-    ) -> Iterator[Dict[str, torch.Tensor]]:
+    ) -> Iterator[StepCounts]:
         """Run the attribution pass now; inside the block, forwards are masked (pass 2).
 
         ``attribution_forward`` should run the bare model (no DDP wrapper: attribution needs
-        no gradient sync). The yielded dict's ``dropped`` / ``valid`` counts fill in as the
-        masked pass runs; its ``skipped`` is 1 when the attribution target was not finite, in
+        no gradient sync). The yielded dict's ``dropped`` / ``droppable`` counts (the candidate
+        units and the real key positions of the selected maps) fill in as the masked pass runs; its ``skipped`` is 1 when the attribution target was not finite, in
         which case nothing is masked and the block's loss is the plain one. Randomness comes
         from torch's global generator, which frameworks seed per update, so masks are
         reproducible and survive a resume. A layer checkpointed with ``controller.checkpoint`` (or
@@ -263,7 +275,7 @@ class ADDrop:
         if frozen is not None and id(frozen) not in self._checked_sharding:
             check_supported_sharding(frozen, "ADDrop")  # before this step trains anything
             self._checked_sharding.add(id(frozen))
-        stats: Dict[str, torch.Tensor] = {"skipped": torch.zeros((), dtype=torch.long)}
+        stats = StepCounts(skipped=torch.zeros((), dtype=torch.long))
         if self.config.attribution == "rd":
             # A random candidate region needs no attribution pass: it is drawn inside the kernel,
             # where the shape of every map is known (per block of queries for long maps).
@@ -274,14 +286,14 @@ class ADDrop:
             if found is None:  # not finite: this step trains with the plain loss, counted as skipped
                 stats["skipped"] = torch.ones((), dtype=torch.long)
                 yield stats
-                stats["dropped"], stats["valid"] = zero_counts()
+                stats["dropped"], stats["droppable"] = zero_counts()
                 return
             with record_function("ad_drop::masks"):
                 edits = self._edits(*found, stats)
             del found  # pass 1 is gone before pass 2 allocates
         with self.controller.hooks(edits) as record:
             yield stats
-        stats["dropped"], stats["valid"] = record.counts()
+        stats["dropped"], stats["droppable"] = record.counts()
 
     def _edits(self, sites, attributions, valids, stats) -> Dict[AttentionSite, EditScores]:
         """Pass 2's edit of each site from pass 1's attributions: dense maps (IGA, and GA or AA for a

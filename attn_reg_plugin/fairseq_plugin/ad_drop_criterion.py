@@ -75,7 +75,7 @@ class ADDropCriterionMixin:
             ad_drop_on=1,
             ad_drop_steps=1,
             ad_drop_dropped=stats["dropped"],
-            ad_drop_valid=stats["valid"],
+            ad_drop_droppable=stats["droppable"],
             ad_drop_skipped=stats["skipped"],
         )
         return loss, sample_size, log
@@ -92,12 +92,12 @@ class ADDropCriterionMixin:
             return  # only dummy batches (fairseq zeroes their logs)
         on = utils.item(sum(log["ad_drop_on"] for log in steps))
         metrics.log_scalar("ad_drop_on", on / n, n, round=2)
-        valid = utils.item(sum(log.get("ad_drop_valid", 0) for log in steps))
+        droppable = utils.item(sum(log.get("ad_drop_droppable", 0) for log in steps))
         dropped = utils.item(sum(log.get("ad_drop_dropped", 0) for log in steps))
         # Weighted by the AD-DROP steps' real positions, so an interval's or an epoch's value is the
         # exact dropped fraction of its AD-DROP steps; a plain step adds no weight (a span with
         # no AD-DROP step logs 0).
-        metrics.log_scalar("ad_drop_rate", dropped / valid if valid else 0.0, valid, round=4)
+        metrics.log_scalar("ad_drop_rate", dropped / droppable if droppable else 0.0, droppable, round=4)
         # Steps of AD-DROP epochs whose attribution target was not finite (half-precision
         # overflow): they trained with the plain loss. A sum over the interval, not a mean.
         skipped = utils.item(sum(log.get("ad_drop_skipped", 0) for log in steps))

@@ -48,7 +48,7 @@ class ADDropTrainerMixin:
     # -- bookkeeping -----------------------------------------------------------------------
     def _ad_drop_reset(self) -> None:
         self._ad_drop_dropped = 0
-        self._ad_drop_valid = 0
+        self._ad_drop_droppable = 0
         self._ad_drop_on_steps = 0
         self._ad_drop_steps = 0
         self._ad_drop_skipped = 0
@@ -156,7 +156,7 @@ class ADDropTrainerMixin:
             )
         self._ad_drop_on_steps += 1
         self._ad_drop_dropped = self._ad_drop_dropped + stats["dropped"].detach()
-        self._ad_drop_valid = self._ad_drop_valid + stats["valid"].detach()
+        self._ad_drop_droppable = self._ad_drop_droppable + stats["droppable"].detach()
         self._ad_drop_skipped = self._ad_drop_skipped + stats["skipped"]
         return result
 
@@ -185,7 +185,7 @@ class ADDropTrainerMixin:
         counts = torch.stack(
             [
                 torch.as_tensor(self._ad_drop_dropped, device=device),
-                torch.as_tensor(self._ad_drop_valid, device=device),
+                torch.as_tensor(self._ad_drop_droppable, device=device),
                 torch.as_tensor(self._ad_drop_skipped, device=device),
             ]
         ).long()

@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     for epoch in range(1, args.epochs + 1):
         model.train()
         use_ad_drop = ad_drop is not None and ad_drop_epoch(config.schedule, epoch)
-        loss_sum, token_sum, dropped, valid = 0.0, 0, 0, 0
+        loss_sum, token_sum, dropped, droppable = 0.0, 0, 0, 0
         start = time.time()
         for index in shuffled_batches(lengths, args.batch_size):
             src, prev, target = make_batch(train_x, train_y, index)
@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                 with ad_drop.masked(lambda: model(src, prev), target_fn, frozen=model) as stats:
                     loss = loss_of(model(src, prev))
                 dropped += int(stats["dropped"])
-                valid += int(stats["valid"])
+                droppable += int(stats["droppable"])
             else:
                 loss = loss_of(model(src, prev))
             step += 1
@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         if not math.isfinite(train_loss):
             raise FloatingPointError(f"epoch {epoch}: training loss is {train_loss}")
         valid_loss = evaluate_loss(model, valid_x, valid_y, args.batch_size)
-        rate = dropped / valid if valid else 0.0
+        rate = dropped / droppable if droppable else 0.0
         record = {
             "epoch": epoch,
             "ad_drop": use_ad_drop,

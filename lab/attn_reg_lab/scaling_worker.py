@@ -161,8 +161,8 @@ def _core_step(spec: dict):
             with ad_drop.masked(lambda: model(ids), logit_target, frozen=model) as stats:
                 loss = loss_of(model)
             loss.backward()
-            valid = int(stats["valid"])
-            info["drop_rate"] = round(int(stats["dropped"]) / valid, 4) if valid else None
+            droppable = int(stats["droppable"])
+            info["drop_rate"] = round(int(stats["dropped"]) / droppable, 4) if droppable else None
 
     elif method == "sched-dropout":
         sched = ScheduledAttentionDropout(

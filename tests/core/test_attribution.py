@@ -401,7 +401,7 @@ def test_step_applies_ad_drop_masks_from_ga_in_pass_two(model_kw, attention):
     assert not torch.allclose(out, model(x, key_pad), atol=1e-6)  # the masks mattered
     n_valid = sum(v.expand(B, HEADS, T, T).sum() for v in valids)
     assert stats["dropped"].item() == sum(int(d.sum()) for d in drops)
-    assert stats["valid"].item() == n_valid.item()
+    assert stats["droppable"].item() == n_valid.item()
     assert all(site.hook is None for site in model.sites)
     out.sum().backward()  # pass 2's graph trains the parameters
     assert all(p.grad is not None for p in model.parameters())

@@ -339,7 +339,7 @@ def test_ad_drop_split_into_blocks_keeps_no_map_and_checkpointing_changes_nothin
     loss, grads, stats = _ad_drop_step(plain, x, bias, attribution)
     assert len(block_calls) == 2  # pass 2's two layers ran blockwise
     # GA's pass 2 ranks by (dF/dO, V) rules, never a dense attribution map
-    rate = float(stats["dropped"]) / float(stats["valid"])
+    rate = float(stats["dropped"]) / float(stats["droppable"])
     assert 0.02 < rate < 0.4 and torch.isfinite(loss)
     again, grads_again, _ = _ad_drop_step(_Encoder(), x, bias, attribution)
     assert torch.equal(loss, again) and all(torch.equal(a, b) for a, b in zip(grads, grads_again))
@@ -387,7 +387,7 @@ def test_without_a_bias_every_key_counts_towards_ceil_p_n(blocks, monkeypatch, b
     with ad_drop.masked(lambda: model(x, None), logit_target, frozen=model) as stats:
         model(x, None)
     assert len(block_calls) == (2 if blocks == "several" else 0)
-    assert int(stats["valid"]) == 2 * 2 * 2 * 6 * 6  # 2 layers x 2 samples x 2 heads x 6 rows x 6 keys
+    assert int(stats["droppable"]) == 2 * 2 * 2 * 6 * 6  # 2 layers x 2 samples x 2 heads x 6 rows x 6 keys
     # 144 candidates (3 of 6 keys in each of 48 rows), each dropped with q = 0.5: 72 expected, sd 6
     # (a region of one key per row would drop about 24)
     assert 50 < int(stats["dropped"]) < 95, int(stats["dropped"])
@@ -427,7 +427,7 @@ def test_ad_drop_aa_split_into_blocks_keeps_q_and_k_not_weights(small_blocks, bl
 
     assert all(isinstance(r, TopRegionRule) and isinstance(r.source, AttentionScores) for r in rules)
     assert len(block_calls) == 2
-    rate = float(stats["dropped"]) / float(stats["valid"])
+    rate = float(stats["dropped"]) / float(stats["droppable"])
     assert 0.05 < rate < 0.3, rate
     # the dense attributions (dense=True, what the lab's tools read) are still weight maps
     sites, maps, _ = ad_drop.attributions(lambda: model(x, bias), logit_target, frozen=model)
@@ -450,7 +450,7 @@ def test_ad_drop_iga_split_into_blocks_keeps_summed_gradients_not_maps(small_blo
     sources = [r.source for r in rules]
     assert all(isinstance(s, IntegratedGradientScores) and isinstance(s.weights, AttentionScores) for s in sources)
     assert all(s.gradient.grad_output.shape == (2, 2, 6, 4) for s in sources)  # (B, H, T, d): linear in T
-    assert len(block_calls) == 2 and 0.05 < float(stats["dropped"]) / float(stats["valid"]) < 0.45
+    assert len(block_calls) == 2 and 0.05 < float(stats["dropped"]) / float(stats["droppable"]) < 0.45
     torch.manual_seed(3)
     _, maps, valids = ad_drop.attributions(lambda: model(x, bias), logit_target, frozen=model)  # dense, Eq. 3
     for source, dense, valid in zip(sources, maps, valids):

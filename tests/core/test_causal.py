@@ -172,7 +172,7 @@ def _step(model, x, padding, attribution):
         loss = model(x, padding).logsumexp(-1).sum()
     loss.backward()
     grads = [p.grad for p in model.parameters()]
-    return loss.detach(), grads, int(stats["dropped"]), int(stats["valid"])
+    return loss.detach(), grads, int(stats["dropped"]), int(stats["droppable"])
 
 
 @pytest.mark.parametrize("attribution", ["ga", "aa", "rd", "iga"])

@@ -56,8 +56,8 @@ def test_every_variant_trains_one_step(tiny_mt_data, args):
     model, criterion, loss, log, _, _ = _step(tiny_mt_data, "--ad-drop-p", "0.5", "--ad-drop-q", "0.5", *args)
     assert torch.isfinite(loss)
     assert log["ad_drop_on"] == 1
-    assert log["ad_drop_valid"] > 0
-    rate = log["ad_drop_dropped"] / log["ad_drop_valid"]
+    assert log["ad_drop_droppable"] > 0
+    rate = log["ad_drop_dropped"] / log["ad_drop_droppable"]
     assert 0.1 < rate < 0.5, rate  # about p*q = 0.25
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
@@ -69,7 +69,7 @@ def test_plain_epoch_and_validation_are_the_base_criterion(tiny_mt_data):
 
     model, criterion, loss, log, task, sample = _step(tiny_mt_data, epoch=1)
     assert task.attn_reg_epoch == 1
-    assert log["ad_drop_on"] == 0 and "ad_drop_valid" not in log
+    assert log["ad_drop_on"] == 0 and "ad_drop_droppable" not in log
     # Validation (even in an AD-DROP epoch): identical to label_smoothed_cross_entropy.
     task.begin_epoch(2, model)
     plain = LabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)

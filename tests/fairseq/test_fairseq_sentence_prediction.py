@@ -276,8 +276,8 @@ def test_masks_reach_every_roberta_self_attention_layer(tiny_sp_data):
     # Every (head, query, real key) of both layers was a drop candidate position.
     tokens = sample["net_input"]["src_tokens"]
     real_keys = tokens.ne(task.source_dictionary.pad()).sum()
-    assert log["ad_drop_valid"] == 2 * 2 * tokens.shape[1] * real_keys  # layers * heads * T * keys
-    _assert_rate_about_pq(log["ad_drop_dropped"] / log["ad_drop_valid"])
+    assert log["ad_drop_droppable"] == 2 * 2 * tokens.shape[1] * real_keys  # layers * heads * T * keys
+    _assert_rate_about_pq(log["ad_drop_dropped"] / log["ad_drop_droppable"])
     assert not torch.allclose(loss, plain_loss)
 
 
@@ -336,7 +336,7 @@ def test_ad_drop_metrics_survive_summed_logs():
             "ad_drop_on": on,
             "ad_drop_steps": 1,
             "ad_drop_dropped": torch.tensor(dropped),
-            "ad_drop_valid": torch.tensor(valid),
+            "ad_drop_droppable": torch.tensor(valid),
         }
 
     logs = [log(1, 30, 200), log(1, 10, 100)]

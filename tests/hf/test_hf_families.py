@@ -167,7 +167,7 @@ def test_one_ad_drop_step_drops_about_pq_and_no_padding_or_future_key(family, mo
     loss = torch.nn.functional.cross_entropy(logits[keep], logits[keep].argmax(-1))
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in ours.parameters() if p.grad is not None)
-    rate = float(stats["dropped"]) / float(stats["valid"])
+    rate = float(stats["dropped"]) / float(stats["droppable"])
     assert 0.6 * p * q < rate < 1.6 * p * q, rate
     assert len(drops) == len(ad.sites)
     for site, drop in zip(ad.sites, drops):

@@ -192,7 +192,7 @@ def test_padding_free_drops_per_document_and_at_the_padded_rate(trl, tmp_path):
         batch = trainer.data_collator([{k: r[k] for k in ("input_ids", "labels")} for r in rows])
         model = trainer.model.train()
         trainer.compute_loss(model, dict(batch))
-        counts[name] = int(trainer._ad_drop_dropped), int(trainer._ad_drop_valid)
+        counts[name] = int(trainer._ad_drop_dropped), int(trainer._ad_drop_droppable)
         sites = trainer.ad_drop_controller.sites
         with torch.no_grad(), trainer.ad_drop_controller.hooks({s: EditScores() for s in sites}):
             out = model.eval()(**{k: v for k, v in batch.items() if k != "labels"}).logits
