@@ -123,9 +123,9 @@ def rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fre
     drop = None
     if call.rule is not None:
         if fresh_state:
-            drop, state = call.rule.first(block)
+            drop, state = call.rule.forward_drops(block)
         else:
-            drop = call.rule.again(block, state)
+            drop = call.rule.backward_drops(block, state)
     uniform = call.uniform
     if uniform is not None and uniform.dim() >= 2:
         uniform = rows_of(uniform, rows)

@@ -147,21 +147,26 @@ def rows_of(x: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
 
 
 class BlockRule:
-    """What a hook drops, regenerated per block. ``first`` runs in the forward and returns the
-    block's drops and a state (a threshold per row, say) that ``again`` is handed in the backward
-    to make the same drops. ``keeps_rows``: the drops never touch an invalid key and never empty a
-    row by construction, so the kernel need not check (a full pass over the block each)."""
+    """What a hook drops, regenerated per block. A stateless rule defines ``drops(block)``: the
+    block alone (its rows, validity, shape and seed) determines them. A rule that ranks keys also
+    finds a state in the forward (a threshold per row, say): ``forward_drops`` returns the drops and
+    that state, ``backward_drops`` is handed it to make the same drops again. ``keeps_rows``: the
+    drops never touch an invalid key and never empty a row by construction, so the kernel need not
+    check (a full pass over the block each)."""
 
     keeps_rows = False
     # Whether the rule draws random numbers. A pass whose rules draw none takes no seed, so it
     # leaves torch's global random stream as it was.
     draws = True
 
-    def first(self, block: Block) -> Tuple[torch.Tensor, object]:
-        return self.again(block, None), None
-
-    def again(self, block: Block, state) -> torch.Tensor:
+    def drops(self, block: Block) -> torch.Tensor:
         raise NotImplementedError
+
+    def forward_drops(self, block: Block) -> Tuple[torch.Tensor, object]:
+        return self.drops(block), None
+
+    def backward_drops(self, block: Block, state) -> torch.Tensor:
+        return self.drops(block)
 
     def whole(self, valid: torch.Tensor) -> torch.Tensor:
         """The drops of a call that is one block (``valid`` expanded to the call's shape). Its random
@@ -171,7 +176,7 @@ class BlockRule:
         so the recompute makes the same drops. A call split into blocks draws from the site's seed
         instead: its backward makes the drops again outside any checkpoint."""
         block = Block(slice(0, valid.shape[-2]), valid, tuple(valid.shape), tuple(valid.shape), None)
-        return self.first(block)[0]
+        return self.forward_drops(block)[0]
 
 
 @dataclass(frozen=True, eq=False)
@@ -181,7 +186,7 @@ class DenseRule(BlockRule):
     mask: torch.Tensor
     draws = False
 
-    def again(self, block: Block, state) -> torch.Tensor:
+    def drops(self, block: Block) -> torch.Tensor:
         return keys_of(rows_of(self.mask, block.rows), block.shape[-1]).to(block.valid.device)
 
 
@@ -191,7 +196,7 @@ class BernoulliRule(BlockRule):
 
     probability: torch.Tensor
 
-    def again(self, block: Block, state) -> torch.Tensor:
+    def drops(self, block: Block) -> torch.Tensor:
         return block.coins(self.probability)
 
     def whole(self, valid: torch.Tensor) -> torch.Tensor:
@@ -305,7 +310,7 @@ class TopRegionRule(BlockRule):
         numerator, denominator = decimal_fraction(self.p)
         return n_valid, ceil_of_product(n_valid, numerator, denominator, block.shape[-1])
 
-    def first(self, block: Block):
+    def forward_drops(self, block: Block):
         """Each row's threshold, the ceil(p n)-th largest valid score (+inf where k = 0), then the drops."""
         scores = self._scores(block)
         n_valid, k = self._counts(block)
@@ -317,7 +322,7 @@ class TopRegionRule(BlockRule):
         state = (threshold, k, tied)
         return self._drop(block, scores, state, n_valid, region, at_least), state
 
-    def again(self, block: Block, state) -> torch.Tensor:
+    def backward_drops(self, block: Block, state) -> torch.Tensor:
         return self._drop(block, self._scores(block), state, None)
 
     def whole(self, valid: torch.Tensor) -> torch.Tensor:

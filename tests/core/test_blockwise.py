@@ -241,8 +241,8 @@ def _rule_drops(rule, valid, shape, seed, rows_per_block):
         rows = slice(start, min(shape[2], start + rows_per_block))
         part = valid[..., rows, :] if valid.shape[-2] > 1 else valid
         block = Block(rows, part, (shape[0], shape[1], rows.stop - rows.start, shape[3]), shape, seed)
-        drop, state = rule.first(block)
-        assert torch.equal(rule.again(block, state), drop)  # the backward regenerates the forward's drops
+        drop, state = rule.forward_drops(block)
+        assert torch.equal(rule.backward_drops(block, state), drop)  # the backward regenerates the forward's drops
         out.append(drop.expand(block.shape))
     return torch.cat(out, dim=2)
 
