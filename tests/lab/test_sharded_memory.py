@@ -7,6 +7,7 @@ import pytest
 from attn_reg_lab import sharded_memory
 
 
+@pytest.mark.slow  # ~80 s of 2-rank runs; sharded training itself is tested in tests/test_fsdp.py
 def test_model_state_per_rank_halves_on_two_ranks(tmp_path):
     out = tmp_path / "memory.json"
     argv = ["--hidden", "32", "--layers", "2", "--vocab", "2000", "--batch", "2", "--length", "8"]

@@ -127,6 +127,7 @@ def test_fewshot_sweep_resumes_after_a_kill_and_refuses_other_settings(
     assert "was written by a sweep with other settings" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~60 s; the plugin's sweep itself runs end to end in tests/test_mt_sweep.py
 def test_mt_sweep_runs_the_plugin_sweep_on_the_demo_corpus(tmp_path, capsys):
     """attn-reg-sweep mt is attn-reg-mt-sweep (the plugin's) over the demo's EN-RO corpus and model."""
     out = tmp_path / "sweep"
