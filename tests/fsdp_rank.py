@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.join(REPO, "examples", "custom_seq2seq"))
 
 from seq2seq_model import Seq2SeqTransformer  # noqa: E402
 
-import attn_reg_plugin.core.ad_drop as core_ad_drop  # noqa: E402
 import attn_reg_plugin.core.block_rules as core_block_rules  # noqa: E402
 from attn_reg_plugin.core import (  # noqa: E402
     ADDrop,
@@ -50,29 +49,17 @@ from attn_reg_plugin.core.sharding import check_supported_sharding, is_fully_sha
 
 PAD, BOS, VOCAB, BATCH = 0, 2, 40, 8
 ALL_KINDS = "encoder-self,decoder-self,encoder-decoder"
-RECORDED = []  # AD-DROP's drop masks, in the order the step builds them
+RECORDED = []  # AD-DROP's drop masks, in the order the kernel makes them (one block per call)
+_whole_drops = core_block_rules.BlockRule.whole
 
 
-def _recording_masks(*args, **kwargs):
-    mask = _ad_drop_masks(*args, **kwargs)
-    RECORDED.append(mask.clone())
-    return mask
-
-
-_ad_drop_masks = core_ad_drop.ad_drop_masks
-core_ad_drop.ad_drop_masks = _recording_masks  # GA, AA: masks from pass 1's maps
-core_block_rules.ad_drop_masks = _recording_masks  # RD: drawn inside the kernel
-_whole_drops = core_block_rules.TopRegionRule.whole
-
-
-def _recording_whole(rule, valid):  # IGA: its scores ranked inside the kernel (one block per call)
-    drop = _whole_drops(rule, valid)
-    if not isinstance(rule.source, core_block_rules.RandomScores):  # RD's are recorded above
-        RECORDED.append(drop.clone())
+def _recording_whole(rule, valid, seed):
+    drop = _whole_drops(rule, valid, seed)
+    RECORDED.append(drop.clone())
     return drop
 
 
-core_block_rules.TopRegionRule.whole = _recording_whole
+core_block_rules.BlockRule.whole = _recording_whole
 
 
 def build(controller):

@@ -387,6 +387,14 @@ def hf_tensorboard_matches_the_log(trainer, keys):
 WARNING_LINE = r"(?m)^.*(\b\w*Warning: |\| WARNING \|).*$"
 
 
+def ad_drop_masks(attribution, valid, p, q, generator=None):
+    """Hand-built AD-DROP drops for the kernel's tests: the dense top-p region of ``attribution``
+    (``core.masks.candidate_region``), each candidate dropped with probability q (``sample_drops``)."""
+    from attn_reg_plugin.core.masks import candidate_region, sample_drops
+
+    return sample_drops(candidate_region(attribution, valid, p), q, valid, attribution, generator)
+
+
 def record_results(monkeypatch, module, name):
     """Replace ``module.name`` by a wrapper that keeps a clone of every tensor it returns.
 

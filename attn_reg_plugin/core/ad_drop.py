@@ -33,16 +33,15 @@ from .block_rules import (
     AttentionScores,
     GradientScores,
     IntegratedGradientScores,
+    MapScores,
     RandomScores,
     ScoreSource,
     TopRegionRule,
     rng_state,
     set_rng_state,
 )
-from .blockwise import blockwise_rows
 from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores, RegularizationController
-from .masks import ad_drop_masks
 from .passes import zero_counts
 from .sharding import check_supported_sharding
 
@@ -134,11 +133,11 @@ class ADDrop:
                         return None
                     grads = output_gradients(value, record.outputs, self.gradient_scale)
                 attributions = [
-                    # Contiguous: each block multiplies them, ~3x faster than on the model's layout
-                    # (and a copy of V frees the fused projection output it may be a view of).
-                    GradientScores(g.contiguous(), v.contiguous())
-                    if not dense and blockwise_rows(g, v)
-                    else dense_gradient_attribution(g, v)
+                    # dF/dO and V, linear in length, at every length: pass 2 ranks each call's keys
+                    # from them (no (T, S) map is kept between the passes). Contiguous: each block
+                    # multiplies them, ~3x faster than on the model's layout (and a copy of V frees
+                    # the fused projection output it may be a view of).
+                    GradientScores(g.contiguous(), v.contiguous()) if not dense else dense_gradient_attribution(g, v)
                     for g, v in zip(grads, record.values)
                 ]
                 return record.sites, attributions, record.valid
@@ -289,37 +288,32 @@ class ADDrop:
                 stats["dropped"], stats["droppable"] = zero_counts()
                 return
             with record_function("ad_drop::masks"):
-                edits = self._edits(*found, stats)
+                # (found[2], the validity, is not needed: the kernel reads it from pass 2's mask)
+                edits = self._edits(found[0], found[1], stats)
             del found  # pass 1 is gone before pass 2 allocates
         with self.controller.hooks(edits) as record:
             yield stats
         stats["dropped"], stats["droppable"] = record.counts()
 
-    def _edits(self, sites, attributions, valids, stats) -> Dict[AttentionSite, EditScores]:
-        """Pass 2's edit of each site from pass 1's attributions: dense maps (IGA, and GA or AA for a
-        map that fits one block of the kernel) become masks here; GA or AA for a longer map becomes
-        a :class:`TopRegionRule` that the kernel evaluates per block of queries from dF/dO and V
-        (GA) or from q and k (AA)."""
+    def _edits(self, sites, attributions, stats) -> Dict[AttentionSite, EditScores]:
+        """Pass 2's edit of each site from pass 1's attributions: a :class:`TopRegionRule` at every
+        length, which the kernel evaluates from the site's seed, the call as one block or block by
+        block, from a map pass 1 kept whole (IGA; GA or AA on a short map), from dF/dO and V (GA) or
+        from q and k (AA): the same drops whether the call is split or not."""
         p, q, bottom = self.config.p, self.config.q, self.config.region == "bottom"
         targeted = None
         if self.config.attribution != "aa":
             # A sample the target does not depend on (every label ignored) has all-zero gradient
-            # attributions: its candidates would be topk's tie order, so it is not masked. (AA's
+            # attributions: its candidates would be the tie order, so it is not masked. (AA's
             # attention weights do not come from the target.)
             targeted = samples_with_target(attributions)
             stats["skipped"] = (~targeted.any()).long()
         edits = {}
-        for site, attribution, valid in zip(sites, attributions, valids):
-            if isinstance(attribution, ScoreSource):  # GA's (dF/dO, V) or AA's (q, k): ranked per block
-                source = dataclasses.replace(attribution, negate=True) if bottom else attribution
-                rule = TopRegionRule(source, p, q, targeted)
-                edits[site] = EditScores(drop=rule, counted=True)
-                continue
+        for site, attribution in zip(sites, attributions):
+            source = attribution if isinstance(attribution, ScoreSource) else MapScores(attribution)
             # The bottom-p by attribution is the top-p of its negation (the kept key of an emptied row too).
-            drop = ad_drop_masks(attribution.neg() if bottom else attribution, valid, p, q)
-            if targeted is not None:
-                drop = drop & targeted.view(-1, 1, 1, 1)
-            edits[site] = EditScores(drop=drop, counted=True)
+            source = dataclasses.replace(source, negate=True) if bottom else source
+            edits[site] = EditScores(drop=TopRegionRule(source, p, q, targeted), counted=True)
         return edits
 
     def step(

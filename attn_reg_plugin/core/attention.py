@@ -253,7 +253,7 @@ def _prepared(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_
 def _edited(call: AttentionCall, q, bias, valid, shape):
     """(q, bias) with an :class:`EditScores` call's edit applied, and its counts (None in a recompute)."""
     hook = call.hook
-    edit = hook.resolve(valid, shape, q.device)
+    edit = hook.resolve(valid, shape, q.device, _seed(call))
     if edit.uniform is not None:
         # A zero query row scores every key 0, so softmax is uniform over the valid keys (the bias
         # still removes padding); the row's query receives no gradient, as it has no influence on a
@@ -362,12 +362,17 @@ def _blockwise_edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale,
     uniform = hook.uniform_rows_on(q.device)
     count = not call.recompute and hook.counted and hook.drop is not None
     rule = rule_of(hook.drop)
-    seed = call.seed
-    if seed is None and rule is not None and rule.draws:
-        seed = call_seed()  # a hook set by hand, outside a pass: a checkpoint's recompute replays the draw
-    plan = BlockCall(rule, uniform, hook.droppable, rows, seed, dropout_p, scale, count, is_causal)
+    plan = BlockCall(rule, uniform, hook.droppable, rows, _seed(call), dropout_p, scale, count, is_causal)
     out, dropped, droppable = blockwise_attention(q, k, v, bias, plan)
     if call.recompute:
         return out, None
     counts = (dropped, droppable) if count else (None, None)
     return out, Captured(dropped=counts[0], droppable=counts[1], uniform_call=_uniform_call(hook))
+
+
+def _seed(call: AttentionCall) -> Optional[torch.Tensor]:
+    """The seed keying an edit's random drops: the site's for the pass; for a hook set by hand outside
+    a pass, one drawn from torch's stream now (which a checkpoint restores for its recompute)."""
+    if call.seed is not None or not call.hook.draws:
+        return call.seed
+    return call_seed()

@@ -28,7 +28,7 @@ class AttentionCall:
 
     hook: Optional[Hook] = None
     recompute: bool = False
-    seed: Optional[int] = None
+    seed: Optional[torch.Tensor] = None
 
 
 ORDINARY = AttentionCall()
@@ -57,9 +57,9 @@ def call_of(site: Optional[AttentionSite], plan: Optional[Plan] = None) -> Atten
     if site is None:
         return ORDINARY
     if torch.compiler.is_compiling():
-        # Traced: a compiled region recomputes from its own graph and draws from torch's stream;
-        # reading the per-pass seed would be a guard on its value, a recompile every step.
-        return ORDINARY if site.hook is None else AttentionCall(site.hook)
+        # Traced: a compiled region recomputes from its own graph; the seed, a tensor, is an input
+        # of that graph (no guard on its value, so a new pass compiles nothing).
+        return ORDINARY if site.hook is None else AttentionCall(site.hook, False, site.seed)
     hook, seed = plan.calls.get(site, (None, None)) if plan is not None else (site.hook, site.seed)
     if hook is None:
         return ORDINARY

@@ -35,7 +35,7 @@ class BlockCall:
     uniform: Optional[torch.Tensor]  # bool rows made uniform (LayerDrop flag), broadcastable
     droppable: Optional[torch.Tensor]  # units the rate counts (see EditScores.droppable)
     rows_per_block: int
-    seed: int
+    seed: Optional[torch.Tensor]  # 0-d int64 CPU; None when the rule draws nothing
     dropout_p: float
     scale: Optional[float]
     count: bool  # add dropped / droppable counts (a fresh forward; a recompute counts nothing)

@@ -1,12 +1,16 @@
 """What a regularizer drops in one block of query rows, made again identically wherever it is needed.
 
-A :class:`BlockRule` makes a block's drop decisions (``first``, in the forward, which may return a
-small per-row state) and makes them again from that state (``again``: in the backward and in an
-activation-checkpoint recompute). Every random number comes from a generator seeded by (the site's
-seed for the pass, the stream, the 64-row chunk of queries), drawn in tiles of 64 keys, so the
-decisions depend on the seed and the indices, not on how the rows are split into blocks, how many
-keys a block covers, nor on when they are made (:func:`chunk_draws`). Nothing is stored and no
-generator state is replayed.
+A :class:`BlockRule` makes a block's drop decisions (``forward_drops``, which may return a small
+per-row state) and makes them again from that state (``backward_drops``: in the backward and in an
+activation-checkpoint recompute). Every random number, whether a call runs as one block or many,
+eager or compiled, comes from a generator seeded by (the call's seed, the stream, the 64-row chunk
+of queries), drawn in tiles of min(64, S) keys, so the decisions depend on the seed and the indices, not on
+how the rows are split into blocks, how many keys a block covers, nor on when they are made
+(:func:`chunk_draws`). Nothing is stored and no generator state is replayed. The seed is a 0-d
+int64 CPU tensor (the pass's, keyed per site, or one drawn from torch's stream for a hook set by
+hand), and the draws are one opaque operator, ``attn_reg::keyed_draws``: torch.compile cannot trace
+a generator, but it calls the operator from its graph with the seed as an input, so compiled and
+eager drops are the same and a new seed compiles nothing.
 
 Rules: dense masks sliced per block (:class:`DenseRule`, AttendOut's Generator output), Bernoulli
 coins (:class:`BernoulliRule`, scheduled dropout), and AD-DROP's top-p region with Bernoulli(q) drops
@@ -20,12 +24,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .masks import (
-    ad_drop_masks,
     attention_weights,
     causal_bias,
     ceil_of_product,
@@ -50,7 +53,8 @@ def block_bias(bias_rows: Optional[torch.Tensor], dtype: torch.dtype, valid: Opt
         return None, None
     if valid is None:
         valid = valid_keys_from_bias(bias_rows)
-    if bias_rows.dtype == torch.bool and bias_rows.device.type == "cpu" and bool(bias_rows.all()):
+    on_host = bias_rows.device.type == "cpu" and not torch.compiler.is_compiling()
+    if bias_rows.dtype == torch.bool and on_host and bool(bias_rows.all()):
         return None, valid  # nothing to add (no padding in the block): the drops are the mask
     return finite_bias(bias_rows, dtype), valid
 
@@ -69,21 +73,53 @@ def chunk_draws(seed: int, shape: Tuple[int, int, int, int], rows: slice, keys: 
     whose maps are ``shape`` (B, H, T, S).
 
     Chunk c (rows 64c .. 64c+63) always draws from its own generator, seeded by (seed, c), one tile
-    of ``KEY_TILE`` keys after another (each tile: every sample, head and row of the chunk), so a
-    number depends on the seed, its row and its key: not on how the rows are split into blocks nor
-    on how many keys a block covers (a causal block draws for the keys it has, not for all S).
+    of ``min(KEY_TILE, S)`` keys after another (each tile: every sample, head and row of the chunk),
+    so a number depends on the seed, its row and its key: not on how the rows are split into blocks
+    nor on how many keys a block covers (a causal block draws for the keys it has, not for all S).
     """
-    b, h, t, _ = shape
-    tiles = -(-keys // KEY_TILE)
+    b, h, t, s = shape
+    width = min(KEY_TILE, s)  # a call's tile width: a short call draws for its own keys only
+    tiles = -(-keys // width)
     generator = torch.Generator(device=device)
     parts = []
     for chunk in range(rows.start // CHUNK_ROWS, -(-rows.stop // CHUNK_ROWS)):
         lo, hi = chunk * CHUNK_ROWS, min((chunk + 1) * CHUNK_ROWS, t)
         generator.manual_seed(key_seed(seed, chunk))
-        drawn = draw(generator, (tiles, b, h, hi - lo, KEY_TILE))
-        drawn = drawn.permute(1, 2, 3, 0, 4).reshape(b, h, hi - lo, tiles * KEY_TILE)
+        drawn = draw(generator, (tiles, b, h, hi - lo, width))
+        drawn = drawn.permute(1, 2, 3, 0, 4).reshape(b, h, hi - lo, tiles * width)
         parts.append(drawn[:, :, max(lo, rows.start) - lo : min(hi, rows.stop) - lo, :keys])
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+@torch.library.custom_op("attn_reg::keyed_draws", mutates_args=())
+def keyed_draws(
+    seed: torch.Tensor,
+    stream: int,
+    call_shape: List[int],
+    row_start: int,
+    row_stop: int,
+    keys: int,
+    uniform: bool,
+    device: torch.device,
+) -> torch.Tensor:
+    """Stream ``stream`` of ``seed`` (0-d int64, on the CPU) for rows ``row_start .. row_stop - 1`` and
+    keys ``0 .. keys - 1`` of a call whose maps are ``call_shape``, on ``device``: float32 uniforms in
+    [0, 1) when ``uniform``, else int32 coins uniform over 0 .. 2**31 - 1."""
+
+    def draw(generator, size):
+        if uniform:
+            return torch.rand(size, generator=generator, device=device)
+        return torch.empty(size, dtype=torch.int32, device=device).random_(generator=generator)
+
+    key = key_seed(int(seed), stream)
+    return chunk_draws(key, tuple(call_shape), slice(row_start, row_stop), keys, device, draw)
+
+
+@keyed_draws.register_fake
+def _keyed_draws_shape(seed, stream, call_shape, row_start, row_stop, keys, uniform, device):
+    b, h = call_shape[0], call_shape[1]
+    dtype = torch.float32 if uniform else torch.int32
+    return torch.empty((b, h, row_stop - row_start, keys), dtype=dtype, device=device)
 
 
 def coin_limit(probability):
@@ -98,38 +134,32 @@ def coin_limit(probability):
 @dataclass(frozen=True)
 class Block:
     """One block of a call: query ``rows``, their validity (bool, broadcastable to ``shape``), the
-    call's full map shape and its seed. The block covers keys ``0 .. shape[-1] - 1``: fewer than the
-    call's when no row of the block has a valid key beyond them (causal attention, padding)."""
+    call's full map shape and its seed (a 0-d int64 CPU tensor). The block covers keys
+    ``0 .. shape[-1] - 1``: fewer than the call's when no row of the block has a valid key beyond them
+    (causal attention, padding)."""
 
     rows: slice
     valid: torch.Tensor
     shape: Tuple[int, int, int, int]  # (B, H, rows, keys of the block)
     call_shape: Tuple[int, int, int, int]  # (B, H, T, S)
-    seed: Optional[int]  # None: a call that is one block, drawn from torch's global stream
+    seed: Union[torch.Tensor, int]
+
+    def _draws(self, stream: int, uniform: bool) -> torch.Tensor:
+        rows, device = self.rows, self.valid.device
+        seed = self.seed if isinstance(self.seed, torch.Tensor) else torch.tensor(self.seed)  # an int, by hand
+        return keyed_draws(seed, stream, list(self.call_shape), rows.start, rows.stop, self.shape[-1], uniform, device)
 
     def coins(self, probability) -> torch.Tensor:
         """This block's Bernoulli(``probability``) drops (bool): 31-bit integer coins, which draw a
         third faster than float ones on a CPU (:func:`coin_limit`)."""
-        if self.seed is None:  # a whole call (:meth:`BlockRule.whole`)
-            return torch.rand(self.shape, device=self.valid.device) < probability
         limit = coin_limit(probability)
         if isinstance(limit, torch.Tensor):
             limit = limit.to(self.valid.device)
-
-        def draw(generator, size):
-            return torch.empty(size, dtype=torch.int32, device=self.valid.device).random_(generator=generator) <= limit
-
-        return chunk_draws(key_seed(self.seed, -1), self.call_shape, self.rows, self.shape[-1], self.valid.device, draw)
+        return self._draws(-1, False) <= limit
 
     def uniform(self) -> torch.Tensor:
         """This block's uniform [0, 1) numbers (random scores), from their own stream."""
-        if self.seed is None:
-            return torch.rand(self.shape, device=self.valid.device)
-
-        def draw(generator, size):
-            return torch.rand(size, generator=generator, device=self.valid.device)
-
-        return chunk_draws(key_seed(self.seed, -2), self.call_shape, self.rows, self.shape[-1], self.valid.device, draw)
+        return self._draws(-2, True)
 
 
 def keys_of(x: Optional[torch.Tensor], keys: int) -> Optional[torch.Tensor]:
@@ -168,14 +198,10 @@ class BlockRule:
     def backward_drops(self, block: Block, state) -> torch.Tensor:
         return self.drops(block)
 
-    def whole(self, valid: torch.Tensor) -> torch.Tensor:
-        """The drops of a call that is one block (``valid`` expanded to the call's shape). Its random
-        numbers come from torch's global stream, as sdpa's own dropout does, eager or compiled (a
-        compiled graph holds no generator object); an activation checkpoint restores that stream for
-        its recompute (``preserve_rng_state``, the default of torch's, transformers' and fairseq's),
-        so the recompute makes the same drops. A call split into blocks draws from the site's seed
-        instead: its backward makes the drops again outside any checkpoint."""
-        block = Block(slice(0, valid.shape[-2]), valid, tuple(valid.shape), tuple(valid.shape), None)
+    def whole(self, valid: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        """The drops of a call that is one block (``valid`` expanded to the call's shape): the same
+        draws from ``seed`` as any split of the call into blocks."""
+        block = Block(slice(0, valid.shape[-2]), valid, tuple(valid.shape), tuple(valid.shape), seed)
         return self.forward_drops(block)[0]
 
 
@@ -198,9 +224,6 @@ class BernoulliRule(BlockRule):
 
     def drops(self, block: Block) -> torch.Tensor:
         return block.coins(self.probability)
-
-    def whole(self, valid: torch.Tensor) -> torch.Tensor:
-        return torch.rand(valid.shape, device=valid.device) < self.probability
 
 
 class ScoreSource:
@@ -272,6 +295,19 @@ class IntegratedGradientScores(ScoreSource):
 
 
 @dataclass(frozen=True, eq=False)
+class MapScores(ScoreSource):
+    """Scores given whole, (B, H, T, S) (a short map's gradient attribution, IGA's, or AA's weights
+    from pass 1): each block takes its rows and keys, in float32."""
+
+    map: torch.Tensor
+    negate: bool = False
+
+    def scores(self, block: Block) -> torch.Tensor:
+        out = keys_of(rows_of(self.map, block.rows), block.shape[-1]).to(torch.float32, copy=True)
+        return out.neg_() if self.negate else out
+
+
+@dataclass(frozen=True, eq=False)
 class RandomScores(ScoreSource):
     """Uniform random scores: a random candidate region (AD-DROP's RD control)."""
 
@@ -297,7 +333,7 @@ class TopRegionRule(BlockRule):
         """The block's scores, -inf at invalid keys (so they are never above a row's threshold)."""
         scores = self.source.scores(block).nan_to_num_(0.0)
         valid = block.valid
-        if valid.device.type != "cpu" or not bool(valid.all()):
+        if may_hold_true(~valid):
             # An add of a (broadcast) -inf bias: several times faster than torch.where on a CPU.
             scores.add_(
                 torch.zeros(valid.shape, dtype=scores.dtype, device=valid.device).masked_fill_(~valid, -math.inf)
@@ -325,11 +361,6 @@ class TopRegionRule(BlockRule):
     def backward_drops(self, block: Block, state) -> torch.Tensor:
         return self._drop(block, self._scores(block), state, None)
 
-    def whole(self, valid: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.source, RandomScores) and self.samples is None:
-            return ad_drop_masks(torch.rand(valid.shape, device=valid.device), valid, self.p, self.q)
-        return super().whole(valid)
-
     def _drop(self, block: Block, scores, state, n_valid, region=None, at_least=None) -> torch.Tensor:
         threshold, k, tied = state
         if region is None:
@@ -348,9 +379,11 @@ class TopRegionRule(BlockRule):
         return drop
 
 
-def call_seed() -> int:
-    """The seed of one pass: one draw from torch's global generator."""
-    return int(torch.randint(0, 2**62, (1,)).item())
+def call_seed() -> torch.Tensor:
+    """A seed drawn from torch's global generator, a 0-d int64 CPU tensor: a compiled region takes it
+    as an input (no guard on its value), and an activation checkpoint, which restores that generator
+    for its recompute, draws the same one again."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64)
 
 
 def rng_state(devices: Optional[Sequence[torch.device]] = None) -> dict:
@@ -387,6 +420,7 @@ __all__: Sequence[str] = (
     "DenseRule",
     "GradientScores",
     "IntegratedGradientScores",
+    "MapScores",
     "RandomScores",
     "ScoreSource",
     "TopRegionRule",

@@ -7,8 +7,8 @@ backward. Two consequences, handled here and in the kernel:
   the pass may have ended. The checkpointed call carries the pass (a
   :class:`~.controller.Plan`: transformers' model kwargs, fairseq's wrapped layers,
   :meth:`~.controller.RegularizationController.checkpoint`), and the same hook and seed give the
-  same drops (a short call's random draws come from torch's stream, which the checkpoint
-  restores): nothing of a call is recorded, and no step scope is needed;
+  same drops (a hook set by hand outside a pass draws its call's seed from torch's stream, which
+  the checkpoint restores): nothing of a call is recorded, and no step scope is needed;
 * a *reentrant* checkpoint (``use_reentrant=True``, fairseq's ``--checkpoint-activations``)
   runs the layer's forward without autograd and refuses ``torch.autograd.grad``, so AD-DROP's
   attribution pass could not see inside it. That pass therefore runs with such checkpointing

@@ -106,20 +106,22 @@ class EditScores:
             return uniform.to(device)  # a per-pass flag drawn on the host (LayerDrop): moved once
         return uniform
 
-    def resolve(self, valid: torch.Tensor, shape: Tuple[int, int, int, int], device) -> ResolvedEdit:
-        """The final (drop, uniform rows) of one call that is one block: a rule's drops made
-        (:meth:`~.block_rules.BlockRule.whole`), emptied rows made uniform."""
+    def resolve(
+        self, valid: torch.Tensor, shape: Tuple[int, int, int, int], device, seed: Optional[torch.Tensor]
+    ) -> ResolvedEdit:
+        """The final (drop, uniform rows) of one call that is one block: a rule's drops made from
+        ``seed`` (:meth:`~.block_rules.BlockRule.whole`), emptied rows made uniform."""
         uniform = self.uniform_rows_on(device)
         drop = self.drop
         if isinstance(drop, BlockRule):
-            drop = drop.whole(valid.expand(shape))
+            drop = drop.whole(valid.expand(shape), seed)
         if drop is not None:
             drop, uniform = uniform_instead_of_empty(drop, valid, uniform)
         return ResolvedEdit(drop, uniform)
 
     @property
     def draws(self) -> bool:
-        """Whether the edit's drops, made block by block, come from random numbers keyed by the site's seed."""
+        """Whether the edit's drops come from random numbers keyed by the site's seed."""
         return isinstance(self.drop, BlockRule) and self.drop.draws
 
 
@@ -152,15 +154,15 @@ class AttentionSite:
 
     ``hook`` and ``seed`` are the slot a pass fills for its forward (:meth:`RegularizationController.hooks`)
     and nothing else writes, but a recompute that carries the pass back (:func:`applied`): the
-    kernel only reads them. ``seed`` keys the counter-based random numbers of a drop rule split into
-    blocks (:mod:`.block_rules`), so every evaluation of the same pass on the same site (the forward,
-    its backward, an activation-checkpoint recompute) makes the same drops.
+    kernel only reads them. ``seed`` (a 0-d int64 CPU tensor) keys the random numbers of a drop rule,
+    one block or many (:mod:`.block_rules`), so every evaluation of the same pass on the same site
+    (the forward, its backward, an activation-checkpoint recompute, a compiled graph) makes the same drops.
     """
 
     kind: str
     layer: int
     hook: Optional[Hook] = None
-    seed: Optional[int] = None
+    seed: Optional[torch.Tensor] = None
     record: Optional[PassRecord] = None  # where the pass collects what the site's calls hand back
 
     def __repr__(self) -> str:  # readable in error messages
@@ -306,7 +308,7 @@ class RegularizationController:
         try:
             for site, hook in assignment.items():
                 site.hook, site.record = hook, record
-                site.seed = None if pass_seed is None else key_seed(pass_seed, _site_key(site))
+                site.seed = None if pass_seed is None else torch.tensor(key_seed(int(pass_seed), _site_key(site)))
             yield record
         finally:
             for site, (hook, seed, before) in previous.items():

@@ -252,18 +252,6 @@ def additive_mask(drop: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return drop.view(torch.uint8).to(dtype).mul_(mask_fill_value(dtype))
 
 
-def ad_drop_masks(
-    attribution: torch.Tensor,
-    valid: torch.Tensor,
-    p: float,
-    q: float,
-    generator: Optional[torch.Generator] = None,
-) -> torch.Tensor:
-    """AD-DROP's boolean drop mask for one attention map: candidates, then Bernoulli(q) drops."""
-    region = candidate_region(attribution, valid, p)
-    return sample_drops(region, q, valid, attribution, generator)
-
-
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """A bool ``(..., n)`` as uint8 ``(..., ceil(n / 8))``: bit i of byte j is ``mask[..., 8 j + i]``.
 

@@ -2,8 +2,9 @@
 
 Scores dropout (Eq. 3: a dropped key gets the masked fill before softmax) with a per-layer drop
 probability that follows a piecewise-linear schedule over training updates, the random stand-in
-for the patterns the AttendOut generator learns (paper Fig. 3). Random draws come from torch's
-global generator, which fairseq and the Trainer seed per update, so runs are reproducible.
+for the patterns the AttendOut generator learns (paper Fig. 3). The coins are keyed by a seed the
+pass draws from torch's global generator, which fairseq and the Trainer seed per update, so runs
+are reproducible.
 
 DropKey (Li et al., CVPR 2023) is a preset of it, not a second implementation: the schedule
 ``dropkey:RATE`` gives each selected layer a constant rate that decreases linearly with depth

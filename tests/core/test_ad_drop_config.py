@@ -85,14 +85,12 @@ def test_frozen_parameters_restores_requires_grad():
 
 # -- the candidate region: top-p (AD-DROP) or bottom-p (analysis) ------------------------------------
 def _masks_for(region, attribution, valid, p, monkeypatch):
-    """The drop masks ADDrop.masked builds from hand-built attributions, with every candidate dropped
-    (q's coin replaced by 'always', keeping the never-empty rule), read off the site's hook."""
-    from attn_reg_plugin.core import ad_drop as core_ad_drop
-    from attn_reg_plugin.core import masks
+    """The drops of the rule ADDrop.masked sets from hand-built attributions, its q made 1 (every
+    candidate dropped, but a row's last valid key), made as the kernel makes a one-block call's."""
+    import dataclasses
 
-    monkeypatch.setattr(
-        masks, "sample_drops", lambda r, q, v, a, generator=None: masks.keep_one_valid_key(r, v.expand_as(r), a)
-    )
+    from attn_reg_plugin.core import ad_drop as core_ad_drop
+
     controller = controller_with_sites({"encoder-self": 1})
     ad_drop = ADDrop(ADDropConfig(p=p, q=0.5, region=region, attention="encoder-self"), controller)
     (site,) = ad_drop.sites
@@ -102,7 +100,8 @@ def _masks_for(region, attribution, valid, p, monkeypatch):
         lambda self, f, t, frozen=None, dense=True: ([site], [attribution], [valid]),
     )
     with ad_drop.masked(lambda: None, None):
-        return site.hook.drop
+        rule = dataclasses.replace(site.hook.drop, q=1.0)
+        return rule.whole(valid.expand(attribution.shape), site.seed)
 
 
 def test_region_top_drops_the_highest_and_bottom_the_lowest_attributions(monkeypatch):

@@ -6,8 +6,7 @@ import torch
 
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.controller import EditScores
-from attn_reg_plugin.core.masks import ad_drop_masks
-from helpers import FLOAT_DTYPES, site_with_hook
+from helpers import FLOAT_DTYPES, ad_drop_masks, site_with_hook
 
 # ---------------------------------------------------------------- the kernel
 

@@ -16,9 +16,8 @@ from attn_reg_plugin.core import attribution
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.block_rules import Block, IntegratedGradientScores, ScoreSource
+from attn_reg_plugin.core.block_rules import Block, IntegratedGradientScores, MapScores, ScoreSource, TopRegionRule
 from attn_reg_plugin.core.controller import RegularizationController
-from attn_reg_plugin.core.masks import ad_drop_masks
 
 B, T, D, HEADS, LAYERS, CLASSES = 3, 5, 8, 2, 2, 3
 LENGTHS = [5, 3, 1]  # batch row 2 has a single real token
@@ -387,10 +386,21 @@ def test_step_applies_ad_drop_masks_from_ga_in_pass_two(model_kw, attention):
     model, x, key_pad, adrop = _setup(p=0.5, q=0.5, model_kw=model_kw, attention=attention)
     torch.manual_seed(11)
     attrs, valids = _attributions(adrop, model, x, key_pad, frozen=model)
-    drops = [ad_drop_masks(a, v, 0.5, 0.5) for a, v in zip(attrs, valids)]
-    assert any(d.any() for d in drops)
+    sites, seeds = [s for s in model.sites if s in adrop.sites], {}
+
+    def masked_forward():  # pass 2: each site's seed for the pass keys its drops
+        seeds.update({s: s.seed for s in sites})
+        return model(x, key_pad)
+
     torch.manual_seed(11)
-    out, stats = adrop.step(lambda: model(x, key_pad), lambda: model(x, key_pad), target, frozen=model)
+    out, stats = adrop.step(lambda: model(x, key_pad), masked_forward, target, frozen=model)
+    # The top half of each row's valid keys by attribution, each dropped with probability 0.5 by
+    # coins keyed by the site's seed, as the kernel makes them for a call of one block.
+    shape = (B, HEADS, T, T)
+    drops = [
+        TopRegionRule(MapScores(a), 0.5, 0.5).whole(v.expand(shape), seeds[s]) for s, a, v in zip(sites, attrs, valids)
+    ]
+    assert any(d.any() for d in drops) and len({int(seeds[s]) for s in sites}) == len(sites)
 
     def edit(layer, a):  # remove the dropped keys from the explicit softmax
         a = a.masked_fill(drops[layer], 0.0)

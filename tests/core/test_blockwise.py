@@ -696,3 +696,57 @@ def test_float64_blocks_keep_float64(learned_bias, monkeypatch):
     for a, e in zip(*results):
         assert a.dtype == torch.float64
         torch.testing.assert_close(a, e, atol=1e-12, rtol=1e-10)
+
+
+# -- one seed, the same drops at any split ------------------------------------------------------------
+def _edit_step(model, x, bias, edit_of, seed=0):
+    """One forward/backward of ``model`` with ``edit_of(site)`` set on every site by one pass: the loss,
+    every gradient, and the pass's [dropped, droppable] counts."""
+    torch.manual_seed(seed)
+    with model.controller.hooks({s: edit_of(s) for s in model.sites}) as record:
+        loss = model(x, bias).logsumexp(-1).sum()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    dropped, droppable = record.counts()
+    return loss.detach(), grads, {"dropped": dropped, "droppable": droppable}
+
+
+EDITS = {
+    "scheduled-dropout": lambda site: EditScores(drop=BernoulliRule(torch.tensor(0.3)), counted=True),
+    "layerdrop": lambda site: EditScores(uniform_rows=True if site.layer == 1 else None),
+    "attendout-mask": lambda site: EditScores(
+        drop=torch.rand((2, 1, 6, 6), generator=torch.Generator().manual_seed(site.layer)) < 0.4, counted=True
+    ),
+}
+
+
+@pytest.mark.parametrize("regularizer", ["ga", "iga", "aa", "aa-ties", "rd", *EDITS])
+def test_a_calls_drops_are_the_same_as_one_block_or_many(regularizer, monkeypatch, block_calls):
+    """One tie rule and one random regime at every length: for the same seed a call makes the same
+    drops whether it runs as one block or block by block, so a whole step (its dropped count, loss
+    and every gradient) does not change when a call's length crosses the block size. Attention
+    dropout is off (eval): sdpa's own draws differ with the split, as they would with the length."""
+    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)  # blocks are whole chunks: both runs draw per 2 rows
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(4))
+    if regularizer == "aa-ties":
+        x[:, 3] = x[:, 1]  # equal keys: every row's attention weights tie at keys 1 and 3
+    bias = _valid("padding", 2, 6)
+
+    def step():
+        model = _Encoder().eval()
+        if regularizer in EDITS:
+            return _edit_step(model, x, bias, EDITS[regularizer])
+        return _ad_drop_step(model, x, bias, regularizer.split("-")[0])
+
+    loss, grads, stats = step()
+    assert block_calls == []  # one block: the one-block path
+    _force_small_blocks(monkeypatch)
+    loss_blocks, grads_blocks, stats_blocks = step()
+    assert block_calls and all(rows == 2 for rows in block_calls)  # every edited call split in blocks of 2 rows
+    if regularizer != "layerdrop":
+        assert int(stats["dropped"]) > 0 and int(stats["dropped"]) == int(stats_blocks["dropped"])
+        assert int(stats["droppable"]) == int(stats_blocks["droppable"])
+    torch.testing.assert_close(loss_blocks, loss, rtol=1e-6, atol=0)
+    for a, b in zip(grads_blocks, grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

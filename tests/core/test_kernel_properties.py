@@ -16,8 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.controller import EditScores
-from attn_reg_plugin.core.masks import ad_drop_masks, candidate_region
-from helpers import site_with_hook
+from attn_reg_plugin.core.masks import candidate_region
+from helpers import ad_drop_masks, site_with_hook
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}

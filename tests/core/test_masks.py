@@ -20,7 +20,6 @@ from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.controller import EditScores
 from attn_reg_plugin.core.masks import (
-    ad_drop_masks,
     additive_mask,
     candidate_region,
     ceil_of_product,
@@ -30,7 +29,7 @@ from attn_reg_plugin.core.masks import (
     sample_drops,
     unpack_bits,
 )
-from helpers import FLOAT_DTYPES, site_with_hook
+from helpers import FLOAT_DTYPES, ad_drop_masks, site_with_hook
 
 # Row-sum tolerance of a softmax stored in the dtype (a few ulps of 1 times the row length).
 SUM_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}

@@ -16,8 +16,8 @@ from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attribution import GradientScale, logit_target, token_loss_target
 from attn_reg_plugin.core.controller import AttentionSite, EditScores, RegularizationController
-from attn_reg_plugin.core.masks import ad_drop_masks, candidate_region
-from helpers import FLOAT_DTYPES
+from attn_reg_plugin.core.masks import candidate_region
+from helpers import FLOAT_DTYPES, ad_drop_masks
 
 # Absolute tolerance against a float64 reference (outputs; input gradients get 2.5x). The worst
 # errors over all cases below are about a third of these (fp32 1e-6 / 3e-6, fp16 3e-3 / 7e-3, bf16 3e-2 / 6e-2).

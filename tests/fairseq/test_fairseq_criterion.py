@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("fairseq")
 
-from helpers import TINY_TRANSFORMER, fairseq_setup  # noqa: E402
+from helpers import TINY_TRANSFORMER, fairseq_setup, record_results  # noqa: E402
 
 
 def _batch(task, split="train"):
@@ -96,19 +96,9 @@ def test_attribution_pass_touches_no_parameter_gradient(tiny_mt_data):
 @pytest.mark.parametrize("method", ["ga", "rd"])
 def test_same_seed_same_masks_and_loss(tiny_mt_data, monkeypatch, method):
     """CPU determinism: the same seed gives the same masks, loss and gradients; another seed other masks."""
-    from attn_reg_plugin.core import ad_drop as ad_drop_module
     from attn_reg_plugin.core import block_rules
 
-    masks = []
-
-    def recording(*args, **kwargs):
-        drop = real(*args, **kwargs)
-        masks[-1].append(drop.clone())
-        return drop
-
-    real = ad_drop_module.ad_drop_masks
-    monkeypatch.setattr(ad_drop_module, "ad_drop_masks", recording)  # GA: masks from pass 1's maps
-    monkeypatch.setattr(block_rules, "ad_drop_masks", recording)  # RD: drawn inside the kernel
+    masks = record_results(monkeypatch, block_rules.BlockRule, "whole")  # each one-block call's drops
     runs = []
     for seed in (0, 0, 1):
         masks.append([])

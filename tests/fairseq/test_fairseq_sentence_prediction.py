@@ -252,6 +252,7 @@ def test_attribution_forward_is_the_criterion_forward(tiny_sp_data, data, extra)
 
 
 def test_masks_reach_every_roberta_self_attention_layer(tiny_sp_data):
+    from attn_reg_plugin.core.block_rules import TopRegionRule
     from attn_reg_plugin.core.controller import CaptureOutput, EditScores
 
     _, task, model, criterion, sample = _setup(tiny_sp_data["cls"], "--num-classes", "2", *NO_DROPOUT)
@@ -271,7 +272,7 @@ def test_masks_reach_every_roberta_self_attention_layer(tiny_sp_data):
     loss, _, log = criterion(model, sample)
     for name, seen in hooks_seen.items():  # pass 1 captures, pass 2 drops, in every layer
         assert [type(h) for h in seen] == [CaptureOutput, EditScores], name
-        assert seen[1].drop.any(), name
+        assert isinstance(seen[1].drop, TopRegionRule) and seen[1].counted, name  # the kernel draws and counts
     assert all(s.hook is None for s in task.attn_reg_controller.sites)
     # Every (head, query, real key) of both layers was a drop candidate position.
     tokens = sample["net_input"]["src_tokens"]

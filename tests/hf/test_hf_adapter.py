@@ -240,9 +240,9 @@ def test_trainer_regression_always(tmp_path):
 
 def test_trainer_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
     """CPU determinism through the Trainer: the same seed gives the same masks and logs; another seed other masks."""
-    from attn_reg_plugin.core import ad_drop as ad_drop_module
+    from attn_reg_plugin.core import block_rules
 
-    masks = record_results(monkeypatch, ad_drop_module, "ad_drop_masks")
+    masks = record_results(monkeypatch, block_rules.BlockRule, "whole")  # each one-block call's drops
     g = torch.Generator().manual_seed(4)
     data = [
         {"input_ids": torch.randint(3, 100, (5 + i % 4,), generator=g), "labels": torch.tensor(i % 2)}

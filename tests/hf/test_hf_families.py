@@ -13,7 +13,7 @@ import pytest
 import torch
 from families import FAMILIES, REFUSED, build, families_table
 
-from attn_reg_plugin.core import ad_drop as ad_drop_module
+from attn_reg_plugin.core import block_rules
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout.game import AttendOut as AttendOutGame
@@ -145,14 +145,14 @@ def test_one_ad_drop_step_drops_about_pq_and_no_padding_or_future_key(family, mo
     ours, controller, _ = _adapted(model)
     inputs = _inputs(family, model)
     drops = []
-    real_masks = ad_drop_module.ad_drop_masks
+    real_whole = block_rules.BlockRule.whole
 
-    def recording(attribution, valid, p, q, *rest):
-        drop = real_masks(attribution, valid, p, q, *rest)
+    def recording(rule, valid, seed):  # each one-block call's drops
+        drop = real_whole(rule, valid, seed)
         drops.append(drop)
         return drop
 
-    monkeypatch.setattr(ad_drop_module, "ad_drop_masks", recording)
+    monkeypatch.setattr(block_rules.BlockRule, "whole", recording)
     p = q = 0.5
     ad = ADDrop(ADDropConfig(p=p, q=q, attention=",".join(family.kinds), schedule="always"), controller)
     with torch.no_grad():
