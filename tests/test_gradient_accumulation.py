@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from attn_reg_plugin.core import masks as core_masks
+from attn_reg_plugin.core import block_rules
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.attendout import game as core_attendout
@@ -21,12 +21,12 @@ from helpers import TINY_TRANSFORMER, fairseq_in_process, tiny_bert_classifier, 
 
 @pytest.fixture
 def deterministic_masks(monkeypatch):
+    # Every AD-DROP candidate dropped (a row still keeps one valid key): the drops then depend on each
+    # sample's own attributions only, not on where the sample sits in the batch, which keys the coins.
     monkeypatch.setattr(
-        core_masks,
-        "sample_drops",
-        lambda region, q, valid, attribution, generator=None: core_masks.keep_one_valid_key(
-            region, valid.expand_as(region), attribution
-        ),
+        block_rules.Block,
+        "coins",
+        lambda block, p: torch.ones(block.shape, dtype=torch.bool, device=block.valid.device),
     )
     monkeypatch.setattr(core_attendout, "gumbel_drops", lambda logits, generator=None: logits.float() > -1.2)
 
