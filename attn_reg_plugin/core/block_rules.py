@@ -1,23 +1,17 @@
 """What a regularizer drops in one block of query rows, made again identically wherever it is needed.
 
-A :class:`BlockRule` makes a block's drop decisions (``forward_drops``, which may return a small
-per-row state) and makes them again from that state (``backward_drops``: in the backward and in an
-activation-checkpoint recompute). Every random number, whether a call runs as one block or many,
-eager or compiled, comes from a generator seeded by (the call's seed, the stream, the 64-row chunk
-of queries), drawn in tiles of min(64, S) keys, so the decisions depend on the seed and the indices, not on
-how the rows are split into blocks, how many keys a block covers, nor on when they are made
-(:func:`chunk_draws`). Nothing is stored and no generator state is replayed. The seed is a 0-d
-int64 CPU tensor (the pass's, keyed per site, or one drawn from torch's stream for a hook set by
-hand), and the draws are one opaque operator, ``attn_reg::keyed_draws``: torch.compile cannot trace
-a generator, but it calls the operator from its graph with the seed as an input, so compiled and
-eager drops are the same and a new seed compiles nothing.
+A :class:`BlockRule` makes a block's drops (``forward_drops``, with a small per-row state) and makes
+them again from that state (``backward_drops``: the backward, a checkpoint's recompute). Every random
+number, one block or many, eager or compiled, comes from a generator seeded by (the call's seed, the
+stream, the 64-row chunk), drawn in tiles of min(64, S) keys: the drops depend on the seed and the
+indices, not on the split into blocks nor on when they are made (:func:`chunk_draws`). The seed is a
+0-d int64 CPU tensor; the draws are the opaque operator ``attn_reg::keyed_draws``, which
+torch.compile calls from its graph (it cannot trace a generator), so compiled drops are eager drops.
 
-Rules: dense masks sliced per block (:class:`DenseRule`, AttendOut's Generator output), Bernoulli
-coins (:class:`BernoulliRule`, scheduled dropout), and AD-DROP's top-p region with Bernoulli(q) drops
-(:class:`TopRegionRule`), ranked by a :class:`ScoreSource`: gradient attribution (dF/dO)·Vᵀ
-(:class:`GradientScores`), attention weights recomputed from q and k (:class:`AttentionScores`), or
-random scores (:class:`RandomScores`, the RD control). A region is fixed per row by one number, the
-ceil(p n)-th largest score among the row's valid keys; ties at it are taken lowest key first.
+Rules: dense masks sliced per block (:class:`DenseRule`), Bernoulli coins (:class:`BernoulliRule`),
+and AD-DROP's top-p region with Bernoulli(q) drops (:class:`TopRegionRule`), ranked by a
+:class:`ScoreSource` (gradient attribution, attention weights from q and k, a map kept whole, random
+scores); a row's region is its ceil(p n) largest valid scores, ties taken lowest key first.
 """
 
 from __future__ import annotations
@@ -28,20 +22,10 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .masks import (
-    attention_weights,
-    causal_bias,
-    ceil_of_product,
-    decimal_fraction,
-    finite_bias,
-    keep_one_valid_key,
-    may_hold_true,
-    valid_keys_from_bias,
-)
+from . import masks
 from .row_selection import kth_largest, lowest_keys_first
 
-# Random numbers are drawn per chunk of this many query rows (the kernel's blocks are whole
-# chunks), one tile of KEY_TILE keys after another.
+# Random numbers are drawn per chunk of query rows (blocks are whole chunks), tile by tile of keys.
 CHUNK_ROWS = 64
 KEY_TILE = 64
 
@@ -52,11 +36,11 @@ def block_bias(bias_rows: Optional[torch.Tensor], dtype: torch.dtype, valid: Opt
     if bias_rows is None:
         return None, None
     if valid is None:
-        valid = valid_keys_from_bias(bias_rows)
+        valid = masks.valid_keys_from_bias(bias_rows)
     on_host = bias_rows.device.type == "cpu" and not torch.compiler.is_compiling()
     if bias_rows.dtype == torch.bool and on_host and bool(bias_rows.all()):
         return None, valid  # nothing to add (no padding in the block): the drops are the mask
-    return finite_bias(bias_rows, dtype), valid
+    return masks.finite_bias(bias_rows, dtype), valid
 
 
 def key_seed(seed: int, key: int) -> int:
@@ -271,11 +255,11 @@ class AttentionScores(ScoreSource):
         bias_rows = keys_of(rows_of(self.bias, block.rows), keys)
         if self.causal:
             _, _, t, s = block.call_shape
-            bias_rows = causal_bias(bias_rows, block.rows, keys, t, s, q_rows.device)
+            bias_rows = masks.causal_bias(bias_rows, block.rows, keys, t, s, q_rows.device)
         part, _ = block_bias(bias_rows, q_rows.dtype)
         if part is not None:
             logits = logits + part
-        return attention_weights(logits, q_rows.dtype).float()  # as the dense weights are
+        return masks.attention_weights(logits, q_rows.dtype).float()  # as the dense weights are
 
 
 @dataclass(frozen=True, eq=False)
@@ -333,7 +317,7 @@ class TopRegionRule(BlockRule):
         """The block's scores, -inf at invalid keys (so they are never above a row's threshold)."""
         scores = self.source.scores(block).nan_to_num_(0.0)
         valid = block.valid
-        if may_hold_true(~valid):
+        if masks.may_hold_true(~valid):
             # An add of a (broadcast) -inf bias: several times faster than torch.where on a CPU.
             scores.add_(
                 torch.zeros(valid.shape, dtype=scores.dtype, device=valid.device).masked_fill_(~valid, -math.inf)
@@ -343,8 +327,8 @@ class TopRegionRule(BlockRule):
     def _counts(self, block: Block) -> Tuple[torch.Tensor, torch.Tensor]:
         """Per row: valid keys n, and candidates k = ceil(p n) (exact: :func:`ceil_of_product`)."""
         n_valid = block.valid.sum(-1, keepdim=True)
-        numerator, denominator = decimal_fraction(self.p)
-        return n_valid, ceil_of_product(n_valid, numerator, denominator, block.shape[-1])
+        numerator, denominator = masks.decimal_fraction(self.p)
+        return n_valid, masks.ceil_of_product(n_valid, numerator, denominator, block.shape[-1])
 
     def forward_drops(self, block: Block):
         """Each row's threshold, the ceil(p n)-th largest valid score (+inf where k = 0), then the drops."""
@@ -354,7 +338,7 @@ class TopRegionRule(BlockRule):
         region = scores >= threshold
         at_least = region.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32)
         # Whether ties straddle the threshold in some row: kept, so the backward need not count.
-        tied = may_hold_true(at_least > k)
+        tied = masks.may_hold_true(at_least > k)
         state = (threshold, k, tied)
         return self._drop(block, scores, state, n_valid, region, at_least), state
 
@@ -373,9 +357,9 @@ class TopRegionRule(BlockRule):
             drop &= self.samples.view(-1, 1, 1, 1)
         if n_valid is None:
             n_valid = block.valid.sum(-1, keepdim=True)
-        if may_hold_true(k >= n_valid):
+        if masks.may_hold_true(k >= n_valid):
             # A row whose every key is a candidate can lose them all: it keeps its lowest-scored one.
-            drop = keep_one_valid_key(drop, block.valid.expand(drop.shape), scores)
+            drop = masks.keep_one_valid_key(drop, block.valid.expand(drop.shape), scores)
         return drop
 
 
@@ -410,24 +394,3 @@ def rule_of(drop) -> Optional[BlockRule]:
     if drop is None or isinstance(drop, BlockRule):
         return drop
     return DenseRule(drop)
-
-
-__all__: Sequence[str] = (
-    "AttentionScores",
-    "BernoulliRule",
-    "Block",
-    "BlockRule",
-    "DenseRule",
-    "GradientScores",
-    "IntegratedGradientScores",
-    "MapScores",
-    "RandomScores",
-    "ScoreSource",
-    "TopRegionRule",
-    "call_seed",
-    "chunk_draws",
-    "coin_limit",
-    "key_seed",
-    "keys_of",
-    "rows_of",
-)
