@@ -262,9 +262,10 @@ class ADDrop:
         """Run the attribution pass now; inside the block, forwards are masked (pass 2).
 
         ``attribution_forward`` should run the bare model (no DDP wrapper: attribution needs
-        no gradient sync). The yielded dict's ``dropped`` / ``droppable`` counts (the candidate
-        units and the real key positions of the selected maps) fill in as the masked pass runs; its ``skipped`` is 1 when the attribution target was not finite, in
-        which case nothing is masked and the block's loss is the plain one. Randomness comes
+        no gradient sync). The yielded dict's ``dropped`` / ``droppable`` counts (the units
+        dropped, and those the rate is over) fill in as the masked pass runs; its ``skipped`` is 1
+        when the attribution target was not finite, in which case nothing is masked and the
+        block's loss is the plain one. Randomness comes
         from torch's global generator, which frameworks seed per update, so masks are
         reproducible and survive a resume. A layer checkpointed with ``controller.checkpoint`` (or
         by transformers or fairseq) carries the pass in its call and repeats the masked pass when

@@ -37,8 +37,7 @@ def block_bias(bias_rows: Optional[torch.Tensor], dtype: torch.dtype, valid: Opt
         return None, None
     if valid is None:
         valid = masks.valid_keys_from_bias(bias_rows)
-    on_host = bias_rows.device.type == "cpu" and not torch.compiler.is_compiling()
-    if bias_rows.dtype == torch.bool and on_host and bool(bias_rows.all()):
+    if bias_rows.dtype == torch.bool and not masks.may_hold_true(~bias_rows):
         return None, valid  # nothing to add (no padding in the block): the drops are the mask
     return masks.finite_bias(bias_rows, dtype), valid
 
