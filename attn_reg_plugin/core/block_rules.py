@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import masks
-from .row_selection import kth_largest, lowest_keys_first
+from .row_selection import as_bytes, kth_largest, lowest_keys_first
 
 # Random numbers are drawn per chunk of query rows (blocks are whole chunks), tile by tile of keys.
 CHUNK_ROWS = 64
@@ -335,7 +335,7 @@ class TopRegionRule(BlockRule):
         n_valid, k = self._counts(block)
         threshold = kth_largest(scores, k).masked_fill(k.expand(scores.shape[:-1] + (1,)) == 0, math.inf)
         region = scores >= threshold
-        at_least = region.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32)
+        at_least = as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)
         # Whether ties straddle the threshold in some row: kept, so the backward need not count.
         tied = masks.may_hold_true(at_least > k)
         state = (threshold, k, tied)

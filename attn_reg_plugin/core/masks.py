@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .row_selection import kth_largest, lowest_keys_first
+from .row_selection import as_bytes, kth_largest, lowest_keys_first
 
 try:  # torch's CPU wheels come with numpy, but do not require it
     import numpy as _numpy
@@ -135,7 +135,7 @@ def candidate_region(attribution: torch.Tensor, valid: torch.Tensor, p: float) -
     scores = torch.where(valid, attribution.float().nan_to_num(0.0), float("-inf"))
     threshold = kth_largest(scores, k).masked_fill(k == 0, float("inf"))  # k = 0: a row without keys
     region = scores >= threshold
-    at_least = region.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32)
+    at_least = as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)
     if may_hold_true(at_least > k):  # ties straddle the threshold in some row
         region = lowest_keys_first(scores, threshold, k.to(torch.int32), region, at_least)
     return region
@@ -249,7 +249,7 @@ def additive_mask(drop: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # drop * fill: exact (fill is a power-of-two multiple of the dtype's minimum), and one
     # pass over the tensor instead of torch.where's broadcast of two scalars. Cast from bytes: a
     # CPU casts uint8 to float ~3x faster than bool.
-    return drop.view(torch.uint8).to(dtype).mul_(mask_fill_value(dtype))
+    return as_bytes(drop).to(dtype).mul_(mask_fill_value(dtype))
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,13 @@ except ImportError:  # pragma: no cover
     _numpy = None
 
 
+def as_bytes(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask as uint8 0/1, to sum or take minima in a narrow dtype: a view in eager, a cast
+    while compiling, since Inductor cannot lower a bool->uint8 view (on CUDA, torch 2.11: "torch.bool
+    is not supported by torch.iinfo")."""
+    return mask.to(torch.uint8) if torch.compiler.is_compiling() else mask.view(torch.uint8)
+
+
 def kth_largest(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Each row's k-th largest score, (..., 1); ``k`` (..., 1) per row, at least 1 where it matters
     (a row with k = 0 gets its largest). On a CPU, numpy's selection on the values alone, one
@@ -57,14 +64,14 @@ def lowest_keys_first(scores, threshold, k, region, at_least) -> torch.Tensor:
     equal = scores == threshold
     if scores.device.type != "cpu" or torch.compiler.is_compiling():  # no data-dependent shapes in a graph
         if at_least is None:
-            at_least = region.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32)
-        take = k - (at_least - equal.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32))
+            at_least = as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)
+        take = k - (at_least - as_bytes(equal).sum(-1, keepdim=True, dtype=torch.int32))
         return (region & ~equal) | (equal & (equal.cumsum(-1, dtype=torch.int32) <= take))
     # On a CPU a row's scan (cumsum) costs about 5 ns a key; the keys at the threshold are few
     # (repeated tokens' values tie), so they are ranked from their positions: 2.4x faster on a
     # (1, 4, 64, 4096) block of a causal LM's first layer.
     above = (scores > threshold).contiguous()  # written through a flat view below (scores may be permuted, T5's)
-    take = (k - above.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.int32)).expand(equal.shape[:-1] + (1,))
+    take = (k - as_bytes(above).sum(-1, keepdim=True, dtype=torch.int32)).expand(equal.shape[:-1] + (1,))
     flat = equal.reshape(-1, equal.shape[-1])
     rows, cols = flat.nonzero(as_tuple=True)
     counts = torch.bincount(rows, minlength=flat.shape[0])

@@ -77,7 +77,16 @@ def initialize(model: nn.Module) -> None:
 
 def _param_groups(module: nn.Module):
     # FSDP2's per-module settings are not public: only this module reads them (tests/test_fsdp.py checks it).
-    return list(module._get_fsdp_state()._fsdp_param_groups)
+    return _groups_of(module._get_fsdp_state())
+
+
+def _groups_of(state) -> list:
+    """An FSDP2 state's parameter groups: a list in torch 2.13, one group or None in torch 2.11."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
 
 
 # Why each sharded configuration is refused: one wording for the core check (on the wrapped model)
@@ -136,14 +145,17 @@ def shard_like(source: nn.Module, destination: nn.Module) -> None:
         state = module._get_fsdp_state()
         if all(state is not seen for seen in states):
             states.append(state)
-    meshes = {id(g.mesh_info.mesh): g.mesh_info.mesh for st in states for g in st._fsdp_param_groups}
+    meshes = []  # equal meshes, not one object: torch 2.11 gives each fully_shard call its own
+    for mesh in (g.mesh_info.mesh for st in states for g in _groups_of(st)):
+        if all(mesh != seen for seen in meshes):
+            meshes.append(mesh)
     if len(meshes) != 1:
         raise NotImplementedError(
             f"shard_like: the model is sharded over {len(meshes)} meshes; shard the Attacker yourself, as the Defender"
         )
-    (mesh,) = meshes.values()
+    (mesh,) = meshes
     for state in states:
-        for group in state._fsdp_param_groups:
+        for group in _groups_of(state):
             if any(p.fsdp_placement != Shard(0) for p in group.fsdp_params):
                 raise NotImplementedError(
                     "shard_like: the model was sharded with a shard_placement_fn; shard the Attacker yourself, as the "
@@ -158,7 +170,7 @@ def shard_like(source: nn.Module, destination: nn.Module) -> None:
             raise ValueError(
                 "shard_like: the copy lacks a sharded module of the model; it is not a copy of it"
             ) from None
-        groups = state._fsdp_param_groups
+        groups = _groups_of(state)
         # None: fully_shard's own default (the root keeps its parameters gathered after forward).
         reshard_after_forward = None
         if not state._auto_reshard_after_forward and groups:

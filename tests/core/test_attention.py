@@ -255,11 +255,17 @@ def test_a_call_writes_nothing_on_its_site_and_a_recompute_captures_nothing():
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("case", list(_idle_cases(torch.float32)))
 @pytest.mark.parametrize("fast", [False, True], ids=["prepared", "fast"])
-def test_idle_call_on_cuda_equals_the_explicit_softmax_path(dtype, case, fast, monkeypatch):
+def test_idle_call_on_cuda_equals_the_explicit_softmax_path(dtype, case, fast, monkeypatch, request):
     """On CUDA a masked ordinary call takes the prepared path (rows without keys zeroed by the
     kernel); ``fast`` checks what turning the fast path on for CUDA would rely on: sdpa's flash /
-    memory-efficient / cuDNN kernels giving a fully masked row 0 and no gradient."""
+    memory-efficient / cuDNN kernels giving a fully masked row 0 and no gradient. They do not, for a
+    bool mask in half precision (measured on an H200, torch 2.11: rows off by up to 2.1), which is why
+    ``_FAST_MASKED_DEVICES`` leaves CUDA out; strict, so a torch that fixes it shows here."""
     from attn_reg_plugin.core import attention
+
+    if fast and case == "bool keyless rows" and dtype != torch.float32:
+        reason = "sdpa's CUDA half kernels leave a bool mask's keyless rows nonzero"
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
 
     if fast:
         monkeypatch.setattr(attention, "_FAST_MASKED_DEVICES", ("cpu", "cuda"))

@@ -24,7 +24,8 @@ def _small_blocks(monkeypatch):
 
 def _explicit(bias, t, s):
     """The causal mask as a bias (queries aligned to the last keys), combined with ``bias``."""
-    allowed = torch.arange(t)[:, None] + (s - t) >= torch.arange(s)[None, :]
+    device = None if bias is None else bias.device
+    allowed = torch.arange(t, device=device)[:, None] + (s - t) >= torch.arange(s, device=device)[None, :]
     if bias is None:
         return allowed.view(1, 1, t, s)
     if bias.dtype == torch.bool:
