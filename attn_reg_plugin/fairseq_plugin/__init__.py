@@ -2,7 +2,9 @@
 
 Tasks: ``attn_reg_translation``, ``attn_reg_sentence_prediction`` (shared part: ``attn_reg_task``).
 Criterions: ``ad_drop_label_smoothed_cross_entropy``, ``ad_drop_sentence_prediction`` (shared
-part: ``ad_drop_criterion``) and ``rdrop_label_smoothed_cross_entropy`` (R-Drop) and ``hiddencut_label_smoothed_cross_entropy`` (HiddenCut). Also the
+part: ``ad_drop_criterion``), ``rdrop_label_smoothed_cross_entropy`` (R-Drop),
+``ad_drop_rdrop_label_smoothed_cross_entropy`` (R-Drop over AD-DROP's masked pass) and
+``hiddencut_label_smoothed_cross_entropy`` (HiddenCut). Also the
 attention module (``attention``), AttendOut's Attacker driver (``attendout``), the option
 dataclasses generated from the core configs (``options``), safe checkpoint loading
 (``safe_load``) and the filters of fairseq's known-harmless warnings (``known_warnings``).
@@ -10,6 +12,7 @@ dataclasses generated from the core configs (``options``), safe checkpoint loadi
 
 from . import (  # noqa: F401  (registration side effects)
     ad_drop_label_smoothed_cross_entropy,
+    ad_drop_rdrop_label_smoothed_cross_entropy,
     ad_drop_sentence_prediction,
     attention,
     attn_reg_sentence_prediction,

@@ -47,7 +47,8 @@ class RDropLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion
         """The base criterion, built as fairseq builds it, then R-Drop's options from the same cfg (checked here)."""
         criterion = super().build_criterion(cfg, task)
         criterion.rdrop_config = RDropConfig.from_namespace(cfg).validate()
-        refuse_task_regularizers_beside(NAME, task)
+        if not hasattr(criterion, "attach_attention_sites"):  # AD-DROP's criterion checks its own combination
+            refuse_task_regularizers_beside(NAME, task)
         return criterion
 
     def forward(self, model, sample, reduce=True):

@@ -33,11 +33,22 @@ def _other_regularizers(trainer) -> list:
     from .attn_reg_trainer import AttnRegTrainerMixin
 
     mixins = (
-        (ADDropTrainerMixin, "ad_drop=ADDropConfig"),
+        (ADDropTrainerMixin, AD_DROP),
         (AttendOutTrainerMixin, "attendout=AttendOutConfig"),
         (AttnRegTrainerMixin, "scheduled_dropout= / layerdrop="),
     )
     return [name for mixin, name in mixins if isinstance(trainer, mixin)]
+
+
+AD_DROP = "ad_drop=ADDropConfig"
+
+
+def _over_ad_drops_masked_pass(trainer) -> bool:
+    """ADDropTrainerMixin's compute_loss runs first and calls this mixin's inside its masked pass."""
+    from .ad_drop_trainer import ADDropTrainerMixin
+
+    mro = type(trainer).__mro__
+    return mro.index(ADDropTrainerMixin) < mro.index(RDropTrainerMixin)
 
 
 def _logits(outputs) -> torch.Tensor:
@@ -53,8 +64,20 @@ class RDropTrainerMixin:
         if not isinstance(rdrop, RDropConfig):
             raise TypeError(f"rdrop must be an RDropConfig, got {type(rdrop).__name__}")
         self.rdrop = named_by_field(rdrop).validate()
-        # R-Drop over AD-DROP's masked pass (or another regularizer's) is not supported yet.
-        one_regularizer(["rdrop=RDropConfig", *_other_regularizers(self)])
+        others = _other_regularizers(self)
+        if AD_DROP in others and _over_ad_drops_masked_pass(self):
+            others.remove(AD_DROP)  # the one combination allowed: R-Drop as AD-DROP's masked pass
+            if self.rdrop.concat_batch:
+                raise ValueError(
+                    "R-Drop over AD-DROP does not take rdrop=RDropConfig(concat_batch=True): AD-DROP's attribution "
+                    "pass ranks one copy of the batch, so the doubled batch has no attributions for its second half"
+                )
+        elif AD_DROP in others:
+            raise ValueError(
+                "R-Drop over AD-DROP needs ADDropTrainerMixin before RDropTrainerMixin in the class's bases, so that "
+                "R-Drop's two passes are AD-DROP's masked pass (class T(ADDropTrainerMixin, RDropTrainerMixin, Trainer))"
+            )
+        one_regularizer(["rdrop=RDropConfig", *others])
         self._rdrop_reset()
         super().__init__(*args, **kwargs)
 

@@ -150,13 +150,17 @@ def _carry_the_pass(model: torch.nn.Module, args, kwargs):
     of the model has its own)."""
     if PLAN_KWARG in kwargs or torch.compiler.is_compiling():
         return None
-    plan = plan_of(site for m in model.modules() for site in m.__dict__.get("attn_reg_sites", ()))
+    holders = model.__dict__.get("attn_reg_site_holders", ())
+    plan = plan_of(site for m in holders for site in m.__dict__.get("attn_reg_sites", ()))
     if not plan:
         return None
     return args, {**kwargs, PLAN_KWARG: plan}
 
 
 def _carries_the_pass(model: torch.nn.Module) -> None:
+    # The modules holding sites, listed once per install rather than walked every forward; a deep
+    # copy of the model maps the list onto its own modules.
+    model.__dict__["attn_reg_site_holders"] = [m for m in model.modules() if "attn_reg_sites" in m.__dict__]
     if "attn_reg_carries_the_pass" not in model.__dict__:  # a copy of the model has the hook already
         model.register_forward_pre_hook(_carry_the_pass, with_kwargs=True)
         model.__dict__["attn_reg_carries_the_pass"] = True

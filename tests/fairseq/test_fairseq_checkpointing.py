@@ -49,6 +49,8 @@ REGULARIZERS = {
     "ad-drop-iga": AD_DROP + ["--ad-drop-attribution", "iga"],
     "ad-drop-aa": AD_DROP + ["--ad-drop-attribution", "aa"],
     "ad-drop-rd": AD_DROP + ["--ad-drop-attribution", "rd"],
+    # R-Drop as AD-DROP's masked pass: two masked forwards, both recomputed
+    "ad-drop-rdrop": ["--criterion", "ad_drop_rdrop_label_smoothed_cross_entropy", *AD_DROP[2:]],
     "attendout": PLAIN + ["--attendout", "--attendout-attention", KINDS, "--attendout-init-drop", "0.4"],
     "scheduled-dropout": PLAIN + ["--attn-sched-dropout-schedule", "0:0.3", "--attn-sched-dropout-attention", KINDS],
     "layerdrop": PLAIN + ["--attn-layerdrop-p", "0.5", "--attn-layerdrop-attention", KINDS],

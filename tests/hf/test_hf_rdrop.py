@@ -12,8 +12,15 @@ import transformers
 
 import helpers
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.rdrop import RDropConfig
-from attn_reg_plugin.hf import ADDropTrainerMixin, RDropSeq2SeqTrainer, RDropTrainer, RDropTrainerMixin
+from attn_reg_plugin.hf import (
+    ADDropTrainerMixin,
+    AttendOutTrainerMixin,
+    RDropSeq2SeqTrainer,
+    RDropTrainer,
+    RDropTrainerMixin,
+)
 from helpers import classifier_rows, hf_tensorboard_matches_the_log, tiny_bert_classifier, torchrun_ranks
 
 DROPOUT = 0.1
@@ -198,12 +205,57 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match=r"^RDropConfig.alpha must be a finite number >= 0, got -1$"):
         RDropTrainer(model=tiny_bert(), args=_args(tmp_path), rdrop=RDropConfig(alpha=-1))
 
-    class Both(RDropTrainerMixin, ADDropTrainerMixin, transformers.Trainer):
+    class RDropOutside(RDropTrainerMixin, ADDropTrainerMixin, transformers.Trainer):
+        pass
+
+    with pytest.raises(ValueError, match=r"^R-Drop over AD-DROP needs ADDropTrainerMixin before RDropTrainerMixin"):
+        RDropOutside(model=tiny_bert(), args=_args(tmp_path), rdrop=RDropConfig(), ad_drop=ADDropConfig())
+
+    class WithAttendOut(RDropTrainerMixin, AttendOutTrainerMixin, transformers.Trainer):
         pass
 
     with pytest.raises(ValueError) as e:
-        Both(model=tiny_bert(), args=_args(tmp_path), rdrop=RDropConfig(), ad_drop=ADDropConfig())
-    assert str(e.value) == "choose one attention regularizer per run; got rdrop=RDropConfig and ad_drop=ADDropConfig"
+        WithAttendOut(model=tiny_bert(), args=_args(tmp_path), rdrop=RDropConfig(), attendout=AttendOutConfig())
+    assert (
+        str(e.value) == "choose one attention regularizer per run; got rdrop=RDropConfig and attendout=AttendOutConfig"
+    )
+    with pytest.raises(ValueError, match=r"^R-Drop over AD-DROP does not take rdrop=RDropConfig\(concat_batch=True\)"):
+        ADDropRDrop(
+            model=tiny_bert(), args=_args(tmp_path), rdrop=RDropConfig(concat_batch=True), ad_drop=ADDropConfig()
+        )
+
+
+class ADDropRDrop(ADDropTrainerMixin, RDropTrainerMixin, transformers.Trainer):
+    """R-Drop as AD-DROP's masked pass, the combination allowed."""
+
+
+def test_rdrop_over_ad_drop_takes_the_steps_drops_in_both_passes(tmp_path):
+    """Without model dropout the two passes differ only if their AD-DROP drops do: they do not (no
+    KL), and the loss is twice ADDropTrainer's from the same seed, drop for drop."""
+    from attn_reg_plugin.hf import ADDropTrainer
+
+    ad_drop = ADDropConfig(p=0.5, q=0.5, schedule="always")
+    both = ADDropRDrop(
+        model=tiny_bert(dropout=0.0), args=_args(tmp_path), rdrop=RDropConfig(alpha=ALPHA), ad_drop=ad_drop
+    )
+    alone = ADDropTrainer(model=tiny_bert(dropout=0.0), args=_args(tmp_path), ad_drop=ad_drop)
+    alone.model.load_state_dict(both.model.state_dict())
+    loss, _ = one_step(both, bert_batch())
+    alone_loss, _ = one_step(alone, bert_batch())
+    assert float(both._rdrop_kl_sum) == 0 and int(both._rdrop_positions) == 3
+    assert int(alone._ad_drop_dropped) > 0 and int(both._ad_drop_dropped) == 2 * int(alone._ad_drop_dropped)
+    torch.testing.assert_close(loss, 2 * alone_loss)
+    noisy = ADDropRDrop(model=tiny_bert(dropout=0.3), args=_args(tmp_path), rdrop=RDropConfig(), ad_drop=ad_drop)
+    checkpointed = ADDropRDrop(
+        model=copy.deepcopy(noisy.model), args=_args(tmp_path, gradient_checkpointing=True), rdrop=RDropConfig(),
+        ad_drop=ad_drop,
+    )  # fmt: skip
+    checkpointed.model.gradient_checkpointing_enable()
+    noisy_loss, grads = one_step(noisy, bert_batch())
+    assert float(noisy._rdrop_kl_sum) > 0 and int(noisy._ad_drop_dropped) > 0
+    checkpointed_loss, checkpointed_grads = one_step(checkpointed, bert_batch())  # both passes recomputed
+    assert torch.equal(checkpointed_loss, noisy_loss)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, checkpointed_grads))
 
 
 def test_a_regression_head_is_refused_at_the_first_step(tmp_path):

@@ -1,0 +1,73 @@
+"""``--criterion ad_drop_rdrop_label_smoothed_cross_entropy``: R-Drop's two forwards and objective as
+AD-DROP's masked pass, inside fairseq's own train_step (in-process), its refusals, and a fairseq-train
+run that logs both regularizers' keys. --checkpoint-activations: tests/fairseq/test_fairseq_checkpointing.py."""
+
+import pytest
+import torch
+
+pytest.importorskip("fairseq")
+
+from helpers import TINY_TRANSFORMER, fairseq_setup, fairseq_train, train_updates  # noqa: E402
+
+BOTH = "ad_drop_rdrop_label_smoothed_cross_entropy"
+AD_DROP = ["--ad-drop-p", "0.5", "--ad-drop-q", "0.5", "--ad-drop-schedule", "always"]
+
+
+def _step(tiny_mt_data, criterion_name, *extra, dropout="0"):
+    from fairseq.optim.adam import FairseqAdam
+
+    torch.manual_seed(123)  # model initialisation: the same model for every criterion
+    args = ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--dropout", dropout, "--optimizer", "adam"]
+    cfg, task, model, criterion = fairseq_setup(
+        tiny_mt_data["bin"], [*args, "--criterion", criterion_name, "--label-smoothing", "0.1", *AD_DROP, *extra]
+    )
+    task.begin_epoch(1, model)
+    task.load_dataset("train")
+    itr = task.get_batch_iterator(task.dataset("train"), max_tokens=600, seed=1).next_epoch_itr(shuffle=False)
+    sample = next(iter(itr))
+    optimizer = FairseqAdam(cfg.optimizer, list(model.parameters()))
+    torch.manual_seed(0)  # fairseq-train reseeds like this before every update
+    loss, _, log = task.train_step(sample, model, criterion, optimizer, update_num=0)
+    return loss.detach(), log
+
+
+def test_both_passes_take_the_steps_ad_drop_drops(tiny_mt_data):
+    """Without model dropout the two R-Drop passes differ only if their AD-DROP drops do: they do not
+    (no KL), and the loss is twice AD-DROP's own step from the same seed, drop for drop."""
+    loss, log = _step(tiny_mt_data, BOTH)
+    alone, alone_log = _step(tiny_mt_data, "ad_drop_label_smoothed_cross_entropy")
+    assert log["rdrop_kl_sum"] == 0 and log["rdrop_tokens"] > 0
+    assert int(alone_log["ad_drop_dropped"]) > 0
+    assert int(log["ad_drop_dropped"]) == 2 * int(alone_log["ad_drop_dropped"])  # counted in both passes
+    assert int(log["ad_drop_droppable"]) == 2 * int(alone_log["ad_drop_droppable"])
+    torch.testing.assert_close(loss, 2 * alone)
+
+
+def test_model_dropout_separates_the_passes(tiny_mt_data):
+    loss, log = _step(tiny_mt_data, BOTH, "--rdrop-alpha", "5", dropout="0.3")
+    assert torch.isfinite(loss) and log["rdrop_kl_sum"] > 0 and int(log["ad_drop_dropped"]) > 0
+
+
+def test_the_concatenated_batch_is_refused(tiny_mt_data):
+    with pytest.raises(ValueError, match=f"--criterion {BOTH} does not take --rdrop-concat-batch"):
+        _step(tiny_mt_data, BOTH, "--rdrop-concat-batch")
+
+
+def test_a_task_regularizer_beside_it_is_refused_naming_both(tiny_mt_data):
+    with pytest.raises(ValueError) as e:
+        _step(tiny_mt_data, BOTH, "--attendout")
+    assert str(e.value) == f"choose one attention regularizer per run; got --criterion {BOTH} and --attendout"
+
+
+def test_fairseq_train_logs_both_regularizers(tiny_mt_data):
+    train = [
+        "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--dropout", "0.1", "--optimizer", "adam", "--lr", "1e-3",
+        "--max-tokens", "500", "--cpu", "--seed", "3", "--no-progress-bar", "--log-format", "json",
+        "--log-interval", "1", "--max-update", "4", "--no-save", "--criterion", BOTH, "--label-smoothing", "0.1",
+        *AD_DROP,
+    ]  # fmt: skip
+    updates = train_updates(fairseq_train(tiny_mt_data["bin"], train).stdout)
+    assert len(updates) == 4
+    for record in updates.values():
+        assert float(record["rdrop_kl"]) > 0 and 0.1 < float(record["ad_drop_rate"]) < 0.4
+        assert float(record["ad_drop_on"]) == 1 and int(float(record["ad_drop_skipped"])) == 0
