@@ -23,6 +23,7 @@ defined in :mod:`.controller`, next to the site, and exported here too):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -128,7 +129,9 @@ def attend(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Scaled dot-product attention with the site's regularization hook applied.
 
-    q: (B, H, T, d); k, v: (B, H, S, d); bias: additive float (``-inf`` / very negative where
+    q: (B, H, T, d); k, v: (B, H, S, d), or (B, H_kv, S, d) with H_kv dividing H (grouped-query
+    attention: query head h reads key/value head h // (H / H_kv), as transformers' ``repeat_kv``;
+    GA then keeps the values unrepeated between its passes); bias: additive float (``-inf`` / very negative where
     disallowed) or bool (True where allowed), broadcastable to (B, H, T, S).
     ``dropout_p`` is the attention-probability dropout, already zero outside training.
     ``is_causal``: query i may also not attend a key j > i + S - T (aligned to the last keys, as
@@ -141,7 +144,15 @@ def attend(
     A query row with no valid key attends to nothing: its output (and map row) is 0.
     """
     call = call_of(site, plan)
+    value_heads = v
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
+            raise ValueError(f"attend: {q.shape[1]} query heads need key/value heads dividing them, got {k.shape[1]}")
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out, weights, captured = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, call, is_causal)
+    if captured is not None and captured.values is not None and value_heads is not v:
+        captured = dataclasses.replace(captured, values=value_heads.detach())  # kept unrepeated
     if captured is not None and site.record is not None:  # the pass collects it (a hook set by hand: nowhere)
         site.record.add(site, captured)
     return out, weights

@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import masks
+from .attribution import dense_gradient_attribution
 from .row_selection import as_bytes, kth_largest, lowest_keys_first
 
 # Random numbers are drawn per chunk of query rows (blocks are whole chunks), tile by tile of keys.
@@ -221,15 +222,11 @@ class GradientScores(ScoreSource):
     """Gradient attribution dF/dA = (dF/dO) V^T (times -1 for the bottom region), per block of rows."""
 
     grad_output: torch.Tensor  # (B, H, T, d), float32
-    values: torch.Tensor  # (B, H, S, d)
+    values: torch.Tensor  # (B, H_v, S, d): H_v divides H (grouped-query attention's value heads, unrepeated)
     negate: bool = False
 
     def scores(self, block: Block) -> torch.Tensor:
-        device = self.grad_output.device
-        with torch.autocast(device.type, enabled=False):
-            # float32, as the dense path: bf16 would tie keys the ranking must tell apart.
-            values = self.values[:, :, : block.shape[-1]].float()
-            out = torch.matmul(self.grad_output[:, :, block.rows], values.transpose(-2, -1))
+        out = dense_gradient_attribution(self.grad_output[:, :, block.rows], self.values[:, :, : block.shape[-1]])
         return out.neg_() if self.negate else out
 
 

@@ -40,12 +40,6 @@ def _sdpa_forward():
     return sdpa_attention_forward
 
 
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    return repeat_kv(x, n_rep)
-
-
 def attn_reg_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -77,8 +71,7 @@ def attn_reg_attention(
     # A sliding window (Mistral) is already in the mask sdpa's mask function built; a paged cache is not.
     if kwargs.get("cache") is not None:
         raise NotImplementedError(f"{type(module).__name__}: attn_reg attention does not support paged caches")
-    n_rep = getattr(module, "num_key_value_groups", 1) or 1
-    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+    # Grouped-query key/value heads go to the kernel unrepeated (it repeats them as repeat_kv does).
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
     bias, causal = _score_bias(attention_mask, kwargs.get("position_bias"), query, key.shape[2], causal)
     out, weights = attend(

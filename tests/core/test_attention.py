@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.controller import EditScores
+from attn_reg_plugin.core.controller import CaptureOutput, EditScores
 from helpers import FLOAT_DTYPES, ad_drop_masks, site_with_hook
 
 # ---------------------------------------------------------------- the kernel
@@ -307,3 +307,55 @@ def test_idle_call_on_cuda_at_a_real_size_with_dropout_stays_finite(dtype, fast,
         assert torch.isfinite(t).all()
     keyless = ~valid.any(-1)  # (B, 1, S)
     assert (out.detach()[keyless.expand(B, H, S)] == 0).all()
+
+
+@pytest.mark.parametrize("long", [False, True], ids=["one block", "blocks"])
+def test_grouped_key_value_heads_equal_repeated_ones_and_ga_keeps_them_unrepeated(long, monkeypatch):
+    """k, v with fewer heads (grouped-query attention): the same output, gradients and AD-DROP drops
+    as the heads repeated by hand (transformers' repeat_kv order), and GA's capture keeps V unrepeated,
+    its scores equal to the repeated ones'."""
+    from attn_reg_plugin.core import blockwise
+    from attn_reg_plugin.core.block_rules import BernoulliRule, Block, GradientScores, TopRegionRule
+
+    if long:
+        monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+        monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
+    g = torch.Generator().manual_seed(0)
+    q0 = torch.randn(2, 4, 5, 8, generator=g)
+    k0, v0 = torch.randn(2, 2, 7, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g)
+    bias = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    bias[1, ..., 5:] = False
+    upstream = torch.randn(2, 4, 5, 8, generator=g)
+    grad_out = torch.randn(2, 4, 5, 8, generator=g)
+
+    def run(repeat, hook):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        kk, vv = (k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)) if repeat else (k, v)
+        site = site_with_hook(hook)
+        torch.manual_seed(3)
+        out, _ = attend(q, kk, vv, bias, site=site)
+        (out * upstream).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad], site.record
+
+    for hook in (None, EditScores(drop=BernoulliRule(torch.tensor(0.4)), counted=True)):
+        (grouped, record), (repeated, record_by_hand) = run(False, hook), run(True, hook)
+        for a, b in zip(grouped, repeated):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        if hook is not None:
+            assert torch.equal(record.counts()[0], record_by_hand.counts()[0]) and int(record.counts()[0]) > 0
+    (_, record), (_, record_by_hand) = run(False, CaptureOutput()), run(True, CaptureOutput())
+    assert record.values[0].shape == (2, 2, 7, 8) and record_by_hand.values[0].shape == (2, 4, 7, 8)
+    rule = TopRegionRule(GradientScores(grad_out, record.values[0]), 0.5, 0.5)
+    by_hand = TopRegionRule(GradientScores(grad_out, record_by_hand.values[0]), 0.5, 0.5)
+    valid = bias.expand(2, 4, 5, 7)
+    block = Block(slice(0, 5), valid, (2, 4, 5, 7), (2, 4, 5, 7), torch.tensor(1))
+    torch.testing.assert_close(rule.source.scores(block), by_hand.source.scores(block))
+    drops = rule.whole(valid, torch.tensor(1))
+    assert torch.equal(drops, by_hand.whole(valid, torch.tensor(1))) and drops.any()
+
+
+def test_key_value_heads_that_do_not_divide_the_query_heads_are_refused():
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 3, 3, 8)
+    with pytest.raises(ValueError, match=r"^attend: 4 query heads need key/value heads dividing them, got 3$"):
+        attend(q, k, k)
