@@ -389,10 +389,13 @@ WARNING_LINE = r"(?m)^.*(\b\w*Warning: |\| WARNING \|).*$"
 
 def ad_drop_masks(attribution, valid, p, q, generator=None):
     """Hand-built AD-DROP drops for the kernel's tests: the dense top-p region of ``attribution``
-    (``core.masks.candidate_region``), each candidate dropped with probability q (``sample_drops``)."""
-    from attn_reg_plugin.core.masks import candidate_region, sample_drops
+    (``core.masks.candidate_region``), each candidate dropped with probability q by ``torch.rand``
+    from ``generator``; a row whose valid keys would all go keeps its lowest-attribution one."""
+    from attn_reg_plugin.core.masks import candidate_region, keep_one_valid_key
 
-    return sample_drops(candidate_region(attribution, valid, p), q, valid, attribution, generator)
+    region = candidate_region(attribution, valid, p)
+    drop = region & (torch.rand(region.shape, device=region.device, generator=generator) < q)
+    return keep_one_valid_key(drop, valid.expand_as(region), attribution)
 
 
 def record_results(monkeypatch, module, name):

@@ -326,27 +326,34 @@ class TopRegionRule(BlockRule):
         numerator, denominator = masks.decimal_fraction(self.p)
         return n_valid, masks.ceil_of_product(n_valid, numerator, denominator, block.shape[-1])
 
-    def forward_drops(self, block: Block):
-        """Each row's threshold, the ceil(p n)-th largest valid score (+inf where k = 0), then the drops."""
-        scores = self._scores(block)
+    def region(self, block: Block, scores: Optional[torch.Tensor] = None):
+        """(each row's candidates, (threshold, k, tied), n): the row's top k = ceil(p n) valid keys by
+        score, ties at the threshold (the k-th largest valid score; +inf where k = 0) lowest key first."""
+        scores = self._scores(block) if scores is None else scores
         n_valid, k = self._counts(block)
         threshold = kth_largest(scores, k).masked_fill(k.expand(scores.shape[:-1] + (1,)) == 0, math.inf)
         region = scores >= threshold
         at_least = as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)
         # Whether ties straddle the threshold in some row: kept, so the backward need not count.
         tied = masks.may_hold_true(at_least > k)
-        state = (threshold, k, tied)
-        return self._drop(block, scores, state, n_valid, region, at_least), state
+        if tied:
+            region = lowest_keys_first(scores, threshold, k.to(torch.int32), region, at_least)
+        return region, (threshold, k, tied), n_valid
+
+    def forward_drops(self, block: Block):
+        scores = self._scores(block)
+        region, state, n_valid = self.region(block, scores)
+        return self._drop(block, scores, state, n_valid, region), state
 
     def backward_drops(self, block: Block, state) -> torch.Tensor:
         return self._drop(block, self._scores(block), state, None)
 
-    def _drop(self, block: Block, scores, state, n_valid, region=None, at_least=None) -> torch.Tensor:
+    def _drop(self, block: Block, scores, state, n_valid, region=None) -> torch.Tensor:
         threshold, k, tied = state
-        if region is None:
+        if region is None:  # the backward: made again from the forward's thresholds
             region = scores >= threshold
-        if tied:
-            region = lowest_keys_first(scores, threshold, k.to(torch.int32), region, at_least)
+            if tied:
+                region = lowest_keys_first(scores, threshold, k.to(torch.int32), region, None)
         drop = block.coins(self.q)
         drop &= region
         if self.samples is not None:

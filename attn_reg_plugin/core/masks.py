@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .row_selection import as_bytes, kth_largest, lowest_keys_first
+from .row_selection import as_bytes
 
 try:  # torch's CPU wheels come with numpy, but do not require it
     import numpy as _numpy
@@ -116,49 +116,16 @@ def ceil_of_product(n: torch.Tensor, numerator: int, denominator: int, n_max: in
 
 
 def candidate_region(attribution: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tensor:
-    """Boolean mask of each row's top ``ceil(p * n)`` valid keys by attribution.
+    """Boolean mask of each row's top ``ceil(p * n)`` valid keys by attribution, the whole map as one
+    block of :meth:`~.block_rules.TopRegionRule.region` (its one home): ``n`` is the row's number of
+    valid keys, ``ceil(p * n)`` exact for the decimal p, ties at the threshold lowest key first, invalid
+    keys never candidates; so a call's region does not depend on its length."""
+    from .block_rules import Block, MapScores, TopRegionRule  # they build on this module
 
-    ``n`` is the number of valid keys of the row, and ``ceil(p * n)`` is exact for the decimal p
-    (:func:`ceil_of_product` of :func:`decimal_fraction`). Invalid keys are never candidates. Every row has exactly
-    ``ceil(p * n)`` candidates: the keys above its ``ceil(p * n)``-th largest attribution, then of
-    the keys equal to it the lowest-indexed ones, the rule of the blockwise kernel
-    (:class:`~.block_rules.TopRegionRule`), so a call's region does not depend on its length.
-    """
     if not 0.0 < p <= 1.0:
         raise ValueError(f"p must be in (0, 1], got {p}")
-    # Counted before broadcasting: a padding mask (B, 1, 1, S) is summed once per sequence,
-    # not once per head and query.
-    n_valid = valid.sum(dim=-1, keepdim=True)
-    numerator, denominator = decimal_fraction(p)
-    k = ceil_of_product(n_valid, numerator, denominator, attribution.shape[-1])
-    k = k.expand(attribution.shape[:-1] + (1,))
-    scores = torch.where(valid, attribution.float().nan_to_num(0.0), float("-inf"))
-    threshold = kth_largest(scores, k).masked_fill(k == 0, float("inf"))  # k = 0: a row without keys
-    region = scores >= threshold
-    at_least = as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)
-    if may_hold_true(at_least > k):  # ties straddle the threshold in some row
-        region = lowest_keys_first(scores, threshold, k.to(torch.int32), region, at_least)
-    return region
-
-
-def sample_drops(
-    region: torch.Tensor,
-    q: float,
-    valid: torch.Tensor,
-    attribution: torch.Tensor,
-    generator: Optional[torch.Generator] = None,
-) -> torch.Tensor:
-    """Drop each candidate with probability ``q``; never drop every valid key of a row.
-
-    A row whose valid keys would all be dropped keeps its lowest-attribution key, so the
-    softmax always has a real key to attend to (decoder row 0 has exactly one).
-    """
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"q must be in [0, 1], got {q}")
-    valid = valid.expand_as(region)
-    coin = torch.rand(region.shape, device=region.device, generator=generator)
-    drop = region & (coin < q)
-    return keep_one_valid_key(drop, valid, attribution)
+    shape = tuple(attribution.shape)
+    return TopRegionRule(MapScores(attribution), p, 0.0).region(Block(slice(0, shape[-2]), valid, shape, shape, 0))[0]
 
 
 def may_hold_true(flags: torch.Tensor) -> bool:

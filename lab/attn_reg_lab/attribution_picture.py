@@ -31,7 +31,8 @@ import torch
 
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.masks import candidate_region, sample_drops
+from attn_reg_plugin.core.block_rules import MapScores, TopRegionRule
+from attn_reg_plugin.core.masks import candidate_region
 from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 
 from .attribution_models import fairseq_translation, hf_classifier
@@ -61,9 +62,10 @@ class Picture:
             raise ValueError(
                 f"--head must be in 0..{attention.shape[1] - 1} (the layer has {attention.shape[1]} heads), got {head}"
             )
+        # The kernel's own rule, a call as one block: its region, and its drops from the seed.
+        rule = TopRegionRule(MapScores(attr), p, q)
         region = candidate_region(attr, valid, p)
-        generator = torch.Generator(device=attr.device).manual_seed(seed)
-        dropped = sample_drops(region, q, valid, attr, generator)
+        dropped = rule.whole(valid.expand_as(attr), torch.tensor(seed))
         pick = lambda t: t.expand_as(attention)[0, head].detach().cpu()  # first (only) sentence, one head
         queries, keys = self.tokens[kind]
         return {

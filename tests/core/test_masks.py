@@ -26,7 +26,6 @@ from attn_reg_plugin.core.masks import (
     keep_one_valid_key,
     mask_fill_value,
     pack_bits,
-    sample_drops,
     unpack_bits,
 )
 from helpers import FLOAT_DTYPES, ad_drop_masks, site_with_hook
@@ -271,13 +270,6 @@ def test_seeded_generator_gives_identical_masks():
     d = ad_drop_masks(attr, valid, 0.5, 0.5)
     torch.manual_seed(7)
     assert torch.equal(d, ad_drop_masks(attr, valid, 0.5, 0.5))
-
-
-@pytest.mark.parametrize("q", [-0.1, 1.5])
-def test_sample_drops_rejects_bad_q(q):
-    region = candidate_region(ATTR, PAD_LAST, 0.5)
-    with pytest.raises(ValueError, match="q must be in"):
-        sample_drops(region, q, PAD_LAST, ATTR)
 
 
 # ---------------------------------------------------------------- additive masks / dtypes
