@@ -144,6 +144,13 @@ def test_method_cells_merge_options_over_defaults_and_name_what_differs():
         methods.method_cell("ad-drop", [("--ad-drop-schedule", "always")], 1)["name"]
         == "ad-drop__ad-drop-schedule-always"
     )
+    both = methods.method_cell("ad-drop-r-drop", [("--ad-drop-p", "0.5"), ("--rdrop-alpha", "3")], 3)
+    assert both["args"] == [
+        "--criterion", "ad_drop_rdrop_label_smoothed_cross_entropy", "--rdrop-alpha", "3", "--ad-drop-p", "0.5",
+    ]  # fmt: skip
+    assert both["name"] == "ad-drop-r-drop__rdrop-alpha-3-ad-drop-p-0.5"
+    with pytest.raises(methods.SweepError, match="--epochs 1 with ad-drop-r-drop's --ad-drop-schedule cross-tuning"):
+        methods.method_cell("ad-drop-r-drop", [], 1)
 
 
 @pytest.mark.parametrize(

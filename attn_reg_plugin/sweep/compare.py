@@ -12,8 +12,9 @@ criterion, no method's own flags). Methods: plain (label_smoothed_cross_entropy)
 (ad_drop_label_smoothed_cross_entropy, the plugin's --ad-drop-* defaults), r-drop
 (rdrop_label_smoothed_cross_entropy --rdrop-alpha 5, the paper's MT alpha), dropkey
 (--attn-sched-dropout-schedule dropkey:0.1), attendout (--attendout), hiddencut
-(hiddencut_label_smoothed_cross_entropy, its defaults) and drophead (--attn-drophead-schedule,
-which you give: its V is in updates), each accepted only when the installed plugin provides it.
+(hiddencut_label_smoothed_cross_entropy, its defaults), drophead (--attn-drophead-schedule,
+which you give: its V is in updates) and ad-drop-r-drop (ad_drop_rdrop_label_smoothed_cross_entropy:
+R-Drop over AD-DROP's masked pass, alpha 5), each accepted only when the installed plugin provides it.
 ``--method-args METHOD='ARGS'`` (repeatable) gives a method its own options (only its own flags:
 --ad-drop-*, --rdrop-*, --attn-sched-dropout-*, --attendout*, --hiddencut-*, --attn-drophead-*); they
 replace its defaults, and a method run with other options is another row (``r-drop__rdrop-alpha-3``).

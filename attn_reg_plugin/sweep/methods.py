@@ -6,7 +6,8 @@ plugin's own defaults (AD-DROP, AttendOut, HiddenCut) or the documented example 
 0.1); DropHead's V-shaped schedule is in updates, so the user gives it. A method is accepted only
 when the installed plugin provides its criterion and task option (:func:`plugin_provides`). A
 method's ``--method-args`` replace its defaults option by option and may only name that method's
-own options (its flag prefix): a comparison of single regularizers, each against plain.
+own options (its flag prefixes): a comparison of single regularizers, each against plain, and of the
+one combination the plugin allows (``ad-drop-r-drop``: R-Drop over AD-DROP's masked pass).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .options import AD_DROP_CRITERION, PLAIN_CRITERION, SweepError
 
 RDROP_CRITERION = "rdrop_label_smoothed_cross_entropy"
 HIDDENCUT_CRITERION = "hiddencut_label_smoothed_cross_entropy"
+AD_DROP_RDROP_CRITERION = "ad_drop_rdrop_label_smoothed_cross_entropy"
 
 
 class Method(NamedTuple):
@@ -36,6 +38,13 @@ METHODS: Dict[str, Method] = {
     "plain": Method(PLAIN_CRITERION, (), (), None, "label_smoothed_cross_entropy, no regularizer (the reference)"),
     "ad-drop": Method(AD_DROP_CRITERION, (), ("--ad-drop-",), None, "AD-DROP, the plugin's --ad-drop-* defaults"),
     "r-drop": Method(RDROP_CRITERION, (("--rdrop-alpha", "5"),), ("--rdrop-",), None, "R-Drop, alpha 5 (its MT α)"),
+    "ad-drop-r-drop": Method(
+        AD_DROP_RDROP_CRITERION,
+        (("--rdrop-alpha", "5"),),
+        ("--ad-drop-", "--rdrop-"),
+        None,
+        "R-Drop over AD-DROP's masked pass, the --ad-drop-* defaults and alpha 5",
+    ),
     "hiddencut": Method(HIDDENCUT_CRITERION, (), ("--hiddencut-",), None, "HiddenCut, its criterion's defaults"),
     "drophead": Method(
         PLAIN_CRITERION,
@@ -182,12 +191,12 @@ def method_cell(name: str, given: Sequence[Tuple[str, ...]], epochs: int) -> dic
         if len(slug) > NAME_LIMIT:
             slug = slug[:NAME_LIMIT] + "-" + hashlib.sha1(slug.encode()).hexdigest()[:8]
         label = f"{name}__{slug}"
-    if name == "ad-drop":
+    if name.startswith("ad-drop"):
         schedule = merged.get("--ad-drop-schedule", ("", "cross-tuning"))[-1]
         if first_ad_drop_epoch(schedule, epochs) is None:
             raise SweepError(
-                f"--epochs {epochs} with ad-drop's --ad-drop-schedule {schedule} never runs AD-DROP (its first "
-                "AD-DROP epoch is epoch 2): give --epochs >= 2, or --method-args 'ad-drop=--ad-drop-schedule always'"
+                f"--epochs {epochs} with {name}'s --ad-drop-schedule {schedule} never runs AD-DROP (its first "
+                f"AD-DROP epoch is epoch 2): give --epochs >= 2, or --method-args '{name}=--ad-drop-schedule always'"
             )
     return {"method": name, "name": label, "args": args}
 
