@@ -305,9 +305,7 @@ class TopRegionRule(BlockRule):
     p: float
     q: float
     samples: Optional[torch.Tensor] = None
-    # Invalid keys score -inf against a finite threshold, and a row whose region is all its keys
-    # keeps one (``_drop``).
-    keeps_rows = True
+    keeps_rows = True  # invalid keys score -inf; a row whose region is all its keys keeps one (_drop)
 
     def _scores(self, block: Block) -> torch.Tensor:
         """The block's scores, -inf at invalid keys (so they are never above a row's threshold)."""
@@ -320,11 +318,13 @@ class TopRegionRule(BlockRule):
             )
         return scores
 
+    def __post_init__(self):  # p as an exact fraction once, outside any compiled region
+        object.__setattr__(self, "fraction", masks.decimal_fraction(self.p))
+
     def _counts(self, block: Block) -> Tuple[torch.Tensor, torch.Tensor]:
         """Per row: valid keys n, and candidates k = ceil(p n) (exact: :func:`ceil_of_product`)."""
         n_valid = block.valid.sum(-1, keepdim=True)
-        numerator, denominator = masks.decimal_fraction(self.p)
-        return n_valid, masks.ceil_of_product(n_valid, numerator, denominator, block.shape[-1])
+        return n_valid, masks.ceil_of_product(n_valid, *self.fraction, block.shape[-1])
 
     def region(self, block: Block, scores: Optional[torch.Tensor] = None):
         """(each row's candidates, (threshold, k, tied), n): the row's top k = ceil(p n) valid keys by

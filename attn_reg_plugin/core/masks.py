@@ -81,7 +81,6 @@ def causal_bias(bias: Optional[torch.Tensor], rows: slice, keys: int, q_len: int
 MAX_DECIMAL_PLACES = 18
 
 
-@torch.compiler.assume_constant_result  # a pure function of a Python float: traced as its result
 def decimal_fraction(p: float) -> Tuple[int, int]:
     """``p`` as the decimal it is written as, ``(numerator, denominator)`` in lowest terms: 0.2 ->
     (1, 5), 0.2000000001 -> (2000000001, 10000000000). Python's ``repr`` is the shortest decimal
