@@ -64,9 +64,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# Every precision x regularizer on the GPU (fairseq --fp16/--bf16/--amp, HF fp16/bf16) and HF
-# torch.compile with inductor; on a
-# machine without CUDA the CUDA-only cases skip and say so (docs/CONFIGURATIONS.md).
+# Every precision x regularizer on the GPU (fairseq --fp16/--amp, HF fp16/bf16), HF torch.compile
+# with inductor, the kernel on CUDA and the Trainer's own FSDP2 run; on a machine without CUDA the
+# CUDA-only cases skip and say so (docs/CONFIGURATIONS.md). A CUDA machine with no package registry:
+# tools/offline_gpu_check (its run.sh reads the files below).
 gpu-check: $(STAMP)
 	$(PY) -m pytest -q -rs -s -m gpu tests/test_precision.py tests/hf/test_compile.py tests/core/test_attention.py tests/core/test_blockwise.py tests/core/test_causal.py tests/core/test_autocast.py tests/fairseq/test_fairseq_autocast.py tests/test_fsdp.py
 
