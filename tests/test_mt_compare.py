@@ -239,6 +239,7 @@ def test_each_methods_arguments_reach_its_runs_and_results_accumulate(fake, tmp_
     assert f"| {ad_drop} | 1,2 | +0.00 [+0.00, +0.00] |" in table  # ...is shown as "same", not as a p-value
     assert "| seed 1: same (same), seed 2: same (same) |" in table and "seed 1: 0.001 (0.001), seed 2" in table
     assert "| method − plain | paired seeds |" in table and "Verdicts:" in table and (out / "compare.png").exists()
+    assert f"- {ad_drop}: `{expected[ad_drop].removesuffix(' --max-epoch')}`" in table  # the options, as run
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # A second command: a third seed for plain and R-Drop only. Nothing recorded is erased or retrained.

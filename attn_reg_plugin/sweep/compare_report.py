@@ -123,7 +123,10 @@ def write_comparison(records: List[dict], opts, started: float, log: Callable[[s
     drawn = draw(summaries, out / "compare.png", title, log)
     verdicts = [s["verdict"] for s in summaries if "verdict" in s]
     reference = records[0]["runs"][0]["test"]["reference"]
-    lines = [f"{title}, on {opts.data_bin}", "", *tables(summaries), "", "Verdicts:", *(f"- {v}" for v in verdicts)]
+    # A row's name is a slug of its options (':' and ',' lost): the options themselves, as run.
+    options = [f"- {s['name']}: `{' '.join(s['args'] or [])}`" for s in summaries]
+    lines = [f"{title}, on {opts.data_bin}", "", *tables(summaries), "", "Each row's own fairseq-train options:"]
+    lines += [*options, "", "Verdicts:", *(f"- {v}" for v in verdicts)]
     lines += [
         "",
         f"BLEU and chrF: sacrebleu on detokenized fairseq-generate output (beam {opts.beam}) vs {reference}; "
