@@ -5,9 +5,12 @@ explicit argument (``tiny_bert_classifier(hidden_size=32, ...)``), not a second 
 Fixtures (corpora cut from the shipped data, reference runs) are in conftest.py.
 """
 
+import atexit
+import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -55,20 +58,81 @@ def load_script(path, name=None):
     return module
 
 
+def cli_env():
+    """The environment of a console script run by the tests: the tests' own, unbuffered, one thread."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+CLI_ENV = cli_env()  # the forked-CLI server's
+
+
+class ForkedCli:
+    """The client of tests/forked_cli.py's server, started at the first run and ended with the tests."""
+
+    def __init__(self):
+        self.server = None
+        self.replies = b""  # read from the server, not yet taken
+        self.lock = threading.Lock()
+
+    def reply(self, timeout=None):
+        """The server's next reply line, or None when none came within ``timeout`` seconds."""
+        import select
+
+        while b"\n" not in self.replies:
+            if not select.select([self.server.stdout], [], [], timeout)[0]:
+                return None
+            chunk = os.read(self.server.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError("the forked-CLI server ended")
+            self.replies += chunk
+        line, self.replies = self.replies.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, name, args, cwd, timeout):
+        """``name ARGS`` in a fork of the server; a CompletedProcess as subprocess.run's."""
+        import signal
+        import tempfile
+
+        with self.lock:
+            if self.server is None:
+                self.server = subprocess.Popen(
+                    [sys.executable, str(REPO / "tests" / "forked_cli.py")],
+                    env=CLI_ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                )  # fmt: skip
+                atexit.register(self.server.stdin.close)  # the server ends at end of input
+            with tempfile.NamedTemporaryFile("r", suffix=".log") as out:
+                request = {"name": name, "args": list(map(str, args)), "cwd": str(cwd or os.getcwd()), "out": out.name}
+                self.server.stdin.write((json.dumps(request) + "\n").encode())
+                pid = self.reply()["pid"]
+                done = self.reply(timeout)
+                if done is None:
+                    os.kill(pid, signal.SIGKILL)  # still the child: the server reaps it only after this
+                    self.reply()
+                    raise subprocess.TimeoutExpired([name, *args], timeout, output=out.read())
+                return subprocess.CompletedProcess([name, *args], done["rc"], stdout=out.read())
+
+
+FORKED_CLI = ForkedCli()
+FORKABLE = ("fairseq-train", "fairseq-generate")
+
+
 def run_cli(name, args, cwd=None, expect_ok=True, timeout=300, input=None):
     """Run one of the venv's fairseq console scripts (``input``: its standard input); return the
-    completed process (text)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [str(VENV_BIN / name), *map(str, args)],
-        cwd=cwd,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        timeout=timeout,
-        input=input,
-    )
+    completed process (text). fairseq-train and fairseq-generate run as forks of a process that
+    imported fairseq once (tests/forked_cli.py) when the environment is the one it started with."""
+    if name in FORKABLE and input is None and cli_env() == CLI_ENV:
+        proc = FORKED_CLI.run(name, args, cwd, timeout)
+    else:
+        proc = subprocess.run(
+            [str(VENV_BIN / name), *map(str, args)],
+            cwd=cwd,
+            env=cli_env(),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            input=input,
+        )
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
     return proc

@@ -1,0 +1,117 @@
+"""fairseq's console scripts for the tests, each run a fork of one process that imported fairseq once.
+
+A ``fairseq-train`` start spends about 5 s importing torch and fairseq (whose task registry alone
+imports scikit-learn, about 2 s), more than most test runs then train, and the suite starts dozens
+of them. This server imports the fairseq entry points once, before any computation (no thread or
+OpenMP pool exists to inherit), and forks one child per run. Each run is still its own process: its
+own address space, working directory, arguments and exit status, its output (file descriptors 1 and
+2) in a file, and at the top of that output what the imports printed, as a fresh start's log has.
+
+:func:`helpers.run_cli` uses it only when a run's environment is the one the server started with and
+no standard input is given; otherwise it starts a fresh process. A test of start-up itself (import
+order, start-up warnings) starts its own process.
+
+Protocol, one JSON line each way per run: ``{"name", "args", "cwd", "out"}`` in; ``{"pid"}`` once
+forked, then ``{"rc"}`` (a negative number: killed by that signal).
+"""
+
+import atexit
+import importlib
+import json
+import os
+import sys
+import tempfile
+import threading
+import traceback
+from importlib.metadata import entry_points
+
+PRELOADED = ("fairseq_cli.train", "fairseq_cli.generate")
+
+
+def import_preloaded():
+    """Import PRELOADED with file descriptors 1 and 2 in a file; return what they printed."""
+    with tempfile.TemporaryFile() as printed:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(printed.fileno(), 1)
+        os.dup2(printed.fileno(), 2)
+        try:
+            for module in PRELOADED:
+                importlib.import_module(module)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        printed.seek(0)
+        return printed.read()
+
+
+def exit_code(code):
+    """What ``sys.exit(code)`` makes the interpreter exit with."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def run_child(request, preamble):
+    """In the forked child: run the console script ``request["name"]`` as a fresh start would; never returns."""
+    rc = 1
+    try:
+        out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(stdin, 0)
+        os.close(stdin)
+        os.write(1, preamble)
+        os.chdir(request["cwd"])
+        (script,) = entry_points(group="console_scripts", name=request["name"])
+        sys.argv = [os.path.join(os.path.dirname(sys.executable), request["name"]), *request["args"]]
+        try:
+            rc = exit_code(script.load()())
+        except SystemExit as stop:
+            rc = exit_code(stop.code)
+        except BaseException:
+            traceback.print_exc()
+            rc = 1
+        atexit._run_exitfuncs()  # what interpreter shutdown runs: logging.shutdown, TensorBoard writers
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+
+
+def serve(requests, replies):
+    # A console script's sys.path[0] is its own folder (the venv's bin), not this file's.
+    sys.path[0] = os.path.dirname(sys.executable)
+    preamble = import_preloaded()
+    if threading.active_count() != 1:
+        raise RuntimeError(f"importing {PRELOADED} started threads: forking would copy them dead")
+    for line in requests:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            requests.close()
+            replies.close()
+            run_child(request, preamble)
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.flush()
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    # The protocol keeps its own descriptors; 0 and 1 become what a child replaces anyway.
+    requests = os.fdopen(os.dup(0), "r")
+    replies = os.fdopen(os.dup(1), "w")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    serve(requests, replies)
