@@ -7,11 +7,13 @@ OpenMP pool exists to inherit), and forks one child per run. Each run is still i
 own address space, working directory, arguments and exit status, its output (file descriptors 1 and
 2) in a file, and at the top of that output what the imports printed, as a fresh start's log has.
 
-:func:`helpers.run_cli` uses it only when a run's environment is the one the server started with and
-no standard input is given; otherwise it starts a fresh process. A test of start-up itself (import
+:func:`helpers.run_cli` uses it when no standard input is given and the variables read while
+importing (``helpers.IMPORT_TIME_ENV``: Python's, OpenMP's, CUDA's, torch's, the paths) are the
+ones the server started with; the child then runs in the caller's environment. Otherwise it starts
+a fresh process. A test of start-up itself (import
 order, start-up warnings) starts its own process.
 
-Protocol, one JSON line each way per run: ``{"name", "args", "cwd", "out"}`` in; ``{"pid"}`` once
+Protocol, one JSON line each way per run: ``{"name", "args", "cwd", "out", "env"}`` in; ``{"pid"}`` once
 forked, then ``{"rc"}`` (a negative number: killed by that signal).
 """
 
@@ -71,6 +73,8 @@ def run_child(request, preamble):
         os.close(stdin)
         os.write(1, preamble)
         os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
         (script,) = entry_points(group="console_scripts", name=request["name"])
         sys.argv = [os.path.join(os.path.dirname(sys.executable), request["name"]), *request["args"]]
         try:

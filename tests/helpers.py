@@ -59,11 +59,22 @@ def load_script(path, name=None):
 
 
 def cli_env():
-    """The environment of a console script run by the tests: the tests' own, unbuffered, one thread."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    """The environment of a console script run by the tests: the tests' own, unbuffered, one thread.
+    (Not pytest's PYTEST_CURRENT_TEST, which names the running test: no command reads it.)"""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return env
 
 
 CLI_ENV = cli_env()  # the forked-CLI server's
+# Read while fairseq and torch are imported: a run whose values differ needs a process of its own.
+IMPORT_TIME_ENV = ("PYTHON", "PYTORCH", "TORCH", "OMP_", "MKL_", "KMP_AFFINITY", "CUDA", "LD_", "PATH")
+
+
+def forkable_env(env):
+    """Whether the server's imports saw ``env``'s import-time variables (the rest reaches the child)."""
+    keys = {k for k in {*env, *CLI_ENV} if k.startswith(IMPORT_TIME_ENV)}
+    return all(env.get(k) == CLI_ENV.get(k) for k in keys)
 
 
 class ForkedCli:
@@ -101,7 +112,13 @@ class ForkedCli:
                 )  # fmt: skip
                 atexit.register(self.server.stdin.close)  # the server ends at end of input
             with tempfile.NamedTemporaryFile("r", suffix=".log") as out:
-                request = {"name": name, "args": list(map(str, args)), "cwd": str(cwd or os.getcwd()), "out": out.name}
+                request = {
+                    "name": name,
+                    "args": list(map(str, args)),
+                    "cwd": str(cwd or os.getcwd()),
+                    "out": out.name,
+                    "env": cli_env(),
+                }
                 self.server.stdin.write((json.dumps(request) + "\n").encode())
                 pid = self.reply()["pid"]
                 done = self.reply(timeout)
@@ -120,7 +137,7 @@ def run_cli(name, args, cwd=None, expect_ok=True, timeout=300, input=None):
     """Run one of the venv's fairseq console scripts (``input``: its standard input); return the
     completed process (text). fairseq-train and fairseq-generate run as forks of a process that
     imported fairseq once (tests/forked_cli.py) when the environment is the one it started with."""
-    if name in FORKABLE and input is None and cli_env() == CLI_ENV:
+    if name in FORKABLE and input is None and forkable_env(cli_env()):
         proc = FORKED_CLI.run(name, args, cwd, timeout)
     else:
         proc = subprocess.run(
