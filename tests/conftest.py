@@ -15,6 +15,7 @@ settings.register_profile("thorough", max_examples=1000, deadline=None, suppress
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 from helpers import (
+    CLI_STARTS,
     CORPUS,
     EVAL_BLEU,
     LOGGED_TRAIN,
@@ -26,6 +27,13 @@ from helpers import (
     run_cli,
     train_updates,
 )
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How the tests' fairseq-train and fairseq-generate runs started (tests/forked_cli.py)."""
+    if CLI_STARTS:
+        starts = ", ".join(f"{n} {how}" for how, n in CLI_STARTS.most_common())
+        terminalreporter.write_line(f"fairseq-train/-generate runs of run_cli: {starts}")
 
 
 @pytest.fixture(scope="session")

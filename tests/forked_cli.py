@@ -8,7 +8,7 @@ own address space, working directory, arguments and exit status, its output (fil
 2) in a file, and at the top of that output what the imports printed, as a fresh start's log has.
 
 :func:`helpers.run_cli` uses it when no standard input is given and the variables read while
-importing (``helpers.IMPORT_TIME_ENV``: Python's, OpenMP's, CUDA's, torch's, the paths) are the
+importing (``helpers.IMPORT_TIME_ENV``: Python's, OpenMP's, the visible CUDA devices, the paths) are the
 ones the server started with; the child then runs in the caller's environment. Otherwise it starts
 a fresh process. A test of start-up itself (import
 order, start-up warnings) starts its own process.
@@ -25,9 +25,11 @@ import sys
 import tempfile
 import threading
 import traceback
+import warnings
 from importlib.metadata import entry_points
 
 PRELOADED = ("fairseq_cli.train", "fairseq_cli.generate")
+STARTED_WITH = dict(os.environ)
 
 
 def import_preloaded():
@@ -75,6 +77,10 @@ def run_child(request, preamble):
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        # fairseq's epoch iterator sets PYTHONWARNINGS in its process (in-process tests: the caller's);
+        # a fresh start would read it into its warning filters, so the child does.
+        if request["env"].get("PYTHONWARNINGS") not in (None, STARTED_WITH.get("PYTHONWARNINGS")):
+            warnings._processoptions(request["env"]["PYTHONWARNINGS"].split(","))
         (script,) = entry_points(group="console_scripts", name=request["name"])
         sys.argv = [os.path.join(os.path.dirname(sys.executable), request["name"]), *request["args"]]
         try:

@@ -6,6 +6,7 @@ Fixtures (corpora cut from the shipped data, reference runs) are in conftest.py.
 """
 
 import atexit
+import collections
 import json
 import os
 import subprocess
@@ -68,13 +69,19 @@ def cli_env():
 
 CLI_ENV = cli_env()  # the forked-CLI server's
 # Read while fairseq and torch are imported: a run whose values differ needs a process of its own.
-IMPORT_TIME_ENV = ("PYTHON", "PYTORCH", "TORCH", "OMP_", "MKL_", "KMP_AFFINITY", "CUDA", "LD_", "PATH")
+IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_AFFINITY", "CUDA_VISIBLE_DEVICES", "LD_", "PATH")
 
 
-def forkable_env(env):
-    """Whether the server's imports saw ``env``'s import-time variables (the rest reaches the child)."""
-    keys = {k for k in {*env, *CLI_ENV} if k.startswith(IMPORT_TIME_ENV)}
-    return all(env.get(k) == CLI_ENV.get(k) for k in keys)
+def import_time_differences(env):
+    """The import-time variables whose values in ``env`` the server's imports did not see (not
+    PYTHONWARNINGS, which a child applies itself: fairseq's in-process epochs set it in the tests')."""
+    keys = {k for k in {*env, *CLI_ENV} if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONWARNINGS"}
+    return sorted(k for k in keys if env.get(k) != CLI_ENV.get(k))
+
+
+# How each run_cli run of a forkable command started, for the summary at the end of the tests
+# (conftest.py): a fresh start it did not need to make shows there.
+CLI_STARTS = collections.Counter()
 
 
 class ForkedCli:
@@ -137,9 +144,15 @@ def run_cli(name, args, cwd=None, expect_ok=True, timeout=300, input=None):
     """Run one of the venv's fairseq console scripts (``input``: its standard input); return the
     completed process (text). fairseq-train and fairseq-generate run as forks of a process that
     imported fairseq once (tests/forked_cli.py) when the environment is the one it started with."""
-    if name in FORKABLE and input is None and forkable_env(cli_env()):
+    differences = import_time_differences(cli_env()) if name in FORKABLE else None
+    if differences == [] and input is None:
+        CLI_STARTS["forked"] += 1
         proc = FORKED_CLI.run(name, args, cwd, timeout)
     else:
+        if name in FORKABLE:
+            CLI_STARTS[
+                "fresh: " + ("standard input" if input is not None else ", ".join(differences) + " changed")
+            ] += 1
         proc = subprocess.run(
             [str(VENV_BIN / name), *map(str, args)],
             cwd=cwd,
