@@ -8,10 +8,9 @@ own address space, working directory, arguments and exit status, its output (fil
 2) in a file, and at the top of that output what the imports printed, as a fresh start's log has.
 
 :func:`helpers.run_cli` uses it when no standard input is given and the variables read while
-importing (``helpers.IMPORT_TIME_ENV``: Python's, OpenMP's, the visible CUDA devices, the paths) are the
-ones the server started with; the child then runs in the caller's environment. Otherwise it starts
-a fresh process. A test of start-up itself (import
-order, start-up warnings) starts its own process.
+importing (``helpers.IMPORT_TIME_ENV``: Python's, OpenMP's, the visible CUDA devices, the paths)
+are the ones the server started with; the child then runs in the caller's environment. Otherwise it
+starts a fresh process. A test of start-up itself (import order, start-up warnings) starts its own.
 
 Protocol, one JSON line each way per run: ``{"name", "args", "cwd", "out", "env"}`` in; ``{"pid"}`` once
 forked, then ``{"rc"}`` (a negative number: killed by that signal).

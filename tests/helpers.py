@@ -106,8 +106,8 @@ class ForkedCli:
         line, self.replies = self.replies.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, name, args, cwd, timeout):
-        """``name ARGS`` in a fork of the server; a CompletedProcess as subprocess.run's."""
+    def run(self, name, args, cwd, timeout, env):
+        """``name ARGS`` in a fork of the server, in environment ``env``; a CompletedProcess as subprocess.run's."""
         import signal
         import tempfile
 
@@ -124,7 +124,7 @@ class ForkedCli:
                     "args": list(map(str, args)),
                     "cwd": str(cwd or os.getcwd()),
                     "out": out.name,
-                    "env": cli_env(),
+                    "env": env,
                 }
                 self.server.stdin.write((json.dumps(request) + "\n").encode())
                 pid = self.reply()["pid"]
@@ -143,20 +143,24 @@ FORKABLE = ("fairseq-train", "fairseq-generate")
 def run_cli(name, args, cwd=None, expect_ok=True, timeout=300, input=None):
     """Run one of the venv's fairseq console scripts (``input``: its standard input); return the
     completed process (text). fairseq-train and fairseq-generate run as forks of a process that
-    imported fairseq once (tests/forked_cli.py) when the environment is the one it started with."""
-    differences = import_time_differences(cli_env()) if name in FORKABLE else None
-    if differences == [] and input is None:
-        CLI_STARTS["forked"] += 1
-        proc = FORKED_CLI.run(name, args, cwd, timeout)
+    imported fairseq once (tests/forked_cli.py) unless they read standard input or a variable read
+    while importing (IMPORT_TIME_ENV) differs from the one that process started with."""
+    env = cli_env()
+    fresh_because = None
+    if name in FORKABLE:
+        differences = import_time_differences(env)
+        if input is not None:
+            fresh_because = "standard input"
+        elif differences:
+            fresh_because = ", ".join(differences) + " changed"
+        CLI_STARTS["forked" if fresh_because is None else "fresh: " + fresh_because] += 1
+    if name in FORKABLE and fresh_because is None:
+        proc = FORKED_CLI.run(name, args, cwd, timeout, env)
     else:
-        if name in FORKABLE:
-            CLI_STARTS[
-                "fresh: " + ("standard input" if input is not None else ", ".join(differences) + " changed")
-            ] += 1
         proc = subprocess.run(
             [str(VENV_BIN / name), *map(str, args)],
             cwd=cwd,
-            env=cli_env(),
+            env=env,
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
