@@ -25,6 +25,7 @@ from helpers import (
     USER_DIR,
     fairseq_train,
     run_cli,
+    run_logged_forked,
     train_updates,
 )
 
@@ -33,7 +34,34 @@ def pytest_terminal_summary(terminalreporter):
     """How the tests' fairseq-train and fairseq-generate runs started (tests/forked_cli.py)."""
     if CLI_STARTS:
         starts = ", ".join(f"{n} {how}" for how, n in CLI_STARTS.most_common())
-        terminalreporter.write_line(f"fairseq-train/-generate runs of run_cli: {starts}")
+        terminalreporter.write_line(f"fairseq-train/-generate runs of the tests: {starts}")
+
+
+@pytest.fixture()
+def forked_runs(monkeypatch):
+    """The sweep's and the lab's fairseq-train and fairseq-generate runs as forks of the tests'
+    forked-CLI server (helpers.run_logged_forked); any other command as the product runs it."""
+    from attn_reg_plugin.sweep import runs
+
+    real_appended = runs.run_appended
+
+    def appended(cmd, log_path, on_line=None, on_tick=None):
+        seconds = run_logged_forked(cmd, log_path, on_line)
+        if seconds is None:
+            return real_appended(cmd, log_path, on_line, on_tick)
+        if on_tick is not None:
+            on_tick(seconds)
+        return seconds
+
+    monkeypatch.setattr(runs, "run_appended", appended)
+    mt_pipeline = pytest.importorskip("attn_reg_lab.mt_pipeline")
+    real_logged = mt_pipeline.run_logged
+
+    def logged(cmd, log_path, on_line=None, env=None, append=False):
+        seconds = None if env else run_logged_forked(cmd, log_path, on_line, append)
+        return real_logged(cmd, log_path, on_line, env, append) if seconds is None else seconds
+
+    monkeypatch.setattr(mt_pipeline, "run_logged", logged)
 
 
 @pytest.fixture(scope="session")

@@ -79,7 +79,7 @@ def import_time_differences(env):
     return sorted(k for k in keys if env.get(k) != CLI_ENV.get(k))
 
 
-# How each run_cli run of a forkable command started, for the summary at the end of the tests
+# How each forkable run of the tests started, for the summary at the end of the tests
 # (conftest.py): a fresh start it did not need to make shows there.
 CLI_STARTS = collections.Counter()
 
@@ -170,6 +170,36 @@ def run_cli(name, args, cwd=None, expect_ok=True, timeout=300, input=None):
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
     return proc
+
+
+def run_logged_forked(cmd, log_path, on_line=None, append=True):
+    """A command line the sweep's or the lab's runner starts (``processes.run_child``,
+    ``prepare.run_logged``), run as :func:`run_cli` would: fairseq-train and fairseq-generate of the
+    venv as forks, in :func:`cli_env`'s environment. As those runners do, its output goes to
+    ``log_path`` after a ``$ command`` line (``append``: after the lines there), ``on_line`` gets each
+    line (once the run ended) and a failure raises RuntimeError with the log's tail. Returns the
+    seconds, or None when the command does not fork (the caller then runs it itself)."""
+    import shlex
+    import time
+
+    name = Path(cmd[0]).name
+    env = cli_env()
+    if name not in FORKABLE or Path(cmd[0]) != VENV_BIN / name or import_time_differences(env):
+        return None
+    CLI_STARTS["forked"] += 1
+    start = time.time()
+    proc = FORKED_CLI.run(name, cmd[1:], None, 900, env)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a" if append else "w", encoding="utf-8") as log:
+        log.write("$ " + shlex.join(cmd) + "\n" + proc.stdout)
+    lines = proc.stdout.split("\n")
+    for line in lines[:-1] if lines[-1] == "" else lines:
+        if on_line is not None:
+            on_line(line.rstrip("\r"))
+    if proc.returncode != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-25:]
+        raise RuntimeError(f"{name} failed with exit code {proc.returncode}; log {log_path}:\n" + "\n".join(tail))
+    return time.time() - start
 
 
 def fairseq_train(data_bin, args, **run_options):

@@ -72,10 +72,10 @@ def _argv(data, out, *extra, p="0.2", train_args=TRAIN_ARGS):
 
 
 @pytest.fixture()
-def counted(monkeypatch):
-    """Counts the fairseq-train and fairseq-generate processes the sweep starts."""
+def counted(monkeypatch, forked_runs):
+    """Counts the fairseq-train and fairseq-generate processes the sweep starts (forks of the tests' server)."""
     calls = {"fairseq-train": 0, "fairseq-generate": 0}
-    real = sweep.run_appended
+    real = sweep_runs.run_appended
 
     def run(cmd, *args, **kwargs):
         name = cmd[0].rsplit("/", 1)[-1]

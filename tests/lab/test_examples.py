@@ -48,7 +48,7 @@ def test_pipeline_refuses_mismatched_parallel_files(tmp_path):
     assert not (tmp_path / "work").exists()  # refused before anything is written
 
 
-def test_demo_quick_prints_the_table(tmp_path, capsys):
+def test_demo_quick_prints_the_table(tmp_path, capsys, forked_runs):
     """The main job's whole pipeline (spm, preprocess, 2x train, generate, sacrebleu, table) at toy size."""
     from attn_reg_lab import demo
 
