@@ -18,6 +18,7 @@ import torch
 from torch.profiler import record_function
 
 from .ad_drop_config import ADDropConfig
+from .attention_call import CaptureOutput, CaptureProbs, EditScores
 from .attribution import (
     GradientScale,
     dense_gradient_attribution,
@@ -41,7 +42,7 @@ from .block_rules import (
     set_rng_state,
 )
 from .checkpointing import activation_checkpointing_paused
-from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores, RegularizationController
+from .controller import AttentionSite, RegularizationController
 from .passes import zero_counts
 from .sharding import check_supported_sharding
 

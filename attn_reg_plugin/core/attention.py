@@ -3,11 +3,11 @@
 Adapters (fairseq, transformers, custom models) project queries, keys and values themselves
 and hand them here together with the attention's additive bias (padding / causal masks) and
 the module's :class:`~attn_reg_plugin.core.controller.AttentionSite`. :func:`attend` reads what the
-current pass does on the site once, as an immutable :class:`AttentionCall`, runs the pure kernel
-:func:`attention_kernel` with it, and adds what the kernel captured and counted to the pass's
-:class:`~attn_reg_plugin.core.controller.PassRecord`. What the kernel does on top of ordinary scaled dot-product attention is
-decided by the call's *hook*, set on the site by the controller for one pass (the hooks are
-defined in :mod:`.controller`, next to the site, and exported here too):
+current pass does on the site once, as an immutable :class:`~.attention_call.AttentionCall`, runs the
+pure kernel :func:`attention_kernel` with it, and adds what the kernel captured and counted to the
+pass's :class:`~attn_reg_plugin.core.passes.PassRecord`. What the kernel does on top of ordinary
+scaled dot-product attention is decided by the call's *hook* (defined in :mod:`.attention_call`),
+set on the site by the controller for one pass:
 
 * no hook                  ordinary attention: ``scaled_dot_product_attention`` and nothing else
                            (the first thing :func:`attend` checks, so an idle model pays nothing);
@@ -29,10 +29,10 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .attention_call import ORDINARY, AttentionCall, Captured, call_of
+from .attention_call import ORDINARY, AttentionCall, Captured, CaptureOutput, CaptureProbs, EditScores, call_of
 from .block_rules import AttentionScores, call_seed, rule_of
 from .blockwise import BlockCall, blockwise_attention, blockwise_rows
-from .controller import AttentionSite, CaptureOutput, CaptureProbs, EditScores
+from .controller import AttentionSite
 from .masks import (
     MASKED_BIAS,
     additive_mask,

@@ -1,23 +1,158 @@
-"""What one attention call does, fixed before the kernel runs, and where what it captured goes.
+"""What one attention call does, fixed before the kernel runs, and what it hands back.
 
-:func:`call_of` reads the call's site, or the :class:`~.controller.Plan` the call carried, once into
-an immutable :class:`AttentionCall`;
+A pass sets a *hook* on a site (:meth:`~.controller.RegularizationController.hooks`): an immutable
+:data:`Hook` (:class:`CaptureOutput`, :class:`CaptureProbs` or :class:`EditScores`) saying what
+the kernel does on top of ordinary attention. :func:`call_of` reads the call's site, or the
+:class:`~.passes.Plan` the call carried, once into an immutable :class:`AttentionCall`;
 :func:`~attn_reg_plugin.core.attention.attention_kernel` computes from it alone and returns what it
-captured and counted as a :class:`Captured`, which :func:`~.attention.attend` adds to the pass's record. Only the
-controller writes sites (:mod:`.controller`); nothing here or in the kernel does.
+captured and counted as a :class:`Captured`, which :func:`~.attention.attend` adds to the pass's
+record. Only the controller writes sites; nothing here or in the kernel does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Tuple, Union
 
 import torch
 
-from .block_rules import AttentionScores
-from .checkpointing import recomputing
-from .controller import AttentionSite, Hook
-from .passes import Plan
+from .block_rules import AttentionScores, BlockRule
+from .masks import uniform_instead_of_empty
+
+if TYPE_CHECKING:  # controller and passes import this module
+    from .controller import AttentionSite
+    from .passes import Plan
+
+
+def recomputing() -> bool:
+    """True while autograd runs a backward: a layer forward then is an activation-checkpoint
+    recompute (torch.utils.checkpoint, reentrant or not; HF gradient checkpointing; fairseq
+    ``--checkpoint-activations``), which must repeat what the original forward did.
+
+    False while torch.compile traces: a compiled region recomputes from its own graph, where
+    the masks are inputs (the trainers refuse torch.compile together with checkpointing, where
+    a region could be re-entered from Python)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+# -- hooks: what the kernel does on a site for one pass (immutable values) ----------------------
+@dataclass(frozen=True, eq=False)
+class CaptureOutput:
+    """Record what gradient attribution needs (each call's output and V); attention dropout is off.
+
+    ``alpha``: the map is scaled by it (integrated gradients), so the output is alpha A V;
+    ``keeps_weights``: also keep what the weights are recomputed from (``block_rules.AttentionScores``:
+    q, k, bias). What the calls keep comes back in the pass's :class:`PassRecord`.
+    """
+
+    alpha: float = 1.0
+    keeps_weights: bool = False
+    # A causal map longer than one block has its (T, S) validity made only for dense attributions;
+    # training ranks it per block, which makes each block's own.
+    keeps_long_causal_valid: bool = True
+
+
+@dataclass(frozen=True, eq=False)
+class CaptureProbs:
+    """Materialise the attention map, scaled by ``alpha`` (integrated gradients); the pass's
+    :class:`PassRecord` keeps it."""
+
+    alpha: float = 1.0
+    requires_grad: bool = True
+    # AA's training pass: a map longer than one block of the kernel is kept as its inputs
+    # (``block_rules.AttentionScores``: q, k, bias), its weights recomputed per block in pass 2.
+    inputs_when_long: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class EditScores:
+    """Edits applied to the scores before softmax (or, DropHead, to the output).
+
+    ``drop``: bool, True where a key is removed from a row (broadcastable to (B, H, T, S)), or
+    a :class:`~.block_rules.BlockRule` that the kernel evaluates per block of query rows (AD-DROP's
+    regions, random draws of scheduled dropout).
+    ``uniform_rows``: True (every row) or bool broadcastable to (B, H, T, 1), e.g. a (1, 1, 1, 1)
+    per-pass flag; such rows attend uniformly to their valid keys (attention LayerDrop). A row whose every valid key is in ``drop`` is made
+    uniform the same way (AttendOut Eq. 4), never left all-masked.
+    ``counted``: each call hands the pass's :class:`PassRecord` what it applied: the dropped and
+    droppable units (a reduction over the map, so only when asked) and whether its rows-made-uniform
+    flag was set. Counted where applied, a hook that never reaches the kernel (a module not routed
+    through it) counts nothing.
+    ``droppable``: bool broadcastable to (B, H, T, S), the units this edit could drop (AttendOut's
+    Generator never masks a padding query row); the count's denominator is the valid units inside
+    it, so a logged rate is the fraction of what could have been dropped. None: every valid unit.
+    ``drop_heads``: a 0-d probability (DropHead): each (sample, head) of the output dropped with it,
+    a sample's kept heads rescaled by heads / kept; then (sample, head) pairs are counted. It
+    edits the output, not the scores, so it stands alone in its edit.
+    """
+
+    drop: Optional[Union[torch.Tensor, BlockRule]] = None
+    uniform_rows: Optional[Union[bool, torch.Tensor]] = None
+    counted: bool = False
+    droppable: Optional[torch.Tensor] = None
+    drop_heads: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.drop is not None and not isinstance(self.drop, (torch.Tensor, BlockRule)):
+            raise TypeError(f"EditScores.drop must be a bool tensor or a BlockRule, got {type(self.drop).__name__}")
+        if self.drop_heads is not None and (self.drop is not None or self.uniform_rows is not None):
+            raise ValueError("EditScores.drop_heads edits the output: it cannot share an edit with score edits")
+
+    @property
+    def edits_scores(self) -> bool:
+        return self.drop is not None or self.uniform_rows is not None
+
+    def uniform_rows_on(self, device) -> Optional[torch.Tensor]:
+        """``uniform_rows`` as a bool tensor on ``device`` (True: every row, (1, 1, 1, 1)), or None."""
+        uniform = self.uniform_rows
+        if uniform is True:  # every row (attention LayerDrop); made on q's device, no copy
+            return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+        if isinstance(uniform, torch.Tensor):
+            return uniform.to(device)  # a per-pass flag drawn on the host (LayerDrop): moved once
+        return uniform
+
+    def resolve(
+        self, valid: torch.Tensor, shape: Tuple[int, int, int, int], device, seed: Optional[torch.Tensor]
+    ) -> ResolvedEdit:
+        """The final (drop, uniform rows) of one call that is one block: a rule's drops made from
+        ``seed`` (:meth:`~.block_rules.BlockRule.whole`), emptied rows made uniform."""
+        uniform = self.uniform_rows_on(device)
+        drop = self.drop
+        if isinstance(drop, BlockRule):
+            drop = drop.whole(valid.expand(shape), seed)
+        if drop is not None:
+            drop, uniform = uniform_instead_of_empty(drop, valid, uniform)
+        return ResolvedEdit(drop, uniform)
+
+    @property
+    def draws(self) -> bool:
+        """Whether the edit's drops come from random numbers keyed by the site's seed."""
+        return isinstance(self.drop, BlockRule) and self.drop.draws
+
+
+Hook = Union[CaptureOutput, CaptureProbs, EditScores]
+
+
+def changes_output(hook: Optional[Hook]) -> bool:
+    """Whether a call under ``hook`` computes something else than ordinary attention: an edit that
+    drops or makes rows uniform, or a map scaled for integrated gradients. Only such a pass must be
+    repeated by a checkpoint's recompute (a capture's gradient is taken inside its pass)."""
+    if isinstance(hook, EditScores):
+        return hook.edits_scores or hook.drop_heads is not None
+    # A scaled CaptureOutput changes its output too, but its gradient, like GA's, is taken of that
+    # output itself, inside the pass: a checkpoint may recompute it or not (nothing after it saved).
+    return isinstance(hook, CaptureProbs) and hook.alpha != 1.0
+
+
+@dataclass(frozen=True)
+class ResolvedEdit:
+    """An :class:`EditScores` as one call applies it: ``drop`` (bool, True = key removed) and
+    ``uniform`` (bool rows made uniform over their valid keys); None where nothing is edited."""
+
+    drop: Optional[torch.Tensor] = None
+    uniform: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

@@ -27,19 +27,6 @@ from typing import Iterator, Optional
 import torch
 
 
-def recomputing() -> bool:
-    """True while autograd runs a backward: a layer forward then is an activation-checkpoint
-    recompute (torch.utils.checkpoint, reentrant or not; HF gradient checkpointing; fairseq
-    ``--checkpoint-activations``), which must repeat what the original forward did.
-
-    False while torch.compile traces: a compiled region recomputes from its own graph, where
-    the masks are inputs (the trainers refuse torch.compile together with checkpointing, where
-    a region could be re-entered from Python)."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1
-
-
 def _non_reentrant(module: torch.nn.Module) -> bool:
     """Whether a flagged layer checkpoints with torch's non-reentrant checkpoint, as transformers'
     ``GradientCheckpointingLayer`` does by default (its function: a partial with use_reentrant=False)."""

@@ -16,7 +16,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .controller import AttentionSite, EditScores, RegularizationController
+from .attention_call import EditScores
+from .controller import AttentionSite, RegularizationController
 from .options import RegularizerOptions, attention_option, layers_option, option
 from .scheduled_dropout import Schedule, first_dropping_update, parse_schedules, schedule_value
 

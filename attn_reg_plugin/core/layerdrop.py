@@ -12,7 +12,8 @@ from typing import Dict, List
 
 import torch
 
-from .controller import AttentionSite, EditScores, RegularizationController
+from .attention_call import EditScores
+from .controller import AttentionSite, RegularizationController
 from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
 
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, List, Mapping, O
 import torch
 
 if TYPE_CHECKING:  # the site and hook types; controller imports this module
-    from .controller import AttentionSite, Hook
+    from .attention_call import Hook
+    from .controller import AttentionSite
 
 
 def zero_counts() -> List[torch.Tensor]:

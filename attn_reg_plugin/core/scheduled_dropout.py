@@ -20,8 +20,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .attention_call import EditScores
 from .block_rules import BernoulliRule
-from .controller import AttentionSite, EditScores, RegularizationController
+from .controller import AttentionSite, RegularizationController
 from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
 
 Schedule = List[Tuple[int, float]]  # (update, drop probability) knots, updates increasing

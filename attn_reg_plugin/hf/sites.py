@@ -27,7 +27,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..core.checkpointing import recomputing
+from ..core.attention_call import recomputing
 from ..core.controller import AttentionSite, RegularizationController
 from ..core.passes import plan_of
 from .equivalence import check_equivalent

@@ -18,7 +18,8 @@ from attn_reg_plugin.core.attendout import (
     win_probability,
 )
 from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.controller import EditScores, RegularizationController
+from attn_reg_plugin.core.attention_call import EditScores
+from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import (
     ScheduledAttentionDropout,

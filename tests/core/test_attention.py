@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.controller import CaptureOutput, EditScores
+from attn_reg_plugin.core.attention_call import CaptureOutput, EditScores
 from helpers import FLOAT_DTYPES, ad_drop_masks, site_with_hook
 
 # ---------------------------------------------------------------- the kernel

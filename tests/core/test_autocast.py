@@ -13,6 +13,7 @@ import torch
 
 from attn_reg_plugin.core import block_rules, blockwise
 from attn_reg_plugin.core.attention import attend
+from attn_reg_plugin.core.attention_call import EditScores
 from attn_reg_plugin.core.block_rules import (
     AttentionScores,
     BernoulliRule,
@@ -21,7 +22,6 @@ from attn_reg_plugin.core.block_rules import (
     RandomScores,
     TopRegionRule,
 )
-from attn_reg_plugin.core.controller import EditScores
 from helpers import site_with_hook
 
 B, H, T, D = 2, 2, 9, 4

@@ -14,6 +14,7 @@ from attn_reg_plugin.core import block_masks, block_rules, blockwise, row_select
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
+from attn_reg_plugin.core.attention_call import EditScores
 from attn_reg_plugin.core.attribution import dense_gradient_attribution, logit_target
 from attn_reg_plugin.core.block_rules import (
     BernoulliRule,
@@ -24,7 +25,7 @@ from attn_reg_plugin.core.block_rules import (
     TopRegionRule,
     chunk_draws,
 )
-from attn_reg_plugin.core.controller import EditScores, RegularizationController
+from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.masks import candidate_region
 from helpers import site_with_hook
 

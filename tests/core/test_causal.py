@@ -9,9 +9,10 @@ from attn_reg_plugin.core import block_rules, blockwise, masks
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
+from attn_reg_plugin.core.attention_call import CaptureOutput, EditScores
 from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.block_rules import BernoulliRule, RandomScores, TopRegionRule
-from attn_reg_plugin.core.controller import CaptureOutput, EditScores, RegularizationController
+from attn_reg_plugin.core.controller import RegularizationController
 from helpers import site_with_hook
 
 

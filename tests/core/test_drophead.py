@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.controller import EditScores
+from attn_reg_plugin.core.attention_call import EditScores
 from attn_reg_plugin.core.drophead import DropHead, DropHeadConfig
 from attn_reg_plugin.core.planned_run import idle_run_warning
 from helpers import CORE_B, CORE_D, CORE_T, CoreBlock, controller_with_sites, site_with_hook, tiny_core_model

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from attn_reg_plugin.core import masks as masks_module
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.controller import EditScores
+from attn_reg_plugin.core.attention_call import EditScores
 from attn_reg_plugin.core.masks import (
     additive_mask,
     candidate_region,

@@ -14,8 +14,9 @@ import torch
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
+from attn_reg_plugin.core.attention_call import EditScores
 from attn_reg_plugin.core.attribution import GradientScale, logit_target, token_loss_target
-from attn_reg_plugin.core.controller import AttentionSite, EditScores, RegularizationController
+from attn_reg_plugin.core.controller import AttentionSite, RegularizationController
 from attn_reg_plugin.core.masks import candidate_region
 from helpers import FLOAT_DTYPES, ad_drop_masks
 

@@ -17,8 +17,9 @@ from attn_reg_plugin.core import block_rules
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout.game import AttendOut as AttendOutGame
+from attn_reg_plugin.core.attention_call import EditScores
 from attn_reg_plugin.core.attribution import token_loss_target
-from attn_reg_plugin.core.controller import EditScores, RegularizationController
+from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.hf import install_attention_sites
 from helpers import REPO
 

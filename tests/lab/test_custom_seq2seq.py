@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attn_reg_plugin.core import RegularizationController
-from attn_reg_plugin.core.controller import EditScores
+from attn_reg_plugin.core.attention_call import EditScores
 from helpers import REPO, load_script
 
 EXAMPLE = REPO / "examples" / "custom_seq2seq"

@@ -21,7 +21,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from ..attention import EditScores
+from ..attention_call import EditScores
 from ..controller import AttentionSite, RegularizationController
 from ..distributed import all_reduce_mean_
 from ..passes import PassRecord, add_counts, zero_counts
