@@ -12,14 +12,19 @@ importing (``helpers.IMPORT_TIME_ENV``: Python's, OpenMP's, the visible CUDA dev
 are the ones the server started with; the child then runs in the caller's environment. Otherwise it
 starts a fresh process. A test of start-up itself (import order, start-up warnings) starts its own.
 
-Protocol, one JSON line each way per run: ``{"name", "args", "cwd", "out", "env"}`` in; ``{"pid"}`` once
-forked, then ``{"rc"}`` (a negative number: killed by that signal).
+A request may also name a Python ``script`` to run as ``python SCRIPT ARGS`` would (the 2-rank
+fairseq runs of tests/fairseq_rank.py), and may hold several runs that start together (the ranks of
+one job) and are waited for together.
+
+Protocol, one JSON line each way per request: ``{"runs": [{"name" or "script", "args", "cwd", "out",
+"env"}, ...]}`` in; ``{"pids"}`` once forked, then ``{"rcs"}`` (a negative number: killed by that signal).
 """
 
 import atexit
 import importlib
 import json
 import os
+import runpy
 import sys
 import tempfile
 import threading
@@ -62,7 +67,8 @@ def exit_code(code):
 
 
 def run_child(request, preamble):
-    """In the forked child: run the console script ``request["name"]`` as a fresh start would; never returns."""
+    """In the forked child: run the console script ``request["name"]``, or the Python file
+    ``request["script"]``, as a fresh start would; never returns."""
     rc = 1
     try:
         out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -80,10 +86,19 @@ def run_child(request, preamble):
         # a fresh start would read it into its warning filters, so the child does.
         if request["env"].get("PYTHONWARNINGS") not in (None, STARTED_WITH.get("PYTHONWARNINGS")):
             warnings._processoptions(request["env"]["PYTHONWARNINGS"].split(","))
-        (script,) = entry_points(group="console_scripts", name=request["name"])
-        sys.argv = [os.path.join(os.path.dirname(sys.executable), request["name"]), *request["args"]]
+        if "script" in request:
+            sys.argv = [request["script"], *request["args"]]
+            sys.path[0] = os.path.dirname(os.path.abspath(request["script"]))  # as `python SCRIPT` has it
+
+            def main():
+                runpy.run_path(request["script"], run_name="__main__")
+
+        else:
+            (script,) = entry_points(group="console_scripts", name=request["name"])
+            sys.argv = [os.path.join(os.path.dirname(sys.executable), request["name"]), *request["args"]]
+            main = script.load()
         try:
-            rc = exit_code(script.load()())
+            rc = exit_code(main())
         except SystemExit as stop:
             rc = exit_code(stop.code)
         except BaseException:
@@ -103,16 +118,18 @@ def serve(requests, replies):
     if threading.active_count() != 1:
         raise RuntimeError(f"importing {PRELOADED} started threads: forking would copy them dead")
     for line in requests:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            requests.close()
-            replies.close()
-            run_child(request, preamble)
-        replies.write(json.dumps({"pid": pid}) + "\n")
+        pids = []
+        for run in json.loads(line)["runs"]:
+            pid = os.fork()
+            if pid == 0:
+                requests.close()
+                replies.close()
+                run_child(run, preamble)
+            pids.append(pid)
+        replies.write(json.dumps({"pids": pids}) + "\n")
         replies.flush()
-        _, status = os.waitpid(pid, 0)
-        replies.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+        replies.write(json.dumps({"rcs": codes}) + "\n")
         replies.flush()
 
 

@@ -7,10 +7,12 @@ Fixtures (corpora cut from the shipped data, reference runs) are in conftest.py.
 
 import atexit
 import collections
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -108,32 +110,47 @@ class ForkedCli:
 
     def run(self, name, args, cwd, timeout, env):
         """``name ARGS`` in a fork of the server, in environment ``env``; a CompletedProcess as subprocess.run's."""
+        return self.run_together([{"name": name, "args": args, "cwd": cwd, "env": env}], timeout)[0]
+
+    def run_together(self, runs, timeout):
+        """Each run (``name`` of a console script or ``script`` of a Python file, ``args``, ``cwd``,
+        ``env``) in a fork of the server, all started at once (the ranks of one job) and waited for
+        together; their CompletedProcesses, in order. On timeout every run still going is killed."""
         import signal
         import tempfile
 
-        with self.lock:
+        with self.lock, contextlib.ExitStack() as files:
             if self.server is None:
                 self.server = subprocess.Popen(
                     [sys.executable, str(REPO / "tests" / "forked_cli.py")],
                     env=CLI_ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                 )  # fmt: skip
                 atexit.register(self.server.stdin.close)  # the server ends at end of input
-            with tempfile.NamedTemporaryFile("r", suffix=".log") as out:
-                request = {
-                    "name": name,
-                    "args": list(map(str, args)),
-                    "cwd": str(cwd or os.getcwd()),
+            outs = [files.enter_context(tempfile.NamedTemporaryFile("r", suffix=".log")) for _ in runs]
+            requests = [
+                {
+                    **{key: str(run[key]) for key in ("name", "script") if key in run},
+                    "args": list(map(str, run["args"])),
+                    "cwd": str(run.get("cwd") or os.getcwd()),
                     "out": out.name,
-                    "env": env,
+                    "env": run["env"],
                 }
-                self.server.stdin.write((json.dumps(request) + "\n").encode())
-                pid = self.reply()["pid"]
-                done = self.reply(timeout)
-                if done is None:
-                    os.kill(pid, signal.SIGKILL)  # still the child: the server reaps it only after this
-                    self.reply()
-                    raise subprocess.TimeoutExpired([name, *args], timeout, output=out.read())
-                return subprocess.CompletedProcess([name, *args], done["rc"], stdout=out.read())
+                for run, out in zip(runs, outs)
+            ]
+            self.server.stdin.write((json.dumps({"runs": requests}) + "\n").encode())
+            pids = self.reply()["pids"]
+            done = self.reply(timeout)
+            commands = [[run.get("name") or str(run["script"]), *map(str, run["args"])] for run in runs]
+            if done is None:
+                for pid in pids:  # still the children: the server reaps them only after this
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                self.reply()
+                raise subprocess.TimeoutExpired(commands[0], timeout, output=outs[0].read())
+            return [
+                subprocess.CompletedProcess(command, rc, stdout=out.read())
+                for command, rc, out in zip(commands, done["rcs"], outs)
+            ]
 
 
 FORKED_CLI = ForkedCli()
@@ -706,6 +723,37 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rank_processes(script, rank_args, timeout=300):
+    """``python tests/<script> ARGS`` once per entry of ``rank_args``, all at once (the ranks of one
+    job), as forks of the forked-CLI server when RANK_ENV's import-time variables are the server's
+    but for PYTHONPATH (a fork has the plugin importable already), else as fresh processes;
+    returns each one's (exit code, output)."""
+    env = {**cli_env(), "PYTHONPATH": RANK_ENV["PYTHONPATH"]}
+    fresh_because = ", ".join(d for d in import_time_differences(env) if d != "PYTHONPATH")
+    CLI_STARTS["forked" if not fresh_because else "fresh: " + fresh_because + " changed"] += len(rank_args)
+    path = REPO / "tests" / script
+    if not fresh_because:
+        runs = [{"script": path, "args": args, "env": cli_env()} for args in rank_args]
+        return [(proc.returncode, proc.stdout) for proc in FORKED_CLI.run_together(runs, timeout)]
+    with contextlib.ExitStack() as files:
+        logs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in rank_args]
+        procs = [
+            subprocess.Popen([sys.executable, str(path), *map(str, args)], stdout=log, stderr=subprocess.STDOUT, env=RANK_ENV)
+            for args, log in zip(rank_args, logs)
+        ]  # fmt: skip
+        try:
+            codes = [p.wait(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+        return list(zip(codes, outputs))
 
 
 def torchrun_ranks(script, out_dir, *args, world=2, env=None, timeout=600):

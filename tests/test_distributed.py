@@ -12,8 +12,6 @@ DropHead and DropKey the same way, each with rank 0's TensorBoard events checked
 """
 
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,11 +19,10 @@ import torch
 pytest.importorskip("fairseq")
 
 from helpers import (  # noqa: E402
-    RANK_ENV,
-    REPO,
     TRAIN_ARGS,
     USER_DIR,
     free_port,
+    rank_processes,
     tensorboard_scalars,
     torchrun_ranks,
     train_updates,
@@ -38,47 +35,34 @@ UPDATES_PER_EPOCH = 6  # 12 batches of the tiny corpus shared by 2 ranks
 def _fairseq_ranks(data_bin, save, extra, max_epoch, regularizer="ad_drop", timeout=300):
     """Start every rank, wait for all; return rank 0's log (the other ranks log warnings only)."""
     port = free_port()
-    procs, logs = [], []
-    for rank in range(WORLD):
-        log = open(save.parent / f"{save.name}-rank{rank}-epoch{max_epoch}.log", "w+")
-        cmd = [
-            sys.executable,
-            str(REPO / "tests" / "fairseq_rank.py"),
-            str(data_bin),
+    rank_args = [
+        [
+            data_bin,
             "--user-dir",
             USER_DIR,
             "--save-dir",
-            str(save),
+            save,
             *TRAIN_ARGS[regularizer],
             "--max-epoch",
-            str(max_epoch),
+            max_epoch,
             "--distributed-world-size",
-            str(WORLD),
+            WORLD,
             "--distributed-rank",
-            str(rank),
+            rank,
             "--distributed-no-spawn",
             "--distributed-init-method",
             f"tcp://127.0.0.1:{port}",
             "--distributed-backend",
             "gloo",
             *extra,
-        ]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=RANK_ENV))
-        logs.append(log)
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-        log.close()
-    for rank, (code, text) in enumerate(zip(codes, texts)):
+        ]  # fmt: skip
+        for rank in range(WORLD)
+    ]
+    ranks = rank_processes("fairseq_rank.py", rank_args, timeout)
+    for rank, (code, text) in enumerate(ranks):
+        (save.parent / f"{save.name}-rank{rank}-epoch{max_epoch}.log").write_text(text)
         assert code == 0, f"rank {rank} failed ({code}):\n{text[-4000:]}"
-    return texts[0]
+    return ranks[0][1]
 
 
 def _same_parameters_on_every_rank(save, update):
