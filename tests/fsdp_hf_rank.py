@@ -28,7 +28,7 @@ from attn_reg_plugin.core.distributed import all_reduce_mean_
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.core.sharding import is_fully_sharded
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
-from attn_reg_plugin.hf.attendout_trainer import ATTENDOUT_STATE
+from attn_reg_plugin.hf.attendout_checkpoint import ATTENDOUT_STATE
 from helpers import classification_rows, pad_collate
 
 BATCH, VOCAB = 8, 50

@@ -129,8 +129,52 @@ def test_the_lab_imports_no_private_plugin_name():
     assert offenders == []
 
 
+def plugin_imports(path: Path, text=None):
+    """(module, name, line) of each ``from attn_reg_plugin... import name`` in ``path`` (or in
+    ``text``, as if it were that file's), relative imports resolved against the file's package."""
+    package = path.relative_to(REPO).with_suffix("").parts[:-1]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8") if text is None else text)):
+        if isinstance(node, ast.ImportFrom):
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            if module.split(".")[0] == "attn_reg_plugin":
+                yield from ((module, alias.name, node.lineno) for alias in node.names)
+
+
+def top_level_names(path: Path) -> set:
+    """Names a module defines: its functions, classes and assignments, also under an if or a try."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(sub.name)
+            elif isinstance(sub, (ast.Assign, ast.AnnAssign)):
+                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target]
+                names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def test_plugin_names_are_imported_from_the_module_that_defines_them():
+    """design.md "One import path per name": a plugin module's name is imported from the module
+    that defines it, never through one that merely imports it; packages (``__init__``) gather."""
+    offenders = []
+    for path in python_files("attn_reg_plugin", "lab", "tests", "examples", "tools"):
+        for module, name, line in plugin_imports(path):
+            file = REPO.joinpath(*module.split(".")).with_suffix(".py")
+            submodule = REPO.joinpath(*module.split("."), name)
+            if file.exists() and name not in top_level_names(file) and not submodule.with_suffix(".py").exists():
+                offenders.append(f"{path.relative_to(REPO)}:{line}: {name} from {module}")
+    assert offenders == []
+
+
 def test_the_checks_above_see_what_they_look_for(tmp_path):
     """The import walker finds both spellings, so an empty offender list means no import."""
     sample = tmp_path / "sample.py"
     sample.write_text("import attn_reg_lab.demo\nfrom attn_reg_plugin.core.attention import _captured\n")
     assert list(imports(sample)) == [("attn_reg_lab.demo", None), ("attn_reg_plugin.core.attention", ["_captured"])]
+    inside = REPO / "attn_reg_plugin" / "core" / "sample.py"  # never written: only its path is read
+    assert ("attn_reg_plugin.core.attention_call", "EditScores") == next(
+        (m, n) for m, n, _ in plugin_imports(inside, "from .attention_call import EditScores\n")
+    )
+    assert "EditScores" not in top_level_names(REPO / "attn_reg_plugin" / "core" / "controller.py")
+    assert "EditScores" in top_level_names(REPO / "attn_reg_plugin" / "core" / "attention_call.py")

@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from .attention_call import ORDINARY, AttentionCall, Captured, CaptureOutput, CaptureProbs, EditScores, call_of
+from .block_masks import BlockCall
 from .block_rules import AttentionScores, call_seed, rule_of
-from .blockwise import BlockCall, blockwise_attention, blockwise_rows
+from .blockwise import blockwise_attention, blockwise_rows
 from .controller import AttentionSite
 from .masks import (
     MASKED_BIAS,
@@ -126,6 +127,7 @@ def attend(
     need_weights: bool = False,
     is_causal: bool = False,
     plan: Optional[Plan] = None,
+    call: Optional[AttentionCall] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Scaled dot-product attention with the site's regularization hook applied.
 
@@ -140,10 +142,13 @@ def attend(
     ``plan``: the pass, when the model's call carries it (transformers' model kwargs); else the
     site's slot says what the pass does. A checkpointed layer must carry it to its recompute
     (:meth:`~.controller.RegularizationController.checkpoint`).
+    ``call``: ``call_of(site, plan)`` when the adapter read it already (to take its stock path on
+    an ordinary call), so that a call is read once.
     Returns the per-head output (B, H, T, d) and, if ``need_weights``, the attention map.
     A query row with no valid key attends to nothing: its output (and map row) is 0.
     """
-    call = call_of(site, plan)
+    if call is None:
+        call = call_of(site, plan)
     value_heads = v
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
         if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:

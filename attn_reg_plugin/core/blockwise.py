@@ -311,4 +311,4 @@ def blockwise_rows(q: torch.Tensor, k: torch.Tensor) -> Optional[int]:
     return rows if rows < t else None
 
 
-__all__: Sequence[str] = ("BlockCall", "blockwise_attention", "blockwise_rows", "query_block_rows")
+__all__: Sequence[str] = ("blockwise_attention", "blockwise_rows", "query_block_rows")

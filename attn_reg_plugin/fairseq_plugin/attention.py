@@ -56,8 +56,8 @@ class RegularizedMultiheadAttention(MultiheadAttention):
         before_softmax: bool = False,
         need_head_weights: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
-        site = self.attn_reg_site
-        if call_of(site).hook is None or incremental_state is not None or before_softmax:
+        call = call_of(self.attn_reg_site)
+        if call.hook is None or incremental_state is not None or before_softmax:
             return super().forward(
                 query,
                 key,
@@ -71,10 +71,12 @@ class RegularizedMultiheadAttention(MultiheadAttention):
                 need_head_weights=need_head_weights,
             )
         return self._regularized_forward(
-            query, key, value, key_padding_mask, need_weights or need_head_weights, attn_mask, need_head_weights
+            call, query, key, value, key_padding_mask, need_weights or need_head_weights, attn_mask, need_head_weights
         )
 
-    def _regularized_forward(self, query, key, value, key_padding_mask, need_weights, attn_mask, need_head_weights):
+    def _regularized_forward(
+        self, call, query, key, value, key_padding_mask, need_weights, attn_mask, need_head_weights
+    ):
         tgt_len, bsz, embed_dim = query.shape
         if self.self_attention:
             key = value = query
@@ -112,6 +114,7 @@ class RegularizedMultiheadAttention(MultiheadAttention):
             scale=self.scaling,
             site=self.attn_reg_site,
             need_weights=need_weights,
+            call=call,
         )
         out = self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim))
         weights = None

@@ -63,7 +63,8 @@ def attn_reg_attention(
             f"its attention caps the scores ({type(module).__name__}: attention logit soft-capping, "
             f"softcap * tanh(scores / softcap) with softcap={kwargs['softcap']})"
         )
-    if call_of(site, plan).hook is None:
+    call = call_of(site, plan)
+    if call.hook is None:
         # transformers' own sdpa, not the kernel's ordinary path: the equivalence checks compare against it
         return _sdpa_forward()(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
@@ -84,7 +85,7 @@ def attn_reg_attention(
         site=site,
         need_weights=bool(kwargs.get("output_attentions", False)),
         is_causal=causal,
-        plan=plan,
+        call=call,
     )
     return out.transpose(1, 2).contiguous(), weights
 

@@ -49,13 +49,13 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from ..core.ad_drop_config import SCHEDULES
+from ..core.attribution import ATTRIBUTIONS
 from ..paths import OutputOverwritesInputError, check_outputs_spare_inputs
 from .heatmap import heatmap
 from .options import (
-    ATTRIBUTIONS,
     OWNED,
     POST_PROCESS,
-    SCHEDULES,
     TASK,
     SweepError,
     build_parser,

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from ..core.ad_drop_config import ATTRIBUTIONS, SCHEDULES, first_ad_drop_epoch
+from ..core.ad_drop_config import SCHEDULES, first_ad_drop_epoch
+from ..core.attribution import ATTRIBUTIONS
 
 # fairseq's --post-process values (fairseq.data.data_utils.post_process); "none" passes nothing.
 POST_PROCESS = ("sentencepiece", "subword_nmt", "@@ ", "@@", "wordpiece", "letter", "_EOW", "silence", "none")

@@ -4,8 +4,9 @@ epoch rule, and frozen parameters restored."""
 import pytest
 import torch
 
-from attn_reg_plugin.core.ad_drop import ADDrop, frozen_parameters
+from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig, ad_drop_epoch
+from attn_reg_plugin.core.attribution_pass import frozen_parameters
 from helpers import controller_with_sites
 
 

@@ -8,10 +8,8 @@ import torch
 fairseq = pytest.importorskip("fairseq")
 from fairseq.modules.multihead_attention import MultiheadAttention  # noqa: E402
 
-from attn_reg_plugin.core.controller import (
-    EditScores,  # noqa: E402
-    RegularizationController,  # noqa: E402
-)
+from attn_reg_plugin.core.attention_call import EditScores  # noqa: E402
+from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
 from attn_reg_plugin.fairseq_plugin.attention import RegularizedMultiheadAttention, install_attention_sites  # noqa: E402
 from helpers import TINY_TRANSFORMER, fairseq_setup  # noqa: E402
 

@@ -11,11 +11,9 @@ import transformers  # noqa: E402
 import helpers  # noqa: E402
 from attn_reg_plugin.core.ad_drop import ADDrop  # noqa: E402
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig  # noqa: E402
+from attn_reg_plugin.core.attention_call import EditScores  # noqa: E402
 from attn_reg_plugin.core.attribution import logit_target  # noqa: E402
-from attn_reg_plugin.core.controller import (
-    EditScores,  # noqa: E402
-    RegularizationController,  # noqa: E402
-)
+from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
 from attn_reg_plugin.hf import ADDropSeq2SeqTrainer, ADDropTrainer, install_attention_sites  # noqa: E402
 from helpers import CORPUS, minilm_path, record_results, tiny_bert_classifier  # noqa: E402
 from helpers import MOVIE_REVIEWS_TINY as REVIEWS
@@ -74,6 +72,22 @@ def test_idle_and_noop_hook_match_sdpa(build, batch, train):
         with controller.hooks({s: noop for s in controller.sites}):
             hooked = ours(**inputs).logits
     torch.testing.assert_close(hooked, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_regularized_call_is_read_once(monkeypatch):
+    """The adapter reads what the pass asks of a call (call_of) and hands it to attend, which does
+    not read it again."""
+    import attn_reg_plugin.core.attention as core_attention
+    import attn_reg_plugin.hf.attention as hf_attention
+
+    ours, controller, _ = adapted(tiny_bert())
+    reads = []
+    read = hf_attention.call_of
+    monkeypatch.setattr(hf_attention, "call_of", lambda *args: reads.append(args) or read(*args))
+    monkeypatch.setattr(core_attention, "call_of", lambda *args: pytest.fail("attend read the call again"))
+    with torch.no_grad(), controller.hooks({s: EditScores() for s in controller.sites}):
+        ours(**bert_batch())
+    assert [site for site, _ in reads] == controller.sites  # one read per layer's call
 
 
 def test_sites_found():

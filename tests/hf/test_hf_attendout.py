@@ -19,7 +19,7 @@ from attn_reg_plugin.hf import (
     AttnRegSeq2SeqTrainer,
     AttnRegTrainer,
 )
-from attn_reg_plugin.hf.attendout_trainer import ATTENDOUT_STATE
+from attn_reg_plugin.hf.attendout_checkpoint import ATTENDOUT_STATE
 from helpers import CORPUS, REPO, minilm_path, record_results, small_bert, tiny_marian, token_data, trainer_args
 from helpers import MOVIE_REVIEWS_TINY as REVIEWS
 from helpers import pad_collate as collate
