@@ -126,7 +126,9 @@ class ForkedCli:
                     env=CLI_ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                 )  # fmt: skip
                 atexit.register(self.server.stdin.close)  # the server ends at end of input
-            outs = [files.enter_context(tempfile.NamedTemporaryFile("r", suffix=".log")) for _ in runs]
+            outs = [
+                files.enter_context(tempfile.NamedTemporaryFile("r", suffix=".log", errors="replace")) for _ in runs
+            ]
             requests = [
                 {
                     **{key: str(run[key]) for key in ("name", "script") if key in run},
@@ -201,9 +203,12 @@ def run_logged_forked(cmd, log_path, on_line=None, append=True):
 
     name = Path(cmd[0]).name
     env = cli_env()
-    if name not in FORKABLE or Path(cmd[0]) != VENV_BIN / name or import_time_differences(env):
+    if name not in FORKABLE or Path(cmd[0]) != VENV_BIN / name:
         return None
-    CLI_STARTS["forked"] += 1
+    differences = import_time_differences(env)
+    CLI_STARTS["forked" if not differences else "fresh: " + ", ".join(differences) + " changed"] += 1
+    if differences:
+        return None
     start = time.time()
     proc = FORKED_CLI.run(name, cmd[1:], None, 900, env)
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -59,8 +59,9 @@ def _fairseq_ranks(data_bin, save, extra, max_epoch, regularizer="ad_drop", time
         for rank in range(WORLD)
     ]
     ranks = rank_processes("fairseq_rank.py", rank_args, timeout)
-    for rank, (code, text) in enumerate(ranks):
+    for rank, (_, text) in enumerate(ranks):  # every rank's log, before any is judged
         (save.parent / f"{save.name}-rank{rank}-epoch{max_epoch}.log").write_text(text)
+    for rank, (code, text) in enumerate(ranks):
         assert code == 0, f"rank {rank} failed ({code}):\n{text[-4000:]}"
     return ranks[0][1]
 

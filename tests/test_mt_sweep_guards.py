@@ -130,6 +130,8 @@ def test_a_stopped_or_killed_sweep_ends_its_child_and_resumes_whole(fake, tmp_pa
     printed = capsys.readouterr().out
     assert ("taking over the lock of a sweep that no longer runs" in printed) == (sig == signal.SIGKILL)
     assert f"resuming {CELL_A} seed 1 from epoch 2" in printed
+    # Without --rebuild-batches fairseq's resumed batches differ from an uninterrupted run's: said so.
+    assert "its batches from here on are not an uninterrupted run's: give --rebuild-batches" in printed
     (run,) = json.loads((out / "results.json").read_text())["cells"][0]["runs"]
     assert run["epochs"] == 3 and run["missing_epochs"] == [] and run["valid_loss"] == pytest.approx(4.7)
     assert run["attempts"] == 2 and run["train_seconds"] >= 1.5  # the killed attempt's time counts

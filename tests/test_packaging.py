@@ -143,14 +143,17 @@ def plugin_imports(path: Path, text=None):
 
 def top_level_names(path: Path) -> set:
     """Names a module defines: its functions, classes and assignments, also under an if or a try."""
-    names = set()
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
-            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.add(sub.name)
-            elif isinstance(sub, (ast.Assign, ast.AnnAssign)):
-                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target]
-                names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    names, statements = set(), list(ast.parse(path.read_text(encoding="utf-8")).body)
+    while statements:
+        node = statements.pop()
+        if isinstance(node, (ast.If, ast.Try)):  # their branches' statements, not the functions' bodies
+            statements += node.body + node.orelse + getattr(node, "finalbody", [])
+            statements += [s for handler in getattr(node, "handlers", []) for s in handler.body]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
     return names
 
 

@@ -149,6 +149,8 @@ def attend(
     """
     if call is None:
         call = call_of(site, plan)
+    elif plan is not None:
+        raise ValueError("attend: give the plan (read here) or the call read from it (call_of), not both")
     value_heads = v
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
         if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:

@@ -172,6 +172,13 @@ def translate_and_score(opts, checkpoint: Path, split: str, out_dir: Path, ref_p
     }
 
 
+# fairseq builds a process's batches once, ordering equal-length sentences by seed + the epoch it
+# starts in, so a resumed run's batches differ from an uninterrupted one's (docs/CHECKPOINTS.md).
+APPROXIMATE_RESUME = (
+    "; its batches from here on are not an uninterrupted run's: give --rebuild-batches after '--' for an exact resume"
+)
+
+
 def _train(cell: dict, seed: int, opts, seed_dir: Path, log: Callable[[str], None]) -> None:
     """fairseq-train of one run (resuming from its checkpoint_last.pt when an earlier attempt left
     one), its attempts in ``attempts.json``; ``trained.json`` marks it trained."""
@@ -186,11 +193,13 @@ def _train(cell: dict, seed: int, opts, seed_dir: Path, log: Callable[[str], Non
             done = f"all {opts.epochs} epochs done" if resumed[0] > opts.epochs else f"{resumed[1]} updates done"
             log(
                 f"    resuming {name} from epoch {resumed[0]} (checkpoint_last.pt: {done}; the record covers every attempt)"
+                + ("" if exact else APPROXIMATE_RESUME)
             )
         for epoch, loss in read_train_log(line)["valid_loss"].items():
             log(f"    {name} epoch {epoch}/{opts.epochs}: valid loss {loss:.3f}")
 
     cmd = [fairseq_command("fairseq-train"), *train_command(cell, seed, opts, seed_dir / "checkpoints")]
+    exact = "--rebuild-batches" in cmd
     try:
         seconds = run_appended(cmd, seed_dir / "train.log", on_line, attempts.tick)
     except BaseException as e:

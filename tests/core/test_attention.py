@@ -359,3 +359,16 @@ def test_key_value_heads_that_do_not_divide_the_query_heads_are_refused():
     q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 3, 3, 8)
     with pytest.raises(ValueError, match=r"^attend: 4 query heads need key/value heads dividing them, got 3$"):
         attend(q, k, k)
+
+
+def test_attend_takes_a_plan_or_the_call_read_from_it_not_both():
+    from types import MappingProxyType
+
+    from attn_reg_plugin.core.attention_call import ORDINARY
+    from attn_reg_plugin.core.passes import Plan
+
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="give the plan .* or the call read from it .*, not both"):
+        attend(q, q, q, plan=Plan(MappingProxyType({})), call=ORDINARY)
+    out, _ = attend(q, q, q, call=ORDINARY)  # the call alone: ordinary attention
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, q, q))
