@@ -86,6 +86,15 @@ def import_time_differences(env):
 CLI_STARTS = collections.Counter()
 
 
+def why_fresh(env, runs=1, ignored=(), input=None):
+    """Why forkable runs in ``env`` must start a fresh process (None: they fork), counted in
+    CLI_STARTS: standard input, or import-time variables other than ``ignored`` that differ."""
+    differences = [d for d in import_time_differences(env) if d not in ignored]
+    reason = "standard input" if input is not None else ", ".join(differences) + " changed" if differences else None
+    CLI_STARTS["forked" if reason is None else "fresh: " + reason] += runs
+    return reason
+
+
 class ForkedCli:
     """The client of tests/forked_cli.py's server, started at the first run and ended with the tests."""
 
@@ -117,7 +126,6 @@ class ForkedCli:
         ``env``) in a fork of the server, all started at once (the ranks of one job) and waited for
         together; their CompletedProcesses, in order. On timeout every run still going is killed."""
         import signal
-        import tempfile
 
         with self.lock, contextlib.ExitStack() as files:
             if self.server is None:
@@ -165,15 +173,7 @@ def run_cli(name, args, cwd=None, expect_ok=True, timeout=300, input=None):
     imported fairseq once (tests/forked_cli.py) unless they read standard input or a variable read
     while importing (IMPORT_TIME_ENV) differs from the one that process started with."""
     env = cli_env()
-    fresh_because = None
-    if name in FORKABLE:
-        differences = import_time_differences(env)
-        if input is not None:
-            fresh_because = "standard input"
-        elif differences:
-            fresh_because = ", ".join(differences) + " changed"
-        CLI_STARTS["forked" if fresh_because is None else "fresh: " + fresh_because] += 1
-    if name in FORKABLE and fresh_because is None:
+    if name in FORKABLE and why_fresh(env, input=input) is None:
         proc = FORKED_CLI.run(name, args, cwd, timeout, env)
     else:
         proc = subprocess.run(
@@ -203,11 +203,7 @@ def run_logged_forked(cmd, log_path, on_line=None, append=True):
 
     name = Path(cmd[0]).name
     env = cli_env()
-    if name not in FORKABLE or Path(cmd[0]) != VENV_BIN / name:
-        return None
-    differences = import_time_differences(env)
-    CLI_STARTS["forked" if not differences else "fresh: " + ", ".join(differences) + " changed"] += 1
-    if differences:
+    if name not in FORKABLE or Path(cmd[0]) != VENV_BIN / name or why_fresh(env) is not None:
         return None
     start = time.time()
     proc = FORKED_CLI.run(name, cmd[1:], None, 900, env)
@@ -736,10 +732,8 @@ def rank_processes(script, rank_args, timeout=300):
     but for PYTHONPATH (a fork has the plugin importable already), else as fresh processes;
     returns each one's (exit code, output)."""
     env = {**cli_env(), "PYTHONPATH": RANK_ENV["PYTHONPATH"]}
-    fresh_because = ", ".join(d for d in import_time_differences(env) if d != "PYTHONPATH")
-    CLI_STARTS["forked" if not fresh_because else "fresh: " + fresh_because + " changed"] += len(rank_args)
     path = REPO / "tests" / script
-    if not fresh_because:
+    if why_fresh(env, len(rank_args), ignored=("PYTHONPATH",)) is None:
         runs = [{"script": path, "args": args, "env": cli_env()} for args in rank_args]
         return [(proc.returncode, proc.stdout) for proc in FORKED_CLI.run_together(runs, timeout)]
     with contextlib.ExitStack() as files:
