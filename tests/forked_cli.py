@@ -7,7 +7,8 @@ OpenMP pool exists to inherit), and forks one child per run. Each run is still i
 own address space, working directory, arguments and exit status, its output (file descriptors 1 and
 2) in a file, and at the top of that output what the imports printed, as a fresh start's log has.
 
-:func:`helpers.run_cli` uses it when no standard input is given and the variables read while
+:func:`helpers.run_cli` uses it when no standard input is given, the run will not use CUDA (a
+forked child cannot initialize it), and the variables read while
 importing (``helpers.IMPORT_TIME_ENV``: Python's, OpenMP's, the visible CUDA devices, the paths)
 are the ones the server started with; the child then runs in the caller's environment. Otherwise it
 starts a fresh process. A test of start-up itself (import order, start-up warnings) starts its own.

@@ -86,11 +86,18 @@ def import_time_differences(env):
 CLI_STARTS = collections.Counter()
 
 
-def why_fresh(env, runs=1, ignored=(), input=None):
+def why_fresh(env, runs=1, ignored=(), input=None, args=None):
     """Why forkable runs in ``env`` must start a fresh process (None: they fork), counted in
-    CLI_STARTS: standard input, or import-time variables other than ``ignored`` that differ."""
+    CLI_STARTS: standard input, a fairseq run's ``args`` that will use CUDA (a forked child cannot
+    initialize it: on an H200 such children exited 1 without a word), or import-time variables other
+    than ``ignored`` that differ."""
     differences = [d for d in import_time_differences(env) if d not in ignored]
-    reason = "standard input" if input is not None else ", ".join(differences) + " changed" if differences else None
+    if input is not None:
+        reason = "standard input"
+    elif args is not None and "--cpu" not in map(str, args) and torch.cuda.is_available():
+        reason = "CUDA"
+    else:
+        reason = ", ".join(differences) + " changed" if differences else None
     CLI_STARTS["forked" if reason is None else "fresh: " + reason] += runs
     return reason
 
@@ -173,7 +180,7 @@ def run_cli(name, args, cwd=None, expect_ok=True, timeout=300, input=None):
     imported fairseq once (tests/forked_cli.py) unless they read standard input or a variable read
     while importing (IMPORT_TIME_ENV) differs from the one that process started with."""
     env = cli_env()
-    if name in FORKABLE and why_fresh(env, input=input) is None:
+    if name in FORKABLE and why_fresh(env, input=input, args=args) is None:
         proc = FORKED_CLI.run(name, args, cwd, timeout, env)
     else:
         proc = subprocess.run(
@@ -203,7 +210,7 @@ def run_logged_forked(cmd, log_path, on_line=None, append=True):
 
     name = Path(cmd[0]).name
     env = cli_env()
-    if name not in FORKABLE or Path(cmd[0]) != VENV_BIN / name or why_fresh(env) is not None:
+    if name not in FORKABLE or Path(cmd[0]) != VENV_BIN / name or why_fresh(env, args=cmd[1:]) is not None:
         return None
     start = time.time()
     proc = FORKED_CLI.run(name, cmd[1:], None, 900, env)
