@@ -489,6 +489,39 @@ def test_ties_straddling_the_threshold_in_many_rows_take_the_lowest_keys():
         assert got == set(sorted(keys, key=lambda c: (-scores[i, j, r, c].item(), c))[:k]), (i, j, r)
 
 
+@pytest.mark.parametrize("tied_rows", [0.3, 0.9])  # the CPU ranks the straddling rows gathered, or all rows
+@pytest.mark.parametrize("distinct", [2, 40])  # many keys at the threshold (a scan) or few (positions)
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "k per sample"])
+def test_lowest_keys_first_equals_a_row_by_row_reading(tied_rows, distinct, layout):
+    """Each row: the keys above its threshold, then of the keys at it the lowest-indexed ones, k in
+    all, whichever way the CPU ranks them, and as the scan that other devices run gives it."""
+    g = torch.Generator().manual_seed(int(tied_rows * 10) + distinct)
+    b, h, t, s = 2, 3, 16, 48
+    tied = torch.rand(b, h, t, 1, generator=g) < tied_rows
+    scores = torch.where(
+        tied, torch.randint(0, distinct, (b, h, t, s), generator=g).float(), torch.rand(b, h, t, s, generator=g)
+    )
+    scores[..., -3:] = -math.inf  # invalid keys, never above a threshold
+    k = torch.randint(
+        1, s - 3, (b, 1, 1, 1) if layout == "k per sample" else (b, h, t, 1), generator=g, dtype=torch.int32
+    )
+    if layout == "permuted":  # T5's scores come permuted
+        scores = scores.transpose(1, 2).contiguous().transpose(1, 2)
+    threshold = row_selection.kth_largest(scores, k)
+    region = scores >= threshold
+    at_least = region.sum(-1, keepdim=True, dtype=torch.int32)
+    full_k = k.expand(b, h, t, 1)
+    expected = torch.zeros(b, h, t, s, dtype=torch.bool)
+    for i, j, r in ((i, j, r) for i in range(b) for j in range(h) for r in range(t)):
+        row, th, n = scores[i, j, r].tolist(), threshold[i, j, r, 0].item(), int(full_k[i, j, r, 0])
+        keys = [c for c in range(s) if row[c] > th] + [c for c in range(s) if row[c] == th]
+        expected[i, j, r, keys[:n]] = True
+    assert (at_least > full_k).float().mean() > 0.1  # ties straddle in many rows
+    for counted in (at_least, None):  # the forward's count, or none (the backward's)
+        assert torch.equal(row_selection.lowest_keys_first(scores, threshold, k, region, counted), expected)
+    assert torch.equal(row_selection._ranked_by_scan(scores == threshold, region, k, at_least), expected)
+
+
 def test_a_given_mask_through_blocks_leaves_the_random_stream_alone(small_blocks, block_calls):
     """AttendOut's Generator masks draw nothing in the kernel, so a blockwise call takes no seed: the
     global stream is where the one-block path leaves it, and what follows trains identically."""
