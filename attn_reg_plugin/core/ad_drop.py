@@ -19,12 +19,7 @@ from torch.profiler import record_function
 
 from .ad_drop_config import ADDropConfig
 from .attention_call import CaptureOutput, CaptureProbs, EditScores
-from .attribution import (
-    GradientScale,
-    dense_gradient_attribution,
-    output_gradients,
-    probs_gradient,
-)
+from .attribution import GradientScale, output_gradients, probs_gradient
 from .attribution_pass import (
     attribution_precision,
     cpu_has_native_bf16,
@@ -38,9 +33,9 @@ from .block_rules import (
     RandomScores,
     ScoreSource,
     TopRegionRule,
-    rng_state,
-    set_rng_state,
+    dense_gradient_attribution,
 )
+from .blockwise import rng_state, set_rng_state
 from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
 from .passes import zero_counts

@@ -134,20 +134,6 @@ def output_gradients(
     return [torch.zeros_like(o, dtype=torch.float32) if g is None else g for g, o in zip(grads, outputs)]
 
 
-def dense_gradient_attribution(grad_output: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """dF/dA = (dF/dO) V^T, the whole (B, H, T, S) map. ``values`` (B, H_v, S, d) may have fewer heads
-    (grouped-query attention: head h reads value head h // (H / H_v)), multiplied per group unrepeated."""
-    b, h, t, d = grad_output.shape
-    groups = h // values.shape[1]
-    # In float32 even under a bf16 attribution pass: rounding the product to bf16's 8 bits
-    # would tie keys of a row that the ranking has to tell apart.
-    with torch.autocast(grad_output.device.type, enabled=False):
-        if groups == 1:
-            return torch.matmul(grad_output, values.float().transpose(-2, -1))
-        grouped = grad_output.reshape(b, values.shape[1], groups * t, d)
-        return torch.matmul(grouped, values.float().transpose(-2, -1)).view(b, h, t, -1)
-
-
 def probs_gradient(
     target: torch.Tensor, probs: List[torch.Tensor], scale: Optional[GradientScale] = None
 ) -> List[torch.Tensor]:

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 
 from . import masks
-from .attribution import dense_gradient_attribution
-from .row_selection import as_bytes, kth_largest, lowest_keys_first
 
 # Random numbers are drawn per chunk of query rows (blocks are whole chunks), tile by tile of keys.
 CHUNK_ROWS = 64
@@ -217,6 +215,20 @@ class ScoreSource:
         raise NotImplementedError
 
 
+def dense_gradient_attribution(grad_output: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """dF/dA = (dF/dO) V^T, the whole (B, H, T, S) map. ``values`` (B, H_v, S, d) may have fewer heads
+    (grouped-query attention: head h reads value head h // (H / H_v)), multiplied per group unrepeated."""
+    b, h, t, d = grad_output.shape
+    groups = h // values.shape[1]
+    # In float32 even under a bf16 attribution pass: rounding the product to bf16's 8 bits
+    # would tie keys of a row that the ranking has to tell apart.
+    with torch.autocast(grad_output.device.type, enabled=False):
+        if groups == 1:
+            return torch.matmul(grad_output, values.float().transpose(-2, -1))
+        grouped = grad_output.reshape(b, values.shape[1], groups * t, d)
+        return torch.matmul(grouped, values.float().transpose(-2, -1)).view(b, h, t, -1)
+
+
 @dataclass(frozen=True, eq=False)
 class GradientScores(ScoreSource):
     """Gradient attribution dF/dA = (dF/dO) V^T (times -1 for the bottom region), per block of rows."""
@@ -331,13 +343,13 @@ class TopRegionRule(BlockRule):
         score, ties at the threshold (the k-th largest valid score; +inf where k = 0) lowest key first."""
         scores = self._scores(block) if scores is None else scores
         n_valid, k = self._counts(block)
-        threshold = kth_largest(scores, k).masked_fill(k.expand(scores.shape[:-1] + (1,)) == 0, math.inf)
+        threshold = masks.kth_largest(scores, k).masked_fill(k.expand(scores.shape[:-1] + (1,)) == 0, math.inf)
         region = scores >= threshold
-        at_least = as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)
+        at_least = masks.as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)
         # Whether ties straddle the threshold in some row: kept, so the backward need not count.
         tied = masks.may_hold_true(at_least > k)
         if tied:
-            region = lowest_keys_first(scores, threshold, k.to(torch.int32), region, at_least)
+            region = masks.lowest_keys_first(scores, threshold, k.to(torch.int32), region, at_least)
         return region, (threshold, k, tied), n_valid
 
     def forward_drops(self, block: Block):
@@ -353,7 +365,7 @@ class TopRegionRule(BlockRule):
         if region is None:  # the backward: made again from the forward's thresholds
             region = scores >= threshold
             if tied:
-                region = lowest_keys_first(scores, threshold, k.to(torch.int32), region, None)
+                region = masks.lowest_keys_first(scores, threshold, k.to(torch.int32), region, None)
         drop = block.coins(self.q)
         drop &= region
         if self.samples is not None:
@@ -371,25 +383,6 @@ def call_seed() -> torch.Tensor:
     as an input (no guard on its value), and an activation checkpoint, which restores that generator
     for its recompute, draws the same one again."""
     return torch.randint(0, 2**62, (), dtype=torch.int64)
-
-
-def rng_state(devices: Optional[Sequence[torch.device]] = None) -> dict:
-    """The global random streams of ``devices`` (default: the CPU and every initialized CUDA device),
-    {device: state}, for :func:`set_rng_state`: sdpa's own dropout and the attribution pass draw from them."""
-    if devices is None:
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        devices = [torch.device("cpu")] + [
-            torch.device("cuda", i) for i in range(torch.cuda.device_count() if cuda else 0)
-        ]
-    return {d: torch.cuda.get_rng_state(d) if d.type == "cuda" else torch.get_rng_state() for d in devices}
-
-
-def set_rng_state(states: dict) -> None:
-    for device, state in states.items():
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(state, device)
-        else:
-            torch.set_rng_state(state)
 
 
 def rule_of(drop) -> Optional[BlockRule]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from . import block_rules
 from .block_masks import BlockCall, KeptDrops, block_counts, block_masks, keeps_drops
-from .block_rules import rng_state, rows_of, set_rng_state
+from .block_rules import rows_of
 from .masks import pack_bits, zero_rows
 
 # A block holds at most max(BLOCK_ELEMENTS, LINEAR_FACTOR * B*H*T*d) score-sized elements: a fixed
@@ -300,6 +300,25 @@ def blockwise_attention(q, k, v, bias, call: BlockCall) -> Tuple[torch.Tensor, t
     q, k, v = (x.to(dtype) if x.is_floating_point() else x for x in (q, k, v))
     with torch.autocast(device, enabled=False):
         return BlockwiseAttention.apply(q, k, v, bias, call)
+
+
+def rng_state(devices: Optional[Sequence[torch.device]] = None) -> dict:
+    """The global random streams of ``devices`` (default: the CPU and every initialized CUDA device),
+    {device: state}, for :func:`set_rng_state`: sdpa's own dropout and the attribution pass draw from them."""
+    if devices is None:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        devices = [torch.device("cpu")] + [
+            torch.device("cuda", i) for i in range(torch.cuda.device_count() if cuda else 0)
+        ]
+    return {d: torch.cuda.get_rng_state(d) if d.type == "cuda" else torch.get_rng_state() for d in devices}
+
+
+def set_rng_state(states: dict) -> None:
+    for device, state in states.items():
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
 
 
 def blockwise_rows(q: torch.Tensor, k: torch.Tensor) -> Optional[int]:

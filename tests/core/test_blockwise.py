@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from attn_reg_plugin.core import block_masks, block_rules, blockwise, row_selection
+from attn_reg_plugin.core import block_masks, block_rules, blockwise, masks
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import EditScores
-from attn_reg_plugin.core.attribution import dense_gradient_attribution, logit_target
+from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.block_rules import (
     BernoulliRule,
     Block,
@@ -24,6 +24,7 @@ from attn_reg_plugin.core.block_rules import (
     RandomScores,
     TopRegionRule,
     chunk_draws,
+    dense_gradient_attribution,
 )
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.masks import candidate_region
@@ -507,7 +508,7 @@ def test_lowest_keys_first_equals_a_row_by_row_reading(tied_rows, distinct, layo
     )
     if layout == "permuted":  # T5's scores come permuted
         scores = scores.transpose(1, 2).contiguous().transpose(1, 2)
-    threshold = row_selection.kth_largest(scores, k)
+    threshold = masks.kth_largest(scores, k)
     region = scores >= threshold
     at_least = region.sum(-1, keepdim=True, dtype=torch.int32)
     full_k = k.expand(b, h, t, 1)
@@ -518,8 +519,8 @@ def test_lowest_keys_first_equals_a_row_by_row_reading(tied_rows, distinct, layo
         expected[i, j, r, keys[:n]] = True
     assert (at_least > full_k).float().mean() > 0.1  # ties straddle in many rows
     for counted in (at_least, None):  # the forward's count, or none (the backward's)
-        assert torch.equal(row_selection.lowest_keys_first(scores, threshold, k, region, counted), expected)
-    assert torch.equal(row_selection._ranked_by_scan(scores == threshold, region, k, at_least), expected)
+        assert torch.equal(masks.lowest_keys_first(scores, threshold, k, region, counted), expected)
+    assert torch.equal(masks._ranked_by_scan(scores == threshold, region, k, at_least), expected)
 
 
 def test_a_given_mask_through_blocks_leaves_the_random_stream_alone(small_blocks, block_calls):
@@ -657,17 +658,17 @@ def test_each_rows_kth_largest_is_the_same_from_numpy_and_from_topk(seed, monkey
     scores[torch.rand(scores.shape, generator=g) < 0.3] = -math.inf
     per_row = torch.randint(1, keys + 1, (2, rows, 1), generator=g)
     for k in (per_row, per_row[:1, :1]):
-        from_numpy = row_selection.kth_largest(scores, k)
+        from_numpy = masks.kth_largest(scores, k)
         want = torch.stack([
             torch.sort(row, descending=True).values[int(kk) - 1]
             for row, kk in zip(scores.reshape(-1, keys), k.expand(2, rows, 1).reshape(-1))
         ]).view(2, rows, 1)  # fmt: skip
         with monkeypatch.context() as patched:
-            patched.setattr(row_selection, "_numpy", None)
-            from_topk = row_selection.kth_largest(scores, k)
+            patched.setattr(masks, "_numpy", None)
+            from_topk = masks.kth_largest(scores, k)
         assert torch.equal(from_numpy, want) and torch.equal(from_topk, want)
-    in_bf16 = row_selection.kth_largest(scores.bfloat16(), per_row)  # numpy has no bfloat16: topk's path
-    assert torch.equal(in_bf16, row_selection.kth_largest(scores, per_row).bfloat16())
+    in_bf16 = masks.kth_largest(scores.bfloat16(), per_row)  # numpy has no bfloat16: topk's path
+    assert torch.equal(in_bf16, masks.kth_largest(scores, per_row).bfloat16())
 
 
 @pytest.mark.parametrize("kind", ["padding", "causal"])
