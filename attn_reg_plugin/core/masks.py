@@ -310,7 +310,6 @@ def lowest_keys_first(scores, threshold, k, region, at_least) -> torch.Tensor:
     rows = scores.shape[:-1] + (1,)
     straddling = (at_least > k).expand(rows).reshape(-1)
     tied = straddling.nonzero().squeeze(1) if 2 * int(straddling.sum()) <= straddling.numel() else None
-    region = region.contiguous()  # written through a flat view (scores may be permuted, T5's)
 
     def of_tied(x):
         x = x.expand(rows if x.shape[-1] == 1 else scores.shape).reshape(-1, x.shape[-1])
@@ -329,9 +328,10 @@ def lowest_keys_first(scores, threshold, k, region, at_least) -> torch.Tensor:
     else:
         ranked = _ranked_by_position(positions, equal.shape[0], tied_scores > tied_threshold, tied_k)
     if tied is None:
-        return ranked.view(region.shape)
-    region.view(-1, keys).index_copy_(0, tied, ranked)
-    return region
+        return ranked.view(scores.shape)
+    out = region.clone(memory_format=torch.contiguous_format)  # the caller's region stays as it was
+    out.view(-1, keys).index_copy_(0, tied, ranked)
+    return out
 
 
 def _ranked_by_scan(equal, region, k, at_least) -> torch.Tensor:

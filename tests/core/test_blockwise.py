@@ -518,8 +518,10 @@ def test_lowest_keys_first_equals_a_row_by_row_reading(tied_rows, distinct, layo
         keys = [c for c in range(s) if row[c] > th] + [c for c in range(s) if row[c] == th]
         expected[i, j, r, keys[:n]] = True
     assert (at_least > full_k).float().mean() > 0.1  # ties straddle in many rows
+    given = region.clone()
     for counted in (at_least, None):  # the forward's count, or none (the backward's)
         assert torch.equal(masks.lowest_keys_first(scores, threshold, k, region, counted), expected)
+        assert torch.equal(region, given)  # the caller's region is left as it was
     assert torch.equal(masks._ranked_by_scan(scores == threshold, region, k, at_least), expected)
 
 
