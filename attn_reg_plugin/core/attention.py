@@ -287,7 +287,7 @@ def _edited(call: AttentionCall, q, bias, valid, shape):
         if hook.counted and not call.recompute:
             # Count over the full (B, H, T, S): a mask shared by heads drops in each head.
             units = valid if hook.droppable is None else valid & hook.droppable.to(valid.device)
-            dropped = (edit.drop & units).expand(shape).sum()
+            dropped = (edit.drop & units).expand(shape).count_nonzero()
             droppable = broadcast_count(units, shape)
     if call.recompute:
         return q, bias, None

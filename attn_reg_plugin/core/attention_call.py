@@ -121,7 +121,7 @@ class EditScores:
         uniform = self.uniform_rows_on(device)
         drop = self.drop
         if isinstance(drop, BlockRule):
-            drop = drop.whole(valid.expand(shape), seed)
+            drop = drop.whole(valid, seed, shape)
         if drop is not None:
             drop, uniform = uniform_instead_of_empty(drop, valid, uniform)
         return ResolvedEdit(drop, uniform)

@@ -180,11 +180,12 @@ class BlockRule:
     def backward_drops(self, block: Block, state) -> torch.Tensor:
         return self.drops(block)
 
-    def whole(self, valid: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-        """The drops of a call that is one block (``valid`` expanded to the call's shape): the same
-        draws from ``seed`` as any split of the call into blocks."""
-        block = Block(slice(0, valid.shape[-2]), valid, tuple(valid.shape), tuple(valid.shape), seed)
-        return self.forward_drops(block)[0]
+    def whole(self, valid: torch.Tensor, seed: torch.Tensor, shape: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
+        """The drops of a call of ``shape`` (default: ``valid``'s) that is one block: the same draws
+        from ``seed`` as any split of the call into blocks. ``valid`` may broadcast (a padding mask
+        shared by heads and rows), as a block's does: the rules count and mask along it unexpanded."""
+        shape = tuple(valid.shape if shape is None else shape)
+        return self.forward_drops(Block(slice(0, shape[-2]), valid, shape, shape, seed))[0]
 
 
 @dataclass(frozen=True, eq=False)
