@@ -18,7 +18,7 @@ import torch
 from torch.profiler import record_function
 
 from .ad_drop_config import ADDropConfig
-from .attention_call import CaptureOutput, CaptureProbs, EditScores
+from .attention_call import CaptureOutput, CaptureProbs, EditScores, zero_counts
 from .attribution import GradientScale, output_gradients, probs_gradient
 from .attribution_pass import (
     attribution_precision,
@@ -38,7 +38,6 @@ from .block_rules import (
 from .blockwise import rng_state, set_rng_state
 from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
-from .passes import zero_counts
 from .sharding import check_supported_sharding
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ and hand them here together with the attention's additive bias (padding / causal
 the module's :class:`~attn_reg_plugin.core.controller.AttentionSite`. :func:`attend` reads what the
 current pass does on the site once, as an immutable :class:`~.attention_call.AttentionCall`, runs the
 pure kernel :func:`attention_kernel` with it, and adds what the kernel captured and counted to the
-pass's :class:`~attn_reg_plugin.core.passes.PassRecord`. What the kernel does on top of ordinary
+pass's :class:`~attn_reg_plugin.core.attention_call.PassRecord`. What the kernel does on top of ordinary
 scaled dot-product attention is decided by the call's *hook* (defined in :mod:`.attention_call`),
 set on the site by the controller for one pass:
 
@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .attention_call import ORDINARY, AttentionCall, Captured, CaptureOutput, CaptureProbs, EditScores, call_of
+from .attention_call import ORDINARY, AttentionCall, Captured, CaptureOutput, CaptureProbs, EditScores, Plan, call_of
 from .block_masks import BlockCall
 from .block_rules import AttentionScores, call_seed, rule_of
 from .blockwise import blockwise_attention, blockwise_rows
@@ -46,7 +46,6 @@ from .masks import (
     valid_keys_from_bias,
     zero_rows,
 )
-from .passes import Plan
 
 # Since torch 2.5 every sdpa backend gives a row whose keys are all masked (False, or -inf) output 0
 # and no gradient, which is what the kernel promises for a query row with no valid key; before, NaN.

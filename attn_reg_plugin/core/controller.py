@@ -20,9 +20,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 import torch
 
-from .attention_call import EditScores, Hook, changes_output
+from .attention_call import EditScores, Hook, PassRecord, _with_the_pass, changes_output, plan_of
 from .block_rules import call_seed, key_seed
-from .passes import PassRecord, _with_the_pass, plan_of
 
 logger = logging.getLogger(__name__)
 

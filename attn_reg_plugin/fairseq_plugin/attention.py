@@ -19,10 +19,9 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
 from ..core.attention import attend
-from ..core.attention_call import call_of
+from ..core.attention_call import applied, call_of, plan_of
 from ..core.controller import AttentionSite, RegularizationController
 from ..core.masks import finite_bias
-from ..core.passes import applied, plan_of
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

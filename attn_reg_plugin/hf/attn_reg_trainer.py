@@ -16,11 +16,11 @@ from typing import Any, Dict, List, Optional
 import torch
 import transformers
 
+from ..core.attention_call import add_counts, zero_counts
 from ..core.controller import RegularizationController
 from ..core.drophead import DropHead, DropHeadConfig
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from ..core.options import named_by_field, one_regularizer
-from ..core.passes import add_counts, zero_counts
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attention import install_attention_sites
 from .notices import IdleRunWarning, SiteReport

@@ -27,9 +27,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..core.attention_call import recomputing
+from ..core.attention_call import plan_of, recomputing
 from ..core.controller import AttentionSite, RegularizationController
-from ..core.passes import plan_of
 from .equivalence import check_equivalent
 from .probe_inputs import DECODER_LEN, ENCODER_LEN, accepted_inputs, eval_mode, probe_candidates, probe_inputs
 

@@ -364,8 +364,7 @@ def test_key_value_heads_that_do_not_divide_the_query_heads_are_refused():
 def test_attend_takes_a_plan_or_the_call_read_from_it_not_both():
     from types import MappingProxyType
 
-    from attn_reg_plugin.core.attention_call import ORDINARY
-    from attn_reg_plugin.core.passes import Plan
+    from attn_reg_plugin.core.attention_call import ORDINARY, Plan
 
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match="give the plan .* or the call read from it .*, not both"):

@@ -21,10 +21,9 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from ..attention_call import EditScores
+from ..attention_call import EditScores, PassRecord, add_counts, zero_counts
 from ..controller import AttentionSite, RegularizationController
 from ..distributed import all_reduce_mean_
-from ..passes import PassRecord, add_counts, zero_counts
 from .config import AttendOutConfig
 from .generator import Generator
 from .heldout import win_probability
