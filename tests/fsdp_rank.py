@@ -53,8 +53,8 @@ RECORDED = []  # AD-DROP's drop masks, in the order the kernel makes them (one b
 _whole_drops = core_block_rules.BlockRule.whole
 
 
-def _recording_whole(rule, valid, seed):
-    drop = _whole_drops(rule, valid, seed)
+def _recording_whole(rule, *args):
+    drop = _whole_drops(rule, *args)
     RECORDED.append(drop.clone())
     return drop
 

@@ -148,8 +148,8 @@ def test_one_ad_drop_step_drops_about_pq_and_no_padding_or_future_key(family, mo
     drops = []
     real_whole = block_rules.BlockRule.whole
 
-    def recording(rule, valid, seed):  # each one-block call's drops
-        drop = real_whole(rule, valid, seed)
+    def recording(rule, valid, seed, shape=None):  # each one-block call's drops
+        drop = real_whole(rule, valid, seed, shape)
         drops.append(drop)
         return drop
 

@@ -253,7 +253,7 @@ def test_samples_without_a_target_token_are_not_masked():
         drops, whole = [], block_rules.BlockRule.whole  # each call's drops, as the kernel makes them
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(
-                block_rules.BlockRule, "whole", lambda rule, v, seed: drops.append(whole(rule, v, seed)) or drops[-1]
+                block_rules.BlockRule, "whole", lambda rule, *args: drops.append(whole(rule, *args)) or drops[-1]
             )
             with ad.masked(lambda: model(ids), target, frozen=model) as stats:
                 model(ids)
