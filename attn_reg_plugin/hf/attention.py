@@ -9,7 +9,7 @@ This module registers one more implementation, ``"attn_reg"``:
 * with a hook, it calls :func:`attn_reg_plugin.core.attention.attend` with the module's site.
 
 What a pass does reaches the function as a model kwarg, ``attn_reg_plan`` (a
-:class:`~attn_reg_plugin.core.controller.Plan` that :mod:`.sites` adds to the model's call while a pass
+:class:`~attn_reg_plugin.core.attention_call.Plan` that :mod:`.sites` adds to the model's call while a pass
 is set), as flash-attention's ``cu_seq_lens`` travel: transformers keeps a checkpointed layer's kwargs
 for its recompute, so a layer recomputed in the backward repeats the pass of its forward.
 
@@ -26,10 +26,10 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..core.attention import attend
-from ..core.attention_call import call_of
+from ..core.attention_call import call_of, recomputing
 from ..core.controller import AttentionSite, RegularizationController
 from ..core.masks import causal_allowed, mask_fill_value
-from .sites import PLAN_KWARG, UnsupportedAttention, route_attention_calls, site_of_call
+from .sites import PLAN_KWARG, UnsupportedAttention, route_attention_calls
 
 ATTN_IMPLEMENTATION = "attn_reg"
 
@@ -38,6 +38,30 @@ def _sdpa_forward():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward
+
+
+def site_of_call(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, is_causal: Optional[bool]
+) -> Optional[AttentionSite]:
+    """The site of this call of ``module`` (None: not regularized); records calls during the probe."""
+    probe = module.__dict__.get("attn_reg_probe")
+    if probe is not None:
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+        probe.append((module, causal, query.shape[2], key.shape[2]))
+        return None
+    sites = module.__dict__.get("attn_reg_sites")
+    if not sites:
+        return None
+    if len(sites) == 1:
+        return sites[0]
+    if recomputing():
+        raise NotImplementedError(
+            f"{type(module).__name__} is one attention module called at {len(sites)} depths (shared layers); "
+            "activation checkpointing cannot tell which depth it recomputes. Train it without gradient checkpointing"
+        )
+    depth = module.attn_reg_calls
+    module.attn_reg_calls = depth + 1
+    return sites[depth % len(sites)]
 
 
 def attn_reg_attention(

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 
-from ..core.attention_call import plan_of, recomputing
+from ..core.attention_call import plan_of
 from ..core.controller import AttentionSite, RegularizationController
 from .equivalence import check_equivalent
 from .probe_inputs import DECODER_LEN, ENCODER_LEN, accepted_inputs, eval_mode, probe_candidates, probe_inputs
@@ -64,30 +64,6 @@ def softcap_refusal(model: torch.nn.Module, err: UnsupportedAttention) -> ValueE
         f"{name}: {err}, which attn_reg_plugin does not implement: neither its idle path (transformers' sdpa) nor "
         f"its regularized kernel applies the cap. Refused, to leave no forward silently changed. {fix}"
     )
-
-
-def site_of_call(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, is_causal: Optional[bool]
-) -> Optional[AttentionSite]:
-    """The site of this call of ``module`` (None: not regularized); records calls during the probe."""
-    probe = module.__dict__.get("attn_reg_probe")
-    if probe is not None:
-        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
-        probe.append((module, causal, query.shape[2], key.shape[2]))
-        return None
-    sites = module.__dict__.get("attn_reg_sites")
-    if not sites:
-        return None
-    if len(sites) == 1:
-        return sites[0]
-    if recomputing():
-        raise NotImplementedError(
-            f"{type(module).__name__} is one attention module called at {len(sites)} depths (shared layers); "
-            "activation checkpointing cannot tell which depth it recomputes. Train it without gradient checkpointing"
-        )
-    depth = module.attn_reg_calls
-    module.attn_reg_calls = depth + 1
-    return sites[depth % len(sites)]
 
 
 @contextlib.contextmanager
@@ -186,7 +162,8 @@ def route_attention_calls(
     model: torch.nn.Module, controller: RegularizationController, implementation: str
 ) -> List[Tuple[str, AttentionSite]]:
     """Give each attention call of ``model`` a site and switch the model to ``implementation``
-    (an attention function already registered with transformers, whose calls ask :func:`site_of_call`).
+    (an attention function already registered with transformers, whose calls ask
+    :func:`~.attention.site_of_call`).
 
     Returns ``(module path, site)`` pairs in forward order. Raises, naming the model, when no call
     reaches transformers' AttentionInterface, or when the switch changes the model's outputs on the
