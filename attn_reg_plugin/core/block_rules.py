@@ -126,6 +126,12 @@ class Block:
     call_shape: Tuple[int, int, int, int]  # (B, H, T, S)
     seed: Union[torch.Tensor, int]
 
+    def __post_init__(self):
+        # A validity that broadcasts over keys (from a bias shaped (..., 1)) holds for every key, and
+        # rules count valid keys along the last dimension: it is widened to the block's keys (a view).
+        if self.valid.shape[-1] != self.shape[-1]:
+            object.__setattr__(self, "valid", self.valid.expand(*self.valid.shape[:-1], self.shape[-1]))
+
     def _draws(self, stream: int, uniform: bool) -> torch.Tensor:
         rows, device = self.rows, self.valid.device
         seed = self.seed if isinstance(self.seed, torch.Tensor) else torch.tensor(self.seed)  # an int, by hand

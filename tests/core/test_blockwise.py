@@ -21,6 +21,7 @@ from attn_reg_plugin.core.block_rules import (
     Block,
     DenseRule,
     GradientScores,
+    MapScores,
     RandomScores,
     TopRegionRule,
     chunk_draws,
@@ -281,6 +282,20 @@ def test_ties_at_the_threshold_are_taken_lowest_key_first():
     rule = TopRegionRule(Fixed(), 0.5, 1.0)  # 3 candidates: key 1, then two of the three 2.0s
     drops = _rule_drops(rule, valid, (1, 1, 1, 6), 0, 1)
     assert drops.squeeze().tolist() == [False, True, True, True, False, False]
+
+
+def test_a_validity_broadcast_over_keys_counts_every_key(monkeypatch):
+    """A mask shaped (..., 1) (every key alike for a row) leaves each row all S keys to rank: the
+    region is ceil(p S), one block or many, as with the mask expanded."""
+    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
+    shape = (2, 2, 4, 8)
+    scores = torch.arange(8, dtype=torch.float32).expand(shape)
+    valid = torch.ones(2, 1, 4, 1, dtype=torch.bool)
+    rule = TopRegionRule(MapScores(scores), 0.5, 1.0)  # every candidate dropped: 4 of 8 keys
+    expanded = rule.whole(valid.expand(shape), torch.tensor(5))
+    assert expanded.sum(-1).eq(4).all()
+    assert torch.equal(rule.whole(valid, torch.tensor(5), shape), expanded)
+    assert torch.equal(_rule_drops(rule, valid, shape, torch.tensor(5), 2), expanded)
 
 
 def test_rules_regenerate_the_same_drops_for_any_split(monkeypatch):
