@@ -8,32 +8,20 @@ block, and back-propagates through sdpa's backward (from the saved output and ro
 CPU, through a recomputed block elsewhere), so autograd never saves a mask ("memory-efficient
 attention", Rabe and Staats 2021, in plain PyTorch). What a call keeps beyond plain attention is
 linear in length: q, k, v, the bias it was given, the output, and per query row a log-sum-exp, a
-threshold and a count. A block's masks (its drops from the rule or from the bits the forward kept,
-the additive mask over the keys it covers, its validity and counts) are made here too.
+threshold and a count.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from . import block_rules
-from .block_rules import Block, BlockRule, block_bias, keys_of, rows_of
-from .masks import (
-    additive_mask,
-    broadcast_count,
-    causal_bias,
-    causal_key_span,
-    pack_bits,
-    uniform_instead_of_empty,
-    unpack_bits,
-    valid_keys_from_bias,
-    zero_rows,
-)
+from .block_masks import BlockCall, KeptDrops, block_counts, block_masks, keeps_drops
+from .block_rules import rows_of
+from .masks import pack_bits, zero_rows
 
 # A block holds at most max(BLOCK_ELEMENTS, LINEAR_FACTOR * B*H*T*d) score-sized elements: a fixed
 # floor (2**19 elements: ~12 MiB of block temporaries at ~24 bytes each) or as many as q has, so
@@ -61,131 +49,6 @@ def query_block_rows(batch: int, heads: int, queries: int, keys: int, head_dim: 
         return queries
     chunk = block_rules.CHUNK_ROWS
     return max(chunk, rows // chunk * chunk)
-
-
-# -- a block's masks ------------------------------------------------------------------------------
-# A call whose rule is costly to evaluate again (a top-p region, coins) keeps its drops as bits for
-# the backward while they take at most this many times q's bytes: linear in length, and measured
-# faster than regenerating them (docs/PERFORMANCE.md). Past it the backward makes them again.
-KEPT_DROPS_FACTOR = 8
-
-
-@dataclass(frozen=True, eq=False)
-class BlockCall:
-    """Everything a blockwise call does besides q, k, v and the bias: fixed before the call."""
-
-    rule: Optional[BlockRule]
-    uniform: Optional[torch.Tensor]  # bool rows made uniform (LayerDrop flag), broadcastable
-    droppable: Optional[torch.Tensor]  # units the rate counts (see EditScores.droppable)
-    rows_per_block: int
-    seed: Optional[torch.Tensor]  # 0-d int64 CPU; None when the rule draws nothing
-    dropout_p: float
-    scale: Optional[float]
-    count: bool  # add dropped / droppable counts (a fresh forward; a recompute counts nothing)
-    causal: bool = False  # future keys disallowed too (attend's is_causal), made per block
-
-
-class KeptDrops(NamedTuple):
-    """A block's drops kept for the backward: packed bits (:func:`~.masks.pack_bits`), the keys the
-    block covers and its rows made uniform."""
-
-    bits: torch.Tensor
-    keys: int
-    uniform: Optional[torch.Tensor]
-
-
-def keeps_drops(q: torch.Tensor, k: torch.Tensor, rule: Optional[BlockRule]) -> bool:
-    """Whether a call keeps its blocks' drops as bits rather than making them again in the backward."""
-    if rule is None or isinstance(rule, block_rules.DenseRule):  # a dense mask is sliced again for free
-        return False
-    bits = math.prod(q.shape[:3]) * k.shape[2]  # one per (sample, head, query, key)
-    return bits // 8 <= KEPT_DROPS_FACTOR * q.numel() * q.element_size()
-
-
-class BlockMasks(NamedTuple):
-    """What a block attends with: keys ``0 .. keys - 1`` of the call, the additive mask over them,
-    rows made uniform, rows with no valid key, validity, the drops and the rule's state."""
-
-    keys: int
-    mask: Optional[torch.Tensor]
-    uniform: Optional[torch.Tensor]
-    keyless: Optional[torch.Tensor]
-    valid: torch.Tensor
-    drop: Optional[torch.Tensor]
-    state: object
-
-
-def key_span(valid: torch.Tensor, keys: int) -> int:
-    """Keys ``0 .. n - 1`` hold every valid key of the block's rows: a causal block's last row, or
-    the longest sequence of a padded batch. On a CPU only (the look is a host read, which on an
-    accelerator would stall the stream once per block); there it halves a causal call's work."""
-    if valid.device.type != "cpu" or valid.shape[-1] != keys:
-        return keys
-    # A max over bytes: ~12x faster than any(0) across rows on a CPU.
-    seen = valid.reshape(-1, keys).view(torch.uint8).amax(0).nonzero()
-    return int(seen.max()) + 1 if seen.numel() else 1
-
-
-def block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=None, fresh_state=False) -> BlockMasks:
-    """A block's masks. ``bias_rows``: the block's rows of the call's bias; ``rows``: which rows of
-    the call they are; ``fresh_state``: the forward's first evaluation of the rule (else ``state``)."""
-    b, h, t, s = shape
-    span = s
-    if call.causal:  # the block's rows of the causal mask, over the keys they may attend only
-        span = causal_key_span(rows, t, s)
-        bias_rows = causal_bias(keys_of(bias_rows, span), rows, span, t, s, q_rows.device)
-    if bias_rows is None:  # every key valid; the key dimension is kept, since rules count along it
-        valid = torch.ones((1, 1, 1, span), dtype=torch.bool, device=q_rows.device)
-    else:
-        valid = valid_keys_from_bias(bias_rows)
-    keys = state.keys if isinstance(state, KeptDrops) else key_span(valid, span)
-    valid = keys_of(valid, keys)
-    if isinstance(state, KeptDrops):  # the forward's drops, unpacked: no rule evaluated again
-        drop, uniform = unpack_bits(state.bits, keys), state.uniform
-    else:
-        drop, uniform, state = rule_drops(call, valid, rows, shape, keys, state, fresh_state)
-    if drop is not None and (bias_rows is None or bias_rows.dtype == torch.bool):
-        # Drops lie within the valid keys, so the mask is the fill wherever a key is dropped or not
-        # valid: one cast and a scale.
-        part = additive_mask(drop if bias_rows is None else drop | ~valid, q_rows.dtype)
-    else:
-        # The additive bias of the keys the block covers only (half of a causal call's).
-        part, _ = block_bias(keys_of(bias_rows, keys), q_rows.dtype, None if bias_rows is None else valid)
-        if drop is not None:  # a float bias: the drops' fill added to it in place
-            additive = additive_mask(drop, q_rows.dtype)
-            fits = torch.broadcast_shapes(additive.shape, part.shape) == additive.shape
-            part = additive.add_(part) if fits else additive + part
-    keyless = None if bias_rows is None else ~valid.any(-1, keepdim=True)
-    return BlockMasks(keys, part, uniform, keyless, valid, drop, state)
-
-
-def rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fresh_state: bool):
-    """(drop, rows made uniform, the rule's state) of a block, from the call's rule."""
-    b, h, _, _ = shape
-    block = Block(rows, valid, (b, h, rows.stop - rows.start, keys), shape, call.seed)
-    drop = None
-    if call.rule is not None:
-        if fresh_state:
-            drop, state = call.rule.forward_drops(block)
-        else:
-            drop = call.rule.backward_drops(block, state)
-    uniform = call.uniform
-    if uniform is not None and uniform.dim() >= 2:
-        uniform = rows_of(uniform, rows)
-    if drop is not None and not call.rule.keeps_rows:
-        drop, uniform = uniform_instead_of_empty(drop & valid, valid, uniform)
-    return drop, uniform, state
-
-
-def block_counts(m: BlockMasks, droppable, rows: slice, block_shape) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(dropped, droppable) units of a block: drops within the units the edit could drop, and those
-    units among the valid ones (``droppable`` None: every valid unit)."""
-    if droppable is None:
-        units, counted = m.valid, m.drop  # drops are within valid
-    else:
-        units = m.valid & keys_of(rows_of(droppable, rows), m.keys).to(m.valid.device)
-        counted = m.drop & units
-    return counted.expand(block_shape).count_nonzero(), broadcast_count(units, block_shape)
 
 
 # -- the kernel ------------------------------------------------------------------------------------
@@ -467,14 +330,4 @@ def blockwise_rows(q: torch.Tensor, k: torch.Tensor) -> Optional[int]:
     return rows if rows < t else None
 
 
-__all__: Sequence[str] = (
-    "BlockCall",
-    "BlockMasks",
-    "KeptDrops",
-    "block_counts",
-    "block_masks",
-    "blockwise_attention",
-    "blockwise_rows",
-    "keeps_drops",
-    "query_block_rows",
-)
+__all__: Sequence[str] = ("blockwise_attention", "blockwise_rows", "query_block_rows")

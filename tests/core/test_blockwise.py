@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from attn_reg_plugin.core import block_rules, blockwise, masks
+from attn_reg_plugin.core import block_masks, block_rules, blockwise, masks
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
@@ -586,13 +586,13 @@ def _kept_against_made_again(rule, dropout_p, monkeypatch, device="cpu", dtype=t
         drop = TopRegionRule(scores, 0.5, 0.5)
     call = AttentionCall(EditScores(drop=drop), False, 21)
     again_calls = []  # the backward's evaluations of the rule
-    rule_drops = blockwise.rule_drops
+    rule_drops = block_masks.rule_drops
 
     def counted(*args):
         again_calls.extend([] if args[-1] else [1])  # args[-1]: fresh_state, the forward's evaluation
         return rule_drops(*args)
 
-    monkeypatch.setattr(blockwise, "rule_drops", counted)
+    monkeypatch.setattr(block_masks, "rule_drops", counted)
 
     def step():
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
@@ -603,7 +603,7 @@ def _kept_against_made_again(rule, dropout_p, monkeypatch, device="cpu", dtype=t
 
     kept = step()
     assert again_calls == []
-    monkeypatch.setattr(blockwise, "KEPT_DROPS_FACTOR", 0)
+    monkeypatch.setattr(block_masks, "KEPT_DROPS_FACTOR", 0)
     made_again = step()
     assert len(again_calls) == 3  # one per block of 2 rows
     for a, b in zip(kept, made_again):
