@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(REPO, "examples", "custom_seq2seq"))
 
 from seq2seq_model import Seq2SeqTransformer  # noqa: E402
 
-import attn_reg_plugin.core.block_rules as core_block_rules  # noqa: E402
+import attn_reg_plugin.core.block_masks as core_block_masks  # noqa: E402
 from attn_reg_plugin.core import (  # noqa: E402
     ADDrop,
     ADDropConfig,
@@ -50,16 +50,17 @@ from attn_reg_plugin.core.sharding import check_supported_sharding, is_fully_sha
 PAD, BOS, VOCAB, BATCH = 0, 2, 40, 8
 ALL_KINDS = "encoder-self,decoder-self,encoder-decoder"
 RECORDED = []  # AD-DROP's drop masks, in the order the kernel makes them (one block per call)
-_whole_drops = core_block_rules.BlockRule.whole
+_rule_drops = core_block_masks.rule_drops
 
 
-def _recording_whole(rule, *args):
-    drop = _whole_drops(rule, *args)
-    RECORDED.append(drop.clone())
-    return drop
+def _recording_rule_drops(*args):
+    made = _rule_drops(*args)
+    if made[0] is not None:  # a call with a drop rule
+        RECORDED.append(made[0].clone())
+    return made
 
 
-core_block_rules.BlockRule.whole = _recording_whole
+core_block_masks.rule_drops = _recording_rule_drops
 
 
 def build(controller):

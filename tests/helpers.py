@@ -551,8 +551,9 @@ def ad_drop_masks(attribution, valid, p, q, generator=None):
     return keep_one_valid_key(drop, valid.expand_as(region), attribution)
 
 
-def record_results(monkeypatch, module, name):
-    """Replace ``module.name`` by a wrapper that keeps a clone of every tensor it returns.
+def record_results(monkeypatch, module, name, pick=lambda result: result):
+    """Replace ``module.name`` by a wrapper that keeps a clone of every tensor it returns (``pick``:
+    the tensor, from what it returns).
 
     Returns a list of runs: append ``[]`` before each run; its results land in the last one.
     """
@@ -561,7 +562,7 @@ def record_results(monkeypatch, module, name):
 
     def recording(*args, **kwargs):
         result = real(*args, **kwargs)
-        runs[-1].append(result.clone())
+        runs[-1].append(pick(result).clone())
         return result
 
     monkeypatch.setattr(module, name, recording)

@@ -30,18 +30,15 @@ import torch
 import torch.nn.functional as F
 
 from .attention_call import ORDINARY, AttentionCall, Captured, CaptureOutput, CaptureProbs, EditScores, Plan, call_of
-from .block_masks import BlockCall
+from .block_masks import BlockCall, block_counts, block_masks
 from .block_rules import AttentionScores, call_seed, rule_of
-from .blockwise import blockwise_attention, blockwise_rows
+from .blockwise import attend_block, blockwise_attention, blockwise_rows
 from .controller import AttentionSite
 from .masks import (
     MASKED_BIAS,
-    additive_mask,
     attention_weights,
-    broadcast_count,
     causal_bias,
     finite_bias,
-    mask_fill_value,
     may_hold_true,
     valid_keys_from_bias,
     zero_rows,
@@ -182,6 +179,8 @@ def attention_kernel(
         out, weights, _ = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, ORDINARY, is_causal)
         out, captured = _dropped_heads(out, hook, call.recompute)
         return out, weights, captured
+    if isinstance(hook, EditScores):
+        return _edit(call, q, k, v, bias, dropout_p, scale, need_weights, is_causal)
     # A causal call with more queries than keys has rows without a valid key: a mask like any other.
     unmasked = bias is None and not (is_causal and q.shape[2] > k.shape[2])
     fast_masks = unmasked or (_SDPA_ZEROES_EMPTY_ROWS and q.device.type in _FAST_MASKED_DEVICES)
@@ -220,14 +219,10 @@ def _causal_bias(bias, q, k):
 def _without_prepared_bias(
     call: AttentionCall, q, k, v, bias, dropout_p: float, scale, fast_masks: bool, is_causal: bool
 ):
-    """(output, captured) of the calls that need no float copy of the model's mask: a long edit
-    (block by block), GA's capture and AA's capture of a long map; None for every other call.
-    None of them builds a causal call's (T, S) mask unless the map is one block."""
+    """(output, captured) of the calls that need no float copy of the model's mask: GA's capture
+    and AA's capture of a long map; None for every other call. Neither builds a causal call's
+    (T, S) mask unless the map is one block."""
     hook = call.hook
-    if isinstance(hook, EditScores):
-        rows = blockwise_rows(q, k)
-        if rows is not None:  # maps larger than a block: drops regenerated per block of queries
-            return _blockwise_edit(call, q, k, v, bias, dropout_p, scale, rows, is_causal)
     if not fast_masks:
         return None
     if isinstance(hook, CaptureOutput):
@@ -252,45 +247,14 @@ def _prepared(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_
     bias, valid = _combined_bias(bias, shape, q.dtype, q.device)
     keyless = _keyless_rows(bias, valid)
     hook = call.hook
-    counted = None
-    if isinstance(hook, EditScores):
-        q, bias, counted = _edited(call, q, bias, valid, shape)
-        hook = None  # the edited scores are attended like any others
     if isinstance(hook, CaptureOutput):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)
         out, captured = _captured(call, out, q, k, v, bias, scale, False, valid)
         return zero_rows(out, keyless), None, captured
     if isinstance(hook, CaptureProbs) or need_weights:
-        out, weights, captured = _with_weights(call, hook, q, k, v, bias, valid, keyless, dropout_p, scale)
-        return out, weights, captured or counted
+        return _with_weights(call, hook, q, k, v, bias, valid, keyless, dropout_p, scale)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
-    return zero_rows(out, keyless), None, counted
-
-
-def _edited(call: AttentionCall, q, bias, valid, shape):
-    """(q, bias) with an :class:`EditScores` call's edit applied, and its counts (None in a recompute)."""
-    hook = call.hook
-    edit = hook.resolve(valid, shape, q.device, _seed(call))
-    if edit.uniform is not None:
-        # A zero query row scores every key 0, so softmax is uniform over the valid keys (the bias
-        # still removes padding); the row's query receives no gradient, as it has no influence on a
-        # uniform row.
-        q = q.masked_fill(edit.uniform, 0.0)
-    dropped = droppable = None
-    if edit.drop is not None:
-        if bias is None:
-            bias = additive_mask(edit.drop, q.dtype)
-        else:
-            # bias + drop * fill in one pass: the same values as bias + additive_mask(drop).
-            bias = torch.add(bias, edit.drop, alpha=mask_fill_value(q.dtype))
-        if hook.counted and not call.recompute:
-            # Count over the full (B, H, T, S): a mask shared by heads drops in each head.
-            units = valid if hook.droppable is None else valid & hook.droppable.to(valid.device)
-            dropped = (edit.drop & units).expand(shape).count_nonzero()
-            droppable = broadcast_count(units, shape)
-    if call.recompute:
-        return q, bias, None
-    return q, bias, Captured(dropped=dropped, droppable=droppable, uniform_call=_uniform_call(hook))
+    return zero_rows(out, keyless), None, None
 
 
 def _uniform_call(hook: EditScores) -> Optional[torch.Tensor]:
@@ -373,18 +337,39 @@ def _keeps_inputs(hook, q: torch.Tensor, k: torch.Tensor) -> bool:
     )
 
 
-def _blockwise_edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, rows: int, is_causal: bool):
-    """(output, counts) of an :class:`EditScores` call run block by block (:mod:`.blockwise`)."""
+def _edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weights: bool, is_causal: bool):
+    """(output, map if ``need_weights``, counts) of an :class:`EditScores` call. A map larger than a
+    block runs block by block (:mod:`.blockwise`: drops made again in the backward, no mask saved);
+    any other is one block of the same masks (:func:`~.block_masks.block_masks`) under autograd."""
     hook = call.hook
-    uniform = hook.uniform_rows_on(q.device)
+    b, h, t, _ = q.shape
+    rows = None if need_weights else blockwise_rows(q, k)
     count = not call.recompute and hook.counted and hook.drop is not None
-    rule = rule_of(hook.drop)
-    plan = BlockCall(rule, uniform, hook.droppable, rows, _seed(call), dropout_p, scale, count, is_causal)
-    out, dropped, droppable = blockwise_attention(q, k, v, bias, plan)
+    uniform = hook.uniform_rows_on(q.device)
+    block = BlockCall(
+        rule_of(hook.drop), uniform, hook.droppable, rows or t, _seed(call), dropout_p, scale, count, is_causal
+    )
+    weights = None
+    if rows is not None:
+        out, dropped, droppable = blockwise_attention(q, k, v, bias, block)
+    else:
+        shape = (b, h, t, k.shape[2])
+        m = block_masks(block, q, bias, slice(0, t), shape, fresh_state=True)
+        k_keys, v_keys = k[:, :, : m.keys], v[:, :, : m.keys]
+        if need_weights:
+            out, weights, _ = _with_weights(
+                call, None, zero_rows(q, m.uniform), k_keys, v_keys, m.mask, m.valid, m.keyless, dropout_p, scale
+            )
+            weights = F.pad(weights, (0, shape[-1] - m.keys))  # the keys past every valid one: weight 0
+        else:
+            out = attend_block(q, k_keys, v_keys, m.mask, m.uniform, m.keyless, block)
+        dropped = droppable = None
+        if count and m.drop is not None:
+            dropped, droppable = block_counts(m, hook.droppable, slice(0, t), (b, h, t, m.keys))
     if call.recompute:
-        return out, None
+        return out, weights, None
     counts = (dropped, droppable) if count else (None, None)
-    return out, Captured(dropped=counts[0], droppable=counts[1], uniform_call=_uniform_call(hook))
+    return out, weights, Captured(dropped=counts[0], droppable=counts[1], uniform_call=_uniform_call(hook))
 
 
 def _seed(call: AttentionCall) -> Optional[torch.Tensor]:

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, List, Mapping, O
 import torch
 
 from .block_rules import AttentionScores, BlockRule
-from .masks import uniform_instead_of_empty
 
 if TYPE_CHECKING:  # controller imports this module
     from .controller import AttentionSite
@@ -120,19 +119,6 @@ class EditScores:
             return uniform.to(device)  # a per-pass flag drawn on the host (LayerDrop): moved once
         return uniform
 
-    def resolve(
-        self, valid: torch.Tensor, shape: Tuple[int, int, int, int], device, seed: Optional[torch.Tensor]
-    ) -> ResolvedEdit:
-        """The final (drop, uniform rows) of one call that is one block: a rule's drops made from
-        ``seed`` (:meth:`~.block_rules.BlockRule.whole`), emptied rows made uniform."""
-        uniform = self.uniform_rows_on(device)
-        drop = self.drop
-        if isinstance(drop, BlockRule):
-            drop = drop.whole(valid, seed, shape)
-        if drop is not None:
-            drop, uniform = uniform_instead_of_empty(drop, valid, uniform)
-        return ResolvedEdit(drop, uniform)
-
     @property
     def draws(self) -> bool:
         """Whether the edit's drops come from random numbers keyed by the site's seed."""
@@ -151,15 +137,6 @@ def changes_output(hook: Optional[Hook]) -> bool:
     # A scaled CaptureOutput changes its output too, but its gradient, like GA's, is taken of that
     # output itself, inside the pass: a checkpoint may recompute it or not (nothing after it saved).
     return isinstance(hook, CaptureProbs) and hook.alpha != 1.0
-
-
-@dataclass(frozen=True)
-class ResolvedEdit:
-    """An :class:`EditScores` as one call applies it: ``drop`` (bool, True = key removed) and
-    ``uniform`` (bool rows made uniform over their valid keys); None where nothing is edited."""
-
-    drop: Optional[torch.Tensor] = None
-    uniform: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

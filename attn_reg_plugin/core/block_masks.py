@@ -16,6 +16,7 @@ from .masks import (
     broadcast_count,
     causal_bias,
     causal_key_span,
+    may_hold_true,
     uniform_instead_of_empty,
     unpack_bits,
     valid_keys_from_bias,
@@ -75,8 +76,9 @@ class BlockMasks(NamedTuple):
 def key_span(valid: torch.Tensor, keys: int) -> int:
     """Keys ``0 .. n - 1`` hold every valid key of the block's rows: a causal block's last row, or
     the longest sequence of a padded batch. On a CPU only (the look is a host read, which on an
-    accelerator would stall the stream once per block); there it halves a causal call's work."""
-    if valid.device.type != "cpu" or valid.shape[-1] != keys:
+    accelerator would stall the stream once per block, and while compiling would break the graph);
+    there it halves a causal call's work."""
+    if valid.device.type != "cpu" or valid.shape[-1] != keys or torch.compiler.is_compiling():
         return keys
     # A max over bytes: ~12x faster than any(0) across rows on a CPU.
     seen = valid.reshape(-1, keys).view(torch.uint8).amax(0).nonzero()
@@ -113,6 +115,8 @@ def block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=No
             fits = torch.broadcast_shapes(additive.shape, part.shape) == additive.shape
             part = additive.add_(part) if fits else additive + part
     keyless = None if bias_rows is None else ~valid.any(-1, keepdim=True)
+    if keyless is not None and not may_hold_true(keyless):
+        keyless = None  # no row to zero (looked at on a CPU): no masked fill of the output and its gradient
     return BlockMasks(keys, part, uniform, keyless, valid, drop, state)
 
 

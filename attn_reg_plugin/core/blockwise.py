@@ -52,7 +52,7 @@ def query_block_rows(batch: int, heads: int, queries: int, keys: int, head_dim: 
 
 
 # -- the kernel ------------------------------------------------------------------------------------
-def _attend_block(q_rows, k, v, mask, uniform, keyless, call: BlockCall):
+def attend_block(q_rows, k, v, mask, uniform, keyless, call: BlockCall):
     """One block through sdpa, as the kernel's prepared path: a zero query row is uniform over its
     valid keys, and a row with no valid key gives 0 (and so sends back no gradient)."""
     out = F.scaled_dot_product_attention(
@@ -136,7 +136,7 @@ class BlockwiseAttention(torch.autograd.Function):
                 )
                 out[:, :, rows] = zero_rows(o, m.keyless)
             else:
-                out[:, :, rows] = _attend_block(q_rows, k_keys, v_keys, m.mask, m.uniform, m.keyless, call)
+                out[:, :, rows] = attend_block(q_rows, k_keys, v_keys, m.mask, m.uniform, m.keyless, call)
             if call.count and m.drop is not None:
                 dropped_now, units_now = block_counts(m, call.droppable, rows, (b, h, rows.stop - rows.start, m.keys))
                 dropped += dropped_now
@@ -175,7 +175,7 @@ class BlockwiseAttention(torch.autograd.Function):
                     set_rng_state(ctx.rng_states[i])
                 m = block_masks(call, q_rows, bias_rows, rows, shape, ctx.states[i])
                 k_keys, v_keys = k_leaf[:, :, : m.keys], v_leaf[:, :, : m.keys]
-                out = _attend_block(q_rows, k_keys, v_keys, m.mask, m.uniform, m.keyless, call)
+                out = attend_block(q_rows, k_keys, v_keys, m.mask, m.uniform, m.keyless, call)
             inputs = [x for x in (q_rows, k_leaf, v_leaf) if x.requires_grad]
             if bias_grad:
                 inputs.append(bias_rows)

@@ -254,9 +254,9 @@ def test_trainer_regression_always(tmp_path):
 
 def test_trainer_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
     """CPU determinism through the Trainer: the same seed gives the same masks and logs; another seed other masks."""
-    from attn_reg_plugin.core import block_rules
+    from attn_reg_plugin.core import block_masks
 
-    masks = record_results(monkeypatch, block_rules.BlockRule, "whole")  # each one-block call's drops
+    masks = record_results(monkeypatch, block_masks, "rule_drops", lambda made: made[0])  # each call's drops
     g = torch.Generator().manual_seed(4)
     data = [
         {"input_ids": torch.randint(3, 100, (5 + i % 4,), generator=g), "labels": torch.tensor(i % 2)}

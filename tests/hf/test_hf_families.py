@@ -13,7 +13,7 @@ import pytest
 import torch
 from families import FAMILIES, REFUSED, build, families_table
 
-from attn_reg_plugin.core import block_rules
+from attn_reg_plugin.core import block_masks
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout.game import AttendOut as AttendOutGame
@@ -146,14 +146,14 @@ def test_one_ad_drop_step_drops_about_pq_and_no_padding_or_future_key(family, mo
     ours, controller, _ = _adapted(model)
     inputs = _inputs(family, model)
     drops = []
-    real_whole = block_rules.BlockRule.whole
+    real_rule_drops = block_masks.rule_drops
 
-    def recording(rule, valid, seed, shape=None):  # each one-block call's drops
-        drop = real_whole(rule, valid, seed, shape)
-        drops.append(drop)
-        return drop
+    def recording(*args):  # each one-block call's drops, as its mask takes them
+        made = real_rule_drops(*args)
+        drops.append(made[0])
+        return made
 
-    monkeypatch.setattr(block_rules.BlockRule, "whole", recording)
+    monkeypatch.setattr(block_masks, "rule_drops", recording)
     p = q = 0.5
     ad = ADDrop(ADDropConfig(p=p, q=q, attention=",".join(family.kinds), schedule="always"), controller)
     with torch.no_grad():
