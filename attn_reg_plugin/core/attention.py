@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from .attention_call import ORDINARY, AttentionCall, Captured, CaptureOutput, CaptureProbs, EditScores, Plan, call_of
-from .block_masks import BlockCall, block_counts, block_masks
+from .block_masks import BlockCall, attend_block, block_counts, block_masks, blockwise_rows
 from .block_rules import AttentionScores, call_seed, rule_of
-from .blockwise import attend_block, blockwise_attention, blockwise_rows
+from .blockwise import blockwise_attention
 from .controller import AttentionSite
 from .masks import (
     MASKED_BIAS,

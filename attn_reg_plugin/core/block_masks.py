@@ -1,5 +1,7 @@
-"""A block's masks: the drops its rule makes (or the forward kept as bits), the block's additive mask
-over the keys it covers, and its validity, for :mod:`.blockwise`."""
+"""One block of a call's query rows: how many rows a block has, the block's masks (the drops its
+rule makes, or the forward kept as bits; its additive mask over the keys it covers; its validity)
+and its attention through sdpa. A short call is one such block; :mod:`.blockwise` runs a long one
+block by block."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from . import block_rules
 from .block_rules import Block, BlockRule, block_bias, keys_of, rows_of
@@ -20,12 +23,45 @@ from .masks import (
     uniform_instead_of_empty,
     unpack_bits,
     valid_keys_from_bias,
+    zero_rows,
 )
 
 # A call whose rule is costly to evaluate again (a top-p region, coins) keeps its drops as bits for
 # the backward while they take at most this many times q's bytes: linear in length, and measured
 # faster than regenerating them (docs/PERFORMANCE.md). Past it the backward makes them again.
 KEPT_DROPS_FACTOR = 8
+
+# A block holds at most max(BLOCK_ELEMENTS, LINEAR_FACTOR * B*H*T*d) score-sized elements: a fixed
+# floor (2**19 elements: ~12 MiB of block temporaries at ~24 bytes each) or as many as q has, so
+# that a block's temporaries are a bounded multiple of what plain attention holds. (A factor of 2
+# measured 1.35x plain's step memory at BERT-base width and 2,048 tokens, 1 gave 1.24x, at the same
+# CPU time: the per-element work dominates, not the per-block overhead.)
+BLOCK_ELEMENTS = 1 << 19
+LINEAR_FACTOR = 1
+# Rows of at most this many keys are one block whatever the batch (BERT-base at 128 tokens and
+# batch 32, the benchmark's sizes): such a map holds at most 128 numbers per query row, linear in T.
+ONE_BLOCK_KEYS = 128
+
+
+def query_block_rows(batch: int, heads: int, queries: int, keys: int, head_dim: int) -> int:
+    """Query rows per block for a call of this shape; ``queries`` when the call is one block."""
+    if keys <= ONE_BLOCK_KEYS:
+        return queries
+    budget = max(BLOCK_ELEMENTS, LINEAR_FACTOR * batch * heads * queries * head_dim)
+    rows = budget // max(1, batch * heads * keys)
+    if rows >= queries:
+        return queries
+    chunk = block_rules.CHUNK_ROWS
+    return max(chunk, rows // chunk * chunk)
+
+
+def blockwise_rows(q: torch.Tensor, k: torch.Tensor) -> Optional[int]:
+    """Rows per block when this regularized call should run blockwise, else None (one block)."""
+    if torch.compiler.is_compiling():
+        return None  # a compiled region takes the one-block path (no generator objects in a graph)
+    b, h, t, d = q.shape
+    rows = query_block_rows(b, h, t, k.shape[2], d)
+    return rows if rows < t else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,6 +156,15 @@ def block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=No
     return BlockMasks(keys, part, uniform, keyless, valid, drop, state)
 
 
+def attend_block(q_rows, k, v, mask, uniform, keyless, call: BlockCall):
+    """One block through sdpa, as the kernel's prepared path: a zero query row is uniform over its
+    valid keys, and a row with no valid key gives 0 (and so sends back no gradient)."""
+    out = F.scaled_dot_product_attention(
+        zero_rows(q_rows, uniform), k, v, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale
+    )
+    return zero_rows(out, keyless)
+
+
 def rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fresh_state: bool):
     """(drop, rows made uniform, the rule's state) of a block, from the call's rule."""
     b, h, _, _ = shape
@@ -149,4 +194,7 @@ def block_counts(m: BlockMasks, droppable, rows: slice, block_shape) -> Tuple[to
     return counted.expand(block_shape).count_nonzero(), broadcast_count(units, block_shape)
 
 
-__all__: Sequence[str] = ("BlockCall", "BlockMasks", "KeptDrops", "block_counts", "block_masks", "keeps_drops")
+__all__: Sequence[str] = (
+    "BlockCall", "BlockMasks", "KeptDrops", "attend_block", "block_counts", "block_masks", "blockwise_rows",
+    "keeps_drops", "query_block_rows",
+)  # fmt: skip

@@ -16,51 +16,18 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
-from . import block_rules
-from .block_masks import BlockCall, KeptDrops, block_counts, block_masks, keeps_drops
+from .block_masks import BlockCall, KeptDrops, attend_block, block_counts, block_masks, keeps_drops
 from .block_rules import rows_of
 from .masks import pack_bits, zero_rows
 
-# A block holds at most max(BLOCK_ELEMENTS, LINEAR_FACTOR * B*H*T*d) score-sized elements: a fixed
-# floor (2**19 elements: ~12 MiB of block temporaries at ~24 bytes each) or as many as q has, so
-# that a block's temporaries are a bounded multiple of what plain attention holds. (A factor of 2
-# measured 1.35x plain's step memory at BERT-base width and 2,048 tokens, 1 gave 1.24x, at the same
-# CPU time: the per-element work dominates, not the per-block overhead.)
-BLOCK_ELEMENTS = 1 << 19
-LINEAR_FACTOR = 1
 # sdpa's CPU backward runs on groups of forward blocks covering at least this many rows per unit of
 # head dimension (:func:`_backward_group`): at BERT-base width and 2,048 tokens, 64-row calls took
 # 423 ms a layer against 300 ms at 256 rows and 229 ms for one call over all rows.
 BACKWARD_ROWS_PER_DIM = 4
-# Rows of at most this many keys are one block whatever the batch (BERT-base at 128 tokens and
-# batch 32, the benchmark's sizes): such a map holds at most 128 numbers per query row, linear in T.
-ONE_BLOCK_KEYS = 128
-
-
-def query_block_rows(batch: int, heads: int, queries: int, keys: int, head_dim: int) -> int:
-    """Query rows per block for a call of this shape; ``queries`` when the call is one block."""
-    if keys <= ONE_BLOCK_KEYS:
-        return queries
-    budget = max(BLOCK_ELEMENTS, LINEAR_FACTOR * batch * heads * queries * head_dim)
-    rows = budget // max(1, batch * heads * keys)
-    if rows >= queries:
-        return queries
-    chunk = block_rules.CHUNK_ROWS
-    return max(chunk, rows // chunk * chunk)
 
 
 # -- the kernel ------------------------------------------------------------------------------------
-def attend_block(q_rows, k, v, mask, uniform, keyless, call: BlockCall):
-    """One block through sdpa, as the kernel's prepared path: a zero query row is uniform over its
-    valid keys, and a row with no valid key gives 0 (and so sends back no gradient)."""
-    out = F.scaled_dot_product_attention(
-        zero_rows(q_rows, uniform), k, v, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale
-    )
-    return zero_rows(out, keyless)
-
-
 # sdpa's own CPU kernel, called directly so that the forward can keep each row's log-sum-exp and the
 # backward need not run the block's forward again (sdpa dispatches these very calls on a CPU, so
 # the results are the same bits). Elsewhere the backward recomputes the block through sdpa.
@@ -321,13 +288,4 @@ def set_rng_state(states: dict) -> None:
             torch.set_rng_state(state)
 
 
-def blockwise_rows(q: torch.Tensor, k: torch.Tensor) -> Optional[int]:
-    """Rows per block when this regularized call should run blockwise, else None (one block)."""
-    if torch.compiler.is_compiling():
-        return None  # a compiled region takes the one-block path (no generator objects in a graph)
-    b, h, t, d = q.shape
-    rows = query_block_rows(b, h, t, k.shape[2], d)
-    return rows if rows < t else None
-
-
-__all__: Sequence[str] = ("blockwise_attention", "blockwise_rows", "query_block_rows")
+__all__: Sequence[str] = ("blockwise_attention",)

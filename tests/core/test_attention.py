@@ -314,13 +314,13 @@ def test_grouped_key_value_heads_equal_repeated_ones_and_ga_keeps_them_unrepeate
     """k, v with fewer heads (grouped-query attention): the same output, gradients and AD-DROP drops
     as the heads repeated by hand (transformers' repeat_kv order), and GA's capture keeps V unrepeated,
     its scores equal to the repeated ones'."""
-    from attn_reg_plugin.core import blockwise
+    from attn_reg_plugin.core import block_masks
     from attn_reg_plugin.core.block_rules import BernoulliRule, Block, GradientScores, TopRegionRule
 
     if long:
-        monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
-        monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
-        monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
+        monkeypatch.setattr(block_masks, "BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(block_masks, "LINEAR_FACTOR", 0)
+        monkeypatch.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
     g = torch.Generator().manual_seed(0)
     q0 = torch.randn(2, 4, 5, 8, generator=g)
     k0, v0 = torch.randn(2, 2, 7, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g)

@@ -49,9 +49,9 @@ def block_calls(monkeypatch):
 
 def _force_small_blocks(monkeypatch):
     monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
-    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
-    monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
+    monkeypatch.setattr(block_masks, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(block_masks, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def small_blocks(monkeypatch):
 
 
 def _one_block(monkeypatch):
-    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1 << 40)
+    monkeypatch.setattr(block_masks, "BLOCK_ELEMENTS", 1 << 40)
 
 
 def _valid(kind, b=2, t=7):
@@ -74,13 +74,13 @@ def _valid(kind, b=2, t=7):
 
 
 def test_block_sizes_follow_the_budget():
-    assert blockwise.query_block_rows(32, 12, 128, 128, 64) == 128  # BERT-base at 128: one block
-    assert blockwise.query_block_rows(4, 12, 4096, 128, 64) == 4096  # cross-attention to 128 keys: one
-    assert blockwise.query_block_rows(1, 2, 512, 512, 32) == 512  # under the fixed floor
-    assert blockwise.query_block_rows(1, 2, 4096, 4096, 32) == 64  # 2**19 elements / (2 x 4096)
-    rows = blockwise.query_block_rows(1, 12, 2048, 2048, 64)  # BERT-base width at 2k: H x T x d
+    assert block_masks.query_block_rows(32, 12, 128, 128, 64) == 128  # BERT-base at 128: one block
+    assert block_masks.query_block_rows(4, 12, 4096, 128, 64) == 4096  # cross-attention to 128 keys: one
+    assert block_masks.query_block_rows(1, 2, 512, 512, 32) == 512  # under the fixed floor
+    assert block_masks.query_block_rows(1, 2, 4096, 4096, 32) == 64  # 2**19 elements / (2 x 4096)
+    rows = block_masks.query_block_rows(1, 12, 2048, 2048, 64)  # BERT-base width at 2k: H x T x d
     assert rows == 64 and rows % block_rules.CHUNK_ROWS == 0
-    assert blockwise.query_block_rows(2, 12, 4096, 4096, 64) == 64  # a block holds as many as q
+    assert block_masks.query_block_rows(2, 12, 4096, 4096, 64) == 64  # a block holds as many as q
 
 
 def _uniform_draw(generator, size):
@@ -736,9 +736,9 @@ def test_float64_blocks_keep_float64(learned_bias, monkeypatch):
         with monkeypatch.context() as patched:
             if split:
                 patched.setattr(block_rules, "CHUNK_ROWS", 2)
-                patched.setattr(blockwise, "BLOCK_ELEMENTS", 1)
-                patched.setattr(blockwise, "LINEAR_FACTOR", 0)
-                patched.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
+                patched.setattr(block_masks, "BLOCK_ELEMENTS", 1)
+                patched.setattr(block_masks, "LINEAR_FACTOR", 0)
+                patched.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v, bias)]
             leaves[3].requires_grad_(learned_bias)
             drop = torch.rand(2, 2, 7, 7, generator=torch.Generator().manual_seed(1)) < 0.3

@@ -5,7 +5,7 @@ without one."""
 import pytest
 import torch
 
-from attn_reg_plugin.core import block_rules, blockwise, masks
+from attn_reg_plugin.core import block_masks, block_rules, blockwise, masks
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
@@ -18,9 +18,9 @@ from helpers import site_with_hook
 
 def _small_blocks(monkeypatch):
     monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
-    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
-    monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
+    monkeypatch.setattr(block_masks, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(block_masks, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
 
 
 def _explicit(bias, t, s):
