@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .attention_call import ORDINARY, AttentionCall, Captured, CaptureOutput, CaptureProbs, EditScores, Plan, call_of
 from .block_masks import BlockCall, attend_block, block_counts, block_masks, blockwise_rows
-from .block_rules import AttentionScores, call_seed, rule_of
+from .block_rules import AttentionScores, call_seed
 from .blockwise import blockwise_attention
 from .controller import AttentionSite
 from .masks import (
@@ -346,9 +346,7 @@ def _edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weig
     rows = None if need_weights else blockwise_rows(q, k)
     count = not call.recompute and hook.counted and hook.drop is not None
     uniform = hook.uniform_rows_on(q.device)
-    block = BlockCall(
-        rule_of(hook.drop), uniform, hook.droppable, rows or t, _seed(call), dropout_p, scale, count, is_causal
-    )
+    block = BlockCall(hook.rule, uniform, hook.droppable, rows or t, _seed(call), dropout_p, scale, count, is_causal)
     weights = None
     if rows is not None:
         out, dropped, droppable = blockwise_attention(q, k, v, bias, block)

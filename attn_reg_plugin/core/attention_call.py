@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, List, Mapping, O
 
 import torch
 
-from .block_rules import AttentionScores, BlockRule
+from .block_rules import AttentionScores, BlockRule, DenseRule
 
 if TYPE_CHECKING:  # controller imports this module
     from .controller import AttentionSite
@@ -111,13 +111,22 @@ class EditScores:
         return self.drop is not None or self.uniform_rows is not None
 
     def uniform_rows_on(self, device) -> Optional[torch.Tensor]:
-        """``uniform_rows`` as a bool tensor on ``device`` (True: every row, (1, 1, 1, 1)), or None."""
+        """``uniform_rows`` as a bool tensor on ``device`` (True: every row, (1, 1, 1, 1)), or None
+        (None or False: no row)."""
         uniform = self.uniform_rows
+        if uniform is False:
+            return None
         if uniform is True:  # every row (attention LayerDrop); made on q's device, no copy
             return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
         if isinstance(uniform, torch.Tensor):
             return uniform.to(device)  # a per-pass flag drawn on the host (LayerDrop): moved once
         return uniform
+
+    @property
+    def rule(self) -> Optional[BlockRule]:
+        """``drop`` as the :class:`~.block_rules.BlockRule` the kernel evaluates (a dense mask's rule
+        slices it), or None."""
+        return self.drop if self.drop is None or isinstance(self.drop, BlockRule) else DenseRule(self.drop)
 
     @property
     def draws(self) -> bool:

@@ -60,9 +60,11 @@ def chunk_draws(seed: int, shape: Tuple[int, int, int, int], rows: slice, keys: 
     nor on how many keys a block covers (a causal block draws for the keys it has, not for all S).
     """
     b, h, t, s = shape
+    generator = torch.Generator(device=device)
+    if rows.stop <= rows.start:  # no query rows (an empty call): nothing drawn
+        return draw(generator, (b, h, 0, keys))
     width = min(KEY_TILE, s)  # a call's tile width: a short call draws for its own keys only
     tiles = -(-keys // width)
-    generator = torch.Generator(device=device)
     parts = []
     for chunk in range(rows.start // CHUNK_ROWS, -(-rows.stop // CHUNK_ROWS)):
         lo, hi = chunk * CHUNK_ROWS, min((chunk + 1) * CHUNK_ROWS, t)
@@ -390,10 +392,3 @@ def call_seed() -> torch.Tensor:
     as an input (no guard on its value), and an activation checkpoint, which restores that generator
     for its recompute, draws the same one again."""
     return torch.randint(0, 2**62, (), dtype=torch.int64)
-
-
-def rule_of(drop) -> Optional[BlockRule]:
-    """The :class:`BlockRule` of an ``EditScores.drop``: a rule, a dense bool mask, or None."""
-    if drop is None or isinstance(drop, BlockRule):
-        return drop
-    return DenseRule(drop)

@@ -6,6 +6,7 @@ import torch
 
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import CaptureOutput, EditScores
+from attn_reg_plugin.core.block_rules import BernoulliRule
 from helpers import FLOAT_DTYPES, ad_drop_masks, site_with_hook
 
 # ---------------------------------------------------------------- the kernel
@@ -118,6 +119,27 @@ def test_attend_drop_counts_dropped_and_valid_keys_and_refuses_what_is_no_mask_o
     assert torch.allclose(out.double(), _reference(q, k, v, valid & (torch.arange(7) != 0))[0], atol=1e-5)
     assert stats[0].item() == 2 * 3 * 5  # key 0 of every row
     assert stats[1].item() == 3 * 5 * (7 + 3)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 4, 5), (2, 0, 4, 5), (2, 2, 0, 5)], ids=["no-batch", "no-heads", "no-rows"])
+def test_an_edit_of_an_empty_call_gives_an_empty_output_and_no_counts(shape):
+    """An empty batch reaches the kernel (a last, empty shard of data): its edit attends to nothing
+    and counts 0 instead of failing in the look for the keys in use."""
+    b, h, t, s = shape
+    q, k, v = (torch.randn(b, h, n, 4) for n in (t, s, s))
+    bias = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    site = site_with_hook(EditScores(drop=BernoulliRule(torch.tensor(0.5)), counted=True))
+    out, _ = attend(q, k, v, bias, site=site)
+    assert out.shape == (b, h, t, 4)
+    assert [int(x) for x in site.record.counts()[:2]] == [0, 0]
+
+
+def test_uniform_rows_false_makes_no_row_uniform():
+    q, k, v = _qkv(B=2, H=3, T=5, S=7)
+    bias, _ = _pad_bias([7, 3], 7)
+    plain, _ = attend(q, k, v, bias)
+    out, _ = attend(q, k, v, bias, site=site_with_hook(EditScores(uniform_rows=False)))
+    assert torch.equal(out, plain)
 
 
 def test_attend_uniform_rows_attend_uniformly_to_valid_keys():
