@@ -553,7 +553,7 @@ def ad_drop_masks(attribution, valid, p, q, generator=None):
 
 def record_results(monkeypatch, module, name, pick=lambda result: result):
     """Replace ``module.name`` by a wrapper that keeps a clone of every tensor it returns (``pick``:
-    the tensor, from what it returns).
+    the tensor, from what it returns; None is not kept).
 
     Returns a list of runs: append ``[]`` before each run; its results land in the last one.
     """
@@ -562,7 +562,8 @@ def record_results(monkeypatch, module, name, pick=lambda result: result):
 
     def recording(*args, **kwargs):
         result = real(*args, **kwargs)
-        runs[-1].append(pick(result).clone())
+        if pick(result) is not None:
+            runs[-1].append(pick(result).clone())
         return result
 
     monkeypatch.setattr(module, name, recording)
