@@ -242,7 +242,8 @@ def _without_prepared_bias(
 
 
 def _prepared(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weights: bool):
-    """A finite bias that drops can be added to, and the validity captures and counts need."""
+    """The calls that attend with the model's mask made a finite bias, with the validity a capture
+    keeps: a capture where sdpa may not zero keyless rows itself, a map's capture, weights asked for."""
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     bias, valid = _combined_bias(bias, shape, q.dtype, q.device)
     keyless = _keyless_rows(bias, valid)
