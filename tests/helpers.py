@@ -562,8 +562,9 @@ def record_results(monkeypatch, module, name, pick=lambda result: result):
 
     def recording(*args, **kwargs):
         result = real(*args, **kwargs)
-        if pick(result) is not None:
-            runs[-1].append(pick(result).clone())
+        picked = pick(result)
+        if picked is not None:
+            runs[-1].append(picked.clone())
         return result
 
     monkeypatch.setattr(module, name, recording)

@@ -39,7 +39,7 @@ from .masks import (
     attention_weights,
     causal_bias,
     finite_bias,
-    may_hold_true,
+    keyless_rows,
     valid_keys_from_bias,
     zero_rows,
 )
@@ -84,21 +84,6 @@ def _combined_bias(
     if bias is None:
         return None, torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device).expand(shape)
     return finite_bias(bias, dtype), valid_keys_from_bias(bias)
-
-
-def _keyless_rows(bias: Optional[torch.Tensor], valid: torch.Tensor) -> Optional[torch.Tensor]:
-    """(…, T, 1) True for query rows with no valid key (a padding query under left-padded causal
-    attention); None when there are none.
-
-    Such a row attends to nothing: its output is 0, as stock sdpa gives with a boolean mask. With
-    the finite fill instead, softmax would spread it over padding keys, and torch's fused CPU
-    backward gets those rows' gradients wrong (it differs from the math backend by O(1)); zeroed
-    rows send no gradient back, so both backends agree with the explicit softmax path.
-    """
-    if bias is None:
-        return None
-    rows = ~valid.any(dim=-1, keepdim=True)
-    return rows if may_hold_true(rows) else None
 
 
 def _check_grad_mode() -> None:
@@ -246,7 +231,7 @@ def _prepared(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_
     keeps: a capture where sdpa may not zero keyless rows itself, a map's capture, weights asked for."""
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     bias, valid = _combined_bias(bias, shape, q.dtype, q.device)
-    keyless = _keyless_rows(bias, valid)
+    keyless = keyless_rows(bias, valid)
     hook = call.hook
     if isinstance(hook, CaptureOutput):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)

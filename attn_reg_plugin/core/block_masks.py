@@ -19,7 +19,7 @@ from .masks import (
     broadcast_count,
     causal_bias,
     causal_key_span,
-    may_hold_true,
+    keyless_rows,
     uniform_instead_of_empty,
     unpack_bits,
     valid_keys_from_bias,
@@ -150,10 +150,7 @@ def block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=No
             additive = additive_mask(drop, q_rows.dtype)
             fits = torch.broadcast_shapes(additive.shape, part.shape) == additive.shape
             part = additive.add_(part) if fits else additive + part
-    keyless = None if bias_rows is None else ~valid.any(-1, keepdim=True)
-    if keyless is not None and not may_hold_true(keyless):
-        keyless = None  # no row to zero (looked at on a CPU): no masked fill of the output and its gradient
-    return BlockMasks(keys, part, uniform, keyless, valid, drop, state)
+    return BlockMasks(keys, part, uniform, keyless_rows(bias_rows, valid), valid, drop, state)
 
 
 def attend_block(q_rows, k, v, mask, uniform, keyless, call: BlockCall):

@@ -193,6 +193,21 @@ def attention_weights(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.softmax(scores.float() if half else scores, dim=-1).to(dtype)
 
 
+def keyless_rows(bias: Optional[torch.Tensor], valid: torch.Tensor) -> Optional[torch.Tensor]:
+    """(…, T, 1) True for query rows with no valid key (a padding query under left-padded causal
+    attention); None when there are none (looked at on a CPU, :func:`may_hold_true`), or no bias.
+
+    Such a row attends to nothing: its output is 0, as stock sdpa gives with a boolean mask. With
+    the finite fill instead, softmax would spread it over padding keys, and torch's fused CPU
+    backward gets those rows' gradients wrong (it differs from the math backend by O(1)); zeroed
+    rows send no gradient back, so both backends agree with the explicit softmax path.
+    """
+    if bias is None:
+        return None
+    rows = ~valid.any(dim=-1, keepdim=True)
+    return rows if may_hold_true(rows) else None
+
+
 def zero_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
     """``x`` with the rows flagged in ``rows`` (bool, broadcastable, or None: none) set to 0: a query
     made 0 attends uniformly, an output row with no valid key gives 0 and sends back no gradient."""
