@@ -6,7 +6,9 @@ and 6 for a long one, no file visited twice). This traces it instead: ``sys.setp
 every Python frame entered between a call's entry (``attn_reg_attention`` for transformers,
 ``attend`` for a custom model) and its return, and keeps the plugin files they belong to, a file
 listed again each time control comes back to it. Helpers count (a mask utility is a file the reader
-must open too); torch and transformers do not.
+must open too); torch and transformers do not. It also lists which file calls which (the nearest
+plugin frame below each call) and the files that call back into one that called them, directly or
+through others: a return to the caller is not a call back.
 
     .venv/bin/python tools/route_trace.py            # AD-DROP pass 2 (GA and RD) on a tiny BERT
 
@@ -33,8 +35,17 @@ def plugin_file(frame):
     return os.path.relpath(name, ROOT) if name.startswith(ROOT) else None
 
 
-def route(run, entry: str):
-    """The plugin files of the first call of function ``entry`` during ``run()``, one per visit."""
+def caller_file(frame):
+    """The plugin file of the nearest plugin frame that called ``frame`` (through torch or not)."""
+    frame = frame.f_back
+    while frame is not None and plugin_file(frame) is None:
+        frame = frame.f_back
+    return plugin_file(frame)
+
+
+def route(run, entry: str, calls=None):
+    """The plugin files of the first call of function ``entry`` during ``run()``, one per visit;
+    ``calls``, a set, gets each (calling file, called file) pair of different files."""
     visits, depth, done = [], [0], [False]
 
     def note(path):
@@ -48,6 +59,9 @@ def route(run, entry: str):
             if depth[0] or frame.f_code.co_name == entry:
                 depth[0] += 1
                 note(plugin_file(frame))
+                callee, caller = plugin_file(frame), caller_file(frame)
+                if calls is not None and callee and caller and callee != caller and depth[0] > 1:
+                    calls.add((caller, callee))
             return
         if depth[0]:
             depth[0] -= 1
@@ -63,7 +77,22 @@ def route(run, entry: str):
     return visits
 
 
-def masked_call_route(tokens: int, attribution: str):
+def called_back(calls) -> list:
+    """The files of ``calls`` (pairs) on a cycle: each reaches itself again through the files it calls."""
+    callees = {}
+    for caller, callee in calls:
+        callees.setdefault(caller, set()).add(callee)
+
+    def reaches(start, target, seen):
+        for nxt in callees.get(start, ()):
+            if nxt == target or (nxt not in seen and (seen.add(nxt) or reaches(nxt, target, seen))):
+                return True
+        return False
+
+    return sorted(f for f in callees if reaches(f, f, set()))
+
+
+def masked_call_route(tokens: int, attribution: str, calls=None):
     torch.manual_seed(0)
     config = transformers.BertConfig(
         hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50,
@@ -81,17 +110,20 @@ def masked_call_route(tokens: int, attribution: str):
         return model(input_ids=ids, attention_mask=mask)
 
     with ad_drop.masked(forward, lambda out, labels: logit_target(out.logits, None), frozen=model):
-        return route(forward, "attn_reg_attention")
+        return route(forward, "attn_reg_attention", calls)
 
 
 def main() -> int:
     for tokens, length in ((16, "short"), (700, "long")):
         for attribution in ("ga", "rd"):
-            visits = masked_call_route(tokens, attribution)
+            calls = set()
+            visits = masked_call_route(tokens, attribution, calls)
             again = sorted({f for f in visits if visits.count(f) > 1})
             print(f"HF, {length} call ({tokens} tokens), AD-DROP {attribution.upper()} pass 2: {len(set(visits))} files, "
                   f"{len(visits)} visits, visited again: {', '.join(again) or 'none'}")  # fmt: skip
             print("    " + " -> ".join(visits[:40]) + (" -> ..." if len(visits) > 40 else ""))
+            print("    calls: " + ", ".join(f"{a} -> {b}" for a, b in sorted(calls)))
+            print("    called back: " + (", ".join(called_back(calls)) or "none"))
     return 0
 
 
