@@ -58,10 +58,12 @@ def route(run, entry: str, calls=None):
         if event == "call":
             if depth[0] or frame.f_code.co_name == entry:
                 depth[0] += 1
-                note(plugin_file(frame))
-                callee, caller = plugin_file(frame), caller_file(frame)
-                if calls is not None and callee and caller and callee != caller and depth[0] > 1:
-                    calls.add((caller, callee))
+                callee = plugin_file(frame)
+                note(callee)
+                if calls is not None and callee and depth[0] > 1:  # the entry's caller is not on the route
+                    caller = caller_file(frame)
+                    if caller and caller != callee:
+                        calls.add((caller, callee))
             return
         if depth[0]:
             depth[0] -= 1
@@ -85,8 +87,12 @@ def called_back(calls) -> list:
 
     def reaches(start, target, seen):
         for nxt in callees.get(start, ()):
-            if nxt == target or (nxt not in seen and (seen.add(nxt) or reaches(nxt, target, seen))):
+            if nxt == target:
                 return True
+            if nxt not in seen:
+                seen.add(nxt)
+                if reaches(nxt, target, seen):
+                    return True
         return False
 
     return sorted(f for f in callees if reaches(f, f, set()))
