@@ -339,17 +339,17 @@ def _edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weig
     else:
         shape = (b, h, t, k.shape[2])
         m = block_masks(block, q, bias, slice(0, t), shape, fresh_state=True)
-        k_keys, v_keys = k[:, :, : m.keys], v[:, :, : m.keys]
         if need_weights:
+            k_keys, v_keys = k[:, :, : m.keys], v[:, :, : m.keys]
             out, weights, _ = _with_weights(
                 call, None, zero_rows(q, m.uniform), k_keys, v_keys, m.mask, m.valid, m.keyless, dropout_p, scale
             )
             weights = F.pad(weights, (0, shape[-1] - m.keys))  # the keys past every valid one: weight 0
         else:
-            out = attend_block(q, k_keys, v_keys, m.mask, m.uniform, m.keyless, block)
+            out = attend_block(q, k, v, m, block)
         dropped = droppable = None
         if count and m.drop is not None:
-            dropped, droppable = block_counts(m, hook.droppable, slice(0, t), (b, h, t, m.keys))
+            dropped, droppable = block_counts(m, hook.droppable, slice(0, t), b, h)
     if call.recompute:
         return out, weights, None
     counts = (dropped, droppable) if count else (None, None)

@@ -153,13 +153,15 @@ def block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=No
     return BlockMasks(keys, part, uniform, keyless_rows(bias_rows, valid), valid, drop, state)
 
 
-def attend_block(q_rows, k, v, mask, uniform, keyless, call: BlockCall):
-    """One block through sdpa, as the kernel's prepared path: a zero query row is uniform over its
-    valid keys, and a row with no valid key gives 0 (and so sends back no gradient)."""
+def attend_block(q_rows, k, v, m: BlockMasks, call: BlockCall):
+    """One block through sdpa over its masks ``m`` and the call's keys ``0 .. m.keys - 1``, as the
+    kernel's prepared path: a zero query row is uniform over its valid keys, and a row with no valid
+    key gives 0 (and so sends back no gradient)."""
+    k, v = k[:, :, : m.keys], v[:, :, : m.keys]
     out = F.scaled_dot_product_attention(
-        zero_rows(q_rows, uniform), k, v, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale
+        zero_rows(q_rows, m.uniform), k, v, attn_mask=m.mask, dropout_p=call.dropout_p, scale=call.scale
     )
-    return zero_rows(out, keyless)
+    return zero_rows(out, m.keyless)
 
 
 def rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fresh_state: bool):
@@ -180,9 +182,10 @@ def rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fre
     return drop, uniform, state
 
 
-def block_counts(m: BlockMasks, droppable, rows: slice, block_shape) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(dropped, droppable) units of a block: drops within the units the edit could drop, and those
-    units among the valid ones (``droppable`` None: every valid unit)."""
+def block_counts(m: BlockMasks, droppable, rows: slice, b: int, h: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dropped, droppable) units of a block of a (``b``, ``h``, ...) call: drops within the units the
+    edit could drop, and those units among the valid ones (``droppable`` None: every valid unit)."""
+    block_shape = (b, h, rows.stop - rows.start, m.keys)
     if droppable is None:
         units, counted = m.valid, m.drop  # drops are within valid
     else:

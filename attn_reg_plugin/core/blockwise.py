@@ -96,16 +96,16 @@ class BlockwiseAttention(torch.autograd.Function):
                 states.append(m.state)
             if call.dropout_p > 0:  # sdpa's dropout draws, replayed in the backward
                 rng_states.append(rng_state([q.device]))
-            k_keys, v_keys = k[:, :, : m.keys], v[:, :, : m.keys]
             if keep_stats:
                 o, lse[:, :, rows] = _FLASH_CPU(
-                    zero_rows(q_rows, m.uniform), k_keys, v_keys, 0.0, False, attn_mask=m.mask, scale=call.scale
-                )
+                    zero_rows(q_rows, m.uniform), k[:, :, : m.keys], v[:, :, : m.keys], 0.0, False,
+                    attn_mask=m.mask, scale=call.scale,
+                )  # fmt: skip
                 out[:, :, rows] = zero_rows(o, m.keyless)
             else:
-                out[:, :, rows] = attend_block(q_rows, k_keys, v_keys, m.mask, m.uniform, m.keyless, call)
+                out[:, :, rows] = attend_block(q_rows, k, v, m, call)
             if call.count and m.drop is not None:
-                dropped_now, units_now = block_counts(m, call.droppable, rows, (b, h, rows.stop - rows.start, m.keys))
+                dropped_now, units_now = block_counts(m, call.droppable, rows, b, h)
                 dropped += dropped_now
                 droppable += units_now
         # The kept bits go through save_for_backward, not ctx: a checkpointed call's saved tensors are
@@ -141,8 +141,7 @@ class BlockwiseAttention(torch.autograd.Function):
                 if call.dropout_p > 0:
                     set_rng_state(ctx.rng_states[i])
                 m = block_masks(call, q_rows, bias_rows, rows, shape, ctx.states[i])
-                k_keys, v_keys = k_leaf[:, :, : m.keys], v_leaf[:, :, : m.keys]
-                out = attend_block(q_rows, k_keys, v_keys, m.mask, m.uniform, m.keyless, call)
+                out = attend_block(q_rows, k_leaf, v_leaf, m, call)
             inputs = [x for x in (q_rows, k_leaf, v_leaf) if x.requires_grad]
             if bias_grad:
                 inputs.append(bias_rows)
