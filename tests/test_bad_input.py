@@ -130,6 +130,8 @@ SCHED_DROPOUT_BAD: List[Bad] = [
     Bad("schedule", "0:0.3:1", _SAME, "{opt}: cannot read knot '0:0.3:1'; expected UPDATE:PROB such as 0:0.6"),
     Bad("schedule", "-1:0.3", _SAME, "{opt}: knot updates must be integers >= 0, got '-1'"),
     Bad("schedule", "0.5:0.3", _SAME, "{opt}: knot updates must be integers >= 0, got '0.5'"),
+    Bad("schedule", "nan:0.3", _SAME, "{opt}: knot updates must be integers >= 0, got 'nan'"),
+    Bad("schedule", "0:0.3,1e400:0.1", _SAME, "{opt}: knot updates must be integers >= 0, got '1e400'"),
     Bad("schedule", "5:0.3,2:0.1", _SAME, "{opt}: knot updates must increase strictly, got 5 then 2"),
     Bad(
         "schedule",

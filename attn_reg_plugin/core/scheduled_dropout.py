@@ -102,7 +102,7 @@ def parse_schedules(spec: str, option: str) -> List[Schedule]:
                 raise ValueError(
                     f"{option}: cannot read knot {knot.strip()!r}; expected UPDATE:PROB such as 0:0.6"
                 ) from None
-            if update < 0 or update != int(update):
+            if not math.isfinite(update) or update < 0 or update != int(update):
                 raise ValueError(f"{option}: knot updates must be integers >= 0, got {update_text.strip()!r}")
             check_probability(prob, f"{option}: knot {knot.strip()!r} probability")
             if knots and int(update) <= knots[-1][0]:
