@@ -61,8 +61,8 @@ def chunk_draws(seed: int, shape: Tuple[int, int, int, int], rows: slice, keys: 
     """
     b, h, t, s = shape
     generator = torch.Generator(device=device)
-    if rows.stop <= rows.start:  # no query rows (an empty call): nothing drawn
-        return draw(generator, (b, h, 0, keys))
+    if rows.stop <= rows.start or keys == 0:  # no query rows or no keys (an empty call): nothing drawn
+        return draw(generator, (b, h, max(0, rows.stop - rows.start), keys))
     width = min(KEY_TILE, s)  # a call's tile width: a short call draws for its own keys only
     tiles = -(-keys // width)
     parts = []

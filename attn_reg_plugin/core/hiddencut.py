@@ -133,6 +133,8 @@ def hiddencut_spans(
     """
     valid = valid.to(torch.bool)
     batch, length = valid.shape
+    if length == 0:  # no positions: no span (and no start to gather)
+        return valid
     n = valid.sum(dim=1)
     scores = received.to(torch.float32).masked_fill(~valid, -math.inf)
     # stable descending sort: equal scores keep their order, so the lower position ranks first
@@ -157,8 +159,15 @@ def js_divergence(scores_1: torch.Tensor, scores_2: torch.Tensor, log_probs: boo
     lp, lq = scores_1.to(dtype), scores_2.to(dtype)
     if not log_probs:
         lp, lq = F.log_softmax(lp, dim=-1), F.log_softmax(lq, dim=-1)
-    lm = torch.logaddexp(lp, lq) - math.log(2.0)
-    return 0.5 * ((lp.exp() * (lp - lm)).sum(-1) + (lq.exp() * (lq - lm)).sum(-1))
+    # A class of probability 0 adds 0 (the limit of p log p / m), not 0 * -inf = NaN; where it is
+    # impossible in both, m is taken of stand-in zeros, as logaddexp's gradient at (-inf, -inf) is NaN.
+    both_impossible = (lp == -math.inf) & (lq == -math.inf)
+    lm = torch.logaddexp(lp.masked_fill(both_impossible, 0.0), lq.masked_fill(both_impossible, 0.0)) - math.log(2.0)
+
+    def kl_to_m(log_p):
+        return (log_p.exp() * torch.where(log_p == -math.inf, 0.0, log_p - lm)).sum(-1)
+
+    return 0.5 * (kl_to_m(lp) + kl_to_m(lq))
 
 
 def js_consistency(

@@ -1,4 +1,4 @@
-"""R-Drop (Wu et al. 2021, dropreg/R-Drop): two forward passes of the same batch, each with its own
+"""R-Drop (Liang, Wu et al. 2021, dropreg/R-Drop): two forward passes of the same batch, each with its own
 dropout draws, trained to agree.
 
 The objective, exactly as R-Drop's official fairseq code (and fairseq's later
@@ -72,7 +72,11 @@ def symmetric_kl(scores_1: torch.Tensor, scores_2: torch.Tensor, log_probs: bool
     lp1, lp2 = scores_1.to(dtype), scores_2.to(dtype)
     if not log_probs:
         lp1, lp2 = F.log_softmax(lp1, dim=-1), F.log_softmax(lp2, dim=-1)
-    return 0.5 * ((lp1.exp() - lp2.exp()) * (lp1 - lp2)).sum(-1)
+    # A class impossible in both passes (-inf, e.g. a vocabulary entry masked out) adds 0, not
+    # 0 * (-inf - -inf) = NaN; torch.where also keeps NaN out of the gradient.
+    both_impossible = (lp1 == -math.inf) & (lp2 == -math.inf)
+    log_ratio = torch.where(both_impossible, 0.0, lp1 - lp2)
+    return 0.5 * ((lp1.exp() - lp2.exp()) * log_ratio).sum(-1)
 
 
 def rdrop_kl(

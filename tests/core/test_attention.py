@@ -121,7 +121,11 @@ def test_attend_drop_counts_dropped_and_valid_keys_and_refuses_what_is_no_mask_o
     assert stats[1].item() == 3 * 5 * (7 + 3)
 
 
-@pytest.mark.parametrize("shape", [(0, 2, 4, 5), (2, 0, 4, 5), (2, 2, 0, 5)], ids=["no-batch", "no-heads", "no-rows"])
+@pytest.mark.parametrize(
+    "shape",
+    [(0, 2, 4, 5), (2, 0, 4, 5), (2, 2, 0, 5), (2, 2, 3, 0)],
+    ids=["no-batch", "no-heads", "no-rows", "no-keys"],
+)
 def test_an_edit_of_an_empty_call_gives_an_empty_output_and_no_counts(shape):
     """An empty batch reaches the kernel (a last, empty shard of data): its edit attends to nothing
     and counts 0 instead of failing in the look for the keys in use."""
@@ -130,7 +134,7 @@ def test_an_edit_of_an_empty_call_gives_an_empty_output_and_no_counts(shape):
     bias = torch.ones(b, 1, 1, s, dtype=torch.bool)
     site = site_with_hook(EditScores(drop=BernoulliRule(torch.tensor(0.5)), counted=True))
     out, _ = attend(q, k, v, bias, site=site)
-    assert out.shape == (b, h, t, 4)
+    assert out.shape == (b, h, t, 4) and not out.any()  # a row with no key attends to nothing: 0
     assert [int(x) for x in site.record.counts()[:2]] == [0, 0]
 
 

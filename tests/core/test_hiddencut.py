@@ -60,6 +60,9 @@ def test_left_padding_short_rows_and_empty_rows():
         assert not (cut & ~valid).any()
         assert cut.sum(1).tolist() == [1, 1, 0]  # at least one token; none without real tokens
         assert cut[1, 0]
+    for shape in ((2, 0), (0, 5)):  # no positions, no rows: an empty cut
+        empty = torch.zeros(shape, dtype=torch.bool)
+        assert hiddencut_spans(empty, torch.zeros(shape), 0.1, 0.4, _gen(0)).shape == shape
 
 
 @pytest.mark.parametrize("n, ratio, top, span, k", [(30, 0.1, 0.4, 3, 12), (5, 0.1, 0.4, 1, 2), (70, 0.1, 0.4, 7, 28)])

@@ -157,3 +157,27 @@ def test_config_accepts_zero_and_the_papers_alpha():
     assert RDropConfig().alpha == 5.0 and RDropConfig().concat_batch is False
     RDropConfig(alpha=0).validate()
     RDropConfig(alpha=0.5, concat_batch=True).validate()
+
+
+@pytest.mark.parametrize("name", ["symmetric_kl", "js_divergence"])
+def test_a_class_impossible_in_both_passes_adds_nothing_and_no_nan(name):
+    """A class whose logit is -inf in both passes (a vocabulary entry a model masks out) contributes 0
+    to R-Drop's KL and HiddenCut's JS: value and gradients are those over the possible classes, with
+    a 0 gradient at the impossible one, instead of 0 * (-inf - -inf) = NaN."""
+    from attn_reg_plugin.core.hiddencut import js_divergence
+
+    divergence = {"symmetric_kl": symmetric_kl, "js_divergence": js_divergence}[name]
+    masked = [torch.tensor([[1.0, 2.0, -math.inf], [0.0, -1.0, -math.inf]], requires_grad=True) for _ in range(2)]
+    with torch.no_grad():
+        masked[1][:, :2] += torch.tensor([[0.5, -1.5], [1.0, 0.0]])
+    possible = [x.detach()[:, :2].clone().requires_grad_(True) for x in masked]
+    value, reference = divergence(*masked), divergence(*possible)
+    (value.sum() + reference.sum()).backward()
+    torch.testing.assert_close(value, reference)
+    for m, p in zip(masked, possible):
+        torch.testing.assert_close(m.grad[:, :2], p.grad)
+        assert torch.equal(m.grad[:, 2], torch.zeros(2))
+    # Log-probabilities with an impossible class in one pass only: JS stays finite (KL is infinite then).
+    one_sided = torch.tensor([[0.0, -1.0, -math.inf]]).log_softmax(-1), torch.tensor([[0.0, 0.0, 0.0]]).log_softmax(-1)
+    if name == "js_divergence":
+        assert torch.isfinite(divergence(*one_sided, log_probs=True)).all()
