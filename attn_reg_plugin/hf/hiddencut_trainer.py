@@ -41,8 +41,7 @@ from ..core.hiddencut import (
     js_consistency,
 )
 from ..core.options import named_by_field, one_regularizer
-from .model_inputs import causal_lm
-from .rdrop_trainer import RDropTrainerMixin, _logits
+from .rdrop_trainer import RDropTrainerMixin, _logits, compared_positions, loss_divisor
 
 PLAN_KWARG = "hiddencut_plan"
 
@@ -119,9 +118,12 @@ class HiddenCutTrainerMixin:
         loss_cut, out_cut = super().compute_loss(
             model, {**inputs, PLAN_KWARG: plan}, return_outputs=True, num_items_in_batch=num_items_in_batch
         )
-        first, second, keep = self._hiddencut_positions(model, inputs, _logits(out_clean), _logits(out_cut))
+        first, second, labels, keep = compared_positions(
+            self, model, inputs, _logits(out_clean), _logits(out_cut), "HiddenCut's JS"
+        )
         js_sum, positions = js_consistency(first, second, keep)
-        divisor = RDropTrainerMixin._rdrop_divisor(self, positions, num_items_in_batch)
+        pair_loss = loss_clean + loss_cut
+        divisor = loss_divisor(self, pair_loss, (first, second), labels, keep, positions, num_items_in_batch)
         loss = hiddencut_objective(loss_clean, loss_cut, js_sum / divisor, self.hiddencut.alpha)
         self._hc_js = self._hc_js + js_sum.detach()
         self._hc_positions = self._hc_positions + positions
@@ -146,19 +148,6 @@ class HiddenCutTrainerMixin:
             received = attention_received(maps[index].detach(), valid)
             masks[index] = (hiddencut_spans(valid, received, self.hiddencut.ratio, self.hiddencut.top), valid)
         return masks
-
-    def _hiddencut_positions(self, model, inputs: Dict[str, Any], first, second):
-        """The two passes' scores at the positions the CE covers, and which of them count (None: all)."""
-        if first.size(-1) < 2:
-            raise ValueError("HiddenCut's JS compares class distributions; this model has one output (regression)")
-        if first.dim() == 2:
-            return first, second, None
-        labels = inputs.get("labels")
-        if labels is None:
-            raise ValueError("HiddenCut on a token-level model needs `labels` (-100 marks ignored tokens)")
-        if causal_lm(self.accelerator.unwrap_model(model)):
-            first, second, labels = first[:, :-1], second[:, :-1], labels[:, 1:]
-        return first, second, labels.ne(-100)
 
     def hiddencut_stats(self) -> Dict[str, float]:
         """Since the last log, over all processes: mean JS per position (nats), tokens cut, real tokens of

@@ -15,9 +15,11 @@ No attention sites are installed: R-Drop works through the model's own dropout, 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import math
+from typing import Any, Dict
 
 import torch
+import torch.nn.functional as F
 import transformers
 
 from ..core.distributed import all_reduce_sum_
@@ -57,6 +59,76 @@ def _logits(outputs) -> torch.Tensor:
     raise ValueError("R-Drop needs the model's output `logits` (a ModelOutput with logits)")
 
 
+def compared_positions(trainer, model, inputs: Dict[str, Any], first, second, term: str):
+    """(first, second, labels, keep): two passes' scores at the positions the CE covers, the labels
+    there (None when the batch has none) and which of them count (None: all). ``term`` names the
+    consistency term (R-Drop's KL, HiddenCut's JS) in errors."""
+    labels = inputs.get("labels")
+    if first.size(-1) < 2:
+        raise ValueError(
+            f"{term} compares the two passes' class distributions, but this model's logits have one "
+            "output (a regression head): there is no distribution to compare"
+        )
+    if first.dim() == 2:
+        if labels is not None and labels.is_floating_point() and labels.shape == first.shape:
+            raise ValueError(
+                f"{term} compares softmax distributions; a multi-label model's outputs are independent sigmoids: "
+                "not supported"
+            )
+        return first, second, labels, None
+    if labels is None:
+        raise ValueError(f"{term} on a token-level model needs `labels` (-100 marks ignored tokens)")
+    if causal_lm(trainer.accelerator.unwrap_model(model)):
+        # a causal LM's logits at t score token t + 1, as its loss does
+        first, second, labels = first[:, :-1], second[:, :-1], labels[:, 1:]
+    return first, second, labels, labels.ne(-100)
+
+
+def loss_divisor(trainer, pair_loss, pair_scores, labels, keep, positions, num_items_in_batch):
+    """What the Trainer's loss of this model is divided by, so a consistency term is reduced as the
+    CE is (``pair_loss``: the two passes' losses added; ``positions``: the positions the CE covers).
+
+    As ``Trainer.compute_loss`` (transformers 5.x): without ``num_items_in_batch``, or for a model that
+    takes no loss keywords, the loss is this batch's mean. Otherwise transformers hands the model
+    ``num_items_in_batch`` (the accumulated batch's items, all processes' when
+    ``average_tokens_across_devices``, which then multiplies the loss by the processes), but many
+    heads ignore it (BERT's classifiers take their plain mean over the micro-batch): which one this
+    model does is read once from its loss (:func:`_divides_by_items`)."""
+    if num_items_in_batch is None or not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None):
+        return positions.clamp(min=1)
+    scale = 1
+    if trainer.args.average_tokens_across_devices:
+        scale = trainer.accelerator.num_processes // getattr(trainer, "get_tp_size", lambda: 1)()
+    by_items = trainer.compute_loss_func is not None or _divides_by_items(
+        trainer, pair_loss / scale, pair_scores, labels, keep, positions, num_items_in_batch
+    )
+    return (num_items_in_batch if by_items else positions.clamp(min=1)) / scale
+
+
+def _divides_by_items(trainer, pair_loss, pair_scores, labels, keep, positions, num_items) -> bool:
+    """Whether the model's loss is its summed CE over ``num_items`` rather than over this batch's
+    ``positions``: the count nearer (in ratio) to the two passes' CE of their own logits, summed, over
+    ``pair_loss``. Read once per trainer (one host sync), at the first step where the counts differ."""
+    decided = getattr(trainer, "_loss_divides_by_items", None)
+    if decided is not None:
+        return decided
+    items, batch = float(num_items), float(positions.clamp(min=1))
+    loss = float(pair_loss.detach())
+    if labels is None or items == batch or not math.isfinite(loss) or loss <= 0:
+        return True  # nothing to read this step: transformers' own assumption
+    ce_sum = sum(
+        F.cross_entropy(
+            (s if keep is None else s[keep]).detach().float(), labels if keep is None else labels[keep], reduction="sum"
+        )
+        for s in pair_scores
+    )
+    implied = float(ce_sum) / loss
+    if not math.isfinite(implied) or implied <= 0:
+        return True
+    trainer._loss_divides_by_items = abs(math.log(implied / items)) <= abs(math.log(implied / batch))
+    return trainer._loss_divides_by_items
+
+
 class RDropTrainerMixin:
     """Shared by :class:`RDropTrainer` and :class:`RDropSeq2SeqTrainer`."""
 
@@ -92,9 +164,10 @@ class RDropTrainerMixin:
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
         ce_both, outputs, scores = self._rdrop_passes(model, inputs, num_items_in_batch)
-        first, second, keep = self._rdrop_positions_of(model, inputs, *scores)
+        first, second, labels, keep = compared_positions(self, model, inputs, *scores, "R-Drop's KL")
         kl_sum, positions = rdrop_kl(first, second, keep)
-        loss = rdrop_objective(ce_both, kl_sum / self._rdrop_divisor(positions, num_items_in_batch), self.rdrop.alpha)
+        divisor = loss_divisor(self, ce_both, (first, second), labels, keep, positions, num_items_in_batch)
+        loss = rdrop_objective(ce_both, kl_sum / divisor, self.rdrop.alpha)
         self._rdrop_kl_sum = self._rdrop_kl_sum + kl_sum.detach()
         self._rdrop_positions = self._rdrop_positions + positions
         return (loss, outputs) if return_outputs else loss
@@ -117,42 +190,6 @@ class RDropTrainerMixin:
             model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch
         )
         return loss_1 + loss_2, out_1, (_logits(out_1), _logits(out_2))
-
-    def _rdrop_positions_of(self, model, inputs: Dict[str, Any], first, second):
-        """The two passes' scores at the positions the CE covers, and which of them count (None: all)."""
-        labels = inputs.get("labels")
-        if first.size(-1) < 2:
-            raise ValueError(
-                "R-Drop compares the two passes' class distributions, but this model's logits have one "
-                "output (a regression head): there is no distribution to compare"
-            )
-        if first.dim() == 2:
-            if labels is not None and labels.is_floating_point() and labels.shape == first.shape:
-                raise ValueError(
-                    "R-Drop's KL compares softmax distributions; a multi-label model's outputs are "
-                    "independent sigmoids: not supported"
-                )
-            return first, second, None
-        if labels is None:
-            raise ValueError("R-Drop on a token-level model needs `labels` (-100 marks ignored tokens)")
-        if causal_lm(self.accelerator.unwrap_model(model)):
-            # a causal LM's logits at t score token t + 1, as its loss does
-            first, second, labels = first[:, :-1], second[:, :-1], labels[:, 1:]
-        return first, second, labels.ne(-100)
-
-    def _rdrop_divisor(self, positions: torch.Tensor, num_items_in_batch: Optional[Any]):
-        """What the Trainer's loss of this model is divided by, so the KL is reduced as the CE is.
-
-        As ``Trainer.compute_loss`` (transformers 5.x): a model that takes ``num_items_in_batch``
-        divides its summed loss by it (the accumulated batch's items, all processes' when
-        ``average_tokens_across_devices``, which then multiplies the loss by the processes);
-        otherwise the loss is this batch's mean."""
-        if num_items_in_batch is None or not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
-            return positions.clamp(min=1)
-        scale = 1
-        if self.args.average_tokens_across_devices:
-            scale = self.accelerator.num_processes // getattr(self, "get_tp_size", lambda: 1)()
-        return num_items_in_batch / scale
 
     def rdrop_kl(self) -> float:
         """The mean symmetric KL per position (nats) since the last log, over all processes."""

@@ -15,6 +15,7 @@ from attn_reg_plugin.core.hiddencut import CutPlan, HiddenCutConfig, js_consiste
 from attn_reg_plugin.core.rdrop import RDropConfig
 from attn_reg_plugin.hf import RDropTrainerMixin
 from attn_reg_plugin.hf.hiddencut_trainer import HiddenCutSeq2SeqTrainer, HiddenCutTrainer, HiddenCutTrainerMixin
+from attn_reg_plugin.hf.rdrop_trainer import compared_positions
 from helpers import classifier_rows, hf_tensorboard_matches_the_log, torchrun_ranks
 
 ALPHA = 2.0
@@ -120,7 +121,7 @@ def test_loss_is_clean_plus_cut_plus_alpha_js_and_the_cut_is_counted(family, tmp
     model.train()
     with torch.no_grad():
         clean, cut = model(**batch), model(**batch, hiddencut_plan=plan)
-    first, second, keep = trainer._hiddencut_positions(model, batch, clean.logits, cut.logits)
+    first, second, _, keep = compared_positions(trainer, model, batch, clean.logits, cut.logits, "JS")
     js, positions = js_consistency(first, second, keep)
     assert js > 0 and not torch.equal(clean.logits, cut.logits)
     torch.testing.assert_close(loss, clean.loss + cut.loss + ALPHA * js / positions, rtol=1e-5, atol=1e-6)
@@ -141,9 +142,29 @@ def test_js_is_normalized_as_the_models_loss_over_the_accumulated_batch(tmp_path
     with torch.no_grad():
         clean = model(**batch, num_items_in_batch=items)
         cut = model(**batch, num_items_in_batch=items, hiddencut_plan=plan)
-    first, second, keep = trainer._hiddencut_positions(model, batch, clean.logits, cut.logits)
+    first, second, _, keep = compared_positions(trainer, model, batch, clean.logits, cut.logits, "JS")
     js, _ = js_consistency(first, second, keep)
     torch.testing.assert_close(loss.detach(), clean.loss + cut.loss + ALPHA * js / items, rtol=1e-5, atol=1e-6)
+
+
+def test_js_is_normalized_as_a_bert_classifiers_loss_which_ignores_the_accumulated_batch(tmp_path, monkeypatch):
+    """BERT's classifier takes loss keywords but returns its plain mean over the micro-batch: the JS is
+    divided by the micro-batch's samples too, so alpha keeps its weight under gradient accumulation."""
+    model = FAMILIES["bert"][0](dropout=0.0)
+    with torch.no_grad():
+        model.classifier.weight.mul_(100.0)  # logits far enough apart that the passes' JS is well above rounding
+    drawn = _spy_spans(monkeypatch)
+    trainer = make_trainer("bert", tmp_path, model=model)
+    assert trainer.model_accepts_loss_kwargs
+    batch = bert_batch()
+    trainer.model.train()
+    loss = trainer.compute_loss(model, batch, num_items_in_batch=torch.tensor(4 * 3))  # 4 micro-batches of 3
+    plan = CutPlan({i: (cut, batch["attention_mask"].bool()) for i, cut in enumerate(drawn)})
+    with torch.no_grad():
+        clean, cut = model(**batch), model(**batch, hiddencut_plan=plan)
+    js, positions = js_consistency(clean.logits, cut.logits)
+    assert int(positions) == 3 and js > 1e-3  # large enough that dividing it by 12 items instead shows
+    torch.testing.assert_close(loss.detach(), clean.loss + cut.loss + ALPHA * js / 3, rtol=1e-5, atol=1e-6)
 
 
 def test_the_cut_zeroes_the_layer_outputs_at_the_span(tmp_path, monkeypatch):

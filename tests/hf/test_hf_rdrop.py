@@ -137,6 +137,23 @@ def test_kl_is_normalized_as_the_models_loss_over_the_accumulated_batch(tmp_path
 
 
 @pytest.mark.parametrize("concat", [False, True], ids=["two-forwards", "concat-batch"])
+def test_kl_is_normalized_as_a_bert_classifiers_loss_which_ignores_the_accumulated_batch(concat, tmp_path):
+    """BERT's classifier takes loss keywords but returns its plain mean over the micro-batch: the KL is
+    divided by the micro-batch's samples too, so alpha keeps its weight under gradient accumulation."""
+    model = tiny_bert(dropout=0.5)
+    with torch.no_grad():
+        model.classifier.weight.mul_(100.0)  # logits far enough apart that the passes' KL is well above rounding
+    trainer = make_trainer("bert", tmp_path, model=model, concat_batch=concat)
+    assert trainer.model_accepts_loss_kwargs
+    batch = bert_batch()
+    loss, _ = one_step(trainer, batch, num_items_in_batch=torch.tensor(4 * 3))  # 4 micro-batches of 3
+    with torch.no_grad():
+        expected, kl = explicit_loss("bert", trainer.model, batch, concat)
+    assert kl > 1e-3  # large enough that dividing it by the 12 items instead of the 3 samples shows
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("concat", [False, True], ids=["two-forwards", "concat-batch"])
 def test_the_callers_batch_is_unchanged(concat, tmp_path):
     """Also with label smoothing, where the Trainer's compute_loss pops `labels` from the dict it gets."""
     model = tiny_bert()
