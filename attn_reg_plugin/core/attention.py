@@ -182,12 +182,14 @@ def attention_kernel(
 
 def _dropped_heads(out: torch.Tensor, hook: EditScores, recompute: bool):
     """DropHead on a call's (B, H, T, d) output: each (sample, head) dropped with the hook's
-    probability (torch's stream, which a checkpoint restores for its recompute), a sample's kept
-    heads scaled by H / kept. A sample drawn to lose every head keeps them all (no rescaling by
-    H / 0). Returns the output and the counts, [dropped, pairs]."""
+    probability p (torch's stream, which a checkpoint restores for its recompute), a sample's kept
+    heads scaled by H / kept. A sample drawn to lose every head keeps the one of largest draw, a
+    head uniformly at random (no rescaling by H / 0), so the rate is p - p**H / H, rising with p.
+    Returns the output and the counts, [dropped, pairs]."""
     b, h = out.shape[:2]
-    drop = torch.rand((b, h), device=out.device) < hook.drop_heads.to(out.device)
-    drop &= drop.sum(-1, keepdim=True) < h
+    draws = torch.rand((b, h), device=out.device)
+    drop = draws < hook.drop_heads.to(out.device)
+    drop &= ~(drop.all(-1, keepdim=True) & (draws == draws.amax(-1, keepdim=True)))
     scale = (~drop).to(out.dtype) * (h / (h - drop.sum(-1, keepdim=True))).to(out.dtype)
     out = out * scale.view(b, h, 1, 1)
     if recompute or not hook.counted:

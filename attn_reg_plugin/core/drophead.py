@@ -1,7 +1,9 @@
 """DropHead (Zhou et al. 2020, "Scheduled DropHead"), one of the papers' baselines.
 
 Each (sample, head) output of a selected attention layer is dropped with probability p, and a
-sample's kept heads are rescaled by heads / kept, so the layer's expected output is unchanged.
+sample's kept heads are rescaled by heads / kept, so the layer's expected output is unchanged. A
+sample drawn to lose every head keeps one at random (the paper's H / kept would divide by 0), so the
+rate is p - p**H / H: p itself but for a few heads at a large p.
 The paper's schedule for p is V-shaped over training (down to 0, then back up); here it is the
 piecewise-linear knots of scheduled attention dropout, so a V is three knots, e.g.
 ``0:0.1,5000:0,10000:0.1``. The kernel draws the heads at each call from torch's global generator
@@ -31,8 +33,9 @@ class DropHeadConfig(RegularizerOptions):
     schedule: str = option(
         "",
         "DropHead: each (sample, head) output of a selected attention layer dropped with the "
-        "piecewise-linear probability at the current update, kept heads rescaled by heads/kept; the "
-        "paper's V is three knots, e.g. 0:0.1,5000:0,10000:0.1; empty = off",
+        "piecewise-linear probability at the current update, kept heads rescaled by heads/kept (a "
+        "sample drawn to lose every head keeps one); the paper's V is three knots, e.g. "
+        "0:0.1,5000:0,10000:0.1; empty = off",
         "UPDATE:PROB,... knots, updates increasing, PROB in [0, 1]",
     )
     layers: str = layers_option()

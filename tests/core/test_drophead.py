@@ -14,6 +14,15 @@ from attn_reg_plugin.core.planned_run import idle_run_warning
 from helpers import CORE_B, CORE_D, CORE_T, CoreBlock, controller_with_sites, site_with_hook, tiny_core_model
 
 
+def _drawn(b, h, p):
+    """The kernel's drops from torch's stream, one draw per (sample, head); a sample whose every head
+    is drawn keeps the one of largest draw."""
+    draws = torch.rand(b, h)
+    drop = draws < p
+    drop[drop.all(-1), draws[drop.all(-1)].argmax(-1)] = False
+    return drop
+
+
 def _qkv(b=3, h=4, t=5, d=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(b, h, t, d, generator=g, requires_grad=True) for _ in range(3)]
@@ -26,8 +35,7 @@ def test_dropped_heads_are_zero_and_kept_heads_scaled_by_heads_over_kept():
     out, _ = attend(q, k, v, site=site)
     counts = site.record.counts()
     torch.manual_seed(7)
-    drop = torch.rand(3, 4) < 0.4  # the kernel's draws: one per (sample, head), torch's stream
-    drop &= drop.sum(-1, keepdim=True) < 4
+    drop = _drawn(3, 4, 0.4)
     assert drop.any() and not drop.all()
     plain = F.scaled_dot_product_attention(q, k, v)
     kept = 4 - drop.sum(-1)
@@ -44,8 +52,7 @@ def test_gradients_equal_autograd_of_the_explicit_rescaled_heads():
     out, _ = attend(q, k, v, site=site_with_hook(EditScores(drop_heads=torch.tensor(0.5))))
     grads = torch.autograd.grad(out.pow(2).sum(), [q, k, v])
     torch.manual_seed(3)
-    drop = torch.rand(3, 4) < 0.5
-    drop &= drop.sum(-1, keepdim=True) < 4
+    drop = _drawn(3, 4, 0.5)
     scale = (~drop).float() * 4 / (4 - drop.sum(-1, keepdim=True))
     q2, k2, v2 = (x.detach().requires_grad_() for x in (q, k, v))
     weights = torch.softmax(q2 @ k2.transpose(-1, -2) / 8**0.5, -1)
@@ -54,13 +61,32 @@ def test_gradients_equal_autograd_of_the_explicit_rescaled_heads():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_sample_drawn_to_lose_every_head_keeps_them_all():
+def test_a_sample_drawn_to_lose_every_head_keeps_its_largest_draw_scaled_by_heads():
+    """p = 1 draws every head of every sample: each keeps the head of its largest draw, times H."""
     q, k, v = _qkv(seed=2)
     site = site_with_hook(EditScores(drop_heads=torch.tensor(1.0), counted=True))
+    torch.manual_seed(4)
     out, _ = attend(q, k, v, site=site)
-    counts = site.record.counts()
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
-    assert int(counts[0]) == 0 and torch.isfinite(out).all()
+    torch.manual_seed(4)
+    kept = torch.rand(3, 4).argmax(-1)
+    plain = F.scaled_dot_product_attention(q, k, v)
+    for b in range(3):
+        for h in range(4):
+            expected = plain[b, h] * 4 if h == kept[b] else torch.zeros_like(plain[b, h])
+            torch.testing.assert_close(out[b, h], expected)
+    assert [int(c) for c in site.record.counts()[:2]] == [9, 12] and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("heads, p", [(2, 0.5), (2, 0.9), (1, 0.7), (12, 1.0)])
+def test_the_rate_rises_with_p_as_p_minus_p_to_the_heads_over_heads(heads, p):
+    """Where every head may be drawn the rate is p - p**H / H: 0.375 and 0.495 with two heads (more for
+    the larger p), none for a single head (it is never dropped), 11/12 at p = 1 with twelve."""
+    q, k, v = (x.detach() for x in _qkv(b=4000, h=heads, t=1, d=2, seed=5))
+    site = site_with_hook(EditScores(drop_heads=torch.tensor(p), counted=True))
+    torch.manual_seed(0)
+    attend(q, k, v, site=site)
+    dropped, pairs = (int(c) for c in site.record.counts()[:2])
+    assert abs(dropped / pairs - (p - p**heads / heads)) < 0.015
 
 
 def test_the_rate_is_p_and_the_same_seed_gives_the_same_drops():
