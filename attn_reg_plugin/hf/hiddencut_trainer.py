@@ -13,10 +13,12 @@ checkpoints, ``GradientCheckpointingLayer``; the encoder's for an encoder-decode
 paper's feed-forward output, which no name common to the families reaches (BERT adds it to the
 residual inside ``BertOutput``). Cutting the layer output zeroes the whole token, residual included.
 
-The span's start comes from the clean pass's attention maps (``output_attentions=True``; eager
-attention returns them after its attention dropout, as the official code's BERT did), which
+The span's start comes from the clean pass's attention maps (``output_attentions=True``), which
 transformers returns only for eager attention: a model with another attention implementation is
-refused at construction, naming the fix. The cut pass's masks travel with its call as the layers' keyword
+refused at construction, naming the fix. Eager attention returns them *after* its attention
+dropout, while the official code's BERT (its ``ori_attention_probs``) and the fairseq criterion rank
+on the softmax before it: with attention dropout on, the ranking here sees the dropout's zeros and
+1 / (1 - p) scaling too (a known difference, not yet removed). The cut pass's masks travel with its call as the layers' keyword
 ``hiddencut_plan`` (nothing is held between calls: evaluation and generation never cut). With gradient
 checkpointing, transformers 5.x checkpoints a layer's ``forward``, not its ``__call__``, so the cut (a
 module hook) runs outside the recompute, once per pass; a recompute that did run the hook would get
