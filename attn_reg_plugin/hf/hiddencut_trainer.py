@@ -15,10 +15,11 @@ residual inside ``BertOutput``). Cutting the layer output zeroes the whole token
 
 The span's start comes from the clean pass's attention maps (``output_attentions=True``), which
 transformers returns only for eager attention: a model with another attention implementation is
-refused at construction, naming the fix. Eager attention returns them *after* its attention
-dropout, while the official code's BERT (its ``ori_attention_probs``) and the fairseq criterion rank
-on the softmax before it: with attention dropout on, the ranking here sees the dropout's zeros and
-1 / (1 - p) scaling too (a known difference, not yet removed). The cut pass's masks travel with its call as the layers' keyword
+refused at construction, naming the fix. Eager attention returns them after its attention dropout;
+the official code's BERT ranks its ``ori_attention_probs``, the softmax before it, as the fairseq
+criterion does. So the trainer switches the model's eager attention to
+:func:`eager_maps_before_dropout`: the family's own eager attention, its weights taken without
+dropout and the same dropout applied to the output (eager's outputs, to the bit). The cut pass's masks travel with its call as the layers' keyword
 ``hiddencut_plan`` (nothing is held between calls: evaluation and generation never cut). With gradient
 checkpointing, transformers 5.x checkpoints a layer's ``forward``, not its ``__call__``, so the cut (a
 module hook) runs outside the recompute, once per pass; a recompute that did run the hook would get
@@ -27,10 +28,15 @@ the same keyword and cut the same tokens.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import contextlib
+import sys
+import warnings
+from typing import Any, Dict, Iterator, List
 
 import torch
 import transformers
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
 
 from ..core.distributed import all_reduce_sum_
 from ..core.hiddencut import (
@@ -46,6 +52,35 @@ from ..core.options import named_by_field, one_regularizer
 from .rdrop_trainer import RDropTrainerMixin, _logits, compared_positions, loss_divisor
 
 PLAN_KWARG = "hiddencut_plan"
+# The clean pass's attention: the family's own eager attention, returning its weights before attention dropout.
+MAPS_BEFORE_DROPOUT = "attn_reg_eager_maps_before_dropout"
+_CALLS_BEFORE_DROPOUT = [0]  # calls of it since the clean pass began (a family that bypasses it makes none)
+
+
+def eager_maps_before_dropout(module, query, key, value, attention_mask, dropout: float = 0.0, **kwargs):
+    """``AttentionInterface`` function: the module's family's ``eager_attention_forward`` run without
+    dropout for its weights (the softmax HiddenCut ranks, as the official code's ``ori_attention_probs``),
+    the output then made from them with the dropout eager would apply: the same draws, the same values.
+    The first call on each module checks that eager's output is its weights times the values."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(f"HiddenCut: {type(module).__module__} has no eager_attention_forward to rank the maps of")
+    out, weights = eager(module, query, key, value, attention_mask, dropout=0.0, **kwargs)
+    _CALLS_BEFORE_DROPOUT[0] += 1
+    values = repeat_kv(value, query.shape[1] // value.shape[1])
+    if not module.__dict__.get("attn_reg_eager_checked"):
+        with torch.no_grad():  # nothing saved for a backward: a checkpoint's recompute saves the same tensors
+            same = torch.allclose(torch.matmul(weights, values).transpose(1, 2), out, rtol=1e-3, atol=1e-5)
+        if not same:
+            raise ValueError(
+                f"HiddenCut: {type(module).__name__}'s eager attention output is not its weights times the "
+                "values, so its maps before dropout cannot be taken apart from it"
+            )
+        module.__dict__["attn_reg_eager_checked"] = True
+    if dropout > 0.0 and module.training:
+        dropped = torch.nn.functional.dropout(weights, p=dropout, training=True)
+        out = torch.matmul(dropped, values).transpose(1, 2).contiguous()
+    return out, weights
 
 
 def _other_regularizers(trainer) -> list:
@@ -62,6 +97,41 @@ def _other_regularizers(trainer) -> list:
     return [name for mixin, name in mixins if isinstance(trainer, mixin)]
 
 
+def register_maps_before_dropout() -> None:
+    """Register :func:`eager_maps_before_dropout` with transformers' attention and mask interfaces
+    (eager's masks), idempotent."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(MAPS_BEFORE_DROPOUT, eager_maps_before_dropout)
+    AttentionMaskInterface.register(MAPS_BEFORE_DROPOUT, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+
+
+def use_maps_before_dropout(model) -> None:
+    """Switch the model's eager attention to :func:`eager_maps_before_dropout` (its outputs unchanged).
+    For good, not per pass: an activation checkpoint's recompute must run the very same function."""
+    register_maps_before_dropout()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_attn_implementation", None) == "eager":
+            config._attn_implementation = MAPS_BEFORE_DROPOUT
+
+
+@contextlib.contextmanager
+def counting_maps_before_dropout(model) -> Iterator[None]:
+    """Warns, once per model, where none of the calls inside went through
+    :func:`eager_maps_before_dropout` (a family whose attention bypasses transformers'
+    AttentionInterface): its maps are then those after dropout."""
+    _CALLS_BEFORE_DROPOUT[0] = 0
+    yield
+    if _CALLS_BEFORE_DROPOUT[0] == 0 and not model.__dict__.get("attn_reg_maps_warned"):
+        model.__dict__["attn_reg_maps_warned"] = True
+        warnings.warn(
+            f"HiddenCut: {type(model).__name__}'s attention does not go through transformers' AttentionInterface, "
+            "so its spans are ranked on the attention maps after attention dropout",
+            stacklevel=3,
+        )
+
+
 def hiddencut_layers(model) -> List[torch.nn.Module]:
     """The transformer layers whose outputs HiddenCut cuts, in order: the encoder's of an encoder-decoder
     model, else every ``GradientCheckpointingLayer``."""
@@ -73,7 +143,7 @@ def hiddencut_layers(model) -> List[torch.nn.Module]:
 
 def _check_eager(model) -> None:
     impl = getattr(model.config, "_attn_implementation", "eager")
-    if impl != "eager":
+    if impl not in ("eager", MAPS_BEFORE_DROPOUT):
         raise ValueError(
             f"HiddenCut draws each span's start from the layer's attention map, which transformers returns "
             f"only with eager attention; this model uses {impl!r}: load it with attn_implementation='eager'"
@@ -95,6 +165,7 @@ class HiddenCutTrainerMixin:
             raise ValueError(f"HiddenCut: {type(self.model).__name__} has no transformer layer to cut")
         self._hiddencut_layers = self.hiddencut.selected_layers(len(layers))
         _check_eager(self.model)
+        use_maps_before_dropout(self.model)
         self._hiddencut_cut = SpanCut()
         for index in self._hiddencut_layers:
             self._hiddencut_cut.attach(layers[index], index, kwarg=PLAN_KWARG)
@@ -113,9 +184,10 @@ class HiddenCutTrainerMixin:
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
         # copies: the Trainer's compute_loss may pop labels, and the caller's inputs are never changed
-        loss_clean, out_clean = super().compute_loss(
-            model, {**inputs, "output_attentions": True}, return_outputs=True, num_items_in_batch=num_items_in_batch
-        )
+        with counting_maps_before_dropout(self.accelerator.unwrap_model(model)):
+            loss_clean, out_clean = super().compute_loss(
+                model, {**inputs, "output_attentions": True}, return_outputs=True, num_items_in_batch=num_items_in_batch
+            )
         plan = CutPlan(self._hiddencut_masks(model, inputs, out_clean))
         loss_cut, out_cut = super().compute_loss(
             model, {**inputs, PLAN_KWARG: plan}, return_outputs=True, num_items_in_batch=num_items_in_batch

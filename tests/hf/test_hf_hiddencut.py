@@ -4,6 +4,7 @@ from the clean pass's eager attention maps), for a BERT classifier, a Llama caus
 seq2seq model; the caller's batch untouched; gradient checkpointing; the logs; the refusals."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -14,7 +15,13 @@ from attn_reg_plugin.core import hiddencut as core
 from attn_reg_plugin.core.hiddencut import CutPlan, HiddenCutConfig, js_consistency
 from attn_reg_plugin.core.rdrop import RDropConfig
 from attn_reg_plugin.hf import RDropTrainerMixin
-from attn_reg_plugin.hf.hiddencut_trainer import HiddenCutSeq2SeqTrainer, HiddenCutTrainer, HiddenCutTrainerMixin
+from attn_reg_plugin.hf.hiddencut_trainer import (
+    MAPS_BEFORE_DROPOUT,
+    HiddenCutSeq2SeqTrainer,
+    HiddenCutTrainer,
+    HiddenCutTrainerMixin,
+    counting_maps_before_dropout,
+)
 from attn_reg_plugin.hf.rdrop_trainer import compared_positions
 from helpers import classifier_rows, hf_tensorboard_matches_the_log, torchrun_ranks
 
@@ -272,3 +279,42 @@ def test_two_gloo_ranks_without_find_unused_parameters(tmp_path):
         (c0, t0), (c1, t1) = ranks[0]["local"][step], ranks[1]["local"][step]
         assert c0 > 0 and c1 > 0 and t0 > 0 and t1 > 0
         assert log["hiddencut_cut"] == c0 + c1 and log["hiddencut_tokens"] == t0 + t1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_clean_pass_ranks_the_maps_before_attention_dropout_and_its_output_is_eagers(family, tmp_path):
+    """As the official code's ori_attention_probs: the maps HiddenCut ranks are the softmax before
+    attention dropout (rows summing to 1, no dropped zeros), while the model's loss and logits are
+    eager's own to the bit, the same dropout draws included."""
+    build, make_batch, _, _ = FAMILIES[family]
+    model = build(dropout=0.5)
+    if family == "marian":
+        model.config.attention_dropout = 0.5  # Marian's attention dropout is its own field (0 by default)
+        for module in model.modules():
+            if hasattr(module, "dropout") and isinstance(module.dropout, float) and hasattr(module, "k_proj"):
+                module.dropout = 0.5
+    batch = make_batch()
+    model.train()
+    torch.manual_seed(3)
+    eager = model(**batch, output_attentions=True)
+    make_trainer(family, tmp_path, model=model)  # switches eager attention to the maps before dropout
+    assert model.config._attn_implementation == MAPS_BEFORE_DROPOUT
+    torch.manual_seed(3)
+    clean = model(**batch, output_attentions=True)
+    assert torch.equal(clean.logits, eager.logits) and torch.equal(clean.loss, eager.loss)
+    maps = clean.encoder_attentions if family == "marian" else clean.attentions
+    dropped = eager.encoder_attentions if family == "marian" else eager.attentions
+    for before, after in zip(maps, dropped):
+        torch.testing.assert_close(before.sum(-1), torch.ones_like(before.sum(-1)))
+        assert (after == 0).float().mean() > 0.3 and (before == 0).float().mean() < (after == 0).float().mean()
+
+
+def test_a_model_whose_attention_bypasses_the_interface_warns_that_its_maps_are_after_dropout():
+    model = torch.nn.Linear(2, 2)
+    for expect_warning in (True, False):  # once per model
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with counting_maps_before_dropout(model):
+                model(torch.zeros(2))  # no attention call reaches the interface
+        messages = [str(w.message) for w in caught]
+        assert any("ranked on the attention maps after attention dropout" in m for m in messages) == expect_warning
