@@ -93,7 +93,9 @@ def loss_divisor(trainer, pair_loss, pair_scores, labels, keep, positions, num_i
     ``num_items_in_batch`` (the accumulated batch's items, all processes' when
     ``average_tokens_across_devices``, which then multiplies the loss by the processes), but many
     heads ignore it (BERT's classifiers take their plain mean over the micro-batch): which one this
-    model does is read once from its loss (:func:`_divides_by_items`)."""
+    model does is read once from its loss (:func:`_divides_by_items`). A ``compute_loss_func`` is
+    taken to divide by ``num_items_in_batch``, as transformers takes it (its loss need not be a CE
+    to read)."""
     if num_items_in_batch is None or not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None):
         return positions.clamp(min=1)
     scale = 1
@@ -107,18 +109,26 @@ def loss_divisor(trainer, pair_loss, pair_scores, labels, keep, positions, num_i
 
 def _divides_by_items(trainer, pair_loss, pair_scores, labels, keep, positions, num_items) -> bool:
     """Whether the model's loss is its summed CE over ``num_items`` rather than over this batch's
-    ``positions``: the count nearer (in ratio) to the two passes' CE of their own logits, summed, over
-    ``pair_loss``. Read once per trainer (one host sync), at the first step where the counts differ."""
+    ``positions``: the count nearer (in ratio) to the two passes' CE of their own logits (label
+    smoothed as the Trainer's smoother does), summed, over ``pair_loss``. Decided at the first step
+    where the counts differ (one host read), then kept; with one micro-batch per update on one
+    process they are the same count, and nothing is read."""
     decided = getattr(trainer, "_loss_divides_by_items", None)
     if decided is not None:
         return decided
+    if trainer.args.gradient_accumulation_steps == 1 and trainer.args.world_size == 1:
+        return True  # num_items_in_batch counts this very batch's positions (transformers counts them alike)
     items, batch = float(num_items), float(positions.clamp(min=1))
     loss = float(pair_loss.detach())
     if labels is None or items == batch or not math.isfinite(loss) or loss <= 0:
         return True  # nothing to read this step: transformers' own assumption
+    smoothing = trainer.args.label_smoothing_factor if trainer.label_smoother is not None else 0.0
     ce_sum = sum(
         F.cross_entropy(
-            (s if keep is None else s[keep]).detach().float(), labels if keep is None else labels[keep], reduction="sum"
+            (s if keep is None else s[keep]).detach().float(),
+            labels if keep is None else labels[keep],
+            reduction="sum",
+            label_smoothing=smoothing,
         )
         for s in pair_scores
     )

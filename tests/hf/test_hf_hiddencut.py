@@ -138,7 +138,8 @@ def test_js_is_normalized_as_the_models_loss_over_the_accumulated_batch(tmp_path
     """A causal LM takes num_items_in_batch: its loss is the summed CE over them, and so is the JS."""
     model = FAMILIES["llama"][0](dropout=0.0)
     drawn = _spy_spans(monkeypatch)
-    trainer = make_trainer("llama", tmp_path, model=model)
+    args = _args(tmp_path, gradient_accumulation_steps=4)
+    trainer = HiddenCutTrainer(model=model, args=args, hiddencut=HiddenCutConfig(alpha=ALPHA))
     assert trainer.model_accepts_loss_kwargs
     batch = llama_batch()
     items = torch.tensor(4 * int(batch["labels"][:, 1:].ne(-100).sum()))  # as if 4 micro-batches made the update
@@ -161,7 +162,8 @@ def test_js_is_normalized_as_a_bert_classifiers_loss_which_ignores_the_accumulat
     with torch.no_grad():
         model.classifier.weight.mul_(100.0)  # logits far enough apart that the passes' JS is well above rounding
     drawn = _spy_spans(monkeypatch)
-    trainer = make_trainer("bert", tmp_path, model=model)
+    args = _args(tmp_path, gradient_accumulation_steps=4)
+    trainer = HiddenCutTrainer(model=model, args=args, hiddencut=HiddenCutConfig(alpha=ALPHA))
     assert trainer.model_accepts_loss_kwargs
     batch = bert_batch()
     trainer.model.train()

@@ -123,7 +123,11 @@ def test_loss_is_both_passes_loss_plus_alpha_times_the_mean_symmetric_kl(family,
 
 def test_kl_is_normalized_as_the_models_loss_over_the_accumulated_batch(tmp_path):
     """A causal LM takes num_items_in_batch: its loss is the summed CE over them, and so is the KL."""
-    trainer = make_trainer("llama", tmp_path)
+    trainer = RDropTrainer(
+        model=FAMILIES["llama"][0](),
+        args=_args(tmp_path, gradient_accumulation_steps=4),
+        rdrop=RDropConfig(alpha=ALPHA),
+    )
     assert trainer.model_accepts_loss_kwargs
     batch = llama_batch()
     items = 4 * int(batch["labels"][:, 1:].ne(-100).sum())  # as if 4 micro-batches made the update
@@ -143,7 +147,8 @@ def test_kl_is_normalized_as_a_bert_classifiers_loss_which_ignores_the_accumulat
     model = tiny_bert(dropout=0.5)
     with torch.no_grad():
         model.classifier.weight.mul_(100.0)  # logits far enough apart that the passes' KL is well above rounding
-    trainer = make_trainer("bert", tmp_path, model=model, concat_batch=concat)
+    args = _args(tmp_path, gradient_accumulation_steps=4)
+    trainer = RDropTrainer(model=model, args=args, rdrop=RDropConfig(alpha=ALPHA, concat_batch=concat))
     assert trainer.model_accepts_loss_kwargs
     batch = bert_batch()
     loss, _ = one_step(trainer, batch, num_items_in_batch=torch.tensor(4 * 3))  # 4 micro-batches of 3
@@ -151,6 +156,34 @@ def test_kl_is_normalized_as_a_bert_classifiers_loss_which_ignores_the_accumulat
         expected, kl = explicit_loss("bert", trainer.model, batch, concat)
     assert kl > 1e-3  # large enough that dividing it by the 12 items instead of the 3 samples shows
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_under_label_smoothing_the_kl_is_divided_as_the_smoothers_loss(tmp_path):
+    """The Trainer's label smoother divides by num_items_in_batch even for BERT: so does the KL, also
+    for a confident model, whose smoothed loss is far from its plain CE (read with the same smoothing)."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    model = tiny_bert(dropout=0.1)
+    with torch.no_grad():
+        model.classifier.weight.mul_(3000.0)
+    args = _args(tmp_path, gradient_accumulation_steps=4, label_smoothing_factor=0.1)
+    trainer = RDropTrainer(model=model, args=args, rdrop=RDropConfig(alpha=ALPHA))
+    batch, items = bert_batch(), torch.tensor(4 * 3)
+    model.eval()
+    with torch.no_grad():  # labels the model is sure of: its CE near 0, its smoothed loss not
+        batch["labels"] = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.argmax(-1)
+    loss, _ = one_step(trainer, batch, num_items_in_batch=items)
+    smoother = LabelSmoother(epsilon=0.1)
+    model.train()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        out_1, out_2 = model(**inputs), model(**inputs)
+        ce = sum(smoother(out, batch["labels"], num_items_in_batch=items) for out in (out_1, out_2))
+        lp1, lp2 = out_1.logits.log_softmax(-1), out_2.logits.log_softmax(-1)
+        kl = (F.kl_div(lp1, lp2.exp(), reduction="sum") + F.kl_div(lp2, lp1.exp(), reduction="sum")) / 2
+    assert kl > 1e-3
+    torch.testing.assert_close(loss, ce + ALPHA * kl / items, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("concat", [False, True], ids=["two-forwards", "concat-batch"])
