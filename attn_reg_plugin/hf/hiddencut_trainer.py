@@ -110,6 +110,13 @@ def use_maps_before_dropout(model) -> None:
     """Switch the model's eager attention to :func:`eager_maps_before_dropout` (its outputs unchanged).
     For good, not per pass: an activation checkpoint's recompute must run the very same function."""
     register_maps_before_dropout()
+    if getattr(model.config, "reorder_and_upcast_attn", False):  # GPT-2 takes that path only under "eager"
+        warnings.warn(
+            f"HiddenCut: {type(model).__name__} has reorder_and_upcast_attn=True, whose attention runs only "
+            "under attn_implementation='eager': its spans are ranked on the maps after attention dropout",
+            stacklevel=3,
+        )
+        return
     for module in model.modules():
         config = getattr(module, "config", None)
         if getattr(config, "_attn_implementation", None) == "eager":

@@ -320,3 +320,15 @@ def test_a_model_whose_attention_bypasses_the_interface_warns_that_its_maps_are_
                 model(torch.zeros(2))  # no attention call reaches the interface
         messages = [str(w.message) for w in caught]
         assert any("ranked on the attention maps after attention dropout" in m for m in messages) == expect_warning
+
+
+def test_gpt2_reordered_upcast_attention_stays_eager_and_says_so(tmp_path):
+    """GPT-2's reorder_and_upcast_attn path runs only under "eager": the model keeps it, with a warning."""
+    config = transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=8, vocab_size=50, n_positions=16, reorder_and_upcast_attn=True
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    model.set_attn_implementation("eager")
+    with pytest.warns(UserWarning, match="reorder_and_upcast_attn=True.*after attention dropout"):
+        HiddenCutTrainer(model=model, args=_args(tmp_path), hiddencut=HiddenCutConfig())
+    assert model.config._attn_implementation == "eager"
