@@ -138,14 +138,20 @@ def _score_bias(attention_mask, position_bias, query: torch.Tensor, kv_len: int,
     return position_bias + bias, False
 
 
-def register_attn_reg() -> None:
-    """Register ``"attn_reg"`` with transformers' attention and mask interfaces (idempotent)."""
+def register_attention(name: str, function, masks_like: str) -> None:
+    """Register ``function`` as transformers' attention implementation ``name``, its masks built as
+    for the implementation ``masks_like`` (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, attn_reg_attention)
-    # Same masks as sdpa: bool (True = attend), or None when sdpa would rely on is_causal / no padding.
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[masks_like])
+
+
+def register_attn_reg() -> None:
+    """Register ``"attn_reg"`` with transformers (idempotent), with sdpa's masks: bool (True =
+    attend), or None when sdpa would rely on is_causal / no padding."""
+    register_attention(ATTN_IMPLEMENTATION, attn_reg_attention, "sdpa")
 
 
 def install_attention_sites(model, controller: RegularizationController) -> List[Tuple[str, AttentionSite]]:

@@ -35,7 +35,6 @@ from typing import Any, Dict, Iterator, List
 
 import torch
 import transformers
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from ..core.distributed import all_reduce_sum_
@@ -49,7 +48,9 @@ from ..core.hiddencut import (
     js_consistency,
 )
 from ..core.options import named_by_field, one_regularizer
+from .attention import register_attention
 from .rdrop_trainer import RDropTrainerMixin, _logits, compared_positions, loss_divisor
+from .sites import attention_configs
 
 PLAN_KWARG = "hiddencut_plan"
 # The clean pass's attention: the family's own eager attention, returning its weights before attention dropout.
@@ -97,19 +98,10 @@ def _other_regularizers(trainer) -> list:
     return [name for mixin, name in mixins if isinstance(trainer, mixin)]
 
 
-def register_maps_before_dropout() -> None:
-    """Register :func:`eager_maps_before_dropout` with transformers' attention and mask interfaces
-    (eager's masks), idempotent."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(MAPS_BEFORE_DROPOUT, eager_maps_before_dropout)
-    AttentionMaskInterface.register(MAPS_BEFORE_DROPOUT, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
-
-
 def use_maps_before_dropout(model) -> None:
     """Switch the model's eager attention to :func:`eager_maps_before_dropout` (its outputs unchanged).
     For good, not per pass: an activation checkpoint's recompute must run the very same function."""
-    register_maps_before_dropout()
+    register_attention(MAPS_BEFORE_DROPOUT, eager_maps_before_dropout, "eager")
     if getattr(model.config, "reorder_and_upcast_attn", False):  # GPT-2 takes that path only under "eager"
         warnings.warn(
             f"HiddenCut: {type(model).__name__} has reorder_and_upcast_attn=True, whose attention runs only "
@@ -117,9 +109,8 @@ def use_maps_before_dropout(model) -> None:
             stacklevel=3,
         )
         return
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "_attn_implementation", None) == "eager":
+    for config in attention_configs(model).values():
+        if config._attn_implementation == "eager":
             config._attn_implementation = MAPS_BEFORE_DROPOUT
 
 

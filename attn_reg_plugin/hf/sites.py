@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -158,6 +158,14 @@ def assign_sites(model: torch.nn.Module, pairs: List[Tuple[str, AttentionSite]])
         modules[path].attn_reg_sites = sites
 
 
+def attention_configs(model) -> Dict[int, Any]:
+    """The configs of ``model``'s modules that name an attention implementation, by id (a config
+    shared by several modules once)."""
+    return {
+        id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")
+    }
+
+
 def route_attention_calls(
     model: torch.nn.Module, controller: RegularizationController, implementation: str
 ) -> List[Tuple[str, AttentionSite]]:
@@ -180,9 +188,7 @@ def route_attention_calls(
             f"{name}: DeBERTa's disentangled attention does not go through transformers' "
             "AttentionInterface, so the regularizers cannot reach it"
         )
-    configs = {
-        id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")
-    }
+    configs = attention_configs(model)
     before = {key: config._attn_implementation for key, config in configs.items()}
     previous_sites = installed_sites(model)
     if previous_sites and model.__dict__.get("attn_reg_installed") == id(model):
