@@ -28,8 +28,8 @@ module computes the Jensen-Shannon divergence the paper states. alpha defaults t
 
 Where the cut is applied is the adapter's choice (:class:`SpanCut` hooks any module's output): the
 paper's point is the layer's feed-forward output (before the residual), which fairseq's encoder layer
-exposes as ``fc2``; Hugging Face families have no common name for it, so their trainers cut the
-layer's output. The official code cuts every layer (``layers='all'``).
+exposes as ``fc2``; the Hugging Face trainers find it per family (``hf.feed_forward_cut``). The
+official code cuts every layer (``layers='all'``).
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ over the positions the CE covers (every sample of a classifier, each label that 
 token-level model, shifted for a causal LM) and divided by what the model's loss is divided by, as
 R-Drop's KL (``hf.rdrop_trainer``). Evaluation and generation run one pass, unchanged.
 
-Where the cut is: the output of each selected transformer layer (the modules transformers
-checkpoints, ``GradientCheckpointingLayer``; the encoder's for an encoder-decoder model), not the
-paper's feed-forward output, which no name common to the families reaches (BERT adds it to the
-residual inside ``BertOutput``). Cutting the layer output zeroes the whole token, residual included.
+Where the cut is: the feed-forward output of each selected transformer layer (the modules transformers
+checkpoints, ``GradientCheckpointingLayer``; the encoder's for an encoder-decoder model), before the
+residual, in place of the dropout there where the family has one, as the official code
+(:mod:`.feed_forward_cut`). A layer where none is found has its output cut, residual included, with a
+warning.
 
 The span's start comes from the clean pass's attention maps (``output_attentions=True``), which
 transformers returns only for eager attention: a model with another attention implementation is
@@ -21,9 +22,8 @@ criterion does. So the trainer switches the model's eager attention to
 :func:`eager_maps_before_dropout`: the family's own eager attention, its weights taken without
 dropout and the same dropout applied to the output (eager's outputs, to the bit). The cut pass's masks travel with its call as the layers' keyword
 ``hiddencut_plan`` (nothing is held between calls: evaluation and generation never cut). With gradient
-checkpointing, transformers 5.x checkpoints a layer's ``forward``, not its ``__call__``, so the cut (a
-module hook) runs outside the recompute, once per pass; a recompute that did run the hook would get
-the same keyword and cut the same tokens.
+checkpointing, transformers 5.x checkpoints a layer's ``forward`` with its keywords, so a recompute
+holds the same plan and its feed-forward hook cuts the same tokens.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from ..core.hiddencut import (
 )
 from ..core.options import named_by_field, one_regularizer
 from .attention import register_attention
+from .feed_forward_cut import cut_feed_forward, feed_forward_output, hold_the_plan
 from .rdrop_trainer import RDropTrainerMixin, _logits, compared_positions, loss_divisor
 from .sites import attention_configs
 
@@ -165,8 +166,21 @@ class HiddenCutTrainerMixin:
         _check_eager(self.model)
         use_maps_before_dropout(self.model)
         self._hiddencut_cut = SpanCut()
+        unfound = set()
         for index in self._hiddencut_layers:
-            self._hiddencut_cut.attach(layers[index], index, kwarg=PLAN_KWARG)
+            found = feed_forward_output(layers[index])
+            if found is None:  # the layer's output instead, residual included
+                self._hiddencut_cut.attach(layers[index], index, kwarg=PLAN_KWARG)
+                unfound.add(type(layers[index]).__name__)
+            else:
+                hold_the_plan(layers[index], PLAN_KWARG)
+                self._hiddencut_cut.handles.append(cut_feed_forward(found[0], index, replaces=found[1]))
+        if unfound:
+            warnings.warn(
+                f"HiddenCut: no feed-forward output found in {', '.join(sorted(unfound))}; the cut zeroes those "
+                "layers' outputs (residual included), not the feed-forward output the paper cuts",
+                stacklevel=2,
+            )
         self._hiddencut_count = len(layers)
 
     def _hiddencut_reset(self) -> None:

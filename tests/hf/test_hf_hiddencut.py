@@ -1,5 +1,5 @@
 """HiddenCut through the Hugging Face trainers (HiddenCutTrainer, HiddenCutSeq2SeqTrainer): the Trainer's
-loss of a clean and a cut pass plus alpha times their JS, the cut at each layer's output (spans drawn
+loss of a clean and a cut pass plus alpha times their JS, the cut at each layer's feed-forward output (spans drawn
 from the clean pass's eager attention maps), for a BERT classifier, a Llama causal LM and a Marian
 seq2seq model; the caller's batch untouched; gradient checkpointing; the logs; the refusals."""
 
@@ -15,12 +15,14 @@ from attn_reg_plugin.core import hiddencut as core
 from attn_reg_plugin.core.hiddencut import CutPlan, HiddenCutConfig, js_consistency
 from attn_reg_plugin.core.rdrop import RDropConfig
 from attn_reg_plugin.hf import RDropTrainerMixin
+from attn_reg_plugin.hf.feed_forward_cut import feed_forward_output
 from attn_reg_plugin.hf.hiddencut_trainer import (
     MAPS_BEFORE_DROPOUT,
     HiddenCutSeq2SeqTrainer,
     HiddenCutTrainer,
     HiddenCutTrainerMixin,
     counting_maps_before_dropout,
+    hiddencut_layers,
 )
 from attn_reg_plugin.hf.rdrop_trainer import compared_positions
 from helpers import classifier_rows, hf_tensorboard_matches_the_log, torchrun_ranks
@@ -28,12 +30,17 @@ from helpers import classifier_rows, hf_tensorboard_matches_the_log, torchrun_ra
 ALPHA = 2.0
 
 
+# Initialized wider than transformers' 0.02, so that a feed-forward output (what the cut zeroes) weighs
+# against the residual as in a trained model; at 0.02 cutting one token moves a logit by about 1e-4.
+INIT_STD = 0.3
+
+
 def tiny_bert(dropout=0.1, attn_implementation="eager", **kw):
     return helpers.small_bert(
         hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout,
         attn_implementation=attn_implementation,
-        **kw,
+        **{"initializer_range": INIT_STD, **kw},
     )
 
 
@@ -68,7 +75,7 @@ FAMILIES = {  # build, batch, seq2seq, real tokens of the batch's cut rows
         24,
     ),
     "marian": (
-        lambda dropout=0.1: helpers.tiny_marian(dropout=dropout, attn_implementation="eager"),
+        lambda dropout=0.1: helpers.tiny_marian(dropout=dropout, attn_implementation="eager", init_std=INIT_STD),
         marian_batch,
         True,
         24,
@@ -160,7 +167,7 @@ def test_js_is_normalized_as_a_bert_classifiers_loss_which_ignores_the_accumulat
     divided by the micro-batch's samples too, so alpha keeps its weight under gradient accumulation."""
     model = FAMILIES["bert"][0](dropout=0.0)
     with torch.no_grad():
-        model.classifier.weight.mul_(100.0)  # logits far enough apart that the passes' JS is well above rounding
+        model.classifier.weight.mul_(10.0)  # logits far enough apart that the passes' JS is well above rounding
     drawn = _spy_spans(monkeypatch)
     args = _args(tmp_path, gradient_accumulation_steps=4)
     trainer = HiddenCutTrainer(model=model, args=args, hiddencut=HiddenCutConfig(alpha=ALPHA))
@@ -176,9 +183,66 @@ def test_js_is_normalized_as_a_bert_classifiers_loss_which_ignores_the_accumulat
     torch.testing.assert_close(loss.detach(), clean.loss + cut.loss + ALPHA * js / 3, rtol=1e-5, atol=1e-6)
 
 
-def test_the_cut_zeroes_the_layer_outputs_at_the_span(tmp_path, monkeypatch):
+# Each family's feed-forward output before the residual, as the official code cuts it (BertOutput).
+FEED_FORWARD = {
+    "bert": lambda layer: layer.output.dense,
+    "llama": lambda layer: layer.mlp,
+    "marian": lambda layer: layer.fc2,
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_cut_pass_is_the_model_with_its_feed_forward_outputs_zeroed_at_the_spans(family, tmp_path, monkeypatch):
+    """Against the model run by hand with each layer's feed-forward output zeroed at its span by a hook of
+    the test's own: the same logits (no dropout, so both passes are deterministic)."""
     drawn = _spy_spans(monkeypatch)
-    trainer = make_trainer("bert", tmp_path, ratio=0.5)
+    build, make_batch, _, _ = FAMILIES[family]
+    trainer = make_trainer(family, tmp_path, model=build(dropout=0.0), ratio=0.5)
+    model, batch = trainer.model, make_batch()
+    logits = []
+    handle = model.register_forward_hook(lambda m, a, out: logits.append(out.logits.detach()))
+    one_step(trainer, batch)
+    handle.remove()
+    clean, cut = logits
+    layers = hiddencut_layers(model)
+    assert len(drawn) == len(layers) and all(int(span.sum()) > 0 for span in drawn)
+    hooks = [
+        FEED_FORWARD[family](layer).register_forward_hook(
+            lambda m, a, out, span=span: out * (~span).unsqueeze(-1).to(out.dtype)
+        )
+        for layer, span in zip(layers, drawn)
+    ]
+    with torch.no_grad():
+        by_hand = model(**batch).logits
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(cut, by_hand, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(cut, clean, atol=1e-3)
+
+
+def test_the_cut_takes_the_place_of_berts_feed_forward_dropout(tmp_path, monkeypatch):
+    """As the official BertOutput: in the cut pass the feed-forward output is the dense layer's, zeroed at
+    the span and not dropped out; the clean pass keeps its dropout."""
+    drawn = _spy_spans(monkeypatch)
+    trainer = make_trainer("bert", tmp_path, model=tiny_bert(dropout=0.3), ratio=0.5)
+    dense, dropped = [], []
+    for layer in trainer.model.bert.encoder.layer:
+        layer.output.dense.register_forward_hook(lambda m, a, out: dense.append(out.detach()))
+        layer.output.dropout.register_forward_hook(lambda m, a, out: dropped.append(out.detach()))
+    one_step(trainer, bert_batch())
+    layers = len(trainer.model.bert.encoder.layer)
+    for index in range(layers):
+        assert not torch.equal(dropped[index], dense[index])  # the clean pass drops out
+        span = drawn[index]
+        cut_dense, cut_dropped = dense[layers + index], dropped[layers + index]
+        assert torch.equal(cut_dropped, cut_dense * (~span).unsqueeze(-1))
+
+
+def test_a_layer_without_a_known_feed_forward_output_has_its_output_cut_and_says_so(tmp_path, monkeypatch):
+    drawn = _spy_spans(monkeypatch)
+    monkeypatch.setattr("attn_reg_plugin.hf.hiddencut_trainer.feed_forward_output", lambda layer: None)
+    with pytest.warns(UserWarning, match="no feed-forward output found in BertLayer; the cut zeroes those layers"):
+        trainer = make_trainer("bert", tmp_path, ratio=0.5)
     outputs = []
     for layer in trainer.model.bert.encoder.layer:
         layer.register_forward_hook(lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
@@ -190,6 +254,20 @@ def test_the_cut_zeroes_the_layer_outputs_at_the_span(tmp_path, monkeypatch):
         assert cut[index][span].abs().sum() == 0
         assert (cut[index][~span].abs().sum(-1) > 0).all()
         assert (clean[index].abs().sum(-1) > 0).all()
+
+
+def test_every_family_with_layers_has_its_feed_forward_output_found():
+    """Each family of the table (ALBERT has no checkpointed layer, and is refused): a dropout the cut
+    replaces, or a module whose output is cut."""
+    from families import FAMILIES as ALL
+    from families import build
+
+    for family in ALL:
+        layers = hiddencut_layers(build(family)) if family.name != "ALBERT" else []
+        for layer in layers:
+            found = feed_forward_output(layer)
+            assert found is not None, family.name
+            assert isinstance(found[0], torch.nn.Dropout) == found[1], family.name
 
 
 def test_the_callers_batch_is_unchanged(tmp_path):
@@ -212,8 +290,8 @@ def test_same_seed_same_step(tmp_path):
 
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_gradient_checkpointing_gives_the_same_loss_gradients_and_counts(family, tmp_path):
-    """transformers 5.x checkpoints a layer's forward, not its __call__: the cut (a module hook) runs once,
-    outside the recompute, and the plan travels with the call."""
+    """transformers 5.x checkpoints a layer's forward with its keywords: the recompute holds the same plan,
+    and its feed-forward hook (inside the recompute) cuts the same tokens, counted once."""
     batch = FAMILIES[family][1]()
     plain = make_trainer(family, tmp_path, ratio=0.5)
     loss, grads = one_step(plain, batch)
