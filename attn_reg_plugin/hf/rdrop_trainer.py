@@ -16,7 +16,7 @@ No attention sites are installed: R-Drop works through the model's own dropout, 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -112,16 +112,28 @@ def _divides_by_items(trainer, pair_loss, pair_scores, labels, keep, positions, 
     ``positions``: the count nearer (in ratio) to the two passes' CE of their own logits (label
     smoothed as the Trainer's smoother does), summed, over ``pair_loss``. Decided at the first step
     where the counts differ (one host read), then kept; with one micro-batch per update on one
-    process they are the same count, and nothing is read."""
+    process they are the same count, and nothing is read. Over several processes each votes and
+    the majority decides, the same step everywhere (a tie: by items), so no two disagree."""
     decided = getattr(trainer, "_loss_divides_by_items", None)
     if decided is not None:
         return decided
     if trainer.args.gradient_accumulation_steps == 1 and trainer.args.world_size == 1:
         return True  # num_items_in_batch counts this very batch's positions (transformers counts them alike)
+    vote = _divisor_vote(trainer, pair_loss, pair_scores, labels, keep, positions, num_items)
+    votes = torch.tensor([vote is True, vote is False], dtype=torch.long, device=pair_loss.device)
+    by_items, by_batch = all_reduce_sum_(votes).tolist()  # every process reaches this step's read
+    if by_items == by_batch == 0:
+        return True  # nothing to read this step: transformers' own assumption
+    trainer._loss_divides_by_items = by_items >= by_batch
+    return trainer._loss_divides_by_items
+
+
+def _divisor_vote(trainer, pair_loss, pair_scores, labels, keep, positions, num_items) -> Optional[bool]:
+    """This process's reading of :func:`_divides_by_items` from its batch; None where it cannot tell."""
     items, batch = float(num_items), float(positions.clamp(min=1))
     loss = float(pair_loss.detach())
     if labels is None or items == batch or not math.isfinite(loss) or loss <= 0:
-        return True  # nothing to read this step: transformers' own assumption
+        return None
     smoothing = trainer.args.label_smoothing_factor if trainer.label_smoother is not None else 0.0
     ce_sum = sum(
         F.cross_entropy(
@@ -134,9 +146,8 @@ def _divides_by_items(trainer, pair_loss, pair_scores, labels, keep, positions, 
     )
     implied = float(ce_sum) / loss
     if not math.isfinite(implied) or implied <= 0:
-        return True
-    trainer._loss_divides_by_items = abs(math.log(implied / items)) <= abs(math.log(implied / batch))
-    return trainer._loss_divides_by_items
+        return None
+    return abs(math.log(implied / items)) <= abs(math.log(implied / batch))
 
 
 class RDropTrainerMixin:

@@ -186,6 +186,30 @@ def test_under_label_smoothing_the_kl_is_divided_as_the_smoothers_loss(tmp_path)
     torch.testing.assert_close(loss, ce + ALPHA * kl / items, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "others, decided", [([0, 1], False), ([0, 0], None), ([1, 1], True)], ids=["follows", "undecided", "tie-by-items"]
+)
+def test_the_processes_decide_the_divisor_together(others, decided, tmp_path, monkeypatch):
+    """Each process votes [by items, by its batch] from its own batch and the sum over the processes
+    decides, at the same step everywhere. Here this process cannot tell (num_items_in_batch equals its
+    3 samples) and another votes as ``others``; a tie goes to items, as transformers assumes."""
+    reads = []
+
+    def with_another_process(votes):
+        reads.append(votes.tolist())
+        return votes.add_(torch.tensor(others))
+
+    monkeypatch.setattr("attn_reg_plugin.hf.rdrop_trainer.all_reduce_sum_", with_another_process)
+    args = _args(tmp_path, gradient_accumulation_steps=4)
+    trainer = RDropTrainer(model=tiny_bert(dropout=0.5), args=args, rdrop=RDropConfig(alpha=ALPHA))
+    one_step(trainer, bert_batch(), num_items_in_batch=torch.tensor(3))
+    assert reads == [[0, 0]] and getattr(trainer, "_loss_divides_by_items", None) is decided
+    one_step(trainer, bert_batch(), num_items_in_batch=torch.tensor(12))  # this process now reads "by batch"
+    assert len(reads) == (1 if decided is not None else 2)
+    if decided is None:
+        assert reads[1] == [0, 1] and trainer._loss_divides_by_items is False
+
+
 @pytest.mark.parametrize("concat", [False, True], ids=["two-forwards", "concat-batch"])
 def test_the_callers_batch_is_unchanged(concat, tmp_path):
     """Also with label smoothing, where the Trainer's compute_loss pops `labels` from the dict it gets."""
