@@ -209,9 +209,10 @@ class CutPlan:
         self.cut: Any = 0
         self.tokens: Any = 0
 
-    def apply(self, key: Any, output: Any, time_first: bool = False) -> Any:
+    def apply(self, key: Any, output: Any, time_first: bool = False, positions: Optional[slice] = None) -> Any:
         """``output`` (a tensor, or a tuple whose first element is one; (B, T, D), or (T, B, D) with
-        ``time_first``) with layer ``key``'s cut tokens zeroed (a new tensor: a cut token's gradient is 0)."""
+        ``time_first``) with layer ``key``'s cut tokens zeroed (a new tensor: a cut token's gradient is 0);
+        ``positions``: the positions of the sequence ``output`` holds, when a chunk of it."""
         if key not in self.masks:
             return output
         cut, valid = self.masks[key]
@@ -219,6 +220,8 @@ class CutPlan:
             self.applied.add(key)
             self.cut = self.cut + cut.sum().detach()
             self.tokens = self.tokens + valid.sum().detach()
+        if positions is not None:
+            cut = cut[:, positions]
         if isinstance(output, tuple):
             return (_zero_span(output[0], cut, time_first), *output[1:])
         return _zero_span(output, cut, time_first)

@@ -17,17 +17,19 @@ and says so.
 The cut pass's plan is a keyword of the layer's call, which transformers hands to the attention but
 not to the feed-forward modules. So the layer's forward (the function gradient checkpointing runs
 again in the backward, with the same keywords) holds it in a context variable while it runs
-(:func:`hold_the_plan`), and the feed-forward hook reads it there: nothing outlives the call.
+(:func:`hold_the_plan`), and the feed-forward hook reads it there: nothing outlives the call. A block
+run in chunks of the sequence (``chunk_size_feed_forward``) is cut chunk by chunk.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 from typing import Any, Optional, Tuple
 
 import torch
 
-_LAYER_PLAN: contextvars.ContextVar = contextvars.ContextVar("hiddencut_layer_plan", default=None)
+_LAYER_CALL: contextvars.ContextVar = contextvars.ContextVar("hiddencut_layer_call", default=None)
 
 
 def _children(module: torch.nn.Module) -> set:
@@ -53,24 +55,42 @@ def feed_forward_output(layer: torch.nn.Module) -> Optional[Tuple[torch.nn.Modul
     return None
 
 
-def hold_the_plan(layer: torch.nn.Module, kwarg: str) -> None:
-    """Make ``layer``'s forward hold its call's ``kwarg`` (the cut pass's plan, or None) in a context
-    variable while it runs, by a subclass of the layer's own class (its name kept): transformers
-    checkpoints that forward, so a recompute holds the same plan."""
-    base = type(layer)
+class _LayerCall:
+    """The plan of one layer call and how many of its positions the feed-forward hook has cut so far:
+    a family that runs the block in chunks of the sequence (``chunk_size_feed_forward``) calls the
+    hooked module once per chunk, in order."""
+
+    def __init__(self, plan) -> None:
+        self.plan, self.done = plan, 0
+
+
+def hold_the_plan(model: torch.nn.Module, layers, kwarg: str) -> None:
+    """Make each layer's forward hold its call's ``kwarg`` (the cut pass's plan, or None) in a context
+    variable while it runs. Every module of the model whose class is a layer's gets one subclass of that
+    class (its name kept): transformers checkpoints that forward, so a recompute holds the same plan,
+    and wrapping by class name (FSDP's auto-wrap policy) still finds every layer of it."""
+    for base in {type(layer) for layer in layers}:
+        holding = _holding_class(base, kwarg)
+        for module in model.modules():
+            if type(module) is base:
+                module.__class__ = holding
+
+
+@functools.cache
+def _holding_class(base: type, kwarg: str) -> type:
     if getattr(base, "attn_reg_holds_plan", False):
-        return
+        return base
 
     def forward(self, *args, **kwargs):
-        token = _LAYER_PLAN.set(kwargs.get(kwarg))
+        token = _LAYER_CALL.set(_LayerCall(kwargs.get(kwarg)))
         try:
             return super(holding, self).forward(*args, **kwargs)
         finally:
-            _LAYER_PLAN.reset(token)
+            _LAYER_CALL.reset(token)
 
     namespace = {"forward": forward, "attn_reg_holds_plan": True, "__module__": base.__module__}
     holding = type(base.__name__, (base,), {**namespace, "__qualname__": base.__qualname__})
-    layer.__class__ = holding
+    return holding
 
 
 def cut_feed_forward(module: torch.nn.Module, key: Any, replaces: bool) -> Any:
@@ -78,9 +98,12 @@ def cut_feed_forward(module: torch.nn.Module, key: Any, replaces: bool) -> Any:
     its layer holds says; returns the hook's handle."""
 
     def hook(mod, args, output):
-        plan = _LAYER_PLAN.get()
-        if plan is None:
+        call = _LAYER_CALL.get()
+        if call is None or call.plan is None:
             return None
-        return plan.apply(key, args[0] if replaces else output)
+        hidden = args[0] if replaces else output
+        positions = slice(call.done, call.done + hidden.shape[1])
+        call.done = positions.stop
+        return call.plan.apply(key, hidden, positions=positions)
 
     return module.register_forward_hook(hook)

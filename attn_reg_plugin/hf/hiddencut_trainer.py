@@ -149,6 +149,17 @@ def _check_eager(model) -> None:
         )
 
 
+def _check_all_cut(model, plan: CutPlan) -> None:
+    """Refuses a cut pass that left a selected layer uncut: the model called it without the keyword
+    arguments that carry the plan (transformers' families of docs/HF.md's table pass them on)."""
+    missed = sorted(set(plan.masks) - plan.applied)
+    if missed:
+        raise ValueError(
+            f"HiddenCut: the cut pass did not reach layers {missed} of {type(model).__name__}: the model calls "
+            f"them without its keyword arguments, where the cut travels ({PLAN_KWARG!r}), so nothing was cut"
+        )
+
+
 class HiddenCutTrainerMixin:
     """Shared by :class:`HiddenCutTrainer` and :class:`HiddenCutSeq2SeqTrainer`."""
 
@@ -166,6 +177,7 @@ class HiddenCutTrainerMixin:
         _check_eager(self.model)
         use_maps_before_dropout(self.model)
         self._hiddencut_cut = SpanCut()
+        hold_the_plan(self.model, layers, PLAN_KWARG)
         unfound = set()
         for index in self._hiddencut_layers:
             found = feed_forward_output(layers[index])
@@ -173,7 +185,6 @@ class HiddenCutTrainerMixin:
                 self._hiddencut_cut.attach(layers[index], index, kwarg=PLAN_KWARG)
                 unfound.add(type(layers[index]).__name__)
             else:
-                hold_the_plan(layers[index], PLAN_KWARG)
                 self._hiddencut_cut.handles.append(cut_feed_forward(found[0], index, replaces=found[1]))
         if unfound:
             warnings.warn(
@@ -204,6 +215,7 @@ class HiddenCutTrainerMixin:
         loss_cut, out_cut = super().compute_loss(
             model, {**inputs, PLAN_KWARG: plan}, return_outputs=True, num_items_in_batch=num_items_in_batch
         )
+        _check_all_cut(self.accelerator.unwrap_model(model), plan)
         first, second, labels, keep = compared_positions(
             self, model, inputs, _logits(out_clean), _logits(out_cut), "HiddenCut's JS"
         )

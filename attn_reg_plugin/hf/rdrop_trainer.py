@@ -111,13 +111,14 @@ def _divides_by_items(trainer, pair_loss, pair_scores, labels, keep, positions, 
     """Whether the model's loss is its summed CE over ``num_items`` rather than over this batch's
     ``positions``: the count nearer (in ratio) to the two passes' CE of their own logits (label
     smoothed as the Trainer's smoother does), summed, over ``pair_loss``. Decided at the first step
-    where the counts differ (one host read), then kept; with one micro-batch per update on one
-    process they are the same count, and nothing is read. Over several processes each votes and
+    where the counts differ (one host read), then kept; with one micro-batch per update, counted on
+    this process alone, they are the same count, and nothing is read. Over several processes each votes and
     the majority decides, the same step everywhere (a tie: by items), so no two disagree."""
     decided = getattr(trainer, "_loss_divides_by_items", None)
     if decided is not None:
         return decided
-    if trainer.args.gradient_accumulation_steps == 1 and trainer.args.world_size == 1:
+    args = trainer.args
+    if args.gradient_accumulation_steps == 1 and (args.world_size == 1 or not args.average_tokens_across_devices):
         return True  # num_items_in_batch counts this very batch's positions (transformers counts them alike)
     vote = _divisor_vote(trainer, pair_loss, pair_scores, labels, keep, positions, num_items)
     votes = torch.tensor([vote is True, vote is False], dtype=torch.long, device=pair_loss.device)

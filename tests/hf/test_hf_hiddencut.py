@@ -256,6 +256,59 @@ def test_a_layer_without_a_known_feed_forward_output_has_its_output_cut_and_says
         assert (clean[index].abs().sum(-1) > 0).all()
 
 
+def test_a_feed_forward_run_in_chunks_is_cut_as_the_whole_sequence(tmp_path):
+    """BERT with chunk_size_feed_forward runs its feed-forward block (and the dropout the cut replaces)
+    once per chunk of positions: the same loss, gradients and counts as without chunks."""
+    steps, stats = [], []
+    for chunk in (0, 3):  # 9 positions: 3 chunks
+        trainer = make_trainer("bert", tmp_path, model=tiny_bert(dropout=0.0, chunk_size_feed_forward=chunk), ratio=0.5)
+        steps.append(one_step(trainer, bert_batch()))
+        stats.append(trainer.hiddencut_stats())
+    torch.testing.assert_close(steps[1][0], steps[0][0], rtol=1e-5, atol=0)
+    for a, b in zip(steps[1][1], steps[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert [s["hiddencut_cut"] for s in stats] == [stats[0]["hiddencut_cut"]] * 2 and stats[0]["hiddencut_cut"] > 3
+    assert stats[1]["hiddencut_js"] == pytest.approx(stats[0]["hiddencut_js"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["BERT", "T5 / Flan-T5"])
+def test_wrapping_by_layer_class_name_still_finds_every_layer(name, tmp_path):
+    """FSDP's auto-wrap policy finds the layer class by name: every layer of that class (T5's decoder
+    blocks too, of the encoder's class) must still be one, after the trainer set the model up."""
+    from types import SimpleNamespace
+
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from families import FAMILIES as ALL
+    from families import build
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    model = build(next(f for f in ALL if f.name == name))
+    model.set_attn_implementation("eager")
+    kind = type(hiddencut_layers(model)[0])
+    blocks = [m for m in model.modules() if isinstance(m, kind)]
+
+    def wrapped():
+        asked = SimpleNamespace(auto_wrap_policy=transformer_auto_wrap_policy, transformer_cls_names_to_wrap=None)
+        policy = fsdp2_prepare_auto_wrap_policy(asked, model)
+        return [policy(block) for block in blocks]
+
+    assert all(wrapped()) and len(blocks) >= 2
+    seq2seq = model.config.is_encoder_decoder
+    cls = HiddenCutSeq2SeqTrainer if seq2seq else HiddenCutTrainer
+    cls(model=model, args=_args(tmp_path, seq2seq), hiddencut=HiddenCutConfig())
+    assert all(wrapped()) and len({type(block) for block in blocks}) == 1
+
+
+def test_a_model_that_does_not_pass_the_cut_to_its_layers_is_refused_at_the_first_step(tmp_path):
+    """Bloom calls its blocks without the model's keyword arguments: the plan never arrives, and a cut
+    pass that cut nothing must not pass for HiddenCut."""
+    config = transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=100, attn_implementation="eager")
+    model = transformers.BloomForCausalLM(config)
+    trainer = HiddenCutTrainer(model=model, args=_args(tmp_path), hiddencut=HiddenCutConfig())
+    with pytest.raises(ValueError, match=r"the cut pass did not reach layers \[0, 1\] of BloomForCausalLM"):
+        one_step(trainer, llama_batch())
+
+
 def test_every_family_with_layers_has_its_feed_forward_output_found():
     """Each family of the table (ALBERT has no checkpointed layer, and is refused): a dropout the cut
     replaces, or a module whose output is cut."""

@@ -210,6 +210,21 @@ def test_the_processes_decide_the_divisor_together(others, decided, tmp_path, mo
         assert reads[1] == [0, 1] and trainer._loss_divides_by_items is False
 
 
+def test_one_micro_batch_counted_on_each_process_reads_nothing(tmp_path, monkeypatch):
+    """With one micro-batch per update and num_items_in_batch counted on each process alone
+    (average_tokens_across_devices=False), both counts are this batch's: no collective, no host read."""
+    reads = []
+    monkeypatch.setattr("attn_reg_plugin.hf.rdrop_trainer.all_reduce_sum_", lambda votes: reads.append(votes) or votes)
+    args = _args(tmp_path, average_tokens_across_devices=False)
+    trainer = RDropTrainer(model=tiny_bert(), args=args, rdrop=RDropConfig(alpha=ALPHA))
+    monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))  # as on one of two processes
+    one_step(trainer, bert_batch(), num_items_in_batch=torch.tensor(3))
+    assert reads == [] and getattr(trainer, "_loss_divides_by_items", None) is None
+    monkeypatch.setattr(trainer.args, "average_tokens_across_devices", True)
+    one_step(trainer, bert_batch(), num_items_in_batch=torch.tensor(6))  # counted over both: the vote runs
+    assert len(reads) == 1
+
+
 @pytest.mark.parametrize("concat", [False, True], ids=["two-forwards", "concat-batch"])
 def test_the_callers_batch_is_unchanged(concat, tmp_path):
     """Also with label smoothing, where the Trainer's compute_loss pops `labels` from the dict it gets."""
