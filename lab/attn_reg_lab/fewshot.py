@@ -438,7 +438,7 @@ def run_all(argv=None) -> List[dict]:
                 with runs_path.open("a", encoding="utf-8") as f:
                     f.write(json.dumps(run) + "\n")
                 measured = regularizer_means(run["epochs"])
-                extra = "".join(f"  {k} {v:.4f}" for k, v in measured.items())
+                extra = "".join(f"  {k} {v:.3g}" for k, v in measured.items())  # a JS of 1e-5 shows
                 print(
                     f"[{len(runs)}/{total}] size {size:4d} seed {seed} {name:8s} best epoch {run['best_epoch']:2d}  "
                     f"dev {run['best_dev_acc']:.4f}  test {run['test_acc']:.4f}  {run['train_seconds']:.0f}s{extra}",
