@@ -29,6 +29,7 @@ holds the same plan and its feed-forward hook cuts the same tokens.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 import warnings
 from typing import Any, Dict, Iterator, List
@@ -56,7 +57,8 @@ from .sites import attention_configs
 PLAN_KWARG = "hiddencut_plan"
 # The clean pass's attention: the family's own eager attention, returning its weights before attention dropout.
 MAPS_BEFORE_DROPOUT = "attn_reg_eager_maps_before_dropout"
-_CALLS_BEFORE_DROPOUT = [0]  # calls of it since the clean pass began (a family that bypasses it makes none)
+# While the clean pass runs, the ids of the modules that called it (one that bypasses the interface makes no call).
+_CALLERS_BEFORE_DROPOUT: contextvars.ContextVar = contextvars.ContextVar("hiddencut_callers", default=None)
 
 
 def eager_maps_before_dropout(module, query, key, value, attention_mask, dropout: float = 0.0, **kwargs):
@@ -68,7 +70,9 @@ def eager_maps_before_dropout(module, query, key, value, attention_mask, dropout
     if eager is None:
         raise ValueError(f"HiddenCut: {type(module).__module__} has no eager_attention_forward to rank the maps of")
     out, weights = eager(module, query, key, value, attention_mask, dropout=0.0, **kwargs)
-    _CALLS_BEFORE_DROPOUT[0] += 1
+    callers = _CALLERS_BEFORE_DROPOUT.get()
+    if callers is not None:
+        callers.add(id(module))
     values = repeat_kv(value, query.shape[1] // value.shape[1])
     if not module.__dict__.get("attn_reg_eager_checked"):
         with torch.no_grad():  # nothing saved for a backward: a checkpoint's recompute saves the same tensors
@@ -116,17 +120,22 @@ def use_maps_before_dropout(model) -> None:
 
 
 @contextlib.contextmanager
-def counting_maps_before_dropout(model) -> Iterator[None]:
-    """Warns, once per model, where none of the calls inside went through
-    :func:`eager_maps_before_dropout` (a family whose attention bypasses transformers'
-    AttentionInterface): its maps are then those after dropout."""
-    _CALLS_BEFORE_DROPOUT[0] = 0
-    yield
-    if _CALLS_BEFORE_DROPOUT[0] == 0 and not model.__dict__.get("attn_reg_maps_warned"):
+def counting_maps_before_dropout(model, layers: Dict[int, torch.nn.Module]) -> Iterator[None]:
+    """Warns, once per model, naming the ``layers`` ({index: layer} whose maps are ranked) none of whose
+    modules called :func:`eager_maps_before_dropout` inside (attention that bypasses transformers'
+    AttentionInterface): their maps are then those after dropout."""
+    called: set = set()
+    token = _CALLERS_BEFORE_DROPOUT.set(called)
+    try:
+        yield
+    finally:
+        _CALLERS_BEFORE_DROPOUT.reset(token)
+    missed = [i for i, layer in layers.items() if not any(id(m) in called for m in layer.modules())]
+    if missed and not model.__dict__.get("attn_reg_maps_warned"):
         model.__dict__["attn_reg_maps_warned"] = True
         warnings.warn(
-            f"HiddenCut: {type(model).__name__}'s attention does not go through transformers' AttentionInterface, "
-            "so its spans are ranked on the attention maps after attention dropout",
+            f"HiddenCut: the attention of layers {missed} of {type(model).__name__} does not go through "
+            "transformers' AttentionInterface, so their spans are ranked on the attention maps after attention dropout",
             stacklevel=3,
         )
 
@@ -193,6 +202,7 @@ class HiddenCutTrainerMixin:
                 stacklevel=2,
             )
         self._hiddencut_count = len(layers)
+        self._hiddencut_ranked = {index: layers[index] for index in self._hiddencut_layers}
 
     def _hiddencut_reset(self) -> None:
         # sums since the last log, tensors once a step ran: no host sync per step
@@ -207,7 +217,7 @@ class HiddenCutTrainerMixin:
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
         # copies: the Trainer's compute_loss may pop labels, and the caller's inputs are never changed
-        with counting_maps_before_dropout(self.accelerator.unwrap_model(model)):
+        with counting_maps_before_dropout(self.accelerator.unwrap_model(model), self._hiddencut_ranked):
             loss_clean, out_clean = super().compute_loss(
                 model, {**inputs, "output_attentions": True}, return_outputs=True, num_items_in_batch=num_items_in_batch
             )

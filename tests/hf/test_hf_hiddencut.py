@@ -447,10 +447,25 @@ def test_a_model_whose_attention_bypasses_the_interface_warns_that_its_maps_are_
     for expect_warning in (True, False):  # once per model
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with counting_maps_before_dropout(model):
+            with counting_maps_before_dropout(model, {0: model}):
                 model(torch.zeros(2))  # no attention call reaches the interface
         messages = [str(w.message) for w in caught]
         assert any("ranked on the attention maps after attention dropout" in m for m in messages) == expect_warning
+
+
+def test_a_layer_whose_attention_bypasses_the_interface_is_named_though_others_use_it(tmp_path):
+    """Counted per ranked layer, not per model: an encoder-decoder whose encoder bypassed the interface
+    while its decoder used it must still warn. Here BERT's layer 1 is given a config of its own that
+    keeps plain eager attention, so only layer 0 calls the maps-before-dropout function."""
+    trainer = make_trainer("bert", tmp_path)
+    attention = trainer.model.bert.encoder.layer[1].attention.self
+    attention.config = copy.copy(attention.config)
+    attention.config._attn_implementation = "eager"
+    with pytest.warns(UserWarning, match=r"the attention of layers \[1\] of BertForSequenceClassification does not go"):
+        one_step(trainer, bert_batch())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per model
+        one_step(trainer, bert_batch())
 
 
 def test_gpt2_reordered_upcast_attention_stays_eager_and_says_so(tmp_path):
