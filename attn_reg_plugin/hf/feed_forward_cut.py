@@ -56,12 +56,18 @@ def feed_forward_output(layer: torch.nn.Module) -> Optional[Tuple[torch.nn.Modul
 
 
 class _LayerCall:
-    """The plan of one layer call and how many of its positions the feed-forward hook has cut so far:
-    a family that runs the block in chunks of the sequence (``chunk_size_feed_forward``) calls the
-    hooked module once per chunk, in order."""
+    """The plan of one layer call and which positions the feed-forward hook cut last: a family that runs
+    the block in chunks of the sequence (``chunk_size_feed_forward``) calls the hooked module once per
+    chunk, in order, each on an input of its own; hooks left by an earlier trainer on the same module
+    see the same input, and cut the same positions again (zeroing twice changes nothing)."""
 
     def __init__(self, plan) -> None:
-        self.plan, self.done = plan, 0
+        self.plan, self.last_input, self.positions = plan, None, slice(0, 0)
+
+    def positions_of(self, module_input: torch.Tensor, length: int) -> slice:
+        if module_input is not self.last_input:
+            self.last_input, self.positions = module_input, slice(self.positions.stop, self.positions.stop + length)
+        return self.positions
 
 
 def hold_the_plan(model: torch.nn.Module, layers, kwarg: str) -> None:
@@ -101,9 +107,8 @@ def cut_feed_forward(module: torch.nn.Module, key: Any, replaces: bool) -> Any:
         call = _LAYER_CALL.get()
         if call is None or call.plan is None:
             return None
-        hidden = args[0] if replaces else output
-        positions = slice(call.done, call.done + hidden.shape[1])
-        call.done = positions.stop
-        return call.plan.apply(key, hidden, positions=positions)
+        cut = args[0] if replaces else output  # a mixture of experts' block may return (hidden, router scores)
+        hidden = cut[0] if isinstance(cut, tuple) else cut
+        return call.plan.apply(key, cut, positions=call.positions_of(args[0], hidden.shape[1]))
 
     return module.register_forward_hook(hook)

@@ -158,6 +158,21 @@ def _check_eager(model) -> None:
         )
 
 
+def _check_no_layerdrop(model) -> None:
+    """Refuses a model that skips its cut layers at random in training (LayerDrop): a skipped layer has
+    no map in the clean pass, or takes no cut in the cut pass."""
+    config = model.config
+    encoder_decoder = getattr(config, "is_encoder_decoder", False)
+    for field in ("encoder_layerdrop",) if encoder_decoder else ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+        value = getattr(config, field, None)
+        if isinstance(value, (int, float)) and value > 0:
+            raise ValueError(
+                f"HiddenCut ranks each selected layer's attention in the clean pass and cuts the layer in the cut "
+                f"pass, but {type(model).__name__} skips layers at random in training (LayerDrop, config.{field}="
+                f"{value}): set config.{field} = 0"
+            )
+
+
 def _check_all_cut(model, plan: CutPlan) -> None:
     """Refuses a cut pass that left a selected layer uncut: the model called it without the keyword
     arguments that carry the plan (transformers' families of docs/HF.md's table pass them on)."""
@@ -184,6 +199,7 @@ class HiddenCutTrainerMixin:
             raise ValueError(f"HiddenCut: {type(self.model).__name__} has no transformer layer to cut")
         self._hiddencut_layers = self.hiddencut.selected_layers(len(layers))
         _check_eager(self.model)
+        _check_no_layerdrop(self.model)
         use_maps_before_dropout(self.model)
         self._hiddencut_cut = SpanCut()
         hold_the_plan(self.model, layers, PLAN_KWARG)

@@ -118,7 +118,10 @@ def _divides_by_items(trainer, pair_loss, pair_scores, labels, keep, positions, 
     if decided is not None:
         return decided
     args = trainer.args
-    if args.gradient_accumulation_steps == 1 and (args.world_size == 1 or not args.average_tokens_across_devices):
+    # transformers divides the count by the ranks that share a batch (tensor, context, sequence parallel)
+    shared = math.prod(getattr(trainer, f"get_{kind}_size", lambda: 1)() for kind in ("tp", "cp", "sp"))
+    local = args.world_size == 1 or (not args.average_tokens_across_devices and shared == 1)
+    if args.gradient_accumulation_steps == 1 and local:
         return True  # num_items_in_batch counts this very batch's positions (transformers counts them alike)
     vote = _divisor_vote(trainer, pair_loss, pair_scores, labels, keep, positions, num_items)
     votes = torch.tensor([vote is True, vote is False], dtype=torch.long, device=pair_loss.device)

@@ -309,6 +309,50 @@ def test_a_model_that_does_not_pass_the_cut_to_its_layers_is_refused_at_the_firs
         one_step(trainer, llama_batch())
 
 
+def test_a_feed_forward_block_that_returns_a_tuple_is_cut_in_its_hidden_states(tmp_path, monkeypatch):
+    """GPT-OSS's mixture-of-experts `mlp` returns (hidden states, router scores): the first is cut."""
+    drawn = _spy_spans(monkeypatch)
+    config = transformers.GptOssConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=32, vocab_size=100, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention"] * 2, pad_token_id=0, attention_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM._from_config(config, attn_implementation="eager")
+    trainer = HiddenCutTrainer(model=model, args=_args(tmp_path), hiddencut=HiddenCutConfig(ratio=0.5))
+    outputs = []
+    for layer in model.model.layers:
+        layer.mlp.register_forward_hook(lambda m, a, out: outputs.append(out))
+    one_step(trainer, llama_batch())
+    layers = len(model.model.layers)
+    for index, span in enumerate(drawn):
+        hidden = outputs[layers + index][0]
+        assert hidden[span].abs().sum() == 0 and (hidden[~span].abs().sum(-1) > 0).all()
+    assert torch.equal(outputs[layers][1], outputs[0][1])  # layer 0's router scores (same input) pass unchanged
+    assert trainer.hiddencut_stats()["hiddencut_cut"] == sum(int(s.sum()) for s in drawn)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_second_trainer_on_the_same_model_cuts_as_the_first(family, tmp_path):
+    """The first trainer's hooks stay on the model (and a deepcopy copies them): the second trainer's
+    step is the step of a first trainer on a fresh copy of the model."""
+    build, make_batch, _, _ = FAMILIES[family]
+    model = build(dropout=0.0)
+    fresh = copy.deepcopy(model)
+    one_step(make_trainer(family, tmp_path, model=model, ratio=0.5), make_batch())
+    model.load_state_dict(fresh.state_dict())
+    again = one_step(make_trainer(family, tmp_path, model=model, ratio=0.5), make_batch())
+    first = one_step(make_trainer(family, tmp_path, model=fresh, ratio=0.5), make_batch())
+    torch.testing.assert_close(again[0], first[0], rtol=0, atol=0)
+
+
+def test_a_model_with_layerdrop_is_refused_naming_the_setting(tmp_path):
+    """A layer skipped at random has no map in the clean pass or no cut in the cut pass."""
+    model = helpers.tiny_marian(dropout=0.0, attn_implementation="eager", encoder_layerdrop=0.1)
+    with pytest.raises(ValueError, match=r"skips layers at random in training \(LayerDrop, config.encoder_layerdrop="):
+        HiddenCutSeq2SeqTrainer(model=model, args=_args(tmp_path, True), hiddencut=HiddenCutConfig())
+
+
 def test_every_family_with_layers_has_its_feed_forward_output_found():
     """Each family of the table (ALBERT has no checkpointed layer, and is refused): a dropout the cut
     replaces, or a module whose output is cut."""

@@ -220,9 +220,9 @@ def test_one_micro_batch_counted_on_each_process_reads_nothing(tmp_path, monkeyp
     monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))  # as on one of two processes
     one_step(trainer, bert_batch(), num_items_in_batch=torch.tensor(3))
     assert reads == [] and getattr(trainer, "_loss_divides_by_items", None) is None
-    monkeypatch.setattr(trainer.args, "average_tokens_across_devices", True)
-    one_step(trainer, bert_batch(), num_items_in_batch=torch.tensor(6))  # counted over both: the vote runs
-    assert len(reads) == 1
+    monkeypatch.setattr(trainer.model, "_tp_size", 2, raising=False)  # two ranks share each batch
+    one_step(trainer, bert_batch(), num_items_in_batch=torch.tensor(1.5))  # transformers' count / tensor ranks
+    assert len(reads) == 1 and trainer._loss_divides_by_items is False  # BERT's loss: the batch mean
 
 
 @pytest.mark.parametrize("concat", [False, True], ids=["two-forwards", "concat-batch"])
