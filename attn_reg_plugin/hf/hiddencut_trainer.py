@@ -51,7 +51,7 @@ from ..core.hiddencut import (
 from ..core.options import named_by_field, one_regularizer
 from .attention import register_attention
 from .feed_forward_cut import cut_feed_forward, feed_forward_output, hold_the_plan
-from .rdrop_trainer import RDropTrainerMixin, _logits, compared_positions, loss_divisor
+from .rdrop_trainer import RDropTrainerMixin, _logits, compared_positions, loss_divisor, refuse_data_parallel
 from .sites import attention_configs
 
 PLAN_KWARG = "hiddencut_plan"
@@ -158,18 +158,19 @@ def _check_eager(model) -> None:
         )
 
 
-def _check_no_layerdrop(model) -> None:
+def _check_no_layerdrop(model, layers: List[torch.nn.Module]) -> None:
     """Refuses a model that skips its cut layers at random in training (LayerDrop): a skipped layer has
-    no map in the clean pass, or takes no cut in the cut pass."""
-    config = model.config
-    encoder_decoder = getattr(config, "is_encoder_decoder", False)
-    for field in ("encoder_layerdrop",) if encoder_decoder else ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
-        value = getattr(config, field, None)
-        if isinstance(value, (int, float)) and value > 0:
+    no map in the clean pass, or takes no cut in the cut pass. Read where the forward reads it, the
+    ``layerdrop`` of the module that runs the layers (transformers copies the config's value there)."""
+    ids = {id(layer) for layer in layers}
+    for path, module in model.named_modules():
+        value = module.__dict__.get("layerdrop")
+        if isinstance(value, (int, float)) and value > 0 and any(id(m) in ids for m in module.modules()):
             raise ValueError(
                 f"HiddenCut ranks each selected layer's attention in the clean pass and cuts the layer in the cut "
-                f"pass, but {type(model).__name__} skips layers at random in training (LayerDrop, config.{field}="
-                f"{value}): set config.{field} = 0"
+                f"pass, but {type(model).__name__}'s {path or 'model'} skips its layers at random in training "
+                f"(LayerDrop, layerdrop={value}): set its layerdrop to 0 ({path or 'model'}.layerdrop = 0, or load "
+                "the model with its config's LayerDrop at 0, e.g. encoder_layerdrop=0)"
             )
 
 
@@ -198,8 +199,9 @@ class HiddenCutTrainerMixin:
         if not layers:
             raise ValueError(f"HiddenCut: {type(self.model).__name__} has no transformer layer to cut")
         self._hiddencut_layers = self.hiddencut.selected_layers(len(layers))
+        refuse_data_parallel(self, "HiddenCut")
         _check_eager(self.model)
-        _check_no_layerdrop(self.model)
+        _check_no_layerdrop(self.model, [layers[index] for index in self._hiddencut_layers])
         use_maps_before_dropout(self.model)
         self._hiddencut_cut = SpanCut()
         hold_the_plan(self.model, layers, PLAN_KWARG)

@@ -53,6 +53,17 @@ def _over_ad_drops_masked_pass(trainer) -> bool:
     return mro.index(ADDropTrainerMixin) < mro.index(RDropTrainerMixin)
 
 
+def refuse_data_parallel(trainer, method: str) -> None:
+    """Refuses torch's DataParallel (one process driving several GPUs): the Trainer then hands the loss
+    one ``num_items_in_batch`` per GPU and averages per-GPU losses, which a consistency term between two
+    passes of the whole batch is not divided like."""
+    if trainer.args.n_gpu > 1:
+        raise ValueError(
+            f"{method} does not support DataParallel (one process with n_gpu={trainer.args.n_gpu} GPUs): launch one "
+            "process per GPU (torchrun or accelerate launch), which the Trainer runs as DistributedDataParallel"
+        )
+
+
 def _logits(outputs) -> torch.Tensor:
     if isinstance(outputs, dict) and outputs.get("logits") is not None:
         return outputs["logits"]
@@ -177,6 +188,7 @@ class RDropTrainerMixin:
         one_regularizer(["rdrop=RDropConfig", *others])
         self._rdrop_reset()
         super().__init__(*args, **kwargs)
+        refuse_data_parallel(self, "R-Drop")
 
     def _rdrop_reset(self) -> None:
         # summed symmetric KL and its positions since the last log; tensors, so no host sync per step

@@ -14,7 +14,7 @@ import helpers
 from attn_reg_plugin.core import hiddencut as core
 from attn_reg_plugin.core.hiddencut import CutPlan, HiddenCutConfig, js_consistency
 from attn_reg_plugin.core.rdrop import RDropConfig
-from attn_reg_plugin.hf import RDropTrainerMixin
+from attn_reg_plugin.hf import RDropTrainer, RDropTrainerMixin
 from attn_reg_plugin.hf.feed_forward_cut import feed_forward_output
 from attn_reg_plugin.hf.hiddencut_trainer import (
     MAPS_BEFORE_DROPOUT,
@@ -347,10 +347,27 @@ def test_a_second_trainer_on_the_same_model_cuts_as_the_first(family, tmp_path):
 
 
 def test_a_model_with_layerdrop_is_refused_naming_the_setting(tmp_path):
-    """A layer skipped at random has no map in the clean pass or no cut in the cut pass."""
+    """A layer skipped at random has no map in the clean pass or no cut in the cut pass. What counts is
+    the ``layerdrop`` the forward reads, which transformers copies from the config into the encoder."""
     model = helpers.tiny_marian(dropout=0.0, attn_implementation="eager", encoder_layerdrop=0.1)
-    with pytest.raises(ValueError, match=r"skips layers at random in training \(LayerDrop, config.encoder_layerdrop="):
+    refused = r"MarianMTModel's model.encoder skips its layers at random in training \(LayerDrop, layerdrop=0.1\)"
+    with pytest.raises(ValueError, match=refused):
         HiddenCutSeq2SeqTrainer(model=model, args=_args(tmp_path, True), hiddencut=HiddenCutConfig())
+    model.config.encoder_layerdrop = 0.0  # too late: the encoder kept its copy
+    with pytest.raises(ValueError, match=refused):
+        HiddenCutSeq2SeqTrainer(model=model, args=_args(tmp_path, True), hiddencut=HiddenCutConfig())
+    model.model.encoder.layerdrop = 0.0
+    model.model.decoder.layerdrop = 0.3  # the decoder is neither ranked nor cut
+    HiddenCutSeq2SeqTrainer(model=model, args=_args(tmp_path, True), hiddencut=HiddenCutConfig())
+
+
+def test_data_parallel_is_refused(tmp_path):
+    args = _args(tmp_path)
+    args._n_gpu = 2  # what TrainingArguments reports for one process driving two GPUs
+    with pytest.raises(ValueError, match=r"HiddenCut does not support DataParallel \(one process with n_gpu=2"):
+        HiddenCutTrainer(model=tiny_bert(), args=args, hiddencut=HiddenCutConfig())
+    with pytest.raises(ValueError, match=r"R-Drop does not support DataParallel"):
+        RDropTrainer(model=tiny_bert(), args=args, rdrop=RDropConfig())
 
 
 def test_every_family_with_layers_has_its_feed_forward_output_found():
