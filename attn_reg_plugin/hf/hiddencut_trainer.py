@@ -160,18 +160,29 @@ def _check_eager(model) -> None:
 
 def _check_no_layerdrop(model, layers: List[torch.nn.Module]) -> None:
     """Refuses a model that skips its cut layers at random in training (LayerDrop): a skipped layer has
-    no map in the clean pass, or takes no cut in the cut pass. Read where the forward reads it, the
-    ``layerdrop`` of the module that runs the layers (transformers copies the config's value there)."""
+    no map in the clean pass, or takes no cut in the cut pass. Read where the forward reads it: the
+    ``layerdrop`` of the module that runs the layers (BART, Whisper, OPT copy the config's value there),
+    else the config's ``layerdrop`` (wav2vec2-style encoders read it in the forward)."""
     ids = {id(layer) for layer in layers}
-    for path, module in model.named_modules():
-        value = module.__dict__.get("layerdrop")
+    copies = [
+        (path, module.__dict__["layerdrop"]) for path, module in model.named_modules() if "layerdrop" in module.__dict__
+    ]
+    for path, value in copies:
+        module = model.get_submodule(path)
         if isinstance(value, (int, float)) and value > 0 and any(id(m) in ids for m in module.modules()):
-            raise ValueError(
-                f"HiddenCut ranks each selected layer's attention in the clean pass and cuts the layer in the cut "
-                f"pass, but {type(model).__name__}'s {path or 'model'} skips its layers at random in training "
-                f"(LayerDrop, layerdrop={value}): set its layerdrop to 0 ({path or 'model'}.layerdrop = 0, or load "
-                "the model with its config's LayerDrop at 0, e.g. encoder_layerdrop=0)"
-            )
+            _refuse_layerdrop(model, path or "model", value)
+    value = getattr(model.config, "layerdrop", None)
+    if not copies and isinstance(value, (int, float)) and value > 0:
+        _refuse_layerdrop(model, "config", value)
+
+
+def _refuse_layerdrop(model, holder: str, value) -> None:
+    raise ValueError(
+        f"HiddenCut ranks each selected layer's attention in the clean pass and cuts the layer in the cut pass, "
+        f"but {type(model).__name__}'s {holder} skips its layers at random in training (LayerDrop, layerdrop={value}): "
+        f"set its layerdrop to 0 ({holder}.layerdrop = 0, or load the model with its config's LayerDrop at 0, e.g. "
+        "encoder_layerdrop=0)"
+    )
 
 
 def _check_all_cut(model, plan: CutPlan) -> None:

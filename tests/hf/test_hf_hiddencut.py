@@ -361,6 +361,18 @@ def test_a_model_with_layerdrop_is_refused_naming_the_setting(tmp_path):
     HiddenCutSeq2SeqTrainer(model=model, args=_args(tmp_path, True), hiddencut=HiddenCutConfig())
 
 
+def test_a_speech_encoder_that_reads_layerdrop_from_its_config_is_refused(tmp_path):
+    """wav2vec2-style encoders read config.layerdrop in the forward (no copy on a module): 0.1 by default."""
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=20,
+        conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2, attn_implementation="eager",
+    )  # fmt: skip
+    model = transformers.Wav2Vec2ForCTC(config)
+    with pytest.raises(ValueError, match=r"Wav2Vec2ForCTC's config skips its layers at random .*layerdrop=0.1"):
+        HiddenCutTrainer(model=model, args=_args(tmp_path), hiddencut=HiddenCutConfig())
+
+
 def test_data_parallel_is_refused(tmp_path):
     args = _args(tmp_path)
     args._n_gpu = 2  # what TrainingArguments reports for one process driving two GPUs
