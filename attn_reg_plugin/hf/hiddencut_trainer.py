@@ -164,11 +164,9 @@ def _check_no_layerdrop(model, layers: List[torch.nn.Module]) -> None:
     ``layerdrop`` of the module that runs the layers (BART, Whisper, OPT copy the config's value there),
     else the config's ``layerdrop`` (wav2vec2-style encoders read it in the forward)."""
     ids = {id(layer) for layer in layers}
-    copies = [
-        (path, module.__dict__["layerdrop"]) for path, module in model.named_modules() if "layerdrop" in module.__dict__
-    ]
-    for path, value in copies:
-        module = model.get_submodule(path)
+    copies = [(path, module) for path, module in model.named_modules() if "layerdrop" in module.__dict__]
+    for path, module in copies:
+        value = module.layerdrop
         if isinstance(value, (int, float)) and value > 0 and any(id(m) in ids for m in module.modules()):
             _refuse_layerdrop(model, path or "model", value)
     value = getattr(model.config, "layerdrop", None)
