@@ -3,8 +3,11 @@
 ``--task translation`` or ``attn_reg_translation``; the science is ``core.hiddencut``.
 
 Training: a clean pass, then a cut pass in which each selected **encoder** layer zeroes one contiguous
-span of its feed-forward output: the output of the layer's ``fc2``, before its dropout and residual,
-the point the paper cuts (fairseq's ``TransformerEncoderLayerBase`` names it, in every version). The
+span of its feed-forward output: the output of the layer's ``fc2``, before the residual, the point the
+paper cuts (fairseq's ``TransformerEncoderLayerBase`` names it, in every version). As in the official
+code (``BertOutput.forward``), the cut takes the place of the dropout there: the layer's
+``dropout_module`` passes the cut output through unchanged on that call (it also follows the
+self-attention, where it stays). The
 span's start is drawn among the tokens that receive the most attention in that layer's self-attention
 of the clean pass: the head-averaged softmax of the layer's own q and k (its ``q_proj``, ``k_proj``,
 ``scaling``), recomputed without gradient from the attention's input (fairseq's encoder calls its
@@ -85,9 +88,27 @@ class _Hooks:
         self.selected = config.selected_layers(len(layers))
         self.recorded = None  # {layer: (received, valid)} while the clean pass runs
         self.cut = SpanCut()
+        self.cut_not_dropped = set()  # layers whose fc2 was cut and whose dropout after it is still to come
         for index in self.selected:
             layers[index].self_attn.register_forward_pre_hook(self._recorder(index), with_kwargs=True)
             self.cut.attach(layers[index].fc2, index, time_first=True)
+            self._cut_replaces_dropout(layers[index], index)
+
+    def _cut_replaces_dropout(self, layer, index) -> None:
+        """In the cut pass, the layer's ``dropout_module`` call right after ``fc2`` returns its input."""
+
+        def cut(module, args, output):
+            if self.cut.plan is not None:
+                self.cut_not_dropped.add(index)
+
+        def undropped(module, args, output):
+            if index in self.cut_not_dropped:
+                self.cut_not_dropped.discard(index)
+                return args[0]
+            return None
+
+        layer.fc2.register_forward_hook(cut)
+        layer.dropout_module.register_forward_hook(undropped)
 
     def _recorder(self, index):
         def record(module, args, kwargs):
@@ -157,8 +178,11 @@ class HiddenCutLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCrite
             index: (hiddencut_spans(valid, received, config.ratio, config.top), valid)
             for index, (received, valid) in recorded.items()
         }
-        with hooks.cut.cutting(CutPlan(masks)) as plan:
-            out_cut = model(**net_input)
+        try:
+            with hooks.cut.cutting(CutPlan(masks)) as plan:
+                out_cut = model(**net_input)
+        finally:
+            hooks.cut_not_dropped.clear()
         return out_clean, out_cut, plan
 
     @classmethod

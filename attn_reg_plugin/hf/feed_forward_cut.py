@@ -8,8 +8,8 @@ family's layer from its structure:
 * a dropout module applied last to the feed-forward output (BERT-family ``output.dropout``, DistilBERT
   ``ffn.dropout``, GPT-2 ``mlp.dropout``, T5 ``layer[-1].dropout``): the cut replaces it, as officially;
 * a feed-forward module followed by the residual (Llama-family ``mlp``, ModernBERT ``mlp``), or by a
-  functional dropout (BART-family ``fc2``, as fairseq's ``fc2``): its output is cut, and a dropout
-  after it still applies to the tokens left.
+  functional dropout (BART-family ``fc2``): its output is cut, and the functional dropout after it
+  (which no hook reaches) still applies to the tokens left.
 
 A layer whose feed-forward output is none of these gets None: the trainer then cuts the layer's output
 and says so.

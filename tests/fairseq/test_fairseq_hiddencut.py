@@ -139,6 +139,27 @@ def test_validation_is_one_uncut_pass_of_the_stock_loss(tiny_mt_data):
     torch.testing.assert_close(loss, stock)
 
 
+def test_the_cut_replaces_the_dropout_after_fc2(tiny_mt_data, monkeypatch):
+    """As the official BertOutput: in the cut pass a cut layer's dropout_module hands fc2's cut output on
+    unchanged (its call after the self-attention still drops); in the clean pass both calls drop."""
+    seen = _spy(monkeypatch)
+    cfg, task, model, criterion, sample = _setup(tiny_mt_data, "attn_reg_translation", dropout="0.5")
+    _train_step(cfg, task, model, criterion, sample)  # hooks installed
+    calls = {i: [] for i in range(len(model.encoder.layers))}
+    for i, layer in enumerate(model.encoder.layers):  # registered after the criterion's: sees its output
+        layer.dropout_module.register_forward_hook(lambda m, a, out, i=i: calls[i].append((a[0], out)))
+    seen["spans"].clear()
+    _train_step(cfg, task, model, criterion, sample, seed=5)
+    for i, layer_calls in calls.items():
+        (attn_clean, fc2_clean), (attn_cut, fc2_cut) = layer_calls[0:2], layer_calls[2:4]
+        for x, out in (attn_clean, fc2_clean, attn_cut):
+            assert not torch.equal(x, out) and out.eq(0).float().mean() > 0.3  # dropped, p = 0.5
+        x, out = fc2_cut
+        assert out is x  # not dropped
+        cut = seen["spans"][i].t()  # (T, B)
+        assert cut.any() and (x[cut] == 0).all() and (x[~cut] != 0).float().mean() > 0.99
+
+
 def test_same_seed_same_step(tiny_mt_data):
     runs = []
     for _ in range(2):
