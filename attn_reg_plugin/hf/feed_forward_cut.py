@@ -7,9 +7,11 @@ family's layer from its structure:
 
 * a dropout module applied last to the feed-forward output (BERT-family ``output.dropout``, DistilBERT
   ``ffn.dropout``, GPT-2 ``mlp.dropout``, T5 ``layer[-1].dropout``): the cut replaces it, as officially;
-* a feed-forward module followed by the residual (Llama-family ``mlp``, ModernBERT ``mlp``), or by a
-  functional dropout (BART-family ``fc2``): its output is cut, and the functional dropout after it
-  (which no hook reaches) still applies to the tokens left.
+* a feed-forward module followed by the residual (Llama-family ``mlp``, ModernBERT ``mlp``): its output
+  is cut;
+* a feed-forward module followed by a functional dropout (BART-family ``fc2``): its output is cut, and
+  that dropout call, which no module hook reaches, returns its input (a torch function mode held by the
+  layer's call while the cut pass runs), so the cut replaces it there too.
 
 A layer whose feed-forward output is none of these gets None: the trainer then cuts the layer's output
 and says so.
@@ -23,12 +25,15 @@ run in chunks of the sequence (``chunk_size_feed_forward``) is cut chunk by chun
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 from typing import Any, Optional, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 
+_DROPOUT = torch.nn.functional.dropout  # what a functional dropout call dispatches as
 _LAYER_CALL: contextvars.ContextVar = contextvars.ContextVar("hiddencut_layer_call", default=None)
 
 
@@ -36,22 +41,28 @@ def _children(module: torch.nn.Module) -> set:
     return {name for name, _ in module.named_children()}
 
 
-def feed_forward_output(layer: torch.nn.Module) -> Optional[Tuple[torch.nn.Module, bool]]:
-    """(module, whether the cut replaces it) at the layer's feed-forward output before the residual: a
-    dropout module the cut replaces, or a module whose output is cut; None when not recognized."""
+# How the cut lands on the module feed_forward_output finds.
+REPLACES_IT = "replaces it"  # a dropout module: its input, cut, is its output
+CUTS_ITS_OUTPUT = "cuts its output"
+REPLACES_THE_NEXT_DROPOUT = "cuts its output, and replaces the functional dropout after it"
+
+
+def feed_forward_output(layer: torch.nn.Module) -> Optional[Tuple[torch.nn.Module, str]]:
+    """(module, how the cut lands on it) at the layer's feed-forward output before the residual; None
+    when not recognized."""
     names = _children(layer)
     output, mlp, ffn = (getattr(layer, n, None) if n in names else None for n in ("output", "mlp", "ffn"))
     if output is not None and {"dense", "dropout", "LayerNorm"} <= _children(output):  # BERT-family
-        return output.dropout, True
+        return output.dropout, REPLACES_IT
     if ffn is not None and {"lin2", "dropout"} <= _children(ffn):  # DistilBERT
-        return ffn.dropout, True
+        return ffn.dropout, REPLACES_IT
     if mlp is not None:  # GPT-2's ends in its dropout; Llama's and ModernBERT's go to the residual
-        return (mlp.dropout, True) if {"c_proj", "dropout"} <= _children(mlp) else (mlp, False)
+        return (mlp.dropout, REPLACES_IT) if {"c_proj", "dropout"} <= _children(mlp) else (mlp, CUTS_ITS_OUTPUT)
     blocks = getattr(layer, "layer", None) if "layer" in names else None
     if isinstance(blocks, torch.nn.ModuleList) and {"DenseReluDense", "dropout"} <= _children(blocks[-1]):  # T5
-        return blocks[-1].dropout, True
+        return blocks[-1].dropout, REPLACES_IT
     if "fc2" in names:  # BART-family: a functional dropout, then the residual
-        return layer.fc2, False
+        return layer.fc2, REPLACES_THE_NEXT_DROPOUT
     return None
 
 
@@ -63,11 +74,23 @@ class _LayerCall:
 
     def __init__(self, plan) -> None:
         self.plan, self.last_input, self.positions = plan, None, slice(0, 0)
+        self.dropout_replaced = False  # set by the cut of a block a functional dropout follows
 
     def positions_of(self, module_input: torch.Tensor, length: int) -> slice:
         if module_input is not self.last_input:
             self.last_input, self.positions = module_input, slice(self.positions.stop, self.positions.stop + length)
         return self.positions
+
+
+class _CutReplacesFunctionalDropout(TorchFunctionMode):
+    """The first ``F.dropout`` after a cut that replaces it returns its input (no draw)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        call = _LAYER_CALL.get()
+        if func is _DROPOUT and call is not None and call.dropout_replaced:
+            call.dropout_replaced = False
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 def hold_the_plan(model: torch.nn.Module, layers, kwarg: str) -> None:
@@ -88,9 +111,12 @@ def _holding_class(base: type, kwarg: str) -> type:
         return base
 
     def forward(self, *args, **kwargs):
-        token = _LAYER_CALL.set(_LayerCall(kwargs.get(kwarg)))
+        call = _LayerCall(kwargs.get(kwarg))
+        token = _LAYER_CALL.set(call)
+        replacing = call.plan is not None and getattr(self, "attn_reg_cut_replaces_functional_dropout", False)
         try:
-            return super(holding, self).forward(*args, **kwargs)
+            with _CutReplacesFunctionalDropout() if replacing else contextlib.nullcontext():
+                return super(holding, self).forward(*args, **kwargs)
         finally:
             _LAYER_CALL.reset(token)
 
@@ -99,16 +125,23 @@ def _holding_class(base: type, kwarg: str) -> type:
     return holding
 
 
-def cut_feed_forward(module: torch.nn.Module, key: Any, replaces: bool) -> Any:
-    """Hook ``module`` (found by :func:`feed_forward_output`) to cut layer ``key``'s tokens as the plan
-    its layer holds says; returns the hook's handle."""
+def cut_feed_forward(layer: torch.nn.Module, key: Any, found: Tuple[torch.nn.Module, str]) -> Any:
+    """Hook the module :func:`feed_forward_output` ``found`` in ``layer`` to cut layer ``key``'s tokens
+    as the plan its layer holds says; returns the hook's handle."""
+    module, how = found
+    if how == REPLACES_THE_NEXT_DROPOUT:
+        layer.attn_reg_cut_replaces_functional_dropout = True  # read by the layer's forward (hold_the_plan)
 
     def hook(mod, args, output):
         call = _LAYER_CALL.get()
         if call is None or call.plan is None:
             return None
-        cut = args[0] if replaces else output  # a mixture of experts' block may return (hidden, router scores)
+        cut = (
+            args[0] if how == REPLACES_IT else output
+        )  # a mixture of experts' block may return (hidden, router scores)
         hidden = cut[0] if isinstance(cut, tuple) else cut
-        return call.plan.apply(key, cut, positions=call.positions_of(args[0], hidden.shape[1]))
+        out = call.plan.apply(key, cut, positions=call.positions_of(args[0], hidden.shape[1]))
+        call.dropout_replaced = how == REPLACES_THE_NEXT_DROPOUT
+        return out
 
     return module.register_forward_hook(hook)

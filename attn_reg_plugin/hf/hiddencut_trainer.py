@@ -221,7 +221,7 @@ class HiddenCutTrainerMixin:
                 self._hiddencut_cut.attach(layers[index], index, kwarg=PLAN_KWARG)
                 unfound.add(type(layers[index]).__name__)
             else:
-                self._hiddencut_cut.handles.append(cut_feed_forward(found[0], index, replaces=found[1]))
+                self._hiddencut_cut.handles.append(cut_feed_forward(layers[index], index, found))
         if unfound:
             warnings.warn(
                 f"HiddenCut: no feed-forward output found in {', '.join(sorted(unfound))}; the cut zeroes those "

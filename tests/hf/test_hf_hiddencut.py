@@ -15,7 +15,7 @@ from attn_reg_plugin.core import hiddencut as core
 from attn_reg_plugin.core.hiddencut import CutPlan, HiddenCutConfig, js_consistency
 from attn_reg_plugin.core.rdrop import RDropConfig
 from attn_reg_plugin.hf import RDropTrainer, RDropTrainerMixin
-from attn_reg_plugin.hf.feed_forward_cut import feed_forward_output
+from attn_reg_plugin.hf.feed_forward_cut import REPLACES_IT, feed_forward_output
 from attn_reg_plugin.hf.hiddencut_trainer import (
     MAPS_BEFORE_DROPOUT,
     HiddenCutSeq2SeqTrainer,
@@ -238,6 +238,29 @@ def test_the_cut_takes_the_place_of_berts_feed_forward_dropout(tmp_path, monkeyp
         assert torch.equal(cut_dropped, cut_dense * (~span).unsqueeze(-1))
 
 
+def test_the_cut_takes_the_place_of_marians_functional_dropout_after_fc2(tmp_path, monkeypatch):
+    """BART-family layers drop fc2's output with a functional dropout before the residual: in the cut pass
+    the residual adds fc2's cut output undropped; the clean pass drops it."""
+    drawn = _spy_spans(monkeypatch)
+    trainer = make_trainer("marian", tmp_path, model=FAMILIES["marian"][0](dropout=0.3), ratio=0.5)
+    layers = hiddencut_layers(trainer.model)
+    seen = {"residual": [], "fc2": [], "sum": []}
+    for layer in layers:  # post-norm: final_layer_norm(residual + dropout(fc2(...))), residual = fc1's input
+        layer.fc1.register_forward_hook(lambda m, a, out: seen["residual"].append(a[0].detach()))
+        layer.fc2.register_forward_hook(lambda m, a, out: seen["fc2"].append(out.detach()))
+        layer.final_layer_norm.register_forward_hook(lambda m, a, out: seen["sum"].append(a[0].detach()))
+    one_step(trainer, FAMILIES["marian"][1]())
+    n = len(layers)
+    assert all(len(v) == 2 * n for v in seen.values())
+    for index in range(n):
+        clean, cut = index, n + index
+        residual, fc2, total = (seen[k][cut] for k in ("residual", "fc2", "sum"))
+        assert (fc2[drawn[index]] == 0).all() and (fc2[~drawn[index]] != 0).float().mean() > 0.99
+        assert torch.equal(total, residual + fc2)  # the cut pass: not dropped
+        residual, fc2, total = (seen[k][clean] for k in ("residual", "fc2", "sum"))
+        assert ((total - residual) == 0).float().mean() > 0.2  # the clean pass: dropped out (p = 0.3)
+
+
 def test_a_layer_without_a_known_feed_forward_output_has_its_output_cut_and_says_so(tmp_path, monkeypatch):
     drawn = _spy_spans(monkeypatch)
     monkeypatch.setattr("attn_reg_plugin.hf.hiddencut_trainer.feed_forward_output", lambda layer: None)
@@ -393,7 +416,7 @@ def test_every_family_with_layers_has_its_feed_forward_output_found():
         for layer in layers:
             found = feed_forward_output(layer)
             assert found is not None, family.name
-            assert isinstance(found[0], torch.nn.Dropout) == found[1], family.name
+            assert isinstance(found[0], torch.nn.Dropout) == (found[1] == REPLACES_IT), family.name
 
 
 def test_the_callers_batch_is_unchanged(tmp_path):
@@ -414,7 +437,7 @@ def test_same_seed_same_step(tmp_path):
     assert not torch.equal(steps[0][0], one_step(make_trainer("bert", tmp_path), bert_batch(), seed=4)[0])
 
 
-@pytest.mark.parametrize("family", ["bert", "llama"])
+@pytest.mark.parametrize("family", ["bert", "llama", "marian"])
 def test_gradient_checkpointing_gives_the_same_loss_gradients_and_counts(family, tmp_path):
     """transformers 5.x checkpoints a layer's forward with its keywords: the recompute holds the same plan,
     and its feed-forward hook (inside the recompute) cuts the same tokens, counted once."""
