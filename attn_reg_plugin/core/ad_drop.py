@@ -137,7 +137,7 @@ class ADDrop:
                 ]
                 return record.sites, attributions, record.valid
             if method == "aa":
-                capture = CaptureProbs(requires_grad=False, inputs_when_long=not dense)
+                capture = CaptureProbs(requires_grad=False, keeps_inputs=not dense)
                 with torch.no_grad(), self.controller.hooks({s: capture for s in self.sites}) as record:
                     forward()
                 self._check_captured(record.sites, record.probs)

@@ -207,8 +207,8 @@ def _without_prepared_bias(
     call: AttentionCall, q, k, v, bias, dropout_p: float, scale, fast_masks: bool, is_causal: bool
 ):
     """(output, captured) of the calls that need no float copy of the model's mask: GA's capture
-    and AA's capture of a long map; None for every other call. Neither builds a causal call's
-    (T, S) mask unless the map is one block."""
+    and AA's training capture; None for every other call. Neither builds a causal call's (T, S)
+    mask unless the map is one block."""
     hook = call.hook
     if not fast_masks:
         return None
@@ -217,15 +217,15 @@ def _without_prepared_bias(
         # the ordinary path's bits, with the output kept for the attribution.
         out = _ordinary_attention(q, k, v, bias, 0.0, scale, is_causal)
         return _captured(call, out, q, k, v, bias, scale, is_causal)
-    if _keeps_inputs(hook, q, k):
-        # AA on a long map: keep q, k and the bias, not the weights; pass 2 recomputes them per block.
+    if _keeps_inputs(hook):
+        # AA: keep q, k and the bias, not the weights; pass 2 recomputes them per block.
         out = _ordinary_attention(q, k, v, bias, 0.0, scale, is_causal)
-        if call.recompute:
-            return out, None
-        return out, Captured(
-            probs=_weights_source(q, k, bias, scale, is_causal), valid=_validity(bias, q, k, is_causal)
-        )
+        return out, _inputs_captured(call, q, k, bias, scale, is_causal, _validity(bias, q, k, is_causal))
     return None
+
+
+def _inputs_captured(call: AttentionCall, q, k, bias, scale, is_causal: bool, valid) -> Optional[Captured]:
+    return None if call.recompute else Captured(probs=_weights_source(q, k, bias, scale, is_causal), valid=valid)
 
 
 def _prepared(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weights: bool):
@@ -239,6 +239,9 @@ def _prepared(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)
         out, captured = _captured(call, out, q, k, v, bias, scale, False, valid)
         return zero_rows(out, keyless), None, captured
+    if _keeps_inputs(hook) and not need_weights:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)
+        return zero_rows(out, keyless), None, _inputs_captured(call, q, k, bias, scale, False, valid)
     if isinstance(hook, CaptureProbs) or need_weights:
         return _with_weights(call, hook, q, k, v, bias, valid, keyless, dropout_p, scale)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
@@ -313,16 +316,9 @@ def _validity(bias, q: torch.Tensor, k: torch.Tensor, is_causal: bool = False, l
     return valid_keys_from_bias(bias)
 
 
-def _keeps_inputs(hook, q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether this call (one that returns no weights) is AA's capture of a map longer than one
-    block of the kernel."""
-    return (
-        isinstance(hook, CaptureProbs)
-        and hook.inputs_when_long
-        and not hook.requires_grad
-        and hook.alpha == 1.0
-        and blockwise_rows(q, k) is not None
-    )
+def _keeps_inputs(hook) -> bool:
+    """Whether this call (one that returns no weights) is AA's training capture."""
+    return isinstance(hook, CaptureProbs) and hook.keeps_inputs and not hook.requires_grad and hook.alpha == 1.0
 
 
 def _edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weights: bool, is_causal: bool):

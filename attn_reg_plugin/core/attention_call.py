@@ -67,9 +67,10 @@ class CaptureProbs:
 
     alpha: float = 1.0
     requires_grad: bool = True
-    # AA's training pass: a map longer than one block of the kernel is kept as its inputs
-    # (``block_rules.AttentionScores``: q, k, bias), its weights recomputed per block in pass 2.
-    inputs_when_long: bool = False
+    # AA's training pass: the map is kept as its inputs (``block_rules.AttentionScores``: q, k,
+    # bias), its weights recomputed per block in pass 2, and the output is sdpa's at every length
+    # (an explicit A V rounds otherwise in half precision: the drops would change with the length).
+    keeps_inputs: bool = False
 
 
 @dataclass(frozen=True, eq=False)

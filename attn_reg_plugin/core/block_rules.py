@@ -253,8 +253,8 @@ class GradientScores(ScoreSource):
 
 @dataclass(frozen=True, eq=False)
 class AttentionScores(ScoreSource):
-    """Attention weights softmax(q k^T scale + bias) of a block's rows, recomputed from q and k (AA):
-    the same operations as the kernel's dense weights, row by row."""
+    """Attention weights softmax(q k^T scale + bias) of a block's rows, recomputed from q and k (AA,
+    IGA), in float32: the same values whatever the blocks."""
 
     query: torch.Tensor  # (B, H, T, d)
     key: torch.Tensor  # (B, H, S, d)
@@ -267,16 +267,20 @@ class AttentionScores(ScoreSource):
         return self.query.device
 
     def scores(self, block: Block) -> torch.Tensor:
-        q_rows, keys = self.query[:, :, block.rows], block.shape[-1]
-        logits = torch.matmul(q_rows, self.key[:, :, :keys].transpose(-2, -1)) * self.scale
-        bias_rows = keys_of(rows_of(self.bias, block.rows), keys)
-        if self.causal:
-            _, _, t, s = block.call_shape
-            bias_rows = masks.causal_bias(bias_rows, block.rows, keys, t, s, q_rows.device)
-        part, _ = block_bias(bias_rows, q_rows.dtype)
-        if part is not None:
-            logits = logits + part
-        return masks.attention_weights(logits, q_rows.dtype).float()  # as the dense weights are
+        # In float32 whatever the model's precision. The library may round a product of a block's
+        # rows unlike the whole map's (its kernel depends on the shape): in bf16 by 2^-8, enough to
+        # change a ranking at one seed in a few; in float32 by 2^-24, a near-tie.
+        with torch.autocast(self.query.device.type, enabled=False):
+            q_rows, keys = self.query[:, :, block.rows].float(), block.shape[-1]
+            logits = torch.matmul(q_rows, self.key[:, :, :keys].float().transpose(-2, -1)) * self.scale
+            bias_rows = keys_of(rows_of(self.bias, block.rows), keys)
+            if self.causal:
+                _, _, t, s = block.call_shape
+                bias_rows = masks.causal_bias(bias_rows, block.rows, keys, t, s, q_rows.device)
+            part, _ = block_bias(bias_rows, torch.float32)
+            if part is not None:
+                logits = logits + part
+            return masks.attention_weights(logits, torch.float32)
 
 
 @dataclass(frozen=True, eq=False)

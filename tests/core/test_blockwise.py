@@ -14,7 +14,7 @@ from attn_reg_plugin.core import block_masks, block_rules, blockwise, masks
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import EditScores
+from attn_reg_plugin.core.attention_call import CaptureProbs, EditScores
 from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.block_rules import (
     BernoulliRule,
@@ -802,3 +802,18 @@ def test_a_calls_drops_are_the_same_as_one_block_or_many(regularizer, monkeypatc
     torch.testing.assert_close(loss_blocks, loss, rtol=1e-6, atol=0)
     for a, b in zip(grads_blocks, grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_aa_pass_one_outputs_are_sdpas_at_every_length_in_bfloat16(monkeypatch):
+    """AA's capture hands the model sdpa's output as a long call's capture does: an explicit A V of a
+    short map rounds otherwise in half precision, and the layers above (and the weights they rank)
+    would change when a call's length crosses the block size."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g).to(torch.bfloat16) for _ in range(3))
+    bias = _valid("padding", 2, 9)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    for split in (False, True):
+        if split:
+            _force_small_blocks(monkeypatch)
+        out, _ = attend(q, k, v, bias, site=site_with_hook(CaptureProbs(requires_grad=False, keeps_inputs=True)))
+        assert torch.equal(out, expected)

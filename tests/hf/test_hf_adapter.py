@@ -307,3 +307,35 @@ def test_decoder_inputs_from_labels_are_the_models_own():
     torch.testing.assert_close(ours, own)
     assert not causal_lm(model)
     assert causal_lm(helpers.tiny_llama())
+
+
+@pytest.mark.parametrize("attribution", ["aa", "iga"])
+def test_bf16_attention_attributions_drop_the_same_as_one_block_or_many(attribution, tmp_path, monkeypatch):
+    """A Llama under CPU bf16 autocast (its rotary embedding hands q and k over in float32): the
+    weights ranked are recomputed in float32 and pass 1's outputs are sdpa's at every length, so each
+    seed's drops do not change when the calls run in blocks of 2 rows (a bf16 product of a block's
+    rows, or a short map's explicit A V, is rounded otherwise: the counts differed by one)."""
+    from attn_reg_plugin.core import block_masks, block_rules
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no")
+    mask = (torch.arange(9)[None, :] >= torch.tensor([0, 3, 5])[:, None]).long()  # left padding
+
+    def dropped():
+        counts = []
+        for seed in range(4):
+            ids = torch.randint(3, 100, (3, 9), generator=torch.Generator().manual_seed(1 + seed)) * mask
+            batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+            config = ADDropConfig(p=0.5, q=0.5, schedule="always", attribution=attribution, iga_steps=3)
+            trainer = ADDropTrainer(model=helpers.tiny_llama(attention_dropout=0.1), args=args, ad_drop=config)
+            torch.manual_seed(seed)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                trainer.compute_loss(trainer.model.train(), batch).backward()
+            counts.append(int(trainer._ad_drop_dropped))
+        return counts
+
+    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)  # draws per chunk of 2 rows in both runs
+    one_block = dropped()
+    monkeypatch.setattr(block_masks, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(block_masks, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
+    assert dropped() == one_block and min(one_block) > 0
