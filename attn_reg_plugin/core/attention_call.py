@@ -262,6 +262,11 @@ class Plan:
         return bool(self.calls)
 
 
+def takes_gradients(hook: Hook) -> bool:
+    """Whether a pass that sets ``hook`` takes gradients of what its calls capture (GA, IGA)."""
+    return isinstance(hook, CaptureOutput) or (isinstance(hook, CaptureProbs) and hook.requires_grad)
+
+
 def plan_of(sites: Iterable[AttentionSite]) -> Plan:
     """The pass set on ``sites`` now, as a :class:`Plan` (empty when none is)."""
     return Plan(MappingProxyType({s: (s.hook, s.seed) for s in sites if s.hook is not None}))

@@ -12,7 +12,8 @@ backward. Two consequences, handled here and in the kernel:
 * a *reentrant* checkpoint (``use_reentrant=True``, fairseq's ``--checkpoint-activations``)
   runs the layer's forward without autograd and refuses ``torch.autograd.grad``, so AD-DROP's
   attribution pass could not see inside it. That pass therefore runs with such checkpointing
-  paused (:func:`activation_checkpointing_paused`): its attributions are exact, and it holds the
+  paused (:func:`activation_checkpointing_paused`; a custom model's
+  :meth:`~.controller.RegularizationController.checkpoint` pauses itself): its attributions are exact, and it holds the
   activations an input gradient needs (parameters are frozen for it) until the attribution
   is taken, before the checkpointed training forward starts. A non-reentrant checkpoint
   (transformers' default) is left on: ``autograd.grad`` recomputes its layers inside the pass,

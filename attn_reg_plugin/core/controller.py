@@ -20,7 +20,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 import torch
 
-from .attention_call import EditScores, Hook, PassRecord, _with_the_pass, changes_output, plan_of
+from .attention_call import EditScores, Hook, PassRecord, _with_the_pass, changes_output, plan_of, takes_gradients
 from .block_rules import call_seed, key_seed
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,13 @@ class RegularizationController:
         recompute in the backward, after the pass ended, makes the forward's drops again)."""
         import torch.utils.checkpoint
 
-        carried = functools.partial(_with_the_pass, function, list(self.sites), plan_of(self.sites))
+        plan = plan_of(self.sites)
+        carried = functools.partial(_with_the_pass, function, list(self.sites), plan)
+        if use_reentrant and any(takes_gradients(hook) for hook, _ in plan.calls.values()):
+            # A reentrant checkpoint runs the forward without autograd and refuses autograd.grad, which
+            # AD-DROP's attribution pass takes: that pass runs the layer unchecked, as
+            # checkpointing.activation_checkpointing_paused does for a model's own checkpoints.
+            return carried(*args)
         return torch.utils.checkpoint.checkpoint(carried, *args, use_reentrant=use_reentrant, **kwargs)
 
     @contextlib.contextmanager

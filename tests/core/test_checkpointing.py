@@ -89,15 +89,43 @@ def test_a_site_called_twice_recomputes_exactly_under_checkpointing(reentrant):
 
 
 def test_attribution_inside_a_reentrant_checkpoint_is_a_clear_error():
-    """A reentrant checkpoint that ADDrop cannot pause hides the layer from autograd: refuse, never
-    return zero attributions."""
+    """A reentrant checkpoint that ADDrop cannot pause (torch's own, unflagged) hides the layer from
+    autograd: refuse, never return zero attributions."""
+    import torch.utils.checkpoint
+
     model = _model(checkpointed=True)
+    for block in model.blocks:
+        block.checkpoint = torch.utils.checkpoint.checkpoint
     x = torch.randn(B, T, D, requires_grad=True)
     ad_drop = ADDrop(ADDropConfig(p=0.5, q=0.5, schedule="always"), model.controller)
     with pytest.raises(RuntimeError, match="reentrant activation checkpoint"):
         ad_drop.attributions(lambda: model(x), logit_target, frozen=None)  # frozen=None: nothing paused
     sites, attributions, _ = ad_drop.attributions(lambda: model(x), logit_target, frozen=model)
     assert len(sites) == 2 and all(a.abs().sum() > 0 for a in attributions)
+
+
+@pytest.mark.parametrize("attribution", ["ga", "iga"])
+def test_the_controllers_reentrant_checkpoint_pauses_itself_for_the_attribution_pass(attribution):
+    """controller.checkpoint(..., use_reentrant=True) where no flag pauses the layers (frozen=None):
+    the attribution pass, which takes autograd.grad, runs them unchecked, and the step equals the
+    uncheckpointed one."""
+
+    def step(checkpointed):
+        model = _model(checkpointed=checkpointed)
+        x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        config = ADDropConfig(p=0.5, q=0.5, schedule="always", attribution=attribution, iga_steps=3)
+        torch.manual_seed(0)
+        with ADDrop(config, model.controller).masked(lambda: model(x), logit_target, frozen=None) as stats:
+            loss = model(x).sum()
+        loss.backward()
+        assert int(stats["dropped"]) > 0
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    loss, grads = step(False)
+    loss_ckpt, grads_ckpt = step(True)
+    assert torch.equal(loss, loss_ckpt)
+    for a, b in zip(grads, grads_ckpt):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_pausing_restores_both_conventions():
