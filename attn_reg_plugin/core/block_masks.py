@@ -184,13 +184,16 @@ def rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fre
 
 def block_counts(m: BlockMasks, droppable, rows: slice, b: int, h: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dropped, droppable) units of a block of a (``b``, ``h``, ...) call: drops within the units the
-    edit could drop, and those units among the valid ones (``droppable`` None: every valid unit)."""
+    edit could drop, and those units among the valid ones (``droppable`` None: every valid unit). A
+    row the drops emptied attends uniformly instead (its drops cleared): its valid keys count as
+    dropped, so a rate of 1 is counted as 1."""
     block_shape = (b, h, rows.stop - rows.start, m.keys)
+    drop = m.drop if m.uniform is None else m.drop | m.uniform
     if droppable is None:
-        units, counted = m.valid, m.drop  # drops are within valid
+        units = m.valid
     else:
         units = m.valid & keys_of(rows_of(droppable, rows), m.keys).to(m.valid.device)
-        counted = m.drop & units
+    counted = drop & units
     return counted.expand(block_shape).count_nonzero(), broadcast_count(units, block_shape)
 
 

@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from attn_reg_plugin.core import block_masks, block_rules
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import CaptureOutput, EditScores
 from attn_reg_plugin.core.block_rules import BernoulliRule
@@ -119,6 +120,25 @@ def test_attend_drop_counts_dropped_and_valid_keys_and_refuses_what_is_no_mask_o
     assert torch.allclose(out.double(), _reference(q, k, v, valid & (torch.arange(7) != 0))[0], atol=1e-5)
     assert stats[0].item() == 2 * 3 * 5  # key 0 of every row
     assert stats[1].item() == 3 * 5 * (7 + 3)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_row_the_drops_empty_attends_uniformly_and_counts_its_keys_dropped(split, monkeypatch):
+    """AttendOut's Eq. 4: a row that would lose every valid key attends uniformly to them instead. The
+    rule dropped those keys, so they count: a rate of 1 is logged as 1, not 0."""
+    if split:
+        monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
+        monkeypatch.setattr(block_masks, "BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(block_masks, "LINEAR_FACTOR", 0)
+        monkeypatch.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
+    q, k, v = _qkv()
+    bias, valid = _pad_bias([7, 3], 7)
+    drop = (torch.arange(7) < 3).view(1, 1, 1, 7)  # sample 1's three valid keys: its rows are emptied
+    site = site_with_hook(EditScores(drop=drop, counted=True))
+    out, _ = attend(q, k, v, bias, site=site)
+    dropped, droppable = site.record.counts()
+    assert int(dropped) == 3 * 5 * 3 + 3 * 5 * 3 and int(droppable) == 3 * 5 * (7 + 3)
+    torch.testing.assert_close(out[1], v[1, :, :3].mean(-2, keepdim=True).expand(3, 5, -1))
 
 
 @pytest.mark.parametrize(

@@ -132,10 +132,11 @@ def test_a_row_that_loses_every_key_attends_uniformly_never_nan(dtype):
     n = rows.numel()  # 384 rows: binomial std < 0.025
     assert abs((nearest == 0).sum().item() / n - 0.81) < 0.08
     assert abs((nearest == -1).sum().item() / n - 0.09) < 0.06
-    # The kernel counts the keys it dropped: a row made uniform instead counts none of its keys.
-    minus, plus = (nearest == -1).sum().item(), (nearest == 1).sum().item()
+    # The kernel counts the keys it dropped, a row made uniform instead all of its keys: both keys of
+    # a uniform row, key 0 of a row at -1, key 1 of a row at +1 if dropped, and the last sample's key.
+    minus, plus, uniform = ((nearest == x).sum().item() for x in (-1.0, 1.0, 0.0))
     assert counts[1].item() == 2 * (b - 1) * h * t + h * t  # the real units
-    assert minus <= counts[0].item() <= minus + plus  # key 0 dropped alone, or key 1 alone
+    assert 2 * uniform + minus <= counts[0].item() <= 2 * uniform + minus + plus + h * t
 
 
 # -- bad values, before training -------------------------------------------------------------------
