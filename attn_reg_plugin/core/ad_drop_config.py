@@ -57,7 +57,9 @@ class ADDropConfig(RegularizerOptions):
         flag = self.name
         for name in ("p", "q"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not (0.0 < float(value) < 1.0) or math.isnan(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{flag(name)} must be an int or float in the open interval (0, 1), got {value!r}")
+            if not (0.0 < float(value) < 1.0) or math.isnan(value):
                 raise ValueError(f"{flag(name)} must be in the open interval (0, 1), got {value!r}")
         try:
             decimal_fraction(self.p)

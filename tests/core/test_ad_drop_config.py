@@ -18,6 +18,12 @@ def test_config_rejects_p_q_outside_open_unit_interval(name, value):
     assert f"--ad-drop-{name}" in str(e.value) and "(0, 1)" in str(e.value)
 
 
+@pytest.mark.parametrize("value", ["0.5", None, True])
+def test_config_says_a_p_that_is_no_number_is_no_number(value):
+    with pytest.raises(ValueError, match=r"^--ad-drop-p must be an int or float in the open interval \(0, 1\), got "):
+        ADDropConfig(p=value).validate()
+
+
 @pytest.mark.parametrize("value", [1e-6, 0.5, 0.999999])
 def test_config_accepts_p_q_inside(value):
     config = ADDropConfig(p=value, q=value)
