@@ -166,6 +166,14 @@ def attention_kernel(
         return out, weights, captured
     if isinstance(hook, EditScores):
         return _edit(call, q, k, v, bias, dropout_p, scale, need_weights, is_causal)
+    if _keeps_inputs(hook) and not need_weights:
+        # AA: the ordinary output (sdpa's at every length), and q, k and the model's own mask kept, from
+        # which pass 2 recomputes the weights per block (nothing (T, S) kept between the passes).
+        out = attention_kernel(q, k, v, bias, 0.0, scale, False, ORDINARY, is_causal)[0]
+        if call.recompute:
+            return out, None, None
+        weights = _weights_source(q, k, bias, scale, is_causal)
+        return out, None, Captured(probs=weights, valid=_validity(bias, q, k, is_causal))
     # A causal call with more queries than keys has rows without a valid key: a mask like any other.
     unmasked = bias is None and not (is_causal and q.shape[2] > k.shape[2])
     fast_masks = unmasked or (_SDPA_ZEROES_EMPTY_ROWS and q.device.type in _FAST_MASKED_DEVICES)
@@ -206,9 +214,8 @@ def _causal_bias(bias, q, k):
 def _without_prepared_bias(
     call: AttentionCall, q, k, v, bias, dropout_p: float, scale, fast_masks: bool, is_causal: bool
 ):
-    """(output, captured) of the calls that need no float copy of the model's mask: GA's capture
-    and AA's training capture; None for every other call. Neither builds a causal call's (T, S)
-    mask unless the map is one block."""
+    """(output, captured) of GA's capture where it needs no float copy of the model's mask; None for
+    every other call. It builds no causal call's (T, S) mask unless the map is one block."""
     hook = call.hook
     if not fast_masks:
         return None
@@ -217,15 +224,7 @@ def _without_prepared_bias(
         # the ordinary path's bits, with the output kept for the attribution.
         out = _ordinary_attention(q, k, v, bias, 0.0, scale, is_causal)
         return _captured(call, out, q, k, v, bias, scale, is_causal)
-    if _keeps_inputs(hook):
-        # AA: keep q, k and the bias, not the weights; pass 2 recomputes them per block.
-        out = _ordinary_attention(q, k, v, bias, 0.0, scale, is_causal)
-        return out, _inputs_captured(call, q, k, bias, scale, is_causal, _validity(bias, q, k, is_causal))
     return None
-
-
-def _inputs_captured(call: AttentionCall, q, k, bias, scale, is_causal: bool, valid) -> Optional[Captured]:
-    return None if call.recompute else Captured(probs=_weights_source(q, k, bias, scale, is_causal), valid=valid)
 
 
 def _prepared(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weights: bool):
@@ -239,9 +238,6 @@ def _prepared(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)
         out, captured = _captured(call, out, q, k, v, bias, scale, False, valid)
         return zero_rows(out, keyless), None, captured
-    if _keeps_inputs(hook) and not need_weights:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)
-        return zero_rows(out, keyless), None, _inputs_captured(call, q, k, bias, scale, False, valid)
     if isinstance(hook, CaptureProbs) or need_weights:
         return _with_weights(call, hook, q, k, v, bias, valid, keyless, dropout_p, scale)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
