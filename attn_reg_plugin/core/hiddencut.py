@@ -209,6 +209,11 @@ class CutPlan:
         self.cut: Any = 0
         self.tokens: Any = 0
 
+    def cuts(self, key: Any) -> bool:
+        """Whether this pass cuts layer ``key`` (a hook left by another trainer, or a layer that LayerDrop
+        skipped in the clean pass, gets no mask): a layer it does not cut keeps its dropout."""
+        return key in self.masks
+
     def apply(self, key: Any, output: Any, time_first: bool = False, positions: Optional[slice] = None) -> Any:
         """``output`` (a tensor, or a tuple whose first element is one; (B, T, D), or (T, B, D) with
         ``time_first``) with layer ``key``'s cut tokens zeroed (a new tensor: a cut token's gradient is 0);

@@ -98,7 +98,7 @@ class _Hooks:
         """In the cut pass, the layer's ``dropout_module`` call right after ``fc2`` returns its input."""
 
         def cut(module, args, output):
-            if self.cut.plan is not None:
+            if self.cut.plan is not None and self.cut.plan.cuts(index):
                 self.cut_not_dropped.add(index)
 
         def undropped(module, args, output):

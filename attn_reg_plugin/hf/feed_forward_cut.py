@@ -134,7 +134,7 @@ def cut_feed_forward(layer: torch.nn.Module, key: Any, found: Tuple[torch.nn.Mod
 
     def hook(mod, args, output):
         call = _LAYER_CALL.get()
-        if call is None or call.plan is None:
+        if call is None or call.plan is None or not call.plan.cuts(key):
             return None
         cut = (
             args[0] if how == REPLACES_IT else output

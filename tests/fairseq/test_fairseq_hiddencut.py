@@ -160,6 +160,42 @@ def test_the_cut_replaces_the_dropout_after_fc2(tiny_mt_data, monkeypatch):
         assert cut.any() and (x[cut] == 0).all() and (x[~cut] != 0).float().mean() > 0.99
 
 
+def test_with_encoder_layerdrop_a_layer_without_a_cut_keeps_its_dropout(tiny_mt_data):
+    """A layer LayerDrop skipped in the clean pass has no span: if it runs in the cut pass, uncut, the
+    dropout after its fc2 still drops; a cut layer's hands the cut output on."""
+    from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
+
+    cfg, task, model, criterion, sample = _setup(
+        tiny_mt_data, "attn_reg_translation", "--encoder-layerdrop", "0.5", dropout="0.5"
+    )
+    _train_step(cfg, task, model, criterion, sample)  # hooks installed
+    layers = [m for m in model.modules() if isinstance(m, TransformerEncoderLayerBase)]  # not thinned
+    events, plans = [], []
+    for i, layer in enumerate(layers):  # (layer, "fc2", in the cut pass) then (layer, output is input)
+        layer.fc2.register_forward_hook(
+            lambda m, a, out, i=i: events.append((i, "fc2", criterion.hiddencut_hooks.cut.plan is not None))
+        )
+        layer.dropout_module.register_forward_hook(lambda m, a, out, i=i: events.append((i, out is a[0])))
+    two_passes = criterion.two_passes
+
+    def spy(*args):
+        out = two_passes(*args)
+        plans.append(out[2])
+        return out
+
+    criterion.two_passes = spy
+    uncut_ran = 0
+    for seed in range(12):
+        events.clear()
+        _train_step(cfg, task, model, criterion, sample, seed=seed)
+        for fc2, dropout in zip(events, events[1:]):
+            if fc2[1:2] == ("fc2",):
+                cut = fc2[2] and fc2[0] in plans[-1].masks
+                assert dropout == (fc2[0], cut), (seed, fc2, sorted(plans[-1].masks))
+                uncut_ran += fc2[2] and not cut
+    assert uncut_ran > 0  # the case arose
+
+
 def test_same_seed_same_step(tiny_mt_data):
     runs = []
     for _ in range(2):

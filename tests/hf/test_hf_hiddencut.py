@@ -369,6 +369,19 @@ def test_a_second_trainer_on_the_same_model_cuts_as_the_first(family, tmp_path):
     torch.testing.assert_close(again[0], first[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_layer_the_second_trainer_does_not_cut_keeps_its_dropout(family, tmp_path):
+    """The first trainer's hook on layer 0 sees the second trainer's plan, which cuts layer 1 only:
+    layer 0 keeps the dropout a cut would replace, and the step is a lone layers="1" trainer's."""
+    build, make_batch, _, _ = FAMILIES[family]
+    model = build(dropout=0.3)
+    fresh = copy.deepcopy(model)
+    make_trainer(family, tmp_path, model=model, ratio=0.5, layers="0")
+    second = one_step(make_trainer(family, tmp_path, model=model, ratio=0.5, layers="1"), make_batch())
+    alone = one_step(make_trainer(family, tmp_path, model=fresh, ratio=0.5, layers="1"), make_batch())
+    torch.testing.assert_close(second[0], alone[0], rtol=0, atol=0)
+
+
 def test_a_model_with_layerdrop_is_refused_naming_the_setting(tmp_path):
     """A layer skipped at random has no map in the clean pass or no cut in the cut pass. What counts is
     the ``layerdrop`` the forward reads, which transformers copies from the config into the encoder."""
