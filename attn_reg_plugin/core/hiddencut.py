@@ -218,7 +218,7 @@ class CutPlan:
         """``output`` (a tensor, or a tuple whose first element is one; (B, T, D), or (T, B, D) with
         ``time_first``) with layer ``key``'s cut tokens zeroed (a new tensor: a cut token's gradient is 0);
         ``positions``: the positions of the sequence ``output`` holds, when a chunk of it."""
-        if key not in self.masks:
+        if not self.cuts(key):
             return output
         cut, valid = self.masks[key]
         if key not in self.applied:  # counted where it happens, once per pass

@@ -136,10 +136,8 @@ def cut_feed_forward(layer: torch.nn.Module, key: Any, found: Tuple[torch.nn.Mod
         call = _LAYER_CALL.get()
         if call is None or call.plan is None or not call.plan.cuts(key):
             return None
-        cut = (
-            args[0] if how == REPLACES_IT else output
-        )  # a mixture of experts' block may return (hidden, router scores)
-        hidden = cut[0] if isinstance(cut, tuple) else cut
+        cut = args[0] if how == REPLACES_IT else output
+        hidden = cut[0] if isinstance(cut, tuple) else cut  # a mixture of experts' (hidden, router scores)
         out = call.plan.apply(key, cut, positions=call.positions_of(args[0], hidden.shape[1]))
         call.dropout_replaced = how == REPLACES_THE_NEXT_DROPOUT
         return out
