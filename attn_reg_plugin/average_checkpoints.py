@@ -21,6 +21,7 @@ PATTERNS = {"epoch": r"checkpoint(\d+)\.pt", "update": r"checkpoint_\d+_(\d+)\.p
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="attn-reg-average-checkpoints",
+        allow_abbrev=False,
         description="Average the parameters of fairseq checkpoints into a new checkpoint "
         "(fairseq's scripts/average_checkpoints.py, with torch's safe loading).",
     )
