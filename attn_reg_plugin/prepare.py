@@ -286,7 +286,10 @@ _LANG = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="attn-reg-prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        prog="attn-reg-prepare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--src", required=True, help="source language suffix (e.g. en: files PREFIX.en)")
     ap.add_argument("--tgt", required=True, help="target language suffix (e.g. tr)")

@@ -11,6 +11,7 @@ fairseq children (tests/fake_fairseq.py), and its statistics on hand-made record
 
 import json
 import math
+import re
 from pathlib import Path
 
 import fake_fairseq
@@ -195,6 +196,20 @@ def test_bad_options_are_refused_before_any_run(fake, tmp_path, capsys, extra, t
     with pytest.raises(SystemExit):
         compare.main(argv)
     assert message in capsys.readouterr().err
+    assert fake["calls"] == {"fairseq-train": 0, "fairseq-generate": 0} and not (tmp_path / "o").exists()
+
+
+def test_help_names_no_test_option_and_an_abbreviation_is_refused(fake, tmp_path, capsys):
+    """The comparison always translates the test split: it has no --test, and argparse must not read
+    one as an abbreviation of --test-ref."""
+    help_text = compare.build_parser().format_help()
+    assert "--test-ref" in help_text and not re.search(r"--test(?![\w-])", help_text)
+    for word in ("--test", "--test-r", "--method"):  # an unknown option, and prefixes of --test-ref, --methods
+        argv = fake["argv"](tmp_path / "o")
+        argv[argv.index("--") : argv.index("--")] = [word, "x"]
+        with pytest.raises(SystemExit):
+            compare.main(argv)
+        assert f"unrecognized arguments: {word} x" in capsys.readouterr().err
     assert fake["calls"] == {"fairseq-train": 0, "fairseq-generate": 0} and not (tmp_path / "o").exists()
 
 

@@ -55,6 +55,7 @@ COMPARE_OUTPUTS = ("sweep.json", "sweep.lock", "cells", "runs", "results.json", 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=PROG,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="METHOD=ARGS",
         help="a method's own fairseq-train options, e.g. 'r-drop=--rdrop-alpha 3' (repeatable; replace its defaults)",
     )
-    add_run_options(ap)
+    add_run_options(ap, test_is_optional=False)
     return ap
 
 

@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __doc__ as description  # the package's docstring is the command's --help
 
     ap = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="attn-reg-mt-sweep",
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -151,16 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--schedule", default="cross-tuning", help=f"comma list of {', '.join(SCHEDULES)}")
     ap.add_argument("--plain", action="store_true", help="also run plain training, for reference")
-    add_run_options(ap)
+    add_run_options(ap, test_is_optional=True)
     ap.add_argument(
         "--test", action="store_true", help="also translate the test split (reported, never used to choose)"
     )
     return ap
 
 
-def add_run_options(ap: argparse.ArgumentParser) -> None:
+def add_run_options(ap: argparse.ArgumentParser, test_is_optional: bool) -> None:
     """The options of every run, shared by attn-reg-mt-sweep and attn-reg-mt-compare: epochs, seeds,
-    the pair, and how translations are generated and scored."""
+    the pair, and how translations are generated and scored. ``test_is_optional``: the command has
+    ``--test`` (the sweep); the comparison always translates the test split."""
     ap.add_argument("--epochs", type=int, required=True, help="fairseq-train --max-epoch of every run (>= 1)")
     ap.add_argument("--seeds", default="1", help="comma list of seeds; a cell's score is the mean over them")
     ap.add_argument("--source-lang", help="source language (default: the data-bin's only pair)")
@@ -177,7 +179,13 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
         type=Path,
         help="prefix of the raw valid text (PREFIX.TARGET-LANG is the reference); default: fairseq's references",
     )
-    ap.add_argument("--test-ref", type=Path, help="prefix of the raw test text, with --test")
+    ap.add_argument(
+        "--test-ref",
+        type=Path,
+        help="prefix of the raw test text (PREFIX.TARGET-LANG is the reference)"
+        + (", with --test" if test_is_optional else "")
+        + "; default: fairseq's references",
+    )
     ap.add_argument(
         "--max-len-a",
         type=float,

@@ -48,7 +48,9 @@ PREFIX_SPACE_MODELS = ("roberta", "longformer", "bart", "gpt2", "deberta")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="bert-base-cased", help="hub name or folder (BERT, RoBERTa, ELECTRA, ...)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dataset", default="conll2003", help="hub dataset name for datasets.load_dataset")

@@ -43,7 +43,9 @@ PROMPT = "Translate to Romanian: {}\n"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", required=True, help="hub name or local folder of a causal LM and its tokenizer")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--data", type=Path, default=REPO / "data" / "gettext_en_ro", help="{train,valid}.{en,ro}")

@@ -68,7 +68,9 @@ STSB_RANGE = (0.0, 5.0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--task", choices=sorted(TASKS), required=True)
     ap.add_argument(
         "--model",

@@ -197,7 +197,9 @@ def _build_nllb(
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--data", type=Path, default=REPO / "data" / "gettext_en_ro", help="folder with train.{src,tgt}")
     ap.add_argument("--src", default="en")

@@ -85,7 +85,9 @@ def download(pair: str, raw_dir: Path, load_dataset=None) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--pair", choices=sorted(PAIRS), required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--stages", default="download,prepare,train")

@@ -159,7 +159,7 @@ def hf_batches(model_dir: str, rows_path: Path, n_batches: int, batch_size: int,
 
 # -- the command --------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--fairseq-checkpoint",
         type=Path,

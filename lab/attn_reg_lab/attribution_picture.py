@@ -208,7 +208,7 @@ def draw(numbers: dict, path: Path, title: str) -> Path:
 
 # -- the command ------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--fairseq-checkpoint", type=Path, help="a translation checkpoint trained with --task attn_reg_translation"
     )

@@ -270,6 +270,7 @@ def _lang(text: str) -> str:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="build_gettext_corpus.py",
         description="Build an English->LANG parallel corpus from the gettext catalogs "
         "(LOCALE_DIR/LANG/LC_MESSAGES/*.mo) of a Debian/Ubuntu machine. The output "

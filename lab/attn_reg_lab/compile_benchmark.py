@@ -115,7 +115,9 @@ def measure(name: str, compiled: bool, opts, tokenizer) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trainers", default="plain,ad-drop-ga,attendout,scheduled-dropout,layerdrop")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=6, help="steps excluded from the steady-state median")

@@ -216,7 +216,9 @@ def run_one(opts, method: Method, splits: Splits, size: int, seed: int) -> dict:
 
 # -- command line ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     data = ap.add_argument_group("data")
     data.add_argument(
         "--train",

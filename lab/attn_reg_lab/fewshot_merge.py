@@ -86,7 +86,9 @@ def _variant(text: str) -> Tuple[str, Path]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--baseline", type=Path, required=True, help="results.json holding the baseline runs")
     ap.add_argument("--baseline-method", default="plain")
     ap.add_argument("--variant", type=_variant, action="append", default=[], help="LABEL=results.json (repeatable)")

@@ -294,7 +294,7 @@ def plot(summary: Dict, path: Path, title: str, panels) -> None:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=("hf", "fairseq"), default="hf")
     ap.add_argument("--train", type=Path, default=MOVIE_REVIEWS / "train.jsonl")
     ap.add_argument("--dev", type=Path, default=MOVIE_REVIEWS / "dev.jsonl")

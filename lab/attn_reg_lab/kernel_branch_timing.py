@@ -101,7 +101,7 @@ def cases(B: int, H: int, T: int, S: int, d: int, seed: int) -> List[Tuple[str, 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--shapes",
         default="32x4x54x54,32x12x128x128",

@@ -66,7 +66,10 @@ def markdown(rows: List[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        prog="attn-reg-mt-paired", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        prog="attn-reg-mt-paired",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("results", type=Path, help="results.json of an attn-reg-mt-sweep --plain run")
     ap.add_argument("--json", type=Path, help="also write the rows here")

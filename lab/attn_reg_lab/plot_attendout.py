@@ -63,7 +63,9 @@ def plot(path: Path, out: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("log", type=Path, help="JSONL written by --attendout-log-file")
     ap.add_argument("--out", type=Path, default=None, help="PNG to write (default: next to the log)")
     args = ap.parse_args(argv)

@@ -71,7 +71,7 @@ METHODS: Dict[str, List[str]] = {
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=MT_CORPUS, help="folder with {train,valid,test}.{en,ro}")
     ap.add_argument("--train-size", type=int, default=1000, help="the first N training pairs")
     ap.add_argument("--epochs", type=int, default=60)

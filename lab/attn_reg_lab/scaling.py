@@ -268,6 +268,7 @@ def _csv(text: str) -> List[str]:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="attn-reg-scaling",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -139,7 +139,9 @@ def parse_args(argv=None):
         split = argv.index("--")
         argv, runner_args = argv[:split], argv[split + 1 :]
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], usage="attn-reg-sweep {fewshot,mt} [options] -- [runner options]"
+        allow_abbrev=False,
+        description=__doc__.split("\n\n")[0],
+        usage="attn-reg-sweep {fewshot,mt} [options] -- [runner options]",
     )
     ap.add_argument(
         "runner", choices=RUNNER_CHOICES, help="fewshot: attn-reg-fewshot; mt: attn-reg-mt-sweep on the demo's EN-RO"
@@ -200,7 +202,7 @@ def parse_args(argv=None):
 def _mt_parser() -> argparse.ArgumentParser:
     from .paths import MT_CORPUS
 
-    ap = argparse.ArgumentParser(prog="attn-reg-sweep mt ... --", add_help=False)
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="attn-reg-sweep mt ... --", add_help=False)
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--seeds", default="1")
     ap.add_argument("--quick", action="store_true")

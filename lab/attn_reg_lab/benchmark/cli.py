@@ -27,6 +27,7 @@ BENCHES = {"fairseq": FairseqBench, "hf": HFBench}
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         description=sys.modules[__package__].__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
