@@ -8,10 +8,13 @@ fp32) into the first input's state, which is written to ``--output`` for ``fairs
 Each input is read with torch's safe unpickler after the plugin's allow-list
 (``fairseq_plugin.safe_load``), so stock fairseq checkpoints (``argparse.Namespace``) and
 ``--eval-bleu`` runs (numpy BLEU counts) load, and a checkpoint carrying any other global is refused.
+The output's ``extra_state`` holds plain Python numbers and lists where the input held numpy scalars
+and arrays (``--eval-bleu``'s counts), so stock fairseq, without the plugin's allow-list, loads it.
 """
 
 import argparse
 import collections
+import copy
 import os
 import re
 
@@ -72,6 +75,25 @@ def last_checkpoints(folder: str, count: int, kind: str, upper_bound, error) -> 
     return [os.path.join(folder, name) for _, name in reversed(found[-count:])]
 
 
+def plain_numbers(value):
+    """``value`` with every numpy array as a (nested) list and every numpy scalar as a Python number,
+    inside dicts, lists and tuples of the same types; anything else unchanged."""
+    import numpy
+
+    if isinstance(value, numpy.ndarray):
+        return value.tolist()
+    if isinstance(value, numpy.generic):
+        return value.item()
+    if isinstance(value, dict):
+        out = copy.copy(value)  # the same dict type (OrderedDict, defaultdict)
+        for key, item in value.items():
+            out[key] = plain_numbers(item)
+        return out
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain_numbers(item) for item in value)
+    return value
+
+
 def average_checkpoints(inputs) -> dict:
     """The first input's state with ``model`` replaced by the mean of every input's ``model``."""
     import torch
@@ -95,6 +117,10 @@ def average_checkpoints(inputs) -> dict:
     new_state["model"] = collections.OrderedDict(
         (key, value / n if value.is_floating_point() else value // n) for key, value in sums.items()
     )
+    # torch's safe unpickler refuses numpy without the plugin's allow-list, and the averaged file is
+    # for stock tools (fairseq-generate --task translation): --eval-bleu's numpy counts become lists.
+    if "extra_state" in new_state:
+        new_state["extra_state"] = plain_numbers(new_state["extra_state"])
     return new_state
 
 

@@ -1,9 +1,13 @@
 """attn-reg-average-checkpoints: fairseq's checkpoint averaging (scripts/average_checkpoints.py, not in
 the pip package) from the installed plugin, with torch's safe unpickler (docs/CHECKPOINTS.md)."""
 
+import os
 import pickle
 import re
+import shlex
+import subprocess
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,11 +15,43 @@ pytest.importorskip("fairseq")
 
 import attn_reg_plugin.fairseq_plugin  # noqa: E402,F401  (the allow-list, to read the checkpoints here)
 from attn_reg_plugin.average_checkpoints import main  # noqa: E402
-from helpers import USER_DIR, run_cli, run_python  # noqa: E402
+from helpers import (  # noqa: E402
+    EVAL_BLEU,
+    LOGGED_TRAIN,
+    REPO,
+    USER_DIR,
+    VENV_BIN,
+    cli_env,
+    fairseq_train,
+    run_cli,
+    run_python,
+)
 
 
 class ForeignClass:
     """An ordinary class nobody allow-listed."""
+
+
+def numpy_leaves(value, path=""):
+    """The paths of the numpy arrays and scalars anywhere in ``value`` (dicts, lists, tuples)."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return [path]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in numpy_leaves(v, f"{path}/{k}")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in numpy_leaves(v, f"{path}[{i}]")]
+    return []
+
+
+def as_lists(value):
+    """``value`` with its numpy arrays and scalars as Python lists and numbers (tuples stay tuples)."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: as_lists(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(as_lists(v) for v in value)
+    return value
 
 
 def test_average_the_last_epochs_and_generate(tiny_mt_data, eval_bleu_run, tmp_path):
@@ -43,6 +79,9 @@ def test_average_the_last_epochs_and_generate(tiny_mt_data, eval_bleu_run, tmp_p
         == second["extra_state"]["train_iterator"]
         != first["extra_state"]["train_iterator"]
     )
+    # the BLEU counts are the newest input's, as plain Python numbers: stock fairseq loads the file
+    assert numpy_leaves(second["extra_state"]) and not numpy_leaves(mean["extra_state"])
+    assert mean["extra_state"]["metrics"] == as_lists(second["extra_state"]["metrics"])
 
     gen = run_cli(
         "fairseq-generate",
@@ -106,3 +145,35 @@ def test_a_checkpoint_with_a_foreign_global_is_refused(eval_bleu_run, tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="test_average_checkpoints.ForeignClass"):
         main(["--inputs", *inputs, "--output", str(tmp_path / "x.pt")])
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_the_documented_average_of_an_eval_bleu_run_translates_in_stock_fairseq(tiny_mt_data, tmp_path):
+    """docs/CHECKPOINTS.md's averaging and stock generation commands, as printed, on a tiny AD-DROP run
+    validated by BLEU (numpy counts in every checkpoint's extra_state) with as many epochs as the block
+    averages: fresh processes, fairseq-generate --task translation without the plugin's --user-dir."""
+    text = (REPO / "docs" / "CHECKPOINTS.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S) if "attn-reg-average-checkpoints" in b)
+    save = re.search(r"--inputs (\S+)", block).group(1)
+    epochs = re.search(r"--num-epoch-checkpoints (\d+)", block).group(1)
+    assert "--user-dir" not in block and "DATA_BIN" in block
+    fairseq_train(
+        tiny_mt_data["bin"],
+        ["--save-dir", tmp_path / save, *LOGGED_TRAIN["ad_drop"], *EVAL_BLEU, "--max-epoch", epochs],
+    )
+    newest = torch.load(tmp_path / save / f"checkpoint{epochs}.pt", weights_only=True)
+    assert numpy_leaves(newest["extra_state"])  # the case: BLEU counts as numpy arrays
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block.replace("DATA_BIN", shlex.quote(str(tiny_mt_data["bin"])))],
+        cwd=tmp_path,
+        env={**cli_env(), "PATH": f"{VENV_BIN}:{os.environ['PATH']}"},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=600,
+    )
+    gen = (tmp_path / "gen.out").read_text(encoding="utf-8") if (tmp_path / "gen.out").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + gen[-3000:]
+    log = proc.stdout[proc.stdout.index("fairseq_cli.generate") :]  # fairseq-generate's log: its config first
+    assert "'user_dir': None" in log and "attn_reg" not in log  # stock fairseq only
+    assert re.search(r"^Generate test with beam=5: BLEU = \d+\.\d+", gen, flags=re.M), gen[-2000:]
+    assert len(re.findall(r"^D-\d+\t", gen, flags=re.M)) == 40  # every test sentence translated
