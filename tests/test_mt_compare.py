@@ -20,6 +20,7 @@ import pytest
 from attn_reg_plugin.sweep import compare, compare_report, methods, paired
 from attn_reg_plugin.sweep import runs as sweep_runs
 from attn_reg_plugin.sweep.verdict import summarize
+from helpers import TINY_TRANSFORMER
 
 REFS = [f"the {a} cat sees the {b} dog again today." for a in ("big", "small", "old", "new") for b in ("red", "white")]
 ALL = "plain,ad-drop,r-drop,dropkey,attendout"
@@ -312,6 +313,62 @@ def test_sacrebleus_paired_test_gets_the_runs_hypotheses_and_its_p_value_is_in_t
     for seed, test in enumerate(seen, 1):
         assert f"seed {seed}: {test['p']:.3f} ({test['chrf_p']:.3f})" in row
     assert seen[0]["p"] < 0.05  # every word against half the words: sacrebleu calls it significant
+
+
+# -- real fairseq-train runs on the shipped corpus ------------------------------------------------
+TINY_TRAIN = [
+    *TINY_TRANSFORMER,
+    "--label-smoothing", "0.1", "--dropout", "0.1", "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu",
+]  # fmt: skip
+
+
+@pytest.fixture()
+def counted_forks(monkeypatch, forked_runs):
+    """Counts the fairseq-train and fairseq-generate runs the command starts (forks of the tests' server)."""
+    calls = {"fairseq-train": 0, "fairseq-generate": 0}
+    real = sweep_runs.run_appended
+
+    def run(cmd, *args, **kwargs):
+        calls[cmd[0].rsplit("/", 1)[-1]] += 1
+        return real(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(sweep_runs, "run_appended", run)
+    return calls
+
+
+def test_a_diverged_method_is_recorded_and_the_others_still_compared(tiny_mt_data, tmp_path, counted_forks, capsys):
+    """R-Drop at alpha 1e38 makes fairseq-train raise FloatingPointError at its first update (and its
+    NaN-detector replay StopIteration): the run is recorded as diverged, plain and DropKey are compared,
+    and the same command again keeps every record and writes the same report."""
+    out = tmp_path / "cmp"
+    argv = [
+        str(tiny_mt_data["bin"]), "--out-dir", str(out), "--methods", "plain,r-drop,dropkey", "--epochs", "1",
+        "--seeds", "1", "--method-args", "r-drop=--rdrop-alpha 1e38", "--", *TINY_TRAIN,
+    ]  # fmt: skip
+    assert compare.main(argv) == 0
+    r_drop = methods.method_cell("r-drop", [("--rdrop-alpha", "1e38")], 1)["name"]
+    train_log = (out / "runs" / r_drop / "seed1" / "train.log").read_text()
+    assert "FloatingPointError: gradients are Nan/Inf" in train_log and "StopIteration" in train_log
+    assert counted_forks == {"fairseq-train": 3, "fairseq-generate": 4}  # the diverged run is not translated
+    assert f"[cell 2/3] {r_drop} seed 1: DIVERGED: fairseq-train stopped in epoch 1: " in capsys.readouterr().out
+
+    reason = "seed 1: fairseq-train stopped in epoch 1: FloatingPointError: gradients are Nan/Inf"
+    results = json.loads((out / "results.json").read_text())
+    verdicts = {v.split(": ", 1)[0]: v for v in results["verdicts"]}
+    assert verdicts[r_drop] == f"{r_drop}: not compared: diverged ({reason})"
+    assert verdicts["dropkey"].startswith("dropkey: not distinguishable from plain at 1 seed (test BLEU ")
+    by_name = {m["name"]: m for m in results["methods"]}
+    assert by_name[r_drop]["metrics"]["test_bleu"]["mean"] is None and by_name[r_drop]["paired_tests"] == {}
+    assert set(by_name["dropkey"]["paired_tests"]) == {"1"}  # plain and DropKey: sacrebleu's test ran
+    report = (out / "results.md").read_text()
+    assert f"| {r_drop} | 1 | - | - | - | - | diverged ({reason}) |" in report
+    assert f"- {r_drop}: not compared: diverged ({reason})" in report
+
+    # The same command again: nothing trains or translates, and the report is written again.
+    (out / "results.md").unlink()
+    assert compare.main(argv) == 0
+    assert counted_forks == {"fairseq-train": 3, "fairseq-generate": 4}
+    assert (out / "results.md").read_text() == report
 
 
 # -- statistics and verdicts on hand-made records -------------------------------------------------

@@ -224,3 +224,30 @@ def test_data_bin_checks(tiny_tr_en, tmp_path, capsys):
         sweep.main([str(partial), "--out-dir", str(partial / "sweep"), "--p", "0.2", "--q", "0.2", "--epochs", "2",
                     "--", *TRAIN_ARGS])  # fmt: skip
     assert "lies inside DATA_BIN" in capsys.readouterr().err
+
+
+def test_diverged_runs_are_recorded_and_the_sweep_still_reports(tiny_tr_en, tmp_path, counted, capsys):
+    """At --lr 1e38 every fairseq-train raises FloatingPointError at its first updates: each run is
+    recorded as diverged (not translated), the table flags every cell, nothing is ranked, and the
+    same command again trains nothing."""
+    out = tmp_path / "sweep"
+    argv = _argv(tiny_tr_en, out, "--plain", train_args=[*TRAIN_ARGS, "--lr", "1e38"])
+    assert sweep.main(argv) == 0
+    assert counted == {"fairseq-train": 2, "fairseq-generate": 0}
+    table = (out / "results.md").read_text(encoding="utf-8")
+    for name in ("plain", "p0.2_q0.3_ga_layers-all_always"):
+        row = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
+        assert row.startswith(f"| {name} | 1 | - ± n/a | - |")
+        assert row.endswith(
+            "| diverged (seed 1: fairseq-train stopped in epoch 1: FloatingPointError: gradients are Nan/Inf) |"
+        )
+    assert (
+        "best on valid: none: no AD-DROP cell can be ranked (each is flagged in the table); plain: diverged, not scored"
+        in table
+    )
+    assert not (out / "heatmap.png").exists()
+    assert json.loads((out / "results.json").read_text())["best"] is None
+    capsys.readouterr()
+    assert sweep.main(argv) == 0
+    assert counted == {"fairseq-train": 2, "fairseq-generate": 0}
+    assert capsys.readouterr().out.count(": kept from") == 2

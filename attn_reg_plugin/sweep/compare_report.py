@@ -30,10 +30,11 @@ def ordered(records: List[dict]) -> List[dict]:
 
 
 def paired_tests(record: dict, plain: dict, out: Path, tokenize: str) -> Dict[int, dict]:
-    """sacrebleu's paired bootstrap test per seed both ran: the method's test.hyp against plain's, on
-    plain's test.ref (the method's must be the same references)."""
+    """sacrebleu's paired bootstrap test per seed both ran and translated (a run that diverged has no
+    hypotheses): the method's test.hyp against plain's, on plain's test.ref (the method's must be the
+    same references)."""
     tests = {}
-    for seed in sorted(set(record["seeds"]) & set(plain["seeds"])):
+    for seed in sorted(_translated_seeds(record) & _translated_seeds(plain)):
         base, mine = (out / "runs" / r["name"] / f"seed{seed}" for r in (plain, record))
         refs = read_lines(base / "test.ref")
         if read_lines(mine / "test.ref") != refs:
@@ -42,6 +43,10 @@ def paired_tests(record: dict, plain: dict, out: Path, tokenize: str) -> Dict[in
             read_lines(base / "test.hyp"), read_lines(mine / "test.hyp"), refs, tokenize
         )
     return tests
+
+
+def _translated_seeds(record: dict) -> set:
+    return {run["seed"] for run in record["runs"] if run.get("test") is not None}
 
 
 def method_summary(record: dict, plain: dict, out: Path, tokenize: str) -> dict:
@@ -122,7 +127,8 @@ def write_comparison(records: List[dict], opts, started: float, log: Callable[[s
     )
     drawn = draw(summaries, out / "compare.png", title, log)
     verdicts = [s["verdict"] for s in summaries if "verdict" in s]
-    reference = records[0]["runs"][0]["test"]["reference"]
+    translated = [run["test"] for r in records for run in r["runs"] if run.get("test") is not None]
+    reference = translated[0]["reference"] if translated else "the test references (no run was translated)"
     # A row's name is a slug of its options (':' and ',' lost): the options themselves, as run.
     options = [f"- {s['name']}: `{' '.join(s['args'] or [])}`" for s in summaries]
     lines = [f"{title}, on {opts.data_bin}", "", *tables(summaries), "", "Each row's own fairseq-train options:"]

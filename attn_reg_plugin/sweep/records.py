@@ -40,6 +40,11 @@ def log_fields(text: str) -> Dict[str, str]:
 _SIMPLE_LINE = re.compile(r"\| (train|valid) \| epoch (\d+) \|(.*)$")
 _JSON_LINE = re.compile(r"\| (train|valid) \| (\{.*\})\s*$")
 _LOADED = re.compile(r"Loaded checkpoint (.*) \(epoch (\d+) @ (\d+) updates\)")
+# fairseq-train's end when the loss or gradients became NaN/Inf: trainer.py raises FloatingPointError
+# ("gradients are Nan/Inf"; with fp16 "Minimum loss scale reached ..."), and its NaN-detector
+# replay of the step may raise another exception on top of it (StopIteration with R-Drop).
+_FLOATING_POINT_ERROR = re.compile(r"^FloatingPointError: (.*)$", re.M)
+_EPOCH_BEGUN = re.compile(r"begin training epoch (\d+)")
 
 
 def _epoch_line(line: str):
@@ -78,6 +83,17 @@ def read_train_log(text: str) -> dict:
         if float(fields.get("ad_drop_on", 0)) > 0:
             out["ad_drop_rate"][epoch] = float(fields["ad_drop_rate"])
     return out
+
+
+def diverged_in(attempt_output: str) -> Optional[str]:
+    """Why a failed fairseq-train attempt diverged (its loss or gradients became NaN/Inf), from its
+    output; None when it failed for another reason."""
+    found = _FLOATING_POINT_ERROR.findall(attempt_output)
+    if not found:
+        return None
+    epochs = _EPOCH_BEGUN.findall(attempt_output)
+    where = f" in epoch {epochs[-1]}" if epochs else ""
+    return f"fairseq-train stopped{where}: FloatingPointError: {found[0].strip()}"
 
 
 def resumed_from(line: str) -> Optional[tuple]:
@@ -160,25 +176,31 @@ def _skipped_share(epochs: dict, train_args: Sequence[str]) -> Optional[float]:
     return round(min(1.0, skipped / calls), 4) if calls else None
 
 
-def train_facts(epochs: dict, train_args: Sequence[str], bound: float) -> dict:
-    """A run's record fields from its epochs (:func:`read_train_log` over every attempt's lines)."""
+def train_facts(epochs: dict, train_args: Sequence[str], bound: float, stopped: Optional[str] = None) -> dict:
+    """A run's record fields from its epochs (:func:`read_train_log` over every attempt's lines);
+    ``stopped``: why training diverged and ended (:func:`diverged_in`), when it did, maybe before any
+    epoch was logged."""
     losses = epochs["valid_loss"]
     finite = [v for v in losses.values() if math.isfinite(v)]
-    last = max(losses)
+    last = max(losses, default=None)
     logged = set(losses) | set(epochs["num_updates"])  # an epoch without validation (--validate-interval) ran
     bad = [(e, v) for e, v in sorted(losses.items()) if not math.isfinite(v) or v > bound]
     rates = list(epochs["ad_drop_rate"].values())
     ran = [e for e, on in epochs["ad_drop_on"].items() if on > 0]
+    diverged = stopped
+    if diverged is None and bad:
+        diverged = (
+            f"valid loss {bad[0][1]:.4g} at epoch {bad[0][0]} (bound {bound:g}: {DIVERGED_OVER_UNIFORM:g} x a "
+            "uniform guess over the target dictionary)"
+        )
     return {
         "valid_loss": min(finite) if finite else None,
-        "final_valid_loss": losses[last] if math.isfinite(losses[last]) else None,  # JSON has no inf
-        "epochs": max(logged),
-        "missing_epochs": [e for e in range(1, max(logged) + 1) if e not in logged],
+        # JSON has no inf
+        "final_valid_loss": losses[last] if last is not None and math.isfinite(losses[last]) else None,
+        "epochs": max(logged, default=0),
+        "missing_epochs": [e for e in range(1, max(logged, default=0) + 1) if e not in logged],
         "ad_drop_rate": round(statistics.fmean(rates), 4) if rates else None,
         "ad_drop_skipped": int(sum(epochs["ad_drop_skipped"].values())) if ran else None,
         "ad_drop_skipped_share": _skipped_share(epochs, train_args) if ran else None,
-        "diverged": None
-        if not bad
-        else f"valid loss {bad[0][1]:.4g} at epoch {bad[0][0]} (bound {bound:g}: {DIVERGED_OVER_UNIFORM:g} x a "
-        "uniform guess over the target dictionary)",
+        "diverged": diverged,
     }

@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional
 
 from .heatmap import color_limits, heatmap
 from .options import panel_name
-from .verdict import best_cell, best_line, caveats, closing_hints, flags, plain_of, seed_spread
+from .verdict import best_cell, best_line, caveats, closing_hints, flags, plain_of, scored, seed_spread
 
 # The heatmap's colour scale reaches at least this far either side of plain: differences under a
 # BLEU point are within seed noise in MT (DESIGN.md, "Evidence in MT") and must not look maximal.
@@ -39,7 +39,8 @@ def write_results(records: List[dict], opts, settings: dict, started: float, log
     )
     drawn = _draw_heatmap(records, best, plain, title, opts, log)
     lines = [f"{title}, on {opts.data_bin}", "", *_table(records, opts.test), "", best_line(best, plain, records)]
-    reference = records[0]["runs"][0]["valid"]["reference"]
+    translated = [run["valid"] for r in records for run in r["runs"] if run["valid"] is not None]
+    reference = translated[0]["reference"] if translated else "the valid references (no run was translated)"
     lines += ["", f"BLEU: sacrebleu on detokenized fairseq-generate output (beam {opts.beam}) vs {reference}"]
     summary = _results_summary(records, best, plain, drawn, opts, settings)
     summary["seconds"] = round(time.time() - started, 1)
@@ -56,9 +57,10 @@ def _draw_heatmap(
 ) -> Optional[dict]:
     """``OUT/heatmap.png`` of the AD-DROP cells' valid BLEU minus plain's (centred on 0) or, without a
     plain cell, their valid BLEU; what it shows, or None without matplotlib or AD-DROP cells."""
-    cells = [r for r in records if r["cell"]["method"] == "ad-drop"]
-    if not cells:
+    cells = [r for r in records if r["cell"]["method"] == "ad-drop" and r["valid_bleu"] is not None]
+    if not cells:  # none, or every one diverged before it was scored (the table names them)
         return None
+    plain = scored(plain)
     base = plain["valid_bleu"] if plain else 0.0
     points = [
         {
@@ -114,7 +116,7 @@ def _table(records: List[dict], with_test: bool) -> List[str]:
             skipped += f" ({100 * r['ad_drop_skipped_share']:.0f}%)"
         notes = flags(r, plain) + [f"seed {s} logged no epoch {e}" for s, e in r.get("missing_epochs", {}).items()]
         row = (
-            f"| {r['name']} | {','.join(map(str, r['seeds']))} | {r['valid_bleu']:.2f} ± {spread} | "
+            f"| {r['name']} | {','.join(map(str, r['seeds']))} | {_number(r['valid_bleu'], '{:.2f}')} ± {spread} | "
             f"{_number(r['valid_loss'], '{:.3f}')} | {_number(r.get('length_ratio'), '{:.2f}')} | "
             f"{_number(r['ad_drop_rate'], '{:.4f}')} | {skipped} | {r['empty_hypotheses']} |"
         )

@@ -14,7 +14,7 @@ from ..prepare import fairseq_command
 from ..user_dir import FAIRSEQ_USER_DIR
 from .options import AD_DROP_CRITERION, PLAIN_CRITERION, TASK, SweepError, cell_name, number_text, option_name
 from .processes import SweepStopped, run_child
-from .records import Attempts, divergence_bound, read_train_log, resumed_from, train_facts
+from .records import Attempts, diverged_in, divergence_bound, read_train_log, resumed_from, train_facts
 from .report import write_json
 from .verdict import summarize
 
@@ -181,7 +181,8 @@ APPROXIMATE_RESUME = (
 
 def _train(cell: dict, seed: int, opts, seed_dir: Path, log: Callable[[str], None]) -> None:
     """fairseq-train of one run (resuming from its checkpoint_last.pt when an earlier attempt left
-    one), its attempts in ``attempts.json``; ``trained.json`` marks it trained."""
+    one), its attempts in ``attempts.json``; ``trained.json`` marks it trained, or diverged when
+    fairseq-train stopped on a NaN/Inf (its ``diverged`` says why)."""
     attempts = Attempts(seed_dir / "attempts.json")
     entry = attempts.start()
     name = f"{cell_name(cell)} seed {seed}"
@@ -200,13 +201,32 @@ def _train(cell: dict, seed: int, opts, seed_dir: Path, log: Callable[[str], Non
 
     cmd = [fairseq_command("fairseq-train"), *train_command(cell, seed, opts, seed_dir / "checkpoints")]
     exact = "--rebuild-batches" in cmd
+    train_log = seed_dir / "train.log"
+    attempt_start = train_log.stat().st_size if train_log.exists() else 0
     try:
-        seconds = run_appended(cmd, seed_dir / "train.log", on_line, attempts.tick)
+        seconds = run_appended(cmd, train_log, on_line, attempts.tick)
     except BaseException as e:
-        attempts.end(f"stopped by {e}" if isinstance(e, SweepStopped) else f"failed ({type(e).__name__})")
-        raise
+        diverged = None if isinstance(e, SweepStopped) else _attempt_diverged(train_log, attempt_start)
+        if diverged is None:
+            attempts.end(f"stopped by {e}" if isinstance(e, SweepStopped) else f"failed ({type(e).__name__})")
+            raise
+        # Recorded, not raised: the other runs are still compared, and a rerun keeps the record
+        # instead of training into the same NaN again.
+        attempts.end("diverged")
+        trained = {"train_seconds": attempts.seconds, "attempts": len(attempts.entries), "diverged": diverged}
+        write_json(seed_dir / "trained.json", trained)
+        return
     attempts.end("finished", seconds)
     write_json(seed_dir / "trained.json", {"train_seconds": attempts.seconds, "attempts": len(attempts.entries)})
+
+
+def _attempt_diverged(train_log: Path, attempt_start: int) -> Optional[str]:
+    """:func:`records.diverged_in` of the output the last attempt appended to ``train_log``."""
+    if not train_log.exists():
+        return None
+    with open(train_log, "rb") as f:
+        f.seek(attempt_start)
+        return diverged_in(f.read().decode("utf-8", errors="replace"))
 
 
 def run_seed(cell: dict, seed: int, opts, settings: dict, seed_dir: Path, log: Callable[[str], None] = print) -> dict:
@@ -223,18 +243,21 @@ def run_seed(cell: dict, seed: int, opts, settings: dict, seed_dir: Path, log: C
     trained = json.loads((seed_dir / "trained.json").read_text(encoding="utf-8"))
     train_log = seed_dir / "train.log"
     epochs = read_train_log(train_log.read_text(encoding="utf-8"))
-    if not epochs["valid_loss"]:
+    stopped = trained.get("diverged")
+    if not epochs["valid_loss"] and stopped is None:
         raise RuntimeError(f"no validation result in {train_log}")
-    facts = train_facts(epochs, opts.train_args, divergence_bound(opts.data_bin, opts.target_lang))
-    checkpoint = seed_dir / "checkpoints" / "checkpoint_best.pt"
-    valid = translate_and_score(opts, checkpoint, "valid", seed_dir, opts.valid_ref)
-    test = translate_and_score(opts, checkpoint, "test", seed_dir, opts.test_ref) if opts.test else None
+    facts = train_facts(epochs, opts.train_args, divergence_bound(opts.data_bin, opts.target_lang), stopped)
+    valid = test = None
+    if stopped is None:  # a run that diverged has no translations to score: its record says why
+        checkpoint = seed_dir / "checkpoints" / "checkpoint_best.pt"
+        valid = translate_and_score(opts, checkpoint, "valid", seed_dir, opts.valid_ref)
+        test = translate_and_score(opts, checkpoint, "test", seed_dir, opts.test_ref) if opts.test else None
     result = {
         "cell": cell,
         "seed": seed,
         "settings": settings,
         **facts,
-        "valid_bleu": valid["bleu"],
+        "valid_bleu": valid["bleu"] if valid else None,
         "valid": valid,
         "test_bleu": test["bleu"] if test else None,
         "test": test,
@@ -257,7 +280,7 @@ def run_cells(cells: List[dict], opts, settings: dict, log: Callable[[str], None
         prefix = f"[cell {index}/{len(cells)}] {name}"
         record = _kept_record(record_path, cell, settings, opts.seeds)
         if record is not None:
-            log(f"{prefix}: kept from {record_path} (valid BLEU {record['valid_bleu']:.2f}, seeds {record['seeds']})")
+            log(f"{prefix}: kept from {record_path} ({_bleu_text(record['valid_bleu'])}, seeds {record['seeds']})")
         else:
             write_json(record_path, summarize(cell, _run_seeds(cell, prefix, opts, settings, log), settings))
     return all_records(opts.out_dir, settings)
@@ -304,6 +327,10 @@ def _finished_seeds(cell: dict, settings: dict, cell_dir: Path) -> List[int]:
     return seeds
 
 
+def _bleu_text(bleu: Optional[float]) -> str:
+    return "diverged, not translated" if bleu is None else f"valid BLEU {bleu:.2f}"
+
+
 def _run_seeds(cell: dict, prefix: str, opts, settings: dict, log: Callable[[str], None]) -> List[dict]:
     """Each seed's result for ``cell``, this command's seeds and those finished earlier; a finished seed's is kept."""
     runs = []
@@ -321,7 +348,12 @@ def _run_seeds(cell: dict, prefix: str, opts, settings: dict, log: Callable[[str
         log(f"{prefix} seed {seed}: {state}")
         run = run_seed(cell, seed, opts, settings, seed_dir, log)
         runs.append(run)
-        if state != "kept":
+        if state != "kept" and run["valid"] is None:
+            log(
+                f"{prefix} seed {seed}: DIVERGED: {run['diverged']}; recorded as diverged, not translated "
+                f"({run['train_seconds']:.0f} s training over {run['attempts']} attempt(s))"
+            )
+        elif state != "kept":
             log(
                 f"{prefix} seed {seed}: valid BLEU {run['valid_bleu']:.2f}, valid loss "
                 + ("-" if run["valid_loss"] is None else f"{run['valid_loss']:.3f}")

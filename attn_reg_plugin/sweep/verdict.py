@@ -25,15 +25,18 @@ def _mean(values: List[Optional[float]], digits: int = 4) -> Optional[float]:
 
 
 def summarize(cell: dict, runs: List[dict], settings: dict) -> dict:
-    """A cell's record: its seeds' runs, their means, and sample sd over seeds (None for one seed)."""
-    bleus = [r["valid_bleu"] for r in runs]
+    """A cell's record: its seeds' runs, their means, and sample sd over seeds (None for one seed).
+    A run that diverged before it could be scored has no BLEU: the means are over the scored runs
+    (None when there is none), and the record's ``diverged`` names it."""
+    bleus = [r["valid_bleu"] for r in runs if r["valid_bleu"] is not None]
+    translations = [r["valid"] for r in runs if r["valid"] is not None]
     known = [r["ad_drop_skipped"] for r in runs if r.get("ad_drop_skipped") is not None]
     return {
         "cell": cell,
         "name": cell_name(cell),
         "settings": settings,
         "seeds": [r["seed"] for r in runs],
-        "valid_bleu": round(statistics.fmean(bleus), 2),
+        "valid_bleu": round(statistics.fmean(bleus), 2) if bleus else None,
         "valid_bleu_sd": round(statistics.stdev(bleus), 2) if len(bleus) > 1 else None,
         "valid_loss": _mean([r["valid_loss"] for r in runs]),
         "final_valid_loss": max((r.get("final_valid_loss", r["valid_loss"]) for r in runs), key=_badness),
@@ -43,8 +46,8 @@ def summarize(cell: dict, runs: List[dict], settings: dict) -> dict:
         "ad_drop_skipped_share": _mean([r.get("ad_drop_skipped_share") for r in runs]),
         "diverged": [f"seed {r['seed']}: {r['diverged']}" for r in runs if r.get("diverged")],
         "missing_epochs": {str(r["seed"]): r["missing_epochs"] for r in runs if r.get("missing_epochs")},
-        "length_ratio": _mean([r["valid"].get("length_ratio") for r in runs], 3),
-        "empty_hypotheses": sum(r["valid"]["empty_hypotheses"] for r in runs),
+        "length_ratio": _mean([valid.get("length_ratio") for valid in translations], 3),
+        "empty_hypotheses": sum(valid["empty_hypotheses"] for valid in translations),
         "train_seconds": round(sum(r["train_seconds"] for r in runs), 1),
         "runs": runs,
     }
@@ -56,6 +59,11 @@ def _badness(loss: Optional[float]) -> float:
 
 def plain_of(records: List[dict]) -> Optional[dict]:
     return next((r for r in records if r["cell"]["method"] == "plain"), None)
+
+
+def scored(record: Optional[dict]) -> Optional[dict]:
+    """``record`` when it has a valid BLEU to compare with, else None (none, or every run diverged unscored)."""
+    return record if record is not None and record["valid_bleu"] is not None else None
 
 
 def flags(record: dict, plain: Optional[dict]) -> List[str]:
@@ -103,7 +111,7 @@ def seed_spread(records: List[dict]) -> Optional[float]:
 
 def caveats(records: List[dict], best: dict) -> List[str]:
     """What weakens the choice of ``best``, each in a sentence, for the line beside it."""
-    plain, order, spread = plain_of(records), ranked(records), seed_spread(records)
+    plain, order, spread = scored(plain_of(records)), ranked(records), seed_spread(records)
     out = []
     if spread is None:
         out.append(
@@ -162,7 +170,10 @@ def closing_hints(records: List[dict]) -> List[str]:
 
 def best_line(best: Optional[dict], plain: Optional[dict], records: List[dict]) -> str:
     """The line naming the best cell (or why there is none), plain beside it, and its caveats."""
-    plain_text = f"plain: valid BLEU {plain['valid_bleu']:.2f}, valid loss {plain['valid_loss']:.3f}" if plain else ""
+    if scored(plain) is None:
+        plain_text = "plain: diverged, not scored"
+    else:
+        plain_text = f"plain: valid BLEU {plain['valid_bleu']:.2f}, valid loss {plain['valid_loss']:.3f}"
     if best is None:
         return "best on valid: none: no AD-DROP cell can be ranked (each is flagged in the table)" + (
             f"; {plain_text}" if plain else ""
