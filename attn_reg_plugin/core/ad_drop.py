@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import warnings
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -65,17 +64,6 @@ def samples_with_target(attributions: List[Union[torch.Tensor, GradientScores]])
         nonzero = a.reshape(a.shape[0], -1).ne(0).any(dim=1)
         found = nonzero if found is None else found | nonzero
     return found
-
-
-class StepCounts(dict):
-    """What :meth:`ADDrop.masked` counts: ``skipped``, ``dropped``, ``droppable``. ``["valid"]``, the
-    old name of ``droppable``, still reads it, with a DeprecationWarning."""
-
-    def __getitem__(self, key):
-        if key == "valid":
-            warnings.warn('stats["valid"] is now stats["droppable"]', DeprecationWarning, stacklevel=2)
-            key = "droppable"
-        return super().__getitem__(key)
 
 
 class ADDrop:
@@ -179,7 +167,7 @@ class ADDrop:
         record, totals = found
         scores = [
             IntegratedGradientScores(w, GradientScores(t.contiguous(), v.contiguous()), self.config.iga_steps)
-            for w, t, v in zip(record.weights, totals, record.values)
+            for w, t, v in zip(record.probs, totals, record.values)
         ]
         return record.sites, scores, record.valid
 
@@ -253,7 +241,7 @@ class ADDrop:
         attribution_forward: Callable[[], object],
         target: Target,
         frozen: Optional[torch.nn.Module] = None,
-    ) -> Iterator[StepCounts]:
+    ) -> Iterator[Dict[str, torch.Tensor]]:
         """Run the attribution pass now; inside the block, forwards are masked (pass 2).
 
         ``attribution_forward`` should run the bare model (no DDP wrapper: attribution needs
@@ -270,7 +258,7 @@ class ADDrop:
         if frozen is not None and id(frozen) not in self._checked_sharding:
             check_supported_sharding(frozen, "ADDrop")  # before this step trains anything
             self._checked_sharding.add(id(frozen))
-        stats = StepCounts(skipped=torch.zeros((), dtype=torch.long))
+        stats = {"skipped": torch.zeros((), dtype=torch.long)}
         if self.config.attribution == "rd":
             # A random candidate region needs no attribution pass: it is drawn inside the kernel,
             # where the shape of every map is known (per block of queries for long maps).

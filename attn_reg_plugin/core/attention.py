@@ -132,6 +132,8 @@ def attend(
         call = call_of(site, plan)
     elif plan is not None:
         raise ValueError("attend: give the plan (read here) or the call read from it (call_of), not both")
+    if isinstance(call.hook, EditScores) and call.hook.replaces_weight_dropout:
+        dropout_p = 0.0  # DropKey: the drops on the keys are this call's attention dropout
     value_heads = v
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
         if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:

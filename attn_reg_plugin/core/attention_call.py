@@ -93,6 +93,8 @@ class EditScores:
     ``drop_heads``: a 0-d probability (DropHead): each (sample, head) of the output dropped with it,
     a sample's kept heads rescaled by heads / kept; then (sample, head) pairs are counted. It
     edits the output, not the scores, so it stands alone in its edit.
+    ``replaces_weight_dropout``: the edit's drops take the place of the model's dropout of the attention
+    weights, which the call then skips (DropKey moves the dropout from the weights to the keys).
     """
 
     drop: Optional[Union[torch.Tensor, BlockRule]] = None
@@ -100,6 +102,7 @@ class EditScores:
     counted: bool = False
     droppable: Optional[torch.Tensor] = None
     drop_heads: Optional[torch.Tensor] = None
+    replaces_weight_dropout: bool = False
 
     def __post_init__(self) -> None:
         if self.drop is not None and not isinstance(self.drop, (torch.Tensor, BlockRule)):
@@ -228,7 +231,6 @@ class PassRecord:
     values = property(lambda self: self._field("values"))
     valid = property(lambda self: self._field("valid"))
     probs = property(lambda self: self._field("probs"))  # AA/IGA maps, or what weights are recomputed from
-    weights = probs
 
     def counts(self) -> List[torch.Tensor]:
         """``[dropped, droppable]`` units the pass's counted edits applied."""

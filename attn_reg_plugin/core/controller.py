@@ -14,7 +14,6 @@ import functools
 import logging
 import operator
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
@@ -209,18 +208,6 @@ class RegularizationController:
             # checkpointing.activation_checkpointing_paused does for a model's own checkpoints.
             return carried(*args)
         return torch.utils.checkpoint.checkpoint(carried, *args, use_reentrant=use_reentrant, **kwargs)
-
-    @contextlib.contextmanager
-    def training_step(self) -> Iterator[None]:
-        """Kept so that loops written for 0.2 run: a step needs no scope any more (the pass travels
-        with each checkpointed call). Does nothing."""
-        warnings.warn(
-            "RegularizationController.training_step() does nothing since attn_reg_plugin 0.3: remove it "
-            "(checkpoint a custom model's layers with controller.checkpoint)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        yield
 
 
 def _site_key(site: AttentionSite) -> int:

@@ -21,7 +21,7 @@ import torch
 from .attention_call import EditScores
 from .controller import AttentionSite, RegularizationController
 from .options import RegularizerOptions, attention_option, layers_option, option
-from .scheduled_dropout import Schedule, first_dropping_update, parse_schedules, schedule_value
+from .scheduled_dropout import Schedule, first_dropping_update, parse_schedules, schedule_given, schedule_value
 
 
 @dataclass
@@ -43,7 +43,7 @@ class DropHeadConfig(RegularizerOptions):
 
     @property
     def enabled(self) -> bool:
-        return bool(self.schedule and self.schedule.strip())
+        return schedule_given(self.schedule, self.name("schedule"), "a knot string such as '0:0.1,5000:0,10000:0.1'")
 
     def validate(self) -> DropHeadConfig:
         if self.enabled:

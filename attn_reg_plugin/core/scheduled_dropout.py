@@ -14,6 +14,7 @@ DropKey (Li et al., CVPR 2023) is a preset of it, not a second implementation: t
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -22,8 +23,12 @@ import torch
 
 from .attention_call import EditScores
 from .block_rules import BernoulliRule
+from .combinations import DROPKEY as DROPKEY_REGULARIZER
+from .combinations import SCHEDULED_DROPOUT
 from .controller import AttentionSite, RegularizationController
 from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
+
+logger = logging.getLogger(__name__)
 
 Schedule = List[Tuple[int, float]]  # (update, drop probability) knots, updates increasing
 
@@ -79,6 +84,14 @@ def dropkey_schedules(
         )
     rates = dropkey_rates(rate, next(iter(depths.values())))
     return {layer: [(0, rates[layer])] for layer in sorted({s.layer for s in sites})}
+
+
+def schedule_given(spec, option: str, example: str) -> bool:
+    """Whether a schedule option is set (not empty); anything but a string is refused, naming the option
+    (a bare number such as 0.1 is not a schedule: the knots say from which update it holds)."""
+    if not isinstance(spec, str):
+        raise ValueError(f"{option} must be a string, {example} (empty: off), got {spec!r} ({type(spec).__name__})")
+    return bool(spec.strip())
 
 
 def parse_schedules(spec: str, option: str) -> List[Schedule]:
@@ -146,7 +159,8 @@ class ScheduledDropoutConfig(RegularizerOptions):
         "",
         "scheduled attention dropout: each real key dropped before softmax with its layer's "
         "piecewise-linear probability at the current update; dropkey:RATE = DropKey (Li et al. 2023), "
-        "layer l of L dropped at RATE * (1 - l/L) throughout; empty = off",
+        "layer l of L dropped at RATE * (1 - l/L) throughout, in place of the model's attention-weight "
+        "dropout (off at those layers in training); empty = off",
         "UPDATE:PROB,... knots, updates increasing, PROB in [0, 1]; one schedule, or one per "
         "selected layer joined by '|'; or dropkey:RATE, RATE in [0, 1)",
     )
@@ -155,7 +169,16 @@ class ScheduledDropoutConfig(RegularizerOptions):
 
     @property
     def enabled(self) -> bool:
-        return bool(self.schedule and self.schedule.strip())
+        return schedule_given(
+            self.schedule, self.name("schedule"), "a knot string such as '0:0.1,1000:0' or dropkey:0.1"
+        )
+
+    @property
+    def regularizer(self) -> str:
+        """Which regularizer the schedule turns on (:mod:`.combinations`): DropKey for ``dropkey:RATE``."""
+        return (
+            DROPKEY_REGULARIZER if dropkey_rate(self.schedule, self.name("schedule")) is not None else SCHEDULED_DROPOUT
+        )
 
     def validate(self) -> ScheduledDropoutConfig:
         if self.enabled and dropkey_rate(self.schedule, self.name("schedule")) is None:
@@ -183,8 +206,17 @@ class ScheduledAttentionDropout:
             raise ValueError(f"{flag('schedule')} is empty: scheduled attention dropout is off")
         self.sites: List[AttentionSite] = config.select_sites(controller)
         rate = dropkey_rate(config.schedule, flag("schedule"))
-        if rate is not None:
+        self.dropkey = rate is not None
+        if self.dropkey:
             self.schedule_of_layer = dropkey_schedules(rate, self.sites, controller, config)
+            logger.info(
+                "%s %s: DropKey replaces the attention-weight dropout at its %d attention sites (%s): the model's "
+                "own attention dropout is off there in training, as in the DropKey paper",
+                flag("schedule"),
+                config.schedule.strip(),
+                len(self.sites),
+                ", ".join(f"{s.kind}[{s.layer}]" for s in self.sites),
+            )
             return
         schedules = parse_schedules(config.schedule, flag("schedule"))
         layer_ids = sorted({s.layer for s in self.sites})
@@ -210,7 +242,9 @@ class ScheduledAttentionDropout:
         # probability is a tensor, not a float: a compiled model sees a new probability every update
         # as new data, where a Python float would be baked into the graph and recompile it.
         return {
-            s: EditScores(drop=BernoulliRule(torch.tensor(probs[s.layer])), counted=True)
+            s: EditScores(
+                drop=BernoulliRule(torch.tensor(probs[s.layer])), counted=True, replaces_weight_dropout=self.dropkey
+            )
             for s in self.sites
             if probs[s.layer] > 0
         }

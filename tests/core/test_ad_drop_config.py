@@ -140,12 +140,3 @@ def test_region_bottom_is_refused_where_it_means_nothing(attribution, why):
         ADDropConfig(region="bottom", attribution=attribution).validate()
     ADDropConfig(region="top", attribution=attribution).validate()
     ADDropConfig(region="bottom", attribution="iga").validate()
-
-
-def test_the_step_counts_droppable_and_the_old_name_still_reads_it_with_a_warning():
-    from attn_reg_plugin.core.ad_drop import StepCounts
-
-    counts = StepCounts(skipped=0, dropped=3, droppable=12)
-    with pytest.warns(DeprecationWarning, match=r'stats\["valid"\] is now stats\["droppable"\]'):
-        assert counts["valid"] == 12
-    assert counts["droppable"] == 12 and "valid" not in counts

@@ -55,13 +55,6 @@ def test_a_checkpointed_step_back_propagated_after_its_pass_equals_the_plain_one
     torch.testing.assert_close(x_grad, x_grad_ckpt, rtol=1e-6, atol=1e-7)
 
 
-def test_training_step_is_kept_as_a_no_op_that_says_so():
-    model = _model()
-    with pytest.warns(DeprecationWarning, match="does nothing"):
-        with model.controller.training_step():
-            pass
-
-
 def _two_calls_step(checkpointed, reentrant):
     """One step of a model whose sites are each called twice per forward, drops drawn from the pass's
     seeds: (loss, gradients)."""

@@ -184,3 +184,47 @@ def test_a_zero_rate_never_drops_and_the_planned_run_warns():
 def test_knot_schedules_are_unchanged():
     sched = dropkey("0:0.6,100:0.2|0:0.1,100:0.5", controller_with_sites({"encoder-self": 2}))
     assert sched.probabilities(50) == pytest.approx({0: 0.4, 1: 0.3})
+
+
+# -- DropKey replaces the attention-weight dropout --------------------------------------------------
+def _dropout_reaching_the_kernel(monkeypatch, hook, dropout_p):
+    """The dropout_p that attend hands the kernel for one call under ``hook``."""
+    import attn_reg_plugin.core.attention as attention
+
+    seen = []
+    kernel = attention.attention_kernel
+
+    def recording(q, k, v, bias, p, *args, **kwargs):
+        seen.append(p)
+        return kernel(q, k, v, bias, p, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "attention_kernel", recording)
+    from helpers import site_with_hook
+
+    q = torch.randn(2, 2, 5, 4)
+    site = site_with_hook(hook)
+    site.seed = torch.tensor(3)
+    attend(q, q, q, dropout_p=dropout_p, site=site)
+    return seen
+
+
+def test_at_a_dropkey_site_the_weights_dropout_is_off_and_a_knot_schedule_keeps_it(monkeypatch):
+    controller = controller_with_sites({"encoder-self": 2})
+    [site_hook, *_] = dropkey("dropkey:0.2", controller).hooks(0).values()
+    assert site_hook.replaces_weight_dropout
+    assert _dropout_reaching_the_kernel(monkeypatch, site_hook, 0.1) == [0.0]
+    [knot_hook, *_] = dropkey("0:0.2", controller).hooks(0).values()
+    assert not knot_hook.replaces_weight_dropout  # the AttendOut paper's scheduled dropout adds to it
+    assert _dropout_reaching_the_kernel(monkeypatch, knot_hook, 0.1) == [0.1]
+
+
+def test_the_start_up_log_says_so_once(caplog):
+    with caplog.at_level("INFO", logger="attn_reg_plugin.core.scheduled_dropout"):
+        dropkey("dropkey:0.2", controller_with_sites({"encoder-self": 2}))
+        dropkey("0:0.2", controller_with_sites({"encoder-self": 2}))
+    said = [r.getMessage() for r in caplog.records if "replaces the attention-weight dropout" in r.getMessage()]
+    assert said == [
+        "--attn-sched-dropout-schedule dropkey:0.2: DropKey replaces the attention-weight dropout at its 2 "
+        "attention sites (encoder-self[0], encoder-self[1]): the model's own attention dropout is off there in "
+        "training, as in the DropKey paper"
+    ]
