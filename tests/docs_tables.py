@@ -1,11 +1,11 @@
 """The generated tables of the docs: every option table of docs/OPTIONS.md (from the configs'
-field metadata) and docs/HF.md's supported-models table (from ``tests/families.py``, the
+field metadata) and its table of the regularizers that combine (core.combinations) and docs/HF.md's supported-models table (from ``tests/families.py``, the
 families the test suite builds).
 
     .venv/bin/python tests/docs_tables.py docs/OPTIONS.md docs/HF.md
 
-rewrites the table after each ``<!-- options: ConfigName -->`` and ``<!-- supported models -->``
-marker (up to the next blank line); tests fail when a committed table is stale.
+rewrites the table after each ``<!-- options: ConfigName -->``, ``<!-- combinations -->`` and
+``<!-- supported models -->`` marker (up to the next blank line); tests fail when a committed table is stale.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ def _configs():
 
 def _table_for(marker: str):
     """The generated table a marker line asks for, or None for any other line."""
+    if marker == "<!-- combinations -->":
+        from attn_reg_plugin.core.combinations import combinations_table
+
+        return combinations_table()
     if marker == "<!-- supported models -->":
         from families import families_table  # tests/ is this script's folder and pytest's path
 

@@ -53,6 +53,15 @@ controller, only the model's own dropout (``core/rdrop.py``)::
     loss = rdrop_objective(ce_sum(out_1) + ce_sum(out_2), kl, config.alpha) / (tgt != pad).sum()
 """
 
+import torch
+
+# The kernel's keyed draws are a torch.library.custom_op (block_rules), which torch has since 2.4.
+if not hasattr(getattr(torch, "library", None), "custom_op"):
+    raise ImportError(
+        f"attn_reg_plugin needs torch >= 2.4 (torch.library.custom_op); this is torch {torch.__version__}: "
+        "pip install 'torch>=2.4'"
+    )
+
 from .ad_drop import ADDrop
 from .ad_drop_config import ADDropConfig, ad_drop_epoch
 from .attendout import AttendOut, AttendOutConfig

@@ -21,6 +21,11 @@ from .attendout.config import AttendOutConfig
 from .drophead import DropHeadConfig
 from .scheduled_dropout import ScheduledDropoutConfig
 
+
+class IdleRegularizerWarning(UserWarning):
+    """A regularizer that will not act, or not change anything, in the run as set up."""
+
+
 WHY_A_WARNING = " (a warning, not an error: a longer run may resume this one)"
 
 

@@ -60,6 +60,33 @@ class RDropConfig(RegularizerOptions):
         return self
 
 
+def model_dropout(model: torch.nn.Module) -> dict:
+    """Where ``model`` drops at random in training, {where: probability > 0}: modules with a drop
+    probability ``p`` (torch's Dropout, fairseq's FairseqDropout) and float attributes named for a
+    dropout (transformers' ``attention_dropout``, BART's ``self.dropout``, BERT's ``dropout_prob``)."""
+    found = {}
+    for name, module in model.named_modules():
+        p = getattr(module, "p", None)
+        if "Dropout" in type(module).__name__ and isinstance(p, float) and p > 0:
+            found[name or type(module).__name__] = p
+        for attribute, value in vars(module).items():
+            if "dropout" in attribute and isinstance(value, float) and value > 0:
+                found[f"{name}.{attribute}" if name else attribute] = value
+    return found
+
+
+def no_dropout_warning(model: torch.nn.Module, method: str, how_to_add: str) -> Optional[str]:
+    """The warning for a two-pass method (R-Drop) on a model without any dropout, else None: its
+    passes are then identical, so the consistency term is 0 at every step, at twice the cost."""
+    if model_dropout(model):
+        return None
+    return (
+        f"{method}: {type(model).__name__} has no dropout anywhere (every dropout probability is 0), so the two "
+        f"passes are identical: the KL is 0 at every step and each step costs two passes. R-Drop needs the "
+        f"model's dropout: {how_to_add}"
+    )
+
+
 def symmetric_kl(scores_1: torch.Tensor, scores_2: torch.Tensor, log_probs: bool = False) -> torch.Tensor:
     """(KL(p1 || p2) + KL(p2 || p1)) / 2 per position, over the last dimension (nats).
 

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import field
-from typing import List
+from typing import Dict, Tuple
 
 from fairseq import metrics, utils
 from omegaconf import OmegaConf, open_dict
@@ -22,10 +22,18 @@ from omegaconf import OmegaConf, open_dict
 from ..core.ad_drop_config import ad_drop_epoch
 from ..core.attendout import AttendOutConfig
 from ..core.attendout.config import generator_positions
+from ..core.combinations import (
+    AD_DROP,
+    ATTENDOUT,
+    ATTENTION_LAYERDROP,
+    DROPHEAD,
+    HIDDENCUT,
+    RDROP,
+    check_combination,
+)
 from ..core.controller import RegularizationController
 from ..core.drophead import DropHead, DropHeadConfig
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
-from ..core.options import one_regularizer
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attendout import FairseqAttendOut, reduce_attendout_metrics
 from .attendout_checkpoint import check_fairseq_supports_task_state
@@ -80,29 +88,43 @@ AttnRegTaskOptions = fairseq_options(
 )
 
 
-def task_regularizers_on(cfg) -> List[str]:
-    """The flags of the task-level regularizers this run turns on (each validated first)."""
+def task_regularizers_on(cfg) -> Dict[str, str]:
+    """The task-level regularizers this run turns on (each validated first), each with its flag."""
     sched = ScheduledDropoutConfig.from_namespace(cfg).validate()
     layerdrop = AttentionLayerDropConfig.from_namespace(cfg).validate()
     drophead = DropHeadConfig.from_namespace(cfg).validate()
-    return [
-        name
-        for name, on in (
-            ("--attendout", bool(getattr(cfg, "attendout", False))),
-            (sched.name("schedule"), sched.enabled),
-            (layerdrop.name("p"), layerdrop.enabled),
-            (drophead.name("schedule"), drophead.enabled),
-        )
-        if on
-    ]
+    on = {}
+    if getattr(cfg, "attendout", False):
+        on[ATTENDOUT] = "--attendout"
+    if sched.enabled:
+        on[sched.regularizer] = sched.name("schedule")
+    if layerdrop.enabled:
+        on[ATTENTION_LAYERDROP] = layerdrop.name("p")
+    if drophead.enabled:
+        on[DROPHEAD] = drophead.name("schedule")
+    return on
 
 
-def refuse_task_regularizers_beside(criterion_name: str, task) -> None:
-    """A two-pass criterion (R-Drop, HiddenCut) with an attn_reg task's own regularizer is not supported
-    (not verified): refused, both named. fairseq's own tasks have no regularizer of their own."""
+# The regularizers each of the plugin's criteria turns on (core.combinations names them).
+CRITERION_REGULARIZERS = {
+    "ad_drop_label_smoothed_cross_entropy": (AD_DROP,),
+    "ad_drop_sentence_prediction": (AD_DROP,),
+    "ad_drop_rdrop_label_smoothed_cross_entropy": (AD_DROP, RDROP),
+    "rdrop_label_smoothed_cross_entropy": (RDROP,),
+    "hiddencut_label_smoothed_cross_entropy": (HIDDENCUT,),
+}
+
+
+def refuse_task_regularizers_beside(criterion_name: str, task, regularizers: Tuple[str, ...] = ()) -> None:
+    """A criterion's ``regularizers`` (by default the registered name's) beside an attn_reg task's own:
+    refused, both named, unless core.combinations says they combine. fairseq's own tasks have no
+    regularizer of their own."""
     cfg = getattr(task, "cfg", None)
     if cfg is not None and hasattr(task, "attn_reg_epoch"):
-        one_regularizer([f"--criterion {criterion_name}"] + task_regularizers_on(cfg))
+        criterion = dict.fromkeys(
+            regularizers or CRITERION_REGULARIZERS[criterion_name], f"--criterion {criterion_name}"
+        )
+        check_combination({**criterion, **task_regularizers_on(cfg)})
 
 
 def _validate_task_options(cfg):
@@ -111,9 +133,9 @@ def _validate_task_options(cfg):
     if not 0 <= cfg.attendout_clip_norm < math.inf:  # also refuses nan
         raise ValueError(f"--attendout-clip-norm must be a finite number >= 0, got {cfg.attendout_clip_norm!r}")
     enabled = task_regularizers_on(cfg)
-    one_regularizer(enabled)
+    check_combination(enabled)
     if enabled:
-        refuse_unsupported_training(cfg, enabled[0])
+        refuse_unsupported_training(cfg, next(iter(enabled.values())))
     if cfg.attendout:
         check_fairseq_supports_task_state()
 
@@ -239,9 +261,10 @@ class AttnRegTaskMixin:
         if attach is not None:
             if self.attn_reg_controller is None:
                 raise RuntimeError("attn_reg_plugin: the model must be built before the criterion")
-            criterion_option = "--criterion " + str(getattr(cfg, "_name", "ad_drop"))
-            one_regularizer([criterion_option] + task_regularizers_on(self.cfg))
-            refuse_unsupported_training(self.cfg, criterion_option)
+            criterion_name = str(getattr(cfg, "_name", "ad_drop_label_smoothed_cross_entropy"))
+            both = hasattr(criterion, "rdrop_config")  # R-Drop as AD-DROP's masked pass
+            refuse_task_regularizers_beside(criterion_name, self, (AD_DROP, RDROP) if both else (AD_DROP,))
+            refuse_unsupported_training(self.cfg, f"--criterion {criterion_name}")
             attach(self.attn_reg_controller)  # validates layers / kinds against the model
             self.attn_reg_ad_drop_config = criterion.ad_drop_config
         return criterion

@@ -11,6 +11,7 @@ Why not fairseq's own ``label_smoothed_cross_entropy_with_rdrop``: fairseq 0.12.
 runs the doubled batch in validation too, so its valid loss is two passes' CE, twice a plain run's.
 """
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -23,11 +24,21 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     label_smoothed_nll_loss,
 )
 
-from ..core.rdrop import RDropConfig, concat_with_itself, rdrop_kl, rdrop_objective, split_in_two
+from ..core.rdrop import (
+    RDropConfig,
+    concat_with_itself,
+    no_dropout_warning,
+    rdrop_kl,
+    rdrop_objective,
+    split_in_two,
+)
 from .attn_reg_task import refuse_task_regularizers_beside
 from .options import fairseq_options
 
 NAME = "rdrop_label_smoothed_cross_entropy"
+FAIRSEQ_DROPOUT = "set --dropout (and --attention-dropout, --activation-dropout) above 0"
+
+logger = logging.getLogger(__name__)
 
 # The --rdrop-* flags: RDropConfig's fields, defaults and help (core.options).
 RDropOptions = fairseq_options("RDropOptions", [RDropConfig])
@@ -56,6 +67,11 @@ class RDropLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion
             return super().forward(model, sample, reduce)  # validation: one pass, the stock loss
         if not reduce:
             raise ValueError(f"--criterion {NAME} trains with a summed loss (reduce=True)")
+        if not getattr(self, "dropout_checked", False):  # once, at the first training step
+            self.dropout_checked = True
+            message = no_dropout_warning(model, f"--criterion {NAME}", FAIRSEQ_DROPOUT)
+            if message:
+                logger.warning(message)
         out_1, out_2 = self.two_passes(model, sample["net_input"])
         lprobs_1, target = self.get_lprobs_and_target(model, out_1, sample)
         lprobs_2, _ = self.get_lprobs_and_target(model, out_2, sample)

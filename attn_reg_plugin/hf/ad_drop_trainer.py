@@ -6,6 +6,7 @@ AD-DROP only wraps it in training steps of the epochs the schedule selects.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Tuple
 
 import torch
@@ -18,9 +19,11 @@ from ..core.attribution_pass import bare_module
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_sum_
 from ..core.options import named_by_field
+from ..core.planned_run import IdleRegularizerWarning
 from .attention import install_attention_sites
+from .combinations import check_trainer_combination
 from .model_inputs import causal_lm, decoder_input_ids_from_labels
-from .notices import IdleRunWarning, SiteReport
+from .notices import SiteReport, warn_if_idle
 from .trainer_arguments import model_argument, training_arguments
 from .training_configurations import refuse_unsupported, refuse_unsupported_launch
 
@@ -32,6 +35,7 @@ class ADDropTrainerMixin:
         if not isinstance(ad_drop, ADDropConfig):
             raise TypeError(f"ad_drop must be an ADDropConfig, got {type(ad_drop).__name__}")
         named_by_field(ad_drop).validate()
+        check_trainer_combination(self, kwargs)
         model = model_argument("ADDropTrainer", args, kwargs)
         refuse_unsupported("ADDropTrainer", training_arguments(args, kwargs), model=model)
         # Before the Trainer's own setup, so bad layers / kinds fail before anything else happens.
@@ -40,9 +44,11 @@ class ADDropTrainerMixin:
         self.ad_drop = ADDrop(ad_drop, self.ad_drop_controller)
         self._ad_drop_reset()
         self._ad_drop_epoch_index = None  # 0-based epoch of the Trainer's running pass (_run_epoch)
+        self._ad_drop_own_loop_epoch = None  # 1-based, from set_ad_drop_epoch (a user's own loop)
+        self._ad_drop_own_loop_warned = False
         super().__init__(*args, **kwargs)
         refuse_unsupported_launch("ADDropTrainer", self)  # what accelerate's own config turned on, too
-        self.add_callback(IdleRunWarning(ad_drop))  # cross-tuning over one planned epoch never acts
+        warn_if_idle(self, ad_drop)  # cross-tuning over one planned epoch never acts
         self.attn_reg_site_report = SiteReport(self.ad_drop_sites, self.ad_drop.sites)
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -54,10 +60,32 @@ class ADDropTrainerMixin:
         self._ad_drop_skipped = 0
 
     def ad_drop_current_epoch(self) -> int:
-        """1-based epoch of the current step (cross-tuning: AD-DROP on even epochs)."""
+        """1-based epoch of the current step (cross-tuning: AD-DROP on even epochs): the Trainer's running
+        pass, else what :meth:`set_ad_drop_epoch` said, else the Trainer's ``state.epoch``."""
         if self._ad_drop_epoch_index is not None:
             return self._ad_drop_epoch_index + 1
+        if self._ad_drop_own_loop_epoch is not None:
+            return self._ad_drop_own_loop_epoch
+        if not self._ad_drop_own_loop_warned and self.ad_drop.config.schedule != "always":
+            # Outside Trainer.train() nothing moves state.epoch: every step would count as epoch 1, plain.
+            self._ad_drop_own_loop_warned = True
+            warnings.warn(
+                f'ADDropConfig(schedule="{self.ad_drop.config.schedule}") is plain in odd epochs, and compute_loss '
+                "is called outside Trainer.train(), where the epoch stays at state.epoch "
+                f"({self.state.epoch or 0:g}, epoch {int((self.state.epoch or 0) + 1e-9) + 1}): in your own loop, "
+                "call trainer.set_ad_drop_epoch(epoch) (1-based) at the start of each epoch, or set "
+                'ADDropConfig(schedule="always") to use AD-DROP at every step',
+                IdleRegularizerWarning,
+                stacklevel=3,
+            )
         return int((self.state.epoch or 0) + 1e-9) + 1
+
+    def set_ad_drop_epoch(self, epoch: int) -> None:
+        """Say which 1-based epoch a loop of your own is in (cross-tuning runs AD-DROP on even epochs);
+        ``Trainer.train()`` says it itself."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+            raise ValueError(f"set_ad_drop_epoch: epoch must be an integer >= 1 (1-based), got {epoch!r}")
+        self._ad_drop_own_loop_epoch = epoch
 
     def _run_epoch(self, *args, **kwargs):
         # The Trainer's loop hands each pass its 0-based epoch here. state.epoch cannot stand in

@@ -47,7 +47,8 @@ from ..core.sharding import is_fully_sharded
 from .attendout_checkpoint import ATTENDOUT_STATE, attendout_state_dict, save_attendout_state
 from .attendout_driver import AttendOutDriver, mirror_activation_checkpointing, optimizer_like
 from .attendout_logging import trainer_counts_kept
-from .notices import IdleRunWarning, SiteReport
+from .combinations import check_trainer_combination
+from .notices import SiteReport, warn_if_idle
 from .trainer_arguments import model_argument, training_arguments
 from .training_configurations import refuse_unsupported, refuse_unsupported_launch
 
@@ -108,6 +109,7 @@ class AttendOutTrainerMixin:
         if not isinstance(attendout, AttendOutConfig):
             raise TypeError(f"attendout must be an AttendOutConfig, got {type(attendout).__name__}")
         named_by_field(attendout).validate()
+        check_trainer_combination(self, kwargs)
         model = model_argument("AttendOutTrainer", args, kwargs)
         refuse_unsupported("AttendOutTrainer", training_arguments(args, kwargs), model=model, no_deepspeed=NO_DEEPSPEED)
         if is_fully_sharded(model):
@@ -122,15 +124,10 @@ class AttendOutTrainerMixin:
         )  # what accelerate's own config turned on, too
         self.attendout_driver = AttendOutDriver(self, model, attendout, attendout_log_file, attendout_valid_subset)
         self.add_callback(_AttendOutCallback(self))
-        self.add_callback(IdleRunWarning(attendout))  # fewer planned updates than one dropout step never act
+        warn_if_idle(self, attendout)  # fewer planned updates than one dropout step never act
         self.attn_reg_site_report = SiteReport(self.attendout_driver.found_sites, self.attendout_driver.sites)
 
     # -- the game's state and steps, by the trainer's names -----------------------------------
-    @property
-    def attendout_log(self):
-        """The JSONL log of drop probabilities, one line per dropout step."""
-        return self.attendout_driver.logs.drop_probabilities
-
     @property
     def _attendout_resume_from(self) -> Optional[str]:
         """The checkpoint folder the game is restored from at the first training step."""

@@ -17,13 +17,15 @@ import torch
 import transformers
 
 from ..core.attention_call import add_counts, zero_counts
+from ..core.combinations import check_combination
 from ..core.controller import RegularizationController
 from ..core.drophead import DropHead, DropHeadConfig
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
-from ..core.options import named_by_field, one_regularizer
+from ..core.options import named_by_field
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attention import install_attention_sites
-from .notices import IdleRunWarning, SiteReport
+from .combinations import trainer_regularizers
+from .notices import SiteReport, warn_if_idle
 from .trainer_arguments import model_argument, training_arguments
 from .training_configurations import refuse_unsupported, refuse_unsupported_launch
 
@@ -58,17 +60,7 @@ class AttnRegTrainerMixin:
         for config in given.values():
             if config is not None:
                 named_by_field(config).validate()
-        one_regularizer(
-            [
-                config.name(field)
-                for config, field, on in (
-                    (scheduled_dropout, "schedule", scheduled_dropout is not None),
-                    (layerdrop, "p", layerdrop is not None and layerdrop.enabled),
-                    (drophead, "schedule", drophead is not None),
-                )
-                if on
-            ]
-        )
+        check_combination(trainer_regularizers(self, given))
         model = model_argument("AttnRegTrainer", args, kwargs)
         refuse_unsupported("AttnRegTrainer", training_arguments(args, kwargs), model=model)
         # Before the Trainer's own setup: bad layers / kinds fail first.
@@ -89,7 +81,7 @@ class AttnRegTrainerMixin:
         super().__init__(*args, **kwargs)
         refuse_unsupported_launch("AttnRegTrainer", self)  # what accelerate's own config turned on, too
         regularizer = self.attn_reg_scheduled_dropout or self.attn_reg_drophead or self.attn_reg_layerdrop
-        self.add_callback(IdleRunWarning(regularizer.config))  # a schedule at 0 over the whole run never acts
+        warn_if_idle(self, regularizer.config)  # a schedule at 0 over the whole run never acts
         self.attn_reg_site_report = SiteReport(found, regularizer.sites)
 
     def _attn_reg_reset(self) -> None:

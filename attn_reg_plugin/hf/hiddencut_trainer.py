@@ -48,10 +48,11 @@ from ..core.hiddencut import (
     hiddencut_spans,
     js_consistency,
 )
-from ..core.options import named_by_field, one_regularizer
+from ..core.options import named_by_field
 from .attention import register_attention
+from .combinations import check_trainer_combination
 from .feed_forward_cut import cut_feed_forward, feed_forward_output, hold_the_plan
-from .rdrop_trainer import RDropTrainerMixin, _logits, compared_positions, loss_divisor, refuse_data_parallel
+from .rdrop_trainer import _logits, compared_positions, loss_divisor, refuse_data_parallel
 from .sites import attention_configs
 
 PLAN_KWARG = "hiddencut_plan"
@@ -87,20 +88,6 @@ def eager_maps_before_dropout(module, query, key, value, attention_mask, dropout
         dropped = torch.nn.functional.dropout(weights, p=dropout, training=True)
         out = torch.matmul(dropped, values).transpose(1, 2).contiguous()
     return out, weights
-
-
-def _other_regularizers(trainer) -> list:
-    from .ad_drop_trainer import ADDropTrainerMixin
-    from .attendout_trainer import AttendOutTrainerMixin
-    from .attn_reg_trainer import AttnRegTrainerMixin
-
-    mixins = (
-        (ADDropTrainerMixin, "ad_drop=ADDropConfig"),
-        (AttendOutTrainerMixin, "attendout=AttendOutConfig"),
-        (AttnRegTrainerMixin, "scheduled_dropout= / layerdrop="),
-        (RDropTrainerMixin, "rdrop=RDropConfig"),
-    )
-    return [name for mixin, name in mixins if isinstance(trainer, mixin)]
 
 
 def use_maps_before_dropout(model) -> None:
@@ -201,7 +188,7 @@ class HiddenCutTrainerMixin:
         if not isinstance(hiddencut, HiddenCutConfig):
             raise TypeError(f"hiddencut must be a HiddenCutConfig, got {type(hiddencut).__name__}")
         self.hiddencut = named_by_field(hiddencut).validate()
-        one_regularizer(["hiddencut=HiddenCutConfig", *_other_regularizers(self)])
+        check_trainer_combination(self, kwargs)
         self._hiddencut_reset()
         super().__init__(*args, **kwargs)
         layers = hiddencut_layers(self.model)

@@ -1,5 +1,6 @@
 """What a Trainer user must see at the Trainer's default log level: a regularizer that will not act in
-the planned run (a WARNING when training begins) and what it regularizes (the first training log record).
+the planned run (an :class:`~attn_reg_plugin.core.planned_run.IdleRegularizerWarning` when training
+begins, before the progress bar is drawn) and what it regularizes (the first training log record).
 
 transformers' Trainer shows neither the plugin's INFO lines nor its own by default; its log records
 are printed, kept in ``state.log_history`` and sent to every reporting integration.
@@ -7,16 +8,14 @@ are printed, kept in ``state.log_history`` and sent to every reporting integrati
 
 from __future__ import annotations
 
-import logging
 import sys
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from transformers import TrainerCallback
 
 from ..core.controller import AttentionSite
-from ..core.planned_run import idle_run_warning
-
-logger = logging.getLogger(__name__)
+from ..core.planned_run import IdleRegularizerWarning, idle_run_warning
 
 
 def planned_run(args, state) -> Tuple[Optional[int], Optional[int], str]:
@@ -37,7 +36,15 @@ class IdleRunWarning(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         message = idle_run_warning(self.config, *planned_run(args, state))
         if message and state.is_world_process_zero:
-            logger.warning(message)
+            warnings.warn(message, IdleRegularizerWarning, stacklevel=2)
+
+
+def warn_if_idle(trainer, config) -> None:
+    """Add :class:`IdleRunWarning` for ``config`` to ``trainer`` ahead of its other callbacks, so that the
+    warning is printed before the progress callback draws its bar, not into it."""
+    trainer.add_callback(IdleRunWarning(config))
+    callbacks = trainer.callback_handler.callbacks
+    callbacks.insert(0, callbacks.pop())
 
 
 class SiteReport:

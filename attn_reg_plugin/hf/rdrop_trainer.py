@@ -16,33 +16,27 @@ No attention sites are installed: R-Drop works through the model's own dropout, 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 import transformers
 
+from ..core.combinations import AD_DROP, check_combination
 from ..core.distributed import all_reduce_sum_
-from ..core.options import named_by_field, one_regularizer
-from ..core.rdrop import RDropConfig, concat_with_itself, rdrop_kl, rdrop_objective, split_in_two
+from ..core.options import named_by_field
+from ..core.planned_run import IdleRegularizerWarning
+from ..core.rdrop import (
+    RDropConfig,
+    concat_with_itself,
+    no_dropout_warning,
+    rdrop_kl,
+    rdrop_objective,
+    split_in_two,
+)
+from .combinations import trainer_regularizers
 from .model_inputs import causal_lm
-
-
-def _other_regularizers(trainer) -> list:
-    """The plugin's other regularizers mixed into the same trainer class, as their keyword names them."""
-    from .ad_drop_trainer import ADDropTrainerMixin
-    from .attendout_trainer import AttendOutTrainerMixin
-    from .attn_reg_trainer import AttnRegTrainerMixin
-
-    mixins = (
-        (ADDropTrainerMixin, AD_DROP),
-        (AttendOutTrainerMixin, "attendout=AttendOutConfig"),
-        (AttnRegTrainerMixin, "scheduled_dropout= / layerdrop="),
-    )
-    return [name for mixin, name in mixins if isinstance(trainer, mixin)]
-
-
-AD_DROP = "ad_drop=ADDropConfig"
 
 
 def _over_ad_drops_masked_pass(trainer) -> bool:
@@ -172,23 +166,28 @@ class RDropTrainerMixin:
         if not isinstance(rdrop, RDropConfig):
             raise TypeError(f"rdrop must be an RDropConfig, got {type(rdrop).__name__}")
         self.rdrop = named_by_field(rdrop).validate()
-        others = _other_regularizers(self)
+        others = trainer_regularizers(self, kwargs)
         if AD_DROP in others and _over_ad_drops_masked_pass(self):
-            others.remove(AD_DROP)  # the one combination allowed: R-Drop as AD-DROP's masked pass
+            # R-Drop as AD-DROP's masked pass (core.combinations), in its one order of the bases
             if self.rdrop.concat_batch:
                 raise ValueError(
                     "R-Drop over AD-DROP does not take rdrop=RDropConfig(concat_batch=True): AD-DROP's attribution "
                     "pass ranks one copy of the batch, so the doubled batch has no attributions for its second half"
                 )
-        elif AD_DROP in others:
+        elif AD_DROP in others and len(others) == 2:
             raise ValueError(
                 "R-Drop over AD-DROP needs ADDropTrainerMixin before RDropTrainerMixin in the class's bases, so that "
                 "R-Drop's two passes are AD-DROP's masked pass (class T(ADDropTrainerMixin, RDropTrainerMixin, Trainer))"
             )
-        one_regularizer(["rdrop=RDropConfig", *others])
+        check_combination(others)
         self._rdrop_reset()
         super().__init__(*args, **kwargs)
         refuse_data_parallel(self, "R-Drop")
+        message = no_dropout_warning(
+            self.model, "rdrop=RDropConfig", "set the config's dropout probabilities (hidden, attention) above 0"
+        )
+        if message:
+            warnings.warn(message, IdleRegularizerWarning, stacklevel=2)
 
     def _rdrop_reset(self) -> None:
         # summed symmetric KL and its positions since the last log; tensors, so no host sync per step

@@ -56,18 +56,22 @@ def test_the_concatenated_batch_is_refused(tiny_mt_data):
 def test_a_task_regularizer_beside_it_is_refused_naming_both(tiny_mt_data):
     with pytest.raises(ValueError) as e:
         _step(tiny_mt_data, BOTH, "--attendout")
-    assert str(e.value) == f"choose one attention regularizer per run; got --criterion {BOTH} and --attendout"
+    assert str(e.value).startswith(f"AD-DROP + R-Drop (--criterion {BOTH}) and AttendOut (--attendout) do not combine")
 
 
-def test_fairseq_train_logs_both_regularizers(tiny_mt_data):
+def test_fairseq_train_logs_both_regularizers_across_cross_tunings_epoch_boundary(tiny_mt_data):
+    """The combination of core.combinations' table end to end: epoch 1 plain R-Drop, epoch 2 R-Drop over
+    AD-DROP's masked pass (cross-tuning, the default schedule)."""
     train = [
         "--task", "attn_reg_translation", *TINY_TRANSFORMER, "--dropout", "0.1", "--optimizer", "adam", "--lr", "1e-3",
-        "--max-tokens", "500", "--cpu", "--seed", "3", "--no-progress-bar", "--log-format", "json",
-        "--log-interval", "1", "--max-update", "4", "--no-save", "--criterion", BOTH, "--label-smoothing", "0.1",
-        *AD_DROP,
+        "--max-tokens", "1000", "--cpu", "--seed", "3", "--no-progress-bar", "--log-format", "json",
+        "--log-interval", "1", "--max-epoch", "2", "--no-save", "--criterion", BOTH, "--label-smoothing", "0.1",
+        "--ad-drop-p", "0.5", "--ad-drop-q", "0.5",
     ]  # fmt: skip
     updates = train_updates(fairseq_train(tiny_mt_data["bin"], train).stdout)
-    assert len(updates) == 4
+    epochs = {epoch: [r for r in updates.values() if int(r["epoch"]) == epoch] for epoch in (1, 2)}
+    assert epochs[1] and epochs[2] and len(epochs[1]) + len(epochs[2]) == len(updates)
     for record in updates.values():
-        assert float(record["rdrop_kl"]) > 0 and 0.1 < float(record["ad_drop_rate"]) < 0.4
-        assert float(record["ad_drop_on"]) == 1 and int(float(record["ad_drop_skipped"])) == 0
+        assert float(record["rdrop_kl"]) > 0 and int(float(record.get("ad_drop_skipped", 0))) == 0
+    assert all(float(r["ad_drop_on"]) == 0 and float(r.get("ad_drop_rate", 0)) == 0 for r in epochs[1])
+    assert all(float(r["ad_drop_on"]) == 1 and 0.1 < float(r["ad_drop_rate"]) < 0.4 for r in epochs[2])

@@ -229,7 +229,7 @@ def test_defender_and_attacker_are_identical_at_each_dropout_step_start(tiny_mt_
         ),
         (
             ["--attendout", "--attn-layerdrop-p", "0.1"],
-            r"choose one attention regularizer per run; got --attendout and --attn-layerdrop-p",
+            r"^AttendOut \(--attendout\) and attention LayerDrop \(--attn-layerdrop-p\) do not combine in one run",
         ),
     ],
 )
@@ -241,7 +241,10 @@ def test_bad_task_options_fail_while_building(tiny_mt_data, extra, message):
 def test_ad_drop_criterion_cannot_be_combined_with_a_task_regularizer(tiny_mt_data):
     args = [*BASE, "--attn-layerdrop-p", "0.1"]
     args[args.index("label_smoothed_cross_entropy")] = "ad_drop_label_smoothed_cross_entropy"
-    message = "choose one attention regularizer per run; got --criterion ad_drop_label_smoothed_cross_entropy and --attn-layerdrop-p"
+    message = (
+        r"^AD-DROP \(--criterion ad_drop_label_smoothed_cross_entropy\) and attention LayerDrop \(--attn-layerdrop-p\) "
+        "do not combine"
+    )
     with pytest.raises(ValueError, match=message):
         fairseq_setup(tiny_mt_data["bin"], args)
 

@@ -143,17 +143,40 @@ def test_same_seed_same_step(tiny_mt_data):
 @pytest.mark.parametrize(
     "extra,other",
     [
-        (["--attendout"], "--attendout"),
-        (["--attn-layerdrop-p", "0.2"], "--attn-layerdrop-p"),
-        (["--attn-sched-dropout-schedule", "0:0.3"], "--attn-sched-dropout-schedule"),
-        (["--attn-drophead-schedule", "0:0.3"], "--attn-drophead-schedule"),
+        (["--attendout"], "AttendOut (--attendout)"),
+        (["--attn-layerdrop-p", "0.2"], "attention LayerDrop (--attn-layerdrop-p)"),
+        (["--attn-sched-dropout-schedule", "0:0.3"], "scheduled attention dropout (--attn-sched-dropout-schedule)"),
+        (["--attn-sched-dropout-schedule", "dropkey:0.1"], "DropKey (--attn-sched-dropout-schedule)"),
+        (["--attn-drophead-schedule", "0:0.3"], "DropHead (--attn-drophead-schedule)"),
     ],
 )
 def test_other_regularizers_are_refused_naming_both(tiny_mt_data, extra, other):
     with pytest.raises(ValueError) as e:
         fairseq_setup(tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER, *RDROP, *extra])
-    assert str(e.value) == (
-        f"choose one attention regularizer per run; got --criterion rdrop_label_smoothed_cross_entropy and {other}"
+    assert str(e.value).startswith(
+        f"R-Drop (--criterion rdrop_label_smoothed_cross_entropy) and {other} do not combine in one run: choose one "
+        "attention regularizer per run, or one of the combinations that exist: AD-DROP + R-Drop"
+    )
+
+
+@pytest.mark.parametrize("dropout,warned", [("0", True), ("0.1", False)])
+def test_a_model_without_dropout_warns_at_the_first_step(tiny_mt_data, caplog, dropout, warned):
+    """Its two passes are identical: the KL is 0 at every step, at twice the cost."""
+    extra = ["--attention-dropout", "0", "--activation-dropout", "0"]
+    cfg, task, model, criterion, sample = _setup(tiny_mt_data, "attn_reg_translation", *extra, dropout=dropout)
+    with caplog.at_level("WARNING", logger="attn_reg_plugin.fairseq_plugin.rdrop_label_smoothed_cross_entropy"):
+        _train_step(cfg, task, model, criterion, sample)
+        _train_step(cfg, task, model, criterion, sample)
+    said = [r.getMessage() for r in caplog.records if "has no dropout anywhere" in r.getMessage()]
+    assert said == (
+        [
+            "--criterion rdrop_label_smoothed_cross_entropy: TransformerModel has no dropout anywhere (every dropout "
+            "probability is 0), so the two passes are identical: the KL is 0 at every step and each step costs two "
+            "passes. R-Drop needs the model's dropout: set --dropout (and --attention-dropout, --activation-dropout) "
+            "above 0"
+        ]
+        if warned
+        else []
     )
 
 

@@ -128,7 +128,7 @@ def test_attendout_bad_setup_fails_at_construction(tmp_path):
         ),
         (
             dict(scheduled_dropout=ScheduledDropoutConfig(schedule="0:0.5"), layerdrop=AttentionLayerDropConfig(p=0.1)),
-            r"choose one attention regularizer per run",
+            r"scheduled attention dropout \(scheduled_dropout=.*\) and attention LayerDrop \(layerdrop=.*\) do not",
         ),
         (dict(), r"AttnRegTrainer needs scheduled_dropout"),
     ],

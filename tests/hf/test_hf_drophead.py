@@ -21,7 +21,7 @@ def test_hf_trainer_logs_the_rate_and_probability(tmp_path):
     assert [h["attn_drophead_p"] for h in logs] == pytest.approx([0.4, 0.3, 0.2])
     assert all(0.05 < h["attn_drophead_rate"] < 0.65 for h in logs), logs
     hf_tensorboard_matches_the_log(trainer, ["attn_drophead_p", "attn_drophead_rate"])
-    with pytest.raises(ValueError, match="choose one attention regularizer per run"):
+    with pytest.raises(ValueError, match="do not combine in one run: choose one attention regularizer per run"):
         AttnRegTrainer(
             model=small_bert(),
             args=trainer_args(tmp_path),

@@ -2,7 +2,7 @@
 regularizer that will not act in the planned run, the sites it regularizes, AttendOut's held-out set
 and generator length, and Gemma-2's soft-capping named as the difference."""
 
-import logging
+import warnings
 
 import pytest
 import torch
@@ -12,28 +12,55 @@ from transformers import TrainerCallback
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.planned_run import IdleRegularizerWarning
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from helpers import pad_collate, small_bert, tiny_llama, token_data, trainer_args
 
 
 class _WarningsBeforeTheFirstStep(TrainerCallback):
-    """The plugin's WARNING records logged before the first training step begins."""
+    """The warnings raised before the first training step begins (``record``: warnings.catch_warnings')."""
 
-    def __init__(self, caplog):
-        self.caplog, self.seen = caplog, None
+    def __init__(self, record):
+        self.record, self.seen = record, None
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.seen is None:
-            self.seen = [r.getMessage() for r in self.caplog.records if r.levelno >= logging.WARNING]
+            self.seen = [str(w.message) for w in self.record if isinstance(w, warnings.WarningMessage)]
 
 
-def _train_and_collect(trainer, caplog):
-    """Trains at the default log levels (no caplog.at_level: the warning must pass them as they are)."""
-    seen = _WarningsBeforeTheFirstStep(caplog)
-    trainer.add_callback(seen)
-    trainer.train()
+def _train_and_collect(trainer):
+    """Trains at the default warning filters and log levels: the warning must pass them as they are."""
+    with warnings.catch_warnings(record=True) as record:
+        seen = _WarningsBeforeTheFirstStep(record)
+        trainer.add_callback(seen)
+        trainer.train()
     return [m for m in seen.seen if "will never" in m or "no dropout step will end" in m]
+
+
+def test_the_warning_is_a_warning_with_its_category_before_the_progress_bar_is_drawn(tmp_path, monkeypatch):
+    """Not a bare line printed into the bar: an IdleRegularizerWarning, raised before ProgressCallback
+    draws the bar at train begin."""
+    trainer = ADDropTrainer(
+        model=small_bert(),
+        args=trainer_args(tmp_path, num_train_epochs=1, disable_tqdm=False),
+        train_dataset=token_data(8, seed=1),
+        data_collator=pad_collate,
+        ad_drop=ADDropConfig(p=0.3, q=0.3),
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        draw = transformers.trainer_callback.ProgressCallback.on_train_begin
+
+        def drawn(callback, *args, **kwargs):
+            record.append("the bar is drawn")
+            return draw(callback, *args, **kwargs)
+
+        monkeypatch.setattr(transformers.trainer_callback.ProgressCallback, "on_train_begin", drawn)
+        trainer.train()
+    said = [i for i, w in enumerate(record) if not isinstance(w, str) and "will never act" in str(w.message)]
+    assert len(said) == 1 and record[said[0]].category is IdleRegularizerWarning
+    assert said[0] < record.index("the bar is drawn")
 
 
 # -- item 3: a regularizer that will not act in the planned run says so before training ----------
@@ -44,7 +71,7 @@ def _train_and_collect(trainer, caplog):
         (dict(max_steps=1), 16, "plans 1 epoch (TrainingArguments.max_steps=1)"),  # below one epoch of 2 steps
     ],
 )
-def test_one_planned_epoch_of_cross_tuning_warns_before_training(tmp_path, caplog, length, rows, plan):
+def test_one_planned_epoch_of_cross_tuning_warns_before_training(tmp_path, length, rows, plan):
     trainer = ADDropTrainer(
         model=small_bert(),
         args=trainer_args(tmp_path, **length),
@@ -52,7 +79,7 @@ def test_one_planned_epoch_of_cross_tuning_warns_before_training(tmp_path, caplo
         data_collator=pad_collate,
         ad_drop=ADDropConfig(p=0.3, q=0.3, layers="all"),
     )
-    [message] = _train_and_collect(trainer, caplog)
+    [message] = _train_and_collect(trainer)
     assert 'ADDropConfig(schedule="cross-tuning") is plain in epoch 1' in message
     assert f"{plan}: AD-DROP will never act" in message
     assert 'Set ADDropConfig(schedule="always")' in message
@@ -60,7 +87,7 @@ def test_one_planned_epoch_of_cross_tuning_warns_before_training(tmp_path, caplo
 
 
 @pytest.mark.parametrize("schedule,epochs", [("always", 1), ("cross-tuning", 2)])
-def test_a_run_in_which_ad_drop_acts_gets_no_warning(tmp_path, caplog, schedule, epochs):
+def test_a_run_in_which_ad_drop_acts_gets_no_warning(tmp_path, schedule, epochs):
     trainer = ADDropTrainer(
         model=small_bert(),
         args=trainer_args(tmp_path, num_train_epochs=epochs),
@@ -68,11 +95,11 @@ def test_a_run_in_which_ad_drop_acts_gets_no_warning(tmp_path, caplog, schedule,
         data_collator=pad_collate,
         ad_drop=ADDropConfig(p=0.3, q=0.3, schedule=schedule),
     )
-    assert _train_and_collect(trainer, caplog) == []
+    assert _train_and_collect(trainer) == []
     assert any(r.get("ad_drop_on") == 1 for r in trainer.state.log_history)
 
 
-def test_attendout_and_scheduled_dropout_that_never_act_warn(tmp_path, caplog):
+def test_attendout_and_scheduled_dropout_that_never_act_warn(tmp_path):
     attendout = AttendOutTrainer(
         model=small_bert(),
         args=trainer_args(tmp_path, max_steps=1),
@@ -81,9 +108,8 @@ def test_attendout_and_scheduled_dropout_that_never_act_warn(tmp_path, caplog):
         data_collator=pad_collate,
         attendout=AttendOutConfig(dropout_step=2),
     )
-    [message] = _train_and_collect(attendout, caplog)
+    [message] = _train_and_collect(attendout)
     assert "every AttendOutConfig(dropout_step=2) updates, and this run plans 1 update" in message
-    caplog.clear()
     scheduled = AttnRegTrainer(
         model=small_bert(),
         args=trainer_args(tmp_path, max_steps=1),
@@ -91,7 +117,7 @@ def test_attendout_and_scheduled_dropout_that_never_act_warn(tmp_path, caplog):
         data_collator=pad_collate,
         scheduled_dropout=ScheduledDropoutConfig(schedule="0:0,10:0.5"),  # 0 at update 0, the only one planned
     )
-    [message] = _train_and_collect(scheduled, caplog)
+    [message] = _train_and_collect(scheduled)
     assert 'ScheduledDropoutConfig(schedule="0:0,10:0.5") is 0 at every one of the 1 update' in message
 
 
