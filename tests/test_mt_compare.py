@@ -371,6 +371,38 @@ def test_a_diverged_method_is_recorded_and_the_others_still_compared(tiny_mt_dat
     assert (out / "results.md").read_text() == report
 
 
+@pytest.mark.parametrize(
+    "method_args, method, refusal",
+    [
+        ("r-drop=--rdrop-alpha -3", "r-drop", "--rdrop-alpha must be a finite number >= 0, got -3.0"),
+        (
+            "ad-drop=--ad-drop-layers 5",
+            "ad-drop",
+            "--ad-drop-layers: layer 5 does not exist; the model's encoder-self attention has 2 layers",
+        ),
+        # AttendOut's model is built on the CPU (its generator cannot be built on the meta device).
+        ("attendout=--attendout --attendout-layers 5", "attendout", "--attendout-layers: layer 5 does not exist"),
+    ],
+)
+def test_every_methods_options_are_checked_before_anything_trains(
+    tiny_mt_data, tmp_path, counted_forks, capsys, method_args, method, refusal
+):
+    """A method's option that the plugin refuses (a value out of range, a layer the model lacks) stops
+    the command before plain or any other method trains, naming the method, the option and what it accepts."""
+    out = tmp_path / "cmp"
+    argv = [
+        str(tiny_mt_data["bin"]), "--out-dir", str(out), "--methods", "plain,r-drop,ad-drop,attendout",
+        "--epochs", "2", "--method-args", method_args, "--", *TINY_TRAIN,
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):
+        compare.main(argv)
+    err = capsys.readouterr().err
+    name = methods.method_cell(method, methods.parse_method_args([method_args], [method])[method], 2)["name"]
+    what = f"{name} ({method})" if name != method else name
+    assert f"attn-reg-mt-compare: error: {what} would stop before training, refused by fairseq-train: {refusal}" in err
+    assert counted_forks == {"fairseq-train": 0, "fairseq-generate": 0} and not out.exists()
+
+
 # -- statistics and verdicts on hand-made records -------------------------------------------------
 def _run(seed, valid_bleu, test_bleu, chrf, loss):
     return {
