@@ -210,8 +210,8 @@ class CutPlan:
         self.tokens: Any = 0
 
     def cuts(self, key: Any) -> bool:
-        """Whether this pass cuts layer ``key`` (a hook left by another trainer, or a layer that LayerDrop
-        skipped in the clean pass, gets no mask): a layer it does not cut keeps its dropout."""
+        """Whether this pass cuts layer ``key`` (a hook left by another Hugging Face trainer on the same model
+        gets no mask): a layer it does not cut keeps its dropout."""
         return key in self.masks
 
     def apply(self, key: Any, output: Any, time_first: bool = False, positions: Optional[slice] = None) -> Any:

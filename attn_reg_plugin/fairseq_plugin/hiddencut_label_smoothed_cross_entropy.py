@@ -15,8 +15,13 @@ attention with ``need_weights=False``, so no map comes back), before attention d
 tokens of both passes' label-smoothed CE plus alpha times their JS divergence, divided by one copy's
 ``ntokens``. Validation: one pass, the stock loss.
 
-The cut pass's masks are held only while it runs, so a layer recomputed in the backward would not
-repeat them: ``--checkpoint-activations`` is refused at the first training step.
+Refused when the criterion is built (fairseq-train builds the model first; the options are read from
+its config, with either task): ``--encoder-layerdrop`` above 0 (a layer LayerDrop skips has no map in
+the clean pass or takes no cut in the cut pass; the decoder's is allowed, as in the Hugging Face
+trainers). The first training step checks the model itself again, for a criterion built without
+fairseq-train's config. The cut pass's masks are
+held only while it runs, so a layer recomputed in the backward would not repeat them:
+``--checkpoint-activations`` is refused at the first training step.
 """
 
 import math
@@ -30,6 +35,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
     label_smoothed_nll_loss,
 )
+from fairseq.modules import LayerDropModuleList
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
 from ..core.hiddencut import (
@@ -41,7 +47,7 @@ from ..core.hiddencut import (
     hiddencut_spans,
     js_consistency,
 )
-from .attn_reg_task import refuse_task_regularizers_beside
+from .attn_reg_task import _whole_config, refuse_task_regularizers_beside
 from .options import fairseq_options
 
 NAME = "hiddencut_label_smoothed_cross_entropy"
@@ -53,6 +59,34 @@ HiddenCutOptions = fairseq_options("HiddenCutOptions", [HiddenCutConfig])
 @dataclass
 class HiddenCutLabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig, HiddenCutOptions):
     pass
+
+
+def refuse_layerdrop(setting: str) -> None:
+    """LayerDrop on the encoder, whose layers HiddenCut ranks and cuts (the wording of the HF trainers')."""
+    raise ValueError(
+        f"HiddenCut (--criterion {NAME}) ranks each selected encoder layer's attention in the clean pass and cuts "
+        f"the layer in the cut pass, but {setting} skips the encoder's layers at random in training (LayerDrop): "
+        "set --encoder-layerdrop 0 (--decoder-layerdrop may stay: the decoder is neither ranked nor cut)"
+    )
+
+
+def _encoder_option(model_cfg, key: str):
+    """An encoder option of fairseq-train's model config: ``encoder_KEY`` in an ``--arch``'s flat args (a
+    Namespace, or the dict the attn_reg task stores), ``encoder.KEY`` in a TransformerConfig; else None."""
+    value = getattr(model_cfg, f"encoder_{key}", None)
+    return value if value is not None else getattr(getattr(model_cfg, "encoder", None), key, None)
+
+
+def check_the_model_options(config: HiddenCutConfig, criterion_cfg) -> None:
+    """What the criterion can check before training: the model is built, but only fairseq-train's config
+    reaches the criterion (fairseq hands it ``cfg.criterion`` and the task, which keeps no model)."""
+    root = _whole_config(criterion_cfg)
+    model_cfg = root.get("model") if root is not None else None
+    if model_cfg is None:
+        return  # a criterion built from a plain namespace: the first training step checks the model
+    layerdrop = _encoder_option(model_cfg, "layerdrop")
+    if isinstance(layerdrop, (int, float)) and layerdrop > 0:
+        refuse_layerdrop(f"--encoder-layerdrop {layerdrop}")
 
 
 def self_attention_received(attn, query, key_padding_mask, attn_mask) -> tuple:
@@ -86,6 +120,16 @@ class _Hooks:
                 "not repeat its cut"
             )
         self.selected = config.selected_layers(len(layers))
+        # What the options did not show (check_the_model_options). modules(), not iteration: iterating a
+        # LayerDropModuleList in training skips layers at random, drawing from torch's generator.
+        ranked = {id(layers[index]) for index in self.selected}
+        for name, module in model.named_modules():
+            if (
+                isinstance(module, LayerDropModuleList)
+                and module.p > 0
+                and any(id(m) in ranked for m in module.modules())
+            ):
+                refuse_layerdrop(f"the model's {name} (p={module.p})")
         self.recorded = None  # {layer: (received, valid)} while the clean pass runs
         self.cut = SpanCut()
         self.cut_not_dropped = set()  # layers whose fc2 was cut and whose dropout after it is still to come
@@ -98,7 +142,7 @@ class _Hooks:
         """In the cut pass, the layer's ``dropout_module`` call right after ``fc2`` returns its input."""
 
         def cut(module, args, output):
-            if self.cut.plan is not None and self.cut.plan.cuts(index):
+            if self.cut.plan is not None:  # every selected layer has a mask: no LayerDrop skips one
                 self.cut_not_dropped.add(index)
 
         def undropped(module, args, output):
@@ -132,6 +176,7 @@ class HiddenCutLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCrite
         criterion.hiddencut_config = HiddenCutConfig.from_namespace(cfg).validate()
         criterion.hiddencut_hooks = None
         refuse_task_regularizers_beside(NAME, task)
+        check_the_model_options(criterion.hiddencut_config, cfg)
         return criterion
 
     def forward(self, model, sample, reduce=True):

@@ -160,42 +160,6 @@ def test_the_cut_replaces_the_dropout_after_fc2(tiny_mt_data, monkeypatch):
         assert cut.any() and (x[cut] == 0).all() and (x[~cut] != 0).float().mean() > 0.99
 
 
-def test_with_encoder_layerdrop_a_layer_without_a_cut_keeps_its_dropout(tiny_mt_data):
-    """A layer LayerDrop skipped in the clean pass has no span: if it runs in the cut pass, uncut, the
-    dropout after its fc2 still drops; a cut layer's hands the cut output on."""
-    from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
-
-    cfg, task, model, criterion, sample = _setup(
-        tiny_mt_data, "attn_reg_translation", "--encoder-layerdrop", "0.5", dropout="0.5"
-    )
-    _train_step(cfg, task, model, criterion, sample)  # hooks installed
-    layers = [m for m in model.modules() if isinstance(m, TransformerEncoderLayerBase)]  # not thinned
-    events, plans = [], []
-    for i, layer in enumerate(layers):  # (layer, "fc2", in the cut pass) then (layer, output is input)
-        layer.fc2.register_forward_hook(
-            lambda m, a, out, i=i: events.append((i, "fc2", criterion.hiddencut_hooks.cut.plan is not None))
-        )
-        layer.dropout_module.register_forward_hook(lambda m, a, out, i=i: events.append((i, out is a[0])))
-    two_passes = criterion.two_passes
-
-    def spy(*args):
-        out = two_passes(*args)
-        plans.append(out[2])
-        return out
-
-    criterion.two_passes = spy
-    uncut_ran = 0
-    for seed in range(12):
-        events.clear()
-        _train_step(cfg, task, model, criterion, sample, seed=seed)
-        for fc2, dropout in zip(events, events[1:]):
-            if fc2[1:2] == ("fc2",):
-                cut = fc2[2] and fc2[0] in plans[-1].masks
-                assert dropout == (fc2[0], cut), (seed, fc2, sorted(plans[-1].masks))
-                uncut_ran += fc2[2] and not cut
-    assert uncut_ran > 0  # the case arose
-
-
 def test_same_seed_same_step(tiny_mt_data):
     runs = []
     for _ in range(2):
@@ -237,10 +201,69 @@ def test_refused_before_training(tiny_mt_data, extra, message):
         fairseq_setup(tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER, *HIDDENCUT, *extra])
 
 
-def test_layers_past_the_encoder_and_checkpoint_activations_are_refused_at_the_first_step(tiny_mt_data):
-    cfg, task, model, criterion, sample = _setup(tiny_mt_data, "translation", "--hiddencut-layers", "2")
+# HiddenCut ranks and cuts encoder layers: LayerDrop there is refused when the criterion is built
+# (fairseq-train builds the model first), with either task.
+ENCODER_LAYERDROP = (
+    r"^HiddenCut \(--criterion hiddencut_label_smoothed_cross_entropy\) ranks each selected encoder layer's "
+    r"attention in the clean pass and cuts the layer in the cut pass, but --encoder-layerdrop 0.5 skips the "
+    r"encoder's layers at random in training \(LayerDrop\): set --encoder-layerdrop 0 \(--decoder-layerdrop may "
+    r"stay: the decoder is neither ranked nor cut\)$"
+)
+
+
+@pytest.mark.parametrize("task", ["translation", "attn_reg_translation"])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--encoder-layerdrop", "0.5"], ENCODER_LAYERDROP),
+    ],
+)
+def test_refused_when_the_criterion_is_built(tiny_mt_data, task, extra, message):
+    with pytest.raises(ValueError, match=message):
+        fairseq_setup(tiny_mt_data["bin"], ["--task", task, *TINY_TRANSFORMER, *HIDDENCUT, *extra])
+
+
+def test_fairseq_train_refuses_encoder_layerdrop_before_training(tiny_mt_data, tmp_path):
+    """The real CLI: the refusal ends fairseq-train before any data is read, and nothing is written."""
+    import re
+
+    from helpers import fairseq_train
+
+    proc = fairseq_train(
+        tiny_mt_data["bin"], ["--save-dir", tmp_path, *HIDDENCUT_TRAIN, "--encoder-layerdrop", "0.5"], expect_ok=False
+    )
+    assert proc.returncode != 0
+    assert re.search(ENCODER_LAYERDROP[1:-1], proc.stdout, flags=re.M), proc.stdout[-3000:]
+    assert "begin training epoch" not in proc.stdout and not re.search(r"loaded \d+ examples", proc.stdout)
+    assert not list(tmp_path.glob("*.pt"))
+
+
+def test_decoder_layerdrop_and_the_last_layer_are_accepted(tiny_mt_data):
+    """The decoder is neither ranked nor cut (as in the Hugging Face trainers), and 1 is a layer of 2."""
+    cfg, task, model, criterion, sample = _setup(
+        tiny_mt_data, "translation", "--decoder-layerdrop", "0.5", "--hiddencut-layers", "1"
+    )
+    _, _, log = _train_step(cfg, task, model, criterion, sample)
+    assert 0 < log["hiddencut_cut"] < log["hiddencut_tokens"]
+    assert criterion.hiddencut_hooks.selected == [1]
+
+
+def test_what_the_options_did_not_show_is_refused_at_the_first_step(tiny_mt_data):
+    """A model (or a config) changed after the criterion was built: the first step checks the model itself."""
+    from fairseq.modules import LayerDropModuleList
+
+    cfg, task, model, criterion, sample = _setup(tiny_mt_data, "translation")
+    criterion.hiddencut_config.layers = "2"
     with pytest.raises(ValueError, match=r"^--hiddencut-layers: the model has 2 layers \(0-1\), got 2$"):
         _train_step(cfg, task, model, criterion, sample)
+    cfg, task, model, criterion, sample = _setup(tiny_mt_data, "translation")
+    model.encoder.layers = LayerDropModuleList(0.3, list(model.encoder.layers))
+    refused = ENCODER_LAYERDROP.replace("--encoder-layerdrop 0.5", r"the model's encoder.layers \(p=0.3\)")
+    with pytest.raises(ValueError, match=refused):
+        _train_step(cfg, task, model, criterion, sample)
+
+
+def test_checkpoint_activations_are_refused_at_the_first_step(tiny_mt_data):
     cfg, task, model, criterion, sample = _setup(tiny_mt_data, "translation", "--checkpoint-activations")
     with pytest.raises(ValueError, match=r"with --checkpoint-activations is not supported"):
         _train_step(cfg, task, model, criterion, sample)
