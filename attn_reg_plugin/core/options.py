@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 import math
 import typing
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional
 
 
 def option(default: Any, meaning: str, accepted: str) -> Any:
@@ -162,8 +162,3 @@ def config_from_namespace(config_cls, ns, prefix: Optional[str] = None):
         **{f.name: getattr(ns, prefix + f.name) for f in dataclasses.fields(config_cls) if hasattr(ns, prefix + f.name)}
     )
 
-
-def one_regularizer(enabled: Sequence[str]) -> None:
-    """Refuse a run that turns on more than one attention regularizer (named as the user spelled them)."""
-    if len(enabled) > 1:
-        raise ValueError(f"choose one attention regularizer per run; got {' and '.join(enabled)}")
