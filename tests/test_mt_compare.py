@@ -131,7 +131,7 @@ def test_method_cells_merge_options_over_defaults_and_name_what_differs():
     }
     assert methods.method_cell("r-drop", [("--rdrop-alpha", "5")], 3)["name"] == "r-drop"  # the default, spelled out
     three = methods.method_cell("r-drop", [("--rdrop-alpha", "3")], 3)
-    assert three["args"][-2:] == ["--rdrop-alpha", "3"] and three["name"] == "r-drop__rdrop-alpha-3"
+    assert three["args"][-2:] == ["--rdrop-alpha", "3"] and three["name"] == "r-drop_alpha=3"
     assert methods.method_cell("dropkey", [], 3)["args"] == [
         "--criterion", "label_smoothed_cross_entropy", "--attn-sched-dropout-schedule", "dropkey:0.1",
     ]  # fmt: skip
@@ -142,17 +142,63 @@ def test_method_cells_merge_options_over_defaults_and_name_what_differs():
         methods.SweepError, match="--epochs 1 with ad-drop's --ad-drop-schedule cross-tuning never runs"
     ):
         methods.method_cell("ad-drop", [], 1)
-    assert (
-        methods.method_cell("ad-drop", [("--ad-drop-schedule", "always")], 1)["name"]
-        == "ad-drop__ad-drop-schedule-always"
-    )
+    assert methods.method_cell("ad-drop", [("--ad-drop-schedule", "always")], 1)["name"] == "ad-drop_schedule=always"
     both = methods.method_cell("ad-drop-r-drop", [("--ad-drop-p", "0.5"), ("--rdrop-alpha", "3")], 3)
     assert both["args"] == [
         "--criterion", "ad_drop_rdrop_label_smoothed_cross_entropy", "--rdrop-alpha", "3", "--ad-drop-p", "0.5",
     ]  # fmt: skip
-    assert both["name"] == "ad-drop-r-drop__rdrop-alpha-3-ad-drop-p-0.5"
+    assert both["name"] == "ad-drop-r-drop_alpha=3_p=0.5"
     with pytest.raises(methods.SweepError, match="--epochs 1 with ad-drop-r-drop's --ad-drop-schedule cross-tuning"):
         methods.method_cell("ad-drop-r-drop", [], 1)
+
+
+def test_row_names_keep_the_sign_are_short_and_can_be_given():
+    """A row is named after the options that differ from the method's defaults, their signs kept and
+    the method's flag prefix left out; or by the user (METHOD:ROW=ARGS)."""
+    names = [methods.method_cell("r-drop", [("--rdrop-alpha", v)], 3)["name"] for v in ("3", "-3", "1e-3")]
+    assert names == ["r-drop_alpha=3", "r-drop_alpha=-3", "r-drop_alpha=1e-3"]
+    # ':' would split fairseq-generate's --path (checkpoints joined by os.pathsep): it is left out of names.
+    drophead = methods.method_cell("drophead", [("--attn-drophead-schedule", "0:0.1,28:0,56:0.1")], 3)
+    assert drophead["name"] == "drophead_schedule=0_0.1,28_0,56_0.1"
+    assert methods.method_cell("attendout", [("--attendout-dropout-step", "10")], 3)["name"] == (
+        "attendout_dropout-step=10"
+    )
+    long = methods.method_cell("ad-drop", [("--ad-drop-layers", ",".join(map(str, range(40))))], 3)["name"]
+    assert len(long) <= methods.NAME_LIMIT and long.startswith("ad-drop_layers=0,1,2,")
+
+    given = methods.parse_method_args(["drophead:v-shape=--attn-drophead-schedule 0:0.1,28:0,56:0.1"], ["drophead"])
+    assert given == {"drophead": methods.MethodArgs("v-shape", [("--attn-drophead-schedule", "0:0.1,28:0,56:0.1")])}
+    named = methods.method_cell("drophead", given["drophead"].groups, 3, given["drophead"].row)
+    assert named == {**drophead, "name": "v-shape"}  # the same run, under the user's name
+    for value, message in (
+        ("r-drop:dropkey=--rdrop-alpha 3", "--method-args 'r-drop:dropkey=--rdrop-alpha 3': row name dropkey is "
+         "a method's name (its row with its defaults); give another"),
+        ("r-drop:a/b=--rdrop-alpha 3", "row name 'a/b' must be 1 to 60 of letters, digits and . _ , + = -, "
+         "starting with a letter or digit"),
+        ("r-drop:=--rdrop-alpha 3", "row name '' must be 1 to 60 of"),
+    ):  # fmt: skip
+        with pytest.raises(methods.SweepError, match=re.escape(message)):
+            methods.parse_method_args([value], ["plain", "r-drop", "dropkey"])
+
+
+def test_named_rows_reach_the_report_with_their_options_once(fake, tmp_path):
+    out = tmp_path / "cmp"
+    extra = ["--method-args", "r-drop:strong=--rdrop-alpha 10", "--method-args", "ad-drop:ad-drop=--ad-drop-p 0.5"]
+    argv = fake["argv"](out, *extra, methods="plain,r-drop,ad-drop", seeds="1")
+    with pytest.raises(SystemExit):  # ad-drop's own name is its default row
+        compare.main(argv)
+    argv = fake["argv"](out, *extra[:2], "--method-args", "dropkey:strong=--attn-sched-dropout-schedule dropkey:0.2",
+                        methods="plain,r-drop,dropkey", seeds="1")  # fmt: skip
+    with pytest.raises(SystemExit):  # two rows of one name
+        compare.main(argv)
+    assert not out.exists()
+    argv = fake["argv"](out, *extra[:2], methods="plain,r-drop,dropkey", seeds="1")
+    assert compare.main(argv) == 0
+    assert "--rdrop-alpha 10" in _train_line(out, "strong", 1)
+    report = (out / "results.md").read_text()
+    assert "| strong | 1 |" in report and "- strong: not distinguishable from plain at 1 seed" in report
+    listed = [line for line in report.splitlines() if "--rdrop-alpha 10" in line]
+    assert listed == ["- strong (r-drop): `--criterion rdrop_label_smoothed_cross_entropy --rdrop-alpha 10`"]
 
 
 @pytest.mark.parametrize(
@@ -178,7 +224,7 @@ def test_method_cells_merge_options_over_defaults_and_name_what_differs():
         (
             ["--methods", "plain,r-drop", "--method-args", "rdrop=--rdrop-alpha 1"],
             None,
-            "expected METHOD=ARGS with METHOD one of plain",
+            "expected METHOD=ARGS or METHOD:ROW=ARGS with METHOD one of plain",
         ),
         (
             [],
@@ -227,7 +273,7 @@ def test_each_methods_arguments_reach_its_runs_and_results_accumulate(fake, tmp_
     )
     assert compare.main(fake["argv"](out, *extra)) == 0
     assert fake["calls"] == {"fairseq-train": 10, "fairseq-generate": 20}  # 5 methods x 2 seeds; valid and test
-    ad_drop, r_drop = "ad-drop__ad-drop-p-0.5-ad-drop-q-0.5", "r-drop__rdrop-alpha-3"
+    ad_drop, r_drop = "ad-drop_p=0.5_q=0.5", "r-drop_alpha=3"
     expected = {
         "plain": "--criterion label_smoothed_cross_entropy --max-epoch 3",
         ad_drop: "--criterion ad_drop_label_smoothed_cross_entropy --ad-drop-p 0.5 --ad-drop-q 0.5 --max-epoch",
@@ -255,7 +301,7 @@ def test_each_methods_arguments_reach_its_runs_and_results_accumulate(fake, tmp_
     assert f"| {ad_drop} | 1,2 | +0.00 [+0.00, +0.00] |" in table  # ...is shown as "same", not as a p-value
     assert "| seed 1: same (same), seed 2: same (same) |" in table and "seed 1: 0.001 (0.001), seed 2" in table
     assert "| method − plain | paired seeds |" in table and "Verdicts:" in table and (out / "compare.png").exists()
-    assert f"- {ad_drop}: `{expected[ad_drop].removesuffix(' --max-epoch')}`" in table  # the options, as run
+    assert f"- {ad_drop} (ad-drop): `{expected[ad_drop].removesuffix(' --max-epoch')}`" in table  # as run
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # A second command: a third seed for plain and R-Drop only. Nothing recorded is erased or retrained.
@@ -397,7 +443,8 @@ def test_every_methods_options_are_checked_before_anything_trains(
     with pytest.raises(SystemExit):
         compare.main(argv)
     err = capsys.readouterr().err
-    name = methods.method_cell(method, methods.parse_method_args([method_args], [method])[method], 2)["name"]
+    given = methods.parse_method_args([method_args], [method])[method]
+    name = methods.method_cell(method, given.groups, 2, given.row)["name"]
     what = f"{name} ({method})" if name != method else name
     assert f"attn-reg-mt-compare: error: {what} would stop before training, refused by fairseq-train: {refusal}" in err
     assert counted_forks == {"fairseq-train": 0, "fairseq-generate": 0} and not out.exists()
@@ -413,7 +460,7 @@ def _run(seed, valid_bleu, test_bleu, chrf, loss):
 
 
 def _record(name, rows):
-    cell = {"method": name.split("__")[0], "name": name, "args": []}
+    cell = {"method": name.split("_")[0], "name": name, "args": []}
     return summarize(cell, [_run(*row) for row in rows], {})
 
 
@@ -450,6 +497,35 @@ def test_table_means_spreads_and_intervals_by_hand(tmp_path, monkeypatch):
         in lines
     )
     assert "| dropkey | 1 | -1.00 n/a | -1.00 n/a | -1.00 n/a | +0.050 n/a | - |" in lines
+
+
+def test_every_text_of_compare_png_is_inside_the_figure(tmp_path, monkeypatch):
+    """Panel titles, the figure's title and the method names under the axes are drawn whole: none
+    runs past the figure's edge (the third panel's title once did)."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    monkeypatch.setattr(compare_report, "paired_tests", lambda *a: {})
+    names = ["plain", "ad-drop_p=0.5_q=0.5", "r-drop_alpha=3", "drophead_schedule=0_0.1,28_0,56_0.1", "dropkey"]
+    names += ["attendout", "hiddencut", "ad-drop-r-drop_alpha=3_p=0.5"]
+    records = [
+        _record(name, [(1, 20.0, 29.0 + i, 50.0, 4.0), (2, 21.0, 30.0, 51.0, 4.1)]) for i, name in enumerate(names)
+    ]
+    summaries = [compare_report.method_summary(r, records[0], tmp_path, "13a") for r in records]
+    drawn = []
+    monkeypatch.setattr(plt, "close", drawn.append)  # keep the figure draw() saved, to measure it
+    title = "Regularizers against plain, en→ro, 60 epochs, seeds 1,2,3,4,5"
+    assert compare_report.draw(summaries, tmp_path / "compare.png", title, print) == str(tmp_path / "compare.png")
+    (fig,) = drawn
+    renderer = fig.canvas.get_renderer()
+    width, height = fig.canvas.get_width_height()
+    texts = [fig._suptitle] + [t for ax in fig.axes for t in [ax.title, *ax.get_xticklabels(), *ax.get_yticklabels()]]
+    texts = [t for t in texts if t is not None and t.get_text()]
+    assert len(texts) > 3 * len(names)
+    outside = []
+    for text in texts:
+        box = text.get_window_extent(renderer)
+        if box.x0 < -0.5 or box.y0 < -0.5 or box.x1 > width + 0.5 or box.y1 > height + 0.5:
+            outside.append(text.get_text())
+    assert outside == []
 
 
 def _diffs(bleu, loss):

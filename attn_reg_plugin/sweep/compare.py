@@ -17,7 +17,13 @@ which you give: its V is in updates) and ad-drop-r-drop (ad_drop_rdrop_label_smo
 R-Drop over AD-DROP's masked pass, alpha 5), each accepted only when the installed plugin provides it.
 ``--method-args METHOD='ARGS'`` (repeatable) gives a method its own options (only its own flags:
 --ad-drop-*, --rdrop-*, --attn-sched-dropout-*, --attendout*, --hiddencut-*, --attn-drophead-*); they
-replace its defaults, and a method run with other options is another row (``r-drop__rdrop-alpha-3``).
+replace its defaults, and a method run with other options is another row, named after them without
+the method's flag prefix (``r-drop_alpha=3``), or as you name it: ``METHOD:ROW='ARGS'``
+(``'drophead:v-shape=--attn-drophead-schedule 0:0.1,870:0,1740:0.1'``; letters, digits and . _ , + = -,
+not a method's name). results.md lists every row's method and options in full. Every method's
+options are checked before anything trains (its task, model and criterion built as fairseq-train
+builds them), and a run that diverges (fairseq-train's FloatingPointError) is recorded as diverged:
+its row is flagged and not compared, the other methods are.
 
 Each method and seed runs as attn-reg-mt-sweep runs a cell (task attn_reg_translation, the same
 resume, lock, signals and length-bounded fairseq-generate), and the valid and test splits are
@@ -70,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--method-args",
         action="append",
         default=[],
-        metavar="METHOD=ARGS",
-        help="a method's own fairseq-train options, e.g. 'r-drop=--rdrop-alpha 3' (repeatable; replace its defaults)",
+        metavar="METHOD[:ROW]=ARGS",
+        help="a method's own fairseq-train options, e.g. 'r-drop=--rdrop-alpha 3' (repeatable; they replace its "
+        "defaults); its row is named after them (r-drop_alpha=3), or ROW: 'r-drop:strong=--rdrop-alpha 10'",
     )
     add_run_options(ap, test_is_optional=False)
     return ap
@@ -89,7 +96,16 @@ def parse_args(argv: Sequence[str], provided: Optional[set] = None):
         check_shared_args(train_args)
         methods = parse_methods(opts.methods, provided)
         given = parse_method_args(opts.method_args, methods)
-        opts.cells = [method_cell(m, given.get(m, []), opts.epochs) for m in methods]
+        opts.cells = [
+            method_cell(m, given[m].groups, opts.epochs, given[m].row)
+            if m in given
+            else method_cell(m, [], opts.epochs)
+            for m in methods
+        ]
+        names = [c["name"] for c in opts.cells]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise SweepError(f"--method-args: two rows are named {', '.join(twice)}; give each row its own name")
     except SweepError as e:
         ap.error(str(e))
     check_train_args(ap, train_args)

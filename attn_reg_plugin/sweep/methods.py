@@ -77,6 +77,17 @@ METHOD_FLAG_PREFIXES = (
     "--attn-drophead-",
 )
 NAME_LIMIT = 60
+# A row's name is a folder under runs/ and a file under cells/, and part of fairseq-generate's
+# --path, which fairseq splits at os.pathsep (':'): only these characters.
+ROW_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._,+=-]*")
+_NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9._,+-]+")
+
+
+class MethodArgs(NamedTuple):
+    """A method's ``--method-args``: the row's name when the user gave one, and its options."""
+
+    row: Optional[str]
+    groups: List[Tuple[str, ...]]
 
 
 def parse_methods(text: str, provided: Optional[set]) -> List[str]:
@@ -145,16 +156,21 @@ def _groups(words: Sequence[str]) -> List[Tuple[str, ...]]:
     return [tuple(g) for g in groups]
 
 
-def parse_method_args(values: Sequence[str], methods: Sequence[str]) -> Dict[str, List[Tuple[str, ...]]]:
-    """``--method-args METHOD=ARGS`` (repeatable): each method's own options, checked against its
-    flag prefixes. Raises :class:`SweepError` naming the option."""
-    out: Dict[str, List[Tuple[str, ...]]] = {}
+def parse_method_args(values: Sequence[str], methods: Sequence[str]) -> Dict[str, MethodArgs]:
+    """``--method-args METHOD=ARGS`` or ``METHOD:ROW=ARGS`` (repeatable): each method's own options,
+    checked against its flag prefixes, and the name of its row when given. Raises
+    :class:`SweepError` naming the option."""
+    out: Dict[str, MethodArgs] = {}
     for value in values:
-        name, sep, text = value.partition("=")
-        name = name.strip()
+        head, sep, text = value.partition("=")
+        name, named, row = (part.strip() for part in head.partition(":"))
         where = f"--method-args {value!r}"
         if not sep or name not in METHODS:
-            raise SweepError(f"{where}: expected METHOD=ARGS with METHOD one of {', '.join(METHODS)}")
+            raise SweepError(
+                f"{where}: expected METHOD=ARGS or METHOD:ROW=ARGS with METHOD one of {', '.join(METHODS)}"
+            )
+        if named:
+            _check_row_name(row, where)
         if name not in methods:
             raise SweepError(f"{where}: {name} is not in --methods ({','.join(methods)})")
         if name in out:
@@ -170,13 +186,24 @@ def parse_method_args(values: Sequence[str], methods: Sequence[str]) -> Dict[str
                 " or ".join(f"{p}*" for p in prefixes) or "none (plain is the reference; shared options go after '--')"
             )
             raise SweepError(f"{where}: {name}'s options are {own}; got {', '.join(foreign) or 'nothing'}")
-        out[name] = groups
+        out[name] = MethodArgs(row if named else None, groups)
     return out
 
 
-def method_cell(name: str, given: Sequence[Tuple[str, ...]], epochs: int) -> dict:
+def _check_row_name(row: str, where: str) -> None:
+    if not ROW_NAME.fullmatch(row) or len(row) > NAME_LIMIT:
+        raise SweepError(
+            f"{where}: row name {row!r} must be 1 to {NAME_LIMIT} of letters, digits and . _ , + = -, starting "
+            "with a letter or digit"
+        )
+    if row in METHODS:
+        raise SweepError(f"{where}: row name {row} is a method's name (its row with its defaults); give another")
+
+
+def method_cell(name: str, given: Sequence[Tuple[str, ...]], epochs: int, row: Optional[str] = None) -> dict:
     """The cell of ``name`` with its options ``given`` over its defaults: ``{"method", "name",
-    "args"}``, its name the method's, plus its options when they differ from the defaults."""
+    "args"}``, named ``row`` when given, else the method's name, plus its options when they differ
+    from the defaults (:func:`derived_name`)."""
     spec = METHODS[name]
     merged = {g[0]: g for g in spec.defaults}
     merged.update({g[0]: g for g in given})
@@ -185,12 +212,7 @@ def method_cell(name: str, given: Sequence[Tuple[str, ...]], epochs: int) -> dic
         raise SweepError(f"{name} needs {', '.join(missing)} in --method-args: {spec.what}")
     args = ["--criterion", spec.criterion] + [w for g in merged.values() for w in g]
     changed = [g for g in merged.values() if g not in spec.defaults]
-    label = name
-    if changed:
-        slug = re.sub(r"[^A-Za-z0-9.]+", "-", " ".join(w.lstrip("-") for g in changed for w in g)).strip("-")
-        if len(slug) > NAME_LIMIT:
-            slug = slug[:NAME_LIMIT] + "-" + hashlib.sha1(slug.encode()).hexdigest()[:8]
-        label = f"{name}__{slug}"
+    label = row if row is not None else derived_name(name, changed)
     if name.startswith("ad-drop"):
         schedule = merged.get("--ad-drop-schedule", ("", "cross-tuning"))[-1]
         if first_ad_drop_epoch(schedule, epochs) is None:
@@ -199,6 +221,24 @@ def method_cell(name: str, given: Sequence[Tuple[str, ...]], epochs: int) -> dic
                 f"AD-DROP epoch is epoch 2): give --epochs >= 2, or --method-args '{name}=--ad-drop-schedule always'"
             )
     return {"method": name, "name": label, "args": args}
+
+
+def derived_name(method: str, changed: Sequence[Tuple[str, ...]]) -> str:
+    """``method`` and, per option that differs from its defaults, the flag without the method's
+    prefix and its value, sign kept: ``r-drop_alpha=-3``, ``ad-drop_p=0.5_q=0.5``. Characters a
+    folder name cannot hold safely (':' of schedules) become '_'; a name over NAME_LIMIT ends in a
+    hash of the options (results.md lists every row's options in full)."""
+    parts = [method]
+    for flag, *values in changed:
+        prefix = next((p for p in METHODS[method].prefixes if flag.startswith(p) and flag != p), "--")
+        short = flag[len(prefix) :].lstrip("-")
+        value = _NOT_IN_NAMES.sub("_", " ".join(values))
+        parts.append(f"{short}={value}" if values else short)
+    label = "_".join(parts)
+    if len(label) > NAME_LIMIT:
+        digest = hashlib.sha1(label.encode()).hexdigest()[:8]
+        label = f"{label[: NAME_LIMIT - len(digest) - 1]}-{digest}"
+    return label
 
 
 def check_shared_args(train_args: Sequence[str]) -> None:
