@@ -4,6 +4,7 @@ over every method run in the ``--out-dir`` (earlier commands' too)."""
 
 from __future__ import annotations
 
+import textwrap
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -21,6 +22,9 @@ from .paired import (
 )
 from .report import _versions, write_json
 from .verdict import flags, plain_of
+
+# A panel title's line, in characters: a third of compare.png's width at matplotlib's default font.
+PANEL_TITLE_CHARACTERS = 40
 
 
 def ordered(records: List[dict]) -> List[dict]:
@@ -129,8 +133,12 @@ def write_comparison(records: List[dict], opts, started: float, log: Callable[[s
     verdicts = [s["verdict"] for s in summaries if "verdict" in s]
     translated = [run["test"] for r in records for run in r["runs"] if run.get("test") is not None]
     reference = translated[0]["reference"] if translated else "the test references (no run was translated)"
-    # A row's name is a slug of its options (':' and ',' lost): the options themselves, as run.
-    options = [f"- {s['name']}: `{' '.join(s['args'] or [])}`" for s in summaries]
+    # A row's name is the user's, or a short form of its options (':' left out): its method and
+    # options in full, as run, once.
+    options = [
+        f"- {s['name']}{'' if s['name'] == s['method'] else ' (' + s['method'] + ')'}: `{' '.join(s['args'] or [])}`"
+        for s in summaries
+    ]
     lines = [f"{title}, on {opts.data_bin}", "", *tables(summaries), "", "Each row's own fairseq-train options:"]
     lines += [*options, "", "Verdicts:", *(f"- {v}" for v in verdicts)]
     lines += [
@@ -157,6 +165,10 @@ def write_comparison(records: List[dict], opts, started: float, log: Callable[[s
     log(f"results: {out / 'results.md'}, {out / 'results.json'}" + (f", {drawn}" if drawn else ""))
 
 
+def _wrapped(title: str, width: int = PANEL_TITLE_CHARACTERS) -> str:
+    return "\n".join(textwrap.fill(line, width) for line in title.split("\n"))
+
+
 def draw(summaries: List[dict], path: Path, title: str, log: Callable[[str], None]) -> Optional[str]:
     """compare.png: per method the mean test BLEU with each seed's point; each method's difference to
     plain (test BLEU, best valid loss) with its 95% interval and the per-seed differences."""
@@ -168,14 +180,16 @@ def draw(summaries: List[dict], path: Path, title: str, log: Callable[[str], Non
     except ImportError:
         log("compare.png skipped: matplotlib is not installed (pip install 'attn_reg_plugin[plots]')")
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    # Constrained layout makes room for every title and rotated method name inside the figure; the
+    # titles are wrapped so that none is wider than its panel.
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.5), layout="constrained")
     names = [s["name"] for s in summaries]
     for i, s in enumerate(summaries):
         m = s["metrics"]["test_bleu"]
         axes[0].scatter([i] * len(m["per_seed"]), list(m["per_seed"].values()), color="gray", s=14, zorder=2)
         if m["mean"] is not None:
             axes[0].scatter([i], [m["mean"]], color="black", marker="_", s=400, zorder=3)
-    axes[0].set_title("test BLEU (bar: mean; dots: seeds)")
+    axes[0].set_title(_wrapped("test BLEU\n(bar: mean; dots: seeds)"))
     others = [s for s in summaries if "differences" in s]
     for ax, key, label in (
         (axes[1], "test_bleu", "test BLEU − plain"),
@@ -190,11 +204,10 @@ def draw(summaries: List[dict], path: Path, title: str, log: Callable[[str], Non
                     [i], [d["mean"]], yerr=[[d["mean"] - low], [high - d["mean"]]], fmt="o", color="C0", capsize=5
                 )
         ax.axhline(0.0, color="black", lw=0.8)
-        ax.set_title(f"{label} (95% CI; dots: seeds)")
+        ax.set_title(_wrapped(f"{label}\n(95% CI; dots: seeds)"))
         ax.set_xticks(range(len(others)), [s["name"] for s in others], rotation=30, ha="right")
     axes[0].set_xticks(range(len(names)), names, rotation=30, ha="right")
     fig.suptitle(title)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
