@@ -91,15 +91,16 @@ class HiddenCutConfig(RegularizerOptions):
         parse_layers(self.layers, self.name("layers"))
         return self
 
-    def selected_layers(self, count: int) -> list:
-        """The 0-based indices ``layers`` selects among ``count`` layers; an index past them is refused."""
+    def selected_layers(self, count: int, what: str = "layers") -> list:
+        """The 0-based indices ``layers`` selects among ``count`` layers (``what``: their name in the error,
+        e.g. fairseq's "encoder layers"); an index past them is refused."""
         from .controller import parse_layers
 
         wanted = parse_layers(self.layers, self.name("layers"))
         if wanted is None:
             return list(range(count))
         if wanted[-1] >= count:
-            raise ValueError(f"{self.name('layers')}: the model has {count} layers (0-{count - 1}), got {wanted[-1]}")
+            raise ValueError(f"{self.name('layers')}: the model has {count} {what} (0-{count - 1}), got {wanted[-1]}")
         return wanted
 
 

@@ -18,8 +18,8 @@ tokens of both passes' label-smoothed CE plus alpha times their JS divergence, d
 Refused when the criterion is built (fairseq-train builds the model first; the options are read from
 its config, with either task): ``--encoder-layerdrop`` above 0 (a layer LayerDrop skips has no map in
 the clean pass or takes no cut in the cut pass; the decoder's is allowed, as in the Hugging Face
-trainers). The first training step checks the model itself again, for a criterion built without
-fairseq-train's config. The cut pass's masks are
+trainers) and ``--hiddencut-layers`` past the encoder's layers. The first training step checks the
+model itself again, for a criterion built without fairseq-train's config. The cut pass's masks are
 held only while it runs, so a layer recomputed in the backward would not repeat them:
 ``--checkpoint-activations`` is refused at the first training step.
 """
@@ -87,6 +87,9 @@ def check_the_model_options(config: HiddenCutConfig, criterion_cfg) -> None:
     layerdrop = _encoder_option(model_cfg, "layerdrop")
     if isinstance(layerdrop, (int, float)) and layerdrop > 0:
         refuse_layerdrop(f"--encoder-layerdrop {layerdrop}")
+    count = _encoder_option(model_cfg, "layers")
+    if isinstance(count, int) and not isinstance(count, bool):
+        config.selected_layers(count, "encoder layers")  # refuses an index past them
 
 
 def self_attention_received(attn, query, key_padding_mask, attn_mask) -> tuple:
@@ -119,7 +122,7 @@ class _Hooks:
                 f"--criterion {NAME} with --checkpoint-activations is not supported: a recomputed layer would "
                 "not repeat its cut"
             )
-        self.selected = config.selected_layers(len(layers))
+        self.selected = config.selected_layers(len(layers), "encoder layers")
         # What the options did not show (check_the_model_options). modules(), not iteration: iterating a
         # LayerDropModuleList in training skips layers at random, drawing from torch's generator.
         ranked = {id(layers[index]) for index in self.selected}

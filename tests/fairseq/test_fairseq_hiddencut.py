@@ -201,8 +201,8 @@ def test_refused_before_training(tiny_mt_data, extra, message):
         fairseq_setup(tiny_mt_data["bin"], ["--task", "attn_reg_translation", *TINY_TRANSFORMER, *HIDDENCUT, *extra])
 
 
-# HiddenCut ranks and cuts encoder layers: LayerDrop there is refused when the criterion is built
-# (fairseq-train builds the model first), with either task.
+# HiddenCut ranks and cuts encoder layers: LayerDrop there, or a layer the encoder lacks, is refused when the
+# criterion is built (fairseq-train builds the model first), with either task.
 ENCODER_LAYERDROP = (
     r"^HiddenCut \(--criterion hiddencut_label_smoothed_cross_entropy\) ranks each selected encoder layer's "
     r"attention in the clean pass and cuts the layer in the cut pass, but --encoder-layerdrop 0.5 skips the "
@@ -216,6 +216,8 @@ ENCODER_LAYERDROP = (
     "extra, message",
     [
         (["--encoder-layerdrop", "0.5"], ENCODER_LAYERDROP),
+        (["--hiddencut-layers", "5"], r"^--hiddencut-layers: the model has 2 encoder layers \(0-1\), got 5$"),
+        (["--hiddencut-layers", "0,2"], r"^--hiddencut-layers: the model has 2 encoder layers \(0-1\), got 2$"),
     ],
 )
 def test_refused_when_the_criterion_is_built(tiny_mt_data, task, extra, message):
@@ -223,17 +225,22 @@ def test_refused_when_the_criterion_is_built(tiny_mt_data, task, extra, message)
         fairseq_setup(tiny_mt_data["bin"], ["--task", task, *TINY_TRANSFORMER, *HIDDENCUT, *extra])
 
 
-def test_fairseq_train_refuses_encoder_layerdrop_before_training(tiny_mt_data, tmp_path):
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--encoder-layerdrop", "0.5"], ENCODER_LAYERDROP[1:-1]),
+        (["--hiddencut-layers", "5"], r"--hiddencut-layers: the model has 2 encoder layers \(0-1\), got 5"),
+    ],
+)
+def test_fairseq_train_refuses_before_training(tiny_mt_data, tmp_path, extra, message):
     """The real CLI: the refusal ends fairseq-train before any data is read, and nothing is written."""
     import re
 
     from helpers import fairseq_train
 
-    proc = fairseq_train(
-        tiny_mt_data["bin"], ["--save-dir", tmp_path, *HIDDENCUT_TRAIN, "--encoder-layerdrop", "0.5"], expect_ok=False
-    )
+    proc = fairseq_train(tiny_mt_data["bin"], ["--save-dir", tmp_path, *HIDDENCUT_TRAIN, *extra], expect_ok=False)
     assert proc.returncode != 0
-    assert re.search(ENCODER_LAYERDROP[1:-1], proc.stdout, flags=re.M), proc.stdout[-3000:]
+    assert re.search("ValueError: " + message + "$", proc.stdout, flags=re.M), proc.stdout[-3000:]
     assert "begin training epoch" not in proc.stdout and not re.search(r"loaded \d+ examples", proc.stdout)
     assert not list(tmp_path.glob("*.pt"))
 
@@ -254,7 +261,7 @@ def test_what_the_options_did_not_show_is_refused_at_the_first_step(tiny_mt_data
 
     cfg, task, model, criterion, sample = _setup(tiny_mt_data, "translation")
     criterion.hiddencut_config.layers = "2"
-    with pytest.raises(ValueError, match=r"^--hiddencut-layers: the model has 2 layers \(0-1\), got 2$"):
+    with pytest.raises(ValueError, match=r"^--hiddencut-layers: the model has 2 encoder layers \(0-1\), got 2$"):
         _train_step(cfg, task, model, criterion, sample)
     cfg, task, model, criterion, sample = _setup(tiny_mt_data, "translation")
     model.encoder.layers = LayerDropModuleList(0.3, list(model.encoder.layers))
