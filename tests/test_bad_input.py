@@ -185,7 +185,8 @@ HIDDENCUT_BAD: List[Bad] = [
     Bad(
         "layers", "first", _SAME, "{opt} must be 'all' or a comma-separated list of 0-based layer indices, got 'first'"
     ),
-    # past the model's layers: the trainer knows the model at construction; fairseq's criterion at its first step
+    # past the model's layers: the trainer knows the model at construction, fairseq's criterion when it is built
+    # (tests/fairseq/test_fairseq_hiddencut.py checks fairseq's message, which says "encoder layers")
     Bad("layers", None, "5", "{opt}: the model has 2 layers (0-1), got 5"),
 ]
 HIDDENCUT_BAD_TYPES = [("--hiddencut-ratio", "x", "argument --hiddencut-ratio: invalid float value: 'x'")]

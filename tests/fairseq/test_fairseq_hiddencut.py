@@ -192,8 +192,12 @@ def test_reduce_metrics_logs_js_in_bits_and_summed_counts():
         (["--hiddencut-ratio", "0"], r"^--hiddencut-ratio must be a fraction in \(0, 1\], got 0.0$"),
         (["--hiddencut-top", "1.5"], r"^--hiddencut-top must be a fraction in \(0, 1\], got 1.5$"),
         (["--hiddencut-alpha", "-1"], r"^--hiddencut-alpha must be a finite number >= 0, got -1.0$"),
-        (["--attn-layerdrop-p", "0.2"], r"^choose one attention regularizer per run; got --criterion hiddencut_"),
-        (["--attn-drophead-schedule", "0:0.3"], r"cross_entropy and --attn-drophead-schedule$"),
+        (
+            ["--attn-layerdrop-p", "0.2"],
+            r"^HiddenCut \(--criterion hiddencut_label_smoothed_cross_entropy\) and attention LayerDrop "
+            r"\(--attn-layerdrop-p\) do not combine in one run",
+        ),
+        (["--attn-drophead-schedule", "0:0.3"], r"cross_entropy\) and DropHead \(--attn-drophead-schedule\) do not"),
     ],
 )
 def test_refused_before_training(tiny_mt_data, extra, message):
