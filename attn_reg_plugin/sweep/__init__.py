@@ -52,6 +52,7 @@ from typing import Callable, Optional, Sequence
 from ..core.ad_drop_config import SCHEDULES
 from ..core.attribution import ATTRIBUTIONS
 from ..paths import OutputOverwritesInputError, check_outputs_spare_inputs
+from .fairseq_check import check_fairseq_args
 from .heatmap import heatmap
 from .options import (
     OWNED,
@@ -69,7 +70,7 @@ from .options import (
 from .processes import run_locked
 from .records import log_fields
 from .report import write_json, write_results
-from .runs import check_fairseq_args, run_appended, run_cells, translate_and_score
+from .runs import run_appended, run_cells, translate_and_score
 from .verdict import best_cell
 
 __all__ = [

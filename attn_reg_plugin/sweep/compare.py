@@ -49,11 +49,12 @@ from typing import Callable, List, Optional, Sequence
 from ..paths import OutputOverwritesInputError
 from . import _check_inputs, _check_same_settings, sweep_settings
 from .compare_report import write_comparison
+from .fairseq_check import check_fairseq_args
 from .methods import METHODS, check_shared_args, method_cell, parse_method_args, parse_methods, plugin_provides
 from .options import SweepError, add_run_options, check_train_args, parse_epochs_seeds, parse_scoring, split_train_args
 from .processes import run_locked
 from .report import write_json
-from .runs import check_fairseq_args, run_cells
+from .runs import run_cells
 
 PROG = "attn-reg-mt-compare"
 COMPARE_OUTPUTS = ("sweep.json", "sweep.lock", "cells", "runs", "results.json", "results.md", "compare.png")
