@@ -201,6 +201,29 @@ def test_named_rows_reach_the_report_with_their_options_once(fake, tmp_path):
     assert listed == ["- strong (r-drop): `--criterion rdrop_label_smoothed_cross_entropy --rdrop-alpha 10`"]
 
 
+def test_a_row_recorded_under_an_older_name_is_continued_not_retrained(fake, tmp_path, capsys):
+    """Rows an earlier version named (r-drop__rdrop-alpha-3) are kept: the same method and options
+    continue that row, more seeds included, rather than training a second row of another name."""
+    out = tmp_path / "cmp"
+    old = fake["argv"](out, "--method-args", "r-drop:r-drop__rdrop-alpha-3=--rdrop-alpha 3", methods="plain,r-drop")
+    assert compare.main(old) == 0
+    assert fake["calls"]["fairseq-train"] == 4
+    capsys.readouterr()
+    argv = fake["argv"](out, "--method-args", "r-drop=--rdrop-alpha 3", methods="plain,r-drop", seeds="1,2,3")
+    assert compare.main(argv) == 0
+    assert fake["calls"]["fairseq-train"] == 6  # seed 3 of plain and of the recorded row, nothing else
+    assert f"r-drop_alpha=3: recorded in {out} as r-drop__rdrop-alpha-3" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert {m["name"]: m["seeds"] for m in results["methods"]} == {
+        "plain": [1, 2, 3],
+        "r-drop__rdrop-alpha-3": [1, 2, 3],
+    }
+    named = fake["argv"](out, "--method-args", "r-drop:strong=--rdrop-alpha 3", methods="plain,r-drop", seeds="4")
+    with pytest.raises(SystemExit):
+        compare.main(named)
+    assert "names a row strong, but --out-dir" in capsys.readouterr().err and fake["calls"]["fairseq-train"] == 6
+
+
 @pytest.mark.parametrize(
     "extra, train, message",
     [

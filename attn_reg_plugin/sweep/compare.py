@@ -103,6 +103,7 @@ def parse_args(argv: Sequence[str], provided: Optional[set] = None):
             else method_cell(m, [], opts.epochs)
             for m in methods
         ]
+        opts.named_rows = {g.row for g in given.values() if g.row is not None}
         names = [c["name"] for c in opts.cells]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
@@ -130,6 +131,7 @@ def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = prin
 def _locked_main(ap, opts, settings: dict, log: Callable[[str], None]) -> int:
     try:
         _check_same_settings(opts.out_dir, settings)
+        opts.cells = [_recorded_name(opts.out_dir, cell, opts.named_rows, log) for cell in opts.cells]
         _check_same_cells(opts.out_dir, opts.cells)
     except SweepError as e:
         ap.error(str(e))
@@ -149,6 +151,29 @@ def _locked_main(ap, opts, settings: dict, log: Callable[[str], None]) -> int:
     return 0
 
 
+def _recorded_name(out: Path, cell: dict, named_rows: set, log: Callable[[str], None]) -> dict:
+    """``cell``, or the cell of the same method and options that ``out`` recorded under another name
+    (an earlier version's name, r-drop__rdrop-alpha-3): its runs are kept and its row continued, not
+    retrained under a second name. A row the user named is refused there instead."""
+    import json
+
+    for path in [*sorted((out / "cells").glob("*.json")), *sorted((out / "runs").glob("*/seed*/result.json"))]:
+        saved = json.loads(path.read_text(encoding="utf-8")).get("cell", {})
+        if saved.get("name") == cell["name"] or (saved.get("method"), saved.get("args")) != (
+            cell["method"],
+            cell["args"],
+        ):
+            continue
+        if cell["name"] in named_rows:
+            raise SweepError(
+                f"--method-args names a row {cell['name']}, but --out-dir {out} has run its method and options as "
+                f"{saved['name']}: leave the name out (or name it {saved['name']}) to continue that row"
+            )
+        log(f"{cell['name']}: recorded in {out} as {saved['name']} (the same method and options): continued as that")
+        return saved
+    return cell
+
+
 def _check_same_cells(out: Path, cells: List[dict]) -> None:
     """A run folder of this name trained with other arguments (an older plugin's defaults) is
     refused before anything runs: its checkpoints would be scored as this cell's."""
@@ -160,7 +185,7 @@ def _check_same_cells(out: Path, cells: List[dict]) -> None:
             if saved.get("cell") != cell:
                 raise SweepError(
                     f"{path} ran {cell['name']} with {saved.get('cell', {}).get('args')}, now "
-                    f"{cell['args']}: use another --out-dir"
+                    f"{cell['args']}: name this row (--method-args METHOD:ROW=ARGS) or use another --out-dir"
                 )
 
 
