@@ -431,6 +431,7 @@ def test_a_diverged_method_is_recorded_and_the_others_still_compared(tiny_mt_dat
     assert set(by_name["dropkey"]["paired_tests"]) == {"1"}  # plain and DropKey: sacrebleu's test ran
     report = (out / "results.md").read_text()
     assert f"| {r_drop} | 1 | - | - | - | - | diverged ({reason}) |" in report
+    assert f"| {r_drop} | - | - | - | - | - | - |" in report  # no paired seed, no difference
     assert f"- {r_drop}: not compared: diverged ({reason})" in report
 
     # The same command again: nothing trains or translates, and the report is written again.

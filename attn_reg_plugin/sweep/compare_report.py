@@ -115,7 +115,8 @@ def tables(summaries: List[dict]) -> List[str]:
         d = s["differences"]
         cells = " | ".join(_difference(d[key], digits) for key, _, _, digits in METRICS)
         tests = ", ".join(f"seed {seed}: {_p(t, 'bleu')} ({_p(t, 'chrf')})" for seed, t in s["paired_tests"].items())
-        lines.append(f"| {s['name']} | {','.join(map(str, d['test_bleu']['seeds']))} | {cells} | {tests or '-'} |")
+        paired = ",".join(map(str, d["test_bleu"]["seeds"])) or "-"  # none: a diverged row has no scores
+        lines.append(f"| {s['name']} | {paired} | {cells} | {tests or '-'} |")
     return lines
 
 
