@@ -552,6 +552,21 @@ def test_every_text_of_compare_png_is_inside_the_figure(tmp_path, monkeypatch):
     assert outside == []
 
 
+def test_compare_png_says_where_a_row_diverged(tmp_path, monkeypatch):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    monkeypatch.setattr(compare_report, "paired_tests", lambda *a: {})
+    plain = _record("plain", [(1, 20.0, 29.0, 50.0, 4.0)])
+    stopped = {**_run(1, None, None, None, None), "test": None, "valid": None, "diverged": "fairseq-train stopped"}
+    diverged = summarize({"method": "r-drop", "name": "r-drop", "args": []}, [stopped], {})
+    summaries = [compare_report.method_summary(r, plain, tmp_path, "13a") for r in (plain, diverged)]
+    drawn = []
+    monkeypatch.setattr(plt, "close", drawn.append)
+    compare_report.draw(summaries, tmp_path / "compare.png", "t", print)
+    (fig,) = drawn
+    notes = [[t.get_text() for t in ax.texts] for ax in fig.axes]
+    assert notes == [["diverged"], ["diverged"], ["diverged"]]
+
+
 def _diffs(bleu, loss):
     return {"test_bleu": paired.paired_difference(*bleu), "valid_loss": paired.paired_difference(*loss)}
 

@@ -170,6 +170,12 @@ def _wrapped(title: str, width: int = PANEL_TITLE_CHARACTERS) -> str:
     return "\n".join(textwrap.fill(line, width) for line in title.split("\n"))
 
 
+def _no_points(ax, x: int, summary: dict) -> None:
+    """Say at ``x`` why a row has nothing to draw: it diverged, or it shares no seed with plain."""
+    why = "diverged" if any(f.startswith("diverged") for f in summary["flags"]) else "no seed in common"
+    ax.annotate(why, (x, 0.5), xycoords=("data", "axes fraction"), ha="center", va="center", rotation=90, color="C3")
+
+
 def draw(summaries: List[dict], path: Path, title: str, log: Callable[[str], None]) -> Optional[str]:
     """compare.png: per method the mean test BLEU with each seed's point; each method's difference to
     plain (test BLEU, best valid loss) with its 95% interval and the per-seed differences."""
@@ -190,6 +196,8 @@ def draw(summaries: List[dict], path: Path, title: str, log: Callable[[str], Non
         axes[0].scatter([i] * len(m["per_seed"]), list(m["per_seed"].values()), color="gray", s=14, zorder=2)
         if m["mean"] is not None:
             axes[0].scatter([i], [m["mean"]], color="black", marker="_", s=400, zorder=3)
+        else:
+            _no_points(axes[0], i, s)
     axes[0].set_title(_wrapped("test BLEU\n(bar: mean; dots: seeds)"))
     others = [s for s in summaries if "differences" in s]
     for ax, key, label in (
@@ -204,10 +212,14 @@ def draw(summaries: List[dict], path: Path, title: str, log: Callable[[str], Non
                 ax.errorbar(
                     [i], [d["mean"]], yerr=[[d["mean"] - low], [high - d["mean"]]], fmt="o", color="C0", capsize=5
                 )
+            else:
+                _no_points(ax, i, s)
         ax.axhline(0.0, color="black", lw=0.8)
         ax.set_title(_wrapped(f"{label}\n(95% CI; dots: seeds)"))
         ax.set_xticks(range(len(others)), [s["name"] for s in others], rotation=30, ha="right")
+        ax.set_xlim(-0.5, len(others) - 0.5)  # half a slot each side: the edge rows' marks and notes in view
     axes[0].set_xticks(range(len(names)), names, rotation=30, ha="right")
+    axes[0].set_xlim(-0.5, len(names) - 0.5)
     fig.suptitle(title)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
