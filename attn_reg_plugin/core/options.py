@@ -161,4 +161,3 @@ def config_from_namespace(config_cls, ns, prefix: Optional[str] = None):
     return config_cls(
         **{f.name: getattr(ns, prefix + f.name) for f in dataclasses.fields(config_cls) if hasattr(ns, prefix + f.name)}
     )
-

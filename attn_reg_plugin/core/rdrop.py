@@ -61,16 +61,18 @@ class RDropConfig(RegularizerOptions):
 
 
 def model_dropout(model: torch.nn.Module) -> dict:
-    """Where ``model`` drops at random in training, {where: probability > 0}: modules with a drop
-    probability ``p`` (torch's Dropout, fairseq's FairseqDropout) and float attributes named for a
-    dropout (transformers' ``attention_dropout``, BART's ``self.dropout``, BERT's ``dropout_prob``)."""
+    """Where ``model`` drops something at random in training, {where: probability > 0}: modules named
+    for a drop with a probability ``p`` (torch's Dropout, fairseq's FairseqDropout and
+    LayerDropModuleList) and float attributes named for one (transformers' ``attention_dropout``,
+    BART's ``self.dropout``, BERT's ``dropout_prob``, ``layerdrop``, ConvNeXt's ``drop_prob``). A
+    drop stored under another name is not seen: the warning this feeds may then be wrong."""
     found = {}
     for name, module in model.named_modules():
         p = getattr(module, "p", None)
-        if "Dropout" in type(module).__name__ and isinstance(p, float) and p > 0:
+        if "drop" in type(module).__name__.lower() and isinstance(p, float) and p > 0:
             found[name or type(module).__name__] = p
         for attribute, value in vars(module).items():
-            if "dropout" in attribute and isinstance(value, float) and value > 0:
+            if "drop" in attribute.lower() and isinstance(value, float) and value > 0:
                 found[f"{name}.{attribute}" if name else attribute] = value
     return found
 
@@ -81,7 +83,8 @@ def no_dropout_warning(model: torch.nn.Module, method: str, how_to_add: str) -> 
     if model_dropout(model):
         return None
     return (
-        f"{method}: {type(model).__name__} has no dropout anywhere (every dropout probability is 0), so the two "
+        f"{method}: {type(model).__name__} has no dropout anywhere (every dropout, LayerDrop or drop-path "
+        "probability is 0), so the two "
         f"passes are identical: the KL is 0 at every step and each step costs two passes. R-Drop needs the "
         f"model's dropout: {how_to_add}"
     )

@@ -58,6 +58,7 @@ class RDropLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion
         """The base criterion, built as fairseq builds it, then R-Drop's options from the same cfg (checked here)."""
         criterion = super().build_criterion(cfg, task)
         criterion.rdrop_config = RDropConfig.from_namespace(cfg).validate()
+        criterion.criterion_name = str(getattr(cfg, "_name", NAME))  # as the user named it (a subclass's too)
         if not hasattr(criterion, "attach_attention_sites"):  # AD-DROP's criterion checks its own combination
             refuse_task_regularizers_beside(NAME, task)
         return criterion
@@ -69,7 +70,7 @@ class RDropLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion
             raise ValueError(f"--criterion {NAME} trains with a summed loss (reduce=True)")
         if not getattr(self, "dropout_checked", False):  # once, at the first training step
             self.dropout_checked = True
-            message = no_dropout_warning(model, f"--criterion {NAME}", FAIRSEQ_DROPOUT)
+            message = no_dropout_warning(model, f"--criterion {self.criterion_name}", FAIRSEQ_DROPOUT)
             if message:
                 logger.warning(message)
         out_1, out_2 = self.two_passes(model, sample["net_input"])

@@ -31,10 +31,13 @@ def _step(tiny_mt_data, criterion_name, *extra, dropout="0"):
     return loss.detach(), log
 
 
-def test_both_passes_take_the_steps_ad_drop_drops(tiny_mt_data):
+def test_both_passes_take_the_steps_ad_drop_drops(tiny_mt_data, caplog):
     """Without model dropout the two R-Drop passes differ only if their AD-DROP drops do: they do not
-    (no KL), and the loss is twice AD-DROP's own step from the same seed, drop for drop."""
-    loss, log = _step(tiny_mt_data, BOTH)
+    (no KL), and the loss is twice AD-DROP's own step from the same seed, drop for drop. The warning
+    that says so names the criterion the user gave."""
+    with caplog.at_level("WARNING", logger="attn_reg_plugin.fairseq_plugin.rdrop_label_smoothed_cross_entropy"):
+        loss, log = _step(tiny_mt_data, BOTH)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [f"--criterion {BOTH}"]
     alone, alone_log = _step(tiny_mt_data, "ad_drop_label_smoothed_cross_entropy")
     assert log["rdrop_kl_sum"] == 0 and log["rdrop_tokens"] > 0
     assert int(alone_log["ad_drop_dropped"]) > 0

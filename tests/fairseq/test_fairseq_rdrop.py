@@ -159,10 +159,13 @@ def test_other_regularizers_are_refused_naming_both(tiny_mt_data, extra, other):
     )
 
 
-@pytest.mark.parametrize("dropout,warned", [("0", True), ("0.1", False)])
-def test_a_model_without_dropout_warns_at_the_first_step(tiny_mt_data, caplog, dropout, warned):
+@pytest.mark.parametrize(
+    "dropout,extra,warned",
+    [("0", [], True), ("0.1", [], False), ("0", ["--encoder-layerdrop", "0.5"], False)],  # LayerDrop differs too
+)
+def test_a_model_without_dropout_warns_at_the_first_step(tiny_mt_data, caplog, dropout, extra, warned):
     """Its two passes are identical: the KL is 0 at every step, at twice the cost."""
-    extra = ["--attention-dropout", "0", "--activation-dropout", "0"]
+    extra = ["--attention-dropout", "0", "--activation-dropout", "0", *extra]
     cfg, task, model, criterion, sample = _setup(tiny_mt_data, "attn_reg_translation", *extra, dropout=dropout)
     with caplog.at_level("WARNING", logger="attn_reg_plugin.fairseq_plugin.rdrop_label_smoothed_cross_entropy"):
         _train_step(cfg, task, model, criterion, sample)
@@ -170,8 +173,8 @@ def test_a_model_without_dropout_warns_at_the_first_step(tiny_mt_data, caplog, d
     said = [r.getMessage() for r in caplog.records if "has no dropout anywhere" in r.getMessage()]
     assert said == (
         [
-            "--criterion rdrop_label_smoothed_cross_entropy: TransformerModel has no dropout anywhere (every dropout "
-            "probability is 0), so the two passes are identical: the KL is 0 at every step and each step costs two "
+            "--criterion rdrop_label_smoothed_cross_entropy: TransformerModel has no dropout anywhere (every dropout, "
+            "LayerDrop or drop-path probability is 0), so the two passes are identical: the KL is 0 at every step and each step costs two "
             "passes. R-Drop needs the model's dropout: set --dropout (and --attention-dropout, --activation-dropout) "
             "above 0"
         ]

@@ -139,6 +139,30 @@ def test_rdrop_on_a_model_without_dropout_warns_at_construction(tmp_path):
         RDropTrainer(model=small_bert(), args=trainer_args(tmp_path), rdrop=RDropConfig())
 
 
+def test_the_dropout_search_sees_functional_dropouts_layerdrop_and_drop_paths():
+    class Functional(torch.nn.Module):  # F.dropout(h, self.p_drop, self.training), a drop path, a LayerDrop
+        def __init__(self, **probabilities):
+            super().__init__()
+            self.__dict__.update(probabilities)
+
+    class DropPath(torch.nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.p = p
+
+    from attn_reg_plugin.core.rdrop import model_dropout
+
+    assert model_dropout(Functional(p_drop=0.3)) == {"p_drop": 0.3}
+    assert model_dropout(Functional(drop_prob=0.2, layerdrop=0.0)) == {"drop_prob": 0.2}
+    assert list(model_dropout(torch.nn.Sequential(DropPath(0.1), torch.nn.Linear(2, 2)))) == ["0"]
+    assert model_dropout(Functional(p_drop=0.0, rate=0.5)) == {}  # a name that says no drop is not read
+    from helpers import tiny_marian
+
+    quiet = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    assert model_dropout(tiny_marian(**quiet)) == {}
+    assert set(model_dropout(tiny_marian(**quiet, encoder_layerdrop=0.3))) >= {"model.encoder.layerdrop"}
+
+
 # -- AD-DROP in a user's own loop ----------------------------------------------------------------------
 def _own_loop_steps(trainer, epochs):
     model, batch = trainer.model, pad_collate(token_data(8, seed=3))
