@@ -21,6 +21,8 @@ ATTENTION_LAYERDROP = "attention LayerDrop"
 DROPHEAD = "DropHead"
 RDROP = "R-Drop"
 HIDDENCUT = "HiddenCut"
+# The order messages name them in.
+REGULARIZERS = (AD_DROP, ATTENDOUT, RDROP, HIDDENCUT, SCHEDULED_DROPOUT, DROPKEY, ATTENTION_LAYERDROP, DROPHEAD)
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,13 @@ from ..core.ad_drop import ADDrop
 from ..core.ad_drop_config import ADDropConfig, ad_drop_epoch
 from ..core.attribution import logit_target, multi_label_target, regression_target, token_loss_target
 from ..core.attribution_pass import bare_module
+from ..core.combinations import AD_DROP
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_sum_
 from ..core.options import named_by_field
 from ..core.planned_run import IdleRegularizerWarning
 from .attention import install_attention_sites
-from .combinations import check_trainer_combination
+from .combinations import check_trainer_combination, turns_on
 from .model_inputs import causal_lm, decoder_input_ids_from_labels
 from .notices import SiteReport, warn_if_idle
 from .trainer_arguments import model_argument, training_arguments
@@ -30,6 +31,8 @@ from .training_configurations import refuse_unsupported, refuse_unsupported_laun
 
 class ADDropTrainerMixin:
     """Shared by :class:`ADDropTrainer` and :class:`ADDropSeq2SeqTrainer`."""
+
+    attn_reg_regularizers = turns_on(AD_DROP, "ad_drop=ADDropConfig")
 
     def __init__(self, *args, ad_drop: ADDropConfig, **kwargs):
         if not isinstance(ad_drop, ADDropConfig):

@@ -42,12 +42,13 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..core.attendout import AttendOutConfig
+from ..core.combinations import ATTENDOUT
 from ..core.options import named_by_field
 from ..core.sharding import is_fully_sharded
 from .attendout_checkpoint import ATTENDOUT_STATE, attendout_state_dict, save_attendout_state
 from .attendout_driver import AttendOutDriver, mirror_activation_checkpointing, optimizer_like
 from .attendout_logging import trainer_counts_kept
-from .combinations import check_trainer_combination
+from .combinations import check_trainer_combination, turns_on
 from .notices import SiteReport, warn_if_idle
 from .trainer_arguments import model_argument, training_arguments
 from .training_configurations import refuse_unsupported, refuse_unsupported_launch
@@ -88,6 +89,8 @@ def _driver_attribute(name: str, doc: str) -> property:
 
 class AttendOutTrainerMixin:
     """Shared by :class:`AttendOutTrainer` and :class:`AttendOutSeq2SeqTrainer`."""
+
+    attn_reg_regularizers = turns_on(ATTENDOUT, "attendout=AttendOutConfig")
 
     attendout_config = _driver_attribute("config", "The run's AttendOutConfig.")
     attendout_defender_controller = _driver_attribute("defender_controller", "D's attention sites.")

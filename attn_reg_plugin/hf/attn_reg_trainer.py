@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from ..core.attention_call import add_counts, zero_counts
-from ..core.combinations import check_combination
+from ..core.combinations import ATTENTION_LAYERDROP, DROPHEAD, check_combination
 from ..core.controller import RegularizationController
 from ..core.drophead import DropHead, DropHeadConfig
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
@@ -34,6 +34,24 @@ logger = logging.getLogger(__name__)
 
 class AttnRegTrainerMixin:
     """Scheduled Bernoulli attention dropout, attention LayerDrop or DropHead around the training forward."""
+
+    @staticmethod
+    def attn_reg_regularizers(trainer, kwargs: Dict[str, object]) -> Dict[str, str]:
+        """What its ``scheduled_dropout`` / ``layerdrop`` / ``drophead`` turn on: from the keywords while a
+        mixin before it in the bases still holds them, else from what this mixin built of them."""
+        given = {k: kwargs.get(k) for k in ("scheduled_dropout", "layerdrop", "drophead")}
+        if all(config is None for config in given.values()):
+            built = (getattr(trainer, f"attn_reg_{k}", None) for k in given)  # None before this mixin ran
+            given = dict(zip(given, (getattr(r, "config", None) for r in built)))
+        scheduled, layerdrop, drophead = given.values()
+        on = {}
+        if scheduled is not None:
+            on[scheduled.regularizer] = f"scheduled_dropout=ScheduledDropoutConfig(schedule={scheduled.schedule!r})"
+        if layerdrop is not None and layerdrop.enabled:
+            on[ATTENTION_LAYERDROP] = "layerdrop=AttentionLayerDropConfig"
+        if drophead is not None:
+            on[DROPHEAD] = "drophead=DropHeadConfig"
+        return on
 
     def __init__(
         self,

@@ -1,67 +1,35 @@
 """The regularizers a trainer class combines, checked against core.combinations' table when it is built.
 
-A trainer combines regularizers by its mixins (``class T(ADDropTrainerMixin, RDropTrainerMixin, Trainer)``);
-each mixin's ``__init__`` asks :func:`check_trainer_combination` before the Trainer's own set-up, so
+A trainer combines regularizers by its mixins (``class T(ADDropTrainerMixin, RDropTrainerMixin, Trainer)``),
+each declaring what it turns on (``attn_reg_regularizers``); each mixin's ``__init__`` asks :func:`check_trainer_combination` before the Trainer's own set-up, so
 the first one to run refuses a combination that does not exist, naming both keywords.
 """
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Callable, Dict
 
-from ..core.combinations import (
-    AD_DROP,
-    ATTENDOUT,
-    ATTENTION_LAYERDROP,
-    DROPHEAD,
-    HIDDENCUT,
-    RDROP,
-    check_combination,
-)
+from ..core.combinations import REGULARIZERS, check_combination
+
+# A mixin's ``attn_reg_regularizers(trainer, kwargs)``: the regularizers it turns on, each with its keyword.
+TurnsOn = Callable[[object, Dict[str, object]], Dict[str, str]]
 
 
-def _task_level(configs: Dict[str, object]) -> Dict[str, str]:
-    """AttnRegTrainerMixin's regularizers, from its ``scheduled_dropout`` / ``layerdrop`` / ``drophead``."""
-    on = {}
-    scheduled, layerdrop, drophead = (configs.get(k) for k in ("scheduled_dropout", "layerdrop", "drophead"))
-    if scheduled is not None:
-        on[scheduled.regularizer] = f"scheduled_dropout=ScheduledDropoutConfig(schedule={scheduled.schedule!r})"
-    if layerdrop is not None and layerdrop.enabled:
-        on[ATTENTION_LAYERDROP] = "layerdrop=AttentionLayerDropConfig"
-    if drophead is not None:
-        on[DROPHEAD] = "drophead=DropHeadConfig"
-    return on
+def turns_on(regularizer: str, keyword: str) -> staticmethod:
+    """``attn_reg_regularizers`` of a mixin that always turns on one ``regularizer`` by ``keyword``."""
+    return staticmethod(lambda trainer, kwargs: {regularizer: keyword})
 
 
 def trainer_regularizers(trainer, kwargs: Dict[str, object]) -> Dict[str, str]:
-    """Each regularizer ``trainer``'s class turns on, with the keyword that turns it on. ``kwargs``: the
-    calling mixin's keywords, where AttnRegTrainerMixin's still are when that mixin comes later in the
-    bases (once it took them, its attributes say)."""
-    from .ad_drop_trainer import ADDropTrainerMixin
-    from .attendout_trainer import AttendOutTrainerMixin
-    from .attn_reg_trainer import AttnRegTrainerMixin
-    from .hiddencut_trainer import HiddenCutTrainerMixin
-    from .rdrop_trainer import RDropTrainerMixin
-
-    on = {}
-    for mixin, regularizer, keyword in (
-        (ADDropTrainerMixin, AD_DROP, "ad_drop=ADDropConfig"),
-        (AttendOutTrainerMixin, ATTENDOUT, "attendout=AttendOutConfig"),
-        (RDropTrainerMixin, RDROP, "rdrop=RDropConfig"),
-        (HiddenCutTrainerMixin, HIDDENCUT, "hiddencut=HiddenCutConfig"),
-    ):
-        if isinstance(trainer, mixin):
-            on[regularizer] = keyword
-    if isinstance(trainer, AttnRegTrainerMixin):
-        attn_reg_configs = {k: kwargs.get(k) for k in ("scheduled_dropout", "layerdrop", "drophead")}
-        if not any(v is not None for v in attn_reg_configs.values()):
-            attn_reg_configs = {
-                "scheduled_dropout": getattr(getattr(trainer, "attn_reg_scheduled_dropout", None), "config", None),
-                "layerdrop": getattr(getattr(trainer, "attn_reg_layerdrop", None), "config", None),
-                "drophead": getattr(getattr(trainer, "attn_reg_drophead", None), "config", None),
-            }
-        on.update(_task_level(attn_reg_configs))
-    return on
+    """Each regularizer ``trainer``'s class turns on, with the keyword that turns it on, as each mixin in
+    its bases declares (``attn_reg_regularizers``; the mixins are not imported here, they import this).
+    ``kwargs``: the calling mixin's keywords, where a later mixin's still are."""
+    on: Dict[str, str] = {}
+    for cls in type(trainer).__mro__:
+        declared = cls.__dict__.get("attn_reg_regularizers")
+        if declared is not None:
+            on.update(declared.__func__(trainer, kwargs))
+    return {r: on[r] for r in REGULARIZERS if r in on}
 
 
 def check_trainer_combination(trainer, kwargs: Dict[str, object]) -> None:

@@ -38,6 +38,7 @@ import torch
 import transformers
 from transformers.integrations.sdpa_attention import repeat_kv
 
+from ..core.combinations import HIDDENCUT
 from ..core.distributed import all_reduce_sum_
 from ..core.hiddencut import (
     CutPlan,
@@ -50,7 +51,7 @@ from ..core.hiddencut import (
 )
 from ..core.options import named_by_field
 from .attention import register_attention
-from .combinations import check_trainer_combination
+from .combinations import check_trainer_combination, turns_on
 from .feed_forward_cut import cut_feed_forward, feed_forward_output, hold_the_plan
 from .rdrop_trainer import _logits, compared_positions, loss_divisor, refuse_data_parallel
 from .sites import attention_configs
@@ -183,6 +184,8 @@ def _check_all_cut(model, plan: CutPlan) -> None:
 
 class HiddenCutTrainerMixin:
     """Shared by :class:`HiddenCutTrainer` and :class:`HiddenCutSeq2SeqTrainer`."""
+
+    attn_reg_regularizers = turns_on(HIDDENCUT, "hiddencut=HiddenCutConfig")
 
     def __init__(self, *args, hiddencut: HiddenCutConfig, **kwargs):
         if not isinstance(hiddencut, HiddenCutConfig):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from ..core.combinations import AD_DROP, check_combination
+from ..core.combinations import AD_DROP, RDROP, check_combination
 from ..core.distributed import all_reduce_sum_
 from ..core.options import named_by_field
 from ..core.planned_run import IdleRegularizerWarning
@@ -35,7 +35,7 @@ from ..core.rdrop import (
     rdrop_objective,
     split_in_two,
 )
-from .combinations import trainer_regularizers
+from .combinations import trainer_regularizers, turns_on
 from .model_inputs import causal_lm
 
 
@@ -161,6 +161,8 @@ def _divisor_vote(trainer, pair_loss, pair_scores, labels, keep, positions, num_
 
 class RDropTrainerMixin:
     """Shared by :class:`RDropTrainer` and :class:`RDropSeq2SeqTrainer`."""
+
+    attn_reg_regularizers = turns_on(RDROP, "rdrop=RDropConfig")
 
     def __init__(self, *args, rdrop: RDropConfig, **kwargs):
         if not isinstance(rdrop, RDropConfig):
