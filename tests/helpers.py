@@ -633,6 +633,21 @@ def site_with_hook(hook=None):
     return AttentionSite("encoder-self", 0, hook=hook, record=PassRecord())
 
 
+def kernel_dropout_at_hooked_calls(monkeypatch):
+    """A list that collects the ``dropout_p`` :func:`attend` hands the kernel at each call a pass hooked."""
+    import attn_reg_plugin.core.attention as attention
+
+    seen, kernel = [], attention.attention_kernel
+
+    def recording(q, k, v, bias, dropout_p, scale, need_weights, call, *rest, **kwargs):
+        if call.hook is not None:
+            seen.append(dropout_p)
+        return kernel(q, k, v, bias, dropout_p, scale, need_weights, call, *rest, **kwargs)
+
+    monkeypatch.setattr(attention, "attention_kernel", recording)
+    return seen
+
+
 def controller_with_sites(layers_per_kind):
     """A RegularizationController with ``n`` sites (layers 0..n-1) registered per kind, in the order
     given: ``controller_with_sites({"encoder-self": 2, "decoder-self": 1})``."""

@@ -189,18 +189,9 @@ def test_knot_schedules_are_unchanged():
 # -- DropKey replaces the attention-weight dropout --------------------------------------------------
 def _dropout_reaching_the_kernel(monkeypatch, hook, dropout_p):
     """The dropout_p that attend hands the kernel for one call under ``hook``."""
-    import attn_reg_plugin.core.attention as attention
+    from helpers import kernel_dropout_at_hooked_calls, site_with_hook
 
-    seen = []
-    kernel = attention.attention_kernel
-
-    def recording(q, k, v, bias, p, *args, **kwargs):
-        seen.append(p)
-        return kernel(q, k, v, bias, p, *args, **kwargs)
-
-    monkeypatch.setattr(attention, "attention_kernel", recording)
-    from helpers import site_with_hook
-
+    seen = kernel_dropout_at_hooked_calls(monkeypatch)
     q = torch.randn(2, 2, 5, 4)
     site = site_with_hook(hook)
     site.seed = torch.tensor(3)

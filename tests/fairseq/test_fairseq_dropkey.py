@@ -7,8 +7,7 @@ import torch
 
 pytest.importorskip("fairseq")
 
-import attn_reg_plugin.core.attention as attention  # noqa: E402
-from helpers import TINY_TRANSFORMER, fairseq_setup  # noqa: E402
+from helpers import TINY_TRANSFORMER, fairseq_setup, kernel_dropout_at_hooked_calls  # noqa: E402
 
 KINDS = ["--attn-sched-dropout-attention", "encoder-self,decoder-self,encoder-decoder"]
 
@@ -24,15 +23,7 @@ def _dropout_at_hooked_calls(tiny_mt_data, monkeypatch, schedule):
     cfg, task, model, criterion = fairseq_setup(tiny_mt_data["bin"], args)
     task.load_dataset("train")
     sample = next(iter(task.get_batch_iterator(task.dataset("train"), max_tokens=400, seed=1).next_epoch_itr()))
-    seen = []
-    kernel = attention.attention_kernel
-
-    def recording(q, k, v, bias, dropout_p, scale, need_weights, call, *rest, **kwargs):
-        if call.hook is not None:
-            seen.append(dropout_p)
-        return kernel(q, k, v, bias, dropout_p, scale, need_weights, call, *rest, **kwargs)
-
-    monkeypatch.setattr(attention, "attention_kernel", recording)
+    seen = kernel_dropout_at_hooked_calls(monkeypatch)
     task.train_step(sample, model, criterion, FairseqAdam(cfg.optimizer, list(model.parameters())), update_num=0)
     return seen
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 import transformers
 
-import attn_reg_plugin.core.attention as attention
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.drophead import DropHeadConfig
@@ -25,7 +24,7 @@ from attn_reg_plugin.hf import (
     RDropTrainer,
     RDropTrainerMixin,
 )
-from helpers import pad_collate, small_bert, tiny_llama, token_data, trainer_args
+from helpers import kernel_dropout_at_hooked_calls, pad_collate, small_bert, tiny_llama, token_data, trainer_args
 
 
 class ADDropRDrop(ADDropTrainerMixin, RDropTrainerMixin, transformers.Trainer):
@@ -100,20 +99,6 @@ def test_rdrop_over_ad_drop_trains_across_cross_tunings_epoch_boundary(tmp_path)
 
 
 # -- DropKey takes the place of the model's attention dropout ---------------------------------------
-def _dropout_at_hooked_calls(monkeypatch, trainer):
-    seen = []
-    kernel = attention.attention_kernel
-
-    def recording(q, k, v, bias, dropout_p, scale, need_weights, call, *args, **kwargs):
-        if call.hook is not None:
-            seen.append(dropout_p)
-        return kernel(q, k, v, bias, dropout_p, scale, need_weights, call, *args, **kwargs)
-
-    monkeypatch.setattr(attention, "attention_kernel", recording)
-    trainer.train()
-    return seen
-
-
 @pytest.mark.parametrize("schedule,reaching", [("dropkey:0.2", 0.0), ("0:0.2", 0.1)])
 def test_at_a_dropkey_site_bert_s_attention_dropout_is_off(tmp_path, monkeypatch, schedule, reaching):
     """BERT's attention_probs_dropout_prob=0.1 (its default) reaches the kernel under a knot schedule,
@@ -125,7 +110,8 @@ def test_at_a_dropkey_site_bert_s_attention_dropout_is_off(tmp_path, monkeypatch
         data_collator=pad_collate,
         scheduled_dropout=ScheduledDropoutConfig(schedule=schedule),
     )
-    seen = _dropout_at_hooked_calls(monkeypatch, trainer)
+    seen = kernel_dropout_at_hooked_calls(monkeypatch)
+    trainer.train()
     assert seen == [reaching, reaching]  # both layers of one step
 
 
