@@ -44,37 +44,29 @@ from .masks import (
     zero_rows,
 )
 
-# Since torch 2.5 every sdpa backend gives a row whose keys are all masked (False, or -inf) output 0
-# and no gradient, which is what the kernel promises for a query row with no valid key; before, NaN.
-_SDPA_ZEROES_EMPTY_ROWS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
-# Where that is verified for the kernel's masks (tests/core/test_attention.py; CUDA's case is in
-# make gpu-check, and CUDA joins this list once it passes there): elsewhere a masked ordinary call
-# keeps the prepared path, which zeroes such rows itself. CUDA's memory-efficient kernel has
-# returned NaN for fully masked rows (pytorch#110213), and a NaN from a mask must never reach training.
-_FAST_MASKED_DEVICES = ("cpu",)
-
-
 def _ordinary_attention(q, k, v, bias, dropout_p: float, scale: Optional[float], is_causal: bool = False):
-    """Plain sdpa, a query row without a valid key giving 0 as :func:`attend` promises.
+    """Plain sdpa, a query row without a valid key giving 0 as :func:`attend` promises, one way on
+    every device.
 
     A causal call without a bias and with as many queries as keys is sdpa's own ``is_causal`` (at
     4,096 tokens on a CPU about half the time of an explicit mask, which it also does not build);
     any other causal call has its mask made and combined with the bias.
 
-    A boolean mask (or none) goes to sdpa as it is. A float bias marks disallowed keys by ``-inf``
-    or a very negative finite value (``MASKED_BIAS``); the finite ones become ``-inf``, so that sdpa
-    zeroes a row masked by them too instead of spreading it over its masked keys. One compare and
-    one select over the bias, against the prepared path's fill, validity and keyless-row search:
-    the same bits, output, gradients and dropout draws, on torch 2.13's CPU backends
-    (tests/core/test_attention.py).
+    A mask goes to sdpa as a finite bias (a quarter of the dtype's minimum where disallowed), and the
+    rows with no valid key are zeroed after: no backend sees a row of ``-inf``, so none can return
+    NaN for it (CUDA's half-precision kernels leave such a row of a bool mask nonzero, and its
+    memory-efficient kernel has returned NaN, pytorch#110213), and a zeroed row sends no gradient
+    back. On a CPU these are the bits sdpa gives the mask as given (tests/core/test_attention.py).
     """
     if is_causal:
         if bias is None and q.shape[2] == k.shape[2]:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, is_causal=True)
         bias = _causal_bias(bias, q, k)
-    if bias is not None and bias.dtype != torch.bool:
-        bias = torch.where(bias > MASKED_BIAS, bias.to(q.dtype), float("-inf"))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+    if bias is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
+    keyless = keyless_rows(bias, valid_keys_from_bias(bias))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=finite_bias(bias, q.dtype), dropout_p=dropout_p, scale=scale)
+    return zero_rows(out, keyless)
 
 
 def _combined_bias(
@@ -176,18 +168,16 @@ def attention_kernel(
             return out, None, None
         weights = _weights_source(q, k, bias, scale, is_causal)
         return out, None, Captured(probs=weights, valid=_validity(bias, q, k, is_causal))
-    # A causal call with more queries than keys has rows without a valid key: a mask like any other.
-    unmasked = bias is None and not (is_causal and q.shape[2] > k.shape[2])
-    fast_masks = unmasked or (_SDPA_ZEROES_EMPTY_ROWS and q.device.type in _FAST_MASKED_DEVICES)
-    if call.hook is None and not need_weights and fast_masks:
-        return _ordinary_attention(q, k, v, bias, dropout_p, scale, is_causal), None, None
-    if not need_weights:
-        done = _without_prepared_bias(call, q, k, v, bias, dropout_p, scale, fast_masks, is_causal)
-        if done is not None:
-            return done[0], None, done[1]
-    if is_causal:  # the explicit paths take the causal mask as part of the bias
-        bias = _causal_bias(bias, q, k)
-    return _prepared(call, q, k, v, bias, dropout_p, scale, need_weights)
+    if isinstance(hook, CaptureOutput):  # GA: sdpa's output kept, attention dropout off (no map returned)
+        out = _ordinary_attention(q, k, v, bias, 0.0, scale, is_causal)
+        out, captured = _captured(call, out, q, k, v, bias, scale, is_causal)
+        return out, None, captured
+    if isinstance(hook, CaptureProbs) or need_weights:  # the map is materialised
+        if is_causal:
+            bias = _causal_bias(bias, q, k)
+        bias, valid = _combined_bias(bias, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.dtype, q.device)
+        return _with_weights(call, hook, q, k, v, bias, valid, keyless_rows(bias, valid), dropout_p, scale)
+    return _ordinary_attention(q, k, v, bias, dropout_p, scale, is_causal), None, None
 
 
 def _dropped_heads(out: torch.Tensor, hook: EditScores, recompute: bool):
@@ -211,39 +201,6 @@ def _causal_bias(bias, q, k):
     """The (T, S) bias of a causal call: ``bias`` with future keys disallowed too."""
     t, s = q.shape[2], k.shape[2]
     return causal_bias(bias, slice(0, t), s, t, s, q.device)
-
-
-def _without_prepared_bias(
-    call: AttentionCall, q, k, v, bias, dropout_p: float, scale, fast_masks: bool, is_causal: bool
-):
-    """(output, captured) of GA's capture where it needs no float copy of the model's mask; None for
-    every other call. It builds no causal call's (T, S) mask unless the map is one block."""
-    hook = call.hook
-    if not fast_masks:
-        return None
-    if isinstance(hook, CaptureOutput):
-        # The model's own mask goes to sdpa (no float copy of it saved per layer for the backward):
-        # the ordinary path's bits, with the output kept for the attribution.
-        out = _ordinary_attention(q, k, v, bias, 0.0, scale, is_causal)
-        return _captured(call, out, q, k, v, bias, scale, is_causal)
-    return None
-
-
-def _prepared(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weights: bool):
-    """The calls that attend with the model's mask made a finite bias, with the validity a capture
-    keeps: a capture where sdpa may not zero keyless rows itself, a map's capture, weights asked for."""
-    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    bias, valid = _combined_bias(bias, shape, q.dtype, q.device)
-    keyless = keyless_rows(bias, valid)
-    hook = call.hook
-    if isinstance(hook, CaptureOutput):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.0, scale=scale)
-        out, captured = _captured(call, out, q, k, v, bias, scale, False, valid)
-        return zero_rows(out, keyless), None, captured
-    if isinstance(hook, CaptureProbs) or need_weights:
-        return _with_weights(call, hook, q, k, v, bias, valid, keyless, dropout_p, scale)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
-    return zero_rows(out, keyless), None, None
 
 
 def _uniform_call(hook: EditScores) -> Optional[torch.Tensor]:

@@ -155,7 +155,7 @@ def block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=No
 
 def attend_block(q_rows, k, v, m: BlockMasks, call: BlockCall):
     """One block through sdpa over its masks ``m`` and the call's keys ``0 .. m.keys - 1``, as the
-    kernel's prepared path: a zero query row is uniform over its valid keys, and a row with no valid
+    kernel's ordinary path: a zero query row is uniform over its valid keys, and a row with no valid
     key gives 0 (and so sends back no gradient)."""
     k, v = k[:, :, : m.keys], v[:, :, : m.keys]
     out = F.scaled_dot_product_attention(

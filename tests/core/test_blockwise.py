@@ -819,14 +819,9 @@ def test_aa_pass_one_outputs_are_sdpas_at_every_length_in_bfloat16(monkeypatch):
         assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("fast_masks", [True, False])
-def test_aa_keeps_the_models_own_mask_not_a_copy(fast_masks, monkeypatch):
-    """What AA keeps between its passes is q, k and the mask the model gave (shared by the layers), also
-    where sdpa may not zero keyless rows itself (CUDA's path, simulated): no float (B, 1, T, S) copy."""
-    from attn_reg_plugin.core import attention
-
-    if not fast_masks:
-        monkeypatch.setattr(attention, "_FAST_MASKED_DEVICES", ())
+def test_aa_keeps_the_models_own_mask_not_a_copy():
+    """What AA keeps between its passes is q, k and the mask the model gave (shared by the layers):
+    no float (B, 1, T, S) copy."""
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 4, 9, 8, generator=g) for _ in range(3))
     bias = _valid("padding", 2, 9)
