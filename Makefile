@@ -49,8 +49,11 @@ lock:
 demo: $(STAMP)
 	$(VENV)/bin/attn-reg-demo
 
+# Then the kernel's tests and a step of every regularizer once more on the portable branches of the
+# device helpers (core/devices.py), the code an accelerator runs.
 test: $(STAMP) lint
 	$(PY) -m pytest -q -m "not slow"
+	ATTN_REG_PORTABLE=1 $(PY) -m pytest -q -m "not slow" tests/core
 
 test-all: $(STAMP) lint
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q

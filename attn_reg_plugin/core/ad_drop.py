@@ -34,9 +34,9 @@ from .block_rules import (
     TopRegionRule,
     dense_gradient_attribution,
 )
-from .blockwise import rng_state, set_rng_state
 from .checkpointing import activation_checkpointing_paused
 from .controller import AttentionSite, RegularizationController
+from .devices import on_host, rng_state, set_rng_state
 from .sharding import check_supported_sharding
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ Target = Callable[[object, Optional[torch.Tensor]], Tuple[torch.Tensor, torch.Te
 def _finite(value: torch.Tensor, captured: List[torch.Tensor]) -> bool:
     """Whether the attribution target is finite. Looked at on CPU and in half precision, where
     overflow happens; an fp32 pass on an accelerator is not synchronised for it."""
-    if value.device.type != "cpu" and not any(t.dtype in (torch.float16, torch.bfloat16) for t in captured):
+    if not on_host(value) and not any(t.dtype in (torch.float16, torch.bfloat16) for t in captured):
         return True
     return bool(torch.isfinite(value).all())
 
@@ -215,7 +215,7 @@ class ADDrop:
             self.config.attribution_precision == "bf16"
             and not self._warned_slow_bf16
             and captured
-            and captured[0].device.type == "cpu"
+            and on_host(captured[0])
             and not cpu_has_native_bf16()
         ):
             self._warned_slow_bf16 = True

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from . import block_rules
 from .block_rules import Block, BlockRule, block_bias, keys_of, rows_of
+from .devices import on_host
 from .masks import (
     additive_mask,
     broadcast_count,
@@ -114,7 +115,7 @@ def key_span(valid: torch.Tensor, keys: int) -> int:
     the longest sequence of a padded batch. On a CPU only (the look is a host read, which on an
     accelerator would stall the stream once per block, and while compiling would break the graph);
     there it halves a causal call's work."""
-    if valid.device.type != "cpu" or valid.shape[-1] != keys or torch.compiler.is_compiling() or not valid.numel():
+    if not on_host(valid) or valid.shape[-1] != keys or not valid.numel():
         return keys  # (an empty block, no batch or no rows, has nothing to look at)
     # A max over bytes: ~12x faster than any(0) across rows on a CPU.
     seen = valid.reshape(-1, keys).view(torch.uint8).amax(0).nonzero()

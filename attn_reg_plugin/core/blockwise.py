@@ -19,6 +19,7 @@ import torch
 
 from .block_masks import BlockCall, KeptDrops, attend_block, block_counts, block_masks, keeps_drops
 from .block_rules import rows_of
+from .devices import FLASH_CPU, FLASH_CPU_BACKWARD, has_cpu_softmax_stats, replayed_stream, rng_state
 from .masks import pack_bits, zero_rows
 
 # sdpa's CPU backward runs on groups of forward blocks covering at least this many rows per unit of
@@ -28,20 +29,16 @@ BACKWARD_ROWS_PER_DIM = 4
 
 
 # -- the kernel ------------------------------------------------------------------------------------
-# sdpa's own CPU kernel, called directly so that the forward can keep each row's log-sum-exp and the
-# backward need not run the block's forward again (sdpa dispatches these very calls on a CPU, so
-# the results are the same bits). Elsewhere the backward recomputes the block through sdpa.
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+# sdpa's own CPU kernel (devices.FLASH_CPU), called directly so that the forward can keep each row's
+# log-sum-exp and the backward need not run the block's forward again (sdpa dispatches these very
+# calls on a CPU, so the results are the same bits). Elsewhere the backward recomputes the block.
 _FLASH_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _keeps_softmax_stats(q, k, v, bias, call: BlockCall, bias_grad: bool) -> bool:
     """Whether this call runs on sdpa's CPU kernel with the row log-sum-exp kept for the backward."""
     return (
-        _FLASH_CPU is not None
-        and _FLASH_CPU_BACKWARD is not None
-        and q.device.type == "cpu"
+        has_cpu_softmax_stats(q)
         and call.dropout_p == 0.0
         and not bias_grad
         and q.dtype in _FLASH_CPU_DTYPES
@@ -59,10 +56,6 @@ def _block_rows(call: BlockCall, t: int) -> List[slice]:
 def _accumulated(dtype: torch.dtype) -> torch.dtype:
     """What sums over blocks (and sdpa's CPU row log-sum-exp) are kept in: float32, or float64's own."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def _devices(q: torch.Tensor) -> List[torch.device]:
-    return [q.device] if q.device.type == "cuda" else []
 
 
 class BlockwiseAttention(torch.autograd.Function):
@@ -97,7 +90,7 @@ class BlockwiseAttention(torch.autograd.Function):
             if call.dropout_p > 0:  # sdpa's dropout draws, replayed in the backward
                 rng_states.append(rng_state([q.device]))
             if keep_stats:
-                o, lse[:, :, rows] = _FLASH_CPU(
+                o, lse[:, :, rows] = FLASH_CPU(
                     zero_rows(q_rows, m.uniform), k[:, :, : m.keys], v[:, :, : m.keys], 0.0, False,
                     attn_mask=m.mask, scale=call.scale,
                 )  # fmt: skip
@@ -137,9 +130,7 @@ class BlockwiseAttention(torch.autograd.Function):
             bias_rows = rows_of(bias, rows)
             if bias_grad:  # the block's rows stand for the bias, so their gradient is the block's
                 bias_rows = bias_rows.detach().requires_grad_(True)
-            with torch.enable_grad(), torch.random.fork_rng(devices=_devices(q), enabled=call.dropout_p > 0):
-                if call.dropout_p > 0:
-                    set_rng_state(ctx.rng_states[i])
+            with torch.enable_grad(), replayed_stream(ctx.rng_states[i] if call.dropout_p > 0 else None):
                 m = block_masks(call, q_rows, bias_rows, rows, shape, ctx.states[i])
                 out = attend_block(q_rows, k_leaf, v_leaf, m, call)
             inputs = [x for x in (q_rows, k_leaf, v_leaf) if x.requires_grad]
@@ -194,7 +185,7 @@ def _backward_from_softmax_stats(ctx, grad_out, q, k, v, bias, out, lse):
         rows, keys, mask, uniform, keyless = _group_masks(call, q, bias, shape, ctx.states, first, group)
         q_rows, grad_rows = q[:, :, rows], grad_out[:, :, rows]
         grad_rows = zero_rows(grad_rows, keyless)  # the forward zeroed these rows: no gradient flows back
-        gq, gk, gv = _FLASH_CPU_BACKWARD(
+        gq, gk, gv = FLASH_CPU_BACKWARD(
             grad_rows.to(q.dtype), zero_rows(q_rows, uniform), k[:, :, :keys], v[:, :, :keys],
             out[:, :, rows], lse[:, :, rows], 0.0, False, attn_mask=mask, scale=call.scale,
         )  # fmt: skip
@@ -266,25 +257,6 @@ def blockwise_attention(q, k, v, bias, call: BlockCall) -> Tuple[torch.Tensor, t
     q, k, v = (x.to(dtype) if x.is_floating_point() else x for x in (q, k, v))
     with torch.autocast(device, enabled=False):
         return BlockwiseAttention.apply(q, k, v, bias, call)
-
-
-def rng_state(devices: Optional[Sequence[torch.device]] = None) -> dict:
-    """The global random streams of ``devices`` (default: the CPU and every initialized CUDA device),
-    {device: state}, for :func:`set_rng_state`: sdpa's own dropout and the attribution pass draw from them."""
-    if devices is None:
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        devices = [torch.device("cpu")] + [
-            torch.device("cuda", i) for i in range(torch.cuda.device_count() if cuda else 0)
-        ]
-    return {d: torch.cuda.get_rng_state(d) if d.type == "cuda" else torch.get_rng_state() for d in devices}
-
-
-def set_rng_state(states: dict) -> None:
-    for device, state in states.items():
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(state, device)
-        else:
-            torch.set_rng_state(state)
 
 
 __all__: Sequence[str] = ("blockwise_attention",)

@@ -15,6 +15,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .devices import on_host
+
 try:  # torch's CPU wheels come with numpy, but do not require it
     import numpy as _numpy
 except ImportError:  # pragma: no cover
@@ -130,7 +132,7 @@ def may_hold_true(flags: torch.Tensor) -> bool:
     """Whether ``flags`` may hold a True, so that the edit it guards must run. Looked at on a CPU,
     where the read is cheaper than the edit it spares; assumed on an accelerator, where the read
     would synchronise the stream, and while compiling, where it would break the graph."""
-    if flags.device.type != "cpu" or torch.compiler.is_compiling():
+    if not on_host(flags):
         return True
     return bool(flags.any())
 
@@ -139,7 +141,7 @@ def all_last(mask: torch.Tensor) -> torch.Tensor:
     """``mask.all(-1, keepdim=True)``; on a CPU as the byte minimum, which is vectorised where the
     boolean reduction is not (about 5x faster). Inductor cannot lower a bool->uint8 view, and off
     the CPU the plain reduction is as fast."""
-    if mask.shape[-1] == 0 or mask.device.type != "cpu" or torch.compiler.is_compiling():
+    if mask.shape[-1] == 0 or not on_host(mask):
         return mask.all(-1, keepdim=True)
     return mask.view(torch.uint8).amin(-1, keepdim=True).bool()
 
@@ -240,7 +242,7 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     multiply, so no overflow). The bytes are the same either way. Its bytes are taken as they are:
     0 or 1, as every torch operation makes a bool tensor (a bool viewed from other bytes is not one)."""
     n = mask.shape[-1]
-    if _numpy is not None and mask.device.type == "cpu" and n > 0:
+    if _numpy is not None and on_host(mask) and n > 0:
         # Cloned into torch's allocator, which memory measurements (and its caching) see.
         return torch.from_numpy(_numpy.packbits(mask.detach().numpy(), axis=-1, bitorder="little")).clone()
     if n % 8 or n == 0:
@@ -256,7 +258,7 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The bool ``(..., n)`` that :func:`pack_bits` packed (numpy's ``unpackbits`` on a CPU)."""
-    if _numpy is not None and packed.device.type == "cpu" and n > 0:
+    if _numpy is not None and on_host(packed) and n > 0:
         bits = _numpy.unpackbits(packed.numpy(), axis=-1, count=n, bitorder="little")
         return torch.from_numpy(bits).view(torch.bool).clone()
     words = packed.to(torch.int64)
@@ -283,7 +285,7 @@ def kth_largest(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     while torch.compile traces, a sort (a top-k's size would be read from k on the host)."""
     rows = scores.shape[:-1] + (1,)
     k = k.clamp(min=1, max=scores.shape[-1]).expand(rows)
-    on_numpy = scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64, torch.float16)
+    on_numpy = on_host(scores) and scores.dtype in (torch.float32, torch.float64, torch.float16)
     if torch.compiler.is_compiling():  # no host read of k: a sorted row, traced whatever k holds
         return scores.sort(dim=-1, descending=True).values.gather(-1, k - 1)
     if _numpy is not None and on_numpy:
@@ -317,7 +319,7 @@ def lowest_keys_first(scores, threshold, k, region, at_least) -> torch.Tensor:
     equal to it the lowest-indexed ones, up to k per row."""
     if at_least is None:
         at_least = as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)
-    if scores.device.type != "cpu" or torch.compiler.is_compiling():  # no data-dependent shapes in a graph
+    if not on_host(scores):  # no host reads on an accelerator, no data-dependent shapes in a graph
         return _ranked_by_scan(scores == threshold, region, k, at_least)
     # On a CPU, the rows where ties straddle the threshold are ranked (gathered, where they are at
     # most half of the rows: the others keep their region), by a scan or from positions.

@@ -1,37 +1,37 @@
-"""Time the attention kernel's CPU-only special cases against the plain ops they replace.
+"""Time the kernel's device helpers (attn_reg_plugin/core/devices.py): each CPU branch against the
+portable branch an accelerator runs, on the CPU.
 
-The kernel (attn_reg_plugin/core) keeps three branches that run only on the CPU, outside
-torch.compile; each is worth keeping only if it beats the plain op on the CPU:
-
-* keyless rows    ``_keyless_rows``: look on the host whether any query row has no valid key
-                  (``bool(rows.any())``) and skip zeroing the output, vs always ``out.masked_fill(rows, 0)``;
-* all_last        ``_all_last``: ``mask.view(torch.uint8).amin(-1)`` vs ``mask.all(-1)``;
-* emptied rows    ``EditScores.resolve``: look on the host whether a drop mask empties a row
-                  (``bool(emptied.any())``) and skip the repair, vs always ``drop & ~emptied`` plus the
-                  uniform-row edit it then implies (``q.masked_fill(emptied, 0)``).
-
-A fourth row times an idle call's mask preparation: what it was (finite fill, validity, keyless
-rows looked for on the host) against the fast path's (finite "masked" values set to -inf).
+* keyless rows / all_last / emptied rows   ``on_host``'s host looks: look whether any row needs the
+                  edit (``bool(rows.any())``) and skip it, vs always editing; ``all_last`` as a byte
+                  minimum vs ``mask.all(-1)``;
+* k-th largest    ``on_host``: numpy's selection vs ``torch.topk`` (each row's threshold);
+* pack bits       ``on_host``: numpy's ``packbits`` vs shifts on 64-bit words (kept drops);
+* softmax stats   ``has_cpu_softmax_stats``: a blockwise call with Bernoulli drops, forward and
+                  backward, the backward from the rows' log-sum-exp vs recomputing each block;
+* ordinary masked call   not a helper: the one path every device runs (finite fill, keyless rows
+                  zeroed) vs stock sdpa given ``-inf`` (what the CPU alone ran before).
 
 Inputs are AD-DROP-like: right-padded sequences (no keyless row, the common case), a drop mask
-with 10% of keys dropped (no emptied row). Torch only; run on an otherwise idle machine::
+with 10% of keys dropped (no emptied row). Run on an otherwise idle machine::
 
-    python -m attn_reg_lab.kernel_branch_timing --threads 1 --reps 200
-    python -m attn_reg_lab.kernel_branch_timing --threads 8 --shapes 32x12x128x128 --head-dim 64
+    python -m attn_reg_lab.kernel_branch_timing --threads 1 --reps 100
 
-Prints a markdown table of medians over ``--reps`` repetitions (after ``--warmup``).
+Prints a markdown table of medians over ``--reps`` repetitions (after ``--warmup``); the blockwise
+row over ``--reps // 20`` (at least 3).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Callable, List, Tuple
 
 import torch
 
-MASKED_BIAS = -1e4  # as attn_reg_plugin.core.masks
+from attn_reg_plugin.core import devices
+from attn_reg_plugin.core.masks import kth_largest, pack_bits
 
 
 def median_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
@@ -53,7 +53,6 @@ def cases(B: int, H: int, T: int, S: int, d: int, seed: int) -> List[Tuple[str, 
     out = torch.randn(B, H, T, d, generator=g)
     q = torch.randn(B, H, T, d, generator=g)
     drop = (torch.rand(B, H, T, S, generator=g) < 0.1) & valid
-    fill = torch.finfo(torch.float32).min / 4
     bias = torch.zeros(B, 1, 1, S).masked_fill(~valid, float("-inf"))
 
     def keyless_special():
@@ -83,21 +82,58 @@ def cases(B: int, H: int, T: int, S: int, d: int, seed: int) -> List[Tuple[str, 
         rows = emptied(all_last_special)
         return drop & ~rows, q.masked_fill(rows, 0.0)
 
-    def idle_prepared():  # what an idle call did before the fast path
-        ok = bias > MASKED_BIAS
-        prepared = bias.clamp(min=fill)
-        rows = ~ok.any(dim=-1, keepdim=True)
-        return prepared if not bool(rows.any()) else (prepared, rows)
+    k_rows = torch.randint(1, S + 1, (B, H, T, 1), generator=g)
+    scores = torch.randn(B, H, T, S, generator=g)
 
-    def idle_fast():
-        return torch.where(bias > MASKED_BIAS, bias, float("-inf"))
+    def ordinary_one_path():
+        from attn_reg_plugin.core.attention import _ordinary_attention
+
+        return _ordinary_attention(q, q[:, :, :S], q[:, :, :S], bias, 0.0, None)
+
+    def ordinary_stock():
+        return torch.nn.functional.scaled_dot_product_attention(q, q[:, :, :S], q[:, :, :S], attn_mask=bias)
 
     return [
         ("keyless rows (host check)", keyless_special, keyless_plain),
         ("all_last (uint8 view)", all_last_special, all_last_plain),
         ("emptied rows (host check)", emptied_special, emptied_plain),
-        ("idle mask prep (fast path / before)", idle_fast, idle_prepared),
+        ("k-th largest (numpy / topk)", *both_ways(lambda: kth_largest(scores, k_rows))),
+        ("pack bits (numpy / shifts)", *both_ways(lambda: pack_bits(drop))),
+        ("ordinary masked call (stock -inf / one path)", ordinary_stock, ordinary_one_path),
     ]
+
+
+def both_ways(fn: Callable[[], object]) -> Tuple[Callable, Callable]:
+    """``fn`` on the CPU branches, and with ATTN_REG_PORTABLE=1 on the portable ones."""
+
+    def portable():
+        os.environ[devices.PORTABLE_ENV] = "1"
+        try:
+            return fn()
+        finally:
+            del os.environ[devices.PORTABLE_ENV]
+
+    return fn, portable
+
+
+def blockwise_call(T: int, d: int, seed: int) -> Tuple[str, Callable, Callable]:
+    """A (1, 12, T, T) call with Bernoulli(0.1) drops, block by block, forward and backward."""
+    from attn_reg_plugin.core.attention import attend
+    from attn_reg_plugin.core.attention_call import EditScores
+    from attn_reg_plugin.core.block_rules import BernoulliRule
+    from attn_reg_plugin.core.controller import RegularizationController
+
+    controller = RegularizationController()
+    site = controller.register("encoder-self", 0)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 12, T, d, generator=g).requires_grad_() for _ in range(3))
+
+    def run():
+        with controller.hooks({site: EditScores(drop=BernoulliRule(torch.tensor(0.1)))}):
+            out, _ = attend(q, k, v, None, site=site)
+        out.sum().backward()
+
+    return (f"softmax stats: blockwise call, fwd+bwd (1x12x{T}x{T})", *both_ways(run))
 
 
 def main(argv=None) -> None:
@@ -111,6 +147,7 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=100, help="timed repetitions per op; the median is shown")
     parser.add_argument("--warmup", type=int, default=5, help="untimed repetitions first")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument("--blockwise-tokens", type=int, default=2048, help="T of the blockwise row (default 2048)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -119,7 +156,7 @@ def main(argv=None) -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}, median of {args.reps}\n"
     )
-    print("| branch | shape | special-cased (ms) | plain (ms) | plain / special |")
+    print("| branch | shape | CPU branch (ms) | portable (ms) | portable / CPU |")
     print("|---|---|---:|---:|---:|")
     for spec in args.shapes.split(","):
         B, H, T, S = (int(x) for x in spec.lower().split("x"))
@@ -127,6 +164,10 @@ def main(argv=None) -> None:
             a = median_ms(special, args.reps, args.warmup)
             b = median_ms(plain, args.reps, args.warmup)
             print(f"| {name} | {spec} | {a:.3f} | {b:.3f} | {b / a:.2f} |")
+    name, special, plain = blockwise_call(args.blockwise_tokens, args.head_dim, args.seed)
+    reps = max(3, args.reps // 20)
+    a, b = median_ms(special, reps, 1), median_ms(plain, reps, 1)
+    print(f"| {name} | - | {a:.3f} | {b:.3f} | {b / a:.2f} |")
 
 
 if __name__ == "__main__":

@@ -492,6 +492,7 @@ def test_attribution_precision_with_the_random_region_is_refused(precision):
         ADDropConfig(attribution="rd", attribution_precision=precision).validate()
 
 
+@pytest.mark.cpu_branch  # the warning is about this CPU's bf16 matmuls
 @pytest.mark.parametrize("native", [False, True])
 def test_bf16_attribution_on_a_cpu_without_native_bf16_warns_once(monkeypatch, caplog, native):
     from attn_reg_plugin.core import ad_drop as ad_drop_module

@@ -688,6 +688,7 @@ def test_each_rows_kth_largest_is_the_same_from_numpy_and_from_topk(seed, monkey
     assert torch.equal(in_bf16, masks.kth_largest(scores, per_row).bfloat16())
 
 
+@pytest.mark.cpu_branch
 @pytest.mark.parametrize("kind", ["padding", "causal"])
 @pytest.mark.parametrize("layerdrop", [False, True])
 def test_backward_groups_of_blocks_equal_one_backward_call_per_block(kind, layerdrop, small_blocks, monkeypatch):

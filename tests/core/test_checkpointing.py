@@ -138,6 +138,7 @@ def _edits(model, p=0.3):
     return {s: EditScores(drop=BernoulliRule(torch.tensor(p))) for s in model.controller.sites}
 
 
+@pytest.mark.cpu_branch
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_a_skipped_ad_drop_step_trains_plainly_under_checkpointing(reentrant):
     """A non-finite attribution target skips the masks: the checkpointed step is the plain one (pass 1's

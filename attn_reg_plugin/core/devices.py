@@ -1,0 +1,82 @@
+"""The core's device-specific choices, each one named helper; everything else runs the same code on
+every device.
+
+Each helper has a portable branch, the code an accelerator runs. Setting ``ATTN_REG_PORTABLE=1``
+forces that branch on the CPU too: ``make test`` runs the kernel's tests and a step of every
+regularizer once more that way, so the code a GPU runs is code CI runs. Why each one exists, and
+what it gains, is the table in docs/design.md ("Device helpers").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+
+import torch
+
+PORTABLE_ENV = "ATTN_REG_PORTABLE"
+
+
+def portable_forced() -> bool:
+    """Whether ``ATTN_REG_PORTABLE=1`` asks for the portable branches on the CPU (read at each call,
+    so that a test can set it)."""
+    return os.environ.get(PORTABLE_ENV, "") == "1"
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether ``t`` may be read on the host: numpy's selection and bit packing, and a look at a flag
+    that spares an edit. True on a CPU outside torch.compile; elsewhere a read would synchronise the
+    stream (an accelerator) or break the graph (compiling), and the portable torch ops run."""
+    return t.device.type == "cpu" and not portable_forced() and not torch.compiler.is_compiling()
+
+
+# sdpa's own CPU flash kernel, called directly so that a blockwise forward keeps each row's
+# log-sum-exp and its backward need not run the block's forward again.
+FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def has_cpu_softmax_stats(q: torch.Tensor) -> bool:
+    """Whether sdpa's CPU flash op (which returns the rows' log-sum-exp) serves ``q``'s device;
+    elsewhere a blockwise backward recomputes each block through sdpa."""
+    return FLASH_CPU is not None and FLASH_CPU_BACKWARD is not None and q.device.type == "cpu" and not portable_forced()
+
+
+def random_stream(device: torch.device) -> Tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]:
+    """(get state, set state) of the global random stream that sdpa's dropout on ``device`` draws from."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.get_rng_state, torch.set_rng_state
+    module = torch.get_device_module(device)
+    return (lambda: module.get_rng_state(device)), (lambda state: module.set_rng_state(state, device))
+
+
+def rng_state(devices: Optional[Sequence[torch.device]] = None) -> Dict[torch.device, torch.Tensor]:
+    """The global random streams of ``devices`` (default: the CPU and every initialized CUDA device),
+    {device: state}, for :func:`set_rng_state`: sdpa's own dropout and the attribution pass draw from them."""
+    if devices is None:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        devices = [torch.device("cpu")] + [
+            torch.device("cuda", i) for i in range(torch.cuda.device_count() if cuda else 0)
+        ]
+    return {torch.device(d): random_stream(d)[0]() for d in devices}
+
+
+def set_rng_state(states: Dict[torch.device, torch.Tensor]) -> None:
+    for device, state in states.items():
+        random_stream(device)[1](state)
+
+
+@contextlib.contextmanager
+def replayed_stream(states: Optional[Dict[torch.device, torch.Tensor]]) -> Iterator[None]:
+    """Inside, the streams are at ``states`` (None: untouched); after, where they were before."""
+    if not states:
+        yield
+        return
+    kept = rng_state(list(states))
+    set_rng_state(states)
+    try:
+        yield
+    finally:
+        set_rng_state(kept)

@@ -1,0 +1,76 @@
+"""The device helpers (core/devices.py): the CPU's own branches and the portable ones an accelerator
+runs give the same drops, counts, losses and gradients; ATTN_REG_PORTABLE=1 forces the portable ones.
+
+`make test` also runs all of tests/core with ATTN_REG_PORTABLE=1, so every kernel test and a step of
+every regularizer run the portable branches on the CPU; here the two are compared in one process.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from test_causal import _CausalLM, _small_blocks, _step
+
+from attn_reg_plugin.core import devices
+
+CORE = Path(devices.__file__).parent
+DEVICE_CHECK = re.compile(r"device\.type *(==|!=|in )|is_cuda")
+
+
+def test_the_switch_forces_the_portable_branches(monkeypatch):
+    x = torch.zeros(2)
+    monkeypatch.delenv(devices.PORTABLE_ENV, raising=False)
+    assert devices.on_host(x) and devices.has_cpu_softmax_stats(x) == (devices.FLASH_CPU is not None)
+    monkeypatch.setenv(devices.PORTABLE_ENV, "1")
+    assert not devices.on_host(x) and not devices.has_cpu_softmax_stats(x)
+
+
+def test_the_core_compares_device_types_only_in_the_device_helpers():
+    found = [
+        f"{path.name}:{n}"
+        for path in sorted(CORE.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if DEVICE_CHECK.search(line)
+    ]
+    assert len(found) <= 3 and all(f.startswith("devices.py:") for f in found), found
+
+
+def _both_ways(monkeypatch, run):
+    monkeypatch.delenv(devices.PORTABLE_ENV, raising=False)
+    host = run()
+    monkeypatch.setenv(devices.PORTABLE_ENV, "1")
+    portable = run()
+    return host, portable
+
+
+@pytest.mark.parametrize("attribution", ["ga", "aa", "rd", "iga"])
+@pytest.mark.parametrize("blocks", ["one", "several"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_an_ad_drop_step_is_the_same_on_the_cpu_branches_and_the_portable_ones(
+    attribution, blocks, padded, monkeypatch
+):
+    """numpy's selection against topk, packed bits by numpy against shifts, host looks against the
+    plain edits, the CPU flash backward from the rows' log-sum-exp against a recomputed block: the
+    same drops and counts, and the same loss and gradients to float rounding."""
+    if blocks == "several":
+        _small_blocks(monkeypatch)
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(4))
+    padding = (torch.arange(6)[None, :] < torch.tensor([6, 3])[:, None]).view(2, 1, 1, 6) if padded else None
+    host, portable = _both_ways(monkeypatch, lambda: _step(_CausalLM(True), x, padding, attribution))
+    assert host[2:] == portable[2:] and host[2] > 0
+    torch.testing.assert_close(portable[0], host[0])
+    for a, e in zip(portable[1], host[1]):
+        torch.testing.assert_close(a, e)
+
+
+def test_tied_attributions_rank_the_same_on_both_branches(monkeypatch):
+    """Ties straddling each row's threshold (many and few per row), lowest key first either way."""
+    from attn_reg_plugin.core.masks import candidate_region
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randint(0, 3, (2, 3, 16, 40), generator=g).float()  # many ties
+    scores[1] = torch.randn(3, 16, 40, generator=g).round(decimals=1)  # a few
+    valid = torch.rand(2, 1, 16, 40, generator=g) > 0.2
+    host, portable = _both_ways(monkeypatch, lambda: [candidate_region(scores, valid, p) for p in (0.1, 0.35, 0.8)])
+    assert all(torch.equal(a, b) for a, b in zip(host, portable))
