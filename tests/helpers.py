@@ -542,9 +542,10 @@ WARNING_LINE = r"(?m)^.*(\b\w*Warning: |\| WARNING \|).*$"
 
 def ad_drop_masks(attribution, valid, p, q, generator=None):
     """Hand-built AD-DROP drops for the kernel's tests: the dense top-p region of ``attribution``
-    (``core.masks.candidate_region``), each candidate dropped with probability q by ``torch.rand``
+    (``core.block_rules.candidate_region``), each candidate dropped with probability q by ``torch.rand``
     from ``generator``; a row whose valid keys would all go keeps its lowest-attribution one."""
-    from attn_reg_plugin.core.masks import candidate_region, keep_one_valid_key
+    from attn_reg_plugin.core.block_rules import candidate_region
+    from attn_reg_plugin.core.masks import keep_one_valid_key
 
     region = candidate_region(attribution, valid, p)
     drop = region & (torch.rand(region.shape, device=region.device, generator=generator) < q)

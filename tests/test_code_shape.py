@@ -1,5 +1,6 @@
-"""The plugin stays small enough to hold in one's head: no module over 400 lines, no function over 60;
-no lab module over 500 lines."""
+"""The plugin stays small enough to hold in one's head: no module over 600 lines, no function over 60;
+no lab module over 500 lines. One cohesive module beats several that call each other back and forth
+(what a reader must follow is measured by ../shared/tools/reading_load.py, not by line counts)."""
 
 import ast
 
@@ -7,7 +8,7 @@ import pytest
 
 from helpers import REPO
 
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 60
 MODULES = sorted((REPO / "attn_reg_plugin").rglob("*.py"))
 MAX_LAB_MODULE_LINES = 500

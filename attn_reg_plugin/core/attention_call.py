@@ -20,14 +20,11 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .block_rules import AttentionScores, BlockRule, DenseRule
-
-if TYPE_CHECKING:  # controller imports this module
-    from .controller import AttentionSite
 
 
 def recomputing() -> bool:
@@ -41,6 +38,32 @@ def recomputing() -> bool:
     if torch.compiler.is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(eq=False)
+class AttentionSite:
+    """One attention module: its kind, its 0-based layer, and what the current pass does on it.
+
+    ``hook`` and ``seed`` are the slot a pass fills for its forward (:meth:`~.controller.RegularizationController.hooks`)
+    and nothing else writes, but a recompute that carries the pass back (:func:`applied`): the
+    kernel only reads them. ``seed`` (a 0-d int64 CPU tensor) keys the random numbers of a drop rule,
+    one block or many (:mod:`.block_rules`), so every evaluation of the same pass on the same site
+    (the forward, its backward, an activation-checkpoint recompute, a compiled graph) makes the same drops.
+    """
+
+    kind: str
+    layer: int
+    hook: Optional[Hook] = None
+    seed: Optional[torch.Tensor] = None
+    record: Optional[PassRecord] = None  # where the pass collects what the site's calls hand back
+
+    def __repr__(self) -> str:  # readable in error messages
+        return f"{self.kind}[{self.layer}]"
+
+    def __deepcopy__(self, memo) -> AttentionSite:
+        # A copy of a model (an EMA, a teacher, a snapshot) taken during a pass gets sites of the
+        # same kind and layer, with no pass on them.
+        return AttentionSite(self.kind, self.layer)
 
 
 # -- hooks: what the kernel does on a site for one pass (immutable values) ----------------------

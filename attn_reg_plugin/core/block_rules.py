@@ -391,6 +391,17 @@ class TopRegionRule(BlockRule):
         return drop
 
 
+def candidate_region(attribution: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tensor:
+    """Boolean mask of each row's top ``ceil(p * n)`` valid keys by attribution, the whole map as one
+    block of :meth:`~.block_rules.TopRegionRule.region` (its one home): ``n`` is the row's number of
+    valid keys, ``ceil(p * n)`` exact for the decimal p, ties at the threshold lowest key first, invalid
+    keys never candidates; so a call's region does not depend on its length."""
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"p must be in (0, 1], got {p}")
+    shape = tuple(attribution.shape)
+    return TopRegionRule(MapScores(attribution), p, 0.0).region(Block(slice(0, shape[-2]), valid, shape, shape, 0))[0]
+
+
 def call_seed() -> torch.Tensor:
     """A seed drawn from torch's global generator, a 0-d int64 CPU tensor: a compiled region takes it
     as an input (no guard on its value), and an activation checkpoint, which restores that generator

@@ -14,44 +14,26 @@ import functools
 import logging
 import operator
 import re
-from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from .attention_call import EditScores, Hook, PassRecord, _with_the_pass, changes_output, plan_of, takes_gradients
+from .attention_call import (
+    AttentionSite,
+    EditScores,
+    Hook,
+    PassRecord,
+    _with_the_pass,
+    changes_output,
+    plan_of,
+    takes_gradients,
+)
 from .block_rules import call_seed, key_seed
 
 logger = logging.getLogger(__name__)
 
 ATTENTION_KINDS = ("encoder-self", "decoder-self", "encoder-decoder")
 AUTO = "auto"  # encoder-self when the model has an encoder, else decoder-self
-
-
-@dataclass(eq=False)
-class AttentionSite:
-    """One attention module: its kind, its 0-based layer, and what the current pass does on it.
-
-    ``hook`` and ``seed`` are the slot a pass fills for its forward (:meth:`RegularizationController.hooks`)
-    and nothing else writes, but a recompute that carries the pass back (:func:`applied`): the
-    kernel only reads them. ``seed`` (a 0-d int64 CPU tensor) keys the random numbers of a drop rule,
-    one block or many (:mod:`.block_rules`), so every evaluation of the same pass on the same site
-    (the forward, its backward, an activation-checkpoint recompute, a compiled graph) makes the same drops.
-    """
-
-    kind: str
-    layer: int
-    hook: Optional[Hook] = None
-    seed: Optional[torch.Tensor] = None
-    record: Optional[PassRecord] = None  # where the pass collects what the site's calls hand back
-
-    def __repr__(self) -> str:  # readable in error messages
-        return f"{self.kind}[{self.layer}]"
-
-    def __deepcopy__(self, memo) -> AttentionSite:
-        # A copy of a model (an EMA, a teacher, a snapshot) taken during a pass gets sites of the
-        # same kind and layer, with no pass on them.
-        return AttentionSite(self.kind, self.layer)
 
 
 def parse_layers(spec: Union[str, Sequence[int], None], option: str) -> Optional[List[int]]:

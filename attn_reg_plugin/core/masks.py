@@ -1,4 +1,4 @@
-"""Attention masks: the AD-DROP candidate region (each row's exact threshold, the k-th largest score,
+"""Attention masks: each row's exact threshold for AD-DROP's candidate region (the k-th largest score,
 and the keys at or above it, ties lowest key first), Bernoulli(q) drops and additive score masks.
 
 Shapes follow the attention scores: ``(B, H, T, S)`` = batch, heads, queries, keys.
@@ -115,19 +115,6 @@ def ceil_of_product(n: torch.Tensor, numerator: int, denominator: int, n_max: in
     return quotient + (remainder > 0)
 
 
-def candidate_region(attribution: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tensor:
-    """Boolean mask of each row's top ``ceil(p * n)`` valid keys by attribution, the whole map as one
-    block of :meth:`~.block_rules.TopRegionRule.region` (its one home): ``n`` is the row's number of
-    valid keys, ``ceil(p * n)`` exact for the decimal p, ties at the threshold lowest key first, invalid
-    keys never candidates; so a call's region does not depend on its length."""
-    from .block_rules import Block, MapScores, TopRegionRule  # they build on this module
-
-    if not 0.0 < p <= 1.0:
-        raise ValueError(f"p must be in (0, 1], got {p}")
-    shape = tuple(attribution.shape)
-    return TopRegionRule(MapScores(attribution), p, 0.0).region(Block(slice(0, shape[-2]), valid, shape, shape, 0))[0]
-
-
 def may_hold_true(flags: torch.Tensor) -> bool:
     """Whether ``flags`` may hold a True, so that the edit it guards must run. Looked at on a CPU,
     where the read is cheaper than the edit it spares; assumed on an accelerator, where the read
@@ -168,7 +155,7 @@ def keep_one_valid_key(
     Rows with no valid key at all (fully padded queries) are left alone.
     """
     drop = drop & valid
-    n_valid = valid.sum(-1, keepdim=True)  # before broadcasting (see candidate_region)
+    n_valid = valid.sum(-1, keepdim=True)  # before broadcasting (see block_rules.candidate_region)
     emptied = (drop.sum(-1, keepdim=True) == n_valid) & (n_valid > 0)
     if not may_hold_true(emptied):  # emptied rows are rare: the search below is spared
         return drop

@@ -9,15 +9,23 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Dict
+from typing import Dict, Optional, Protocol
 
 import torch
 
 from ..core.distributed import is_distributed, rank
 from ..core.sharding import full_state_dicts, is_fully_sharded, load_full_state_dicts
 
-if TYPE_CHECKING:
-    from .attendout_driver import AttendOutDriver
+
+class AttendOutDriver(Protocol):
+    """What a checkpoint saves of ``attendout_driver.AttendOutDriver`` (declared here, so that the
+    driver imports this module and not the other way round)."""
+
+    attacker: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    game: object
+    scaler: Optional[object]
+
 
 # AttendOutTrainer's logger: its users filter its warnings by this name.
 logger = logging.getLogger("attn_reg_plugin.hf.attendout_trainer")

@@ -24,11 +24,11 @@ from attn_reg_plugin.core.block_rules import (
     MapScores,
     RandomScores,
     TopRegionRule,
+    candidate_region,
     chunk_draws,
     dense_gradient_attribution,
 )
 from attn_reg_plugin.core.controller import RegularizationController
-from attn_reg_plugin.core.masks import candidate_region
 from helpers import site_with_hook
 
 

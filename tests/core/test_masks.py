@@ -19,9 +19,9 @@ from attn_reg_plugin.core import masks as masks_module
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import EditScores
+from attn_reg_plugin.core.block_rules import candidate_region
 from attn_reg_plugin.core.masks import (
     additive_mask,
-    candidate_region,
     ceil_of_product,
     keep_one_valid_key,
     mask_fill_value,
