@@ -42,3 +42,14 @@ def test_the_walk_finds_long_functions():
     body = "\n".join(f"            x{i} = {i}" for i in range(60))
     source = f"class A:\n    def method(self):\n        def inner():\n{body}\n        return inner\n"
     assert long_functions(source, 60) == [("method", 2, 63), ("inner", 3, 61)]
+
+
+def test_the_plugin_uses_no_private_torch_api():
+    """``torch._C`` may change in any release: nothing in the plugin calls it."""
+    found = [
+        f"{m.relative_to(REPO)}:{n}"
+        for m in MODULES
+        for n, line in enumerate(m.read_text().splitlines(), 1)
+        if "torch._C" in line
+    ]
+    assert not found, found

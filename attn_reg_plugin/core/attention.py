@@ -140,8 +140,8 @@ def attend(
     out, weights, captured = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, call, is_causal)
     if captured is not None and captured.values is not None and value_heads is not v:
         captured = dataclasses.replace(captured, values=value_heads.detach())  # kept unrepeated
-    if captured is not None and site.record is not None:  # the pass collects it (a hook set by hand: nowhere)
-        site.record.add(site, captured)
+    if captured is not None and call.record is not None:  # its pass collects it (a hook set by hand: nowhere)
+        call.record.add(site, captured)
     return out, weights
 
 

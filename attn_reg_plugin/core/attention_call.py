@@ -27,19 +27,6 @@ import torch
 from .block_rules import AttentionScores, BlockRule, DenseRule
 
 
-def recomputing() -> bool:
-    """True while autograd runs a backward: a layer forward then is an activation-checkpoint
-    recompute (torch.utils.checkpoint, reentrant or not; HF gradient checkpointing; fairseq
-    ``--checkpoint-activations``), which must repeat what the original forward did.
-
-    False while torch.compile traces: a compiled region recomputes from its own graph, where
-    the masks are inputs (the trainers refuse torch.compile together with checkpointing, where
-    a region could be re-entered from Python)."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1
-
-
 @dataclass(eq=False)
 class AttentionSite:
     """One attention module: its kind, its 0-based layer, and what the current pass does on it.
@@ -178,12 +165,15 @@ def changes_output(hook: Optional[Hook]) -> bool:
 @dataclass(frozen=True)
 class AttentionCall:
     """What one call of the kernel does, fixed before it starts: the pass's ``hook`` for the site,
-    whether the call is an activation-checkpoint ``recompute`` (the same drops, nothing captured or
-    counted), and the site's ``seed`` for the pass, which keys every random drop decision."""
+    whether the call is a ``recompute`` (its pass collects nothing more: an activation checkpoint
+    recomputing the call in a backward, after the pass ended or its record was read; the same drops,
+    nothing captured or counted), and the site's ``seed`` for the pass, which keys every random drop
+    decision. No test of whether autograd is running a backward: the record's state says it."""
 
     hook: Optional[Hook] = None
     recompute: bool = False
     seed: Optional[torch.Tensor] = None
+    record: Optional[PassRecord] = None  # where the call's pass collects what it hands back
 
 
 ORDINARY = AttentionCall()
@@ -214,11 +204,11 @@ def call_of(site: Optional[AttentionSite], plan: Optional[Plan] = None) -> Atten
     if torch.compiler.is_compiling():
         # Traced: a compiled region recomputes from its own graph; the seed, a tensor, is an input
         # of that graph (no guard on its value, so a new pass compiles nothing).
-        return ORDINARY if site.hook is None else AttentionCall(site.hook, False, site.seed)
-    hook, seed = plan.calls.get(site, (None, None)) if plan is not None else (site.hook, site.seed)
+        return ORDINARY if site.hook is None else AttentionCall(site.hook, False, site.seed, site.record)
+    hook, seed, record = plan.calls.get(site, (None,) * 3) if plan is not None else (site.hook, site.seed, site.record)
     if hook is None:
         return ORDINARY
-    return AttentionCall(hook, recomputing(), seed)
+    return AttentionCall(hook, record is None or not record.open, seed, record)
 
 
 # -- the pass: what it asks of each site, and what its calls handed back ------------------------
@@ -235,19 +225,29 @@ def add_counts(total: List[torch.Tensor], more: List[torch.Tensor]) -> List[torc
 @dataclass(eq=False)
 class PassRecord:
     """What the calls of one pass handed back, in call order: (site, ``Captured``) pairs, added by
-    :func:`~.attention.attend` (never by the kernel, never in a recompute). The pass
-    (:meth:`RegularizationController.hooks`) yields it; read it when the pass's forwards are done."""
+    :func:`~.attention.attend` (never by the kernel). The pass
+    (:meth:`~.controller.RegularizationController.hooks`) yields it; read it when the pass's
+    forwards are done. It is ``open`` until the pass ends or it is first read: after that, calls
+    (an activation checkpoint's recompute in the backward) add nothing, so what the pass collected
+    is the forward's, whenever and however often its layers are recomputed."""
 
     entries: List[Tuple[AttentionSite, object]] = field(default_factory=list)
+    open: bool = True
 
     def add(self, site: AttentionSite, captured) -> None:
-        self.entries.append((site, captured))
+        if self.open:
+            self.entries.append((site, captured))
+
+    def close(self) -> None:
+        self.open = False
 
     @property
     def sites(self) -> List[AttentionSite]:
+        self.close()
         return [site for site, _ in self.entries]
 
     def _field(self, name: str) -> list:
+        self.close()
         return [getattr(captured, name) for _, captured in self.entries]
 
     outputs = property(lambda self: self._field("output"))  # GA: each call's output, the attribution's leaf
@@ -264,6 +264,7 @@ class PassRecord:
         return self._summed("uniform_call", None)
 
     def _summed(self, part: str, whole: Optional[str]) -> List[torch.Tensor]:
+        self.close()
         total = zero_counts()
         for _, captured in self.entries:
             value = getattr(captured, part)
@@ -277,11 +278,12 @@ class PassRecord:
 @dataclass(frozen=True, eq=False)
 class Plan:
     """What one pass asks of each site, as a value: ``calls`` maps each site the pass hooks to its
-    (hook, seed). It travels with the model's call (transformers' model kwargs, the arguments a
-    checkpoint keeps for its recompute), so a layer recomputed in the backward, after the pass
-    ended, repeats it: the same hook and seed give the same drops."""
+    (hook, seed, record). It travels with the model's call (transformers' model kwargs, the
+    arguments a checkpoint keeps for its recompute), so a layer recomputed in the backward, after
+    the pass ended, repeats it: the same hook and seed give the same drops, and its own record,
+    closed by then, takes nothing (not another pass's, open at the time)."""
 
-    calls: Mapping[AttentionSite, Tuple[Hook, Optional[int]]]
+    calls: Mapping[AttentionSite, Tuple[Hook, Optional[torch.Tensor], Optional[PassRecord]]]
 
     def __bool__(self) -> bool:
         return bool(self.calls)
@@ -294,7 +296,7 @@ def takes_gradients(hook: Hook) -> bool:
 
 def plan_of(sites: Iterable[AttentionSite]) -> Plan:
     """The pass set on ``sites`` now, as a :class:`Plan` (empty when none is)."""
-    return Plan(MappingProxyType({s: (s.hook, s.seed) for s in sites if s.hook is not None}))
+    return Plan(MappingProxyType({s: (s.hook, s.seed, s.record) for s in sites if s.hook is not None}))
 
 
 @contextlib.contextmanager
@@ -302,14 +304,14 @@ def applied(plan: Optional[Plan], sites: Sequence[AttentionSite]) -> Iterator[No
     """Fill the slots of ``sites`` with what ``plan`` asks (nothing where it asks nothing) for the
     block: a checkpointed function recomputed in the backward runs under the pass of its forward."""
     calls = plan.calls if plan is not None else {}
-    previous = [(s, s.hook, s.seed) for s in sites]
+    previous = [(s, s.hook, s.seed, s.record) for s in sites]
     try:
         for site in sites:
-            site.hook, site.seed = calls.get(site, (None, None))
+            site.hook, site.seed, site.record = calls.get(site, (None,) * 3)
         yield
     finally:
-        for site, hook, seed in previous:
-            site.hook, site.seed = hook, seed
+        for site, hook, seed, record in previous:
+            site.hook, site.seed, site.record = hook, seed, record
 
 
 def _with_the_pass(function: Callable, sites: Sequence[AttentionSite], plan: Plan, *args, **kwargs):

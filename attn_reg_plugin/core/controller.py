@@ -173,6 +173,7 @@ class RegularizationController:
                 site.seed = None if pass_seed is None else torch.tensor(key_seed(int(pass_seed), _site_key(site)))
             yield record
         finally:
+            record.close()  # a recompute in the backward, after the pass, adds nothing
             for site, (hook, seed, before) in previous.items():
                 site.hook, site.seed, site.record = hook, seed, before
 
@@ -184,7 +185,7 @@ class RegularizationController:
 
         plan = plan_of(self.sites)
         carried = functools.partial(_with_the_pass, function, list(self.sites), plan)
-        if use_reentrant and any(takes_gradients(hook) for hook, _ in plan.calls.values()):
+        if use_reentrant and any(takes_gradients(hook) for hook, _, _ in plan.calls.values()):
             # A reentrant checkpoint runs the forward without autograd and refuses autograd.grad, which
             # AD-DROP's attribution pass takes: that pass runs the layer unchecked, as
             # checkpointing.activation_checkpointing_paused does for a model's own checkpoints.

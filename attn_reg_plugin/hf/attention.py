@@ -26,7 +26,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..core.attention import attend
-from ..core.attention_call import call_of, recomputing
+from ..core.attention_call import call_of
 from ..core.controller import AttentionSite, RegularizationController
 from ..core.masks import causal_allowed, mask_fill_value
 from .sites import PLAN_KWARG, UnsupportedAttention, route_attention_calls
@@ -54,11 +54,6 @@ def site_of_call(
         return None
     if len(sites) == 1:
         return sites[0]
-    if recomputing():
-        raise NotImplementedError(
-            f"{type(module).__name__} is one attention module called at {len(sites)} depths (shared layers); "
-            "activation checkpointing cannot tell which depth it recomputes. Train it without gradient checkpointing"
-        )
     depth = module.attn_reg_calls
     module.attn_reg_calls = depth + 1
     return sites[depth % len(sites)]

@@ -111,7 +111,17 @@ def _kind(model: torch.nn.Module, causal: bool, q_len: int, kv_len: int, encoder
 
 
 def _reset_call_counts(modules):
-    def reset(*_args, **_kwargs):
+    """Forward pre-hook of a model whose attention modules are called at several depths (shared
+    layers): each forward numbers their calls from 0, which tells the depth of a call. A recompute
+    in the backward would be numbered on, so such a model is refused under activation checkpointing."""
+
+    def reset(model, *_args, **_kwargs):
+        if getattr(model, "is_gradient_checkpointing", False):
+            raise NotImplementedError(
+                f"{type(modules[0]).__name__} is one attention module called at {len(modules[0].attn_reg_sites)} "
+                "depths (shared layers); activation checkpointing cannot tell which depth it recomputes. "
+                "Train it without gradient checkpointing"
+            )
         for module in modules:
             module.attn_reg_calls = 0
 

@@ -232,3 +232,24 @@ def test_the_attribution_pass_pauses_only_reentrant_checkpoints(reentrant):
     found = ad_drop.attributions(lambda: model(input_ids=ids), target, frozen=model, dense=False)
     assert found is not None
     assert len(calls) == (1 if reentrant else 2)
+
+
+def test_a_recompute_adds_nothing_to_any_passs_record():
+    """What a pass collected is its forward's: a recompute adds nothing to a pass that ended, to an open
+    pass whose record was read, or (recomputing an earlier pass's layers) to the pass open at the time,
+    since each checkpointed call carries its own pass's record. No test of whether autograd runs."""
+    model = _model(checkpointed=True)
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(3), requires_grad=True)
+
+    def counted(p):
+        return {s: EditScores(drop=BernoulliRule(torch.tensor(p)), counted=True) for s in model.controller.sites}
+
+    torch.manual_seed(0)
+    with model.controller.hooks(counted(0.3)) as first:
+        loss = model(x).sum()
+    with model.controller.hooks(counted(0.6)) as second:
+        loss = loss + model(x).sum()
+        seen = [[int(c) for c in record.counts()] + [len(record.entries)] for record in (first, second)]
+        loss.backward()  # recomputes both passes' layers, inside the second pass
+    assert [[int(c) for c in record.counts()] + [len(record.entries)] for record in (first, second)] == seen
+    assert seen[0][2] == seen[1][2] == len(model.controller.sites) and 0 < seen[0][0] < seen[1][0]

@@ -409,3 +409,17 @@ def test_attendout_on_whisper_encoder_is_refused_at_the_first_batch(tmp_path):
         r"\(this model's encoder reads features, so only --attention decoder-self",
     ):
         trainer.train()
+
+
+def test_a_shared_attention_module_is_refused_under_activation_checkpointing():
+    """ALBERT calls one attention module at every depth; its calls are numbered from 0 by each forward,
+    which a recompute in the backward would not be: under gradient checkpointing the forward says so
+    (ALBERT itself refuses gradient_checkpointing_enable; a model that allowed it would get this)."""
+    family = next(f for f in FAMILIES if f.name == "ALBERT")
+    model = build(family)
+    install_attention_sites(model, RegularizationController())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    model(input_ids=ids)  # no checkpointing: runs
+    model.albert.encoder.gradient_checkpointing = True
+    with pytest.raises(NotImplementedError, match="shared layers.*without gradient checkpointing"):
+        model(input_ids=ids)
