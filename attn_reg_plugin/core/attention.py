@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from .attention_call import ORDINARY, AttentionCall, Captured, CaptureOutput, CaptureProbs, EditScores, Plan, call_of
-from .block_masks import BlockCall, attend_block, block_counts, block_masks, blockwise_rows
-from .block_rules import AttentionScores, call_seed
+from .block_masks import BlockCall, attend_block, block_counts, block_masks, blockwise_rows, dropped_weights
+from .block_rules import AttentionScores, call_seed, keyed_draws
 from .blockwise import blockwise_attention
 from .controller import AttentionSite
 from .masks import (
@@ -161,7 +161,7 @@ def attention_kernel(
     hook = call.hook
     if isinstance(hook, EditScores) and hook.drop_heads is not None:  # DropHead: attention, then heads
         out, weights, _ = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, ORDINARY, is_causal)
-        out, captured = _dropped_heads(out, hook, call.recompute)
+        out, captured = _dropped_heads(out, hook, call)
         return out, weights, captured
     if isinstance(hook, EditScores):
         return _edit(call, q, k, v, bias, dropout_p, scale, need_weights, is_causal)
@@ -185,19 +185,19 @@ def attention_kernel(
     return _ordinary_attention(q, k, v, bias, dropout_p, scale, is_causal), None, None
 
 
-def _dropped_heads(out: torch.Tensor, hook: EditScores, recompute: bool):
+def _dropped_heads(out: torch.Tensor, hook: EditScores, call: AttentionCall):
     """DropHead on a call's (B, H, T, d) output: each (sample, head) dropped with the hook's
-    probability p (torch's stream, which a checkpoint restores for its recompute), a sample's kept
-    heads scaled by H / kept. A sample drawn to lose every head keeps the one of largest draw, a
+    probability p (keyed draws of the call's seed, made again identically by a recompute), a sample's
+    kept heads scaled by H / kept. A sample drawn to lose every head keeps the one of largest draw, a
     head uniformly at random (no rescaling by H / 0), so the rate is p - p**H / H, rising with p.
-    Returns the output and the counts, [dropped, pairs]."""
+    The attention itself is the ordinary call's. Returns the output and the counts, [dropped, pairs]."""
     b, h = out.shape[:2]
-    draws = torch.rand((b, h), device=out.device)
+    draws = keyed_draws(_seed(call), -4, [b, h, 1, 1], 0, 1, 1, True, out.device).view(b, h)
     drop = draws < hook.drop_heads.to(out.device)
     drop &= ~(drop.all(-1, keepdim=True) & (draws == draws.amax(-1, keepdim=True)))
     scale = (~drop).to(out.dtype) * (h / (h - drop.sum(-1, keepdim=True))).to(out.dtype)
     out = out * scale.view(b, h, 1, 1)
-    if recompute or not hook.counted:
+    if call.recompute or not hook.counted:
         return out, None
     return out, Captured(dropped=drop.sum(), droppable=torch.tensor(b * h, device=out.device))
 
@@ -214,8 +214,10 @@ def _uniform_call(hook: EditScores) -> Optional[torch.Tensor]:
     return None if not hook.counted or hook.uniform_rows is None else torch.as_tensor(hook.uniform_rows).any().long()
 
 
-def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, dropout_p: float, scale):
-    """The explicit softmax path: the map is materialised (CaptureProbs, or the caller wants it)."""
+def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, dropout_p: float, scale, edit=None):
+    """The explicit softmax path: the map is materialised (CaptureProbs, or the caller wants it). In an
+    ``edit`` (its :class:`BlockCall` and map shape) the model's attention dropout is keyed by the call's seed, as in
+    its blocks; elsewhere it is torch's, as the stock model draws it."""
     scale_ = scale if scale is not None else q.shape[-1] ** -0.5
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale_
     if bias is not None:
@@ -231,8 +233,12 @@ def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, drop
         if not call.recompute:
             captured = Captured(probs=used, valid=valid)
         dropout_p = 0.0
-    out = torch.matmul(F.dropout(used, p=dropout_p) if dropout_p > 0 else used, v)
-    return out, probs, captured
+    if dropout_p > 0 and edit is not None:
+        block, shape = edit
+        used = dropped_weights(used, block, valid, slice(0, q.shape[2]), shape)
+    elif dropout_p > 0:
+        used = F.dropout(used, p=dropout_p)
+    return torch.matmul(used, v), probs, captured
 
 
 def _captured(call: AttentionCall, out, q, k, v, bias, scale, is_causal: bool, valid=None):
@@ -290,7 +296,8 @@ def _edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weig
     rows = None if need_weights else blockwise_rows(q, k)
     count = not call.recompute and hook.counted and hook.drop is not None
     uniform = hook.uniform_rows_on(q.device)
-    block = BlockCall(hook.rule, uniform, hook.droppable, rows or t, _seed(call), dropout_p, scale, count, is_causal)
+    seed = _seed(call, dropout_p)
+    block = BlockCall(hook.rule, uniform, hook.droppable, rows or t, seed, dropout_p, scale, count, is_causal)
     weights = None
     if rows is not None:
         out, dropped, droppable = blockwise_attention(q, k, v, bias, block)
@@ -300,11 +307,21 @@ def _edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weig
         if need_weights:
             k_keys, v_keys = k[:, :, : m.keys], v[:, :, : m.keys]
             out, weights, _ = _with_weights(
-                call, None, zero_rows(q, m.uniform), k_keys, v_keys, m.mask, m.valid, m.keyless, dropout_p, scale
+                call,
+                None,
+                zero_rows(q, m.uniform),
+                k_keys,
+                v_keys,
+                m.mask,
+                m.valid,
+                m.keyless,
+                dropout_p,
+                scale,
+                (block, shape),
             )
             weights = F.pad(weights, (0, shape[-1] - m.keys))  # the keys past every valid one: weight 0
         else:
-            out = attend_block(q, k, v, m, block)
+            out = attend_block(q, k, v, m, block, slice(0, t), shape)
         dropped = droppable = None
         if count and m.drop is not None:
             dropped, droppable = block_counts(m, hook.droppable, slice(0, t), b, h)
@@ -314,9 +331,10 @@ def _edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weig
     return out, weights, Captured(dropped=counts[0], droppable=counts[1], uniform_call=_uniform_call(hook))
 
 
-def _seed(call: AttentionCall) -> Optional[torch.Tensor]:
-    """The seed keying an edit's random drops: the site's for the pass; for a hook set by hand outside
-    a pass, one drawn from torch's stream now (which a checkpoint restores for its recompute)."""
-    if call.seed is not None or not call.hook.draws:
+def _seed(call: AttentionCall, dropout_p: float = 0.0) -> Optional[torch.Tensor]:
+    """The seed keying an edit's random drops and the model's attention dropout inside it: the site's
+    for the pass; else (a hook set by hand, or dropout under a rule that draws nothing) one drawn from
+    torch's stream now, which a checkpoint restores for its recompute."""
+    if call.seed is not None or not (call.hook.draws or dropout_p > 0):
         return call.seed
     return call_seed()

@@ -144,8 +144,8 @@ class EditScores:
 
     @property
     def draws(self) -> bool:
-        """Whether the edit's drops come from random numbers keyed by the site's seed."""
-        return isinstance(self.drop, BlockRule) and self.drop.draws
+        """Whether the edit's drops (or DropHead's) come from random numbers keyed by the site's seed."""
+        return (isinstance(self.drop, BlockRule) and self.drop.draws) or self.drop_heads is not None
 
 
 Hook = Union[CaptureOutput, CaptureProbs, EditScores]

@@ -17,6 +17,7 @@ from .block_rules import Block, BlockRule, block_bias, keys_of, rows_of
 from .devices import on_host
 from .masks import (
     additive_mask,
+    attention_weights,
     broadcast_count,
     causal_bias,
     causal_key_span,
@@ -154,15 +155,32 @@ def block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=No
     return BlockMasks(keys, part, uniform, keyless_rows(bias_rows, valid), valid, drop, state)
 
 
-def attend_block(q_rows, k, v, m: BlockMasks, call: BlockCall):
-    """One block through sdpa over its masks ``m`` and the call's keys ``0 .. m.keys - 1``, as the
-    kernel's ordinary path: a zero query row is uniform over its valid keys, and a row with no valid
-    key gives 0 (and so sends back no gradient)."""
+def attend_block(q_rows, k, v, m: BlockMasks, call: BlockCall, rows: slice, shape):
+    """One block (query ``rows`` of a call whose maps are ``shape``) over its masks ``m`` and the call's
+    keys ``0 .. m.keys - 1``, as the kernel's ordinary path: a zero query row is uniform over its valid
+    keys, and a row with no valid key gives 0 (and so sends back no gradient). sdpa, or with the model's
+    attention dropout the explicit weights, their drops keyed by the call's seed (sdpa takes no mask of
+    drops, and its own would come from the global stream, which no block could regenerate)."""
     k, v = k[:, :, : m.keys], v[:, :, : m.keys]
-    out = F.scaled_dot_product_attention(
-        zero_rows(q_rows, m.uniform), k, v, attn_mask=m.mask, dropout_p=call.dropout_p, scale=call.scale
-    )
+    q_rows = zero_rows(q_rows, m.uniform)
+    if call.dropout_p == 0:
+        out = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=m.mask, scale=call.scale)
+    else:
+        scale = call.scale if call.scale is not None else q_rows.shape[-1] ** -0.5
+        scores = torch.matmul(q_rows, k.transpose(-2, -1)) * scale
+        weights = attention_weights(scores if m.mask is None else scores + m.mask, q_rows.dtype)
+        out = torch.matmul(dropped_weights(weights, call, m.valid, rows, shape), v)
     return zero_rows(out, m.keyless)
+
+
+def dropped_weights(weights: torch.Tensor, call: BlockCall, valid, rows: slice, shape) -> torch.Tensor:
+    """``weights`` (query ``rows`` of a call whose maps are ``shape``) under the model's attention dropout
+    inside a regularized call: keyed coins (:meth:`~.block_rules.Block.weight_drops`), the kept weights
+    scaled by 1 / (1 - p) as ``F.dropout`` scales them."""
+    b, h = shape[:2]
+    block = Block(rows, valid, (b, h, rows.stop - rows.start, weights.shape[-1]), shape, call.seed)
+    kept = 0.0 if call.dropout_p >= 1 else 1.0 / (1.0 - call.dropout_p)
+    return weights.masked_fill(block.weight_drops(call.dropout_p), 0.0) * kept
 
 
 def rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fresh_state: bool):

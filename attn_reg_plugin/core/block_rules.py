@@ -151,6 +151,11 @@ class Block:
         """This block's uniform [0, 1) numbers (random scores), from their own stream."""
         return self._draws(-2, True)
 
+    def weight_drops(self, probability: float) -> torch.Tensor:
+        """The model's attention dropout of this block's weights (bool, True = dropped), coins of its own
+        stream: regenerated from the seed in the backward, as FlashAttention regenerates its dropout."""
+        return self._draws(-3, False) <= coin_limit(probability)
+
 
 def keys_of(x: Optional[torch.Tensor], keys: int) -> Optional[torch.Tensor]:
     """``x[..., :keys]``, or ``x`` itself where its key dimension broadcasts or already has ``keys``."""

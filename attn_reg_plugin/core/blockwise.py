@@ -19,7 +19,7 @@ import torch
 
 from .block_masks import BlockCall, KeptDrops, attend_block, block_counts, block_masks, keeps_drops
 from .block_rules import rows_of
-from .devices import FLASH_CPU, FLASH_CPU_BACKWARD, has_cpu_softmax_stats, replayed_stream, rng_state
+from .devices import FLASH_CPU, FLASH_CPU_BACKWARD, has_cpu_softmax_stats
 from .masks import pack_bits, zero_rows
 
 # sdpa's CPU backward runs on groups of forward blocks covering at least this many rows per unit of
@@ -70,7 +70,6 @@ class BlockwiseAttention(torch.autograd.Function):
         droppable = torch.zeros((), dtype=torch.long, device=q.device)
         states: List[object] = []
         kept_bits: List[torch.Tensor] = []  # saved for the backward (an activation checkpoint drops them)
-        rng_states: List[object] = []
         keep_stats = _keeps_softmax_stats(q, k, v, bias, call, bias is not None and bias.requires_grad)
         keep_drops = keeps_drops(q, k, call.rule)
         # Every block reads all of k and v: once contiguous, sdpa's CPU kernel reads them faster.
@@ -87,8 +86,6 @@ class BlockwiseAttention(torch.autograd.Function):
                 states.append(KeptDrops(None, m.keys, m.uniform))
             else:
                 states.append(m.state)
-            if call.dropout_p > 0:  # sdpa's dropout draws, replayed in the backward
-                rng_states.append(rng_state([q.device]))
             if keep_stats:
                 o, lse[:, :, rows] = FLASH_CPU(
                     zero_rows(q_rows, m.uniform), k[:, :, : m.keys], v[:, :, : m.keys], 0.0, False,
@@ -96,7 +93,7 @@ class BlockwiseAttention(torch.autograd.Function):
                 )  # fmt: skip
                 out[:, :, rows] = zero_rows(o, m.keyless)
             else:
-                out[:, :, rows] = attend_block(q_rows, k, v, m, call)
+                out[:, :, rows] = attend_block(q_rows, k, v, m, call, rows, shape)
             if call.count and m.drop is not None:
                 dropped_now, units_now = block_counts(m, call.droppable, rows, b, h)
                 dropped += dropped_now
@@ -104,7 +101,7 @@ class BlockwiseAttention(torch.autograd.Function):
         # The kept bits go through save_for_backward, not ctx: a checkpointed call's saved tensors are
         # dropped until its recompute, which makes the same bits again.
         ctx.save_for_backward(q, k_in, v_in, bias, out if keep_stats else None, lse, *kept_bits)
-        ctx.call, ctx.states, ctx.rng_states = call, states, rng_states
+        ctx.call, ctx.states = call, states
         ctx.mark_non_differentiable(dropped, droppable)
         return out, dropped, droppable
 
@@ -130,9 +127,9 @@ class BlockwiseAttention(torch.autograd.Function):
             bias_rows = rows_of(bias, rows)
             if bias_grad:  # the block's rows stand for the bias, so their gradient is the block's
                 bias_rows = bias_rows.detach().requires_grad_(True)
-            with torch.enable_grad(), replayed_stream(ctx.rng_states[i] if call.dropout_p > 0 else None):
+            with torch.enable_grad():  # the block's drops and dropout regenerated from the call's seed
                 m = block_masks(call, q_rows, bias_rows, rows, shape, ctx.states[i])
-                out = attend_block(q_rows, k_leaf, v_leaf, m, call)
+                out = attend_block(q_rows, k_leaf, v_leaf, m, call, rows, shape)
             inputs = [x for x in (q_rows, k_leaf, v_leaf) if x.requires_grad]
             if bias_grad:
                 inputs.append(bias_rows)

@@ -9,9 +9,8 @@ what it gains, is the table in docs/design.md ("Device helpers").
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,7 +43,8 @@ def has_cpu_softmax_stats(q: torch.Tensor) -> bool:
 
 
 def random_stream(device: torch.device) -> Tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]:
-    """(get state, set state) of the global random stream that sdpa's dropout on ``device`` draws from."""
+    """(get state, set state) of ``device``'s global random stream (the CPU's generator and a device's
+    are reached by different calls)."""
     device = torch.device(device)
     if device.type == "cpu":
         return torch.get_rng_state, torch.set_rng_state
@@ -54,7 +54,7 @@ def random_stream(device: torch.device) -> Tuple[Callable[[], torch.Tensor], Cal
 
 def rng_state(devices: Optional[Sequence[torch.device]] = None) -> Dict[torch.device, torch.Tensor]:
     """The global random streams of ``devices`` (default: the CPU and every initialized CUDA device),
-    {device: state}, for :func:`set_rng_state`: sdpa's own dropout and the attribution pass draw from them."""
+    {device: state}, for :func:`set_rng_state`: AD-DROP's attribution pass restores them."""
     if devices is None:
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         devices = [torch.device("cpu")] + [
@@ -66,17 +66,3 @@ def rng_state(devices: Optional[Sequence[torch.device]] = None) -> Dict[torch.de
 def set_rng_state(states: Dict[torch.device, torch.Tensor]) -> None:
     for device, state in states.items():
         random_stream(device)[1](state)
-
-
-@contextlib.contextmanager
-def replayed_stream(states: Optional[Dict[torch.device, torch.Tensor]]) -> Iterator[None]:
-    """Inside, the streams are at ``states`` (None: untouched); after, where they were before."""
-    if not states:
-        yield
-        return
-    kept = rng_state(list(states))
-    set_rng_state(states)
-    try:
-        yield
-    finally:
-        set_rng_state(kept)

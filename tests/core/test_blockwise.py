@@ -169,6 +169,46 @@ def test_blocks_equal_one_block_for_the_same_dense_drops(dtype, kind, uniform, m
     assert torch.isfinite(split[0]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["padding", "causal"])
+def test_attention_dropout_in_an_edit_is_the_same_one_block_or_many(dtype, kind, monkeypatch, block_calls):
+    """The model's attention dropout inside a regularized call is keyed by the call's seed, as its drops
+    are: one block and many drop the same weights (the same output and gradients), and the backward
+    regenerates them, keeping no generator state."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 3, 7, 4, generator=g).to(dtype) for _ in range(3))
+    hook_of = lambda: EditScores(drop=BernoulliRule(torch.tensor(0.2)))  # noqa: E731
+    split, whole = _attend_pair(q, k, v, _valid(kind), hook_of, monkeypatch, block_calls, dropout_p=0.3)
+    torch.testing.assert_close(split[0], whole[0], **TOL[dtype])
+    for a, w in zip(split[1], whole[1]):
+        torch.testing.assert_close(a, w, **TOL[dtype])
+    _force_small_blocks(monkeypatch)
+    torch.manual_seed(5)
+    undropped = attend(q, k, v, _valid(kind), site=site_with_hook(hook_of()))[0]
+    assert not torch.allclose(undropped, split[0])
+
+
+def test_attention_dropout_in_an_edit_drops_the_keyed_weights_and_rescales_the_rest():
+    """On hand-built tensors: the weights the call's keyed coins drop are 0, the rest scaled by 1 / (1 - p),
+    about p of them dropped; the seed is drawn from torch's stream at the call when the edit draws
+    nothing else (a dense mask)."""
+    g = torch.Generator().manual_seed(1)
+    b, h, t, d, p = 2, 4, 64, 8, 0.25
+    q, k, v = (torch.randn(b, h, t, d, generator=g) for _ in range(3))
+    no_drop = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
+    torch.manual_seed(3)
+    out, _ = attend(q, k, v, dropout_p=p, site=site_with_hook(EditScores(drop=no_drop)))
+    torch.manual_seed(3)
+    shape = (b, h, t, t)
+    dropped = block_rules.Block(
+        slice(0, t), torch.ones(1, 1, 1, t, dtype=torch.bool), shape, shape, block_rules.call_seed()
+    )
+    dropped = dropped.weight_drops(p)
+    assert abs(dropped.float().mean().item() - p) < 0.01
+    weights = torch.softmax(q @ k.transpose(-1, -2) / d**0.5, -1)
+    torch.testing.assert_close(out, (weights.masked_fill(dropped, 0.0) / (1 - p)) @ v)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -224,8 +264,9 @@ def test_blocks_back_propagate_into_a_float_bias(monkeypatch, block_calls):
 
 
 def test_blocks_replay_attention_dropout_in_the_backward(small_blocks, block_calls):
-    """sdpa's own dropout inside a block is drawn again identically in the backward: the analytical
-    gradient equals the numerical one (gradcheck, float64, the same seed at every evaluation)."""
+    """The model's attention dropout inside a block (keyed by the call's seed) is made again
+    identically in the backward: the analytical gradient equals the numerical one (gradcheck,
+    float64, the same seed at every evaluation)."""
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 5, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     drop = torch.rand(1, 2, 5, 5, generator=g) < 0.3

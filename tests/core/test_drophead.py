@@ -9,15 +9,22 @@ import torch.nn.functional as F
 
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import EditScores
+from attn_reg_plugin.core.block_rules import call_seed, keyed_draws
 from attn_reg_plugin.core.drophead import DropHead, DropHeadConfig
 from attn_reg_plugin.core.planned_run import idle_run_warning
 from helpers import CORE_B, CORE_D, CORE_T, CoreBlock, controller_with_sites, site_with_hook, tiny_core_model
 
 
+def _draws(b, h):
+    """The kernel's numbers for a hook set by hand: keyed draws (stream -4, one per (sample, head)) of
+    a seed drawn from torch's stream at the call."""
+    return keyed_draws(call_seed(), -4, [b, h, 1, 1], 0, 1, 1, True, torch.device("cpu")).view(b, h)
+
+
 def _drawn(b, h, p):
-    """The kernel's drops from torch's stream, one draw per (sample, head); a sample whose every head
-    is drawn keeps the one of largest draw."""
-    draws = torch.rand(b, h)
+    """The kernel's drops, one draw per (sample, head); a sample whose every head is drawn keeps the
+    one of largest draw."""
+    draws = _draws(b, h)
     drop = draws < p
     drop[drop.all(-1), draws[drop.all(-1)].argmax(-1)] = False
     return drop
@@ -68,7 +75,7 @@ def test_a_sample_drawn_to_lose_every_head_keeps_its_largest_draw_scaled_by_head
     torch.manual_seed(4)
     out, _ = attend(q, k, v, site=site)
     torch.manual_seed(4)
-    kept = torch.rand(3, 4).argmax(-1)
+    kept = _draws(3, 4).argmax(-1)
     plain = F.scaled_dot_product_attention(q, k, v)
     for b in range(3):
         for h in range(4):
@@ -105,8 +112,8 @@ def test_the_rate_is_p_and_the_same_seed_gives_the_same_drops():
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_checkpointed_step_equals_the_plain_one(reentrant):
-    """The heads are drawn from torch's stream at the call, which a checkpoint restores for its
-    recompute; the pass travels with the checkpointed call: the same loss and gradients."""
+    """The heads are keyed draws of the pass's seed for the site, which the checkpointed call carries
+    to its recompute: the same loss and gradients."""
 
     def step(checkpointed):
         model = tiny_core_model(checkpointed=checkpointed)
