@@ -33,10 +33,10 @@ from helpers import (
 def pytest_collection_modifyitems(config, items):
     """With ATTN_REG_PORTABLE=1 (the code an accelerator runs, forced on the CPU), a test of a
     CPU-only branch skips and says so."""
-    from attn_reg_plugin.core.devices import PORTABLE_ENV, portable_forced
+    from attn_reg_plugin.core import devices
 
-    if portable_forced():
-        skip = pytest.mark.skip(reason=f"tests the CPU's own branch; {PORTABLE_ENV}=1 forces the portable one")
+    if devices.PORTABLE:
+        skip = pytest.mark.skip(reason=f"tests the CPU's own branch; {devices.PORTABLE_ENV}=1 forces the portable one")
         for item in items:
             if item.get_closest_marker("cpu_branch"):
                 item.add_marker(skip)

@@ -15,19 +15,15 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 PORTABLE_ENV = "ATTN_REG_PORTABLE"
-
-
-def portable_forced() -> bool:
-    """Whether ``ATTN_REG_PORTABLE=1`` asks for the portable branches on the CPU (read at each call,
-    so that a test can set it)."""
-    return os.environ.get(PORTABLE_ENV, "") == "1"
+# ATTN_REG_PORTABLE=1: the portable branches on the CPU too (read once; a test sets PORTABLE itself).
+PORTABLE = os.environ.get(PORTABLE_ENV, "") == "1"
 
 
 def on_host(t: torch.Tensor) -> bool:
     """Whether ``t`` may be read on the host: numpy's selection and bit packing, and a look at a flag
     that spares an edit. True on a CPU outside torch.compile; elsewhere a read would synchronise the
     stream (an accelerator) or break the graph (compiling), and the portable torch ops run."""
-    return t.device.type == "cpu" and not portable_forced() and not torch.compiler.is_compiling()
+    return t.device.type == "cpu" and not PORTABLE and not torch.compiler.is_compiling()
 
 
 # sdpa's own CPU flash kernel, called directly so that a blockwise forward keeps each row's
@@ -39,7 +35,7 @@ FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attentio
 def has_cpu_softmax_stats(q: torch.Tensor) -> bool:
     """Whether sdpa's CPU flash op (which returns the rows' log-sum-exp) serves ``q``'s device;
     elsewhere a blockwise backward recomputes each block through sdpa."""
-    return FLASH_CPU is not None and FLASH_CPU_BACKWARD is not None and q.device.type == "cpu" and not portable_forced()
+    return FLASH_CPU is not None and FLASH_CPU_BACKWARD is not None and q.device.type == "cpu" and not PORTABLE
 
 
 def random_stream(device: torch.device) -> Tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]:

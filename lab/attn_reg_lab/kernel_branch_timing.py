@@ -23,7 +23,6 @@ row over ``--reps // 20`` (at least 3).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Callable, List, Tuple
@@ -107,11 +106,11 @@ def both_ways(fn: Callable[[], object]) -> Tuple[Callable, Callable]:
     """``fn`` on the CPU branches, and with ATTN_REG_PORTABLE=1 on the portable ones."""
 
     def portable():
-        os.environ[devices.PORTABLE_ENV] = "1"
+        devices.PORTABLE = True
         try:
             return fn()
         finally:
-            del os.environ[devices.PORTABLE_ENV]
+            devices.PORTABLE = False
 
     return fn, portable
 

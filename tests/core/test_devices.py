@@ -5,7 +5,10 @@ runs give the same drops, counts, losses and gradients; ATTN_REG_PORTABLE=1 forc
 every regularizer run the portable branches on the CPU; here the two are compared in one process.
 """
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,10 +22,18 @@ DEVICE_CHECK = re.compile(r"device\.type *(==|!=|in )|is_cuda")
 
 
 def test_the_switch_forces_the_portable_branches(monkeypatch):
+    """ATTN_REG_PORTABLE=1 sets devices.PORTABLE when the plugin is imported; with it the helpers take
+    their portable branches on the CPU."""
+    code = "from attn_reg_plugin.core import devices; print(devices.PORTABLE)"
+    for value, want in (("1", "True"), ("", "False")):
+        env = {**os.environ, devices.PORTABLE_ENV: value}
+        assert (
+            subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == want
+        )
     x = torch.zeros(2)
-    monkeypatch.delenv(devices.PORTABLE_ENV, raising=False)
+    monkeypatch.setattr(devices, "PORTABLE", False)
     assert devices.on_host(x) and devices.has_cpu_softmax_stats(x) == (devices.FLASH_CPU is not None)
-    monkeypatch.setenv(devices.PORTABLE_ENV, "1")
+    monkeypatch.setattr(devices, "PORTABLE", True)
     assert not devices.on_host(x) and not devices.has_cpu_softmax_stats(x)
 
 
@@ -37,9 +48,9 @@ def test_the_core_compares_device_types_only_in_the_device_helpers():
 
 
 def _both_ways(monkeypatch, run):
-    monkeypatch.delenv(devices.PORTABLE_ENV, raising=False)
+    monkeypatch.setattr(devices, "PORTABLE", False)
     host = run()
-    monkeypatch.setenv(devices.PORTABLE_ENV, "1")
+    monkeypatch.setattr(devices, "PORTABLE", True)
     portable = run()
     return host, portable
 
