@@ -628,8 +628,7 @@ FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def site_with_hook(hook=None):
     """Encoder self-attention layer 0's site, holding ``hook`` (None: plain attention) and a
     ``PassRecord`` that collects what its calls hand back (``site.record.counts()``)."""
-    from attn_reg_plugin.core.attention_call import PassRecord
-    from attn_reg_plugin.core.controller import AttentionSite
+    from attn_reg_plugin.core.attention_call import AttentionSite, PassRecord
 
     return AttentionSite("encoder-self", 0, hook=hook, record=PassRecord())
 

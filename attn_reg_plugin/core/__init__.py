@@ -66,9 +66,10 @@ from .ad_drop import ADDrop
 from .ad_drop_config import ADDropConfig, ad_drop_epoch
 from .attendout import AttendOut, AttendOutConfig
 from .attention import attend
+from .attention_call import AttentionSite
 from .attribution import logit_target, multi_label_target, regression_target, token_loss_target
 from .attribution_pass import bare_module
-from .controller import ATTENTION_KINDS, AttentionSite, RegularizationController
+from .controller import ATTENTION_KINDS, RegularizationController
 from .drophead import DropHead, DropHeadConfig
 from .layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from .rdrop import RDropConfig, concat_with_itself, rdrop_kl, rdrop_objective, split_in_two

@@ -17,7 +17,7 @@ import torch
 from torch.profiler import record_function
 
 from .ad_drop_config import ADDropConfig
-from .attention_call import CaptureOutput, CaptureProbs, EditScores, zero_counts
+from .attention_call import AttentionSite, CaptureOutput, CaptureProbs, EditScores, zero_counts
 from .attribution import GradientScale, output_gradients, probs_gradient
 from .attribution_pass import (
     attribution_precision,
@@ -35,7 +35,7 @@ from .block_rules import (
     dense_gradient_attribution,
 )
 from .checkpointing import activation_checkpointing_paused
-from .controller import AttentionSite, RegularizationController
+from .controller import RegularizationController
 from .devices import on_host, rng_state, set_rng_state
 from .sharding import check_supported_sharding
 

@@ -29,11 +29,20 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .attention_call import ORDINARY, AttentionCall, Captured, CaptureOutput, CaptureProbs, EditScores, Plan, call_of
+from .attention_call import (
+    ORDINARY,
+    AttentionCall,
+    AttentionSite,
+    Captured,
+    CaptureOutput,
+    CaptureProbs,
+    EditScores,
+    Plan,
+    call_of,
+)
 from .block_masks import BlockCall, attend_block, block_counts, block_masks, blockwise_rows, dropped_weights
 from .block_rules import AttentionScores, call_seed, keyed_draws
 from .blockwise import blockwise_attention
-from .controller import AttentionSite
 from .masks import (
     attention_weights,
     causal_bias,

@@ -18,8 +18,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .attention_call import EditScores
-from .controller import AttentionSite, RegularizationController
+from .attention_call import AttentionSite, EditScores
+from .controller import RegularizationController
 from .options import RegularizerOptions, attention_option, layers_option, option
 from .scheduled_dropout import Schedule, first_dropping_update, parse_schedules, schedule_given, schedule_value
 

@@ -12,8 +12,8 @@ from typing import Dict, List
 
 import torch
 
-from .attention_call import EditScores
-from .controller import AttentionSite, RegularizationController
+from .attention_call import AttentionSite, EditScores
+from .controller import RegularizationController
 from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
 
 

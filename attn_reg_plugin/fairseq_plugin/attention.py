@@ -19,8 +19,8 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
 from ..core.attention import attend
-from ..core.attention_call import applied, call_of, plan_of
-from ..core.controller import AttentionSite, RegularizationController
+from ..core.attention_call import AttentionSite, applied, call_of, plan_of
+from ..core.controller import RegularizationController
 from ..core.masks import finite_bias
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -26,8 +26,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..core.attention import attend
-from ..core.attention_call import call_of
-from ..core.controller import AttentionSite, RegularizationController
+from ..core.attention_call import AttentionSite, call_of
+from ..core.controller import RegularizationController
 from ..core.masks import causal_allowed, mask_fill_value
 from .sites import PLAN_KWARG, UnsupportedAttention, route_attention_calls
 

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from transformers import TrainerCallback
 
-from ..core.controller import AttentionSite
+from ..core.attention_call import AttentionSite
 from ..core.planned_run import IdleRegularizerWarning, idle_run_warning
 
 

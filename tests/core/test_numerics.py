@@ -14,10 +14,10 @@ import torch
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import EditScores
+from attn_reg_plugin.core.attention_call import AttentionSite, EditScores
 from attn_reg_plugin.core.attribution import GradientScale, logit_target, token_loss_target
 from attn_reg_plugin.core.block_rules import candidate_region
-from attn_reg_plugin.core.controller import AttentionSite, RegularizationController
+from attn_reg_plugin.core.controller import RegularizationController
 from helpers import FLOAT_DTYPES, ad_drop_masks
 
 # Absolute tolerance against a float64 reference (outputs; input gradients get 2.5x). The worst

@@ -21,8 +21,8 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from ..attention_call import EditScores, PassRecord, add_counts, zero_counts
-from ..controller import AttentionSite, RegularizationController
+from ..attention_call import AttentionSite, EditScores, PassRecord, add_counts, zero_counts
+from ..controller import RegularizationController
 from ..distributed import all_reduce_mean_
 from .config import AttendOutConfig
 from .generator import Generator

@@ -13,7 +13,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..controller import AttentionSite
+from ..attention_call import AttentionSite
 from ..options import flag_name
 from .config import AttendOutConfig
 
