@@ -54,6 +54,7 @@ from ..core.attribution import ATTRIBUTIONS
 from ..paths import OutputOverwritesInputError, check_outputs_spare_inputs
 from .fairseq_check import check_fairseq_args
 from .heatmap import heatmap
+from .launcher import launch_and_collect
 from .options import (
     OWNED,
     POST_PROCESS,
@@ -97,7 +98,9 @@ __all__ = [
 
 
 # What the sweep writes (not the whole --out-dir: the data-bin may sit beside them).
-SWEEP_OUTPUTS = ("sweep.json", "sweep.lock", "cells", "runs", "results.json", "results.md", "heatmap.png")
+SWEEP_OUTPUTS = (
+    "sweep.json", "sweep.lock", "cells", "runs", "jobs", "jobs.json", "results.json", "results.md", "heatmap.png",
+)  # fmt: skip
 
 
 def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = print) -> int:
@@ -129,11 +132,13 @@ def _locked_main(ap, opts, settings: dict, cells: list, log: Callable[[str], Non
     )
     started = time.time()
     try:
-        records = run_cells(cells, opts, settings, log)
+        records = launch_and_collect(run_cells, cells, opts, settings, log)
     except SweepError as e:
         ap.error(str(e))
+    if records is None:  # --detach
+        return 0
     write_results(records, opts, settings, started, log)
-    return 0
+    return 1 if opts.failed_runs else 0
 
 
 def _check_inputs(opts, written: Sequence[str] = SWEEP_OUTPUTS) -> None:

@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--test", action="store_true", help="also translate the test split (reported, never used to choose)"
     )
+    from .launcher import add_launcher_options
+
+    add_launcher_options(ap)
     return ap
 
 
@@ -212,6 +215,11 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     _parse_grid(ap, opts)
     parse_scoring(ap, opts)
     check_train_args(ap, train_args)
+    from .launcher import check_launcher
+    from .ranks import check_ranks
+
+    check_launcher(ap, opts)
+    check_ranks(ap, opts)
     return ap, opts
 
 

@@ -1,0 +1,301 @@
+"""Where the runs run: ``--launcher local`` (this machine, ``--jobs`` runs at a time) or ``slurm`` (each
+missing (cell, seed) run one task of one Slurm job array, through submitit).
+
+A run is the same in every launcher: :func:`runs.run_seed` (fairseq-train with its resume, then
+fairseq-generate and sacrebleu of the valid and test splits) writes ``runs/<cell>/seed<S>/result.json``.
+The command then collects those files as it always did. ``local`` with ``--jobs 1`` runs them in the
+command's own process, one after another (the runs' progress on the console); every other choice
+submits them through submitit (``--jobs N``: its local executor, N jobs at a time) and waits.
+``OUT/jobs.json`` names the jobs that were submitted, so that a later command (after ``--detach``, a
+lost connection, a failure) waits for those still queued or running and resubmits only the runs that
+neither finished nor are under way. Submitit's files and each job's log are in ``OUT/jobs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .options import cell_name
+from .report import write_json
+
+LAUNCHERS = ("local", "slurm")
+POLL_SECONDS = 2.0
+JOB_LOG_LINES = 15  # of a failed job's log, in the command's output and results.json
+# Ended without a result (sacct's words): the run is missing and the next command resubmits it.
+UNFINISHED_STATES = ("RUNNING", "PENDING", "REQUEUED", "COMPLETING", "READY", "CONFIGURING", "RESIZING", "SUSPENDED")
+
+
+def add_launcher_options(ap: argparse.ArgumentParser) -> None:
+    """``--launcher``, ``--jobs``, ``--detach`` and the Slurm job's options (attn-reg-mt-sweep and -compare)."""
+    group = ap.add_argument_group(
+        "where the runs run", "local: this machine; slurm: one Slurm job per run, as one job array (submitit)"
+    )
+    group.add_argument("--launcher", choices=LAUNCHERS, default="local", help="local (default) or slurm")
+    group.add_argument(
+        "--jobs", type=int, default=1, help="local: runs at a time, 1 to this machine's cores (default 1)"
+    )
+    group.add_argument(
+        "--detach",
+        action="store_true",
+        help="slurm: submit and exit, jobs left running; the same command later collects them",
+    )
+    group.add_argument("--slurm-partition", help="sbatch --partition (default: the cluster's default partition)")
+    group.add_argument("--slurm-time", type=int, default=24 * 60, help="minutes per job, >= 1 (default 1440)")
+    group.add_argument("--slurm-gpus-per-node", type=int, default=0, help="GPUs per job, >= 0 (default 0)")
+    group.add_argument(
+        "--slurm-tasks-per-node",
+        type=int,
+        default=1,
+        help="fairseq-train ranks per job, >= 1 (default 1): one DDP group, rank from SLURM_PROCID",
+    )
+    group.add_argument("--slurm-cpus-per-task", type=int, default=1, help="CPUs per rank, >= 1 (default 1)")
+    group.add_argument("--slurm-mem", help="sbatch --mem, memory per node, e.g. 32G (default: the cluster's)")
+    group.add_argument("--slurm-account", help="sbatch --account")
+    group.add_argument("--slurm-qos", help="sbatch --qos")
+    group.add_argument(
+        "--slurm-sbatch",
+        default="",
+        metavar="OPTIONS",
+        help="further sbatch options, one string: '--constraint=volta32gb --exclude=node7'",
+    )
+    group.add_argument(
+        "--slurm-array-parallelism", type=int, default=256, help="jobs of the array run at once, >= 1 (default 256)"
+    )
+
+
+SLURM_ONLY = ("partition", "time", "gpus_per_node", "tasks_per_node", "cpus_per_task", "mem", "account", "qos")
+
+
+def check_launcher(ap, opts) -> None:
+    """The launcher's options, each in its range and with its launcher; bad ones are ``ap.error``
+    before anything runs. Sets ``opts.sbatch`` (``--slurm-sbatch`` as submitit's parameters)."""
+    cores = os.cpu_count() or 1
+    if not 1 <= opts.jobs <= cores:
+        ap.error(f"--jobs must be an integer from 1 to this machine's {cores} cores, got {opts.jobs}")
+    for option, low in (("time", 1), ("gpus_per_node", 0), ("tasks_per_node", 1), ("cpus_per_task", 1)):
+        value = getattr(opts, f"slurm_{option}")
+        if value < low:
+            ap.error(f"--slurm-{option.replace('_', '-')} must be an integer >= {low}, got {value}")
+    if opts.slurm_array_parallelism < 1:
+        ap.error(f"--slurm-array-parallelism must be an integer >= 1, got {opts.slurm_array_parallelism}")
+    opts.sbatch = _sbatch_options(ap, opts.slurm_sbatch)
+    given = [
+        f"--slurm-{o.replace('_', '-')}"
+        for o in SLURM_ONLY
+        if getattr(opts, f"slurm_{o}") != ap.get_default(f"slurm_{o}")
+    ]
+    given += ["--slurm-sbatch"] * bool(opts.sbatch) + ["--detach"] * opts.detach
+    if opts.launcher == "local" and given:
+        ap.error(f"{', '.join(given)}: options of --launcher slurm (this command runs --launcher local)")
+    if opts.launcher == "slurm":
+        if opts.jobs != 1:
+            ap.error("--jobs is --launcher local's; with slurm, --slurm-array-parallelism bounds the jobs at once")
+        try:
+            import submitit  # noqa: F401
+        except ImportError:
+            ap.error("--launcher slurm needs submitit: pip install 'attn_reg_plugin[cluster]'")
+
+
+def _sbatch_options(ap, text: str) -> Dict[str, object]:
+    """``'--constraint=volta --exclusive'`` as submitit's ``slurm_additional_parameters``."""
+    options: Dict[str, object] = {}
+    for word in shlex.split(text):
+        if not word.startswith("--") or len(word) < 3:
+            ap.error(f"--slurm-sbatch takes sbatch's long options, --name or --name=value; got {word!r}")
+        name, _, value = word[2:].partition("=")
+        options[name] = value if value else True
+    return options
+
+
+# -- the runs a command still lacks ----------------------------------------------------------------
+def missing_runs(cells: List[dict], opts, settings: dict) -> List[Tuple[dict, int]]:
+    """Every (cell, seed) of this command with no ``result.json`` of its cell and settings."""
+    missing = []
+    for cell in cells:
+        for seed in opts.seeds:
+            path = run_dir(opts.out_dir, cell, seed) / "result.json"
+            if path.exists():
+                saved = json.loads(path.read_text(encoding="utf-8"))
+                if saved.get("settings") == settings and saved.get("cell") == cell:
+                    continue
+            missing.append((cell, seed))
+    return missing
+
+
+def run_dir(out: Path, cell: dict, seed: int) -> Path:
+    return out / "runs" / cell_name(cell) / f"seed{seed}"
+
+
+def run_job(cell: dict, seed: int, opts, settings: dict) -> Optional[dict]:
+    """One run, as one submitit job: each of its tasks a fairseq-train rank (:func:`ranks.rank_args`);
+    rank 0 records, translates and scores, as :func:`runs.run_seed` does in a local run."""
+    from .ranks import rank_args, train_other_rank
+    from .runs import run_seed
+
+    seed_dir = run_dir(opts.out_dir, cell, seed)
+    rank, distributed = rank_args(opts.train_args)
+    if rank > 0:
+        train_other_rank(cell, seed, opts, seed_dir, rank, distributed)
+        return None
+    return run_seed(cell, seed, opts, settings, seed_dir, print, distributed)
+
+
+# -- submitting, waiting, collecting ---------------------------------------------------------------
+def _executor(opts):
+    import submitit
+
+    folder = opts.out_dir / "jobs"
+    if opts.launcher == "local":
+        executor = submitit.LocalExecutor(folder=folder)
+        executor.update_parameters(timeout_min=opts.slurm_time)
+        return executor
+    executor = submitit.SlurmExecutor(folder=folder)
+    executor.update_parameters(
+        job_name=f"attn-reg:{opts.out_dir.name}",
+        time=opts.slurm_time,
+        ntasks_per_node=opts.slurm_tasks_per_node,
+        cpus_per_task=opts.slurm_cpus_per_task,
+        array_parallelism=opts.slurm_array_parallelism,
+        **({"gpus_per_node": opts.slurm_gpus_per_node} if opts.slurm_gpus_per_node else {}),
+        **{
+            key: getattr(opts, f"slurm_{key}")
+            for key in ("partition", "mem", "account", "qos")
+            if getattr(opts, f"slurm_{key}")
+        },
+        additional_parameters=opts.sbatch,
+    )
+    return executor
+
+
+def launch(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) -> Optional[List[dict]]:
+    """Run what is missing as jobs and wait for them (local ``--jobs 1``: nothing here, the command
+    runs them itself). Returns the failed runs (name, seed, job, state, its log's last lines), or
+    None when the command runs them itself or ``--detach`` left them running."""
+    if opts.launcher == "local" and opts.jobs == 1:
+        return None
+    missing = missing_runs(cells, opts, settings)
+    jobs = _under_way(opts, missing, log)
+    queued = [run for run in missing if _key(*run) not in jobs]
+    executor = _executor(opts)
+    if opts.launcher == "slurm" and queued:
+        with executor.batch():  # one job array
+            submitted = [executor.submit(run_job, cell, seed, opts, settings) for cell, seed in queued]
+        jobs.update({_key(*run): job for run, job in zip(queued, submitted)})
+        _record_jobs(opts.out_dir, jobs)
+        array = submitted[0].job_id.split("_")[0]
+        log(f"submitted {len(queued)} run(s) as Slurm job array {array}; logs in {opts.out_dir / 'jobs'}")
+        queued = []
+    if opts.detach:
+        log(f"--detach: {len(jobs)} job(s) left to Slurm; the same command again collects them")
+        return None
+    return _wait(jobs, queued, executor, opts, settings, log)
+
+
+def _key(cell: dict, seed: int) -> str:
+    return f"{cell_name(cell)}/seed{seed}"
+
+
+def _record_jobs(out: Path, jobs: Dict[str, object]) -> None:
+    """``OUT/jobs.json``: each run's Slurm job, for a later command to wait for instead of resubmitting."""
+    recorded = _recorded_jobs(out)
+    recorded.update({key: job.job_id for key, job in jobs.items() if not _is_local(job)})
+    write_json(out / "jobs.json", recorded)
+
+
+def _recorded_jobs(out: Path) -> Dict[str, str]:
+    path = out / "jobs.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def _is_local(job) -> bool:
+    return type(job).__name__ == "LocalJob"
+
+
+def _under_way(opts, missing: List[Tuple[dict, int]], log: Callable[[str], None]) -> Dict[str, object]:
+    """The missing runs' Slurm jobs that an earlier command submitted and that are still queued or running."""
+    recorded = _recorded_jobs(opts.out_dir)
+    wanted = {_key(*run) for run in missing} & set(recorded)
+    if not wanted:
+        return {}
+    import submitit
+
+    jobs = {key: submitit.SlurmJob(folder=opts.out_dir / "jobs", job_id=recorded[key]) for key in sorted(wanted)}
+    submitit.SlurmJob.watcher.update()  # one sacct call for them all
+    alive = {key: job for key, job in jobs.items() if job.state.upper() in UNFINISHED_STATES}
+    if alive:
+        log(
+            f"waiting for {len(alive)} run(s) an earlier command submitted: "
+            + ", ".join(f"{k} (job {j.job_id})" for k, j in alive.items())
+        )
+    return alive
+
+
+def _wait(jobs: dict, queued: list, executor, opts, settings: dict, log: Callable[[str], None]) -> List[dict]:
+    """Wait for ``jobs``, submitting ``queued`` local runs as ``--jobs`` allows; each finished run is
+    logged, a failed one returned. Anything that interrupts the wait (Ctrl-C, SIGTERM) cancels every
+    job still queued or running (scancel through submitit) before it goes on."""
+    from .processes import SweepStopped
+
+    pending, failed, done, total = dict(jobs), [], 0, len(jobs) + len(queued)
+    try:
+        while pending or queued:
+            while queued and len(pending) < opts.jobs:
+                cell, seed = queued.pop(0)
+                pending[_key(cell, seed)] = executor.submit(run_job, cell, seed, opts, settings)
+            for key, job in list(pending.items()):
+                if not job.done():
+                    continue
+                del pending[key]
+                done += 1
+                failure = _failure(key, job, opts, settings)
+                if failure is None:
+                    log(f"[{done}/{total}] {key}: finished (job {job.job_id})")
+                else:
+                    failed.append(failure)
+                    log(f"[{done}/{total}] {key}: FAILED (job {job.job_id}, {failure['state']}); log {failure['log']}:")
+                    log("\n".join("    " + line for line in failure["log_tail"]))
+            if pending or queued:
+                time.sleep(POLL_SECONDS)
+    except BaseException as e:
+        for job in pending.values():
+            job.cancel(check=False)
+        if isinstance(e, SweepStopped) and pending:
+            e.ended.append(f"{len(pending)} job(s) cancelled: " + ", ".join(j.job_id for j in pending.values()))
+        raise
+    return failed
+
+
+def _failure(key: str, job, opts, settings: dict) -> Optional[dict]:
+    """None when the job's run wrote its result; else what the results say of it."""
+    name, seed_text = key.rsplit("/seed", 1)
+    path = opts.out_dir / "runs" / name / f"seed{seed_text}" / "result.json"
+    if path.exists() and json.loads(path.read_text(encoding="utf-8")).get("settings") == settings:
+        return None
+    log_path = Path(job.paths.stderr)
+    lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines() if log_path.exists() else []
+    return {
+        "name": name,
+        "seed": int(seed_text),
+        "job": job.job_id,
+        "state": job.state,
+        "log": str(log_path),
+        "log_tail": lines[-JOB_LOG_LINES:],
+    }
+
+
+def launch_and_collect(
+    run_cells: Callable, cells: List[dict], opts, settings: dict, log: Callable[[str], None]
+) -> Optional[List[dict]]:
+    """The records of every cell after the launcher ran what was missing (``opts.failed_runs``: the
+    runs whose jobs failed); None after ``--detach``."""
+    failed = launch(cells, opts, settings, log)
+    if opts.detach:
+        return None
+    opts.failed_runs = failed or []
+    return run_cells(cells, opts, settings, log, collect_only=failed is not None)
