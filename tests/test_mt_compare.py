@@ -20,7 +20,7 @@ import pytest
 from attn_reg_plugin.sweep import compare, compare_report, methods, paired
 from attn_reg_plugin.sweep import runs as sweep_runs
 from attn_reg_plugin.sweep.verdict import summarize
-from helpers import TINY_TRANSFORMER
+from helpers import TINY_MT_TRAIN
 
 REFS = [f"the {a} cat sees the {b} dog again today." for a in ("big", "small", "old", "new") for b in ("red", "white")]
 ALL = "plain,ad-drop,r-drop,dropkey,attendout"
@@ -385,12 +385,6 @@ def test_sacrebleus_paired_test_gets_the_runs_hypotheses_and_its_p_value_is_in_t
 
 
 # -- real fairseq-train runs on the shipped corpus ------------------------------------------------
-TINY_TRAIN = [
-    *TINY_TRANSFORMER,
-    "--label-smoothing", "0.1", "--dropout", "0.1", "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu",
-]  # fmt: skip
-
-
 @pytest.fixture()
 def counted_forks(monkeypatch, forked_runs):
     """Counts the fairseq-train and fairseq-generate runs the command starts (forks of the tests' server)."""
@@ -412,7 +406,7 @@ def test_a_diverged_method_is_recorded_and_the_others_still_compared(tiny_mt_dat
     out = tmp_path / "cmp"
     argv = [
         str(tiny_mt_data["bin"]), "--out-dir", str(out), "--methods", "plain,r-drop,dropkey", "--epochs", "1",
-        "--seeds", "1", "--method-args", "r-drop=--rdrop-alpha 1e38", "--", *TINY_TRAIN,
+        "--seeds", "1", "--method-args", "r-drop=--rdrop-alpha 1e38", "--", *TINY_MT_TRAIN,
     ]  # fmt: skip
     assert compare.main(argv) == 0
     r_drop = methods.method_cell("r-drop", [("--rdrop-alpha", "1e38")], 1)["name"]
@@ -462,7 +456,7 @@ def test_every_methods_options_are_checked_before_anything_trains(
     out = tmp_path / "cmp"
     argv = [
         str(tiny_mt_data["bin"]), "--out-dir", str(out), "--methods", "plain,r-drop,ad-drop,attendout",
-        "--epochs", "2", "--method-args", method_args, "--", *TINY_TRAIN,
+        "--epochs", "2", "--method-args", method_args, "--", *TINY_MT_TRAIN,
     ]  # fmt: skip
     with pytest.raises(SystemExit):
         compare.main(argv)

@@ -137,6 +137,8 @@ def _locked_main(ap, opts, settings: dict, cells: list, log: Callable[[str], Non
         ap.error(str(e))
     if records is None:  # --detach
         return 0
+    if not records:  # every job failed: launcher.launch_and_collect said so
+        return 1
     write_results(records, opts, settings, started, log)
     return 1 if opts.failed_runs else 0
 

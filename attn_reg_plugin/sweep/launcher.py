@@ -27,8 +27,12 @@ from .report import write_json
 LAUNCHERS = ("local", "slurm")
 POLL_SECONDS = 2.0
 JOB_LOG_LINES = 15  # of a failed job's log, in the command's output and results.json
-# Ended without a result (sacct's words): the run is missing and the next command resubmits it.
-UNFINISHED_STATES = ("RUNNING", "PENDING", "REQUEUED", "COMPLETING", "READY", "CONFIGURING", "RESIZING", "SUSPENDED")
+# Still queued or running, as sacct says (submitit's own list); UNKNOWN too: sacct can lag a job
+# submitted a moment ago, and resubmitting a live run would train it twice into the same folder.
+UNFINISHED_STATES = (
+    "RUNNING", "PENDING", "REQUEUED", "COMPLETING", "READY", "CONFIGURING", "RESIZING", "SUSPENDED", "PREEMPTED",
+    "UNKNOWN",
+)  # fmt: skip
 
 
 def add_launcher_options(ap: argparse.ArgumentParser) -> None:
@@ -293,9 +297,12 @@ def launch_and_collect(
     run_cells: Callable, cells: List[dict], opts, settings: dict, log: Callable[[str], None]
 ) -> Optional[List[dict]]:
     """The records of every cell after the launcher ran what was missing (``opts.failed_runs``: the
-    runs whose jobs failed); None after ``--detach``."""
+    runs whose jobs failed); None after ``--detach``; [] when no run has finished."""
     failed = launch(cells, opts, settings, log)
     if opts.detach:
         return None
     opts.failed_runs = failed or []
-    return run_cells(cells, opts, settings, log, collect_only=failed is not None)
+    records = run_cells(cells, opts, settings, log, collect_only=failed is not None)
+    if not records:
+        log("no run has finished, so there are no results yet: the same command again submits the failed runs")
+    return records
