@@ -10,7 +10,8 @@ not answer, these tests skip and say so; the launcher's option checks (at the en
 - stopping the command cancels its jobs (through submitit's scancel);
 - --detach leaves the jobs to Slurm; the same command later waits for them instead of resubmitting;
 - --slurm-tasks-per-node 2: one 2-rank DDP group (gloo) per job, AD-DROP's logged rate that of the
-  whole job.
+  whole job;
+- --launcher local --jobs 2 (submitit's local executor, no Slurm): two runs at once.
 """
 
 import json
@@ -137,13 +138,16 @@ def test_a_cancelled_job_is_named_and_the_same_command_resumes_only_it(tiny_mt_d
     subprocess.run(["scancel", job], check=True)
     output, _ = command.communicate(timeout=300)
     assert command.returncode == 1, output
-    assert f"dropkey/seed1: FAILED (job {job}, CANCELLED" in output
+    assert f"dropkey/seed1: FAILED (job {job}, CANCELLED" in output, output
+    # The job's Python says why: its fairseq-train ended by scancel's SIGTERM.
+    assert "RuntimeError: fairseq-train failed with exit code -15" in output
     results = json.loads((out / "results.json").read_text())
     assert [(f["name"], f["seed"], f["job"], f["state"].split()[0]) for f in results["failed_runs"]] == [
         ("dropkey", 1, job, "CANCELLED")
     ]
     assert [m["name"] for m in results["methods"]] == ["plain"]
     assert f"- dropkey seed 1: job {job} CANCELLED" in (out / "results.md").read_text()
+    assert results["failed_runs"][0]["log_tail"]  # the job's log's last lines, for a reader of results.json
     stopped_after = _epochs_done(dropkey)
     assert 2 <= stopped_after < 8
 
@@ -207,6 +211,23 @@ def test_two_ranks_per_job_form_one_ddp_group(tiny_mt_data, tmp_path, one_thread
     together, alone = (train_epoch_stats((out / run / "train.log").read_text())[1] for out in (sharded, unsharded))
     assert together["num_updates"] == alone["num_updates"] == "6"
     assert together["ad_drop_on"] == "1" and abs(float(together["ad_drop_rate"]) - float(alone["ad_drop_rate"])) < 0.002
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="--jobs 2 needs 2 cores")
+def test_local_jobs_run_at_once(tiny_mt_data, tmp_path, one_thread):
+    """--launcher local --jobs 2: the two runs train at the same time (submitit's local jobs), and are
+    collected as the command's own loop collects them."""
+    out = tmp_path / "cmp"
+    assert compare.main(_compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1, "--jobs", "2")) == 0
+    attempts = {
+        name: json.loads((out / "runs" / name / "seed1" / "attempts.json").read_text())[0]
+        for name in ("plain", "dropkey")
+    }
+    starts = sorted(time.mktime(time.strptime(a["started"], "%Y-%m-%d %H:%M:%S")) for a in attempts.values())
+    assert starts[1] - starts[0] < min(a["seconds"] for a in attempts.values())  # one began before the other ended
+    assert any((out / "jobs").glob("*_0_log.out"))  # submitit's local jobs ran them
+    results = json.loads((out / "results.json").read_text())
+    assert results["failed_runs"] == [] and [m["name"] for m in results["methods"]] == ["plain", "dropkey"]
 
 
 # -- the launcher's options, refused before anything runs (no Slurm needed) -----------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import time
 from pathlib import Path
@@ -26,7 +27,10 @@ from .report import write_json
 
 LAUNCHERS = ("local", "slurm")
 POLL_SECONDS = 2.0
-JOB_LOG_LINES = 15  # of a failed job's log, in the command's output and results.json
+JOB_LOG_LINES = 15  # of a failed job's log, in results.json
+FINAL_STATE_SECONDS = 30.0
+# A Python exception's line in a job's log (the last one says why the run failed).
+PYTHON_ERROR = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Stopped)\b: ")
 # Still queued or running, as sacct says (submitit's own list); UNKNOWN too: sacct can lag a job
 # submitted a moment ago, and resubmitting a live run would train it twice into the same folder.
 UNFINISHED_STATES = (
@@ -262,8 +266,10 @@ def _wait(jobs: dict, queued: list, executor, opts, settings: dict, log: Callabl
                     log(f"[{done}/{total}] {key}: finished (job {job.job_id})")
                 else:
                     failed.append(failure)
-                    log(f"[{done}/{total}] {key}: FAILED (job {job.job_id}, {failure['state']}); log {failure['log']}:")
-                    log("\n".join("    " + line for line in failure["log_tail"]))
+                    log(
+                        f"[{done}/{total}] {key}: FAILED (job {job.job_id}, {failure['state']}): "
+                        f"{failure['error']}; log {failure['log']}"
+                    )
             if pending or queued:
                 time.sleep(POLL_SECONDS)
     except BaseException as e:
@@ -283,14 +289,28 @@ def _failure(key: str, job, opts, settings: dict) -> Optional[dict]:
         return None
     log_path = Path(job.paths.stderr)
     lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines() if log_path.exists() else []
+    errors = [line for line in lines if PYTHON_ERROR.match(line)]
     return {
         "name": name,
         "seed": int(seed_text),
         "job": job.job_id,
-        "state": job.state,
+        "state": _final_state(job),
+        "error": errors[-1] if errors else "no Python error in its log",
         "log": str(log_path),
         "log_tail": lines[-JOB_LOG_LINES:],
     }
+
+
+def _final_state(job) -> str:
+    """How the job ended, as sacct says once it knows (it lags the job's end by a few seconds; a job
+    whose Python wrote its error is done for submitit before that)."""
+    deadline = time.time() + FINAL_STATE_SECONDS
+    while True:
+        job.get_info(mode="force")
+        state = job.state
+        if state.upper() not in UNFINISHED_STATES or _is_local(job) or time.time() > deadline:
+            return state
+        time.sleep(1.0)
 
 
 def launch_and_collect(

@@ -61,7 +61,7 @@ def failed_lines(failed: List[dict]) -> List[str]:
     return [
         "",
         "Failed runs (not in the tables above; the same command submits them again):",
-        *(f"- {f['name']} seed {f['seed']}: job {f['job']} {f['state']}, log {f['log']}" for f in failed),
+        *(f"- {f['name']} seed {f['seed']}: job {f['job']} {f['state']}: {f['error']}; log {f['log']}" for f in failed),
     ]
 
 
