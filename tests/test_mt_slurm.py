@@ -192,6 +192,19 @@ def test_detach_leaves_the_jobs_and_the_same_command_collects_them(tiny_mt_data,
 
 
 @needs_slurm
+def test_an_option_sbatch_refuses_is_named_and_nothing_runs(tiny_mt_data, tmp_path, capsys, one_thread):
+    out = tmp_path / "cmp"
+    with pytest.raises(SystemExit) as stop:
+        compare.main(
+            _compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1, *SLURM, "--slurm-partition", "nosuch")
+        )
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "sbatch refused the jobs, nothing was submitted (sbatch: error: invalid partition specified: nosuch" in err
+    assert not (out / "jobs.json").exists() and not (out / "runs").exists()
+
+
+@needs_slurm
 def test_two_ranks_per_job_form_one_ddp_group(tiny_mt_data, tmp_path, one_thread):
     """--slurm-tasks-per-node 2 on CPU: each task's fairseq-train is told its rank, the world size
     and the first node's address, so the two train as one gloo group (6 updates an epoch, not two

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .options import cell_name
+from .options import SweepError, cell_name
 from .report import write_json
 
 LAUNCHERS = ("local", "slurm")
@@ -192,8 +192,7 @@ def launch(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) 
     queued = [run for run in missing if _key(*run) not in jobs]
     executor = _executor(opts)
     if opts.launcher == "slurm" and queued:
-        with executor.batch():  # one job array
-            submitted = [executor.submit(run_job, cell, seed, opts, settings) for cell, seed in queued]
+        submitted = _submit_array(executor, queued, opts, settings)
         jobs.update({_key(*run): job for run, job in zip(queued, submitted)})
         _record_jobs(opts.out_dir, jobs)
         array = submitted[0].job_id.split("_")[0]
@@ -203,6 +202,21 @@ def launch(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) 
         log(f"--detach: {len(jobs)} job(s) left to Slurm; the same command again collects them")
         return None
     return _wait(jobs, queued, executor, opts, settings, log)
+
+
+def _submit_array(executor, runs: List[Tuple[dict, int]], opts, settings: dict) -> list:
+    """``runs`` as one job array; sbatch's refusal (a partition, account or qos the cluster lacks, a
+    bad ``--slurm-sbatch`` option) is a :class:`SweepError` quoting it."""
+    from submitit.core.utils import FailedJobError
+
+    try:
+        with executor.batch():
+            return [executor.submit(run_job, cell, seed, opts, settings) for cell, seed in runs]
+    except FailedJobError as e:
+        raise SweepError(
+            f"sbatch refused the jobs, nothing was submitted ({' '.join(str(e).split())}): check --slurm-partition, "
+            "--slurm-account, --slurm-qos, --slurm-mem, --slurm-gpus-per-node and --slurm-sbatch"
+        ) from None
 
 
 def _key(cell: dict, seed: int) -> str:
