@@ -1,5 +1,5 @@
 """Where the runs run: ``--launcher local`` (this machine, ``--jobs`` runs at a time) or ``slurm`` (each
-missing (cell, seed) run one task of one Slurm job array, through submitit).
+missing (cell, seed) run one element of one Slurm job array, through submitit).
 
 A run is the same in every launcher: :func:`runs.run_seed` (fairseq-train with its resume, then
 fairseq-generate and sacrebleu of the valid and test splits) writes ``runs/<cell>/seed<S>/result.json``.
@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .options import SweepError, cell_name
 from .report import write_json
+from .runs import run_dir, run_seed
 
 LAUNCHERS = ("local", "slurm")
 POLL_SECONDS = 2.0
@@ -101,13 +102,14 @@ def check_launcher(ap, opts) -> None:
     given += ["--slurm-sbatch"] * bool(opts.sbatch) + ["--detach"] * opts.detach
     if opts.launcher == "local" and given:
         ap.error(f"{', '.join(given)}: options of --launcher slurm (this command runs --launcher local)")
-    if opts.launcher == "slurm":
-        if opts.jobs != 1:
-            ap.error("--jobs is --launcher local's; with slurm, --slurm-array-parallelism bounds the jobs at once")
+    if opts.launcher == "slurm" and opts.jobs != 1:
+        ap.error("--jobs is --launcher local's; with slurm, --slurm-array-parallelism bounds the jobs at once")
+    if opts.launcher == "slurm" or opts.jobs > 1:
         try:
             import submitit  # noqa: F401
         except ImportError:
-            ap.error("--launcher slurm needs submitit: pip install 'attn_reg_plugin[cluster]'")
+            option = "--launcher slurm" if opts.launcher == "slurm" else f"--jobs {opts.jobs}"
+            ap.error(f"{option} needs submitit: pip install 'attn_reg_plugin[cluster]'")
 
 
 def _sbatch_options(ap, text: str) -> Dict[str, object]:
@@ -123,28 +125,23 @@ def _sbatch_options(ap, text: str) -> Dict[str, object]:
 
 # -- the runs a command still lacks ----------------------------------------------------------------
 def missing_runs(cells: List[dict], opts, settings: dict) -> List[Tuple[dict, int]]:
-    """Every (cell, seed) of this command with no ``result.json`` of its cell and settings."""
-    missing = []
-    for cell in cells:
-        for seed in opts.seeds:
-            path = run_dir(opts.out_dir, cell, seed) / "result.json"
-            if path.exists():
-                saved = json.loads(path.read_text(encoding="utf-8"))
-                if saved.get("settings") == settings and saved.get("cell") == cell:
-                    continue
-            missing.append((cell, seed))
-    return missing
+    """Every (cell, seed) of this command that has not finished."""
+    return [(cell, seed) for cell in cells for seed in opts.seeds if not _finished(cell, seed, opts, settings)]
 
 
-def run_dir(out: Path, cell: dict, seed: int) -> Path:
-    return out / "runs" / cell_name(cell) / f"seed{seed}"
+def _finished(cell: dict, seed: int, opts, settings: dict) -> bool:
+    """The run wrote its ``result.json``, of its cell and these settings."""
+    path = run_dir(opts.out_dir, cell, seed) / "result.json"
+    if not path.exists():
+        return False
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    return saved.get("settings") == settings and saved.get("cell") == cell
 
 
 def run_job(cell: dict, seed: int, opts, settings: dict) -> Optional[dict]:
     """One run, as one submitit job: each of its tasks a fairseq-train rank (:func:`ranks.rank_args`);
     rank 0 records, translates and scores, as :func:`runs.run_seed` does in a local run."""
     from .ranks import rank_args, train_other_rank
-    from .runs import run_seed
 
     seed_dir = run_dir(opts.out_dir, cell, seed)
     rank, distributed = rank_args(opts.train_args)
@@ -201,7 +198,7 @@ def launch(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) 
     if opts.detach:
         log(f"--detach: {len(jobs)} job(s) left to Slurm; the same command again collects them")
         return None
-    return _wait(jobs, queued, executor, opts, settings, log)
+    return _wait(jobs, queued, {_key(*run): run for run in missing}, executor, opts, settings, log)
 
 
 def _submit_array(executor, runs: List[Tuple[dict, int]], opts, settings: dict) -> list:
@@ -258,9 +255,11 @@ def _under_way(opts, missing: List[Tuple[dict, int]], log: Callable[[str], None]
     return alive
 
 
-def _wait(jobs: dict, queued: list, executor, opts, settings: dict, log: Callable[[str], None]) -> List[dict]:
-    """Wait for ``jobs``, submitting ``queued`` local runs as ``--jobs`` allows; each finished run is
-    logged, a failed one returned. Anything that interrupts the wait (Ctrl-C, SIGTERM) cancels every
+def _wait(
+    jobs: dict, queued: list, runs: dict, executor, opts, settings: dict, log: Callable[[str], None]
+) -> List[dict]:
+    """Wait for ``jobs`` (by run, ``runs`` the (cell, seed) of each), submitting ``queued`` local runs
+    as ``--jobs`` allows; each finished run is logged, a failed one returned. Anything that interrupts the wait (Ctrl-C, SIGTERM) cancels every
     job still queued or running (scancel through submitit) before it goes on."""
     from .processes import SweepStopped
 
@@ -275,7 +274,7 @@ def _wait(jobs: dict, queued: list, executor, opts, settings: dict, log: Callabl
                     continue
                 del pending[key]
                 done += 1
-                failure = _failure(key, job, opts, settings)
+                failure = _failure(*runs[key], job, opts, settings)
                 if failure is None:
                     log(f"[{done}/{total}] {key}: finished (job {job.job_id})")
                 else:
@@ -295,18 +294,16 @@ def _wait(jobs: dict, queued: list, executor, opts, settings: dict, log: Callabl
     return failed
 
 
-def _failure(key: str, job, opts, settings: dict) -> Optional[dict]:
-    """None when the job's run wrote its result; else what the results say of it."""
-    name, seed_text = key.rsplit("/seed", 1)
-    path = opts.out_dir / "runs" / name / f"seed{seed_text}" / "result.json"
-    if path.exists() and json.loads(path.read_text(encoding="utf-8")).get("settings") == settings:
+def _failure(cell: dict, seed: int, job, opts, settings: dict) -> Optional[dict]:
+    """None when the job's run finished; else what the results say of it."""
+    if _finished(cell, seed, opts, settings):
         return None
     log_path = Path(job.paths.stderr)
     lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines() if log_path.exists() else []
     errors = [line for line in lines if PYTHON_ERROR.match(line)]
     return {
-        "name": name,
-        "seed": int(seed_text),
+        "name": cell_name(cell),
+        "seed": seed,
         "job": job.job_id,
         "state": _final_state(job),
         "error": errors[-1] if errors else "no Python error in its log",

@@ -301,6 +301,11 @@ def all_records(out: Path, settings: dict) -> List[dict]:
     return sorted(records, key=order)
 
 
+def run_dir(out: Path, cell: dict, seed: int) -> Path:
+    """The folder of one run: its checkpoints, logs and result.json."""
+    return out / "runs" / cell_name(cell) / f"seed{seed}"
+
+
 def _finished_seeds(cell: dict, settings: dict, cell_dir: Path) -> List[int]:
     """Seeds of ``cell`` finished by earlier commands (a ``result.json`` of the same cell and settings)."""
     seeds = []
@@ -321,9 +326,9 @@ def _run_seeds(
     """Each seed's result for ``cell``, this command's seeds and those finished earlier; a finished
     seed's is kept, an unfinished one run (``collect_only``: left out)."""
     runs = []
-    cell_dir = opts.out_dir / "runs" / cell_name(cell)
+    cell_dir = run_dir(opts.out_dir, cell, 0).parent
     for seed in sorted(set(opts.seeds) | set(_finished_seeds(cell, settings, cell_dir))):
-        seed_dir = cell_dir / f"seed{seed}"
+        seed_dir = run_dir(opts.out_dir, cell, seed)
         if (seed_dir / "result.json").exists():
             state = "kept"
         elif collect_only:
