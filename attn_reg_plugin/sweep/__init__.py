@@ -38,7 +38,9 @@ dies by any means); a second sweep on a running sweep's ``--out-dir`` is refused
 ``--out-dir``: ``sweep.json`` (the settings), ``sweep.lock`` (while running), ``cells/``,
 ``runs/``, ``results.json``, ``results.md`` (the table) and ``heatmap.png`` (valid BLEU minus
 plain's over p x q on a scale centred on 0, one panel per attribution, layers and schedule;
-needs matplotlib). Bad options are refused before anything runs.
+needs matplotlib). Bad options are refused before anything runs. ``--launcher slurm`` runs every
+missing (cell, seed) run as one Slurm job of one job array (through submitit; ``--launcher local
+--jobs N``: N at a time here), collected the same way (docs/FAIRSEQ.md, "On a Slurm cluster").
 """
 
 from __future__ import annotations

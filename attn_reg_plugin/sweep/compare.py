@@ -36,6 +36,11 @@ its p-value; and the verdict in words, on the interval over seeds (seeds are the
 per-seed test alone over-claims). Written under ``--out-dir``: results.md, results.json,
 compare.png (needs matplotlib), cells/, runs/; results accumulate over commands (more seeds, more
 methods), never erasing runs already recorded.
+
+``--launcher slurm`` runs every missing (method, seed) run as one Slurm job of one job array
+(through submitit; ``--launcher local --jobs N``: N at a time on this machine) and collects them
+the same way; the same command again submits only what is missing (docs/FAIRSEQ.md, "On a Slurm
+cluster").
 """
 
 from __future__ import annotations

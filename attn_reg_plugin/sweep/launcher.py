@@ -47,26 +47,35 @@ def add_launcher_options(ap: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--launcher", choices=LAUNCHERS, default="local", help="local (default) or slurm")
     group.add_argument(
-        "--jobs", type=int, default=1, help="local: runs at a time, 1 to this machine's cores (default 1)"
+        "--jobs", type=int, default=1, metavar="N", help="local: runs at a time, 1 to this machine's cores (default 1)"
     )
     group.add_argument(
         "--detach",
         action="store_true",
         help="slurm: submit and exit, jobs left running; the same command later collects them",
     )
-    group.add_argument("--slurm-partition", help="sbatch --partition (default: the cluster's default partition)")
-    group.add_argument("--slurm-time", type=int, default=24 * 60, help="minutes per job, >= 1 (default 1440)")
-    group.add_argument("--slurm-gpus-per-node", type=int, default=0, help="GPUs per job, >= 0 (default 0)")
+    group.add_argument(
+        "--slurm-partition", metavar="NAME", help="sbatch --partition (default: the cluster's default partition)"
+    )
+    group.add_argument(
+        "--slurm-time", type=int, default=24 * 60, metavar="MINUTES", help="minutes per job, >= 1 (default 1440)"
+    )
+    group.add_argument("--slurm-gpus-per-node", type=int, default=0, metavar="N", help="GPUs per job, >= 0 (default 0)")
     group.add_argument(
         "--slurm-tasks-per-node",
         type=int,
         default=1,
+        metavar="N",
         help="fairseq-train ranks per job, >= 1 (default 1): one DDP group, rank from SLURM_PROCID",
     )
-    group.add_argument("--slurm-cpus-per-task", type=int, default=1, help="CPUs per rank, >= 1 (default 1)")
-    group.add_argument("--slurm-mem", help="sbatch --mem, memory per node, e.g. 32G (default: the cluster's)")
-    group.add_argument("--slurm-account", help="sbatch --account")
-    group.add_argument("--slurm-qos", help="sbatch --qos")
+    group.add_argument(
+        "--slurm-cpus-per-task", type=int, default=1, metavar="N", help="CPUs per rank, >= 1 (default 1)"
+    )
+    group.add_argument(
+        "--slurm-mem", metavar="SIZE", help="sbatch --mem, memory per node, e.g. 32G (default: the cluster's)"
+    )
+    group.add_argument("--slurm-account", metavar="NAME", help="sbatch --account")
+    group.add_argument("--slurm-qos", metavar="NAME", help="sbatch --qos")
     group.add_argument(
         "--slurm-sbatch",
         default="",
@@ -74,7 +83,11 @@ def add_launcher_options(ap: argparse.ArgumentParser) -> None:
         help="further sbatch options, one string: '--constraint=volta32gb --exclude=node7'",
     )
     group.add_argument(
-        "--slurm-array-parallelism", type=int, default=256, help="jobs of the array run at once, >= 1 (default 256)"
+        "--slurm-array-parallelism",
+        type=int,
+        default=256,
+        metavar="N",
+        help="jobs of the array run at once, >= 1 (default 256)",
     )
 
 
