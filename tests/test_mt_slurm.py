@@ -88,23 +88,6 @@ def _sacct_states(job_ids):
     return {job: states.get(job, "?").split()[0] for job in job_ids}
 
 
-@needs_slurm
-def test_a_comparison_as_one_job_array_equals_the_local_one(tiny_mt_data, tmp_path, one_thread):
-    local, slurm = tmp_path / "local", tmp_path / "slurm"
-    assert compare.main(_compare_argv(tiny_mt_data["bin"], local, "plain,dropkey", "1,2", 1)) == 0
-    lines = []
-    argv = _compare_argv(tiny_mt_data["bin"], slurm, "plain,dropkey", "1,2", 1, *SLURM)
-    assert compare.main(argv, log=lines.append) == 0
-    jobs = json.loads((slurm / "jobs.json").read_text())
-    assert sorted(jobs) == ["dropkey/seed1", "dropkey/seed2", "plain/seed1", "plain/seed2"]
-    assert len({j.split("_")[0] for j in jobs.values()}) == 1  # one array
-    assert set(_sacct_states(jobs.values()).values()) == {"COMPLETED"}
-    assert any(line.startswith("submitted 4 run(s) as Slurm job array ") for line in lines)
-    ours, theirs = (json.loads((out / "results.json").read_text()) for out in (slurm, local))
-    assert _comparable(ours, slurm) == _comparable(theirs, local)
-    assert ours["failed_runs"] == [] and len(ours["methods"]) == 2
-
-
 def _wait_for(condition, what: str, timeout: float = 120):
     end = time.time() + timeout
     while not condition():
@@ -122,6 +105,25 @@ def _command(argv):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "attn_reg_plugin.sweep.compare", *argv]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@needs_slurm
+def test_a_comparison_as_one_job_array_equals_the_local_one(tiny_mt_data, tmp_path, one_thread):
+    """The Slurm command runs beside the local one (each run on one thread: the same numbers either
+    way, and the test takes the time of one)."""
+    local, slurm = tmp_path / "local", tmp_path / "slurm"
+    command = _command(_compare_argv(tiny_mt_data["bin"], slurm, "plain,dropkey", "1,2", 1, *SLURM))
+    assert compare.main(_compare_argv(tiny_mt_data["bin"], local, "plain,dropkey", "1,2", 1)) == 0
+    output, _ = command.communicate(timeout=600)
+    assert command.returncode == 0, output
+    jobs = json.loads((slurm / "jobs.json").read_text())
+    assert sorted(jobs) == ["dropkey/seed1", "dropkey/seed2", "plain/seed1", "plain/seed2"]
+    assert len({j.split("_")[0] for j in jobs.values()}) == 1  # one array
+    assert "submitted 4 run(s) as Slurm job array " in output
+    _wait_for(lambda: set(_sacct_states(jobs.values()).values()) == {"COMPLETED"}, "sacct to say COMPLETED", 60)
+    ours, theirs = (json.loads((out / "results.json").read_text()) for out in (slurm, local))
+    assert _comparable(ours, slurm) == _comparable(theirs, local)
+    assert ours["failed_runs"] == [] and len(ours["methods"]) == 2
 
 
 @needs_slurm
@@ -187,7 +189,8 @@ def test_detach_leaves_the_jobs_and_the_same_command_collects_them(tiny_mt_data,
     assert any(line.startswith("waiting for 2 run(s) an earlier command submitted") for line in lines), "\n".join(lines)
     assert not any(line.startswith("submitted") for line in lines)
     assert json.loads((out / "jobs.json").read_text()) == jobs
-    assert set(_sacct_states(jobs.values()).values()) == {"COMPLETED"}
+    # sacct records a job's end a few seconds after its result is written.
+    _wait_for(lambda: set(_sacct_states(jobs.values()).values()) == {"COMPLETED"}, "sacct to say COMPLETED", 60)
     assert [m["name"] for m in json.loads((out / "results.json").read_text())["methods"]] == ["plain", "dropkey"]
 
 
