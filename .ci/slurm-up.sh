@@ -12,6 +12,7 @@ if command -v sinfo >/dev/null && timeout 10 sinfo -h -o %T 2>/dev/null | grep -
     exit 0
 fi
 if ! command -v slurmctld >/dev/null || ! command -v slurmdbd >/dev/null || ! command -v mariadbd >/dev/null; then
+    apt-get update -q >/dev/null  # a fresh machine's package lists may be stale or empty
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm slurmdbd munge mariadb-server >/dev/null
 fi
 
