@@ -258,6 +258,8 @@ def test_a_row_recorded_under_an_older_name_is_continued_not_retrained(fake, tmp
         ([], ["--arch", "transformer", "--seed", "3"], "--seed after '--' are set by the sweep"),
         (["--epochs", "1"], None, "--epochs 1 with ad-drop's --ad-drop-schedule cross-tuning never runs AD-DROP"),
         (["--seeds", "1,1"], None, "--seeds must be a comma list of distinct integers"),
+        # numpy's seed range: fairseq-train failed on 2**32 after every other run had trained.
+        (["--seeds", "1,4294967296"], None, "--seeds must be a comma list of distinct integers from 0 to 4294967295"),
     ],
 )
 def test_bad_options_are_refused_before_any_run(fake, tmp_path, capsys, extra, train, message):

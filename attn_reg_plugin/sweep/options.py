@@ -261,8 +261,9 @@ def parse_epochs_seeds(ap, opts) -> None:
         opts.seeds = [int(x) for x in opts.seeds.split(",") if x.strip()]
     except ValueError:
         opts.seeds = []
-    if not opts.seeds or len(set(opts.seeds)) != len(opts.seeds) or min(opts.seeds) < 0:
-        ap.error(f"--seeds must be a comma list of distinct integers >= 0, got {opts.seeds!r}")
+    # fairseq-train seeds numpy with it, whose seeds end at 2**32 - 1: a larger one failed in the run.
+    if not opts.seeds or len(set(opts.seeds)) != len(opts.seeds) or not 0 <= min(opts.seeds) <= max(opts.seeds) < 2**32:
+        ap.error(f"--seeds must be a comma list of distinct integers from 0 to {2**32 - 1}, got {opts.seeds!r}")
 
 
 def parse_scoring(ap, opts) -> None:
