@@ -178,12 +178,19 @@ def test_stopping_the_command_cancels_its_jobs(tiny_mt_data, tmp_path, one_threa
 
 @needs_slurm
 def test_detach_leaves_the_jobs_and_the_same_command_collects_them(tiny_mt_data, tmp_path, one_thread):
+    """Also: the job's options reach Slurm (squeue shows the time limit and an sbatch option given)."""
     out = tmp_path / "cmp"
-    argv = _compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1, *SLURM)
+    sbatch = ["--slurm-sbatch=--comment=attn-reg-test"]  # with '=': argparse reads a lone --word as an option
+    argv = _compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1, *SLURM, *sbatch)
     started = time.time()
     assert compare.main([*argv[: argv.index("--")], "--detach", *argv[argv.index("--") :]]) == 0
     assert time.time() - started < 30 and not (out / "results.json").exists()  # it did not wait
     jobs = json.loads((out / "jobs.json").read_text())
+    queued = subprocess.run(
+        ["squeue", "-h", "-r", "-j", next(iter(jobs.values())).split("_")[0], "-o", "%i %l %k"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split("\n")  # fmt: skip
+    assert sorted(line for line in queued if line) == [f"{job} 10:00 attn-reg-test" for job in sorted(jobs.values())]
     lines = []
     assert compare.main(argv, log=lines.append) == 0  # at once: the jobs are still queued or running
     assert any(line.startswith("waiting for 2 run(s) an earlier command submitted") for line in lines), "\n".join(lines)

@@ -80,7 +80,7 @@ def add_launcher_options(ap: argparse.ArgumentParser) -> None:
         "--slurm-sbatch",
         default="",
         metavar="OPTIONS",
-        help="further sbatch options, one string: '--constraint=volta32gb --exclude=node7'",
+        help="further sbatch options, one string after '=': --slurm-sbatch='--constraint=volta32gb --exclude=node7'",
     )
     group.add_argument(
         "--slurm-array-parallelism",
