@@ -73,7 +73,7 @@ from .options import (
 from .processes import run_locked
 from .records import log_fields
 from .report import write_json, write_results
-from .runs import run_appended, run_cells, translate_and_score
+from .runs import run_appended, translate_and_score
 from .verdict import best_cell
 
 __all__ = [
@@ -134,7 +134,7 @@ def _locked_main(ap, opts, settings: dict, cells: list, log: Callable[[str], Non
     )
     started = time.time()
     try:
-        records = launch_and_collect(run_cells, cells, opts, settings, log)
+        records = launch_and_collect(cells, opts, settings, log)
     except SweepError as e:
         ap.error(str(e))
     if records is None:  # --detach

@@ -61,7 +61,6 @@ from .options import SweepError, add_run_options, check_train_args, parse_epochs
 from .processes import run_locked
 from .ranks import check_ranks
 from .report import write_json
-from .runs import run_cells
 
 PROG = "attn-reg-mt-compare"
 COMPARE_OUTPUTS = (
@@ -156,7 +155,7 @@ def _locked_main(ap, opts, settings: dict, log: Callable[[str], None]) -> int:
     )
     started = time.time()
     try:
-        records = launch_and_collect(run_cells, opts.cells, opts, settings, log)
+        records = launch_and_collect(opts.cells, opts, settings, log)
     except SweepError as e:
         ap.error(str(e))
     if records is None:  # --detach

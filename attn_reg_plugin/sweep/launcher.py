@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .options import SweepError, cell_name
 from .report import write_json
-from .runs import run_dir, run_seed
+from .runs import run_cells, run_dir, run_seed
 
 LAUNCHERS = ("local", "slurm")
 POLL_SECONDS = 2.0
@@ -337,9 +337,7 @@ def _final_state(job) -> str:
         time.sleep(1.0)
 
 
-def launch_and_collect(
-    run_cells: Callable, cells: List[dict], opts, settings: dict, log: Callable[[str], None]
-) -> Optional[List[dict]]:
+def launch_and_collect(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) -> Optional[List[dict]]:
     """The records of every cell after the launcher ran what was missing (``opts.failed_runs``: the
     runs whose jobs failed); None after ``--detach``; [] when no run has finished."""
     failed = launch(cells, opts, settings, log)
