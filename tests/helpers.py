@@ -51,6 +51,13 @@ TINY_TRANSFORMER = [
 ]
 
 
+# The tiny Transformer's fairseq-train options for the sweep's and the comparison's real runs (on CPU).
+TINY_MT_TRAIN = [
+    *TINY_TRANSFORMER,
+    "--label-smoothing", "0.1", "--dropout", "0.1", "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu",
+]  # fmt: skip
+
+
 def load_script(path, name=None):
     """Import an example script by its path (examples are scripts, not a package)."""
     import importlib.util

@@ -20,7 +20,7 @@ import pytest
 from attn_reg_plugin.sweep import compare, compare_report, methods, paired
 from attn_reg_plugin.sweep import runs as sweep_runs
 from attn_reg_plugin.sweep.verdict import summarize
-from helpers import TINY_TRANSFORMER
+from helpers import TINY_MT_TRAIN
 
 REFS = [f"the {a} cat sees the {b} dog again today." for a in ("big", "small", "old", "new") for b in ("red", "white")]
 ALL = "plain,ad-drop,r-drop,dropkey,attendout"
@@ -258,6 +258,8 @@ def test_a_row_recorded_under_an_older_name_is_continued_not_retrained(fake, tmp
         ([], ["--arch", "transformer", "--seed", "3"], "--seed after '--' are set by the sweep"),
         (["--epochs", "1"], None, "--epochs 1 with ad-drop's --ad-drop-schedule cross-tuning never runs AD-DROP"),
         (["--seeds", "1,1"], None, "--seeds must be a comma list of distinct integers"),
+        # numpy's seed range: fairseq-train failed on 2**32 after every other run had trained.
+        (["--seeds", "1,4294967296"], None, "--seeds must be a comma list of distinct integers from 0 to 4294967295"),
     ],
 )
 def test_bad_options_are_refused_before_any_run(fake, tmp_path, capsys, extra, train, message):
@@ -385,12 +387,6 @@ def test_sacrebleus_paired_test_gets_the_runs_hypotheses_and_its_p_value_is_in_t
 
 
 # -- real fairseq-train runs on the shipped corpus ------------------------------------------------
-TINY_TRAIN = [
-    *TINY_TRANSFORMER,
-    "--label-smoothing", "0.1", "--dropout", "0.1", "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu",
-]  # fmt: skip
-
-
 @pytest.fixture()
 def counted_forks(monkeypatch, forked_runs):
     """Counts the fairseq-train and fairseq-generate runs the command starts (forks of the tests' server)."""
@@ -412,7 +408,7 @@ def test_a_diverged_method_is_recorded_and_the_others_still_compared(tiny_mt_dat
     out = tmp_path / "cmp"
     argv = [
         str(tiny_mt_data["bin"]), "--out-dir", str(out), "--methods", "plain,r-drop,dropkey", "--epochs", "1",
-        "--seeds", "1", "--method-args", "r-drop=--rdrop-alpha 1e38", "--", *TINY_TRAIN,
+        "--seeds", "1", "--method-args", "r-drop=--rdrop-alpha 1e38", "--", *TINY_MT_TRAIN,
     ]  # fmt: skip
     assert compare.main(argv) == 0
     r_drop = methods.method_cell("r-drop", [("--rdrop-alpha", "1e38")], 1)["name"]
@@ -462,7 +458,7 @@ def test_every_methods_options_are_checked_before_anything_trains(
     out = tmp_path / "cmp"
     argv = [
         str(tiny_mt_data["bin"]), "--out-dir", str(out), "--methods", "plain,r-drop,ad-drop,attendout",
-        "--epochs", "2", "--method-args", method_args, "--", *TINY_TRAIN,
+        "--epochs", "2", "--method-args", method_args, "--", *TINY_MT_TRAIN,
     ]  # fmt: skip
     with pytest.raises(SystemExit):
         compare.main(argv)

@@ -171,7 +171,7 @@ def test_sweep_over_a_tr_en_run_resumes_and_refuses_other_settings(tiny_tr_en, t
         ({"--schedule": "odd"}, "--schedule must be a comma list of cross-tuning, always, got 'odd'"),
         ({"--attribution": "shap"}, "--attribution must be a comma list of ga, iga, aa, rd, got 'shap'"),
         ({"--layers": "first"}, "--layers must be a ';'-separated list of distinct --ad-drop-layers values"),
-        ({"--seeds": "1,x"}, "--seeds must be a comma list of distinct integers >= 0"),
+        ({"--seeds": "1,x"}, "--seeds must be a comma list of distinct integers from 0 to 4294967295"),
         ({"--post-process": "bpe"}, "--post-process must be one of 'sentencepiece'"),
         ({"--max-len-a": "-1"}, "--max-len-a must be a finite number >= 0, got -1"),
         ({"--max-len-b": "0"}, "--max-len-b must be an integer >= 1, got 0"),

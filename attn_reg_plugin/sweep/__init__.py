@@ -38,7 +38,9 @@ dies by any means); a second sweep on a running sweep's ``--out-dir`` is refused
 ``--out-dir``: ``sweep.json`` (the settings), ``sweep.lock`` (while running), ``cells/``,
 ``runs/``, ``results.json``, ``results.md`` (the table) and ``heatmap.png`` (valid BLEU minus
 plain's over p x q on a scale centred on 0, one panel per attribution, layers and schedule;
-needs matplotlib). Bad options are refused before anything runs.
+needs matplotlib). Bad options are refused before anything runs. ``--launcher slurm`` runs every
+missing (cell, seed) run as one Slurm job of one job array (through submitit; ``--launcher local
+--jobs N``: N at a time here), collected the same way (docs/FAIRSEQ.md, "On a Slurm cluster").
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from ..core.attribution import ATTRIBUTIONS
 from ..paths import OutputOverwritesInputError, check_outputs_spare_inputs
 from .fairseq_check import check_fairseq_args
 from .heatmap import heatmap
+from .launcher import launch_and_collect
 from .options import (
     OWNED,
     POST_PROCESS,
@@ -70,7 +73,7 @@ from .options import (
 from .processes import run_locked
 from .records import log_fields
 from .report import write_json, write_results
-from .runs import run_appended, run_cells, translate_and_score
+from .runs import run_appended, translate_and_score
 from .verdict import best_cell
 
 __all__ = [
@@ -97,7 +100,9 @@ __all__ = [
 
 
 # What the sweep writes (not the whole --out-dir: the data-bin may sit beside them).
-SWEEP_OUTPUTS = ("sweep.json", "sweep.lock", "cells", "runs", "results.json", "results.md", "heatmap.png")
+SWEEP_OUTPUTS = (
+    "sweep.json", "sweep.lock", "cells", "runs", "jobs", "jobs.json", "results.json", "results.md", "heatmap.png",
+)  # fmt: skip
 
 
 def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = print) -> int:
@@ -129,11 +134,15 @@ def _locked_main(ap, opts, settings: dict, cells: list, log: Callable[[str], Non
     )
     started = time.time()
     try:
-        records = run_cells(cells, opts, settings, log)
+        records = launch_and_collect(cells, opts, settings, log)
     except SweepError as e:
         ap.error(str(e))
+    if records is None:  # --detach
+        return 0
+    if not records:  # every job failed: launcher.launch_and_collect said so
+        return 1
     write_results(records, opts, settings, started, log)
-    return 0
+    return 1 if opts.failed_runs else 0
 
 
 def _check_inputs(opts, written: Sequence[str] = SWEEP_OUTPUTS) -> None:

@@ -36,6 +36,11 @@ its p-value; and the verdict in words, on the interval over seeds (seeds are the
 per-seed test alone over-claims). Written under ``--out-dir``: results.md, results.json,
 compare.png (needs matplotlib), cells/, runs/; results accumulate over commands (more seeds, more
 methods), never erasing runs already recorded.
+
+``--launcher slurm`` runs every missing (method, seed) run as one Slurm job of one job array
+(through submitit; ``--launcher local --jobs N``: N at a time on this machine) and collects them
+the same way; the same command again submits only what is missing (docs/FAIRSEQ.md, "On a Slurm
+cluster").
 """
 
 from __future__ import annotations
@@ -50,14 +55,17 @@ from ..paths import OutputOverwritesInputError
 from . import _check_inputs, _check_same_settings, sweep_settings
 from .compare_report import write_comparison
 from .fairseq_check import check_fairseq_args
+from .launcher import add_launcher_options, check_launcher, launch_and_collect
 from .methods import METHODS, check_shared_args, method_cell, parse_method_args, parse_methods, plugin_provides
 from .options import SweepError, add_run_options, check_train_args, parse_epochs_seeds, parse_scoring, split_train_args
 from .processes import run_locked
+from .ranks import check_ranks
 from .report import write_json
-from .runs import run_cells
 
 PROG = "attn-reg-mt-compare"
-COMPARE_OUTPUTS = ("sweep.json", "sweep.lock", "cells", "runs", "results.json", "results.md", "compare.png")
+COMPARE_OUTPUTS = (
+    "sweep.json", "sweep.lock", "cells", "runs", "jobs", "jobs.json", "results.json", "results.md", "compare.png",
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "defaults); its row is named after them (r-drop_alpha=3), or ROW: 'r-drop:strong=--rdrop-alpha 10'",
     )
     add_run_options(ap, test_is_optional=False)
+    add_launcher_options(ap)
     return ap
 
 
@@ -111,6 +120,8 @@ def parse_args(argv: Sequence[str], provided: Optional[set] = None):
     except SweepError as e:
         ap.error(str(e))
     check_train_args(ap, train_args)
+    check_launcher(ap, opts)
+    check_ranks(ap, opts)
     return ap, opts
 
 
@@ -144,11 +155,15 @@ def _locked_main(ap, opts, settings: dict, log: Callable[[str], None]) -> int:
     )
     started = time.time()
     try:
-        records = run_cells(opts.cells, opts, settings, log)
+        records = launch_and_collect(opts.cells, opts, settings, log)
     except SweepError as e:
         ap.error(str(e))
+    if records is None:  # --detach
+        return 0
+    if not records:  # every job failed: launcher.launch_and_collect said so
+        return 1
     write_comparison(records, opts, started, log)
-    return 0
+    return 1 if opts.failed_runs else 0
 
 
 def _recorded_name(out: Path, cell: dict, named_rows: set, log: Callable[[str], None]) -> dict:

@@ -20,7 +20,7 @@ from .paired import (
     spread,
     verdict,
 )
-from .report import _versions, write_json
+from .report import _versions, failed_lines, write_json
 from .verdict import flags, plain_of
 
 # A panel title's line, in characters: a third of compare.png's width at matplotlib's default font.
@@ -141,7 +141,7 @@ def write_comparison(records: List[dict], opts, started: float, log: Callable[[s
         for s in summaries
     ]
     lines = [f"{title}, on {opts.data_bin}", "", *tables(summaries), "", "Each row's own fairseq-train options:"]
-    lines += [*options, "", "Verdicts:", *(f"- {v}" for v in verdicts)]
+    lines += [*options, "", "Verdicts:", *(f"- {v}" for v in verdicts), *failed_lines(opts.failed_runs)]
     lines += [
         "",
         f"BLEU and chrF: sacrebleu on detokenized fairseq-generate output (beam {opts.beam}) vs {reference}; "
@@ -156,6 +156,7 @@ def write_comparison(records: List[dict], opts, started: float, log: Callable[[s
         "seeds": seeds,
         "methods": summaries,
         "verdicts": verdicts,
+        "failed_runs": opts.failed_runs,
         "plot": drawn,
         "versions": _versions(),
         "seconds": round(time.time() - started, 1),

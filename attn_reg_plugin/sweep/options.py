@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--test", action="store_true", help="also translate the test split (reported, never used to choose)"
     )
+    from .launcher import add_launcher_options
+
+    add_launcher_options(ap)
     return ap
 
 
@@ -212,6 +215,11 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     _parse_grid(ap, opts)
     parse_scoring(ap, opts)
     check_train_args(ap, train_args)
+    from .launcher import check_launcher
+    from .ranks import check_ranks
+
+    check_launcher(ap, opts)
+    check_ranks(ap, opts)
     return ap, opts
 
 
@@ -253,8 +261,9 @@ def parse_epochs_seeds(ap, opts) -> None:
         opts.seeds = [int(x) for x in opts.seeds.split(",") if x.strip()]
     except ValueError:
         opts.seeds = []
-    if not opts.seeds or len(set(opts.seeds)) != len(opts.seeds) or min(opts.seeds) < 0:
-        ap.error(f"--seeds must be a comma list of distinct integers >= 0, got {opts.seeds!r}")
+    # fairseq-train seeds numpy with it, whose seeds end at 2**32 - 1: a larger one failed in the run.
+    if not opts.seeds or len(set(opts.seeds)) != len(opts.seeds) or not 0 <= min(opts.seeds) <= max(opts.seeds) < 2**32:
+        ap.error(f"--seeds must be a comma list of distinct integers from 0 to {2**32 - 1}, got {opts.seeds!r}")
 
 
 def parse_scoring(ap, opts) -> None:

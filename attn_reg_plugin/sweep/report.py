@@ -39,10 +39,12 @@ def write_results(records: List[dict], opts, settings: dict, started: float, log
     )
     drawn = _draw_heatmap(records, best, plain, title, opts, log)
     lines = [f"{title}, on {opts.data_bin}", "", *_table(records, opts.test), "", best_line(best, plain, records)]
+    lines += failed_lines(opts.failed_runs)
     translated = [run["valid"] for r in records for run in r["runs"] if run["valid"] is not None]
     reference = translated[0]["reference"] if translated else "the valid references (no run was translated)"
     lines += ["", f"BLEU: sacrebleu on detokenized fairseq-generate output (beam {opts.beam}) vs {reference}"]
     summary = _results_summary(records, best, plain, drawn, opts, settings)
+    summary["failed_runs"] = opts.failed_runs
     summary["seconds"] = round(time.time() - started, 1)
     write_json(out / "results.json", summary)
     (out / "results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -50,6 +52,17 @@ def write_results(records: List[dict], opts, settings: dict, started: float, log
     log(f"results: {out / 'results.md'}, {out / 'results.json'}" + (f", {drawn['path']}" if drawn else ""))
     for hint in closing_hints(records):
         log(hint)
+
+
+def failed_lines(failed: List[dict]) -> List[str]:
+    """results.md's lines naming the runs whose jobs failed (none: no lines)."""
+    if not failed:
+        return []
+    return [
+        "",
+        "Failed runs (not in the tables above; the same command submits them again):",
+        *(f"- {f['name']} seed {f['seed']}: job {f['job']} {f['state']}: {f['error']}; log {f['log']}" for f in failed),
+    ]
 
 
 def _draw_heatmap(

@@ -150,10 +150,11 @@ APPROXIMATE_RESUME = (
 )
 
 
-def _train(cell: dict, seed: int, opts, seed_dir: Path, log: Callable[[str], None]) -> None:
+def _train(cell: dict, seed: int, opts, seed_dir: Path, log: Callable[[str], None], distributed: Sequence[str]) -> None:
     """fairseq-train of one run (resuming from its checkpoint_last.pt when an earlier attempt left
     one), its attempts in ``attempts.json``; ``trained.json`` marks it trained, or diverged when
-    fairseq-train stopped on a NaN/Inf (its ``diverged`` says why)."""
+    fairseq-train stopped on a NaN/Inf (its ``diverged`` says why). ``distributed``: rank 0's
+    options in a Slurm job of several ranks (:mod:`.ranks`)."""
     attempts = Attempts(seed_dir / "attempts.json")
     entry = attempts.start()
     name = f"{cell_name(cell)} seed {seed}"
@@ -170,7 +171,7 @@ def _train(cell: dict, seed: int, opts, seed_dir: Path, log: Callable[[str], Non
         for epoch, loss in read_train_log(line)["valid_loss"].items():
             log(f"    {name} epoch {epoch}/{opts.epochs}: valid loss {loss:.3f}")
 
-    cmd = [fairseq_command("fairseq-train"), *train_command(cell, seed, opts, seed_dir / "checkpoints")]
+    cmd = [fairseq_command("fairseq-train"), *train_command(cell, seed, opts, seed_dir / "checkpoints"), *distributed]
     exact = "--rebuild-batches" in cmd
     train_log = seed_dir / "train.log"
     attempt_start = train_log.stat().st_size if train_log.exists() else 0
@@ -200,7 +201,15 @@ def _attempt_diverged(train_log: Path, attempt_start: int) -> Optional[str]:
         return diverged_in(f.read().decode("utf-8", errors="replace"))
 
 
-def run_seed(cell: dict, seed: int, opts, settings: dict, seed_dir: Path, log: Callable[[str], None] = print) -> dict:
+def run_seed(
+    cell: dict,
+    seed: int,
+    opts,
+    settings: dict,
+    seed_dir: Path,
+    log: Callable[[str], None] = print,
+    distributed: Sequence[str] = (),
+) -> dict:
     """Train (resuming from checkpoint_last.pt if an earlier attempt stopped), translate valid (and
     test), score; ``seed_dir/result.json`` marks it finished. The epochs are read from every
     attempt's lines in ``train.log``, the time from every attempt's ``attempts.json`` entry."""
@@ -210,7 +219,7 @@ def run_seed(cell: dict, seed: int, opts, settings: dict, seed_dir: Path, log: C
         if saved.get("settings") == settings and saved.get("cell") == cell:
             return saved
     if not (seed_dir / "trained.json").exists():
-        _train(cell, seed, opts, seed_dir, log)
+        _train(cell, seed, opts, seed_dir, log, distributed)
     trained = json.loads((seed_dir / "trained.json").read_text(encoding="utf-8"))
     train_log = seed_dir / "train.log"
     epochs = read_train_log(train_log.read_text(encoding="utf-8"))
@@ -240,11 +249,13 @@ def run_seed(cell: dict, seed: int, opts, settings: dict, seed_dir: Path, log: C
 
 
 # -- the grid's cells -----------------------------------------------------------------------------
-def run_cells(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) -> List[dict]:
+def run_cells(
+    cells: List[dict], opts, settings: dict, log: Callable[[str], None], collect_only: bool = False
+) -> List[dict]:
     """Every cell's record, this command's and earlier ones' in ``OUT/cells/``: a cell of this command
     is kept from ``OUT/cells/<cell>.json`` when that holds its seeds, else its missing seeds are run
-    and the record rewritten over every finished seed. Raises :class:`SweepError` when such a file
-    holds another cell or settings."""
+    (``collect_only``: left out, the launcher ran them as jobs) and the record rewritten over every
+    finished seed. Raises :class:`SweepError` when such a file holds another cell or settings."""
     for index, cell in enumerate(cells, 1):
         name = cell_name(cell)
         record_path = opts.out_dir / "cells" / f"{name}.json"
@@ -253,7 +264,9 @@ def run_cells(cells: List[dict], opts, settings: dict, log: Callable[[str], None
         if record is not None:
             log(f"{prefix}: kept from {record_path} ({_bleu_text(record['valid_bleu'])}, seeds {record['seeds']})")
         else:
-            write_json(record_path, summarize(cell, _run_seeds(cell, prefix, opts, settings, log), settings))
+            runs = _run_seeds(cell, prefix, opts, settings, log, collect_only)
+            if runs:  # a cell none of whose jobs finished has no record yet
+                write_json(record_path, summarize(cell, runs, settings))
     return all_records(opts.out_dir, settings)
 
 
@@ -288,6 +301,11 @@ def all_records(out: Path, settings: dict) -> List[dict]:
     return sorted(records, key=order)
 
 
+def run_dir(out: Path, cell: dict, seed: int) -> Path:
+    """The folder of one run: its checkpoints, logs and result.json."""
+    return out / "runs" / cell_name(cell) / f"seed{seed}"
+
+
 def _finished_seeds(cell: dict, settings: dict, cell_dir: Path) -> List[int]:
     """Seeds of ``cell`` finished by earlier commands (a ``result.json`` of the same cell and settings)."""
     seeds = []
@@ -302,14 +320,19 @@ def _bleu_text(bleu: Optional[float]) -> str:
     return "diverged, not translated" if bleu is None else f"valid BLEU {bleu:.2f}"
 
 
-def _run_seeds(cell: dict, prefix: str, opts, settings: dict, log: Callable[[str], None]) -> List[dict]:
-    """Each seed's result for ``cell``, this command's seeds and those finished earlier; a finished seed's is kept."""
+def _run_seeds(
+    cell: dict, prefix: str, opts, settings: dict, log: Callable[[str], None], collect_only: bool
+) -> List[dict]:
+    """Each seed's result for ``cell``, this command's seeds and those finished earlier; a finished
+    seed's is kept, an unfinished one run (``collect_only``: left out)."""
     runs = []
-    cell_dir = opts.out_dir / "runs" / cell_name(cell)
+    cell_dir = run_dir(opts.out_dir, cell, 0).parent
     for seed in sorted(set(opts.seeds) | set(_finished_seeds(cell, settings, cell_dir))):
-        seed_dir = cell_dir / f"seed{seed}"
+        seed_dir = run_dir(opts.out_dir, cell, seed)
         if (seed_dir / "result.json").exists():
             state = "kept"
+        elif collect_only:
+            continue
         elif (seed_dir / "trained.json").exists():
             state = "trained earlier, scoring"
         elif (seed_dir / "checkpoints" / "checkpoint_last.pt").exists():

@@ -1,0 +1,350 @@
+"""Where the runs run: ``--launcher local`` (this machine, ``--jobs`` runs at a time) or ``slurm`` (each
+missing (cell, seed) run one element of one Slurm job array, through submitit).
+
+A run is the same in every launcher: :func:`runs.run_seed` (fairseq-train with its resume, then
+fairseq-generate and sacrebleu of the valid and test splits) writes ``runs/<cell>/seed<S>/result.json``.
+The command then collects those files as it always did. ``local`` with ``--jobs 1`` runs them in the
+command's own process, one after another (the runs' progress on the console); every other choice
+submits them through submitit (``--jobs N``: its local executor, N jobs at a time) and waits.
+``OUT/jobs.json`` names the jobs that were submitted, so that a later command (after ``--detach``, a
+lost connection, a failure) waits for those still queued or running and resubmits only the runs that
+neither finished nor are under way. Submitit's files and each job's log are in ``OUT/jobs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .options import SweepError, cell_name
+from .report import write_json
+from .runs import run_cells, run_dir, run_seed
+
+LAUNCHERS = ("local", "slurm")
+POLL_SECONDS = 2.0
+JOB_LOG_LINES = 15  # of a failed job's log, in results.json
+FINAL_STATE_SECONDS = 30.0
+# A Python exception's line in a job's log (the last one says why the run failed).
+PYTHON_ERROR = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Stopped)\b: ")
+# Still queued or running, as sacct says (submitit's own list); UNKNOWN too: sacct can lag a job
+# submitted a moment ago, and resubmitting a live run would train it twice into the same folder.
+UNFINISHED_STATES = (
+    "RUNNING", "PENDING", "REQUEUED", "COMPLETING", "READY", "CONFIGURING", "RESIZING", "SUSPENDED", "PREEMPTED",
+    "UNKNOWN",
+)  # fmt: skip
+
+
+def add_launcher_options(ap: argparse.ArgumentParser) -> None:
+    """``--launcher``, ``--jobs``, ``--detach`` and the Slurm job's options (attn-reg-mt-sweep and -compare)."""
+    group = ap.add_argument_group(
+        "where the runs run", "local: this machine; slurm: one Slurm job per run, as one job array (submitit)"
+    )
+    group.add_argument("--launcher", choices=LAUNCHERS, default="local", help="local (default) or slurm")
+    group.add_argument(
+        "--jobs", type=int, default=1, metavar="N", help="local: runs at a time, 1 to this machine's cores (default 1)"
+    )
+    group.add_argument(
+        "--detach",
+        action="store_true",
+        help="slurm: submit and exit, jobs left running; the same command later collects them",
+    )
+    group.add_argument(
+        "--slurm-partition", metavar="NAME", help="sbatch --partition (default: the cluster's default partition)"
+    )
+    group.add_argument(
+        "--slurm-time", type=int, default=24 * 60, metavar="MINUTES", help="minutes per job, >= 1 (default 1440)"
+    )
+    group.add_argument("--slurm-gpus-per-node", type=int, default=0, metavar="N", help="GPUs per job, >= 0 (default 0)")
+    group.add_argument(
+        "--slurm-tasks-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="fairseq-train ranks per job, >= 1 (default 1): one DDP group, rank from SLURM_PROCID",
+    )
+    group.add_argument(
+        "--slurm-cpus-per-task", type=int, default=1, metavar="N", help="CPUs per rank, >= 1 (default 1)"
+    )
+    group.add_argument(
+        "--slurm-mem", metavar="SIZE", help="sbatch --mem, memory per node, e.g. 32G (default: the cluster's)"
+    )
+    group.add_argument("--slurm-account", metavar="NAME", help="sbatch --account")
+    group.add_argument("--slurm-qos", metavar="NAME", help="sbatch --qos")
+    group.add_argument(
+        "--slurm-sbatch",
+        default="",
+        metavar="OPTIONS",
+        help="further sbatch options, one string after '=': --slurm-sbatch='--constraint=volta32gb --exclude=node7'",
+    )
+    group.add_argument(
+        "--slurm-array-parallelism",
+        type=int,
+        default=256,
+        metavar="N",
+        help="jobs of the array run at once, >= 1 (default 256)",
+    )
+
+
+SLURM_ONLY = ("partition", "time", "gpus_per_node", "tasks_per_node", "cpus_per_task", "mem", "account", "qos")
+
+
+def check_launcher(ap, opts) -> None:
+    """The launcher's options, each in its range and with its launcher; bad ones are ``ap.error``
+    before anything runs. Sets ``opts.sbatch`` (``--slurm-sbatch`` as submitit's parameters)."""
+    cores = os.cpu_count() or 1
+    if not 1 <= opts.jobs <= cores:
+        ap.error(f"--jobs must be an integer from 1 to this machine's {cores} cores, got {opts.jobs}")
+    for option, low in (("time", 1), ("gpus_per_node", 0), ("tasks_per_node", 1), ("cpus_per_task", 1)):
+        value = getattr(opts, f"slurm_{option}")
+        if value < low:
+            ap.error(f"--slurm-{option.replace('_', '-')} must be an integer >= {low}, got {value}")
+    if opts.slurm_array_parallelism < 1:
+        ap.error(f"--slurm-array-parallelism must be an integer >= 1, got {opts.slurm_array_parallelism}")
+    opts.sbatch = _sbatch_options(ap, opts.slurm_sbatch)
+    given = [
+        f"--slurm-{o.replace('_', '-')}"
+        for o in SLURM_ONLY
+        if getattr(opts, f"slurm_{o}") != ap.get_default(f"slurm_{o}")
+    ]
+    given += ["--slurm-sbatch"] * bool(opts.sbatch) + ["--detach"] * opts.detach
+    if opts.launcher == "local" and given:
+        ap.error(f"{', '.join(given)}: options of --launcher slurm (this command runs --launcher local)")
+    if opts.launcher == "slurm" and opts.jobs != 1:
+        ap.error("--jobs is --launcher local's; with slurm, --slurm-array-parallelism bounds the jobs at once")
+    if opts.launcher == "slurm" or opts.jobs > 1:
+        try:
+            import submitit  # noqa: F401
+        except ImportError:
+            option = "--launcher slurm" if opts.launcher == "slurm" else f"--jobs {opts.jobs}"
+            ap.error(f"{option} needs submitit: pip install 'attn_reg_plugin[cluster]'")
+
+
+def _sbatch_options(ap, text: str) -> Dict[str, object]:
+    """``'--constraint=volta --exclusive'`` as submitit's ``slurm_additional_parameters``."""
+    options: Dict[str, object] = {}
+    for word in shlex.split(text):
+        if not word.startswith("--") or len(word) < 3:
+            ap.error(f"--slurm-sbatch takes sbatch's long options, --name or --name=value; got {word!r}")
+        name, _, value = word[2:].partition("=")
+        options[name] = value if value else True
+    return options
+
+
+# -- the runs a command still lacks ----------------------------------------------------------------
+def missing_runs(cells: List[dict], opts, settings: dict) -> List[Tuple[dict, int]]:
+    """Every (cell, seed) of this command that has not finished."""
+    return [(cell, seed) for cell in cells for seed in opts.seeds if not _finished(cell, seed, opts, settings)]
+
+
+def _finished(cell: dict, seed: int, opts, settings: dict) -> bool:
+    """The run wrote its ``result.json``, of its cell and these settings."""
+    path = run_dir(opts.out_dir, cell, seed) / "result.json"
+    if not path.exists():
+        return False
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    return saved.get("settings") == settings and saved.get("cell") == cell
+
+
+def run_job(cell: dict, seed: int, opts, settings: dict) -> Optional[dict]:
+    """One run, as one submitit job: each of its tasks a fairseq-train rank (:func:`ranks.rank_args`);
+    rank 0 records, translates and scores, as :func:`runs.run_seed` does in a local run."""
+    from .ranks import rank_args, train_other_rank
+
+    seed_dir = run_dir(opts.out_dir, cell, seed)
+    rank, distributed = rank_args(opts.train_args)
+    if rank > 0:
+        train_other_rank(cell, seed, opts, seed_dir, rank, distributed)
+        return None
+    return run_seed(cell, seed, opts, settings, seed_dir, print, distributed)
+
+
+# -- submitting, waiting, collecting ---------------------------------------------------------------
+def _executor(opts):
+    import submitit
+
+    folder = opts.out_dir / "jobs"
+    if opts.launcher == "local":
+        executor = submitit.LocalExecutor(folder=folder)
+        executor.update_parameters(timeout_min=opts.slurm_time)
+        return executor
+    executor = submitit.SlurmExecutor(folder=folder)
+    executor.update_parameters(
+        job_name=f"attn-reg:{opts.out_dir.name}",
+        time=opts.slurm_time,
+        ntasks_per_node=opts.slurm_tasks_per_node,
+        cpus_per_task=opts.slurm_cpus_per_task,
+        array_parallelism=opts.slurm_array_parallelism,
+        **({"gpus_per_node": opts.slurm_gpus_per_node} if opts.slurm_gpus_per_node else {}),
+        **{
+            key: getattr(opts, f"slurm_{key}")
+            for key in ("partition", "mem", "account", "qos")
+            if getattr(opts, f"slurm_{key}")
+        },
+        additional_parameters=opts.sbatch,
+    )
+    return executor
+
+
+def launch(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) -> Optional[List[dict]]:
+    """Run what is missing as jobs and wait for them (local ``--jobs 1``: nothing here, the command
+    runs them itself). Returns the failed runs (name, seed, job, state, its log's last lines), or
+    None when the command runs them itself or ``--detach`` left them running."""
+    if opts.launcher == "local" and opts.jobs == 1:
+        return None
+    missing = missing_runs(cells, opts, settings)
+    jobs = _under_way(opts, missing, log)
+    queued = [run for run in missing if _key(*run) not in jobs]
+    executor = _executor(opts)
+    if opts.launcher == "slurm" and queued:
+        submitted = _submit_array(executor, queued, opts, settings)
+        jobs.update({_key(*run): job for run, job in zip(queued, submitted)})
+        _record_jobs(opts.out_dir, jobs)
+        array = submitted[0].job_id.split("_")[0]
+        log(f"submitted {len(queued)} run(s) as Slurm job array {array}; logs in {opts.out_dir / 'jobs'}")
+        queued = []
+    if opts.detach:
+        log(f"--detach: {len(jobs)} job(s) left to Slurm; the same command again collects them")
+        return None
+    return _wait(jobs, queued, {_key(*run): run for run in missing}, executor, opts, settings, log)
+
+
+def _submit_array(executor, runs: List[Tuple[dict, int]], opts, settings: dict) -> list:
+    """``runs`` as one job array; sbatch's refusal (a partition, account or qos the cluster lacks, a
+    bad ``--slurm-sbatch`` option) is a :class:`SweepError` quoting it."""
+    from submitit.core.utils import FailedJobError
+
+    try:
+        with executor.batch():
+            return [executor.submit(run_job, cell, seed, opts, settings) for cell, seed in runs]
+    except FailedJobError as e:
+        raise SweepError(
+            f"sbatch refused the jobs, nothing was submitted ({' '.join(str(e).split())}): check --slurm-partition, "
+            "--slurm-account, --slurm-qos, --slurm-mem, --slurm-gpus-per-node and --slurm-sbatch"
+        ) from None
+
+
+def _key(cell: dict, seed: int) -> str:
+    return f"{cell_name(cell)}/seed{seed}"
+
+
+def _record_jobs(out: Path, jobs: Dict[str, object]) -> None:
+    """``OUT/jobs.json``: each run's Slurm job, for a later command to wait for instead of resubmitting."""
+    recorded = _recorded_jobs(out)
+    recorded.update({key: job.job_id for key, job in jobs.items() if not _is_local(job)})
+    write_json(out / "jobs.json", recorded)
+
+
+def _recorded_jobs(out: Path) -> Dict[str, str]:
+    path = out / "jobs.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def _is_local(job) -> bool:
+    return type(job).__name__ == "LocalJob"
+
+
+def _under_way(opts, missing: List[Tuple[dict, int]], log: Callable[[str], None]) -> Dict[str, object]:
+    """The missing runs' Slurm jobs that an earlier command submitted and that are still queued or running."""
+    recorded = _recorded_jobs(opts.out_dir)
+    wanted = {_key(*run) for run in missing} & set(recorded)
+    if not wanted:
+        return {}
+    import submitit
+
+    jobs = {key: submitit.SlurmJob(folder=opts.out_dir / "jobs", job_id=recorded[key]) for key in sorted(wanted)}
+    submitit.SlurmJob.watcher.update()  # one sacct call for them all
+    alive = {key: job for key, job in jobs.items() if job.state.upper() in UNFINISHED_STATES}
+    if alive:
+        log(
+            f"waiting for {len(alive)} run(s) an earlier command submitted: "
+            + ", ".join(f"{k} (job {j.job_id})" for k, j in alive.items())
+        )
+    return alive
+
+
+def _wait(
+    jobs: dict, queued: list, runs: dict, executor, opts, settings: dict, log: Callable[[str], None]
+) -> List[dict]:
+    """Wait for ``jobs`` (by run, ``runs`` the (cell, seed) of each), submitting ``queued`` local runs
+    as ``--jobs`` allows; each finished run is logged, a failed one returned. Anything that interrupts the wait (Ctrl-C, SIGTERM) cancels every
+    job still queued or running (scancel through submitit) before it goes on."""
+    from .processes import SweepStopped
+
+    pending, failed, done, total = dict(jobs), [], 0, len(jobs) + len(queued)
+    try:
+        while pending or queued:
+            while queued and len(pending) < opts.jobs:
+                cell, seed = queued.pop(0)
+                pending[_key(cell, seed)] = executor.submit(run_job, cell, seed, opts, settings)
+            for key, job in list(pending.items()):
+                if not job.done():
+                    continue
+                del pending[key]
+                done += 1
+                failure = _failure(*runs[key], job, opts, settings)
+                if failure is None:
+                    log(f"[{done}/{total}] {key}: finished (job {job.job_id})")
+                else:
+                    failed.append(failure)
+                    log(
+                        f"[{done}/{total}] {key}: FAILED (job {job.job_id}, {failure['state']}): "
+                        f"{failure['error']}; log {failure['log']}"
+                    )
+            if pending or queued:
+                time.sleep(POLL_SECONDS)
+    except BaseException as e:
+        for job in pending.values():
+            job.cancel(check=False)
+        if isinstance(e, SweepStopped) and pending:
+            e.ended.append(f"{len(pending)} job(s) cancelled: " + ", ".join(j.job_id for j in pending.values()))
+        raise
+    return failed
+
+
+def _failure(cell: dict, seed: int, job, opts, settings: dict) -> Optional[dict]:
+    """None when the job's run finished; else what the results say of it."""
+    if _finished(cell, seed, opts, settings):
+        return None
+    log_path = Path(job.paths.stderr)
+    lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines() if log_path.exists() else []
+    errors = [line for line in lines if PYTHON_ERROR.match(line)]
+    return {
+        "name": cell_name(cell),
+        "seed": seed,
+        "job": job.job_id,
+        "state": _final_state(job),
+        "error": errors[-1] if errors else "no Python error in its log",
+        "log": str(log_path),
+        "log_tail": lines[-JOB_LOG_LINES:],
+    }
+
+
+def _final_state(job) -> str:
+    """How the job ended, as sacct says once it knows (it lags the job's end by a few seconds; a job
+    whose Python wrote its error is done for submitit before that)."""
+    deadline = time.time() + FINAL_STATE_SECONDS
+    while True:
+        job.get_info(mode="force")
+        state = job.state
+        if state.upper() not in UNFINISHED_STATES or _is_local(job) or time.time() > deadline:
+            return state
+        time.sleep(1.0)
+
+
+def launch_and_collect(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) -> Optional[List[dict]]:
+    """The records of every cell after the launcher ran what was missing (``opts.failed_runs``: the
+    runs whose jobs failed); None after ``--detach``; [] when no run has finished."""
+    failed = launch(cells, opts, settings, log)
+    if opts.detach:
+        return None
+    opts.failed_runs = failed or []
+    records = run_cells(cells, opts, settings, log, collect_only=failed is not None)
+    if not records:
+        log("no run has finished, so there are no results yet: the same command again submits the failed runs")
+    return records

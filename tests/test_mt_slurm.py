@@ -1,0 +1,299 @@
+"""attn-reg-mt-compare and attn-reg-mt-sweep with --launcher slurm, on a real Slurm: the one-node
+cluster .ci/slurm-up.sh starts (CI's .ci/run does, before make test). No stand-in for Slurm: every
+run below is a job that sbatch queued, slurmd ran and sacct reports. Where sinfo is missing or does
+not answer, these tests skip and say so; the launcher's option checks (at the end) run everywhere.
+
+- a 2-method x 2-seed comparison as one job array: its results.json equals the local launcher's,
+  to the digit, for the same seeds;
+- a job cancelled mid-run (scancel) is named in the results as failed; the same command again
+  submits only that run, which resumes from its checkpoint;
+- stopping the command cancels its jobs (through submitit's scancel);
+- --detach leaves the jobs to Slurm; the same command later waits for them instead of resubmitting;
+- --slurm-tasks-per-node 2: one 2-rank DDP group (gloo) per job, AD-DROP's logged rate that of the
+  whole job;
+- --launcher local --jobs 2 (submitit's local executor, no Slurm): two runs at once.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from attn_reg_plugin.sweep import compare
+from attn_reg_plugin.sweep import main as sweep_main
+from helpers import REPO, TINY_MT_TRAIN, train_epoch_stats
+
+
+def slurm_unavailable() -> str:
+    """Why no Slurm job can run here ('' when sinfo answers with a node ready for jobs)."""
+    if shutil.which("sinfo") is None:
+        return "no Slurm here: sinfo is not installed (.ci/slurm-up.sh starts a one-node cluster, as .ci/run does)"
+    try:
+        states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "Slurm does not answer: sinfo timed out after 20 s"
+    if states.returncode != 0:
+        return f"Slurm does not answer: sinfo failed: {states.stderr.strip()}"
+    if not {"idle", "mixed", "allocated"} & set(states.stdout.split()):
+        return f"Slurm has no node ready for jobs (sinfo: {states.stdout.split() or 'no nodes'})"
+    return ""
+
+
+NO_SLURM = slurm_unavailable()
+needs_slurm = pytest.mark.skipif(bool(NO_SLURM), reason=NO_SLURM)
+SLURM = ["--launcher", "slurm", "--slurm-time", "10"]
+
+
+@pytest.fixture()
+def one_thread(monkeypatch):
+    """Every fairseq-train, here and in the jobs (sbatch passes the environment on), on one thread:
+    CPU training is then the same per seed wherever it runs."""
+    pytest.importorskip("submitit")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def _compare_argv(data_bin, out, methods, seeds, epochs, *extra):
+    return [
+        str(data_bin), "--out-dir", str(out), "--methods", methods, "--seeds", seeds, "--epochs", str(epochs),
+        *extra, "--", *TINY_MT_TRAIN,
+    ]  # fmt: skip
+
+
+def _comparable(results: dict, out: Path):
+    """``results`` without what differs between two identical runs: times and the out-dir's path."""
+
+    def clean(x):
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items() if "seconds" not in k}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x.replace(str(out), "OUT") if isinstance(x, str) else x
+
+    return clean(results)
+
+
+def _sacct_states(job_ids):
+    """sacct's state of each job (array elements as 12_3), from the cluster's accounting."""
+    rows = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(sorted({j.split("_")[0] for j in job_ids}))],
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    states = dict(row.split("|", 1) for row in rows)
+    return {job: states.get(job, "?").split()[0] for job in job_ids}
+
+
+def _wait_for(condition, what: str, timeout: float = 120):
+    end = time.time() + timeout
+    while not condition():
+        assert time.time() < end, f"still waiting after {timeout} s for {what}"
+        time.sleep(0.5)
+
+
+def _epochs_done(seed_dir: Path) -> int:
+    log = seed_dir / "train.log"
+    return len(train_epoch_stats(log.read_text())) if log.exists() else 0
+
+
+def _command(argv):
+    """attn-reg-mt-compare of this checkout as its own process (so that a signal can stop it)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "attn_reg_plugin.sweep.compare", *argv]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@needs_slurm
+def test_a_comparison_as_one_job_array_equals_the_local_one(tiny_mt_data, tmp_path, one_thread):
+    """The Slurm command runs beside the local one (each run on one thread: the same numbers either
+    way, and the test takes the time of one)."""
+    local, slurm = tmp_path / "local", tmp_path / "slurm"
+    command = _command(_compare_argv(tiny_mt_data["bin"], slurm, "plain,dropkey", "1,2", 1, *SLURM))
+    assert compare.main(_compare_argv(tiny_mt_data["bin"], local, "plain,dropkey", "1,2", 1)) == 0
+    output, _ = command.communicate(timeout=600)
+    assert command.returncode == 0, output
+    jobs = json.loads((slurm / "jobs.json").read_text())
+    assert sorted(jobs) == ["dropkey/seed1", "dropkey/seed2", "plain/seed1", "plain/seed2"]
+    assert len({j.split("_")[0] for j in jobs.values()}) == 1  # one array
+    assert "submitted 4 run(s) as Slurm job array " in output
+    _wait_for(lambda: set(_sacct_states(jobs.values()).values()) == {"COMPLETED"}, "sacct to say COMPLETED", 60)
+    ours, theirs = (json.loads((out / "results.json").read_text()) for out in (slurm, local))
+    assert _comparable(ours, slurm) == _comparable(theirs, local)
+    assert ours["failed_runs"] == [] and len(ours["methods"]) == 2
+
+
+@needs_slurm
+def test_a_cancelled_job_is_named_and_the_same_command_resumes_only_it(tiny_mt_data, tmp_path, one_thread):
+    """scancel of one job mid-run: the command collects the other, names the cancelled run in
+    results.md and results.json and exits 1; the same command again submits that run alone, which
+    resumes from its checkpoint_last.pt."""
+    out = tmp_path / "cmp"
+    argv = _compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 8, *SLURM)
+    command = _command(argv)
+    dropkey = out / "runs" / "dropkey" / "seed1"
+    _wait_for(lambda: _epochs_done(dropkey) >= 2, "dropkey's second epoch")
+    job = json.loads((out / "jobs.json").read_text())["dropkey/seed1"]
+    subprocess.run(["scancel", job], check=True)
+    output, _ = command.communicate(timeout=300)
+    assert command.returncode == 1, output
+    assert f"dropkey/seed1: FAILED (job {job}, CANCELLED" in output, output
+    # The job's Python says why: its fairseq-train ended by scancel's SIGTERM.
+    assert "RuntimeError: fairseq-train failed with exit code -15" in output
+    results = json.loads((out / "results.json").read_text())
+    assert [(f["name"], f["seed"], f["job"], f["state"].split()[0]) for f in results["failed_runs"]] == [
+        ("dropkey", 1, job, "CANCELLED")
+    ]
+    assert [m["name"] for m in results["methods"]] == ["plain"]
+    assert f"- dropkey seed 1: job {job} CANCELLED" in (out / "results.md").read_text()
+    assert results["failed_runs"][0]["log_tail"]  # the job's log's last lines, for a reader of results.json
+    stopped_after = _epochs_done(dropkey)
+    assert 2 <= stopped_after < 8
+
+    lines = []
+    assert compare.main(argv, log=lines.append) == 0
+    assert any(line.startswith("submitted 1 run(s) as Slurm job array ") for line in lines), lines
+    train_log = (dropkey / "train.log").read_text()
+    assert f"Loaded checkpoint {dropkey / 'checkpoints' / 'checkpoint_last.pt'} (epoch {stopped_after + 1}" in train_log
+    results = json.loads((out / "results.json").read_text())
+    assert results["failed_runs"] == [] and [m["name"] for m in results["methods"]] == ["plain", "dropkey"]
+    assert json.loads((dropkey / "result.json").read_text())["attempts"] == 2
+
+
+@needs_slurm
+def test_stopping_the_command_cancels_its_jobs(tiny_mt_data, tmp_path, one_thread):
+    out = tmp_path / "cmp"
+    command = _command(_compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 8, *SLURM))
+    _wait_for(lambda: _epochs_done(out / "runs" / "plain" / "seed1") >= 1, "plain's first epoch")
+    command.send_signal(signal.SIGTERM)
+    output, _ = command.communicate(timeout=120)
+    assert command.returncode == 128 + signal.SIGTERM, output
+    jobs = json.loads((out / "jobs.json").read_text())
+    assert "stopped by SIGTERM: ended 2 job(s) cancelled: " in output
+    _wait_for(lambda: set(_sacct_states(jobs.values()).values()) == {"CANCELLED"}, "sacct to say CANCELLED", 60)
+
+
+@needs_slurm
+def test_detach_leaves_the_jobs_and_the_same_command_collects_them(tiny_mt_data, tmp_path, one_thread):
+    """Also: the job's options reach Slurm (squeue shows the time limit and an sbatch option given)."""
+    out = tmp_path / "cmp"
+    sbatch = ["--slurm-sbatch=--comment=attn-reg-test"]  # with '=': argparse reads a lone --word as an option
+    argv = _compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1, *SLURM, *sbatch)
+    started = time.time()
+    assert compare.main([*argv[: argv.index("--")], "--detach", *argv[argv.index("--") :]]) == 0
+    assert time.time() - started < 30 and not (out / "results.json").exists()  # it did not wait
+    jobs = json.loads((out / "jobs.json").read_text())
+    queued = subprocess.run(
+        ["squeue", "-h", "-r", "-j", next(iter(jobs.values())).split("_")[0], "-o", "%i %l %k"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split("\n")  # fmt: skip
+    assert sorted(line for line in queued if line) == [f"{job} 10:00 attn-reg-test" for job in sorted(jobs.values())]
+    lines = []
+    assert compare.main(argv, log=lines.append) == 0  # at once: the jobs are still queued or running
+    assert any(line.startswith("waiting for 2 run(s) an earlier command submitted") for line in lines), "\n".join(lines)
+    assert not any(line.startswith("submitted") for line in lines)
+    assert json.loads((out / "jobs.json").read_text()) == jobs
+    # sacct records a job's end a few seconds after its result is written.
+    _wait_for(lambda: set(_sacct_states(jobs.values()).values()) == {"COMPLETED"}, "sacct to say COMPLETED", 60)
+    assert [m["name"] for m in json.loads((out / "results.json").read_text())["methods"]] == ["plain", "dropkey"]
+
+
+@needs_slurm
+def test_an_option_sbatch_refuses_is_named_and_nothing_runs(tiny_mt_data, tmp_path, capsys, one_thread):
+    out = tmp_path / "cmp"
+    with pytest.raises(SystemExit) as stop:
+        compare.main(
+            _compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1, *SLURM, "--slurm-partition", "nosuch")
+        )
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "sbatch refused the jobs, nothing was submitted (sbatch: error: invalid partition specified: nosuch" in err
+    assert not (out / "jobs.json").exists() and not (out / "runs").exists()
+
+
+@needs_slurm
+def test_two_ranks_per_job_form_one_ddp_group(tiny_mt_data, tmp_path, one_thread):
+    """--slurm-tasks-per-node 2 on CPU: each task's fairseq-train is told its rank, the world size
+    and the first node's address, so the two train as one gloo group (6 updates an epoch, not two
+    copies of 12), and AD-DROP's logged rate is the whole job's: that of one unsharded process over
+    the same two batches per update (--update-freq 2), within the masks' random draws."""
+    cell = ["--p", "0.5", "--q", "0.5", "--schedule", "always", "--epochs", "1"]
+    sharded, unsharded = tmp_path / "sharded", tmp_path / "unsharded"
+    ranks = [*SLURM, "--slurm-tasks-per-node", "2"]
+    argv = [str(tiny_mt_data["bin"]), "--out-dir", str(sharded), *cell, *ranks, "--", *TINY_MT_TRAIN]
+    assert sweep_main([*argv, "--ddp-backend", "legacy_ddp"]) == 0
+    argv = [str(tiny_mt_data["bin"]), "--out-dir", str(unsharded), *cell, "--", *TINY_MT_TRAIN, "--update-freq", "2"]
+    assert sweep_main(argv) == 0
+    run = Path("runs") / "p0.5_q0.5_ga_layers-all_always" / "seed1"
+    log = (sharded / run / "train.log").read_text()
+    assert "'distributed_world_size': 2" in log and "'distributed_rank': 0" in log
+    assert "--distributed-rank 1" in (sharded / run / "train-rank1.log").read_text().splitlines()[0]
+    together, alone = (train_epoch_stats((out / run / "train.log").read_text())[1] for out in (sharded, unsharded))
+    assert together["num_updates"] == alone["num_updates"] == "6"
+    assert together["ad_drop_on"] == "1" and abs(float(together["ad_drop_rate"]) - float(alone["ad_drop_rate"])) < 0.002
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="--jobs 2 needs 2 cores")
+def test_local_jobs_run_at_once(tiny_mt_data, tmp_path, one_thread):
+    """--launcher local --jobs 2: the two runs train at the same time (submitit's local jobs), and are
+    collected as the command's own loop collects them."""
+    out = tmp_path / "cmp"
+    assert compare.main(_compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1, "--jobs", "2")) == 0
+    attempts = {
+        name: json.loads((out / "runs" / name / "seed1" / "attempts.json").read_text())[0]
+        for name in ("plain", "dropkey")
+    }
+    starts = sorted(time.mktime(time.strptime(a["started"], "%Y-%m-%d %H:%M:%S")) for a in attempts.values())
+    assert starts[1] - starts[0] < min(a["seconds"] for a in attempts.values())  # one began before the other ended
+    assert any((out / "jobs").glob("*_0_log.out"))  # submitit's local jobs ran them
+    results = json.loads((out / "results.json").read_text())
+    assert results["failed_runs"] == [] and [m["name"] for m in results["methods"]] == ["plain", "dropkey"]
+
+
+# -- the launcher's options, refused before anything runs (no Slurm needed) -----------------------
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--jobs", "0"], "--jobs must be an integer from 1 to this machine's"),
+        (["--jobs", str((os.cpu_count() or 1) + 1)], "--jobs must be an integer from 1 to this machine's"),
+        (["--slurm-partition", "gpu"], "--slurm-partition: options of --launcher slurm"),
+        (["--detach"], "--detach: options of --launcher slurm"),
+        (["--launcher", "slurm", "--jobs", "2"], "--jobs is --launcher local's"),
+        (["--launcher", "slurm", "--slurm-time", "0"], "--slurm-time must be an integer >= 1, got 0"),
+        (
+            ["--launcher", "slurm", "--slurm-array-parallelism", "0"],
+            "--slurm-array-parallelism must be an integer >= 1",
+        ),
+        (["--launcher", "slurm", "--slurm-sbatch", "constraint=volta"], "--slurm-sbatch takes sbatch's long options"),
+        (
+            ["--launcher", "slurm", "--slurm-tasks-per-node", "2"],
+            "--slurm-tasks-per-node 2 with --cpu: give --ddp-backend",
+        ),
+        (["--launcher", "cluster"], "argument --launcher: invalid choice: 'cluster'"),
+    ],
+)
+def test_bad_launcher_options_are_refused_before_anything_runs(tiny_mt_data, tmp_path, capsys, extra, message):
+    out = tmp_path / "cmp"
+    with pytest.raises(SystemExit) as stop:
+        compare.main(_compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1, *extra))
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_help_shows_the_launcher_options(capsys):
+    with pytest.raises(SystemExit):
+        compare.main(["--help"])
+    text = capsys.readouterr().out
+    for option in ("--launcher {local,slurm}", "--jobs", "--detach", "--slurm-partition", "--slurm-time",
+                   "--slurm-gpus-per-node", "--slurm-tasks-per-node", "--slurm-cpus-per-task", "--slurm-mem",
+                   "--slurm-account", "--slurm-qos", "--slurm-sbatch", "--slurm-array-parallelism"):  # fmt: skip
+        assert option in text
+
+
+def test_without_sinfo_the_slurm_tests_say_why_they_skip(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH with no sinfo on it
+    assert slurm_unavailable().startswith("no Slurm here: sinfo is not installed")
