@@ -55,11 +55,11 @@ from ..paths import OutputOverwritesInputError
 from . import _check_inputs, _check_same_settings, sweep_settings
 from .compare_report import write_comparison
 from .fairseq_check import check_fairseq_args
-from .launcher import add_launcher_options, check_launcher, launch_and_collect
+from .launcher import launch_and_collect
+from .launcher_options import add_launcher_options, check_launcher, check_ranks
 from .methods import METHODS, check_shared_args, method_cell, parse_method_args, parse_methods, plugin_provides
 from .options import SweepError, add_run_options, check_train_args, parse_epochs_seeds, parse_scoring, split_train_args
 from .processes import run_locked
-from .ranks import check_ranks
 from .report import write_json
 
 PROG = "attn-reg-mt-compare"

@@ -13,11 +13,8 @@ neither finished nor are under way. Submitit's files and each job's log are in `
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import re
-import shlex
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -26,7 +23,6 @@ from .options import SweepError, cell_name
 from .report import write_json
 from .runs import run_cells, run_dir, run_seed
 
-LAUNCHERS = ("local", "slurm")
 POLL_SECONDS = 2.0
 JOB_LOG_LINES = 15  # of a failed job's log, in results.json
 FINAL_STATE_SECONDS = 30.0
@@ -38,102 +34,6 @@ UNFINISHED_STATES = (
     "RUNNING", "PENDING", "REQUEUED", "COMPLETING", "READY", "CONFIGURING", "RESIZING", "SUSPENDED", "PREEMPTED",
     "UNKNOWN",
 )  # fmt: skip
-
-
-def add_launcher_options(ap: argparse.ArgumentParser) -> None:
-    """``--launcher``, ``--jobs``, ``--detach`` and the Slurm job's options (attn-reg-mt-sweep and -compare)."""
-    group = ap.add_argument_group(
-        "where the runs run", "local: this machine; slurm: one Slurm job per run, as one job array (submitit)"
-    )
-    group.add_argument("--launcher", choices=LAUNCHERS, default="local", help="local (default) or slurm")
-    group.add_argument(
-        "--jobs", type=int, default=1, metavar="N", help="local: runs at a time, 1 to this machine's cores (default 1)"
-    )
-    group.add_argument(
-        "--detach",
-        action="store_true",
-        help="slurm: submit and exit, jobs left running; the same command later collects them",
-    )
-    group.add_argument(
-        "--slurm-partition", metavar="NAME", help="sbatch --partition (default: the cluster's default partition)"
-    )
-    group.add_argument(
-        "--slurm-time", type=int, default=24 * 60, metavar="MINUTES", help="minutes per job, >= 1 (default 1440)"
-    )
-    group.add_argument("--slurm-gpus-per-node", type=int, default=0, metavar="N", help="GPUs per job, >= 0 (default 0)")
-    group.add_argument(
-        "--slurm-tasks-per-node",
-        type=int,
-        default=1,
-        metavar="N",
-        help="fairseq-train ranks per job, >= 1 (default 1): one DDP group, rank from SLURM_PROCID",
-    )
-    group.add_argument(
-        "--slurm-cpus-per-task", type=int, default=1, metavar="N", help="CPUs per rank, >= 1 (default 1)"
-    )
-    group.add_argument(
-        "--slurm-mem", metavar="SIZE", help="sbatch --mem, memory per node, e.g. 32G (default: the cluster's)"
-    )
-    group.add_argument("--slurm-account", metavar="NAME", help="sbatch --account")
-    group.add_argument("--slurm-qos", metavar="NAME", help="sbatch --qos")
-    group.add_argument(
-        "--slurm-sbatch",
-        default="",
-        metavar="OPTIONS",
-        help="further sbatch options, one string after '=': --slurm-sbatch='--constraint=volta32gb --exclude=node7'",
-    )
-    group.add_argument(
-        "--slurm-array-parallelism",
-        type=int,
-        default=256,
-        metavar="N",
-        help="jobs of the array run at once, >= 1 (default 256)",
-    )
-
-
-SLURM_ONLY = ("partition", "time", "gpus_per_node", "tasks_per_node", "cpus_per_task", "mem", "account", "qos")
-
-
-def check_launcher(ap, opts) -> None:
-    """The launcher's options, each in its range and with its launcher; bad ones are ``ap.error``
-    before anything runs. Sets ``opts.sbatch`` (``--slurm-sbatch`` as submitit's parameters)."""
-    cores = os.cpu_count() or 1
-    if not 1 <= opts.jobs <= cores:
-        ap.error(f"--jobs must be an integer from 1 to this machine's {cores} cores, got {opts.jobs}")
-    for option, low in (("time", 1), ("gpus_per_node", 0), ("tasks_per_node", 1), ("cpus_per_task", 1)):
-        value = getattr(opts, f"slurm_{option}")
-        if value < low:
-            ap.error(f"--slurm-{option.replace('_', '-')} must be an integer >= {low}, got {value}")
-    if opts.slurm_array_parallelism < 1:
-        ap.error(f"--slurm-array-parallelism must be an integer >= 1, got {opts.slurm_array_parallelism}")
-    opts.sbatch = _sbatch_options(ap, opts.slurm_sbatch)
-    given = [
-        f"--slurm-{o.replace('_', '-')}"
-        for o in SLURM_ONLY
-        if getattr(opts, f"slurm_{o}") != ap.get_default(f"slurm_{o}")
-    ]
-    given += ["--slurm-sbatch"] * bool(opts.sbatch) + ["--detach"] * opts.detach
-    if opts.launcher == "local" and given:
-        ap.error(f"{', '.join(given)}: options of --launcher slurm (this command runs --launcher local)")
-    if opts.launcher == "slurm" and opts.jobs != 1:
-        ap.error("--jobs is --launcher local's; with slurm, --slurm-array-parallelism bounds the jobs at once")
-    if opts.launcher == "slurm" or opts.jobs > 1:
-        try:
-            import submitit  # noqa: F401
-        except ImportError:
-            option = "--launcher slurm" if opts.launcher == "slurm" else f"--jobs {opts.jobs}"
-            ap.error(f"{option} needs submitit: pip install 'attn_reg_plugin[cluster]'")
-
-
-def _sbatch_options(ap, text: str) -> Dict[str, object]:
-    """``'--constraint=volta --exclusive'`` as submitit's ``slurm_additional_parameters``."""
-    options: Dict[str, object] = {}
-    for word in shlex.split(text):
-        if not word.startswith("--") or len(word) < 3:
-            ap.error(f"--slurm-sbatch takes sbatch's long options, --name or --name=value; got {word!r}")
-        name, _, value = word[2:].partition("=")
-        options[name] = value if value else True
-    return options
 
 
 # -- the runs a command still lacks ----------------------------------------------------------------

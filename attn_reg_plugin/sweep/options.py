@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from ..core.ad_drop_config import SCHEDULES, first_ad_drop_epoch
 from ..core.attribution import ATTRIBUTIONS
+from .launcher_options import add_launcher_options, check_launcher, check_ranks
 
 # fairseq's --post-process values (fairseq.data.data_utils.post_process); "none" passes nothing.
 POST_PROCESS = ("sentencepiece", "subword_nmt", "@@ ", "@@", "wordpiece", "letter", "_EOW", "silence", "none")
@@ -156,8 +157,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--test", action="store_true", help="also translate the test split (reported, never used to choose)"
     )
-    from .launcher import add_launcher_options
-
     add_launcher_options(ap)
     return ap
 
@@ -215,9 +214,6 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     _parse_grid(ap, opts)
     parse_scoring(ap, opts)
     check_train_args(ap, train_args)
-    from .launcher import check_launcher
-    from .ranks import check_ranks
-
     check_launcher(ap, opts)
     check_ranks(ap, opts)
     return ap, opts

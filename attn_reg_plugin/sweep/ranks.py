@@ -21,9 +21,6 @@ from .options import option_name
 # The group's port on the first node, from the job's id: every task of a job computes the same,
 # and two jobs sharing a node (an array) almost never collide.
 PORT_BASE, PORT_SPAN = 20000, 20000
-# Distributed training on CPU: fairseq's pytorch_ddp passes device_ids, which torch refuses for a
-# CPU module; these two wrap it without.
-CPU_DDP_BACKENDS = ("legacy_ddp", "no_c10d")
 
 
 def rank_args(train_args: Sequence[str]) -> Tuple[int, List[str]]:
@@ -46,21 +43,6 @@ def rank_args(train_args: Sequence[str]) -> Tuple[int, List[str]]:
     if "--cpu" in train_args and "--distributed-backend" not in map(option_name, train_args):
         args += ["--distributed-backend", "gloo"]  # nccl, fairseq's default, needs GPUs
     return env.global_rank, args
-
-
-def check_ranks(ap, opts) -> None:
-    """Several ranks per job on CPU need a DDP backend that wraps a CPU module: refused otherwise,
-    before anything is submitted."""
-    if opts.slurm_tasks_per_node == 1 or "--cpu" not in opts.train_args:
-        return
-    args = list(opts.train_args)
-    backend = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--ddp-backend"), None)
-    backend = next((a.split("=", 1)[1] for a in args if a.startswith("--ddp-backend=")), backend)
-    if backend not in CPU_DDP_BACKENDS:
-        ap.error(
-            f"--slurm-tasks-per-node {opts.slurm_tasks_per_node} with --cpu: give --ddp-backend "
-            f"{' or '.join(CPU_DDP_BACKENDS)} after '--' (fairseq's pytorch_ddp cannot wrap a CPU model); got {backend}"
-        )
 
 
 def train_other_rank(cell: dict, seed: int, opts, seed_dir: Path, rank: int, distributed: List[str]) -> None:
