@@ -7,7 +7,10 @@
 # Idempotent: a cluster that already answers `sinfo` is left as it is. Debian/Ubuntu only.
 set -euo pipefail
 
-if command -v sinfo >/dev/null && timeout 10 sinfo -h -o %T 2>/dev/null | grep -q idle; then
+# Answers = the node is idle and accounting answers too (sacct reads the database through slurmdbd:
+# a database gone since, e.g. its starter's session ended, leaves every job's state UNKNOWN).
+if command -v sinfo >/dev/null && timeout 10 sinfo -h -o %T 2>/dev/null | grep -q idle \
+    && timeout 10 sacct -n -X >/dev/null 2>&1; then
     echo "slurm-up: Slurm already answers: $(sinfo -h -o 'partition %P, %D node (%N), %c CPUs, %T')"
     exit 0
 fi
@@ -65,8 +68,9 @@ if [ ! -d /var/lib/mysql/mysql ]; then
     mariadb-install-db --user=mysql --skip-test-db >/dev/null
 fi
 if ! pgrep -x mariadbd >/dev/null; then
-    runuser -u mysql -- /usr/sbin/mariadbd --skip-networking --socket=/run/mysqld/mysqld.sock \
-        >/var/log/slurm/mariadb.log 2>&1 &
+    # In a session of its own: it outlives whatever started this script (the daemons below fork).
+    setsid runuser -u mysql -- /usr/sbin/mariadbd --skip-networking --socket=/run/mysqld/mysqld.sock \
+        >>/var/log/slurm/mariadb.log 2>&1 </dev/null &
     for _ in $(seq 30); do mariadb -e 'select 1' >/dev/null 2>&1 && break; sleep 1; done
 fi
 mariadb -e "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurm';
