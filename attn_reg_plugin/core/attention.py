@@ -44,8 +44,8 @@ from .block_masks import BlockCall, attend_block, block_counts, block_masks, blo
 from .block_rules import AttentionScores, call_seed, keyed_draws
 from .blockwise import blockwise_attention
 from .masks import (
-    attention_weights,
     causal_bias,
+    explicit_weights,
     finite_bias,
     keyless_rows,
     valid_keys_from_bias,
@@ -227,11 +227,7 @@ def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, drop
     """The explicit softmax path: the map is materialised (CaptureProbs, or the caller wants it). In an
     ``edit`` (its :class:`BlockCall` and map shape) the model's attention dropout is keyed by the call's seed, as in
     its blocks; elsewhere it is torch's, as the stock model draws it."""
-    scale_ = scale if scale is not None else q.shape[-1] ** -0.5
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale_
-    if bias is not None:
-        scores = scores + bias
-    probs = zero_rows(attention_weights(scores, q.dtype), keyless)
+    probs = zero_rows(explicit_weights(q, k, bias, scale), keyless)
     used, captured = probs, None
     if isinstance(hook, CaptureProbs):
         if not call.recompute and hook.requires_grad:

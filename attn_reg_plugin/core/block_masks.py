@@ -17,10 +17,10 @@ from .block_rules import Block, BlockRule, block_bias, keys_of, rows_of
 from .devices import on_host
 from .masks import (
     additive_mask,
-    attention_weights,
     broadcast_count,
     causal_bias,
     causal_key_span,
+    explicit_weights,
     keyless_rows,
     uniform_instead_of_empty,
     unpack_bits,
@@ -166,9 +166,7 @@ def attend_block(q_rows, k, v, m: BlockMasks, call: BlockCall, rows: slice, shap
     if call.dropout_p == 0:
         out = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=m.mask, scale=call.scale)
     else:
-        scale = call.scale if call.scale is not None else q_rows.shape[-1] ** -0.5
-        scores = torch.matmul(q_rows, k.transpose(-2, -1)) * scale
-        weights = attention_weights(scores if m.mask is None else scores + m.mask, q_rows.dtype)
+        weights = explicit_weights(q_rows, k, m.mask, call.scale)
         out = torch.matmul(dropped_weights(weights, call, m.valid, rows, shape), v)
     return zero_rows(out, m.keyless)
 

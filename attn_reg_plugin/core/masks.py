@@ -182,6 +182,15 @@ def attention_weights(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.softmax(scores.float() if half else scores, dim=-1).to(dtype)
 
 
+def explicit_weights(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], scale: Optional[float]):
+    """softmax(q k^T scale + bias) in q's dtype (:func:`attention_weights`), ``scale`` None: sdpa's
+    1 / sqrt(d): the kernel's explicit path, where the map itself is wanted or the weights are dropped
+    by keyed coins."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    return attention_weights(scores if bias is None else scores + bias, q.dtype)
+
+
 def keyless_rows(bias: Optional[torch.Tensor], valid: torch.Tensor) -> Optional[torch.Tensor]:
     """(…, T, 1) True for query rows with no valid key (a padding query under left-padded causal
     attention); None when there are none (looked at on a CPU, :func:`may_hold_true`), or no bias.
