@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .options import SweepError, cell_name
 from .report import write_json
-from .runs import run_cells, run_dir, run_seed
+from .runs import finished_result, run_cells, run_dir, run_seed
 
 POLL_SECONDS = 2.0
 JOB_LOG_LINES = 15  # of a failed job's log, in results.json
@@ -43,12 +43,7 @@ def missing_runs(cells: List[dict], opts, settings: dict) -> List[Tuple[dict, in
 
 
 def _finished(cell: dict, seed: int, opts, settings: dict) -> bool:
-    """The run wrote its ``result.json``, of its cell and these settings."""
-    path = run_dir(opts.out_dir, cell, seed) / "result.json"
-    if not path.exists():
-        return False
-    saved = json.loads(path.read_text(encoding="utf-8"))
-    return saved.get("settings") == settings and saved.get("cell") == cell
+    return finished_result(run_dir(opts.out_dir, cell, seed), cell, settings) is not None
 
 
 def run_job(cell: dict, seed: int, opts, settings: dict) -> Optional[dict]:

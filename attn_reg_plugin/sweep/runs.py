@@ -306,14 +306,19 @@ def run_dir(out: Path, cell: dict, seed: int) -> Path:
     return out / "runs" / cell_name(cell) / f"seed{seed}"
 
 
+def finished_result(seed_dir: Path, cell: dict, settings: dict) -> Optional[dict]:
+    """The run's ``result.json`` when it finished as a run of ``cell`` under these settings, else None."""
+    path = seed_dir / "result.json"
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    return saved if saved.get("settings") == settings and saved.get("cell") == cell else None
+
+
 def _finished_seeds(cell: dict, settings: dict, cell_dir: Path) -> List[int]:
     """Seeds of ``cell`` finished by earlier commands (a ``result.json`` of the same cell and settings)."""
-    seeds = []
-    for path in cell_dir.glob("seed*/result.json"):
-        saved = json.loads(path.read_text(encoding="utf-8"))
-        if saved.get("settings") == settings and saved.get("cell") == cell:
-            seeds.append(saved["seed"])
-    return seeds
+    finished = (finished_result(path.parent, cell, settings) for path in cell_dir.glob("seed*/result.json"))
+    return [saved["seed"] for saved in finished if saved is not None]
 
 
 def _bleu_text(bleu: Optional[float]) -> str:
