@@ -13,7 +13,7 @@ import transformers
 from attn_reg_plugin.core import block_rules
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.attendout import game as core_attendout
+from attn_reg_plugin.core.attendout import policy as attendout_policy
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from helpers import TINY_TRANSFORMER, fairseq_in_process, tiny_bert_classifier, tiny_llama
@@ -28,7 +28,7 @@ def deterministic_masks(monkeypatch):
         "coins",
         lambda block, p: torch.ones(block.shape, dtype=torch.bool, device=block.valid.device),
     )
-    monkeypatch.setattr(core_attendout, "gumbel_drops", lambda logits, generator=None: logits.float() > -1.2)
+    monkeypatch.setattr(attendout_policy, "gumbel_drops", lambda logits, uniforms: logits.float() > -1.2)
 
 
 def _bert():

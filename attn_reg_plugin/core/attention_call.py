@@ -97,9 +97,11 @@ class EditScores:
     droppable units (a reduction over the map, so only when asked) and whether its rows-made-uniform
     flag was set. Counted where applied, a hook that never reaches the kernel (a module not routed
     through it) counts nothing.
-    ``droppable``: bool broadcastable to (B, H, T, S), the units this edit could drop (AttendOut's
-    Generator never masks a padding query row); the count's denominator is the valid units inside
-    it, so a logged rate is the fraction of what could have been dropped. None: every valid unit.
+    ``droppable``: bool broadcastable to (B, H, T, S), or a tuple of such whose AND it is (AttendOut's
+    real queries (B, 1, T, 1) and real keys (B, 1, 1, S): nothing of size T x S), the units this edit
+    could drop (the Generator never masks a padding query row); the count's denominator is the valid
+    units inside it, so a logged rate is the fraction of what could have been dropped. None: every
+    valid unit.
     ``drop_heads``: a 0-d probability (DropHead): each (sample, head) of the output dropped with it,
     a sample's kept heads rescaled by heads / kept; then (sample, head) pairs are counted. It
     edits the output, not the scores, so it stands alone in its edit.
@@ -110,7 +112,7 @@ class EditScores:
     drop: Optional[Union[torch.Tensor, BlockRule]] = None
     uniform_rows: Optional[Union[bool, torch.Tensor]] = None
     counted: bool = False
-    droppable: Optional[torch.Tensor] = None
+    droppable: Optional[Union[torch.Tensor, Tuple[torch.Tensor, ...]]] = None
     drop_heads: Optional[torch.Tensor] = None
     replaces_weight_dropout: bool = False
 

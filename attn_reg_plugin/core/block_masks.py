@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +72,7 @@ class BlockCall:
 
     rule: Optional[BlockRule]
     uniform: Optional[torch.Tensor]  # bool rows made uniform (LayerDrop flag), broadcastable
-    droppable: Optional[torch.Tensor]  # units the rate counts (see EditScores.droppable)
+    droppable: Optional[Union[torch.Tensor, Tuple[torch.Tensor, ...]]]  # units the rate counts (EditScores.droppable)
     rows_per_block: int
     seed: Optional[torch.Tensor]  # 0-d int64 CPU; None when the rule draws nothing
     dropout_p: float
@@ -201,17 +201,16 @@ def rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fre
 
 def block_counts(m: BlockMasks, droppable, rows: slice, b: int, h: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dropped, droppable) units of a block of a (``b``, ``h``, ...) call: drops within the units the
-    edit could drop, and those units among the valid ones (``droppable`` None: every valid unit). A
+    edit could drop, and those units among the valid ones (``droppable``: a bool tensor or a tuple of
+    them, whose AND the units are; None: every valid unit). A
     row the drops emptied attends uniformly instead (its drops cleared): its valid keys count as
     dropped, so a rate of 1 is counted as 1."""
     block_shape = (b, h, rows.stop - rows.start, m.keys)
     drop = m.drop if m.uniform is None else m.drop | m.uniform
-    if droppable is None:
-        units = m.valid
-    else:
-        units = m.valid & keys_of(rows_of(droppable, rows), m.keys).to(m.valid.device)
-    counted = drop & units
-    return counted.expand(block_shape).count_nonzero(), broadcast_count(units, block_shape)
+    units = m.valid
+    for part in () if droppable is None else droppable if isinstance(droppable, tuple) else (droppable,):
+        units = units & keys_of(rows_of(part, rows), m.keys).to(m.valid.device)
+    return broadcast_count(drop & units, block_shape), broadcast_count(units, block_shape)
 
 
 __all__: Sequence[str] = (

@@ -81,7 +81,8 @@ class BlockwiseAttention(torch.autograd.Function):
             q_rows = q[:, :, rows]
             m = block_masks(call, q_rows, rows_of(bias, rows), rows, shape, fresh_state=True)
             if keep_drops and m.drop is not None:
-                block_shape = (b, h, rows.stop - rows.start, m.keys)
+                # Drops shared by the heads (AttendOut's, one mask per sample) are kept once, not per head.
+                block_shape = (b, 1 if m.drop.shape[1] == 1 else h, rows.stop - rows.start, m.keys)
                 kept_bits.append(pack_bits(m.drop.expand(block_shape)))
                 states.append(KeptDrops(None, m.keys, m.uniform))
             else:
@@ -222,7 +223,8 @@ def _stacked_drops(blocks: List[KeptDrops], spans, b: int, h: int, device) -> Ke
     """Consecutive blocks' kept drops as one block's: over the most keys any of them covers, no drop
     at the keys beyond a block's own (none is valid for its rows, so the mask fills them anyway)."""
     keys = max(block.keys for block in blocks)
-    bits = blocks[0].bits.new_zeros((b, h, spans[-1].stop - spans[0].start, -(-keys // 8)))
+    heads = blocks[0].bits.shape[1]  # 1 for drops shared by the heads
+    bits = blocks[0].bits.new_zeros((b, heads, spans[-1].stop - spans[0].start, -(-keys // 8)))
     for block, span in zip(blocks, spans):
         bits[:, :, span.start - spans[0].start : span.stop - spans[0].start, : block.bits.shape[-1]] = block.bits
     return KeptDrops(bits, keys, _stacked_rows([block.uniform for block in blocks], spans, b, h, device))

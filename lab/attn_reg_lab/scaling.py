@@ -21,7 +21,10 @@ Methods (``--methods``): ``plain``; AD-DROP (all layers, p = q = 0.3, schedule `
 gradient (``ga``), attention-weight (``aa``), random (``rd``) and integrated-gradient (``iga``,
 by default only up to ``--iga-max-length`` 512 tokens) attribution; ``sched-dropout`` (scheduled
 Bernoulli attention dropout, 0.3 falling to 0.1 by update 10,000); ``attendout`` (Defender +
-Attacker + Generator, one update of the duel: the held-out evaluation every T updates is not in it).
+Attacker + Generator, one update of the duel: the held-out evaluation every T updates is not in it);
+``attendout-update`` (every update ends a dropout step: one update of the duel and the Generator's
+REINFORCE update; on models a and b the batch's losses stand for the held-out ones, on c and d the
+Trainer scores its one held-out row).
 
 Every (model, method, length) runs in a fresh subprocess with ``--threads`` torch threads
 (``OMP_NUM_THREADS`` too), so no peak or resident memory leaks from one run into the next. What it

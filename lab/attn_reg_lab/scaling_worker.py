@@ -30,7 +30,7 @@ MODELS = {
         description="tiny HF Llama (hidden 128, 4 heads, 2 key/value heads, 4 layers), Trainer, gradient checkpointing",
     ),  # fmt: skip
 }
-METHODS = ("plain", "ga", "aa", "rd", "iga", "sched-dropout", "attendout")
+METHODS = ("plain", "ga", "aa", "rd", "iga", "sched-dropout", "attendout", "attendout-update")
 AD_DROP_METHODS = ("ga", "aa", "rd", "iga")
 DEFAULT_LENGTHS = (128, 512, 1024, 2048, 4096, 8192)
 AD_DROP_P = AD_DROP_Q = 0.3
@@ -176,23 +176,29 @@ def _core_step(spec: dict):
             loss.backward()
             counter["update"] += 1
 
-    elif method == "attendout":
+    elif method in ("attendout", "attendout-update"):
         attacker, attacker_controller = build_attacker(model, install_sites)
         attacker_optimizer = torch.optim.AdamW(attacker.parameters(), lr=1e-4)
-        config = AttendOutConfig(dropout_step=10**6, attention="encoder-self", layers="all", max_positions=length)
+        # attendout-update: a dropout step of one update, so every step also makes the Generator's
+        # REINFORCE update (its log-probability over the whole map); the batch's own losses stand for
+        # the held-out ones. attendout: one update of the duel (the update comes every T of them).
+        updates = 1 if method == "attendout-update" else 10**6
+        config = AttendOutConfig(dropout_step=updates, attention="encoder-self", layers="all", max_positions=length)
         generator = Generator(
             {"source": VOCAB}, {"source": PAD}, config.generator_dim, length, config.init_drop, config.temperature
         )
         game = AttendOut(config, attacker_controller, generator)
 
         def update():
-            loss_of(model).backward()
+            defender_loss = loss_of(model)
+            defender_loss.backward()
             with attacker_controller.hooks(game.attacker_hooks({"source": ids})):
                 loss = loss_of(attacker)
             loss.backward()
             attacker_optimizer.step()
             attacker_optimizer.zero_grad(set_to_none=True)
-            game.end_update()
+            if game.end_update():
+                game.finish_dropout_step(defender_loss.detach().view(1), loss.detach().view(1))
 
     else:
         raise ValueError(method)
@@ -302,10 +308,12 @@ def measure_hf(spec: dict) -> dict:
             from attn_reg_plugin.hf import AttnRegTrainer
 
             trainer = AttnRegTrainer(scheduled_dropout=ScheduledDropoutConfig(schedule=SCHEDULE), **common)
-        elif method == "attendout":
+        elif method in ("attendout", "attendout-update"):
             from attn_reg_plugin.hf import AttendOutTrainer
 
-            attendout = AttendOutConfig(dropout_step=10**6, max_positions=length)
+            # attendout-update: every update ends a dropout step (held-out scores, REINFORCE, re-sync)
+            updates = 1 if method == "attendout-update" else 10**6
+            attendout = AttendOutConfig(dropout_step=updates, max_positions=length)
             trainer = AttendOutTrainer(attendout=attendout, eval_dataset=rows[:1], **common)
         else:
             raise ValueError(method)

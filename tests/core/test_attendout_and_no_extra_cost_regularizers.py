@@ -35,17 +35,18 @@ def test_gumbel_drops_have_sigmoid_probability_in_expectation():
     torch.manual_seed(0)
     logits = torch.tensor([-3.0, -1.0, 0.0, 0.5, 2.0])
     n = 40000
-    rate = gumbel_drops(logits.expand(n, 5)).float().mean(0)
+    rate = gumbel_drops(logits.expand(n, 5), torch.rand(n, 5)).float().mean(0)
     expected = torch.sigmoid(logits)
     sigma = (expected * (1 - expected) / n).sqrt()
     assert torch.all((rate - expected).abs() < 5 * sigma), (rate, expected)
 
 
-def test_gumbel_drops_repeat_with_the_same_generator_seed():
-    logits = torch.randn(3, 1, 4, 4)
-    a = gumbel_drops(logits, torch.Generator().manual_seed(7))
-    b = gumbel_drops(logits, torch.Generator().manual_seed(7))
-    assert torch.equal(a, b)
+def test_gumbel_drops_are_the_logistic_difference_of_the_two_gumbels():
+    """Hand-built: a unit drops where logit + g_drop > g_keep; the difference g_keep - g_drop is
+    logistic, logit(u), so it drops where logit > logit(u), i.e. u < sigmoid(logit)."""
+    logits = torch.tensor([0.0, 0.0, 2.0, 2.0, -1.0, float("-inf"), float("inf")])
+    uniforms = torch.tensor([0.49, 0.51, 0.88, 0.89, 0.26, 0.0, 0.999])
+    assert gumbel_drops(logits, uniforms).tolist() == [True, False, True, False, True, False, True]
 
 
 def test_drop_log_prob_matches_bernoulli():
@@ -78,7 +79,7 @@ def test_generator_learns_to_drop_more_when_dropping_is_rewarded():
         rewards = []
         for _ in range(config.dropout_step):
             hooks = game.attacker_hooks({"source": tokens})
-            drops = torch.stack([hooks[s].drop.float().mean() for s in game.sites])
+            drops = torch.stack([hooks[s].drop.dense().float().mean() for s in game.sites])
             rewards.append(drops.mean())
             game.end_update()
         probs = game.mean_drop_probabilities()
@@ -97,11 +98,13 @@ def test_generator_starts_at_init_drop_and_shapes_follow_the_sites():
     assert math.isclose(torch.sigmoid(generator.drop_bias / generator.temperature).item(), 0.2, rel_tol=1e-5)
     src = torch.randint(2, 30, (3, 5))
     tgt = torch.randint(2, 40, (3, 7))
-    out = generator.drop_logits({"source": src, "target": tgt}, controller.sites)
-    shapes = [tuple(l.shape) for l, _ in out]
-    assert shapes == [(3, 1, 5, 5), (3, 1, 5, 5), (3, 1, 7, 7), (3, 1, 7, 5)]
-    dec_valid = out[2][1]
-    assert not dec_valid[0, 0].triu(1).any()  # decoder self-attention: no future keys
+    policies = generator.policies({"source": src, "target": tgt}, controller.sites)
+    assert [p.shape for p in policies] == [(3, 1, 5, 5), (3, 1, 5, 5), (3, 1, 7, 7), (3, 1, 7, 5)]
+    assert [p.causal for p in policies] == [False, False, True, False]
+    _, dec_units = policies[2].block(slice(0, 7), 7)
+    assert not dec_units[0, 0].triu(1).any()  # decoder self-attention: no future keys
+    # Each factor is linear in length: nothing (T, S) is made until a block asks for its rows.
+    assert all(p.query.dim() == 3 and p.key.dim() == 3 for p in policies)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -118,30 +121,41 @@ def test_generator_logits_of_a_sentence_do_not_depend_on_its_batch_padding(side)
         else torch.cat([sentence, torch.ones(1, 3, dtype=torch.long)], 1)
     )
     real = slice(3, 8) if side == "left" else slice(0, 5)
-    alone = generator.drop_logits({"source": sentence}, controller.sites)
-    in_batch = generator.drop_logits({"source": padded}, controller.sites)
-    for (a, _), (b, valid) in zip(alone, in_batch):
-        torch.testing.assert_close(b[:, :, real, real], a, rtol=1e-5, atol=1e-6)
+    alone = generator.policies({"source": sentence}, controller.sites)
+    in_batch = generator.policies({"source": padded}, controller.sites)
+    for a, b in zip(alone, in_batch):
+        a_logits, _ = a.block(slice(0, 5), 5)
+        b_logits, units = b.block(slice(0, 8), 8)
+        torch.testing.assert_close(b_logits[:, :, real, real], a_logits, rtol=1e-5, atol=1e-6)
         pad = slice(0, 3) if side == "left" else slice(5, 8)
-        assert not valid[..., pad].any()  # padding is never a unit of the policy
+        assert not units[..., pad].any() and not units[..., pad, :].any()  # padding is never a unit
 
 
 def test_generator_rejects_sequences_beyond_max_positions():
     generator = Generator({"source": 10}, {"source": 1}, 4, 3, 0.2, 1.0)
     with pytest.raises(ValueError, match="--attendout-max-positions"):
-        generator.drop_logits({"source": torch.full((1, 5), 2)}, controller_with_sites({"encoder-self": 1}).sites)
+        generator.policies({"source": torch.full((1, 5), 2)}, controller_with_sites({"encoder-self": 1}).sites)
 
 
-def test_log_probability_recomputed_from_the_recorded_seed_matches_the_sampled_action():
+def test_the_actions_applied_are_those_the_update_scores():
+    """The masks the Attacker's calls apply are the actions whose log-probability the Generator's
+    update takes: regenerated from the batch's recorded seed, not stored."""
     torch.manual_seed(3)
     controller = controller_with_sites({"encoder-self": 2})
     generator = Generator({"source": 12}, {"source": 1}, 8, 16, 0.3, 1.0)
     game = AttendOut(AttendOutConfig(dropout_step=2), controller, generator)
     tokens = torch.randint(2, 12, (2, 5))
+    tokens[1, 3:] = 1
     hooks = game.attacker_hooks({"source": tokens})
-    drops, _, _ = game._sample({"source": tokens}, game.cache[0].seed)
-    for site, d in zip(game.sites, drops):
-        assert torch.equal(hooks[site].drop, d)
+    log_prob = game._log_prob(game.cache[0])
+    expected, units = 0.0, 0
+    for site, policy in zip(game.sites, generator.policies({"source": tokens}, game.sites)):
+        logits, valid = policy.block(slice(0, 5), 5)
+        drops = hooks[site].drop.dense()
+        assert not (drops & ~valid).any()
+        expected = expected + (drop_log_prob(logits, drops) * valid).sum(dim=(1, 2, 3))
+        units = units + valid.sum(dim=(1, 2, 3))
+    torch.testing.assert_close(log_prob, (expected / units).mean())
 
 
 def _attendout_rate(tokens: torch.Tensor, pad: int = 1) -> float:
@@ -439,7 +453,7 @@ def test_attendout_drop_rate_is_what_the_kernel_applied():
     valid = tokens.ne(1)[:, None, None, :]
     with game.attacker_pass({"source": tokens}):
         attend(*(torch.randn(3, 2, 5, 4) for _ in range(3)), bias=valid, site=site)
-        drop = site.hook.drop
+        drop = site.hook.drop.dense()
     game.end_update()
     real = tokens.ne(1)
     units = real[:, None, :, None] & real[:, None, None, :]  # real query and real key: what G can mask

@@ -71,7 +71,7 @@ def test_a_batch_longer_than_the_generator_names_the_option_and_the_length_to_se
     with pytest.raises(
         ValueError, match=r"longer than the generator's 3 positions; set --attendout-max-positions to at least 5"
     ):
-        generator.drop_logits({"source": torch.full((1, 5), 2)}, controller_with_sites({"encoder-self": 1}).sites)
+        generator.policies({"source": torch.full((1, 5), 2)}, controller_with_sites({"encoder-self": 1}).sites)
 
 
 def test_resuming_a_game_whose_generator_has_other_positions_names_the_option():

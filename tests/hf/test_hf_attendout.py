@@ -262,9 +262,9 @@ def test_drop_probability_logged(tmp_path):
 def test_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
     """CPU determinism: the same seed gives the same Generator masks, rewards, losses and weights;
     another seed gives other masks."""
-    from attn_reg_plugin.core.attendout import game as attendout_module
+    from attn_reg_plugin.core.attendout import policy as attendout_policy
 
-    masks = record_results(monkeypatch, attendout_module, "gumbel_drops")
+    masks = record_results(monkeypatch, attendout_policy, "gumbel_drops")
     runs = []
     for seed in (0, 0, 1):
         masks.append([])

@@ -146,7 +146,7 @@ def one_step(family, regularizer, checkpointing, tmp_path):
         acted = int(trainer._ad_drop_dropped)
     elif regularizer == "attendout":
         acted = sum(
-            int(h.drop.sum())
+            int(h.drop.dense().sum())
             for h in trainer.attendout_game.attacker_hooks(
                 trainer.attendout_streams(trainer._prepare_inputs(batch))
             ).values()

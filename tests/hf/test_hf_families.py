@@ -350,7 +350,7 @@ def test_attendout_trains_on_every_family(family, tmp_path):
 
     def counted(self, streams):
         hooks = real_hooks(self, streams)
-        drops.append({site.kind: int(hook.drop.sum()) for site, hook in hooks.items()})
+        drops.append({site.kind: int(hook.drop.dense().sum()) for site, hook in hooks.items()})
         return hooks
 
     with pytest.MonkeyPatch.context() as mp:

@@ -8,7 +8,9 @@ networks and their optimizers and call into them:
   layer-i attention scores, plus a shared bias and divided by the temperature, are the drop
   logits of the Attacker's layer i; actions are sampled with the Gumbel-max trick, so a unit
   is dropped with probability sigmoid(logit / temperature).
-* :mod:`.policy`: Gumbel sampling and the REINFORCE loss; :mod:`.heldout`: per-sample
+* :mod:`.policy`: the drop logits as factors, the Gumbel-max actions as a drop rule of the kernel
+  made per block of query rows (never a (T, S) map), their log-probability block by block, and the
+  REINFORCE loss; :mod:`.heldout`: per-sample
   held-out losses and the win rate; :mod:`.sync`: copying the survivor over the other network.
 * :class:`AttendOut` (:mod:`.game`): per training batch, the Attacker's masks (paper Eq. 3; a row whose every
   real key is dropped attends uniformly, Eq. 4, done in the kernel); every T updates the
@@ -25,7 +27,7 @@ from .game import AttendOut
 from .generator import STREAMS_OF_KIND, Generator
 from .heldout import heldout_indices, heldout_losses, per_sample_loss, win_probability
 from .log import DropProbabilityLog
-from .policy import drop_log_prob, gumbel_drops, reinforce_loss
+from .policy import GeneratorRule, PolicyLogits, action_log_prob, drop_log_prob, gumbel_drops, reinforce_loss
 from .sync import copy_model_state, copy_optimizer_state
 
 __all__ = [
@@ -33,6 +35,9 @@ __all__ = [
     "AttendOutConfig",
     "DropProbabilityLog",
     "Generator",
+    "GeneratorRule",
+    "PolicyLogits",
+    "action_log_prob",
     "STREAMS_OF_KIND",
     "build_attacker",
     "copy_model_state",

@@ -8,9 +8,10 @@ Choices the paper leaves open (also in docs/design.md):
   key) of every selected layer and every sample of update t (Eq. 5's 1/(n l^2) average);
 * survivor: the Attacker with probability equal to its win rate over the T held-out samples
   (ties count half), else the Defender;
-* actions are not stored: each batch's Gumbel noise comes from a recorded seed, and the
-  log-probabilities are recomputed at the update (G does not change within a dropout step),
-  which keeps memory flat and the cache small enough to checkpoint.
+* actions are not stored: each batch's Gumbel noise is keyed draws of a recorded seed, made per
+  block of query rows by the kernel (:class:`~.policy.GeneratorRule`) and made again, block by
+  block, for the log-probabilities at the update (G does not change within a dropout step), which
+  keeps memory linear in length and the cache small enough to checkpoint.
 """
 
 from __future__ import annotations
@@ -22,12 +23,18 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from ..attention_call import AttentionSite, EditScores, PassRecord, add_counts, zero_counts
+from ..block_rules import key_seed
 from ..controller import RegularizationController
 from ..distributed import all_reduce_mean_
 from .config import AttendOutConfig
 from .generator import Generator
 from .heldout import win_probability
-from .policy import drop_log_prob, gumbel_drops, reinforce_loss
+from .policy import GeneratorRule, action_log_prob, mean_drop_probability, reinforce_loss
+
+
+def _site_seed(seed: int, site_index: int) -> torch.Tensor:
+    """The key of the actions at the ``site_index``-th selected site of a batch drawn with ``seed``."""
+    return torch.tensor(key_seed(seed, site_index), dtype=torch.int64)
 
 
 @dataclass
@@ -35,6 +42,9 @@ class _CachedBatch:
     update: int  # index of the update within the dropout step
     streams: Dict[str, torch.Tensor]
     seed: int
+    # The Generator's mean drop probability per site on this batch, made when first asked (fairseq
+    # logs it per batch) or by the Generator's update, which makes every logit anyway.
+    probs: Optional[torch.Tensor] = None
 
 
 class AttendOut:
@@ -54,10 +64,6 @@ class AttendOut:
         self.update_in_step = 0  # updates completed in the current dropout step
         self.cache: List[_CachedBatch] = []
         self.dropout_steps_done = 0
-        self._prob_sums: Optional[torch.Tensor] = None  # per site, over this dropout step
-        self._prob_batches = 0
-        self._update_probs: List[torch.Tensor] = []  # this update's batches' probabilities (for discard_update)
-        self.last_drop_probabilities: Optional[torch.Tensor] = None
         self._applied = zero_counts()  # [dropped, valid] units the kernel applied this dropout step
 
     @contextlib.contextmanager
@@ -73,62 +79,67 @@ class AttendOut:
 
     # -- during the T updates ------------------------------------------------------------
     def attacker_hooks(self, streams: Dict[str, torch.Tensor]) -> Dict[AttentionSite, EditScores]:
-        """Sample this batch's masks; remember how to recompute their log-probability."""
+        """This batch's masks, as drop rules the kernel evaluates per block; remember how to
+        recompute their log-probability (the streams and the seed, not the masks)."""
         seed = int(torch.randint(0, 2**62, (1,)).item())  # global CPU generator: seeded per update
         streams = {k: v.detach() for k, v in streams.items()}
         self.cache.append(_CachedBatch(self.update_in_step, streams, seed))
         with torch.no_grad():
-            drops, units, probs = self._sample(streams, seed)
-        self._prob_sums = probs if self._prob_sums is None else self._prob_sums + probs
-        self._prob_batches += 1
-        self._update_probs.append(probs)
-        self.last_drop_probabilities = probs  # per site, this batch (a tensor: no host sync)
+            policies = self.generator.policies(streams, self.sites)
         # The rate's denominator is the Generator's units: padding query rows are never masked.
-        return {site: EditScores(drop=d, counted=True, droppable=u) for site, d, u in zip(self.sites, drops, units)}
+        return {
+            site: EditScores(
+                drop=GeneratorRule(policy, _site_seed(seed, i)),
+                counted=True,
+                droppable=None
+                if policy.every_unit
+                else (policy.query_real[:, None, :, None], policy.key_real[:, None, None, :]),
+            )
+            for i, (site, policy) in enumerate(zip(self.sites, policies))
+        }
 
-    def _sample(self, streams, seed, log_prob: bool = False):
-        outputs = self.generator.drop_logits(streams, self.sites)
-        device = outputs[0][0].device
-        rng = torch.Generator(device=device)
-        rng.manual_seed(seed)
-        drops, units, probs, total, count = [], [], [], 0.0, 0
-        for logits, valid in outputs:
-            d = gumbel_drops(logits, rng) & valid
-            drops.append(d)
-            units.append(valid)
-            p = torch.sigmoid(logits)
-            probs.append((p * valid).sum() / valid.sum().clamp(min=1))
-            if log_prob:
-                total = total + (drop_log_prob(logits, d) * valid).sum(dim=(1, 2, 3))
-                count = count + valid.sum(dim=(1, 2, 3))
-        if log_prob:
-            # Per sample: mean over its valid units in all selected layers; then over samples.
-            return (total / count.clamp(min=1)).mean()
-        return drops, units, torch.stack(probs).detach()
+    def _log_prob(self, batch: _CachedBatch) -> torch.Tensor:
+        """log P(a) of one batch's actions, regenerated from its seed: per sample, the mean over its
+        units in all selected layers (Eq. 5's 1/(n l^2) average); then over samples. Fills the
+        batch's mean drop probabilities on the way."""
+        total, count, probs = 0.0, 0, []
+        for i, policy in enumerate(self.generator.policies(batch.streams, self.sites)):
+            sums, units, prob_sum = action_log_prob(policy, _site_seed(batch.seed, i))
+            total, count = total + sums, count + units
+            probs.append(prob_sum / units.sum().clamp(min=1))
+        if batch.probs is None:
+            batch.probs = torch.stack(probs)
+        return (total / count.clamp(min=1)).mean()
+
+    def _probabilities(self, batch: _CachedBatch) -> torch.Tensor:
+        if batch.probs is None:
+            with torch.no_grad():
+                policies = self.generator.policies(batch.streams, self.sites)
+                batch.probs = torch.stack([mean_drop_probability(policy) for policy in policies])
+        return batch.probs
+
+    @property
+    def last_drop_probabilities(self) -> Optional[torch.Tensor]:
+        """Per site, the Generator's mean drop probability on the latest batch (a tensor: no host
+        sync); None before the first batch of a dropout step."""
+        return self._probabilities(self.cache[-1]) if self.cache else None
 
     def end_update(self) -> bool:
         """Count one finished update; True when the dropout step is complete (evaluate now)."""
         self.update_in_step += 1
-        self._update_probs = []
         return self.update_in_step >= self.config.dropout_step
 
     def discard_update(self) -> None:
         """Forget the batches of the update in progress, as if they had not been seen: the
         Defender's step was dropped and its batch will be trained again (fairseq's AMP retry)."""
         self.cache = [c for c in self.cache if c.update != self.update_in_step]
-        if self._update_probs:
-            self._prob_sums = self._prob_sums - torch.stack(self._update_probs).sum(dim=0)
-            self._prob_batches -= len(self._update_probs)
-            if self._prob_batches == 0:
-                self._prob_sums = None
-        self._update_probs = []
 
     # -- end of a dropout step -------------------------------------------------------------
     def mean_drop_probabilities(self) -> Dict[str, float]:
         """Generator's mean drop probability per selected layer over the current dropout step."""
-        if self._prob_sums is None:
+        if not self.cache:
             return {}
-        values = (self._prob_sums / self._prob_batches).tolist()
+        values = torch.stack([self._probabilities(c) for c in self.cache]).mean(dim=0).tolist()
         return dict(zip(self.site_names(), values))
 
     def finish_dropout_step(
@@ -143,18 +154,19 @@ class AttendOut:
         """
         rewards = (defender_losses.float() - attacker_losses.float()).detach()
         updates = sorted({c.update for c in self.cache})
+        log_probs = None
+        if updates:
+            self.generator.train()
+            # Per update, its batches' log P(a) (made before any change to G, as the probabilities are)
+            log_probs = torch.stack([
+                torch.stack([self._log_prob(c) for c in self.cache if c.update == u]).mean() for u in updates
+            ])  # fmt: skip
         dropped, valid = (int(c) for c in self._applied)
         stats: Dict[str, object] = {
             "drop_prob": self.mean_drop_probabilities(),
             "drop_rate": dropped / valid if valid else 0.0,
         }
-        if updates:
-            self.generator.train()
-            log_probs = []
-            for u in updates:
-                entries = [c for c in self.cache if c.update == u]
-                log_probs.append(torch.stack([self._sample(c.streams, c.seed, log_prob=True) for c in entries]).mean())
-            log_probs = torch.stack(log_probs)
+        if log_probs is not None:
             # Eq. 5 pairs r_t with a_t; with fewer held-out samples than updates, rewards repeat.
             paired = rewards[torch.arange(len(updates)) % len(rewards)]
             loss = reinforce_loss(log_probs, paired, self.baseline)
@@ -172,7 +184,6 @@ class AttendOut:
         stats.update(keep_attacker=keep_attacker, win_rate=float(win_rate), reward=mean_reward, baseline=self.baseline)
         self.cache.clear()
         self.update_in_step = 0
-        self._prob_sums, self._prob_batches, self._update_probs = None, 0, []
         self._applied = zero_counts()
         self.dropout_steps_done += 1
         return stats
@@ -186,11 +197,13 @@ class AttendOut:
             "update_in_step": self.update_in_step,
             "dropout_steps_done": self.dropout_steps_done,
             "cache": [
-                {"update": c.update, "streams": {k: v.cpu() for k, v in c.streams.items()}, "seed": c.seed}
+                {
+                    "update": c.update,
+                    "streams": {k: v.cpu() for k, v in c.streams.items()},
+                    "seed": c.seed,
+                }
                 for c in self.cache
             ],
-            "prob_sums": None if self._prob_sums is None else self._prob_sums.cpu(),
-            "prob_batches": self._prob_batches,
             "applied": [int(c) for c in self._applied],
         }
 
@@ -208,10 +221,13 @@ class AttendOut:
         self.update_in_step = int(state["update_in_step"])
         self.dropout_steps_done = int(state["dropout_steps_done"])
         self.cache = [
-            _CachedBatch(int(c["update"]), {k: v.to(device) for k, v in c["streams"].items()}, int(c["seed"]))
+            _CachedBatch(
+                int(c["update"]),
+                {k: v.to(device) for k, v in c["streams"].items()},
+                int(c["seed"]),
+            )
             for c in state["cache"]
         ]
-        sums = state["prob_sums"]
-        self._prob_sums = None if sums is None else sums.to(device)
-        self._prob_batches = int(state["prob_batches"])
+        # The batches' drop probabilities are made again from them when asked (a state saved before
+        # 2026-11-27 holds their sums too, "prob_sums": the same numbers).
         self._applied = [torch.tensor(int(c)) for c in state.get("applied", (0, 0))]

@@ -8,14 +8,16 @@ temperature, are the drop logits of the Attacker's layer i.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..attention_call import AttentionSite
 from ..options import flag_name
 from .config import AttendOutConfig
+from .policy import PolicyLogits
 
 # Which token stream the generator reads for each attention kind: (query stream, key stream).
 STREAMS_OF_KIND = {
@@ -66,13 +68,14 @@ class Generator(nn.Module):
         # Shared offset of every drop logit: sets where the drop probability starts.
         self.drop_bias = nn.Parameter(torch.tensor(math.log(init_drop / (1 - init_drop)) * self.temperature))
 
-    def _scores(self, hq: torch.Tensor, hk: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(self.query(hq), self.key(hk).transpose(-2, -1)) * self.dim**-0.5
-
     def hidden_states(
         self, stream: str, tokens: torch.Tensor, num_layers: int, causal: bool
     ) -> Tuple[List[torch.Tensor], torch.Tensor]:
-        """Inputs of layers 0..num_layers-1 for one stream, and its (B, 1, L, L) validity."""
+        """Inputs of layers 0..num_layers-1 for one stream (B, L, d), and its real tokens (B, L).
+
+        The layers run through sdpa with a key-padding mask (and ``is_causal`` where a causal stream
+        has no padding before a real token), never an (L, L) map of their own; a query row attends
+        at least itself, so a padding row (whose states no real row reads) never meets an empty row."""
         length = tokens.shape[1]
         if length > self.positions.num_embeddings:
             raise ValueError(
@@ -81,26 +84,39 @@ class Generator(nn.Module):
                 "(unset, it is the model's maximum length, or 1024 for a model that states none)"
             )
         real = tokens.ne(self.padding_idx[stream])
-        valid = real[:, None, None, :] & real[:, None, :, None]
-        if causal:
-            valid = valid & torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
         # Positions count the sentence's own tokens (as fairseq's make_positions does): a
         # left-padded sentence (fairseq sources) gets the masks it gets unpadded, whatever batch it is in.
         positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
         h = self.embeddings[stream](tokens) * self.dim**0.5 + self.positions(positions)
         states = [h]
-        fill = torch.finfo(h.dtype).min / 4
-        for _ in range(num_layers - 1):
-            scores = self._scores(h, h).unsqueeze(1).masked_fill(~valid, fill)
-            attn = torch.softmax(scores, dim=-1).squeeze(1)
-            h = self.norm(h + self.out(torch.matmul(attn, self.value(h))))
-            states.append(h)
-        return states, valid
+        if num_layers > 1:
+            mask, is_causal = self._attention_mask(real, causal)
+            for _ in range(num_layers - 1):
+                q, k, v = (layer(h).unsqueeze(1) for layer in (self.query, self.key, self.value))
+                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+                h = self.norm(h + self.out(attn.squeeze(1)))
+                states.append(h)
+        return states, real
 
-    def drop_logits(
-        self, streams: Dict[str, torch.Tensor], sites: Sequence[AttentionSite]
-    ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """(logits (B, 1, T, S), valid units (B, 1, T, S)) for each site, in order."""
+    @staticmethod
+    def _attention_mask(real: torch.Tensor, causal: bool) -> Tuple[Optional[torch.Tensor], bool]:
+        """(sdpa's mask, is_causal) of the Generator's own attention: real keys (and with ``causal``
+        no later one) or the query's own position. Linear in length except for a causal stream with
+        padding before a real token (left-padded), which needs its (L, L) mask."""
+        length = real.shape[1]
+        if not causal:
+            if bool(real.all()):
+                return None, False
+            eye = torch.eye(length, dtype=torch.bool, device=real.device) if not bool(real.any(-1).all()) else None
+            keys = real[:, None, None, :]
+            return (keys if eye is None else keys | eye), False
+        if not bool((~real[:, :-1] & real[:, 1:]).any()):  # no padding before a real token
+            return None, True  # a real row's earlier keys are all real
+        allowed = torch.ones(length, length, dtype=torch.bool, device=real.device).tril()
+        return (real[:, None, None, :] & allowed) | torch.eye(length, dtype=torch.bool, device=real.device), False
+
+    def policies(self, streams: Dict[str, torch.Tensor], sites: Sequence[AttentionSite]) -> List[PolicyLogits]:
+        """Each site's drop logits, as the factors a block makes its own logits from, in order."""
         needed: Dict[str, int] = {}
         for site in sites:
             for stream in STREAMS_OF_KIND[site.kind]:
@@ -109,16 +125,15 @@ class Generator(nn.Module):
         if missing:
             raise ValueError(f"AttendOut: the generator needs the {missing[0]} tokens for the selected attention kinds")
         states = {s: self.hidden_states(s, streams[s], n, causal=(s == "target")) for s, n in needed.items()}
+        offset = (self.drop_bias / self.temperature).float()
+        all_real = {s: bool(real.all()) for s, (_, real) in states.items()}  # one look per stream
         out = []
         for site in sites:
             q_stream, k_stream = STREAMS_OF_KIND[site.kind]
-            hq, hk = states[q_stream][0][site.layer], states[k_stream][0][site.layer]
-            if q_stream == k_stream:
-                valid = states[q_stream][1]
-            else:
-                q_real = streams[q_stream].ne(self.padding_idx[q_stream])
-                k_real = streams[k_stream].ne(self.padding_idx[k_stream])
-                valid = q_real[:, None, :, None] & k_real[:, None, None, :]
-            logits = (self._scores(hq, hk).unsqueeze(1) + self.drop_bias) / self.temperature
-            out.append((logits.float(), valid))
+            (hq, q_real), (hk, k_real) = states[q_stream], states[k_stream]
+            query = self.query(hq[site.layer]) * (self.dim**-0.5 / self.temperature)
+            key = self.key(hk[site.layer])
+            causal = q_stream == k_stream == "target"
+            every_unit = not causal and all_real[q_stream] and all_real[k_stream]
+            out.append(PolicyLogits(query.float(), key.float(), offset, q_real, k_real, causal, every_unit))
         return out

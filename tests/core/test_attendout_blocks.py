@@ -1,0 +1,147 @@
+"""AttendOut at any length: the Generator's masks are a drop rule the kernel makes per block of query
+rows, and REINFORCE's log-probability is taken block by block, so no (T, S) map is ever held."""
+
+import pytest
+import torch
+
+from attn_reg_plugin.core import block_masks
+from attn_reg_plugin.core.attendout import AttendOut, AttendOutConfig, Generator, policy
+from attn_reg_plugin.core.attendout.policy import PolicyLogits, action_log_prob, drop_log_prob, sampled_drops
+from attn_reg_plugin.core.attention import attend
+from helpers import controller_with_sites
+
+
+def _policy(b, t, s, d=4, causal=False, pad=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(b, t, d, generator=g).requires_grad_()
+    key = torch.randn(b, s, d, generator=g).requires_grad_()
+    offset = torch.tensor(-0.7, requires_grad=True)
+    query_real = torch.ones(b, t, dtype=torch.bool)
+    key_real = torch.ones(b, s, dtype=torch.bool)
+    if pad:
+        query_real[0, -pad:] = False
+        key_real[0, -pad:] = False
+    return PolicyLogits(query, key, offset, query_real, key_real, causal, every_unit=not causal and not pad)
+
+
+@pytest.mark.parametrize("causal,pad", [(False, 0), (False, 37), (True, 0), (True, 11)])
+def test_the_log_probability_block_by_block_is_the_dense_one_with_its_gradient(monkeypatch, causal, pad):
+    """Sums and gradients against autograd of the whole map: the same actions (keyed by the seed,
+    whatever the blocks), log P summed over each sample's units, d/dlogit = action - sigmoid."""
+    monkeypatch.setattr(policy, "POLICY_BLOCK_ELEMENTS", 1)  # one chunk of 64 rows a block: 3 blocks
+    t = s = 150
+    p = _policy(2, t, s, causal=causal, pad=pad)
+    seed = torch.tensor(12345)
+    sums, counts, probability = action_log_prob(p, seed)
+    assert len(p.row_blocks()) == 3
+    grads = torch.autograd.grad(sums @ torch.tensor([0.3, -1.1]), (p.query, p.key, p.offset))
+
+    logits = torch.matmul(p.query, p.key.transpose(-2, -1)).unsqueeze(1) + p.offset
+    with torch.no_grad():
+        drops, _, units = sampled_drops(p.detached(), seed, slice(0, t), s)
+    assert (units is None) == (not causal and not pad)  # every pair a unit: no mask made
+    units = torch.ones_like(drops) if units is None else units
+    dense = (drop_log_prob(logits, drops) * units).sum(dim=(1, 2, 3))
+    torch.testing.assert_close(sums, dense)
+    assert torch.equal(counts, units.sum(dim=(1, 2, 3)))
+    torch.testing.assert_close(probability, (torch.sigmoid(logits) * units).sum().detach())
+    expected = torch.autograd.grad(dense @ torch.tensor([0.3, -1.1]), (p.query, p.key, p.offset))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if causal:
+        assert not (drops[0, 0].triu(1)).any()
+    if pad:
+        assert not drops[0, :, -pad:].any() and not drops[0, ..., -pad:].any()
+
+
+def test_the_actions_do_not_depend_on_the_blocks():
+    p = _policy(2, 200, 170, causal=True, pad=5).detached()
+    seed = torch.tensor(7)
+    whole = sampled_drops(p, seed, slice(0, 200), 170)[0]
+    parts = [sampled_drops(p, seed, slice(a, min(200, a + 64)), 170)[0] for a in range(0, 200, 64)]
+    assert torch.equal(whole, torch.cat(parts, dim=2))
+    # a block covering fewer keys (a causal block's) draws the same numbers for the keys it has
+    assert torch.equal(sampled_drops(p, seed, slice(64, 128), 100)[0], whole[:, :, 64:128, :100])
+    assert 0.25 < whole[p.block(slice(0, 200), 170)[1]].float().mean() < 0.42  # sigmoid(-0.7) = 0.33
+
+
+def _encoder_game(length=150, heads=2, width=8):
+    torch.manual_seed(0)
+    controller = controller_with_sites({"encoder-self": 2})
+    config = AttendOutConfig(dropout_step=1, generator_dim=8, init_drop=0.3, lr=0.05)
+    generator = Generator({"source": 30}, {"source": 1}, 8, 256, config.init_drop, config.temperature)
+    game = AttendOut(config, controller, generator)
+    tokens = torch.randint(2, 30, (2, length))
+    tokens[1, -20:] = 1  # padding
+    weights = [torch.randn(width, 3 * heads * 4) * 0.3 for _ in controller.sites]
+    embed = torch.randn(30, width)
+    return game, tokens, weights, embed
+
+
+def _attacker_loss(game, tokens, weights, embed):
+    """Two attention layers through the kernel at the game's sites; a loss of their outputs."""
+    b, t = tokens.shape
+    bias = tokens.ne(1)[:, None, None, :]
+    h = embed[tokens]
+    with game.attacker_pass({"source": tokens}) as record:
+        for site, w in zip(game.sites, weights):
+            q, k, v = (h @ w).view(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4)
+            out, _ = attend(q, k, v, bias=bias, site=site)
+            h = h + out.transpose(1, 2).reshape(b, t, 8)
+        loss = h.pow(2).mean()
+    return loss, record
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_a_game_step_is_the_same_one_block_or_many(monkeypatch, blocks):
+    """Masks, the Attacker's loss and gradients, the rate, the reward and baseline and the
+    Generator's update: the same whether the calls and the log-probability run as one block or many."""
+
+    def step(many):
+        with monkeypatch.context() as mp:
+            if many:
+                mp.setattr(block_masks, "BLOCK_ELEMENTS", 1)
+                mp.setattr(block_masks, "LINEAR_FACTOR", 0)
+                mp.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
+                mp.setattr(policy, "POLICY_BLOCK_ELEMENTS", 1)
+            game, tokens, weights, embed = _encoder_game()
+            for w in weights:
+                w.requires_grad_()
+            torch.manual_seed(1)
+            loss, record = _attacker_loss(game, tokens, weights, embed)
+            grads = torch.autograd.grad(loss, weights)
+            counts = record.counts()
+            game.end_update()
+            stats = game.finish_dropout_step(loss.detach().view(1) + 0.1, loss.detach().view(1))
+            return loss, grads, counts, stats, [p.detach().clone() for p in game.generator.parameters()]
+
+    one, other = step(False), step(blocks)
+    torch.testing.assert_close(one[0], other[0])
+    for a, b in zip(one[1], other[1]):
+        torch.testing.assert_close(a, b)
+    assert [int(c) for c in one[2]] == [int(c) for c in other[2]] and int(one[2][0]) > 0
+    assert one[3]["drop_rate"] == other[3]["drop_rate"] and one[3]["baseline"] == pytest.approx(other[3]["baseline"])
+    for a, b in zip(one[4], other[4]):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_generator_update_holds_nothing_of_size_t_by_s(monkeypatch):
+    """What autograd saves for REINFORCE's backward at 1,024 tokens: the Generator's own states and
+    the logits' factors, linear in length; no tensor with T x S elements (a 1,024 x 1,024 map)."""
+    torch.manual_seed(0)
+    t = 1024
+    controller = controller_with_sites({"encoder-self": 2})
+    generator = Generator({"source": 30}, {"source": 1}, 8, t, 0.3, 1.0)
+    game = AttendOut(AttendOutConfig(dropout_step=1), controller, generator)
+    tokens = torch.randint(2, 30, (1, t))
+    saved = []
+
+    def pack(x):
+        saved.append(x.numel())
+        return x
+
+    game.attacker_hooks({"source": tokens})
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        log_prob = game._log_prob(game.cache[0])
+    log_prob.backward()
+    assert saved and max(saved) < t * t // 16, max(saved)
