@@ -145,3 +145,20 @@ def test_the_generator_update_holds_nothing_of_size_t_by_s(monkeypatch):
         log_prob = game._log_prob(game.cache[0])
     log_prob.backward()
     assert saved and max(saved) < t * t // 16, max(saved)
+
+
+def test_the_drop_probabilities_are_the_same_made_alone_or_by_the_update():
+    """fairseq reads each batch's probabilities right after its forward (a pass of their own); the
+    HF trainer reads the dropout step's mean, which the Generator's update makes on the way."""
+    stats, read = [], []
+    for ask in (True, False):
+        game, tokens, _, _ = _encoder_game(length=70)
+        torch.manual_seed(1)
+        game.attacker_hooks({"source": tokens})
+        if ask:
+            read.append(game.last_drop_probabilities.clone())
+        game.end_update()
+        stats.append(game.finish_dropout_step(torch.ones(1), torch.zeros(1))["drop_prob"])
+    assert stats[0] == pytest.approx(stats[1], rel=1e-6)
+    assert list(stats[0].values()) == pytest.approx(read[0].tolist(), rel=1e-6)
+    assert all(0.2 < p < 0.4 for p in read[0].tolist())  # init_drop 0.3

@@ -176,3 +176,52 @@ def test_train_cli_rejects_non_parallel_data(tmp_path):
     (tmp_path / "valid.ro").write_bytes(b"unu doi\ntrei \xff\n")
     with pytest.raises(ValueError, match=r"valid\.ro:2: not valid UTF-8"):
         train_mod.main(["--data", str(tmp_path), "--epochs", "1"])
+
+
+@pytest.mark.parametrize("many_blocks", [False, True])
+def test_a_ported_model_plays_attendout_on_every_kind_the_same_one_block_or_many(monkeypatch, many_blocks):
+    """The custom seq2seq model (porting API) under AttendOut on encoder self-, decoder self- (causal,
+    the Generator reading the target prefix) and encoder-decoder attention: the masks reach every
+    kind, and the Attacker's loss and gradients, the rate and the Generator's update are the same
+    whether the calls run as one block or many."""
+    from attn_reg_plugin.core import block_masks
+    from attn_reg_plugin.core.attendout import AttendOut, AttendOutConfig, Generator, build_attacker, policy
+
+    def game_step(many):
+        with monkeypatch.context() as mp:
+            if many:
+                for name, value in (("BLOCK_ELEMENTS", 1), ("LINEAR_FACTOR", 0), ("ONE_BLOCK_KEYS", 0)):
+                    mp.setattr(block_masks, name, value)
+                mp.setattr(policy, "POLICY_BLOCK_ELEMENTS", 1)
+            torch.manual_seed(0)
+            pad, vocab = 0, 40
+            model = model_mod.Seq2SeqTransformer(
+                vocab, pad, dim=16, heads=2, ffn_dim=32, encoder_layers=2, decoder_layers=2, dropout=0.0,
+                attention_dropout=0.0,
+            )  # fmt: skip
+            attacker, controller = build_attacker(model, lambda copy, c: [c.add(s) for s in copy.controller.sites])
+            generator = Generator({"source": vocab, "target": vocab}, {"source": pad, "target": pad}, 8, 160, 0.3, 1.0)
+            kinds = "encoder-self,decoder-self,encoder-decoder"
+            game = AttendOut(AttendOutConfig(dropout_step=1, attention=kinds, generator_dim=8), controller, generator)
+            g = torch.Generator().manual_seed(1)
+            src, tgt = torch.randint(3, vocab, (2, 150), generator=g), torch.randint(3, vocab, (2, 130), generator=g)
+            src[1, -9:], tgt[1, -5:] = pad, pad
+            prev = torch.cat([torch.full((2, 1), 2), tgt[:, :-1]], 1)
+            with game.attacker_pass({"source": src, "target": prev}) as record:
+                logits = attacker(src, prev)
+            loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tgt, ignore_index=pad)
+            grads = torch.autograd.grad(loss, list(attacker.parameters()))
+            per_call = [int(c.dropped) for _, c in record.entries]
+            game.end_update()
+            stats = game.finish_dropout_step(loss.detach().view(1), loss.detach().view(1) + 0.5)
+            return loss, grads, per_call, stats, [p.detach().clone() for p in generator.parameters()]
+
+    one, other = game_step(False), game_step(many_blocks)
+    assert len(one[2]) == 6 and all(n > 0 for n in one[2])  # every site of every kind dropped units
+    assert one[2] == other[2]
+    torch.testing.assert_close(one[0], other[0])
+    for a, b in zip(one[1], other[1]):
+        torch.testing.assert_close(a, b)
+    assert one[3]["drop_rate"] == other[3]["drop_rate"]
+    for a, b in zip(one[4], other[4]):
+        torch.testing.assert_close(a, b)

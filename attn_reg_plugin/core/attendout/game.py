@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -29,7 +29,7 @@ from ..distributed import all_reduce_mean_
 from .config import AttendOutConfig
 from .generator import Generator
 from .heldout import win_probability
-from .policy import GeneratorRule, action_log_prob, mean_drop_probability, reinforce_loss
+from .policy import GeneratorRule, PolicyLogits, action_log_prob, mean_drop_probability, reinforce_loss
 
 
 def _site_seed(seed: int, site_index: int) -> torch.Tensor:
@@ -65,6 +65,7 @@ class AttendOut:
         self.cache: List[_CachedBatch] = []
         self.dropout_steps_done = 0
         self._applied = zero_counts()  # [dropped, valid] units the kernel applied this dropout step
+        self._latest: Tuple[Optional[_CachedBatch], List[PolicyLogits]] = (None, [])  # the last batch's logits
 
     @contextlib.contextmanager
     def attacker_pass(self, streams: Dict[str, torch.Tensor]) -> Iterator[PassRecord]:
@@ -86,6 +87,7 @@ class AttendOut:
         self.cache.append(_CachedBatch(self.update_in_step, streams, seed))
         with torch.no_grad():
             policies = self.generator.policies(streams, self.sites)
+        self._latest = (self.cache[-1], policies)  # the probabilities, if asked, are made from these
         # The rate's denominator is the Generator's units: padding query rows are never masked.
         return {
             site: EditScores(
@@ -113,8 +115,10 @@ class AttendOut:
 
     def _probabilities(self, batch: _CachedBatch) -> torch.Tensor:
         if batch.probs is None:
+            latest, policies = self._latest
             with torch.no_grad():
-                policies = self.generator.policies(batch.streams, self.sites)
+                if latest is not batch:
+                    policies = self.generator.policies(batch.streams, self.sites)
                 batch.probs = torch.stack([mean_drop_probability(policy) for policy in policies])
         return batch.probs
 
@@ -183,6 +187,7 @@ class AttendOut:
         keep_attacker = bool(torch.rand((), generator=generator) < win_rate.cpu())
         stats.update(keep_attacker=keep_attacker, win_rate=float(win_rate), reward=mean_reward, baseline=self.baseline)
         self.cache.clear()
+        self._latest = (None, [])
         self.update_in_step = 0
         self._applied = zero_counts()
         self.dropout_steps_done += 1
