@@ -67,24 +67,29 @@ from typing import Dict, List, Optional
 from .paths import REPO
 from .scaling_worker import AD_DROP_P, AD_DROP_Q, DEFAULT_LENGTHS, METHODS, MODELS, RESULT_MARK, worker
 
-# The targets (CPU, one thread): (model, length, metric, bound, what); issue 32's, then issue 41's
-# for gradient checkpointing (d).
+# The targets (CPU, one thread): (model, method, length, metric, bound, what); issue 32's, issue 41's
+# for gradient checkpointing (d), then issue 58's for AttendOut.
 TARGETS = (
-    ("a", 4096, "mem_ratio", 1.5, "AD-DROP GA step memory <= 1.5x plain at 4096 tokens on (a)"),
-    ("a", 4096, "time_ratio", 5.0, "AD-DROP GA CPU time <= 5x plain at 4096 tokens on (a)"),
-    ("a", 8192, "runs", None, "every length up to 8192 runs on (a) (AD-DROP GA)"),
-    ("b", 2048, "mem_ratio", 1.3, "AD-DROP GA step memory <= 1.3x plain at 2048 tokens on (b)"),
-    ("b", 2048, "time_ratio", 2.5, "AD-DROP GA CPU time <= 2.5x plain at 2048 tokens on (b)"),
-    ("c", 4096, "mem_ratio", 2.0, "ADDropTrainer GA process memory growth <= 2x the stock Trainer's at 4096 on (c)"),
-    ("c", 4096, "time_ratio", 6.0, "ADDropTrainer GA CPU time <= 6x the stock Trainer's at 4096 on (c)"),
+    ("a", "ga", 4096, "mem_ratio", 1.5, "AD-DROP GA step memory <= 1.5x plain at 4096 tokens on (a)"),
+    ("a", "ga", 4096, "time_ratio", 5.0, "AD-DROP GA CPU time <= 5x plain at 4096 tokens on (a)"),
+    ("a", "ga", 8192, "runs", None, "every length up to 8192 runs on (a) (AD-DROP GA)"),
+    ("b", "ga", 2048, "mem_ratio", 1.3, "AD-DROP GA step memory <= 1.3x plain at 2048 tokens on (b)"),
+    ("b", "ga", 2048, "time_ratio", 2.5, "AD-DROP GA CPU time <= 2.5x plain at 2048 tokens on (b)"),
+    ("c", "ga", 4096, "mem_ratio", 2.0, "ADDropTrainer GA process memory growth <= 2x the stock Trainer's at 4096 on (c)"),
+    ("c", "ga", 4096, "time_ratio", 6.0, "ADDropTrainer GA CPU time <= 6x the stock Trainer's at 4096 on (c)"),
     (
-        "d",
-        4096,
-        "mem_ratio",
-        1.3,
+        "d", "ga", 4096, "mem_ratio", 1.3,
         "ADDropTrainer GA RSS growth <= 1.3x the stock Trainer's, both with gradient checkpointing, at 4096 on (d)",
     ),
-)
+    ("a", "attendout", 4096, "mem_ratio", 1.5, "AttendOut step memory <= 1.5x plain at 4096 tokens on (a)"),
+    ("a", "attendout", 4096, "time_ratio", 3.0, "AttendOut CPU time <= 3x plain at 4096 tokens on (a)"),
+    ("a", "attendout", 8192, "mem_ratio", 1.6, "AttendOut step memory <= 1.6x plain at 8192 tokens on (a)"),
+    ("c", "attendout", 4096, "mem_ratio", 2.5, "AttendOutTrainer RSS growth <= 2.5x the stock Trainer's at 4096 on (c)"),
+    (
+        "d", "attendout", 4096, "mem_ratio", 2.5,
+        "AttendOutTrainer RSS growth <= 2.5x the stock Trainer's, both with gradient checkpointing, at 4096 on (d)",
+    ),
+)  # fmt: skip
 
 
 # ===================================================================== the parent: the grid
@@ -176,25 +181,25 @@ def verdicts(runs: List[dict], models: List[str], lengths: List[int]) -> List[di
     """The targets: met (True), missed (False) or not measured (None) in this run."""
     by_key = {(r["model"], r["method"], r["length"]): r for r in runs}
     out = []
-    for model, length, metric, bound, what in TARGETS:
+    for model, method, length, metric, bound, what in TARGETS:
         value, met = None, None
         if model in models:
             if metric == "runs":
                 wanted = [n for n in lengths if n <= length]
-                rows = [by_key.get((model, "ga", n)) for n in wanted]
+                rows = [by_key.get((model, method, n)) for n in wanted]
                 if length in lengths and all(rows):
                     failed = [n for n, r in zip(wanted, rows) if r["status"] != "ok"]
                     value = "all ran" if not failed else f"failed at {', '.join(map(str, failed))}"
                     met = not failed
             else:
-                r = by_key.get((model, "ga", length))
+                r = by_key.get((model, method, length))
                 if r is not None and r["status"] != "ok":
                     value, met = r["status"], False
                 elif r is not None and r.get(metric) is not None:
                     value = r[metric]
                     met = value <= bound
-        out.append({"target": what, "model": model, "length": length, "metric": metric, "bound": bound,
-                    "value": value, "met": met})  # fmt: skip
+        out.append({"target": what, "model": model, "method": method, "length": length, "metric": metric,
+                    "bound": bound, "value": value, "met": met})  # fmt: skip
     return out
 
 

@@ -162,3 +162,33 @@ def test_the_drop_probabilities_are_the_same_made_alone_or_by_the_update():
     assert stats[0] == pytest.approx(stats[1], rel=1e-6)
     assert list(stats[0].values()) == pytest.approx(read[0].tolist(), rel=1e-6)
     assert all(0.2 < p < 0.4 for p in read[0].tolist())  # init_drop 0.3
+
+
+def test_the_attackers_masked_call_holds_nothing_of_size_t_by_s():
+    """What autograd saves for the Attacker's backward at 1,024 tokens: q, k, v, the output, a
+    log-sum-exp per row and the blocks' drops as bits (one per sample, query and key, shared by the
+    heads): no tensor with T x S elements."""
+    torch.manual_seed(0)
+    t = 1024
+    controller = controller_with_sites({"encoder-self": 1})
+    generator = Generator({"source": 30}, {"source": 1}, 8, t, 0.3, 1.0)
+    game = AttendOut(AttendOutConfig(dropout_step=1), controller, generator)
+    tokens = torch.randint(2, 30, (1, t))
+    q, k, v = (torch.randn(1, 2, t, 8, requires_grad=True) for _ in range(3))
+    saved = []
+
+    def pack(x):
+        saved.append(x.numel())
+        return x
+
+    with game.attacker_pass({"source": tokens}) as record:
+        hook = game.sites[0].hook
+        # what the call is handed: the Generator's factors and the seed, not a map
+        held = [x for x in vars(hook.drop.policy).values() if isinstance(x, torch.Tensor)]
+        assert held and max(x.numel() for x in held) <= t * 8 and hook.droppable is None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            out, _ = attend(q, k, v, site=game.sites[0])
+    out.sum().backward()
+    dropped, units = (int(c) for c in record.counts())
+    assert units == 2 * t * t and 0.2 < dropped / units < 0.4  # init_drop 0.3
+    assert saved and max(saved) < t * t // 16, max(saved)

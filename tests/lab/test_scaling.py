@@ -64,12 +64,15 @@ def test_verdicts_compare_with_the_targets():
         {"model": "a", "method": "plain", "length": 4096, "status": "ok", "memory_mib": 40.0, "cpu_s": 1.0},
         {"model": "a", "method": "ga", "length": 4096, "status": "ok", "memory_mib": 50.0, "cpu_s": 6.0},
     ]
+    runs.append({"model": "a", "method": "attendout", "length": 4096, "status": "ok", "memory_mib": 64.0, "cpu_s": 2.9})
     scaling.add_ratios(runs)
-    checks = {(c["model"], c["length"], c["metric"]): c for c in scaling.verdicts(runs, ["a"], [4096])}
-    assert checks[("a", 4096, "mem_ratio")]["met"] is True  # 1.25 <= 1.5
-    assert checks[("a", 4096, "time_ratio")]["met"] is False  # 6 > 5
-    assert checks[("a", 8192, "runs")]["met"] is None  # 8192 not in the grid
-    assert checks[("b", 2048, "mem_ratio")]["met"] is None  # model b not run
+    checks = {(c["model"], c["method"], c["length"], c["metric"]): c for c in scaling.verdicts(runs, ["a"], [4096])}
+    assert checks[("a", "ga", 4096, "mem_ratio")]["met"] is True  # 1.25 <= 1.5
+    assert checks[("a", "ga", 4096, "time_ratio")]["met"] is False  # 6 > 5
+    assert checks[("a", "ga", 8192, "runs")]["met"] is None  # 8192 not in the grid
+    assert checks[("b", "ga", 2048, "mem_ratio")]["met"] is None  # model b not run
+    assert checks[("a", "attendout", 4096, "mem_ratio")]["met"] is False  # 1.6 > 1.5
+    assert checks[("a", "attendout", 4096, "time_ratio")]["met"] is True  # 2.9 <= 3
 
 
 @pytest.mark.parametrize(
