@@ -18,6 +18,7 @@ to its recompute (transformers' model kwargs, fairseq's wrapped layers,
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -207,7 +208,7 @@ def call_of(site: Optional[AttentionSite], plan: Optional[Plan] = None) -> Atten
         # Traced: a compiled region recomputes from its own graph; the seed, a tensor, is an input
         # of that graph (no guard on its value, so a new pass compiles nothing).
         return ORDINARY if site.hook is None else AttentionCall(site.hook, False, site.seed, site.record)
-    hook, seed, record = plan.calls.get(site, (None,) * 3) if plan is not None else (site.hook, site.seed, site.record)
+    hook, seed, record = plan.of(site) if plan is not None else (site.hook, site.seed, site.record)
     if hook is None:
         return ORDINARY
     return AttentionCall(hook, record is None or not record.open, seed, record)
@@ -283,12 +284,19 @@ class Plan:
     (hook, seed, record). It travels with the model's call (transformers' model kwargs, the
     arguments a checkpoint keeps for its recompute), so a layer recomputed in the backward, after
     the pass ended, repeats it: the same hook and seed give the same drops, and its own record,
-    closed by then, takes nothing (not another pass's, open at the time)."""
+    closed by then, takes nothing (not another pass's, open at the time). The record is held weakly:
+    a checkpoint keeps a layer's arguments, the plan among them, until its backward, and must not keep
+    what the pass captured alive with them (GA's outputs hold the attribution pass's whole graph)."""
 
-    calls: Mapping[AttentionSite, Tuple[Hook, Optional[torch.Tensor], Optional[PassRecord]]]
+    calls: Mapping[AttentionSite, Tuple[Hook, Optional[torch.Tensor], Optional[weakref.ref]]]
 
     def __bool__(self) -> bool:
         return bool(self.calls)
+
+    def of(self, site: AttentionSite) -> Tuple[Optional[Hook], Optional[torch.Tensor], Optional[PassRecord]]:
+        """(hook, seed, record) of ``site`` in this pass; a record no longer alive is None."""
+        hook, seed, record = self.calls.get(site, (None,) * 3)
+        return hook, seed, None if record is None else record()
 
 
 def takes_gradients(hook: Hook) -> bool:
@@ -298,18 +306,25 @@ def takes_gradients(hook: Hook) -> bool:
 
 def plan_of(sites: Iterable[AttentionSite]) -> Plan:
     """The pass set on ``sites`` now, as a :class:`Plan` (empty when none is)."""
-    return Plan(MappingProxyType({s: (s.hook, s.seed, s.record) for s in sites if s.hook is not None}))
+    return Plan(
+        MappingProxyType(
+            {
+                s: (s.hook, s.seed, None if s.record is None else weakref.ref(s.record))
+                for s in sites
+                if s.hook is not None
+            }
+        )
+    )
 
 
 @contextlib.contextmanager
 def applied(plan: Optional[Plan], sites: Sequence[AttentionSite]) -> Iterator[None]:
     """Fill the slots of ``sites`` with what ``plan`` asks (nothing where it asks nothing) for the
     block: a checkpointed function recomputed in the backward runs under the pass of its forward."""
-    calls = plan.calls if plan is not None else {}
     previous = [(s, s.hook, s.seed, s.record) for s in sites]
     try:
         for site in sites:
-            site.hook, site.seed, site.record = calls.get(site, (None,) * 3)
+            site.hook, site.seed, site.record = plan.of(site) if plan is not None else (None,) * 3
         yield
     finally:
         for site, hook, seed, record in previous:
