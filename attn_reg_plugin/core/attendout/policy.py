@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +67,7 @@ class PolicyLogits:
         """(B, 1, T, S): one mask per sample, shared by the layer's heads."""
         return (self.query.shape[0], 1, self.query.shape[1], self.key.shape[1])
 
-    def block(self, rows: slice, keys: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def block(self, rows: slice, keys: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(logits, units) of query ``rows`` over keys ``0 .. keys - 1``, each (B, 1, rows, keys);
         units None where every pair is one."""
         logits = torch.matmul(self.query[:, rows], self.key[:, :keys].transpose(-2, -1)).add_(self.offset)
