@@ -655,6 +655,17 @@ def kernel_dropout_at_hooked_calls(monkeypatch):
     return seen
 
 
+def run_in_blocks(mp):
+    """With ``mp`` (a monkeypatch), every regularized call of more than 64 query rows runs block by
+    block, 64 rows a block, and AttendOut's log-probability pass too."""
+    from attn_reg_plugin.core import block_masks
+    from attn_reg_plugin.core.attendout import policy
+
+    for name, value in (("BLOCK_ELEMENTS", 1), ("LINEAR_FACTOR", 0), ("ONE_BLOCK_KEYS", 0)):
+        mp.setattr(block_masks, name, value)
+    mp.setattr(policy, "POLICY_BLOCK_ELEMENTS", 1)
+
+
 def controller_with_sites(layers_per_kind):
     """A RegularizationController with ``n`` sites (layers 0..n-1) registered per kind, in the order
     given: ``controller_with_sites({"encoder-self": 2, "decoder-self": 1})``."""

@@ -1,14 +1,15 @@
 """AttendOut at any length: the Generator's masks are a drop rule the kernel makes per block of query
 rows, and REINFORCE's log-probability is taken block by block, so no (T, S) map is ever held."""
 
+import contextlib
+
 import pytest
 import torch
 
-from attn_reg_plugin.core import block_masks
 from attn_reg_plugin.core.attendout import AttendOut, AttendOutConfig, Generator, policy
 from attn_reg_plugin.core.attendout.policy import PolicyLogits, action_log_prob, drop_log_prob, sampled_drops
 from attn_reg_plugin.core.attention import attend
-from helpers import controller_with_sites
+from helpers import controller_with_sites, run_in_blocks
 
 
 def _policy(b, t, s, d=4, causal=False, pad=0, seed=0):
@@ -100,10 +101,7 @@ def test_a_game_step_is_the_same_one_block_or_many(monkeypatch, blocks):
     def step(many):
         with monkeypatch.context() as mp:
             if many:
-                mp.setattr(block_masks, "BLOCK_ELEMENTS", 1)
-                mp.setattr(block_masks, "LINEAR_FACTOR", 0)
-                mp.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
-                mp.setattr(policy, "POLICY_BLOCK_ELEMENTS", 1)
+                run_in_blocks(mp)
             game, tokens, weights, embed = _encoder_game()
             for w in weights:
                 w.requires_grad_()
@@ -125,26 +123,39 @@ def test_a_game_step_is_the_same_one_block_or_many(monkeypatch, blocks):
         torch.testing.assert_close(a, b)
 
 
-def test_the_generator_update_holds_nothing_of_size_t_by_s(monkeypatch):
-    """What autograd saves for REINFORCE's backward at 1,024 tokens: the Generator's own states and
-    the logits' factors, linear in length; no tensor with T x S elements (a 1,024 x 1,024 map)."""
+LONG = 1024  # tokens of the memory tests: a T x S map has 2**20 elements
+
+
+def _long_game(layers):
+    """(game, tokens) of one sentence of LONG tokens over ``layers`` encoder self-attention sites."""
     torch.manual_seed(0)
-    t = 1024
-    controller = controller_with_sites({"encoder-self": 2})
-    generator = Generator({"source": 30}, {"source": 1}, 8, t, 0.3, 1.0)
-    game = AttendOut(AttendOutConfig(dropout_step=1), controller, generator)
-    tokens = torch.randint(2, 30, (1, t))
-    saved = []
+    controller = controller_with_sites({"encoder-self": layers})
+    generator = Generator({"source": 30}, {"source": 1}, 8, LONG, 0.3, 1.0)
+    return AttendOut(AttendOutConfig(dropout_step=1), controller, generator), torch.randint(2, 30, (1, LONG))
+
+
+@contextlib.contextmanager
+def _saved_sizes():
+    """The number of elements of every tensor autograd saves for a backward inside the block."""
+    sizes = []
 
     def pack(x):
-        saved.append(x.numel())
+        sizes.append(x.numel())
         return x
 
-    game.attacker_hooks({"source": tokens})
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        yield sizes
+
+
+def test_the_generator_update_holds_nothing_of_size_t_by_s():
+    """What autograd saves for REINFORCE's backward at 1,024 tokens: the Generator's own states and
+    the logits' factors, linear in length; no tensor with T x S elements (a 1,024 x 1,024 map)."""
+    game, tokens = _long_game(2)
+    game.attacker_hooks({"source": tokens})
+    with _saved_sizes() as saved:
         log_prob = game._log_prob(game.cache[0])
     log_prob.backward()
-    assert saved and max(saved) < t * t // 16, max(saved)
+    assert saved and max(saved) < LONG * LONG // 16, max(saved)
 
 
 def test_the_drop_probabilities_are_the_same_made_alone_or_by_the_update():
@@ -168,27 +179,16 @@ def test_the_attackers_masked_call_holds_nothing_of_size_t_by_s():
     """What autograd saves for the Attacker's backward at 1,024 tokens: q, k, v, the output, a
     log-sum-exp per row and the blocks' drops as bits (one per sample, query and key, shared by the
     heads): no tensor with T x S elements."""
-    torch.manual_seed(0)
-    t = 1024
-    controller = controller_with_sites({"encoder-self": 1})
-    generator = Generator({"source": 30}, {"source": 1}, 8, t, 0.3, 1.0)
-    game = AttendOut(AttendOutConfig(dropout_step=1), controller, generator)
-    tokens = torch.randint(2, 30, (1, t))
-    q, k, v = (torch.randn(1, 2, t, 8, requires_grad=True) for _ in range(3))
-    saved = []
-
-    def pack(x):
-        saved.append(x.numel())
-        return x
-
+    game, tokens = _long_game(1)
+    q, k, v = (torch.randn(1, 2, LONG, 8, requires_grad=True) for _ in range(3))
     with game.attacker_pass({"source": tokens}) as record:
         hook = game.sites[0].hook
         # what the call is handed: the Generator's factors and the seed, not a map
         held = [x for x in vars(hook.drop.policy).values() if isinstance(x, torch.Tensor)]
-        assert held and max(x.numel() for x in held) <= t * 8 and hook.droppable is None
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        assert held and max(x.numel() for x in held) <= LONG * 8 and hook.droppable is None
+        with _saved_sizes() as saved:
             out, _ = attend(q, k, v, site=game.sites[0])
     out.sum().backward()
     dropped, units = (int(c) for c in record.counts())
-    assert units == 2 * t * t and 0.2 < dropped / units < 0.4  # init_drop 0.3
-    assert saved and max(saved) < t * t // 16, max(saved)
+    assert units == 2 * LONG * LONG and 0.2 < dropped / units < 0.4  # init_drop 0.3
+    assert saved and max(saved) < LONG * LONG // 16, max(saved)

@@ -10,7 +10,7 @@ import torch
 
 from attn_reg_plugin.core import RegularizationController
 from attn_reg_plugin.core.attention_call import EditScores
-from helpers import REPO, load_script
+from helpers import REPO, load_script, run_in_blocks
 
 EXAMPLE = REPO / "examples" / "custom_seq2seq"
 
@@ -184,15 +184,12 @@ def test_a_ported_model_plays_attendout_on_every_kind_the_same_one_block_or_many
     the Generator reading the target prefix) and encoder-decoder attention: the masks reach every
     kind, and the Attacker's loss and gradients, the rate and the Generator's update are the same
     whether the calls run as one block or many."""
-    from attn_reg_plugin.core import block_masks
-    from attn_reg_plugin.core.attendout import AttendOut, AttendOutConfig, Generator, build_attacker, policy
+    from attn_reg_plugin.core.attendout import AttendOut, AttendOutConfig, Generator, build_attacker
 
     def game_step(many):
         with monkeypatch.context() as mp:
             if many:
-                for name, value in (("BLOCK_ELEMENTS", 1), ("LINEAR_FACTOR", 0), ("ONE_BLOCK_KEYS", 0)):
-                    mp.setattr(block_masks, name, value)
-                mp.setattr(policy, "POLICY_BLOCK_ELEMENTS", 1)
+                run_in_blocks(mp)
             torch.manual_seed(0)
             pad, vocab = 0, 40
             model = model_mod.Seq2SeqTransformer(

@@ -202,11 +202,7 @@ class AttendOut:
             "update_in_step": self.update_in_step,
             "dropout_steps_done": self.dropout_steps_done,
             "cache": [
-                {
-                    "update": c.update,
-                    "streams": {k: v.cpu() for k, v in c.streams.items()},
-                    "seed": c.seed,
-                }
+                {"update": c.update, "streams": {k: v.cpu() for k, v in c.streams.items()}, "seed": c.seed}
                 for c in self.cache
             ],
             "applied": [int(c) for c in self._applied],
@@ -226,11 +222,7 @@ class AttendOut:
         self.update_in_step = int(state["update_in_step"])
         self.dropout_steps_done = int(state["dropout_steps_done"])
         self.cache = [
-            _CachedBatch(
-                int(c["update"]),
-                {k: v.to(device) for k, v in c["streams"].items()},
-                int(c["seed"]),
-            )
+            _CachedBatch(int(c["update"]), {k: v.to(device) for k, v in c["streams"].items()}, int(c["seed"]))
             for c in state["cache"]
         ]
         # The batches' drop probabilities are made again from them when asked (a state saved before
