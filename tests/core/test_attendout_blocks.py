@@ -12,30 +12,46 @@ from attn_reg_plugin.core.attention import attend
 from helpers import controller_with_sites, run_in_blocks
 
 
-def _policy(b, t, s, d=4, causal=False, pad=0, seed=0):
+def _policy(b, t, s, d=4, causal=False, pad=0, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    query = torch.randn(b, t, d, generator=g).requires_grad_()
-    key = torch.randn(b, s, d, generator=g).requires_grad_()
-    offset = torch.tensor(-0.7, requires_grad=True)
-    query_real = torch.ones(b, t, dtype=torch.bool)
-    key_real = torch.ones(b, s, dtype=torch.bool)
+    query = torch.randn(b, t, d, generator=g).to(device).requires_grad_()
+    key = torch.randn(b, s, d, generator=g).to(device).requires_grad_()
+    offset = torch.tensor(-0.7, device=device, requires_grad=True)
+    query_real = torch.ones(b, t, dtype=torch.bool, device=device)
+    key_real = torch.ones(b, s, dtype=torch.bool, device=device)
     if pad:
         query_real[0, -pad:] = False
         key_real[0, -pad:] = False
     return PolicyLogits(query, key, offset, query_real, key_real, causal, every_unit=not causal and not pad)
 
 
-@pytest.mark.parametrize("causal,pad", [(False, 0), (False, 37), (True, 0), (True, 11)])
+CAUSAL_PAD = [(False, 0), (False, 37), (True, 0), (True, 11)]
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
+
+
+@pytest.mark.parametrize("causal,pad", CAUSAL_PAD)
 def test_the_log_probability_block_by_block_is_the_dense_one_with_its_gradient(monkeypatch, causal, pad):
+    _log_probability_against_dense(monkeypatch, causal, pad, "cpu")
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("causal,pad", CAUSAL_PAD)
+def test_the_log_probability_on_cuda_is_the_dense_one_with_its_gradient(monkeypatch, causal, pad):
+    _log_probability_against_dense(monkeypatch, causal, pad, "cuda")
+
+
+def _log_probability_against_dense(monkeypatch, causal, pad, device):
     """Sums and gradients against autograd of the whole map: the same actions (keyed by the seed,
     whatever the blocks), log P summed over each sample's units, d/dlogit = action - sigmoid."""
     monkeypatch.setattr(policy, "POLICY_BLOCK_ELEMENTS", 1)  # one chunk of 64 rows a block: 3 blocks
     t = s = 150
-    p = _policy(2, t, s, causal=causal, pad=pad)
+    p = _policy(2, t, s, causal=causal, pad=pad, device=device)
     seed = torch.tensor(12345)
     sums, counts, probability = action_log_prob(p, seed)
     assert len(p.row_blocks()) == 3
-    grads = torch.autograd.grad(sums @ torch.tensor([0.3, -1.1]), (p.query, p.key, p.offset))
+    weights = torch.tensor([0.3, -1.1], device=device)
+    grads = torch.autograd.grad(sums @ weights, (p.query, p.key, p.offset))
 
     logits = torch.matmul(p.query, p.key.transpose(-2, -1)).unsqueeze(1) + p.offset
     with torch.no_grad():
@@ -46,7 +62,7 @@ def test_the_log_probability_block_by_block_is_the_dense_one_with_its_gradient(m
     torch.testing.assert_close(sums, dense)
     assert torch.equal(counts, units.sum(dim=(1, 2, 3)))
     torch.testing.assert_close(probability, (torch.sigmoid(logits) * units).sum().detach())
-    expected = torch.autograd.grad(dense @ torch.tensor([0.3, -1.1]), (p.query, p.key, p.offset))
+    expected = torch.autograd.grad(dense @ weights, (p.query, p.key, p.offset))
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if causal:
@@ -66,17 +82,17 @@ def test_the_actions_do_not_depend_on_the_blocks():
     assert 0.25 < whole[p.block(slice(0, 200), 170)[1]].float().mean() < 0.42  # sigmoid(-0.7) = 0.33
 
 
-def _encoder_game(length=150, heads=2, width=8):
+def _encoder_game(length=150, heads=2, width=8, device="cpu"):
     torch.manual_seed(0)
     controller = controller_with_sites({"encoder-self": 2})
     config = AttendOutConfig(dropout_step=1, generator_dim=8, init_drop=0.3, lr=0.05)
-    generator = Generator({"source": 30}, {"source": 1}, 8, 256, config.init_drop, config.temperature)
+    generator = Generator({"source": 30}, {"source": 1}, 8, 256, config.init_drop, config.temperature).to(device)
     game = AttendOut(config, controller, generator)
     tokens = torch.randint(2, 30, (2, length))
     tokens[1, -20:] = 1  # padding
     weights = [torch.randn(width, 3 * heads * 4) * 0.3 for _ in controller.sites]
     embed = torch.randn(30, width)
-    return game, tokens, weights, embed
+    return game, tokens.to(device), [w.to(device) for w in weights], embed.to(device)
 
 
 def _attacker_loss(game, tokens, weights, embed):
@@ -95,6 +111,16 @@ def _attacker_loss(game, tokens, weights, embed):
 
 @pytest.mark.parametrize("blocks", [False, True])
 def test_a_game_step_is_the_same_one_block_or_many(monkeypatch, blocks):
+    _game_step_in_blocks(monkeypatch, blocks, "cpu")
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_a_game_step_on_cuda_is_the_same_one_block_or_many(monkeypatch):
+    _game_step_in_blocks(monkeypatch, True, "cuda")
+
+
+def _game_step_in_blocks(monkeypatch, blocks, device):
     """Masks, the Attacker's loss and gradients, the rate, the reward and baseline and the
     Generator's update: the same whether the calls and the log-probability run as one block or many."""
 
@@ -102,7 +128,7 @@ def test_a_game_step_is_the_same_one_block_or_many(monkeypatch, blocks):
         with monkeypatch.context() as mp:
             if many:
                 run_in_blocks(mp)
-            game, tokens, weights, embed = _encoder_game()
+            game, tokens, weights, embed = _encoder_game(device=device)
             for w in weights:
                 w.requires_grad_()
             torch.manual_seed(1)
