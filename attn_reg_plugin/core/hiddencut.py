@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .options import RegularizerOptions, option
 
@@ -113,6 +112,53 @@ def attention_received(weights: torch.Tensor, valid: torch.Tensor) -> torch.Tens
     return (summed / rows.sum(dim=2)[:, 0].clamp(min=1)).masked_fill(~valid, 0.0)
 
 
+RECEIVED_BLOCK_ELEMENTS = 1 << 21  # float32 scores of one block of query rows (8 MiB)
+
+
+def attention_received_by_blocks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    valid: torch.Tensor,
+    scale: Optional[float] = None,
+    mask: Optional[torch.Tensor] = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """:func:`attention_received` of a self-attention's softmax(scale * q k^T + mask), made from its
+    queries (B, H, T, d) and keys (B, H or a divisor of H, T, d) one block of query rows at a time, in
+    float32 and without gradient: no (T, T) map is held, so the ranking is linear in the length.
+
+    ``mask``: additive (float) or True-to-attend (bool), broadcastable to (B, H, T, T), or None;
+    ``causal``: key j is masked for query i < j (as sdpa's ``is_causal``). Rows no key may reach add 0."""
+    batch, heads, length, dim = query.shape
+    scale = dim**-0.5 if scale is None else scale
+    valid = valid.to(torch.bool)
+    rows_real = valid.to(torch.float32)
+    with torch.no_grad():
+        keys = key.float().repeat_interleave(heads // key.shape[1], dim=1).transpose(-2, -1)  # GQA: heads share keys
+        if mask is not None:  # as 4-d, its rows spelled out so that a block of them can be sliced
+            mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+            mask = mask.expand(*mask.shape[:2], length, length)
+        summed = torch.zeros(batch, heads, length, dtype=torch.float32, device=query.device)
+        rows = max(1, RECEIVED_BLOCK_ELEMENTS // max(1, batch * heads * length))
+        for start in range(0, length, rows):
+            block = slice(start, min(length, start + rows))
+            scores = torch.matmul(query[:, :, block].float(), keys) * scale  # (B, H, rows, T)
+            if mask is not None and mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask[:, :, block], -math.inf)
+            elif mask is not None:
+                scores = scores + mask[:, :, block].float()
+            if causal:
+                later = (
+                    torch.arange(length, device=query.device)
+                    > torch.arange(block.start, block.stop, device=query.device)[:, None]
+                )
+                scores = scores.masked_fill(later, -math.inf)
+            weights = torch.softmax(scores.masked_fill(~valid[:, None, None, :], -math.inf), dim=-1).nan_to_num(0.0)
+            summed += (weights * rows_real[:, None, block, None]).sum(dim=2)
+    received = summed.mean(dim=1) / rows_real.sum(dim=1, keepdim=True).clamp(min=1)
+    return received.masked_fill(~valid, 0.0)
+
+
 def _floor_fraction(lengths: torch.Tensor, fraction: float) -> torch.Tensor:
     # floor(fraction * n) in float64 with a tolerance, so 0.1 * 30 is 3 and not 2.999...; at least 1
     return torch.floor(lengths.to(torch.float64) * fraction + 1e-9).long().clamp(min=1)
@@ -151,24 +197,74 @@ def hiddencut_spans(
     return cut & (n > 0)[:, None]
 
 
+JS_BLOCK_ELEMENTS = 1 << 20  # (positions, classes) elements of one block of the JS and its gradient
+
+
 def js_divergence(scores_1: torch.Tensor, scores_2: torch.Tensor, log_probs: bool = False) -> torch.Tensor:
     """(KL(p || m) + KL(q || m)) / 2 with m = (p + q) / 2, per position over the last dimension (nats).
 
     ``scores``: logits (softmax taken here, in float32 at least), or, with ``log_probs``, the
     log-probabilities a model already normalized. Between 0 and log 2."""
     dtype = torch.promote_types(scores_1.dtype, torch.float32)
-    lp, lq = scores_1.to(dtype), scores_2.to(dtype)
-    if not log_probs:
-        lp, lq = F.log_softmax(lp, dim=-1), F.log_softmax(lq, dim=-1)
+    return _JensenShannon.apply(scores_1.to(dtype), scores_2.to(dtype), log_probs)
+
+
+def _js_terms(lp: torch.Tensor, lq: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """p (log p - log m) and q (log q - log m) per class, of two log-probability tensors."""
     # A class of probability 0 adds 0 (the limit of p log p / m), not 0 * -inf = NaN; where it is
-    # impossible in both, m is taken of stand-in zeros, as logaddexp's gradient at (-inf, -inf) is NaN.
+    # impossible in both, m is taken of stand-in zeros, as logaddexp at (-inf, -inf) is NaN to differentiate.
     both_impossible = (lp == -math.inf) & (lq == -math.inf)
     lm = torch.logaddexp(lp.masked_fill(both_impossible, 0.0), lq.masked_fill(both_impossible, 0.0)) - math.log(2.0)
 
-    def kl_to_m(log_p):
-        return (log_p.exp() * torch.where(log_p == -math.inf, 0.0, log_p - lm)).sum(-1)
+    def term(log_p):
+        return log_p.exp() * torch.where(log_p == -math.inf, 0.0, log_p - lm)
 
-    return 0.5 * (kl_to_m(lp) + kl_to_m(lq))
+    return term(lp), term(lq)
+
+
+class _JensenShannon(torch.autograd.Function):
+    """The JS divergence per position of two score tensors (..., classes), block by block of positions.
+
+    It keeps only its inputs, not the dozen (positions, classes) intermediates autograd would, and makes
+    its gradient again from them one block at a time: d JS / d log p = p (log p - log m) / 2 (the same
+    in q), then through the log-softmax, g - p * sum(g), when the scores are logits. At a causal LM's
+    4,096 tokens x its vocabulary those intermediates were most of what a HiddenCut step held beyond its
+    two passes (PERFORMANCE.md, "The baselines' cost")."""
+
+    @staticmethod
+    def _blocks(scores: torch.Tensor):
+        flat = scores.reshape(-1, scores.shape[-1])
+        rows = max(1, JS_BLOCK_ELEMENTS // max(1, flat.shape[1]))
+        return flat, [slice(i, min(flat.shape[0], i + rows)) for i in range(0, flat.shape[0], rows)]
+
+    @staticmethod
+    def _log_probs(flat, block, log_probs):
+        return flat[block] if log_probs else torch.log_softmax(flat[block], dim=-1)
+
+    @staticmethod
+    def forward(ctx, scores_1: torch.Tensor, scores_2: torch.Tensor, log_probs: bool) -> torch.Tensor:
+        ctx.save_for_backward(scores_1, scores_2)
+        ctx.log_probs = log_probs
+        (flat_1, blocks), flat_2 = _JensenShannon._blocks(scores_1), scores_2.reshape(-1, scores_1.shape[-1])
+        out = flat_1.new_empty(flat_1.shape[0])
+        for block in blocks:
+            lp, lq = (_JensenShannon._log_probs(f, block, log_probs) for f in (flat_1, flat_2))
+            term_p, term_q = _js_terms(lp, lq)
+            out[block] = 0.5 * (term_p.sum(-1) + term_q.sum(-1))
+        return out.view(scores_1.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        scores_1, scores_2 = ctx.saved_tensors
+        (flat_1, blocks), flat_2 = _JensenShannon._blocks(scores_1), scores_2.reshape(-1, scores_1.shape[-1])
+        grads = torch.empty_like(flat_1), torch.empty_like(flat_2)
+        half = 0.5 * grad.reshape(-1, 1)
+        for block in blocks:
+            lps = [_JensenShannon._log_probs(f, block, ctx.log_probs) for f in (flat_1, flat_2)]
+            for log_p, term, out in zip(lps, _js_terms(*lps), grads):
+                g = half[block] * term
+                out[block] = g if ctx.log_probs else g - log_p.exp() * g.sum(-1, keepdim=True)
+        return grads[0].view(scores_1.shape), grads[1].view(scores_2.shape), None
 
 
 def js_consistency(

@@ -11,7 +11,8 @@ self-attention, where it stays). The
 span's start is drawn among the tokens that receive the most attention in that layer's self-attention
 of the clean pass: the head-averaged softmax of the layer's own q and k (its ``q_proj``, ``k_proj``,
 ``scaling``), recomputed without gradient from the attention's input (fairseq's encoder calls its
-attention with ``need_weights=False``, so no map comes back), before attention dropout. The loss is the sum over real target
+attention with ``need_weights=False``, so no map comes back), before attention dropout, one block of
+query rows at a time (no (T, T) map is held). The loss is the sum over real target
 tokens of both passes' label-smoothed CE plus alpha times their JS divergence, divided by one copy's
 ``ntokens``. Validation: one pass, the stock loss.
 
@@ -42,7 +43,7 @@ from ..core.hiddencut import (
     CutPlan,
     HiddenCutConfig,
     SpanCut,
-    attention_received,
+    attention_received_by_blocks,
     hiddencut_objective,
     hiddencut_spans,
     js_consistency,
@@ -93,20 +94,18 @@ def check_the_model_options(config: HiddenCutConfig, criterion_cfg) -> None:
 
 
 def self_attention_received(attn, query, key_padding_mask, attn_mask) -> tuple:
-    """(attention received (B, T), real tokens (B, T)) of a fairseq self-attention's call, without gradient."""
+    """(attention received (B, T), real tokens (B, T)) of a fairseq self-attention's call, without gradient,
+    block by block of query rows (``core.hiddencut.attention_received_by_blocks``)."""
     length, batch, _ = query.shape
     heads, head_dim = attn.num_heads, attn.head_dim
     with torch.no_grad():
-        q = (attn.q_proj(query) * attn.scaling).view(length, batch, heads, head_dim).permute(1, 2, 0, 3)
+        q = attn.q_proj(query).view(length, batch, heads, head_dim).permute(1, 2, 0, 3)
         k = attn.k_proj(query).view(length, batch, heads, head_dim).permute(1, 2, 0, 3)
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2))  # (B, H, T, T), fp32 under --fp16 too
-        if attn_mask is not None:
-            scores = scores + attn_mask.float()
         valid = torch.ones(batch, length, dtype=torch.bool, device=query.device)
         if key_padding_mask is not None:
             valid = ~key_padding_mask.bool()
-        scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
-        return attention_received(torch.softmax(scores, dim=-1).nan_to_num(0.0), valid), valid
+        received = attention_received_by_blocks(q, k, valid, scale=attn.scaling, mask=attn_mask)
+    return received, valid
 
 
 class _Hooks:

@@ -14,29 +14,29 @@ residual, in place of the dropout there where the family has one, as the officia
 (:mod:`.feed_forward_cut`). A layer where none is found has its output cut, residual included, with a
 warning.
 
-The span's start comes from the clean pass's attention maps (``output_attentions=True``), which
-transformers returns only for eager attention: a model with another attention implementation is
-refused at construction, naming the fix. Eager attention returns them after its attention dropout;
-the official code's BERT ranks its ``ori_attention_probs``, the softmax before it, as the fairseq
-criterion does. So the trainer switches the model's eager attention to
-:func:`eager_maps_before_dropout`: the family's own eager attention, its weights taken without
-dropout and the same dropout applied to the output (eager's outputs, to the bit). The cut pass's masks travel with its call as the layers' keyword
-``hiddencut_plan`` (nothing is held between calls: evaluation and generation never cut). With gradient
-checkpointing, transformers 5.x checkpoints a layer's ``forward`` with its keywords, so a recompute
-holds the same plan and its feed-forward hook cuts the same tokens.
+The span's start comes from the clean pass's attention: what each real token receives, the softmax
+before attention dropout (the official code's BERT ranks its ``ori_attention_probs``, as the fairseq
+criterion does) averaged over heads and real queries. It is made inside the model's own attention
+call, one block of query rows at a time without gradient (``core.hiddencut.attention_received_by_blocks``),
+so no (T, T) map is held or returned: the trainer switches the model's "eager" or "sdpa" attention to a
+twin that runs it unchanged (the same outputs and dropout draws, to the bit) and, in the clean pass,
+records the ranking that travels as the keyword ``hiddencut_ranking``. Other attention implementations
+are refused at construction, naming the fix. The cut pass's masks travel with its call as the layers'
+keyword ``hiddencut_plan`` (nothing is held between calls: evaluation and generation never cut). With
+gradient checkpointing, transformers 5.x checkpoints a layer's ``forward`` with its keywords, so a
+recompute holds the same plan and its feed-forward hook cuts the same tokens; the clean pass's ranking
+is closed by then, so its recompute ranks nothing again.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import math
 import sys
 import warnings
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 import torch
 import transformers
-from transformers.integrations.sdpa_attention import repeat_kv
 
 from ..core.combinations import HIDDENCUT
 from ..core.distributed import all_reduce_sum_
@@ -44,7 +44,7 @@ from ..core.hiddencut import (
     CutPlan,
     HiddenCutConfig,
     SpanCut,
-    attention_received,
+    attention_received_by_blocks,
     hiddencut_objective,
     hiddencut_spans,
     js_consistency,
@@ -57,75 +57,93 @@ from .rdrop_trainer import _logits, compared_positions, loss_divisor, refuse_dat
 from .sites import attention_configs
 
 PLAN_KWARG = "hiddencut_plan"
-# The clean pass's attention: the family's own eager attention, returning its weights before attention dropout.
-MAPS_BEFORE_DROPOUT = "attn_reg_eager_maps_before_dropout"
-# While the clean pass runs, the ids of the modules that called it (one that bypasses the interface makes no call).
-_CALLERS_BEFORE_DROPOUT: contextvars.ContextVar = contextvars.ContextVar("hiddencut_callers", default=None)
+# The clean pass's Ranking travels as this keyword of the model's call, down to its attention calls.
+RANKING_KWARG = "hiddencut_ranking"
+RANKED = {"eager": "attn_reg_hiddencut_eager", "sdpa": "attn_reg_hiddencut_sdpa"}  # implementation -> its ranked twin
 
 
-def eager_maps_before_dropout(module, query, key, value, attention_mask, dropout: float = 0.0, **kwargs):
-    """``AttentionInterface`` function: the module's family's ``eager_attention_forward`` run without
-    dropout for its weights (the softmax HiddenCut ranks, as the official code's ``ori_attention_probs``),
-    the output then made from them with the dropout eager would apply: the same draws, the same values.
-    The first call on each module checks that eager's output is its weights times the values."""
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if eager is None:
-        raise ValueError(f"HiddenCut: {type(module).__module__} has no eager_attention_forward to rank the maps of")
-    out, weights = eager(module, query, key, value, attention_mask, dropout=0.0, **kwargs)
-    callers = _CALLERS_BEFORE_DROPOUT.get()
-    if callers is not None:
-        callers.add(id(module))
-    values = repeat_kv(value, query.shape[1] // value.shape[1])
-    if not module.__dict__.get("attn_reg_eager_checked"):
-        with torch.no_grad():  # nothing saved for a backward: a checkpoint's recompute saves the same tensors
-            same = torch.allclose(torch.matmul(weights, values).transpose(1, 2), out, rtol=1e-3, atol=1e-5)
-        if not same:
-            raise ValueError(
-                f"HiddenCut: {type(module).__name__}'s eager attention output is not its weights times the "
-                "values, so its maps before dropout cannot be taken apart from it"
+class Ranking:
+    """The clean pass's attention received per selected layer (``core.hiddencut.attention_received_by_blocks``),
+    recorded by the layers' attention calls: ``layers`` {index: layer}, ``valid`` (B, T) the real tokens.
+    The first call of each layer counts; once :meth:`close` is called (the masks are made), nothing is
+    recorded, so an activation checkpoint's recompute of the clean pass adds no work."""
+
+    def __init__(self, layers: Dict[int, torch.nn.Module], valid: torch.Tensor) -> None:
+        self.index = {id(m): i for i, layer in layers.items() for m in layer.modules()}
+        self.valid = valid
+        self.received: Dict[int, torch.Tensor] = {}
+        self.open = True
+
+    def record(self, module, query, key, attention_mask, kwargs, eager: bool) -> None:
+        index = self.index.get(id(module))
+        if not self.open or index is None or index in self.received or key.shape[2] != query.shape[2]:
+            return  # closed, not a ranked layer, its first call already counted, or not a self-attention
+        mask = attention_mask
+        if kwargs.get("position_bias") is not None:  # T5-style relative bias, added to the scores
+            bias = kwargs["position_bias"]
+            mask = (
+                bias
+                if mask is None
+                else (bias + mask if mask.dtype != torch.bool else bias.masked_fill(~mask, -math.inf))
             )
-        module.__dict__["attn_reg_eager_checked"] = True
-    if dropout > 0.0 and module.training:
-        dropped = torch.nn.functional.dropout(weights, p=dropout, training=True)
-        out = torch.matmul(dropped, values).transpose(1, 2).contiguous()
-    return out, weights
-
-
-def use_maps_before_dropout(model) -> None:
-    """Switch the model's eager attention to :func:`eager_maps_before_dropout` (its outputs unchanged).
-    For good, not per pass: an activation checkpoint's recompute must run the very same function."""
-    register_attention(MAPS_BEFORE_DROPOUT, eager_maps_before_dropout, "eager")
-    if getattr(model.config, "reorder_and_upcast_attn", False):  # GPT-2 takes that path only under "eager"
-        warnings.warn(
-            f"HiddenCut: {type(model).__name__} has reorder_and_upcast_attn=True, whose attention runs only "
-            "under attn_implementation='eager': its spans are ranked on the maps after attention dropout",
-            stacklevel=3,
+        # sdpa without a mask is causal where the module is (transformers' sdpa_attention_forward); eager never is
+        causal = (
+            not eager
+            and attention_mask is None
+            and query.shape[2] > 1
+            and bool(
+                kwargs.get("is_causal") if kwargs.get("is_causal") is not None else getattr(module, "is_causal", True)
+            )
         )
-        return
+        self.received[index] = attention_received_by_blocks(query, key, self.valid, kwargs.get("scaling"), mask, causal)
+
+    def close(self) -> Dict[int, torch.Tensor]:
+        self.open = False
+        return self.received
+
+
+def _ranked(implementation: str):
+    """The ``AttentionInterface`` function that runs ``implementation`` ("eager": the module's family's own;
+    "sdpa": transformers') unchanged, and in the clean pass records what each layer's keys receive."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        ranking = kwargs.pop(RANKING_KWARG, None)
+        if implementation == "eager":
+            inner = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+            if inner is None:
+                raise ValueError(f"HiddenCut: {type(module).__module__} has no eager_attention_forward")
+        else:
+            inner = sdpa_attention_forward
+        out = inner(module, query, key, value, attention_mask, **kwargs)
+        if ranking is not None:
+            ranking.record(module, query, key, attention_mask, kwargs, implementation == "eager")
+        return out
+
+    attention.__name__ = RANKED[implementation]
+    return attention
+
+
+def rank_in_the_attention(model) -> None:
+    """Switch the model's "eager" or "sdpa" attention to its ranked twin (outputs unchanged; see
+    :func:`_ranked`). For good, not per pass: an activation checkpoint's recompute runs the same function.
+    Another implementation is refused, naming the fix."""
+    if getattr(model.config, "reorder_and_upcast_attn", False):
+        raise ValueError(
+            f"HiddenCut: {type(model).__name__} has reorder_and_upcast_attn=True, whose attention bypasses "
+            "transformers' AttentionInterface, so its attention cannot be ranked: set reorder_and_upcast_attn=False"
+        )
     for config in attention_configs(model).values():
-        if config._attn_implementation == "eager":
-            config._attn_implementation = MAPS_BEFORE_DROPOUT
-
-
-@contextlib.contextmanager
-def counting_maps_before_dropout(model, layers: Dict[int, torch.nn.Module]) -> Iterator[None]:
-    """Warns, once per model, naming the ``layers`` ({index: layer} whose maps are ranked) none of whose
-    modules called :func:`eager_maps_before_dropout` inside (attention that bypasses transformers'
-    AttentionInterface): their maps are then those after dropout."""
-    called: set = set()
-    token = _CALLERS_BEFORE_DROPOUT.set(called)
-    try:
-        yield
-    finally:
-        _CALLERS_BEFORE_DROPOUT.reset(token)
-    missed = [i for i, layer in layers.items() if not any(id(m) in called for m in layer.modules())]
-    if missed and not model.__dict__.get("attn_reg_maps_warned"):
-        model.__dict__["attn_reg_maps_warned"] = True
-        warnings.warn(
-            f"HiddenCut: the attention of layers {missed} of {type(model).__name__} does not go through "
-            "transformers' AttentionInterface, so their spans are ranked on the attention maps after attention dropout",
-            stacklevel=3,
-        )
+        implementation = config._attn_implementation or "eager"
+        if implementation in RANKED.values():
+            continue
+        if implementation not in RANKED:
+            raise ValueError(
+                f"HiddenCut ranks each layer's attention inside transformers' 'eager' or 'sdpa' attention; this "
+                f"model uses {implementation!r}: load it with attn_implementation='sdpa'"
+            )
+        register_attention(RANKED[implementation], _ranked(implementation), implementation)
+        config._attn_implementation = RANKED[implementation]
 
 
 def hiddencut_layers(model) -> List[torch.nn.Module]:
@@ -135,15 +153,6 @@ def hiddencut_layers(model) -> List[torch.nn.Module]:
 
     base = model.get_encoder() if getattr(model.config, "is_encoder_decoder", False) else model
     return [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
-def _check_eager(model) -> None:
-    impl = getattr(model.config, "_attn_implementation", "eager")
-    if impl not in ("eager", MAPS_BEFORE_DROPOUT):
-        raise ValueError(
-            f"HiddenCut draws each span's start from the layer's attention map, which transformers returns "
-            f"only with eager attention; this model uses {impl!r}: load it with attn_implementation='eager'"
-        )
 
 
 def _check_no_layerdrop(model, layers: List[torch.nn.Module]) -> None:
@@ -199,9 +208,8 @@ class HiddenCutTrainerMixin:
             raise ValueError(f"HiddenCut: {type(self.model).__name__} has no transformer layer to cut")
         self._hiddencut_layers = self.hiddencut.selected_layers(len(layers))
         refuse_data_parallel(self, "HiddenCut")
-        _check_eager(self.model)
         _check_no_layerdrop(self.model, [layers[index] for index in self._hiddencut_layers])
-        use_maps_before_dropout(self.model)
+        rank_in_the_attention(self.model)
         self._hiddencut_cut = SpanCut()
         hold_the_plan(self.model, layers, PLAN_KWARG)
         unfound = set()
@@ -234,11 +242,11 @@ class HiddenCutTrainerMixin:
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
         # copies: the Trainer's compute_loss may pop labels, and the caller's inputs are never changed
-        with counting_maps_before_dropout(self.accelerator.unwrap_model(model), self._hiddencut_ranked):
-            loss_clean, out_clean = super().compute_loss(
-                model, {**inputs, "output_attentions": True}, return_outputs=True, num_items_in_batch=num_items_in_batch
-            )
-        plan = CutPlan(self._hiddencut_masks(model, inputs, out_clean))
+        ranking = Ranking(self._hiddencut_ranked, self._real_tokens(inputs))
+        loss_clean, out_clean = super().compute_loss(
+            model, {**inputs, RANKING_KWARG: ranking}, return_outputs=True, num_items_in_batch=num_items_in_batch
+        )
+        plan = CutPlan(self._hiddencut_masks(model, ranking))
         loss_cut, out_cut = super().compute_loss(
             model, {**inputs, PLAN_KWARG: plan}, return_outputs=True, num_items_in_batch=num_items_in_batch
         )
@@ -256,22 +264,35 @@ class HiddenCutTrainerMixin:
         self._hc_tokens = self._hc_tokens + plan.tokens
         return (loss, out_clean) if return_outputs else loss
 
-    def _hiddencut_masks(self, model, inputs: Dict[str, Any], outputs) -> Dict[int, Any]:
-        """{layer: (cut, valid)} from the clean pass's attention maps (no gradient reaches them)."""
-        encoder_decoder = getattr(self.accelerator.unwrap_model(model).config, "is_encoder_decoder", False)
-        maps = outputs.get("encoder_attentions" if encoder_decoder else "attentions")
-        if not maps or len(maps) != self._hiddencut_count or any(m is None for m in maps):
-            raise ValueError(
-                f"HiddenCut needs one attention map per layer from the clean pass ({self._hiddencut_count} "
-                f"layers), got {0 if not maps else len(maps)}: use attn_implementation='eager'"
-            )
-        batch, _, length, _ = maps[0].shape
+    def _real_tokens(self, inputs: Dict[str, Any]) -> torch.Tensor:
+        """(B, T) bool: the real tokens of the ranked layers' sequence (the encoder's of an encoder-decoder model)."""
         valid = inputs.get("attention_mask")
-        valid = torch.ones(batch, length, dtype=torch.bool, device=maps[0].device) if valid is None else valid.bool()
+        if valid is not None:
+            return valid.bool()
+        ids = inputs.get("input_ids", inputs.get("input_values", inputs.get("inputs_embeds")))
+        if ids is None:
+            raise ValueError("HiddenCut needs the batch's input_ids (or attention_mask) to know its tokens")
+        return torch.ones(ids.shape[:2], dtype=torch.bool, device=ids.device)
+
+    def _hiddencut_masks(self, model, ranking: Ranking) -> Dict[int, Any]:
+        """{layer: (cut, valid)} from the clean pass's ranking (no gradient reaches it)."""
+        received = ranking.close()
+        missed = sorted(set(self._hiddencut_layers) - set(received))
+        if missed:
+            raise ValueError(
+                f"HiddenCut: layers {missed} of {type(self.accelerator.unwrap_model(model)).__name__} made no "
+                "attention call through transformers' AttentionInterface with the model's keyword arguments in the "
+                f"clean pass ({RANKING_KWARG!r} travels there), so their attention cannot be ranked"
+            )
+        valid = ranking.valid
         masks = {}
         for index in self._hiddencut_layers:
-            received = attention_received(maps[index].detach(), valid)
-            masks[index] = (hiddencut_spans(valid, received, self.hiddencut.ratio, self.hiddencut.top), valid)
+            if received[index].shape != valid.shape:
+                raise ValueError(
+                    f"HiddenCut: layer {index}'s attention covers {received[index].shape[1]} positions, the batch's "
+                    f"attention_mask {valid.shape[1]}"
+                )
+            masks[index] = (hiddencut_spans(valid, received[index], self.hiddencut.ratio, self.hiddencut.top), valid)
         return masks
 
     def hiddencut_stats(self) -> Dict[str, float]:

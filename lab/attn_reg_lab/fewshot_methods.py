@@ -162,8 +162,6 @@ def _build_hiddencut(opts, **trainer_kwargs):
     from attn_reg_plugin.hf import HiddenCutTrainer
 
     trainer_kwargs.pop("eval_dataset", None)
-    # HiddenCut draws the span from the attention maps, which transformers returns only from eager attention.
-    trainer_kwargs["model"].set_attn_implementation("eager")
     return HiddenCutTrainer(**trainer_kwargs, hiddencut=_hiddencut_config(opts))
 
 
@@ -221,7 +219,7 @@ METHODS: Dict[str, Method] = {
     ),
     "hiddencut": Method(
         "hiddencut",
-        "attn_reg_plugin.hf.HiddenCutTrainer (clean + cut pass + alpha * JS; eager attention)",
+        "attn_reg_plugin.hf.HiddenCutTrainer (clean + cut pass + alpha * JS)",
         _build_hiddencut,
         add_arguments=_config_options_lazy("hiddencut"),
         settings=lambda opts: vars(_hiddencut_config(opts).validate()),

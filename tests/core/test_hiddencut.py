@@ -14,6 +14,7 @@ from attn_reg_plugin.core.hiddencut import (
     HiddenCutConfig,
     SpanCut,
     attention_received,
+    attention_received_by_blocks,
     hiddencut_objective,
     hiddencut_spans,
     js_consistency,
@@ -105,6 +106,37 @@ def test_attention_received_averages_heads_and_real_queries():
     torch.testing.assert_close(got[1], weights[1].mean(0).mean(0))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float", "2-d float"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_attention_received_by_blocks_is_the_dense_maps(monkeypatch, seed, mask_kind, causal):
+    """Random shapes, grouped keys, padding (a row with one real token included), masks of each kind and
+    causality: block by block (blocks of 1 to 7 rows) equals attention_received of the whole softmax."""
+    g = torch.Generator().manual_seed(seed)
+    b, kv_heads, t, d = 3, 2, int(torch.randint(5, 40, (1,), generator=g)), 8
+    heads = kv_heads * int(torch.randint(1, 4, (1,), generator=g))
+    q, k = torch.randn(b, heads, t, d, generator=g), torch.randn(b, kv_heads, t, d, generator=g)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, t // 2 :] = False
+    valid[2, 1:] = False
+    scores = q @ k.repeat_interleave(heads // kv_heads, dim=1).transpose(-2, -1) * 0.3
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(b, 1, t, t, generator=g) > 0.3
+        scores = scores.masked_fill(~mask, -math.inf)
+    elif mask_kind is not None:
+        mask = torch.randn(b, 1, t, t, generator=g) if mask_kind == "float" else torch.randn(t, t, generator=g)
+        scores = scores + mask
+    if causal:
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+    weights = torch.softmax(scores.masked_fill(~valid[:, None, None, :], -math.inf), dim=-1).nan_to_num(0.0)
+    rows = int(torch.randint(1, 8, (1,), generator=g))
+    monkeypatch.setattr("attn_reg_plugin.core.hiddencut.RECEIVED_BLOCK_ELEMENTS", b * heads * t * rows)
+    got = attention_received_by_blocks(q, k, valid, 0.3, mask, causal)
+    torch.testing.assert_close(got, attention_received(weights, valid), rtol=1e-5, atol=1e-6)
+    assert torch.all(got[~valid] == 0) and got.dtype == torch.float32
+
+
 def test_js_by_hand():
     logits_1, logits_2 = torch.randn(5, 7, generator=_gen(0)), torch.randn(5, 7, generator=_gen(1))
     p, q = logits_1.softmax(-1), logits_2.softmax(-1)
@@ -130,6 +162,50 @@ def test_js_gradient_reaches_both_passes():
     a, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
     js_divergence(a, b).sum().backward()
     assert a.grad.abs().sum() > 0 and b.grad.abs().sum() > 0
+
+
+def _js_by_autograd(lp, lq):
+    """The JS written out for autograd (the form before the fused backward), impossible classes included."""
+    both = (lp == -math.inf) & (lq == -math.inf)
+    lm = torch.logaddexp(lp.masked_fill(both, 0.0), lq.masked_fill(both, 0.0)) - math.log(2.0)
+    kl = [(x.exp() * torch.where(x == -math.inf, 0.0, x - lm)).sum(-1) for x in (lp, lq)]
+    return 0.5 * (kl[0] + kl[1])
+
+
+@pytest.mark.parametrize("rows_a_block", [None, 1, 4])
+@pytest.mark.parametrize("log_probs", [False, True])
+def test_js_gradient_is_autograds_of_the_written_out_form(monkeypatch, log_probs, rows_a_block):
+    """Values and gradients of the fused JS, in one block of positions or several, against autograd of
+    the formula, with classes impossible in one pass, in both, and a whole row of one class; and torch's
+    gradcheck in float64."""
+    if rows_a_block is not None:
+        monkeypatch.setattr("attn_reg_plugin.core.hiddencut.JS_BLOCK_ELEMENTS", rows_a_block * 9)
+    g = _gen(3)
+    a, b = (
+        torch.randn(2, 3, 9, generator=g, dtype=torch.float64),
+        torch.randn(2, 3, 9, generator=g, dtype=torch.float64),
+    )
+    a, b = a.view(6, 9), b.view(6, 9)
+    a[0, :3] = -math.inf  # impossible in the first pass only
+    a[1, 4], b[1, 4] = -math.inf, -math.inf  # impossible in both
+    a[2, 1:], b[2, 1:] = -math.inf, -math.inf  # one possible class in both: JS 0
+    if log_probs:
+        a, b = a.log_softmax(-1), b.log_softmax(-1)
+    weights = torch.randn(6, generator=g, dtype=torch.float64)
+    x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+    got = js_divergence(x.view(2, 3, 9), y.view(2, 3, 9), log_probs=log_probs).view(6)
+    got_grads = torch.autograd.grad(got @ weights, (x, y))
+    x2, y2 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    lp, lq = (x2, y2) if log_probs else (x2.log_softmax(-1), y2.log_softmax(-1))
+    want = _js_by_autograd(lp, lq)
+    want_grads = torch.autograd.grad(want @ weights, (x2, y2))
+    torch.testing.assert_close(got, want)
+    assert got[2] == 0 and torch.isfinite(got).all()
+    for g1, g2 in zip(got_grads, want_grads):
+        assert torch.isfinite(g1).all()
+        torch.testing.assert_close(g1, g2)
+    finite = torch.randn(4, 5, dtype=torch.float64, requires_grad=True), torch.randn(4, 5, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda u, v: js_divergence(u, v), (finite[0], finite[1].requires_grad_()))
 
 
 def test_span_cut_hook_zeroes_the_span_and_counts_once():

@@ -1,10 +1,9 @@
 """HiddenCut through the Hugging Face trainers (HiddenCutTrainer, HiddenCutSeq2SeqTrainer): the Trainer's
 loss of a clean and a cut pass plus alpha times their JS, the cut at each layer's feed-forward output (spans drawn
-from the clean pass's eager attention maps), for a BERT classifier, a Llama causal LM and a Marian
+from the clean pass's attention, ranked inside the model's eager or sdpa attention), for a BERT classifier, a Llama causal LM and a Marian
 seq2seq model; the caller's batch untouched; gradient checkpointing; the logs; the refusals."""
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -17,11 +16,12 @@ from attn_reg_plugin.core.rdrop import RDropConfig
 from attn_reg_plugin.hf import RDropTrainer, RDropTrainerMixin
 from attn_reg_plugin.hf.feed_forward_cut import REPLACES_IT, feed_forward_output
 from attn_reg_plugin.hf.hiddencut_trainer import (
-    MAPS_BEFORE_DROPOUT,
+    RANKED,
+    RANKING_KWARG,
     HiddenCutSeq2SeqTrainer,
     HiddenCutTrainer,
     HiddenCutTrainerMixin,
-    counting_maps_before_dropout,
+    Ranking,
     hiddencut_layers,
 )
 from attn_reg_plugin.hf.rdrop_trainer import compared_positions
@@ -323,12 +323,12 @@ def test_wrapping_by_layer_class_name_still_finds_every_layer(name, tmp_path):
 
 
 def test_a_model_that_does_not_pass_the_cut_to_its_layers_is_refused_at_the_first_step(tmp_path):
-    """Bloom calls its blocks without the model's keyword arguments: the plan never arrives, and a cut
-    pass that cut nothing must not pass for HiddenCut."""
+    """Bloom calls its blocks without the model's keyword arguments: neither the clean pass's ranking nor
+    the cut pass's plan arrives, and a step that ranked or cut nothing must not pass for HiddenCut."""
     config = transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=100, attn_implementation="eager")
     model = transformers.BloomForCausalLM(config)
     trainer = HiddenCutTrainer(model=model, args=_args(tmp_path), hiddencut=HiddenCutConfig())
-    with pytest.raises(ValueError, match=r"the cut pass did not reach layers \[0, 1\] of BloomForCausalLM"):
+    with pytest.raises(ValueError, match=r"layers \[0, 1\] of BloomForCausalLM made no attention call .* keyword"):
         one_step(trainer, llama_batch())
 
 
@@ -495,8 +495,12 @@ def test_refusals(tmp_path):
         HiddenCutTrainer(model=tiny_bert(), args=_args(tmp_path), hiddencut=HiddenCutConfig(ratio=2))
     with pytest.raises(ValueError, match=r"^HiddenCutConfig.layers: the model has 2 layers \(0-1\), got 2$"):
         HiddenCutTrainer(model=tiny_bert(), args=_args(tmp_path), hiddencut=HiddenCutConfig(layers="2"))
-    with pytest.raises(ValueError, match=r"only with eager attention; this model uses 'sdpa': load it with"):
-        HiddenCutTrainer(model=tiny_bert(attn_implementation="sdpa"), args=_args(tmp_path), hiddencut=HiddenCutConfig())
+    flex = tiny_bert()
+    flex.config._attn_implementation = "flex_attention"
+    with pytest.raises(
+        ValueError, match=r"'eager' or 'sdpa' attention; this model uses 'flex_attention': load it with"
+    ):
+        HiddenCutTrainer(model=flex, args=_args(tmp_path), hiddencut=HiddenCutConfig())
 
     class Both(HiddenCutTrainerMixin, RDropTrainerMixin, transformers.Trainer):
         pass
@@ -523,67 +527,90 @@ def test_two_gloo_ranks_without_find_unused_parameters(tmp_path):
         assert log["hiddencut_cut"] == c0 + c1 and log["hiddencut_tokens"] == t0 + t1
 
 
+def _with_attention_dropout(model, p):
+    """Attention dropout ``p`` in every attention module, wherever the family keeps its rate (read per call)."""
+    for module in model.modules():
+        if not any(hasattr(module, k) for k in ("k_proj", "key")):
+            continue
+        if isinstance(getattr(module, "dropout", None), torch.nn.Dropout):  # BERT
+            module.dropout.p = p
+        for name in ("attention_dropout", "dropout"):  # Llama, Marian
+            if isinstance(module.__dict__.get(name), float):
+                setattr(module, name, p)
+    return model
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_clean_pass_ranks_the_maps_before_attention_dropout_and_its_output_is_eagers(family, tmp_path):
-    """As the official code's ori_attention_probs: the maps HiddenCut ranks are the softmax before
-    attention dropout (rows summing to 1, no dropped zeros), while the model's loss and logits are
-    eager's own to the bit, the same dropout draws included."""
+def test_the_clean_pass_ranks_the_softmax_before_dropout_and_its_output_is_the_stock_attentions(
+    family, implementation, tmp_path
+):
+    """The model's outputs through the ranked twin are its own attention's, to the bit, the dropout draws
+    included, with or without a ranking; the ranking is attention_received of eager's maps without dropout
+    (as the official code's ori_attention_probs), made block by block."""
     build, make_batch, _, _ = FAMILIES[family]
-    model = build(dropout=0.5)
-    if family == "marian":
-        model.config.attention_dropout = 0.5  # Marian's attention dropout is its own field (0 by default)
-        for module in model.modules():
-            if hasattr(module, "dropout") and isinstance(module.dropout, float) and hasattr(module, "k_proj"):
-                module.dropout = 0.5
     batch = make_batch()
-    model.train()
+    model = build(dropout=0.0)
+    model.set_attn_implementation(implementation)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    reference.eval()
+    maps = reference(**batch, output_attentions=True)
+    maps = maps.encoder_attentions if family == "marian" else maps.attentions
+    trainer = make_trainer(family, tmp_path, model=model)
+    assert model.config._attn_implementation == RANKED[implementation]
+    valid = batch.get("attention_mask", torch.ones(batch["input_ids"].shape)).bool()
+
+    _with_attention_dropout(model, 0.5).train()
+    _with_attention_dropout(reference, 0.5).train()
+    reference.set_attn_implementation(implementation)
     torch.manual_seed(3)
-    eager = model(**batch, output_attentions=True)
-    make_trainer(family, tmp_path, model=model)  # switches eager attention to the maps before dropout
-    assert model.config._attn_implementation == MAPS_BEFORE_DROPOUT
+    stock = reference(**batch)
+    ranking = Ranking(trainer._hiddencut_ranked, valid)
     torch.manual_seed(3)
-    clean = model(**batch, output_attentions=True)
-    assert torch.equal(clean.logits, eager.logits) and torch.equal(clean.loss, eager.loss)
-    maps = clean.encoder_attentions if family == "marian" else clean.attentions
-    dropped = eager.encoder_attentions if family == "marian" else eager.attentions
-    for before, after in zip(maps, dropped):
-        torch.testing.assert_close(before.sum(-1), torch.ones_like(before.sum(-1)))
-        assert (after == 0).float().mean() > 0.3 and (before == 0).float().mean() < (after == 0).float().mean()
+    clean = model(**batch, **{RANKING_KWARG: ranking})
+    assert torch.equal(clean.logits, stock.logits) and torch.equal(clean.loss, stock.loss)
+    torch.manual_seed(3)
+    assert torch.equal(model(**batch).logits, stock.logits)
+    received = ranking.close()
+    assert sorted(received) == list(range(len(maps)))
+    # layer 0's input is the embeddings (no dropout in them here): its ranking is the eval maps' to float noise
+    torch.testing.assert_close(received[0], core.attention_received(maps[0], valid), rtol=1e-5, atol=1e-6)
+    assert (received[1] - core.attention_received(maps[1], valid)).abs().max() > 1e-4  # attention dropout before it
+    assert torch.all(received[0][~valid] == 0)
 
 
-def test_a_model_whose_attention_bypasses_the_interface_warns_that_its_maps_are_after_dropout():
-    model = torch.nn.Linear(2, 2)
-    for expect_warning in (True, False):  # once per model
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with counting_maps_before_dropout(model, {0: model}):
-                model(torch.zeros(2))  # no attention call reaches the interface
-        messages = [str(w.message) for w in caught]
-        assert any("ranked on the attention maps after attention dropout" in m for m in messages) == expect_warning
+def test_a_recompute_of_the_clean_pass_ranks_nothing_again():
+    layer = torch.nn.Linear(2, 2)
+    ranking = Ranking({0: layer}, torch.ones(1, 3, dtype=torch.bool))
+    q = torch.randn(1, 2, 3, 4)
+    ranking.record(layer, q, q, None, {}, eager=True)
+    first = ranking.received[0]
+    ranking.record(layer, q * 2, q * 2, None, {}, eager=True)  # a second call of the layer: the first counts
+    assert ranking.close()[0] is first
+    ranking.record(layer, q, q, None, {}, eager=True)
+    ranking.received.clear()
+    ranking.record(layer, q, q, None, {}, eager=True)  # closed: a checkpoint's recompute adds nothing
+    assert ranking.received == {}
 
 
-def test_a_layer_whose_attention_bypasses_the_interface_is_named_though_others_use_it(tmp_path):
-    """Counted per ranked layer, not per model: an encoder-decoder whose encoder bypassed the interface
-    while its decoder used it must still warn. Here BERT's layer 1 is given a config of its own that
-    keeps plain eager attention, so only layer 0 calls the maps-before-dropout function."""
+def test_a_layer_whose_attention_bypasses_the_ranking_is_named_at_the_first_step(tmp_path):
+    """BERT's layer 1 is given a config of its own that keeps plain eager attention, so only layer 0's
+    call is ranked: the step is refused, naming layer 1, before anything is cut or trained."""
     trainer = make_trainer("bert", tmp_path)
     attention = trainer.model.bert.encoder.layer[1].attention.self
     attention.config = copy.copy(attention.config)
     attention.config._attn_implementation = "eager"
-    with pytest.warns(UserWarning, match=r"the attention of layers \[1\] of BertForSequenceClassification does not go"):
-        one_step(trainer, bert_batch())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per model
+    with pytest.raises(ValueError, match=r"HiddenCut: layers \[1\] of BertForSequenceClassification made no attention"):
         one_step(trainer, bert_batch())
 
 
-def test_gpt2_reordered_upcast_attention_stays_eager_and_says_so(tmp_path):
-    """GPT-2's reorder_and_upcast_attn path runs only under "eager": the model keeps it, with a warning."""
+def test_gpt2_reordered_upcast_attention_is_refused_naming_the_fix(tmp_path):
+    """GPT-2's reorder_and_upcast_attn path bypasses the AttentionInterface, where the ranking is made."""
     config = transformers.GPT2Config(
         n_layer=1, n_head=2, n_embd=8, vocab_size=50, n_positions=16, reorder_and_upcast_attn=True
     )
     model = transformers.GPT2LMHeadModel(config)
     model.set_attn_implementation("eager")
-    with pytest.warns(UserWarning, match="reorder_and_upcast_attn=True.*after attention dropout"):
+    with pytest.raises(ValueError, match="reorder_and_upcast_attn=True.*set reorder_and_upcast_attn=False"):
         HiddenCutTrainer(model=model, args=_args(tmp_path), hiddencut=HiddenCutConfig())
-    assert model.config._attn_implementation == "eager"
