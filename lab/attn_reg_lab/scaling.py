@@ -24,7 +24,8 @@ Bernoulli attention dropout, 0.3 falling to 0.1 by update 10,000); ``attendout``
 Attacker + Generator, one update of the duel: the held-out evaluation every T updates is not in it);
 ``attendout-update`` (every update ends a dropout step: one update of the duel and the Generator's
 REINFORCE update; on models a and b the batch's losses stand for the held-out ones, on c and d the
-Trainer scores its one held-out row).
+Trainer scores its one held-out row); ``hiddencut`` (``HiddenCutTrainer``, the paper's settings; models
+c and d only).
 
 Every (model, method, length) runs in a fresh subprocess with ``--threads`` torch threads
 (``OMP_NUM_THREADS`` too), so no peak or resident memory leaks from one run into the next. What it
@@ -65,10 +66,19 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .paths import REPO
-from .scaling_worker import AD_DROP_P, AD_DROP_Q, DEFAULT_LENGTHS, METHODS, MODELS, RESULT_MARK, worker
+from .scaling_worker import (
+    AD_DROP_P,
+    AD_DROP_Q,
+    DEFAULT_LENGTHS,
+    METHODS,
+    MODELS,
+    RESULT_MARK,
+    TRAINER_ONLY_METHODS,
+    worker,
+)
 
 # The targets (CPU, one thread): (model, method, length, metric, bound, what); issue 32's, issue 41's
-# for gradient checkpointing (d), then issue 58's for AttendOut.
+# for gradient checkpointing (d), issue 58's for AttendOut, then issue 60's for HiddenCut.
 TARGETS = (
     ("a", "ga", 4096, "mem_ratio", 1.5, "AD-DROP GA step memory <= 1.5x plain at 4096 tokens on (a)"),
     ("a", "ga", 4096, "time_ratio", 5.0, "AD-DROP GA CPU time <= 5x plain at 4096 tokens on (a)"),
@@ -89,6 +99,7 @@ TARGETS = (
         "d", "attendout", 4096, "mem_ratio", 2.5,
         "AttendOutTrainer RSS growth <= 2.5x the stock Trainer's, both with gradient checkpointing, at 4096 on (d)",
     ),
+    ("c", "hiddencut", 4096, "mem_ratio", 2.2, "HiddenCutTrainer RSS growth <= 2.2x the stock Trainer's at 4096 on (c)"),
 )  # fmt: skip
 
 
@@ -371,6 +382,9 @@ def main(argv=None) -> int:
                             "reason": f"IGA only up to --iga-max-length {opts.iga_max_length}",
                         }
                     )
+                    continue
+                if method in TRAINER_ONLY_METHODS and MODELS[model]["kind"] != "hf":
+                    runs.append({**base, "status": "skipped", "reason": "runs through its Trainer: models c and d"})
                     continue
                 if (model, method) in failed_at:
                     first = failed_at[(model, method)]

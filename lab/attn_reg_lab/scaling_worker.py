@@ -30,7 +30,8 @@ MODELS = {
         description="tiny HF Llama (hidden 128, 4 heads, 2 key/value heads, 4 layers), Trainer, gradient checkpointing",
     ),  # fmt: skip
 }
-METHODS = ("plain", "ga", "aa", "rd", "iga", "sched-dropout", "attendout", "attendout-update")
+METHODS = ("plain", "ga", "aa", "rd", "iga", "sched-dropout", "attendout", "attendout-update", "hiddencut")
+TRAINER_ONLY_METHODS = ("hiddencut",)  # a baseline with a Trainer of its own: models c and d
 AD_DROP_METHODS = ("ga", "aa", "rd", "iga")
 DEFAULT_LENGTHS = (128, 512, 1024, 2048, 4096, 8192)
 AD_DROP_P = AD_DROP_Q = 0.3
@@ -315,6 +316,11 @@ def measure_hf(spec: dict) -> dict:
             updates = 1 if method == "attendout-update" else 10**6
             attendout = AttendOutConfig(dropout_step=updates, max_positions=length)
             trainer = AttendOutTrainer(attendout=attendout, eval_dataset=rows[:1], **common)
+        elif method == "hiddencut":
+            from attn_reg_plugin.core.hiddencut import HiddenCutConfig
+            from attn_reg_plugin.hf import HiddenCutTrainer
+
+            trainer = HiddenCutTrainer(hiddencut=HiddenCutConfig(), **common)
         else:
             raise ValueError(method)
         rss_before = _status_kib("VmRSS")

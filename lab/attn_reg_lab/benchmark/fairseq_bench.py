@@ -244,6 +244,43 @@ class FairseqBench:
     def ad_drop_step(self, config, epoch: int, batch: str) -> Step:
         return self.train_step(self.ad_drop_criterion(config), epoch=epoch, batch=batch, stock=False)
 
+    def criterion_step(self, criterion_class, config_class, config, batch: str) -> Step:
+        """A baseline's criterion (R-Drop, HiddenCut) with ``config``'s options, built as fairseq-train builds it
+        from its dataclass config."""
+        from attn_reg_plugin.fairseq_plugin.options import attribute_prefix
+
+        prefix = attribute_prefix(type(config))
+        options = {prefix + k: v for k, v in dataclasses.asdict(config).items()}
+        cfg = config_class(label_smoothing=0.1, **options)
+        criterion = criterion_class.build_criterion(cfg, self.task)
+        criterion = criterion.half() if self.opts.dtype == "fp16" else criterion
+        return self.train_step(criterion, epoch=1, batch=batch, stock=True)
+
+    def rdrop_step(self, config, batch: str) -> Step:
+        from attn_reg_plugin.fairseq_plugin.rdrop_label_smoothed_cross_entropy import (
+            RDropLabelSmoothedCrossEntropyConfig,
+            RDropLabelSmoothedCrossEntropyCriterion,
+        )
+
+        return self.criterion_step(
+            RDropLabelSmoothedCrossEntropyCriterion, RDropLabelSmoothedCrossEntropyConfig, config, batch
+        )
+
+    def hiddencut_step(self, config, batch: str) -> Step:
+        from attn_reg_plugin.fairseq_plugin.hiddencut_label_smoothed_cross_entropy import (
+            HiddenCutLabelSmoothedCrossEntropyConfig,
+            HiddenCutLabelSmoothedCrossEntropyCriterion,
+        )
+
+        return self.criterion_step(
+            HiddenCutLabelSmoothedCrossEntropyCriterion, HiddenCutLabelSmoothedCrossEntropyConfig, config, batch
+        )
+
+    def drophead_step(self, config, batch: str) -> Step:
+        from attn_reg_plugin.core.drophead import DropHead
+
+        return self.task_regularizer_step("attn_reg_drophead", DropHead(config, self.task.attn_reg_controller), batch)
+
     def task_regularizer_step(self, attribute: str, regularizer, batch: str, held=None) -> Step:
         """A regularizer of the task wrapper (AttendOut, scheduled dropout, LayerDrop) with the plain criterion."""
         step = self.train_step(self.plain_criterion, epoch=1, batch=batch, stock=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
-from typing import Iterator, Optional
+from typing import ContextManager, Iterator, Optional
 
 import torch
 
@@ -88,16 +88,18 @@ class HFBench:
     def held_bytes(self) -> int:
         return held_bytes(self.model, self.optimizer)
 
-    @contextlib.contextmanager
-    def stock_attention(self) -> Iterator[None]:
+    def stock_attention(self) -> ContextManager[None]:
         """transformers' own sdpa attention on the same model (the plain reference)."""
+        return self.attention("sdpa")
+
+    @contextlib.contextmanager
+    def attention(self, implementation: str) -> Iterator[None]:
+        """The model on attention ``implementation`` for a while, then back on the plugin's."""
         from attn_reg_plugin.hf.attention import ATTN_IMPLEMENTATION
 
-        self.model.set_attn_implementation("sdpa")
-        if self.model.config._attn_implementation != "sdpa":
-            raise RuntimeError(
-                "could not switch the model back to transformers' sdpa attention for the plain reference"
-            )
+        self.model.set_attn_implementation(implementation)
+        if self.model.config._attn_implementation != implementation:
+            raise RuntimeError(f"could not switch the model to attention {implementation!r}")
         try:
             yield
         finally:
@@ -149,6 +151,22 @@ class HFBench:
         # A second install on the shared model: the same sites, driven by this trainer's controller too.
         trainer = AttnRegTrainer(model=self.model, args=self.plain_trainer.args, **regularizer)
         step = self.train_step(trainer, epoch=1, batch=batch)
+        return step
+
+    def rdrop_step(self, config, batch: str) -> Step:
+        from attn_reg_plugin.hf import RDropTrainer
+
+        trainer = RDropTrainer(model=self.model, args=self.plain_trainer.args, rdrop=config)
+        return self.train_step(trainer, epoch=1, batch=batch, stock=True)
+
+    def hiddencut_step(self, config, batch: str) -> Step:
+        from attn_reg_plugin.hf import HiddenCutTrainer
+
+        with self.stock_attention():  # HiddenCut ranks inside the model's sdpa attention, as a user's model has it
+            trainer = HiddenCutTrainer(model=self.model, args=self.plain_trainer.args, hiddencut=config)
+            ranked = self.model.config._attn_implementation
+        step = self.train_step(trainer, epoch=1, batch=batch)
+        step.state = lambda: self.attention(ranked)
         return step
 
     def attendout_step(self, config, batch: str) -> Optional[Step]:

@@ -207,14 +207,15 @@ def add_targets(rows: List[dict], single_thread_cpu: bool) -> None:
     uses the process CPU-time ratio: with one thread that is exactly the work the step did,
     while wall time also counts whatever other processes took from the shared cores.
     """
-    targets = {v.name: (v.time_target, v.mem_target, v.description) for v in VARIANTS}
-    targets.update({d.name: (d.time_target, d.mem_target, d.description) for d in DERIVED})
-    targets["plain"] = (None, None, "plain: stock attention, the framework's own loss (the reference)")
+    targets = {v.name: (v.time_target, v.mem_target, v.step_mem_target, v.description) for v in VARIANTS}
+    targets.update({d.name: (d.time_target, d.mem_target, None, d.description) for d in DERIVED})
+    targets["plain"] = (None, None, None, "plain: stock attention, the framework's own loss (the reference)")
     for row in rows:
-        time_target, mem_target, description = targets[row["variant"]]
+        time_target, mem_target, step_mem_target, description = targets[row["variant"]]
         row["description"] = description
         row["time_target"] = time_target
         row["mem_target"] = mem_target
+        row["step_mem_target"] = step_mem_target
         checks = []
         judged = "cpu_time_ratio" if single_thread_cpu and row.get("cpu_time_ratio") is not None else "time_ratio"
         row["time_verdict_on"] = judged
@@ -222,6 +223,8 @@ def add_targets(rows: List[dict], single_thread_cpu: bool) -> None:
             checks.append(row[judged] is not None and row[judged] <= time_target)
         if mem_target is not None:
             checks.append(row["peak_mem_ratio"] is not None and row["peak_mem_ratio"] <= mem_target)
+        if step_mem_target is not None:
+            checks.append(row["step_mem_ratio"] is not None and row["step_mem_ratio"] <= step_mem_target)
         row["meets_target"] = all(checks) if checks else None
 
 

@@ -23,9 +23,11 @@ def format_table(rows: List[dict]) -> str:
     for r in rows:
         target = (
             "-"
-            if r.get("time_target") is None and r.get("mem_target") is None
+            if r.get("time_target") is None and r.get("mem_target") is None and r.get("step_mem_target") is None
             else f"≤ {_fmt(r.get('time_target'))} / ≤ {_fmt(r.get('mem_target'))}".replace("≤ -", "-")
         )
+        if r.get("step_mem_target") is not None:
+            target += f" (step ≤ {_fmt(r['step_mem_target'])})"
         spread = "-" if r.get("round_ratio_min") is None else f"{r['round_ratio_min']:.2f}–{r['round_ratio_max']:.2f}"
         meets = {None: "", True: "yes", False: "**no**"}[r.get("meets_target")]
         lines.append(

@@ -40,6 +40,8 @@ class Variant:
     mem_target: Optional[float] = None
     repeats: Optional[int] = None  # measured repeats, when fewer than the workload's (very slow variants)
     warmup: Optional[int] = None  # warm-up rounds, when fewer than the workload's
+    # the step's own peak over plain's: a two-pass method's floor is two passes' activations (2.0)
+    step_mem_target: Optional[float] = None
     # opts -> why ``--variants all`` leaves this variant out on this machine (None: it runs)
     unavailable: Callable[[object], Optional[str]] = lambda opts: None
 
@@ -124,6 +126,46 @@ def layerdrop_builders() -> Dict[str, Builder]:
     return {
         "fairseq": lambda b, w: b.layerdrop_step(config, w),
         "hf": lambda b, w: b.attn_reg_step(w, layerdrop=config),
+    }
+
+
+# -- The papers' baselines --------------------------------------------------------------------
+DROPHEAD_SCHEDULE = "0:0.1,5000:0,10000:0.1"  # the paper's V
+DROPKEY_SCHEDULE = "dropkey:0.1"
+
+
+def rdrop_builders() -> Dict[str, Builder]:
+    from attn_reg_plugin.core.rdrop import RDropConfig
+
+    return {"fairseq": lambda b, w: b.rdrop_step(RDropConfig(), w), "hf": lambda b, w: b.rdrop_step(RDropConfig(), w)}
+
+
+def hiddencut_builders() -> Dict[str, Builder]:
+    from attn_reg_plugin.core.hiddencut import HiddenCutConfig
+
+    return {
+        "fairseq": lambda b, w: b.hiddencut_step(HiddenCutConfig(), w),
+        "hf": lambda b, w: b.hiddencut_step(HiddenCutConfig(), w),
+    }
+
+
+def drophead_builders() -> Dict[str, Builder]:
+    from attn_reg_plugin.core.drophead import DropHeadConfig
+
+    config = DropHeadConfig(schedule=DROPHEAD_SCHEDULE, attention="encoder-self")
+    return {
+        "fairseq": lambda b, w: b.drophead_step(config, w),
+        "hf": lambda b, w: b.attn_reg_step(w, drophead=config),
+    }
+
+
+def dropkey_builders() -> Dict[str, Builder]:
+    from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+
+    config = ScheduledDropoutConfig(schedule=DROPKEY_SCHEDULE, attention="encoder-self")
+    return {
+        "fairseq": lambda b, w: b.scheduled_dropout_step(config, w),
+        "hf": lambda b, w: b.attn_reg_step(w, scheduled_dropout=config),
     }
 
 
@@ -230,6 +272,38 @@ VARIANTS: List[Variant] = [
         layerdrop_builders(),
         time_target=1.05,
         mem_target=1.05,
+    ),
+    Variant(
+        "rdrop",
+        "R-Drop: two passes of the batch, CE of both + alpha * symmetric KL (alpha 1)",
+        "train",
+        rdrop_builders(),
+        time_target=2.1,
+        step_mem_target=2.2,
+    ),
+    Variant(
+        "hiddencut",
+        "HiddenCut: a clean pass and a pass with a span of each encoder layer's feed-forward output cut, + JS",
+        "train",
+        hiddencut_builders(),
+        time_target=2.2,
+        step_mem_target=2.2,
+    ),
+    Variant(
+        "drophead",
+        f"DropHead: (sample, head) outputs dropped, the paper's V schedule {DROPHEAD_SCHEDULE}, encoder self-attention",
+        "train",
+        drophead_builders(),
+        time_target=1.1,
+        step_mem_target=1.1,
+    ),
+    Variant(
+        "dropkey",
+        f"DropKey: scores dropped before the softmax, {DROPKEY_SCHEDULE} (rate falling with depth), encoder self-attention",
+        "train",
+        dropkey_builders(),
+        time_target=1.1,
+        step_mem_target=1.1,
     ),
 ]
 
