@@ -122,13 +122,16 @@ def attention_received_by_blocks(
     scale: Optional[float] = None,
     mask: Optional[torch.Tensor] = None,
     causal: bool = False,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """:func:`attention_received` of a self-attention's softmax(scale * q k^T + mask), made from its
     queries (B, H, T, d) and keys (B, H or a divisor of H, T, d) one block of query rows at a time, in
     float32 and without gradient: no (T, T) map is held, so the ranking is linear in the length.
 
     ``mask``: additive (float) or True-to-attend (bool), broadcastable to (B, H, T, T), or None;
-    ``causal``: key j is masked for query i < j (as sdpa's ``is_causal``). Rows no key may reach add 0."""
+    ``causal``: key j is masked for query i < j (as sdpa's ``is_causal``); ``softcap``: the scaled scores
+    become softcap * tanh(scores / softcap) before the mask (Gemma-2's eager attention). Rows no key may
+    reach add 0."""
     batch, heads, length, dim = query.shape
     scale = dim**-0.5 if scale is None else scale
     valid = valid.to(torch.bool)
@@ -143,6 +146,8 @@ def attention_received_by_blocks(
         for start in range(0, length, rows):
             block = slice(start, min(length, start + rows))
             scores = torch.matmul(query[:, :, block].float(), keys) * scale  # (B, H, rows, T)
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             if mask is not None and mask.dtype == torch.bool:
                 scores = scores.masked_fill(~mask[:, :, block], -math.inf)
             elif mask is not None:

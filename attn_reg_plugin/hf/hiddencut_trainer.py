@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import transformers
@@ -64,11 +64,12 @@ RANKED = {"eager": "attn_reg_hiddencut_eager", "sdpa": "attn_reg_hiddencut_sdpa"
 
 class Ranking:
     """The clean pass's attention received per selected layer (``core.hiddencut.attention_received_by_blocks``),
-    recorded by the layers' attention calls: ``layers`` {index: layer}, ``valid`` (B, T) the real tokens.
+    recorded by the layers' attention calls: ``layers`` {index: layer}, ``valid`` (B, T) the real tokens
+    (None without an attention_mask: every position of the first ranked call, a vision model's patches too).
     The first call of each layer counts; once :meth:`close` is called (the masks are made), nothing is
     recorded, so an activation checkpoint's recompute of the clean pass adds no work."""
 
-    def __init__(self, layers: Dict[int, torch.nn.Module], valid: torch.Tensor) -> None:
+    def __init__(self, layers: Dict[int, torch.nn.Module], valid: Optional[torch.Tensor]) -> None:
         self.index = {id(m): i for i, layer in layers.items() for m in layer.modules()}
         self.valid = valid
         self.received: Dict[int, torch.Tensor] = {}
@@ -78,6 +79,14 @@ class Ranking:
         index = self.index.get(id(module))
         if not self.open or index is None or index in self.received or key.shape[2] != query.shape[2]:
             return  # closed, not a ranked layer, its first call already counted, or not a self-attention
+        if self.valid is None:
+            self.valid = torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
+        if tuple(self.valid.shape) != (query.shape[0], query.shape[2]):
+            raise ValueError(
+                f"HiddenCut: layer {index}'s attention covers {query.shape[2]} positions of {query.shape[0]} "
+                f"sequences, the batch's attention_mask {tuple(self.valid.shape)}: the cut needs one real-token "
+                "mask per position of the layers it ranks"
+            )
         mask = attention_mask
         if kwargs.get("position_bias") is not None:  # T5-style relative bias, added to the scores
             bias = kwargs["position_bias"]
@@ -95,7 +104,9 @@ class Ranking:
                 kwargs.get("is_causal") if kwargs.get("is_causal") is not None else getattr(module, "is_causal", True)
             )
         )
-        self.received[index] = attention_received_by_blocks(query, key, self.valid, kwargs.get("scaling"), mask, causal)
+        self.received[index] = attention_received_by_blocks(
+            query, key, self.valid, kwargs.get("scaling"), mask, causal, kwargs.get("softcap")
+        )
 
     def close(self) -> Dict[int, torch.Tensor]:
         self.open = False
@@ -242,7 +253,8 @@ class HiddenCutTrainerMixin:
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
         # copies: the Trainer's compute_loss may pop labels, and the caller's inputs are never changed
-        ranking = Ranking(self._hiddencut_ranked, self._real_tokens(inputs))
+        valid = inputs.get("attention_mask")
+        ranking = Ranking(self._hiddencut_ranked, None if valid is None else valid.bool())
         loss_clean, out_clean = super().compute_loss(
             model, {**inputs, RANKING_KWARG: ranking}, return_outputs=True, num_items_in_batch=num_items_in_batch
         )
@@ -264,16 +276,6 @@ class HiddenCutTrainerMixin:
         self._hc_tokens = self._hc_tokens + plan.tokens
         return (loss, out_clean) if return_outputs else loss
 
-    def _real_tokens(self, inputs: Dict[str, Any]) -> torch.Tensor:
-        """(B, T) bool: the real tokens of the ranked layers' sequence (the encoder's of an encoder-decoder model)."""
-        valid = inputs.get("attention_mask")
-        if valid is not None:
-            return valid.bool()
-        ids = inputs.get("input_ids", inputs.get("input_values", inputs.get("inputs_embeds")))
-        if ids is None:
-            raise ValueError("HiddenCut needs the batch's input_ids (or attention_mask) to know its tokens")
-        return torch.ones(ids.shape[:2], dtype=torch.bool, device=ids.device)
-
     def _hiddencut_masks(self, model, ranking: Ranking) -> Dict[int, Any]:
         """{layer: (cut, valid)} from the clean pass's ranking (no gradient reaches it)."""
         received = ranking.close()
@@ -287,11 +289,6 @@ class HiddenCutTrainerMixin:
         valid = ranking.valid
         masks = {}
         for index in self._hiddencut_layers:
-            if received[index].shape != valid.shape:
-                raise ValueError(
-                    f"HiddenCut: layer {index}'s attention covers {received[index].shape[1]} positions, the batch's "
-                    f"attention_mask {valid.shape[1]}"
-                )
             masks[index] = (hiddencut_spans(valid, received[index], self.hiddencut.ratio, self.hiddencut.top), valid)
         return masks
 

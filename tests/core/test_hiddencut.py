@@ -111,7 +111,8 @@ def test_attention_received_averages_heads_and_real_queries():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_attention_received_by_blocks_is_the_dense_maps(monkeypatch, seed, mask_kind, causal):
     """Random shapes, grouped keys, padding (a row with one real token included), masks of each kind and
-    causality: block by block (blocks of 1 to 7 rows) equals attention_received of the whole softmax."""
+    causality, soft-capping: block by block (blocks of 1 to 7 rows) equals attention_received of the whole
+    softmax."""
     g = torch.Generator().manual_seed(seed)
     b, kv_heads, t, d = 3, 2, int(torch.randint(5, 40, (1,), generator=g)), 8
     heads = kv_heads * int(torch.randint(1, 4, (1,), generator=g))
@@ -120,6 +121,9 @@ def test_attention_received_by_blocks_is_the_dense_maps(monkeypatch, seed, mask_
     valid[1, t // 2 :] = False
     valid[2, 1:] = False
     scores = q @ k.repeat_interleave(heads // kv_heads, dim=1).transpose(-2, -1) * 0.3
+    softcap = 2.0 if seed == 2 else None  # Gemma-2's logit soft-capping, before the mask
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     mask = None
     if mask_kind == "bool":
         mask = torch.rand(b, 1, t, t, generator=g) > 0.3
@@ -132,7 +136,7 @@ def test_attention_received_by_blocks_is_the_dense_maps(monkeypatch, seed, mask_
     weights = torch.softmax(scores.masked_fill(~valid[:, None, None, :], -math.inf), dim=-1).nan_to_num(0.0)
     rows = int(torch.randint(1, 8, (1,), generator=g))
     monkeypatch.setattr("attn_reg_plugin.core.hiddencut.RECEIVED_BLOCK_ELEMENTS", b * heads * t * rows)
-    got = attention_received_by_blocks(q, k, valid, 0.3, mask, causal)
+    got = attention_received_by_blocks(q, k, valid, 0.3, mask, causal, softcap)
     torch.testing.assert_close(got, attention_received(weights, valid), rtol=1e-5, atol=1e-6)
     assert torch.all(got[~valid] == 0) and got.dtype == torch.float32
 

@@ -614,3 +614,41 @@ def test_gpt2_reordered_upcast_attention_is_refused_naming_the_fix(tmp_path):
     model.set_attn_implementation("eager")
     with pytest.raises(ValueError, match="reorder_and_upcast_attn=True.*set reorder_and_upcast_attn=False"):
         HiddenCutTrainer(model=model, args=_args(tmp_path), hiddencut=HiddenCutConfig())
+
+
+def test_a_model_without_an_attention_mask_ranks_every_position(tmp_path):
+    """A ViT classifier: no attention_mask and no input_ids; every patch and the CLS token are real."""
+    config = transformers.ViTConfig(
+        image_size=8, patch_size=4, num_channels=1, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, num_labels=2, attn_implementation="sdpa",
+    )  # fmt: skip
+    trainer = HiddenCutTrainer(
+        model=transformers.ViTForImageClassification(config), args=_args(tmp_path), hiddencut=HiddenCutConfig()
+    )
+    batch = {
+        "pixel_values": torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(0)),
+        "labels": torch.tensor([0, 1, 1]),
+    }
+    loss, grads = one_step(trainer, batch)
+    assert torch.isfinite(loss) and grads
+    assert int(trainer._hc_tokens) == 2 * 3 * 5 and int(trainer._hc_cut) == 2 * 3 * 1  # layers x images x (4 + CLS)
+
+
+def test_soft_capped_attention_is_ranked_as_its_eager_maps(tmp_path):
+    """Gemma-2's eager attention caps its logits (softcap * tanh(scores / softcap)) and slides a window
+    over alternate layers: the ranking made block by block is attention_received of its own maps (at a cap
+    of 0.5 the maps without it differ far beyond the tolerance)."""
+    config = transformers.Gemma2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, vocab_size=100, attn_logit_softcapping=0.5, sliding_window=4, attn_implementation="eager",
+    )  # fmt: skip
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    batch = llama_batch()
+    maps = copy.deepcopy(model)(**batch, output_attentions=True).attentions
+    trainer = HiddenCutTrainer(model=model, args=_args(tmp_path), hiddencut=HiddenCutConfig())
+    ranking = Ranking(trainer._hiddencut_ranked, None)
+    model(**batch, **{RANKING_KWARG: ranking})
+    received = ranking.close()
+    valid = torch.ones(batch["input_ids"].shape, dtype=torch.bool)
+    for index, weights in enumerate(maps):
+        torch.testing.assert_close(received[index], core.attention_received(weights, valid), rtol=1e-5, atol=1e-6)

@@ -200,7 +200,7 @@ def main(argv=None) -> List[dict]:
                 steps[v.name] = step
             log(f"{framework}/{workload}: {bench.batch_descriptions[workload]}")
             repeats = opts.inference_repeats if workload in INFERENCE_WORKLOADS else opts.repeats
-            results = run_workload(workload, steps, bench, opts.warmup, repeats, log)
+            results = run_workload(workload, steps, bench, opts.warmup, repeats, log, settle=not opts.quick)
             rows.extend(make_rows(framework, workload, bench.batch_descriptions[workload], results, bench))
         del bench
     rows.extend(derived_rows(rows))
