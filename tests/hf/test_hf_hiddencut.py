@@ -289,7 +289,8 @@ def test_a_feed_forward_run_in_chunks_is_cut_as_the_whole_sequence(tmp_path):
         stats.append(trainer.hiddencut_stats())
     torch.testing.assert_close(steps[1][0], steps[0][0], rtol=1e-5, atol=0)
     for a, b in zip(steps[1][1], steps[0][1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        # chunks change the matmuls' shapes, so float rounding: seen up to 2.5e-7 on gradients of ~1e-2
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert [s["hiddencut_cut"] for s in stats] == [stats[0]["hiddencut_cut"]] * 2 and stats[0]["hiddencut_cut"] > 3
     assert stats[1]["hiddencut_js"] == pytest.approx(stats[0]["hiddencut_js"], rel=1e-5)
 

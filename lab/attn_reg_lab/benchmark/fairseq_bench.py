@@ -247,7 +247,7 @@ class FairseqBench:
     def criterion_step(self, criterion_class, config_class, config, batch: str) -> Step:
         """A baseline's criterion (R-Drop, HiddenCut) with ``config``'s options, built as fairseq-train builds it
         from its dataclass config."""
-        from attn_reg_plugin.fairseq_plugin.options import attribute_prefix
+        from attn_reg_plugin.core.options import attribute_prefix
 
         prefix = attribute_prefix(type(config))
         options = {prefix + k: v for k, v in dataclasses.asdict(config).items()}
