@@ -237,10 +237,11 @@ class _JensenShannon(torch.autograd.Function):
     two passes (PERFORMANCE.md, "The baselines' cost")."""
 
     @staticmethod
-    def _blocks(scores: torch.Tensor):
-        flat = scores.reshape(-1, scores.shape[-1])
-        rows = max(1, JS_BLOCK_ELEMENTS // max(1, flat.shape[1]))
-        return flat, [slice(i, min(flat.shape[0], i + rows)) for i in range(0, flat.shape[0], rows)]
+    def _blocks(scores_1: torch.Tensor, scores_2: torch.Tensor):
+        """Both score tensors as (positions, classes), and the blocks of positions to take them in."""
+        flat_1, flat_2 = (s.reshape(-1, scores_1.shape[-1]) for s in (scores_1, scores_2))
+        rows = max(1, JS_BLOCK_ELEMENTS // max(1, flat_1.shape[1]))
+        return flat_1, flat_2, [slice(i, min(flat_1.shape[0], i + rows)) for i in range(0, flat_1.shape[0], rows)]
 
     @staticmethod
     def _log_probs(flat, block, log_probs):
@@ -250,7 +251,7 @@ class _JensenShannon(torch.autograd.Function):
     def forward(ctx, scores_1: torch.Tensor, scores_2: torch.Tensor, log_probs: bool) -> torch.Tensor:
         ctx.save_for_backward(scores_1, scores_2)
         ctx.log_probs = log_probs
-        (flat_1, blocks), flat_2 = _JensenShannon._blocks(scores_1), scores_2.reshape(-1, scores_1.shape[-1])
+        flat_1, flat_2, blocks = _JensenShannon._blocks(scores_1, scores_2)
         out = flat_1.new_empty(flat_1.shape[0])
         for block in blocks:
             lp, lq = (_JensenShannon._log_probs(f, block, log_probs) for f in (flat_1, flat_2))
@@ -261,7 +262,7 @@ class _JensenShannon(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         scores_1, scores_2 = ctx.saved_tensors
-        (flat_1, blocks), flat_2 = _JensenShannon._blocks(scores_1), scores_2.reshape(-1, scores_1.shape[-1])
+        flat_1, flat_2, blocks = _JensenShannon._blocks(scores_1, scores_2)
         grads = torch.empty_like(flat_1), torch.empty_like(flat_2)
         half = 0.5 * grad.reshape(-1, 1)
         for block in blocks:

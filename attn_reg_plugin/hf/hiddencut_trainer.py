@@ -237,7 +237,6 @@ class HiddenCutTrainerMixin:
                 "layers' outputs (residual included), not the feed-forward output the paper cuts",
                 stacklevel=2,
             )
-        self._hiddencut_count = len(layers)
         self._hiddencut_ranked = {index: layers[index] for index in self._hiddencut_layers}
 
     def _hiddencut_reset(self) -> None:
