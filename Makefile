@@ -72,7 +72,7 @@ format: $(STAMP)
 # CUDA-only cases skip and say so (docs/CONFIGURATIONS.md). A CUDA machine with no package registry:
 # tools/offline_gpu_check (its run.sh reads the files below).
 gpu-check: $(STAMP)
-	$(PY) -m pytest -q -rs -s -m gpu tests/core/test_attendout_blocks.py tests/test_precision.py tests/hf/test_compile.py tests/core/test_attention.py tests/core/test_blockwise.py tests/core/test_causal.py tests/core/test_autocast.py tests/fairseq/test_fairseq_autocast.py tests/test_fsdp.py
+	$(PY) -m pytest -q -rs -s -m gpu tests/core/test_attendout_blocks.py tests/test_precision.py tests/hf/test_compile.py tests/core/test_attention.py tests/core/test_blockwise.py tests/core/test_causal.py tests/core/test_autocast.py tests/fairseq/test_fairseq_autocast.py tests/test_fsdp.py tests/core/test_hiddencut.py tests/hf/test_hf_hiddencut.py
 
 # Cost of every regularizer against plain training, side by side (docs/PERFORMANCE.md).
 benchmark: $(STAMP)

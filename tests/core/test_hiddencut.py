@@ -21,6 +21,8 @@ from attn_reg_plugin.core.hiddencut import (
     js_divergence,
 )
 
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
+
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
@@ -110,6 +112,19 @@ def test_attention_received_averages_heads_and_real_queries():
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float", "2-d float"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_attention_received_by_blocks_is_the_dense_maps(monkeypatch, seed, mask_kind, causal):
+    _received_by_blocks_against_dense(monkeypatch, seed, mask_kind, causal, "cpu")
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "2-d float"])
+@pytest.mark.parametrize("seed", [0, 2])
+def test_attention_received_by_blocks_on_cuda_is_the_dense_maps(monkeypatch, seed, mask_kind, causal):
+    _received_by_blocks_against_dense(monkeypatch, seed, mask_kind, causal, "cuda")
+
+
+def _received_by_blocks_against_dense(monkeypatch, seed, mask_kind, causal, device):
     """Random shapes, grouped keys, padding (a row with one real token included), masks of each kind and
     causality, soft-capping: block by block (blocks of 1 to 7 rows) equals attention_received of the whole
     softmax."""
@@ -136,9 +151,12 @@ def test_attention_received_by_blocks_is_the_dense_maps(monkeypatch, seed, mask_
     weights = torch.softmax(scores.masked_fill(~valid[:, None, None, :], -math.inf), dim=-1).nan_to_num(0.0)
     rows = int(torch.randint(1, 8, (1,), generator=g))
     monkeypatch.setattr("attn_reg_plugin.core.hiddencut.RECEIVED_BLOCK_ELEMENTS", b * heads * t * rows)
+    q, k, valid, mask = (x if x is None else x.to(device) for x in (q, k, valid, mask))
     got = attention_received_by_blocks(q, k, valid, 0.3, mask, causal, softcap)
-    torch.testing.assert_close(got, attention_received(weights, valid), rtol=1e-5, atol=1e-6)
-    assert torch.all(got[~valid] == 0) and got.dtype == torch.float32
+    assert got.device.type == device
+    got = got.cpu()
+    torch.testing.assert_close(got, attention_received(weights, valid.cpu()), rtol=1e-5, atol=1e-6)
+    assert torch.all(got[~valid.cpu()] == 0) and got.dtype == torch.float32
 
 
 def test_js_by_hand():
@@ -179,6 +197,18 @@ def _js_by_autograd(lp, lq):
 @pytest.mark.parametrize("rows_a_block", [None, 1, 4])
 @pytest.mark.parametrize("log_probs", [False, True])
 def test_js_gradient_is_autograds_of_the_written_out_form(monkeypatch, log_probs, rows_a_block):
+    _js_against_autograd(monkeypatch, log_probs, rows_a_block, "cpu")
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("rows_a_block", [None, 1])
+@pytest.mark.parametrize("log_probs", [False, True])
+def test_js_gradient_on_cuda_is_autograds_of_the_written_out_form(monkeypatch, log_probs, rows_a_block):
+    _js_against_autograd(monkeypatch, log_probs, rows_a_block, "cuda")
+
+
+def _js_against_autograd(monkeypatch, log_probs, rows_a_block, device):
     """Values and gradients of the fused JS, in one block of positions or several, against autograd of
     the formula, with classes impossible in one pass, in both, and a whole row of one class; and torch's
     gradcheck in float64."""
@@ -196,6 +226,7 @@ def test_js_gradient_is_autograds_of_the_written_out_form(monkeypatch, log_probs
     if log_probs:
         a, b = a.log_softmax(-1), b.log_softmax(-1)
     weights = torch.randn(6, generator=g, dtype=torch.float64)
+    a, b, weights = a.to(device), b.to(device), weights.to(device)
     x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
     got = js_divergence(x.view(2, 3, 9), y.view(2, 3, 9), log_probs=log_probs).view(6)
     got_grads = torch.autograd.grad(got @ weights, (x, y))
@@ -208,7 +239,10 @@ def test_js_gradient_is_autograds_of_the_written_out_form(monkeypatch, log_probs
     for g1, g2 in zip(got_grads, want_grads):
         assert torch.isfinite(g1).all()
         torch.testing.assert_close(g1, g2)
-    finite = torch.randn(4, 5, dtype=torch.float64, requires_grad=True), torch.randn(4, 5, dtype=torch.float64)
+    finite = (
+        torch.randn(4, 5, dtype=torch.float64, device=device, requires_grad=True),
+        torch.randn(4, 5, dtype=torch.float64, device=device),
+    )
     assert torch.autograd.gradcheck(lambda u, v: js_divergence(u, v), (finite[0], finite[1].requires_grad_()))
 
 

@@ -546,12 +546,26 @@ def _with_attention_dropout(model, p):
 def test_the_clean_pass_ranks_the_softmax_before_dropout_and_its_output_is_the_stock_attentions(
     family, implementation, tmp_path
 ):
+    _ranked_twin_against_stock(family, implementation, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_on_cuda_the_clean_pass_ranks_the_softmax_before_dropout_and_its_output_is_the_stock_attentions(
+    family, implementation, tmp_path
+):
+    _ranked_twin_against_stock(family, implementation, tmp_path, "cuda")
+
+
+def _ranked_twin_against_stock(family, implementation, tmp_path, device):
     """The model's outputs through the ranked twin are its own attention's, to the bit, the dropout draws
     included, with or without a ranking; the ranking is attention_received of eager's maps without dropout
     (as the official code's ori_attention_probs), made block by block."""
     build, make_batch, _, _ = FAMILIES[family]
-    batch = make_batch()
-    model = build(dropout=0.0)
+    batch = {k: v.to(device) for k, v in make_batch().items()}
+    model = build(dropout=0.0).to(device)
     model.set_attn_implementation(implementation)
     reference = copy.deepcopy(model)
     reference.set_attn_implementation("eager")
@@ -559,8 +573,9 @@ def test_the_clean_pass_ranks_the_softmax_before_dropout_and_its_output_is_the_s
     maps = reference(**batch, output_attentions=True)
     maps = maps.encoder_attentions if family == "marian" else maps.attentions
     trainer = make_trainer(family, tmp_path, model=model)
+    model.to(device)  # the trainer's arguments say CPU; the ranking works where the model is
     assert model.config._attn_implementation == RANKED[implementation]
-    valid = batch.get("attention_mask", torch.ones(batch["input_ids"].shape)).bool()
+    valid = batch.get("attention_mask", torch.ones(batch["input_ids"].shape, device=device)).bool()
 
     _with_attention_dropout(model, 0.5).train()
     _with_attention_dropout(reference, 0.5).train()
@@ -579,6 +594,30 @@ def test_the_clean_pass_ranks_the_softmax_before_dropout_and_its_output_is_the_s
     torch.testing.assert_close(received[0], core.attention_received(maps[0], valid), rtol=1e-5, atol=1e-6)
     assert (received[1] - core.attention_received(maps[1], valid)).abs().max() > 1e-4  # attention dropout before it
     assert torch.all(received[0][~valid] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_on_cuda_a_step_in_each_precision_is_finite_and_repeats_with_the_seed(family, precision, tmp_path):
+    """A whole HiddenCut step on the GPU through sdpa's ranked twin, under the Trainer's autocast: a finite
+    loss and gradients, and the same seed gives the same loss and gradients."""
+    build, make_batch, seq2seq, _ = FAMILIES[family]
+    model = build()
+    model.set_attn_implementation("sdpa")
+    args = _args(tmp_path, seq2seq, use_cpu=False, bf16=precision == "bf16", fp16=precision == "fp16")
+    cls = HiddenCutSeq2SeqTrainer if seq2seq else HiddenCutTrainer
+    trainer = cls(model=model, args=args, hiddencut=HiddenCutConfig(alpha=ALPHA))
+    assert next(model.parameters()).device.type == "cuda"
+    steps = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        steps.append(one_step(trainer, make_batch()))
+    for loss, grads in steps:
+        assert torch.isfinite(loss) and grads and all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(steps[0][0], steps[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(steps[0][1], steps[1][1]))
 
 
 def test_a_recompute_of_the_clean_pass_ranks_nothing_again():
