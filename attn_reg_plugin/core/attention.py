@@ -217,12 +217,6 @@ def _causal_bias(bias, q, k):
     return causal_bias(bias, slice(0, t), s, t, s, q.device)
 
 
-def _uniform_call(hook: EditScores) -> Optional[torch.Tensor]:
-    """1 when the edit's rows-made-uniform flag is set (a LayerDrop'd call), else 0, where calls are
-    counted: stays where the flag is, so no host sync."""
-    return None if not hook.counted or hook.uniform_rows is None else torch.as_tensor(hook.uniform_rows).any().long()
-
-
 def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, dropout_p: float, scale, edit=None):
     """The explicit softmax path: the map is materialised (CaptureProbs, or the caller wants it). In an
     ``edit`` (its :class:`BlockCall` and map shape) the model's attention dropout is keyed by the call's seed, as in
@@ -333,7 +327,9 @@ def _edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weig
     if call.recompute:
         return out, weights, None
     counts = (dropped, droppable) if count else (None, None)
-    return out, weights, Captured(dropped=counts[0], droppable=counts[1], uniform_call=_uniform_call(hook))
+    # 1 when the rows-made-uniform flag is set (a LayerDrop'd call), else 0: stays where the flag is (no sync)
+    flagged = None if not hook.counted or hook.uniform_rows is None else torch.as_tensor(hook.uniform_rows).any().long()
+    return out, weights, Captured(dropped=counts[0], droppable=counts[1], uniform_call=flagged)
 
 
 def _seed(call: AttentionCall, dropout_p: float = 0.0) -> Optional[torch.Tensor]:

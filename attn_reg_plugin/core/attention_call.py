@@ -122,6 +122,9 @@ class EditScores:
             raise TypeError(f"EditScores.drop must be a bool tensor or a BlockRule, got {type(self.drop).__name__}")
         if self.drop_heads is not None and (self.drop is not None or self.uniform_rows is not None):
             raise ValueError("EditScores.drop_heads edits the output: it cannot share an edit with score edits")
+        # ``drop`` as the BlockRule the kernel evaluates per block (a dense mask's rule slices it), or None.
+        rule = self.drop if self.drop is None or isinstance(self.drop, BlockRule) else DenseRule(self.drop)
+        object.__setattr__(self, "rule", rule)
 
     @property
     def edits_scores(self) -> bool:
@@ -138,12 +141,6 @@ class EditScores:
         if isinstance(uniform, torch.Tensor):
             return uniform.to(device)  # a per-pass flag drawn on the host (LayerDrop): moved once
         return uniform
-
-    @property
-    def rule(self) -> Optional[BlockRule]:
-        """``drop`` as the :class:`~.block_rules.BlockRule` the kernel evaluates (a dense mask's rule
-        slices it), or None."""
-        return self.drop if self.drop is None or isinstance(self.drop, BlockRule) else DenseRule(self.drop)
 
     @property
     def draws(self) -> bool:

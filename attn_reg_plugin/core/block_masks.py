@@ -173,12 +173,12 @@ def attend_block(q_rows, k, v, m: BlockMasks, call: BlockCall, rows: slice, shap
 
 def dropped_weights(weights: torch.Tensor, call: BlockCall, valid, rows: slice, shape) -> torch.Tensor:
     """``weights`` (query ``rows`` of a call whose maps are ``shape``) under the model's attention dropout
-    inside a regularized call: keyed coins (:meth:`~.block_rules.Block.weight_drops`), the kept weights
+    inside a regularized call: keyed coins of their own stream (:meth:`~.block_rules.Block.coins`), the kept weights
     scaled by 1 / (1 - p) as ``F.dropout`` scales them."""
     b, h = shape[:2]
     block = Block(rows, valid, (b, h, rows.stop - rows.start, weights.shape[-1]), shape, call.seed)
     kept = 0.0 if call.dropout_p >= 1 else 1.0 / (1.0 - call.dropout_p)
-    return weights.masked_fill(block.weight_drops(call.dropout_p), 0.0) * kept
+    return weights.masked_fill(block.coins(call.dropout_p, block_rules.WEIGHT_DROPOUT_STREAM), 0.0) * kept
 
 
 def rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fresh_state: bool):

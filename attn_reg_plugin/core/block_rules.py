@@ -27,6 +27,10 @@ from . import masks
 # Random numbers are drawn per chunk of query rows (blocks are whole chunks), tile by tile of keys.
 CHUNK_ROWS = 64
 KEY_TILE = 64
+# The streams of a call's seed: the rules' coins, and the model's attention dropout in an edit
+# (-2 is random scores', -4 DropHead's).
+COIN_STREAM = -1
+WEIGHT_DROPOUT_STREAM = -3
 
 
 def block_bias(bias_rows: Optional[torch.Tensor], dtype: torch.dtype, valid: Optional[torch.Tensor] = None):
@@ -50,9 +54,12 @@ def key_seed(seed: int, key: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def chunk_draws(seed: int, shape: Tuple[int, int, int, int], rows: slice, keys: int, device, draw) -> torch.Tensor:
-    """``draw(generator, size)``'s numbers for query rows ``rows`` and keys ``0 .. keys - 1`` of a call
-    whose maps are ``shape`` (B, H, T, S).
+def chunk_draws(
+    seed: int, shape: Tuple[int, int, int, int], rows: slice, keys: int, device, uniform: bool
+) -> torch.Tensor:
+    """Random numbers for query rows ``rows`` and keys ``0 .. keys - 1`` of a call whose maps are
+    ``shape`` (B, H, T, S): float32 uniforms in [0, 1) when ``uniform``, else int32 coins uniform over
+    0 .. 2**31 - 1.
 
     Chunk c (rows 64c .. 64c+63) always draws from its own generator, seeded by (seed, c), one tile
     of ``min(KEY_TILE, S)`` keys after another (each tile: every sample, head and row of the chunk),
@@ -61,17 +68,22 @@ def chunk_draws(seed: int, shape: Tuple[int, int, int, int], rows: slice, keys: 
     """
     b, h, t, s = shape
     generator = torch.Generator(device=device)
-    if rows.stop <= rows.start or keys == 0:  # no query rows or no keys (an empty call): nothing drawn
-        return draw(generator, (b, h, max(0, rows.stop - rows.start), keys))
     width = min(KEY_TILE, s)  # a call's tile width: a short call draws for its own keys only
-    tiles = -(-keys // width)
-    parts = []
-    for chunk in range(rows.start // CHUNK_ROWS, -(-rows.stop // CHUNK_ROWS)):
+    tiles = -(-keys // width) if keys and rows.stop > rows.start else 0
+    parts = []  # no query rows or no keys (an empty call): one empty part
+    for chunk in range(rows.start // CHUNK_ROWS, -(-rows.stop // CHUNK_ROWS)) if tiles else ():
         lo, hi = chunk * CHUNK_ROWS, min((chunk + 1) * CHUNK_ROWS, t)
         generator.manual_seed(key_seed(seed, chunk))
-        drawn = draw(generator, (tiles, b, h, hi - lo, width))
+        size = (tiles, b, h, hi - lo, width)
+        if uniform:
+            drawn = torch.rand(size, generator=generator, device=device)
+        else:
+            drawn = torch.empty(size, dtype=torch.int32, device=device).random_(generator=generator)
         drawn = drawn.permute(1, 2, 3, 0, 4).reshape(b, h, hi - lo, tiles * width)
         parts.append(drawn[:, :, max(lo, rows.start) - lo : min(hi, rows.stop) - lo, :keys])
+    if not parts:
+        dtype = torch.float32 if uniform else torch.int32
+        return torch.empty((b, h, max(0, rows.stop - rows.start), keys), dtype=dtype, device=device)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
@@ -88,15 +100,9 @@ def keyed_draws(
 ) -> torch.Tensor:
     """Stream ``stream`` of ``seed`` (0-d int64, on the CPU) for rows ``row_start .. row_stop - 1`` and
     keys ``0 .. keys - 1`` of a call whose maps are ``call_shape``, on ``device``: float32 uniforms in
-    [0, 1) when ``uniform``, else int32 coins uniform over 0 .. 2**31 - 1."""
-
-    def draw(generator, size):
-        if uniform:
-            return torch.rand(size, generator=generator, device=device)
-        return torch.empty(size, dtype=torch.int32, device=device).random_(generator=generator)
-
+    [0, 1) when ``uniform``, else int32 coins uniform over 0 .. 2**31 - 1 (:func:`chunk_draws`)."""
     key = key_seed(int(seed), stream)
-    return chunk_draws(key, tuple(call_shape), slice(row_start, row_stop), keys, device, draw)
+    return chunk_draws(key, tuple(call_shape), slice(row_start, row_stop), keys, device, uniform)
 
 
 @keyed_draws.register_fake
@@ -133,28 +139,27 @@ class Block:
         # rules count valid keys along the last dimension: it is widened to the block's keys (a view).
         if self.valid.shape[-1] != self.shape[-1]:
             object.__setattr__(self, "valid", self.valid.expand(*self.valid.shape[:-1], self.shape[-1]))
+        if isinstance(self.seed, int):  # given by hand
+            object.__setattr__(self, "seed", torch.tensor(self.seed))
 
-    def _draws(self, stream: int, uniform: bool) -> torch.Tensor:
-        rows, device = self.rows, self.valid.device
-        seed = self.seed if isinstance(self.seed, torch.Tensor) else torch.tensor(self.seed)  # an int, by hand
-        return keyed_draws(seed, stream, list(self.call_shape), rows.start, rows.stop, self.shape[-1], uniform, device)
-
-    def coins(self, probability) -> torch.Tensor:
-        """This block's Bernoulli(``probability``) drops (bool): 31-bit integer coins, which draw a
-        third faster than float ones on a CPU (:func:`coin_limit`)."""
+    def coins(self, probability, stream: int = COIN_STREAM) -> torch.Tensor:
+        """This block's Bernoulli(``probability``) drops (bool) from ``stream`` of the seed: 31-bit integer
+        coins, which draw a third faster than float ones on a CPU (:func:`coin_limit`). The rules' coins
+        come from :data:`COIN_STREAM`; the model's attention dropout inside a regularized call from
+        :data:`WEIGHT_DROPOUT_STREAM`, made again from the seed in the backward, as FlashAttention
+        regenerates its dropout."""
         limit = coin_limit(probability)
         if isinstance(limit, torch.Tensor):
             limit = limit.to(self.valid.device)
-        return self._draws(-1, False) <= limit
+        rows, device = self.rows, self.valid.device
+        shape = list(self.call_shape)
+        return keyed_draws(self.seed, stream, shape, rows.start, rows.stop, self.shape[-1], False, device) <= limit
 
     def uniform(self) -> torch.Tensor:
         """This block's uniform [0, 1) numbers (random scores), from their own stream."""
-        return self._draws(-2, True)
-
-    def weight_drops(self, probability: float) -> torch.Tensor:
-        """The model's attention dropout of this block's weights (bool, True = dropped), coins of its own
-        stream: regenerated from the seed in the backward, as FlashAttention regenerates its dropout."""
-        return self._draws(-3, False) <= coin_limit(probability)
+        rows, device = self.rows, self.valid.device
+        shape = list(self.call_shape)
+        return keyed_draws(self.seed, -2, shape, rows.start, rows.stop, self.shape[-1], True, device)
 
 
 def keys_of(x: Optional[torch.Tensor], keys: int) -> Optional[torch.Tensor]:
@@ -351,16 +356,12 @@ class TopRegionRule(BlockRule):
     def __post_init__(self):  # p as an exact fraction once, outside any compiled region
         object.__setattr__(self, "fraction", masks.decimal_fraction(self.p))
 
-    def _counts(self, block: Block) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Per row: valid keys n, and candidates k = ceil(p n) (exact: :func:`ceil_of_product`)."""
-        n_valid = block.valid.sum(-1, keepdim=True)
-        return n_valid, masks.ceil_of_product(n_valid, *self.fraction, block.shape[-1])
-
     def region(self, block: Block, scores: Optional[torch.Tensor] = None):
         """(each row's candidates, (threshold, k, tied), n): the row's top k = ceil(p n) valid keys by
         score, ties at the threshold (the k-th largest valid score; +inf where k = 0) lowest key first."""
         scores = self._scores(block) if scores is None else scores
-        n_valid, k = self._counts(block)
+        n_valid = block.valid.sum(-1, keepdim=True)
+        k = masks.ceil_of_product(n_valid, *self.fraction, block.shape[-1])  # exact for the decimal p
         threshold = masks.kth_largest(scores, k).masked_fill(k.expand(scores.shape[:-1] + (1,)) == 0, math.inf)
         region = scores >= threshold
         at_least = masks.as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)

@@ -83,24 +83,20 @@ def test_block_sizes_follow_the_budget():
     assert block_masks.query_block_rows(2, 12, 4096, 4096, 64) == 64  # a block holds as many as q
 
 
-def _uniform_draw(generator, size):
-    return torch.rand(size, generator=generator)
-
-
 def test_draws_depend_on_the_row_and_key_not_on_the_split_or_the_keys_covered(monkeypatch):
     monkeypatch.setattr(block_rules, "CHUNK_ROWS", 4)
     monkeypatch.setattr(block_rules, "KEY_TILE", 2)
     shape = (2, 3, 11, 5)
-    whole = chunk_draws(7, shape, slice(0, 11), 5, "cpu", _uniform_draw)
+    whole = chunk_draws(7, shape, slice(0, 11), 5, "cpu", True)
     assert whole.shape == (2, 3, 11, 5)
     for cuts in ([0, 4, 8, 11], [0, 8, 11], [0, 3, 6, 11]):  # on chunk boundaries or not
-        parts = [chunk_draws(7, shape, slice(a, b), 5, "cpu", _uniform_draw) for a, b in zip(cuts, cuts[1:])]
+        parts = [chunk_draws(7, shape, slice(a, b), 5, "cpu", True) for a, b in zip(cuts, cuts[1:])]
         assert torch.equal(torch.cat(parts, dim=2), whole)
     for keys in (1, 2, 3, 4):  # a block covering fewer keys (causal) has the same numbers on them
-        assert torch.equal(chunk_draws(7, shape, slice(4, 11), keys, "cpu", _uniform_draw), whole[:, :, 4:, :keys])
+        assert torch.equal(chunk_draws(7, shape, slice(4, 11), keys, "cpu", True), whole[:, :, 4:, :keys])
     assert len({float(x) for x in whole.flatten()}) == whole.numel()  # no two positions share a number
-    assert not torch.equal(chunk_draws(8, shape, slice(0, 11), 5, "cpu", _uniform_draw), whole)
-    assert 0.45 < chunk_draws(1, (4, 4, 64, 64), slice(0, 64), 64, "cpu", _uniform_draw).mean() < 0.55
+    assert not torch.equal(chunk_draws(8, shape, slice(0, 11), 5, "cpu", True), whole)
+    assert 0.45 < chunk_draws(1, (4, 4, 64, 64), slice(0, 64), 64, "cpu", True).mean() < 0.55
 
 
 @pytest.mark.parametrize("probability", [0.0, 0.3, 0.5, 1.0, torch.tensor(0.3), torch.tensor(1.0)], ids=str)
@@ -203,7 +199,7 @@ def test_attention_dropout_in_an_edit_drops_the_keyed_weights_and_rescales_the_r
     dropped = block_rules.Block(
         slice(0, t), torch.ones(1, 1, 1, t, dtype=torch.bool), shape, shape, block_rules.call_seed()
     )
-    dropped = dropped.weight_drops(p)
+    dropped = dropped.coins(p, block_rules.WEIGHT_DROPOUT_STREAM)
     assert abs(dropped.float().mean().item() - p) < 0.01
     weights = torch.softmax(q @ k.transpose(-1, -2) / d**0.5, -1)
     torch.testing.assert_close(out, (weights.masked_fill(dropped, 0.0) / (1 - p)) @ v)
