@@ -59,7 +59,7 @@ def query_block_rows(batch: int, heads: int, queries: int, keys: int, head_dim: 
 
 def blockwise_rows(q: torch.Tensor, k: torch.Tensor) -> Optional[int]:
     """Rows per block when this regularized call should run blockwise, else None (one block)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or k.shape[2] <= ONE_BLOCK_KEYS:
         return None  # a compiled region is one block (the block loop and its saved states are Python)
     b, h, t, d = q.shape
     rows = query_block_rows(b, h, t, k.shape[2], d)
