@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copyreg
 import functools
 from typing import Any, Optional, Tuple
 
@@ -120,7 +121,14 @@ def _holding_class(base: type, kwarg: str) -> type:
         finally:
             _LAYER_CALL.reset(token)
 
-    namespace = {"forward": forward, "attn_reg_holds_plan": True, "__module__": base.__module__}
+    def __reduce_ex__(self, protocol):
+        # Made at run time, the subclass has no importable name, so pickle (torch.save, multiprocessing)
+        # could not find it: pickled or copied, a layer is its model's own class again (holding no plan,
+        # so never cut); a HiddenCut trainer built on the copy makes it hold the plan again.
+        return (copyreg._reconstructor, (base, object, None), *super(holding, self).__reduce_ex__(protocol)[2:])
+
+    namespace = {"forward": forward, "__reduce_ex__": __reduce_ex__, "attn_reg_holds_plan": True}
+    namespace["__module__"] = base.__module__
     holding = type(base.__name__, (base,), {**namespace, "__qualname__": base.__qualname__})
     return holding
 
@@ -131,15 +139,22 @@ def cut_feed_forward(layer: torch.nn.Module, key: Any, found: Tuple[torch.nn.Mod
     module, how = found
     if how == REPLACES_THE_NEXT_DROPOUT:
         layer.attn_reg_cut_replaces_functional_dropout = True  # read by the layer's forward (hold_the_plan)
+    return module.register_forward_hook(_CutHook(key, how))
 
-    def hook(mod, args, output):
+
+class _CutHook:
+    """The forward hook of a layer's feed-forward output: cuts layer ``key``'s tokens as the plan its
+    layer holds says. A class at module level, not a closure, so a hooked model still pickles."""
+
+    def __init__(self, key: Any, how: str) -> None:
+        self.key, self.how = key, how
+
+    def __call__(self, mod, args, output):
         call = _LAYER_CALL.get()
-        if call is None or call.plan is None or not call.plan.cuts(key):
+        if call is None or call.plan is None or not call.plan.cuts(self.key):
             return None
-        cut = args[0] if how == REPLACES_IT else output
+        cut = args[0] if self.how == REPLACES_IT else output
         hidden = cut[0] if isinstance(cut, tuple) else cut  # a mixture of experts' (hidden, router scores)
-        out = call.plan.apply(key, cut, positions=call.positions_of(args[0], hidden.shape[1]))
-        call.dropout_replaced = how == REPLACES_THE_NEXT_DROPOUT
+        out = call.plan.apply(self.key, cut, positions=call.positions_of(args[0], hidden.shape[1]))
+        call.dropout_replaced = self.how == REPLACES_THE_NEXT_DROPOUT
         return out
-
-    return module.register_forward_hook(hook)

@@ -89,7 +89,9 @@ class Ranking:
             )
         mask = attention_mask
         if kwargs.get("position_bias") is not None:  # T5-style relative bias, added to the scores
-            bias = kwargs["position_bias"]
+            # Detached: with the gradient, a masked_fill here would save the mask for a backward in the
+            # forward only, and a checkpoint's recompute (which ranks nothing) saves fewer tensors.
+            bias = kwargs["position_bias"].detach()
             mask = (
                 bias
                 if mask is None

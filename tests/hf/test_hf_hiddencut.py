@@ -470,6 +470,72 @@ def test_gradient_checkpointing_gives_the_same_loss_gradients_and_counts(family,
         assert trainer.hiddencut_stats() == plain.hiddencut_stats()
 
 
+def _tiny_t5():
+    config = transformers.T5Config(
+        vocab_size=100, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4, dropout_rate=0.3,
+        decoder_start_token_id=0, attn_implementation="sdpa", initializer_factor=INIT_STD * 10,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def test_t5_with_sdpa_checkpointed_gives_the_same_loss_and_gradients(tmp_path):
+    """T5's relative position bias, masked with sdpa's bool padding mask, enters the clean pass's ranking:
+    made with the gradient, the masked bias saved a tensor for a backward in the forward that the
+    recompute (which ranks nothing) did not, and torch refused the recompute (CheckpointError)."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1, 5:], mask[2, 3:] = 0, 0
+    batch = {
+        "input_ids": torch.randint(3, 100, (3, 8), generator=g).masked_fill(mask == 0, 0),
+        "attention_mask": mask,
+        "labels": torch.randint(3, 100, (3, 5), generator=g),
+    }
+    results = []
+    for reentrant in (None, True, False):
+        torch.manual_seed(0)
+        model = _tiny_t5()
+        if reentrant is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        trainer = HiddenCutSeq2SeqTrainer(
+            model=model, args=_args(tmp_path, seq2seq=True), hiddencut=HiddenCutConfig(alpha=ALPHA, ratio=0.5)
+        )
+        results.append(one_step(trainer, batch) + (trainer.hiddencut_stats(),))
+    (loss, grads, stats), checkpointed = results[0], results[1:]
+    assert stats["hiddencut_cut"] > 0
+    # Stock T5's own gradients (no HiddenCut) differ under reentrant checkpointing by up to 2.4e-4 (its
+    # backward sums in another order); non-reentrant, they are equal.
+    for (loss_ck, grads_ck, stats_ck), (rtol, atol) in zip(checkpointed, ((1e-3, 5e-4), (1e-5, 1e-7))):
+        torch.testing.assert_close(loss_ck, loss, rtol=1e-5, atol=0)
+        assert len(grads_ck) == len(grads) and stats_ck == stats
+        for a, b in zip(grads_ck, grads):
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_model_trained_with_hiddencut_still_pickles_as_its_own_classes(family, tmp_path):
+    """torch.save of the whole model after a step (and deepcopy): the layers' plan-holding subclass is
+    made at run time, so it pickles as the model's own class, and the cut hooks pickle too. The loaded
+    model computes what the trained one does, and a copy is cut again by a trainer built on it."""
+    build, make_batch, _, _ = FAMILIES[family]
+    trainer = make_trainer(family, tmp_path, model=build(), ratio=0.5)
+    batch = make_batch()
+    one_step(trainer, batch)
+    model = trainer.model.eval()
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False).eval()
+    layer_classes = {type(layer) for layer in hiddencut_layers(model)}
+    assert all(not getattr(type(layer), "attn_reg_holds_plan", False) for layer in hiddencut_layers(loaded))
+    assert {c.__mro__[1] for c in layer_classes} == {type(layer) for layer in hiddencut_layers(loaded)}
+    with torch.no_grad():
+        assert torch.equal(loaded(**batch).logits, model(**batch).logits)
+    copied = copy.deepcopy(model)
+    again = make_trainer(family, tmp_path, model=copied, ratio=0.5)
+    assert all(getattr(type(layer), "attn_reg_holds_plan", False) for layer in hiddencut_layers(copied))
+    one_step(again, batch)
+    assert again.hiddencut_stats()["hiddencut_cut"] > 0
+
+
 def test_training_logs_the_counts_and_evaluation_is_one_uncut_pass(tmp_path):
     args = _args(tmp_path, per_device_train_batch_size=4, logging_steps=2, max_steps=4, learning_rate=1e-3)
     args.report_to = ["tensorboard"]
