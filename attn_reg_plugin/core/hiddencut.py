@@ -131,7 +131,8 @@ def attention_received_by_blocks(
     ``mask``: additive (float) or True-to-attend (bool), broadcastable to (B, H, T, T), or None;
     ``causal``: key j is masked for query i < j (as sdpa's ``is_causal``); ``softcap``: the scaled scores
     become softcap * tanh(scores / softcap) before the mask (Gemma-2's eager attention). Rows no key may
-    reach add 0."""
+    reach add 0. Keys that ``valid`` (B, T) marks as padding are masked too, whatever ``mask`` says (the
+    fairseq criterion gives padding only there), so the softmax is over real keys."""
     batch, heads, length, dim = query.shape
     scale = dim**-0.5 if scale is None else scale
     valid = valid.to(torch.bool)
