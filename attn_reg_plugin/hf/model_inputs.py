@@ -21,7 +21,10 @@ def causal_lm(model: torch.nn.Module) -> bool:
     inputs, shifted inside the loss. Asked every AD-DROP step, so the class names are gathered once.
 
     Read from the class's ancestry, not its own name: FSDP2 swaps a sharded model's class for a
-    subclass named ``FSDPLlamaForCausalLM``, and a user's subclass of a causal LM is one too."""
+    subclass named ``FSDPLlamaForCausalLM``, and a user's subclass of a causal LM is one too. Asked
+    through torch.compile's wrapper (the Trainer's ``torch_compile=True``; accelerate's ``unwrap_model``
+    keeps it by default), it answers for the model the wrapper runs."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule holds the model there
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     if getattr(model.config, "is_encoder_decoder", False):
         return False

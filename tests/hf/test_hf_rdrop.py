@@ -271,6 +271,37 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(concat, tmp_pa
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("method", ["rdrop", "hiddencut"])
+def test_a_compiled_causal_lm_compares_the_shifted_positions_as_eager(method, tmp_path):
+    """torch_compile=True hands the loss the compile wrapper (accelerate's unwrap_model keeps it): the
+    consistency term is still taken at the shifted positions, as the CE is, so the trained weights
+    are eager's. Before, the wrapper's class read as no causal LM: logits at t were compared for label t."""
+    from attn_reg_plugin.core.hiddencut import HiddenCutConfig
+    from attn_reg_plugin.hf import HiddenCutTrainer
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(4):  # right-padded rows of 6 to 9 real tokens
+        ids = torch.zeros(10, dtype=torch.long)
+        ids[: 6 + i] = torch.randint(3, 100, (6 + i,), generator=g)
+        mask = (ids != 0).long()
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    weights = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = helpers.tiny_llama(attention_dropout=0.1, attn_implementation="sdpa")
+        extra = dict(torch_compile=True, torch_compile_backend="aot_eager") if compiled else {}
+        args = helpers.trainer_args(tmp_path / str(compiled), per_device_train_batch_size=4, max_steps=1, **extra)
+        if method == "rdrop":
+            trainer = RDropTrainer(model=model, args=args, train_dataset=rows, rdrop=RDropConfig(alpha=1.0))
+        else:
+            trainer = HiddenCutTrainer(model=model, args=args, train_dataset=rows, hiddencut=HiddenCutConfig())
+        trainer.train()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for eager, compiled in zip(*weights):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
 def test_training_logs_rdrop_kl_and_evaluation_is_one_pass(tmp_path):
     args = _args(tmp_path, per_device_train_batch_size=4, logging_steps=2, max_steps=4, learning_rate=1e-3)
     args.report_to = ["tensorboard"]
