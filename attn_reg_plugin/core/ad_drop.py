@@ -207,9 +207,16 @@ class ADDrop:
 
     def _check_captured(self, seen: List[AttentionSite], captured: List[torch.Tensor]) -> None:
         if len(seen) != len(self.sites) or set(seen) != set(self.sites):
+            twice = sorted({repr(s) for s in seen if seen.count(s) > 1})
+            why = (
+                f"{', '.join(twice)} called more than once in one forward: gradient attribution (ga, iga, aa) "
+                "needs one call per site (attribution='rd' draws its region per call and takes any number)"
+                if twice
+                else "the model's attention modules are not routed through attn_reg_plugin's kernel"
+            )
             raise RuntimeError(
                 f"AD-DROP expected one attention call on each of {self.sites} during the attribution pass but "
-                f"saw {seen}: the model's attention modules are not routed through attn_reg_plugin's kernel"
+                f"saw {seen}: {why}"
             )
         if (
             self.config.attribution_precision == "bf16"

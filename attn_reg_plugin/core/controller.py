@@ -14,7 +14,7 @@ import functools
 import logging
 import operator
 import re
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -45,10 +45,14 @@ def parse_layers(spec: Union[str, Sequence[int], None], option: str) -> Optional
         return None
     wanted = f"{option} must be 'all' or a comma-separated list of 0-based layer indices, got {spec!r}"
     if isinstance(spec, str):
-        parts = [s.strip() for s in spec.split(",") if s.strip()]
+        parts = [s.strip() for s in spec.split(",")]  # an empty entry ('0,,1', '1,') is refused, not skipped
+        if not any(parts):
+            raise ValueError(f"{option} must name at least one layer, got {spec!r}")
         if not all(re.fullmatch(r"-?[0-9]+", s) for s in parts):
             raise ValueError(wanted)
         layers = [int(s) for s in parts]
+    elif not isinstance(spec, Iterable) or isinstance(spec, (bytes, Mapping)):
+        raise ValueError(f"{wanted}: give a string ('0,2') or a list of integers ([0, 2]), also for one layer")
     else:
         bad = [x for x in spec if isinstance(x, bool) or not hasattr(type(x), "__index__")]
         if bad:
@@ -65,6 +69,11 @@ def parse_layers(spec: Union[str, Sequence[int], None], option: str) -> Optional
 def parse_kinds(spec: Union[str, Iterable[str]], option: str) -> List[str]:
     """``'encoder-self,decoder-self'`` or a list -> validated list of attention kinds; ``'auto'`` ->
     ``['auto']``, resolved against the model by :meth:`RegularizationController.select`."""
+    if not isinstance(spec, (str, Iterable)) or isinstance(spec, (bytes, Mapping)):
+        raise ValueError(
+            f"{option} must be 'auto' or a comma-separated list of attention kinds ({', '.join(ATTENTION_KINDS)}), "
+            f"got {spec!r}"
+        )
     kinds = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s).strip() for s in spec]
     kinds = [s for s in kinds if s]
     if not kinds:

@@ -47,6 +47,8 @@ class AttentionLayerDrop:
 
     def __init__(self, config: AttentionLayerDropConfig, controller: RegularizationController):
         self.config = config.validate()
+        if not config.enabled:  # as an empty dropout schedule: refused, not run as a kernel pass that drops nothing
+            raise ValueError(f"{config.name('p')} is 0: attention LayerDrop is off; give p in (0, 1], or leave it out")
         self.sites: List[AttentionSite] = config.select_sites(controller)
 
     def hooks(self) -> Dict[AttentionSite, EditScores]:

@@ -360,7 +360,7 @@ def test_scheduled_dropout_needs_one_schedule_or_one_per_layer():
         )
 
 
-def test_layerdrop_p1_gives_exactly_uniform_attention_and_p0_changes_nothing():
+def test_layerdrop_p1_gives_exactly_uniform_attention_and_an_undrawn_layer_changes_nothing():
     torch.manual_seed(0)
     controller = controller_with_sites({"encoder-self": 1})
     site = controller.sites[0]
@@ -371,9 +371,9 @@ def test_layerdrop_p1_gives_exactly_uniform_attention_and_p0_changes_nothing():
         out, _ = attend(q, k, v, bias=bias, site=site)
     assert torch.allclose(out[0], v[0].mean(dim=1, keepdim=True).expand(2, 3, 4), atol=1e-6)
     assert torch.allclose(out[1], v[1, :, :3].mean(dim=1, keepdim=True).expand(2, 3, 4), atol=1e-6)
-    # p = 0: every selected layer gets a flag (one compiled graph whatever is skipped), none set,
-    # and the output is ordinary attention
-    hooks = AttentionLayerDrop(AttentionLayerDropConfig(p=0.0), controller).hooks()
+    # no layer drawn (p = 1e-12; p = 0 is refused as LayerDrop off): every selected layer gets a flag
+    # (one compiled graph whatever is skipped), none set, and the output is ordinary attention
+    hooks = AttentionLayerDrop(AttentionLayerDropConfig(p=1e-12), controller).hooks()
     assert list(hooks) == [site]
     with controller.hooks(hooks) as record:
         out, _ = attend(q, k, v, bias=bias, site=site)
@@ -461,3 +461,12 @@ def test_attendout_drop_rate_is_what_the_kernel_applied():
     expected = drop.expand(3, 2, 5, 5).sum().item() / units.expand(3, 2, 5, 5).sum().item()
     assert game.finish_dropout_step(torch.zeros(1), torch.zeros(1))["drop_rate"] == pytest.approx(expected)
     assert expected > 0
+
+
+def test_layerdrop_at_p_0_is_refused_not_run_as_a_pass_that_drops_nothing():
+    """p = 0 is LayerDrop off (the fairseq task then builds none): built anyway, it would route every
+    selected call through the kernel and draw from torch's generator each step, so a p = 0 control run
+    would train unlike plain training, silently."""
+    controller = controller_with_sites({"encoder-self": 2})
+    with pytest.raises(ValueError, match=r"p is 0: attention LayerDrop is off; give p in \(0, 1\]"):
+        AttentionLayerDrop(AttentionLayerDropConfig(p=0.0), controller)

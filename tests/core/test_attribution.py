@@ -198,6 +198,15 @@ def test_attribution_pass_must_go_through_the_kernel():
         adrop.attributions(lambda: model(x, key_pad, mode="explicit"), target, frozen=model)
 
 
+def test_a_site_called_twice_in_the_attribution_pass_is_named_as_such():
+    """The calls do reach the kernel, twice: the refusal names the sites called more than once and the
+    attribution that takes any number of calls, not the routing."""
+    model, x, key_pad, adrop = _setup()
+    with pytest.raises(RuntimeError, match=r"encoder-self\[0\], encoder-self\[1\] called more than once") as e:
+        adrop.attributions(lambda: (model(x, key_pad), model(x, key_pad))[1], target, frozen=model)
+    assert "not routed" not in str(e.value) and "attribution='rd'" in str(e.value)
+
+
 # ---------------------------------------------------------------- AA and IGA
 
 

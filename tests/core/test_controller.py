@@ -48,10 +48,13 @@ def test_parse_layers():
     assert parse_layers(None, "--x") is None
     assert parse_layers("2, 0,2", "--x") == [0, 2]
     assert parse_layers([3, 1], "--x") == [1, 3]
-    for bad in ["a,b", "1;2", "", " , ", "-1", "0,-3", "1.5"]:
-        with pytest.raises(ValueError) as e:
+    for bad in ["a,b", "1;2", "", " , ", "-1", "0,-3", "1.5", "0,,1", "1,", 0, 1.0, {0: 1}]:
+        with pytest.raises(ValueError) as e:  # an empty entry is refused, not skipped; one layer is '0' or [0]
             parse_layers(bad, "--my-layers-opt")
         assert "--my-layers-opt" in str(e.value), bad
+    for bad in [None, 3, b"encoder-self"]:
+        with pytest.raises(ValueError, match="--my-kinds-opt must be 'auto' or a comma-separated list"):
+            parse_kinds(bad, "--my-kinds-opt")
 
 
 def test_parse_layers_takes_integers_only():
