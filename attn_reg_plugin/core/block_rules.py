@@ -67,11 +67,14 @@ def chunk_draws(
     nor on how many keys a block covers (a causal block draws for the keys it has, not for all S).
     """
     b, h, t, s = shape
+    if rows.stop <= rows.start or keys == 0:  # no query rows or no keys (an empty call): nothing drawn
+        dtype = torch.float32 if uniform else torch.int32
+        return torch.empty((b, h, max(0, rows.stop - rows.start), keys), dtype=dtype, device=device)
     generator = torch.Generator(device=device)
     width = min(KEY_TILE, s)  # a call's tile width: a short call draws for its own keys only
-    tiles = -(-keys // width) if keys and rows.stop > rows.start else 0
-    parts = []  # no query rows or no keys (an empty call): one empty part
-    for chunk in range(rows.start // CHUNK_ROWS, -(-rows.stop // CHUNK_ROWS)) if tiles else ():
+    tiles = -(-keys // width)
+    parts = []
+    for chunk in range(rows.start // CHUNK_ROWS, -(-rows.stop // CHUNK_ROWS)):
         lo, hi = chunk * CHUNK_ROWS, min((chunk + 1) * CHUNK_ROWS, t)
         generator.manual_seed(key_seed(seed, chunk))
         size = (tiles, b, h, hi - lo, width)
@@ -81,9 +84,6 @@ def chunk_draws(
             drawn = torch.empty(size, dtype=torch.int32, device=device).random_(generator=generator)
         drawn = drawn.permute(1, 2, 3, 0, 4).reshape(b, h, hi - lo, tiles * width)
         parts.append(drawn[:, :, max(lo, rows.start) - lo : min(hi, rows.stop) - lo, :keys])
-    if not parts:
-        dtype = torch.float32 if uniform else torch.int32
-        return torch.empty((b, h, max(0, rows.stop - rows.start), keys), dtype=dtype, device=device)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
@@ -151,15 +151,17 @@ class Block:
         limit = coin_limit(probability)
         if isinstance(limit, torch.Tensor):
             limit = limit.to(self.valid.device)
-        rows, device = self.rows, self.valid.device
-        shape = list(self.call_shape)
-        return keyed_draws(self.seed, stream, shape, rows.start, rows.stop, self.shape[-1], False, device) <= limit
+        return self._draws(stream, False) <= limit
 
     def uniform(self) -> torch.Tensor:
         """This block's uniform [0, 1) numbers (random scores), from their own stream."""
+        return self._draws(-2, True)
+
+    def _draws(self, stream: int, uniform: bool) -> torch.Tensor:
         rows, device = self.rows, self.valid.device
-        shape = list(self.call_shape)
-        return keyed_draws(self.seed, -2, shape, rows.start, rows.stop, self.shape[-1], True, device)
+        return keyed_draws(
+            self.seed, stream, list(self.call_shape), rows.start, rows.stop, self.shape[-1], uniform, device
+        )
 
 
 def keys_of(x: Optional[torch.Tensor], keys: int) -> Optional[torch.Tensor]:

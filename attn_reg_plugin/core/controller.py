@@ -69,7 +69,7 @@ def parse_layers(spec: Union[str, Sequence[int], None], option: str) -> Optional
 def parse_kinds(spec: Union[str, Iterable[str]], option: str) -> List[str]:
     """``'encoder-self,decoder-self'`` or a list -> validated list of attention kinds; ``'auto'`` ->
     ``['auto']``, resolved against the model by :meth:`RegularizationController.select`."""
-    if not isinstance(spec, (str, Iterable)) or isinstance(spec, (bytes, Mapping)):
+    if not isinstance(spec, Iterable) or isinstance(spec, (bytes, Mapping)):
         raise ValueError(
             f"{option} must be 'auto' or a comma-separated list of attention kinds ({', '.join(ATTENTION_KINDS)}), "
             f"got {spec!r}"
