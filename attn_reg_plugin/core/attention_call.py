@@ -18,6 +18,7 @@ to its recompute (transformers' model kwargs, fairseq's wrapped layers,
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -208,7 +209,24 @@ def call_of(site: Optional[AttentionSite], plan: Optional[Plan] = None) -> Atten
     hook, seed, record = plan.of(site) if plan is not None else (site.hook, site.seed, site.record)
     if hook is None:
         return ORDINARY
+    if plan is None and not torch.is_grad_enabled() and isinstance(hook, EditScores) and changes_output(hook):
+        _refuse_uncarried_edit_without_autograd(site)
     return AttentionCall(hook, record is None or not record.open, seed, record)
+
+
+def _refuse_uncarried_edit_without_autograd(site: AttentionSite) -> None:
+    """A regularized call read from its site, not carried, with autograd off: the forward of a bare
+    reentrant ``torch.utils.checkpoint`` (or of a pass under ``no_grad``). Its recompute in the
+    backward would come after the pass, as ordinary attention: gradients of another function, silently."""
+    if getattr(_carried, "depth", 0):  # our own checkpoints (applied): the recompute repeats the pass
+        return
+    raise RuntimeError(
+        f"attention {site} ran a regularized pass without autograd (under torch.no_grad(), or in the forward of "
+        "a reentrant torch.utils.checkpoint): a bare checkpoint recomputes the layer in the backward after the "
+        "pass, as ordinary attention, so its gradients would be wrong. Checkpoint the layer with "
+        "controller.checkpoint(layer, *args, use_reentrant=...), which carries the pass into its recompute; a "
+        "regularized pass needs autograd on"
+    )
 
 
 # -- the pass: what it asks of each site, and what its calls handed back ------------------------
@@ -314,16 +332,22 @@ def plan_of(sites: Iterable[AttentionSite]) -> Plan:
     )
 
 
+# How many recomputes that carry their pass back (:func:`applied`) the current thread is in.
+_carried = threading.local()
+
+
 @contextlib.contextmanager
 def applied(plan: Optional[Plan], sites: Sequence[AttentionSite]) -> Iterator[None]:
     """Fill the slots of ``sites`` with what ``plan`` asks (nothing where it asks nothing) for the
     block: a checkpointed function recomputed in the backward runs under the pass of its forward."""
     previous = [(s, s.hook, s.seed, s.record) for s in sites]
+    _carried.depth = getattr(_carried, "depth", 0) + 1
     try:
         for site in sites:
             site.hook, site.seed, site.record = plan.of(site) if plan is not None else (None,) * 3
         yield
     finally:
+        _carried.depth -= 1
         for site, hook, seed, record in previous:
             site.hook, site.seed, site.record = hook, seed, record
 

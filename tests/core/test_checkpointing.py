@@ -97,6 +97,40 @@ def test_attribution_inside_a_reentrant_checkpoint_is_a_clear_error():
     assert len(sites) == 2 and all(a.abs().sum() > 0 for a in attributions)
 
 
+@pytest.mark.parametrize("regularizer", ["ad-drop", "edit"])
+def test_a_bare_reentrant_checkpoint_under_a_pass_is_refused_naming_the_fix(regularizer):
+    """torch's reentrant checkpoint runs the forward without autograd and recomputes it in the
+    backward, after the pass, as ordinary attention: the gradients would be another function's,
+    silently. The forward is refused, naming controller.checkpoint; the controller's own reentrant
+    checkpoint (the pass carried into the recompute) and a non-reentrant bare one (torch's own
+    CheckpointError in the backward) are not."""
+    import torch.utils.checkpoint
+
+    model = _model(checkpointed=True)
+    for block in model.blocks:
+        block.checkpoint = torch.utils.checkpoint.checkpoint
+    x = torch.randn(B, T, D, requires_grad=True)
+    if regularizer == "ad-drop":
+        ad_drop = ADDrop(ADDropConfig(p=0.5, q=0.5, schedule="always"), model.controller)
+        scope = functools.partial(ad_drop.masked, lambda: model(x), logit_target, frozen=model)
+    else:
+        edits = {s: EditScores(drop=BernoulliRule(torch.tensor(0.3))) for s in model.controller.sites}
+        scope = functools.partial(model.controller.hooks, edits)
+    with pytest.raises(
+        RuntimeError, match=r"encoder-self\[0\] ran a regularized pass without autograd.*controller\.checkpoint"
+    ):
+        with scope():
+            model(x).sum()
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):  # non-reentrant: torch refuses the recompute
+        for block in model.blocks:
+            block.forward = functools.partial(CoreBlock.forward, block, reentrant=False)
+        with scope():
+            loss = model(x).sum()
+        loss.backward()
+    with torch.no_grad(), model.controller.hooks({}):  # no pass on the sites: nothing to refuse
+        model(x)
+
+
 @pytest.mark.parametrize("attribution", ["ga", "iga"])
 def test_the_controllers_reentrant_checkpoint_pauses_itself_for_the_attribution_pass(attribution):
     """controller.checkpoint(..., use_reentrant=True) where no flag pauses the layers (frozen=None):
