@@ -209,24 +209,28 @@ def call_of(site: Optional[AttentionSite], plan: Optional[Plan] = None) -> Atten
     hook, seed, record = plan.of(site) if plan is not None else (site.hook, site.seed, site.record)
     if hook is None:
         return ORDINARY
-    if plan is None and not torch.is_grad_enabled() and isinstance(hook, EditScores) and changes_output(hook):
-        _refuse_uncarried_edit_without_autograd(site)
+    if plan is None and not torch.is_grad_enabled():
+        _refuse_edits_without_autograd([(site, hook)])
     return AttentionCall(hook, record is None or not record.open, seed, record)
 
 
-def _refuse_uncarried_edit_without_autograd(site: AttentionSite) -> None:
-    """A regularized call read from its site, not carried, with autograd off: the forward of a bare
-    reentrant ``torch.utils.checkpoint`` (or of a pass under ``no_grad``). Its recompute in the
-    backward would come after the pass, as ordinary attention: gradients of another function, silently."""
-    if getattr(_carried, "depth", 0):  # our own checkpoints (applied): the recompute repeats the pass
+def _refuse_edits_without_autograd(hooks: Iterable[Tuple[AttentionSite, Optional[Hook]]]) -> None:
+    """A pass that edits attention, read from its sites (not carried in a call) with autograd off: a
+    forward under ``no_grad``, or of a bare reentrant ``torch.utils.checkpoint``, whose recompute in the
+    backward would come after the pass, as ordinary attention: another function's gradients, silently.
+    (Asked with autograd off only.)"""
+    carrying = getattr(_carried, "grad_enabled", None)
+    if carrying and not carrying[-1]:  # inside our own reentrant checkpoint's forward: its recompute repeats the pass
         return
-    raise RuntimeError(
-        f"attention {site} ran a regularized pass without autograd (under torch.no_grad(), or in the forward of "
-        "a reentrant torch.utils.checkpoint): a bare checkpoint recomputes the layer in the backward after the "
-        "pass, as ordinary attention, so its gradients would be wrong. Checkpoint the layer with "
-        "controller.checkpoint(layer, *args, use_reentrant=...), which carries the pass into its recompute; a "
-        "regularized pass needs autograd on"
-    )
+    for site, hook in hooks:
+        if isinstance(hook, EditScores) and changes_output(hook):
+            raise RuntimeError(
+                f"attention {site} ran a regularized pass with autograd off (a forward under torch.no_grad() or "
+                "inference_mode, or of a bare reentrant torch.utils.checkpoint). A regularized pass is a training "
+                "forward, and a bare checkpoint recomputes its layer in the backward after the pass, as ordinary "
+                "attention, so its gradients would be wrong. Run no-grad forwards outside the pass, and checkpoint "
+                "with controller.checkpoint(layer, *args, use_reentrant=...), which carries the pass into the recompute"
+            )
 
 
 # -- the pass: what it asks of each site, and what its calls handed back ------------------------
@@ -321,6 +325,8 @@ def takes_gradients(hook: Hook) -> bool:
 
 def plan_of(sites: Iterable[AttentionSite]) -> Plan:
     """The pass set on ``sites`` now, as a :class:`Plan` (empty when none is)."""
+    if not torch.is_grad_enabled():
+        _refuse_edits_without_autograd((s, s.hook) for s in sites)
     return Plan(
         MappingProxyType(
             {
@@ -332,7 +338,8 @@ def plan_of(sites: Iterable[AttentionSite]) -> Plan:
     )
 
 
-# How many recomputes that carry their pass back (:func:`applied`) the current thread is in.
+# The calls that carry their pass back (:func:`applied`) the current thread is in: whether autograd
+# was on at each one's start. One started with it off is a reentrant checkpoint's forward of ours.
 _carried = threading.local()
 
 
@@ -341,13 +348,15 @@ def applied(plan: Optional[Plan], sites: Sequence[AttentionSite]) -> Iterator[No
     """Fill the slots of ``sites`` with what ``plan`` asks (nothing where it asks nothing) for the
     block: a checkpointed function recomputed in the backward runs under the pass of its forward."""
     previous = [(s, s.hook, s.seed, s.record) for s in sites]
-    _carried.depth = getattr(_carried, "depth", 0) + 1
+    if not hasattr(_carried, "grad_enabled"):
+        _carried.grad_enabled = []
+    _carried.grad_enabled.append(torch.is_grad_enabled())
     try:
         for site in sites:
             site.hook, site.seed, site.record = plan.of(site) if plan is not None else (None,) * 3
         yield
     finally:
-        _carried.depth -= 1
+        _carried.grad_enabled.pop()
         for site, hook, seed, record in previous:
             site.hook, site.seed, site.record = hook, seed, record
 

@@ -117,7 +117,7 @@ def test_a_bare_reentrant_checkpoint_under_a_pass_is_refused_naming_the_fix(regu
         edits = {s: EditScores(drop=BernoulliRule(torch.tensor(0.3))) for s in model.controller.sites}
         scope = functools.partial(model.controller.hooks, edits)
     with pytest.raises(
-        RuntimeError, match=r"encoder-self\[0\] ran a regularized pass without autograd.*controller\.checkpoint"
+        RuntimeError, match=r"encoder-self\[0\] ran a regularized pass with autograd off.*controller\.checkpoint"
     ):
         with scope():
             model(x).sum()
@@ -129,6 +129,27 @@ def test_a_bare_reentrant_checkpoint_under_a_pass_is_refused_naming_the_fix(regu
         loss.backward()
     with torch.no_grad(), model.controller.hooks({}):  # no pass on the sites: nothing to refuse
         model(x)
+
+
+@pytest.mark.parametrize("outer_reentrant", [False, True])
+def test_a_bare_reentrant_checkpoint_inside_the_controllers_is_refused(outer_reentrant):
+    """The controller's checkpoint carries the pass to its own recompute, not to a bare reentrant
+    torch checkpoint nested inside it (recomputed after the pass, as ordinary attention): that one is
+    refused too, in the forward or at the latest in the outer recompute."""
+    import torch.utils.checkpoint
+
+    model = _model(checkpointed=True)
+    controller = model.controller
+    for block in model.blocks:
+        block.checkpoint = lambda f, *a, **k: controller.checkpoint(
+            lambda *b: torch.utils.checkpoint.checkpoint(f, *b, use_reentrant=True), *a, use_reentrant=outer_reentrant
+        )
+    x = torch.randn(B, T, D, requires_grad=True)
+    edits = {s: EditScores(drop=BernoulliRule(torch.tensor(0.3))) for s in controller.sites}
+    with pytest.raises(RuntimeError, match="ran a regularized pass with autograd off"):
+        with controller.hooks(edits):
+            loss = model(x).sum()
+        loss.backward()
 
 
 @pytest.mark.parametrize("attribution", ["ga", "iga"])

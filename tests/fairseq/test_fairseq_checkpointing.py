@@ -105,13 +105,18 @@ def test_the_step_is_edited(tiny_mt_data, regularizer):
     assert not torch.equal(edited, plain)
 
 
-def test_without_the_pass_carried_the_checkpointed_step_would_differ(tiny_mt_data, monkeypatch):
+def test_without_the_pass_carried_the_checkpointed_step_is_refused_and_would_differ(tiny_mt_data, monkeypatch):
     """The equality above can fail: a layer of --checkpoint-activations whose call does not carry the
-    pass recomputes ordinary attention in the backward (the pass has ended by then)."""
+    pass reads it from its site in the reentrant forward, with autograd off, and is refused; without
+    that refusal it would recompute ordinary attention in the backward (the pass has ended by then)."""
+    from attn_reg_plugin.core import attention_call
     from attn_reg_plugin.fairseq_plugin import attention
 
     _, grads, _ = one_step(tiny_mt_data["bin"], "ad-drop-ga", checkpointing=False)
     monkeypatch.setattr(attention, "_carry_the_pass", lambda layer: None)
+    with pytest.raises(RuntimeError, match="ran a regularized pass with autograd off"):
+        one_step(tiny_mt_data["bin"], "ad-drop-ga", checkpointing=True)
+    monkeypatch.setattr(attention_call, "_refuse_edits_without_autograd", lambda hooks: None)
     _, grads_ck, _ = one_step(tiny_mt_data["bin"], "ad-drop-ga", checkpointing=True)
     distance = sum(float((a - b).pow(2).sum()) for a, b in zip(grads_ck, grads)) ** 0.5
     assert distance / sum(float(g.pow(2).sum()) for g in grads) ** 0.5 > 1e-3

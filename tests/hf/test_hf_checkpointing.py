@@ -171,17 +171,61 @@ def test_checkpointed_step_equals_plain_step(family, regularizer, tmp_path):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f"{mode} gradient")
 
 
-def test_checkpointing_without_the_pass_carried_would_differ(tmp_path, monkeypatch):
+def test_checkpointing_without_the_pass_carried_is_refused_and_would_differ(tmp_path, monkeypatch):
     """The test above can fail: when the model's call does not carry the pass (the model kwarg
-    ``attn_reg_plan``), the recompute in the backward, after the pass ended, runs ordinary attention
-    and the gradients differ."""
+    ``attn_reg_plan``), the reentrant forward reads it from the sites with autograd off and is refused;
+    without that refusal, the recompute in the backward, after the pass ended, would run ordinary
+    attention and the gradients would differ."""
+    from attn_reg_plugin.core import attention_call
     from attn_reg_plugin.hf import sites
 
     loss, grads, _ = one_step("bert", "ad-drop-ga", None, tmp_path)
     monkeypatch.setattr(sites, "_carry_the_pass", lambda model, args, kwargs: None)
+    with pytest.raises(RuntimeError, match="ran a regularized pass with autograd off"):
+        one_step("bert", "ad-drop-ga", "reentrant", tmp_path)
+    monkeypatch.setattr(attention_call, "_refuse_edits_without_autograd", lambda hooks: None)
     _, grads_ck, _ = one_step("bert", "ad-drop-ga", "reentrant", tmp_path)
     distance = sum(float((a - b).pow(2).sum()) for a, b in zip(grads_ck, grads)) ** 0.5
     assert distance / sum(float(g.pow(2).sum()) for g in grads) ** 0.5 > 1e-3
+
+
+@pytest.mark.parametrize("where", ["bare reentrant checkpoint", "no_grad"])
+def test_a_pass_read_with_autograd_off_around_an_installed_model_is_refused(where):
+    """A user's own bare reentrant torch checkpoint around an installed model's call, or a no-grad
+    forward of it, inside a pass: the model's call reads the pass from its sites with autograd off
+    and is refused (the recompute in the backward would come after the pass, ordinary attention:
+    silently another function's gradients). The controller's checkpoint carries the pass: exact."""
+    import torch.utils.checkpoint
+
+    from attn_reg_plugin.core.attention_call import EditScores
+    from attn_reg_plugin.core.block_rules import BernoulliRule
+    from attn_reg_plugin.core.controller import RegularizationController
+    from attn_reg_plugin.hf import install_attention_sites
+
+    def step(checkpoint):
+        torch.manual_seed(0)
+        model = tiny_bert().train()
+        controller = RegularizationController()
+        install_attention_sites(model.bert, controller)
+        embeds = model.bert.embeddings.word_embeddings(torch.arange(3, 15).view(2, 6)).detach().requires_grad_()
+        torch.manual_seed(5)
+        with controller.hooks({s: EditScores(drop=BernoulliRule(torch.tensor(0.4))) for s in controller.sites}):
+            encode = lambda e: model.bert(inputs_embeds=e).last_hidden_state  # noqa: E731
+            loss = (checkpoint(controller, encode, embeds) if checkpoint else encode(embeds)).pow(2).sum()
+        loss.backward()
+        return [p.grad for p in model.bert.encoder.parameters()]
+
+    refusal = "encoder-self\\[0\\] ran a regularized pass with autograd off"
+    if where == "no_grad":
+        with pytest.raises(RuntimeError, match=refusal), torch.no_grad():
+            step(None)
+        return
+    with pytest.raises(RuntimeError, match=refusal):
+        step(lambda controller, f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=True))
+    plain = step(None)
+    for reentrant in (True, False):
+        checkpointed = step(lambda controller, f, x: controller.checkpoint(f, x, use_reentrant=reentrant))
+        assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])

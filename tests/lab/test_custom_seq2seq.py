@@ -74,8 +74,8 @@ def test_custom_attention_drop_hook_removes_exactly_those_keys():
     x = torch.randn(2, 5, 16, generator=g)
     drop = torch.rand(2, 4, 5, 5, generator=g) < 0.3
     drop[..., 0] = False  # every row keeps a key
-    with torch.no_grad(), RegularizationController().hooks({site: EditScores(drop=drop)}):
-        got = ours(x, x, torch.ones(2, 1, 1, 5, dtype=torch.bool))
+    with RegularizationController().hooks({site: EditScores(drop=drop)}):  # a pass trains: autograd on
+        got = ours(x, x, torch.ones(2, 1, 1, 5, dtype=torch.bool)).detach()
     with torch.no_grad():
         want, _ = ref(x, x, x, attn_mask=drop.reshape(8, 5, 5), need_weights=False)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
