@@ -91,6 +91,34 @@ def test_generator_learns_to_drop_more_when_dropping_is_rewarded():
         assert last[name] > first[name] + 0.1, (first, last)
 
 
+def test_a_held_out_loss_that_is_not_finite_updates_neither_the_generator_nor_the_baseline(caplog):
+    """One diverged held-out sample made the reward, then the Generator's weights and the baseline,
+    NaN for the rest of the run, and AttendOut silently stopped dropping. Such a step is skipped by
+    G and the baseline (a warning counts the losses), the survivor is still picked (the Attacker's
+    infinite loss losing), and the next finite step learns again."""
+    torch.manual_seed(0)
+    controller = controller_with_sites({"encoder-self": 2})
+    config = AttendOutConfig(dropout_step=2, generator_dim=8, lr=0.05, baseline_decay=0.5)
+    game = AttendOut(config, controller, Generator({"source": 20}, {"source": 1}, 8, 32, 0.3, config.temperature))
+    tokens = torch.randint(2, 20, (4, 6))
+
+    def dropout_step(attacker_losses):
+        for _ in range(config.dropout_step):
+            game.attacker_hooks({"source": tokens})
+            game.end_update()
+        before = [p.detach().clone() for p in game.generator.parameters()], game.baseline
+        stats = game.finish_dropout_step(torch.ones(2), attacker_losses)
+        return before, stats
+
+    (weights, baseline), stats = dropout_step(torch.tensor([0.5, math.inf]))
+    assert all(torch.equal(a, b) for a, b in zip(weights, game.generator.parameters()))
+    assert game.baseline == baseline and math.isinf(stats["reward"]) and stats["win_rate"] == 0.5
+    assert "0 of 2 held-out losses of the Defender and 1 of the Attacker are not finite" in caplog.text
+    (weights, baseline), stats = dropout_step(torch.tensor([0.5, 0.25]))
+    assert not all(torch.equal(a, b) for a, b in zip(weights, game.generator.parameters()))
+    assert game.baseline != baseline and all(torch.isfinite(p).all() for p in game.generator.parameters())
+
+
 def test_generator_starts_at_init_drop_and_shapes_follow_the_sites():
     torch.manual_seed(0)
     controller = controller_with_sites({"encoder-self": 2, "decoder-self": 1, "encoder-decoder": 1})

@@ -17,6 +17,7 @@ Choices the paper leaves open (also in docs/design.md):
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -30,6 +31,8 @@ from .config import AttendOutConfig
 from .generator import Generator
 from .heldout import win_probability
 from .policy import GeneratorRule, PolicyLogits, action_log_prob, mean_drop_probability, reinforce_loss
+
+logger = logging.getLogger(__name__)
 
 
 def _site_seed(seed: int, site_index: int) -> torch.Tensor:
@@ -150,6 +153,8 @@ class AttendOut:
         self, defender_losses: torch.Tensor, attacker_losses: torch.Tensor, generator: Optional[torch.Generator] = None
     ) -> Dict[str, object]:
         """Reward G (Eq. 5) from per-sample held-out losses, update the baseline, pick the survivor.
+        A step with a held-out loss that is not finite updates neither G nor the baseline (a warning
+        says so); the survivor is still picked, a non-finite loss losing its comparison.
 
         Returns ``{"keep_attacker": bool, "win_rate", "reward", "baseline", "drop_prob": {...}, "drop_rate"}``:
         ``drop_prob`` is the Generator's mean probability per layer, ``drop_rate`` the fraction of the
@@ -157,6 +162,19 @@ class AttendOut:
         dropped over the step (0 if its masks reached no attention). The adapter then copies the survivor over the other network.
         """
         rewards = (defender_losses.float() - attacker_losses.float()).detach()
+        # A held-out loss that is not finite gives no reward to learn from: one such step would make
+        # the Generator's weights and the baseline NaN for the rest of the run. Every worker skips
+        # the update together (the Generator's gradients are averaged over them).
+        finite = torch.isfinite(rewards).all().float().reshape(1)
+        all_reduce_mean_([finite])
+        learns = bool(finite.item() == 1.0)
+        if not learns:
+            logger.warning(
+                "AttendOut dropout step %d: %d of %d held-out losses of the Defender and %d of the Attacker are not "
+                "finite; the Generator and its reward baseline are not updated at this step",
+                self.dropout_steps_done + 1, int((~torch.isfinite(defender_losses)).sum()), len(rewards),
+                int((~torch.isfinite(attacker_losses)).sum()),
+            )  # fmt: skip
         updates = sorted({c.update for c in self.cache})
         log_probs = None
         if updates:
@@ -170,7 +188,7 @@ class AttendOut:
             "drop_prob": self.mean_drop_probabilities(),
             "drop_rate": dropped / valid if valid else 0.0,
         }
-        if log_probs is not None:
+        if log_probs is not None and learns:
             # Eq. 5 pairs r_t with a_t; with fewer held-out samples than updates, rewards repeat.
             paired = rewards[torch.arange(len(updates)) % len(rewards)]
             loss = reinforce_loss(log_probs, paired, self.baseline)
@@ -179,8 +197,9 @@ class AttendOut:
             grads = [p.grad for p in self.generator.parameters() if p.grad is not None]
             all_reduce_mean_(grads)
             self.optimizer.step()
-        mean_reward = float(rewards.mean())
-        self.baseline = self.config.baseline_decay * self.baseline + (1 - self.config.baseline_decay) * mean_reward
+        mean_reward = float(rewards.mean())  # logged as it was, finite or not
+        if learns:
+            self.baseline = self.config.baseline_decay * self.baseline + (1 - self.config.baseline_decay) * mean_reward
         win_rate = win_probability(defender_losses.float(), attacker_losses.float())
         # ``generator`` keeps this draw off the global stream (fairseq passes one reseeded per update,
         # so a resumed run draws the same); workers agree by taking rank 0's choice (duel.end_dropout_step).
