@@ -261,6 +261,13 @@ def test_win_probability_counts_ties_half():
     assert win_probability(torch.tensor([1.0, 1.0, 2.0, 0.5]), torch.tensor([0.5, 1.0, 3.0, 0.1])).item() == 0.625
 
 
+def test_a_network_whose_held_out_loss_is_nan_loses_the_sample():
+    """NaN compares false both ways: a Defender diverged to NaN would have won every such sample."""
+    nan, inf = math.nan, math.inf
+    defender, attacker = torch.tensor([nan, 1.0, nan, inf]), torch.tensor([1.0, nan, nan, nan])
+    assert win_probability(defender, attacker).item() == (1 + 0 + 0.5 + 0.5) / 4
+
+
 def test_copy_model_and_optimizer_state_make_two_networks_identical():
     torch.manual_seed(0)
     a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable, Optional, Tuple
 
 import torch
@@ -38,7 +39,9 @@ def per_sample_loss(logits: torch.Tensor, target: torch.Tensor, keep: Optional[t
 
 
 def win_probability(defender_losses: torch.Tensor, attacker_losses: torch.Tensor) -> torch.Tensor:
-    """The Attacker's win rate on the held-out samples (ties count half)."""
+    """The Attacker's win rate on the held-out samples (ties count half; a NaN loss counts as infinite,
+    so a network that diverged on a sample loses it)."""
+    defender_losses, attacker_losses = (x.masked_fill(x.isnan(), math.inf) for x in (defender_losses, attacker_losses))
     wins = (attacker_losses < defender_losses).float() + 0.5 * (attacker_losses == defender_losses).float()
     return wins.mean()
 
