@@ -34,6 +34,7 @@ from ..core.combinations import (
 from ..core.controller import RegularizationController
 from ..core.drophead import DropHead, DropHeadConfig
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
+from ..core.options import attribute_prefix
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attendout import FairseqAttendOut, reduce_attendout_metrics
 from .attendout_checkpoint import check_fairseq_supports_task_state
@@ -127,12 +128,45 @@ def refuse_task_regularizers_beside(criterion_name: str, task, regularizers: Tup
         check_combination({**criterion, **task_regularizers_on(cfg)})
 
 
+# Each task regularizer's switch: (its config, the field that turns it on; None: fairseq's --attendout).
+_SWITCHES = ((AttendOutConfig, None), (ScheduledDropoutConfig, "schedule"), (AttentionLayerDropConfig, "p"),
+             (DropHeadConfig, "schedule"))  # fmt: skip
+_ATTENDOUT_EXTRAS = ("attendout_clip_norm", "attendout_valid_subset", "attendout_log_file")
+
+
+def _refuse_options_of_what_is_off(cfg) -> None:
+    """An option of a task regularizer that is off, given another value than its default, would do
+    nothing, silently (a forgotten --attn-drophead-schedule trained plain, its layers unchecked)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(AttnRegTaskOptions)}
+    for config_cls, switch in _SWITCHES:
+        config = config_cls.from_namespace(cfg)
+        if getattr(cfg, "attendout", False) if switch is None else config.enabled:
+            continue
+        attributes = [attribute_prefix(config_cls) + f.name for f in dataclasses.fields(config_cls) if f.name != switch]
+        for attribute in attributes + list(_ATTENDOUT_EXTRAS if switch is None else ()):
+            value = getattr(cfg, attribute, defaults[attribute])
+            if _normalized(value) != _normalized(defaults[attribute]):
+                flag, turn_on = (
+                    "--" + attribute.replace("_", "-"),
+                    "--attendout" if switch is None else config.name(switch),
+                )
+                raise ValueError(
+                    f"{flag} is {value!r}, but {turn_on} leaves its regularizer off, so it would have no effect: "
+                    f"turn it on with {turn_on}, or leave {flag} out"
+                )
+
+
+def _normalized(value):
+    return value.strip().lower() if isinstance(value, str) else value
+
+
 def _validate_task_options(cfg):
     """Value checks that need no model; run when the task is set up (before any data is read)."""
     AttendOutConfig.from_namespace(cfg).validate()
     if not 0 <= cfg.attendout_clip_norm < math.inf:  # also refuses nan
         raise ValueError(f"--attendout-clip-norm must be a finite number >= 0, got {cfg.attendout_clip_norm!r}")
     enabled = task_regularizers_on(cfg)
+    _refuse_options_of_what_is_off(cfg)
     check_combination(enabled)
     if enabled:
         refuse_unsupported_training(cfg, next(iter(enabled.values())))

@@ -67,23 +67,12 @@ def test_fairseq_flags_are_the_config_fields(config_cls, prefix):
 def test_fairseq_parser_reads_the_generated_flags(tiny_mt_data):
     from helpers import TINY_TRANSFORMER, fairseq_setup
 
-    cfg, _, _, criterion = fairseq_setup(
-        tiny_mt_data["bin"],
-        [
-            "--task",
-            "attn_reg_translation",
-            *TINY_TRANSFORMER,
-            "--criterion",
-            "ad_drop_label_smoothed_cross_entropy",
-            "--ad-drop-p",
-            "0.4",
-            "--ad-drop-iga-steps",
-            "3",
-            "--attn-layerdrop-layers",
-            "1",
-        ],
-    )
+    task = ["--task", "attn_reg_translation", *TINY_TRANSFORMER]
+    criterion_flags = ["--criterion", "ad_drop_label_smoothed_cross_entropy", "--ad-drop-p", "0.4"]
+    _, _, _, criterion = fairseq_setup(tiny_mt_data["bin"], [*task, *criterion_flags, "--ad-drop-iga-steps", "3"])
     assert criterion.ad_drop_config == ADDropConfig(p=0.4, iga_steps=3)  # every other field: the config default
+    layerdrop = ["--criterion", "label_smoothed_cross_entropy", "--attn-layerdrop-p", "0.1"]
+    cfg, _, _, _ = fairseq_setup(tiny_mt_data["bin"], [*task, *layerdrop, "--attn-layerdrop-layers", "1"])
     assert cfg.task.attn_layerdrop_layers == "1" and cfg.task.attendout_dropout_step == AttendOutConfig().dropout_step
 
 

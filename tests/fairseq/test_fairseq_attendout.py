@@ -231,6 +231,19 @@ def test_defender_and_attacker_are_identical_at_each_dropout_step_start(tiny_mt_
             ["--attendout", "--attn-layerdrop-p", "0.1"],
             r"^AttendOut \(--attendout\) and attention LayerDrop \(--attn-layerdrop-p\) do not combine in one run",
         ),
+        # an option of a regularizer left off would do nothing (it trained plain, its layers unchecked)
+        (
+            ["--attn-drophead-layers", "0,7"],
+            r"--attn-drophead-layers is '0,7', but --attn-drophead-schedule leaves its regularizer off, so it would "
+            r"have no effect: turn it on with --attn-drophead-schedule, or leave --attn-drophead-layers out",
+        ),
+        (
+            ["--attn-sched-dropout-attention", "decoder-self"],
+            r"--attn-sched-dropout-schedule leaves its regularizer off",
+        ),
+        (["--attn-layerdrop-p", "0", "--attn-layerdrop-layers", "0"], r"--attn-layerdrop-p leaves its regularizer off"),
+        (["--attendout-layers", "0"], r"--attendout-layers is '0', but --attendout leaves its regularizer off"),
+        (["--attendout-valid-subset", "nosuch"], r"--attendout-valid-subset is 'nosuch', but --attendout leaves"),
     ],
 )
 def test_bad_task_options_fail_while_building(tiny_mt_data, extra, message):
