@@ -47,6 +47,13 @@ AD_DROP_BAD: List[Bad] = [
     Bad("p", "nan", math.nan, INTERVAL.format(opt="{opt}", got="nan")),
     Bad("p", None, "0.5", "{opt} must be an int or float in the open interval (0, 1), got '0.5'"),
     Bad("p", None, None, "{opt} must be an int or float in the open interval (0, 1), got None"),
+    Bad(
+        "p",
+        "1e-300",
+        1e-300,
+        "{opt}: p = 1e-300 has more than 18 decimal places; the candidate count ceil(p * n) is computed exactly for "
+        "decimals up to that",
+    ),
     Bad("q", "0", 0, INTERVAL.format(opt="{opt}", got="{got}"), got_cli="0.0"),
     Bad("q", "1.0", 1.0, INTERVAL.format(opt="{opt}", got="1.0")),
     Bad("q", "inf", math.inf, INTERVAL.format(opt="{opt}", got="inf")),
@@ -132,6 +139,10 @@ SCHED_DROPOUT_BAD: List[Bad] = [
     Bad("schedule", "0.5:0.3", _SAME, "{opt}: knot updates must be integers >= 0, got '0.5'"),
     Bad("schedule", "nan:0.3", _SAME, "{opt}: knot updates must be integers >= 0, got 'nan'"),
     Bad("schedule", "0:0.3,1e400:0.1", _SAME, "{opt}: knot updates must be integers >= 0, got '1e400'"),
+    # float() reads these too: other scripts' digits, an underscore, an integer past float's exact range
+    Bad("schedule", "\u0661:0.3", _SAME, "{opt}: knot updates must be integers >= 0, got '\u0661'"),
+    Bad("schedule", "1_000:0.3", _SAME, "{opt}: knot updates must be integers >= 0, got '1_000'"),
+    Bad("schedule", "0:0.3,1e17:0.1", _SAME, "{opt}: knot updates must be integers >= 0, got '1e17'"),
     Bad("schedule", "5:0.3,2:0.1", _SAME, "{opt}: knot updates must increase strictly, got 5 then 2"),
     Bad(
         "schedule",

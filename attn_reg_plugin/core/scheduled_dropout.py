@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -94,6 +95,18 @@ def schedule_given(spec, option: str, example: str) -> bool:
     return bool(spec.strip())
 
 
+def _knot_update(text: str) -> Optional[int]:
+    """A knot's update count, exactly: ASCII digits as an int, or a float literal such as ``1e4`` whose
+    value is an integer a float holds exactly (at most 2**53); None for any other number (negative,
+    fractional, ``1_000``, other scripts' digits, all of which ``float`` reads). Unreadable: ValueError."""
+    if re.fullmatch(r"[0-9]+", text):
+        return int(text)
+    value = float(text)
+    if re.fullmatch(r"[0-9.eE+]+", text) and value.is_integer() and value <= 2**53:
+        return int(value)
+    return None
+
+
 def parse_schedules(spec: str, option: str) -> List[Schedule]:
     """``'0:0.6,10000:0.3'`` -> one schedule; ``'0:0.6,1e4:0.5|0:0.6,1e4:0.1'`` -> one per layer.
 
@@ -110,12 +123,12 @@ def parse_schedules(spec: str, option: str) -> List[Schedule]:
         for knot in part.split(","):
             try:
                 update_text, prob_text = knot.split(":")
-                update, prob = float(update_text), float(prob_text)
+                update, prob = _knot_update(update_text.strip()), float(prob_text)
             except ValueError:
                 raise ValueError(
                     f"{option}: cannot read knot {knot.strip()!r}; expected UPDATE:PROB such as 0:0.6"
                 ) from None
-            if not math.isfinite(update) or update < 0 or update != int(update):
+            if update is None:
                 raise ValueError(f"{option}: knot updates must be integers >= 0, got {update_text.strip()!r}")
             check_probability(prob, f"{option}: knot {knot.strip()!r} probability")
             if knots and int(update) <= knots[-1][0]:

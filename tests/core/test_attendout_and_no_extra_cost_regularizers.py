@@ -349,6 +349,13 @@ def test_uniform_row_backward_is_finite_and_query_gets_no_gradient():
 
 
 # -- scheduled dropout and attention LayerDrop -------------------------------------------------
+def test_knot_updates_are_read_exactly():
+    """An update count is read as the integer written (a float would round 12345678901234567 up by 1,
+    and misquote two counts past 2**53 as equal); 1e4 still reads as 10000."""
+    assert parse_schedules("0:0.1,12345678901234567:0.2", "s") == [[(0, 0.1), (12345678901234567, 0.2)]]
+    assert parse_schedules("1e4:0.3,9007199254740993:0", "s") == [[(10000, 0.3), (2**53 + 1, 0.0)]]
+
+
 def test_schedule_value_is_piecewise_linear_and_constant_outside():
     schedule = parse_schedules("0:0.6,100:0.2,200:0.4", "--s")[0]
     assert schedule_value(schedule, 0) == 0.6
