@@ -162,19 +162,7 @@ class AttendOut:
         dropped over the step (0 if its masks reached no attention). The adapter then copies the survivor over the other network.
         """
         rewards = (defender_losses.float() - attacker_losses.float()).detach()
-        # A held-out loss that is not finite gives no reward to learn from: one such step would make
-        # the Generator's weights and the baseline NaN for the rest of the run. Every worker skips
-        # the update together (the Generator's gradients are averaged over them).
-        finite = torch.isfinite(rewards).all().float().reshape(1)
-        all_reduce_mean_([finite])
-        learns = bool(finite.item() == 1.0)
-        if not learns:
-            logger.warning(
-                "AttendOut dropout step %d: %d of %d held-out losses of the Defender and %d of the Attacker are not "
-                "finite; the Generator and its reward baseline are not updated at this step",
-                self.dropout_steps_done + 1, int((~torch.isfinite(defender_losses)).sum()), len(rewards),
-                int((~torch.isfinite(attacker_losses)).sum()),
-            )  # fmt: skip
+        learns = self._rewards_finite(defender_losses, attacker_losses)
         updates = sorted({c.update for c in self.cache})
         log_probs = None
         if updates:
@@ -211,6 +199,22 @@ class AttendOut:
         self._applied = zero_counts()
         self.dropout_steps_done += 1
         return stats
+
+    def _rewards_finite(self, defender_losses: torch.Tensor, attacker_losses: torch.Tensor) -> bool:
+        """Whether every held-out loss is finite on every worker. One that is not gives no reward to
+        learn from: a single such step made the Generator's weights and the baseline NaN for the rest
+        of the run. Every worker skips the update together (G's gradients are averaged over them)."""
+        finite = (torch.isfinite(defender_losses).all() & torch.isfinite(attacker_losses).all()).float().reshape(1)
+        all_reduce_mean_([finite])
+        if finite.item() == 1.0:
+            return True
+        logger.warning(
+            "AttendOut dropout step %d: %d of %d held-out losses of the Defender and %d of the Attacker are not "
+            "finite; the Generator and its reward baseline are not updated at this step",
+            self.dropout_steps_done + 1, int((~torch.isfinite(defender_losses)).sum()), len(defender_losses),
+            int((~torch.isfinite(attacker_losses)).sum()),
+        )  # fmt: skip
+        return False
 
     # -- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> Dict[str, object]:
