@@ -114,6 +114,14 @@ def train_sentencepiece(lines: Sequence[str], vocab_size: int):
     import sentencepiece as spm
 
     proto = io.BytesIO()
+    try:
+        _train_pieces(spm, lines, proto, vocab_size)
+    except RuntimeError as error:  # sentencepiece's own check, e.g. fewer pieces than the data's characters
+        raise SystemExit(f"train.py: error: --vocab-size {vocab_size} does not fit this data: {error}") from None
+    return spm.SentencePieceProcessor(model_proto=proto.getvalue()), proto.getvalue()
+
+
+def _train_pieces(spm, lines: Sequence[str], proto, vocab_size: int) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines),
         model_writer=proto,
@@ -128,7 +136,6 @@ def train_sentencepiece(lines: Sequence[str], vocab_size: int):
         minloglevel=2,
         num_threads=1,
     )
-    return spm.SentencePieceProcessor(model_proto=proto.getvalue()), proto.getvalue()
 
 
 def pad_batch(seqs: List[List[int]]) -> torch.Tensor:

@@ -161,6 +161,11 @@ def test_train_cli_rejects_bad_options_before_training(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "--dim 30 must be divisible by --heads 4" in captured.err
     assert "epoch" not in captured.out  # nothing trained
+    with pytest.raises(SystemExit, match=r"--vocab-size 5 does not fit this data: .*[Vv]ocabulary size"):
+        train_mod.main(
+            [*TINY[: TINY.index("--vocab-size")], *TINY[TINY.index("--vocab-size") + 2 :], "--vocab-size", "5"]
+        )
+    assert "epoch" not in capsys.readouterr().out
 
 
 def test_train_cli_rejects_non_parallel_data(tmp_path):
