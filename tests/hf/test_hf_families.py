@@ -285,7 +285,7 @@ def test_two_controllers_on_one_model_drive_the_same_sites():
 
     def valid_positions_seen(controller):
         keep_all = EditScores(drop=torch.zeros((1, 1, 1, 1), dtype=torch.bool), counted=True)
-        with torch.no_grad(), controller.hooks({s: keep_all for s in controller.sites}) as record:
+        with controller.hooks({s: keep_all for s in controller.sites}) as record:
             model(input_ids=torch.tensor([[5, 6, 7]]))
         return float(record.counts()[1])  # dropped, valid: filled by the sites that are called
 
