@@ -219,7 +219,7 @@ def _refuse_edits_without_autograd(hooks: Iterable[Tuple[AttentionSite, Optional
     forward under ``no_grad``, or of a bare reentrant ``torch.utils.checkpoint``, whose recompute in the
     backward would come after the pass, as ordinary attention: another function's gradients, silently.
     (Asked with autograd off only.)"""
-    carrying = _carried.grad_enabled
+    carrying = getattr(_carried, "grad_enabled", None)
     if carrying and not carrying[-1]:  # inside our own reentrant checkpoint's forward: its recompute repeats the pass
         return
     for site, hook in hooks:
@@ -338,15 +338,9 @@ def plan_of(sites: Iterable[AttentionSite]) -> Plan:
     )
 
 
-class _Carried(threading.local):
-    """The calls that carry their pass back (:func:`applied`) the current thread is in: whether autograd
-    was on at each one's start. One started with it off is a reentrant checkpoint's forward of ours."""
-
-    def __init__(self) -> None:
-        self.grad_enabled: List[bool] = []
-
-
-_carried = _Carried()
+# The calls that carry their pass back (:func:`applied`) the current thread is in: whether autograd
+# was on at each one's start. One started with it off is a reentrant checkpoint's forward of ours.
+_carried = threading.local()
 
 
 @contextlib.contextmanager
@@ -354,6 +348,8 @@ def applied(plan: Optional[Plan], sites: Sequence[AttentionSite]) -> Iterator[No
     """Fill the slots of ``sites`` with what ``plan`` asks (nothing where it asks nothing) for the
     block: a checkpointed function recomputed in the backward runs under the pass of its forward."""
     previous = [(s, s.hook, s.seed, s.record) for s in sites]
+    if not hasattr(_carried, "grad_enabled"):
+        _carried.grad_enabled = []
     _carried.grad_enabled.append(torch.is_grad_enabled())
     try:
         for site in sites:

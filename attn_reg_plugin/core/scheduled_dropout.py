@@ -131,9 +131,11 @@ def parse_schedules(spec: str, option: str) -> List[Schedule]:
             if update is None:
                 raise ValueError(f"{option}: knot updates must be integers >= 0, got {update_text.strip()!r}")
             check_probability(prob, f"{option}: knot {knot.strip()!r} probability")
-            if knots and update <= knots[-1][0]:
-                raise ValueError(f"{option}: knot updates must increase strictly, got {knots[-1][0]} then {update}")
-            knots.append((update, prob))
+            if knots and int(update) <= knots[-1][0]:
+                raise ValueError(
+                    f"{option}: knot updates must increase strictly, got {knots[-1][0]} then {int(update)}"
+                )
+            knots.append((int(update), prob))
         schedules.append(knots)
     return schedules
 

@@ -34,7 +34,7 @@ from ..core.combinations import (
 from ..core.controller import RegularizationController
 from ..core.drophead import DropHead, DropHeadConfig
 from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
-from ..core.options import attribute_prefix, flag_name
+from ..core.options import attribute_prefix
 from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 from .attendout import FairseqAttendOut, reduce_attendout_metrics
 from .attendout_checkpoint import check_fairseq_supports_task_state
@@ -146,8 +146,10 @@ def _refuse_options_of_what_is_off(cfg) -> None:
         for attribute in attributes + list(_ATTENDOUT_EXTRAS if switch is None else ()):
             value = getattr(cfg, attribute, defaults[attribute])
             if _normalized(value) != _normalized(defaults[attribute]):
-                flag = flag_name("--", attribute)
-                turn_on = "--attendout" if switch is None else config.name(switch)
+                flag, turn_on = (
+                    "--" + attribute.replace("_", "-"),
+                    "--attendout" if switch is None else config.name(switch),
+                )
                 raise ValueError(
                     f"{flag} is {value!r}, but {turn_on} leaves its regularizer off, so it would have no effect: "
                     f"turn it on with {turn_on}, or leave {flag} out"

@@ -115,23 +115,27 @@ def train_sentencepiece(lines: Sequence[str], vocab_size: int):
 
     proto = io.BytesIO()
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines),
-            model_writer=proto,
-            vocab_size=vocab_size,
-            model_type="unigram",
-            character_coverage=1.0,
-            pad_id=PAD,
-            unk_id=UNK,
-            bos_id=BOS,
-            eos_id=EOS,
-            hard_vocab_limit=False,
-            minloglevel=2,
-            num_threads=1,
-        )
+        _train_pieces(spm, lines, proto, vocab_size)
     except RuntimeError as error:  # sentencepiece's own check, e.g. fewer pieces than the data's characters
         raise SystemExit(f"train.py: error: --vocab-size {vocab_size} does not fit this data: {error}") from None
     return spm.SentencePieceProcessor(model_proto=proto.getvalue()), proto.getvalue()
+
+
+def _train_pieces(spm, lines: Sequence[str], proto, vocab_size: int) -> None:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=proto,
+        vocab_size=vocab_size,
+        model_type="unigram",
+        character_coverage=1.0,
+        pad_id=PAD,
+        unk_id=UNK,
+        bos_id=BOS,
+        eos_id=EOS,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        num_threads=1,
+    )
 
 
 def pad_batch(seqs: List[List[int]]) -> torch.Tensor:
