@@ -219,8 +219,8 @@ def _causal_bias(bias, q, k):
 
 def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, dropout_p: float, scale, edit=None):
     """The explicit softmax path: the map is materialised (CaptureProbs, or the caller wants it). In an
-    ``edit`` (its :class:`BlockCall` and map shape) the model's attention dropout is keyed by the call's seed, as in
-    its blocks; elsewhere it is torch's, as the stock model draws it."""
+    ``edit`` (its :class:`BlockCall` and map shape) the model's attention dropout is keyed by the call's
+    dropout seed, as in its blocks; elsewhere it is torch's, as the stock model draws it."""
     probs = zero_rows(explicit_weights(q, k, bias, scale), keyless)
     used, captured = probs, None
     if isinstance(hook, CaptureProbs):
@@ -295,8 +295,13 @@ def _edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weig
     rows = None if need_weights else blockwise_rows(q, k)
     count = not call.recompute and hook.counted and hook.drop is not None
     uniform = hook.uniform_rows_on(q.device)
-    seed = _seed(call, dropout_p)
-    block = BlockCall(hook.rule, uniform, hook.droppable, rows or t, seed, dropout_p, scale, count, is_causal)
+    seed = _seed(call)
+    # The model's dropout draws a seed of its own per call (torch's stream, which a checkpoint restores
+    # for its recompute): the pass's seed is the site's, the same for each call of the site in the pass.
+    dropout_seed = call_seed() if dropout_p > 0 else None
+    block = BlockCall(
+        hook.rule, uniform, hook.droppable, rows or t, seed, dropout_p, scale, count, is_causal, dropout_seed
+    )
     weights = None
     if rows is not None:
         out, dropped, droppable = blockwise_attention(q, k, v, bias, block)
@@ -332,10 +337,9 @@ def _edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weig
     return out, weights, Captured(dropped=counts[0], droppable=counts[1], uniform_call=flagged)
 
 
-def _seed(call: AttentionCall, dropout_p: float = 0.0) -> Optional[torch.Tensor]:
-    """The seed keying an edit's random drops and the model's attention dropout inside it: the site's
-    for the pass; else (a hook set by hand, or dropout under a rule that draws nothing) one drawn from
-    torch's stream now, which a checkpoint restores for its recompute."""
-    if call.seed is not None or not (call.hook.draws or dropout_p > 0):
+def _seed(call: AttentionCall) -> Optional[torch.Tensor]:
+    """The seed keying an edit's random drops: the site's for the pass; else (a hook set by hand) one
+    drawn from torch's stream now, which a checkpoint restores for its recompute."""
+    if call.seed is not None or not call.hook.draws:
         return call.seed
     return call_seed()

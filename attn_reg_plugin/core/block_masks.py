@@ -74,11 +74,14 @@ class BlockCall:
     uniform: Optional[torch.Tensor]  # bool rows made uniform (LayerDrop flag), broadcastable
     droppable: Optional[Union[torch.Tensor, Tuple[torch.Tensor, ...]]]  # units the rate counts (EditScores.droppable)
     rows_per_block: int
-    seed: Optional[torch.Tensor]  # 0-d int64 CPU; None when the rule draws nothing
+    seed: Optional[torch.Tensor]  # 0-d int64 CPU, the pass's for the site; None when the rule draws nothing
     dropout_p: float
     scale: Optional[float]
     count: bool  # add dropped / droppable counts (a fresh forward; a recompute counts nothing)
     causal: bool = False  # future keys disallowed too (attend's is_causal), made per block
+    # The model's attention dropout inside the call: this call's own draw (0-d int64 CPU), not the pass's
+    # seed, so that a site called twice in a pass (R-Drop's two forwards) drops other weights each time.
+    dropout_seed: Optional[torch.Tensor] = None
 
 
 class KeptDrops(NamedTuple):
@@ -159,7 +162,7 @@ def attend_block(q_rows, k, v, m: BlockMasks, call: BlockCall, rows: slice, shap
     """One block (query ``rows`` of a call whose maps are ``shape``) over its masks ``m`` and the call's
     keys ``0 .. m.keys - 1``, as the kernel's ordinary path: a zero query row is uniform over its valid
     keys, and a row with no valid key gives 0 (and so sends back no gradient). sdpa, or with the model's
-    attention dropout the explicit weights, their drops keyed by the call's seed (sdpa takes no mask of
+    attention dropout the explicit weights, their drops keyed by the call's dropout seed (sdpa takes no mask of
     drops, and its own would come from the global stream, which no block could regenerate)."""
     k, v = k[:, :, : m.keys], v[:, :, : m.keys]
     q_rows = zero_rows(q_rows, m.uniform)
@@ -176,7 +179,7 @@ def dropped_weights(weights: torch.Tensor, call: BlockCall, valid, rows: slice, 
     inside a regularized call: keyed coins of their own stream (:meth:`~.block_rules.Block.coins`), the kept weights
     scaled by 1 / (1 - p) as ``F.dropout`` scales them."""
     b, h = shape[:2]
-    block = Block(rows, valid, (b, h, rows.stop - rows.start, weights.shape[-1]), shape, call.seed)
+    block = Block(rows, valid, (b, h, rows.stop - rows.start, weights.shape[-1]), shape, call.dropout_seed)
     kept = 0.0 if call.dropout_p >= 1 else 1.0 / (1.0 - call.dropout_p)
     return weights.masked_fill(block.coins(call.dropout_p, block_rules.WEIGHT_DROPOUT_STREAM), 0.0) * kept
 

@@ -868,3 +868,55 @@ def test_aa_keeps_the_models_own_mask_not_a_copy():
     (kept,) = site.record.probs
     assert kept.bias is bias and kept.query.data_ptr() == q.data_ptr() and kept.key.data_ptr() == k.data_ptr()
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias))
+
+
+@pytest.mark.parametrize("blocks", ["one", "many"])
+def test_each_call_of_a_site_in_a_pass_draws_its_own_attention_dropout(blocks, monkeypatch):
+    """A site called twice in one pass (R-Drop's two forwards over AD-DROP) applies the pass's drops in
+    both calls but the model's attention dropout anew in each, as stock sdpa draws it: with v the
+    identity, the output is the dropped weights, so their zeros show the dropout."""
+    (_force_small_blocks if blocks == "many" else _one_block)(monkeypatch)
+    controller = RegularizationController()
+    site = controller.register("encoder-self", 0)
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 2, 12, 12, generator=g), torch.randn(2, 2, 12, 12, generator=g)
+    v = torch.eye(12).expand(2, 2, 12, 12)
+    rule = BernoulliRule(torch.tensor(0.3))
+    with controller.hooks({site: EditScores(drop=rule, counted=True)}) as record:
+        first = attend(q, k, v, dropout_p=0.5, site=site)[0]
+        second = attend(q, k, v, dropout_p=0.5, site=site)[0]
+    dropped_1, dropped_2 = first == 0, second == 0
+    # The rule's drops are zero in both calls (the pass's); the dropout's differ between the calls.
+    assert record.entries[0][1].dropped == record.entries[1][1].dropped
+    both = dropped_1 & dropped_2
+    assert both.float().mean() > 0.25  # the rule's 0.3 at least, shared
+    agree = (dropped_1 == dropped_2).float().mean()
+    assert agree < 0.85, f"two calls agree on {agree:.3f} of the weights: one dropout drawn twice"
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_value_head_larger_than_the_query_head_runs_block_by_block(padded, block_calls, monkeypatch):
+    """Multi-head latent attention (DeepSeek-V3) has value heads of another size than its query and key
+    heads. sdpa's CPU flash op refuses them, so a blockwise call takes the recomputing backward: output and
+    gradients equal the same drops applied in one block."""
+    g = torch.Generator().manual_seed(6)
+    q, k = (torch.randn(2, 2, 9, 4, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 2, 9, 6, generator=g, requires_grad=True)
+    bias = None
+    if padded:
+        bias = (torch.arange(9)[None, :] < torch.tensor([9, 5])[:, None]).view(2, 1, 1, 9)
+    drop = torch.rand(2, 2, 9, 9, generator=g) < 0.3
+
+    def run():
+        out = attend(q, k, v, bias, site=site_with_hook(EditScores(drop=drop)))[0]
+        return [out, *torch.autograd.grad(out.square().sum(), (q, k, v))]
+
+    _force_small_blocks(monkeypatch)
+    split = run()
+    assert block_calls and split[0].shape == (2, 2, 9, 6)
+    _one_block(monkeypatch)
+    monkeypatch.setattr(block_masks, "ONE_BLOCK_KEYS", 128)
+    whole = run()
+    assert len(block_calls) == 1  # the second run was one block
+    for a, b in zip(split, whole):
+        torch.testing.assert_close(a, b)

@@ -13,13 +13,13 @@ BOTH = "ad_drop_rdrop_label_smoothed_cross_entropy"
 AD_DROP = ["--ad-drop-p", "0.5", "--ad-drop-q", "0.5", "--ad-drop-schedule", "always"]
 
 
-def _step(tiny_mt_data, criterion_name, *extra, dropout="0"):
+def _step(tiny_mt_data, criterion_name, *extra, dropout="0", ad_drop=AD_DROP):
     from fairseq.optim.adam import FairseqAdam
 
     torch.manual_seed(123)  # model initialisation: the same model for every criterion
     args = ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--dropout", dropout, "--optimizer", "adam"]
     cfg, task, model, criterion = fairseq_setup(
-        tiny_mt_data["bin"], [*args, "--criterion", criterion_name, "--label-smoothing", "0.1", *AD_DROP, *extra]
+        tiny_mt_data["bin"], [*args, "--criterion", criterion_name, "--label-smoothing", "0.1", *ad_drop, *extra]
     )
     task.begin_epoch(1, model)
     task.load_dataset("train")
@@ -49,6 +49,18 @@ def test_both_passes_take_the_steps_ad_drop_drops(tiny_mt_data, caplog):
 def test_model_dropout_separates_the_passes(tiny_mt_data):
     loss, log = _step(tiny_mt_data, BOTH, "--rdrop-alpha", "5", dropout="0.3")
     assert torch.isfinite(loss) and log["rdrop_kl_sum"] > 0 and int(log["ad_drop_dropped"]) > 0
+
+
+def test_attention_dropout_alone_separates_the_passes_as_in_plain_rdrop(tiny_mt_data):
+    """Attention dropout the only dropout, every attention edited: each forward of the masked pass draws
+    its own, so the KL is of the order of plain R-Drop's, not 0 (one draw per site and pass made the
+    passes bit-identical)."""
+    attention_only = ("--attention-dropout", "0.3", "--rdrop-alpha", "5")
+    _, plain = _step(tiny_mt_data, "rdrop_label_smoothed_cross_entropy", *attention_only, ad_drop=())
+    every_kind = ("--ad-drop-attention", "encoder-self,decoder-self,encoder-decoder")
+    _, both = _step(tiny_mt_data, BOTH, *attention_only, *every_kind)
+    assert plain["rdrop_kl_sum"] > 0 and int(both["ad_drop_dropped"]) > 0
+    assert both["rdrop_kl_sum"] > 0.2 * plain["rdrop_kl_sum"]
 
 
 def test_the_concatenated_batch_is_refused(tiny_mt_data):

@@ -378,6 +378,39 @@ def test_rdrop_over_ad_drop_takes_the_steps_drops_in_both_passes(tmp_path):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, checkpointed_grads))
 
 
+def _attention_dropout_only(family):
+    """A tiny classifier whose one dropout is the attention's (0.3); ALBERT calls its one attention
+    module at every depth (one site per depth)."""
+    if family == "bert":
+        return tiny_bert_classifier(
+            hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.3, attn_implementation="sdpa", initializer_range=0.5,
+        )  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.AlbertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=100,
+        embedding_size=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.3, classifier_dropout_prob=0.0,
+        num_labels=2, attn_implementation="sdpa", initializer_range=0.5,
+    )  # fmt: skip
+    return transformers.AlbertForSequenceClassification(config)
+
+
+@pytest.mark.parametrize("family", ["bert", "albert"])
+def test_rdrop_over_ad_drop_draws_each_forwards_own_attention_dropout(family, tmp_path):
+    """With attention dropout the only dropout (a hidden dropout would hide the attention's), the masked
+    pass's two forwards drop other attention weights, so R-Drop's KL is positive, as plain R-Drop's is,
+    while their AD-DROP drops are the step's (as many dropped in each forward)."""
+    ad_drop = ADDropConfig(p=0.5, q=0.5, schedule="always")
+    model = _attention_dropout_only(family)
+    plain = RDropTrainer(model=copy.deepcopy(model), args=_args(tmp_path), rdrop=RDropConfig(alpha=ALPHA))
+    both = ADDropRDrop(model=model, args=_args(tmp_path), rdrop=RDropConfig(alpha=ALPHA), ad_drop=ad_drop)
+    one_step(plain, bert_batch())
+    one_step(both, bert_batch())
+    assert float(plain._rdrop_kl_sum) > 0
+    assert float(both._rdrop_kl_sum) > 0.1 * float(plain._rdrop_kl_sum)
+    assert int(both._ad_drop_dropped) > 0 and int(both._ad_drop_dropped) % 2 == 0
+
+
 def test_a_regression_head_is_refused_at_the_first_step(tmp_path):
     trainer = RDropTrainer(model=tiny_bert(num_labels=1), args=_args(tmp_path), rdrop=RDropConfig())
     batch = {**bert_batch(), "labels": torch.tensor([0.5, 1.0, -0.2])}
