@@ -38,7 +38,7 @@ _FLASH_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16
 def _keeps_softmax_stats(q, k, v, bias, call: BlockCall, bias_grad: bool) -> bool:
     """Whether this call runs on sdpa's CPU kernel with the row log-sum-exp kept for the backward."""
     return (
-        has_cpu_softmax_stats(q)
+        has_cpu_softmax_stats(q, k, v)
         and call.dropout_p == 0.0
         and not bias_grad
         and q.dtype in _FLASH_CPU_DTYPES

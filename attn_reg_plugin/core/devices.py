@@ -32,10 +32,14 @@ FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu
 FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
-def has_cpu_softmax_stats(q: torch.Tensor) -> bool:
-    """Whether sdpa's CPU flash op (which returns the rows' log-sum-exp) serves ``q``'s device;
-    elsewhere a blockwise backward recomputes each block through sdpa."""
-    return FLASH_CPU is not None and FLASH_CPU_BACKWARD is not None and q.device.type == "cpu" and not PORTABLE
+def has_cpu_softmax_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether sdpa's CPU flash op (which returns the rows' log-sum-exp) serves this call: on a CPU, with
+    one head size for q, k and v (the op refuses a value head of another size, as multi-head latent
+    attention has, where sdpa's math path serves it); elsewhere a blockwise backward recomputes each
+    block through sdpa."""
+    if FLASH_CPU is None or FLASH_CPU_BACKWARD is None or q.device.type != "cpu" or PORTABLE:
+        return False
+    return q.shape[-1] == k.shape[-1] == v.shape[-1]
 
 
 def random_stream(device: torch.device) -> Tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]:

@@ -32,9 +32,9 @@ def test_the_switch_forces_the_portable_branches(monkeypatch):
         )
     x = torch.zeros(2)
     monkeypatch.setattr(devices, "PORTABLE", False)
-    assert devices.on_host(x) and devices.has_cpu_softmax_stats(x) == (devices.FLASH_CPU is not None)
+    assert devices.on_host(x) and devices.has_cpu_softmax_stats(x, x, x) == (devices.FLASH_CPU is not None)
     monkeypatch.setattr(devices, "PORTABLE", True)
-    assert not devices.on_host(x) and not devices.has_cpu_softmax_stats(x)
+    assert not devices.on_host(x) and not devices.has_cpu_softmax_stats(x, x, x)
 
 
 def test_the_core_compares_device_types_only_in_the_device_helpers():

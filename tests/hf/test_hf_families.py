@@ -11,6 +11,7 @@ import functools
 
 import pytest
 import torch
+import transformers
 from families import FAMILIES, REFUSED, build, families_table
 
 from attn_reg_plugin.core import block_masks
@@ -21,7 +22,7 @@ from attn_reg_plugin.core.attention_call import EditScores
 from attn_reg_plugin.core.attribution import token_loss_target
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.hf import install_attention_sites
-from helpers import REPO
+from helpers import REPO, run_in_blocks
 
 PADDED = 3  # the second row's last PADDED encoder (or causal-LM) tokens are padding
 
@@ -423,3 +424,29 @@ def test_a_shared_attention_module_is_refused_under_activation_checkpointing():
     model.albert.encoder.gradient_checkpointing = True
     with pytest.raises(NotImplementedError, match="shared layers.*without gradient checkpointing"):
         model(input_ids=ids)
+
+
+def test_multi_head_latent_attention_trains_block_by_block(tmp_path, monkeypatch):
+    """DeepSeek-V3's attention has value heads (16) wider than its query and key heads (12): an AD-DROP
+    step whose calls run block by block (as past 128 keys) trains, the value heads taking sdpa's math path."""
+    from attn_reg_plugin.hf import ADDropTrainer
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+        moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=16, vocab_size=100, pad_token_id=0, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    run_in_blocks(monkeypatch)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", remove_unused_columns=False
+    )
+    trainer = ADDropTrainer(model=model, args=args, ad_drop=ADDropConfig(p=0.3, q=0.3, schedule="always"))
+    ids = torch.randint(3, 100, (2, 80), generator=torch.Generator().manual_seed(1))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by train(); one step is taken here by hand
+    loss = trainer.training_step(trainer.model, {"input_ids": ids, "labels": ids})
+    assert torch.isfinite(loss) and int(trainer._ad_drop_dropped) > 0
+    assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)
