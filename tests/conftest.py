@@ -3,6 +3,7 @@
 Everything else the tests share (paths, tiny models, CLI helpers) is in helpers.py.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -47,6 +48,35 @@ def pytest_terminal_summary(terminalreporter):
     if CLI_STARTS:
         starts = ", ".join(f"{n} {how}" for how, n in CLI_STARTS.most_common())
         terminalreporter.write_line(f"fairseq-train/-generate runs of the tests: {starts}")
+
+
+_LEFT_GROUP = []  # the test that left a process group in pytest's process, once said
+
+
+def _gloo_threads():
+    """The names of the gloo threads of this process (Linux: /proc), none where it cannot tell."""
+    names = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+    return [name for name in names if "gloo" in name]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item):
+    """No test leaves a process group in pytest's process: a DistributedDataParallel module keeps its
+    gloo group (two worker threads, the transport's loop, the store) alive after destroy_process_group,
+    for the rest of the session and under every later fork of this process. Such a test runs its group
+    in a process of its own (helpers.in_child). Said once, by the test that left it."""
+    import torch.distributed as dist
+
+    left = _gloo_threads()
+    if ((dist.is_available() and dist.is_initialized()) or left) and not _LEFT_GROUP:
+        _LEFT_GROUP.append(item.nodeid)
+        raise RuntimeError(
+            f"{item.nodeid} left a torch.distributed process group in pytest's process (threads: {left})"
+        )
 
 
 @pytest.fixture()

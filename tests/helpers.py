@@ -798,6 +798,14 @@ def rank_processes(script, rank_args, timeout=300):
         return list(zip(codes, outputs))
 
 
+def in_child(test_file, function, *args, timeout=300):
+    """``function(*args)`` (JSON-able arguments) of the test file ``test_file`` in a process of its own
+    (tests/in_child.py, a fork of the forked-CLI server); AssertionError with its output if it fails."""
+    ((code, output),) = rank_processes("in_child.py", [[test_file, function, json.dumps(args)]], timeout=timeout)
+    assert code == 0, output[-6000:]
+    return output
+
+
 def torchrun_ranks(script, out_dir, *args, world=2, env=None, timeout=600):
     """``torch.distributed.run`` of ``tests/<script>`` (which writes ``out_dir/rank{R}.pt``) on ``world``
     CPU ranks; returns every rank's saved result. Through ``python -m``, so any venv that runs the tests

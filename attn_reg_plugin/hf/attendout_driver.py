@@ -28,6 +28,7 @@ from ..core.attendout import (
     scaler_skipped_step,
 )
 from ..core.attendout.config import generator_positions
+from ..core.attendout.generator import real_key
 from ..core.attribution_pass import bare_module
 from ..core.controller import RegularizationController
 from ..core.distributed import all_reduce_mean_
@@ -172,6 +173,7 @@ class AttendOutDriver:
         self.game: Optional[AttendOut] = None
         self.resume_from: Optional[str] = None  # a checkpoint folder to restore the game from at start
         self.dropout_step_due = False
+        self._attacker_pass: Optional[contextlib.ExitStack] = None  # the open pass of A's step
 
     # -- set-up ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -221,15 +223,19 @@ class AttendOutDriver:
     def streams(self, inputs: Dict[str, Any]) -> Dict[str, torch.Tensor]:
         """The generator's token streams: {"source": encoder tokens} (+ {"target": decoder inputs} for seq2seq);
         a decoder-only LM's tokens are its {"target"} stream. A model whose encoder reads features (Whisper)
-        has no source stream: its decoder-self attention can still be regularized."""
+        has no source stream: its decoder-self attention can still be regularized. Beside each, its real
+        tokens (:func:`~attn_reg_plugin.core.attendout.generator.real_key`) as the model sees them: its
+        attention mask, every token without one; never the token ids (an LM's pad token is often its EOS)."""
         pad = self.trainer.model.config.pad_token_id
         ids = inputs.get("input_ids")
         streams = {}
         if ids is not None:
             mask = inputs.get("attention_mask")
             # Padding as the model sees it (attention_mask), whatever id the collator padded with.
-            tokens = ids if mask is None or mask.dim() != 2 else ids.masked_fill(mask.eq(0), pad)
-            streams["target" if self.decoder_only else "source"] = tokens
+            stream = "target" if self.decoder_only else "source"
+            streams[stream] = ids if mask is None or mask.dim() != 2 else ids.masked_fill(mask.eq(0), pad)
+            if mask is None or mask.dim() == 2:
+                streams[real_key(stream)] = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.ne(0)
         elif not self.encoder_decoder or any(s.kind != "decoder-self" for s in self.game.sites):
             raise ValueError(
                 "AttendOutTrainer needs input_ids in every training batch: the generator reads the tokens"
@@ -242,6 +248,9 @@ class AttendOutDriver:
             )
         if self.encoder_decoder:
             streams["target"] = self._decoder_stream(inputs, pad)
+            dmask = inputs.get("decoder_attention_mask")
+            if dmask is not None and dmask.dim() == 2:
+                streams[real_key("target")] = dmask.ne(0)
         return streams
 
     def _decoder_stream(self, inputs: Dict[str, Any], pad: int) -> torch.Tensor:
@@ -261,15 +270,27 @@ class AttendOutDriver:
 
     @contextlib.contextmanager
     def attacker_step(self, inputs: Dict[str, Any]):
-        """Around the Trainer's own training step on A: the generator's masks on A's attention, the
-        Trainer's autocast (D's forward is wrapped in it by accelerate) and A's loss scaler."""
-        # Through the trainer: a subclass that overrides attendout_streams is heard.
-        with (
-            self.game.attacker_pass(self.trainer.attendout_streams(inputs)),
-            self.trainer.accelerator.autocast(),
-            self._backward_scaler(),
-        ):
-            yield
+        """Around the Trainer's own training step on A: the generator's masks on A's attention until
+        A's loss is made (:meth:`end_attacker_pass`), the Trainer's autocast (D's forward is wrapped in
+        it by accelerate) and A's loss scaler."""
+        with contextlib.ExitStack() as stack:
+            # Through the trainer: a subclass that overrides attendout_streams is heard.
+            stack.enter_context(self.game.attacker_pass(self.trainer.attendout_streams(inputs)))
+            self._attacker_pass = stack.pop_all()
+        try:
+            with self.trainer.accelerator.autocast(), self._backward_scaler():
+                yield
+        finally:
+            self.end_attacker_pass()
+
+    def end_attacker_pass(self) -> None:
+        """End this step's pass on A, if still open. The trainer's ``compute_loss`` ends it once A's
+        loss is made, so what a subclass's ``compute_loss`` runs after ``super()`` (a no-grad forward
+        for a metric) is ordinary attention, as with the other trainers; a ``compute_loss`` that never
+        calls ``super()`` keeps the masks over the whole step."""
+        open_pass, self._attacker_pass = self._attacker_pass, None
+        if open_pass is not None:
+            open_pass.close()
 
     @contextlib.contextmanager
     def _backward_scaler(self):

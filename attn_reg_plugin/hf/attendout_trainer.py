@@ -178,6 +178,14 @@ class AttendOutTrainerMixin:
         driver.logs.add_attacker_loss(attacker_loss)
         return loss
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        if model is self.attendout_driver.attacker:  # A's loss is made: its masks end here
+            self.attendout_driver.end_attacker_pass()
+        return result
+
     def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
         driver = self.attendout_driver
         driver.logs.add_to_training_log(logs, own_scaler=driver.scaler is not None)

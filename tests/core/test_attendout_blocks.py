@@ -218,3 +218,34 @@ def test_the_attackers_masked_call_holds_nothing_of_size_t_by_s():
     dropped, units = (int(c) for c in record.counts())
     assert units == 2 * LONG * LONG and 0.2 < dropped / units < 0.4  # init_drop 0.3
     assert saved and max(saved) < LONG * LONG // 16, max(saved)
+
+
+@pytest.mark.parametrize("pass_under_autocast", [False, True])
+def test_a_one_block_call_under_bf16_autocast_applies_the_actions_reinforce_credits(pass_under_autocast):
+    """Under bf16 autocast (HF's bf16=True), a one-block call (S <= 128 keys) applies the actions that
+    the float32 log-probability of REINFORCE makes again from the seed, unit for unit: the Generator's
+    logits are float32 whether the pass begins outside autocast (the masks' logits, made in the call)
+    or inside it (the Generator's states too). Read through the kernel: with q = k = 0 and v = I, a row's
+    output is positive exactly at its kept keys."""
+    from attn_reg_plugin.core.attendout.game import _site_seed
+
+    torch.manual_seed(0)
+    game = AttendOut(
+        AttendOutConfig(dropout_step=1, init_drop=0.3),
+        controller_with_sites({"encoder-self": 1}),
+        Generator({"source": 50}, {"source": 1}, 8, 128, 0.3, 1.0),
+    )
+    b, h, t = 16, 2, 120
+    tokens = torch.randint(2, 50, (b, t))
+    q = k = torch.zeros(b, h, t, 4)
+    v = torch.eye(t).expand(b, h, t, t)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=pass_under_autocast):
+        with game.attacker_pass({"source": tokens}):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out, _ = attend(q, k, v, site=game.sites[0])
+    applied = out[:, :1] <= 0  # dropped keys get weight 0 (mask shared by the heads)
+    assert torch.equal(applied, out[:, 1:] <= 0)
+    policy = game.generator.policies(game.cache[-1].streams, game.sites)[0]  # as REINFORCE makes them
+    credited = sampled_drops(policy, _site_seed(game.cache[-1].seed, 0), slice(0, t), t)[0]
+    assert 0.2 < credited.float().mean() < 0.4
+    assert int((applied != credited).sum()) == 0

@@ -18,6 +18,7 @@ from helpers import (  # noqa: E402
     TINY_ROBERTA,
     fairseq_setup,
     fairseq_train,
+    in_child,
     run_cli,
     train_epoch_stats,
 )
@@ -287,14 +288,21 @@ def test_ddp_wrapped_model_with_find_unused_parameters(tiny_sp_data, tmp_path, f
     """fairseq's DDP wrapping (ModuleProxyWrapper over DistributedDataParallel) around the model.
     With find_unused_parameters, AD-DROP steps train (the attribution pass runs on the bare
     model) and the unused LM head gets no gradient; without it DDP refuses the second step,
-    which shows the flag is what this setup needs."""
+    which shows the flag is what this setup needs. In a process of its own: the DDP module keeps
+    its gloo group and the group's threads alive after destroy_process_group, which in pytest's
+    process would last the session (tests/conftest.py's teardown check)."""
+    in_child(__file__, "_ddp_steps", str(tiny_sp_data["cls"]), str(tmp_path), find_unused)
+
+
+def _ddp_steps(data_bin, tmp_path, find_unused):
+    """The steps of the test above (tests/in_child.py runs them); the group one rank over a file store."""
     import torch.distributed as dist
     from fairseq.distributed import ModuleProxyWrapper
     from fairseq.optim.adam import FairseqAdam
     from torch.nn.parallel import DistributedDataParallel
 
-    cfg, task, model, criterion, sample = _setup(tiny_sp_data["cls"], "--num-classes", "2")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    cfg, task, model, criterion, sample = _setup(data_bin, "--num-classes", "2")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         wrapped = ModuleProxyWrapper(DistributedDataParallel(model, find_unused_parameters=find_unused))
         optimizer = FairseqAdam(cfg.optimizer, list(model.parameters()))

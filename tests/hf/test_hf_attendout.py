@@ -634,3 +634,81 @@ def test_a_subclass_override_of_the_trainer_hooks_is_heard(tmp_path):
     trainer.train()
     assert seen["streams"] == 2  # one Attacker step per update
     assert seen["logits"] > 0  # the held-out evaluation at update 2 scored through the override
+
+
+def _eos_padded_lm_data(n, seed):
+    """Causal-LM samples of 3..9 tokens that each end in the EOS (id 2), which is also the pad id."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(n):
+        ids = torch.cat(
+            [torch.randint(3, 100, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g), torch.tensor([2])]
+        )
+        samples.append({"input_ids": ids, "labels": ids.clone()})
+    return samples
+
+
+def _eos_padded_collate(batch):
+    n = max(len(b["input_ids"]) for b in batch)
+    ids = torch.full((len(batch), n), 2)
+    mask = torch.zeros(len(batch), n, dtype=torch.long)
+    labels = torch.full((len(batch), n), -100)
+    for i, b in enumerate(batch):
+        ids[i, : len(b["input_ids"])], mask[i, : len(b["input_ids"])] = b["input_ids"], 1
+        labels[i, : len(b["labels"])] = b["labels"]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def test_an_lm_whose_pad_token_is_its_eos_has_its_real_eos_tokens_in_the_game(tmp_path):
+    """An LM fine-tuned with pad_token_id = eos_token_id (the usual set-up): the real EOS tokens are
+    the attention mask's, not padding. The Generator's units (and the rate's denominator) are the
+    real (query, earlier-or-same key) pairs of the attention mask, EOS queries and keys included."""
+    from helpers import tiny_llama
+
+    train = _eos_padded_lm_data(8, seed=1)
+    trainer = AttendOutTrainer(
+        model=tiny_llama(pad_token_id=2, eos_token_id=2),
+        args=_args(tmp_path, max_steps=1),
+        train_dataset=train,
+        eval_dataset=_eos_padded_lm_data(4, seed=2),
+        data_collator=_eos_padded_collate,
+        attendout=AttendOutConfig(dropout_step=2, attention="decoder-self"),
+    )
+    batch = _eos_padded_collate(train)
+    policy = trainer.attendout_generator.policies(trainer.attendout_streams(batch), trainer.attendout_driver.sites)[0]
+    assert torch.equal(policy.query_real, batch["attention_mask"].bool())
+    assert torch.equal(policy.key_real, batch["attention_mask"].bool())
+    with pytest.warns(UserWarning, match="dropout step"):  # one update of a dropout step of 2: idle
+        trainer.train()
+    lengths = batch["attention_mask"].sum(-1)
+    _, units = (int(c) for c in trainer.attendout_game._applied)  # what the kernel applied: one batch
+    assert units == 2 * 4 * int((lengths * (lengths + 1) // 2).sum())  # causal pairs of 2 layers x 4 heads
+
+
+def test_a_compute_loss_override_with_a_no_grad_forward_after_super_trains(tmp_path):
+    """A subclass whose compute_loss runs a no-grad forward after super() (an extra metric) trains as
+    with the other trainers: the Attacker's pass ends once its loss is made, so that forward is
+    ordinary attention, while the loss's forward took the Generator's masks."""
+    hooks_after_super = []
+
+    class WithMetric(AttendOutTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if model is self.attendout_attacker:
+                hooks_after_super.append([site.hook for site in self.attendout_game.sites])
+            with torch.no_grad():
+                model(**inputs)
+            return loss
+
+    trainer = WithMetric(
+        model=small_bert(),
+        args=_args(tmp_path, max_steps=2),
+        train_dataset=token_data(16, seed=1),
+        eval_dataset=token_data(8, seed=2),
+        data_collator=collate,
+        attendout=AttendOutConfig(dropout_step=2),
+    )
+    trainer.train()
+    assert len(hooks_after_super) == 2 and all(hook is None for hooks in hooks_after_super for hook in hooks)
+    logged = [h for h in trainer.state.log_history if "attendout_drop_rate" in h]
+    assert len(logged) == 1 and logged[0]["attendout_drop_rate"] > 0.05  # the Attacker's loss took the masks

@@ -24,7 +24,7 @@ networks and their optimizers and call into them:
 from .config import AttendOutConfig
 from .duel import build_attacker, end_dropout_step, scaler_skipped_step
 from .game import AttendOut
-from .generator import STREAMS_OF_KIND, Generator
+from .generator import STREAMS_OF_KIND, Generator, real_key
 from .heldout import heldout_indices, heldout_losses, per_sample_loss, win_probability
 from .log import DropProbabilityLog
 from .policy import GeneratorRule, PolicyLogits, action_log_prob, drop_log_prob, gumbel_drops, reinforce_loss
@@ -48,6 +48,7 @@ __all__ = [
     "gumbel_drops",
     "heldout_losses",
     "per_sample_loss",
+    "real_key",
     "reinforce_loss",
     "scaler_skipped_step",
     "win_probability",

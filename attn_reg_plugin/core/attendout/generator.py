@@ -27,6 +27,13 @@ STREAMS_OF_KIND = {
 }
 
 
+def real_key(stream: str) -> str:
+    """The key of a stream's real tokens (bool, (B, L)) beside its token ids in the streams a game is
+    given: where present, which tokens are real comes from it (the model's attention mask), not from
+    the padding id, which may be a real token's too (an LM whose pad token is its EOS)."""
+    return f"{stream}_real"
+
+
 class Generator(nn.Module):
     """G-Net: per-layer drop logits from one shared single-head attention over its own embeddings.
 
@@ -69,9 +76,10 @@ class Generator(nn.Module):
         self.drop_bias = nn.Parameter(torch.tensor(math.log(init_drop / (1 - init_drop)) * self.temperature))
 
     def hidden_states(
-        self, stream: str, tokens: torch.Tensor, num_layers: int, causal: bool
+        self, stream: str, tokens: torch.Tensor, num_layers: int, causal: bool, real: Optional[torch.Tensor] = None
     ) -> Tuple[List[torch.Tensor], torch.Tensor]:
-        """Inputs of layers 0..num_layers-1 for one stream (B, L, d), and its real tokens (B, L).
+        """Inputs of layers 0..num_layers-1 for one stream (B, L, d), and its real tokens (B, L):
+        ``real`` where given, else the tokens that are not the stream's padding id.
 
         The layers run through sdpa with a key-padding mask (and ``is_causal`` where a causal stream
         has no padding before a real token), never an (L, L) map of their own; a query row attends
@@ -83,7 +91,7 @@ class Generator(nn.Module):
                 f"{self.positions.num_embeddings} positions; set {self.positions_option} to at least {length} "
                 "(unset, it is the model's maximum length, or 1024 for a model that states none)"
             )
-        real = tokens.ne(self.padding_idx[stream])
+        real = tokens.ne(self.padding_idx[stream]) if real is None else real.to(device=tokens.device, dtype=torch.bool)
         # Positions count the sentence's own tokens (as fairseq's make_positions does): a
         # left-padded sentence (fairseq sources) gets the masks it gets unpadded, whatever batch it is in.
         positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
@@ -116,7 +124,14 @@ class Generator(nn.Module):
         return (real[:, None, None, :] & allowed) | torch.eye(length, dtype=torch.bool, device=real.device), False
 
     def policies(self, streams: Dict[str, torch.Tensor], sites: Sequence[AttentionSite]) -> List[PolicyLogits]:
-        """Each site's drop logits, as the factors a block makes its own logits from, in order."""
+        """Each site's drop logits, as the factors a block makes its own logits from, in order; in
+        float32 under any autocast (REINFORCE's log-probability, made outside it, must regenerate the
+        actions). ``streams``: token ids per stream, and optionally each one's real tokens
+        (:func:`real_key`)."""
+        with torch.autocast(self.drop_bias.device.type, enabled=False):
+            return self._policies(streams, sites)
+
+    def _policies(self, streams: Dict[str, torch.Tensor], sites: Sequence[AttentionSite]) -> List[PolicyLogits]:
         needed: Dict[str, int] = {}
         for site in sites:
             for stream in STREAMS_OF_KIND[site.kind]:
@@ -124,7 +139,10 @@ class Generator(nn.Module):
         missing = [s for s in needed if s not in streams]
         if missing:
             raise ValueError(f"AttendOut: the generator needs the {missing[0]} tokens for the selected attention kinds")
-        states = {s: self.hidden_states(s, streams[s], n, causal=(s == "target")) for s, n in needed.items()}
+        states = {
+            s: self.hidden_states(s, streams[s], n, causal=(s == "target"), real=streams.get(real_key(s)))
+            for s, n in needed.items()
+        }
         offset = (self.drop_bias / self.temperature).float()
         all_real = {s: bool(real.all()) for s, (_, real) in states.items()}  # one look per stream
         out = []

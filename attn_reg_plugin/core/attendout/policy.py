@@ -69,8 +69,10 @@ class PolicyLogits:
 
     def block(self, rows: slice, keys: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(logits, units) of query ``rows`` over keys ``0 .. keys - 1``, each (B, 1, rows, keys);
-        units None where every pair is one."""
-        logits = torch.matmul(self.query[:, rows], self.key[:, :keys].transpose(-2, -1)).add_(self.offset)
+        units None where every pair is one. In float32 under any autocast (a one-block call runs under
+        the model's): the actions must be those REINFORCE's float32 log-probability makes again."""
+        with torch.autocast(self.query.device.type, enabled=False):
+            logits = torch.matmul(self.query[:, rows], self.key[:, :keys].transpose(-2, -1)).add_(self.offset)
         if self.every_unit:
             return logits.unsqueeze(1), None
         units = self.query_real[:, rows, None] & self.key_real[:, None, :keys]
