@@ -136,24 +136,45 @@ _ATTENDOUT_EXTRAS = ("attendout_clip_norm", "attendout_valid_subset", "attendout
 
 def _refuse_options_of_what_is_off(cfg) -> None:
     """An option of a task regularizer that is off, given another value than its default, would do
-    nothing, silently (a forgotten --attn-drophead-schedule trained plain, its layers unchecked)."""
+    nothing, silently (a forgotten --attn-drophead-schedule trained plain, its layers unchecked): on
+    fairseq-train's command line it is refused. A hydra config (fairseq-hydra-train, a recipe) turns a
+    regularizer off with one override: its other options there get one warning line naming them."""
     defaults = {f.name: f.default for f in dataclasses.fields(AttnRegTaskOptions)}
+    command_line = _from_the_command_line(cfg)
     for config_cls, switch in _SWITCHES:
         config = config_cls.from_namespace(cfg)
         if getattr(cfg, "attendout", False) if switch is None else config.enabled:
             continue
         attributes = [attribute_prefix(config_cls) + f.name for f in dataclasses.fields(config_cls) if f.name != switch]
-        for attribute in attributes + list(_ATTENDOUT_EXTRAS if switch is None else ()):
-            value = getattr(cfg, attribute, defaults[attribute])
-            if _normalized(value) != _normalized(defaults[attribute]):
-                flag, turn_on = (
-                    "--" + attribute.replace("_", "-"),
-                    "--attendout" if switch is None else config.name(switch),
-                )
-                raise ValueError(
-                    f"{flag} is {value!r}, but {turn_on} leaves its regularizer off, so it would have no effect: "
-                    f"turn it on with {turn_on}, or leave {flag} out"
-                )
+        given = [
+            (attribute, getattr(cfg, attribute, defaults[attribute]))
+            for attribute in attributes + list(_ATTENDOUT_EXTRAS if switch is None else ())
+            if _normalized(getattr(cfg, attribute, defaults[attribute])) != _normalized(defaults[attribute])
+        ]
+        switch_attribute = "attendout" if switch is None else attribute_prefix(config_cls) + switch
+        if given and command_line:
+            (attribute, value), turn_on = given[0], "--attendout" if switch is None else config.name(switch)
+            flag = "--" + attribute.replace("_", "-")
+            raise ValueError(
+                f"{flag} is {value!r}, but {turn_on} leaves its regularizer off, so it would have no effect: "
+                f"turn it on with {turn_on}, or leave {flag} out"
+            )
+        if given:
+            named = ", ".join(f"task.{attribute}={value!r}" for attribute, value in given)
+            logger.warning(
+                f"task.{switch_attribute}={getattr(cfg, switch_attribute)!r} leaves its regularizer off, so these "
+                f"options of it have no effect: {named}"
+            )
+
+
+def _from_the_command_line(cfg) -> bool:
+    """Whether the task's options are fairseq-train's flags (argparse), not a hydra config's keys.
+    fairseq-train's config keeps the architecture's flags as an ``argparse.Namespace`` in its model
+    node (every architecture of the attn_reg tasks is registered the legacy way, with flags), in the
+    processes it spawns too; fairseq-hydra-train's model node is a config node. A task built from a
+    plain namespace (no config around it) counts as the command line's."""
+    root = _whole_config(cfg)
+    return root is None or isinstance(root.get("model"), argparse.Namespace)
 
 
 def _normalized(value):

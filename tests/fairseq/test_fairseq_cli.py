@@ -124,12 +124,9 @@ HYDRA_TINY = [
 ]
 
 
-@pytest.mark.parametrize(
-    "recipe,key", [("ad_drop_transformer", "ad_drop_rate"), ("attendout_transformer", "attendout_attacker_loss")]
-)
-def test_hydra_recipes_train_as_documented(tiny_mt_data, tmp_path, recipe, key):
+def _run_recipe(tiny_mt_data, tmp_path, recipe, overrides):
     """The command line in the recipe's header, run by bash from the repository root with DATA_BIN
-    and the checkpoint folder pointed at the tiny run, plus the documented CPU override."""
+    and the checkpoint folder pointed at the tiny run, plus the documented CPU override and ``overrides``."""
     import shlex
     import subprocess
 
@@ -140,11 +137,7 @@ def test_hydra_recipes_train_as_documented(tiny_mt_data, tmp_path, recipe, key):
     command = command.replace("$PWD/DATA_BIN", str(tiny_mt_data["bin"])).replace(
         "$PWD/checkpoints", str(tmp_path / "ckpt")
     )
-    extra = [
-        f"hydra.run.dir={tmp_path}",
-        *HYDRA_TINY,
-        "task.attendout_dropout_step=2" if recipe.startswith("attendout") else "criterion.ad_drop_schedule=always",
-    ]
+    extra = [f"hydra.run.dir={tmp_path}", *HYDRA_TINY, *overrides]
     env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         ["bash", "-c", command + " " + " ".join(map(shlex.quote, extra))],
@@ -159,9 +152,37 @@ def test_hydra_recipes_train_as_documented(tiny_mt_data, tmp_path, recipe, key):
     assert "[en] dictionary" in proc.stdout and "[ro] dictionary" in proc.stdout  # the pair, read from the data-bin
     updates = re.findall(r"\[train_inner\]\[INFO\] - (\{.*\})", proc.stdout)  # hydra's log format
     assert len(updates) == 4, proc.stdout[-3000:]
+    return proc, updates
+
+
+@pytest.mark.parametrize(
+    "recipe,key", [("ad_drop_transformer", "ad_drop_rate"), ("attendout_transformer", "attendout_attacker_loss")]
+)
+def test_hydra_recipes_train_as_documented(tiny_mt_data, tmp_path, recipe, key):
+    """The command line in the recipe's header, run by bash from the repository root with DATA_BIN
+    and the checkpoint folder pointed at the tiny run, plus the documented CPU override."""
+    override = (
+        "task.attendout_dropout_step=2" if recipe.startswith("attendout") else "criterion.ad_drop_schedule=always"
+    )
+    proc, updates = _run_recipe(tiny_mt_data, tmp_path, recipe, [override])
     assert all(f'"{key}"' in u for u in updates)
     if recipe.startswith("attendout"):
         assert "AttendOut dropout step 2 (update 4)" in proc.stdout
+
+
+def test_the_attendout_recipe_is_switched_off_by_one_override(tiny_mt_data, tmp_path):
+    """task.attendout=false turns the recipe's AttendOut off: it trains plain, and the recipe's other
+    attendout_* options get one warning line naming them (fairseq-train's flags given with --attendout
+    off are still refused: tests/fairseq/test_fairseq_attendout.py)."""
+    proc, updates = _run_recipe(tiny_mt_data, tmp_path, "attendout_transformer", ["task.attendout=false"])
+    assert not any("attendout" in u for u in updates)
+    warnings = [line for line in proc.stdout.splitlines() if "leaves its regularizer off" in line]
+    assert len(warnings) == 1, proc.stdout[-3000:]
+    assert "[WARNING]" in warnings[0]
+    assert warnings[0].endswith(
+        "task.attendout=False leaves its regularizer off, so these options of it have no effect: "
+        "task.attendout_attention='encoder-self'"
+    )  # the recipe's other attendout_* values are the defaults
 
 
 def readme_block(heading):
