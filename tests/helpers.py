@@ -632,6 +632,32 @@ def tiny_llama(**config):
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
+def assert_close_to_reference(actual, reference, rtol=1e-5, msg=None, scale=None):
+    """``actual`` (float32, from the code under test) equal to ``reference``, the same quantity computed
+    another way (in float64 where the test can, else in another summation order), within float32
+    rounding on any CPU kind: ``rtol`` of each element plus ``rtol`` of ``scale``, by default the
+    reference's largest element. The second term is what a fixed ``atol`` misses: the rounding of a sum
+    (a matmul, a gradient) scales with its largest terms, so an element that cancellation made small
+    keeps the error of the large ones, and AVX2, AVX-512 and AMX kernels sum in different orders (a 1e-6
+    ``atol`` failed on a Xeon with gradients of magnitude 60: 3.1e-6, under one float32 ulp of 60). A
+    real error (a rescale off by 3e-5 of itself) is far above it."""
+    reference = reference.double()
+    if scale is None:
+        scale = float(reference.abs().max()) if reference.numel() else 0.0
+    torch.testing.assert_close(actual.double(), reference, rtol=rtol, atol=rtol * scale, msg=msg)
+
+
+def assert_all_close_to_reference(actuals, references, rtol=1e-5):
+    """:func:`assert_close_to_reference` for each pair of a step's tensors (its parameters' gradients), on
+    the scale of the largest element of any: a gradient that nearly cancels (a bias before a softmax)
+    sums terms of the size of the others, so it is as exact as they are, not as its own size."""
+    actuals, references = list(actuals), list(references)
+    assert len(actuals) == len(references)
+    scale = max((float(r.abs().max()) for r in references if r.numel()), default=0.0)
+    for i, (a, r) in enumerate(zip(actuals, references)):
+        assert_close_to_reference(a, r, rtol=rtol, msg=lambda m, i=i: f"tensor {i}: {m}", scale=scale)
+
+
 def site_with_hook(hook=None):
     """Encoder self-attention layer 0's site, holding ``hook`` (None: plain attention) and a
     ``PassRecord`` that collects what its calls hand back (``site.record.counts()``)."""

@@ -13,7 +13,16 @@ from attn_reg_plugin.core.block_rules import BernoulliRule
 from attn_reg_plugin.core.checkpointing import activation_checkpointing_paused
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.hf import install_attention_sites
-from helpers import CORE_B, CORE_D, CORE_T, CoreBlock, tiny_core_model, tiny_llama
+from helpers import (
+    CORE_B,
+    CORE_D,
+    CORE_T,
+    CoreBlock,
+    assert_all_close_to_reference,
+    assert_close_to_reference,
+    tiny_core_model,
+    tiny_llama,
+)
 
 B, T, D = CORE_B, CORE_T, CORE_D
 _model = tiny_core_model
@@ -52,7 +61,7 @@ def test_a_checkpointed_step_back_propagated_after_its_pass_equals_the_plain_one
     assert torch.equal(loss, loss_ckpt)
     for a, b in zip(grads, grads_ckpt):
         assert torch.equal(a, b)
-    torch.testing.assert_close(x_grad, x_grad_ckpt, rtol=1e-6, atol=1e-7)
+    assert_close_to_reference(x_grad_ckpt, x_grad, rtol=1e-6)
 
 
 def _two_calls_step(checkpointed, reentrant):
@@ -172,8 +181,7 @@ def test_the_controllers_reentrant_checkpoint_pauses_itself_for_the_attribution_
     loss, grads = step(False)
     loss_ckpt, grads_ckpt = step(True)
     assert torch.equal(loss, loss_ckpt)
-    for a, b in zip(grads, grads_ckpt):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert_all_close_to_reference(grads_ckpt, grads, rtol=1e-6)
 
 
 def test_pausing_restores_both_conventions():

@@ -12,7 +12,17 @@ from attn_reg_plugin.core.attention_call import EditScores
 from attn_reg_plugin.core.block_rules import call_seed, keyed_draws
 from attn_reg_plugin.core.drophead import DropHead, DropHeadConfig
 from attn_reg_plugin.core.planned_run import idle_run_warning
-from helpers import CORE_B, CORE_D, CORE_T, CoreBlock, controller_with_sites, site_with_hook, tiny_core_model
+from helpers import (
+    CORE_B,
+    CORE_D,
+    CORE_T,
+    CoreBlock,
+    assert_all_close_to_reference,
+    assert_close_to_reference,
+    controller_with_sites,
+    site_with_hook,
+    tiny_core_model,
+)
 
 
 def _draws(b, h):
@@ -44,12 +54,12 @@ def test_dropped_heads_are_zero_and_kept_heads_scaled_by_heads_over_kept():
     torch.manual_seed(7)
     drop = _drawn(3, 4, 0.4)
     assert drop.any() and not drop.all()
-    plain = F.scaled_dot_product_attention(q, k, v)
+    plain = F.scaled_dot_product_attention(*(x.double() for x in (q, k, v)))
     kept = 4 - drop.sum(-1)
     for b in range(3):
         for h in range(4):
             expected = torch.zeros_like(plain[b, h]) if drop[b, h] else plain[b, h] * (4 / kept[b])
-            torch.testing.assert_close(out[b, h], expected, rtol=1e-6, atol=1e-7)
+            assert_close_to_reference(out[b, h], expected)
     assert (int(counts[0]), int(counts[1])) == (int(drop.sum()), 12)  # counted by the kernel
 
 
@@ -60,12 +70,11 @@ def test_gradients_equal_autograd_of_the_explicit_rescaled_heads():
     grads = torch.autograd.grad(out.pow(2).sum(), [q, k, v])
     torch.manual_seed(3)
     drop = _drawn(3, 4, 0.5)
-    scale = (~drop).float() * 4 / (4 - drop.sum(-1, keepdim=True))
-    q2, k2, v2 = (x.detach().requires_grad_() for x in (q, k, v))
+    scale = (~drop).double() * 4 / (4 - drop.sum(-1, keepdim=True))
+    q2, k2, v2 = (x.detach().double().requires_grad_() for x in (q, k, v))  # the reference in float64
     weights = torch.softmax(q2 @ k2.transpose(-1, -2) / 8**0.5, -1)
     expected = torch.autograd.grad(((weights @ v2) * scale[:, :, None, None]).pow(2).sum(), [q2, k2, v2])
-    for a, b in zip(grads, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_all_close_to_reference(grads, expected)
 
 
 def test_a_sample_drawn_to_lose_every_head_keeps_its_largest_draw_scaled_by_heads():

@@ -25,7 +25,7 @@ from attn_reg_plugin.hf.hiddencut_trainer import (
     hiddencut_layers,
 )
 from attn_reg_plugin.hf.rdrop_trainer import compared_positions
-from helpers import classifier_rows, hf_tensorboard_matches_the_log, torchrun_ranks
+from helpers import assert_all_close_to_reference, classifier_rows, hf_tensorboard_matches_the_log, torchrun_ranks
 
 ALPHA = 2.0
 
@@ -465,8 +465,7 @@ def test_gradient_checkpointing_gives_the_same_loss_gradients_and_counts(family,
         loss_ck, grads_ck = one_step(trainer, batch)
         torch.testing.assert_close(loss_ck, loss, rtol=1e-5, atol=0)
         assert len(grads_ck) == len(grads)
-        for a, b in zip(grads_ck, grads):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert_all_close_to_reference(grads_ck, grads)  # summed in another order: within rounding of the largest
         assert trainer.hiddencut_stats() == plain.hiddencut_stats()
 
 
@@ -503,12 +502,16 @@ def test_t5_with_sdpa_checkpointed_gives_the_same_loss_and_gradients(tmp_path):
     (loss, grads, stats), checkpointed = results[0], results[1:]
     assert stats["hiddencut_cut"] > 0
     # Stock T5's own gradients (no HiddenCut) differ under reentrant checkpointing by up to 2.4e-4 (its
-    # backward sums in another order); non-reentrant, they are equal.
-    for (loss_ck, grads_ck, stats_ck), (rtol, atol) in zip(checkpointed, ((1e-3, 5e-4), (1e-5, 1e-7))):
+    # backward sums in another order); non-reentrant, within the rounding of the largest term (gradients
+    # reach 1e3 here, where a float32 ulp is 6e-5).
+    for (loss_ck, grads_ck, stats_ck), reentrant in zip(checkpointed, (True, False)):
         torch.testing.assert_close(loss_ck, loss, rtol=1e-5, atol=0)
         assert len(grads_ck) == len(grads) and stats_ck == stats
-        for a, b in zip(grads_ck, grads):
-            torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+        if reentrant:
+            for a, b in zip(grads_ck, grads):
+                torch.testing.assert_close(a, b, rtol=1e-3, atol=5e-4)
+        else:
+            assert_all_close_to_reference(grads_ck, grads)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
