@@ -44,10 +44,29 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """How the tests' fairseq-train and fairseq-generate runs started (tests/forked_cli.py)."""
+    """How the tests' fairseq-train, -generate and -preprocess runs started (tests/forked_cli.py)."""
     if CLI_STARTS:
         starts = ", ".join(f"{n} {how}" for how, n in CLI_STARTS.most_common())
-        terminalreporter.write_line(f"fairseq-train/-generate runs of the tests: {starts}")
+        terminalreporter.write_line(f"fairseq-train/-generate/-preprocess runs of the tests: {starts}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _forked_preprocess():
+    """attn-reg-prepare's fairseq-preprocess (``prepare.run_logged``), when the tests call ``prepare``
+    in-process, as a fork of the forked-CLI server (helpers.run_logged_forked: the same command, log
+    and failure message) instead of a fresh start, 5 s of imports each. The command itself
+    (tests/test_prepare.py's ``attn-reg-prepare`` runs) keeps its own Popen."""
+    from attn_reg_plugin import prepare
+
+    real = prepare.run_logged
+
+    def logged(cmd, log_path, on_line=None, env=None, append=False):
+        seconds = None if env else run_logged_forked(cmd, log_path, on_line, append)
+        return real(cmd, log_path, on_line, env, append) if seconds is None else seconds
+
+    prepare.run_logged = logged
+    yield
+    prepare.run_logged = real
 
 
 _LEFT_GROUP = []  # the test that left a process group in pytest's process, once said

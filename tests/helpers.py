@@ -178,7 +178,7 @@ class ForkedCli:
 
 
 FORKED_CLI = ForkedCli()
-FORKABLE = ("fairseq-train", "fairseq-generate")
+FORKABLE = ("fairseq-train", "fairseq-generate", "fairseq-preprocess")
 
 
 def run_cli(name, args, cwd=None, expect_ok=True, timeout=300, input=None):
