@@ -11,6 +11,8 @@ that run :func:`main` with the JSON ``plan`` file (:func:`write_plan`):
 - ``hyps``: "<cell>/seed<S>/<split>" substring (the first that matches) -> how hypotheses read: "ref" (the reference), "drop:K"
   (every K-th word dropped), "long" (the reference five times), "junk", "MODE<N" (the reference
   for the first N sentences, MODE for the rest); ``refs``: the references.
+- ``fail``: "<cell>/seed<S>/<train, valid or test>" substrings: that child raises a Python error
+  and exits 1 (a run that fails in training, or after training when it translates).
 
 A checkpoint is a JSON file ``{"epoch": next epoch, "updates": n}``: like fairseq, train resumes
 from ``checkpoint_last.pt`` and says so ("Loaded checkpoint ... (epoch N @ U updates)").
@@ -116,6 +118,14 @@ def generate(plan: dict, args) -> None:
         )
 
 
+def _fail_if_planned(plan: dict, mode: str, args) -> None:
+    path = Path(_value(args, "--save-dir") if mode == "train" else Path(_value(args, "--path")).parent)
+    key = f"{path.parent.parent.name}/{path.parent.name}/{'train' if mode == 'train' else _value(args, '--gen-subset')}"
+    if any(part in key for part in plan.get("fail", [])):
+        sys.exit(f"RuntimeError: the stand-in fairseq-{mode} fails {key}, as planned")
+
+
 def main(mode: str, plan_path: str, args) -> None:
     plan = json.loads(Path(plan_path).read_text(encoding="utf-8"))
+    _fail_if_planned(plan, mode, args)
     (train if mode == "train" else generate)(plan, args)

@@ -11,7 +11,9 @@ fairseq children (tests/fake_fairseq.py), and its statistics on hand-made record
 
 import json
 import math
+import os
 import re
+import sys
 from pathlib import Path
 
 import fake_fairseq
@@ -627,3 +629,161 @@ def test_a_method_that_never_acted_or_a_diverged_plain_is_not_compared(fake, tmp
     assert compare.main(fake["argv"](tmp_path / "b", methods="plain,r-drop", seeds="1")) == 0
     (verdict,) = json.loads((tmp_path / "b" / "results.json").read_text())["verdicts"]
     assert verdict.startswith("r-drop: not compared: plain diverged (seed 1: valid loss 50 at epoch 1")
+
+
+# -- a run's identity, failed runs, an earlier command's jobs (stand-in children and launcher) -----
+def test_a_run_started_with_other_arguments_is_refused_naming_both(fake, tmp_path, capsys):
+    """A named row stopped after training, before scoring (here its translation fails), then the same
+    row with another alpha: refused before anything runs, naming both command lines (it was scored
+    as trained with the new alpha). The same arguments again score it without training it again."""
+    out = tmp_path / "cmp"
+    fake["plan"](fail=["myrow/seed1/valid"])
+    first = fake["argv"](out, "--method-args", "r-drop:myrow=--rdrop-alpha 1", methods="plain,r-drop", seeds="1")
+    with pytest.raises(RuntimeError, match="fairseq-generate failed"):
+        compare.main(first)
+    seed_dir = out / "runs" / "myrow" / "seed1"
+    assert (seed_dir / "trained.json").exists() and not (seed_dir / "result.json").exists()
+    assert fake["calls"]["fairseq-train"] == 2
+    fake["plan"]()
+    capsys.readouterr()
+    other = fake["argv"](out, "--method-args", "r-drop:myrow=--rdrop-alpha 3", methods="plain,r-drop", seeds="1")
+    with pytest.raises(SystemExit) as stop:
+        compare.main(other)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert f"{seed_dir} was started with other fairseq-train arguments (1 then, 3 now): it was `" in err
+    assert "--rdrop-alpha 1 --max-epoch 3" in err and "--rdrop-alpha 3 --max-epoch 3" in err
+    assert fake["calls"] == {"fairseq-train": 2, "fairseq-generate": 3} and not (seed_dir / "result.json").exists()
+    assert compare.main(first) == 0
+    assert fake["calls"]["fairseq-train"] == 2  # trained earlier: only scored
+    assert json.loads((seed_dir / "result.json").read_text())["cell"]["args"][-2:] == ["--rdrop-alpha", "1"]
+
+
+class LocalJob:
+    """A submitit job of :class:`InProcessExecutor`: run at once, in this process (the stand-in
+    children's monkeypatches hold); its Python error in its log, as submitit writes it."""
+
+    def __init__(self, folder: Path, index: int, fn, args, run: bool):
+        self.job_id, self.state = f"990{index}_0", "PENDING"
+        self.paths = type("Paths", (), {"stderr": folder / f"{index}_0_log.err"})
+        folder.mkdir(parents=True, exist_ok=True)
+        if run:
+            try:
+                fn(*args)
+                self.state, log = "COMPLETED", ""
+            except Exception as e:
+                self.state, log = "FAILED", f"Traceback (most recent call last):\n{type(e).__name__}: {e}\n"
+            self.paths.stderr.write_text(log)
+
+    def done(self):
+        return self.state != "PENDING"
+
+    def get_info(self, mode="standard"):
+        return {"State": self.state}
+
+    def cancel(self, check=True):
+        self.state = "CANCELLED"
+
+
+class SlurmJob(LocalJob):
+    """A Slurm job that stays queued (an earlier command's, still PENDING for sacct)."""
+
+
+class InProcessExecutor:
+    """submitit's executors in the launcher's place: local jobs run at once; Slurm jobs stay queued."""
+
+    def __init__(self, opts):
+        self.folder, self.slurm, self.jobs = opts.out_dir / "jobs", opts.launcher == "slurm", []
+
+    def batch(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def submit(self, fn, *args):
+        job = (SlurmJob if self.slurm else LocalJob)(self.folder, len(self.jobs), fn, args, not self.slurm)
+        self.jobs.append(job)
+        return job
+
+
+@pytest.fixture()
+def stand_in_launcher(monkeypatch, tmp_path):
+    """The launcher's executor in this process, and a ``sacct`` on PATH that says each job PENDING."""
+    from attn_reg_plugin.sweep import launcher
+
+    monkeypatch.setattr(launcher, "_executor", InProcessExecutor)
+    monkeypatch.setattr("os.cpu_count", lambda: 4)  # --jobs 2 on any machine
+    sacct = tmp_path / "slurm-bin" / "sacct"
+    sacct.parent.mkdir()
+    script = 'import sys\nids = [a for i, a in enumerate(sys.argv) if sys.argv[i - 1] == "-j"]\n'
+    script += 'print("JobID|State|NodeList")\nprint("\\n".join(f"{i}_0|PENDING|" for i in ids))\n'
+    sacct.write_text(f"#!{sys.executable}\n{script}")
+    sacct.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{sacct.parent}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_failed_runs_are_named_and_each_comparison_says_what_it_lacks(fake, tmp_path, stand_in_launcher):
+    """--jobs 2: every plain run fails (it crashed the report in the paired statistics), then only
+    DropKey's seed 2: the results are written each time, the failed runs named, and each verdict
+    says which of its runs is missing."""
+    out = tmp_path / "cmp"
+    fake["plan"](fail=["plain/", "dropkey/seed2/train"])
+    argv = fake["argv"](out, "--jobs", "2", methods="plain,r-drop,dropkey", seeds="1,2")
+    assert compare.main(argv) == 1
+    results = json.loads((out / "results.json").read_text())
+    failed = [(f["name"], f["seed"], f["state"]) for f in results["failed_runs"]]
+    assert sorted(failed) == [("dropkey", 2, "FAILED"), ("plain", 1, "FAILED"), ("plain", 2, "FAILED")]
+    assert all(f["error"].startswith("RuntimeError: the stand-in fairseq-train fails") for f in results["failed_runs"])
+    verdicts = {v.split(": ", 1)[0]: v for v in results["verdicts"]}
+    plain_1 = next(f for f in results["failed_runs"] if f["name"] == "plain" and f["seed"] == 1)
+    assert verdicts["r-drop"].startswith(
+        f"r-drop: not compared: plain's run at seed 1 failed (job {plain_1['job']}, FAILED): seed 1 is not compared; "
+        "plain's run at seed 2 failed"
+    )
+    assert "dropkey's run at seed 2 failed" in verdicts["dropkey"]
+    report = (out / "results.md").read_text()
+    assert f"- plain seed 1: job {plain_1['job']} FAILED: RuntimeError: the stand-in" in report
+    assert [m["name"] for m in results["methods"]] == ["r-drop", "dropkey"] and (out / "compare.png").exists()
+
+    fake["plan"](fail=["dropkey/seed2/train"])
+    assert compare.main(argv) == 1  # plain's runs again, and DropKey's seed 2, which fails again
+    results = json.loads((out / "results.json").read_text())
+    verdicts = {v.split(": ", 1)[0]: v for v in results["verdicts"]}
+    assert verdicts["r-drop"].startswith("r-drop: not distinguishable from plain at 2 seeds")
+    assert "failed" not in verdicts["r-drop"]
+    assert verdicts["dropkey"].startswith("dropkey: not distinguishable from plain at 1 seed")
+    assert (
+        verdicts["dropkey"].endswith(": seed 2 is not compared")
+        and "dropkey's run at seed 2 failed" in verdicts["dropkey"]
+    )
+
+
+def test_runs_an_earlier_commands_slurm_jobs_hold_are_neither_run_again_nor_rerun_otherwise(
+    fake, tmp_path, stand_in_launcher, capsys
+):
+    """--launcher slurm --detach, its jobs still queued: the same command with --launcher local is
+    refused naming them (it trained them a second time into the same folders), and so is one that
+    would run a queued row with other arguments (its job would have scored that row's old ones)."""
+    out = tmp_path / "cmp"
+    row = ["--method-args", "r-drop:myrow=--rdrop-alpha 1"]
+    assert (
+        compare.main(fake["argv"](out, *row, "--launcher", "slurm", "--detach", methods="plain,r-drop", seeds="1")) == 0
+    )
+    jobs = json.loads((out / "jobs.json").read_text())
+    assert sorted(jobs) == ["myrow/seed1", "plain/seed1"]
+    capsys.readouterr()
+    for extra in ([], ["--jobs", "2"]):
+        with pytest.raises(SystemExit) as stop:
+            compare.main(fake["argv"](out, *row, *extra, methods="plain,r-drop", seeds="1"))
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert "--launcher local: 2 of this command's run(s) are Slurm jobs an earlier command submitted" in err
+        assert (
+            f"myrow/seed1 (job {jobs['myrow/seed1']}, PENDING), plain/seed1 (job {jobs['plain/seed1']}, PENDING)" in err
+        )
+    other = ["--method-args", "r-drop:myrow=--rdrop-alpha 3", "--launcher", "slurm"]
+    with pytest.raises(SystemExit):
+        compare.main(fake["argv"](out, *other, methods="plain,r-drop", seeds="1"))
+    assert "seed1 was started with other fairseq-train arguments (1 then, 3 now)" in capsys.readouterr().err
+    assert fake["calls"] == {"fairseq-train": 0, "fairseq-generate": 0}
+    assert json.loads((out / "jobs.json").read_text()) == jobs

@@ -177,8 +177,10 @@ def test_stopping_the_command_cancels_its_jobs(tiny_mt_data, tmp_path, one_threa
 
 
 @needs_slurm
-def test_detach_leaves_the_jobs_and_the_same_command_collects_them(tiny_mt_data, tmp_path, one_thread):
-    """Also: the job's options reach Slurm (squeue shows the time limit and an sbatch option given)."""
+def test_detach_leaves_the_jobs_and_the_same_command_collects_them(tiny_mt_data, tmp_path, capsys, one_thread):
+    """Also: the job's options reach Slurm (squeue shows the time limit and an sbatch option given),
+    and the same command with --launcher local, while the jobs run, is refused naming them (it
+    trained the runs a second time, into the same folders)."""
     out = tmp_path / "cmp"
     sbatch = ["--slurm-sbatch=--comment=attn-reg-test"]  # with '=': argparse reads a lone --word as an option
     argv = _compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1, *SLURM, *sbatch)
@@ -186,6 +188,12 @@ def test_detach_leaves_the_jobs_and_the_same_command_collects_them(tiny_mt_data,
     assert compare.main([*argv[: argv.index("--")], "--detach", *argv[argv.index("--") :]]) == 0
     assert time.time() - started < 30 and not (out / "results.json").exists()  # it did not wait
     jobs = json.loads((out / "jobs.json").read_text())
+    with pytest.raises(SystemExit) as local:
+        compare.main(_compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1))
+    assert local.value.code == 2
+    assert f"run(s) are Slurm jobs an earlier command submitted ({out / 'jobs.json'}), still queued or running" in (
+        capsys.readouterr().err
+    )
     queued = subprocess.run(
         ["squeue", "-h", "-r", "-j", next(iter(jobs.values())).split("_")[0], "-o", "%i %l %k"],
         capture_output=True, text=True, check=True,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import textwrap
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .methods import METHODS
 from .paired import (
@@ -53,10 +53,20 @@ def _translated_seeds(record: dict) -> set:
     return {run["seed"] for run in record["runs"] if run.get("test") is not None}
 
 
-def method_summary(record: dict, plain: dict, out: Path, tokenize: str) -> dict:
-    """One method's row: its metrics over seeds, differences to plain, per-seed tests and verdict."""
+def failed_notes(name: str, failed: List[dict]) -> List[str]:
+    """What the comparison of row ``name`` with plain lacks: each run of either whose job failed."""
+    return [
+        f"{f['name']}'s run at seed {f['seed']} failed (job {f['job']}, {f['state']}): seed {f['seed']} is not compared"
+        for f in failed
+        if f["name"] in (name, "plain")
+    ]
+
+
+def method_summary(record: dict, plain: Optional[dict], out: Path, tokenize: str, failed: Sequence[dict] = ()) -> dict:
+    """One method's row: its metrics over seeds, differences to plain, per-seed tests and verdict
+    (``plain`` None when none of its runs finished: every job failed, ``failed`` names them)."""
     values = {key: per_seed(record, key) for key, *_ in METRICS}
-    base = {key: per_seed(plain, key) for key, *_ in METRICS}
+    base = {key: per_seed(plain, key) if plain is not None else {} for key, *_ in METRICS}
     summary = {
         "name": record["name"],
         "method": record["cell"]["method"],
@@ -68,12 +78,12 @@ def method_summary(record: dict, plain: dict, out: Path, tokenize: str) -> dict:
     if record is plain:
         return summary
     summary["differences"] = {key: paired_difference(values[key], base[key]) for key in values}
-    summary["paired_tests"] = paired_tests(record, plain, out, tokenize)
+    summary["paired_tests"] = paired_tests(record, plain, out, tokenize) if plain is not None else {}
     plain_bleu = spread(list(base["test_bleu"].values()))["mean"]
-    own = summary["flags"] + [f"plain {f}" for f in flags(plain, plain)]
-    summary["verdict"] = verdict(
-        record["name"], summary["differences"], summary["paired_tests"], own, cautions(record, plain, plain_bleu)
-    )
+    missing = summary["missing_runs"] = failed_notes(record["name"], list(failed))
+    own = summary["flags"] + ([f"plain {f}" for f in flags(plain, plain)] if plain is not None else missing)
+    notes = cautions(record, plain, plain_bleu) + (missing if plain is not None else [])
+    summary["verdict"] = verdict(record["name"], summary["differences"], summary["paired_tests"], own, notes)
     return summary
 
 
@@ -124,7 +134,7 @@ def write_comparison(records: List[dict], opts, started: float, log: Callable[[s
     """results.md, results.json and compare.png of every method in ``records``; logs the tables."""
     out: Path = opts.out_dir
     plain = plain_of(records)
-    summaries = [method_summary(r, plain, out, opts.tokenize) for r in ordered(records)]
+    summaries = [method_summary(r, plain, out, opts.tokenize, opts.failed_runs) for r in ordered(records)]
     seeds = sorted({s for r in records for s in r["seeds"]})
     title = (
         f"Regularizers against plain, {opts.source_lang}→{opts.target_lang}, {opts.epochs} "
@@ -132,6 +142,9 @@ def write_comparison(records: List[dict], opts, started: float, log: Callable[[s
     )
     drawn = draw(summaries, out / "compare.png", title, log)
     verdicts = [s["verdict"] for s in summaries if "verdict" in s]
+    recorded = {r["name"] for r in records} | {"plain"}  # a row none of whose runs finished: its failures
+    unrecorded = dict.fromkeys(f["name"] for f in opts.failed_runs if f["name"] not in recorded)
+    verdicts += [f"{name}: not compared: " + "; ".join(failed_notes(name, opts.failed_runs)) for name in unrecorded]
     translated = [run["test"] for r in records for run in r["runs"] if run.get("test") is not None]
     reference = translated[0]["reference"] if translated else "the test references (no run was translated)"
     # A row's name is the user's, or a short form of its options (':' left out): its method and
@@ -174,6 +187,7 @@ def _wrapped(title: str, width: int = PANEL_TITLE_CHARACTERS) -> str:
 def _no_points(ax, x: int, summary: dict) -> None:
     """Say at ``x`` why a row has nothing to draw: it diverged, or it shares no seed with plain."""
     why = "diverged" if any(f.startswith("diverged") for f in summary["flags"]) else "no seed in common"
+    why = "run failed" if why != "diverged" and summary.get("missing_runs") else why
     ax.annotate(why, (x, 0.5), xycoords=("data", "axes fraction"), ha="center", va="center", rotation=90, color="C3")
 
 

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .options import SweepError, cell_name
 from .report import write_json
-from .runs import finished_result, run_cells, run_dir, run_seed
+from .runs import claim_run, finished_result, identity_conflict, run_cells, run_dir, run_identity, run_seed
 
 POLL_SECONDS = 2.0
 JOB_LOG_LINES = 15  # of a failed job's log, in results.json
@@ -87,17 +87,24 @@ def _executor(opts):
 
 
 def launch(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) -> Optional[List[dict]]:
-    """Run what is missing as jobs and wait for them (local ``--jobs 1``: nothing here, the command
-    runs them itself). Returns the failed runs (name, seed, job, state, its log's last lines), or
-    None when the command runs them itself or ``--detach`` left them running."""
+    """Run what is missing as jobs and wait for them (local ``--jobs 1``: the command runs them
+    itself). First refused, as :class:`SweepError`: a run folder started with other arguments
+    (:func:`runs.identity_conflict`), and with ``local`` a run an earlier command's Slurm job still
+    holds. Returns the failed runs (name, seed, job, state, its log's last lines), or None when the
+    command runs them itself or ``--detach`` left them running."""
+    missing = missing_runs(cells, opts, settings)
+    conflicts = [identity_conflict(run_dir(opts.out_dir, *run), run_identity(*run, opts)) for run in missing]
+    if any(conflicts):  # a folder started with other arguments: refused before anything runs
+        raise SweepError("; ".join(c for c in conflicts if c))
+    jobs = _under_way(opts, missing, log)
     if opts.launcher == "local" and opts.jobs == 1:
         return None
-    missing = missing_runs(cells, opts, settings)
-    jobs = _under_way(opts, missing, log)
     queued = [run for run in missing if _key(*run) not in jobs]
     executor = _executor(opts)
     if opts.launcher == "slurm" and queued:
         submitted = _submit_array(executor, queued, opts, settings)
+        for cell, seed in queued:  # queued is started: a later command with other arguments is refused
+            claim_run(run_dir(opts.out_dir, cell, seed), run_identity(cell, seed, opts))
         jobs.update({_key(*run): job for run, job in zip(queued, submitted)})
         _record_jobs(opts.out_dir, jobs)
         array = submitted[0].job_id.split("_")[0]
@@ -150,11 +157,26 @@ def _under_way(opts, missing: List[Tuple[dict, int]], log: Callable[[str], None]
     wanted = {_key(*run) for run in missing} & set(recorded)
     if not wanted:
         return {}
-    import submitit
-
+    try:
+        import submitit
+    except ImportError:  # --launcher local without the cluster extra: it cannot ask Slurm about them
+        raise SweepError(
+            f"{opts.out_dir / 'jobs.json'} names run(s) of this command as Slurm jobs an earlier command submitted ("
+            + ", ".join(f"{k}: job {recorded[k]}" for k in sorted(wanted))
+            + "): collect them with --launcher slurm (pip install 'attn_reg_plugin[cluster]'), or delete jobs.json "
+            "once they have ended"
+        ) from None
     jobs = {key: submitit.SlurmJob(folder=opts.out_dir / "jobs", job_id=recorded[key]) for key in sorted(wanted)}
     submitit.SlurmJob.watcher.update()  # one sacct call for them all
     alive = {key: job for key, job in jobs.items() if job.state.upper() in UNFINISHED_STATES}
+    if alive and opts.launcher == "local":  # it would train them a second time, into the same folders
+        raise SweepError(
+            f"--launcher local: {len(alive)} of this command's run(s) are Slurm jobs an earlier command submitted "
+            f"({opts.out_dir / 'jobs.json'}), still queued or running as sacct says: "
+            + ", ".join(f"{k} (job {j.job_id}, {j.state})" for k, j in alive.items())
+            + ". Collect them with the same command and --launcher slurm (it waits for them), or wait for "
+            "them to end (or scancel them) and run this command again"
+        )
     if alive:
         log(
             f"waiting for {len(alive)} run(s) an earlier command submitted: "

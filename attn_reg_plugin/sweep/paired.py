@@ -128,14 +128,14 @@ def _side(d: dict, higher_is_better: bool) -> int:
     return 1 if (d["ci"][0] > 0) == higher_is_better else -1
 
 
-def cautions(record: dict, plain: dict, plain_bleu: Optional[float]) -> List[str]:
+def cautions(record: dict, plain: Optional[dict], plain_bleu: Optional[float]) -> List[str]:
     """What weakens any verdict on ``record`` against ``plain`` (the sweep's notions, verdict.py):
     plain's test BLEU near 0, hypotheses far from the references' length (valid split)."""
     out = []
     if plain_bleu is not None and plain_bleu < NEAR_ZERO_BLEU:
         out.append(f"plain's test BLEU is {plain_bleu:.2f}: the models do not translate yet, BLEU says little")
     low, high = LENGTH_RATIO_RANGE
-    for r in (plain, record):
+    for r in (plain or {}, record):  # no plain: none of its runs finished
         ratio = r.get("length_ratio")
         if ratio is not None and not low <= ratio <= high:
             out.append(

@@ -4,6 +4,7 @@ checkpoint, and the record of every cell."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -55,6 +56,49 @@ def train_command(cell: dict, seed: int, opts, save_dir: Path) -> List[str]:
         "--source-lang", opts.source_lang, "--target-lang", opts.target_lang, *method,
         "--max-epoch", str(opts.epochs), "--seed", str(seed), "--save-dir", str(save_dir), *logging, *keep,
     ]  # fmt: skip
+
+
+# -- a run's identity -----------------------------------------------------------------------------
+IDENTITY_FILE = "command.json"  # in the run's folder: the fairseq-train command line it was started with
+RUN_FOLDER = "<run>"  # the run's folder in an identity: the same run in a moved or copied --out-dir
+
+
+def run_identity(cell: dict, seed: int, opts) -> List[str]:
+    """What a run is: its whole fairseq-train command line (without the executable, the run's folder
+    as ``<run>``, without a Slurm job's per-rank options)."""
+    return train_command(cell, seed, opts, Path(RUN_FOLDER) / "checkpoints")
+
+
+def identity_conflict(seed_dir: Path, identity: Sequence[str]) -> Optional[str]:
+    """Why ``seed_dir`` cannot be run as ``identity``: it was started (trained, or queued as a job)
+    with another command line, both named and what differs; None when it was not, or with this one."""
+    path = seed_dir / IDENTITY_FILE
+    if not path.exists():
+        return None
+    recorded = json.loads(path.read_text(encoding="utf-8"))["command"]
+    if recorded == list(identity):
+        return None
+    import difflib
+
+    pairs = difflib.SequenceMatcher(a=recorded, b=list(identity), autojunk=False).get_opcodes()
+    then = [" ".join(recorded[i1:i2]) or "(nothing)" for tag, i1, i2, _, _ in pairs if tag != "equal"]
+    now = [" ".join(identity[j1:j2]) or "(nothing)" for tag, _, _, j1, j2 in pairs if tag != "equal"]
+    return (
+        f"{seed_dir} was started with other fairseq-train arguments ({'; '.join(then)} then, {'; '.join(now)} "
+        f"now): it was `{shlex.join(recorded)}`, this command's is `{shlex.join(identity)}`. Rerun with the "
+        "same options to resume it, name this row otherwise (--method-args METHOD:ROW=ARGS), use another "
+        f"--out-dir, or delete {seed_dir} to train it anew"
+    )
+
+
+def claim_run(seed_dir: Path, identity: Sequence[str]) -> None:
+    """Record ``identity`` as the run's before it is trained or queued; :class:`SweepError` when the
+    folder was started with another (:func:`identity_conflict`)."""
+    conflict = identity_conflict(seed_dir, identity)
+    if conflict is not None:
+        raise SweepError(conflict)
+    if not (seed_dir / IDENTITY_FILE).exists():
+        write_json(seed_dir / IDENTITY_FILE, {"command": list(identity)})
 
 
 # -- one run --------------------------------------------------------------------------------------
@@ -218,6 +262,7 @@ def run_seed(
         saved = json.loads(result_path.read_text(encoding="utf-8"))
         if saved.get("settings") == settings and saved.get("cell") == cell:
             return saved
+    claim_run(seed_dir, run_identity(cell, seed, opts))  # a folder trained with other arguments is refused
     if not (seed_dir / "trained.json").exists():
         _train(cell, seed, opts, seed_dir, log, distributed)
     trained = json.loads((seed_dir / "trained.json").read_text(encoding="utf-8"))
