@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -244,6 +245,85 @@ def test_two_ranks_per_job_form_one_ddp_group(tiny_mt_data, tmp_path, one_thread
     assert together["ad_drop_on"] == "1" and abs(float(together["ad_drop_rate"]) - float(alone["ad_drop_rate"])) < 0.002
 
 
+def _requeue_then_release(out: Path, run: Path, key: str, done: threading.Event) -> None:
+    """After the run's next epoch, USR2 to its job as Slurm's time-limit signal sends it (scancel
+    --signal: the same signal to the same processes); once requeued, its begin time (Slurm holds a
+    requeued job about 2 minutes) set to now."""
+    job = None
+    try:  # Slurm's own signal may come first
+        _wait_for(lambda: "Loaded checkpoint" in (run / "train.log").read_text(), "the resumed run")
+        job = json.loads((out / "jobs.json").read_text())[key]
+        log = (run / "train.log").read_text()
+        _wait_for(lambda: (run / "train.log").read_text().count("| train | ") > log.count("| train | "), "an epoch")
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    except AssertionError:
+        pass
+    job = job or json.loads((out / "jobs.json").read_text())[key]
+
+    def held():
+        states = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True, text=True).stdout
+        return "PENDING BeginTime" in states
+
+    while not done.is_set():  # every requeue of the run, released at once
+        if held():
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+        time.sleep(1)
+
+
+@needs_slurm
+def test_a_run_longer_than_the_time_limit_saves_is_requeued_and_completes(tiny_mt_data, tmp_path, one_thread):
+    """--slurm-time 1, Slurm's least, for a run longer than one job. Slurm signals a job 15 s before
+    its limit (submitit's default, 90 s, is longer than the whole job: it ended every run in 3-5 s,
+    FAILED), within its 30-s resolution; fairseq-train saves checkpoint_last.pt there and exits.
+    With --slurm-max-requeues 0 that ends the run, named TIMEOUT. The same command again submits it:
+    it resumes from the checkpoint saved at the signal; signalled once more (by the test, after an
+    epoch, so that it happens whatever the node's speed) it is requeued as the same job (sacct's
+    Restarts), resumes again and completes."""
+    out, cell = tmp_path / "sweep", "p0.5_q0.5_ga_layers-all_always"
+    run = out / "runs" / cell / "seed1"
+    argv = [
+        str(tiny_mt_data["bin"]), "--out-dir", str(out), "--p", "0.5", "--q", "0.5", "--schedule", "always",
+        "--epochs", "40", "--launcher", "slurm", "--slurm-time", "1", "--", *TINY_MT_TRAIN,
+    ]  # fmt: skip
+    end = argv.index("--")
+    lines = []
+    assert sweep_main([*argv[:end], "--slurm-max-requeues", "0", *argv[end:]], log=lines.append) == 1
+    job = json.loads((out / "jobs.json").read_text())[f"{cell}/seed1"]
+    text = "\n".join(lines)
+    assert f"{cell}/seed1: FAILED (job {job}, TIMEOUT (after 0 requeue(s) at the 1-minute limit)" in text, text
+    saved = "attn_reg: saved checkpoint_last.pt on the job's time-limit signal"
+    assert saved in (run / "train.log").read_text()
+    first = json.loads((run / "attempts.json").read_text())
+    assert [a["end"] for a in first] == [
+        "saved at the Slurm job's time limit, not requeued: --slurm-max-requeues spent"
+    ]
+    assert first[0]["seconds"] < 60
+
+    lines = []
+    done = threading.Event()
+    helper = threading.Thread(target=_requeue_then_release, args=(out, run, f"{cell}/seed1", done), daemon=True)
+    helper.start()
+    try:
+        assert sweep_main([*argv[:end], "--slurm-max-requeues", "5", *argv[end:]], log=lines.append) == 0, lines
+    finally:
+        done.set()
+    job = json.loads((out / "jobs.json").read_text())[f"{cell}/seed1"]
+    ends = [a["end"] for a in json.loads((run / "attempts.json").read_text())[1:]]
+    assert ends[-1] == "finished" and set(ends[:-1]) == {"saved and requeued at the Slurm job's time limit"}, ends
+    # A job signalled while its fairseq-train still starts (before it resumed) ends it unsaved: the
+    # next resumes from the same checkpoint.
+    log = (run / "train.log").read_text()
+    assert log.count(saved) >= 2 and log.count("Loaded checkpoint") >= 2
+    result = json.loads((run / "result.json").read_text())
+    assert result["epochs"] == 40 and len(result["resumed_at_epochs"]) >= 2
+    md = (out / "results.md").read_text()
+    assert f"- {cell} seed 1: resumed at epoch " in md and "give --rebuild-batches after '--'" in md
+    rows = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "State,Restarts", "-j", job.split("_")[0]], capture_output=True, text=True
+    ).stdout.split()
+    assert rows == [f"COMPLETED|{len(ends) - 1}"] and len(ends) >= 2, rows
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="--jobs 2 needs 2 cores")
 def test_local_jobs_run_at_once(tiny_mt_data, tmp_path, one_thread):
     """--launcher local --jobs 2: the two runs train at the same time (submitit's local jobs), and are
@@ -271,6 +351,8 @@ def test_local_jobs_run_at_once(tiny_mt_data, tmp_path, one_thread):
         (["--detach"], "--detach: options of --launcher slurm"),
         (["--launcher", "slurm", "--jobs", "2"], "--jobs is --launcher local's"),
         (["--launcher", "slurm", "--slurm-time", "0"], "--slurm-time must be an integer >= 1, got 0"),
+        (["--launcher", "slurm", "--slurm-max-requeues", "-1"], "--slurm-max-requeues must be an integer >= 0"),
+        (["--slurm-max-requeues", "1"], "--slurm-max-requeues: options of --launcher slurm"),
         (
             ["--launcher", "slurm", "--slurm-array-parallelism", "0"],
             "--slurm-array-parallelism must be an integer >= 1",
@@ -290,6 +372,52 @@ def test_bad_launcher_options_are_refused_before_anything_runs(tiny_mt_data, tmp
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_several_ranks_without_gpus_or_cpu_are_refused_before_anything_runs(tiny_mt_data, tmp_path, capsys):
+    """Without --cpu fairseq's ranks take nccl, which a node without GPUs lacks: every job failed
+    in 5 s ("Distributed package doesn't have NCCL built in") and collecting resubmitted them."""
+    out = tmp_path / "cmp"
+    gpu_train = [a for a in TINY_MT_TRAIN if a != "--cpu"]
+    argv = [
+        str(tiny_mt_data["bin"]),
+        "--out-dir",
+        str(out),
+        "--methods",
+        "plain,dropkey",
+        "--seeds",
+        "1",
+        "--epochs",
+        "1",
+    ]
+    with pytest.raises(SystemExit) as stop:
+        compare.main([*argv, "--launcher", "slurm", "--slurm-tasks-per-node", "2", "--", *gpu_train])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--slurm-tasks-per-node 2 without GPUs: give --slurm-gpus-per-node" in err and "--cpu" in err, err
+    assert not out.exists()
+
+
+def test_a_run_of_another_world_size_in_the_same_out_dir_is_refused(tiny_mt_data, tmp_path, capsys, monkeypatch):
+    """The ranks per run are a setting (sweep.json, results.json's settings): an update sums every
+    rank's batches, so 2 ranks are not the 1-rank runs an out-dir holds."""
+    from attn_reg_plugin.sweep import launcher
+
+    monkeypatch.setattr(compare, "launch_and_collect", lambda *a: None)  # settings recorded, nothing run
+    out = tmp_path / "cmp"
+    ddp = ["--ddp-backend", "legacy_ddp"]
+    assert compare.main([*_compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1), *ddp]) == 0
+    saved = json.loads((out / "sweep.json").read_text())
+    assert saved.pop("world_size") == 1
+    (out / "sweep.json").write_text(json.dumps(saved))  # an out-dir made before world_size was recorded: 1 rank
+    assert compare.main([*_compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1), *ddp]) == 0
+    submitted = []
+    monkeypatch.setattr(launcher, "_submit_array", lambda *a: submitted.append(a))
+    ranks = ["--launcher", "slurm", "--slurm-tasks-per-node", "2"]
+    with pytest.raises(SystemExit) as stop:
+        compare.main([*_compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1, *ranks), *ddp])
+    assert stop.value.code == 2 and not submitted
+    assert "world_size: 1 then, 2 now" in capsys.readouterr().err
 
 
 def test_help_shows_the_launcher_options(capsys):

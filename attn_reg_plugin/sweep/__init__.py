@@ -57,6 +57,7 @@ from ..paths import OutputOverwritesInputError, check_outputs_spare_inputs
 from .fairseq_check import check_fairseq_args
 from .heatmap import heatmap
 from .launcher import launch_and_collect
+from .launcher_options import with_world_size, world_size
 from .options import (
     OWNED,
     POST_PROCESS,
@@ -178,6 +179,8 @@ def sweep_settings(opts) -> dict:
         "generate_args": opts.generate_args,
         "max_len_a": opts.max_len_a,
         "max_len_b": opts.max_len_b,
+        # fairseq-train ranks per run: an update sums every rank's batches, so another world size is another run
+        "world_size": world_size(opts),
     }
 
 
@@ -186,7 +189,7 @@ def _check_same_settings(out: Path, settings: dict) -> None:
     settings_path = out / "sweep.json"
     if not settings_path.exists():
         return
-    saved = json.loads(settings_path.read_text(encoding="utf-8"))
+    saved = with_world_size(json.loads(settings_path.read_text(encoding="utf-8")))
     if saved != settings:
         keys = [k for k in dict.fromkeys([*saved, *settings]) if saved.get(k) != settings.get(k)]
         differences = "; ".join(f"{k}: {saved.get(k)!r} then, {settings.get(k)!r} now" for k in keys)

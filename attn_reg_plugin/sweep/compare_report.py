@@ -20,7 +20,7 @@ from .paired import (
     spread,
     verdict,
 )
-from .report import _versions, failed_lines, write_json
+from .report import _versions, failed_lines, run_lines, write_json
 from .verdict import flags, plain_of
 
 # A panel title's line, in characters: a third of compare.png's width at matplotlib's default font.
@@ -154,7 +154,8 @@ def write_comparison(records: List[dict], opts, started: float, log: Callable[[s
         for s in summaries
     ]
     lines = [f"{title}, on {opts.data_bin}", "", *tables(summaries), "", "Each row's own fairseq-train options:"]
-    lines += [*options, "", "Verdicts:", *(f"- {v}" for v in verdicts), *failed_lines(opts.failed_runs)]
+    lines += [*options, "", "Verdicts:", *(f"- {v}" for v in verdicts)]
+    lines += run_lines(records, records[0]["settings"]) + failed_lines(opts.failed_runs)
     lines += [
         "",
         f"BLEU and chrF: sacrebleu on detokenized fairseq-generate output (beam {opts.beam}) vs {reference}; "

@@ -28,6 +28,8 @@ JOB_LOG_LINES = 15  # of a failed job's log, in results.json
 FINAL_STATE_SECONDS = 30.0
 # A Python exception's line in a job's log (the last one says why the run failed).
 PYTHON_ERROR = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Stopped)\b: ")
+# submitit's last word on a checkpointable job whose requeues ran out (sacct says FAILED).
+TIMED_OUT = "Job not requeued because: timed-out too many times"
 # Still queued or running, as sacct says (submitit's own list); UNKNOWN too: sacct can lag a job
 # submitted a moment ago, and resubmitting a live run would train it twice into the same folder.
 UNFINISHED_STATES = (
@@ -46,11 +48,49 @@ def _finished(cell: dict, seed: int, opts, settings: dict) -> bool:
     return finished_result(run_dir(opts.out_dir, cell, seed), cell, settings) is not None
 
 
+def signal_delay(minutes: int) -> int:
+    """Seconds before a job's limit that Slurm signals it to save and requeue: 5% of the limit, at
+    least 15 s (a save, and Slurm's signal resolution) and at most submitit's 90 s."""
+    return min(90, max(15, minutes * 3))
+
+
+class RunJob:
+    """:func:`run_job` as submitit's checkpointable callable: on the time-limit signal (Slurm sends
+    SIGUSR2 :func:`signal_delay` seconds before the limit) rank 0's :meth:`checkpoint` waits for its
+    fairseq-train, which saves ``checkpoint_last.pt`` on that signal and exits
+    (:mod:`attn_reg_plugin.time_limit`); submitit then requeues the job, which
+    resumes there. After ``--slurm-max-requeues`` requeues the run ends, named TIMEOUT."""
+
+    def __call__(self, cell: dict, seed: int, opts, settings: dict) -> Optional[dict]:
+        return run_job(cell, seed, opts, settings)
+
+    def checkpoint(self, *args):
+        import signal
+        import subprocess
+
+        import submitit
+
+        from .processes import RUNNING, end_child
+
+        for proc in list(RUNNING):
+            proc.send_signal(signal.SIGUSR2)  # Slurm signals it too; a second one changes nothing
+            try:
+                proc.wait(signal_delay(args[2].slurm_time) - 5)
+            except subprocess.TimeoutExpired:  # still saving as the limit nears
+                end_child(proc)
+        return submitit.helpers.DelayedSubmission(self, *args)
+
+
 def run_job(cell: dict, seed: int, opts, settings: dict) -> Optional[dict]:
     """One run, as one submitit job: each of its tasks a fairseq-train rank (:func:`ranks.rank_args`);
     rank 0 records, translates and scores, as :func:`runs.run_seed` does in a local run."""
+    import os
+
+    from ..time_limit import ENV
     from .ranks import rank_args, train_other_rank
 
+    if opts.launcher == "slurm":
+        os.environ[ENV] = "USR2"  # its fairseq-train children save on the time-limit signal
     seed_dir = run_dir(opts.out_dir, cell, seed)
     rank, distributed = rank_args(opts.train_args)
     if rank > 0:
@@ -68,10 +108,11 @@ def _executor(opts):
         executor = submitit.LocalExecutor(folder=folder)
         executor.update_parameters(timeout_min=opts.slurm_time)
         return executor
-    executor = submitit.SlurmExecutor(folder=folder)
+    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=opts.slurm_max_requeues)
     executor.update_parameters(
         job_name=f"attn-reg:{opts.out_dir.name}",
         time=opts.slurm_time,
+        signal_delay_s=signal_delay(opts.slurm_time),
         ntasks_per_node=opts.slurm_tasks_per_node,
         cpus_per_task=opts.slurm_cpus_per_task,
         array_parallelism=opts.slurm_array_parallelism,
@@ -123,7 +164,7 @@ def _submit_array(executor, runs: List[Tuple[dict, int]], opts, settings: dict) 
 
     try:
         with executor.batch():
-            return [executor.submit(run_job, cell, seed, opts, settings) for cell, seed in runs]
+            return [executor.submit(RunJob(), cell, seed, opts, settings) for cell, seed in runs]
     except FailedJobError as e:
         raise SweepError(
             f"sbatch refused the jobs, nothing was submitted ({' '.join(str(e).split())}): check --slurm-partition, "
@@ -198,7 +239,7 @@ def _wait(
         while pending or queued:
             while queued and len(pending) < opts.jobs:
                 cell, seed = queued.pop(0)
-                pending[_key(cell, seed)] = executor.submit(run_job, cell, seed, opts, settings)
+                pending[_key(cell, seed)] = executor.submit(RunJob(), cell, seed, opts, settings)
             for key, job in list(pending.items()):
                 if not job.done():
                     continue
@@ -231,11 +272,14 @@ def _failure(cell: dict, seed: int, job, opts, settings: dict) -> Optional[dict]
     log_path = Path(job.paths.stderr)
     lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines() if log_path.exists() else []
     errors = [line for line in lines if PYTHON_ERROR.match(line)]
+    state = _final_state(job)
+    if any(TIMED_OUT in line for line in lines):  # submitit ended it after its last requeue
+        state = f"TIMEOUT (after {opts.slurm_max_requeues} requeue(s) at the {opts.slurm_time}-minute limit)"
     return {
         "name": cell_name(cell),
         "seed": seed,
         "job": job.job_id,
-        "state": _final_state(job),
+        "state": state,
         "error": errors[-1] if errors else "no Python error in its log",
         "log": str(log_path),
         "log_tail": lines[-JOB_LOG_LINES:],

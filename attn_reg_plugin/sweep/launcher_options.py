@@ -29,11 +29,28 @@ def add_launcher_options(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="slurm: submit and exit, jobs left running; the same command later collects them",
     )
+    _add_slurm_options(group)
+
+
+def _add_slurm_options(group) -> None:
+    """The Slurm job's options (``--launcher slurm``'s)."""
     group.add_argument(
         "--slurm-partition", metavar="NAME", help="sbatch --partition (default: the cluster's default partition)"
     )
     group.add_argument(
-        "--slurm-time", type=int, default=24 * 60, metavar="MINUTES", help="minutes per job, >= 1 (default 1440)"
+        "--slurm-time",
+        type=int,
+        default=24 * 60,
+        metavar="MINUTES",
+        help="minutes per job, >= 1 (default 1440); a run still training then saves its checkpoint and is "
+        "requeued (Slurm signals it 5%% of the limit before, 15 to 90 s)",
+    )
+    group.add_argument(
+        "--slurm-max-requeues",
+        type=int,
+        default=3,
+        metavar="N",
+        help="requeues of a run at the time limit, >= 0 (default 3); a run that needs more ends as TIMEOUT",
     )
     group.add_argument("--slurm-gpus-per-node", type=int, default=0, metavar="N", help="GPUs per job, >= 0 (default 0)")
     group.add_argument(
@@ -66,7 +83,17 @@ def add_launcher_options(ap: argparse.ArgumentParser) -> None:
     )
 
 
-SLURM_ONLY = ("partition", "time", "gpus_per_node", "tasks_per_node", "cpus_per_task", "mem", "account", "qos")
+SLURM_ONLY = (
+    "partition",
+    "time",
+    "max_requeues",
+    "gpus_per_node",
+    "tasks_per_node",
+    "cpus_per_task",
+    "mem",
+    "account",
+    "qos",
+)
 
 
 def check_launcher(ap, opts) -> None:
@@ -75,7 +102,13 @@ def check_launcher(ap, opts) -> None:
     cores = os.cpu_count() or 1
     if not 1 <= opts.jobs <= cores:
         ap.error(f"--jobs must be an integer from 1 to this machine's {cores} cores, got {opts.jobs}")
-    for option, low in (("time", 1), ("gpus_per_node", 0), ("tasks_per_node", 1), ("cpus_per_task", 1)):
+    for option, low in (
+        ("time", 1),
+        ("max_requeues", 0),
+        ("gpus_per_node", 0),
+        ("tasks_per_node", 1),
+        ("cpus_per_task", 1),
+    ):
         value = getattr(opts, f"slurm_{option}")
         if value < low:
             ap.error(f"--slurm-{option.replace('_', '-')} must be an integer >= {low}, got {value}")
@@ -100,6 +133,27 @@ def check_launcher(ap, opts) -> None:
             ap.error(f"{option} needs submitit: pip install 'attn_reg_plugin[cluster]'")
 
 
+def world_size(opts) -> int:
+    """A run's fairseq-train ranks: ``--slurm-tasks-per-node`` with slurm, else ``--distributed-world-size``
+    after '--' (1 when not given)."""
+    if opts.launcher == "slurm":
+        return opts.slurm_tasks_per_node
+    args = list(opts.train_args)
+    given = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--distributed-world-size"]
+    given += [a.split("=", 1)[1] for a in args if a.startswith("--distributed-world-size=")]
+    return int(given[-1]) if given and given[-1].isdigit() else 1
+
+
+def with_world_size(saved: dict) -> dict:
+    """Settings recorded before the world size was one of them, as 1 rank's: what every local run
+    and every Slurm run of the default --slurm-tasks-per-node was (a --distributed-world-size
+    after '--' is in their train_args, so it still tells)."""
+    if "world_size" in saved or "train_args" not in saved:
+        return saved
+    train_args = saved["train_args"]
+    return {**saved, "world_size": world_size(argparse.Namespace(launcher="local", train_args=train_args))}
+
+
 def _sbatch_options(ap, text: str) -> Dict[str, object]:
     """``'--constraint=volta --exclusive'`` as submitit's ``slurm_additional_parameters``."""
     options: Dict[str, object] = {}
@@ -114,7 +168,14 @@ def _sbatch_options(ap, text: str) -> Dict[str, object]:
 def check_ranks(ap, opts) -> None:
     """Several ranks per job on CPU need a DDP backend that wraps a CPU module: refused otherwise,
     before anything is submitted."""
-    if opts.slurm_tasks_per_node == 1 or "--cpu" not in opts.train_args:
+    if opts.slurm_tasks_per_node == 1:
+        return
+    if "--cpu" not in opts.train_args and opts.slurm_gpus_per_node == 0:
+        ap.error(
+            f"--slurm-tasks-per-node {opts.slurm_tasks_per_node} without GPUs: give --slurm-gpus-per-node "
+            f"(one GPU per rank: {opts.slurm_tasks_per_node}), or --cpu after '--' for CPU ranks over gloo"
+        )
+    if "--cpu" not in opts.train_args:
         return
     args = list(opts.train_args)
     backend = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--ddp-backend"), None)

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 
 GRACE_SECONDS = 10.0  # a child still running this long after SIGTERM gets SIGKILL
 POLL_SECONDS = 0.2
+RUNNING: List[subprocess.Popen] = []  # the children running now (a Slurm job's time-limit signal waits for them)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -125,6 +126,7 @@ def run_child(
                 cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                 preexec_fn=_die_with(os.getpid()),
             )  # fmt: skip
+        RUNNING.append(proc)
         while proc.poll() is None:
             if on_line is not None:
                 follow()
@@ -141,6 +143,9 @@ def run_child(
             if isinstance(e, SweepStopped):
                 e.ended.append(f"{Path(cmd[0]).name} (PID {proc.pid})")
         raise
+    finally:
+        if proc in RUNNING:
+            RUNNING.remove(proc)
     seconds = time.time() - start
     if proc.returncode != 0:
         tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-25:]

@@ -49,6 +49,7 @@ def train_other_rank(cell: dict, seed: int, opts, seed_dir: Path, rank: int, dis
     """fairseq-train of rank ``rank`` > 0, its output in ``train-rank<R>.log`` (fairseq logs from rank 0;
     the others write warnings and errors). Rank 0 records the run and scores it; a run already
     trained (a resubmission that only scores) starts no rank."""
+    from ..time_limit import EXIT_CODE
     from .processes import run_child
     from .records import diverged_in
     from .runs import train_command
@@ -59,7 +60,9 @@ def train_other_rank(cell: dict, seed: int, opts, seed_dir: Path, rank: int, dis
     log = seed_dir / f"train-rank{rank}.log"
     try:
         run_child(cmd, log)
-    except RuntimeError:
+    except RuntimeError as e:
+        if f"exit code {EXIT_CODE};" in str(e):  # saved on the time-limit signal: rank 0 requeues the job
+            raise SystemExit(EXIT_CODE) from None
         # A diverged run ends every rank; rank 0 records it. Anything else fails the job.
         if diverged_in(log.read_text(encoding="utf-8", errors="replace")) is None:
             raise

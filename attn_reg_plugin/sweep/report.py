@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from .heatmap import color_limits, heatmap
-from .options import panel_name
+from .options import cell_name, panel_name
 from .verdict import best_cell, best_line, caveats, closing_hints, flags, plain_of, scored, seed_spread
 
 # The heatmap's colour scale reaches at least this far either side of plain: differences under a
@@ -39,7 +39,7 @@ def write_results(records: List[dict], opts, settings: dict, started: float, log
     )
     drawn = _draw_heatmap(records, best, plain, title, opts, log)
     lines = [f"{title}, on {opts.data_bin}", "", *_table(records, opts.test), "", best_line(best, plain, records)]
-    lines += failed_lines(opts.failed_runs)
+    lines += run_lines(records, settings) + failed_lines(opts.failed_runs)
     translated = [run["valid"] for r in records for run in r["runs"] if run["valid"] is not None]
     reference = translated[0]["reference"] if translated else "the valid references (no run was translated)"
     lines += ["", f"BLEU: sacrebleu on detokenized fairseq-generate output (beam {opts.beam}) vs {reference}"]
@@ -52,6 +52,28 @@ def write_results(records: List[dict], opts, settings: dict, started: float, log
     log(f"results: {out / 'results.md'}, {out / 'results.json'}" + (f", {drawn['path']}" if drawn else ""))
     for hint in closing_hints(records):
         log(hint)
+
+
+def run_lines(records: List[dict], settings: dict) -> List[str]:
+    """results.md's lines on how the runs ran: their world size when over 1 (an update then sums
+    every rank's batches), and each run resumed from a checkpoint, whose batches from there on are
+    not an uninterrupted run's unless ``--rebuild-batches`` (none of either: no lines)."""
+    from .runs import APPROXIMATE_RESUME
+
+    lines = []
+    ranks = settings.get("world_size", 1)
+    if ranks > 1:
+        lines += ["", f"World size {ranks}: each run is {ranks} fairseq-train ranks; an update sums their batches."]
+    resumed = [
+        f"- {cell_name(r['cell'])} seed {run['seed']}: resumed at epoch {', '.join(map(str, run['resumed_at_epochs']))}"
+        + ("" if run.get("exact_resume") else APPROXIMATE_RESUME)
+        for r in records
+        for run in r["runs"]
+        if run.get("resumed_at_epochs")
+    ]
+    if resumed:
+        lines += ["", "Runs resumed from their checkpoint_last.pt (a stop, a failed job, a Slurm requeue):", *resumed]
+    return lines
 
 
 def failed_lines(failed: List[dict]) -> List[str]:

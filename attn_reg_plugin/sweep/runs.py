@@ -224,7 +224,7 @@ def _train(cell: dict, seed: int, opts, seed_dir: Path, log: Callable[[str], Non
     except BaseException as e:
         diverged = None if isinstance(e, SweepStopped) else _attempt_diverged(train_log, attempt_start)
         if diverged is None:
-            attempts.end(f"stopped by {e}" if isinstance(e, SweepStopped) else f"failed ({type(e).__name__})")
+            attempts.end(_attempt_end(e))
             raise
         # Recorded, not raised: the other runs are still compared, and a rerun keeps the record
         # instead of training into the same NaN again.
@@ -234,6 +234,25 @@ def _train(cell: dict, seed: int, opts, seed_dir: Path, log: Callable[[str], Non
         return
     attempts.end("finished", seconds)
     write_json(seed_dir / "trained.json", {"train_seconds": attempts.seconds, "attempts": len(attempts.entries)})
+
+
+def _resumes(seed_dir: Path, opts) -> dict:
+    """The epochs the run resumed at (a stop, a failed job, a Slurm requeue), and whether its batches
+    are then an uninterrupted run's (``--rebuild-batches``): what the report says of it."""
+    path = seed_dir / "attempts.json"
+    entries = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
+    epochs = [e["resumed_from_epoch"] for e in entries if e.get("resumed_from_epoch") is not None]
+    return {"resumed_at_epochs": epochs, "exact_resume": "--rebuild-batches" in opts.train_args}
+
+
+def _attempt_end(e: BaseException) -> str:
+    if isinstance(e, SweepStopped):
+        return f"stopped by {e}"
+    if isinstance(e, SystemExit):  # submitit's exit after the requeue (launcher.RunJob.checkpoint)
+        return "saved and requeued at the Slurm job's time limit"
+    if type(e).__name__ == "UncompletedJobError":  # the same, its requeues spent
+        return "saved at the Slurm job's time limit, not requeued: --slurm-max-requeues spent"
+    return f"failed ({type(e).__name__})"
 
 
 def _attempt_diverged(train_log: Path, attempt_start: int) -> Optional[str]:
@@ -288,6 +307,7 @@ def run_seed(
         "test": test,
         "train_seconds": trained["train_seconds"],
         "attempts": trained.get("attempts", 1),
+        **_resumes(seed_dir, opts),
     }
     write_json(result_path, result)
     return result
@@ -357,7 +377,9 @@ def finished_result(seed_dir: Path, cell: dict, settings: dict) -> Optional[dict
     if not path.exists():
         return None
     saved = json.loads(path.read_text(encoding="utf-8"))
-    return saved if saved.get("settings") == settings and saved.get("cell") == cell else None
+    from .launcher_options import with_world_size
+
+    return saved if with_world_size(saved.get("settings") or {}) == settings and saved.get("cell") == cell else None
 
 
 def _finished_seeds(cell: dict, settings: dict, cell_dir: Path) -> List[int]:
