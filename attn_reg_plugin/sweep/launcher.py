@@ -48,6 +48,20 @@ def _finished(cell: dict, seed: int, opts, settings: dict) -> bool:
     return finished_result(run_dir(opts.out_dir, cell, seed), cell, settings) is not None
 
 
+def _resumed(cell: dict, seed: int, opts, settings: dict) -> str:
+    """A finished job's resumes (a Slurm requeue, an earlier failed job), for the console line: its
+    notice is otherwise only in the job's log."""
+    from .runs import APPROXIMATE_RESUME
+
+    result = finished_result(run_dir(opts.out_dir, cell, seed), cell, settings) or {}
+    epochs = result.get("resumed_at_epochs")
+    if not epochs:
+        return ""
+    return f"; resumed at epoch {', '.join(map(str, epochs))}" + (
+        "" if result.get("exact_resume") else APPROXIMATE_RESUME
+    )
+
+
 def signal_delay(minutes: int) -> int:
     """Seconds before a job's limit that Slurm signals it to save and requeue: 5% of the limit, at
     least 15 s (a save, and Slurm's signal resolution) and at most submitit's 90 s."""
@@ -247,7 +261,7 @@ def _wait(
                 done += 1
                 failure = _failure(*runs[key], job, opts, settings)
                 if failure is None:
-                    log(f"[{done}/{total}] {key}: finished (job {job.job_id})")
+                    log(f"[{done}/{total}] {key}: finished (job {job.job_id}){_resumed(*runs[key], opts, settings)}")
                 else:
                     failed.append(failure)
                     log(
