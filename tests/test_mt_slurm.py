@@ -224,16 +224,24 @@ def test_an_option_sbatch_refuses_is_named_and_nothing_runs(tiny_mt_data, tmp_pa
 
 
 @needs_slurm
-def test_two_ranks_per_job_form_one_ddp_group(tiny_mt_data, tmp_path, one_thread):
+def test_two_ranks_per_job_form_one_ddp_group(tiny_mt_data, tmp_path, one_thread, monkeypatch):
     """--slurm-tasks-per-node 2 on CPU: each task's fairseq-train is told its rank, the world size
     and the first node's address, so the two train as one gloo group (6 updates an epoch, not two
-    copies of 12), and AD-DROP's logged rate is the whole job's: that of one unsharded process over
-    the same two batches per update (--update-freq 2), within the masks' random draws."""
+    copies of 12), and AD-DROP's logged rate is the whole job's: exactly both ranks' dropped units over
+    both ranks' droppable ones (each rank's own counts written by a sitecustomize the job's processes
+    import, as the environment reaches them through sbatch), and within the masks' random draws of one
+    unsharded process over the same two batches per update (--update-freq 2)."""
     cell = ["--p", "0.5", "--q", "0.5", "--schedule", "always", "--epochs", "1"]
     sharded, unsharded = tmp_path / "sharded", tmp_path / "unsharded"
+    counts = _count_each_ranks_ad_drop_units(tmp_path / "counting", monkeypatch)
     ranks = [*SLURM, "--slurm-tasks-per-node", "2"]
     argv = [str(tiny_mt_data["bin"]), "--out-dir", str(sharded), *cell, *ranks, "--", *TINY_MT_TRAIN]
     assert sweep_main([*argv, "--ddp-backend", "legacy_ddp"]) == 0
+    monkeypatch.delenv("ATTN_REG_TEST_COUNTS")  # the unsharded run below writes none
+    per_rank = {f.name: [json.loads(line) for line in f.read_text().splitlines()] for f in counts.iterdir()}
+    assert sorted(per_rank) == ["rank0.jsonl", "rank1.jsonl"] and all(len(v) == 6 for v in per_rank.values())
+    dropped = sum(step[0] for steps in per_rank.values() for step in steps)
+    droppable = sum(step[1] for steps in per_rank.values() for step in steps)
     argv = [str(tiny_mt_data["bin"]), "--out-dir", str(unsharded), *cell, "--", *TINY_MT_TRAIN, "--update-freq", "2"]
     assert sweep_main(argv) == 0
     run = Path("runs") / "p0.5_q0.5_ga_layers-all_always" / "seed1"
@@ -242,7 +250,68 @@ def test_two_ranks_per_job_form_one_ddp_group(tiny_mt_data, tmp_path, one_thread
     assert "--distributed-rank 1" in (sharded / run / "train-rank1.log").read_text().splitlines()[0]
     together, alone = (train_epoch_stats((out / run / "train.log").read_text())[1] for out in (sharded, unsharded))
     assert together["num_updates"] == alone["num_updates"] == "6"
-    assert together["ad_drop_on"] == "1" and abs(float(together["ad_drop_rate"]) - float(alone["ad_drop_rate"])) < 0.002
+    assert together["ad_drop_on"] == "1" and float(together["ad_drop_rate"]) == round(dropped / droppable, 4)
+    assert per_rank["rank0.jsonl"] != per_rank["rank1.jsonl"]  # two ranks' own batches, both counted
+    assert abs(float(together["ad_drop_rate"]) - float(alone["ad_drop_rate"])) < 0.002
+
+
+# Imported by every Python process of the job (PYTHONPATH reaches them through sbatch): each rank's
+# fairseq-train writes the AD-DROP units its own training steps dropped and could drop.
+_COUNTING_SITECUSTOMIZE = """
+import importlib.abc, importlib.util, json, os, sys
+
+CRITERION = "attn_reg_plugin.fairseq_plugin.ad_drop_criterion"
+
+
+def _counted(module):
+    forward = module.ADDropCriterionMixin.forward
+
+    def counted(self, model, sample, reduce=True):
+        loss, size, log = forward(self, model, sample, reduce)
+        if model.training and "ad_drop_dropped" in log:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            with open(os.path.join(OUT, f"rank{rank}.jsonl"), "a") as f:
+                f.write(json.dumps([int(log["ad_drop_dropped"]), int(log["ad_drop_droppable"])]) + "\\n")
+        return loss, size, log
+
+    module.ADDropCriterionMixin.forward = counted
+
+
+class _WhenImported(importlib.abc.MetaPathFinder):
+    # Wraps the criterion when fairseq's --user-dir imports it: importing it here, before fairseq-train
+    # configures its logging, would change the log's format.
+    def find_spec(self, name, path, target=None):
+        if name != CRITERION:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _counted(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+OUT = os.environ.get("ATTN_REG_TEST_COUNTS")
+if OUT and os.path.basename(sys.argv[0]) == "fairseq-train":
+    sys.meta_path.insert(0, _WhenImported())
+"""
+
+
+def _count_each_ranks_ad_drop_units(folder: Path, monkeypatch) -> Path:
+    """A sitecustomize on PYTHONPATH that makes each rank's fairseq-train write its own counts to
+    ``folder/counts/rank<R>.jsonl`` (one line per training step); returns that folder."""
+    counts = folder / "counts"
+    counts.mkdir(parents=True)
+    (folder / "sitecustomize.py").write_text(_COUNTING_SITECUSTOMIZE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("ATTN_REG_TEST_COUNTS", str(counts))
+    return counts
 
 
 def _release_requeues(out: Path, key: str, done: threading.Event) -> None:
