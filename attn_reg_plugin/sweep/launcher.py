@@ -51,7 +51,7 @@ def _finished(cell: dict, seed: int, opts, settings: dict) -> bool:
 def _resumed(cell: dict, seed: int, opts, settings: dict) -> str:
     """A finished job's resumes (a Slurm requeue, an earlier failed job), for the console line: its
     notice is otherwise only in the job's log."""
-    from .runs import APPROXIMATE_RESUME
+    from .report import APPROXIMATE_RESUME
 
     result = finished_result(run_dir(opts.out_dir, cell, seed), cell, settings) or {}
     epochs = result.get("resumed_at_epochs")

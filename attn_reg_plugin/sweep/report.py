@@ -14,6 +14,11 @@ from .heatmap import color_limits, heatmap
 from .options import cell_name, panel_name
 from .verdict import best_cell, best_line, caveats, closing_hints, flags, plain_of, scored, seed_spread
 
+# A resumed run's notice (runs.py writes it to the console, report.py to results.md).
+APPROXIMATE_RESUME = (
+    "; its batches from here on are not an uninterrupted run's: give --rebuild-batches after '--' for an exact resume"
+)
+
 # The heatmap's colour scale reaches at least this far either side of plain: differences under a
 # BLEU point are within seed noise in MT (DESIGN.md, "Evidence in MT") and must not look maximal.
 HEATMAP_MIN_SPAN = 1.0
@@ -58,8 +63,6 @@ def run_lines(records: List[dict], settings: dict) -> List[str]:
     """results.md's lines on how the runs ran: their world size when over 1 (an update then sums
     every rank's batches), and each run resumed from a checkpoint, whose batches from there on are
     not an uninterrupted run's unless ``--rebuild-batches`` (none of either: no lines)."""
-    from .runs import APPROXIMATE_RESUME
-
     lines = []
     ranks = settings.get("world_size", 1)
     if ranks > 1:

@@ -13,7 +13,7 @@ from ..user_dir import FAIRSEQ_USER_DIR
 from .options import AD_DROP_CRITERION, PLAIN_CRITERION, TASK, SweepError, cell_name, number_text, option_name
 from .processes import SweepStopped, run_child
 from .records import Attempts, diverged_in, divergence_bound, read_train_log, resumed_from, train_facts
-from .report import write_json
+from .report import APPROXIMATE_RESUME, write_json
 from .verdict import summarize
 
 
@@ -189,11 +189,6 @@ def translate_and_score(opts, checkpoint: Path, split: str, out_dir: Path, ref_p
 
 # fairseq builds a process's batches once, ordering equal-length sentences by seed + the epoch it
 # starts in, so a resumed run's batches differ from an uninterrupted one's (docs/CHECKPOINTS.md).
-APPROXIMATE_RESUME = (
-    "; its batches from here on are not an uninterrupted run's: give --rebuild-batches after '--' for an exact resume"
-)
-
-
 def _train(cell: dict, seed: int, opts, seed_dir: Path, log: Callable[[str], None], distributed: Sequence[str]) -> None:
     """fairseq-train of one run (resuming from its checkpoint_last.pt when an earlier attempt left
     one), its attempts in ``attempts.json``; ``trained.json`` marks it trained, or diverged when
