@@ -8,7 +8,7 @@ LOCK := requirements.lock
 # The marker file makes the venv target idempotent: a half-finished install is redone.
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint format gpu-check benchmark lock
+.PHONY: demo test test-all lint format gpu-check gpu-bench benchmark lock
 
 # The install, once for the locked venv and once (unconstrained) for `make lock`:
 # $(1) the venv folder, $(2) pip's constraint options.
@@ -73,6 +73,12 @@ format: $(STAMP)
 # tools/offline_gpu_check (its run.sh reads the files below).
 gpu-check: $(STAMP)
 	$(PY) -m pytest -q -rs -s -m gpu tests/core/test_attendout_blocks.py tests/test_precision.py tests/hf/test_compile.py tests/core/test_attention.py tests/core/test_blockwise.py tests/core/test_causal.py tests/core/test_autocast.py tests/fairseq/test_fairseq_autocast.py tests/test_fsdp.py tests/core/test_hiddencut.py tests/hf/test_hf_hiddencut.py
+
+# The cost on a GPU in one command, within about 6 minutes: the standard rows in fp32 and bf16 and
+# the long-sequence rows, written to docs/results/gpu_bench/<device>_<commit>.json (PERFORMANCE.md,
+# "On a GPU"). A CUDA machine with no package registry: tools/offline_gpu_check/bench.sh.
+gpu-bench: $(STAMP)
+	$(PY) -m attn_reg_lab.gpu_bench
 
 # Cost of every regularizer against plain training, side by side (docs/PERFORMANCE.md).
 benchmark: $(STAMP)

@@ -173,6 +173,7 @@ class FairseqBench:
             ),
         }
         self.batch_descriptions = {k: _describe_sample(v) for k, v in self.batches.items()}
+        self.tokens = {k: int(v["ntokens"]) for k, v in self.batches.items()}  # target tokens, fairseq's count
         self.batch_descriptions["train"] += f" (--max-tokens {train_tokens})"
         self.batch_descriptions["train-small"] += f" (--max-tokens {opts.fairseq_small_max_tokens})"
         self.batch_descriptions["validation"] += f" (valid split, --max-tokens {train_tokens})"

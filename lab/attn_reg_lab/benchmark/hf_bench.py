@@ -57,6 +57,7 @@ class HFBench:
             "train-small": batch(opts.hf_small_batch_size),
             "validation": batch(opts.hf_batch_size),
         }
+        self.tokens = {k: int(v["attention_mask"].sum()) for k, v in self.batches.items()}  # real tokens
         self.batch_descriptions = {
             k: f"{v['input_ids'].shape[0]} sentences x {v['input_ids'].shape[1]} tokens "
             f"(movie reviews, padded to the longest)"

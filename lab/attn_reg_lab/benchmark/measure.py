@@ -186,6 +186,7 @@ def make_rows(framework: str, workload: str, batch: str, results: Dict[str, Meas
                 "variant": name,
                 "workload": workload,
                 "batch": batch,
+                "tokens": bench.tokens[workload],
                 "time_ratio": _round(_ratio(t, plain_t)),
                 "cpu_time_ratio": (
                     _round(_ratio(statistics.median(m.cpu_times), statistics.median(plain.cpu_times)))

