@@ -32,7 +32,7 @@ class HFBench:
         self.opts = opts
         self.device = opts.device
         path = opts.hf_model or minilm_path()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        self.tokenizer = tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         torch.manual_seed(opts.seed)
         self.model = transformers.AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=2, attn_implementation="sdpa"
@@ -184,12 +184,11 @@ class HFBench:
         ]
         import transformers
 
-        tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path())
         trainer = AttendOutTrainer(
             model=self.model,
             args=self.plain_trainer.args,
             eval_dataset=heldout,
-            data_collator=transformers.DataCollatorWithPadding(tokenizer),
+            data_collator=transformers.DataCollatorWithPadding(self.tokenizer),
             attendout=config,
         )
         trainer.optimizer = self.optimizer
