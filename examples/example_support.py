@@ -170,6 +170,21 @@ def ad_drop_config(args):
     return ADDropConfig.from_namespace(args).validate()
 
 
+def checkpointing_argument(enabled: bool) -> Dict[str, bool]:
+    """The TrainingArguments field that turns activation checkpointing on, under this transformers' name.
+
+    transformers 5.23 renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name
+    warns, FutureWarning); 5.17 has only the old one. Nothing is passed when it is off.
+    """
+    import dataclasses
+
+    import transformers
+
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {name: True} if enabled else {}
+
+
 def hf_trainer(method: str, args, output_dir: Path, seq2seq: bool = False, **trainer_kwargs):
     """A stock (Seq2Seq)Trainer for ``plain``, ``ADDrop(Seq2Seq)Trainer`` for ``ad-drop``; both log and
     evaluate once per epoch with the same arguments (``args.lr``, ``epochs``, ``batch_size``, ``seed``, ``fp16``,
@@ -195,7 +210,7 @@ def hf_trainer(method: str, args, output_dir: Path, seq2seq: bool = False, **tra
         bf16=bf16,
         # transformers refuses bf16 without a bf16 GPU unless told to train on the CPU
         use_cpu=bf16 and not torch.cuda.is_available(),
-        gradient_checkpointing=getattr(args, "gradient_checkpointing", False),
+        **checkpointing_argument(getattr(args, "gradient_checkpointing", False)),
         remove_unused_columns=False,
         disable_tqdm=True,
     )

@@ -42,6 +42,8 @@ from example_support import (
     train_and_log,
 )
 
+from attn_reg_plugin.classification import learned_nothing, scores
+
 
 class Task:
     def __init__(self, fields, num_labels, metric, ad_drop_layers, dev_split="validation"):
@@ -140,16 +142,6 @@ def load_split(args, split: str, load_dataset=None) -> List[dict]:
     return [check_example(row, task, f"glue/{args.task} {hub_split} row {i}") for i, row in enumerate(rows)]
 
 
-def mcc(pred: np.ndarray, gold: np.ndarray) -> float:
-    """Matthews correlation (multi-class form); 0 when a side is constant."""
-    classes = np.union1d(pred, gold)
-    confusion = np.array([[np.sum((gold == a) & (pred == b)) for b in classes] for a in classes], dtype=np.float64)
-    total, correct = confusion.sum(), np.trace(confusion)
-    true_counts, pred_counts = confusion.sum(1), confusion.sum(0)
-    denominator = math.sqrt((total**2 - pred_counts @ pred_counts) * (total**2 - true_counts @ true_counts))
-    return float((correct * total - true_counts @ pred_counts) / denominator) if denominator else 0.0
-
-
 def pearson(pred: np.ndarray, gold: np.ndarray) -> float:
     """Pearson correlation; NaN when either side is constant (undefined)."""
     if pred.std() == 0 or gold.std() == 0:
@@ -164,8 +156,8 @@ def compute_metrics_for(task: Task):
         if task.regression:
             pred = logits.reshape(-1)
             return {"pearson": pearson(pred, labels.reshape(-1).astype(np.float64))}
-        pred = logits.argmax(-1)
-        return {"accuracy": float((pred == labels).mean()), "mcc": mcc(pred, labels)}
+        # accuracy, macro_f1, mcc, and what the learned-nothing check reads (majority rate, classes predicted)
+        return scores(logits.argmax(-1), labels)
 
     return compute
 
@@ -204,6 +196,8 @@ def run_method(method: str, args, train_rows: List[dict], dev_rows: List[dict]) 
         "ad_drop_layers": args.ad_drop_layers,
         "best_epoch": best["epoch"] if best else None,
         "best_dev": best[f"eval_{task.metric}"] if best else None,
+        # A constant predictor's accuracy is the majority class's share: said in words, not left to read as a score.
+        "learned_nothing": learned_nothing(best, prefix="eval_") if best and not task.regression else None,
         "train_seconds": round(seconds, 1),
     }
 
@@ -215,10 +209,18 @@ def main(argv=None, load_dataset=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = [run_method(method, args, train_rows, dev_rows) for method in args.methods]
     metric = TASKS[args.task].metric
-    print(f"\n| method | best dev {metric} | epoch | train time (s) |\n|---|---|---|---|")
+    print(f"\n| method | best dev {metric} | epoch | train time (s) | learned |\n|---|---|---|---|---|")
     for r in results:
         best = "-" if r["best_dev"] is None else f"{r['best_dev']:.4f}"
-        print(f"| {r['method']} | {best} | {r['best_epoch']} | {r['train_seconds']:.1f} |")
+        learned = (
+            "-" if r["best_dev"] is None or TASKS[args.task].regression else "no" if r["learned_nothing"] else "yes"
+        )
+        print(f"| {r['method']} | {best} | {r['best_epoch']} | {r['train_seconds']:.1f} | {learned} |")
+    for r in results:
+        if r["learned_nothing"]:
+            print(f"{r['method']} learned nothing at its best dev epoch ({r['best_epoch']}): {r['learned_nothing']}")
+    if results and all(r["learned_nothing"] for r in results):
+        print("No method learned anything, so this table compares nothing: try another learning rate or more epochs.")
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return 0
 

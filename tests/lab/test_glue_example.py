@@ -133,9 +133,9 @@ def test_bad_options_fail_before_loading(tmp_path):
 
 def test_metrics_on_hand_computed_cases():
     # TP=1 FP=1 TN=2 FN=0: MCC = (1*2 - 1*0) / sqrt(2*1*3*2)
-    assert glue.mcc(np.array([1, 1, 0, 0]), np.array([1, 0, 0, 0])) == pytest.approx(2 / math.sqrt(12))
-    assert glue.mcc(np.array([0, 0, 0]), np.array([0, 1, 0])) == 0.0
-    assert glue.mcc(np.array([0, 1, 2]), np.array([0, 1, 2])) == pytest.approx(1.0)
+    assert glue.scores(np.array([1, 1, 0, 0]), np.array([1, 0, 0, 0]))["mcc"] == pytest.approx(2 / math.sqrt(12))
+    assert glue.scores(np.array([0, 0, 0]), np.array([0, 1, 0]))["mcc"] == 0.0
+    assert glue.scores(np.array([0, 1, 2]), np.array([0, 1, 2]))["mcc"] == pytest.approx(1.0)
     assert glue.pearson(np.array([1.0, 2.0, 3.0]), np.array([2.0, 4.0, 7.0])) == pytest.approx(0.9933992677987827)
     assert math.isnan(glue.pearson(np.array([1.0, 1.0]), np.array([0.0, 1.0])))
 
@@ -198,3 +198,21 @@ def test_roberta_and_electra_checkpoints_take_the_same_path(tmp_path, family):
     assert result["ad_drop_layers"] == "all"
     assert [e["ad_drop_on"] for e in result["epochs"]] == [0, 1]
     assert result["epochs"][0]["ad_drop_rate"] == 0 and result["epochs"][1]["ad_drop_rate"] > 0.05
+
+
+def test_a_run_that_learned_nothing_says_so_in_its_row_and_below_the_table(tmp_path, capsys):
+    """A learning rate of 1e-12 leaves the random head as it was: its dev accuracy is the majority's or chance."""
+    args = ["--task", "sst2", "--model", minilm_path(), "--train-file", str(REVIEWS), "--validation-file", str(REVIEWS)]
+    args += ["--max-train-samples", "16", "--max-eval-samples", "64", "--epochs", "1", "--batch-size", "16"]
+    assert glue.main([*args, "--lr", "1e-12", "--max-length", "32", "--methods", "plain", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    (result,) = json.loads((tmp_path / "results.json").read_text())
+    (epoch,) = result["epochs"]
+    assert epoch["eval_examples"] == 64 and 0 <= epoch["eval_macro_f1"] <= 1
+    assert result["learned_nothing"] and (
+        "predicts one class" in result["learned_nothing"] or "within noise" in result["learned_nothing"]
+    )
+    (row,) = [line for line in printed.splitlines() if line.startswith("| plain | ")]
+    assert row.endswith("| no |"), row
+    assert f"plain learned nothing at its best dev epoch (1): {result['learned_nothing']}" in printed
+    assert "No method learned anything, so this table compares nothing" in printed
