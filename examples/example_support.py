@@ -170,21 +170,6 @@ def ad_drop_config(args):
     return ADDropConfig.from_namespace(args).validate()
 
 
-def checkpointing_argument(enabled: bool) -> Dict[str, bool]:
-    """The TrainingArguments field that turns activation checkpointing on, under this transformers' name.
-
-    transformers 5.23 renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name
-    warns, FutureWarning); 5.17 has only the old one. Nothing is passed when it is off.
-    """
-    import dataclasses
-
-    import transformers
-
-    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-    return {name: True} if enabled else {}
-
-
 def hf_trainer(method: str, args, output_dir: Path, seq2seq: bool = False, **trainer_kwargs):
     """A stock (Seq2Seq)Trainer for ``plain``, ``ADDrop(Seq2Seq)Trainer`` for ``ad-drop``; both log and
     evaluate once per epoch with the same arguments (``args.lr``, ``epochs``, ``batch_size``, ``seed``, ``fp16``,
@@ -193,6 +178,7 @@ def hf_trainer(method: str, args, output_dir: Path, seq2seq: bool = False, **tra
     import transformers
 
     from attn_reg_plugin.hf import ADDropSeq2SeqTrainer, ADDropTrainer
+    from attn_reg_plugin.hf.trainer_arguments import checkpointing_argument
 
     bf16 = getattr(args, "bf16", False)
     arguments = (transformers.Seq2SeqTrainingArguments if seq2seq else transformers.TrainingArguments)(

@@ -3,8 +3,9 @@ before ``Trainer.__init__`` runs: the plugin installs its sites and checks its r
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import transformers
@@ -28,3 +29,14 @@ def model_argument(who: str, args, kwargs) -> torch.nn.Module:
             "AutoModelForCausalLM.from_pretrained(name), since attention sites are installed at construction"
         )
     return model
+
+
+def checkpointing_argument(enabled: bool) -> Dict[str, bool]:
+    """The TrainingArguments field that turns activation checkpointing on, under this transformers' name.
+
+    transformers 5.23 renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name
+    warns, FutureWarning); 5.17 has only the old one. Nothing is passed when it is off.
+    """
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {name: True} if enabled else {}

@@ -227,6 +227,8 @@ def _long_trainer(method: str, opts, length: int, log):
     import torch
     import transformers
 
+    from attn_reg_plugin.hf.trainer_arguments import checkpointing_argument
+
     torch.manual_seed(1)
     config = transformers.LlamaConfig(
         hidden_size=opts.long_width, intermediate_size=int(2.75 * opts.long_width) // 64 * 64 or 64,
@@ -244,7 +246,7 @@ def _long_trainer(method: str, opts, length: int, log):
     args = transformers.TrainingArguments(
         output_dir=tmp, per_device_train_batch_size=1, max_steps=opts.long_steps, learning_rate=1e-4,
         report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, bf16=True,
-        use_cpu=opts.device == "cpu", seed=1, dataloader_num_workers=0, gradient_checkpointing=True,
+        use_cpu=opts.device == "cpu", seed=1, dataloader_num_workers=0, **checkpointing_argument(True),
     )  # fmt: skip
     common = dict(model=model, args=args, train_dataset=rows)
     if method == "plain":

@@ -1,0 +1,164 @@
+"""``attn-reg-prepare-cls``: labelled text (JSON lines, CSV or TSV) -> sentencepiece -> fairseq's classification data-bin.
+
+    attn-reg-prepare-cls --train data/movie_reviews/train.jsonl --valid data/movie_reviews/dev.jsonl \\
+        --test data/movie_reviews/test.jsonl --out work/reviews
+    fairseq-train work/reviews/data-bin --user-dir "$(attn-reg-user-dir)" --task attn_reg_sentence_prediction ...
+
+Each file holds one example per row: a text field (``--text-field``, default ``sentence``), an optional
+second one for sentence pairs (``--pair-field``, e.g. ``sentence2``) and a label (``--label-field``,
+default ``label``). A file ending ``.jsonl`` or ``.json`` is JSON lines; ``.csv`` and ``.tsv`` have a
+header row naming the fields. Every row is checked before anything is written: each text is a non-empty
+string and each label is present; valid and test labels must occur in train. An error names the file,
+the row and the field. Then a sentencepiece model is trained on the training texts, every split is
+encoded with it, and ``fairseq-preprocess --only-source`` binarizes the layout fairseq's
+``sentence_prediction`` reads: ``data-bin/input0/`` (``input1/`` for pairs) and ``data-bin/label/``,
+valid and test with train's dictionaries. Written under ``--out``: ``spm/spm.model`` (for predicting
+new text), ``spm/{split}.input0``, ``spm/{split}.label``, ``data-bin/`` and ``logs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from .prepare import PrepareError, fairseq_command, run_logged
+
+
+def read_examples(path: Path, fields: Sequence[str], label_field: str) -> List[Dict[str, str]]:
+    """The rows of ``path`` (JSON lines, CSV or TSV by suffix) as ``{field: text, label_field: label}``."""
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".json", ".csv", ".tsv"):
+        raise PrepareError(f"{path}: a data file ends .jsonl, .json, .csv or .tsv, got {suffix or 'no suffix'!r}")
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            if suffix in (".jsonl", ".json"):
+                rows = []
+                for number, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            rows.append((number, json.loads(line)))
+                        except json.JSONDecodeError as e:
+                            raise PrepareError(f"{path}:{number}: not a JSON object ({e.msg})") from None
+            else:
+                reader = csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ",")
+                rows = [(number, row) for number, row in enumerate(reader, 2)]
+    except FileNotFoundError:
+        raise PrepareError(f"{path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    if not rows:
+        raise PrepareError(f"{path}: no examples")
+    examples = []
+    for number, row in rows:
+        if not isinstance(row, dict):
+            raise PrepareError(f"{path}:{number}: not a JSON object")
+        example = {}
+        for field in fields:
+            text = row.get(field)
+            if not isinstance(text, str) or not text.strip():
+                raise PrepareError(f"{path}:{number}: field {field!r} must be a non-empty string, got {text!r}")
+            example[field] = " ".join(text.split())  # one line per example: newlines and tabs become spaces
+        label = row.get(label_field)
+        if label is None or isinstance(label, (dict, list)) or not str(label).strip():
+            raise PrepareError(f"{path}:{number}: field {label_field!r} must hold a label, got {label!r}")
+        example[label_field] = str(label).strip()
+        examples.append(example)
+    return examples
+
+
+def prepare_classification(
+    files: Dict[str, Path],
+    out: Path,
+    fields: Sequence[str],
+    label_field: str,
+    vocab_size: int,
+    workers: int = 1,
+    log=print,
+) -> Path:
+    """Check every split, train sentencepiece on train's texts, encode, binarize; return the data-bin folder."""
+    import sentencepiece as spm
+
+    preprocess = fairseq_command("fairseq-preprocess")  # before any work: a missing fairseq fails now
+    splits = {split: read_examples(path, fields, label_field) for split, path in files.items()}
+    known = {example[label_field] for example in splits["train"]}
+    for split, examples in splits.items():
+        unknown = sorted({e[label_field] for e in examples} - known)
+        if unknown:
+            raise PrepareError(f"--{split} {files[split]}: labels {unknown} never occur in --train's {sorted(known)}")
+    log(
+        f"data: {', '.join(f'{split} {len(rows)} examples ({files[split]})' for split, rows in splits.items())}; "
+        f"labels {sorted(known)}"
+    )
+    spm_dir = out / "spm"
+    spm_dir.mkdir(parents=True, exist_ok=True)
+    train_text = spm_dir / "train.text"
+    train_text.write_text("".join(e[f] + "\n" for e in splits["train"] for f in fields), encoding="utf-8")
+    try:
+        spm.SentencePieceTrainer.train(
+            input=str(train_text), model_prefix=str(spm_dir / "spm"), vocab_size=vocab_size,
+            character_coverage=1.0, model_type="unigram", num_threads=1, minloglevel=2,
+        )  # fmt: skip
+    except RuntimeError as e:
+        reason = str(e).strip().splitlines()[-1]
+        raise PrepareError(f"--vocab-size {vocab_size}: sentencepiece cannot build it from --train: {reason}") from None
+    sp = spm.SentencePieceProcessor(model_file=str(spm_dir / "spm.model"))
+    columns = {f"input{i}": field for i, field in enumerate(fields)}
+    for split, examples in splits.items():
+        for column, field in columns.items():
+            pieces = "".join(" ".join(sp.encode(e[field], out_type=str)) + "\n" for e in examples)
+            (spm_dir / f"{split}.{column}").write_text(pieces, encoding="utf-8")
+        (spm_dir / f"{split}.label").write_text("".join(e[label_field] + "\n" for e in examples), encoding="utf-8")
+    data_bin = out / "data-bin"
+    for column in (*columns, "label"):
+        flags = [flag for split in splits for flag in (f"--{split}pref", str(spm_dir / f"{split}.{column}"))]
+        run_logged(
+            [preprocess, "--only-source", *flags, "--destdir", str(data_bin / column), "--workers", str(workers)],
+            out / "logs" / f"preprocess.{column}.log",
+        )
+    log(f"sentencepiece ({vocab_size} pieces, {spm_dir / 'spm.model'}) + fairseq-preprocess -> {data_bin}")
+    return data_bin
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="attn-reg-prepare-cls", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    ap.add_argument("--train", required=True, type=Path, help="training file (.jsonl, .json, .csv, .tsv)")
+    ap.add_argument("--valid", required=True, type=Path, help="validation file")
+    ap.add_argument("--test", type=Path, help="test file (optional)")
+    ap.add_argument("--out", required=True, type=Path, help="output folder (spm/, data-bin/, logs/)")
+    ap.add_argument("--text-field", default="sentence", help="the text's field (default sentence)")
+    ap.add_argument("--pair-field", help="a second text's field, for sentence pairs (input1)")
+    ap.add_argument("--label-field", default="label", help="the label's field (default label)")
+    ap.add_argument("--vocab-size", type=int, default=8000, help="sentencepiece vocabulary (>= 100; default 8000)")
+    ap.add_argument("--workers", type=int, default=1, help="fairseq-preprocess workers (>= 1)")
+    args = ap.parse_args(argv)
+    if args.vocab_size < 100:
+        ap.error(f"--vocab-size {args.vocab_size}: must be at least 100")
+    if args.workers < 1:
+        ap.error(f"--workers {args.workers}: must be at least 1")
+    if (args.out / "data-bin").exists():
+        ap.error(f"--out {args.out}: {args.out / 'data-bin'} already exists (choose an empty folder or remove it)")
+    fields = [args.text_field] + ([args.pair_field] if args.pair_field else [])
+    if args.label_field in fields or len(set(fields)) != len(fields):
+        ap.error(
+            f"--text-field, --pair-field and --label-field must name different fields, got {fields + [args.label_field]}"
+        )
+    files = {"train": args.train, "valid": args.valid}
+    if args.test is not None:
+        files["test"] = args.test
+    try:
+        prepare_classification(files, args.out, fields, args.label_field, args.vocab_size, args.workers)
+    except PrepareError as e:
+        print(f"attn-reg-prepare-cls: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
