@@ -95,6 +95,12 @@ def parse_args(argv=None):
     ):
         parser.add_argument(f"--{name}", type=int, help=f"long section: {help_text} (GPU / CPU defaults differ)")
     parser.add_argument("--long-lengths", help="long section: comma list of sequence lengths")
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="long section: comma list of VARIANT@TOKENS (e.g. ad-drop-ga-all@4096): after that run's timed "
+        "steps, one more step under torch.profiler; its top operations are printed and written beside the rows",
+    )
     opts = parser.parse_args(argv)
     defaults = CPU_DEFAULTS if opts.device == "cpu" else GPU_DEFAULTS
     for key, value in defaults.items():
@@ -120,6 +126,14 @@ def parse_args(argv=None):
             f"--long-width ({opts.long_width}) must be a multiple of --long-heads ({opts.long_heads}), "
             f"and --long-heads of --long-kv-heads ({opts.long_kv_heads})"
         )
+    opts.profile = [p.strip() for p in opts.profile.split(",") if p.strip()]
+    for wanted in opts.profile:
+        variant, _, tokens = wanted.partition("@")
+        if variant not in LONG_VARIANT_NAMES.values() or not tokens.isdigit() or int(tokens) not in opts.long_lengths:
+            parser.error(
+                f"--profile {wanted!r}: VARIANT@TOKENS with VARIANT one of {', '.join(LONG_VARIANT_NAMES.values())} "
+                f"and TOKENS one of --long-lengths {opts.long_lengths}"
+            )
     if opts.budget_s <= 0:
         parser.error(f"--budget-s must be > 0, got {opts.budget_s}")
     if opts.device == "cuda":
@@ -220,7 +234,7 @@ def _benchmark_rows(opts, dtype: str, rows: List[dict]) -> None:
         )
 
 
-def _long_trainer(method: str, opts, length: int, log):
+def _long_trainer(method: str, opts, length: int, steps: int):
     """A fresh Llama-shaped decoder and the Trainer that trains it with ``method``."""
     import tempfile
 
@@ -239,12 +253,12 @@ def _long_trainer(method: str, opts, length: int, log):
     model = transformers.LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(1)
     rows = []
-    for _ in range(opts.long_steps):
+    for _ in range(steps):
         ids = torch.randint(3, opts.long_vocab, (length,), generator=g)
         rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
     tmp = tempfile.mkdtemp(prefix="attn_reg_gpu_bench_")
     args = transformers.TrainingArguments(
-        output_dir=tmp, per_device_train_batch_size=1, max_steps=opts.long_steps, learning_rate=1e-4,
+        output_dir=tmp, per_device_train_batch_size=1, max_steps=steps, learning_rate=1e-4,
         report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, bf16=True,
         use_cpu=opts.device == "cpu", seed=1, dataloader_num_workers=0, **checkpointing_argument(True),
     )  # fmt: skip
@@ -278,29 +292,42 @@ def _measure_long(method: str, opts, length: int, clock: Clock, log) -> dict:
 
     cuda = opts.device == "cuda"
     times: List[float] = []
+    profiled = f"{LONG_VARIANT_NAMES[method]}@{length}" in opts.profile
+    found: Dict[str, object] = {}
 
     class StepTimes(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if cuda:
                 torch.cuda.synchronize()
+            if state.global_step == opts.long_steps:  # the timed steps are done: this one is profiled
+                found["peak"] = torch.cuda.max_memory_allocated() if cuda else None
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                activities += [torch.profiler.ProfilerActivity.CUDA] if cuda else []
+                self.profile = torch.profiler.profile(activities=activities)
+                self.profile.__enter__()
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             if cuda:
                 torch.cuda.synchronize()
+            if state.global_step > opts.long_steps:
+                self.profile.__exit__(None, None, None)
+                order = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+                found["profile"] = self.profile.key_averages().table(sort_by=order, row_limit=30)
+                return
             times.append(time.perf_counter() - self.start)
             log(f"  long {method} {length}: step {len(times)} {times[-1] * 1e3:.0f} ms")
             if clock.left() < 0:
                 control.should_training_stop = True  # the budget is spent: the rows so far still count
 
-    trainer = _long_trainer(method, opts, length, log)
+    trainer = _long_trainer(method, opts, length, opts.long_steps + profiled)
     trainer.add_callback(StepTimes())
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     try:
         trainer.train()
-        peak = torch.cuda.max_memory_allocated() if cuda else None
+        peak = found.get("peak", torch.cuda.max_memory_allocated() if cuda else None)
         checkpointed = bool(trainer.model.is_gradient_checkpointing)
     finally:
         del trainer
@@ -308,13 +335,16 @@ def _measure_long(method: str, opts, length: int, clock: Clock, log) -> dict:
         if cuda:
             torch.cuda.empty_cache()
     measured = times[1:]
-    return {
+    row = {
         "time_ms": round(statistics.median(measured) * 1e3, 1) if measured else None,
         "peak_mem_mib": round(peak / 2**20, 1) if peak is not None else None,
         "step_ms_all": [round(t * 1e3, 1) for t in times],
         "gradient_checkpointing": checkpointed,
         "status": "ok" if measured else "not run: budget spent after the warm-up step",
     }
+    if "profile" in found:
+        row["profile"] = found["profile"]
+    return row
 
 
 def long_rows(opts, clock: Clock, log) -> List[dict]:
@@ -432,6 +462,12 @@ def main(argv=None) -> List[dict]:
         add_verdicts(rows)
         for row in rows:
             row["device"], row["commit"] = device, opts.commit
+        for row in rows:  # a profiled step's table goes beside the rows, not in them
+            if "profile" in row:
+                name = f"{out.stem}.profile.{row['variant']}_{row['tokens']}.txt"
+                (opts.out_dir / name).write_text(row.pop("profile") + "\n")
+                row["profile_file"] = name
+                print(f"{name}:\n" + (opts.out_dir / name).read_text())
         out.write_text(json.dumps(rows, indent=2) + "\n")
         meta = {
             "command": " ".join(["attn-reg-gpu-bench", *(argv if argv is not None else sys.argv[1:])]),

@@ -39,7 +39,7 @@ def tiny_bert(tmp_path_factory):
 def bench(tmp_path_factory, tiny_bert):
     tmp = tmp_path_factory.mktemp("gpu_bench")
     args = ["--device", "cpu", "--out-dir", tmp / "out", "--work-dir", tmp / "work", "--commit", "abc1234"]
-    proc = _run([*args, "--hf-model", tiny_bert, "--standard-repeats", "1"], cwd=tmp)
+    proc = _run([*args, "--hf-model", tiny_bert, "--standard-repeats", "1", "--profile", "ad-drop-ga-all@128"], cwd=tmp)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (written,) = [p for p in (tmp / "out").glob("*_abc1234.json") if not p.name.endswith(".meta.json")]
     return json.loads(written.read_text()), written, proc.stdout
@@ -117,9 +117,21 @@ def test_a_spent_budget_writes_each_row_as_not_run(tmp_path, tiny_bert):
         (["--long-steps", "1"], "--long-steps must be an integer >= 2"),
         (["--long-width", "30", "--long-heads", "4"], "--long-width (30) must be a multiple of --long-heads (4)"),
         (["--budget-s", "0"], "--budget-s must be > 0"),
+        (["--profile", "ad-drop-ga-all@100"], "--profile 'ad-drop-ga-all@100': VARIANT@TOKENS"),
+        (["--profile", "ga@64"], "--profile 'ga@64': VARIANT@TOKENS"),
     ],
 )
 def test_bad_options_fail_before_any_work(tmp_path, args, message):
     proc = _run(["--device", "cpu", "--out-dir", tmp_path, *args], cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert not list(tmp_path.iterdir())
+
+
+def test_a_profiled_run_keeps_its_timed_steps_and_writes_the_extra_steps_table_beside_the_rows(bench):
+    rows, written, stdout = bench
+    (ga,) = [r for r in rows if r["section"] == "long" and r["variant"] == "ad-drop-ga-all" and r["tokens"] == 128]
+    assert len(ga["step_ms_all"]) == 2 and "profile" not in ga  # the profiled step is neither timed nor in the JSON
+    table = (written.parent / ga["profile_file"]).read_text()
+    assert ga["profile_file"] == f"{written.stem}.profile.ad-drop-ga-all_128.txt"
+    assert "Self CPU" in table and "aten::" in table and table in stdout + "\n"
+    assert not any("profile_file" in r for r in rows if r is not ga)
