@@ -63,6 +63,10 @@ def test_a_trained_classifier_reloads_without_the_plugin_and_predicts_the_same(t
     tokenizer.save_pretrained(str(folder))
 
     trained = trainer.model.eval()
+    from safetensors.torch import load_file
+
+    saved = load_file(str(folder / "model.safetensors"))  # the model's own weights, nothing of the plugin's
+    assert set(saved) == set(tiny_bert_classifier(vocab_size=tokenizer.vocab_size).state_dict())
     with torch.no_grad():
         enc = tokenizer(TEXTS, padding=True, return_tensors="pt")
         expected = trained(**enc).logits.softmax(-1)
