@@ -21,6 +21,7 @@ from helpers import REPO
 
 PLUGIN_COMMANDS = {
     "attn-reg-prepare": "attn_reg_plugin.prepare:main",
+    "attn-reg-prepare-cls": "attn_reg_plugin.prepare_classification:main",
     "attn-reg-user-dir": "attn_reg_plugin.user_dir:main",
     "attn-reg-mt-sweep": "attn_reg_plugin.sweep:main",
     "attn-reg-mt-compare": "attn_reg_plugin.sweep.compare:main",
