@@ -17,7 +17,7 @@ mv .gpu/fairseq/data/*.pyx .gpu/site/fairseq/data/ && rm -rf .gpu/fairseq
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .gpu/whl "bitarray==$(.venv/bin/python -c 'import bitarray; print(bitarray.__version__)')"
-cp tools/offline_gpu_check/{setup.sh,run.sh,bench.sh,build_ext.py} .gpu/
+cp tools/offline_gpu_check/{setup.sh,run.sh,bench.sh,lent.sh,build_ext.py} .gpu/
 # gpu-bench: the MiniLM's config and tokenizer (bench.sh gives it random weights there) and the commit.
 mkdir -p .gpu/minilm && M=$(.venv/bin/python -c 'from attn_reg_lab.paths import minilm_dir; print(minilm_dir())')
 cp "$M"/{config.json,tokenizer.json,tokenizer_config.json,vocab.txt,special_tokens_map.json} .gpu/minilm/
