@@ -20,12 +20,8 @@ from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.core.sharding import is_fully_sharded
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
+from attn_reg_plugin.hf.trainer_arguments import checkpointing_argument
 from helpers import classification_rows, pad_collate
-
-# transformers renamed gradient_checkpointing to activation_checkpointing (5.23 has both; 5.17 only
-# the old name, as the GPU machine's image has).
-FIELDS = transformers.TrainingArguments.__dataclass_fields__
-CHECKPOINTING = "activation_checkpointing" if "activation_checkpointing" in FIELDS else "gradient_checkpointing"
 
 
 def trainer_for(kind, out_dir, epochs):
@@ -38,7 +34,7 @@ def trainer_for(kind, out_dir, epochs):
     args = transformers.TrainingArguments(
         output_dir=out_dir, num_train_epochs=epochs, per_device_train_batch_size=4, logging_steps=1, report_to=[],
         save_strategy="epoch", learning_rate=1e-3, seed=0, disable_tqdm=True, remove_unused_columns=False,
-        **{CHECKPOINTING: True}, fsdp="full_shard",
+        **checkpointing_argument(True), fsdp="full_shard",
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]},
     )  # fmt: skip
     common = dict(

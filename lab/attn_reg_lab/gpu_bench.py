@@ -32,6 +32,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,7 +56,6 @@ STANDARD_VARIANTS = (
 )
 LONG_METHODS = ("plain", "ga", "attendout", "hiddencut")
 LONG_VARIANT_NAMES = {"plain": "plain", "ga": "ad-drop-ga-all", "attendout": "attendout", "hiddencut": "hiddencut"}
-AD_DROP_P = AD_DROP_Q = 0.3
 # Targets of issue 70, on a GPU: (section, variant, minimum tokens) -> (time, peak memory) ratio bounds.
 TARGETS = {
     ("standard", "ad-drop-ga-all", 0): (1.8, None),
@@ -158,24 +158,15 @@ def _git_commit() -> Optional[str]:
 
 def device_name(device: str) -> str:
     """``nvidia-h200``-style: the GPU's name, or the CPU's model, lower case with dashes."""
-    if device == "cuda":
-        import torch
+    from .benchmark.report import machine
 
-        name = torch.cuda.get_device_name()
-    else:
-        name = "cpu"
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1]
-                    break
-        except OSError:
-            pass
+    found = machine()
+    name = (found.get("gpu") if device == "cuda" else found["cpu"]) or device
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 class Clock:
-    """The run's budget: what is left, and whether a piece of work of a given length fits in it."""
+    """The run's budget: the seconds left of it."""
 
     def __init__(self, budget_s: float):
         self.deadline = time.monotonic() + budget_s
@@ -243,6 +234,8 @@ def _long_trainer(method: str, opts, length: int, steps: int):
 
     from attn_reg_plugin.hf.trainer_arguments import checkpointing_argument
 
+    from .scaling_worker import method_trainer
+
     torch.manual_seed(1)
     config = transformers.LlamaConfig(
         hidden_size=opts.long_width, intermediate_size=int(2.75 * opts.long_width) // 64 * 64 or 64,
@@ -262,28 +255,7 @@ def _long_trainer(method: str, opts, length: int, steps: int):
         report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, bf16=True,
         use_cpu=opts.device == "cpu", seed=1, dataloader_num_workers=0, **checkpointing_argument(True),
     )  # fmt: skip
-    common = dict(model=model, args=args, train_dataset=rows)
-    if method == "plain":
-        return transformers.Trainer(**common)
-    if method == "ga":
-        from attn_reg_plugin.core import ADDropConfig
-        from attn_reg_plugin.hf import ADDropTrainer
-
-        config = ADDropConfig(p=AD_DROP_P, q=AD_DROP_Q, attribution="ga", layers="all", schedule="always")
-        return ADDropTrainer(ad_drop=config, **common)
-    if method == "attendout":
-        from attn_reg_plugin.core import AttendOutConfig
-        from attn_reg_plugin.hf import AttendOutTrainer
-
-        # The held-out evaluation every T updates is amortised outside the step, as in attn-reg-benchmark.
-        config = AttendOutConfig(dropout_step=10**6, max_positions=length)
-        return AttendOutTrainer(attendout=config, eval_dataset=rows[:1], **common)
-    if method == "hiddencut":
-        from attn_reg_plugin.core.hiddencut import HiddenCutConfig
-        from attn_reg_plugin.hf import HiddenCutTrainer
-
-        return HiddenCutTrainer(hiddencut=HiddenCutConfig(), **common)
-    raise ValueError(method)
+    return method_trainer(method, dict(model=model, args=args, train_dataset=rows), length)
 
 
 def _measure_long(method: str, opts, length: int, clock: Clock, log) -> dict:
@@ -330,6 +302,7 @@ def _measure_long(method: str, opts, length: int, clock: Clock, log) -> dict:
         peak = found.get("peak", torch.cuda.max_memory_allocated() if cuda else None)
         checkpointed = bool(trainer.model.is_gradient_checkpointing)
     finally:
+        shutil.rmtree(trainer.args.output_dir, ignore_errors=True)  # nothing saved there; the folder goes
         del trainer
         gc.collect()
         if cuda:

@@ -255,13 +255,50 @@ def measure_core(spec: dict) -> dict:
     }
 
 
+def method_trainer(method: str, common: dict, length: int, iga_steps: int = 20):
+    """The Trainer that trains ``common["model"]`` on ``common["train_dataset"]`` (rows of ``length``
+    tokens) with ``method``: the stock Trainer for plain, else the plugin's, with this grid's settings
+    (AttendOut scores its first row as the held-out set). ``attn-reg-gpu-bench``'s long rows use it too."""
+    import transformers
+
+    from attn_reg_plugin.core import ADDropConfig, AttendOutConfig, ScheduledDropoutConfig
+
+    if method == "plain":
+        return transformers.Trainer(**common)
+    if method in AD_DROP_METHODS:
+        from attn_reg_plugin.hf import ADDropTrainer
+
+        ad_drop = ADDropConfig(
+            p=AD_DROP_P, q=AD_DROP_Q, attribution=method, layers="all", schedule="always", iga_steps=iga_steps
+        )
+        return ADDropTrainer(ad_drop=ad_drop, **common)
+    if method == "sched-dropout":
+        from attn_reg_plugin.hf import AttnRegTrainer
+
+        return AttnRegTrainer(scheduled_dropout=ScheduledDropoutConfig(schedule=SCHEDULE), **common)
+    if method in ("attendout", "attendout-update"):
+        from attn_reg_plugin.hf import AttendOutTrainer
+
+        # attendout-update: every update ends a dropout step (held-out scores, REINFORCE, re-sync); else
+        # the held-out evaluation every T updates is amortised outside the step, as in attn-reg-benchmark
+        updates = 1 if method == "attendout-update" else 10**6
+        attendout = AttendOutConfig(dropout_step=updates, max_positions=length)
+        return AttendOutTrainer(attendout=attendout, eval_dataset=common["train_dataset"][:1], **common)
+    if method == "hiddencut":
+        from attn_reg_plugin.core.hiddencut import HiddenCutConfig
+        from attn_reg_plugin.hf import HiddenCutTrainer
+
+        return HiddenCutTrainer(hiddencut=HiddenCutConfig(), **common)
+    raise ValueError(method)
+
+
 def measure_hf(spec: dict) -> dict:
     import tempfile
 
     import torch
     import transformers
 
-    from attn_reg_plugin.core import ADDropConfig, AttendOutConfig, ScheduledDropoutConfig
+    from attn_reg_plugin.hf.trainer_arguments import checkpointing_argument
 
     cfg, method, length = MODELS[spec["model"]], spec["method"], spec["length"]
     transformers.logging.set_verbosity_error()
@@ -292,37 +329,10 @@ def measure_hf(spec: dict) -> dict:
             output_dir=tmp, per_device_train_batch_size=1, max_steps=steps, learning_rate=1e-4,
             report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
             use_cpu=True, seed=spec["seed"], dataloader_num_workers=0,
-            gradient_checkpointing=cfg.get("checkpointing", False),
+            **checkpointing_argument(cfg.get("checkpointing", False)),
         )  # fmt: skip
         common = dict(model=model, args=args, train_dataset=rows, callbacks=[StepTimes()])
-        if method == "plain":
-            trainer = transformers.Trainer(**common)
-        elif method in AD_DROP_METHODS:
-            from attn_reg_plugin.hf import ADDropTrainer
-
-            ad_drop = ADDropConfig(
-                p=AD_DROP_P, q=AD_DROP_Q, attribution=method, layers="all", schedule="always",
-                iga_steps=spec["iga_steps"],
-            )  # fmt: skip
-            trainer = ADDropTrainer(ad_drop=ad_drop, **common)
-        elif method == "sched-dropout":
-            from attn_reg_plugin.hf import AttnRegTrainer
-
-            trainer = AttnRegTrainer(scheduled_dropout=ScheduledDropoutConfig(schedule=SCHEDULE), **common)
-        elif method in ("attendout", "attendout-update"):
-            from attn_reg_plugin.hf import AttendOutTrainer
-
-            # attendout-update: every update ends a dropout step (held-out scores, REINFORCE, re-sync)
-            updates = 1 if method == "attendout-update" else 10**6
-            attendout = AttendOutConfig(dropout_step=updates, max_positions=length)
-            trainer = AttendOutTrainer(attendout=attendout, eval_dataset=rows[:1], **common)
-        elif method == "hiddencut":
-            from attn_reg_plugin.core.hiddencut import HiddenCutConfig
-            from attn_reg_plugin.hf import HiddenCutTrainer
-
-            trainer = HiddenCutTrainer(hiddencut=HiddenCutConfig(), **common)
-        else:
-            raise ValueError(method)
+        trainer = method_trainer(method, common, length, spec["iga_steps"])
         rss_before = _status_kib("VmRSS")
         peak_ok = _reset_peak_rss()
         trainer.train()
