@@ -220,7 +220,11 @@ def prepare(
     counts = check_parallel(prefixes, src, tgt)
     log(f"data: {', '.join(f'{split} {n} pairs ({prefixes[split]}.{{{src},{tgt}}})' for split, n in counts.items())}")
     spm_dir = out / "spm"
-    train_sentencepiece(prefixes["train"], src, tgt, spm_dir, vocab_size, character_coverage)
+    train = prefixes["train"]
+    train_sentencepiece(
+        [Path(f"{train}.{src}"), Path(f"{train}.{tgt}")], spm_dir, vocab_size, character_coverage,
+        f"--vocab-size {vocab_size} / --character-coverage {character_coverage}", f"{train}.{{{src},{tgt}}}",
+    )  # fmt: skip
     encode_splits(spm_dir, prefixes, src, tgt)
     data_bin = out / "data-bin"
     split_flags = [flag for split in prefixes for flag in (f"--{split}pref", str(spm_dir / split))]
@@ -236,17 +240,18 @@ def prepare(
 
 
 def train_sentencepiece(
-    train: Path, src: str, tgt: str, spm_dir: Path, vocab_size: int, character_coverage: float
+    inputs: Sequence[Path], spm_dir: Path, vocab_size: int, character_coverage: float, options: str, source: str
 ) -> None:
-    """One unigram model on both sides of ``train``: ``spm_dir/spm.model``; a vocabulary sentencepiece
-    cannot build is a :class:`PrepareError` naming the options (and leaves no new ``spm_dir``)."""
+    """One unigram model on the text files ``inputs``: ``spm_dir/spm.model``; a vocabulary sentencepiece
+    cannot build is a :class:`PrepareError` naming the command's ``options`` and the ``source`` text (and
+    leaves no new ``spm_dir``)."""
     import sentencepiece as spm
 
     created = not spm_dir.exists()
     spm_dir.mkdir(parents=True, exist_ok=True)
     try:
         spm.SentencePieceTrainer.train(
-            input=f"{train}.{src},{train}.{tgt}",
+            input=",".join(map(str, inputs)),
             model_prefix=str(spm_dir / "spm"),
             vocab_size=vocab_size,
             character_coverage=character_coverage,
@@ -259,10 +264,7 @@ def train_sentencepiece(
         if created:
             shutil.rmtree(spm_dir, ignore_errors=True)
         reason = str(e).strip().splitlines()[-1]
-        raise PrepareError(
-            f"--vocab-size {vocab_size} / --character-coverage {character_coverage}: sentencepiece cannot build "
-            f"this vocabulary from {train}.{{{src},{tgt}}}: {reason}"
-        ) from None
+        raise PrepareError(f"{options}: sentencepiece cannot build this vocabulary from {source}: {reason}") from None
 
 
 def encode_splits(spm_dir: Path, prefixes: Mapping[str, Path], src: str, tgt: str) -> None:

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .prepare import PrepareError, fairseq_command, run_logged
+from .prepare import PrepareError, fairseq_command, run_logged, train_sentencepiece
 
 
 def read_examples(path: Path, fields: Sequence[str], label_field: str) -> List[Dict[str, str]]:
@@ -97,14 +97,9 @@ def prepare_classification(
     spm_dir.mkdir(parents=True, exist_ok=True)
     train_text = spm_dir / "train.text"
     train_text.write_text("".join(e[f] + "\n" for e in splits["train"] for f in fields), encoding="utf-8")
-    try:
-        spm.SentencePieceTrainer.train(
-            input=str(train_text), model_prefix=str(spm_dir / "spm"), vocab_size=vocab_size,
-            character_coverage=1.0, model_type="unigram", num_threads=1, minloglevel=2,
-        )  # fmt: skip
-    except RuntimeError as e:
-        reason = str(e).strip().splitlines()[-1]
-        raise PrepareError(f"--vocab-size {vocab_size}: sentencepiece cannot build it from --train: {reason}") from None
+    train_sentencepiece(
+        [train_text], spm_dir, vocab_size, 1.0, f"--vocab-size {vocab_size}", f"--train {files['train']}"
+    )
     sp = spm.SentencePieceProcessor(model_file=str(spm_dir / "spm.model"))
     columns = {f"input{i}": field for i, field in enumerate(fields)}
     for split, examples in splits.items():
