@@ -328,6 +328,22 @@ def _release_requeues(out: Path, key: str, done: threading.Event) -> None:
         time.sleep(1)
 
 
+def _job_when_ended(job: str, wait_s: float = 120.0) -> str:
+    """``scontrol show job`` once the job has ended. The command returns when the run's result is
+    written; the job's process exits after that, and a time-limit signal caught in between requeues
+    it once more (the rerun finds result.json and ends in seconds), so the job can still be RUNNING
+    or PENDING here."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+        state = shown.split("JobState=", 1)[1].split()[0] if "JobState=" in shown else ""
+        if state not in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING", "CONFIGURING") or time.monotonic() > deadline:
+            return shown
+        if "Reason=BeginTime" in shown:  # held as every requeue is: released as _release_requeues does
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+        time.sleep(2)
+
+
 @needs_slurm
 def test_a_run_longer_than_the_time_limit_saves_is_requeued_and_completes(tiny_mt_data, tmp_path, one_thread):
     """--slurm-time 1, Slurm's least, for a run of about 60 s of training. Slurm signals the job
@@ -367,7 +383,7 @@ def test_a_run_longer_than_the_time_limit_saves_is_requeued_and_completes(tiny_m
     assert f"- {cell} seed 1: resumed at epoch " in md and "give --rebuild-batches after '--'" in md
     console = "\n".join(lines)  # the resume's notice, not only in the job's log
     assert f"{key}: finished (job {job}); resumed at epoch " in console and "--rebuild-batches" in console, console
-    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    shown = _job_when_ended(job)
     # A requeue while it translates (after training) is not a training attempt: at least one per save.
     restarts = int(shown.split("Restarts=", 1)[1].split()[0])
     assert "JobState=COMPLETED" in shown and restarts >= len(ends) - 1, shown
