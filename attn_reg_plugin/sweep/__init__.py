@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -56,7 +55,7 @@ from ..core.attribution import ATTRIBUTIONS
 from ..paths import OutputOverwritesInputError, check_outputs_spare_inputs
 from .fairseq_check import check_fairseq_args
 from .heatmap import heatmap
-from .launcher import launch_and_collect
+from .launcher import MT_RUNS, launch_and_report
 from .launcher_options import with_world_size, world_size
 from .options import (
     OWNED,
@@ -133,17 +132,8 @@ def _locked_main(ap, opts, settings: dict, cells: list, log: Callable[[str], Non
         f"== AD-DROP sweep {opts.source_lang}→{opts.target_lang} on {opts.data_bin}: {len(cells)} cell(s) x "
         f"{len(opts.seeds)} seed(s), {opts.epochs} epoch(s) each; outputs in {opts.out_dir}"
     )
-    started = time.time()
-    try:
-        records = launch_and_collect(cells, opts, settings, log)
-    except SweepError as e:
-        ap.error(str(e))
-    if records is None:  # --detach
-        return 0
-    if not records:  # every job failed: launcher.launch_and_collect said so
-        return 1
-    write_results(records, opts, settings, started, log)
-    return 1 if opts.failed_runs else 0
+    report = lambda records, started: write_results(records, opts, settings, started, log)
+    return launch_and_report(ap, cells, opts, settings, log, MT_RUNS, report)
 
 
 def _check_inputs(opts, written: Sequence[str] = SWEEP_OUTPUTS) -> None:

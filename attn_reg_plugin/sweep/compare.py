@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
@@ -55,10 +54,26 @@ from ..paths import OutputOverwritesInputError
 from . import _check_inputs, _check_same_settings, sweep_settings
 from .compare_report import write_comparison
 from .fairseq_check import check_fairseq_args
-from .launcher import launch_and_collect
+from .launcher import MT_RUNS, launch_and_report
 from .launcher_options import add_launcher_options, check_launcher, check_ranks
-from .methods import METHODS, check_shared_args, method_cell, parse_method_args, parse_methods, plugin_provides
-from .options import SweepError, add_run_options, check_train_args, parse_epochs_seeds, parse_scoring, split_train_args
+from .methods import (
+    METHODS,
+    add_methods_options,
+    check_shared_args,
+    method_cell,
+    parse_method_args,
+    parse_methods,
+    plugin_provides,
+)
+from .options import (
+    SweepError,
+    add_run_options,
+    check_train_args,
+    command_parser,
+    parse_epochs_seeds,
+    parse_scoring,
+    split_train_args,
+)
 from .processes import run_locked
 from .report import write_json
 
@@ -69,25 +84,13 @@ COMPARE_OUTPUTS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        allow_abbrev=False,
-        prog=PROG,
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage=f"{PROG} DATA_BIN --out-dir DIR --methods plain,... [options] -- FAIRSEQ-TRAIN-ARGS...",
-    )
+    ap = command_parser(PROG, __doc__, "DATA_BIN --out-dir DIR --methods plain,... [options] -- FAIRSEQ-TRAIN-ARGS...")
     ap.add_argument(
         "data_bin", metavar="DATA_BIN", type=Path, help="the fairseq-preprocess output (train, valid, test)"
     )
     ap.add_argument("--out-dir", type=Path, required=True, help="where cells/, runs/, results.* and compare.png go")
-    ap.add_argument("--methods", required=True, help=f"comma list of {', '.join(METHODS)}, plain among them")
-    ap.add_argument(
-        "--method-args",
-        action="append",
-        default=[],
-        metavar="METHOD[:ROW]=ARGS",
-        help="a method's own fairseq-train options, e.g. 'r-drop=--rdrop-alpha 3' (repeatable; they replace its "
-        "defaults); its row is named after them (r-drop_alpha=3), or ROW: 'r-drop:strong=--rdrop-alpha 10'",
+    add_methods_options(
+        ap, METHODS, "fairseq-train options", "r-drop=--rdrop-alpha 3", "r-drop:strong=--rdrop-alpha 10"
     )
     add_run_options(ap, test_is_optional=False)
     add_launcher_options(ap)
@@ -140,33 +143,31 @@ def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = prin
 
 
 def _locked_main(ap, opts, settings: dict, log: Callable[[str], None]) -> int:
-    try:
-        _check_same_settings(opts.out_dir, settings)
-        opts.cells = [_recorded_name(opts.out_dir, cell, opts.named_rows, log) for cell in opts.cells]
-        _check_same_cells(opts.out_dir, opts.cells)
-    except SweepError as e:
-        ap.error(str(e))
-    (opts.out_dir / "cells").mkdir(parents=True, exist_ok=True)
-    write_json(opts.out_dir / "sweep.json", settings)
-    names = ", ".join(c["name"] for c in opts.cells)
+    names = prepare_out_dir(ap, opts, settings, log)
     log(
         f"== {PROG} {opts.source_lang}→{opts.target_lang} on {opts.data_bin}: {names} x {len(opts.seeds)} "
         f"seed(s), {opts.epochs} epoch(s) each; outputs in {opts.out_dir}"
     )
-    started = time.time()
+    report = lambda records, started: write_comparison(records, opts, started, log)
+    return launch_and_report(ap, opts.cells, opts, settings, log, MT_RUNS, report)
+
+
+def prepare_out_dir(ap, opts, settings: dict, log: Callable[[str], None]) -> str:
+    """attn-reg-mt-compare's and -cls-compare's ``--out-dir`` under the lock: other settings refused,
+    each row continued under its recorded name (:func:`recorded_name`) and refused when its name ran other
+    options (:func:`check_same_cells`), the settings written; returns the rows' names for the header."""
     try:
-        records = launch_and_collect(opts.cells, opts, settings, log)
+        _check_same_settings(opts.out_dir, settings)
+        opts.cells = [recorded_name(opts.out_dir, cell, opts.named_rows, log) for cell in opts.cells]
+        check_same_cells(opts.out_dir, opts.cells)
     except SweepError as e:
         ap.error(str(e))
-    if records is None:  # --detach
-        return 0
-    if not records:  # every job failed: launcher.launch_and_collect said so
-        return 1
-    write_comparison(records, opts, started, log)
-    return 1 if opts.failed_runs else 0
+    (opts.out_dir / "cells").mkdir(parents=True, exist_ok=True)
+    write_json(opts.out_dir / "sweep.json", settings)
+    return ", ".join(c["name"] for c in opts.cells)
 
 
-def _recorded_name(out: Path, cell: dict, named_rows: set, log: Callable[[str], None]) -> dict:
+def recorded_name(out: Path, cell: dict, named_rows: set, log: Callable[[str], None]) -> dict:
     """``cell``, or the cell of the same method and options that ``out`` recorded under another name
     (an earlier version's name, r-drop__rdrop-alpha-3): its runs are kept and its row continued, not
     retrained under a second name. A row the user named is refused there instead."""
@@ -189,7 +190,7 @@ def _recorded_name(out: Path, cell: dict, named_rows: set, log: Callable[[str], 
     return cell
 
 
-def _check_same_cells(out: Path, cells: List[dict]) -> None:
+def check_same_cells(out: Path, cells: List[dict]) -> None:
     """A run folder of this name trained with other arguments (an older plugin's defaults) is
     refused before anything runs: its checkpoints would be scored as this cell's."""
     import json

@@ -1,10 +1,12 @@
 """Where the runs run: ``--launcher local`` (this machine, ``--jobs`` runs at a time) or ``slurm`` (each
 missing (cell, seed) run one element of one Slurm job array, through submitit).
 
-A run is the same in every launcher: :func:`runs.run_seed` (fairseq-train with its resume, then
-fairseq-generate and sacrebleu of the valid and test splits) writes ``runs/<cell>/seed<S>/result.json``.
-The command then collects those files as it always did. ``local`` with ``--jobs 1`` runs them in the
-command's own process, one after another (the runs' progress on the console); every other choice
+A run is the same in every launcher: its command's :class:`RunKind` job (attn-reg-mt-sweep's and
+-compare's :data:`MT_RUNS`: fairseq-train with its resume, then fairseq-generate and sacrebleu of the
+valid and test splits; attn-reg-cls-compare's: a Hugging Face Trainer run scored on dev and test)
+writes ``runs/<cell>/seed<S>/result.json``. The command then collects those files with its RunKind's
+``collect``. ``local`` with ``--jobs 1`` runs them in the command's own process, one after another
+(the runs' progress on the console); every other choice
 submits them through submitit (``--jobs N``: its local executor, N jobs at a time) and waits.
 ``OUT/jobs.json`` names the jobs that were submitted, so that a later command (after ``--detach``, a
 lost connection, a failure) waits for those still queued or running and resubmits only the runs that
@@ -17,7 +19,7 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from .options import SweepError, cell_name
 from .report import write_json
@@ -69,14 +71,18 @@ def signal_delay(minutes: int) -> int:
 
 
 class RunJob:
-    """:func:`run_job` as submitit's checkpointable callable: on the time-limit signal (Slurm sends
-    SIGUSR2 :func:`signal_delay` seconds before the limit) rank 0's :meth:`checkpoint` waits for its
-    fairseq-train, which saves ``checkpoint_last.pt`` on that signal and exits
-    (:mod:`attn_reg_plugin.time_limit`); submitit then requeues the job, which
-    resumes there. After ``--slurm-max-requeues`` requeues the run ends, named TIMEOUT."""
+    """A run's ``job`` (``job(cell, seed, opts, settings)``, a module-level function: submitit pickles
+    it by name) as submitit's checkpointable callable: on the time-limit signal (Slurm sends SIGUSR2
+    :func:`signal_delay` seconds before the limit) :meth:`checkpoint` waits for the job's children
+    (fairseq-train saves ``checkpoint_last.pt`` on that signal and exits, :mod:`attn_reg_plugin.time_limit`;
+    a job without children has none to wait for); submitit then requeues the job, which resumes as the
+    job resumes. After ``--slurm-max-requeues`` requeues the run ends, named TIMEOUT."""
+
+    def __init__(self, job: Callable[..., Optional[dict]]):
+        self.job = job
 
     def __call__(self, cell: dict, seed: int, opts, settings: dict) -> Optional[dict]:
-        return run_job(cell, seed, opts, settings)
+        return self.job(cell, seed, opts, settings)
 
     def checkpoint(self, *args):
         import signal
@@ -113,6 +119,23 @@ def run_job(cell: dict, seed: int, opts, settings: dict) -> Optional[dict]:
     return run_seed(cell, seed, opts, settings, seed_dir, print, distributed)
 
 
+class RunKind(NamedTuple):
+    """What one command's runs are, for the launcher shared by attn-reg-mt-sweep, -mt-compare and
+    -cls-compare: ``job(cell, seed, opts, settings)`` runs one and writes its ``result.json`` (a
+    module-level function, for submitit); ``identity(cell, seed, opts)`` is its command line, recorded
+    in ``command.json`` (a folder started with another is refused); ``collect(cells, opts, settings,
+    log, collect_only)`` runs what is missing in this process (``collect_only``: only reads the finished
+    runs) and returns every cell's record; ``arguments`` names what an identity lists, in its refusal."""
+
+    job: Callable[..., Optional[dict]]
+    identity: Callable[..., List[str]]
+    collect: Callable[..., List[dict]]
+    arguments: str
+
+
+MT_RUNS = RunKind(run_job, run_identity, run_cells, "fairseq-train arguments")
+
+
 # -- submitting, waiting, collecting ---------------------------------------------------------------
 def _executor(opts):
     import submitit
@@ -141,14 +164,16 @@ def _executor(opts):
     return executor
 
 
-def launch(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) -> Optional[List[dict]]:
+def launch(cells: List[dict], opts, settings: dict, log: Callable[[str], None], kind: RunKind) -> Optional[List[dict]]:
     """Run what is missing as jobs and wait for them (local ``--jobs 1``: the command runs them
     itself). First refused, as :class:`SweepError`: a run folder started with other arguments
     (:func:`runs.identity_conflict`), and with ``local`` a run an earlier command's Slurm job still
     holds. Returns the failed runs (name, seed, job, state, its log's last lines), or None when the
     command runs them itself or ``--detach`` left them running."""
     missing = missing_runs(cells, opts, settings)
-    conflicts = [identity_conflict(run_dir(opts.out_dir, *run), run_identity(*run, opts)) for run in missing]
+    conflicts = [
+        identity_conflict(run_dir(opts.out_dir, *run), kind.identity(*run, opts), kind.arguments) for run in missing
+    ]
     if any(conflicts):  # a folder started with other arguments: refused before anything runs
         raise SweepError("; ".join(c for c in conflicts if c))
     jobs = _under_way(opts, missing, log)
@@ -157,9 +182,9 @@ def launch(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) 
     queued = [run for run in missing if _key(*run) not in jobs]
     executor = _executor(opts)
     if opts.launcher == "slurm" and queued:
-        submitted = _submit_array(executor, queued, opts, settings)
+        submitted = _submit_array(executor, queued, opts, settings, kind.job)
         for cell, seed in queued:  # queued is started: a later command with other arguments is refused
-            claim_run(run_dir(opts.out_dir, cell, seed), run_identity(cell, seed, opts))
+            claim_run(run_dir(opts.out_dir, cell, seed), kind.identity(cell, seed, opts), kind.arguments)
         jobs.update({_key(*run): job for run, job in zip(queued, submitted)})
         _record_jobs(opts.out_dir, jobs)
         array = submitted[0].job_id.split("_")[0]
@@ -168,17 +193,17 @@ def launch(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) 
     if opts.detach:
         log(f"--detach: {len(jobs)} job(s) left to Slurm; the same command again collects them")
         return None
-    return _wait(jobs, queued, {_key(*run): run for run in missing}, executor, opts, settings, log)
+    return _wait(jobs, queued, {_key(*run): run for run in missing}, executor, opts, settings, log, kind.job)
 
 
-def _submit_array(executor, runs: List[Tuple[dict, int]], opts, settings: dict) -> list:
+def _submit_array(executor, runs: List[Tuple[dict, int]], opts, settings: dict, job: Callable) -> list:
     """``runs`` as one job array; sbatch's refusal (a partition, account or qos the cluster lacks, a
     bad ``--slurm-sbatch`` option) is a :class:`SweepError` quoting it."""
     from submitit.core.utils import FailedJobError
 
     try:
         with executor.batch():
-            return [executor.submit(RunJob(), cell, seed, opts, settings) for cell, seed in runs]
+            return [executor.submit(RunJob(job), cell, seed, opts, settings) for cell, seed in runs]
     except FailedJobError as e:
         raise SweepError(
             f"sbatch refused the jobs, nothing was submitted ({' '.join(str(e).split())}): check --slurm-partition, "
@@ -241,7 +266,7 @@ def _under_way(opts, missing: List[Tuple[dict, int]], log: Callable[[str], None]
 
 
 def _wait(
-    jobs: dict, queued: list, runs: dict, executor, opts, settings: dict, log: Callable[[str], None]
+    jobs: dict, queued: list, runs: dict, executor, opts, settings: dict, log: Callable[[str], None], job: Callable
 ) -> List[dict]:
     """Wait for ``jobs`` (by run, ``runs`` the (cell, seed) of each), submitting ``queued`` local runs
     as ``--jobs`` allows; each finished run is logged, a failed one returned. Anything that interrupts the wait (Ctrl-C, SIGTERM) cancels every
@@ -253,26 +278,27 @@ def _wait(
         while pending or queued:
             while queued and len(pending) < opts.jobs:
                 cell, seed = queued.pop(0)
-                pending[_key(cell, seed)] = executor.submit(RunJob(), cell, seed, opts, settings)
-            for key, job in list(pending.items()):
-                if not job.done():
+                pending[_key(cell, seed)] = executor.submit(RunJob(job), cell, seed, opts, settings)
+            for key, submitted in list(pending.items()):
+                if not submitted.done():
                     continue
                 del pending[key]
                 done += 1
-                failure = _failure(*runs[key], job, opts, settings)
+                failure = _failure(*runs[key], submitted, opts, settings)
                 if failure is None:
-                    log(f"[{done}/{total}] {key}: finished (job {job.job_id}){_resumed(*runs[key], opts, settings)}")
+                    resumed = _resumed(*runs[key], opts, settings)
+                    log(f"[{done}/{total}] {key}: finished (job {submitted.job_id}){resumed}")
                 else:
                     failed.append(failure)
                     log(
-                        f"[{done}/{total}] {key}: FAILED (job {job.job_id}, {failure['state']}): "
+                        f"[{done}/{total}] {key}: FAILED (job {submitted.job_id}, {failure['state']}): "
                         f"{failure['error']}; log {failure['log']}"
                     )
             if pending or queued:
                 time.sleep(POLL_SECONDS)
     except BaseException as e:
-        for job in pending.values():
-            job.cancel(check=False)
+        for submitted in pending.values():
+            submitted.cancel(check=False)
         if isinstance(e, SweepStopped) and pending:
             e.ended.append(f"{len(pending)} job(s) cancelled: " + ", ".join(j.job_id for j in pending.values()))
         raise
@@ -312,14 +338,34 @@ def _final_state(job) -> str:
         time.sleep(1.0)
 
 
-def launch_and_collect(cells: List[dict], opts, settings: dict, log: Callable[[str], None]) -> Optional[List[dict]]:
-    """The records of every cell after the launcher ran what was missing (``opts.failed_runs``: the
-    runs whose jobs failed); None after ``--detach``; [] when no run has finished."""
-    failed = launch(cells, opts, settings, log)
+def launch_and_collect(
+    cells: List[dict], opts, settings: dict, log: Callable[[str], None], kind: RunKind
+) -> Optional[List[dict]]:
+    """The records of every cell after the launcher ran ``kind``'s missing runs (``opts.failed_runs``:
+    the runs whose jobs failed); None after ``--detach``; [] when no run has finished."""
+    failed = launch(cells, opts, settings, log, kind)
     if opts.detach:
         return None
     opts.failed_runs = failed or []
-    records = run_cells(cells, opts, settings, log, collect_only=failed is not None)
+    records = kind.collect(cells, opts, settings, log, collect_only=failed is not None)
     if not records:
         log("no run has finished, so there are no results yet: the same command again submits the failed runs")
     return records
+
+
+def launch_and_report(
+    ap, cells: List[dict], opts, settings: dict, log: Callable[[str], None], kind: RunKind, report: Callable
+) -> int:
+    """The three commands' run under their lock: :func:`launch_and_collect`, then ``report(records,
+    started)`` (results.md and results.json); the exit status (1 when a job failed or none finished)."""
+    started = time.time()
+    try:
+        records = launch_and_collect(cells, opts, settings, log, kind)
+    except SweepError as e:
+        ap.error(str(e))
+    if records is None:  # --detach
+        return 0
+    if not records:  # every job failed: launch_and_collect said so
+        return 1
+    report(records, started)
+    return 1 if opts.failed_runs else 0

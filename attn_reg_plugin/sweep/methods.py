@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 import shlex
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ..core.ad_drop_config import first_ad_drop_epoch
 from .options import AD_DROP_CRITERION, PLAIN_CRITERION, SweepError
@@ -90,15 +90,16 @@ class MethodArgs(NamedTuple):
     groups: List[Tuple[str, ...]]
 
 
-def parse_methods(text: str, provided: Optional[set]) -> List[str]:
-    """``--methods``: a comma list of distinct METHODS names, plain among them. A method the plugin
-    does not provide at run time (``provided``: :func:`plugin_provides`; None: not checked) is
-    refused naming the accepted list. Raises :class:`SweepError`."""
+def parse_methods(text: str, provided: Optional[set], registry: Mapping = METHODS) -> List[str]:
+    """``--methods``: a comma list of distinct ``registry`` names, plain among them. A method the plugin
+    does not provide at run time (``provided``: :func:`plugin_provides`; None: not checked, as for
+    attn-reg-cls-compare's Hugging Face methods) is refused naming the accepted list. Raises
+    :class:`SweepError`."""
     names = [x.strip() for x in text.split(",") if x.strip()]
-    accepted = [m for m, spec in METHODS.items() if available(spec, provided)]
+    accepted = [m for m, spec in registry.items() if provided is None or available(spec, provided)]
     unknown = [m for m in names if m not in accepted]
     if unknown:
-        why = "; ".join(_why_not(m, provided) for m in unknown)
+        why = "; ".join(_why_not(m, provided, registry) for m in unknown)
         raise SweepError(f"--methods {text!r}: {why}; accepted here: {', '.join(accepted)}")
     if len(set(names)) != len(names):
         raise SweepError(f"--methods {text!r} names a method twice")
@@ -112,8 +113,8 @@ def available(spec: Method, provided: Optional[set]) -> bool:
     return provided is None or all(n in provided for n in needs)
 
 
-def _why_not(name: str, provided: Optional[set]) -> str:
-    if name not in METHODS:
+def _why_not(name: str, provided: Optional[set], registry: Mapping) -> str:
+    if name not in registry:
         return f"{name!r} is not a method"
     spec = METHODS[name]
     needs = [f"fairseq criterion {spec.criterion}"] + ([f"task option {spec.task_flag}"] if spec.task_flag else [])
@@ -156,26 +157,29 @@ def _groups(words: Sequence[str]) -> List[Tuple[str, ...]]:
     return [tuple(g) for g in groups]
 
 
-def parse_method_args(values: Sequence[str], methods: Sequence[str]) -> Dict[str, MethodArgs]:
+def parse_method_args(
+    values: Sequence[str], methods: Sequence[str], registry: Mapping = METHODS
+) -> Dict[str, MethodArgs]:
     """``--method-args METHOD=ARGS`` or ``METHOD:ROW=ARGS`` (repeatable): each method's own options,
-    checked against its flag prefixes, and the name of its row when given. Raises
-    :class:`SweepError` naming the option."""
+    checked against its flag prefixes (``registry[METHOD].prefixes``: attn-reg-mt-compare's
+    :data:`METHODS`, attn-reg-cls-compare's ``attn_reg_plugin.hf.methods.METHODS``), and the name of its
+    row when given. Raises :class:`SweepError` naming the option."""
     out: Dict[str, MethodArgs] = {}
     for value in values:
         head, sep, text = value.partition("=")
         name, named, row = (part.strip() for part in head.partition(":"))
         where = f"--method-args {value!r}"
-        if not sep or name not in METHODS:
+        if not sep or name not in registry:
             raise SweepError(
-                f"{where}: expected METHOD=ARGS or METHOD:ROW=ARGS with METHOD one of {', '.join(METHODS)}"
+                f"{where}: expected METHOD=ARGS or METHOD:ROW=ARGS with METHOD one of {', '.join(registry)}"
             )
         if named:
-            _check_row_name(row, where)
+            _check_row_name(row, where, registry)
         if name not in methods:
             raise SweepError(f"{where}: {name} is not in --methods ({','.join(methods)})")
         if name in out:
             raise SweepError(f"{where}: {name} has --method-args twice; give its options in one string")
-        prefixes = METHODS[name].prefixes
+        prefixes = registry[name].prefixes
         try:
             groups = _groups(shlex.split(text))
         except (SweepError, ValueError) as e:
@@ -190,13 +194,13 @@ def parse_method_args(values: Sequence[str], methods: Sequence[str]) -> Dict[str
     return out
 
 
-def _check_row_name(row: str, where: str) -> None:
+def _check_row_name(row: str, where: str, registry: Mapping) -> None:
     if not ROW_NAME.fullmatch(row) or len(row) > NAME_LIMIT:
         raise SweepError(
             f"{where}: row name {row!r} must be 1 to {NAME_LIMIT} of letters, digits and . _ , + = -, starting "
             "with a letter or digit"
         )
-    if row in METHODS:
+    if row in registry:
         raise SweepError(f"{where}: row name {row} is a method's name (its row with its defaults); give another")
 
 
@@ -223,14 +227,14 @@ def method_cell(name: str, given: Sequence[Tuple[str, ...]], epochs: int, row: O
     return {"method": name, "name": label, "args": args}
 
 
-def derived_name(method: str, changed: Sequence[Tuple[str, ...]]) -> str:
+def derived_name(method: str, changed: Sequence[Tuple[str, ...]], registry: Mapping = METHODS) -> str:
     """``method`` and, per option that differs from its defaults, the flag without the method's
     prefix and its value, sign kept: ``r-drop_alpha=-3``, ``ad-drop_p=0.5_q=0.5``. Characters a
     folder name cannot hold safely (':' of schedules) become '_'; a name over NAME_LIMIT ends in a
     hash of the options (results.md lists every row's options in full)."""
     parts = [method]
     for flag, *values in changed:
-        prefix = next((p for p in METHODS[method].prefixes if flag.startswith(p) and flag != p), "--")
+        prefix = next((p for p in registry[method].prefixes if flag.startswith(p) and flag != p), "--")
         short = flag[len(prefix) :].lstrip("-")
         value = _NOT_IN_NAMES.sub("_", " ".join(values))
         parts.append(f"{short}={value}" if values else short)
@@ -251,3 +255,18 @@ def check_shared_args(train_args: Sequence[str]) -> None:
             f"{', '.join(dict.fromkeys(clash))} after '--': the arguments there are every method's, plain's "
             "included; each method sets its criterion, give a method's own options with --method-args METHOD='...'"
         )
+
+
+def add_methods_options(ap, registry: Mapping, options: str, example: str, named: str) -> None:
+    """``--methods`` (a comma list of ``registry``'s names) and ``--method-args`` (attn-reg-mt-compare's and
+    -cls-compare's): ``options`` says what a method's options are, ``example`` and ``named`` show one
+    and a named row."""
+    ap.add_argument("--methods", required=True, help=f"comma list of {', '.join(registry)}, plain among them")
+    ap.add_argument(
+        "--method-args",
+        action="append",
+        default=[],
+        metavar="METHOD[:ROW]=ARGS",
+        help=f"a method's own {options}, e.g. '{example}' (repeatable; they replace its defaults); its row is "
+        f"named after them, or ROW: '{named}'",
+    )

@@ -133,6 +133,18 @@ def option_name(arg: str) -> str:
     return arg.split("=", 1)[0]
 
 
+def command_parser(prog: str, doc: str, usage: str) -> argparse.ArgumentParser:
+    """A command's parser: no abbreviations (a later option must not change what an old one meant), its
+    module docstring as the description, laid out as written."""
+    return argparse.ArgumentParser(
+        allow_abbrev=False,
+        prog=prog,
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage=f"{prog} {usage}",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __doc__ as description  # the package's docstring is the command's --help
 

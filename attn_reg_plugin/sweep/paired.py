@@ -1,6 +1,8 @@
 """What attn-reg-mt-compare may claim about a method against plain: per metric the mean and sample sd
 over seeds, the paired difference to plain over the seeds both ran with a 95% t-interval, sacrebleu's
-own paired bootstrap test per seed on the test set, and the verdict in words.
+own paired bootstrap test per seed on the test set, and the verdict in words. attn-reg-cls-compare
+(and the lab's few-shot runner) use the same spread, paired differences and verdict, on a classifier's
+scores (:data:`VerdictMetric`) and without a per-seed test.
 
 Seeds are the unit of evidence (DESIGN.md, "Evidence in MT"): the verdict rests on the interval
 over seeds; sacrebleu's per-seed test is reported beside it and never decides alone (it called
@@ -12,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .verdict import LENGTH_RATIO_RANGE, NEAR_ZERO_BLEU
 
@@ -114,6 +116,24 @@ def is_significant(test: dict) -> bool:
     return test["bleu_p"] < SIGNIFICANCE and test["bleu"] != test["bleu_plain"]
 
 
+class VerdictMetric(NamedTuple):
+    """A metric the verdict reads: its key in the differences, its label, a short name (``BLEU``,
+    ``valid loss``), whether higher is better, and the digits shown."""
+
+    key: str
+    label: str
+    short: str
+    higher_is_better: bool
+    digits: int
+
+
+# attn-reg-mt-compare's verdict: on test BLEU's interval over seeds, then on the best valid loss's.
+MT_VERDICT = (
+    VerdictMetric("test_bleu", "test BLEU", "BLEU", True, 2),
+    VerdictMetric("valid_loss", "best valid loss", "valid loss", False, 3),
+)
+
+
 def _interval(d: dict, digits: int) -> str:
     f = f"{{:+.{digits}f}}"
     if d["ci"] is None:
@@ -145,39 +165,53 @@ def cautions(record: dict, plain: Optional[dict], plain_bleu: Optional[float]) -
 
 
 def verdict(
-    name: str, diffs: Dict[str, dict], tests: Dict[int, dict], flags: Sequence[str], notes: Sequence[str] = ()
+    name: str,
+    diffs: Dict[str, dict],
+    tests: Optional[Dict[int, dict]],
+    flags: Sequence[str],
+    notes: Sequence[str] = (),
+    metrics: Tuple[VerdictMetric, VerdictMetric] = MT_VERDICT,
 ) -> str:
-    """The verdict on method ``name`` against plain, in words: on test BLEU's interval over seeds,
-    then on the best valid loss's; sacrebleu's per-seed test said beside, never deciding alone."""
-    bleu, loss = diffs["test_bleu"], diffs["valid_loss"]
-    n = bleu["n"]
+    """The verdict on method ``name`` against plain, in words: on the first of ``metrics``' interval
+    over seeds (test BLEU), then on the second's (the best valid loss); sacrebleu's per-seed test said
+    beside, never deciding alone (``tests`` None: the command has no per-seed test)."""
+    primary, secondary = metrics
+    main, other = diffs[primary.key], diffs[secondary.key]
+    n = main["n"]
     if flags:
         return f"{name}: not compared: " + "; ".join(flags)
     if n == 0:
         return f"{name}: no seed in common with plain: run the same --seeds"
+    tests_given = tests is not None
+    tests = tests or {}
     significant = [s for s, t in tests.items() if is_significant(t)]
-    agree = [s for s in significant if (tests[s]["bleu"] > tests[s]["bleu_plain"]) == (bleu["mean"] > 0)]
+    agree = [s for s in significant if (tests[s]["bleu"] > tests[s]["bleu_plain"]) == (main["mean"] > 0)]
     paired = f"sacrebleu's paired test (p < {SIGNIFICANCE:g}) agrees at {len(agree)} of {len(tests)} seed(s)"
     seeds = f"{n} seed{'s' * (n != 1)}"
+    main_text = f"{primary.label} {_interval(main, primary.digits)}"
     if n == 1:
-        (seed,) = bleu["seeds"]
-        out = f"{name}: not distinguishable from plain at 1 seed (test BLEU {_interval(bleu, 2)}; no seed spread, add seeds)"
+        (seed,) = main["seeds"]
+        out = f"{name}: not distinguishable from plain at 1 seed ({main_text}; no seed spread, add seeds)"
         if seed in tests and tests[seed]["bleu"] == tests[seed]["bleu_plain"]:
             out += f"; the same test BLEU as plain at seed {seed}"
         elif seed in tests:
             out += f"; sacrebleu's paired test at seed {seed}: p {tests[seed]['bleu_p']:.3f}, which alone over-claims"
         return out + "".join(f"; {note}" for note in notes)
-    side_bleu, side_loss = _side(bleu, True), _side(loss, False)
-    bleu_text, loss_text = f"test BLEU {_interval(bleu, 2)}", f"best valid loss {_interval(loss, 3)}"
-    if side_bleu:
-        words = "better" if side_bleu > 0 else "worse"
-        out = f"{name}: {words}: {bleu_text} at {seeds}, and {paired}"
-    elif side_loss:
-        every = all((d < 0) == (side_loss > 0) for d in loss["per_seed"].values())
-        words = "better" if side_loss > 0 else "worse"
-        out = f"{name}: {words} on valid loss{' at every seed' * every} ({loss_text}), BLEU within noise ({bleu_text}) at {seeds}"
+    side_main, side_other = _side(main, primary.higher_is_better), _side(other, secondary.higher_is_better)
+    other_text = f"{secondary.label} {_interval(other, secondary.digits)}"
+    if side_main:
+        words = "better" if side_main > 0 else "worse"
+        out = f"{name}: {words}: {main_text} at {seeds}" + (f", and {paired}" if tests_given else "")
+    elif side_other:
+        on_better_side = (lambda d: d > 0) if secondary.higher_is_better else (lambda d: d < 0)
+        every = all(on_better_side(d) == (side_other > 0) for d in other["per_seed"].values())
+        words = "better" if side_other > 0 else "worse"
+        out = (
+            f"{name}: {words} on {secondary.short}{' at every seed' * every} ({other_text}), {primary.short} "
+            f"within noise ({main_text}) at {seeds}"
+        )
     else:
-        out = f"{name}: not distinguishable from plain at {seeds} ({bleu_text}; {loss_text})"
+        out = f"{name}: not distinguishable from plain at {seeds} ({main_text}; {other_text})"
         if significant:
             out += (
                 f"; sacrebleu's paired test calls {len(significant)} of {len(tests)} seed(s) significant (p < "

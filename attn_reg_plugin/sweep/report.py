@@ -201,7 +201,7 @@ def _versions() -> Dict[str, Optional[str]]:
     from importlib import metadata
 
     out: Dict[str, Optional[str]] = {"python": sys.version.split()[0]}
-    for name in ("attn_reg_plugin", "torch", "fairseq-fixed", "fairseq", "sacrebleu"):
+    for name in ("attn_reg_plugin", "torch", "fairseq-fixed", "fairseq", "sacrebleu", "transformers"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -69,9 +69,12 @@ def run_identity(cell: dict, seed: int, opts) -> List[str]:
     return train_command(cell, seed, opts, Path(RUN_FOLDER) / "checkpoints")
 
 
-def identity_conflict(seed_dir: Path, identity: Sequence[str]) -> Optional[str]:
+def identity_conflict(
+    seed_dir: Path, identity: Sequence[str], arguments: str = "fairseq-train arguments"
+) -> Optional[str]:
     """Why ``seed_dir`` cannot be run as ``identity``: it was started (trained, or queued as a job)
-    with another command line, both named and what differs; None when it was not, or with this one."""
+    with another command line (its ``arguments``, for the message), both named and what differs; None
+    when it was not, or with this one."""
     path = seed_dir / IDENTITY_FILE
     if not path.exists():
         return None
@@ -84,17 +87,17 @@ def identity_conflict(seed_dir: Path, identity: Sequence[str]) -> Optional[str]:
     then = [" ".join(recorded[i1:i2]) or "(nothing)" for tag, i1, i2, _, _ in pairs if tag != "equal"]
     now = [" ".join(identity[j1:j2]) or "(nothing)" for tag, _, _, j1, j2 in pairs if tag != "equal"]
     return (
-        f"{seed_dir} was started with other fairseq-train arguments ({'; '.join(then)} then, {'; '.join(now)} "
+        f"{seed_dir} was started with other {arguments} ({'; '.join(then)} then, {'; '.join(now)} "
         f"now): it was `{shlex.join(recorded)}`, this command's is `{shlex.join(identity)}`. Rerun with the "
         "same options to resume it, name this row otherwise (--method-args METHOD:ROW=ARGS), use another "
         f"--out-dir, or delete {seed_dir} to train it anew"
     )
 
 
-def claim_run(seed_dir: Path, identity: Sequence[str]) -> None:
+def claim_run(seed_dir: Path, identity: Sequence[str], arguments: str = "fairseq-train arguments") -> None:
     """Record ``identity`` as the run's before it is trained or queued; :class:`SweepError` when the
     folder was started with another (:func:`identity_conflict`)."""
-    conflict = identity_conflict(seed_dir, identity)
+    conflict = identity_conflict(seed_dir, identity, arguments)
     if conflict is not None:
         raise SweepError(conflict)
     if not (seed_dir / IDENTITY_FILE).exists():
