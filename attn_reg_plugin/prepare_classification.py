@@ -23,7 +23,7 @@ import csv
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .prepare import PrepareError, fairseq_command, run_logged, train_sentencepiece
 
@@ -50,24 +50,46 @@ def read_examples(path: Path, fields: Sequence[str], label_field: str) -> List[D
         raise PrepareError(f"{path}: no such file") from None
     except UnicodeDecodeError as e:
         raise PrepareError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
-    if not rows:
-        raise PrepareError(f"{path}: no examples")
+    return checked_examples(rows, str(path), fields, label_field)
+
+
+def checked_examples(
+    rows: Iterable[Tuple[int, object]], source: str, fields: Sequence[str], label_field: str
+) -> List[Dict[str, str]]:
+    """``(row number, row)`` pairs read from ``source`` (a file, a ``datasets`` split) as
+    ``{field: text, label_field: label}``; the first bad row raises :class:`PrepareError` naming
+    ``source``, the row and the field."""
     examples = []
     for number, row in rows:
         if not isinstance(row, dict):
-            raise PrepareError(f"{path}:{number}: not a JSON object")
+            raise PrepareError(f"{source}:{number}: not a JSON object")
         example = {}
         for field in fields:
             text = row.get(field)
             if not isinstance(text, str) or not text.strip():
-                raise PrepareError(f"{path}:{number}: field {field!r} must be a non-empty string, got {text!r}")
+                raise PrepareError(f"{source}:{number}: field {field!r} must be a non-empty string, got {text!r}")
             example[field] = " ".join(text.split())  # one line per example: newlines and tabs become spaces
         label = row.get(label_field)
         if label is None or isinstance(label, (dict, list)) or not str(label).strip():
-            raise PrepareError(f"{path}:{number}: field {label_field!r} must hold a label, got {label!r}")
+            raise PrepareError(f"{source}:{number}: field {label_field!r} must hold a label, got {label!r}")
         example[label_field] = str(label).strip()
         examples.append(example)
+    if not examples:
+        raise PrepareError(f"{source}: no examples")
     return examples
+
+
+def check_labels(
+    splits: Dict[str, List[Dict[str, str]]], sources: Dict[str, str], label_field: str, train_name: str = "--train"
+) -> Set[str]:
+    """Train's labels; a label of another split that train (``train_name``) never has raises
+    :class:`PrepareError` naming the split's ``sources`` entry."""
+    known = {example[label_field] for example in splits["train"]}
+    for split, examples in splits.items():
+        unknown = sorted({e[label_field] for e in examples} - known)
+        if unknown:
+            raise PrepareError(f"{sources[split]}: labels {unknown} never occur in {train_name}'s {sorted(known)}")
+    return known
 
 
 def prepare_classification(
@@ -84,11 +106,7 @@ def prepare_classification(
 
     preprocess = fairseq_command("fairseq-preprocess")  # before any work: a missing fairseq fails now
     splits = {split: read_examples(path, fields, label_field) for split, path in files.items()}
-    known = {example[label_field] for example in splits["train"]}
-    for split, examples in splits.items():
-        unknown = sorted({e[label_field] for e in examples} - known)
-        if unknown:
-            raise PrepareError(f"--{split} {files[split]}: labels {unknown} never occur in --train's {sorted(known)}")
+    known = check_labels(splits, {split: f"--{split} {path}" for split, path in files.items()}, label_field)
     log(
         f"data: {', '.join(f'{split} {len(rows)} examples ({files[split]})' for split, rows in splits.items())}; "
         f"labels {sorted(known)}"

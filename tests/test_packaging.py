@@ -25,6 +25,7 @@ PLUGIN_COMMANDS = {
     "attn-reg-user-dir": "attn_reg_plugin.user_dir:main",
     "attn-reg-mt-sweep": "attn_reg_plugin.sweep:main",
     "attn-reg-mt-compare": "attn_reg_plugin.sweep.compare:main",
+    "attn-reg-cls-compare": "attn_reg_plugin.sweep.cls_compare:main",
     "attn-reg-average-checkpoints": "attn_reg_plugin.average_checkpoints:main",
 }
 # What a build must not see: local environments, outputs and build leftovers.

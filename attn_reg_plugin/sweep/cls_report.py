@@ -1,0 +1,155 @@
+"""What attn-reg-cls-compare writes: each row's accuracy, macro-F1 and MCC on dev and test over seeds,
+its paired differences to plain with 95% intervals, whether its runs learned anything, and the verdicts
+(the statistics and the verdict's wording are attn-reg-mt-compare's: :mod:`.paired`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from .compare_report import _difference, _mean_sd, failed_notes, ordered
+from .paired import VerdictMetric, paired_difference, spread, verdict
+from .report import _versions, failed_lines, write_json
+from .verdict import plain_of
+
+SCORES = (("accuracy", "accuracy"), ("macro_f1", "macro-F1"), ("mcc", "MCC"))
+DIGITS = 4
+# (record key, label) of each metric the comparison reports: dev first, then test
+METRICS = tuple((f"{split}_{key}", f"{split} {label}") for split in ("dev", "test") for key, label in SCORES)
+
+
+def metric_label(metric: str) -> str:
+    return dict(SCORES)[metric]
+
+
+def per_seed(record: dict, key: str) -> Dict[int, float]:
+    """``{seed: value}`` of one metric (``test_mcc``) over a row's runs."""
+    split, metric = key.split("_", 1)
+    return {run["seed"]: run[split][metric] for run in record["runs"]}
+
+
+def learned_nothing_seeds(record: dict) -> Dict[int, str]:
+    """The seeds whose runs learned nothing (``classification.learned_nothing`` on dev), and why."""
+    return {run["seed"]: run["learned_nothing"] for run in record["runs"] if run["learned_nothing"]}
+
+
+def learning_flags(record: dict) -> List[str]:
+    """A row every run of which learned nothing cannot be compared: why, in a sentence."""
+    empty = learned_nothing_seeds(record)
+    if not empty or len(empty) < len(record["runs"]):
+        return []
+    seed, why = next(iter(empty.items()))
+    return [f"learned nothing at every seed ({', '.join(map(str, empty))}); seed {seed} on dev: {why}"]
+
+
+def learning_notes(record: dict) -> List[str]:
+    """A row some runs of which learned nothing: which, for its verdict and its table note."""
+    empty = learned_nothing_seeds(record)
+    if not empty or len(empty) == len(record["runs"]):
+        return []
+    return [f"{record['name']} learned nothing at seed {seed} (on dev: {why})" for seed, why in empty.items()]
+
+
+def method_summary(record: dict, plain: Optional[dict], metric: str, failed: List[dict]) -> dict:
+    """One row: its metrics over seeds, what it learned, its differences to plain and its verdict, on
+    ``metric`` (test first, then dev)."""
+    values = {key: per_seed(record, key) for key, _ in METRICS}
+    summary = {
+        "name": record["name"],
+        "method": record["cell"]["method"],
+        "args": record["cell"]["args"],
+        "seeds": record["seeds"],
+        "metrics": {key: {**spread(list(v.values())), "per_seed": v} for key, v in values.items()},
+        "best_epochs": {run["seed"]: run["best_epoch"] for run in record["runs"]},
+        "learned_nothing": learned_nothing_seeds(record),
+        "flags": learning_flags(record),
+        "notes": learning_notes(record),
+    }
+    if record is plain:
+        return summary
+    base = {key: per_seed(plain, key) if plain is not None else {} for key, _ in METRICS}
+    summary["differences"] = {key: paired_difference(values[key], base[key]) for key in values}
+    missing = summary["missing_runs"] = failed_notes(record["name"], failed)
+    if plain is None:
+        own = summary["flags"] + missing
+    else:
+        own = summary["flags"] + [f"plain {f}" for f in learning_flags(plain)]
+    notes = (
+        summary["notes"] + (learning_notes(plain) if plain is not None else []) + (missing if plain is not None else [])
+    )
+    label = metric_label(metric)
+    metrics = (
+        VerdictMetric(f"test_{metric}", f"test {label}", f"test {label}", True, DIGITS),
+        VerdictMetric(f"dev_{metric}", f"dev {label}", f"dev {label}", True, DIGITS),
+    )
+    summary["verdict"] = verdict(record["name"], summary["differences"], None, own, notes, metrics)
+    return summary
+
+
+def tables(summaries: List[dict]) -> List[str]:
+    """results.md's two tables: each row over seeds; each row minus plain, paired over seeds."""
+    head = "| method | seeds | " + " | ".join(f"{label} (mean ± sd)" for _, label in METRICS) + " | note |"
+    lines = [head, "|" + "---|" * (len(METRICS) + 3)]
+    for s in summaries:
+        cells = " | ".join(_mean_sd(s["metrics"][key], DIGITS) for key, _ in METRICS)
+        note = "; ".join(s["flags"] + s["notes"])
+        lines.append(f"| {s['name']} | {','.join(map(str, s['seeds']))} | {cells} | {note} |")
+    lines += ["", "| method − plain | paired seeds | " + " | ".join(f"{label} [95% CI]" for _, label in METRICS) + " |"]
+    lines.append("|" + "---|" * (len(METRICS) + 2))
+    for s in summaries:
+        if "differences" not in s:
+            continue
+        d = s["differences"]
+        cells = " | ".join(_difference(d[key], DIGITS) for key, _ in METRICS)
+        paired = ",".join(map(str, d["test_accuracy"]["seeds"])) or "-"
+        lines.append(f"| {s['name']} | {paired} | {cells} |")
+    return lines
+
+
+def write_comparison(records: List[dict], opts, data_text: str, started: float, log: Callable[[str], None]) -> dict:
+    """results.md and results.json of every row in ``records``; logs the tables; returns results.json's content."""
+    out: Path = opts.out_dir
+    plain = plain_of(records)
+    summaries = [method_summary(r, plain, opts.metric, opts.failed_runs) for r in ordered(records)]
+    seeds = sorted({s for r in records for s in r["seeds"]})
+    title = (
+        f"Regularizers against plain, {opts.model} on {data_text}, {opts.epochs} epoch{'s' * (opts.epochs != 1)}, "
+        f"seeds {','.join(map(str, seeds))}"
+    )
+    verdicts = [s["verdict"] for s in summaries if "verdict" in s]
+    recorded = {r["name"] for r in records} | {"plain"}
+    unrecorded = dict.fromkeys(f["name"] for f in opts.failed_runs if f["name"] not in recorded)
+    verdicts += [f"{name}: not compared: " + "; ".join(failed_notes(name, opts.failed_runs)) for name in unrecorded]
+    options = [
+        f"- {s['name']}{'' if s['name'] == s['method'] else ' (' + s['method'] + ')'}: "
+        + (f"`{' '.join(s['args'])}`" if s["args"] else "its defaults")
+        for s in summaries
+    ]
+    label = metric_label(opts.metric)
+    lines = [title, "", *tables(summaries), "", "Each row's own options (over the method's defaults):", *options]
+    lines += ["", f"Verdicts (on test {label}, then dev {label}):", *(f"- {v}" for v in verdicts)]
+    lines += failed_lines(opts.failed_runs)
+    lines += [
+        "",
+        f"Each run keeps the weights of its best dev epoch ({label}, the earliest on ties) and scores dev and test "
+        "with them. sd: sample sd over seeds (n/a for one seed); 95% CI: mean ± t(0.975, n-1) x sd / sqrt(n) of "
+        "the per-seed differences to plain (the same seed: the same classifier head at the start and the same "
+        "training subset). Learned nothing: every dev prediction one class, or dev accuracy within 1.96 binomial "
+        "standard errors of always answering the majority class.",
+    ]
+    summary = {
+        "settings": records[0]["settings"],
+        "metric": opts.metric,
+        "seeds": seeds,
+        "methods": summaries,
+        "verdicts": verdicts,
+        "failed_runs": opts.failed_runs,
+        "versions": _versions(),
+        "seconds": round(time.time() - started, 1),
+    }
+    write_json(out / "results.json", summary)
+    (out / "results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    log("\n".join(lines))
+    log(f"results: {out / 'results.md'}, {out / 'results.json'}")
+    return summary

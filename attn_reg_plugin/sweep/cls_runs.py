@@ -1,0 +1,385 @@
+"""attn-reg-cls-compare's runs: the data (files or a ``datasets`` name), one method and seed through the
+Hugging Face Trainer scored on dev and test, and the records of every row.
+
+A run fine-tunes the model (its new classifier head seeded by the run's seed, so every method starts
+from the same weights at a seed) on the training split with the method's trainer
+(:mod:`attn_reg_plugin.hf.methods`), scores dev after every epoch, keeps the weights of the best dev
+epoch (``--metric``, the earliest on ties) in memory, and scores dev and test once with them
+(:func:`attn_reg_plugin.classification.scores`). ``runs/<row>/seed<S>/result.json`` marks it finished;
+``command.json`` beside it, written before it trains, is its identity (:func:`run_identity`). A run
+stopped before its result starts over on the next command (the Trainer saves no checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+
+from ..classification import learned_nothing, scores
+from ..prepare import PrepareError
+from ..prepare_classification import check_labels, checked_examples, read_examples
+from .options import SweepError, cell_name
+from .report import write_json
+from .runs import _finished_seeds, all_records, claim_run, finished_result, run_dir
+
+PROG = "attn-reg-cls-compare"
+ARGUMENTS = "attn-reg-cls-compare arguments"  # what a run's identity lists, in its refusal
+SPLITS = ("train", "dev", "test")
+
+
+# -- the data -------------------------------------------------------------------------------------
+class Data(NamedTuple):
+    """The three splits' examples (``{field: text, label_field: label}``), the label names in id order."""
+
+    splits: Dict[str, List[Dict[str, str]]]
+    labels: List[str]
+
+
+def _label_order(labels) -> List[str]:
+    """Numeric labels in numeric order (0, 1, 2, 10), any others as text."""
+    try:
+        return sorted(labels, key=float)
+    except ValueError:
+        return sorted(labels)
+
+
+def read_data(opts) -> Data:
+    """The splits from ``--train/--dev/--test`` files or ``--dataset``; every row checked (text fields
+    non-empty, a label, dev and test labels seen in train). Raises :class:`SweepError` naming the
+    file or split, the row and the field."""
+    fields = text_fields(opts)
+    try:
+        if opts.dataset:
+            splits = {split: _dataset_split(opts, split, fields) for split in SPLITS}
+            sources = {split: f"--{split}-split {getattr(opts, f'{split}_split')}" for split in SPLITS}
+            train_name = sources["train"]
+        else:
+            splits = {split: read_examples(getattr(opts, split), fields, opts.label_field) for split in SPLITS}
+            sources = {split: f"--{split} {getattr(opts, split)}" for split in SPLITS}
+            train_name = "--train"
+        known = check_labels(splits, sources, opts.label_field, train_name)
+    except PrepareError as e:
+        raise SweepError(str(e)) from None
+    if len(known) < 2:
+        raise SweepError(f"{sources['train']}: one label ({sorted(known)}): a classifier needs at least 2")
+    return Data(splits, _label_order(known))
+
+
+def text_fields(opts) -> List[str]:
+    return [opts.text_field] + ([opts.pair_field] if opts.pair_field else [])
+
+
+def _dataset_split(opts, split: str, fields: Sequence[str]) -> List[Dict[str, str]]:
+    """A ``datasets`` split's rows, checked as a file's are; a ClassLabel's integer is the label."""
+    import datasets
+
+    name = getattr(opts, f"{split}_split")
+    try:
+        rows = datasets.load_dataset(opts.dataset, opts.dataset_config, split=name)
+    except (ValueError, FileNotFoundError) as e:  # an unknown split or dataset: its own message says which
+        raise SweepError(f"--dataset {opts.dataset} --{split}-split {name}: {e}") from None
+    return checked_examples(enumerate(rows, 1), f"--dataset {opts.dataset}[{name}]", fields, opts.label_field)
+
+
+def training_subset(examples: List[dict], size: Optional[int], seed: int) -> List[dict]:
+    """``--train-size``: ``size`` examples drawn at random with the run's seed (the same for every method
+    at that seed), or all of them; class shares as the draw gives them."""
+    if size is None:
+        return examples
+    return random.Random(seed).sample(examples, size)
+
+
+_DATA: Dict[str, Data] = {}  # read once per process: every run of a command shares it
+
+
+def data_for(opts, settings: dict) -> Data:
+    key = json.dumps(settings["data"], sort_keys=True)
+    if key not in _DATA:
+        _DATA[key] = read_data(opts)
+    return _DATA[key]
+
+
+# -- a method's options ---------------------------------------------------------------------------
+class _Refusal(argparse.ArgumentParser):
+    """A parser whose errors raise :class:`SweepError` (a method's --method-args are not the command's)."""
+
+    def error(self, message):
+        raise SweepError(message)
+
+
+def method_options(method: str, words: Sequence[str]) -> argparse.Namespace:
+    """The method's options from its ``--method-args`` words over its defaults (:class:`SweepError`
+    naming a flag it does not take)."""
+    from ..hf.methods import add_method_options
+
+    parser = _Refusal(prog=f"--method-args {method}", add_help=False, allow_abbrev=False)
+    add_method_options(parser, [method])
+    return parser.parse_args(list(words))
+
+
+def method_settings(method: str, words: Sequence[str]) -> dict:
+    """Its resolved config fields, validated (:class:`SweepError` naming the field and range)."""
+    from ..hf.methods import METHODS
+
+    try:
+        return METHODS[method].settings(method_options(method, words))
+    except ValueError as e:
+        raise SweepError(str(e)) from None
+
+
+# -- a run's identity -----------------------------------------------------------------------------
+def run_identity(cell: dict, seed: int, opts) -> List[str]:
+    """What a run is, as a command line: the command's shared settings (model, data and their digests,
+    training), the method, its options as given and as resolved (a plugin whose defaults changed
+    runs another run), and the seed."""
+    words = [PROG]
+    for key, value in sorted(opts.settings.items()):
+        if key != "command":
+            words += [
+                f"--{key.replace('_', '-')}",
+                value if isinstance(value, str) else json.dumps(value, sort_keys=True),
+            ]
+    resolved = json.dumps(method_settings(cell["method"], cell["args"]), sort_keys=True)
+    return [*words, "--method", cell["method"], *cell["args"], "--method-settings", resolved, "--seed", str(seed)]
+
+
+# -- one run --------------------------------------------------------------------------------------
+def _encode(tokenizer, examples: Sequence[dict], opts, label_ids: Dict[str, int]) -> List[dict]:
+    fields = text_fields(opts)
+    texts = [[e[f] for e in examples] for f in fields]
+    encoded = tokenizer(*texts, truncation=True, max_length=opts.max_length)
+    return [
+        {**{k: v[i] for k, v in encoded.items()}, "labels": label_ids[e[opts.label_field]]}
+        for i, e in enumerate(examples)
+    ]
+
+
+def predict(model, tokenizer, features: List[dict], batch_size: int) -> List[int]:
+    """The model's class per example (in order), batched by length so that little is padding."""
+    import torch
+
+    order = sorted(range(len(features)), key=lambda i: len(features[i]["input_ids"]))
+    out = [0] * len(features)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            batch = tokenizer.pad(
+                [{k: v for k, v in features[i].items() if k != "labels"} for i in chunk], return_tensors="pt"
+            )
+            logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
+            for i, label in zip(chunk, logits.argmax(-1).tolist()):
+                out[i] = label
+    model.train(was_training)
+    return out
+
+
+def _best_epoch_callback(tokenizer, dev: List[dict], metric: str, batch_size: int):
+    import torch
+    import transformers
+
+    gold = [f["labels"] for f in dev]
+
+    class BestDevEpoch(transformers.TrainerCallback):
+        """Dev scores after every epoch; the best epoch's weights (``metric``, earliest on ties) copied."""
+
+        def __init__(self):
+            self.dev: List[dict] = []
+            self.best_state = None
+
+        def on_epoch_end(self, args, state, control, model=None, **kwargs):
+            result = scores(predict(model, tokenizer, dev, batch_size), gold)
+            if result[metric] > max((d[metric] for d in self.dev), default=-float("inf")):
+                with torch.no_grad():
+                    self.best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            self.dev.append(result)
+
+    return BestDevEpoch()
+
+
+def training_arguments(opts, seed: int, output_dir: Path, warmup_steps: float, **overrides):
+    """Every method's ``TrainingArguments`` (``opts``: epochs, batch_size, lr, weight_decay; the lab's
+    few-shot runner's too): a log per epoch, nothing saved, evaluated or reported. ``warmup_steps``:
+    steps, or a float in [0, 1), a share of them."""
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=str(output_dir),
+        num_train_epochs=opts.epochs,
+        per_device_train_batch_size=opts.batch_size,
+        learning_rate=opts.lr,
+        weight_decay=opts.weight_decay,
+        warmup_steps=warmup_steps,
+        lr_scheduler_type="linear",
+        seed=seed,
+        data_seed=seed,
+        logging_strategy="epoch",
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_pin_memory=False,
+        **overrides,
+    )
+
+
+def load_model(opts, seed: int, labels: Sequence[str]):
+    import transformers
+
+    transformers.set_seed(seed)  # before loading: the new classifier head is the same for every method at a seed
+    return transformers.AutoModelForSequenceClassification.from_pretrained(
+        opts.model,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+    )
+
+
+def encoded_splits(opts, data: Data, tokenizer, seed: int) -> Dict[str, List[dict]]:
+    ids = {label: i for i, label in enumerate(data.labels)}
+    train = training_subset(data.splits["train"], opts.train_size, seed)
+    return {
+        "train": _encode(tokenizer, train, opts, ids),
+        "dev": _encode(tokenizer, data.splits["dev"], opts, ids),
+        "test": _encode(tokenizer, data.splits["test"], opts, ids),
+    }
+
+
+def build_trainer(
+    cell: dict, opts, model, tokenizer, features: Dict[str, List[dict]], output_dir: Path, seed: int, callbacks=()
+):
+    """The cell's method's trainer, as every run of the command builds it (the dev set is AttendOut's held-out draws)."""
+    import transformers
+
+    from ..hf.methods import METHODS
+
+    trainer = METHODS[cell["method"]].build(
+        method_options(cell["method"], cell["args"]),
+        model=model,
+        args=training_arguments(opts, seed, output_dir, opts.warmup_ratio),
+        train_dataset=features["train"],
+        eval_dataset=features["dev"],
+        data_collator=transformers.DataCollatorWithPadding(tokenizer),
+        callbacks=list(callbacks),
+    )
+    trainer.remove_callback(transformers.PrinterCallback)  # one line per run is printed instead
+    return trainer
+
+
+def run_classifier(
+    cell: dict, seed: int, opts, settings: dict, seed_dir: Path, log: Callable[[str], None] = print
+) -> dict:
+    """Train and score one run, unless ``result.json`` already holds it; returns its result."""
+    import transformers
+
+    from ..hf.methods import METHODS
+
+    quiet_transformers()
+
+    done = finished_result(seed_dir, cell, settings)
+    if done is not None:
+        return done
+    claim_run(seed_dir, run_identity(cell, seed, opts), ARGUMENTS)  # a folder started with other arguments is refused
+    data = data_for(opts, settings)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(opts.model)
+    features = encoded_splits(opts, data, tokenizer, seed)
+    callback = _best_epoch_callback(tokenizer, features["dev"], opts.metric, opts.eval_batch_size)
+    scratch = seed_dir / "trainer"
+    started = time.time()
+    model = load_model(opts, seed, data.labels)
+    trainer = build_trainer(cell, opts, model, tokenizer, features, scratch, seed, [callback])
+    trainer.train()
+    train_seconds = time.time() - started
+    shutil.rmtree(scratch, ignore_errors=True)  # the Trainer's output folder: nothing saved there
+    model.load_state_dict(callback.best_state)
+    best = 1 + max(range(len(callback.dev)), key=lambda i: callback.dev[i][opts.metric])  # the earliest on ties
+    test = scores(
+        predict(model, tokenizer, features["test"], opts.eval_batch_size), [f["labels"] for f in features["test"]]
+    )
+    dev = callback.dev[best - 1]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    method = METHODS[cell["method"]]
+    epochs = [
+        {"epoch": i + 1, "train_loss": entry["loss"], "dev": callback.dev[i], **method.logged(entry)}
+        for i, entry in enumerate(logs[: len(callback.dev)])
+    ]
+    train_labels = [f["labels"] for f in features["train"]]
+    result = {
+        "cell": cell,
+        "seed": seed,
+        "settings": settings,
+        "best_epoch": best,
+        "dev": dev,
+        "test": test,
+        "learned_nothing": learned_nothing(dev),
+        "train_examples": len(train_labels),
+        "train_labels": {label: train_labels.count(i) for i, label in enumerate(data.labels)},
+        "train_seconds": round(train_seconds, 1),
+        "epochs": epochs,
+    }
+    write_json(seed_dir / "result.json", result)
+    return result
+
+
+def quiet_transformers() -> None:
+    """transformers' INFO lines and progress bars off: the command prints one line per run."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def run_cls_job(cell: dict, seed: int, opts, settings: dict) -> dict:
+    """One run as one submitit job (``--launcher slurm`` or ``local --jobs N``)."""
+    return run_classifier(cell, seed, opts, settings, run_dir(opts.out_dir, cell, seed))
+
+
+def _run_line(run: dict, metric: str) -> str:
+    dev, test = run["dev"], run["test"]
+    out = (
+        f"best epoch {run['best_epoch']}: dev {metric} {dev[metric]:.4f}, test accuracy {test['accuracy']:.4f}, "
+        f"macro-F1 {test['macro_f1']:.4f}, MCC {test['mcc']:.4f}; {run['train_seconds']:.0f} s training"
+    )
+    return out + (f"; LEARNED NOTHING: {run['learned_nothing']}" if run["learned_nothing"] else "")
+
+
+def collect(cells: List[dict], opts, settings: dict, log: Callable[[str], None], collect_only: bool) -> List[dict]:
+    """Every row's record (``cells/<row>.json``): its finished runs kept, the missing ones run here
+    (``collect_only``: left out, as after jobs); every row recorded in ``--out-dir`` returned, earlier
+    commands' too."""
+    for index, cell in enumerate(cells, 1):
+        name = cell_name(cell)
+        runs = []
+        cell_dir = run_dir(opts.out_dir, cell, 0).parent
+        for seed in sorted(set(opts.seeds) | set(_finished_seeds(cell, settings, cell_dir))):
+            seed_dir = run_dir(opts.out_dir, cell, seed)
+            prefix = f"[row {index}/{len(cells)}] {name} seed {seed}"
+            run = finished_result(seed_dir, cell, settings)
+            if run is not None:
+                log(f"{prefix}: kept from {seed_dir / 'result.json'}")
+            elif collect_only:
+                continue
+            else:
+                log(f"{prefix}: training")
+                run = run_classifier(cell, seed, opts, settings, seed_dir, log)
+                log(f"{prefix}: {_run_line(run, opts.metric)}")
+            runs.append(run)
+        if runs:
+            record = {
+                "cell": cell,
+                "name": name,
+                "settings": settings,
+                "seeds": [r["seed"] for r in runs],
+                "runs": runs,
+            }
+            record["train_seconds"] = round(sum(r["train_seconds"] for r in runs), 1)
+            write_json(opts.out_dir / "cells" / f"{name}.json", record)
+    return all_records(opts.out_dir, settings)
