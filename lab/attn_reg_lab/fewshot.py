@@ -15,8 +15,8 @@ method) and ``runs.jsonl`` (one line per finished run, written as runs finish).
 
 Methods live in the ``METHODS`` registry: a name, the options it adds, and how it builds its
 ``transformers.Trainer``. ``plain`` is the stock ``transformers.Trainer``; ``ad-drop``,
-``attendout``, ``r-drop``, ``hiddencut``, ``drophead`` and ``dropkey`` are the plugin's HF trainers
-(``fewshot_methods``). All get identical ``TrainingArguments``, data and collator, so they differ
+``attendout``, ``r-drop``, ``hiddencut``, ``drophead``, ``dropkey`` and ``ad-drop-r-drop`` are the
+plugin's HF trainers, built as attn-reg-cls-compare builds them (``attn_reg_plugin.hf.methods``). All get identical ``TrainingArguments``, data and collator, so they differ
 only in what the regularizer does.
 
 Input files are JSON lines ``{"sentence": str, "label": int}`` with labels in 0..num_labels-1.
@@ -41,7 +41,7 @@ from typing import List, Optional, Sequence
 
 from .arguments import comma_list
 from .fewshot_data import DataError, Example, file_digest, load_jsonl, sample_balanced  # noqa: F401
-from .fewshot_methods import METHODS, Method  # noqa: F401
+from .fewshot_methods import METHODS, Method, add_method_options  # noqa: F401
 from .fewshot_resume import comparable_settings, resumable_runs
 from .fewshot_summary import markdown, regularizer_means, summarize  # noqa: F401
 from .paths import MOVIE_REVIEWS as DEFAULT_DATA
@@ -132,35 +132,17 @@ def _epoch_callback(dev: List[dict], test_every_epoch: Optional[List[dict]]):
 
 
 def training_arguments(opts, seed: int, output_dir: str):
-    import transformers
+    """attn-reg-cls-compare's, on the CPU (the runner's times are CPU times), warmup in steps."""
+    from attn_reg_plugin.sweep.cls_runs import training_arguments as shared
 
-    return transformers.TrainingArguments(
-        output_dir=output_dir,
-        num_train_epochs=opts.epochs,
-        per_device_train_batch_size=opts.batch_size,
-        learning_rate=opts.lr,
-        weight_decay=opts.weight_decay,
-        warmup_steps=opts.warmup_steps,
-        lr_scheduler_type="linear",
-        seed=seed,
-        data_seed=seed,
-        logging_strategy="epoch",
-        save_strategy="no",
-        eval_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        dataloader_pin_memory=False,
-    )
+    return shared(opts, seed, output_dir, opts.warmup_steps, use_cpu=True)
 
 
 def load_model(opts, seed: int):
-    import transformers
+    """attn-reg-cls-compare's: seeded before loading, so every method starts from the same classifier head."""
+    from attn_reg_plugin.sweep.cls_runs import load_model as shared
 
-    # Seeding before loading fixes the new classifier head: every method starts from the same weights.
-    transformers.set_seed(seed)
-    return transformers.AutoModelForSequenceClassification.from_pretrained(opts.model, num_labels=opts.num_labels)
+    return shared(opts, seed, [str(label) for label in range(opts.num_labels)])
 
 
 def run_one(opts, method: Method, splits: Splits, size: int, seed: int) -> dict:
@@ -266,8 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--weight-decay", type=float, default=0.0)
     train.add_argument("--warmup-steps", type=int, default=0)
     train.add_argument("--eval-batch-size", type=int, default=128)
-    for method in METHODS.values():
-        method.add_arguments(ap)
+    add_method_options(ap, METHODS)
     return ap
 
 

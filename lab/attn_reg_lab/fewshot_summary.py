@@ -1,4 +1,5 @@
-"""Few-shot summaries: mean ± std per size and method, paired differences against the baseline, markdown."""
+"""Few-shot summaries: mean ± std per size and method, paired differences against the baseline (the plugin's,
+:func:`attn_reg_plugin.sweep.paired.paired_difference`, with a paired t-test's p beside), markdown."""
 
 from __future__ import annotations
 
@@ -58,15 +59,17 @@ def paired_t_test(diffs: Sequence[float]) -> Tuple[Optional[float], Optional[flo
 
 
 def paired_difference(values: Dict[Hashable, float], baseline: Dict[Hashable, float]) -> Optional[dict]:
-    """``values`` minus ``baseline`` at the seeds both hold (dicts keyed by seed): the number of pairs,
-    mean and sample std of the differences, Student's paired t and its two-sided p; None if no seed is shared."""
-    common = [seed for seed in values if seed in baseline]
-    if not common:
+    """``values`` minus ``baseline`` at the seeds both hold (dicts keyed by seed): the plugin's paired
+    difference (attn-reg-mt-compare's and -cls-compare's: the number of pairs, mean and sample std of the
+    differences, their 95% t-interval ``ci``), plus Student's paired t and its two-sided p; None if no
+    seed is shared."""
+    from attn_reg_plugin.sweep.paired import paired_difference as plugin_paired_difference
+
+    d = plugin_paired_difference(values, baseline)
+    if not d["seeds"]:
         return None
-    diffs = [values[seed] - baseline[seed] for seed in common]
-    t, p = paired_t_test(diffs)
-    std = statistics.stdev(diffs) if len(diffs) > 1 else None
-    return {"pairs": len(diffs), "mean_diff": statistics.fmean(diffs), "std_diff": std, "t": t, "p": p}
+    t, p = paired_t_test(list(d["per_seed"].values()))
+    return {"pairs": d["n"], "mean_diff": d["mean"], "std_diff": d["sd"], "ci": d["ci"], "t": t, "p": p}
 
 
 # What each regularizer measured, per epoch (its kernel's or criterion's log keys), summarized per run.
@@ -111,24 +114,26 @@ def summarize(runs: List[dict], sizes: Sequence[int], methods: Sequence[str], ba
                 row["attendout_drop_prob_mean"] = statistics.fmean(probs)
             summary.append(row)
             if m != baseline and baseline in by_method:
-                common = sorted(set(by_method[m]) & set(by_method[baseline]))
-                if common:
-                    diffs = [by_method[m][s]["test_acc"] - by_method[baseline][s]["test_acc"] for s in common]
-                    d_mean, d_std = _mean_std(diffs)
-                    t, p_value = paired_t_test(diffs)
+                accuracy = {
+                    method: {s: r["test_acc"] for s, r in by_method[method].items()} for method in (m, baseline)
+                }
+                d = paired_difference(accuracy[m], accuracy[baseline])
+                if d is not None:
+                    diffs = [accuracy[m][s] - accuracy[baseline][s] for s in accuracy[m] if s in accuracy[baseline]]
                     paired.append(
                         {
                             "size": size,
                             "method": m,
                             "baseline": baseline,
-                            "seeds": len(common),
-                            "diff_mean": d_mean,
-                            "diff_std": d_std,
-                            "wins": sum(d > 0 for d in diffs),
-                            "ties": sum(d == 0 for d in diffs),
-                            "losses": sum(d < 0 for d in diffs),
-                            "t": t,
-                            "p_value": p_value,
+                            "seeds": d["pairs"],
+                            "diff_mean": d["mean_diff"],
+                            "diff_std": 0.0 if d["std_diff"] is None else d["std_diff"],  # one seed: shown as 0
+                            "ci": d["ci"],
+                            "wins": sum(x > 0 for x in diffs),
+                            "ties": sum(x == 0 for x in diffs),
+                            "losses": sum(x < 0 for x in diffs),
+                            "t": d["t"],
+                            "p_value": d["p"],
                         }
                     )
     return summary, paired
@@ -162,8 +167,8 @@ def markdown(summary: List[dict], paired: List[dict], sizes: Sequence[int], meth
         lines += [
             "",
             "Paired difference to the baseline on the same subset and initial weights "
-            "(percentage points, mean ± sample std; wins/ties/losses over seeds; two-sided p of a paired "
-            "t-test).",
+            "(percentage points, mean ± sample std [95% t-interval]; wins/ties/losses over seeds; two-sided p of "
+            "a paired t-test).",
             "",
             "| method | " + " | ".join(f"{s}-shot" for s in sizes) + " |",
             "|---|" + "---|" * len(sizes),
@@ -174,8 +179,9 @@ def markdown(summary: List[dict], paired: List[dict], sizes: Sequence[int], meth
             for s in sizes:
                 r = pcell.get((s, m))
                 p_text = "" if r is None or r.get("p_value") is None else f", p = {r['p_value']:.3f}"
+                ci = "" if r is None or r.get("ci") is None else f" [{100 * r['ci'][0]:+.2f}, {100 * r['ci'][1]:+.2f}]"
                 cells.append(
-                    f"{100 * r['diff_mean']:+.2f} ± {100 * r['diff_std']:.2f} ({r['wins']}/{r['ties']}/{r['losses']}"
+                    f"{100 * r['diff_mean']:+.2f} ± {100 * r['diff_std']:.2f}{ci} ({r['wins']}/{r['ties']}/{r['losses']}"
                     f"{p_text})"
                     if r
                     else "-"

@@ -370,7 +370,7 @@ def test_merge_cli_writes_the_table(tmp_path, capsys):
     assert "| plain | 60.00 ± 14.14 |" in table
     assert "| plain | 60.00 |" in table  # mean dev accuracy at the selected epochs (= test here)
     assert "| ad-drop (p=q=0.1) | 60.00 ± 0.00 |" in table
-    assert "| ad-drop (p=q=0.1) − plain | +0.00 ± 14.14 (1/0/1, p = 1.000) |" in table
+    assert "| ad-drop (p=q=0.1) − plain | +0.00 ± 14.14 [-127.06, +127.06] (1/0/1, p = 1.000) |" in table
     assert capsys.readouterr().out == table
 
 
@@ -402,11 +402,14 @@ def test_paired_difference_pairs_only_the_seeds_both_hold():
     diff = paired_difference({1: 2.0, 2: 3.5, 4: 9.0}, {1: 1.0, 2: 3.0, 3: 7.0})
     assert (diff["pairs"], diff["mean_diff"]) == (2, 0.75)
     assert diff["std_diff"] == pytest.approx(0.3535534) and (diff["t"], diff["p"]) == paired_t_test([1.0, 0.5])
+    half = 12.706 * 0.3535534 / math.sqrt(2)  # the plugin's 95% t-interval: t(0.975, 1) sd / sqrt(n)
+    assert diff["ci"] == pytest.approx([0.75 - half, 0.75 + half])
     assert paired_difference({1: 2.0}, {2: 1.0}) is None
     assert paired_difference({1: 2.0}, {1: 1.5}) == {
         "pairs": 1,
         "mean_diff": 0.5,
         "std_diff": None,
+        "ci": None,
         "t": None,
         "p": None,
     }
