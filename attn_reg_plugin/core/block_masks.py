@@ -160,7 +160,7 @@ def block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=No
 
 
 def attend_block(q_rows, k, v, m: BlockMasks, call: BlockCall, rows: slice, shape):
-    """(output, the block's map when the call returns it) of one block (query ``rows`` of a call whose
+    """(output, the block's weights and the dropout's multipliers where made explicit) of one block (query ``rows`` of a call whose
     maps are ``shape``) over its masks ``m`` and the call's keys ``0 .. m.keys - 1``, as the kernel's
     ordinary path: a zero query row is uniform over its valid keys, and a row with no valid key gives 0
     (and so sends back no gradient). sdpa, or with the model's attention dropout or the map returned the
@@ -169,12 +169,13 @@ def attend_block(q_rows, k, v, m: BlockMasks, call: BlockCall, rows: slice, shap
     k, v = k[:, :, : m.keys], v[:, :, : m.keys]
     q_rows = zero_rows(q_rows, m.uniform)
     if call.dropout_p == 0 and not call.need_weights:
-        return zero_rows(F.scaled_dot_product_attention(q_rows, k, v, attn_mask=m.mask, scale=call.scale), m.keyless), None
+        out = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=m.mask, scale=call.scale)
+        return zero_rows(out, m.keyless), None, None
     weights = zero_rows(explicit_weights(q_rows, k, m.mask, call.scale), m.keyless)
-    used = weights
-    if call.dropout_p > 0:
-        used = weights * weight_dropout_kept(call, m.valid, rows, shape, m.keys).to(weights.dtype)
-    return torch.matmul(used, v), weights
+    if call.dropout_p == 0:
+        return torch.matmul(weights, v), weights, None
+    kept = weight_dropout_kept(call, m.valid, rows, shape, m.keys).to(weights.dtype)
+    return torch.matmul(weights * kept, v), weights, kept
 
 
 def weight_dropout_kept(call: BlockCall, valid, rows: slice, shape, keys: int) -> torch.Tensor:

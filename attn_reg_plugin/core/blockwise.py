@@ -16,8 +16,18 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
-from .block_masks import BlockCall, KeptDrops, attend_block, block_counts, block_masks, keeps_drops, weight_dropout_kept
+from .block_masks import (
+    BlockCall,
+    BlockMasks,
+    KeptDrops,
+    attend_block,
+    block_counts,
+    block_masks,
+    keeps_drops,
+    weight_dropout_kept,
+)
 from .block_rules import rows_of
 from .devices import FLASH_CPU, FLASH_CPU_BACKWARD, has_cpu_softmax_stats
 from .masks import pack_bits, zero_rows
@@ -86,10 +96,18 @@ class EditAttention(torch.autograd.Function):
         k_in, v_in = k, v
         k, v = k.contiguous(), v.contiguous()
         lse = q.new_empty((b, h, t), dtype=_accumulated(q.dtype)) if keep_stats else None
+        # A call of one block keeps what autograd would keep (its mask, its weights and dropout): its
+        # backward then makes nothing again (measured faster at the benchmark's sizes than remaking
+        # the drops: PERFORMANCE.md, "One Function for every length").
+        one_block = 0 < t <= call.rows_per_block
+        kept_block: List[Optional[torch.Tensor]] = [None] * 5
         for rows in _block_rows(call, t):
             q_rows = q[:, :, rows]
             m = block_masks(call, q_rows, rows_of(bias, rows), rows, shape, fresh_state=True)
-            if keep_drops and m.drop is not None:
+            if one_block:
+                states.append(m.keys)
+                kept_block[:3] = m.mask, m.uniform, m.keyless
+            elif keep_drops and m.drop is not None:
                 # Drops shared by the heads (AttendOut's, one mask per sample) are kept once, not per head.
                 block_shape = (b, 1 if m.drop.shape[1] == 1 else h, rows.stop - rows.start, m.keys)
                 kept_bits.append(pack_bits(m.drop.expand(block_shape)))
@@ -97,48 +115,68 @@ class EditAttention(torch.autograd.Function):
             else:
                 states.append(m.state)
             if keep_stats:
-                o, lse[:, :, rows] = FLASH_CPU(
+                o, block_lse = FLASH_CPU(
                     zero_rows(q_rows, m.uniform), k[:, :, : m.keys], v[:, :, : m.keys], 0.0, False,
                     attn_mask=m.mask, scale=call.scale,
                 )  # fmt: skip
-                out[:, :, rows] = zero_rows(o, m.keyless)
+                if one_block:  # no copies into the call's output and statistics
+                    out, lse = zero_rows(o, m.keyless), block_lse
+                else:
+                    out[:, :, rows], lse[:, :, rows] = zero_rows(o, m.keyless), block_lse
             else:
-                out[:, :, rows], block_weights = attend_block(q_rows, k, v, m, call, rows, shape)
+                block_out, block_weights, block_kept = attend_block(q_rows, k, v, m, call, rows, shape)
                 if weights is not None:
                     weights[:, :, rows, : m.keys] = block_weights
+                if one_block:
+                    out, kept_block[3:] = block_out, (block_weights, block_kept)
+                else:
+                    out[:, :, rows] = block_out
             if call.count and m.drop is not None:
                 dropped_now, units_now = block_counts(m, call.droppable, rows, b, h)
                 dropped += dropped_now
                 droppable += units_now
         # The kept bits go through save_for_backward, not ctx: a checkpointed call's saved tensors are
         # dropped until its recompute, which makes the same bits again.
-        ctx.save_for_backward(q, k_in, v_in, bias, out if keep_stats else None, lse, *kept_bits)
-        ctx.call, ctx.states = call, states
+        ctx.save_for_backward(q, k_in, v_in, bias, out if keep_stats else None, lse, *kept_block, *kept_bits)
+        ctx.call, ctx.states, ctx.one_block = call, states, one_block
         ctx.mark_non_differentiable(dropped, droppable)
         return out, weights, dropped, droppable
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights, _dropped, _droppable):
-        q, k, v, bias, out, lse, *kept_bits = ctx.saved_tensors
-        states = _with_kept_bits(ctx.states, kept_bits)
+        q, k, v, bias, out, lse, mask, uniform, keyless, probs, kept, *kept_bits = ctx.saved_tensors
         call: BlockCall = ctx.call
+        saved = BlockMasks(ctx.states[0], mask, uniform, keyless, None, None, None) if ctx.one_block else None
+        states = _with_kept_bits(ctx.states, kept_bits)
         if lse is not None:
-            return (*_backward_from_softmax_stats(call, states, ctx.needs_input_grad, grad_out, q, k, v, bias, out, lse), None)
+            grads = _backward_from_softmax_stats(
+                call, states, ctx.needs_input_grad, grad_out, q, k, v, bias, out, lse, saved
+            )
+            return (*grads, None)
         b, h, t, _ = q.shape
         shape = (b, h, t, k.shape[2])
         # Accumulated over blocks in at least float32: half-precision partial sums would round each block.
         acc = _accumulated(q.dtype)
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        bias_grad = bias is not None and ctx.needs_input_grad[3]
+        if saved is not None and saved.keys == k.shape[2] and not bias_grad:  # one block: nothing to sum
+            gq, gk, gv, _ = _block_gradients(
+                q, k, v, saved, call, slice(0, t), shape, grad_out, grad_weights, acc, probs, kept
+            )
+            return tuple(
+                g.to(x.dtype) if need else None for g, x, need in ((gq, q, need_q), (gk, k, need_k), (gv, v, need_v))
+            ) + (None, None)
         grad_q = torch.zeros_like(q, dtype=acc) if need_q else None
         grad_k = torch.zeros_like(k, dtype=acc)
         grad_v = torch.zeros_like(v, dtype=acc)
-        bias_grad = bias is not None and ctx.needs_input_grad[3]
         grad_bias = torch.zeros_like(bias, dtype=_accumulated(bias.dtype)) if bias_grad else None
         for i, rows in enumerate(_block_rows(call, t)):
             q_rows = q[:, :, rows]
-            m = block_masks(call, q_rows, rows_of(bias, rows), rows, shape, states[i])
+            m = saved or block_masks(call, q_rows, rows_of(bias, rows), rows, shape, states[i])
             g_weights = None if grad_weights is None else grad_weights[:, :, rows, : m.keys]
-            gq, gk, gv, gs = _block_gradients(q_rows, k, v, m, call, rows, shape, grad_out[:, :, rows], g_weights, acc)
+            gq, gk, gv, gs = _block_gradients(
+                q_rows, k, v, m, call, rows, shape, grad_out[:, :, rows], g_weights, acc, probs, kept
+            )
             if grad_q is not None:
                 grad_q[:, :, rows] = gq
             grad_k[:, :, : m.keys] += gk
@@ -149,33 +187,41 @@ class EditAttention(torch.autograd.Function):
                 target += gs.sum_to_size(target.shape)
         cast = [
             None if g is None or not need else g.to(x.dtype)
-            for g, x, need in ((grad_q, q, need_q), (grad_k, k, need_k), (grad_v, v, need_v), (grad_bias, bias, bias_grad))
+            for g, x, need in (
+                (grad_q, q, need_q),
+                (grad_k, k, need_k),
+                (grad_v, v, need_v),
+                (grad_bias, bias, bias_grad),
+            )
         ]
         return (*cast, None)
 
 
-def _block_gradients(q_rows, k, v, m, call: BlockCall, rows: slice, shape, grad_out, grad_weights, acc):
+def _block_gradients(q_rows, k, v, m, call: BlockCall, rows: slice, shape, grad_out, grad_weights, acc, probs, kept):
     """(dq, dk, dv, dscores) of one block in ``acc``, by the softmax's formula: P = softmax(q k^T s +
-    mask) made again from the block's masks, W = P under the model's attention dropout (the keyed
-    coins of the forward), O = W v; dv = W^T dO, dP = (dO v^T) under the same dropout (+ the map's
-    own gradient when it was returned), dS = P (dP - rowsum(dP P)), dq = dS k s, dk = dS^T q s. Rows
-    made uniform had their query zeroed (no gradient to it); rows without a valid key gave 0."""
+    mask) (``probs`` when the forward kept it, else made again from the block's masks), W = P under
+    the model's attention dropout (``kept``: the forward's multipliers, else its keyed coins made
+    again), O = W v; dv = W^T dO, dP = (dO v^T) under the same dropout (+ the map's own gradient when
+    it was returned), dS = P (dP - rowsum(dP P)), dq = dS k s, dk = dS^T q s. Rows made uniform had
+    their query zeroed (no gradient to it); rows without a valid key gave 0."""
     scale = call.scale if call.scale is not None else q_rows.shape[-1] ** -0.5
     k, v = k[:, :, : m.keys].to(acc), v[:, :, : m.keys].to(acc)
     q_used = zero_rows(q_rows, m.uniform).to(acc)
-    scores = torch.matmul(q_used, k.transpose(-2, -1)) * scale
-    probs = torch.softmax(scores if m.mask is None else scores + m.mask.to(acc), dim=-1)
+    if probs is None:
+        scores = torch.matmul(q_used, k.transpose(-2, -1)) * scale
+        probs = torch.softmax(scores if m.mask is None else scores + m.mask.to(acc), dim=-1)
+    probs = probs.to(acc)
     grad_out = zero_rows(grad_out, m.keyless).to(acc)
     grad_probs = torch.matmul(grad_out, v.transpose(-2, -1))
     used = probs
     if call.dropout_p > 0:
-        kept = weight_dropout_kept(call, m.valid, rows, shape, m.keys).to(acc)
+        kept = (kept if kept is not None else weight_dropout_kept(call, m.valid, rows, shape, m.keys)).to(acc)
         used = probs * kept
         grad_probs = grad_probs * kept
     if grad_weights is not None:
         grad_probs = grad_probs + zero_rows(grad_weights, m.keyless).to(acc)
     grad_v = torch.matmul(used.transpose(-2, -1), grad_out)
-    grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True))
+    grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, probs, -1, probs.dtype)  # P (dP - rowsum(dP P))
     grad_q = zero_rows(torch.matmul(grad_scores, k) * scale, m.uniform)
     grad_k = torch.matmul(grad_scores.transpose(-2, -1), q_used) * scale
     return grad_q, grad_k, grad_v, grad_scores
@@ -187,14 +233,22 @@ def _with_kept_bits(states: List[object], bits: List[torch.Tensor]) -> List[obje
     return [state._replace(bits=next(bits_of)) if isinstance(state, KeptDrops) else state for state in states]
 
 
-def _backward_from_softmax_stats(call: BlockCall, states, needs_input_grad, grad_out, q, k, v, bias, out, lse):
+def _backward_from_softmax_stats(call: BlockCall, states, needs_input_grad, grad_out, q, k, v, bias, out, lse, saved):
     """The backward of a call that kept its rows' log-sum-exp (a CPU's sdpa kernel): per group of
-    blocks, the drops are unpacked (or made again) and sdpa's CPU backward runs from the saved
-    output, with no forward recompute."""
+    blocks, the drops are unpacked (or made again; a call of one block kept its ``saved`` masks) and
+    sdpa's CPU backward runs from the saved output, with no forward recompute."""
     k, v = k.contiguous(), v.contiguous()  # as in the forward: every block reads all of them
     b, h, t, _ = q.shape
     shape = (b, h, t, k.shape[2])
     need_q, need_k, need_v = needs_input_grad[:3]
+    if saved is not None:  # one block: the op's gradients as they are, over the keys it covered
+        gq, gk, gv = FLASH_CPU_BACKWARD(
+            zero_rows(grad_out, saved.keyless).to(q.dtype), zero_rows(q, saved.uniform), k[:, :, : saved.keys],
+            v[:, :, : saved.keys], out, lse, 0.0, False, attn_mask=saved.mask, scale=call.scale,
+        )  # fmt: skip
+        if saved.keys < k.shape[2]:  # keys past every valid one: no gradient
+            gk, gv = (F.pad(g, (0, 0, 0, k.shape[2] - saved.keys)) for g in (gk, gv))
+        return [zero_rows(gq, saved.uniform) if need_q else None, gk if need_k else None, gv if need_v else None, None]
     # Accumulated in at least float32: half-precision partial sums would round each block.
     acc = _accumulated(q.dtype)
     grad_q = torch.zeros_like(q, dtype=acc) if need_q else None
