@@ -129,6 +129,8 @@ class EditAttention(torch.autograd.Function):
                     weights[:, :, rows, : m.keys] = block_weights
                 if one_block:
                     out, kept_block[3:] = block_out, (block_weights, block_kept)
+                    if block_weights is not None:  # the weights stand for the mask in the backward
+                        kept_block[0] = None
                 else:
                     out[:, :, rows] = block_out
             if call.count and m.drop is not None:
