@@ -52,7 +52,7 @@ demo: $(STAMP)
 # Then the kernel's tests and a step of every regularizer once more on the portable branches of the
 # device helpers (core/devices.py), the code an accelerator runs.
 test: $(STAMP) lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=40
 	ATTN_REG_PORTABLE=1 $(PY) -m pytest -q -m "not slow" tests/core
 
 test-all: $(STAMP) lint

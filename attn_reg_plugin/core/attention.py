@@ -40,9 +40,9 @@ from .attention_call import (
     Plan,
     call_of,
 )
-from .block_masks import BlockCall, attend_block, block_counts, block_masks, blockwise_rows, dropped_weights
+from .block_masks import BlockCall, blockwise_rows
 from .block_rules import AttentionScores, call_seed, keyed_draws
-from .blockwise import blockwise_attention
+from .blockwise import edit_attention
 from .masks import (
     causal_bias,
     explicit_weights,
@@ -217,10 +217,9 @@ def _causal_bias(bias, q, k):
     return causal_bias(bias, slice(0, t), s, t, s, q.device)
 
 
-def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, dropout_p: float, scale, edit=None):
-    """The explicit softmax path: the map is materialised (CaptureProbs, or the caller wants it). In an
-    ``edit`` (its :class:`BlockCall` and map shape) the model's attention dropout is keyed by the call's
-    dropout seed, as in its blocks; elsewhere it is torch's, as the stock model draws it."""
+def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, dropout_p: float, scale):
+    """The explicit softmax path outside an edit: the map is materialised (CaptureProbs, or the caller
+    wants it); the model's attention dropout is torch's, as the stock model draws it."""
     probs = zero_rows(explicit_weights(q, k, bias, scale), keyless)
     used, captured = probs, None
     if isinstance(hook, CaptureProbs):
@@ -232,10 +231,7 @@ def _with_weights(call: AttentionCall, hook, q, k, v, bias, valid, keyless, drop
         if not call.recompute:
             captured = Captured(probs=used, valid=valid)
         dropout_p = 0.0
-    if dropout_p > 0 and edit is not None:
-        block, shape = edit
-        used = dropped_weights(used, block, valid, slice(0, q.shape[2]), shape)
-    elif dropout_p > 0:
+    if dropout_p > 0:
         used = F.dropout(used, p=dropout_p)
     return torch.matmul(used, v), probs, captured
 
@@ -287,48 +283,20 @@ def _keeps_inputs(hook) -> bool:
 
 
 def _edit(call: AttentionCall, q, k, v, bias, dropout_p: float, scale, need_weights: bool, is_causal: bool):
-    """(output, map if ``need_weights``, counts) of an :class:`EditScores` call. A map larger than a
-    block runs block by block (:mod:`.blockwise`: drops made again in the backward, no mask saved);
-    any other is one block of the same masks (:func:`~.block_masks.block_masks`) under autograd."""
+    """(output, map if ``need_weights``, counts) of an :class:`EditScores` call, through the one
+    Function of every length (:mod:`.blockwise`: a map larger than a block runs block by block, its
+    drops made again in the backward, no mask saved; a call that returns its map is one block)."""
     hook = call.hook
-    b, h, t, _ = q.shape
-    rows = None if need_weights else blockwise_rows(q, k)
     count = not call.recompute and hook.counted and hook.drop is not None
-    uniform = hook.uniform_rows_on(q.device)
-    seed = _seed(call)
     # The model's dropout draws a seed of its own per call (torch's stream, which a checkpoint restores
     # for its recompute): the pass's seed is the site's, the same for each call of the site in the pass.
     dropout_seed = call_seed() if dropout_p > 0 else None
+    rows = q.shape[2] if need_weights else blockwise_rows(q, k) or q.shape[2]
     block = BlockCall(
-        hook.rule, uniform, hook.droppable, rows or t, seed, dropout_p, scale, count, is_causal, dropout_seed
-    )
-    weights = None
-    if rows is not None:
-        out, dropped, droppable = blockwise_attention(q, k, v, bias, block)
-    else:
-        shape = (b, h, t, k.shape[2])
-        m = block_masks(block, q, bias, slice(0, t), shape, fresh_state=True)
-        if need_weights:
-            k_keys, v_keys = k[:, :, : m.keys], v[:, :, : m.keys]
-            out, weights, _ = _with_weights(
-                call,
-                None,
-                zero_rows(q, m.uniform),
-                k_keys,
-                v_keys,
-                m.mask,
-                m.valid,
-                m.keyless,
-                dropout_p,
-                scale,
-                (block, shape),
-            )
-            weights = F.pad(weights, (0, shape[-1] - m.keys))  # the keys past every valid one: weight 0
-        else:
-            out = attend_block(q, k, v, m, block, slice(0, t), shape)
-        dropped = droppable = None
-        if count and m.drop is not None:
-            dropped, droppable = block_counts(m, hook.droppable, slice(0, t), b, h)
+        hook.rule, hook.uniform_rows_on(q.device), hook.droppable, rows, _seed(call), dropout_p, scale, count,
+        is_causal, dropout_seed, need_weights,
+    )  # fmt: skip
+    out, weights, dropped, droppable = edit_attention(q, k, v, bias, block)
     if call.recompute:
         return out, weights, None
     counts = (dropped, droppable) if count else (None, None)

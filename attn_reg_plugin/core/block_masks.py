@@ -82,6 +82,7 @@ class BlockCall:
     # The model's attention dropout inside the call: this call's own draw (0-d int64 CPU), not the pass's
     # seed, so that a site called twice in a pass (R-Drop's two forwards) drops other weights each time.
     dropout_seed: Optional[torch.Tensor] = None
+    need_weights: bool = False  # the map is returned too (the call is one block)
 
 
 class KeptDrops(NamedTuple):
@@ -159,29 +160,34 @@ def block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=No
 
 
 def attend_block(q_rows, k, v, m: BlockMasks, call: BlockCall, rows: slice, shape):
-    """One block (query ``rows`` of a call whose maps are ``shape``) over its masks ``m`` and the call's
-    keys ``0 .. m.keys - 1``, as the kernel's ordinary path: a zero query row is uniform over its valid
-    keys, and a row with no valid key gives 0 (and so sends back no gradient). sdpa, or with the model's
-    attention dropout the explicit weights, their drops keyed by the call's dropout seed (sdpa takes no mask of
-    drops, and its own would come from the global stream, which no block could regenerate)."""
+    """(output, the block's weights and the dropout's multipliers where made explicit) of one block (query ``rows`` of a call whose
+    maps are ``shape``) over its masks ``m`` and the call's keys ``0 .. m.keys - 1``, as the kernel's
+    ordinary path: a zero query row is uniform over its valid keys, and a row with no valid key gives 0
+    (and so sends back no gradient). sdpa, or with the model's attention dropout or the map returned the
+    explicit weights, their drops keyed by the call's dropout seed (sdpa takes no mask of drops, and its own
+    would come from the global stream, which no block could regenerate)."""
     k, v = k[:, :, : m.keys], v[:, :, : m.keys]
     q_rows = zero_rows(q_rows, m.uniform)
-    if call.dropout_p == 0:
+    if call.dropout_p == 0 and not call.need_weights:
         out = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=m.mask, scale=call.scale)
-    else:
-        weights = explicit_weights(q_rows, k, m.mask, call.scale)
-        out = torch.matmul(dropped_weights(weights, call, m.valid, rows, shape), v)
-    return zero_rows(out, m.keyless)
+        return zero_rows(out, m.keyless), None, None
+    weights = zero_rows(explicit_weights(q_rows, k, m.mask, call.scale), m.keyless)
+    if call.dropout_p == 0:
+        return torch.matmul(weights, v), weights, None
+    kept = weight_dropout_kept(call, m.valid, rows, shape, m.keys).to(weights.dtype)
+    return torch.matmul(weights * kept, v), weights, kept
 
 
-def dropped_weights(weights: torch.Tensor, call: BlockCall, valid, rows: slice, shape) -> torch.Tensor:
-    """``weights`` (query ``rows`` of a call whose maps are ``shape``) under the model's attention dropout
-    inside a regularized call: keyed coins of their own stream (:meth:`~.block_rules.Block.coins`), the kept weights
-    scaled by 1 / (1 - p) as ``F.dropout`` scales them."""
+def weight_dropout_kept(call: BlockCall, valid, rows: slice, shape, keys: int) -> torch.Tensor:
+    """The model's attention dropout inside a regularized call, for query ``rows`` over keys
+    ``0 .. keys - 1``: 0 where a weight is dropped, 1 / (1 - p) where kept (as ``F.dropout`` scales),
+    from keyed coins of their own stream (:meth:`~.block_rules.Block.coins`), so the backward makes
+    them again from the call's dropout seed, as FlashAttention regenerates its dropout."""
     b, h = shape[:2]
-    block = Block(rows, valid, (b, h, rows.stop - rows.start, weights.shape[-1]), shape, call.dropout_seed)
+    block = Block(rows, valid, (b, h, rows.stop - rows.start, keys), shape, call.dropout_seed)
     kept = 0.0 if call.dropout_p >= 1 else 1.0 / (1.0 - call.dropout_p)
-    return weights.masked_fill(block.coins(call.dropout_p, block_rules.WEIGHT_DROPOUT_STREAM), 0.0) * kept
+    dropped = block.coins(call.dropout_p, block_rules.WEIGHT_DROPOUT_STREAM)
+    return torch.where(dropped, 0.0, kept)
 
 
 def rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fresh_state: bool):
@@ -218,5 +224,5 @@ def block_counts(m: BlockMasks, droppable, rows: slice, b: int, h: int) -> Tuple
 
 __all__: Sequence[str] = (
     "BlockCall", "BlockMasks", "KeptDrops", "attend_block", "block_counts", "block_masks", "blockwise_rows",
-    "keeps_drops", "query_block_rows",
+    "keeps_drops", "query_block_rows", "weight_dropout_kept",
 )  # fmt: skip

@@ -40,10 +40,11 @@ def block_calls(monkeypatch):
     seen = []
 
     def counted(q, k, v, bias, call):
-        seen.append(call.rows_per_block)
-        return blockwise.BlockwiseAttention.apply(q, k, v, bias, call)
+        if call.rows_per_block < q.shape[2]:  # a short call is the same Function's one block
+            seen.append(call.rows_per_block)
+        return blockwise.edit_attention(q, k, v, bias, call)
 
-    monkeypatch.setattr(attention, "blockwise_attention", counted)
+    monkeypatch.setattr(attention, "edit_attention", counted)
     return seen
 
 
