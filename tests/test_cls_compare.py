@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from attn_reg_plugin.classification import learned_nothing  # noqa: E402
 from attn_reg_plugin.sweep import cls_compare, cls_report, cls_runs  # noqa: E402
+from attn_reg_plugin.sweep.options import SweepError  # noqa: E402
 from attn_reg_plugin.sweep.processes import SweepStopped  # noqa: E402
 from helpers import REPO, minilm_path  # noqa: E402
 
@@ -185,6 +186,29 @@ def test_bad_data_is_refused_naming_file_and_row(tiny, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cls_compare.main(argv)
     assert f"{dev}:1: field 'sentence' must be a non-empty string" in capsys.readouterr().err
+
+
+def test_a_datasets_folder_is_read_as_the_files_are(tiny, tmp_path):
+    """--dataset goes through datasets.load_dataset (offline here: a local folder of JSON-lines splits)."""
+    pytest.importorskip("datasets")
+    import argparse
+
+    folder = tmp_path / "reviews"
+    folder.mkdir()
+    for split, name in zip(cls_runs.SPLITS, ("train", "validation", "test")):
+        (folder / f"{name}.jsonl").write_text((tiny / f"{split}.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
+    opts = argparse.Namespace(
+        dataset=str(folder), dataset_config=None, train_split="train", dev_split="validation", test_split="test",
+        text_field="sentence", pair_field=None, label_field="label",
+    )  # fmt: skip
+    data = cls_runs.read_data(opts)
+    files = cls_runs.read_data(
+        argparse.Namespace(**{**vars(opts), "dataset": None, **{s: tiny / f"{s}.jsonl" for s in cls_runs.SPLITS}})
+    )
+    assert data == files and data.labels == ["0", "1"]
+    opts.dev_split = "dev"
+    with pytest.raises(SweepError, match=f"--dataset {folder} --dev-split dev: Unknown split"):
+        cls_runs.read_data(opts)
 
 
 # -- the statistics and the verdict on hand-made numbers --------------------------------------------

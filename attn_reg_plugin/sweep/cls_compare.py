@@ -275,7 +275,7 @@ def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = prin
 def _locked_main(ap, opts, settings: dict, data_text: str, counts: dict, log: Callable[[str], None]) -> int:
     names = prepare_out_dir(ap, opts, settings, log)
     log(
-        f"== {PROG} {opts.model} on {data_text} (train labels {counts}): {names} x {len(opts.seeds)} seed(s), "
+        f"== {PROG} {opts.model} on {data_text} (the train split's labels {counts}): {names} x {len(opts.seeds)} seed(s), "
         f"{opts.epochs} epoch(s) each; outputs in {opts.out_dir}"
     )
     report = lambda records, started: write_comparison(records, opts, data_text, started, log)

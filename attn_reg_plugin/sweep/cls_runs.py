@@ -98,7 +98,7 @@ _DATA: Dict[str, Data] = {}  # read once per process: every run of a command sha
 
 
 def data_for(opts, settings: dict) -> Data:
-    key = json.dumps(settings["data"], sort_keys=True)
+    key = json.dumps([settings["data"], settings["fields"]], sort_keys=True)
     if key not in _DATA:
         _DATA[key] = read_data(opts)
     return _DATA[key]
