@@ -34,8 +34,7 @@ def test_every_shipped_argument_parser_refuses_abbreviations():
     parsers = list(_argument_parsers())
     # The scan sees the commands (a wrong root would find none and pass for nothing).
     assert {str(path) for path, _, _ in parsers} >= {
-        "attn_reg_plugin/sweep/compare.py",
-        "attn_reg_plugin/sweep/options.py",
+        "attn_reg_plugin/sweep/options.py",  # the compare commands' command_parser and the sweep's
         "attn_reg_plugin/prepare.py",
         "attn_reg_plugin/average_checkpoints.py",
         "lab/attn_reg_lab/sweep.py",

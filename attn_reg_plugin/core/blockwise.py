@@ -85,20 +85,17 @@ class EditAttention(torch.autograd.Function):
         shape = (b, h, t, k.shape[2])
         out = q.new_empty((b, h, t, v.shape[-1]))
         weights = q.new_zeros(shape) if call.need_weights else None
-        dropped = torch.zeros((), dtype=torch.long, device=q.device)
-        droppable = torch.zeros((), dtype=torch.long, device=q.device)
+        dropped, droppable = (torch.zeros((), dtype=torch.long, device=q.device) for _ in range(2))
         states: List[object] = []
         kept_bits: List[torch.Tensor] = []  # saved for the backward (an activation checkpoint drops them)
         keep_stats = _keeps_softmax_stats(q, k, v, bias, call, bias is not None and bias.requires_grad)
         keep_drops = keeps_drops(q, k, call.rule)
         # Every block reads all of k and v: once contiguous, sdpa's CPU kernel reads them faster.
         # The copies live for the call; the backward saves the originals (views the model keeps).
-        k_in, v_in = k, v
-        k, v = k.contiguous(), v.contiguous()
+        k_in, v_in, k, v = k, v, k.contiguous(), v.contiguous()
         lse = q.new_empty((b, h, t), dtype=_accumulated(q.dtype)) if keep_stats else None
-        # A call of one block keeps what autograd would keep (its mask, its weights and dropout): its
-        # backward then makes nothing again (measured faster at the benchmark's sizes than remaking
-        # the drops: PERFORMANCE.md, "One Function for every length").
+        # One block keeps what autograd would (its mask, or weights and dropout): the backward remakes
+        # nothing, faster than remaking the drops (PERFORMANCE.md, "One Function for every length").
         one_block = 0 < t <= call.rows_per_block
         kept_block: List[Optional[torch.Tensor]] = [None] * 5
         for rows in _block_rows(call, t):
@@ -134,9 +131,9 @@ class EditAttention(torch.autograd.Function):
                 else:
                     out[:, :, rows] = block_out
             if call.count and m.drop is not None:
-                dropped_now, units_now = block_counts(m, call.droppable, rows, b, h)
-                dropped += dropped_now
-                droppable += units_now
+                dropped, droppable = (
+                    a + n for a, n in zip((dropped, droppable), block_counts(m, call.droppable, rows, b, h))
+                )
         # The kept bits go through save_for_backward, not ctx: a checkpointed call's saved tensors are
         # dropped until its recompute, which makes the same bits again.
         ctx.save_for_backward(q, k_in, v_in, bias, out if keep_stats else None, lse, *kept_block, *kept_bits)

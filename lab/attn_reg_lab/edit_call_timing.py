@@ -57,7 +57,7 @@ def call_ms(b: int, h: int, t: int, d: int, dropout_p: float, rule_kind: str, re
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--reps", type=int, default=60, help="measured calls per case (default 60)")
     args = ap.parse_args(argv)
     if args.reps < 1:
