@@ -491,7 +491,7 @@ def test_a_run_of_another_world_size_in_the_same_out_dir_is_refused(tiny_mt_data
     rank's batches, so 2 ranks are not the 1-rank runs an out-dir holds."""
     from attn_reg_plugin.sweep import launcher
 
-    monkeypatch.setattr(compare, "launch_and_collect", lambda *a: None)  # settings recorded, nothing run
+    monkeypatch.setattr(launcher, "launch_and_collect", lambda *a: None)  # settings recorded, nothing run
     out = tmp_path / "cmp"
     ddp = ["--ddp-backend", "legacy_ddp"]
     assert compare.main([*_compare_argv(tiny_mt_data["bin"], out, "plain,dropkey", "1", 1), *ddp]) == 0
