@@ -83,7 +83,10 @@ class EditAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, call: BlockCall):
         b, h, t, _ = q.shape
         shape = (b, h, t, k.shape[2])
-        out = q.new_empty((b, h, t, v.shape[-1]))
+        # One block keeps what autograd would (its mask, or weights and dropout): the backward remakes
+        # nothing, faster than remaking the drops (PERFORMANCE.md, "One Function for every length").
+        one_block = 0 < t <= call.rows_per_block
+        out = None if one_block else q.new_empty((b, h, t, v.shape[-1]))  # one block's is sdpa's own
         weights = q.new_zeros(shape) if call.need_weights else None
         dropped, droppable = (torch.zeros((), dtype=torch.long, device=q.device) for _ in range(2))
         states: List[object] = []
@@ -93,10 +96,7 @@ class EditAttention(torch.autograd.Function):
         # Every block reads all of k and v: once contiguous, sdpa's CPU kernel reads them faster.
         # The copies live for the call; the backward saves the originals (views the model keeps).
         k_in, v_in, k, v = k, v, k.contiguous(), v.contiguous()
-        lse = q.new_empty((b, h, t), dtype=_accumulated(q.dtype)) if keep_stats else None
-        # One block keeps what autograd would (its mask, or weights and dropout): the backward remakes
-        # nothing, faster than remaking the drops (PERFORMANCE.md, "One Function for every length").
-        one_block = 0 < t <= call.rows_per_block
+        lse = q.new_empty((b, h, t), dtype=_accumulated(q.dtype)) if keep_stats and not one_block else None
         kept_block: List[Optional[torch.Tensor]] = [None] * 5
         for rows in _block_rows(call, t):
             q_rows = q[:, :, rows]
