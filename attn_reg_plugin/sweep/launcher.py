@@ -53,15 +53,10 @@ def _finished(cell: dict, seed: int, opts, settings: dict) -> bool:
 def _resumed(cell: dict, seed: int, opts, settings: dict) -> str:
     """A finished job's resumes (a Slurm requeue, an earlier failed job), for the console line: its
     notice is otherwise only in the job's log."""
-    from .report import APPROXIMATE_RESUME
+    from .report import resumed_text
 
-    result = finished_result(run_dir(opts.out_dir, cell, seed), cell, settings) or {}
-    epochs = result.get("resumed_at_epochs")
-    if not epochs:
-        return ""
-    return f"; resumed at epoch {', '.join(map(str, epochs))}" + (
-        "" if result.get("exact_resume") else APPROXIMATE_RESUME
-    )
+    text = resumed_text(finished_result(run_dir(opts.out_dir, cell, seed), cell, settings) or {})
+    return f"; {text}" if text else ""
 
 
 def signal_delay(minutes: int) -> int:
@@ -75,7 +70,8 @@ class RunJob:
     it by name) as submitit's checkpointable callable: on the time-limit signal (Slurm sends SIGUSR2
     :func:`signal_delay` seconds before the limit) :meth:`checkpoint` waits for the job's children
     (fairseq-train saves ``checkpoint_last.pt`` on that signal and exits, :mod:`attn_reg_plugin.time_limit`;
-    a job without children has none to wait for); submitit then requeues the job, which resumes as the
+    attn-reg-cls-compare's job trains in its own process, which saves its checkpoint before this is
+    called, :class:`processes.DeferredStop`); submitit then requeues the job, which resumes as the
     job resumes. After ``--slurm-max-requeues`` requeues the run ends, named TIMEOUT."""
 
     def __init__(self, job: Callable[..., Optional[dict]]):

@@ -62,6 +62,58 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+DEFERRED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR2")
+
+
+class DeferredStop:
+    """While inside (a context), a signal of :data:`DEFERRED_SIGNALS` whose handler is Python's (the
+    command's :func:`stop_on_signals`, or in a submitit job its time-limit requeue on SIGUSR2) is only
+    recorded in ``requested``: training in this process saves at the end of its step, then calls
+    :meth:`act`, the signal's own handler. A second signal before that calls it at once (the last
+    whole checkpoint is kept); one left unanswered when the context ends is acted on then. Outside
+    the main thread (no handlers there) it defers nothing."""
+
+    def __init__(self):
+        self.requested: Optional[int] = None
+        self.kept: dict = {}
+
+    def __enter__(self) -> DeferredStop:
+        try:
+            for name in DEFERRED_SIGNALS:
+                sig = getattr(signal, name, None)
+                handler = signal.getsignal(sig) if sig is not None else None
+                if callable(handler):
+                    signal.signal(sig, self._defer)
+                    self.kept[sig] = handler
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    def _defer(self, signum, frame) -> None:
+        if self.requested is not None:  # asked twice: now
+            self.kept[signum](signum, frame)
+        self.requested = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.requested).name if self.requested is not None else ""
+
+    def act(self) -> None:
+        """The requested signal's own handler (SweepStopped, submitit's requeue, ...); a handler that
+        returns leaves the deferral in place for the next signal."""
+        signum, self.requested = self.requested, None
+        if signum is not None:
+            self.kept[signum](signum, None)
+
+    def __exit__(self, kind, error, traceback) -> None:
+        try:
+            if kind is None:
+                self.act()
+        finally:
+            for sig, handler in self.kept.items():
+                signal.signal(sig, handler)
+
+
 def _die_with(parent: int) -> Optional[Callable[[], None]]:
     """A ``preexec_fn`` asking Linux to SIGTERM the child when ``parent`` dies; None elsewhere."""
     if not sys.platform.startswith("linux"):

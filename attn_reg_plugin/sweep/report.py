@@ -59,24 +59,37 @@ def write_results(records: List[dict], opts, settings: dict, started: float, log
         log(hint)
 
 
-def run_lines(records: List[dict], settings: dict) -> List[str]:
+def run_lines(records: List[dict], settings: dict, checkpoint: str = "their checkpoint_last.pt") -> List[str]:
     """results.md's lines on how the runs ran: their world size when over 1 (an update then sums
-    every rank's batches), and each run resumed from a checkpoint, whose batches from there on are
-    not an uninterrupted run's unless ``--rebuild-batches`` (none of either: no lines)."""
+    every rank's batches), and each run resumed from ``checkpoint``, whose batches from there on are
+    not an uninterrupted run's unless its ``exact_resume`` (``--rebuild-batches``; attn-reg-cls-compare's
+    Trainer checkpoints always) says so (none of either: no lines)."""
     lines = []
     ranks = settings.get("world_size", 1)
     if ranks > 1:
         lines += ["", f"World size {ranks}: each run is {ranks} fairseq-train ranks; an update sums their batches."]
     resumed = [
-        f"- {cell_name(r['cell'])} seed {run['seed']}: resumed at epoch {', '.join(map(str, run['resumed_at_epochs']))}"
-        + ("" if run.get("exact_resume") else APPROXIMATE_RESUME)
+        f"- {cell_name(r['cell'])} seed {run['seed']}: {resumed_text(run)}"
         for r in records
         for run in r["runs"]
         if run.get("resumed_at_epochs")
     ]
     if resumed:
-        lines += ["", "Runs resumed from their checkpoint_last.pt (a stop, a failed job, a Slurm requeue):", *resumed]
+        lines += ["", f"Runs resumed from {checkpoint} (a stop, a failed job, a Slurm requeue):", *resumed]
     return lines
+
+
+def resumed_text(run: dict) -> str:
+    """A run's resumes as results.md and the launcher's console line say them ("" if none): the epochs
+    it resumed in (and the steps, a classifier run's), and whether its batches are an uninterrupted run's."""
+    epochs, steps = run.get("resumed_at_epochs"), run.get("resumed_at_steps")
+    if not epochs:
+        return ""
+    return (
+        f"resumed at epoch {', '.join(map(str, epochs))}"
+        + (f" (step {', '.join(map(str, steps))})" if steps else "")
+        + ("" if run.get("exact_resume") else APPROXIMATE_RESUME)
+    )
 
 
 def failed_lines(failed: List[dict]) -> List[str]:
