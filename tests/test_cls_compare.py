@@ -4,12 +4,16 @@
   scores recomputed from the runs, paired differences, learned-nothing flags in rows and verdicts;
 - resume: finished runs are not run again, a stopped command keeps its finished runs, a run folder
   started with other arguments and a row renamed onto other options are refused;
+- a run stopped mid-training (SIGTERM: saved at the end of its step; an error, as a kill leaves it: its
+  last checkpoint) or at a job's time-limit signal (saved, then submitit's requeue) resumes from its
+  checkpoint, and its scores and losses equal an uninterrupted run's;
 - bad options and bad data are refused naming the option (or file and row) before anything trains;
 - the statistics and the verdict on hand-made numbers.
 """
 
 import json
 import math
+import os
 import signal
 
 import pytest
@@ -148,6 +152,207 @@ def test_a_run_started_with_other_arguments_is_refused(tiny, tmp_path, capsys):
     assert f"{seed_dir} was started with other attn-reg-cls-compare arguments" in capsys.readouterr().err
 
 
+# -- a run stopped mid-training resumes from its checkpoint ------------------------------------------
+RESUMED_METHODS = "plain,ad-drop,attendout"  # AD-DROP cross-tuning: plain in epoch 1, AD-DROP in epoch 2
+ATTENDOUT_EVERY_2 = "attendout:game=--attendout-dropout-step 2"  # its game has state at every checkpoint
+RESUMED_ROWS = ["plain", "ad-drop", "game"]
+RESUMED_TRAINING = ["--epochs", "2", "--lr", "1e-3", "--method-args", ATTENDOUT_EVERY_2]  # 4 steps an epoch
+
+
+def _interrupt(monkeypatch, row, step, how):
+    """Row ``row``'s training is interrupted at the end of optimizer step ``step``: a signal's name, that
+    signal to this process; ``crash``, an error there (nothing more saved, as a kill leaves it)."""
+    real = cls_runs.build_trainer
+
+    class Interrupt(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step and how != "crash":
+                os.kill(os.getpid(), getattr(signal, how))
+            elif state.global_step == step:
+                raise RuntimeError(f"killed at step {step}")
+
+    def build(cell, *args, **kwargs):
+        trainer = real(cell, *args, **kwargs)
+        if cell["name"] == row:
+            trainer.add_callback(Interrupt())
+        return trainer
+
+    monkeypatch.setattr(cls_runs, "build_trainer", build)
+
+
+def _results(out, rows):
+    return {row: json.loads((out / "runs" / row / "seed1" / "result.json").read_text(encoding="utf-8")) for row in rows}
+
+
+_REFERENCE = {}
+
+
+def _uninterrupted(tiny, tmp_path_factory):
+    """The rows' runs uninterrupted (once per session: every case compares with them)."""
+    if not _REFERENCE:
+        out = tmp_path_factory.mktemp("uninterrupted")
+        argv = _argv(tiny, out, "--methods", RESUMED_METHODS, *RESUMED_TRAINING)
+        assert cls_compare.main(argv, log=lambda line: None) == 0
+        _REFERENCE.update(_results(out, RESUMED_ROWS))
+    return _REFERENCE
+
+
+@pytest.mark.parametrize(
+    "row, step, how, save_steps, saved",
+    [
+        ("ad-drop", 5, "SIGTERM", "0", 6),  # SIGTERM in step 5: saved at the end of step 6, mid epoch 2
+        ("game", 7, "crash", "3", 6),  # killed at step 7: its last checkpoint, step 6 (every 3 steps)
+    ],
+)
+def test_a_run_stopped_mid_training_resumes_from_its_checkpoint_with_the_uninterrupted_result(
+    tiny, tmp_path, tmp_path_factory, monkeypatch, row, step, how, save_steps, saved
+):
+    reference = _uninterrupted(tiny, tmp_path_factory)
+    out = tmp_path / "out"
+    argv = _argv(tiny, out, "--methods", RESUMED_METHODS, *RESUMED_TRAINING)
+    argv += ["--save-steps", save_steps]
+    _interrupt(monkeypatch, row, step, how)
+    lines = []
+    if how == "SIGTERM":
+        assert cls_compare.main(argv, log=lines.append) == 128 + signal.SIGTERM
+        assert (
+            f"    {row} seed 1: SIGTERM during training: saved checkpoint-{saved} (step {saved} of 8, epoch 1.50); "
+            "the run resumes there" in lines[-1]
+        )
+    else:
+        with pytest.raises(RuntimeError, match=f"killed at step {step}"):
+            cls_compare.main(argv, log=lines.append)
+    trainer_dir = out / "runs" / row / "seed1" / "trainer"
+    assert not (trainer_dir.parent / "result.json").exists()
+    assert sorted(p.name for p in trainer_dir.iterdir()) == ["best-epoch1.pt", f"checkpoint-{saved}"]  # the last only
+    (trainer_dir / "checkpoint-9").mkdir()  # a save cut off by a kill: no checkpoint, removed
+
+    monkeypatch.undo()
+    lines.clear()
+    assert cls_compare.main(argv, log=lines.append) == 0
+    assert (
+        f"    {row} seed 1: resuming from checkpoint-{saved}, saved by an earlier attempt (step {saved} of 8; 1 epoch(s) scored on dev)"
+        in lines
+    )
+    assert not trainer_dir.exists()  # the finished run's checkpoint is removed
+    resumed = _results(out, RESUMED_ROWS)
+    for name, run in resumed.items():
+        expected = reference[name]
+        assert (run["dev"], run["test"], run["best_epoch"]) == (
+            expected["dev"],
+            expected["test"],
+            expected["best_epoch"],
+        )
+        assert [e["train_loss"] for e in run["epochs"]] == [e["train_loss"] for e in expected["epochs"]]
+        assert [e["dev"] for e in run["epochs"]] == [e["dev"] for e in expected["epochs"]]
+        assert run["resumed_at_steps"] == ([saved] if name == row else [])
+    first, second = resumed[row]["epochs"]
+    assert first == reference[row]["epochs"][0] and second["resumed_at_step"] == saved  # its own logs: since then
+    assert resumed[row]["resumed_at_epochs"] == [2]
+    if row == "ad-drop":  # cross-tuning's epoch 2 ran AD-DROP after the resume too
+        assert [e["ad_drop_on"] for e in resumed[row]["epochs"]] == [0, 1]
+    results = (out / "results.md").read_text(encoding="utf-8")
+    assert f"- {row} seed 1: resumed at epoch 2 (step {saved})\n" in results
+
+
+@pytest.mark.slow  # a submitit process per run, each importing transformers: about 40 s on 2 cores
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="--jobs 2 needs 2 cores")
+def test_two_local_jobs_at_once_resume_a_stopped_run_and_equal_the_runs_one_at_a_time(
+    tiny, tmp_path, tmp_path_factory, monkeypatch
+):
+    """A command stopped in its second row's run; the same command with --launcher local --jobs 2
+    then resumes that run in one job while the third row's run trains in another; the results are --jobs 1's."""
+    pytest.importorskip("submitit")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the jobs' threads: CPU training the same in every process
+    reference = _uninterrupted(tiny, tmp_path_factory)
+    out = tmp_path / "out"
+    argv = _argv(tiny, out, "--methods", RESUMED_METHODS, *RESUMED_TRAINING)
+    with monkeypatch.context() as stopped:
+        _interrupt(stopped, "ad-drop", 5, "SIGTERM")
+        assert cls_compare.main(argv, log=lambda line: None) == 128 + signal.SIGTERM
+    lines = []
+    assert cls_compare.main([*argv, "--jobs", "2"], log=lines.append) == 0
+    (finished,) = [line for line in lines if "] ad-drop/seed1: finished (job " in line]
+    assert finished.endswith("; resumed at epoch 2 (step 6)")  # the launcher's line, from the job's result.json
+    assert len(list((out / "jobs").glob("*_0_log.out"))) == 2  # two submitit jobs ran them
+    for name, run in _results(out, RESUMED_ROWS).items():
+        expected = reference[name]
+        assert (run["dev"], run["test"], run["epochs"][0]) == (expected["dev"], expected["test"], expected["epochs"][0])
+        assert run["epochs"][1]["train_loss"] == expected["epochs"][1]["train_loss"]
+        assert run["resumed_at_steps"] == ([6] if name == "ad-drop" else [])
+
+
+def test_a_jobs_time_limit_signal_saves_the_run_before_submitit_requeues_it(tiny, tmp_path, monkeypatch):
+    """In a submitit job SIGUSR2 is submitit's: checkpoint the job (``RunJob.checkpoint``: no child to
+    wait for), requeue it and exit. Training defers it to the end of its step, saves, then calls it;
+    the requeued job resumes the run."""
+    from attn_reg_plugin.sweep.launcher import RunJob
+
+    out = tmp_path / "out"
+    _, opts = cls_compare.parse_args(
+        _argv(tiny, out, "--methods", "plain,r-drop", "--epochs", "2", "--launcher", "local", "--jobs", "2")
+    )
+    opts.settings = settings = cls_compare.settings_of(opts)
+    cell = opts.cells[1]
+    trainer_dir = out / "runs" / "r-drop" / "seed1" / "trainer"
+    requeued = []
+
+    def submitit_handler(signum, frame):
+        requeued.append(sorted(p.name for p in trainer_dir.glob("checkpoint-*")))
+        delayed = RunJob(cls_runs.run_cls_job).checkpoint(cell, 1, opts, settings)
+        assert delayed.args == (cell, 1, opts, settings)
+        raise SystemExit(-1)  # submitit's exit after `scontrol requeue`
+
+    kept = signal.signal(signal.SIGUSR2, submitit_handler)
+    try:
+        _interrupt(monkeypatch, "r-drop", 2, "SIGUSR2")
+        with pytest.raises(SystemExit):
+            cls_runs.run_cls_job(cell, 1, opts, settings)
+        assert requeued == [["checkpoint-3"]]  # saved at the end of step 3, then requeued
+        monkeypatch.undo()
+        result = cls_runs.run_cls_job(cell, 1, opts, settings)  # the requeued job
+        assert result["resumed_at_steps"] == [3] and result["resumed_at_epochs"] == [1]
+    finally:
+        signal.signal(signal.SIGUSR2, kept)
+
+
+def test_a_deferred_signal_waits_for_act_and_a_second_one_acts_at_once():
+    """processes.DeferredStop: what training does with a stop signal until its step's checkpoint is saved."""
+    import threading
+
+    from attn_reg_plugin.sweep.processes import DeferredStop
+
+    calls = []
+    handler = lambda signum, frame: calls.append(signum)  # noqa: E731
+    kept = signal.signal(signal.SIGUSR2, handler)
+    try:
+        with DeferredStop() as stop:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert (calls, stop.name) == ([], "SIGUSR2")  # recorded only
+            stop.act()
+            assert (calls, stop.requested) == ([signal.SIGUSR2], None)  # its own handler, which returned: armed again
+            os.kill(os.getpid(), signal.SIGUSR2)
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert calls == [signal.SIGUSR2] * 2  # the second at once
+        assert calls == [signal.SIGUSR2] * 3  # the one still unanswered, when training ended
+        assert signal.getsignal(signal.SIGUSR2) is handler
+        seen = []
+
+        def off_the_main_thread():
+            try:
+                with DeferredStop() as stop:
+                    seen.append(stop.kept)
+            except BaseException as e:
+                seen.append(e)
+
+        outside = threading.Thread(target=off_the_main_thread)
+        outside.start()
+        outside.join()
+        assert seen == [{}] and signal.getsignal(signal.SIGUSR2) is handler  # nothing deferred, nothing raised
+    finally:
+        signal.signal(signal.SIGUSR2, kept)
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -165,6 +370,8 @@ def test_a_run_started_with_other_arguments_is_refused(tiny, tmp_path, capsys):
         (["--methods", "plain,ad-drop"], "--epochs 1 with ad-drop's --ad-drop-schedule cross-tuning never runs AD-DROP"),
         (["--methods", "plain,r-drop", "--jobs", "999"], "--jobs must be an integer from 1 to this machine's"),
         (["--methods", "plain,r-drop", "--dataset", "glue"], "give files or a dataset, not both"),
+        (["--methods", "plain,r-drop", "--save-steps", "-1"],
+         "--save-steps must be an integer >= 0 (0: at epoch ends only), got -1"),
     ],
 )  # fmt: skip
 def test_bad_options_are_refused_naming_the_option(tiny, tmp_path, capsys, extra, message):

@@ -30,9 +30,13 @@ verdict in words, on ``--metric``'s test interval, then dev's. Written under ``-
 results.json, cells/, runs/ (each run's command.json, result.json). Results accumulate over commands
 (more seeds, more rows); a finished run is never run again, a run folder started with other arguments
 is refused, a rerun with other shared settings (model, data, training) is refused naming what differs.
-SIGTERM, SIGINT or SIGHUP stops the command: finished runs are kept, the stopped one starts over next
-time. ``--launcher local --jobs N`` runs N at a time, ``--launcher slurm`` one Slurm job per run (one
-job array, through submitit), as attn-reg-mt-compare does.
+Each run saves a resumable Trainer checkpoint in its folder at every epoch's end and every
+``--save-steps`` steps, keeping the last; the next command resumes a stopped run there, with an
+uninterrupted run's result (:mod:`.cls_checkpoint`). SIGTERM, SIGINT or SIGHUP saves one at the end of
+the running step, then stops the command (a second signal stops it at once); in a Slurm job the
+time-limit signal saves one the same way before the job is requeued to resume it. ``--launcher local
+--jobs N`` runs N at a time, ``--launcher slurm`` one Slurm job per run (one job array, through
+submitit), as attn-reg-mt-compare does.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ..paths import OutputOverwritesInputError, check_outputs_spare_inputs
+from .cls_checkpoint import SAVE_STEPS
 from .cls_report import SCORES, write_comparison
 from .cls_runs import (
     ARGUMENTS,
@@ -119,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="picks each run's best dev epoch and is the verdict's (default accuracy; macro_f1 or mcc weigh "
         "every class, for imbalanced labels)",
     )
+    ap.add_argument(
+        "--save-steps",
+        type=int,
+        default=SAVE_STEPS,
+        metavar="N",
+        help=f"a run's resumable checkpoint every N optimizer steps besides each epoch's end, >= 0; 0: at epoch "
+        f"ends only (default {SAVE_STEPS}; a run keeps only its last one and resumes from it under any N)",
+    )
     add_launcher_options(ap)
     return ap
 
@@ -129,6 +142,7 @@ def _check_numbers(ap, opts) -> None:
         (opts.batch_size >= 1, f"--batch-size must be an integer >= 1, got {opts.batch_size}"),
         (opts.eval_batch_size >= 1, f"--eval-batch-size must be an integer >= 1, got {opts.eval_batch_size}"),
         (opts.max_length >= 8, f"--max-length must be an integer >= 8, got {opts.max_length}"),
+        (opts.save_steps >= 0, f"--save-steps must be an integer >= 0 (0: at epoch ends only), got {opts.save_steps}"),
         (opts.weight_decay >= 0, f"--weight-decay must be a number >= 0, got {opts.weight_decay}"),
         (0 <= opts.warmup_ratio < 1, f"--warmup-ratio must be in [0, 1), got {opts.warmup_ratio}"),
         (opts.train_size is None or opts.train_size >= 2, f"--train-size must be an integer >= 2, got {opts.train_size}"),

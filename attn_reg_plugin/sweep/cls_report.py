@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional
 
 from .compare_report import _difference, _mean_sd, failed_notes, ordered
 from .paired import VerdictMetric, paired_difference, spread, verdict
-from .report import _versions, failed_lines, write_json
+from .report import _versions, failed_lines, run_lines, write_json
 from .verdict import plain_of
 
 SCORES = (("accuracy", "accuracy"), ("macro_f1", "macro-F1"), ("mcc", "MCC"))
@@ -129,6 +129,7 @@ def write_comparison(records: List[dict], opts, data_text: str, started: float, 
     label = metric_label(opts.metric)
     lines = [title, "", *tables(summaries), "", "Each row's own options (over the method's defaults):", *options]
     lines += ["", f"Verdicts (on test {label}, then dev {label}):", *(f"- {v}" for v in verdicts)]
+    lines += run_lines(records, records[0]["settings"], "their last Trainer checkpoint, as if uninterrupted")
     lines += failed_lines(opts.failed_runs)
     lines += [
         "",

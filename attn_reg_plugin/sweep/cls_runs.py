@@ -4,10 +4,11 @@ Hugging Face Trainer scored on dev and test, and the records of every row.
 A run fine-tunes the model (its new classifier head seeded by the run's seed, so every method starts
 from the same weights at a seed) on the training split with the method's trainer
 (:mod:`attn_reg_plugin.hf.methods`), scores dev after every epoch, keeps the weights of the best dev
-epoch (``--metric``, the earliest on ties) in memory, and scores dev and test once with them
+epoch (``--metric``, the earliest on ties), and scores dev and test once with them
 (:func:`attn_reg_plugin.classification.scores`). ``runs/<row>/seed<S>/result.json`` marks it finished;
 ``command.json`` beside it, written before it trains, is its identity (:func:`run_identity`). A run
-stopped before its result starts over on the next command (the Trainer saves no checkpoint).
+stopped before its result resumes on the next command from its last checkpoint in ``trainer/``
+(:mod:`.cls_checkpoint`: each epoch's end, every ``--save-steps`` steps, the step a stop signal came in).
 """
 
 from __future__ import annotations
@@ -193,12 +194,14 @@ def _best_epoch_callback(tokenizer, dev: List[dict], metric: str, batch_size: in
         def __init__(self):
             self.dev: List[dict] = []
             self.best_state = None
+            self.best_epoch: Optional[int] = None  # 1-based
 
         def on_epoch_end(self, args, state, control, model=None, **kwargs):
             result = scores(predict(model, tokenizer, dev, batch_size), gold)
             if result[metric] > max((d[metric] for d in self.dev), default=-float("inf")):
                 with torch.no_grad():
                     self.best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                self.best_epoch = len(self.dev) + 1
             self.dev.append(result)
 
     return BestDevEpoch()
@@ -206,8 +209,8 @@ def _best_epoch_callback(tokenizer, dev: List[dict], metric: str, batch_size: in
 
 def training_arguments(opts, seed: int, output_dir: Path, warmup_steps: float, **overrides):
     """Every method's ``TrainingArguments`` (``opts``: epochs, batch_size, lr, weight_decay; the lab's
-    few-shot runner's too): a log per epoch, nothing saved, evaluated or reported. ``warmup_steps``:
-    steps, or a float in [0, 1), a share of them."""
+    few-shot runner's too): a log per epoch, nothing evaluated or reported, nothing saved unless
+    ``overrides`` say so. ``warmup_steps``: steps, or a float in [0, 1), a share of them."""
     import transformers
 
     return transformers.TrainingArguments(
@@ -221,13 +224,12 @@ def training_arguments(opts, seed: int, output_dir: Path, warmup_steps: float, *
         seed=seed,
         data_seed=seed,
         logging_strategy="epoch",
-        save_strategy="no",
         eval_strategy="no",
         report_to=[],
         disable_tqdm=True,
         remove_unused_columns=False,
         dataloader_pin_memory=False,
-        **overrides,
+        **{"save_strategy": "no", **overrides},
     )
 
 
@@ -256,7 +258,8 @@ def encoded_splits(opts, data: Data, tokenizer, seed: int) -> Dict[str, List[dic
 def build_trainer(
     cell: dict, opts, model, tokenizer, features: Dict[str, List[dict]], output_dir: Path, seed: int, callbacks=()
 ):
-    """The cell's method's trainer, as every run of the command builds it (the dev set is AttendOut's held-out draws)."""
+    """The cell's method's trainer, as every run of the command builds it (the dev set is AttendOut's held-out
+    draws); a checkpoint at each epoch's end, which :mod:`.cls_checkpoint`'s callback completes and rotates."""
     import transformers
 
     from ..hf.methods import METHODS
@@ -264,7 +267,7 @@ def build_trainer(
     trainer = METHODS[cell["method"]].build(
         method_options(cell["method"], cell["args"]),
         model=model,
-        args=training_arguments(opts, seed, output_dir, opts.warmup_ratio),
+        args=training_arguments(opts, seed, output_dir, opts.warmup_ratio, save_strategy="epoch"),
         train_dataset=features["train"],
         eval_dataset=features["dev"],
         data_collator=transformers.DataCollatorWithPadding(tokenizer),
@@ -277,10 +280,9 @@ def build_trainer(
 def run_classifier(
     cell: dict, seed: int, opts, settings: dict, seed_dir: Path, log: Callable[[str], None] = print
 ) -> dict:
-    """Train and score one run, unless ``result.json`` already holds it; returns its result."""
+    """Train and score one run, unless ``result.json`` already holds it; returns its result. Training
+    resumes from the run's last checkpoint (:mod:`.cls_checkpoint`), which is removed once the result is written."""
     import transformers
-
-    from ..hf.methods import METHODS
 
     quiet_transformers()
 
@@ -291,28 +293,74 @@ def run_classifier(
     data = data_for(opts, settings)
     tokenizer = transformers.AutoTokenizer.from_pretrained(opts.model)
     features = encoded_splits(opts, data, tokenizer, seed)
-    callback = _best_epoch_callback(tokenizer, features["dev"], opts.metric, opts.eval_batch_size)
-    scratch = seed_dir / "trainer"
+    trained = _train(cell, seed, opts, seed_dir / "trainer", tokenizer, features, data.labels, log)
+    result = _result(cell, seed, opts, settings, data, features, tokenizer, trained)
+    write_json(seed_dir / "result.json", result)
+    shutil.rmtree(seed_dir / "trainer", ignore_errors=True)  # its checkpoint: the run is finished
+    return result
+
+
+class _Trained(NamedTuple):
+    trainer: object
+    dev: object  # the dev-epoch callback: its ``dev`` scores, ``best_epoch`` and ``best_state``
+    resumed: dict  # the state of the checkpoint this attempt resumed from ({}: none)
+    seconds: float  # training, over every attempt up to its last checkpoint and this one
+
+
+def _train(cell: dict, seed: int, opts, folder: Path, tokenizer, features, labels, log: Callable) -> _Trained:
+    """The run's training, resumed from its last whole checkpoint in ``folder`` if an earlier attempt
+    left one; a stop signal meanwhile saves at the end of its step first (:class:`processes.DeferredStop`)."""
+    from .cls_checkpoint import checkpoint_callback, last_checkpoint, load_best
+    from .processes import DeferredStop
+
+    def say(line: str) -> None:
+        log(f"    {cell_name(cell)} seed {seed}: {line}")
+
+    dev = _best_epoch_callback(tokenizer, features["dev"], opts.metric, opts.eval_batch_size)
+    found = last_checkpoint(folder) if folder.is_dir() else None
+    resumed = {}
+    if found is not None:
+        path, state = found
+        resumed = {**state, "resumed_at_steps": [*state["resumed_at_steps"], state["step"]]}
+        dev.dev, dev.best_epoch, dev.best_state = list(state["dev"]), state["best_epoch"], load_best(folder, state)
+        say(
+            f"resuming from {path.name}, saved by an earlier attempt (step {state['step']} of {state['max_steps']}; "
+            f"{len(state['dev'])} epoch(s) scored on dev)"
+        )
+    stop = DeferredStop()
+    saver = checkpoint_callback(folder, opts.save_steps, dev, stop, say, resumed)
+    trainer = build_trainer(cell, opts, load_model(opts, seed, labels), tokenizer, features, folder, seed, [dev, saver])
+    saver.trainer = trainer
     started = time.time()
-    model = load_model(opts, seed, data.labels)
-    trainer = build_trainer(cell, opts, model, tokenizer, features, scratch, seed, [callback])
-    trainer.train()
-    train_seconds = time.time() - started
-    shutil.rmtree(scratch, ignore_errors=True)  # the Trainer's output folder: nothing saved there
+    with stop:
+        trainer.train(resume_from_checkpoint=str(found[0]) if found is not None else None)
+    return _Trained(trainer, dev, resumed, resumed.get("train_seconds", 0.0) + time.time() - started)
+
+
+def _result(cell: dict, seed: int, opts, settings: dict, data: Data, features, tokenizer, trained: _Trained) -> dict:
+    """The run's record: the best dev epoch's scores on dev and test, each epoch's, and its resumes."""
+    from ..hf.methods import METHODS
+    from .cls_checkpoint import steps_per_epoch
+
+    trainer, callback = trained.trainer, trained.dev
+    model = trainer.model
     model.load_state_dict(callback.best_state)
-    best = 1 + max(range(len(callback.dev)), key=lambda i: callback.dev[i][opts.metric])  # the earliest on ties
-    test = scores(
-        predict(model, tokenizer, features["test"], opts.eval_batch_size), [f["labels"] for f in features["test"]]
-    )
+    best = callback.best_epoch  # the earliest on ties
+    gold = [f["labels"] for f in features["test"]]
+    test = scores(predict(model, tokenizer, features["test"], opts.eval_batch_size), gold)
     dev = callback.dev[best - 1]
     logs = [h for h in trainer.state.log_history if "loss" in h]
+    per_epoch = steps_per_epoch(trainer.state)
+    steps = trained.resumed.get("resumed_at_steps", [])
+    mid_epoch = {step // per_epoch + 1: step for step in steps if step % per_epoch}  # its method's logs: since then
     method = METHODS[cell["method"]]
     epochs = [
         {"epoch": i + 1, "train_loss": entry["loss"], "dev": callback.dev[i], **method.logged(entry)}
+        | ({"resumed_at_step": mid_epoch[i + 1]} if i + 1 in mid_epoch else {})
         for i, entry in enumerate(logs[: len(callback.dev)])
     ]
     train_labels = [f["labels"] for f in features["train"]]
-    result = {
+    return {
         "cell": cell,
         "seed": seed,
         "settings": settings,
@@ -322,11 +370,12 @@ def run_classifier(
         "learned_nothing": learned_nothing(dev),
         "train_examples": len(train_labels),
         "train_labels": {label: train_labels.count(i) for i, label in enumerate(data.labels)},
-        "train_seconds": round(train_seconds, 1),
+        "train_seconds": round(trained.seconds, 1),
         "epochs": epochs,
+        "resumed_at_steps": steps,
+        "resumed_at_epochs": [step // per_epoch + 1 for step in steps],
+        "exact_resume": True,  # the weights bit for bit on the CPU (cls_checkpoint); not a method's logs of its epoch
     }
-    write_json(seed_dir / "result.json", result)
-    return result
 
 
 def quiet_transformers() -> None:
