@@ -1,6 +1,7 @@
 """A classifier run's resumable checkpoint (attn-reg-cls-compare): saved at each epoch's end (after its
 dev scores), every ``--save-steps`` optimizer steps, and at the end of the step in which a stop signal
-arrived; the next command for the run resumes it there (``Trainer.train(resume_from_checkpoint=...)``).
+arrived; the next command for the run (or its requeued Slurm job) resumes it there
+(``Trainer.train(resume_from_checkpoint=...)``).
 
 The checkpoint is the Trainer's own ``trainer/checkpoint-<step>/`` in the run's folder (weights,
 optimizer, scheduler, the RNG states, the Trainer's state and log; AttendOut adds its Attacker and game)
