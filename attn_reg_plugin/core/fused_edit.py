@@ -1,0 +1,528 @@
+"""One regularized attention call as a fused Triton kernel: FlashAttention-2's forward and backward
+with the regularizer's drops made inside the kernel, tile by tile, from the seed.
+
+The forward loops over blocks of keys with an online softmax and keeps each query row's log-sum-exp;
+the backward recomputes each tile's probabilities from it (one kernel for dk and dv, one for dq).
+The drops are never stored: every tile makes them again from (seed, sample, head, query, key) with
+Philox (``tl.randint``), as FlashAttention makes its dropout, so nothing of size T x S is held.
+
+Rules (``EditDrops.rule``):
+
+- ``BERNOULLI``: every valid (query, key) dropped with probability ``rate`` (scheduled dropout,
+  DropKey-like). A row whose coins drop every valid key attends uniformly over its valid keys
+  instead (its query zeroed, its drops cleared), as ``masks.uniform_instead_of_empty``.
+- ``AD_DROP``: AD-DROP GA. A key is a candidate when its attribution score ``dO_attr_i . v_j``
+  (float32, the kernel's own product: :func:`inspect`) is above the row's ``threshold``, or equal
+  to it at a key ``<= last_tie`` (ties lowest key first); each candidate is dropped with probability
+  ``rate``. A row whose drops would take every valid key keeps ``lowest_key`` (its lowest-scored
+  valid key), as ``TopRegionRule._drop`` / ``masks.keep_one_valid_key``. The per-row state comes from
+  the caller (:func:`region_ties` turns a row's threshold and k into it).
+- ``NONE``: plain attention (the baseline the kernel's cost is measured against).
+
+Validity: key padding as an additive float bias broadcastable to (B, 1, 1, S) (a key whose bias is
+at or below -1e4 is padding, as ``masks.MASKED_BIAS``; a bool one: True = may attend), and causal
+attention: query i may attend key j <= i + S - T. A row with no valid key outputs 0 and sends no
+gradient. Grouped-query attention: head h reads key/value head h // (H / H_kv).
+
+Whether a row's drops would empty it depends on all of its coins, so before the forward a counting
+pass (:func:`_row_counts_kernel`) counts each row's valid and dropped keys: that gives the rows
+that keep a key or attend uniformly (O(B H T) numbers) and the (dropped, droppable) counts.
+
+The drops are a Philox draw: for a seed they are not the PyTorch path's (``block_rules.chunk_draws``),
+only distributed alike. Tests: ``TRITON_INTERPRET=1 pytest tests/core/test_fused_edit.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+try:  # the optional extra `triton`: without it the package imports and available() is False
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = tl = None
+
+NONE, BERNOULLI, AD_DROP = 0, 1, 2
+# A row's ``keep`` value: -1 keeps nothing, j >= 0 keeps key j (AD-DROP), UNIFORM attends uniformly
+# with no drop (a Bernoulli row its coins would empty).
+UNIFORM = -2
+MASKED_BIAS = -1e4  # masks.MASKED_BIAS: fairseq's and transformers' padding fills lie below it
+# Bits of inspect()'s codes.
+DROP, REGION, VALID = 1, 2, 4
+
+
+def _constant(value):
+    """``value`` as a kernel may read it: compiled kernels read only tl.constexpr globals."""
+    return value if tl is None else tl.constexpr(value)
+
+
+_NONE, _AD_DROP, _UNIFORM, _MASKED_BIAS = (_constant(x) for x in (NONE, AD_DROP, UNIFORM, MASKED_BIAS))
+_DROP, _REGION, _VALID = (_constant(x) for x in (DROP, REGION, VALID))
+
+
+def _jit(fn):
+    """``triton.jit`` when Triton is installed; else the plain function, never launched."""
+    return fn if triton is None else triton.jit(fn)
+
+
+def _helper(fn):
+    """A function the kernels call: jit-compiled, or in Triton's interpreter called as it is (there a
+    jit function patches triton.language again at every call, milliseconds each, most of a test's time)."""
+    return fn if triton is None or triton.knobs.runtime.interpret else triton.jit(fn)
+
+
+def available(q: torch.Tensor) -> bool:
+    """Whether the fused kernel can run on ``q``'s device: Triton importable and q on CUDA, or
+    Triton's interpreter on (TRITON_INTERPRET=1, the CPU tests)."""
+    return triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+# -- the kernels' shared parts ---------------------------------------------------------------------
+@_helper
+def _load_rows(ptr, rows, n, dims, d):
+    """Rows ``rows`` (< n) of a contiguous (n, d) matrix, columns ``dims`` (< d); 0 elsewhere."""
+    return tl.load(ptr + rows[:, None] * d + dims[None, :], mask=(rows[:, None] < n) & (dims[None, :] < d), other=0.0)
+
+
+@_helper
+def _validity(BIAS, b, rows, keys, T, S, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(valid (rows, keys), the keys' additive bias): in range, not padding, not in the future."""
+    valid = (rows[:, None] < T) & (keys[None, :] < S)
+    key_bias = keys * 0.0
+    if HAS_BIAS:
+        key_bias = tl.load(BIAS + b * S + keys, mask=keys < S, other=0.0)
+        valid = valid & (key_bias > _MASKED_BIAS)[None, :]
+    if CAUSAL:
+        valid = valid & (keys[None, :] <= rows[:, None] + (S - T))
+    return valid, key_bias
+
+
+@_helper
+def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, v_tile, threshold, last_tie, keep, RULE: tl.constexpr):
+    """(drop, candidate region) of a tile. A coin drops when its 31-bit Philox number is <= limit
+    (probability (limit + 1) / 2**31, as block_rules.coin_limit); the counter is the (b, h, i, j)
+    position, so any tile, forward or backward, draws the same coin for a position."""
+    region = valid
+    if RULE == _NONE:
+        drop = valid & (keys[None, :] < 0)
+    else:
+        position = (bh.to(tl.int64) * T + rows[:, None]) * S + keys[None, :]
+        coin = (tl.randint(seed, position) >> 1).to(tl.int32) <= limit
+        drop = valid & coin & (keys[None, :] != keep[:, None]) & (keep != _UNIFORM)[:, None]
+        if RULE == _AD_DROP:
+            score = tl.dot(attr, tl.trans(v_tile.to(tl.float32)), input_precision="ieee")
+            score = tl.where(score == score, score, 0.0)  # NaN ranks as 0, as TopRegionRule's nan_to_num
+            above = score > threshold[:, None]
+            tied = (score == threshold[:, None]) & (keys[None, :] <= last_tie[:, None])
+            region = valid & (above | tied)
+            drop = drop & region
+    return drop, region
+
+
+@_helper
+def _row_state(THR, TIE, KEEP, bh, rows, T):
+    """A row's AD-DROP threshold and last tied key, and its ``keep`` (-1, a key, or UNIFORM)."""
+    at, inside = bh * T + rows, rows < T
+    threshold = tl.load(THR + at, mask=inside, other=float("inf"))
+    return threshold, tl.load(TIE + at, mask=inside, other=-1), tl.load(KEEP + at, mask=inside, other=-1)
+
+
+@_helper
+def _scores(q, k_tile, v_tile, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC: tl.constexpr,
+            RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """A tile's scores q k^T scale + bias, -inf where a key is not attended (invalid or dropped)."""
+    valid, key_bias = _validity(BIAS, b, rows, keys, T, S, CAUSAL, HAS_BIAS)
+    threshold, last_tie, keep = state
+    drop, _ = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, v_tile, threshold, last_tie, keep, RULE)
+    s = tl.dot(q, tl.trans(k_tile), out_dtype=ACC, input_precision="ieee") * scale + key_bias[None, :]
+    return tl.where(valid & ~drop, s, float("-inf"))
+
+
+@_helper
+def _query_tiles(Q, ATTR, bh, rows, T, dims, D, keep, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                 RULE: tl.constexpr):  # fmt: skip
+    """(q zeroed in UNIFORM rows, the attribution pass's output gradient rows or zeros)."""
+    q = _load_rows(Q + bh * T * D, rows, T, dims, D)
+    q = tl.where((keep == _UNIFORM)[:, None], tl.zeros_like(q), q)
+    attr = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if RULE == _AD_DROP:
+        attr = _load_rows(ATTR + bh * T * D, rows, T, dims, D)
+    return q, attr
+
+
+@_helper
+def _causal_end(start_m, BLOCK_M: tl.constexpr, T, S, CAUSAL: tl.constexpr):
+    """The keys a block of query rows may attend lie below this (all S unless causal)."""
+    end = S
+    if CAUSAL:
+        end = tl.minimum(S, start_m + BLOCK_M + S - T)
+    return end
+
+
+# -- forward, backward, inspection ----------------------------------------------------------------
+@_jit
+def _forward_kernel(Q, K, V, BIAS, ATTR, THR, TIE, KEEP, OUT, LSE, seed, limit, scale, T, S, H, GROUP, D,
+                    RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
+    b, kv = bh // H, bh // GROUP  # GQA: (b H + h) // G = b H_kv + h // G
+    rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+    state = _row_state(THR, TIE, KEEP, bh, rows, T)
+    q, attr = _query_tiles(Q, ATTR, bh, rows, T, dims, D, state[2], BLOCK_M, BLOCK_D, RULE)
+    m_i = tl.full([BLOCK_M], float("-inf"), ACC)
+    l_i = tl.zeros([BLOCK_M], ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
+    for start_n in range(0, _causal_end(start_m, BLOCK_M, T, S, CAUSAL), BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k_tile = _load_rows(K + kv * S * D, keys, S, dims, D)
+        v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
+        s = _scores(q, k_tile, v_tile, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
+                    RULE, CAUSAL, HAS_BIAS)  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing attended yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, out_dtype=ACC, input_precision="ieee")
+        m_i = m_new
+    attended = l_i > 0  # else no valid key: output 0, log-sum-exp +inf (the backward's P is then 0)
+    out = tl.where(attended[:, None], acc / tl.where(attended, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(attended, m_i + tl.log(tl.where(attended, l_i, 1.0)), float("inf"))
+    at = bh * T * D + rows[:, None] * D + dims[None, :]
+    tl.store(OUT + at, out.to(OUT.dtype.element_ty), mask=(rows[:, None] < T) & (dims[None, :] < D))
+    tl.store(LSE + bh * T + rows, lse, mask=rows < T)
+
+
+@_jit
+def _backward_kv_kernel(Q, K, V, BIAS, ATTR, THR, TIE, KEEP, DO, LSE, DELTA, DK, DV, seed, limit, scale, T, S, H,
+                        GROUP, D, RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr):  # fmt: skip
+    """dk, dv of a block of keys of one key/value head, summed over the query heads of its group."""
+    start_n, kv = tl.program_id(0) * BLOCK_N, tl.program_id(1)
+    b = kv // (H // GROUP)
+    keys, dims = start_n + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    k_tile = _load_rows(K + kv * S * D, keys, S, dims, D)
+    v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], ACC)
+    first = 0
+    if CAUSAL:  # the first block of rows that may attend one of these keys
+        first = tl.maximum(0, start_n - (S - T)) // BLOCK_M * BLOCK_M
+    for g in range(0, GROUP):
+        bh = kv * GROUP + g
+        for start_m in range(first, T, BLOCK_M):
+            rows = start_m + tl.arange(0, BLOCK_M)
+            state = _row_state(THR, TIE, KEEP, bh, rows, T)
+            q, attr = _query_tiles(Q, ATTR, bh, rows, T, dims, D, state[2], BLOCK_M, BLOCK_D, RULE)
+            s = _scores(q, k_tile, v_tile, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
+                        RULE, CAUSAL, HAS_BIAS)  # fmt: skip
+            lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=float("inf"))
+            delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
+            grad_out = _load_rows(DO + bh * T * D, rows, T, dims, D)
+            p = tl.exp(s - lse[:, None])
+            dv += tl.dot(tl.trans(p.to(grad_out.dtype)), grad_out, out_dtype=ACC, input_precision="ieee")
+            dp = tl.dot(grad_out, tl.trans(v_tile), out_dtype=ACC, input_precision="ieee")
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=ACC, input_precision="ieee")
+    at = kv * S * D + keys[:, None] * D + dims[None, :]
+    inside = (keys[:, None] < S) & (dims[None, :] < D)
+    tl.store(DK + at, (dk * scale).to(DK.dtype.element_ty), mask=inside)
+    tl.store(DV + at, dv.to(DV.dtype.element_ty), mask=inside)
+
+
+@_jit
+def _backward_q_kernel(Q, K, V, BIAS, ATTR, THR, TIE, KEEP, DO, LSE, DELTA, DQ, seed, limit, scale, T, S, H, GROUP,
+                       D, RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """dq of a block of query rows; 0 in UNIFORM rows (their query was zeroed)."""
+    start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
+    b, kv = bh // H, bh // GROUP
+    rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+    state = _row_state(THR, TIE, KEEP, bh, rows, T)
+    q, attr = _query_tiles(Q, ATTR, bh, rows, T, dims, D, state[2], BLOCK_M, BLOCK_D, RULE)
+    lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=float("inf"))
+    delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
+    grad_out = _load_rows(DO + bh * T * D, rows, T, dims, D)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
+    for start_n in range(0, _causal_end(start_m, BLOCK_M, T, S, CAUSAL), BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k_tile = _load_rows(K + kv * S * D, keys, S, dims, D)
+        v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
+        s = _scores(q, k_tile, v_tile, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
+                    RULE, CAUSAL, HAS_BIAS)  # fmt: skip
+        p = tl.exp(s - lse[:, None])
+        dp = tl.dot(grad_out, tl.trans(v_tile), out_dtype=ACC, input_precision="ieee")
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC, input_precision="ieee")
+    dq = tl.where((state[2] == _UNIFORM)[:, None], 0.0, dq * scale)
+    at = bh * T * D + rows[:, None] * D + dims[None, :]
+    tl.store(DQ + at, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < T) & (dims[None, :] < D))
+
+
+@_jit
+def _row_counts_kernel(BIAS, ATTR, V, THR, TIE, N_VALID, N_DROPPED, seed, limit, T, S, H, GROUP, D,
+                       RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Each row's valid keys and the keys its rule drops among them, before a row keeps a key."""
+    start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
+    b, kv = bh // H, bh // GROUP
+    rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+    threshold, last_tie, unused_keep = _row_state(THR, TIE, TIE, bh, rows, T)
+    keep = tl.full([BLOCK_M], -1, tl.int32)
+    attr = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if RULE == _AD_DROP:
+        attr = _load_rows(ATTR + bh * T * D, rows, T, dims, D)
+    n_valid = tl.zeros([BLOCK_M], tl.int32)
+    n_dropped = tl.zeros([BLOCK_M], tl.int32)
+    for start_n in range(0, _causal_end(start_m, BLOCK_M, T, S, CAUSAL), BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        valid, unused_bias = _validity(BIAS, b, rows, keys, T, S, CAUSAL, HAS_BIAS)
+        v_tile = attr
+        if RULE == _AD_DROP:
+            v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
+        drop, unused_region = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, v_tile, threshold, last_tie,
+                                     keep, RULE)  # fmt: skip
+        n_valid += tl.sum(valid.to(tl.int32), 1)
+        n_dropped += tl.sum(drop.to(tl.int32), 1)
+    tl.store(N_VALID + bh * T + rows, n_valid, mask=rows < T)
+    tl.store(N_DROPPED + bh * T + rows, n_dropped, mask=rows < T)
+
+
+@_jit
+def _inspect_kernel(BIAS, ATTR, V, THR, TIE, KEEP, CODES, SCORES, seed, limit, T, S, H, GROUP, D,
+                    RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """One tile's drops, region and validity as DROP | REGION | VALID bits, and its attribution scores."""
+    start_m, start_n, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, tl.program_id(2)
+    b, kv = bh // H, bh // GROUP
+    rows, keys, dims = start_m + tl.arange(0, BLOCK_M), start_n + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    threshold, last_tie, keep = _row_state(THR, TIE, KEEP, bh, rows, T)
+    attr = _load_rows(ATTR + bh * T * D, rows, T, dims, D)
+    v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
+    valid, _ = _validity(BIAS, b, rows, keys, T, S, CAUSAL, HAS_BIAS)
+    drop, region = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, v_tile, threshold, last_tie, keep, RULE)
+    codes = drop.to(tl.int8) * _DROP + region.to(tl.int8) * _REGION + valid.to(tl.int8) * _VALID
+    score = tl.dot(attr, tl.trans(v_tile.to(tl.float32)), input_precision="ieee")
+    at = bh * T * S + rows[:, None] * S + keys[None, :]
+    inside = (rows[:, None] < T) & (keys[None, :] < S)
+    tl.store(CODES + at, codes, mask=inside)
+    tl.store(SCORES + at, tl.where(score == score, score, 0.0), mask=inside)
+
+
+# -- the Python side -------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class EditDrops:
+    """What the kernel drops in one call: ``rule`` (NONE, BERNOULLI or AD_DROP), its ``rate`` (the
+    Bernoulli p; AD-DROP's q), the Philox ``seed`` (an int), and for AD-DROP the attribution pass's
+    output gradient (B, H, T, d) and each row's (threshold, last_tie, lowest_key), (B, H, T) each
+    (:func:`region_ties`)."""
+
+    rule: int
+    rate: float
+    seed: int
+    attribution: Optional[torch.Tensor] = None
+    threshold: Optional[torch.Tensor] = None
+    last_tie: Optional[torch.Tensor] = None
+    lowest_key: Optional[torch.Tensor] = None
+
+
+def region_ties(scores, valid, threshold, k) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(last_tie, lowest_key), (B, H, T) int32, of rows whose candidates are the ``k`` largest valid
+    ``scores`` (B, H, T, S) with the ``threshold`` the k-th largest (+inf where k = 0), ties lowest key
+    first: the key of the last tie taken (-1: none), and the valid key of lowest score (first of
+    equals; -1 in a row without valid key) that a row keeps if its drops would take every key.
+    ``valid``, ``threshold`` and ``k`` broadcast to (B, H, T, S), (B, H, T, 1), (B, H, T, 1)."""
+    scores = scores.float().nan_to_num(0.0)
+    valid = valid.expand(scores.shape)
+    above = ((scores > threshold) & valid).sum(-1, keepdim=True)
+    tied = (scores == threshold) & valid
+    taken = tied & (tied.cumsum(-1) <= k - above)
+    keys = torch.arange(scores.shape[-1], device=scores.device)
+    last_tie = torch.where(taken, keys, -1).amax(-1)
+    lowest = torch.where(valid, scores, math.inf).argmin(-1)
+    return last_tie.to(torch.int32), torch.where(valid.any(-1), lowest, -1).to(torch.int32)
+
+
+class _Call(NamedTuple):
+    """A call's kernel arguments besides q, k, v: the (B, S) bias or None, the rule's tensors (the
+    attribution, and per row threshold, last tie, keep), the scalars and the tile sizes."""
+
+    bias: Optional[torch.Tensor]
+    attribution: torch.Tensor
+    threshold: torch.Tensor
+    last_tie: torch.Tensor
+    keep: torch.Tensor
+    seed: int
+    limit: int
+    scale: float
+    rule: int
+    causal: bool
+    block: int
+
+
+def _key_bias(key_bias: Optional[torch.Tensor], b: int, s: int) -> Optional[torch.Tensor]:
+    """The padding bias as a contiguous float32 (B, S): a bool one (True = may attend) as 0 / -inf."""
+    if key_bias is None:
+        return None
+    if key_bias.dtype == torch.bool:
+        key_bias = torch.zeros(key_bias.shape, device=key_bias.device).masked_fill(~key_bias, -math.inf)
+    if key_bias.dim() == 4 and (key_bias.shape[1] != 1 or key_bias.shape[2] != 1):
+        raise ValueError(f"a key-padding bias broadcasts as (B, 1, 1, S), got {tuple(key_bias.shape)}")
+    return key_bias.float().reshape(-1, key_bias.shape[-1]).expand(b, s).contiguous()
+
+
+def _grid_sizes(q: torch.Tensor) -> Tuple[int, int]:
+    """(rows and keys per tile, padded head dim): 64 on a GPU; 16 in the interpreter, fast on tiny shapes."""
+    block = 64 if q.is_cuda else 16
+    return block, max(16, triton.next_power_of_2(q.shape[-1]))
+
+
+def _launch_args(q, k, v, call: _Call):
+    """The kernels' shared scalars and compile-time options."""
+    b, h, t, d = q.shape
+    block, block_d = _grid_sizes(q)
+    scalars = (call.seed, call.limit, call.scale, t, k.shape[2], h, h // k.shape[1], d)
+    acc = tl.float64 if q.dtype == torch.float64 else tl.float32
+    options = dict(RULE=call.rule, CAUSAL=call.causal, HAS_BIAS=call.bias is not None, ACC=acc, BLOCK_M=block,
+                   BLOCK_N=block, BLOCK_D=block_d)  # fmt: skip
+    return scalars, options
+
+
+def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[float]):
+    """(the call's kernel arguments, dropped, droppable): the counting pass finds the rows a rule
+    would empty; AD-DROP's keep their lowest-scored key, Bernoulli's attend uniformly."""
+    b, h, t, d = q.shape
+    if h % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"{h} query heads cannot share {k.shape[1]} key and {v.shape[1]} value heads")
+    if drops.rule not in (NONE, BERNOULLI, AD_DROP):
+        raise ValueError(f"unknown rule {drops.rule}")
+    rows = torch.full((b, h, t), -1, dtype=torch.int32, device=q.device)
+    ad_drop = drops.rule == AD_DROP
+    call = _Call(
+        _key_bias(key_bias, b, k.shape[2]),
+        drops.attribution.float().contiguous() if ad_drop else q,
+        drops.threshold.float().contiguous() if ad_drop else rows.float(),
+        drops.last_tie.to(torch.int32).contiguous() if ad_drop else rows,
+        rows,
+        int(drops.seed),
+        round(drops.rate * 2**31) - 1,  # block_rules.coin_limit
+        d**-0.5 if scale is None else float(scale),
+        drops.rule,
+        bool(causal),
+        _grid_sizes(q)[0],
+    )
+    if drops.rule == NONE:
+        zero = torch.zeros((), dtype=torch.long, device=q.device)
+        return call, zero, zero
+    n_valid, n_dropped = torch.empty_like(rows), torch.empty_like(rows)
+    scalars, options = _launch_args(q, k, v, call)
+    options.pop("ACC")
+    grid = (triton.cdiv(t, call.block), b * h)
+    _row_counts_kernel[grid](call.bias, call.attribution, v.contiguous(), call.threshold, call.last_tie, n_valid,
+                             n_dropped, *scalars[:2], *scalars[3:], **options)  # fmt: skip
+    emptied = (n_dropped == n_valid) & (n_valid > 0)
+    if ad_drop:
+        keep = torch.where(emptied, drops.lowest_key.to(torch.int32), -1)
+        dropped = n_dropped.sum() - emptied.sum()
+    else:  # a uniform row counts its valid keys as dropped (block_masks.block_counts)
+        keep = torch.where(emptied, UNIFORM, -1).to(torch.int32)
+        dropped = n_dropped.sum()
+    return call._replace(keep=keep.contiguous()), dropped, n_valid.sum()
+
+
+def _tensors(call: _Call, k):
+    """The call's tensors in the kernels' argument order (a placeholder where there is no bias)."""
+    return (k if call.bias is None else call.bias, call.attribution, call.threshold, call.last_tie, call.keep)
+
+
+def _forward(q, k, v, call: _Call):
+    b, h, t, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((b, h, t), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    scalars, options = _launch_args(q, k, v, call)
+    grid = (triton.cdiv(t, call.block), b * h)
+    _forward_kernel[grid](q, k, v, *_tensors(call, k), out, lse, *scalars, **options)
+    return out, lse
+
+
+def _backward(grad_out, q, k, v, out, lse, call: _Call):
+    b, h, t, d = q.shape
+    grad_out = grad_out.contiguous()
+    acc = torch.promote_types(q.dtype, torch.float32)
+    delta = (grad_out.to(acc) * out.to(acc)).sum(-1)  # rowsum(dO O): FlashAttention-2's D
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    scalars, options = _launch_args(q, k, v, call)
+    tensors = _tensors(call, k)
+    grid = (triton.cdiv(k.shape[2], call.block), b * k.shape[1])
+    _backward_kv_kernel[grid](q, k, v, *tensors, grad_out, lse, delta, dk, dv, *scalars, **options)
+    grid = (triton.cdiv(t, call.block), b * h)
+    _backward_q_kernel[grid](q, k, v, *tensors, grad_out, lse, delta, dq, *scalars, **options)
+    return dq, dk, dv
+
+
+class FusedEditAttention(torch.autograd.Function):
+    """The fused call under autograd: the forward keeps q, k, v, the output and each row's
+    log-sum-exp (no mask); the backward makes the drops again in its kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call: _Call):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = _forward(q, k, v, call)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call = call
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_backward(grad_out, q, k, v, out, lse, ctx.call), None)
+
+
+def fused_edit_attention(q, k, v, drops: EditDrops, key_bias=None, causal: bool = False, scale=None):
+    """(output (B, H, T, d), dropped, droppable) of attention with ``drops``: q (B, H, T, d), k and v
+    (B, H_kv, S, d) with H_kv dividing H; ``key_bias`` an additive float (or bool, True = may
+    attend) key-padding bias broadcastable as (B, 1, 1, S), not differentiated; ``causal``: query i
+    attends keys j <= i + S - T; ``scale`` None: 1 / sqrt(d). dk, dv sum over a group's heads."""
+    call, dropped, droppable = _prepare(q, k, v, drops, key_bias, causal, scale)
+    return FusedEditAttention.apply(q, k, v, call), dropped, droppable
+
+
+class KernelDrops(NamedTuple):
+    """inspect()'s maps, (B, H, T, S) each: the drops as the kernel applies them (after a row keeps
+    its key), the candidate region (the valid keys for Bernoulli), the validity, the attribution
+    scores the kernel ranks (0 unless AD-DROP); and the rows made uniform, (B, H, T)."""
+
+    drop: torch.Tensor
+    region: torch.Tensor
+    valid: torch.Tensor
+    scores: torch.Tensor
+    uniform: torch.Tensor
+
+
+def inspect(q, k, v, drops: EditDrops, key_bias=None, causal: bool = False) -> KernelDrops:
+    """The kernel's drops materialised, for tests on tiny shapes only (a T x S map)."""
+    b, h, t, d = q.shape
+    s = k.shape[2]
+    call, _, _ = _prepare(q, k, v, drops, key_bias, causal, None)
+    codes = torch.empty((b, h, t, s), dtype=torch.int8, device=q.device)
+    scores = torch.empty((b, h, t, s), dtype=torch.float32, device=q.device)
+    scalars, options = _launch_args(q, k, v, call)
+    options.pop("ACC")
+    attribution = call.attribution.float() if drops.rule == AD_DROP else torch.zeros_like(q, dtype=torch.float32)
+    tensors = (k if call.bias is None else call.bias, attribution, v.contiguous(), *_tensors(call, k)[2:])
+    grid = (triton.cdiv(t, call.block), triton.cdiv(s, call.block), b * h)
+    _inspect_kernel[grid](*tensors, codes, scores, *scalars[:2], *scalars[3:], **options)
+    flags = [(codes & bit) != 0 for bit in (DROP, REGION, VALID)]
+    return KernelDrops(*flags, scores, call.keep == UNIFORM)
+
+
+__all__: Sequence[str] = (
+    "AD_DROP", "BERNOULLI", "NONE", "EditDrops", "FusedEditAttention", "KernelDrops", "available",
+    "fused_edit_attention", "inspect", "region_ties",
+)  # fmt: skip

@@ -1,0 +1,265 @@
+"""The fused edit kernel (core/fused_edit.py) on tiny shapes, in Triton's CPU interpreter, against the
+portable PyTorch path: its drops (region, ties, coins, the rows a rule would empty), its output and
+its gradients (no padding, padding, causal with T != S, GQA, emptied and keyless rows)."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+# Without a GPU the kernels run in Triton's interpreter, which must be on when Triton is first imported
+# (it makes triton.language's own jit functions, tl.randint among them, interpretable): this module is
+# collected before anything in the suite imports Triton. With a GPU they are compiled and run there.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRET = DEVICE == "cpu"
+_SET = INTERPRET and "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
+if _SET:  # for the import only (a fixture sets it for each test): the rest of the suite runs without
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    triton = pytest.importorskip("triton")
+    if INTERPRET and not triton.knobs.runtime.interpret:
+        pytest.skip("Triton was imported before TRITON_INTERPRET=1: run this file on its own", allow_module_level=True)
+    from attn_reg_plugin.core import fused_edit as fe
+finally:
+    if _SET:
+        del os.environ["TRITON_INTERPRET"]
+
+# The portable path, imported here only: its modules are being refactored (one place to re-point).
+from attn_reg_plugin.core.block_masks import BlockCall
+from attn_reg_plugin.core.block_rules import Block, DenseRule, MapScores, TopRegionRule, dense_gradient_attribution
+from attn_reg_plugin.core.blockwise import edit_attention
+from attn_reg_plugin.core.masks import MASKED_BIAS, keep_one_valid_key
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    """Triton reads TRITON_INTERPRET again at each launch; fe.available() reads it too."""
+    if INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def qkv(b=1, h=2, h_kv=2, t=20, s=20, d=8, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn((b, h, t, d), generator=generator, dtype=dtype)
+    k = torch.randn((b, h_kv, s, d), generator=generator, dtype=dtype)
+    v = torch.randn((b, h_kv, s, d), generator=generator, dtype=dtype)
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+
+
+def padding_bias(lengths, s, left=False):
+    """(B, 1, 1, S) additive bias, -inf at padding keys (right padding, or left with ``left``)."""
+    keys = torch.arange(s)
+    pad = [(keys < s - n) if left else (keys >= n) for n in lengths]
+    return torch.zeros(len(lengths), 1, 1, s).masked_fill(torch.stack(pad).view(-1, 1, 1, s), -math.inf).to(DEVICE)
+
+
+def integer_attribution(q, v, seed=1, span=3):
+    """An attribution gradient and values with small integer entries: the scores are exact integers
+    whatever the order of summation (so the kernel's and torch's agree), with many ties."""
+    generator = torch.Generator().manual_seed(seed)
+    attribution = torch.randint(-span, span + 1, q.shape, generator=generator).float()
+    values = torch.randint(-span, span + 1, v.shape, generator=generator).to(v.dtype)
+    return attribution.to(DEVICE), values.to(DEVICE)
+
+
+def validity(q, k, key_bias, causal):
+    """(B, H, T, S) bool: the keys each query may attend (not padding; not in the future)."""
+    t, s = q.shape[2], k.shape[2]
+    valid = torch.ones((1, 1, t, s), dtype=torch.bool, device=q.device)
+    if key_bias is not None:
+        valid = valid & (key_bias > MASKED_BIAS)
+    if causal:
+        valid = valid & (torch.arange(s, device=q.device) <= torch.arange(t, device=q.device)[:, None] + s - t)
+    return valid.expand(q.shape[0], q.shape[1], t, s)
+
+
+def ad_drop_spec(q, k, v, attribution, p, rate, seed, key_bias=None, causal=False):
+    """EditDrops for AD-DROP GA whose per-row state is the PyTorch path's own region
+    (TopRegionRule.region) over torch's attribution scores; also (scores, valid, region). The
+    kernel ranks its own product: equal to torch's for integer inputs (the region tests)."""
+    scores, valid = dense_gradient_attribution(attribution, v), validity(q, k, key_bias, causal)
+    shape = tuple(scores.shape)
+    rule = TopRegionRule(MapScores(scores), p, 0.0)
+    region, (threshold, k_rows, _), _ = rule.region(Block(slice(0, shape[2]), valid, shape, shape, 0))
+    last_tie, lowest = fe.region_ties(scores, valid, threshold, k_rows)
+    spec = fe.EditDrops(fe.AD_DROP, rate, seed, attribution, threshold.squeeze(-1), last_tie, lowest)
+    return spec, scores, valid, region
+
+
+def reference(q, k, v, seen: "fe.KernelDrops", key_bias, scale=None):
+    """float64 attention by explicit softmax over the kernel's exported drops: q zeroed in uniform
+    rows, every non-attended key excluded, a row attending nothing gives 0."""
+    q, k, v = (x.double() for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    q = q.masked_fill(seen.uniform[..., None], 0.0)
+    scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if key_bias is not None:
+        scores = scores + key_bias.double().masked_fill(key_bias <= MASKED_BIAS, 0.0)
+    attended = seen.valid & ~seen.drop
+    some = attended.any(-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~attended, -math.inf).masked_fill(~some, 0.0), -1) * some
+    return probs @ v
+
+
+def outputs_and_grads(function, q, k, v, grad):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = function(*leaves)
+    out.backward(grad.to(out.dtype))
+    return [out.detach().double()] + [x.grad.double() for x in leaves]
+
+
+# -- the drops -------------------------------------------------------------------------------------
+def test_bernoulli_coins_rate_seed_and_counts():
+    q, k, v = qkv(b=2, h=2, t=32, s=40)
+    bias = padding_bias([40, 30], 40)
+    spec = fe.EditDrops(fe.BERNOULLI, 0.3, 1234)
+    seen = fe.inspect(q, k, v, spec, bias)
+    n = int(seen.valid.sum())
+    assert n == 2 * 32 * 40 + 2 * 32 * 30
+    assert not (seen.drop & ~seen.valid).any()
+    rate = seen.drop.sum().item() / n
+    assert abs(rate - 0.3) < 4 * math.sqrt(0.3 * 0.7 / n)  # 4 sigma of a binomial
+    assert torch.equal(fe.inspect(q, k, v, spec, bias).drop, seen.drop)  # the seed alone decides
+    other = fe.inspect(q, k, v, fe.EditDrops(fe.BERNOULLI, 0.3, 1235), bias).drop
+    assert (other != seen.drop).float().mean() > 0.3
+    _, dropped, droppable = fe.fused_edit_attention(q, k, v, spec, bias)
+    assert (int(dropped), int(droppable)) == (int(seen.drop.sum()), n)
+
+
+def test_bernoulli_row_its_coins_would_empty_attends_uniformly():
+    q, k, v = qkv(t=24, s=24)
+    spec = fe.EditDrops(fe.BERNOULLI, 0.8, 7)
+    seen = fe.inspect(q, k, v, spec, causal=True)
+    assert seen.uniform.any() and not seen.uniform.all()  # the first rows have few keys
+    assert not (seen.drop & seen.uniform[..., None]).any()  # a uniform row's drops are cleared
+    assert ((seen.valid & ~seen.drop).any(-1) | seen.uniform).all()
+    _, dropped, _ = fe.fused_edit_attention(q, k, v, spec, causal=True)
+    assert int(dropped) == int(seen.drop.sum() + (seen.valid & seen.uniform[..., None]).sum())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ad_drop_region_is_the_pytorch_paths_region_ties_included(causal):
+    q, k, v = qkv(b=2, h=4, h_kv=2, t=20, s=27, d=4)
+    attribution, v = integer_attribution(q, v)
+    bias = padding_bias([27, 18], 27, left=True)
+    spec, scores, valid, region = ad_drop_spec(q, k, v, attribution, 0.3, 1.0, 11, bias, causal)
+    tied = (scores.unsqueeze(-1) == scores.unsqueeze(-2)) & valid.unsqueeze(-1) & valid.unsqueeze(-2)
+    assert (tied.sum((-1, -2)) > valid.sum(-1)).any()  # ties straddle thresholds
+    seen = fe.inspect(q, k, v, spec, bias, causal)
+    assert torch.equal(seen.scores, scores) and torch.equal(seen.valid, valid)  # exact: integer products
+    assert torch.equal(seen.region, region)
+    # q = 1: every candidate dropped but a row's lowest-scored key where all its keys are candidates.
+    assert torch.equal(seen.drop, keep_one_valid_key(region, valid, scores))
+    half = fe.inspect(q, k, v, with_rate(spec, 0.5), bias, causal)
+    assert not (half.drop & ~region).any()
+    n = int(region.sum())
+    assert abs(half.drop.sum().item() / n - 0.5) < 4 * math.sqrt(0.25 / n)
+
+
+def with_rate(spec, rate):
+    return fe.EditDrops(spec.rule, rate, spec.seed, spec.attribution, spec.threshold, spec.last_tie, spec.lowest_key)
+
+
+def test_ad_drop_ties_are_taken_lowest_key_first():
+    """One row, scores 5 5 3 3 3 3 1 1 over 8 keys, p = 0.5: k = 4, the region is the two 5s and
+    the first two 3s (keys 2, 3), not keys 4, 5."""
+    q, k, v = qkv(b=1, h=1, h_kv=1, t=1, s=8, d=4)
+    first = torch.tensor([1.0, 0.0, 0.0, 0.0], device=DEVICE)
+    values = torch.tensor([5.0, 5, 3, 3, 3, 3, 1, 1], device=DEVICE).view(1, 1, 8, 1) * first
+    attribution = first.view(1, 1, 1, 4)
+    spec, _, _, region = ad_drop_spec(q, k, values, attribution, 0.5, 1.0, 3)
+    assert region[0, 0, 0].tolist() == [True] * 4 + [False] * 4
+    assert fe.inspect(q, k, values, spec).region[0, 0, 0].tolist() == [True] * 4 + [False] * 4
+
+
+# -- output and gradients --------------------------------------------------------------------------
+CASES = {
+    "plain": dict(),
+    "padding": dict(lengths=[20, 13], b=2),
+    "causal, T < S": dict(t=13, s=29, causal=True),
+    "gqa": dict(h=4, h_kv=2),
+    "gqa, causal, padding": dict(h=2, h_kv=1, lengths=[20, 9], b=2, causal=True),
+    "keyless rows": dict(t=22, s=14, causal=True),  # rows 0 .. 7 have no key at or before them
+    "keyless, left padding": dict(lengths=[20, 6], b=2, causal=True, left=True),
+}
+
+
+def case_inputs(case, dtype=torch.float32):
+    options = dict(CASES[case])
+    lengths, causal, left = options.pop("lengths", None), options.pop("causal", False), options.pop("left", False)
+    q, k, v = qkv(dtype=dtype, **options)
+    bias = None if lengths is None else padding_bias(lengths, k.shape[2], left)
+    return q, k, v, bias, causal
+
+
+# Each case under two of the rules ("emptying": rates at which rows lose every key, so that they
+# keep one, AD-DROP, or attend uniformly, Bernoulli): the interpreter takes seconds a case.
+RULES = {
+    "plain": ["bernoulli", "ad_drop"],
+    "padding": ["bernoulli", "emptying ad_drop"],
+    "causal, T < S": ["ad_drop", "emptying bernoulli"],
+    "gqa": ["ad_drop"],
+    "gqa, causal, padding": ["bernoulli", "ad_drop"],
+    "keyless rows": ["emptying bernoulli", "ad_drop"],
+    "keyless, left padding": ["emptying ad_drop"],
+}
+
+
+@pytest.mark.parametrize("case, rule", [(case, rule) for case, rules in RULES.items() for rule in rules])
+def test_output_and_gradients_match_float64_softmax(case, rule):
+    q, k, v, bias, causal = case_inputs(case)
+    p = 0.9 if rule.startswith("emptying") else 0.3
+    if rule.endswith("bernoulli"):
+        spec = fe.EditDrops(fe.BERNOULLI, p, 5)
+    else:
+        attribution = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+        spec = ad_drop_spec(q, k, v, attribution, 1.0 if p > 0.5 else p, p, 5, bias, causal)[0]
+    seen = fe.inspect(q, k, v, spec, bias, causal)
+    assert torch.equal(seen.valid, validity(q, k, bias, causal))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE)
+    fused = outputs_and_grads(lambda *x: fe.fused_edit_attention(*x, spec, bias, causal)[0], q, k, v, grad)
+    expected = outputs_and_grads(lambda *x: reference(*x, seen, bias), q.double(), k.double(), v.double(), grad)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), fused, expected):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=name)
+    keyless = ~seen.valid.any(-1)
+    assert (fused[0][keyless] == 0).all() and (fused[1][keyless] == 0).all()
+
+
+@pytest.mark.parametrize("case", ["padding", "gqa, causal, padding", "keyless, left padding"])
+def test_matches_the_portable_edit_with_the_kernels_drops(case):
+    """blockwise.edit_attention with DenseRule(the kernel's coins) gives the kernel's output and
+    gradients: its own uniform-instead-of-empty rows included (fed the coins before that rule)."""
+    q, k, v, bias, causal = case_inputs(case)
+    spec = fe.EditDrops(fe.BERNOULLI, 0.7, 9)
+    seen = fe.inspect(q, k, v, spec, bias, causal)
+    coins = seen.drop | (seen.uniform[..., None] & seen.valid)
+    groups = q.shape[1] // k.shape[1]
+    call = BlockCall(DenseRule(coins), None, None, q.shape[2], None, 0.0, None, True, causal=causal)
+
+    def portable(q, k, v):
+        return edit_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), bias, call)[0]
+
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE)
+    fused = outputs_and_grads(lambda *x: fe.fused_edit_attention(*x, spec, bias, causal)[0], q, k, v, grad)
+    expected = outputs_and_grads(portable, q, k, v, grad)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), fused, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_gradcheck_float64():
+    q, k, v = qkv(b=1, h=2, h_kv=1, t=4, s=5, d=2, dtype=torch.float64)
+    bias = padding_bias([4], 5).double()
+    spec = fe.EditDrops(fe.BERNOULLI, 0.4, 21)
+    inputs = [x.requires_grad_() for x in (q, k, v)]
+    assert torch.autograd.gradcheck(lambda *x: fe.fused_edit_attention(*x, spec, bias, True)[0], inputs, fast_mode=True)
+
+
+def test_available_needs_cuda_or_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not fe.available(torch.zeros(1))
+    assert fe.available(torch.zeros(1, device="cuda")) if torch.cuda.is_available() else True
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fe.available(torch.zeros(1))
