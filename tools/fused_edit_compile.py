@@ -1,0 +1,65 @@
+"""Compile core/fused_edit.py's kernels for a CUDA GPU on a machine without one.
+
+    .venv/bin/python tools/fused_edit_compile.py [--arch 90] [--quick]
+
+Triton's interpreter (the CPU tests) runs the kernels as Python and lets through what only the
+compiler refuses: a global that is not a tl.constexpr, a loop-carried variable that changes type.
+This runs Triton's whole pipeline (TTIR, TTGIR, LLVM IR, PTX, and a cubin from the wheel's ptxas)
+for every rule in bf16 and fp32, causal with a padding bias; ``--quick``: AD-DROP in bf16 only.
+Exits 1 on the first kernel that does not compile. Nothing runs: its speed needs a GPU.
+"""
+
+import argparse
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from attn_reg_plugin.core import fused_edit
+
+KERNELS = ("_forward_kernel", "_backward_kv_kernel", "_backward_q_kernel", "_row_counts_kernel", "_inspect_kernel")
+SCALARS = dict(seed="i64", limit="i32", scale="fp32", T="i32", S="i32", H="i32", GROUP="i32", D="i32")
+# Pointers that are not q, k, v, the output or a gradient (those take the inputs' dtype).
+POINTERS = dict(BIAS="*fp32", ATTR="*fp32", THR="*fp32", TIE="*i32", KEEP="*i32", LSE="*fp32", DELTA="*fp32",
+                N_VALID="*i32", N_DROPPED="*i32", CODES="*i8", SCORES="*fp32")  # fmt: skip
+
+
+def compile_kernel(kernel, dtype: str, options: dict, arch: int):
+    """One kernel compiled to a cubin for ``arch`` with ``options`` (its constexprs)."""
+    options = {name: value for name, value in options.items() if name in kernel.arg_names}
+    signature = {
+        name: "constexpr" if name in options else SCALARS.get(name) or POINTERS.get(name, "*" + dtype)
+        for name in kernel.arg_names
+    }
+    constexprs = {(kernel.arg_names.index(name),): value for name, value in options.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
+    parser.add_argument("--quick", action="store_true", help="AD-DROP in bf16 only")
+    args = parser.parse_args(argv)
+    rules = (fused_edit.AD_DROP,) if args.quick else (fused_edit.NONE, fused_edit.BERNOULLI, fused_edit.AD_DROP)
+    for rule in rules:
+        for dtype in ("bf16",) if args.quick else ("bf16", "fp32"):
+            options = dict(RULE=rule, CAUSAL=True, HAS_BIAS=True, ACC=tl.float32, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128)
+            for name in KERNELS:
+                try:
+                    compile_kernel(getattr(fused_edit, name), dtype, options, args.arch)
+                except Exception as error:  # the compiler's own message says where
+                    print(f"{name} (rule {rule}, {dtype}): {error}", file=sys.stderr)
+                    return 1
+                print(f"{name} rule {rule} {dtype}: compiled for sm_{args.arch}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
