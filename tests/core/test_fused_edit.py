@@ -3,41 +3,24 @@ portable PyTorch path: its drops (region, ties, coins, the rows a rule would emp
 its gradients (no padding, padding, causal with T != S, GQA, emptied and keyless rows)."""
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
 # Without a GPU the kernels run in Triton's interpreter, which must be on when Triton is first imported
-# (it makes triton.language's own jit functions, tl.randint among them, interpretable): this module is
-# collected before anything in the suite imports Triton. With a GPU they are compiled and run there.
+# (tests/core/conftest.py turns it on); with one they are compiled and run there.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = DEVICE == "cpu"
-_SET = INTERPRET and "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
-if _SET:  # for the import only (a fixture sets it for each test): the rest of the suite runs without
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    triton = pytest.importorskip("triton")
-    if INTERPRET and not triton.knobs.runtime.interpret:
-        pytest.skip("Triton was imported before TRITON_INTERPRET=1: run this file on its own", allow_module_level=True)
-    from attn_reg_plugin.core import fused_edit as fe
-finally:
-    if _SET:
-        del os.environ["TRITON_INTERPRET"]
+triton = pytest.importorskip("triton")
+if INTERPRET and not triton.knobs.runtime.interpret:
+    pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+from attn_reg_plugin.core import fused_edit as fe
 
 # The portable path, imported here only: its modules are being refactored (one place to re-point).
 from attn_reg_plugin.core.block_masks import BlockCall
 from attn_reg_plugin.core.block_rules import Block, DenseRule, MapScores, TopRegionRule, dense_gradient_attribution
 from attn_reg_plugin.core.blockwise import edit_attention
 from attn_reg_plugin.core.masks import MASKED_BIAS, keep_one_valid_key
-
-
-@pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    """Triton reads TRITON_INTERPRET again at each launch; fe.available() reads it too."""
-    if INTERPRET:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def qkv(b=1, h=2, h_kv=2, t=20, s=20, d=8, dtype=torch.float32, seed=0):
