@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Iterator, List, Mapping, Optional, Sequen
 
 import torch
 
-from .block_rules import AttentionScores, BlockRule, DenseRule
+from .rules import AttentionScores, BlockRule, DenseRule
 
 
 @dataclass(eq=False)
@@ -61,7 +61,7 @@ class CaptureOutput:
     """Record what gradient attribution needs (each call's output and V); attention dropout is off.
 
     ``alpha``: the map is scaled by it (integrated gradients), so the output is alpha A V;
-    ``keeps_weights``: also keep what the weights are recomputed from (``block_rules.AttentionScores``:
+    ``keeps_weights``: also keep what the weights are recomputed from (``rules.AttentionScores``:
     q, k, bias). What the calls keep comes back in the pass's :class:`PassRecord`.
     """
 
@@ -79,7 +79,7 @@ class CaptureProbs:
 
     alpha: float = 1.0
     requires_grad: bool = True
-    # AA's training pass: the map is kept as its inputs (``block_rules.AttentionScores``: q, k,
+    # AA's training pass: the map is kept as its inputs (``rules.AttentionScores``: q, k,
     # bias), its weights recomputed per block in pass 2, and the output is sdpa's at every length
     # (an explicit A V rounds otherwise in half precision: the drops would change with the length).
     keeps_inputs: bool = False
