@@ -36,7 +36,7 @@ class AttentionSite:
     ``hook`` and ``seed`` are the slot a pass fills for its forward (:meth:`~.controller.RegularizationController.hooks`)
     and nothing else writes, but a recompute that carries the pass back (:func:`applied`): the
     kernel only reads them. ``seed`` (a 0-d int64 CPU tensor) keys the random numbers of a drop rule,
-    one block or many (:mod:`.block_rules`), so every evaluation of the same pass on the same site
+    one block or many (:mod:`.rules`), so every evaluation of the same pass on the same site
     (the forward, its backward, an activation-checkpoint recompute, a compiled graph) makes the same drops.
     """
 
@@ -90,7 +90,7 @@ class EditScores:
     """Edits applied to the scores before softmax (or, DropHead, to the output).
 
     ``drop``: bool, True where a key is removed from a row (broadcastable to (B, H, T, S)), or
-    a :class:`~.block_rules.BlockRule` that the kernel evaluates per block of query rows (AD-DROP's
+    a :class:`~.rules.BlockRule` that the kernel evaluates per block of query rows (AD-DROP's
     regions, random draws of scheduled dropout).
     ``uniform_rows``: True (every row) or bool broadcastable to (B, H, T, 1), e.g. a (1, 1, 1, 1)
     per-pass flag; such rows attend uniformly to their valid keys (attention LayerDrop). A row whose every valid key is in ``drop`` is made
