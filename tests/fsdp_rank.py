@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(REPO, "examples", "custom_seq2seq"))
 
 from seq2seq_model import Seq2SeqTransformer  # noqa: E402
 
-import attn_reg_plugin.core.block_masks as core_block_masks  # noqa: E402
+import attn_reg_plugin.core.kernel as kernel  # noqa: E402
 from attn_reg_plugin.core import (  # noqa: E402
     ADDrop,
     ADDropConfig,
@@ -50,7 +50,7 @@ from attn_reg_plugin.core.sharding import check_supported_sharding, is_fully_sha
 PAD, BOS, VOCAB, BATCH = 0, 2, 40, 8
 ALL_KINDS = "encoder-self,decoder-self,encoder-decoder"
 RECORDED = []  # AD-DROP's drop masks, in the order the kernel makes them (one block per call)
-_rule_drops = core_block_masks.rule_drops
+_rule_drops = kernel.rule_drops
 
 
 def _recording_rule_drops(*args):
@@ -60,7 +60,7 @@ def _recording_rule_drops(*args):
     return made
 
 
-core_block_masks.rule_drops = _recording_rule_drops
+kernel.rule_drops = _recording_rule_drops
 
 
 def build(controller):

@@ -549,10 +549,9 @@ WARNING_LINE = r"(?m)^.*(\b\w*Warning: |\| WARNING \|).*$"
 
 def ad_drop_masks(attribution, valid, p, q, generator=None):
     """Hand-built AD-DROP drops for the kernel's tests: the dense top-p region of ``attribution``
-    (``core.block_rules.candidate_region``), each candidate dropped with probability q by ``torch.rand``
+    (``core.rules.candidate_region``), each candidate dropped with probability q by ``torch.rand``
     from ``generator``; a row whose valid keys would all go keeps its lowest-attribution one."""
-    from attn_reg_plugin.core.block_rules import candidate_region
-    from attn_reg_plugin.core.masks import keep_one_valid_key
+    from attn_reg_plugin.core.rules import candidate_region, keep_one_valid_key
 
     region = candidate_region(attribution, valid, p)
     drop = region & (torch.rand(region.shape, device=region.device, generator=generator) < q)
@@ -684,11 +683,11 @@ def kernel_dropout_at_hooked_calls(monkeypatch):
 def run_in_blocks(mp):
     """With ``mp`` (a monkeypatch), every regularized call of more than 64 query rows runs block by
     block, 64 rows a block, and AttendOut's log-probability pass too."""
-    from attn_reg_plugin.core import block_masks
+    from attn_reg_plugin.core import kernel
     from attn_reg_plugin.core.attendout import policy
 
     for name, value in (("BLOCK_ELEMENTS", 1), ("LINEAR_FACTOR", 0), ("ONE_BLOCK_KEYS", 0)):
-        mp.setattr(block_masks, name, value)
+        mp.setattr(kernel, name, value)
     mp.setattr(policy, "POLICY_BLOCK_ELEMENTS", 1)
 
 

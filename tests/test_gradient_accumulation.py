@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from attn_reg_plugin.core import block_rules
+from attn_reg_plugin.core import rules
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
 from attn_reg_plugin.core.attendout import policy as attendout_policy
@@ -24,7 +24,7 @@ def deterministic_masks(monkeypatch):
     # Every AD-DROP candidate dropped (a row still keeps one valid key): the drops then depend on each
     # sample's own attributions only, not on where the sample sits in the batch, which keys the coins.
     monkeypatch.setattr(
-        block_rules.Block,
+        rules.Block,
         "coins",
         lambda block, p: torch.ones(block.shape, dtype=torch.bool, device=block.valid.device),
     )

@@ -167,12 +167,12 @@ def test_hf_precision(tmp_path, regularizer, precision):
 # -- mixed precision through the blockwise kernel --------------------------------------------------
 def _blocks_of_two_rows(monkeypatch):
     """Every regularized call runs block by block (2 query rows a block), as long calls do."""
-    from attn_reg_plugin.core import block_masks, block_rules
+    from attn_reg_plugin.core import kernel, rules
 
-    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
-    monkeypatch.setattr(block_masks, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(block_masks, "LINEAR_FACTOR", 0)
-    monkeypatch.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
+    monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(kernel, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 0)
 
 
 LM_REGULARIZER = {

@@ -55,7 +55,7 @@ controller, only the model's own dropout (``core/rdrop.py``)::
 
 import torch
 
-# The kernel's keyed draws are a torch.library.custom_op (block_rules), which torch has since 2.4.
+# The kernel's keyed draws are a torch.library.custom_op (rules), which torch has since 2.4.
 if not hasattr(getattr(torch, "library", None), "custom_op"):
     raise ImportError(
         f"attn_reg_plugin needs torch >= 2.4 (torch.library.custom_op); this is torch {torch.__version__}: "

@@ -24,7 +24,10 @@ from .attribution_pass import (
     cpu_has_native_bf16,
     frozen_parameters,
 )
-from .block_rules import (
+from .checkpointing import activation_checkpointing_paused
+from .controller import RegularizationController
+from .devices import on_host, rng_state, set_rng_state
+from .rules import (
     AttentionScores,
     GradientScores,
     IntegratedGradientScores,
@@ -34,9 +37,6 @@ from .block_rules import (
     TopRegionRule,
     dense_gradient_attribution,
 )
-from .checkpointing import activation_checkpointing_paused
-from .controller import RegularizationController
-from .devices import on_host, rng_state, set_rng_state
 from .sharding import check_supported_sharding
 
 logger = logging.getLogger(__name__)

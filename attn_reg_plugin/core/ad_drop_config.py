@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES
-from .masks import decimal_fraction
 from .options import RegularizerOptions, attention_option, layers_option, option
+from .rules import decimal_fraction
 
 SCHEDULES = ("cross-tuning", "always")
 REGIONS = ("top", "bottom")

@@ -40,17 +40,9 @@ from .attention_call import (
     Plan,
     call_of,
 )
-from .block_masks import BlockCall, blockwise_rows
-from .block_rules import AttentionScores, call_seed, keyed_draws
-from .blockwise import edit_attention
-from .masks import (
-    causal_bias,
-    explicit_weights,
-    finite_bias,
-    keyless_rows,
-    valid_keys_from_bias,
-    zero_rows,
-)
+from .kernel import BlockCall, blockwise_rows, edit_attention
+from .masks import causal_bias, explicit_weights, finite_bias, keyless_rows, valid_keys_from_bias, zero_rows
+from .rules import AttentionScores, call_seed, keyed_draws
 
 
 def _ordinary_attention(q, k, v, bias, dropout_p: float, scale: Optional[float], is_causal: bool = False):

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Iterator, List, Mapping, Optional, Sequen
 
 import torch
 
-from .block_rules import AttentionScores, BlockRule, DenseRule
+from .rules import AttentionScores, BlockRule, DenseRule
 
 
 @dataclass(eq=False)
@@ -36,7 +36,7 @@ class AttentionSite:
     ``hook`` and ``seed`` are the slot a pass fills for its forward (:meth:`~.controller.RegularizationController.hooks`)
     and nothing else writes, but a recompute that carries the pass back (:func:`applied`): the
     kernel only reads them. ``seed`` (a 0-d int64 CPU tensor) keys the random numbers of a drop rule,
-    one block or many (:mod:`.block_rules`), so every evaluation of the same pass on the same site
+    one block or many (:mod:`.rules`), so every evaluation of the same pass on the same site
     (the forward, its backward, an activation-checkpoint recompute, a compiled graph) makes the same drops.
     """
 
@@ -61,7 +61,7 @@ class CaptureOutput:
     """Record what gradient attribution needs (each call's output and V); attention dropout is off.
 
     ``alpha``: the map is scaled by it (integrated gradients), so the output is alpha A V;
-    ``keeps_weights``: also keep what the weights are recomputed from (``block_rules.AttentionScores``:
+    ``keeps_weights``: also keep what the weights are recomputed from (``rules.AttentionScores``:
     q, k, bias). What the calls keep comes back in the pass's :class:`PassRecord`.
     """
 
@@ -79,7 +79,7 @@ class CaptureProbs:
 
     alpha: float = 1.0
     requires_grad: bool = True
-    # AA's training pass: the map is kept as its inputs (``block_rules.AttentionScores``: q, k,
+    # AA's training pass: the map is kept as its inputs (``rules.AttentionScores``: q, k,
     # bias), its weights recomputed per block in pass 2, and the output is sdpa's at every length
     # (an explicit A V rounds otherwise in half precision: the drops would change with the length).
     keeps_inputs: bool = False
@@ -90,7 +90,7 @@ class EditScores:
     """Edits applied to the scores before softmax (or, DropHead, to the output).
 
     ``drop``: bool, True where a key is removed from a row (broadcastable to (B, H, T, S)), or
-    a :class:`~.block_rules.BlockRule` that the kernel evaluates per block of query rows (AD-DROP's
+    a :class:`~.rules.BlockRule` that the kernel evaluates per block of query rows (AD-DROP's
     regions, random draws of scheduled dropout).
     ``uniform_rows``: True (every row) or bool broadcastable to (B, H, T, 1), e.g. a (1, 1, 1, 1)
     per-pass flag; such rows attend uniformly to their valid keys (attention LayerDrop). A row whose every valid key is in ``drop`` is made

@@ -28,7 +28,7 @@ from .attention_call import (
     plan_of,
     takes_gradients,
 )
-from .block_rules import call_seed, key_seed
+from .rules import call_seed, key_seed
 
 logger = logging.getLogger(__name__)
 

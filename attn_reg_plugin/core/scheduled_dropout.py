@@ -23,11 +23,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .attention_call import AttentionSite, EditScores
-from .block_rules import BernoulliRule
 from .combinations import DROPKEY as DROPKEY_REGULARIZER
 from .combinations import SCHEDULED_DROPOUT
 from .controller import RegularizationController
 from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
+from .rules import BernoulliRule
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import torch
 
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.block_rules import candidate_region
+from attn_reg_plugin.core.rules import candidate_region
 from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 
 from .attribution_models import fairseq_translation, hf_classifier

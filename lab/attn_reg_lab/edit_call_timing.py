@@ -22,7 +22,7 @@ import torch
 
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import AttentionSite, EditScores, PassRecord
-from attn_reg_plugin.core.block_rules import BernoulliRule, GradientScores, TopRegionRule
+from attn_reg_plugin.core.rules import BernoulliRule, GradientScores, TopRegionRule
 
 # name: (batch, heads, tokens, head size, the model's attention dropout, rule)
 CASES = {

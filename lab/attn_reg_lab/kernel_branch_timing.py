@@ -30,7 +30,8 @@ from typing import Callable, List, Tuple
 import torch
 
 from attn_reg_plugin.core import devices
-from attn_reg_plugin.core.masks import kth_largest, pack_bits
+from attn_reg_plugin.core.masks import pack_bits
+from attn_reg_plugin.core.rules import kth_largest
 
 
 def median_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
@@ -119,8 +120,8 @@ def blockwise_call(T: int, d: int, seed: int) -> Tuple[str, Callable, Callable]:
     """A (1, 12, T, T) call with Bernoulli(0.1) drops, block by block, forward and backward."""
     from attn_reg_plugin.core.attention import attend
     from attn_reg_plugin.core.attention_call import EditScores
-    from attn_reg_plugin.core.block_rules import BernoulliRule
     from attn_reg_plugin.core.controller import RegularizationController
+    from attn_reg_plugin.core.rules import BernoulliRule
 
     controller = RegularizationController()
     site = controller.register("encoder-self", 0)

@@ -450,7 +450,7 @@ def test_layerdrop_rejects_probabilities_outside_0_1(p):
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 1, 1, 1), (2, 1, 3, 0), (3, 2, 7, 54)])
 def test_row_all_check_equals_torch_all(shape):
     """The kernel's fast row test (byte minimum) is torch's ``all`` over the last dim."""
-    from attn_reg_plugin.core.masks import all_last as _all_last
+    from attn_reg_plugin.core.rules import all_last as _all_last
 
     g = torch.Generator().manual_seed(0)
     for density in (0.0, 0.5, 0.9, 1.0):

@@ -16,8 +16,8 @@ from attn_reg_plugin.core import attribution
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.block_rules import Block, IntegratedGradientScores, MapScores, ScoreSource, TopRegionRule
 from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.core.rules import Block, IntegratedGradientScores, MapScores, ScoreSource, TopRegionRule
 
 B, T, D, HEADS, LAYERS, CLASSES = 3, 5, 8, 2, 2, 3
 LENGTHS = [5, 3, 1]  # batch row 2 has a single real token

@@ -11,10 +11,10 @@ gradients, each gradient in its input's dtype. The CUDA cases are ``make gpu-che
 import pytest
 import torch
 
-from attn_reg_plugin.core import block_masks, block_rules
+from attn_reg_plugin.core import kernel, rules
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import EditScores
-from attn_reg_plugin.core.block_rules import (
+from attn_reg_plugin.core.rules import (
     AttentionScores,
     BernoulliRule,
     GradientScores,
@@ -31,12 +31,12 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def _blocks(monkeypatch, split: bool):
     """Blocks of 2 query rows whatever the size (``split``), or every call one block."""
     if split:
-        monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
-        monkeypatch.setattr(block_masks, "BLOCK_ELEMENTS", 1)
-        monkeypatch.setattr(block_masks, "LINEAR_FACTOR", 0)
-        monkeypatch.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
+        monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
+        monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(kernel, "LINEAR_FACTOR", 0)
+        monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 0)
     else:
-        monkeypatch.setattr(block_masks, "BLOCK_ELEMENTS", 1 << 40)
+        monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1 << 40)
 
 
 def _inputs(device):

@@ -1,4 +1,4 @@
-"""The blockwise kernel (core.blockwise): a regularized call split into blocks of query rows gives the
+"""The blockwise kernel (core.kernel): a regularized call split into blocks of query rows gives the
 dense path's output and gradients for the same drop decisions, the decisions do not depend on the
 split, and AD-DROP's region is each row's exact top ceil(p n) by attribution.
 
@@ -10,13 +10,14 @@ import math
 import pytest
 import torch
 
-from attn_reg_plugin.core import block_masks, block_rules, blockwise, masks
+from attn_reg_plugin.core import kernel, rules
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import CaptureProbs, EditScores
 from attn_reg_plugin.core.attribution import logit_target
-from attn_reg_plugin.core.block_rules import (
+from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.core.rules import (
     BernoulliRule,
     Block,
     DenseRule,
@@ -28,7 +29,6 @@ from attn_reg_plugin.core.block_rules import (
     chunk_draws,
     dense_gradient_attribution,
 )
-from attn_reg_plugin.core.controller import RegularizationController
 from helpers import site_with_hook
 
 
@@ -42,17 +42,17 @@ def block_calls(monkeypatch):
     def counted(q, k, v, bias, call):
         if call.rows_per_block < q.shape[2]:  # a short call is the same Function's one block
             seen.append(call.rows_per_block)
-        return blockwise.edit_attention(q, k, v, bias, call)
+        return kernel.edit_attention(q, k, v, bias, call)
 
     monkeypatch.setattr(attention, "edit_attention", counted)
     return seen
 
 
 def _force_small_blocks(monkeypatch):
-    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
-    monkeypatch.setattr(block_masks, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(block_masks, "LINEAR_FACTOR", 0)
-    monkeypatch.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
+    monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(kernel, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 0)
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def small_blocks(monkeypatch):
 
 
 def _one_block(monkeypatch):
-    monkeypatch.setattr(block_masks, "BLOCK_ELEMENTS", 1 << 40)
+    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1 << 40)
 
 
 def _valid(kind, b=2, t=7):
@@ -75,18 +75,18 @@ def _valid(kind, b=2, t=7):
 
 
 def test_block_sizes_follow_the_budget():
-    assert block_masks.query_block_rows(32, 12, 128, 128, 64) == 128  # BERT-base at 128: one block
-    assert block_masks.query_block_rows(4, 12, 4096, 128, 64) == 4096  # cross-attention to 128 keys: one
-    assert block_masks.query_block_rows(1, 2, 512, 512, 32) == 512  # under the fixed floor
-    assert block_masks.query_block_rows(1, 2, 4096, 4096, 32) == 64  # 2**19 elements / (2 x 4096)
-    rows = block_masks.query_block_rows(1, 12, 2048, 2048, 64)  # BERT-base width at 2k: H x T x d
-    assert rows == 64 and rows % block_rules.CHUNK_ROWS == 0
-    assert block_masks.query_block_rows(2, 12, 4096, 4096, 64) == 64  # a block holds as many as q
+    assert kernel.query_block_rows(32, 12, 128, 128, 64) == 128  # BERT-base at 128: one block
+    assert kernel.query_block_rows(4, 12, 4096, 128, 64) == 4096  # cross-attention to 128 keys: one
+    assert kernel.query_block_rows(1, 2, 512, 512, 32) == 512  # under the fixed floor
+    assert kernel.query_block_rows(1, 2, 4096, 4096, 32) == 64  # 2**19 elements / (2 x 4096)
+    rows = kernel.query_block_rows(1, 12, 2048, 2048, 64)  # BERT-base width at 2k: H x T x d
+    assert rows == 64 and rows % rules.CHUNK_ROWS == 0
+    assert kernel.query_block_rows(2, 12, 4096, 4096, 64) == 64  # a block holds as many as q
 
 
 def test_draws_depend_on_the_row_and_key_not_on_the_split_or_the_keys_covered(monkeypatch):
-    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 4)
-    monkeypatch.setattr(block_rules, "KEY_TILE", 2)
+    monkeypatch.setattr(rules, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(rules, "KEY_TILE", 2)
     shape = (2, 3, 11, 5)
     whole = chunk_draws(7, shape, slice(0, 11), 5, "cpu", True)
     assert whole.shape == (2, 3, 11, 5)
@@ -103,15 +103,15 @@ def test_draws_depend_on_the_row_and_key_not_on_the_split_or_the_keys_covered(mo
 @pytest.mark.parametrize("probability", [0.0, 0.3, 0.5, 1.0, torch.tensor(0.3), torch.tensor(1.0)], ids=str)
 def test_integer_coins_drop_with_the_probability(probability):
     shape = (2, 4, 128, 1000)
-    block = block_rules.Block(slice(0, 128), torch.ones(1, 1, 1, 1000, dtype=torch.bool), shape, shape, 11)
+    block = rules.Block(slice(0, 128), torch.ones(1, 1, 1, 1000, dtype=torch.bool), shape, shape, 11)
     drops = block.coins(probability)
     assert drops.dtype == torch.bool and drops.shape == shape
     p = float(probability)
     rate = drops.float().mean().item()
     assert abs(rate - p) < 4 * math.sqrt(max(p * (1 - p), 1e-12) / drops.numel()) + (0 if p in (0.0, 1.0) else 1e-9)
     assert torch.equal(block.coins(probability), drops)  # made again identically
-    assert block_rules.coin_limit(0.3) == 644245093  # round(0.3 * 2**31) - 1: P = 0.29999999981
-    assert block_rules.coin_limit(0.0) == -1 and block_rules.coin_limit(1.0) == 2**31 - 1
+    assert rules.coin_limit(0.3) == 644245093  # round(0.3 * 2**31) - 1: P = 0.29999999981
+    assert rules.coin_limit(0.0) == -1 and rules.coin_limit(1.0) == 2**31 - 1
 
 
 def _attend_pair(q, k, v, bias, hook_of, monkeypatch, block_calls, dropout_p=0.0):
@@ -197,10 +197,8 @@ def test_attention_dropout_in_an_edit_drops_the_keyed_weights_and_rescales_the_r
     out, _ = attend(q, k, v, dropout_p=p, site=site_with_hook(EditScores(drop=no_drop)))
     torch.manual_seed(3)
     shape = (b, h, t, t)
-    dropped = block_rules.Block(
-        slice(0, t), torch.ones(1, 1, 1, t, dtype=torch.bool), shape, shape, block_rules.call_seed()
-    )
-    dropped = dropped.coins(p, block_rules.WEIGHT_DROPOUT_STREAM)
+    dropped = rules.Block(slice(0, t), torch.ones(1, 1, 1, t, dtype=torch.bool), shape, shape, rules.call_seed())
+    dropped = dropped.coins(p, rules.WEIGHT_DROPOUT_STREAM)
     assert abs(dropped.float().mean().item() - p) < 0.01
     weights = torch.softmax(q @ k.transpose(-1, -2) / d**0.5, -1)
     torch.testing.assert_close(out, (weights.masked_fill(dropped, 0.0) / (1 - p)) @ v)
@@ -234,7 +232,7 @@ def test_blocks_on_cuda_equal_one_block(dtype, kind, monkeypatch, block_calls):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_ad_drop_ga_region_on_cuda_is_the_exact_top_p(dtype, monkeypatch):
     """GA's per-block region on CUDA (sorted top-k, ties by key index) is each row's dense top ceil(p n)."""
-    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
     g = torch.Generator().manual_seed(3)
     b, h, t, d = 2, 2, 7, 4
     grad_out, values = torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g).to(dtype)
@@ -291,7 +289,7 @@ def _rule_drops(rule, valid, shape, seed, rows_per_block):
 @pytest.mark.parametrize("kind", ["padding", "causal"])
 @pytest.mark.parametrize("p", [0.2, 0.5, 0.99])
 def test_gradient_region_is_the_dense_top_p_in_every_block(kind, p, monkeypatch):
-    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
     g = torch.Generator().manual_seed(3)
     b, h, t, d = 2, 2, 7, 4
     grad_out, values = torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g)
@@ -325,7 +323,7 @@ def test_ties_at_the_threshold_are_taken_lowest_key_first():
 def test_a_validity_broadcast_over_keys_counts_every_key(monkeypatch):
     """A mask shaped (..., 1) (every key alike for a row) leaves each row all S keys to rank: the
     region is ceil(p S), one block or many, as with the mask expanded."""
-    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
     shape = (2, 2, 4, 8)
     scores = torch.arange(8, dtype=torch.float32).expand(shape)
     valid = torch.ones(2, 1, 4, 1, dtype=torch.bool)
@@ -337,7 +335,7 @@ def test_a_validity_broadcast_over_keys_counts_every_key(monkeypatch):
 
 
 def test_rules_regenerate_the_same_drops_for_any_split(monkeypatch):
-    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
     valid = _valid("causal", 2, 8)
     shape = (2, 3, 8, 8)
     for rule in (BernoulliRule(torch.tensor(0.4)), TopRegionRule(RandomScores(), 0.3, 0.5), DenseRule(valid)):
@@ -453,9 +451,9 @@ def test_without_a_bias_every_key_counts_towards_ceil_p_n(blocks, monkeypatch, b
 def test_attention_weight_region_is_the_dense_top_p_in_every_block(kind, dtype, monkeypatch):
     """AA on a long map keeps q, k and the bias; each block's weights, recomputed, rank the keys as
     the dense weights do: the region is each row's top ceil(p n) by the dense path's weights."""
-    from attn_reg_plugin.core.block_rules import AttentionScores
+    from attn_reg_plugin.core.rules import AttentionScores
 
-    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
     g = torch.Generator().manual_seed(4)
     b, h, t, d = 2, 2, 7, 4
     q, k, v = (torch.randn(b, h, t, d, generator=g).to(dtype) for _ in range(3))
@@ -478,7 +476,7 @@ def test_ad_drop_aa_split_into_blocks_keeps_q_and_k_not_weights(small_blocks, bl
     with ad_drop.masked(lambda: model(x, bias), logit_target, frozen=model) as stats:
         rules = [site.hook.drop for site in model.sites]
         model(x, bias).sum().backward()
-    from attn_reg_plugin.core.block_rules import AttentionScores
+    from attn_reg_plugin.core.rules import AttentionScores
 
     assert all(isinstance(r, TopRegionRule) and isinstance(r.source, AttentionScores) for r in rules)
     assert len(block_calls) == 2
@@ -492,7 +490,7 @@ def test_ad_drop_aa_split_into_blocks_keeps_q_and_k_not_weights(small_blocks, bl
 def test_ad_drop_iga_split_into_blocks_keeps_summed_gradients_not_maps(small_blocks, block_calls):
     """IGA's pass 2 ranks A ⊙ (Σ_k dF/dO_k) Vᵀ / m per block: the hooks hold dF/dO sums (B, H, T, d),
     V, q and k, and each block's region is the top-p of the dense integrated-gradient map."""
-    from attn_reg_plugin.core.block_rules import AttentionScores, IntegratedGradientScores
+    from attn_reg_plugin.core.rules import AttentionScores, IntegratedGradientScores
 
     model = _Encoder()
     x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(7))
@@ -561,7 +559,7 @@ def test_lowest_keys_first_equals_a_row_by_row_reading(tied_rows, distinct, layo
     )
     if layout == "permuted":  # T5's scores come permuted
         scores = scores.transpose(1, 2).contiguous().transpose(1, 2)
-    threshold = masks.kth_largest(scores, k)
+    threshold = rules.kth_largest(scores, k)
     region = scores >= threshold
     at_least = region.sum(-1, keepdim=True, dtype=torch.int32)
     full_k = k.expand(b, h, t, 1)
@@ -573,9 +571,9 @@ def test_lowest_keys_first_equals_a_row_by_row_reading(tied_rows, distinct, layo
     assert (at_least > full_k).float().mean() > 0.1  # ties straddle in many rows
     given = region.clone()
     for counted in (at_least, None):  # the forward's count, or none (the backward's)
-        assert torch.equal(masks.lowest_keys_first(scores, threshold, k, region, counted), expected)
+        assert torch.equal(rules.lowest_keys_first(scores, threshold, k, region, counted), expected)
         assert torch.equal(region, given)  # the caller's region is left as it was
-    assert torch.equal(masks._ranked_by_scan(scores == threshold, region, k, at_least), expected)
+    assert torch.equal(rules._ranked_by_scan(scores == threshold, region, k, at_least), expected)
 
 
 def test_a_given_mask_through_blocks_leaves_the_random_stream_alone(small_blocks, block_calls):
@@ -614,7 +612,7 @@ def _kept_against_made_again(rule, dropout_p, monkeypatch, device="cpu", dtype=t
     from attn_reg_plugin.core.attention_call import AttentionCall
 
     # One backward call per block either way, so the bits compare (groups sum in another order).
-    monkeypatch.setattr(blockwise, "BACKWARD_ROWS_PER_DIM", 0)
+    monkeypatch.setattr(kernel, "BACKWARD_ROWS_PER_DIM", 0)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 2, 6, 4, generator=g).to(device, dtype) for _ in range(3))
     if rule == "coins":
@@ -624,13 +622,13 @@ def _kept_against_made_again(rule, dropout_p, monkeypatch, device="cpu", dtype=t
         drop = TopRegionRule(scores, 0.5, 0.5)
     call = AttentionCall(EditScores(drop=drop), False, 21)
     again_calls = []  # the backward's evaluations of the rule
-    rule_drops = block_masks.rule_drops
+    rule_drops = kernel.rule_drops
 
     def counted(*args):
         again_calls.extend([] if args[-1] else [1])  # args[-1]: fresh_state, the forward's evaluation
         return rule_drops(*args)
 
-    monkeypatch.setattr(block_masks, "rule_drops", counted)
+    monkeypatch.setattr(kernel, "rule_drops", counted)
 
     def step():
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
@@ -641,7 +639,7 @@ def _kept_against_made_again(rule, dropout_p, monkeypatch, device="cpu", dtype=t
 
     kept = step()
     assert again_calls == []
-    monkeypatch.setattr(block_masks, "KEPT_DROPS_FACTOR", 0)
+    monkeypatch.setattr(kernel, "KEPT_DROPS_FACTOR", 0)
     made_again = step()
     assert len(again_calls) == 3  # one per block of 2 rows
     for a, b in zip(kept, made_again):
@@ -713,17 +711,17 @@ def test_each_rows_kth_largest_is_the_same_from_numpy_and_from_topk(seed, monkey
     scores[torch.rand(scores.shape, generator=g) < 0.3] = -math.inf
     per_row = torch.randint(1, keys + 1, (2, rows, 1), generator=g)
     for k in (per_row, per_row[:1, :1]):
-        from_numpy = masks.kth_largest(scores, k)
+        from_numpy = rules.kth_largest(scores, k)
         want = torch.stack([
             torch.sort(row, descending=True).values[int(kk) - 1]
             for row, kk in zip(scores.reshape(-1, keys), k.expand(2, rows, 1).reshape(-1))
         ]).view(2, rows, 1)  # fmt: skip
         with monkeypatch.context() as patched:
-            patched.setattr(masks, "_numpy", None)
-            from_topk = masks.kth_largest(scores, k)
+            patched.setattr(rules, "_numpy", None)
+            from_topk = rules.kth_largest(scores, k)
         assert torch.equal(from_numpy, want) and torch.equal(from_topk, want)
-    in_bf16 = masks.kth_largest(scores.bfloat16(), per_row)  # numpy has no bfloat16: topk's path
-    assert torch.equal(in_bf16, masks.kth_largest(scores, per_row).bfloat16())
+    in_bf16 = rules.kth_largest(scores.bfloat16(), per_row)  # numpy has no bfloat16: topk's path
+    assert torch.equal(in_bf16, rules.kth_largest(scores, per_row).bfloat16())
 
 
 @pytest.mark.cpu_branch
@@ -739,15 +737,15 @@ def test_backward_groups_of_blocks_equal_one_backward_call_per_block(kind, layer
     flag = torch.tensor([True, False]).view(2, 1, 1, 1) if layerdrop else None
     groups = []
     results = []
-    backward_group = blockwise._backward_group
+    backward_group = kernel._backward_group
 
     def recorded(*args):
         groups.append(backward_group(*args))
         return groups[-1]
 
-    monkeypatch.setattr(blockwise, "_backward_group", recorded)
+    monkeypatch.setattr(kernel, "_backward_group", recorded)
     for per_dim in (4, 0):  # groups of 8 blocks of 2 rows (4 x d / 2), then one block per call
-        monkeypatch.setattr(blockwise, "BACKWARD_ROWS_PER_DIM", per_dim)
+        monkeypatch.setattr(kernel, "BACKWARD_ROWS_PER_DIM", per_dim)
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         torch.manual_seed(2)
         hook = EditScores(drop=TopRegionRule(RandomScores(), 0.5, 0.9), uniform_rows=flag)
@@ -774,10 +772,10 @@ def test_float64_blocks_keep_float64(learned_bias, monkeypatch):
     for split in (True, False):
         with monkeypatch.context() as patched:
             if split:
-                patched.setattr(block_rules, "CHUNK_ROWS", 2)
-                patched.setattr(block_masks, "BLOCK_ELEMENTS", 1)
-                patched.setattr(block_masks, "LINEAR_FACTOR", 0)
-                patched.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
+                patched.setattr(rules, "CHUNK_ROWS", 2)
+                patched.setattr(kernel, "BLOCK_ELEMENTS", 1)
+                patched.setattr(kernel, "LINEAR_FACTOR", 0)
+                patched.setattr(kernel, "ONE_BLOCK_KEYS", 0)
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v, bias)]
             leaves[3].requires_grad_(learned_bias)
             drop = torch.rand(2, 2, 7, 7, generator=torch.Generator().manual_seed(1)) < 0.3
@@ -818,7 +816,7 @@ def test_a_calls_drops_are_the_same_as_one_block_or_many(regularizer, monkeypatc
     drops whether it runs as one block or block by block, so a whole step (its dropped count, loss
     and every gradient) does not change when a call's length crosses the block size. Attention
     dropout is off (eval): sdpa's own draws differ with the split, as they would with the length."""
-    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)  # blocks are whole chunks: both runs draw per 2 rows
+    monkeypatch.setattr(rules, "CHUNK_ROWS", 2)  # blocks are whole chunks: both runs draw per 2 rows
     x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(4))
     if regularizer == "aa-ties":
         x[:, 3] = x[:, 1]  # equal keys: every row's attention weights tie at keys 1 and 3
@@ -916,7 +914,7 @@ def test_a_value_head_larger_than_the_query_head_runs_block_by_block(padded, blo
     split = run()
     assert block_calls and split[0].shape == (2, 2, 9, 6)
     _one_block(monkeypatch)
-    monkeypatch.setattr(block_masks, "ONE_BLOCK_KEYS", 128)
+    monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 128)
     whole = run()
     assert len(block_calls) == 1  # the second run was one block
     for a, b in zip(split, whole):

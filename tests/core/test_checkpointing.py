@@ -9,9 +9,9 @@ from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention_call import EditScores
 from attn_reg_plugin.core.attribution import logit_target
-from attn_reg_plugin.core.block_rules import BernoulliRule
 from attn_reg_plugin.core.checkpointing import activation_checkpointing_paused
 from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.core.rules import BernoulliRule
 from attn_reg_plugin.hf import install_attention_sites
 from helpers import (
     CORE_B,

@@ -77,7 +77,7 @@ def test_an_ad_drop_step_is_the_same_on_the_cpu_branches_and_the_portable_ones(
 
 def test_tied_attributions_rank_the_same_on_both_branches(monkeypatch):
     """Ties straddling each row's threshold (many and few per row), lowest key first either way."""
-    from attn_reg_plugin.core.block_rules import candidate_region
+    from attn_reg_plugin.core.rules import candidate_region
 
     g = torch.Generator().manual_seed(3)
     scores = torch.randint(0, 3, (2, 3, 16, 40), generator=g).float()  # many ties

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import EditScores
-from attn_reg_plugin.core.block_rules import call_seed, keyed_draws
 from attn_reg_plugin.core.drophead import DropHead, DropHeadConfig
 from attn_reg_plugin.core.planned_run import idle_run_warning
+from attn_reg_plugin.core.rules import call_seed, keyed_draws
 from helpers import (
     CORE_B,
     CORE_D,

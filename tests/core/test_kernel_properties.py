@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import EditScores
-from attn_reg_plugin.core.block_rules import candidate_region
+from attn_reg_plugin.core.rules import candidate_region
 from helpers import ad_drop_masks, site_with_hook
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

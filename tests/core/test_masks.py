@@ -19,15 +19,8 @@ from attn_reg_plugin.core import masks as masks_module
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import EditScores
-from attn_reg_plugin.core.block_rules import candidate_region
-from attn_reg_plugin.core.masks import (
-    additive_mask,
-    ceil_of_product,
-    keep_one_valid_key,
-    mask_fill_value,
-    pack_bits,
-    unpack_bits,
-)
+from attn_reg_plugin.core.masks import additive_mask, mask_fill_value, pack_bits, unpack_bits
+from attn_reg_plugin.core.rules import candidate_region, ceil_of_product, keep_one_valid_key
 from helpers import FLOAT_DTYPES, ad_drop_masks, site_with_hook
 
 # Row-sum tolerance of a softmax stored in the dtype (a few ulps of 1 times the row length).

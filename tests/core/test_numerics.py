@@ -16,8 +16,8 @@ from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import AttentionSite, EditScores
 from attn_reg_plugin.core.attribution import GradientScale, logit_target, token_loss_target
-from attn_reg_plugin.core.block_rules import candidate_region
 from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.core.rules import candidate_region
 from helpers import FLOAT_DTYPES, ad_drop_masks
 
 # Absolute tolerance against a float64 reference (outputs; input gradients get 2.5x). The worst

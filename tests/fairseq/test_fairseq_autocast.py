@@ -32,12 +32,12 @@ DEVICES = [
 
 @pytest.fixture
 def blocks_of_two_rows(monkeypatch):
-    from attn_reg_plugin.core import block_masks, block_rules
+    from attn_reg_plugin.core import kernel, rules
 
-    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)
-    monkeypatch.setattr(block_masks, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(block_masks, "LINEAR_FACTOR", 0)
-    monkeypatch.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
+    monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(kernel, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -254,7 +254,7 @@ def test_attribution_forward_is_the_criterion_forward(tiny_sp_data, data, extra)
 
 def test_masks_reach_every_roberta_self_attention_layer(tiny_sp_data):
     from attn_reg_plugin.core.attention_call import CaptureOutput, EditScores
-    from attn_reg_plugin.core.block_rules import TopRegionRule
+    from attn_reg_plugin.core.rules import TopRegionRule
 
     _, task, model, criterion, sample = _setup(tiny_sp_data["cls"], "--num-classes", "2", *NO_DROPOUT)
     hooks_seen = {name: [] for name in SELF_ATTN}

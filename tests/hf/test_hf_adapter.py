@@ -254,9 +254,9 @@ def test_trainer_regression_always(tmp_path):
 
 def test_trainer_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
     """CPU determinism through the Trainer: the same seed gives the same masks and logs; another seed other masks."""
-    from attn_reg_plugin.core import block_masks
+    from attn_reg_plugin.core import kernel
 
-    masks = record_results(monkeypatch, block_masks, "rule_drops", lambda made: made[0])  # each call's drops
+    masks = record_results(monkeypatch, kernel, "rule_drops", lambda made: made[0])  # each call's drops
     g = torch.Generator().manual_seed(4)
     data = [
         {"input_ids": torch.randint(3, 100, (5 + i % 4,), generator=g), "labels": torch.tensor(i % 2)}
@@ -315,7 +315,7 @@ def test_bf16_attention_attributions_drop_the_same_as_one_block_or_many(attribut
     weights ranked are recomputed in float32 and pass 1's outputs are sdpa's at every length, so each
     seed's drops do not change when the calls run in blocks of 2 rows (a bf16 product of a block's
     rows, or a short map's explicit A V, is rounded otherwise: the counts differed by one)."""
-    from attn_reg_plugin.core import block_masks, block_rules
+    from attn_reg_plugin.core import kernel, rules
 
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no")
     mask = (torch.arange(9)[None, :] >= torch.tensor([0, 3, 5])[:, None]).long()  # left padding
@@ -333,9 +333,9 @@ def test_bf16_attention_attributions_drop_the_same_as_one_block_or_many(attribut
             counts.append(int(trainer._ad_drop_dropped))
         return counts
 
-    monkeypatch.setattr(block_rules, "CHUNK_ROWS", 2)  # draws per chunk of 2 rows in both runs
+    monkeypatch.setattr(rules, "CHUNK_ROWS", 2)  # draws per chunk of 2 rows in both runs
     one_block = dropped()
-    monkeypatch.setattr(block_masks, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(block_masks, "LINEAR_FACTOR", 0)
-    monkeypatch.setattr(block_masks, "ONE_BLOCK_KEYS", 0)
+    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(kernel, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 0)
     assert dropped() == one_block and min(one_block) > 0

@@ -198,8 +198,8 @@ def test_a_pass_read_with_autograd_off_around_an_installed_model_is_refused(wher
     import torch.utils.checkpoint
 
     from attn_reg_plugin.core.attention_call import EditScores
-    from attn_reg_plugin.core.block_rules import BernoulliRule
     from attn_reg_plugin.core.controller import RegularizationController
+    from attn_reg_plugin.core.rules import BernoulliRule
     from attn_reg_plugin.hf import install_attention_sites
 
     def step(checkpoint):

@@ -14,7 +14,7 @@ import torch
 import transformers
 from families import FAMILIES, REFUSED, build, families_table
 
-from attn_reg_plugin.core import block_masks
+from attn_reg_plugin.core import kernel
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout.game import AttendOut as AttendOutGame
@@ -147,14 +147,14 @@ def test_one_ad_drop_step_drops_about_pq_and_no_padding_or_future_key(family, mo
     ours, controller, _ = _adapted(model)
     inputs = _inputs(family, model)
     drops = []
-    real_rule_drops = block_masks.rule_drops
+    real_rule_drops = kernel.rule_drops
 
     def recording(*args):  # each one-block call's drops, as its mask takes them
         made = real_rule_drops(*args)
         drops.append(made[0])
         return made
 
-    monkeypatch.setattr(block_masks, "rule_drops", recording)
+    monkeypatch.setattr(kernel, "rule_drops", recording)
     p = q = 0.5
     ad = ADDrop(ADDropConfig(p=p, q=q, attention=",".join(family.kinds), schedule="always"), controller)
     with torch.no_grad():

@@ -10,7 +10,7 @@ import torch
 import transformers
 from families import FAMILIES, build
 
-from attn_reg_plugin.core import block_masks
+from attn_reg_plugin.core import kernel
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attendout import AttendOutConfig
@@ -250,9 +250,9 @@ def test_samples_without_a_target_token_are_not_masked():
     for keep, skipped in ((torch.tensor([[False] * 7, [True] * 7]), 0), (torch.zeros(2, 7, dtype=torch.bool), 1)):
         ad = ADDrop(ADDropConfig(p=0.5, q=0.9, attention="decoder-self", schedule="always"), controller)
         target = lambda out, labels, keep=keep: token_loss_target(out.logits[:, :-1], keep, labels)  # noqa: E731
-        drops, rule_drops = [], block_masks.rule_drops  # each call's drops, as the kernel makes them
+        drops, rule_drops = [], kernel.rule_drops  # each call's drops, as the kernel makes them
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(block_masks, "rule_drops", lambda *args: drops.append(rule_drops(*args)) or drops[-1])
+            mp.setattr(kernel, "rule_drops", lambda *args: drops.append(rule_drops(*args)) or drops[-1])
             with ad.masked(lambda: model(ids), target, frozen=model) as stats:
                 model(ids)
         assert len(drops) == len(controller.sites)

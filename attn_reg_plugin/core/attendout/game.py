@@ -24,9 +24,9 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..attention_call import AttentionSite, EditScores, PassRecord, add_counts, zero_counts
-from ..block_rules import key_seed
 from ..controller import RegularizationController
 from ..distributed import all_reduce_mean_
+from ..rules import key_seed
 from .config import AttendOutConfig
 from .generator import Generator
 from .heldout import win_probability

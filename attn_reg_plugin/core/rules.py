@@ -1,4 +1,4 @@
-"""What a regularizer drops in one block of query rows, made again identically wherever it is needed.
+"""The drop rules: what a regularizer drops in one block of query rows, made again identically wherever it is needed.
 
 A :class:`BlockRule` makes a block's drops (``forward_drops``, with a small per-row state) and makes
 them again from that state (``backward_drops``: the backward, a checkpoint's recompute). Every random
@@ -16,33 +16,35 @@ scores); a row's region is its ceil(p n) largest valid scores, ties taken lowest
 
 from __future__ import annotations
 
+import fractions
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
 
 import torch
 
-from . import masks
+from .devices import on_host
+from .masks import as_bytes, attention_weights, block_bias, causal_bias, may_hold_true
+
+try:  # torch's CPU wheels come with numpy, but do not require it
+    import numpy as _numpy
+except ImportError:  # pragma: no cover
+    _numpy = None
+
 
 # Random numbers are drawn per chunk of query rows (blocks are whole chunks), tile by tile of keys.
 CHUNK_ROWS = 64
+
+
 KEY_TILE = 64
+
+
 # The streams of a call's seed: the rules' coins, and the model's attention dropout in an edit
 # (-2 is random scores', -4 DropHead's).
 COIN_STREAM = -1
+
+
 WEIGHT_DROPOUT_STREAM = -3
-
-
-def block_bias(bias_rows: Optional[torch.Tensor], dtype: torch.dtype, valid: Optional[torch.Tensor] = None):
-    """A block's additive bias (finite fill where disallowed) and validity, from its rows of the bias
-    (``valid``: their validity, when already known)."""
-    if bias_rows is None:
-        return None, None
-    if valid is None:
-        valid = masks.valid_keys_from_bias(bias_rows)
-    if bias_rows.dtype == torch.bool and not masks.may_hold_true(~bias_rows):
-        return None, valid  # nothing to add (no padding in the block): the drops are the mask
-    return masks.finite_bias(bias_rows, dtype), valid
 
 
 def key_seed(seed: int, key: int) -> int:
@@ -119,6 +121,13 @@ def coin_limit(probability):
     if isinstance(probability, torch.Tensor):
         return (probability.double() * 2**31).round().long() - 1
     return round(probability * 2**31) - 1
+
+
+def call_seed() -> torch.Tensor:
+    """A seed drawn from torch's global generator, a 0-d int64 CPU tensor: a compiled region takes it
+    as an input (no guard on its value), and an activation checkpoint, which restores that generator
+    for its recompute, draws the same one again."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -288,11 +297,11 @@ class AttentionScores(ScoreSource):
             bias_rows = keys_of(rows_of(self.bias, block.rows), keys)
             if self.causal:
                 _, _, t, s = block.call_shape
-                bias_rows = masks.causal_bias(bias_rows, block.rows, keys, t, s, q_rows.device)
+                bias_rows = causal_bias(bias_rows, block.rows, keys, t, s, q_rows.device)
             part, _ = block_bias(bias_rows, torch.float32)
             if part is not None:
                 logits = logits + part
-            return masks.attention_weights(logits, torch.float32)
+            return attention_weights(logits, torch.float32)
 
 
 @dataclass(frozen=True, eq=False)
@@ -332,6 +341,182 @@ class RandomScores(ScoreSource):
         return block.uniform()
 
 
+# -- the region: each row's ceil(p n) largest valid scores, ties lowest key first ----------
+# A decimal with at most this many places has a denominator dividing 10**18 < 2**62,
+# which keeps every intermediate of :func:`ceil_of_product` below 2**63.
+MAX_DECIMAL_PLACES = 18
+
+
+def decimal_fraction(p: float) -> Tuple[int, int]:
+    """``p`` as the decimal it is written as, ``(numerator, denominator)`` in lowest terms: 0.2 ->
+    (1, 5), 0.2000000001 -> (2000000001, 10000000000). Python's ``repr`` is the shortest decimal
+    that reads back as the same float, so this is the value the user typed, not the binary
+    float's expansion (0.2 as a float is 0.2000000000000000111…, whose ceil(10 p) would be 3)."""
+    value = fractions.Fraction(repr(float(p)))
+    if value.denominator > 10**MAX_DECIMAL_PLACES:
+        raise ValueError(
+            f"p = {p!r} has more than {MAX_DECIMAL_PLACES} decimal places; "
+            "the candidate count ceil(p * n) is computed exactly for decimals up to that"
+        )
+    return value.numerator, value.denominator
+
+
+def ceil_of_product(n: torch.Tensor, numerator: int, denominator: int, n_max: int) -> torch.Tensor:
+    """``ceil(n * numerator / denominator)`` exactly, for an integer tensor ``0 <= n <= n_max`` and
+    ``0 <= numerator <= denominator <= 10**18`` (in integers: no float rounding, no tolerance)."""
+    n = n.long()
+    if n_max * numerator + denominator < 2**63:  # the usual case (p with a few decimals)
+        return torch.div(n * numerator + (denominator - 1), denominator, rounding_mode="floor")
+    # Long multiplication over n's bits, reducing modulo the denominator at every step, so that
+    # no intermediate exceeds 2 * denominator < 2**63: quotient * den + remainder = n * num so far.
+    quotient, remainder = torch.zeros_like(n), torch.zeros_like(n)
+    for bit in reversed(range(max(n_max, 1).bit_length())):
+        quotient, remainder = quotient * 2, remainder * 2
+        for addend in (None, ((n >> bit) & 1) * numerator):
+            if addend is not None:
+                remainder = remainder + addend
+            carry = remainder >= denominator
+            quotient, remainder = quotient + carry, remainder - carry * denominator
+    return quotient + (remainder > 0)
+
+
+def kth_largest(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Each row's k-th largest score, (..., 1); ``k`` (..., 1) per row, at least 1 where it matters
+    (a row with k = 0 gets its largest). On a CPU, numpy's selection on the values alone, one
+    partition per group of rows sharing k: for 128 rows of 4,096 keys and one k, 0.65 ms against
+    torch.topk's 4.4 ms; for a causal block (20 values of k over 256 rows) 0.70 ms against 5.0 ms
+    for one partition at every k. Elsewhere (another device, bfloat16, which numpy lacks), torch.topk;
+    while torch.compile traces, a sort (a top-k's size would be read from k on the host)."""
+    rows = scores.shape[:-1] + (1,)
+    k = k.clamp(min=1, max=scores.shape[-1]).expand(rows)
+    on_numpy = on_host(scores) and scores.dtype in (torch.float32, torch.float64, torch.float16)
+    if torch.compiler.is_compiling():  # no host read of k: a sorted row, traced whatever k holds
+        return scores.sort(dim=-1, descending=True).values.gather(-1, k - 1)
+    if _numpy is not None and on_numpy:
+        return _kth_largest_numpy(scores, k)
+    k_top, k_least = int(k.max()), int(k.min())
+    # An unsorted top-k (half the cost of a sorted one on a CPU), then each row's k-th largest
+    # from the few smallest of it: rows of a block differ in k by a few (padding, causality).
+    top = scores.topk(k_top, dim=-1, sorted=False).values
+    if k_least == k_top:  # every row takes the same k (no padding or causality in the block)
+        return top.amin(-1, keepdim=True)
+    ascending = top.topk(k_top - k_least + 1, dim=-1, largest=False, sorted=True).values
+    return ascending.gather(-1, k_top - k)  # the k-th largest, counted from the least
+
+
+def _kth_largest_numpy(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    keys = scores.shape[-1]
+    values = scores.detach().numpy().reshape(-1, keys)
+    position = (keys - k).reshape(-1).numpy()  # in ascending order; invalid keys (-inf) come first
+    out = _numpy.empty(position.shape, dtype=values.dtype)
+    order = _numpy.argsort(position, kind="stable")
+    for group in _numpy.split(order, _numpy.flatnonzero(_numpy.diff(position[order])) + 1):
+        at = position[group[0]]
+        part = values[group]  # a copy, partitioned in place
+        part.partition(at, axis=-1)
+        out[group] = part[:, at]
+    return torch.from_numpy(out).view(k.shape)
+
+
+def lowest_keys_first(scores, threshold, k, region, at_least) -> torch.Tensor:
+    """The region when ties straddle the threshold in some row: the keys above it, then of the keys
+    equal to it the lowest-indexed ones, up to k per row."""
+    if at_least is None:
+        at_least = as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)
+    if not on_host(scores):  # no host reads on an accelerator, no data-dependent shapes in a graph
+        return _ranked_by_scan(scores == threshold, region, k, at_least)
+    # On a CPU, the rows where ties straddle the threshold are ranked (gathered, where they are at
+    # most half of the rows: the others keep their region), by a scan or from positions.
+    keys = scores.shape[-1]
+    rows = scores.shape[:-1] + (1,)
+    straddling = (at_least > k).expand(rows).reshape(-1)
+    tied = straddling.nonzero().squeeze(1) if 2 * int(straddling.sum()) <= straddling.numel() else None
+
+    def of_tied(x):
+        x = x.expand(rows if x.shape[-1] == 1 else scores.shape).reshape(-1, x.shape[-1])
+        return x if tied is None else x.index_select(0, tied)
+
+    tied_scores, tied_threshold, tied_k = of_tied(scores), of_tied(threshold), of_tied(k)
+    equal = tied_scores == tied_threshold
+    # A row's scan (cumsum) costs about 5 ns a key. Where the tied keys are many (a row whose
+    # attribution is 0, as a padding query's, or under a classifier's [CLS] pooling every other
+    # query's in the last layer: every valid key ties), the rows are scanned; where they are few
+    # (repeated tokens' values tie) they are ranked from their positions, 2.4x faster than a scan
+    # on a (1, 4, 64, 4096) block of a causal LM's first layer.
+    positions = equal.nonzero(as_tuple=True)
+    if 16 * positions[0].numel() >= equal.numel():
+        ranked = _ranked_by_scan(equal, of_tied(region), tied_k, of_tied(at_least))
+    else:
+        ranked = _ranked_by_position(positions, equal.shape[0], tied_scores > tied_threshold, tied_k)
+    if tied is None:
+        return ranked.view(scores.shape)
+    out = region.clone(memory_format=torch.contiguous_format)  # the caller's region stays as it was
+    out.view(-1, keys).index_copy_(0, tied, ranked)
+    return out
+
+
+def _ranked_by_scan(equal, region, k, at_least) -> torch.Tensor:
+    """Of each row's keys equal to the threshold, the first ``k - (at_least - equal)``, by a scan."""
+    take = k - (at_least - as_bytes(equal).sum(-1, keepdim=True, dtype=torch.int32))
+    return (region & ~equal) | (equal & (equal.cumsum(-1, dtype=torch.int32) <= take))
+
+
+def _ranked_by_position(positions, n_rows: int, above, k) -> torch.Tensor:
+    """(R, S) rows: ``above`` and of the keys equal to the threshold (at ``positions``, as
+    ``nonzero`` gives them) the first ``k - above``, ranked from their positions (no scan of a row)."""
+    take = k - as_bytes(above).sum(-1, keepdim=True, dtype=torch.int32)
+    rows, cols = positions
+    counts = torch.bincount(rows, minlength=n_rows)
+    rank = torch.arange(rows.numel(), device=rows.device) - (counts.cumsum(0) - counts)[rows]
+    keep = rank < take.reshape(-1)[rows]
+    above[rows[keep], cols[keep]] = True
+    return above
+
+
+def keep_one_valid_key(
+    drop: torch.Tensor, valid: torch.Tensor, attribution: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Un-drop one key in every row that would otherwise lose all its valid keys.
+
+    The key kept is the valid key of lowest attribution (the least important one, so the
+    regularizer's intent is kept as far as possible); without attribution, the first valid key.
+    Rows with no valid key at all (fully padded queries) are left alone.
+    """
+    drop = drop & valid
+    n_valid = valid.sum(-1, keepdim=True)  # before broadcasting (see candidate_region)
+    emptied = (drop.sum(-1, keepdim=True) == n_valid) & (n_valid > 0)
+    if not may_hold_true(emptied):  # emptied rows are rare: the search below is spared
+        return drop
+    if attribution is None:
+        rank_source = torch.arange(drop.shape[-1], device=drop.device, dtype=torch.float32)
+    else:
+        rank_source = attribution.float().nan_to_num(0.0)
+    lowest = torch.where(valid, rank_source, float("inf")).argmin(dim=-1, keepdim=True)
+    restore = torch.zeros_like(drop).scatter_(-1, lowest.expand(emptied.shape), emptied)
+    return drop & ~restore
+
+
+def all_last(mask: torch.Tensor) -> torch.Tensor:
+    """``mask.all(-1, keepdim=True)``; on a CPU as the byte minimum, which is vectorised where the
+    boolean reduction is not (about 5x faster). Inductor cannot lower a bool->uint8 view, and off
+    the CPU the plain reduction is as fast."""
+    if mask.shape[-1] == 0 or not on_host(mask):
+        return mask.all(-1, keepdim=True)
+    return mask.view(torch.uint8).amin(-1, keepdim=True).bool()
+
+
+def uniform_instead_of_empty(
+    drop: torch.Tensor, valid: torch.Tensor, uniform: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(drop, uniform rows) where a row that would lose every valid key attends uniformly to them
+    instead (AttendOut Eq. 4): softmax over an all-masked row is NaN or padding-weighted otherwise."""
+    emptied = all_last(drop | ~valid) & valid.any(-1, keepdim=True)
+    if may_hold_true(emptied):
+        drop = drop & ~emptied
+        uniform = emptied if uniform is None else (uniform | emptied)
+    return drop, uniform
+
+
 @dataclass(frozen=True, eq=False)
 class TopRegionRule(BlockRule):
     """AD-DROP: each row's top ceil(p n) valid keys by ``source`` are candidates, each dropped with
@@ -348,7 +533,7 @@ class TopRegionRule(BlockRule):
         """The block's scores, -inf at invalid keys (so they are never above a row's threshold)."""
         scores = self.source.scores(block).nan_to_num_(0.0)
         valid = block.valid
-        if masks.may_hold_true(~valid):
+        if may_hold_true(~valid):
             # An add of a (broadcast) -inf bias: several times faster than torch.where on a CPU.
             scores.add_(
                 torch.zeros(valid.shape, dtype=scores.dtype, device=valid.device).masked_fill_(~valid, -math.inf)
@@ -356,21 +541,21 @@ class TopRegionRule(BlockRule):
         return scores
 
     def __post_init__(self):  # p as an exact fraction once, outside any compiled region
-        object.__setattr__(self, "fraction", masks.decimal_fraction(self.p))
+        object.__setattr__(self, "fraction", decimal_fraction(self.p))
 
     def region(self, block: Block, scores: Optional[torch.Tensor] = None):
         """(each row's candidates, (threshold, k, tied), n): the row's top k = ceil(p n) valid keys by
         score, ties at the threshold (the k-th largest valid score; +inf where k = 0) lowest key first."""
         scores = self._scores(block) if scores is None else scores
         n_valid = block.valid.sum(-1, keepdim=True)
-        k = masks.ceil_of_product(n_valid, *self.fraction, block.shape[-1])  # exact for the decimal p
-        threshold = masks.kth_largest(scores, k).masked_fill(k.expand(scores.shape[:-1] + (1,)) == 0, math.inf)
+        k = ceil_of_product(n_valid, *self.fraction, block.shape[-1])  # exact for the decimal p
+        threshold = kth_largest(scores, k).masked_fill(k.expand(scores.shape[:-1] + (1,)) == 0, math.inf)
         region = scores >= threshold
-        at_least = masks.as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)
+        at_least = as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)
         # Whether ties straddle the threshold in some row: kept, so the backward need not count.
-        tied = masks.may_hold_true(at_least > k)
+        tied = may_hold_true(at_least > k)
         if tied:
-            region = masks.lowest_keys_first(scores, threshold, k.to(torch.int32), region, at_least)
+            region = lowest_keys_first(scores, threshold, k.to(torch.int32), region, at_least)
         return region, (threshold, k, tied), n_valid
 
     def forward_drops(self, block: Block):
@@ -386,32 +571,25 @@ class TopRegionRule(BlockRule):
         if region is None:  # the backward: made again from the forward's thresholds
             region = scores >= threshold
             if tied:
-                region = masks.lowest_keys_first(scores, threshold, k.to(torch.int32), region, None)
+                region = lowest_keys_first(scores, threshold, k.to(torch.int32), region, None)
         drop = block.coins(self.q)
         drop &= region
         if self.samples is not None:
             drop &= self.samples.view(-1, 1, 1, 1)
         if n_valid is None:
             n_valid = block.valid.sum(-1, keepdim=True)
-        if masks.may_hold_true(k >= n_valid):
+        if may_hold_true(k >= n_valid):
             # A row whose every key is a candidate can lose them all: it keeps its lowest-scored one.
-            drop = masks.keep_one_valid_key(drop, block.valid.expand(drop.shape), scores)
+            drop = keep_one_valid_key(drop, block.valid.expand(drop.shape), scores)
         return drop
 
 
 def candidate_region(attribution: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tensor:
     """Boolean mask of each row's top ``ceil(p * n)`` valid keys by attribution, the whole map as one
-    block of :meth:`~.block_rules.TopRegionRule.region` (its one home): ``n`` is the row's number of
+    block of :meth:`TopRegionRule.region` (its one home): ``n`` is the row's number of
     valid keys, ``ceil(p * n)`` exact for the decimal p, ties at the threshold lowest key first, invalid
     keys never candidates; so a call's region does not depend on its length."""
     if not 0.0 < p <= 1.0:
         raise ValueError(f"p must be in (0, 1], got {p}")
     shape = tuple(attribution.shape)
     return TopRegionRule(MapScores(attribution), p, 0.0).region(Block(slice(0, shape[-2]), valid, shape, shape, 0))[0]
-
-
-def call_seed() -> torch.Tensor:
-    """A seed drawn from torch's global generator, a 0-d int64 CPU tensor: a compiled region takes it
-    as an input (no guard on its value), and an activation checkpoint, which restores that generator
-    for its recompute, draws the same one again."""
-    return torch.randint(0, 2**62, (), dtype=torch.int64)
