@@ -28,7 +28,7 @@ Whether a row's drops would empty it depends on all of its coins, so before the 
 pass (:func:`_row_counts_kernel`) counts each row's valid and dropped keys: that gives the rows
 that keep a key or attend uniformly (O(B H T) numbers) and the (dropped, droppable) counts.
 
-The drops are a Philox draw: for a seed they are not the PyTorch path's (``block_rules.chunk_draws``),
+The drops are a Philox draw: for a seed they are not the PyTorch path's (``rules.chunk_draws``),
 only distributed alike. Tests: ``TRITON_INTERPRET=1 pytest tests/core/test_fused_edit.py``.
 """
 
@@ -105,7 +105,7 @@ def _validity(BIAS, b, rows, keys, T, S, CAUSAL: tl.constexpr, HAS_BIAS: tl.cons
 @_helper
 def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, v_tile, threshold, last_tie, keep, RULE: tl.constexpr):
     """(drop, candidate region) of a tile. A coin drops when its 31-bit Philox number is <= limit
-    (probability (limit + 1) / 2**31, as block_rules.coin_limit); the counter is the (b, h, i, j)
+    (probability (limit + 1) / 2**31, as rules.coin_limit); the counter is the (b, h, i, j)
     position, so any tile, forward or backward, draws the same coin for a position."""
     region = valid
     if RULE == _NONE:
@@ -411,7 +411,7 @@ def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[
         drops.last_tie.to(torch.int32).contiguous() if ad_drop else rows,
         rows,
         int(drops.seed),
-        round(drops.rate * 2**31) - 1,  # block_rules.coin_limit
+        round(drops.rate * 2**31) - 1,  # rules.coin_limit
         d**-0.5 if scale is None else float(scale),
         drops.rule,
         bool(causal),
@@ -430,7 +430,7 @@ def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[
     if ad_drop:
         keep = torch.where(emptied, drops.lowest_key.to(torch.int32), -1)
         dropped = n_dropped.sum() - emptied.sum()
-    else:  # a uniform row counts its valid keys as dropped (block_masks.block_counts)
+    else:  # a uniform row counts its valid keys as dropped (kernel.block_counts)
         keep = torch.where(emptied, UNIFORM, -1).to(torch.int32)
         dropped = n_dropped.sum()
     return call._replace(keep=keep.contiguous()), dropped, n_valid.sum()

@@ -17,10 +17,16 @@ if INTERPRET and not triton.knobs.runtime.interpret:
 from attn_reg_plugin.core import fused_edit as fe
 
 # The portable path, imported here only: its modules are being refactored (one place to re-point).
-from attn_reg_plugin.core.block_masks import BlockCall
-from attn_reg_plugin.core.block_rules import Block, DenseRule, MapScores, TopRegionRule, dense_gradient_attribution
-from attn_reg_plugin.core.blockwise import edit_attention
-from attn_reg_plugin.core.masks import MASKED_BIAS, keep_one_valid_key
+from attn_reg_plugin.core.kernel import BlockCall, edit_attention
+from attn_reg_plugin.core.masks import MASKED_BIAS
+from attn_reg_plugin.core.rules import (
+    Block,
+    DenseRule,
+    MapScores,
+    TopRegionRule,
+    dense_gradient_attribution,
+    keep_one_valid_key,
+)
 
 
 def qkv(b=1, h=2, h_kv=2, t=20, s=20, d=8, dtype=torch.float32, seed=0):
@@ -213,7 +219,7 @@ def test_output_and_gradients_match_float64_softmax(case, rule):
 
 @pytest.mark.parametrize("case", ["padding", "gqa, causal, padding", "keyless, left padding"])
 def test_matches_the_portable_edit_with_the_kernels_drops(case):
-    """blockwise.edit_attention with DenseRule(the kernel's coins) gives the kernel's output and
+    """kernel.edit_attention with DenseRule(the kernel's coins) gives the kernel's output and
     gradients: its own uniform-instead-of-empty rows included (fed the coins before that rule)."""
     q, k, v, bias, causal = case_inputs(case)
     spec = fe.EditDrops(fe.BERNOULLI, 0.7, 9)
