@@ -35,7 +35,6 @@ only distributed alike. Tests: ``TRITON_INTERPRET=1 pytest tests/core/test_fused
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Tuple
 
@@ -77,9 +76,17 @@ def _helper(fn):
 
 
 def available(q: torch.Tensor) -> bool:
-    """Whether the fused kernel can run on ``q``'s device: Triton importable and q on CUDA, or
-    Triton's interpreter on (TRITON_INTERPRET=1, the CPU tests)."""
-    return triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    """Whether the fused kernel can run on ``q``: Triton installed and q on the device of Triton's
+    active driver (a CUDA GPU), or Triton's interpreter on (TRITON_INTERPRET=1, the CPU tests).
+    Triton, not a device type, answers: the core compares device types only in devices.py."""
+    if triton is None:
+        return False
+    if triton.knobs.runtime.interpret:
+        return True
+    try:
+        return q.device == triton.runtime.driver.active.get_active_torch_device()
+    except RuntimeError:  # no GPU driver ("0 active drivers")
+        return False
 
 
 # -- the kernels' shared parts ---------------------------------------------------------------------
@@ -378,8 +385,8 @@ def _key_bias(key_bias: Optional[torch.Tensor], b: int, s: int) -> Optional[torc
 
 
 def _grid_sizes(q: torch.Tensor) -> Tuple[int, int]:
-    """(rows and keys per tile, padded head dim): 64 on a GPU; 16 in the interpreter, fast on tiny shapes."""
-    block = 64 if q.is_cuda else 16
+    """(rows and keys per tile, padded head dim): 64 compiled; 16 in the interpreter, fast on tiny shapes."""
+    block = 16 if triton.knobs.runtime.interpret else 64
     return block, max(16, triton.next_power_of_2(q.shape[-1]))
 
 
