@@ -49,18 +49,26 @@ def last_checkpoint(folder: Path) -> Optional[Tuple[Path, dict]]:
     does not name (one saved after it, by the attempt that was stopped)."""
     found = None
     for path in sorted(folder.glob(f"{PREFIX}*"), key=_step, reverse=True):
-        if found is None and _step(path) >= 0:
+        if _step(path) >= 0:
             try:
                 found = (path, json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
-                continue
+                break
             except (OSError, ValueError):
                 pass
-        shutil.rmtree(path, ignore_errors=True)
-    named = best_file(folder, found[1]["best_epoch"] or 0) if found is not None else None
-    for path in folder.glob("best-epoch*.pt"):
-        if path != named:
-            path.unlink()
+    if found is None:
+        _keep_only(folder, None, None)
+    else:
+        _keep_only(folder, found[0], best_file(folder, found[1]["best_epoch"] or 0))
     return found
+
+
+def _keep_only(folder: Path, checkpoint: Optional[Path], best: Optional[Path]) -> None:
+    """Removes every checkpoint folder and best-epoch weights file in ``folder`` but ``checkpoint`` and
+    ``best``: what no whole checkpoint needs any more."""
+    for path in folder.iterdir():
+        if path in (checkpoint, best) or not path.name.startswith((PREFIX, "best-epoch")):
+            continue
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
 
 
 def load_best(folder: Path, state: dict) -> Optional[dict]:
@@ -119,10 +127,7 @@ def checkpoint_callback(folder: Path, save_steps: int, best, stop, log: Callable
                 "resumed_at_steps": resumed.get("resumed_at_steps", []),
             }
             write_json(checkpoint / STATE_FILE, record)
-            for path in folder.iterdir():  # what no whole checkpoint needs any more
-                kept = path == checkpoint or path == best_file(folder, epoch or 0)
-                if not kept and (path.name.startswith(PREFIX) or path.name.startswith("best-epoch")):
-                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+            _keep_only(folder, checkpoint, best_file(folder, epoch or 0))
             if stop.requested is not None:
                 log(
                     f"{stop.name} during training: saved {checkpoint.name} (step {state.global_step} of "
