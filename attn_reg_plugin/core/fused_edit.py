@@ -11,8 +11,9 @@ Rules (``EditDrops.rule``):
 - ``BERNOULLI``: every valid (query, key) dropped with probability ``rate`` (scheduled dropout,
   DropKey-like). A row whose coins drop every valid key attends uniformly over its valid keys
   instead (its query zeroed, its drops cleared), as ``masks.uniform_instead_of_empty``.
-- ``AD_DROP``: AD-DROP GA. A key is a candidate when its attribution score ``dO_attr_i . v_j``
-  (float32, the kernel's own product: :func:`inspect`) is above the row's ``threshold``, or equal
+- ``AD_DROP``: AD-DROP GA. A key is a candidate when its attribution score ``dO_attr_i . V_attr_j``
+  (the attribution pass's output gradient and values, which hidden dropout makes other than this
+  call's v; float32, the kernel's own product: :func:`inspect`) is above the row's ``threshold``, or equal
   to it at a key ``<= last_tie`` (ties lowest key first); each candidate is dropped with probability
   ``rate``. A row whose drops would take every valid key keeps ``lowest_key`` (its lowest-scored
   valid key), as ``TopRegionRule._drop`` / ``masks.keep_one_valid_key``. The per-row state comes from
@@ -110,7 +111,7 @@ def _validity(BIAS, b, rows, keys, T, S, CAUSAL: tl.constexpr, HAS_BIAS: tl.cons
 
 
 @_helper
-def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, v_tile, threshold, last_tie, keep, RULE: tl.constexpr):
+def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE: tl.constexpr):
     """(drop, candidate region) of a tile. A coin drops when its 31-bit Philox number is <= limit
     (probability (limit + 1) / 2**31, as rules.coin_limit); the counter is the (b, h, i, j)
     position, so any tile, forward or backward, draws the same coin for a position."""
@@ -122,7 +123,7 @@ def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, v_tile, threshold, la
         coin = (tl.randint(seed, position) >> 1).to(tl.int32) <= limit
         drop = valid & coin & (keys[None, :] != keep[:, None]) & (keep != _UNIFORM)[:, None]
         if RULE == _AD_DROP:
-            score = tl.dot(attr, tl.trans(v_tile.to(tl.float32)), input_precision="ieee")
+            score = tl.dot(attr, tl.trans(attr_v), input_precision="ieee")
             score = tl.where(score == score, score, 0.0)  # NaN ranks as 0, as TopRegionRule's nan_to_num
             above = score > threshold[:, None]
             tied = (score == threshold[:, None]) & (keys[None, :] <= last_tie[:, None])
@@ -140,12 +141,12 @@ def _row_state(THR, TIE, KEEP, bh, rows, T):
 
 
 @_helper
-def _scores(q, k_tile, v_tile, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC: tl.constexpr,
+def _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC: tl.constexpr,
             RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
     """A tile's scores q k^T scale + bias, -inf where a key is not attended (invalid or dropped)."""
     valid, key_bias = _validity(BIAS, b, rows, keys, T, S, CAUSAL, HAS_BIAS)
     threshold, last_tie, keep = state
-    drop, _ = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, v_tile, threshold, last_tie, keep, RULE)
+    drop, _ = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE)
     s = tl.dot(q, tl.trans(k_tile), out_dtype=ACC, input_precision="ieee") * scale + key_bias[None, :]
     return tl.where(valid & ~drop, s, float("-inf"))
 
@@ -163,6 +164,15 @@ def _query_tiles(Q, ATTR, bh, rows, T, dims, D, keep, BLOCK_M: tl.constexpr, BLO
 
 
 @_helper
+def _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, RULE: tl.constexpr):
+    """A key tile of the attribution pass's values (float32), or zeros where the rule ranks nothing."""
+    attr_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    if RULE == _AD_DROP:
+        attr_v = _load_rows(AV + kv * S * D, keys, S, dims, D)
+    return attr_v
+
+
+@_helper
 def _causal_end(start_m, BLOCK_M: tl.constexpr, T, S, CAUSAL: tl.constexpr):
     """The keys a block of query rows may attend lie below this (all S unless causal)."""
     end = S
@@ -173,7 +183,7 @@ def _causal_end(start_m, BLOCK_M: tl.constexpr, T, S, CAUSAL: tl.constexpr):
 
 # -- forward, backward, inspection ----------------------------------------------------------------
 @_jit
-def _forward_kernel(Q, K, V, BIAS, ATTR, THR, TIE, KEEP, OUT, LSE, seed, limit, scale, T, S, H, GROUP, D,
+def _forward_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, OUT, LSE, seed, limit, scale, T, S, H, GROUP, D,
                     RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
@@ -188,7 +198,8 @@ def _forward_kernel(Q, K, V, BIAS, ATTR, THR, TIE, KEEP, OUT, LSE, seed, limit, 
         keys = start_n + tl.arange(0, BLOCK_N)
         k_tile = _load_rows(K + kv * S * D, keys, S, dims, D)
         v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
-        s = _scores(q, k_tile, v_tile, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
+        attr_v = _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
+        s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
                     RULE, CAUSAL, HAS_BIAS)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing attended yet
@@ -206,7 +217,7 @@ def _forward_kernel(Q, K, V, BIAS, ATTR, THR, TIE, KEEP, OUT, LSE, seed, limit, 
 
 
 @_jit
-def _backward_kv_kernel(Q, K, V, BIAS, ATTR, THR, TIE, KEEP, DO, LSE, DELTA, DK, DV, seed, limit, scale, T, S, H,
+def _backward_kv_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA, DK, DV, seed, limit, scale, T, S, H,
                         GROUP, D, RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                         ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr):  # fmt: skip
@@ -216,6 +227,7 @@ def _backward_kv_kernel(Q, K, V, BIAS, ATTR, THR, TIE, KEEP, DO, LSE, DELTA, DK,
     keys, dims = start_n + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
     k_tile = _load_rows(K + kv * S * D, keys, S, dims, D)
     v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
+    attr_v = _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     first = 0
@@ -227,7 +239,7 @@ def _backward_kv_kernel(Q, K, V, BIAS, ATTR, THR, TIE, KEEP, DO, LSE, DELTA, DK,
             rows = start_m + tl.arange(0, BLOCK_M)
             state = _row_state(THR, TIE, KEEP, bh, rows, T)
             q, attr = _query_tiles(Q, ATTR, bh, rows, T, dims, D, state[2], BLOCK_M, BLOCK_D, RULE)
-            s = _scores(q, k_tile, v_tile, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
+            s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
                         RULE, CAUSAL, HAS_BIAS)  # fmt: skip
             lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=float("inf"))
             delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
@@ -244,7 +256,7 @@ def _backward_kv_kernel(Q, K, V, BIAS, ATTR, THR, TIE, KEEP, DO, LSE, DELTA, DK,
 
 
 @_jit
-def _backward_q_kernel(Q, K, V, BIAS, ATTR, THR, TIE, KEEP, DO, LSE, DELTA, DQ, seed, limit, scale, T, S, H, GROUP,
+def _backward_q_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA, DQ, seed, limit, scale, T, S, H, GROUP,
                        D, RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """dq of a block of query rows; 0 in UNIFORM rows (their query was zeroed)."""
@@ -261,7 +273,8 @@ def _backward_q_kernel(Q, K, V, BIAS, ATTR, THR, TIE, KEEP, DO, LSE, DELTA, DQ, 
         keys = start_n + tl.arange(0, BLOCK_N)
         k_tile = _load_rows(K + kv * S * D, keys, S, dims, D)
         v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
-        s = _scores(q, k_tile, v_tile, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
+        attr_v = _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
+        s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
                     RULE, CAUSAL, HAS_BIAS)  # fmt: skip
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(grad_out, tl.trans(v_tile), out_dtype=ACC, input_precision="ieee")
@@ -273,7 +286,7 @@ def _backward_q_kernel(Q, K, V, BIAS, ATTR, THR, TIE, KEEP, DO, LSE, DELTA, DQ, 
 
 
 @_jit
-def _row_counts_kernel(BIAS, ATTR, V, THR, TIE, N_VALID, N_DROPPED, seed, limit, T, S, H, GROUP, D,
+def _row_counts_kernel(BIAS, ATTR, AV, THR, TIE, N_VALID, N_DROPPED, seed, limit, T, S, H, GROUP, D,
                        RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """Each row's valid keys and the keys its rule drops among them, before a row keeps a key."""
@@ -290,10 +303,8 @@ def _row_counts_kernel(BIAS, ATTR, V, THR, TIE, N_VALID, N_DROPPED, seed, limit,
     for start_n in range(0, _causal_end(start_m, BLOCK_M, T, S, CAUSAL), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         valid, unused_bias = _validity(BIAS, b, rows, keys, T, S, CAUSAL, HAS_BIAS)
-        v_tile = attr
-        if RULE == _AD_DROP:
-            v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
-        drop, unused_region = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, v_tile, threshold, last_tie,
+        attr_v = _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
+        drop, unused_region = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie,
                                      keep, RULE)  # fmt: skip
         n_valid += tl.sum(valid.to(tl.int32), 1)
         n_dropped += tl.sum(drop.to(tl.int32), 1)
@@ -302,7 +313,7 @@ def _row_counts_kernel(BIAS, ATTR, V, THR, TIE, N_VALID, N_DROPPED, seed, limit,
 
 
 @_jit
-def _inspect_kernel(BIAS, ATTR, V, THR, TIE, KEEP, CODES, SCORES, seed, limit, T, S, H, GROUP, D,
+def _inspect_kernel(BIAS, ATTR, AV, THR, TIE, KEEP, CODES, SCORES, seed, limit, T, S, H, GROUP, D,
                     RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """One tile's drops, region and validity as DROP | REGION | VALID bits, and its attribution scores."""
@@ -311,11 +322,11 @@ def _inspect_kernel(BIAS, ATTR, V, THR, TIE, KEEP, CODES, SCORES, seed, limit, T
     rows, keys, dims = start_m + tl.arange(0, BLOCK_M), start_n + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
     threshold, last_tie, keep = _row_state(THR, TIE, KEEP, bh, rows, T)
     attr = _load_rows(ATTR + bh * T * D, rows, T, dims, D)
-    v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
+    attr_v = _load_rows(AV + kv * S * D, keys, S, dims, D)
     valid, _ = _validity(BIAS, b, rows, keys, T, S, CAUSAL, HAS_BIAS)
-    drop, region = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, v_tile, threshold, last_tie, keep, RULE)
+    drop, region = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE)
     codes = drop.to(tl.int8) * _DROP + region.to(tl.int8) * _REGION + valid.to(tl.int8) * _VALID
-    score = tl.dot(attr, tl.trans(v_tile.to(tl.float32)), input_precision="ieee")
+    score = tl.dot(attr, tl.trans(attr_v), input_precision="ieee")
     at = bh * T * S + rows[:, None] * S + keys[None, :]
     inside = (rows[:, None] < T) & (keys[None, :] < S)
     tl.store(CODES + at, codes, mask=inside)
@@ -327,13 +338,14 @@ def _inspect_kernel(BIAS, ATTR, V, THR, TIE, KEEP, CODES, SCORES, seed, limit, T
 class EditDrops:
     """What the kernel drops in one call: ``rule`` (NONE, BERNOULLI or AD_DROP), its ``rate`` (the
     Bernoulli p; AD-DROP's q), the Philox ``seed`` (an int), and for AD-DROP the attribution pass's
-    output gradient (B, H, T, d) and each row's (threshold, last_tie, lowest_key), (B, H, T) each
-    (:func:`region_ties`)."""
+    output gradient (B, H, T, d) and values (v's shape: the pass's own, not this call's), and each
+    row's (threshold, last_tie, lowest_key), (B, H, T) each (:func:`region_ties`)."""
 
     rule: int
     rate: float
     seed: int
     attribution: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
     threshold: Optional[torch.Tensor] = None
     last_tie: Optional[torch.Tensor] = None
     lowest_key: Optional[torch.Tensor] = None
@@ -358,10 +370,11 @@ def region_ties(scores, valid, threshold, k) -> Tuple[torch.Tensor, torch.Tensor
 
 class _Call(NamedTuple):
     """A call's kernel arguments besides q, k, v: the (B, S) bias or None, the rule's tensors (the
-    attribution, and per row threshold, last tie, keep), the scalars and the tile sizes."""
+    attribution and its values, and per row threshold, last tie, keep), the scalars and the tile sizes."""
 
     bias: Optional[torch.Tensor]
     attribution: torch.Tensor
+    values: torch.Tensor
     threshold: torch.Tensor
     last_tie: torch.Tensor
     keep: torch.Tensor
@@ -411,9 +424,13 @@ def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[
         raise ValueError(f"unknown rule {drops.rule}")
     rows = torch.full((b, h, t), -1, dtype=torch.int32, device=q.device)
     ad_drop = drops.rule == AD_DROP
+    if ad_drop and (drops.values is None or drops.values.shape != v.shape):
+        got = None if drops.values is None else tuple(drops.values.shape)
+        raise ValueError(f"AD_DROP ranks the attribution pass's values, of v's shape {tuple(v.shape)}; got {got}")
     call = _Call(
         _key_bias(key_bias, b, k.shape[2]),
         drops.attribution.float().contiguous() if ad_drop else q,
+        drops.values.float().contiguous() if ad_drop else q,
         drops.threshold.float().contiguous() if ad_drop else rows.float(),
         drops.last_tie.to(torch.int32).contiguous() if ad_drop else rows,
         rows,
@@ -431,7 +448,7 @@ def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[
     scalars, options = _launch_args(q, k, v, call)
     options.pop("ACC")
     grid = (triton.cdiv(t, call.block), b * h)
-    _row_counts_kernel[grid](call.bias, call.attribution, v.contiguous(), call.threshold, call.last_tie, n_valid,
+    _row_counts_kernel[grid](call.bias, call.attribution, call.values, call.threshold, call.last_tie, n_valid,
                              n_dropped, *scalars[:2], *scalars[3:], **options)  # fmt: skip
     emptied = (n_dropped == n_valid) & (n_valid > 0)
     if ad_drop:
@@ -445,7 +462,14 @@ def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[
 
 def _tensors(call: _Call, k):
     """The call's tensors in the kernels' argument order (a placeholder where there is no bias)."""
-    return (k if call.bias is None else call.bias, call.attribution, call.threshold, call.last_tie, call.keep)
+    return (
+        k if call.bias is None else call.bias,
+        call.attribution,
+        call.values,
+        call.threshold,
+        call.last_tie,
+        call.keep,
+    )
 
 
 def _forward(q, k, v, call: _Call):
@@ -521,8 +545,10 @@ def inspect(q, k, v, drops: EditDrops, key_bias=None, causal: bool = False) -> K
     scores = torch.empty((b, h, t, s), dtype=torch.float32, device=q.device)
     scalars, options = _launch_args(q, k, v, call)
     options.pop("ACC")
-    attribution = call.attribution.float() if drops.rule == AD_DROP else torch.zeros_like(q, dtype=torch.float32)
-    tensors = (k if call.bias is None else call.bias, attribution, v.contiguous(), *_tensors(call, k)[2:])
+    ad_drop = drops.rule == AD_DROP
+    attribution = call.attribution if ad_drop else torch.zeros_like(q, dtype=torch.float32)
+    values = call.values if ad_drop else torch.zeros_like(v, dtype=torch.float32)
+    tensors = (k if call.bias is None else call.bias, attribution, values, *_tensors(call, k)[3:])
     grid = (triton.cdiv(t, call.block), triton.cdiv(s, call.block), b * h)
     _inspect_kernel[grid](*tensors, codes, scores, *scalars[:2], *scalars[3:], **options)
     flags = [(codes & bit) != 0 for bit in (DROP, REGION, VALID)]

@@ -2,6 +2,7 @@
 portable PyTorch path: its drops (region, ties, coins, the rows a rule would empty), its output and
 its gradients (no padding, padding, causal with T != S, GQA, emptied and keyless rows)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -64,16 +65,17 @@ def validity(q, k, key_bias, causal):
     return valid.expand(q.shape[0], q.shape[1], t, s)
 
 
-def ad_drop_spec(q, k, v, attribution, p, rate, seed, key_bias=None, causal=False):
+def ad_drop_spec(q, k, values, attribution, p, rate, seed, key_bias=None, causal=False):
     """EditDrops for AD-DROP GA whose per-row state is the PyTorch path's own region
-    (TopRegionRule.region) over torch's attribution scores; also (scores, valid, region). The
-    kernel ranks its own product: equal to torch's for integer inputs (the region tests)."""
-    scores, valid = dense_gradient_attribution(attribution, v), validity(q, k, key_bias, causal)
+    (TopRegionRule.region) over torch's attribution scores dO V^T of the attribution pass (its
+    ``attribution`` and ``values``); also (scores, valid, region). The kernel ranks its own product:
+    equal to torch's for integer inputs (the region tests)."""
+    scores, valid = dense_gradient_attribution(attribution, values), validity(q, k, key_bias, causal)
     shape = tuple(scores.shape)
     rule = TopRegionRule(MapScores(scores), p, 0.0)
     region, (threshold, k_rows, _), _ = rule.region(Block(slice(0, shape[2]), valid, shape, shape, 0))
     last_tie, lowest = fe.region_ties(scores, valid, threshold, k_rows)
-    spec = fe.EditDrops(fe.AD_DROP, rate, seed, attribution, threshold.squeeze(-1), last_tie, lowest)
+    spec = fe.EditDrops(fe.AD_DROP, rate, seed, attribution, values, threshold.squeeze(-1), last_tie, lowest)
     return spec, scores, valid, region
 
 
@@ -132,9 +134,10 @@ def test_bernoulli_row_its_coins_would_empty_attends_uniformly():
 @pytest.mark.parametrize("causal", [False, True])
 def test_ad_drop_region_is_the_pytorch_paths_region_ties_included(causal):
     q, k, v = qkv(b=2, h=2, h_kv=1, t=20, s=27, d=4)
-    attribution, v = integer_attribution(q, v)
+    # The attribution pass's values, not this call's v (hidden dropout makes them differ).
+    attribution, values = integer_attribution(q, v)
     bias = padding_bias([27, 18], 27, left=True)
-    spec, scores, valid, region = ad_drop_spec(q, k, v, attribution, 0.3, 1.0, 11, bias, causal)
+    spec, scores, valid, region = ad_drop_spec(q, k, values, attribution, 0.3, 1.0, 11, bias, causal)
     tied = (scores.unsqueeze(-1) == scores.unsqueeze(-2)) & valid.unsqueeze(-1) & valid.unsqueeze(-2)
     assert (tied.sum((-1, -2)) > valid.sum(-1)).any()  # ties straddle thresholds
     seen = fe.inspect(q, k, v, spec, bias, causal)
@@ -149,7 +152,7 @@ def test_ad_drop_region_is_the_pytorch_paths_region_ties_included(causal):
 
 
 def with_rate(spec, rate):
-    return fe.EditDrops(spec.rule, rate, spec.seed, spec.attribution, spec.threshold, spec.last_tie, spec.lowest_key)
+    return dataclasses.replace(spec, rate=rate)
 
 
 def test_ad_drop_ties_are_taken_lowest_key_first():
@@ -161,7 +164,7 @@ def test_ad_drop_ties_are_taken_lowest_key_first():
     attribution = first.view(1, 1, 1, 4)
     spec, _, _, region = ad_drop_spec(q, k, values, attribution, 0.5, 1.0, 3)
     assert region[0, 0, 0].tolist() == [True] * 4 + [False] * 4
-    assert fe.inspect(q, k, values, spec).region[0, 0, 0].tolist() == [True] * 4 + [False] * 4
+    assert fe.inspect(q, k, v, spec).region[0, 0, 0].tolist() == [True] * 4 + [False] * 4
 
 
 # -- output and gradients --------------------------------------------------------------------------
@@ -205,7 +208,8 @@ def test_output_and_gradients_match_float64_softmax(case, rule):
         spec = fe.EditDrops(fe.BERNOULLI, p, 5)
     else:
         attribution = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-        spec = ad_drop_spec(q, k, v, attribution, 1.0 if p > 0.5 else p, p, 5, bias, causal)[0]
+        values = torch.randn(v.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+        spec = ad_drop_spec(q, k, values, attribution, 1.0 if p > 0.5 else p, p, 5, bias, causal)[0]
     seen = fe.inspect(q, k, v, spec, bias, causal)
     assert torch.equal(seen.valid, validity(q, k, bias, causal))
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE)
@@ -244,6 +248,13 @@ def test_gradcheck_float64():
     spec = fe.EditDrops(fe.BERNOULLI, 0.4, 21)
     inputs = [x.requires_grad_() for x in (q, k, v)]
     assert torch.autograd.gradcheck(lambda *x: fe.fused_edit_attention(*x, spec, bias, True)[0], inputs, fast_mode=True)
+
+
+def test_ad_drop_without_the_attribution_values_is_refused():
+    q, k, v = qkv(t=4, s=6)
+    spec = fe.EditDrops(fe.AD_DROP, 0.5, 1, torch.zeros(q.shape, device=DEVICE), None, *(torch.zeros(1, 2, 4),) * 3)
+    with pytest.raises(ValueError, match="attribution pass's values, of v's shape"):
+        fe.fused_edit_attention(q, k, v, spec)
 
 
 def test_available_needs_cuda_or_the_interpreter(monkeypatch):
