@@ -23,7 +23,9 @@ from triton.compiler import ASTSource
 
 from attn_reg_plugin.core import fused_edit
 
-KERNELS = ("_forward_kernel", "_backward_kv_kernel", "_backward_q_kernel", "_row_counts_kernel", "_inspect_kernel")
+KERNELS = (
+    "_forward_kernel", "_backward_kv_kernel", "_backward_q_kernel", "_row_counts_kernel", "_inspect_kernel", "_scores_kernel",
+)  # fmt: skip
 SCALARS = dict(seed="i64", limit="i32", scale="fp32", T="i32", S="i32", H="i32", GROUP="i32", D="i32")
 # Pointers that are not q, k, v, the output or a gradient (those take the inputs' dtype).
 POINTERS = dict(BIAS="*fp32", ATTR="*fp32", AV="*fp32", THR="*fp32", TIE="*i32", KEEP="*i32", LSE="*fp32",

@@ -17,6 +17,10 @@ import torch
 PORTABLE_ENV = "ATTN_REG_PORTABLE"
 # ATTN_REG_PORTABLE=1: the portable branches on the CPU too (read once; a test sets PORTABLE itself).
 PORTABLE = os.environ.get(PORTABLE_ENV, "") == "1"
+FUSED_ENV = "ATTN_REG_FUSED"
+# ATTN_REG_FUSED=1: a regularized call the fused Triton kernel covers runs there (core/fused_route.py)
+# where Triton runs. Opt-in until a GPU has timed it (read once; a test sets FUSED itself).
+FUSED = os.environ.get(FUSED_ENV, "") == "1"
 
 
 def on_host(t: torch.Tensor) -> bool:

@@ -111,6 +111,14 @@ def _validity(BIAS, b, rows, keys, T, S, CAUSAL: tl.constexpr, HAS_BIAS: tl.cons
 
 
 @_helper
+def _attribution_score(attr, attr_v):
+    """dO_attr V_attr^T of a tile in float32, NaN as 0 (TopRegionRule's nan_to_num): every kernel's
+    one product, so that a threshold from attribution_scores is one the others compare exactly."""
+    score = tl.dot(attr, tl.trans(attr_v), input_precision="ieee")
+    return tl.where(score == score, score, 0.0)
+
+
+@_helper
 def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE: tl.constexpr):
     """(drop, candidate region) of a tile. A coin drops when its 31-bit Philox number is <= limit
     (probability (limit + 1) / 2**31, as rules.coin_limit); the counter is the (b, h, i, j)
@@ -123,8 +131,7 @@ def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, la
         coin = (tl.randint(seed, position) >> 1).to(tl.int32) <= limit
         drop = valid & coin & (keys[None, :] != keep[:, None]) & (keep != _UNIFORM)[:, None]
         if RULE == _AD_DROP:
-            score = tl.dot(attr, tl.trans(attr_v), input_precision="ieee")
-            score = tl.where(score == score, score, 0.0)  # NaN ranks as 0, as TopRegionRule's nan_to_num
+            score = _attribution_score(attr, attr_v)
             above = score > threshold[:, None]
             tied = (score == threshold[:, None]) & (keys[None, :] <= last_tie[:, None])
             region = valid & (above | tied)
@@ -326,11 +333,22 @@ def _inspect_kernel(BIAS, ATTR, AV, THR, TIE, KEEP, CODES, SCORES, seed, limit, 
     valid, _ = _validity(BIAS, b, rows, keys, T, S, CAUSAL, HAS_BIAS)
     drop, region = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE)
     codes = drop.to(tl.int8) * _DROP + region.to(tl.int8) * _REGION + valid.to(tl.int8) * _VALID
-    score = tl.dot(attr, tl.trans(attr_v), input_precision="ieee")
     at = bh * T * S + rows[:, None] * S + keys[None, :]
     inside = (rows[:, None] < T) & (keys[None, :] < S)
     tl.store(CODES + at, codes, mask=inside)
-    tl.store(SCORES + at, tl.where(score == score, score, 0.0), mask=inside)
+    tl.store(SCORES + at, _attribution_score(attr, attr_v), mask=inside)
+
+
+@_jit
+def _scores_kernel(ATTR, AV, SCORES, T, S, H, GROUP, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr):  # fmt: skip
+    """One tile of attribution_scores."""
+    start_m, start_n, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, tl.program_id(2)
+    rows, keys, dims = start_m + tl.arange(0, BLOCK_M), start_n + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    attr = _load_rows(ATTR + bh * T * D, rows, T, dims, D)
+    attr_v = _load_rows(AV + (bh // GROUP) * S * D, keys, S, dims, D)
+    at = bh * T * S + rows[:, None] * S + keys[None, :]
+    tl.store(SCORES + at, _attribution_score(attr, attr_v), mask=(rows[:, None] < T) & (keys[None, :] < S))
 
 
 # -- the Python side -------------------------------------------------------------------------------
@@ -524,6 +542,19 @@ def fused_edit_attention(q, k, v, drops: EditDrops, key_bias=None, causal: bool 
     return FusedEditAttention.apply(q, k, v, call), dropped, droppable
 
 
+def attribution_scores(attribution: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, S) float32 dO V^T of ``attribution`` (B, H, T, d) and ``values`` (B, H_v, S, d), by the
+    kernels' own product (NaN as 0): the scores a caller ranks to give AD_DROP's per-row state."""
+    b, h, t, d = attribution.shape
+    s = values.shape[2]
+    scores = torch.empty((b, h, t, s), dtype=torch.float32, device=attribution.device)
+    block, block_d = _grid_sizes(attribution)
+    grid = (triton.cdiv(t, block), triton.cdiv(s, block), b * h)
+    args = (attribution.float().contiguous(), values.float().contiguous(), scores, t, s, h, h // values.shape[1], d)
+    _scores_kernel[grid](*args, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)
+    return scores
+
+
 class KernelDrops(NamedTuple):
     """inspect()'s maps, (B, H, T, S) each: the drops as the kernel applies them (after a row keeps
     its key), the candidate region (the valid keys for Bernoulli), the validity, the attribution
@@ -556,6 +587,6 @@ def inspect(q, k, v, drops: EditDrops, key_bias=None, causal: bool = False) -> K
 
 
 __all__: Sequence[str] = (
-    "AD_DROP", "BERNOULLI", "NONE", "EditDrops", "FusedEditAttention", "KernelDrops", "available",
-    "fused_edit_attention", "inspect", "region_ties",
+    "AD_DROP", "BERNOULLI", "NONE", "EditDrops", "FusedEditAttention", "KernelDrops", "attribution_scores",
+    "available", "fused_edit_attention", "inspect", "region_ties",
 )  # fmt: skip

@@ -20,7 +20,7 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from . import rules
+from . import devices, rules
 from .devices import FLASH_CPU, FLASH_CPU_BACKWARD, has_cpu_softmax_stats, on_host
 from .masks import (
     additive_mask,
@@ -532,8 +532,21 @@ def edit_attention(q, k, v, bias, call: BlockCall):
     then sees the very dtypes its forward saw."""
     device = q.device.type
     if not torch.is_autocast_enabled(device):
-        return EditAttention.apply(q, k, v, bias, call)
+        return _fused(q, k, v, bias, call) if devices.FUSED else EditAttention.apply(q, k, v, bias, call)
     dtype = torch.get_autocast_dtype(device)
     q, k, v = (x.to(dtype) if x.is_floating_point() else x for x in (q, k, v))
     with torch.autocast(device, enabled=False):
+        return _fused(q, k, v, bias, call) if devices.FUSED else EditAttention.apply(q, k, v, bias, call)
+
+
+def _fused(q, k, v, bias, call: BlockCall):
+    """The call on the fused Triton kernel where it covers it (:mod:`.fused_route`), else EditAttention."""
+    from .fused_edit import fused_edit_attention  # Triton is imported only when asked for
+    from .fused_route import fused_drops, key_padding_bias
+
+    drops = fused_drops(q, k, v, bias, call)
+    if drops is None:
         return EditAttention.apply(q, k, v, bias, call)
+    key_bias = None if bias is None else key_padding_bias(bias, q.shape[0])
+    out, dropped, droppable = fused_edit_attention(q, k, v, drops, key_bias, call.causal, call.scale)
+    return out, None, dropped, droppable

@@ -17,6 +17,8 @@ if INTERPRET and not triton.knobs.runtime.interpret:
     pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 from attn_reg_plugin.core import fused_edit as fe
 
+pytestmark = pytest.mark.gpu  # make gpu-check: compiled on CUDA; here in the interpreter
+
 # The portable path, imported here only: its modules are being refactored (one place to re-point).
 from attn_reg_plugin.core.kernel import BlockCall, edit_attention
 from attn_reg_plugin.core.masks import MASKED_BIAS

@@ -1,0 +1,89 @@
+"""Which regularized calls run on the fused Triton kernel (:mod:`.fused_edit`), and what it is given.
+
+A device helper, opt-in: with ``ATTN_REG_FUSED=1`` (:data:`.devices.FUSED`) a call
+that the kernel covers runs there instead of :class:`~.kernel.EditAttention`, where Triton runs
+(a CUDA GPU, or its interpreter in the CPU tests); any other call takes the PyTorch path as before.
+Covered: scheduled dropout (:class:`~.rules.BernoulliRule`) and AD-DROP GA
+(:class:`~.rules.TopRegionRule` over :class:`~.rules.GradientScores`, ``samples`` included), with
+no bias or a key-padding one, causal or not, without the model's attention dropout inside the
+call, rows made uniform, a ``droppable`` restriction or the map returned.
+
+AD-DROP's region is exact: each row's threshold, k and last tied key come from the kernel's own
+product dO V^T (:func:`~.fused_edit.attribution_scores`, one block of query rows at a time,
+so nothing (T, S) is held), through the PyTorch path's one region (:meth:`~.rules.TopRegionRule.region`).
+A ``torch.matmul`` may round a score otherwise and move a key at the threshold.
+Its coins are a Philox draw (:mod:`.fused_edit`): for one seed other keys than the PyTorch path's,
+distributed alike.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import fused_edit
+from .masks import valid_keys_from_bias
+from .rules import BernoulliRule, Block, GradientScores, TopRegionRule
+
+SWITCH = "ATTN_REG_FUSED"
+
+
+def key_padding_bias(bias: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
+    """``bias`` as the kernel's (B or 1, 1, 1, S) key-padding bias, or None when it is one only in
+    name (rows that differ, heads that differ): such a call stays on the PyTorch path."""
+    if bias.dim() != 4 or bias.shape[1] != 1 or bias.shape[0] not in (1, batch) or bias.requires_grad:
+        return None
+    if bias.shape[2] != 1:
+        if bias.stride(2) != 0:  # a materialised (B, 1, T, S) mask: its rows may differ
+            return None
+        bias = bias[:, :, :1]
+    return bias
+
+
+def fused_drops(q, k, v, bias, call) -> Optional[fused_edit.EditDrops]:
+    """The kernel's drops for this call (a :class:`~.kernel.BlockCall`) when the kernel covers it, else None."""
+    rule = call.rule
+    if call.uniform is not None or call.droppable is not None or call.dropout_p or call.need_weights:
+        return None
+    if not fused_edit.available(q) or torch.compiler.is_compiling() or call.seed is None:
+        return None
+    if bias is not None and key_padding_bias(bias, q.shape[0]) is None:
+        return None
+    seed = int(call.seed)
+    if isinstance(rule, BernoulliRule):
+        return fused_edit.EditDrops(fused_edit.BERNOULLI, float(rule.probability), seed)
+    if isinstance(rule, TopRegionRule) and isinstance(rule.source, GradientScores):
+        return _ad_drop(q, k, bias, call, rule, seed)
+    return None
+
+
+def _ad_drop(q, k, bias, call, rule: TopRegionRule, seed: int) -> fused_edit.EditDrops:
+    """AD-DROP GA's drops: per row the threshold, last tied key and lowest-scored key of the region
+    over the kernel's own scores, block by block of query rows."""
+    b, h, t, _ = q.shape
+    s = k.shape[2]
+    source = rule.source
+    attribution = source.grad_output.neg() if source.negate else source.grad_output
+    values = source.values.repeat_interleave(k.shape[1] // source.values.shape[1], 1)  # as attend's k and v
+    threshold = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
+    last_tie, lowest = (torch.empty((b, h, t), dtype=torch.int32, device=q.device) for _ in range(2))
+    padding = None if bias is None else valid_keys_from_bias(key_padding_bias(bias, b))
+    keys = torch.arange(s, device=q.device)
+    for start in range(0, t, max(1, call.rows_per_block)):
+        rows = slice(start, min(t, start + call.rows_per_block))
+        valid = torch.ones((1, 1, 1, s), dtype=torch.bool, device=q.device) if padding is None else padding
+        if call.causal:
+            valid = valid & (keys <= torch.arange(rows.start, rows.stop, device=q.device)[:, None] + s - t)
+        shape = (b, h, rows.stop - rows.start, s)
+        scores = fused_edit.attribution_scores(attribution[:, :, rows], values)  # NaN already 0, as the rule's
+        scores = scores.masked_fill(~valid, -math.inf)
+        _, (row_threshold, row_k, _), _ = rule.region(Block(rows, valid, shape, (b, h, t, s), None), scores)
+        if rule.samples is not None:  # other samples lose nothing: no region
+            chosen = rule.samples.view(-1, 1, 1, 1)
+            row_threshold, row_k = torch.where(chosen, row_threshold, math.inf), torch.where(chosen, row_k, 0)
+        ties, low = fused_edit.region_ties(scores, valid, row_threshold, row_k)
+        threshold[:, :, rows] = row_threshold.squeeze(-1)
+        last_tie[:, :, rows], lowest[:, :, rows] = ties, low
+    return fused_edit.EditDrops(fused_edit.AD_DROP, rule.q, seed, attribution, values, threshold, last_tie, lowest)

@@ -1,0 +1,157 @@
+"""The fused route (core/fused_route.py): with ATTN_REG_FUSED on, the regularized calls the fused
+Triton kernel covers run there, and compute what the PyTorch path computes.
+
+The two paths draw different coins (Philox in the kernel, keyed draws in PyTorch), so they are
+compared where the drops take no coin: AD-DROP at q = 1 (every candidate dropped: the drops are the
+region, exactly the PyTorch path's, ties and kept keys included) and Bernoulli at p = 1 (every row
+attends uniformly). There they must give the same counts exactly and the same output and gradients
+within rounding. Runs in Triton's interpreter without CUDA (tests/core/conftest.py), compiled with."""
+
+import math
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+triton = pytest.importorskip("triton")
+if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
+    pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+from attn_reg_plugin.core import devices  # noqa: E402
+
+pytestmark = pytest.mark.gpu  # make gpu-check: compiled on CUDA; here in the interpreter
+from attn_reg_plugin.core.ad_drop import ADDrop  # noqa: E402
+from attn_reg_plugin.core.ad_drop_config import ADDropConfig  # noqa: E402
+from attn_reg_plugin.core.attribution import logit_target  # noqa: E402
+from attn_reg_plugin.core.fused_route import fused_drops  # noqa: E402
+from attn_reg_plugin.core.kernel import BlockCall, edit_attention  # noqa: E402
+from attn_reg_plugin.core.rules import (  # noqa: E402
+    BernoulliRule,
+    DenseRule,
+    GradientScores,
+    RandomScores,
+    TopRegionRule,
+)
+from helpers import CORE_B, CORE_D, CORE_T, tiny_core_model  # noqa: E402
+
+
+def tensors(b=2, h=2, h_kv=2, t=20, s=27, d=4, seed=0):
+    """q, k and v (k and v repeated to q's heads, as attend hands them over) and, for AD-DROP, an
+    attribution pass's output gradient and its values (unrepeated) with small integer entries: their
+    products are exact in any order of summation, with many ties."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn((b, n, x, d), generator=g) for n, x in ((h, t), (h_kv, s), (h_kv, s)))
+    attribution = torch.randint(-3, 4, (b, h, t, d), generator=g).float()
+    values = torch.randint(-3, 4, (b, h_kv, s, d), generator=g).float()
+    k, v = (x.repeat_interleave(h // h_kv, 1) for x in (k, v))
+    return [x.to(DEVICE) for x in (q, k, v, attribution, values)]
+
+
+def padding(lengths, s):
+    keys = torch.arange(s)
+    return torch.stack([torch.where(keys < n, 0.0, -math.inf) for n in lengths]).view(len(lengths), 1, 1, s).to(DEVICE)
+
+
+def block_call(rule, t, rows=None, causal=False, **options):
+    return BlockCall(rule, None, None, rows or t, torch.tensor(17), 0.0, None, True, causal=causal, **options)
+
+
+def run(q, k, v, bias, call, fused, monkeypatch):
+    """(output, dq, dk, dv, dropped, droppable) of edit_attention with the route on or off."""
+    monkeypatch.setattr(devices, "FUSED", fused)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, _, dropped, droppable = edit_attention(*leaves, bias, call)
+    out.backward(torch.linspace(-1, 1, out.numel(), device=out.device).view(out.shape))
+    return [out.detach()] + [x.grad for x in leaves] + [int(dropped), int(droppable)]
+
+
+CASES = {
+    "plain": dict(),
+    "padding": dict(lengths=[27, 15]),
+    "causal, T < S, blocks": dict(t=13, causal=True, rows=4),
+    "gqa, padding, blocks": dict(h=4, h_kv=2, lengths=[27, 9], rows=8),
+    "keyless rows": dict(t=30, s=12, causal=True),  # rows 0 .. 17 have no key at or before them
+}
+
+
+@pytest.mark.parametrize("negate", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_ad_drop_at_q_1_equals_the_pytorch_path(case, negate, monkeypatch):
+    options = dict(CASES[case])
+    lengths, causal, rows = options.pop("lengths", None), options.pop("causal", False), options.pop("rows", None)
+    q, k, v, attribution, values = tensors(**options)
+    bias = None if lengths is None else padding(lengths, k.shape[2])
+    rule = TopRegionRule(GradientScores(attribution, values, negate), 0.3, 1.0)
+    call = block_call(rule, q.shape[2], rows, causal)
+    assert fused_drops(q, k, v, bias, call) is not None  # the route covers it
+    fused, portable = (run(q, k, v, bias, call, on, monkeypatch) for on in (True, False))
+    assert fused[4:] == portable[4:] and fused[4] > 0  # the same drops, counted alike
+    for name, a, b in zip(("out", "dq", "dk", "dv"), fused[:4], portable[:4]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_ad_drop_samples_limit_the_drops_to_their_samples(monkeypatch):
+    q, k, v, attribution, values = tensors()
+    samples = torch.tensor([False, True], device=DEVICE)
+    call = block_call(TopRegionRule(GradientScores(attribution, values), 0.5, 1.0, samples), q.shape[2])
+    fused, portable = (run(q, k, v, None, call, on, monkeypatch) for on in (True, False))
+    assert fused[4:] == portable[4:] and fused[4] > 0
+    torch.testing.assert_close(fused[0], portable[0], rtol=1e-5, atol=1e-5)
+    plain = run(q, k, v, None, block_call(None, q.shape[2]), False, monkeypatch)[0]
+    torch.testing.assert_close(fused[0][0], plain[0], rtol=1e-5, atol=1e-6)  # sample 0 loses nothing
+    assert not torch.allclose(fused[0][1], plain[1], atol=1e-3)
+
+
+def test_bernoulli_at_p_1_makes_every_row_uniform_as_the_pytorch_path(monkeypatch):
+    q, k, v, _, _ = tensors(t=9)
+    bias = padding([27, 11], 27)
+    call = block_call(BernoulliRule(torch.tensor(1.0)), q.shape[2], causal=True)
+    assert fused_drops(q, k, v, bias, call) is not None
+    fused, portable = (run(q, k, v, bias, call, on, monkeypatch) for on in (True, False))
+    assert fused[4:] == portable[4:] and fused[4] == fused[5] > 0  # every valid key counted as dropped
+    for name, a, b in zip(("out", "dq", "dk", "dv"), fused[:4], portable[:4]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_calls_the_kernel_does_not_cover_stay_on_the_pytorch_path(monkeypatch):
+    q, k, v, attribution, values = tensors()
+    t, s = q.shape[2], k.shape[2]
+    ad_drop = TopRegionRule(GradientScores(attribution, values), 0.3, 0.5)
+    uniform, seed = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=DEVICE), torch.tensor(1)
+    per_row = torch.zeros((2, 1, t, s), device=DEVICE).masked_fill(torch.rand(2, 1, t, s).to(DEVICE) < 0.2, -math.inf)
+    uncovered = {
+        "rows made uniform": (BlockCall(ad_drop, uniform, None, t, seed, 0.0, None, True), None),
+        "attention dropout inside": (BlockCall(ad_drop, None, None, t, seed, 0.1, None, True, dropout_seed=seed), None),
+        "the map returned": (block_call(ad_drop, t, need_weights=True), None),
+        "a bias whose rows differ": (block_call(ad_drop, t), per_row),
+        "RD's random scores": (block_call(TopRegionRule(RandomScores(), 0.3, 0.5), t), None),
+        "a dense rule": (block_call(DenseRule(torch.zeros(1, 1, t, s, dtype=torch.bool, device=DEVICE)), t), None),
+    }  # fmt: skip
+    for name, (call, bias) in uncovered.items():
+        assert fused_drops(q, k, v, bias, call) is None, name
+        out = run(q, k, v, bias, call, True, monkeypatch)[0]  # and it runs, on the PyTorch path
+        assert torch.isfinite(out).all(), name
+
+
+def test_an_ad_drop_step_of_a_custom_model_equals_the_pytorch_paths(monkeypatch):
+    """AD-DROP's two passes through a user's own loop (core ADDrop on a plain-PyTorch model): loss,
+    counts and every gradient as on the PyTorch path. ADDropConfig takes q < 1; at 1 - 1e-7 a
+    candidate survives a coin with probability 1e-7 on either path, so both drop the whole region
+    (the seeds are fixed: a pass is a pass every run)."""
+
+    def step(fused):
+        monkeypatch.setattr(devices, "FUSED", fused)
+        model = tiny_core_model().to(DEVICE)
+        x = torch.randn(CORE_B, CORE_T, CORE_D, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        ad_drop = ADDrop(ADDropConfig(p=0.4, q=1 - 1e-7, schedule="always"), model.controller)
+        torch.manual_seed(0)
+        with ad_drop.masked(lambda: model(x), logit_target, frozen=model) as stats:
+            loss = model(x).sum()
+        loss.backward()
+        return loss.detach(), int(stats["dropped"]), [p.grad for p in model.parameters()]
+
+    fused, portable = step(True), step(False)
+    assert fused[1] == portable[1] > 0
+    torch.testing.assert_close(fused[0], portable[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(fused[2], portable[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
