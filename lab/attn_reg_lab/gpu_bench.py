@@ -16,6 +16,8 @@ Two sections (the long one first, leaving the standard one a quarter of the budg
   ``HiddenCutTrainer``) in bf16 with gradient checkpointing, at each of ``--long-lengths``. Time is
   the median wall time of the steps after the first; memory the peak torch allocated during
   ``train()`` (weights and optimizer state included, as a user's GPU must hold them).
+  ``ad-drop-ga-all-fused`` is GA with ``ATTN_REG_FUSED`` on; its row counts the calls the fused
+  Triton kernel took (``fused_calls``), and is not run where Triton has no GPU.
 
 The whole run keeps to ``--budget-s`` seconds: a row that would not fit is written with its
 ``status`` saying so rather than run, and a run out of GPU memory is written as ``oom`` (longer
@@ -28,6 +30,7 @@ command, the environment, the seconds taken).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -54,8 +57,13 @@ STANDARD_VARIANTS = (
     "drophead",
     "dropkey",
 )
-LONG_METHODS = ("plain", "ga", "attendout", "hiddencut")
-LONG_VARIANT_NAMES = {"plain": "plain", "ga": "ad-drop-ga-all", "attendout": "attendout", "hiddencut": "hiddencut"}
+LONG_METHODS = ("plain", "ga-fused", "ga", "attendout", "hiddencut")
+LONG_VARIANT_NAMES = {
+    "plain": "plain", "ga-fused": "ad-drop-ga-all-fused", "ga": "ad-drop-ga-all", "attendout": "attendout",
+    "hiddencut": "hiddencut",
+}  # fmt: skip
+# ga-fused: AD-DROP GA with ATTN_REG_FUSED on (the fused Triton kernel where it covers a call).
+FUSED_METHODS = {"ga-fused": "ga"}
 # Targets of issue 70, on a GPU: (section, variant, minimum tokens) -> (time, peak memory) ratio bounds.
 TARGETS = {
     ("standard", "ad-drop-ga-all", 0): (1.8, None),
@@ -292,13 +300,14 @@ def _measure_long(method: str, opts, length: int, clock: Clock, log) -> dict:
             if clock.left() < 0:
                 control.should_training_stop = True  # the budget is spent: the rows so far still count
 
-    trainer = _long_trainer(method, opts, length, opts.long_steps + profiled)
+    trainer = _long_trainer(FUSED_METHODS.get(method, method), opts, length, opts.long_steps + profiled)
     trainer.add_callback(StepTimes())
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     try:
-        trainer.train()
+        with fused_kernel(method in FUSED_METHODS) as fused_calls:
+            trainer.train()
         peak = found.get("peak", torch.cuda.max_memory_allocated() if cuda else None)
         checkpointed = bool(trainer.model.is_gradient_checkpointing)
     finally:
@@ -315,9 +324,41 @@ def _measure_long(method: str, opts, length: int, clock: Clock, log) -> dict:
         "gradient_checkpointing": checkpointed,
         "status": "ok" if measured else "not run: budget spent after the warm-up step",
     }
+    if method in FUSED_METHODS:
+        row["fused_calls"] = fused_calls[0]
+        if not fused_calls[0]:
+            row["status"] = "the fused kernel took no call: every call ran on the PyTorch path"
     if "profile" in found:
         row["profile"] = found["profile"]
     return row
+
+
+@contextlib.contextmanager
+def fused_kernel(on: bool):
+    """The plugin's ATTN_REG_FUSED switch (devices.FUSED) set to ``on`` for one run, and a count of
+    the calls the fused kernel took, made where kernel.edit_attention calls it."""
+    from attn_reg_plugin.core import devices, fused_edit
+
+    calls, original, before = [0], fused_edit.fused_edit_attention, devices.FUSED
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    devices.FUSED, fused_edit.fused_edit_attention = on, counted
+    try:
+        yield calls
+    finally:
+        devices.FUSED, fused_edit.fused_edit_attention = before, original
+
+
+def fused_kernel_runs(device: str) -> bool:
+    """Whether the fused Triton kernel can run on ``device`` (Triton installed, a GPU its driver sees)."""
+    import torch
+
+    from attn_reg_plugin.core import fused_edit
+
+    return fused_edit.available(torch.empty(0, device=device))
 
 
 def long_rows(opts, clock: Clock, log) -> List[dict]:
@@ -337,6 +378,8 @@ def long_rows(opts, clock: Clock, log) -> List[dict]:
                 "section": "long", "framework": "hf", "variant": LONG_VARIANT_NAMES[method], "tokens": length,
                 "dtype": "bf16", "model": model,
             }  # fmt: skip
+            if method in FUSED_METHODS and not fused_kernel_runs(opts.device):
+                given_up[method] = f"not run: the fused Triton kernel does not run on {opts.device} here"
             if method in given_up:
                 row["status"] = given_up[method]
                 rows.append(row)

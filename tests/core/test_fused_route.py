@@ -32,7 +32,7 @@ from attn_reg_plugin.core.rules import (  # noqa: E402
     RandomScores,
     TopRegionRule,
 )
-from helpers import CORE_B, CORE_D, CORE_T, tiny_core_model  # noqa: E402
+from helpers import CORE_B, CORE_D, CORE_T, tiny_core_model, tiny_llama  # noqa: E402
 
 
 def tensors(b=2, h=2, h_kv=2, t=20, s=27, d=4, seed=0):
@@ -155,3 +155,48 @@ def test_an_ad_drop_step_of_a_custom_model_equals_the_pytorch_paths(monkeypatch)
     torch.testing.assert_close(fused[0], portable[0], rtol=1e-5, atol=1e-5)
     for a, b in zip(fused[2], portable[2]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_an_hf_llama_step_with_gradient_checkpointing_on_the_route(padded, monkeypatch, tmp_path):
+    """ADDropTrainer GA on a tiny Llama (GQA, causal) with non-reentrant gradient checkpointing, as
+    the GPU bench's long rows run it, at q = 1 - 1e-7: loss and gradients equal the PyTorch path's.
+    Unpadded, the fused kernel takes the masked pass's calls and their recomputes. A padded batch
+    reaches attention as one (B, 1, T, S) mask of padding and the future: not a key-padding bias, so
+    it stays on the PyTorch path, and says so by the count."""
+    transformers = pytest.importorskip("transformers")
+    from attn_reg_plugin.core import fused_edit
+    from attn_reg_plugin.hf import ADDropTrainer
+
+    original = fused_edit.fused_edit_attention
+
+    def step(fused):
+        calls = []
+        monkeypatch.setattr(devices, "FUSED", fused)
+        monkeypatch.setattr(fused_edit, "fused_edit_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+        model = tiny_llama().to(DEVICE)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        args = transformers.TrainingArguments(
+            str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=DEVICE == "cpu",
+            save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        )  # fmt: skip
+        config = ADDropConfig(p=0.3, q=1 - 1e-7, attribution="ga", schedule="always")
+        trainer = ADDropTrainer(model=model, args=args, ad_drop=config)
+        trainer.create_optimizer_and_scheduler(num_training_steps=1)
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.state.epoch = 0.0
+        model.train()
+        ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(2))
+        mask = torch.ones_like(ids)
+        if padded:
+            mask[1, -7:] = 0
+        batch = trainer._prepare_inputs({"input_ids": ids, "attention_mask": mask, "labels": ids})
+        torch.manual_seed(0)
+        loss = trainer.training_step(model, batch)
+        return loss.detach(), len(calls), [p.grad for p in model.parameters()]
+
+    fused, portable = step(True), step(False)
+    assert (fused[1] > 0) != padded and portable[1] == 0
+    torch.testing.assert_close(fused[0], portable[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(fused[2], portable[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
