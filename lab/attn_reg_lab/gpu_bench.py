@@ -352,13 +352,19 @@ def fused_kernel(on: bool):
         devices.FUSED, fused_edit.fused_edit_attention = before, original
 
 
-def fused_kernel_runs(device: str) -> bool:
-    """Whether the fused Triton kernel can run on ``device`` (Triton installed, a GPU its driver sees)."""
+def fused_kernel_missing(device: str) -> Optional[str]:
+    """Why the fused Triton kernel cannot run on ``device`` (no Triton, no GPU its driver sees, a Triton
+    the kernel cannot use), or None."""
     import torch
 
-    from attn_reg_plugin.core import fused_edit
+    try:
+        from attn_reg_plugin.core import fused_edit
 
-    return fused_edit.available(torch.empty(0, device=device))
+        if fused_edit.available(torch.empty(0, device=device)):
+            return None
+    except Exception as error:  # an older Triton without the API the kernel uses: said, not fatal
+        return f"not run: the fused Triton kernel cannot load ({type(error).__name__}: {error})"
+    return f"not run: the fused Triton kernel does not run on {device} here"
 
 
 def long_rows(opts, clock: Clock, log) -> List[dict]:
@@ -378,8 +384,8 @@ def long_rows(opts, clock: Clock, log) -> List[dict]:
                 "section": "long", "framework": "hf", "variant": LONG_VARIANT_NAMES[method], "tokens": length,
                 "dtype": "bf16", "model": model,
             }  # fmt: skip
-            if method in FUSED_METHODS and not fused_kernel_runs(opts.device):
-                given_up[method] = f"not run: the fused Triton kernel does not run on {opts.device} here"
+            if method in FUSED_METHODS and fused_kernel_missing(opts.device):
+                given_up[method] = fused_kernel_missing(opts.device)
             if method in given_up:
                 row["status"] = given_up[method]
                 rows.append(row)
@@ -406,6 +412,13 @@ def long_rows(opts, clock: Clock, log) -> List[dict]:
                 given_up[method] = f"not run: out of GPU memory at {length} tokens"
                 gc.collect()
                 torch.cuda.empty_cache()
+            except Exception as error:  # one method's failure is its row's, not the whole device run's
+                row["status"] = f"error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                given_up[method] = f"not run: failed at {length} tokens"
+                log(f"long {method} {length}: {row['status']}")
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             if row.get("time_ms"):  # the whole run, its first step included (7x the others on an H200 for GA)
                 last_run_s[method] = (length, sum(row["step_ms_all"]) / 1e3)
             log(f"long {method} {length}: {row.get('status')} {row.get('time_ms')} ms, {row.get('peak_mem_mib')} MiB")

@@ -143,3 +143,22 @@ def test_a_profiled_run_keeps_its_timed_steps_and_writes_the_extra_steps_table_b
     assert ga["profile_file"] == f"{written.stem}.profile.ad-drop-ga-all_128.txt"
     assert "Self CPU" in table and "aten::" in table and table in stdout + "\n"
     assert not any("profile_file" in r for r in rows if r is not ga)
+
+
+def test_a_method_that_fails_is_its_rows_status_and_the_others_still_run(monkeypatch):
+    """One device call measures everything: a run that raises (a kernel that does not compile there)
+    is written as that row's error, its longer lengths as not run, and the other methods go on."""
+    from attn_reg_lab import gpu_bench
+
+    def measure(method, opts, length, clock, log):
+        if method == "attendout":
+            raise RuntimeError("a kernel failed\nits traceback")
+        return {"time_ms": float(length), "peak_mem_mib": 1.0, "step_ms_all": [1.0, 1.0], "status": "ok"}
+
+    monkeypatch.setattr(gpu_bench, "_measure_long", measure)
+    opts = gpu_bench.parse_args(["--device", "cpu", "--sections", "long"])
+    rows = gpu_bench.long_rows(opts, gpu_bench.Clock(600), lambda msg: None)
+    status = {(r["variant"], r["tokens"]): r["status"] for r in rows}
+    assert status[("attendout", 64)] == "error: RuntimeError: a kernel failed"
+    assert status[("attendout", 128)] == "not run: failed at 64 tokens"
+    assert status[("hiddencut", 128)] == status[("ad-drop-ga-all", 128)] == "ok"

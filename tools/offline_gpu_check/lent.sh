@@ -2,7 +2,7 @@
 # profiled long row, each in its own time limit so that both fit one 10-minute command. From the
 # repository root with .gpu/ carried; logs and rows into $OUT.
 LIMIT=${CHECK_LIMIT:-250} bash .gpu/run.sh
-LIMIT=${BENCH_LIMIT:-300} BENCH_ARGS="--budget-s ${BENCH_BUDGET:-270} --profile ${PROFILE:-ad-drop-ga-all@4096} ${BENCH_ARGS:-}" \
+LIMIT=${BENCH_LIMIT:-300} BENCH_ARGS="--budget-s ${BENCH_BUDGET:-270} --profile ${PROFILE:-ad-drop-ga-all-fused@4096} ${BENCH_ARGS:-}" \
   bash .gpu/bench.sh
 cp docs/results/gpu_bench/*.txt "${OUT:-/tmp}/" 2>/dev/null
 true
