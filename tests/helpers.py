@@ -627,6 +627,21 @@ def tiny_llama(**config):
     )
 
 
+def fused_kernel_device() -> str:
+    """The device the fused Triton kernel's tests run on, for a test module to call at import: CUDA
+    (compiled there: make gpu-check), else the CPU in Triton's interpreter, which must be on when
+    Triton is first imported (tests/core/conftest.py turns it on). Skips the calling module without
+    Triton, or when Triton was imported before the interpreter was turned on."""
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return "cuda"
+    if not triton.knobs.runtime.interpret:
+        pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+    return "cpu"
+
+
 # The float dtypes the kernel and the masks are checked in.
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

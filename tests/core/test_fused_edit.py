@@ -8,14 +8,10 @@ import math
 import pytest
 import torch
 
-# Without a GPU the kernels run in Triton's interpreter, which must be on when Triton is first imported
-# (tests/core/conftest.py turns it on); with one they are compiled and run there.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRET = DEVICE == "cpu"
-triton = pytest.importorskip("triton")
-if INTERPRET and not triton.knobs.runtime.interpret:
-    pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
-from attn_reg_plugin.core import fused_edit as fe
+from helpers import fused_kernel_device
+
+DEVICE = fused_kernel_device()  # CUDA, compiled; else the CPU in Triton's interpreter
+from attn_reg_plugin.core import fused_edit as fe  # noqa: E402
 
 pytestmark = pytest.mark.gpu  # make gpu-check: compiled on CUDA; here in the interpreter
 

@@ -12,27 +12,18 @@ import math
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-triton = pytest.importorskip("triton")
-if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
-    pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+from helpers import CORE_B, CORE_D, CORE_T, fused_kernel_device, tiny_core_model, tiny_llama
+
+DEVICE = fused_kernel_device()
+pytestmark = pytest.mark.gpu  # make gpu-check: compiled on CUDA; here in the interpreter
 
 from attn_reg_plugin.core import devices  # noqa: E402
-
-pytestmark = pytest.mark.gpu  # make gpu-check: compiled on CUDA; here in the interpreter
 from attn_reg_plugin.core.ad_drop import ADDrop  # noqa: E402
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig  # noqa: E402
 from attn_reg_plugin.core.attribution import logit_target  # noqa: E402
 from attn_reg_plugin.core.fused_route import fused_drops  # noqa: E402
 from attn_reg_plugin.core.kernel import BlockCall, edit_attention  # noqa: E402
-from attn_reg_plugin.core.rules import (  # noqa: E402
-    BernoulliRule,
-    DenseRule,
-    GradientScores,
-    RandomScores,
-    TopRegionRule,
-)
-from helpers import CORE_B, CORE_D, CORE_T, tiny_core_model, tiny_llama  # noqa: E402
+from attn_reg_plugin.core.rules import BernoulliRule, DenseRule, GradientScores, RandomScores, TopRegionRule  # noqa: E402
 
 
 def tensors(b=2, h=2, h_kv=2, t=20, s=27, d=4, seed=0):
