@@ -346,7 +346,8 @@ def _job_when_ended(job: str, wait_s: float = 120.0) -> str:
 
 @needs_slurm
 def test_a_run_longer_than_the_time_limit_saves_is_requeued_and_completes(tiny_mt_data, tmp_path, one_thread):
-    """--slurm-time 1, Slurm's least, for a run of about 60 s of training. Slurm signals the job
+    """--slurm-time 1, Slurm's least, for a run of about 2 minutes of training (40 epochs, about a minute,
+    once finished before the signal came: the test must not race it). Slurm signals the job
     15 s before its limit (submitit's default, 90 s, is longer than the whole job: it ended every
     run in 3-5 s, FAILED), up to a minute early (its resolution); fairseq-train saves checkpoint_last.pt there
     and exits, and submitit requeues the job (the same job id, Slurm's Restarts); it resumes from
@@ -356,7 +357,7 @@ def test_a_run_longer_than_the_time_limit_saves_is_requeued_and_completes(tiny_m
     run, key = out / "runs" / cell / "seed1", f"{cell}/seed1"
     argv = [
         str(tiny_mt_data["bin"]), "--out-dir", str(out), "--p", "0.5", "--q", "0.5", "--schedule", "always",
-        "--epochs", "40", "--launcher", "slurm", "--slurm-time", "1", "--slurm-max-requeues", "9",
+        "--epochs", "80", "--launcher", "slurm", "--slurm-time", "1", "--slurm-max-requeues", "9",
         "--", *TINY_MT_TRAIN,
     ]  # fmt: skip
     lines = []
@@ -378,7 +379,7 @@ def test_a_run_longer_than_the_time_limit_saves_is_requeued_and_completes(tiny_m
     assert log.count("attn_reg: saved checkpoint_last.pt on the job's time-limit signal") >= 1
     assert log.count("Loaded checkpoint") >= 1
     result = json.loads((run / "result.json").read_text())
-    assert result["epochs"] == 40 and len(result["resumed_at_epochs"]) >= 1
+    assert result["epochs"] == 80 and len(result["resumed_at_epochs"]) >= 1
     md = (out / "results.md").read_text()
     assert f"- {cell} seed 1: resumed at epoch " in md and "give --rebuild-batches after '--'" in md
     console = "\n".join(lines)  # the resume's notice, not only in the job's log
