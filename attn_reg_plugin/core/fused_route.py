@@ -5,8 +5,9 @@ that the kernel covers runs there instead of :class:`~.kernel.EditAttention`, wh
 (a CUDA GPU, or its interpreter in the CPU tests); any other call takes the PyTorch path as before.
 Covered: scheduled dropout (:class:`~.rules.BernoulliRule`) and AD-DROP GA
 (:class:`~.rules.TopRegionRule` over :class:`~.rules.GradientScores`, ``samples`` included), with
-no bias or a key-padding one, causal or not, without the model's attention dropout inside the
-call, rows made uniform, a ``droppable`` restriction or the map returned.
+no bias or a key-padding one, causal or not, one head size of at most ``MAX_HEAD_DIM`` for q, k and
+v; not with the model's attention dropout inside the call, rows made uniform, a ``droppable``
+restriction or the map returned.
 
 AD-DROP's region is exact: each row's threshold, k and last tied key come from the kernel's own
 product dO V^T (:func:`~.fused_edit.attribution_scores`, one block of query rows at a time,
@@ -27,7 +28,9 @@ from . import fused_edit
 from .masks import valid_keys_from_bias
 from .rules import BernoulliRule, Block, GradientScores, TopRegionRule
 
-SWITCH = "ATTN_REG_FUSED"
+# The kernel holds a row tile's q, the attribution and the output in one block of (64, head dim):
+# wider heads would take more shared memory than a GPU's multiprocessor has.
+MAX_HEAD_DIM = 128
 
 
 def key_padding_bias(bias: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
@@ -49,6 +52,8 @@ def fused_drops(q, k, v, bias, call) -> Optional[fused_edit.EditDrops]:
         return None
     if not fused_edit.available(q) or torch.compiler.is_compiling() or call.seed is None:
         return None
+    if not q.numel() or not k.shape[2] or not q.shape[-1] == k.shape[-1] == v.shape[-1] <= MAX_HEAD_DIM:
+        return None  # an empty call (a last shard), a value head of its own size, a head too wide for a tile
     if bias is not None and key_padding_bias(bias, q.shape[0]) is None:
         return None
     seed = int(call.seed)

@@ -191,3 +191,16 @@ def test_an_hf_llama_step_with_gradient_checkpointing_on_the_route(padded, monke
     torch.testing.assert_close(fused[0], portable[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(fused[2], portable[2]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", ["empty call", "head wider than a tile", "value head of its own size"])
+def test_shapes_the_kernel_does_not_take_stay_on_the_pytorch_path(shape, monkeypatch):
+    q, k, v, _, _ = tensors(d=136 if shape == "head wider than a tile" else 4)
+    if shape == "empty call":  # a last shard with no query
+        q = q[:, :, :0]
+    if shape == "value head of its own size":
+        v = torch.randn((*v.shape[:-1], 6), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    call = block_call(BernoulliRule(torch.tensor(0.3)), q.shape[2])
+    assert fused_drops(q, k, v, None, call) is None
+    out = run(q, k, v, None, call, True, monkeypatch)[0]
+    assert out.shape == (*q.shape[:-1], v.shape[-1]) and torch.isfinite(out).all()
