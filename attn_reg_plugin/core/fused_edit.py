@@ -63,6 +63,7 @@ def _constant(value):
 
 _NONE, _AD_DROP, _UNIFORM, _MASKED_BIAS = (_constant(x) for x in (NONE, AD_DROP, UNIFORM, MASKED_BIAS))
 _DROP, _REGION, _VALID = (_constant(x) for x in (DROP, REGION, VALID))
+_FLOAT32_MAX = _constant(torch.finfo(torch.float32).max)
 
 
 def _jit(fn):
@@ -78,12 +79,14 @@ def _helper(fn):
 
 def available(q: torch.Tensor) -> bool:
     """Whether the fused kernel can run on ``q``: Triton installed and q on the device of Triton's
-    active driver (a CUDA GPU), or Triton's interpreter on (TRITON_INTERPRET=1, the CPU tests).
-    Triton, not a device type, answers: the core compares device types only in devices.py."""
+    active driver (a CUDA GPU), or Triton's interpreter on (TRITON_INTERPRET=1, the CPU tests) for
+    any dtype but bf16: Triton 3.7.1's interpreter gets a bf16 tl.dot wrong (a one-line bf16 dot
+    kernel is off by ~1e10). Triton, not a device type, answers: the core compares device types
+    only in devices.py."""
     if triton is None:
         return False
     if triton.knobs.runtime.interpret:
-        return True
+        return q.dtype != torch.bfloat16
     try:
         return q.device == triton.runtime.driver.active.get_active_torch_device()
     except RuntimeError:  # no GPU driver ("0 active drivers")
@@ -112,10 +115,11 @@ def _validity(BIAS, b, rows, keys, T, S, CAUSAL: tl.constexpr, HAS_BIAS: tl.cons
 
 @_helper
 def _attribution_score(attr, attr_v):
-    """dO_attr V_attr^T of a tile in float32, NaN as 0 (TopRegionRule's nan_to_num): every kernel's
-    one product, so that a threshold from attribution_scores is one the others compare exactly."""
+    """dO_attr V_attr^T of a tile in float32, NaN as 0 and +-inf as the largest finite values
+    (TopRegionRule's nan_to_num): every kernel's one product, so that a threshold from
+    attribution_scores is one the others compare exactly."""
     score = tl.dot(attr, tl.trans(attr_v), input_precision="ieee")
-    return tl.where(score == score, score, 0.0)
+    return tl.clamp(tl.where(score == score, score, 0.0), -_FLOAT32_MAX, _FLOAT32_MAX)
 
 
 @_helper

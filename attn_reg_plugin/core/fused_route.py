@@ -42,7 +42,13 @@ def key_padding_bias(bias: Optional[torch.Tensor], batch: int) -> Optional[torch
         if bias.stride(2) != 0:  # a materialised (B, 1, T, S) mask: its rows may differ
             return None
         bias = bias[:, :, :1]
-    return bias
+    if bias.dtype == torch.bool:
+        return bias
+    # Padding is decided in the bias's own dtype, as the PyTorch path does (a bf16 -1e4 is -9984, padding
+    # there, valid once cast). The kernel then reads float32 with -inf at padding, and a valid key
+    # never at or below its -1e4 threshold (raised by at most float32's rounding there).
+    floor = torch.nextafter(torch.tensor(fused_edit.MASKED_BIAS), torch.tensor(0.0)).item()
+    return torch.where(valid_keys_from_bias(bias), bias.float().clamp(min=floor), -math.inf)
 
 
 def fused_drops(q, k, v, bias, call) -> Optional[fused_edit.EditDrops]:
@@ -82,7 +88,7 @@ def _ad_drop(q, k, bias, call, rule: TopRegionRule, seed: int) -> fused_edit.Edi
         if call.causal:
             valid = valid & (keys <= torch.arange(rows.start, rows.stop, device=q.device)[:, None] + s - t)
         shape = (b, h, rows.stop - rows.start, s)
-        scores = fused_edit.attribution_scores(attribution[:, :, rows], values)  # NaN already 0, as the rule's
+        scores = fused_edit.attribution_scores(attribution[:, :, rows], values)  # NaN 0, inf finite: as the rule's
         scores = scores.masked_fill(~valid, -math.inf)
         _, (row_threshold, row_k, _), _ = rule.region(Block(rows, valid, shape, (b, h, t, s), None), scores)
         if rule.samples is not None:  # other samples lose nothing: no region

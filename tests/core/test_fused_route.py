@@ -204,3 +204,64 @@ def test_shapes_the_kernel_does_not_take_stay_on_the_pytorch_path(shape, monkeyp
     assert fused_drops(q, k, v, None, call) is None
     out = run(q, k, v, None, call, True, monkeypatch)[0]
     assert out.shape == (*q.shape[:-1], v.shape[-1]) and torch.isfinite(out).all()
+
+
+def _padding_in(dtype, fill, lengths=(27, 15), s=27):
+    """(B, 1, 1, S) bias made in ``dtype`` itself: 0 at real keys, ``fill`` after each length."""
+    keys, zero, filled = torch.arange(s), torch.tensor(0.0, dtype=dtype), torch.tensor(fill, dtype=dtype)
+    return torch.stack([torch.where(keys < n, zero, filled) for n in lengths]).view(len(lengths), 1, 1, s).to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    "bias_case",
+    ["bf16 fill of -1e4 (-9984 there: padding)", "float64 -9999.9999 (valid; -1e4 in float32)", "fp16 -inf"],
+)
+@pytest.mark.parametrize("rule", ["bernoulli", "ad-drop"])
+def test_padding_is_decided_in_the_biass_own_dtype_as_on_the_pytorch_path(bias_case, rule, monkeypatch):
+    """A key is padding where the bias, in its own dtype, is at or below -1e4 (masks.valid_keys_from_bias):
+    a BERT-style (1 - mask) * -10000 in bf16 is padding, a float64 -9999.9999 is not, whatever the
+    float32 the kernel reads."""
+    q, k, v, attribution, values = tensors()
+    dtype, fill = {
+        "bf16": (torch.bfloat16, -1e4),
+        "float64": (torch.float64, -9999.9999),
+        "fp16": (torch.float16, -math.inf),
+    }[bias_case.split()[0]]
+    bias = _padding_in(dtype, fill)
+    if rule == "bernoulli":
+        call = block_call(BernoulliRule(torch.tensor(1.0)), q.shape[2])
+    else:
+        call = block_call(TopRegionRule(GradientScores(attribution, values), 0.3, 1.0), q.shape[2])
+    assert fused_drops(q, k, v, bias, call) is not None
+    fused, portable = (run(q, k, v, bias, call, on, monkeypatch) for on in (True, False))
+    assert fused[4:] == portable[4:]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), fused[:4], portable[:4]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("negate", [False, True])
+def test_infinite_attribution_scores_rank_as_the_largest_finite_ones(negate, monkeypatch):
+    """An attribution product that overflows float32 ranks as float32's largest value, equal to one
+    that reaches it (TopRegionRule's nan_to_num), so both paths take the same region."""
+    q, k, v, attribution, values = tensors()
+    attribution = torch.zeros_like(attribution)
+    attribution[..., 0] = torch.finfo(torch.float32).max / 2
+    values = torch.zeros_like(values)
+    values[:, :, 3, 0], values[:, :, 7, 0] = 2.0, 4.0  # key 3 scores float32's max, key 7 overflows
+    # k = 1 of 27 keys (p = 0.03): the threshold is the overflowing key's score itself.
+    call = block_call(TopRegionRule(GradientScores(attribution, values, negate), 1.0 if negate else 0.03, 1.0), 20)
+    fused, portable = (run(q, k, v, None, call, on, monkeypatch) for on in (True, False))
+    assert fused[4:] == portable[4:] and fused[4] > 0
+    for name, a, b in zip(("out", "dq", "dk", "dv"), fused[:4], portable[:4]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_bf16_stays_on_the_pytorch_path_in_the_interpreter():
+    """Triton 3.7.1's interpreter gets a bf16 tl.dot wrong, so there a bf16 call is not the kernel's
+    (compiled on a GPU, bf16 is covered: make gpu-check's autocast tests reach it)."""
+    if DEVICE != "cpu":
+        pytest.skip("compiled on CUDA: bf16 is covered there")
+    q, k, v, _, _ = tensors()
+    call = block_call(BernoulliRule(torch.tensor(0.3)), q.shape[2])
+    assert fused_drops(*(x.bfloat16() for x in (q, k, v)), None, call) is None
+    assert fused_drops(*(x.half() for x in (q, k, v)), None, call) is not None
