@@ -184,6 +184,14 @@ def _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N: tl.constexpr, BLOCK_D
 
 
 @_helper
+def _key_tiles(K, V, AV, kv, keys, S, dims, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, RULE: tl.constexpr):
+    """A key tile's k, v and attribution values: what the forward and both backward kernels read."""
+    k_tile = _load_rows(K + kv * S * D, keys, S, dims, D)
+    v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
+    return k_tile, v_tile, _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
+
+
+@_helper
 def _causal_end(start_m, BLOCK_M: tl.constexpr, T, S, CAUSAL: tl.constexpr):
     """The keys a block of query rows may attend lie below this (all S unless causal)."""
     end = S
@@ -207,9 +215,7 @@ def _forward_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, OUT, LSE, seed, lim
     acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     for start_n in range(0, _causal_end(start_m, BLOCK_M, T, S, CAUSAL), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k_tile = _load_rows(K + kv * S * D, keys, S, dims, D)
-        v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
-        attr_v = _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
+        k_tile, v_tile, attr_v = _key_tiles(K, V, AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
         s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
                     RULE, CAUSAL, HAS_BIAS)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -236,9 +242,7 @@ def _backward_kv_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA,
     start_n, kv = tl.program_id(0) * BLOCK_N, tl.program_id(1)
     b = kv // (H // GROUP)
     keys, dims = start_n + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
-    k_tile = _load_rows(K + kv * S * D, keys, S, dims, D)
-    v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
-    attr_v = _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
+    k_tile, v_tile, attr_v = _key_tiles(K, V, AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     first = 0
@@ -282,9 +286,7 @@ def _backward_q_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA, 
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     for start_n in range(0, _causal_end(start_m, BLOCK_M, T, S, CAUSAL), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k_tile = _load_rows(K + kv * S * D, keys, S, dims, D)
-        v_tile = _load_rows(V + kv * S * D, keys, S, dims, D)
-        attr_v = _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
+        k_tile, v_tile, attr_v = _key_tiles(K, V, AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
         s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
                     RULE, CAUSAL, HAS_BIAS)  # fmt: skip
         p = tl.exp(s - lse[:, None])
@@ -314,7 +316,7 @@ def _row_counts_kernel(BIAS, ATTR, AV, THR, TIE, N_VALID, N_DROPPED, seed, limit
     for start_n in range(0, _causal_end(start_m, BLOCK_M, T, S, CAUSAL), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         valid, unused_bias = _validity(BIAS, b, rows, keys, T, S, CAUSAL, HAS_BIAS)
-        attr_v = _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
+        attr_v = _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)  # no k or v needed
         drop, unused_region = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie,
                                      keep, RULE)  # fmt: skip
         n_valid += tl.sum(valid.to(tl.int32), 1)
