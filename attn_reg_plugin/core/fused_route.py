@@ -20,7 +20,7 @@ distributed alike.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -31,6 +31,15 @@ from .rules import BernoulliRule, Block, GradientScores, TopRegionRule
 # The kernel holds a row tile's q, the attribution and the output in one block of (64, head dim):
 # wider heads would take more shared memory than a GPU's multiprocessor has.
 MAX_HEAD_DIM = 128
+# The least float32 above the kernel's padding threshold: where a valid key's bias is raised to, at most.
+VALID_FLOOR = torch.nextafter(torch.tensor(fused_edit.MASKED_BIAS), torch.tensor(0.0)).item()
+
+
+class FusedCall(NamedTuple):
+    """What the kernel is given for a call besides q, k, v: its drops and its key-padding bias (or None)."""
+
+    drops: fused_edit.EditDrops
+    key_bias: Optional[torch.Tensor]
 
 
 def key_padding_bias(bias: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
@@ -47,12 +56,12 @@ def key_padding_bias(bias: Optional[torch.Tensor], batch: int) -> Optional[torch
     # Padding is decided in the bias's own dtype, as the PyTorch path does (a bf16 -1e4 is -9984, padding
     # there, valid once cast). The kernel then reads float32 with -inf at padding, and a valid key
     # never at or below its -1e4 threshold (raised by at most float32's rounding there).
-    floor = torch.nextafter(torch.tensor(fused_edit.MASKED_BIAS), torch.tensor(0.0)).item()
-    return torch.where(valid_keys_from_bias(bias), bias.float().clamp(min=floor), -math.inf)
+    return torch.where(valid_keys_from_bias(bias), bias.float().clamp(min=VALID_FLOOR), -math.inf)
 
 
-def fused_drops(q, k, v, bias, call) -> Optional[fused_edit.EditDrops]:
-    """The kernel's drops for this call (a :class:`~.kernel.BlockCall`) when the kernel covers it, else None."""
+def fused_drops(q, k, v, bias, call) -> Optional[FusedCall]:
+    """The kernel's drops and key bias for this call (a :class:`~.kernel.BlockCall`) when the kernel
+    covers it, else None."""
     rule = call.rule
     if call.uniform is not None or call.droppable is not None or call.dropout_p or call.need_weights:
         return None
@@ -60,19 +69,20 @@ def fused_drops(q, k, v, bias, call) -> Optional[fused_edit.EditDrops]:
         return None
     if not q.numel() or not k.shape[2] or not q.shape[-1] == k.shape[-1] == v.shape[-1] <= MAX_HEAD_DIM:
         return None  # an empty call (a last shard), a value head of its own size, a head too wide for a tile
-    if bias is not None and key_padding_bias(bias, q.shape[0]) is None:
+    key_bias = None if bias is None else key_padding_bias(bias, q.shape[0])
+    if bias is not None and key_bias is None:
         return None
     seed = int(call.seed)
     if isinstance(rule, BernoulliRule):
-        return fused_edit.EditDrops(fused_edit.BERNOULLI, float(rule.probability), seed)
+        return FusedCall(fused_edit.EditDrops(fused_edit.BERNOULLI, float(rule.probability), seed), key_bias)
     if isinstance(rule, TopRegionRule) and isinstance(rule.source, GradientScores):
-        return _ad_drop(q, k, bias, call, rule, seed)
+        return FusedCall(_ad_drop(q, k, key_bias, call, rule, seed), key_bias)
     return None
 
 
-def _ad_drop(q, k, bias, call, rule: TopRegionRule, seed: int) -> fused_edit.EditDrops:
+def _ad_drop(q, k, key_bias, call, rule: TopRegionRule, seed: int) -> fused_edit.EditDrops:
     """AD-DROP GA's drops: per row the threshold, last tied key and lowest-scored key of the region
-    over the kernel's own scores, block by block of query rows."""
+    over the kernel's own scores, block by block of query rows (``key_bias``: key_padding_bias's)."""
     b, h, t, _ = q.shape
     s = k.shape[2]
     source = rule.source
@@ -80,11 +90,12 @@ def _ad_drop(q, k, bias, call, rule: TopRegionRule, seed: int) -> fused_edit.Edi
     values = source.values.repeat_interleave(k.shape[1] // source.values.shape[1], 1)  # as attend's k and v
     threshold = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
     last_tie, lowest = (torch.empty((b, h, t), dtype=torch.int32, device=q.device) for _ in range(2))
-    padding = None if bias is None else valid_keys_from_bias(key_padding_bias(bias, b))
+    every_key = torch.ones((1, 1, 1, s), dtype=torch.bool, device=q.device)
+    padding = every_key if key_bias is None else valid_keys_from_bias(key_bias)
     keys = torch.arange(s, device=q.device)
     for start in range(0, t, max(1, call.rows_per_block)):
         rows = slice(start, min(t, start + call.rows_per_block))
-        valid = torch.ones((1, 1, 1, s), dtype=torch.bool, device=q.device) if padding is None else padding
+        valid = padding
         if call.causal:
             valid = valid & (keys <= torch.arange(rows.start, rows.stop, device=q.device)[:, None] + s - t)
         shape = (b, h, rows.stop - rows.start, s)

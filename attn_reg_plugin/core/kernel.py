@@ -542,11 +542,10 @@ def edit_attention(q, k, v, bias, call: BlockCall):
 def _fused(q, k, v, bias, call: BlockCall):
     """The call on the fused Triton kernel where it covers it (:mod:`.fused_route`), else EditAttention."""
     from .fused_edit import fused_edit_attention  # Triton is imported only when asked for
-    from .fused_route import fused_drops, key_padding_bias
+    from .fused_route import fused_drops
 
-    drops = fused_drops(q, k, v, bias, call)
-    if drops is None:
+    fused = fused_drops(q, k, v, bias, call)
+    if fused is None:
         return EditAttention.apply(q, k, v, bias, call)
-    key_bias = None if bias is None else key_padding_bias(bias, q.shape[0])
-    out, dropped, droppable = fused_edit_attention(q, k, v, drops, key_bias, call.causal, call.scale)
+    out, dropped, droppable = fused_edit_attention(q, k, v, fused.drops, fused.key_bias, call.causal, call.scale)
     return out, None, dropped, droppable
