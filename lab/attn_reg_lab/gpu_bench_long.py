@@ -181,8 +181,9 @@ def long_rows(opts, clock: Clock, log) -> List[dict]:
                 "section": "long", "framework": "hf", "variant": LONG_VARIANT_NAMES[method], "tokens": length,
                 "dtype": "bf16", "model": model,
             }  # fmt: skip
-            if method in FUSED_METHODS and fused_kernel_missing(opts.device):
-                given_up[method] = fused_kernel_missing(opts.device)
+            missing = fused_kernel_missing(opts.device) if method in FUSED_METHODS else None
+            if missing:
+                given_up[method] = missing
             if method in given_up:
                 row["status"] = given_up[method]
                 rows.append(row)
