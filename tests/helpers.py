@@ -672,12 +672,23 @@ def assert_all_close_to_reference(actuals, references, rtol=1e-5):
         assert_close_to_reference(a, r, rtol=rtol, msg=lambda m, i=i: f"tensor {i}: {m}", scale=scale)
 
 
-def site_with_hook(hook=None):
-    """Encoder self-attention layer 0's site, holding ``hook`` (None: plain attention) and a
-    ``PassRecord`` that collects what its calls hand back (``site.record.counts()``)."""
-    from attn_reg_plugin.core.attention_call import AttentionSite, PassRecord
+class HandPass:
+    """A pass built by hand, asking ``hook`` (None: plain attention) of encoder self-attention layer
+    0: ``attend(..., **one.call)`` runs a call under it, ``one.record`` is what its calls handed back
+    (``one.record.counts()``); ``seed``: the 0-d tensor keying its drops (none: each call draws one)."""
 
-    return AttentionSite("encoder-self", 0, hook=hook, record=PassRecord())
+    def __init__(self, hook=None, seed=None):
+        from attn_reg_plugin.core.attention_call import AttentionSite, Plan, Record
+
+        self.site, self.record = AttentionSite("encoder-self", 0), Record()
+        self.plan = Plan.asking({self.site: hook}, self.record, None if seed is None else {self.site: seed})
+
+    @property
+    def call(self) -> dict:
+        return {"site": self.site, "plan": self.plan}
+
+
+hand_pass = HandPass
 
 
 def kernel_dropout_at_hooked_calls(monkeypatch):

@@ -5,7 +5,7 @@ and hand them here together with the attention's additive bias (padding / causal
 the module's :class:`~attn_reg_plugin.core.controller.AttentionSite`. :func:`attend` reads what the
 current pass does on the site once, as an immutable :class:`~.attention_call.AttentionCall`, runs the
 pure kernel :func:`attention_kernel` with it, and adds what the kernel captured and counted to the
-pass's :class:`~attn_reg_plugin.core.attention_call.PassRecord`. What the kernel does on top of ordinary
+pass's :class:`~attn_reg_plugin.core.attention_call.Record`. What the kernel does on top of ordinary
 scaled dot-product attention is decided by the call's *hook* (defined in :mod:`.attention_call`),
 set on the site by the controller for one pass:
 
@@ -119,7 +119,7 @@ def attend(
     with a cache; sdpa's ``is_causal`` when T = S), on top of ``bias``. Prefer it to a causal mask:
     the kernel then never builds a (T, S) one where sdpa or a block of queries can do without.
     ``plan``: the pass, when the model's call carries it (transformers' model kwargs); else the
-    site's slot says what the pass does. A checkpointed layer must carry it to its recompute
+    innermost pass in progress on the site says what the call does. A checkpointed layer must carry it to its recompute
     (:meth:`~.controller.RegularizationController.checkpoint`).
     ``call``: ``call_of(site, plan)`` when the adapter read it already (to take its stock path on
     an ordinary call), so that a call is read once.

@@ -1,27 +1,25 @@
 """What one attention call does, fixed before the kernel runs, and what it hands back; a pass as
-values: what it asks of each site (:class:`Plan`) and what its calls handed back (:class:`PassRecord`).
+values: what it asks of each site (:class:`Plan`) and what its calls handed back (:class:`Record`).
 
-A pass sets a *hook* on a site (:meth:`~.controller.RegularizationController.hooks`): an immutable
-:data:`Hook` (:class:`CaptureOutput`, :class:`CaptureProbs` or :class:`EditScores`) saying what
-the kernel does on top of ordinary attention. :func:`call_of` reads the call's site, or the
-:class:`Plan` the call carried, once into an immutable :class:`AttentionCall`;
-:func:`~attn_reg_plugin.core.attention.attention_kernel` computes from it alone and returns what it
-captured and counted as a :class:`Captured`, which :func:`~.attention.attend` adds to the pass's
-record. Only the controller writes sites; nothing here or in the kernel does.
+A pass asks a *hook* of each site it names (an immutable :data:`Hook`: :class:`CaptureOutput`,
+:class:`CaptureProbs` or :class:`EditScores`, what the kernel does on top of ordinary attention),
+as a :class:`Plan`: :meth:`~.controller.RegularizationController.hooks` builds it, registers it for
+its forward (:func:`passing`) and yields its :class:`Record`. :func:`call_of` reads the plan the
+call carried, or else the innermost one in progress on the call's site, once into an immutable
+:class:`AttentionCall`; :func:`~attn_reg_plugin.core.attention.attention_kernel` computes from it
+alone and returns what it captured and counted as a :class:`Captured`, which
+:func:`~.attention.attend` adds to the pass's record. A site is ``(kind, layer)``: nothing writes it.
 
-:meth:`~.controller.RegularizationController.hooks` sets a pass on its sites for its forward and
-yields its record; the plan is the same pass as an immutable value that a checkpointed call carries
-to its recompute (transformers' model kwargs, fairseq's wrapped layers,
-:meth:`~.controller.RegularizationController.checkpoint`), which :func:`applied` sets again.
+A checkpointed call carries its plan to its recompute (transformers' model kwargs, fairseq's
+wrapped layers, :meth:`~.controller.RegularizationController.checkpoint`), which :func:`applied`
+registers again for the recompute.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -29,30 +27,20 @@ import torch
 from .rules import AttentionScores, BlockRule, DenseRule
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class AttentionSite:
-    """One attention module: its kind, its 0-based layer, and what the current pass does on it.
+    """One attention module: its kind and 0-based layer, and nothing else.
 
-    ``hook`` and ``seed`` are the slot a pass fills for its forward (:meth:`~.controller.RegularizationController.hooks`)
-    and nothing else writes, but a recompute that carries the pass back (:func:`applied`): the
-    kernel only reads them. ``seed`` (a 0-d int64 CPU tensor) keys the random numbers of a drop rule,
-    one block or many (:mod:`.rules`), so every evaluation of the same pass on the same site
-    (the forward, its backward, an activation-checkpoint recompute, a compiled graph) makes the same drops.
+    A site is its own identity (compared and hashed as an object): a copy of a model (an EMA, a
+    teacher, AttendOut's Attacker) has sites of its own, which no pass on the original reaches.
+    What a pass does on a site is in the pass's :class:`Plan`, never on the site.
     """
 
     kind: str
     layer: int
-    hook: Optional[Hook] = None
-    seed: Optional[torch.Tensor] = None
-    record: Optional[PassRecord] = None  # where the pass collects what the site's calls hand back
 
     def __repr__(self) -> str:  # readable in error messages
         return f"{self.kind}[{self.layer}]"
-
-    def __deepcopy__(self, memo) -> AttentionSite:
-        # A copy of a model (an EMA, a teacher, a snapshot) taken during a pass gets sites of the
-        # same kind and layer, with no pass on them.
-        return AttentionSite(self.kind, self.layer)
 
 
 # -- hooks: what the kernel does on a site for one pass (immutable values) ----------------------
@@ -62,7 +50,7 @@ class CaptureOutput:
 
     ``alpha``: the map is scaled by it (integrated gradients), so the output is alpha A V;
     ``keeps_weights``: also keep what the weights are recomputed from (``rules.AttentionScores``:
-    q, k, bias). What the calls keep comes back in the pass's :class:`PassRecord`.
+    q, k, bias). What the calls keep comes back in the pass's :class:`Record`.
     """
 
     alpha: float = 1.0
@@ -75,7 +63,7 @@ class CaptureOutput:
 @dataclass(frozen=True, eq=False)
 class CaptureProbs:
     """Materialise the attention map, scaled by ``alpha`` (integrated gradients); the pass's
-    :class:`PassRecord` keeps it."""
+    :class:`Record` keeps it."""
 
     alpha: float = 1.0
     requires_grad: bool = True
@@ -95,7 +83,7 @@ class EditScores:
     ``uniform_rows``: True (every row) or bool broadcastable to (B, H, T, 1), e.g. a (1, 1, 1, 1)
     per-pass flag; such rows attend uniformly to their valid keys (attention LayerDrop). A row whose every valid key is in ``drop`` is made
     uniform the same way (AttendOut Eq. 4), never left all-masked.
-    ``counted``: each call hands the pass's :class:`PassRecord` what it applied: the dropped and
+    ``counted``: each call hands the pass's :class:`Record` what it applied: the dropped and
     droppable units (a reduction over the map, so only when asked) and whether its rows-made-uniform
     flag was set. Counted where applied, a hook that never reaches the kernel (a module not routed
     through it) counts nothing.
@@ -174,7 +162,7 @@ class AttentionCall:
     hook: Optional[Hook] = None
     recompute: bool = False
     seed: Optional[torch.Tensor] = None
-    record: Optional[PassRecord] = None  # where the call's pass collects what it hands back
+    record: Optional[Record] = None  # where the call's pass collects what it hands back
 
 
 ORDINARY = AttentionCall()
@@ -198,39 +186,43 @@ class Captured:
 
 def call_of(site: Optional[AttentionSite], plan: Optional[Plan] = None) -> AttentionCall:
     """What this call of ``site`` does: the hook and seed of the pass, read from the ``plan`` the call
-    carried (transformers' model kwargs; a checkpointed layer's arguments, also in its recompute), or
-    else from the site's slot. Adapters ask it too: an ordinary call may take their stock path."""
+    carried (transformers' model kwargs), or else from the innermost pass in progress on the site
+    (:func:`passing`; a recompute's carried pass, :func:`applied`). Adapters ask it too: an ordinary
+    call may take their stock path."""
     if site is None:
+        return ORDINARY
+    uncarried = plan is None
+    if uncarried:
+        plan = active_plan(site)
+        if plan is None:
+            return ORDINARY
+        uncarried = plan.uncarried_here()
+    hook, seed, record = plan.of(site)
+    if hook is None:
         return ORDINARY
     if torch.compiler.is_compiling():
         # Traced: a compiled region recomputes from its own graph; the seed, a tensor, is an input
         # of that graph (no guard on its value, so a new pass compiles nothing).
-        return ORDINARY if site.hook is None else AttentionCall(site.hook, False, site.seed, site.record)
-    hook, seed, record = plan.of(site) if plan is not None else (site.hook, site.seed, site.record)
-    if hook is None:
-        return ORDINARY
-    if plan is None and not torch.is_grad_enabled():
-        _refuse_edits_without_autograd([(site, hook)])
+        return AttentionCall(hook, False, seed, record)
+    if uncarried:
+        _refuse_uncarried_edit(site, hook)
     return AttentionCall(hook, record is None or not record.open, seed, record)
 
 
-def _refuse_edits_without_autograd(hooks: Iterable[Tuple[AttentionSite, Optional[Hook]]]) -> None:
-    """A pass that edits attention, read from its sites (not carried in a call) with autograd off: a
-    forward under ``no_grad``, or of a bare reentrant ``torch.utils.checkpoint``, whose recompute in the
-    backward would come after the pass, as ordinary attention: another function's gradients, silently.
-    (Asked with autograd off only.)"""
-    carrying = getattr(_carried, "grad_enabled", None)
-    if carrying and not carrying[-1]:  # inside our own reentrant checkpoint's forward: its recompute repeats the pass
-        return
-    for site, hook in hooks:
-        if isinstance(hook, EditScores) and changes_output(hook):
-            raise RuntimeError(
-                f"attention {site} ran a regularized pass with autograd off (a forward under torch.no_grad() or "
-                "inference_mode, or of a bare reentrant torch.utils.checkpoint). A regularized pass is a training "
-                "forward, and a bare checkpoint recomputes its layer in the backward after the pass, as ordinary "
-                "attention, so its gradients would be wrong. Run no-grad forwards outside the pass, and checkpoint "
-                "with controller.checkpoint(layer, *args, use_reentrant=...), which carries the pass into the recompute"
-            )
+def _refuse_uncarried_edit(site: AttentionSite, hook: Hook) -> None:
+    """Refuse an edit read from the pass in progress (not carried by the call) with autograd off: a
+    forward under ``no_grad``, or of a bare reentrant ``torch.utils.checkpoint``, whose recompute in
+    the backward would come after the pass, as ordinary attention: another function's gradients,
+    silently. (A bare non-reentrant checkpoint's forward runs with autograd on, and only torch's
+    private saved-tensor hooks tell it apart: its recompute meets torch's CheckpointError.)"""
+    if not torch.is_grad_enabled() and isinstance(hook, EditScores) and changes_output(hook):
+        raise RuntimeError(
+            f"attention {site} ran a regularized pass with autograd off (a forward under torch.no_grad() or "
+            "inference_mode, or of a bare reentrant torch.utils.checkpoint). A regularized pass is a training "
+            "forward, and a bare checkpoint recomputes its layer in the backward after the pass, as ordinary "
+            "attention, so its gradients would be wrong. Run no-grad forwards outside the pass, and checkpoint "
+            "with controller.checkpoint(layer, *args, use_reentrant=...), which carries the pass into the recompute"
+        )
 
 
 # -- the pass: what it asks of each site, and what its calls handed back ------------------------
@@ -245,7 +237,7 @@ def add_counts(total: List[torch.Tensor], more: List[torch.Tensor]) -> List[torc
 
 
 @dataclass(eq=False)
-class PassRecord:
+class Record:
     """What the calls of one pass handed back, in call order: (site, ``Captured``) pairs, added by
     :func:`~.attention.attend` (never by the kernel). The pass
     (:meth:`~.controller.RegularizationController.hooks`) yields it; read it when the pass's
@@ -297,24 +289,52 @@ class PassRecord:
         return total
 
 
+Spec = Tuple[Optional[Hook], Optional[torch.Tensor], Optional[weakref.ref]]
+NO_CALL: Spec = (None, None, None)
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """What one pass asks of each site, as a value: ``calls`` maps each site the pass hooks to its
-    (hook, seed, record). It travels with the model's call (transformers' model kwargs, the
-    arguments a checkpoint keeps for its recompute), so a layer recomputed in the backward, after
-    the pass ended, repeats it: the same hook and seed give the same drops, and its own record,
-    closed by then, takes nothing (not another pass's, open at the time). The record is held weakly:
-    a checkpoint keeps a layer's arguments, the plan among them, until its backward, and must not keep
-    what the pass captured alive with them (GA's outputs hold the attribution pass's whole graph)."""
+    """What one pass asks of each site, as a value: ``calls`` maps each site the plan speaks for to
+    its (hook, seed, record), where no hook means ordinary attention there. A pass in progress is
+    registered (:func:`passing`), and a call of a site reads the innermost plan that speaks for it;
+    a plan also travels with the model's call (transformers' model kwargs, the arguments a
+    checkpoint keeps for its recompute), so a layer recomputed in the backward, after the pass
+    ended, repeats it (``carried``, :func:`applied`): the same hook and seed give the same drops,
+    and its own record, closed by then, takes nothing. The record is held weakly: a checkpoint
+    keeps a layer's arguments, the plan among them, until its backward, and must not keep what the
+    pass captured alive with them (GA's outputs hold the attribution pass's whole graph)."""
 
-    calls: Mapping[AttentionSite, Tuple[Hook, Optional[torch.Tensor], Optional[weakref.ref]]]
+    # A dict, built once and never written: torch.compile reads a plain dict keyed by objects
+    # without a graph break (a mapping proxy breaks the graph at every call).
+    calls: Mapping[AttentionSite, Spec]
+    # Registered again for a recompute (applied): autograd's mode there; None: the pass itself.
+    carried: Optional[bool] = None
 
     def __bool__(self) -> bool:
-        return bool(self.calls)
+        return any(hook is not None for hook, _, _ in self.calls.values())
 
-    def of(self, site: AttentionSite) -> Tuple[Optional[Hook], Optional[torch.Tensor], Optional[PassRecord]]:
+    @staticmethod
+    def asking(
+        hooks: Mapping[AttentionSite, Optional[Hook]],
+        record: Optional[Record] = None,
+        seeds: Optional[Mapping[AttentionSite, torch.Tensor]] = None,
+    ) -> Plan:
+        """The plan that asks ``hooks`` (site -> hook; None: ordinary attention there), keys a site's
+        random drops by its seed in ``seeds`` (a 0-d int64 tensor; none: each call draws one from
+        torch's generator) and adds its calls' captures to ``record``."""
+        ref = None if record is None else weakref.ref(record)
+        return Plan({s: (h, None if seeds is None else seeds[s], ref) for s, h in hooks.items()})
+
+    def uncarried_here(self) -> bool:
+        """Whether a call reading this registered plan now would not be recomputed under it: the
+        pass itself, or a carried plan read where autograd went off since (a bare reentrant
+        checkpoint inside the carrying one)."""
+        return self.carried is None or (self.carried and not torch.is_grad_enabled())
+
+    def of(self, site: AttentionSite) -> Tuple[Optional[Hook], Optional[torch.Tensor], Optional[Record]]:
         """(hook, seed, record) of ``site`` in this pass; a record no longer alive is None."""
-        hook, seed, record = self.calls.get(site, (None,) * 3)
+        hook, seed, record = self.calls.get(site, NO_CALL)
         return hook, seed, None if record is None else record()
 
 
@@ -323,42 +343,56 @@ def takes_gradients(hook: Hook) -> bool:
     return isinstance(hook, CaptureOutput) or (isinstance(hook, CaptureProbs) and hook.requires_grad)
 
 
+# The plans in progress, innermost last. Process-wide, not per thread or context: transformers'
+# DataParallel runs its replicas' forwards in threads of their own, inside the caller's pass.
+_ACTIVE: List[Plan] = []
+
+
+def active_plan(site: AttentionSite) -> Optional[Plan]:
+    """The innermost plan in progress that speaks for ``site``, or None."""
+    for index in range(len(_ACTIVE) - 1, -1, -1):
+        plan = _ACTIVE[index]
+        if site in plan.calls:
+            return plan
+    return None
+
+
+def hook_in_progress(site: AttentionSite) -> Optional[Hook]:
+    """The hook the innermost plan in progress asks of ``site``, or None."""
+    plan = active_plan(site)
+    return None if plan is None else plan.of(site)[0]
+
+
+@contextlib.contextmanager
+def passing(plan: Plan) -> Iterator[Plan]:
+    """``plan`` in progress for the block: its sites' calls read it."""
+    _ACTIVE.append(plan)
+    try:
+        yield plan
+    finally:
+        _ACTIVE.remove(plan)  # by identity: plans compare as objects, and threads may end out of order
+
+
 def plan_of(sites: Iterable[AttentionSite]) -> Plan:
-    """The pass set on ``sites`` now, as a :class:`Plan` (empty when none is)."""
-    if not torch.is_grad_enabled():
-        _refuse_edits_without_autograd((s, s.hook) for s in sites)
-    return Plan(
-        MappingProxyType(
-            {
-                s: (s.hook, s.seed, None if s.record is None else weakref.ref(s.record))
-                for s in sites
-                if s.hook is not None
-            }
-        )
-    )
-
-
-# The calls that carry their pass back (:func:`applied`) the current thread is in: whether autograd
-# was on at each one's start. One started with it off is a reentrant checkpoint's forward of ours.
-_carried = threading.local()
+    """The pass in progress on ``sites`` now, as one :class:`Plan` (empty when none is)."""
+    calls = {}
+    for site in sites:
+        plan = active_plan(site)
+        spec = NO_CALL if plan is None else plan.calls[site]
+        if spec[0] is not None:
+            if not torch.is_grad_enabled() and plan.uncarried_here():
+                _refuse_uncarried_edit(site, spec[0])
+            calls[site] = spec
+    return Plan(calls)
 
 
 @contextlib.contextmanager
 def applied(plan: Optional[Plan], sites: Sequence[AttentionSite]) -> Iterator[None]:
-    """Fill the slots of ``sites`` with what ``plan`` asks (nothing where it asks nothing) for the
-    block: a checkpointed function recomputed in the backward runs under the pass of its forward."""
-    previous = [(s, s.hook, s.seed, s.record) for s in sites]
-    if not hasattr(_carried, "grad_enabled"):
-        _carried.grad_enabled = []
-    _carried.grad_enabled.append(torch.is_grad_enabled())
-    try:
-        for site in sites:
-            site.hook, site.seed, site.record = plan.of(site) if plan is not None else (None,) * 3
+    """``plan`` in progress on ``sites`` (ordinary attention where it asks nothing) for the block,
+    carried: a checkpointed function recomputed in the backward runs under the pass of its forward."""
+    calls = {site: NO_CALL if plan is None else plan.calls.get(site, NO_CALL) for site in sites}
+    with passing(Plan(calls, carried=torch.is_grad_enabled())):
         yield
-    finally:
-        _carried.grad_enabled.pop()
-        for site, hook, seed, record in previous:
-            site.hook, site.seed, site.record = hook, seed, record
 
 
 def _with_the_pass(function: Callable, sites: Sequence[AttentionSite], plan: Plan, *args, **kwargs):

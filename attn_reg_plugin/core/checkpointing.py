@@ -5,7 +5,7 @@ backward. Two consequences, handled here and in the kernel:
 
 * the recompute must apply exactly the masks and score edits of the forward it repeats, although
   the pass may have ended. The checkpointed call carries the pass (a
-  :class:`~.controller.Plan`: transformers' model kwargs, fairseq's wrapped layers,
+  :class:`~.attention_call.Plan`: transformers' model kwargs, fairseq's wrapped layers,
   :meth:`~.controller.RegularizationController.checkpoint`), and the same hook and seed give the
   same drops (a hook set by hand outside a pass draws its call's seed from torch's stream, which
   the checkpoint restores): nothing of a call is recorded, and no step scope is needed;

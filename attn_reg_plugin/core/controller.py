@@ -3,8 +3,8 @@
 Adapters register one :class:`AttentionSite` per attention module (its kind and 0-based
 layer) with a :class:`RegularizationController`; the module keeps the site and passes it to
 :func:`~attn_reg_plugin.core.attention.attend`. Regularizers never touch modules: they ask
-the controller to set hooks (a :data:`Hook`: :class:`CaptureOutput`, :class:`CaptureProbs` or
-:class:`EditScores`) on a selection of sites for the duration of a pass.
+the controller for a pass: a hook (a :data:`Hook`: :class:`CaptureOutput`, :class:`CaptureProbs` or
+:class:`EditScores`) for each of a selection of sites, for the duration of the pass.
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ from .attention_call import (
     AttentionSite,
     EditScores,
     Hook,
-    PassRecord,
+    Plan,
+    Record,
     _with_the_pass,
     changes_output,
+    hook_in_progress,
+    passing,
     plan_of,
     takes_gradients,
 )
@@ -157,34 +160,33 @@ class RegularizationController:
         return [s for s in self.sites if s.kind in kinds and (layers is None or s.layer in layers)]
 
     @contextlib.contextmanager
-    def hooks(self, assignment: Dict[AttentionSite, Optional[Hook]]) -> Iterator[PassRecord]:
-        """Set ``site.hook`` for the sites given, for the duration of one pass; yields the pass's
-        :class:`PassRecord`, which the sites' calls fill (``with controller.hooks(...) as record:``).
+    def hooks(self, assignment: Dict[AttentionSite, Optional[Hook]]) -> Iterator[Record]:
+        """One pass: ``assignment``'s hooks on its sites (None: ordinary attention there) for the
+        block, as a :class:`Plan` in progress; yields the pass's :class:`Record`, which the sites'
+        calls fill (``with controller.hooks(...) as record:``).
 
-        A layer recomputed in the backward, after the pass ended, finds it in the :class:`Plan` its
-        call carried (:meth:`checkpoint`; transformers' model kwargs; fairseq's checkpointed layers).
+        A layer recomputed in the backward, after the pass ended, finds it in the plan its call
+        carried (:meth:`checkpoint`; transformers' model kwargs; fairseq's checkpointed layers).
         When some edit draws random numbers, the pass takes one seed from torch's global generator
         and each site a seed keyed by it and the site.
         """
-        nested = [s for s, h in assignment.items() if changes_output(h) and changes_output(s.hook)]
+        nested = [s for s, h in assignment.items() if changes_output(h) and changes_output(hook_in_progress(s))]
         if nested:
             raise RuntimeError(
                 f"a regularized pass began on {nested[0]} inside another one on the same site. "
                 "Run one regularized pass per site at a time"
             )
-        previous = {site: (site.hook, site.seed, site.record) for site in assignment}
         draws = any(isinstance(h, EditScores) and h.draws for h in assignment.values())
         pass_seed = call_seed() if draws else None
-        record = PassRecord()
+        record = Record()
+        seeds = None
+        if pass_seed is not None:
+            seeds = {site: torch.tensor(key_seed(int(pass_seed), _site_key(site))) for site in assignment}
         try:
-            for site, hook in assignment.items():
-                site.hook, site.record = hook, record
-                site.seed = None if pass_seed is None else torch.tensor(key_seed(int(pass_seed), _site_key(site)))
-            yield record
+            with passing(Plan.asking(assignment, record, seeds)):
+                yield record
         finally:
             record.close()  # a recompute in the backward, after the pass, adds nothing
-            for site, (hook, seed, before) in previous.items():
-                site.hook, site.seed, site.record = hook, seed, before
 
     def checkpoint(self, function: Callable, *args, use_reentrant: bool = False, **kwargs):
         """``torch.utils.checkpoint.checkpoint(function, *args, ...)`` that carries the pass set now

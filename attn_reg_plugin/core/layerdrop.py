@@ -57,7 +57,7 @@ class AttentionLayerDrop:
         Every selected site gets a hook whose ``uniform_rows`` is a (1, 1, 1, 1) bool flag, True
         when the layer is skipped: a compiled model then runs one graph whichever layers are
         skipped, instead of one per subset. The pass's record counts ``[skipped, total]`` layer
-        calls as the kernel applies them (``PassRecord.calls``).
+        calls as the kernel applies them (``Record.calls``).
         """
         # One draw per layer on the CPU generator: no device synchronisation.
         skipped = torch.rand(len(self.sites)) < self.config.p

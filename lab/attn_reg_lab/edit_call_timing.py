@@ -21,7 +21,7 @@ import time
 import torch
 
 from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import AttentionSite, EditScores, PassRecord
+from attn_reg_plugin.core.attention_call import AttentionSite, EditScores, Plan, Record
 from attn_reg_plugin.core.rules import BernoulliRule, GradientScores, TopRegionRule
 
 # name: (batch, heads, tokens, head size, the model's attention dropout, rule)
@@ -47,10 +47,11 @@ def call_ms(b: int, h: int, t: int, d: int, dropout_p: float, rule_kind: str, re
     times = []
     for i in range(reps + 3):
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-        site = AttentionSite("encoder-self", 0, hook=EditScores(drop=rule, counted=True), record=PassRecord())
+        site, record = AttentionSite("encoder-self", 0), Record()
+        plan = Plan.asking({site: EditScores(drop=rule, counted=True)}, record)
         torch.manual_seed(i)
         start = time.process_time()
-        out, _ = attend(*leaves, bias, dropout_p=dropout_p, site=site)
+        out, _ = attend(*leaves, bias, dropout_p=dropout_p, site=site, plan=plan)
         out.sum().backward()
         times.append(time.process_time() - start)
     return statistics.median(times[3:]) * 1e3

@@ -6,6 +6,7 @@ import torch
 
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig, ad_drop_epoch
+from attn_reg_plugin.core.attention_call import active_plan
 from attn_reg_plugin.core.attribution_pass import frozen_parameters
 from helpers import controller_with_sites
 
@@ -107,8 +108,9 @@ def _masks_for(region, attribution, valid, p, monkeypatch):
         lambda self, f, t, frozen=None, dense=True: ([site], [attribution], [valid]),
     )
     with ad_drop.masked(lambda: None, None):
-        rule = dataclasses.replace(site.hook.drop, q=1.0)
-        return rule.whole(valid.expand(attribution.shape), site.seed)
+        hook, seed, _ = active_plan(site).of(site)
+        rule = dataclasses.replace(hook.drop, q=1.0)
+        return rule.whole(valid.expand(attribution.shape), seed)
 
 
 def test_region_top_drops_the_highest_and_bottom_the_lowest_attributions(monkeypatch):

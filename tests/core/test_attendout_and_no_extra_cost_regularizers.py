@@ -18,7 +18,7 @@ from attn_reg_plugin.core.attendout import (
     win_probability,
 )
 from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import EditScores
+from attn_reg_plugin.core.attention_call import EditScores, Plan, hook_in_progress, passing
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import (
@@ -326,14 +326,13 @@ def test_all_dropped_row_attends_uniformly_over_valid_keys(dtype):
     site = RegularizationController().register("encoder-self", 0)
     drop = torch.zeros(2, 1, 3, 4, dtype=torch.bool)
     drop[:, :, 1] = True  # row 1 of every sample loses every key
-    site.hook = EditScores(drop=drop)
-    out, _ = attend(q, k, v, bias=bias, site=site)
+    with passing(Plan.asking({site: EditScores(drop=drop)})):
+        out, _ = attend(q, k, v, bias=bias, site=site)
     assert torch.isfinite(out).all()
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out[0, :, 1].float(), v[0].float().mean(dim=1), atol=tol)
     assert torch.allclose(out[1, :, 1].float(), v[1, :, :2].float().mean(dim=1), atol=tol)
-    site.hook = None
-    plain, _ = attend(q, k, v, bias=bias, site=site)
+    plain, _ = attend(q, k, v, bias=bias, site=site)  # the pass ended: plain attention
     assert torch.equal(out[:, :, 0], plain[:, :, 0])  # other rows untouched
 
 
@@ -341,8 +340,8 @@ def test_uniform_row_backward_is_finite_and_query_gets_no_gradient():
     q, k, v = (torch.randn(1, 1, 2, 3, requires_grad=True) for _ in range(3))
     site = RegularizationController().register("encoder-self", 0)
     drop = torch.tensor([[[[True, True], [False, False]]]])
-    site.hook = EditScores(drop=drop)
-    out, _ = attend(q, k, v, site=site)
+    with passing(Plan.asking({site: EditScores(drop=drop)})):
+        out, _ = attend(q, k, v, site=site)
     out.sum().backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
     assert torch.equal(q.grad[0, 0, 0], torch.zeros(3))
@@ -495,7 +494,7 @@ def test_attendout_drop_rate_is_what_the_kernel_applied():
     valid = tokens.ne(1)[:, None, None, :]
     with game.attacker_pass({"source": tokens}):
         attend(*(torch.randn(3, 2, 5, 4) for _ in range(3)), bias=valid, site=site)
-        drop = site.hook.drop.dense()
+        drop = hook_in_progress(site).drop.dense()
     game.end_update()
     real = tokens.ne(1)
     units = real[:, None, :, None] & real[:, None, None, :]  # real query and real key: what G can mask

@@ -9,6 +9,7 @@ import torch
 from attn_reg_plugin.core.attendout import AttendOut, AttendOutConfig, Generator, policy
 from attn_reg_plugin.core.attendout.policy import PolicyLogits, action_log_prob, drop_log_prob, sampled_drops
 from attn_reg_plugin.core.attention import attend
+from attn_reg_plugin.core.attention_call import hook_in_progress
 from helpers import controller_with_sites, run_in_blocks
 
 
@@ -208,7 +209,7 @@ def test_the_attackers_masked_call_holds_nothing_of_size_t_by_s():
     game, tokens = _long_game(1)
     q, k, v = (torch.randn(1, 2, LONG, 8, requires_grad=True) for _ in range(3))
     with game.attacker_pass({"source": tokens}) as record:
-        hook = game.sites[0].hook
+        hook = hook_in_progress(game.sites[0])
         # what the call is handed: the Generator's factors and the seed, not a map
         held = [x for x in vars(hook.drop.policy).values() if isinstance(x, torch.Tensor)]
         assert held and max(x.numel() for x in held) <= LONG * 8 and hook.droppable is None

@@ -16,6 +16,7 @@ from attn_reg_plugin.core import attribution
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
+from attn_reg_plugin.core.attention_call import active_plan, hook_in_progress
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.rules import Block, IntegratedGradientScores, MapScores, ScoreSource, TopRegionRule
 
@@ -177,7 +178,7 @@ def test_ga_populates_no_parameter_grad_and_restores_requires_grad(frozen):
     assert all(a.abs().sum() > 0 for a in attrs)
     assert all(p.grad is None for p in model.parameters())
     assert all(p.requires_grad for p in model.parameters())
-    assert all(site.hook is None for site in model.sites)  # hooks removed after the pass
+    assert all(hook_in_progress(site) is None for site in model.sites)  # hooks removed after the pass
 
 
 def test_ga_does_not_disturb_a_later_training_backward():
@@ -398,7 +399,7 @@ def test_step_applies_ad_drop_masks_from_ga_in_pass_two(model_kw, attention):
     sites, seeds = [s for s in model.sites if s in adrop.sites], {}
 
     def masked_forward():  # pass 2: each site's seed for the pass keys its drops
-        seeds.update({s: s.seed for s in sites})
+        seeds.update({s: active_plan(s).of(s)[1] for s in sites})
         return model(x, key_pad)
 
     torch.manual_seed(11)
@@ -421,7 +422,7 @@ def test_step_applies_ad_drop_masks_from_ga_in_pass_two(model_kw, attention):
     n_valid = sum(v.expand(B, HEADS, T, T).sum() for v in valids)
     assert stats["dropped"].item() == sum(int(d.sum()) for d in drops)
     assert stats["droppable"].item() == n_valid.item()
-    assert all(site.hook is None for site in model.sites)
+    assert all(hook_in_progress(site) is None for site in model.sites)
     out.sum().backward()  # pass 2's graph trains the parameters
     assert all(p.grad is not None for p in model.parameters())
 

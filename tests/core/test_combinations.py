@@ -52,12 +52,12 @@ def test_a_schedule_that_is_no_string_is_refused_naming_the_option(config, value
 
 
 def test_the_removed_shims_are_gone():
-    from attn_reg_plugin.core.attention_call import PassRecord
+    from attn_reg_plugin.core.attention_call import Record
     from attn_reg_plugin.core.controller import RegularizationController
     from attn_reg_plugin.hf.attendout_trainer import AttendOutTrainerMixin
 
     assert not hasattr(RegularizationController, "training_step")
-    assert not hasattr(PassRecord, "weights")
+    assert not hasattr(Record, "weights")
     assert not hasattr(AttendOutTrainerMixin, "attendout_log")
     import attn_reg_plugin.core.ad_drop as ad_drop
 

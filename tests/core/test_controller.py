@@ -4,6 +4,7 @@ import pytest
 
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.attention_call import hook_in_progress
 from attn_reg_plugin.core.controller import RegularizationController, parse_kinds, parse_layers
 from helpers import controller_with_sites
 
@@ -78,15 +79,16 @@ def test_parse_kinds():
         assert "--my-kinds-opt" in str(e.value), bad
 
 
-def test_hooks_are_restored_even_on_error():
+def test_a_pass_ends_even_on_error_and_the_one_outside_it_is_read_again():
     c = _controller(2)
     s0, s1 = c.sites
-    s1.hook = "previous"
-    with pytest.raises(RuntimeError):
-        with c.hooks({s0: "a", s1: "b"}):
-            assert (s0.hook, s1.hook) == ("a", "b")
-            raise RuntimeError("boom")
-    assert (s0.hook, s1.hook) == (None, "previous")
+    with c.hooks({s1: "previous"}):
+        with pytest.raises(RuntimeError):
+            with c.hooks({s0: "a", s1: "b"}):
+                assert (hook_in_progress(s0), hook_in_progress(s1)) == ("a", "b")
+                raise RuntimeError("boom")
+        assert (hook_in_progress(s0), hook_in_progress(s1)) == (None, "previous")
+    assert (hook_in_progress(s0), hook_in_progress(s1)) == (None, None)
 
 
 def test_ad_drop_layer_error_names_the_flag():

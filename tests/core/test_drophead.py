@@ -20,7 +20,7 @@ from helpers import (
     assert_all_close_to_reference,
     assert_close_to_reference,
     controller_with_sites,
-    site_with_hook,
+    hand_pass,
     tiny_core_model,
 )
 
@@ -47,9 +47,9 @@ def _qkv(b=3, h=4, t=5, d=8, seed=0):
 
 def test_dropped_heads_are_zero_and_kept_heads_scaled_by_heads_over_kept():
     q, k, v = _qkv()
-    site = site_with_hook(EditScores(drop_heads=torch.tensor(0.4), counted=True))
+    site = hand_pass(EditScores(drop_heads=torch.tensor(0.4), counted=True))
     torch.manual_seed(7)
-    out, _ = attend(q, k, v, site=site)
+    out, _ = attend(q, k, v, **site.call)
     counts = site.record.counts()
     torch.manual_seed(7)
     drop = _drawn(3, 4, 0.4)
@@ -66,7 +66,7 @@ def test_dropped_heads_are_zero_and_kept_heads_scaled_by_heads_over_kept():
 def test_gradients_equal_autograd_of_the_explicit_rescaled_heads():
     q, k, v = _qkv(seed=1)
     torch.manual_seed(3)
-    out, _ = attend(q, k, v, site=site_with_hook(EditScores(drop_heads=torch.tensor(0.5))))
+    out, _ = attend(q, k, v, **hand_pass(EditScores(drop_heads=torch.tensor(0.5))).call)
     grads = torch.autograd.grad(out.pow(2).sum(), [q, k, v])
     torch.manual_seed(3)
     drop = _drawn(3, 4, 0.5)
@@ -80,9 +80,9 @@ def test_gradients_equal_autograd_of_the_explicit_rescaled_heads():
 def test_a_sample_drawn_to_lose_every_head_keeps_its_largest_draw_scaled_by_heads():
     """p = 1 draws every head of every sample: each keeps the head of its largest draw, times H."""
     q, k, v = _qkv(seed=2)
-    site = site_with_hook(EditScores(drop_heads=torch.tensor(1.0), counted=True))
+    site = hand_pass(EditScores(drop_heads=torch.tensor(1.0), counted=True))
     torch.manual_seed(4)
-    out, _ = attend(q, k, v, site=site)
+    out, _ = attend(q, k, v, **site.call)
     torch.manual_seed(4)
     kept = _draws(3, 4).argmax(-1)
     plain = F.scaled_dot_product_attention(q, k, v)
@@ -98,24 +98,24 @@ def test_the_rate_rises_with_p_as_p_minus_p_to_the_heads_over_heads(heads, p):
     """Where every head may be drawn the rate is p - p**H / H: 0.375 and 0.495 with two heads (more for
     the larger p), none for a single head (it is never dropped), 11/12 at p = 1 with twelve."""
     q, k, v = (x.detach() for x in _qkv(b=4000, h=heads, t=1, d=2, seed=5))
-    site = site_with_hook(EditScores(drop_heads=torch.tensor(p), counted=True))
+    site = hand_pass(EditScores(drop_heads=torch.tensor(p), counted=True))
     torch.manual_seed(0)
-    attend(q, k, v, site=site)
+    attend(q, k, v, **site.call)
     dropped, pairs = (int(c) for c in site.record.counts()[:2])
     assert abs(dropped / pairs - (p - p**heads / heads)) < 0.015
 
 
 def test_the_rate_is_p_and_the_same_seed_gives_the_same_drops():
     q, k, v = (x.detach() for x in _qkv(b=2000, h=8, t=2, d=4, seed=3))
-    site = site_with_hook(EditScores(drop_heads=torch.tensor(0.3), counted=True))
+    site = hand_pass(EditScores(drop_heads=torch.tensor(0.3), counted=True))
     torch.manual_seed(0)
-    first, _ = attend(q, k, v, site=site)
+    first, _ = attend(q, k, v, **site.call)
     counts = site.record.counts()
     assert abs(int(counts[0]) / int(counts[1]) - 0.3) < 0.01  # all 8 heads drawn: 0.3**8, negligible
     torch.manual_seed(0)
-    again, _ = attend(q, k, v, site=site)
+    again, _ = attend(q, k, v, **site.call)
     torch.manual_seed(1)
-    other, _ = attend(q, k, v, site=site)
+    other, _ = attend(q, k, v, **site.call)
     assert torch.equal(first, again) and not torch.equal(first, other)
 
 

@@ -95,11 +95,8 @@ def test_same_seed_same_drops_other_seed_other_drops():
 
     def run(seed):
         torch.manual_seed(seed)
-        site.hook = sched.hooks(7)[site]
-        try:
+        with controller.hooks({site: sched.hooks(7)[site]}):
             return attend(q, k, v, site=site)[0]
-        finally:
-            site.hook = None
 
     assert torch.equal(run(3), run(3))
     assert not torch.equal(run(3), run(4))
@@ -189,13 +186,11 @@ def test_knot_schedules_are_unchanged():
 # -- DropKey replaces the attention-weight dropout --------------------------------------------------
 def _dropout_reaching_the_kernel(monkeypatch, hook, dropout_p):
     """The dropout_p that attend hands the kernel for one call under ``hook``."""
-    from helpers import kernel_dropout_at_hooked_calls, site_with_hook
+    from helpers import hand_pass, kernel_dropout_at_hooked_calls
 
     seen = kernel_dropout_at_hooked_calls(monkeypatch)
     q = torch.randn(2, 2, 5, 4)
-    site = site_with_hook(hook)
-    site.seed = torch.tensor(3)
-    attend(q, q, q, dropout_p=dropout_p, site=site)
+    attend(q, q, q, dropout_p=dropout_p, **hand_pass(hook, seed=torch.tensor(3)).call)
     return seen
 
 

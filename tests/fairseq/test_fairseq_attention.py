@@ -5,6 +5,8 @@ import copy
 import pytest
 import torch
 
+from attn_reg_plugin.core.attention_call import Plan, passing
+
 fairseq = pytest.importorskip("fairseq")
 from fairseq.modules.multihead_attention import MultiheadAttention  # noqa: E402
 
@@ -33,6 +35,11 @@ def _inputs(T=5, S=7, B=3):
     return query, kv, kpm
 
 
+def _pass(module, hook):
+    """A pass built by hand asking ``hook`` of ``module``'s site, in progress for the block."""
+    return passing(Plan.asking({module.attn_reg_site: hook}))
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_self_attention_regularized_path_matches_stock(training):
     stock, ours = _pair(self_attention=True)
@@ -45,9 +52,8 @@ def test_self_attention_regularized_path_matches_stock(training):
         ref, _ = stock(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=False)
         idle, _ = ours(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=False)
         assert torch.equal(idle, ref)  # no hook: fairseq's own code path, bit-identical
-        ours.attn_reg_site.hook = EditScores()  # our kernel, nothing dropped
-        got, _ = ours(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=False)
-        ours.attn_reg_site.hook = None
+        with _pass(ours, EditScores()):  # our kernel, nothing dropped
+            got, _ = ours(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=False)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
@@ -56,12 +62,12 @@ def test_encoder_decoder_attention_and_weights_match_stock():
     stock.train(), ours.train()
     q, kv, kpm = _inputs()
     ref, ref_w = stock(q, kv, kv, key_padding_mask=kpm, static_kv=True, need_weights=True)
-    ours.attn_reg_site.hook = EditScores()
-    got, got_w = ours(q, kv, kv, key_padding_mask=kpm, static_kv=True, need_weights=True)
+    ref_h, ref_hw = stock(q, kv, kv, key_padding_mask=kpm, static_kv=True, need_head_weights=True)
+    with _pass(ours, EditScores()):
+        got, got_w = ours(q, kv, kv, key_padding_mask=kpm, static_kv=True, need_weights=True)
+        got_h, got_hw = ours(q, kv, kv, key_padding_mask=kpm, static_kv=True, need_head_weights=True)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6)
-    ref_h, ref_hw = stock(q, kv, kv, key_padding_mask=kpm, static_kv=True, need_head_weights=True)
-    got_h, got_hw = ours(q, kv, kv, key_padding_mask=kpm, static_kv=True, need_head_weights=True)
     torch.testing.assert_close(got_h, ref_h, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_hw, ref_hw, rtol=1e-5, atol=1e-6)
     assert got_hw.shape == ref_hw.shape and got_hw.dim() == 4  # per head: (heads, B, T, S)
@@ -73,8 +79,8 @@ def test_dropped_key_gets_zero_weight_in_fairseq_module():
     q, kv, kpm = _inputs()
     drop = torch.zeros(3, 1, 5, 7, dtype=torch.bool)
     drop[0, :, :, 4] = True
-    ours.attn_reg_site.hook = EditScores(drop=drop)
-    _, w = ours(q, kv, kv, key_padding_mask=kpm, static_kv=True, need_head_weights=True)
+    with _pass(ours, EditScores(drop=drop)):
+        _, w = ours(q, kv, kv, key_padding_mask=kpm, static_kv=True, need_head_weights=True)
     assert torch.all(w[:, 0, :, 4] == 0)
     assert torch.all(w[:, 1, :, :2] == 0)  # padding still masked
     torch.testing.assert_close(w.sum(-1), torch.ones_like(w.sum(-1)))

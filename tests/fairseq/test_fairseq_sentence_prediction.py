@@ -11,6 +11,8 @@ import re
 import pytest
 import torch
 
+from attn_reg_plugin.core.attention_call import hook_in_progress
+
 pytest.importorskip("fairseq")
 
 from helpers import (  # noqa: E402
@@ -260,7 +262,9 @@ def test_masks_reach_every_roberta_self_attention_layer(tiny_sp_data):
     hooks_seen = {name: [] for name in SELF_ATTN}
     for name in SELF_ATTN:
         module = model.get_submodule(name)
-        module.register_forward_pre_hook(lambda mod, args, name=name: hooks_seen[name].append(mod.attn_reg_site.hook))
+        module.register_forward_pre_hook(
+            lambda mod, args, name=name: hooks_seen[name].append(hook_in_progress(mod.attn_reg_site))
+        )
     model.train()  # dropout is 0: only AD-DROP makes the two epochs differ
     task.begin_epoch(1, model)
     plain_loss, _, plain_log = criterion(model, sample)
@@ -274,7 +278,7 @@ def test_masks_reach_every_roberta_self_attention_layer(tiny_sp_data):
     for name, seen in hooks_seen.items():  # pass 1 captures, pass 2 drops, in every layer
         assert [type(h) for h in seen] == [CaptureOutput, EditScores], name
         assert isinstance(seen[1].drop, TopRegionRule) and seen[1].counted, name  # the kernel draws and counts
-    assert all(s.hook is None for s in task.attn_reg_controller.sites)
+    assert all(hook_in_progress(s) is None for s in task.attn_reg_controller.sites)
     # Every (head, query, real key) of both layers was a drop candidate position.
     tokens = sample["net_input"]["src_tokens"]
     real_keys = tokens.ne(task.source_dictionary.pad()).sum()

@@ -11,7 +11,10 @@ import transformers  # noqa: E402
 import helpers  # noqa: E402
 from attn_reg_plugin.core.ad_drop import ADDrop  # noqa: E402
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig  # noqa: E402
-from attn_reg_plugin.core.attention_call import EditScores  # noqa: E402
+from attn_reg_plugin.core.attention_call import (
+    EditScores,  # noqa: E402
+    hook_in_progress,
+)
 from attn_reg_plugin.core.attribution import logit_target  # noqa: E402
 from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
 from attn_reg_plugin.hf import ADDropSeq2SeqTrainer, ADDropTrainer, install_attention_sites  # noqa: E402
@@ -179,7 +182,7 @@ def test_trainer_minilm_cross_tuning(tmp_path):
         assert 0.5 * p * q < h["ad_drop_rate"] < 2 * p * q + 0.05, h
     assert all(math.isfinite(h["loss"]) for h in logs)
     # Evaluation-mode forwards are untouched after training (no hook left behind).
-    assert all(s.hook is None for s in trainer.ad_drop_controller.sites)
+    assert all(hook_in_progress(s) is None for s in trainer.ad_drop_controller.sites)
 
 
 def _whitespace_pairs(n):

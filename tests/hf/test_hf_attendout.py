@@ -11,6 +11,7 @@ import transformers
 from transformers import TrainerCallback
 
 from attn_reg_plugin.core.attendout import AttendOut, AttendOutConfig
+from attn_reg_plugin.core.attention_call import hook_in_progress
 from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig, schedule_value
 from attn_reg_plugin.hf import (
@@ -357,7 +358,7 @@ def test_attendout_minilm(tmp_path):
         if "loss" in h
     )
     assert same(params_of(trainer.model), params_of(trainer.attendout_attacker))  # T divides 4: synced at the end
-    assert all(s.hook is None for s in trainer.attendout_game.controller.sites)
+    assert all(hook_in_progress(s) is None for s in trainer.attendout_game.controller.sites)
 
 
 def _whitespace_pairs(n, offset=0):
@@ -443,7 +444,7 @@ def test_scheduled_dropout_follows_schedule(tmp_path):
         assert abs(h["attn_sched_dropout_rate"] - expected) < 0.02, (update, h)
     assert [round(schedule_value(knots, u), 3) for u in range(6)] == [0.6, 0.475, 0.35, 0.225, 0.1, 0.1]
     # Evaluation forwards are untouched.
-    assert all(s.hook is None for s in trainer.attn_reg_controller.sites)
+    assert all(hook_in_progress(s) is None for s in trainer.attn_reg_controller.sites)
 
 
 def test_dropkey_preset_logs_each_layers_depth_rate(tmp_path):
@@ -695,7 +696,7 @@ def test_a_compute_loss_override_with_a_no_grad_forward_after_super_trains(tmp_p
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             if model is self.attendout_attacker:
-                hooks_after_super.append([site.hook for site in self.attendout_game.sites])
+                hooks_after_super.append([hook_in_progress(site) for site in self.attendout_game.sites])
             with torch.no_grad():
                 model(**inputs)
             return loss

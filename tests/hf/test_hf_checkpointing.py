@@ -183,7 +183,7 @@ def test_checkpointing_without_the_pass_carried_is_refused_and_would_differ(tmp_
     monkeypatch.setattr(sites, "_carry_the_pass", lambda model, args, kwargs: None)
     with pytest.raises(RuntimeError, match="ran a regularized pass with autograd off"):
         one_step("bert", "ad-drop-ga", "reentrant", tmp_path)
-    monkeypatch.setattr(attention_call, "_refuse_edits_without_autograd", lambda hooks: None)
+    monkeypatch.setattr(attention_call, "_refuse_uncarried_edit", lambda site, hook: None)
     _, grads_ck, _ = one_step("bert", "ad-drop-ga", "reentrant", tmp_path)
     distance = sum(float((a - b).pow(2).sum()) for a, b in zip(grads_ck, grads)) ** 0.5
     assert distance / sum(float(g.pow(2).sum()) for g in grads) ** 0.5 > 1e-3
@@ -192,9 +192,10 @@ def test_checkpointing_without_the_pass_carried_is_refused_and_would_differ(tmp_
 @pytest.mark.parametrize("where", ["bare reentrant checkpoint", "no_grad"])
 def test_a_pass_read_with_autograd_off_around_an_installed_model_is_refused(where):
     """A user's own bare reentrant torch checkpoint around an installed model's call, or a no-grad
-    forward of it, inside a pass: the model's call reads the pass from its sites with autograd off
-    and is refused (the recompute in the backward would come after the pass, ordinary attention:
-    silently another function's gradients). The controller's checkpoint carries the pass: exact."""
+    forward of it, inside a pass: the model's call reads the pass in progress with autograd off
+    and is refused, naming controller.checkpoint (the recompute in the backward would come after
+    the pass, ordinary attention: silently another function's gradients). The controller's
+    checkpoint carries the pass: exact."""
     import torch.utils.checkpoint
 
     from attn_reg_plugin.core.attention_call import EditScores
@@ -215,7 +216,7 @@ def test_a_pass_read_with_autograd_off_around_an_installed_model_is_refused(wher
         loss.backward()
         return [p.grad for p in model.bert.encoder.parameters()]
 
-    refusal = "encoder-self\\[0\\] ran a regularized pass with autograd off"
+    refusal = "encoder-self\\[0\\] ran a regularized pass with autograd off.*controller.checkpoint"
     if where == "no_grad":
         with pytest.raises(RuntimeError, match=refusal), torch.no_grad():
             step(None)
@@ -226,6 +227,35 @@ def test_a_pass_read_with_autograd_off_around_an_installed_model_is_refused(wher
     for reentrant in (True, False):
         checkpointed = step(lambda controller, f, x: controller.checkpoint(f, x, use_reentrant=reentrant))
         assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+def test_a_pass_reaches_an_installed_models_forward_in_another_thread():
+    """transformers' DataParallel runs each replica's forward in a thread of its own, inside the
+    caller's pass (a ContextVar or a thread-local set by the pass would not reach it): a forward run
+    in a thread makes the pass's drops, the same as in the caller's thread (hidden dropout off)."""
+    import threading
+
+    from attn_reg_plugin.core.attention_call import EditScores
+    from attn_reg_plugin.core.controller import RegularizationController
+    from attn_reg_plugin.core.rules import BernoulliRule
+    from attn_reg_plugin.hf import install_attention_sites
+
+    model = tiny_bert().eval()
+    controller = RegularizationController()
+    install_attention_sites(model.bert, controller)
+    ids = torch.arange(3, 15).view(2, 6)
+    encode = lambda: model.bert(input_ids=ids).last_hidden_state  # noqa: E731
+    edits = {s: EditScores(drop=BernoulliRule(torch.tensor(0.4)), counted=True) for s in controller.sites}
+    with torch.no_grad():
+        plain = encode()
+    with controller.hooks(edits) as record:
+        here = encode()
+        there = []
+        thread = threading.Thread(target=lambda: there.append(encode()))
+        thread.start()
+        thread.join()
+    assert len(there) == 1 and torch.equal(there[0], here) and not torch.allclose(here, plain)
+    assert len(record.sites) == 2 * len(controller.sites) and int(record.counts()[0]) > 0
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])

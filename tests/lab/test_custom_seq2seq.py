@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attn_reg_plugin.core import RegularizationController
-from attn_reg_plugin.core.attention_call import EditScores
+from attn_reg_plugin.core.attention_call import EditScores, hook_in_progress
 from helpers import REPO, load_script, run_in_blocks
 
 EXAMPLE = REPO / "examples" / "custom_seq2seq"
@@ -64,7 +64,7 @@ def test_custom_attention_without_hook_equals_torch_reference():
         got = ours(x, x, causal[None, None] & (~self_pad)[:, None, None, :])
         want, _ = ref(x, x, x, attn_mask=~causal, key_padding_mask=self_pad, need_weights=False)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert site.hook is None
+    assert hook_in_progress(site) is None
 
 
 def test_custom_attention_drop_hook_removes_exactly_those_keys():

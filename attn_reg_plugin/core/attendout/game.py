@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..attention_call import AttentionSite, EditScores, PassRecord, add_counts, zero_counts
+from ..attention_call import AttentionSite, EditScores, Record, add_counts, zero_counts
 from ..controller import RegularizationController
 from ..distributed import all_reduce_mean_
 from ..rules import key_seed
@@ -71,7 +71,7 @@ class AttendOut:
         self._latest: Tuple[Optional[_CachedBatch], List[PolicyLogits]] = (None, [])  # the last batch's logits
 
     @contextlib.contextmanager
-    def attacker_pass(self, streams: Dict[str, torch.Tensor]) -> Iterator[PassRecord]:
+    def attacker_pass(self, streams: Dict[str, torch.Tensor]) -> Iterator[Record]:
         """One forward of the Attacker under this batch's masks (:meth:`attacker_hooks`); what the
         kernel applied is added to this dropout step's counts when the block ends."""
         with self.controller.hooks(self.attacker_hooks(streams)) as record:
