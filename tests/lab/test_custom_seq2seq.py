@@ -68,17 +68,26 @@ def test_custom_attention_without_hook_equals_torch_reference():
 
 
 def test_custom_attention_drop_hook_removes_exactly_those_keys():
-    """A drop mask set on the site equals the reference attention with those keys masked out."""
+    """A drop mask asked of the site by a pass equals the reference attention with those keys masked
+    out, through the controller's pass and through one built by hand as PORTING.md shows it."""
+    from attn_reg_plugin.core.attention_call import Plan, Record, passing
+
     ours, ref, site = _reference_pair()
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 5, 16, generator=g)
     drop = torch.rand(2, 4, 5, 5, generator=g) < 0.3
     drop[..., 0] = False  # every row keeps a key
+    allowed = torch.ones(2, 1, 1, 5, dtype=torch.bool)
     with RegularizationController().hooks({site: EditScores(drop=drop)}):  # a pass trains: autograd on
-        got = ours(x, x, torch.ones(2, 1, 1, 5, dtype=torch.bool)).detach()
+        got = ours(x, x, allowed).detach()
     with torch.no_grad():
         want, _ = ref(x, x, x, attn_mask=drop.reshape(8, 5, 5), need_weights=False)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    record = Record()
+    with passing(Plan.asking({ours.site: EditScores(drop=drop, counted=True)}, record)):
+        by_hand = ours(x, x, allowed).detach()
+    dropped, valid = record.counts()
+    assert torch.equal(by_hand, got) and (int(dropped), int(valid)) == (int(drop.sum()), drop.numel())
 
 
 def test_model_registers_one_site_per_attention():
