@@ -7,7 +7,7 @@ current pass does on the site once, as an immutable :class:`~.attention_call.Att
 pure kernel :func:`attention_kernel` with it, and adds what the kernel captured and counted to the
 pass's :class:`~attn_reg_plugin.core.attention_call.Record`. What the kernel does on top of ordinary
 scaled dot-product attention is decided by the call's *hook* (defined in :mod:`.attention_call`),
-set on the site by the controller for one pass:
+which the pass's plan asks of the site:
 
 * no hook                  ordinary attention: ``scaled_dot_product_attention`` and nothing else
                            (the first thing :func:`attend` checks, so an idle model pays nothing);

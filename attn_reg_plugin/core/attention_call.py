@@ -18,6 +18,7 @@ registers again for the recompute.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -308,8 +309,10 @@ class Plan:
     # A dict, built once and never written: torch.compile reads a plain dict keyed by objects
     # without a graph break (a mapping proxy breaks the graph at every call).
     calls: Mapping[AttentionSite, Spec]
-    # Registered again for a recompute (applied): autograd's mode there; None: the pass itself.
+    # Registered again for a recompute (applied): autograd's mode there, and the thread running
+    # it, the only one whose calls read it; None: the pass itself, read by every thread.
     carried: Optional[bool] = None
+    thread: Optional[int] = None
 
     def __bool__(self) -> bool:
         return any(hook is not None for hook, _, _ in self.calls.values())
@@ -349,10 +352,12 @@ _ACTIVE: List[Plan] = []
 
 
 def active_plan(site: AttentionSite) -> Optional[Plan]:
-    """The innermost plan in progress that speaks for ``site``, or None."""
-    for index in range(len(_ACTIVE) - 1, -1, -1):
-        plan = _ACTIVE[index]
-        if site in plan.calls:
+    """The innermost plan in progress that speaks for ``site`` in this thread, or None."""
+    # A copy: other threads register and end plans meanwhile. A carried plan is its thread's own
+    # (none is registered while compiling: applied).
+    thread = None if torch.compiler.is_compiling() else threading.get_ident()
+    for plan in reversed(_ACTIVE[:]):
+        if site in plan.calls and (plan.thread is None or thread is None or plan.thread == thread):
             return plan
     return None
 
@@ -370,7 +375,12 @@ def passing(plan: Plan) -> Iterator[Plan]:
     try:
         yield plan
     finally:
-        _ACTIVE.remove(plan)  # by identity: plans compare as objects, and threads may end out of order
+        # By identity, searched from the end: threads may end their plans out of order, and
+        # torch.compile cannot compare a plan made in its graph with one made outside.
+        for index in range(len(_ACTIVE) - 1, -1, -1):
+            if _ACTIVE[index] is plan:
+                del _ACTIVE[index]
+                break
 
 
 def plan_of(sites: Iterable[AttentionSite]) -> Plan:
@@ -389,9 +399,16 @@ def plan_of(sites: Iterable[AttentionSite]) -> Plan:
 @contextlib.contextmanager
 def applied(plan: Optional[Plan], sites: Sequence[AttentionSite]) -> Iterator[None]:
     """``plan`` in progress on ``sites`` (ordinary attention where it asks nothing) for the block,
-    carried: a checkpointed function recomputed in the backward runs under the pass of its forward."""
+    carried, in this thread: a checkpointed function recomputed in the backward runs under the pass
+    of its forward."""
+    if torch.compiler.is_compiling():
+        # Traced: the calls read the pass in progress, which this plan was taken from; a compiled
+        # region recomputes from its own graph. (A plan made in the graph and registered would be
+        # a side effect torch.compile cannot replay.)
+        yield
+        return
     calls = {site: NO_CALL if plan is None else plan.calls.get(site, NO_CALL) for site in sites}
-    with passing(Plan(calls, carried=torch.is_grad_enabled())):
+    with passing(Plan(calls, carried=torch.is_grad_enabled(), thread=threading.get_ident())):
         yield
 
 

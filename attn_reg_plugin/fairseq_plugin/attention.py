@@ -3,8 +3,8 @@
 :func:`install_attention_sites` swaps the class of every ``MultiheadAttention`` of a built
 model to :class:`RegularizedMultiheadAttention` (``module.__class__``: no parameter is added
 or renamed, so checkpoints stay plain fairseq checkpoints) and registers one
-:class:`~attn_reg_plugin.core.controller.AttentionSite` per module. While no regularizer has
-set a hook on its site, the module runs fairseq's own forward unchanged (validation,
+:class:`~attn_reg_plugin.core.attention_call.AttentionSite` per module. While no pass in progress
+asks a hook of its site, the module runs fairseq's own forward unchanged (validation,
 generation, incremental decoding).
 """
 
