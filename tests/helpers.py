@@ -688,9 +688,6 @@ class HandPass:
         return {"site": self.site, "plan": self.plan}
 
 
-hand_pass = HandPass
-
-
 def kernel_dropout_at_hooked_calls(monkeypatch):
     """A list that collects the ``dropout_p`` :func:`attend` hands the kernel at each call a pass hooked."""
     import attn_reg_plugin.core.attention as attention

@@ -119,8 +119,8 @@ def attend(
     with a cache; sdpa's ``is_causal`` when T = S), on top of ``bias``. Prefer it to a causal mask:
     the kernel then never builds a (T, S) one where sdpa or a block of queries can do without.
     ``plan``: the pass, when the model's call carries it (transformers' model kwargs); else the
-    innermost pass in progress on the site says what the call does. A checkpointed layer must carry it to its recompute
-    (:meth:`~.controller.RegularizationController.checkpoint`).
+    innermost pass in progress on the site says what the call does. A checkpointed layer must
+    carry it to its recompute (:meth:`~.controller.RegularizationController.checkpoint`).
     ``call``: ``call_of(site, plan)`` when the adapter read it already (to take its stock path on
     an ordinary call), so that a call is read once.
     Returns the per-head output (B, H, T, d) and, if ``need_weights``, the attention map.

@@ -8,7 +8,7 @@ from attn_reg_plugin.core import kernel, rules
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import CaptureOutput, EditScores
 from attn_reg_plugin.core.rules import BernoulliRule
-from helpers import FLOAT_DTYPES, ad_drop_masks, hand_pass
+from helpers import FLOAT_DTYPES, HandPass, ad_drop_masks
 
 # ---------------------------------------------------------------- the kernel
 
@@ -26,7 +26,7 @@ def test_query_rows_without_any_valid_key_stay_finite(dtype, need_weights):
     valid = real & torch.ones(T, T, dtype=torch.bool).tril()
     bias = torch.zeros(2, 1, T, T, dtype=dtype).masked_fill(~valid, float("-inf"))
     drop = ad_drop_masks(torch.randn(2, 2, T, T), valid, 0.5, 0.5, generator=torch.Generator().manual_seed(0))
-    for call in ({}, hand_pass(EditScores(drop=drop)).call):
+    for call in ({}, HandPass(EditScores(drop=drop)).call):
         out, _ = attend(q, k, v, bias, **call, need_weights=need_weights)
         assert torch.isfinite(out).all()
         has_valid = valid.expand(2, 2, T, T).any(-1)
@@ -98,13 +98,13 @@ def test_attend_with_drop_matches_reference_with_keys_removed(need_weights):
     attr = torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(9))
     drop = ad_drop_masks(attr, causal, 0.7, 0.7, generator=torch.Generator().manual_seed(3))
     assert drop.any()
-    out, probs = attend(q, k, v, bias, **hand_pass(EditScores(drop=drop)).call, need_weights=need_weights)
+    out, probs = attend(q, k, v, bias, **HandPass(EditScores(drop=drop)).call, need_weights=need_weights)
     ref_out, ref_probs = _reference(q, k, v, causal & ~drop)
     assert torch.allclose(out.double(), ref_out, atol=1e-5)
     if need_weights:
         assert torch.allclose(probs.double(), ref_probs, atol=1e-6)
     # Without any bias, a drop mask alone removes keys too.
-    out, _ = attend(q, k, v, None, **hand_pass(EditScores(drop=drop)).call)
+    out, _ = attend(q, k, v, None, **HandPass(EditScores(drop=drop)).call)
     assert torch.allclose(out.double(), _reference(q, k, v, ~drop)[0], atol=1e-5)
 
 
@@ -112,7 +112,7 @@ def test_attend_drop_counts_dropped_and_valid_keys_and_refuses_what_is_no_mask_o
     q, k, v = _qkv()
     bias, valid = _pad_bias([7, 3], 7)
     drop = (torch.arange(7) == 0).view(1, 1, 1, 7)
-    site = hand_pass(EditScores(drop=drop, counted=True))
+    site = HandPass(EditScores(drop=drop, counted=True))
     out, _ = attend(q, k, v, bias, **site.call)
     stats = site.record.counts()
     with pytest.raises(TypeError, match="EditScores.drop must be a bool tensor or a BlockRule"):
@@ -134,7 +134,7 @@ def test_a_row_the_drops_empty_attends_uniformly_and_counts_its_keys_dropped(spl
     q, k, v = _qkv()
     bias, valid = _pad_bias([7, 3], 7)
     drop = (torch.arange(7) < 3).view(1, 1, 1, 7)  # sample 1's three valid keys: its rows are emptied
-    site = hand_pass(EditScores(drop=drop, counted=True))
+    site = HandPass(EditScores(drop=drop, counted=True))
     out, _ = attend(q, k, v, bias, **site.call)
     dropped, droppable = site.record.counts()
     assert int(dropped) == 3 * 5 * 3 + 3 * 5 * 3 and int(droppable) == 3 * 5 * (7 + 3)
@@ -152,7 +152,7 @@ def test_an_edit_of_an_empty_call_gives_an_empty_output_and_no_counts(shape):
     b, h, t, s = shape
     q, k, v = (torch.randn(b, h, n, 4) for n in (t, s, s))
     bias = torch.ones(b, 1, 1, s, dtype=torch.bool)
-    site = hand_pass(EditScores(drop=BernoulliRule(torch.tensor(0.5)), counted=True))
+    site = HandPass(EditScores(drop=BernoulliRule(torch.tensor(0.5)), counted=True))
     out, _ = attend(q, k, v, bias, **site.call)
     assert out.shape == (b, h, t, 4) and not out.any()  # a row with no key attends to nothing: 0
     assert [int(x) for x in site.record.counts()[:2]] == [0, 0]
@@ -162,7 +162,7 @@ def test_uniform_rows_false_makes_no_row_uniform():
     q, k, v = _qkv(B=2, H=3, T=5, S=7)
     bias, _ = _pad_bias([7, 3], 7)
     plain, _ = attend(q, k, v, bias)
-    out, _ = attend(q, k, v, bias, **hand_pass(EditScores(uniform_rows=False)).call)
+    out, _ = attend(q, k, v, bias, **HandPass(EditScores(uniform_rows=False)).call)
     assert torch.equal(out, plain)
 
 
@@ -171,7 +171,7 @@ def test_attend_uniform_rows_attend_uniformly_to_valid_keys():
     bias, valid = _pad_bias([7, 3], 7)
     uniform = torch.zeros(2, 3, 5, 1, dtype=torch.bool)
     uniform[0, 1, 2] = uniform[1, 0, 0] = uniform[1, 2, 4] = True
-    out, probs = attend(q, k, v, bias, **hand_pass(EditScores(uniform_rows=uniform)).call, need_weights=True)
+    out, probs = attend(q, k, v, bias, **HandPass(EditScores(uniform_rows=uniform)).call, need_weights=True)
     n = valid.expand(2, 3, 5, 7).sum(-1, keepdim=True).float()
     u = uniform.squeeze(-1)
     want = (valid.expand(2, 3, 5, 7).float() / n)[u]
@@ -182,14 +182,14 @@ def test_attend_uniform_rows_attend_uniformly_to_valid_keys():
     ref_out, _ = _reference(q, k, v, valid)
     ref_out = torch.where(uniform, mean_v.expand_as(ref_out), ref_out)
     assert torch.allclose(out.double(), ref_out, atol=1e-5)
-    fused, _ = attend(q, k, v, bias, **hand_pass(EditScores(uniform_rows=uniform)).call)
+    fused, _ = attend(q, k, v, bias, **HandPass(EditScores(uniform_rows=uniform)).call)
     assert torch.allclose(fused.double(), ref_out, atol=1e-5)
 
 
 def test_attend_site_without_hook_is_plain_attention():
     q, k, v = _qkv()
     bias, valid = _pad_bias([5, 7], 7)
-    out, _ = attend(q, k, v, bias, **hand_pass(None).call)
+    out, _ = attend(q, k, v, bias, **HandPass(None).call)
     assert torch.allclose(out.double(), _reference(q, k, v, valid)[0], atol=1e-5)
 
 
@@ -198,7 +198,7 @@ def test_edit_stats_count_every_head_and_callable_sees_full_shape():
     q = k = v = torch.randn(2, 3, 4, 4)
     shared = torch.zeros(2, 1, 4, 4, dtype=torch.bool)
     shared[:, :, :, 1] = True
-    site = hand_pass(EditScores(drop=shared, counted=True))
+    site = HandPass(EditScores(drop=shared, counted=True))
     attend(q, k, v, **site.call)
     counts = site.record.counts()
     assert counts[0].item() == 2 * 3 * 4 and counts[1].item() == 2 * 3 * 4 * 4
@@ -247,7 +247,7 @@ def test_idle_call_equals_the_explicit_softmax_path(dtype, case):
     ref_out = torch.softmax(scores.masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0) @ ref_v  # keyless: 0
     (ref_out * upstream.double()).sum().backward()
     tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}[dtype]
-    for call in ({}, hand_pass(None).call):
+    for call in ({}, HandPass(None).call):
         got = _output_and_grads(q0, k0, v0, bias, upstream, **call)
         for mine, want in zip(got, [ref_out.detach(), ref_q.grad, ref_k.grad, ref_v.grad]):
             torch.testing.assert_close(mine.double(), want, atol=tol * 4, rtol=tol * 4)
@@ -292,7 +292,7 @@ def test_a_call_writes_nothing_on_its_site_or_plan_and_a_recompute_captures_noth
 
     q, k, v = _qkv()
     hook = EditScores(drop=BernoulliRule(torch.tensor(0.5)), counted=True)
-    one = hand_pass(hook)
+    one = HandPass(hook)
     site_before, plan_before = dict(vars(one.site)), dict(one.plan.calls)
     torch.manual_seed(0)
     out, _ = attend(q, k, v, **one.call)
@@ -372,7 +372,7 @@ def test_grouped_key_value_heads_equal_repeated_ones_and_ga_keeps_them_unrepeate
     def run(repeat, hook):
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
         kk, vv = (k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)) if repeat else (k, v)
-        site = hand_pass(hook)
+        site = HandPass(hook)
         torch.manual_seed(3)
         out, _ = attend(q, kk, vv, bias, **site.call)
         (out * upstream).sum().backward()

@@ -22,7 +22,7 @@ from attn_reg_plugin.core.rules import (
     RandomScores,
     TopRegionRule,
 )
-from helpers import hand_pass
+from helpers import HandPass
 
 B, H, T, D = 2, 2, 9, 4
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -80,7 +80,7 @@ def _run(kind, dtype, device, autocast: bool):
     inputs = leaves if autocast else [x.to(dtype) for x in leaves]
     torch.manual_seed(11)
     with torch.autocast(device, dtype=dtype, enabled=autocast):
-        out, _ = attend(*inputs, valid, **hand_pass(hook).call)
+        out, _ = attend(*inputs, valid, **HandPass(hook).call)
     weights = torch.linspace(-1, 1, out.numel(), device=device).view(out.shape)
     (out.float() * weights).sum().backward()
     return out, [x.grad for x in leaves]

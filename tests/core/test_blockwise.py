@@ -29,7 +29,7 @@ from attn_reg_plugin.core.rules import (
     chunk_draws,
     dense_gradient_attribution,
 )
-from helpers import hand_pass
+from helpers import HandPass
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +126,7 @@ def _attend_pair(q, k, v, bias, hook_of, monkeypatch, block_calls, dropout_p=0.0
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
         bias_leaf = bias.detach().clone().requires_grad_(bias.is_floating_point()) if bias is not None else None
         torch.manual_seed(5)
-        out, _ = attend(*leaves, bias_leaf, dropout_p=dropout_p, **hand_pass(hook_of()).call)
+        out, _ = attend(*leaves, bias_leaf, dropout_p=dropout_p, **HandPass(hook_of()).call)
         assert (split and bool(block_calls)) or (not split and not block_calls), split
         block_calls.clear()
         (out.double() * torch.linspace(-1, 1, out.numel(), device=out.device).view(out.shape)).sum().backward()
@@ -181,7 +181,7 @@ def test_attention_dropout_in_an_edit_is_the_same_one_block_or_many(dtype, kind,
         torch.testing.assert_close(a, w, **TOL[dtype])
     _force_small_blocks(monkeypatch)
     torch.manual_seed(5)
-    undropped = attend(q, k, v, _valid(kind), **hand_pass(hook_of()).call)[0]
+    undropped = attend(q, k, v, _valid(kind), **HandPass(hook_of()).call)[0]
     assert not torch.allclose(undropped, split[0])
 
 
@@ -194,7 +194,7 @@ def test_attention_dropout_in_an_edit_drops_the_keyed_weights_and_rescales_the_r
     q, k, v = (torch.randn(b, h, t, d, generator=g) for _ in range(3))
     no_drop = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
     torch.manual_seed(3)
-    out, _ = attend(q, k, v, dropout_p=p, **hand_pass(EditScores(drop=no_drop)).call)
+    out, _ = attend(q, k, v, dropout_p=p, **HandPass(EditScores(drop=no_drop)).call)
     torch.manual_seed(3)
     shape = (b, h, t, t)
     dropped = rules.Block(slice(0, t), torch.ones(1, 1, 1, t, dtype=torch.bool), shape, shape, rules.call_seed())
@@ -268,7 +268,7 @@ def test_blocks_replay_attention_dropout_in_the_backward(small_blocks, block_cal
 
     def f(q, k, v):
         torch.manual_seed(0)
-        return attend(q, k, v, dropout_p=0.3, **hand_pass(EditScores(drop=drop)).call)[0]
+        return attend(q, k, v, dropout_p=0.3, **HandPass(EditScores(drop=drop)).call)[0]
 
     assert torch.autograd.gradcheck(f, (q, k, v))
     assert block_calls and set(block_calls) == {2}
@@ -417,7 +417,7 @@ def test_blockwise_counts_match_the_drops(small_blocks, block_calls):
     q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
     valid = _valid("padding", 2, 6)
     drop = torch.rand(2, 2, 6, 6, generator=g) < 0.3
-    site = hand_pass(EditScores(drop=drop, counted=True))
+    site = HandPass(EditScores(drop=drop, counted=True))
     attend(q, k, v, valid, **site.call)
     counts = site.record.counts()
     assert block_calls == [2]
@@ -584,7 +584,7 @@ def test_a_given_mask_through_blocks_leaves_the_random_stream_alone(small_blocks
     drop = torch.rand(2, 1, 6, 6, generator=g) < 0.3
     torch.manual_seed(3)
     before = torch.get_rng_state()
-    attend(q, k, v, _valid("padding", 2, 6), **hand_pass(EditScores(drop=drop)).call)
+    attend(q, k, v, _valid("padding", 2, 6), **HandPass(EditScores(drop=drop)).call)
     assert block_calls == [2]
     assert torch.equal(torch.get_rng_state(), before)
 
@@ -668,7 +668,7 @@ def test_kept_bits_are_saved_tensors_so_a_checkpoint_drops_them_until_its_recomp
     def run(checkpointed: bool):
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         torch.manual_seed(0)
-        site = hand_pass(EditScores(drop=rule))
+        site = HandPass(EditScores(drop=rule))
 
         def call(*qkv):
             return attend(*qkv, bias, **site.call)[0]
@@ -749,7 +749,7 @@ def test_backward_groups_of_blocks_equal_one_backward_call_per_block(kind, layer
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         torch.manual_seed(2)
         hook = EditScores(drop=TopRegionRule(RandomScores(), 0.5, 0.9), uniform_rows=flag)
-        out, _ = attend(*leaves, bias, **hand_pass(hook).call)
+        out, _ = attend(*leaves, bias, **HandPass(hook).call)
         (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
         results.append((out, [x.grad for x in leaves]))
     assert groups == [8, 1]
@@ -779,7 +779,7 @@ def test_float64_blocks_keep_float64(learned_bias, monkeypatch):
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v, bias)]
             leaves[3].requires_grad_(learned_bias)
             drop = torch.rand(2, 2, 7, 7, generator=torch.Generator().manual_seed(1)) < 0.3
-            out, _ = attend(*leaves, **hand_pass(EditScores(drop=drop)).call)
+            out, _ = attend(*leaves, **HandPass(EditScores(drop=drop)).call)
             out.sum().backward()
             results.append([out, *(x.grad for x in leaves if x.requires_grad)])
     for a, e in zip(*results):
@@ -852,7 +852,7 @@ def test_aa_pass_one_outputs_are_sdpas_at_every_length_in_bfloat16(monkeypatch):
     for split in (False, True):
         if split:
             _force_small_blocks(monkeypatch)
-        out, _ = attend(q, k, v, bias, **hand_pass(CaptureProbs(requires_grad=False, keeps_inputs=True)).call)
+        out, _ = attend(q, k, v, bias, **HandPass(CaptureProbs(requires_grad=False, keeps_inputs=True)).call)
         assert torch.equal(out, expected)
 
 
@@ -862,7 +862,7 @@ def test_aa_keeps_the_models_own_mask_not_a_copy():
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 4, 9, 8, generator=g) for _ in range(3))
     bias = _valid("padding", 2, 9)
-    site = hand_pass(CaptureProbs(requires_grad=False, keeps_inputs=True))
+    site = HandPass(CaptureProbs(requires_grad=False, keeps_inputs=True))
     out, _ = attend(q, k, v, bias, **site.call)
     (kept,) = site.record.probs
     assert kept.bias is bias and kept.query.data_ptr() == q.data_ptr() and kept.key.data_ptr() == k.data_ptr()
@@ -907,7 +907,7 @@ def test_a_value_head_larger_than_the_query_head_runs_block_by_block(padded, blo
     drop = torch.rand(2, 2, 9, 9, generator=g) < 0.3
 
     def run():
-        out = attend(q, k, v, bias, **hand_pass(EditScores(drop=drop)).call)[0]
+        out = attend(q, k, v, bias, **HandPass(EditScores(drop=drop)).call)[0]
         return [out, *torch.autograd.grad(out.square().sum(), (q, k, v))]
 
     _force_small_blocks(monkeypatch)

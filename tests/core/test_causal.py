@@ -13,7 +13,7 @@ from attn_reg_plugin.core.attention_call import CaptureOutput, EditScores
 from attn_reg_plugin.core.attribution import logit_target
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.rules import BernoulliRule, RandomScores, TopRegionRule
-from helpers import hand_pass
+from helpers import HandPass
 
 
 def _small_blocks(monkeypatch):
@@ -98,7 +98,7 @@ def _flag_against_mask(hook_name, bias_kind, t, s, need_weights, monkeypatch, de
         if hook is not None and isinstance(hook.drop, torch.Tensor):
             hook = EditScores(drop=hook.drop.to(device), counted=True)
         torch.manual_seed(7)  # a hand-set drawing hook takes its seed from the global stream
-        site = hand_pass(hook)
+        site = HandPass(hook)
         out, weights = attend(
             *leaves,
             bias if causal else _explicit(bias, t, s).to(device),
@@ -128,7 +128,7 @@ def test_ga_capture_of_a_causal_call_keeps_the_same_output_and_validity(t):
     k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(2))
     captured = []
     for causal in (True, False):
-        site = hand_pass(CaptureOutput())
+        site = HandPass(CaptureOutput())
         out, _ = attend(q, k, v, None if causal else _explicit(None, t, 6), **site.call, is_causal=causal)
         captured.append((out, site.record.outputs[0], site.record.valid[0]))
     (out, kept, valid), (out_, kept_, valid_) = captured

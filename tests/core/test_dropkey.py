@@ -186,11 +186,11 @@ def test_knot_schedules_are_unchanged():
 # -- DropKey replaces the attention-weight dropout --------------------------------------------------
 def _dropout_reaching_the_kernel(monkeypatch, hook, dropout_p):
     """The dropout_p that attend hands the kernel for one call under ``hook``."""
-    from helpers import hand_pass, kernel_dropout_at_hooked_calls
+    from helpers import HandPass, kernel_dropout_at_hooked_calls
 
     seen = kernel_dropout_at_hooked_calls(monkeypatch)
     q = torch.randn(2, 2, 5, 4)
-    attend(q, q, q, dropout_p=dropout_p, **hand_pass(hook, seed=torch.tensor(3)).call)
+    attend(q, q, q, dropout_p=dropout_p, **HandPass(hook, seed=torch.tensor(3)).call)
     return seen
 
 

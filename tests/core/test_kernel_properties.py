@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import EditScores
 from attn_reg_plugin.core.rules import candidate_region
-from helpers import ad_drop_masks, hand_pass
+from helpers import HandPass, ad_drop_masks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
@@ -95,7 +95,7 @@ def test_kernel_weights_respect_every_mask_and_idle_equals_sdpa(case, dtype, q, 
     # Any drop mask, even one that empties rows (AttendOut): weights only on kept real keys, rows sum
     # to 1, an emptied row is uniform over its real keys, a row with no real key is 0; never NaN.
     drop = torch.rand(B, 2, T, S, generator=g) < q
-    out, weights = attend(*qkv, bias=valid, **hand_pass(EditScores(drop=drop)).call, need_weights=True)
+    out, weights = attend(*qkv, bias=valid, **HandPass(EditScores(drop=drop)).call, need_weights=True)
     assert torch.isfinite(out).all() and torch.isfinite(weights).all()
     has_key = valid.any(-1, keepdim=True).expand(B, 2, T, 1)
     emptied = (drop | ~valid).all(-1, keepdim=True) & has_key
@@ -144,7 +144,7 @@ def test_kernel_gradients_equal_the_explicit_softmax_path(dtype, backend, edit):
     q, k, v = (t.to(dtype).clone().requires_grad_() for t in (q0, k0, v0))
     choice = SDPBackend.MATH if backend == "math" else SDPBackend.FLASH_ATTENTION
     with sdpa_kernel([choice]), torch.enable_grad():
-        out, _ = attend(q, k, v, bias=valid, **(hand_pass(hook).call if hook is not None else {}))
+        out, _ = attend(q, k, v, bias=valid, **(HandPass(hook).call if hook is not None else {}))
     (out.float() * upstream).sum().backward()
 
     ref_q, ref_k, ref_v = (t.double().clone().requires_grad_() for t in (q0.to(dtype), k0.to(dtype), v0.to(dtype)))

@@ -21,7 +21,7 @@ from attn_reg_plugin.core.attention import attend
 from attn_reg_plugin.core.attention_call import EditScores
 from attn_reg_plugin.core.masks import additive_mask, mask_fill_value, pack_bits, unpack_bits
 from attn_reg_plugin.core.rules import candidate_region, ceil_of_product, keep_one_valid_key
-from helpers import FLOAT_DTYPES, ad_drop_masks, hand_pass
+from helpers import FLOAT_DTYPES, HandPass, ad_drop_masks
 
 # Row-sum tolerance of a softmax stored in the dtype (a few ulps of 1 times the row length).
 SUM_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -311,14 +311,14 @@ def test_masked_softmax_in_low_precision_has_no_nan_and_zero_at_dropped(dtype, b
     attr = torch.randn(B, H, T, S)
     drop = ad_drop_masks(attr, valid, 0.9, 0.9, generator=torch.Generator().manual_seed(1))
     assert drop.any()
-    out, probs = attend(q, k, v, bias, **hand_pass(EditScores(drop=drop)).call, need_weights=True)
+    out, probs = attend(q, k, v, bias, **HandPass(EditScores(drop=drop)).call, need_weights=True)
     assert probs.dtype == dtype
     assert torch.isfinite(probs).all() and torch.isfinite(out).all()
     assert (probs[drop] == 0).all()
     assert (probs[~valid] == 0).all()
     assert torch.allclose(probs.float().sum(-1), torch.ones(B, H, T), atol=SUM_TOL[dtype])
     # The fused path (no need_weights) agrees with the explicit one and is finite too.
-    fused, _ = attend(q, k, v, bias, **hand_pass(EditScores(drop=drop)).call)
+    fused, _ = attend(q, k, v, bias, **HandPass(EditScores(drop=drop)).call)
     assert torch.isfinite(fused).all()
     ref = torch.matmul(probs.float(), v.float())
     tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
@@ -373,10 +373,10 @@ def test_property_ad_drop_masks(case):
     assert ((valid & ~drop).sum(-1) >= 1)[n > 0].all()
     q_, k_, v_ = (torch.randn(B, H, m, 4, generator=g).to(dtype).requires_grad_() for m in (T, S, S))
     bias = torch.zeros(B, 1, T if causal else 1, S, dtype=dtype).masked_fill(~valid[:, :1], float("-inf"))
-    out, probs = attend(q_, k_, v_, bias, **hand_pass(EditScores(drop=drop)).call, need_weights=True)
+    out, probs = attend(q_, k_, v_, bias, **HandPass(EditScores(drop=drop)).call, need_weights=True)
     assert not torch.isnan(out).any() and not torch.isnan(probs).any()
     assert (probs[drop | ~valid] == 0).all()
-    fused, _ = attend(q_, k_, v_, bias, **hand_pass(EditScores(drop=drop)).call)
+    fused, _ = attend(q_, k_, v_, bias, **HandPass(EditScores(drop=drop)).call)
     assert torch.isfinite(fused).all()
     (out.float().sum() + fused.float().square().sum()).backward()  # both paths, backward too
     assert all(torch.isfinite(t.grad).all() for t in (q_, k_, v_))

@@ -18,7 +18,7 @@ from attn_reg_plugin.core.attention_call import EditScores
 from attn_reg_plugin.core.attribution import GradientScale, logit_target, token_loss_target
 from attn_reg_plugin.core.controller import RegularizationController
 from attn_reg_plugin.core.rules import candidate_region
-from helpers import FLOAT_DTYPES, ad_drop_masks, hand_pass
+from helpers import FLOAT_DTYPES, HandPass, ad_drop_masks
 
 # Absolute tolerance against a float64 reference (outputs; input gradients get 2.5x). The worst
 # errors over all cases below are about a third of these (fp32 1e-6 / 3e-6, fp16 3e-3 / 7e-3, bf16 3e-2 / 6e-2).
@@ -68,7 +68,7 @@ def test_masked_attention_forward_and_backward_are_finite(dtype, case, p, q, nee
         assert torch.equal((valid & ~drop).sum(-1), has_key.long())  # all but the one kept key
 
     qkv = [(torch.randn(B, H, n, d, generator=g) * 2).to(dtype).requires_grad_() for n in (T, S, S)]
-    out, probs = attend(*qkv, bias, **hand_pass(EditScores(drop=drop)).call, need_weights=need_weights)
+    out, probs = attend(*qkv, bias, **HandPass(EditScores(drop=drop)).call, need_weights=need_weights)
     weights = torch.randn(out.shape, generator=g)
     (out.float() * weights).sum().backward()
     assert torch.isfinite(out).all()
