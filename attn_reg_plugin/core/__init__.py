@@ -31,7 +31,7 @@ This is also the porting API for your own model (no fairseq or transformers need
        if ad_drop_epoch(ad_drop.config.schedule, epoch):            # 1-based; even epochs
            with ad_drop.masked(lambda: model(src, prev), target, frozen=model) as stats:
                loss = criterion(model(src, prev), tgt)              # this forward is masked
-           rate = stats["dropped"] / stats["droppable"]
+           rate = stats["rate"]                                     # dropped / droppable, plain numbers
        else:
            loss = criterion(model(src, prev), tgt)
        loss.backward()

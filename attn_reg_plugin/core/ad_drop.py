@@ -41,8 +41,11 @@ from .sharding import check_supported_sharding
 
 logger = logging.getLogger(__name__)
 
-# output, fixed labels (None on the first call) -> (scalar F, labels used)
+# output, fixed labels -> (scalar F, labels used). The first call gets None (make pseudo labels), or
+# the gold labels under ADDropConfig.labels="gold"; IGA's later calls get what the first one used.
 Target = Callable[[object, Optional[torch.Tensor]], Tuple[torch.Tensor, torch.Tensor]]
+# What masked() yields: plain numbers, or 0-d tensors for an adapter that asks for them (tensors=True).
+Stats = Dict[str, Union[int, float, torch.Tensor]]
 
 
 def _finite(value: torch.Tensor, captured: List[torch.Tensor]) -> bool:
@@ -66,6 +69,23 @@ def samples_with_target(attributions: List[Union[torch.Tensor, GradientScores]])
     return found
 
 
+def _given_labels(target: Target, labels: torch.Tensor) -> Target:
+    """``target`` whose first call takes ``labels`` where it would make pseudo labels (fixed None)."""
+    return lambda output, fixed: target(output, labels if fixed is None else fixed)
+
+
+def _finish(stats: Stats, tensors: bool) -> None:
+    """The counts' rate, and every value a plain number unless ``tensors`` (a host read, once a step).
+    The rate of a step that could drop nothing (a skipped one) is 0.0: no NaN to poison a mean."""
+    dropped, droppable = stats["dropped"], stats["droppable"]
+    if tensors:
+        stats["rate"] = dropped / droppable.clamp(min=1)  # dropped is 0 wherever droppable is
+        return
+    for key in ("skipped", "dropped", "droppable"):
+        stats[key] = int(stats[key])
+    stats["rate"] = stats["dropped"] / stats["droppable"] if stats["droppable"] else 0.0
+
+
 class ADDrop:
     """Runs AD-DROP steps on the attention sites of one model."""
 
@@ -79,14 +99,36 @@ class ADDrop:
         self.sites: List[AttentionSite] = config.select_sites(controller)
 
     # -- attribution ---------------------------------------------------------------------
+    def _labelled(self, target: Target, labels: Optional[torch.Tensor]) -> Target:
+        """``target``, its first call given the gold labels under ``labels="gold"``. Gold labels are
+        given exactly when the config asks for them: a target handed None makes pseudo labels, so a
+        gold config run without them would silently be the paper's pseudo run."""
+        option = self.config.name("labels")
+        if self.config.labels == "gold" and labels is None:
+            raise ValueError(
+                f"{option} is gold (accepted: pseudo, gold), but no gold labels were given: pass the batch's "
+                "labels, as the target takes them for its second argument, with masked(..., labels=...) (or "
+                "attributions(..., labels=...)); without them the attribution target would use pseudo labels "
+                "(pass 1's argmax)"
+            )
+        if self.config.labels != "gold" and labels is not None:
+            raise ValueError(
+                f"labels were given, but {option} is {self.config.labels} (accepted: pseudo, gold): the "
+                "attribution target uses pass 1's argmax and would ignore them. Set it to gold to use them, "
+                "or pass no labels"
+            )
+        return target if labels is None else _given_labels(target, labels)
+
     def attributions(
         self,
         forward: Callable[[], object],
         target: Target,
         frozen: Optional[torch.nn.Module] = None,
         dense: bool = True,
+        labels: Optional[torch.Tensor] = None,
     ) -> Optional[Tuple[List[AttentionSite], List[Union[torch.Tensor, ScoreSource]], List[torch.Tensor]]]:
         """Pass 1 (and IGA's extra passes): the sites in call order, their attributions and validity.
+        ``labels``: the batch's gold labels, exactly when ``config.labels`` is gold (:meth:`masked`).
 
         ``dense=False`` (training): a GA map longer than one block of the kernel stays
         :class:`GradientScores` (dF/dO and V, linear in length), formed per block in pass 2, and
@@ -94,6 +136,7 @@ class ADDrop:
         None when the target is not finite (a half-precision overflow): no ranking survives, and
         masks from all-zero attributions would drop arbitrary keys.
         """
+        target = self._labelled(target, labels)
         method = self.config.attribution
         # Profiler labels (free when no profiler runs) let benchmarks split a step into its passes.
         with (
@@ -248,19 +291,29 @@ class ADDrop:
         attribution_forward: Callable[[], object],
         target: Target,
         frozen: Optional[torch.nn.Module] = None,
-    ) -> Iterator[Dict[str, torch.Tensor]]:
+        *,
+        labels: Optional[torch.Tensor] = None,
+        tensors: bool = False,
+    ) -> Iterator[Stats]:
         """Run the attribution pass now; inside the block, forwards are masked (pass 2).
 
         ``attribution_forward`` should run the bare model (no DDP wrapper: attribution needs
-        no gradient sync). The yielded dict's ``dropped`` / ``droppable`` counts (the units
-        dropped, and those the rate is over) fill in as the masked pass runs; its ``skipped`` is 1
-        when the attribution target was not finite, in which case nothing is masked and the
-        block's loss is the plain one. Randomness comes
+        no gradient sync). ``labels``: the batch's gold labels, as ``target`` takes them for its
+        second argument; required with ``config.labels`` gold, refused with pseudo.
+
+        The yielded dict is filled in when the block ends: ``dropped`` / ``droppable`` (the units
+        dropped, and those the rate is over), ``rate`` (dropped / droppable, 0.0 when nothing was
+        droppable) and ``skipped``, 1 when the attribution target was not finite, in which case
+        nothing is masked and the block's loss is the plain one. Plain Python numbers (reading them
+        synchronises an accelerator once a step); ``tensors=True`` keeps them 0-d tensors on the
+        model's device, for a caller that sums them over steps without a host sync (the adapters).
+        A block that ran no forward through the selected sites raises ``RuntimeError``. Randomness comes
         from torch's global generator, which frameworks seed per update, so masks are
         reproducible and survive a resume. A layer checkpointed with ``controller.checkpoint`` (or
         by transformers or fairseq) carries the pass in its call and repeats the masked pass when
         recomputed, whenever the loss is back-propagated.
         """
+        self._labelled(target, labels)  # checked also where no target runs (rd): no config and call at odds
         p, q = self.config.p, self.config.q
         if frozen is not None and id(frozen) not in self._checked_sharding:
             check_supported_sharding(frozen, "ADDrop")  # before this step trains anything
@@ -272,11 +325,12 @@ class ADDrop:
             rule = TopRegionRule(RandomScores(), p, q)
             edits = {s: EditScores(drop=rule, counted=True) for s in self.sites}
         else:
-            found = self.attributions(attribution_forward, target, frozen, dense=False)
+            found = self.attributions(attribution_forward, target, frozen, dense=False, labels=labels)
             if found is None:  # not finite: this step trains with the plain loss, counted as skipped
                 stats["skipped"] = torch.ones((), dtype=torch.long)
                 yield stats
                 stats["dropped"], stats["droppable"] = zero_counts()
+                _finish(stats, tensors)
                 return
             with record_function("ad_drop::masks"):
                 # (found[2], the validity, is not needed: the kernel reads it from pass 2's mask)
@@ -284,7 +338,14 @@ class ADDrop:
             del found  # pass 1 is gone before pass 2 allocates
         with self.controller.hooks(edits) as record:
             yield stats
+        if not record.sites:
+            # Its counts would be 0 / 0 (a NaN rate), and the step would train nothing of AD-DROP.
+            raise RuntimeError(
+                f"ADDrop.masked: the block ran no forward through the selected attention sites ({self.sites}): "
+                "run the training forward inside the `with` block, whose loss you then back-propagate"
+            )
         stats["dropped"], stats["droppable"] = record.counts()
+        _finish(stats, tensors)
 
     def _edits(self, sites, attributions, stats) -> Dict[AttentionSite, EditScores]:
         """Pass 2's edit of each site from pass 1's attributions: a :class:`TopRegionRule` at every
@@ -313,8 +374,11 @@ class ADDrop:
         train_forward: Callable[[], object],
         target: Target,
         frozen: Optional[torch.nn.Module] = None,
-    ) -> Tuple[object, Dict[str, torch.Tensor]]:
+        *,
+        labels: Optional[torch.Tensor] = None,
+        tensors: bool = False,
+    ) -> Tuple[object, Stats]:
         """One AD-DROP step: attribution pass, masks, and the masked pass whose output is returned."""
-        with self.masked(attribution_forward, target, frozen) as stats:
+        with self.masked(attribution_forward, target, frozen, labels=labels, tensors=tensors) as stats:
             output = train_forward()
         return output, stats

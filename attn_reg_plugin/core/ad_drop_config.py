@@ -4,6 +4,7 @@ cross-tuning schedule (paper Sec. 2.4, Alg. 1)."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -103,10 +104,14 @@ class ADDropConfig(RegularizerOptions):
 
 def ad_drop_epoch(schedule: str, epoch: int) -> bool:
     """Whether 1-based ``epoch`` is an AD-DROP epoch (paper Alg. 1: plain on odd epochs)."""
+    # Refused rather than taken modulo 2: a 0-based loop (range(n)) would silently swap the phases,
+    # and a float (HF's fractional state.epoch) says nothing about which epoch it is in.
+    if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 1:
+        raise ValueError(f"epoch must be a 1-based integer >= 1 (the first epoch is 1), got {epoch!r}")
     if schedule == "always":
         return True
     if schedule == "cross-tuning":
-        return epoch % 2 == 0
+        return int(epoch) % 2 == 0
     raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
 
 

@@ -348,6 +348,15 @@ class EditAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights, _dropped, _droppable):
+        # The forward ran with autocast off (edit_attention), and so does the backward, wherever it is
+        # taken: inside autocast (a loop that wraps its backward in it, AD-DROP's bf16 attribution
+        # pass) the portable path's matmuls ran in bf16 beside a float32 softmax, and
+        # _softmax_backward_data refused the mix. One dtype rule: the forward's, summed in _accumulated's.
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return EditAttention._backward(ctx, grad_out, grad_weights)
+
+    @staticmethod
+    def _backward(ctx, grad_out, grad_weights):
         q, k, v, bias, out, lse, mask, uniform, keyless, probs, kept, *kept_bits = ctx.saved_tensors
         call: BlockCall = ctx.call
         saved = BlockMasks(ctx.states[0], mask, uniform, keyless, None, None, None) if ctx.one_block else None
@@ -528,8 +537,8 @@ def edit_attention(q, k, v, bias, call: BlockCall):
 
     Under autocast the call runs in autocast's dtype, as sdpa itself would: q, k and v are cast
     here (differentiably, so their gradients come back in their own dtypes) and autocast is off
-    inside. The backward runs outside any autocast, so the function must not depend on it: it
-    then sees the very dtypes its forward saw."""
+    inside. The backward turns autocast off too (``EditAttention.backward``), wherever it is taken:
+    it then sees the very dtypes its forward saw."""
     device = q.device.type
     if not torch.is_autocast_enabled(device):
         return _fused(q, k, v, bias, call) if devices.FUSED else EditAttention.apply(q, k, v, bias, call)

@@ -52,6 +52,10 @@ class ADDropCriterionMixin:
         """Pass 1: the bare model called exactly as the base criterion calls it."""
         return bare_model(**sample["net_input"])
 
+    def gold_labels(self, model, sample):
+        """The batch's gold labels as the target takes them (``--ad-drop-labels gold``)."""
+        return sample["target"]
+
     def forward(self, model, sample, reduce=True):
         epoch = getattr(self.task, "attn_reg_epoch", None)
         if not model.training:
@@ -66,11 +70,16 @@ class ADDropCriterionMixin:
             log.update(ad_drop_on=0, ad_drop_steps=1)
             return loss, sample_size, log
         bare = bare_module(model)
+        gold = self.gold_labels(model, sample) if self.ad_drop_config.labels == "gold" else None
+        # Counts stay tensors: no host-device sync inside the step (fairseq reduces them later).
         with self.ad_drop.masked(
-            lambda: self.attribution_forward(bare, sample), self.attribution_target(model, sample), frozen=bare
+            lambda: self.attribution_forward(bare, sample),
+            self.attribution_target(model, sample),
+            frozen=bare,
+            labels=gold,
+            tensors=True,
         ) as stats:
             loss, sample_size, log = super().forward(model, sample, reduce)
-        # Counts stay tensors: no host-device sync inside the step (fairseq reduces them later).
         log.update(
             ad_drop_on=1,
             ad_drop_steps=1,

@@ -30,6 +30,9 @@ class ADDropSentencePredictionCriterion(ADDropCriterionMixin, SentencePrediction
             **sample["net_input"], features_only=True, classification_head_name=self.classification_head_name
         )
 
+    def gold_labels(self, model, sample):
+        return model.get_targets(sample, None).view(-1)
+
     def attribution_target(self, model, sample):
         # Targets as the base criterion reads them (model.get_targets is sample["target"]).
         gold = model.get_targets(sample, None).view(-1)

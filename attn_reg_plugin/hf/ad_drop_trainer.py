@@ -148,6 +148,14 @@ class ADDropTrainerMixin:
 
         return value
 
+    def ad_drop_gold_labels(self, model, inputs: Dict[str, Any]):
+        """The batch's labels as :meth:`ad_drop_target`'s target takes them (a causal LM's shifted by
+        one), for ``masked(labels=...)`` under ``labels="gold"``; None under pseudo labels."""
+        labels = inputs.get("labels")  # (ad_drop_target refuses a gold batch without them)
+        if self.ad_drop.config.labels != "gold" or labels is None:
+            return None
+        return labels[:, 1:] if causal_lm(model) else labels
+
     def ad_drop_forward_inputs(self, model, inputs: Dict[str, Any]) -> Dict[str, Any]:
         """The inputs of the attribution pass: no labels (no loss), decoder inputs built from them."""
         fwd = {k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")}
@@ -181,7 +189,14 @@ class ADDropTrainerMixin:
         )
         target = self.ad_drop_target(bare, inputs)
         fwd_inputs = self.ad_drop_forward_inputs(bare, inputs)
-        with self.ad_drop.masked(lambda: self._attribution_forward(bare, fwd_inputs), target, frozen=bare) as stats:
+        # tensors=True: the counts are summed over steps with no host sync per step.
+        with self.ad_drop.masked(
+            lambda: self._attribution_forward(bare, fwd_inputs),
+            target,
+            frozen=bare,
+            labels=self.ad_drop_gold_labels(bare, inputs),
+            tensors=True,
+        ) as stats:
             result = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )

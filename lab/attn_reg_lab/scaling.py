@@ -74,6 +74,7 @@ from .scaling_worker import (
     MODELS,
     RESULT_MARK,
     TRAINER_ONLY_METHODS,
+    default_iga_steps,
     worker,
 )
 
@@ -296,7 +297,7 @@ def parse_args(argv=None):
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
     parser.add_argument("--lengths", help="comma list of sequence lengths (default 128,...,8192; quick 32,64)")
     parser.add_argument("--iga-max-length", type=int, default=512, help="IGA runs only up to this length (512)")
-    parser.add_argument("--iga-steps", type=int, help="m of integrated gradients (default 20, quick 3)")
+    parser.add_argument("--iga-steps", type=int, help="m of integrated gradients (default ADDropConfig's, quick 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads and OMP_NUM_THREADS of each run (1)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before measuring (1)")
     parser.add_argument(
@@ -342,7 +343,9 @@ def parse_args(argv=None):
         lengths = [32, 64] if opts.quick else list(DEFAULT_LENGTHS)
     if not lengths or lengths[0] < 2:
         parser.error(f"--lengths must be integers >= 2, got {opts.lengths!r}")
-    defaults = dict(iga_steps=3 if opts.quick else 20, repeats=1 if opts.quick else 2, hf_steps=2 if opts.quick else 3)
+    if opts.iga_steps is None:  # IGA's m: ADDropConfig's default, read, not repeated (3 is quick's own)
+        opts.iga_steps = 3 if opts.quick else default_iga_steps()
+    defaults = dict(repeats=1 if opts.quick else 2, hf_steps=2 if opts.quick else 3)
     for key, value in defaults.items():
         if getattr(opts, key) is None:
             setattr(opts, key, value)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 MIB = 2**20
 
@@ -255,13 +255,23 @@ def measure_core(spec: dict) -> dict:
     }
 
 
-def method_trainer(method: str, common: dict, length: int, iga_steps: int = 20):
+def default_iga_steps() -> int:
+    """IGA's m where a run does not set it: ADDropConfig's own default, declared there only."""
+    from attn_reg_plugin.core import ADDropConfig
+
+    return ADDropConfig.__dataclass_fields__["iga_steps"].default
+
+
+def method_trainer(method: str, common: dict, length: int, iga_steps: Optional[int] = None):
     """The Trainer that trains ``common["model"]`` on ``common["train_dataset"]`` (rows of ``length``
     tokens) with ``method``: the stock Trainer for plain, else the plugin's, with this grid's settings
-    (AttendOut scores its first row as the held-out set). ``attn-reg-gpu-bench``'s long rows use it too."""
+    (AttendOut scores its first row as the held-out set; ``iga_steps`` None: the config's default).
+    ``attn-reg-gpu-bench``'s long rows use it too."""
     import transformers
 
     from attn_reg_plugin.core import ADDropConfig, AttendOutConfig, ScheduledDropoutConfig
+
+    iga_steps = default_iga_steps() if iga_steps is None else iga_steps
 
     if method == "plain":
         return transformers.Trainer(**common)

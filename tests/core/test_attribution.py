@@ -420,8 +420,8 @@ def test_step_applies_ad_drop_masks_from_ga_in_pass_two(model_kw, attention):
     assert torch.allclose(out, ref, atol=1e-10)
     assert not torch.allclose(out, model(x, key_pad), atol=1e-6)  # the masks mattered
     n_valid = sum(v.expand(B, HEADS, T, T).sum() for v in valids)
-    assert stats["dropped"].item() == sum(int(d.sum()) for d in drops)
-    assert stats["droppable"].item() == n_valid.item()
+    assert stats["dropped"] == sum(int(d.sum()) for d in drops)  # plain numbers (test_ad_drop_stats)
+    assert stats["droppable"] == n_valid.item()
     assert all(hook_in_progress(site) is None for site in model.sites)
     out.sum().backward()  # pass 2's graph trains the parameters
     assert all(p.grad is not None for p in model.parameters())
@@ -447,7 +447,7 @@ def test_bf16_attribution_runs_pass_one_under_bf16_autocast_and_pass_two_in_the_
     train_forward, seen_2 = _autocast_seen(lambda: model(x, key_pad))
     out, stats = adrop.step(attribution_forward, train_forward, target, frozen=model)
     assert seen_1 == [torch.bfloat16] and seen_2 == [None]
-    assert out.dtype == torch.float32 and stats["dropped"].item() > 0
+    assert out.dtype == torch.float32 and stats["dropped"] > 0
 
 
 def test_bf16_attribution_is_the_gradient_to_bf16_precision_and_not_the_fp32_one():

@@ -408,6 +408,7 @@ def test_ad_drop_ga_hooks_hold_rules_not_maps(small_blocks):
     ad_drop = ADDrop(ADDropConfig(p=0.3, q=0.5, schedule="always"), model.controller)
     with ad_drop.masked(lambda: model(x, None), logit_target, frozen=model):
         rules = [hook_in_progress(site).drop for site in model.sites]
+        model(x, None)  # the masked forward (a block that runs none is refused)
     assert all(isinstance(r, TopRegionRule) and isinstance(r.source, GradientScores) for r in rules)
     assert all(r.source.grad_output.shape == (2, 2, 6, 4) for r in rules)  # (B, H, T, d): linear in T
 

@@ -12,6 +12,7 @@ from typing import List
 
 import torch
 
+from attn_reg_plugin.core import ADDropConfig
 from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 
 from ..provenance import environment
@@ -52,7 +53,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, help="warm-up rounds (default 1)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--iga-steps", type=int, help="m of integrated gradients (default 20, quick 3)")
+    parser.add_argument("--iga-steps", type=int, help="m of integrated gradients (default ADDropConfig's, quick 3)")
     parser.add_argument(
         "--fairseq-arch",
         default="transformer",
@@ -83,7 +84,7 @@ def parse_args(argv=None):
         repeats=1 if quick else 5,
         inference_repeats=1 if quick else 10,
         warmup=1,
-        iga_steps=3 if quick else 20,
+        iga_steps=3 if quick else ADDropConfig.__dataclass_fields__["iga_steps"].default,  # declared there once
         fairseq_max_tokens=256 if quick else 1024,
         fairseq_small_max_tokens=64 if quick else 128,
         fairseq_gen_max_tokens=128 if quick else 256,
