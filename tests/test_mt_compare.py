@@ -758,6 +758,61 @@ def test_failed_runs_are_named_and_each_comparison_says_what_it_lacks(fake, tmp_
     )
 
 
+class TimedOutJob(SlurmJob):
+    """A Slurm job ended at its time limit with its requeues spent: submitit's last words in its log,
+    FAILED for sacct (its run never wrote result.json)."""
+
+    def __init__(self, folder: Path, index: int, fn, args, run: bool):
+        super().__init__(folder, index, fn, args, run=False)
+        self.state = "FAILED"
+        self.paths.stderr.write_text(
+            "submitit WARNING (2026-11-28 04:03:58,091) - Caught signal SIGUSR2 on vm: this job is timed-out.\n"
+            "submitit INFO (2026-11-28 04:04:00,101) - Job not requeued because: timed-out too many times.\n"
+        )
+
+
+class TimingOutExecutor(InProcessExecutor):
+    def submit(self, fn, *args):
+        self.jobs.append(TimedOutJob(self.folder, len(self.jobs), fn, args, False))
+        return self.jobs[-1]
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "local"])
+def test_a_comparison_whose_runs_all_failed_writes_results_naming_them(
+    fake, tmp_path, stand_in_launcher, monkeypatch, launcher
+):
+    """Every run failed (issue item 13: each at a one-minute Slurm limit with --slurm-max-requeues 0,
+    named TIMEOUT on the console; or, locally, fairseq-train failed): results.json still names each
+    in failed_runs (row, seed, state, log), results.md says no run finished and names them, and the
+    command exits 1 with one line saying so."""
+    from attn_reg_plugin.sweep import launcher as sweep_launcher
+
+    out = tmp_path / "cmp"
+    if launcher == "slurm":
+        monkeypatch.setattr(sweep_launcher, "_executor", TimingOutExecutor)
+        extra, state = ["--launcher", "slurm", "--slurm-time", "1", "--slurm-max-requeues", "0"], "TIMEOUT"
+    else:
+        fake["plan"](fail=["/train"])
+        extra, state = ["--jobs", "2"], "FAILED"
+    lines = []
+    assert compare.main(fake["argv"](out, *extra, methods="plain,dropkey", seeds="1,2"), log=lines.append) == 1
+    results = json.loads((out / "results.json").read_text())
+    failed = sorted((f["name"], f["seed"], f["state"].split()[0]) for f in results["failed_runs"])
+    assert failed == [(name, seed, state) for name in ("dropkey", "plain") for seed in (1, 2)]
+    assert all(Path(f["log"]).exists() for f in results["failed_runs"])
+    assert results["methods"] == [] and results["settings"]["command"] == "attn-reg-mt-compare"
+    report = (out / "results.md").read_text()
+    assert "No run finished: all 4 run(s) of this command failed, so nothing is compared." in report
+    for f in results["failed_runs"]:
+        assert f"- {f['name']} seed {f['seed']}: job {f['job']} {f['state']}: {f['error']}; log {f['log']}" in report
+    if launcher == "slurm":
+        assert results["failed_runs"][0]["state"] == "TIMEOUT (after 0 requeue(s) at the 1-minute limit)"
+    assert lines[-1] == (
+        f"no run finished: all 4 run(s) failed; {out / 'results.md'} and results.json name them, "
+        "and the same command again submits them"
+    ), lines
+
+
 def test_runs_an_earlier_commands_slurm_jobs_hold_are_neither_run_again_nor_rerun_otherwise(
     fake, tmp_path, stand_in_launcher, capsys
 ):

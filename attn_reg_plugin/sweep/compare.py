@@ -148,8 +148,9 @@ def _locked_main(ap, opts, settings: dict, log: Callable[[str], None]) -> int:
         f"== {PROG} {opts.source_lang}→{opts.target_lang} on {opts.data_bin}: {names} x {len(opts.seeds)} "
         f"seed(s), {opts.epochs} epoch(s) each; outputs in {opts.out_dir}"
     )
-    report = lambda records, started: write_comparison(records, opts, started, log)
-    return launch_and_report(ap, opts.cells, opts, settings, log, MT_RUNS, report)
+    report = lambda records, started: write_comparison(records, opts, started, log, settings)
+    # Every run failed: results.md and results.json still name them (their rows, seeds, states, logs).
+    return launch_and_report(ap, opts.cells, opts, settings, log, MT_RUNS, report, report_failures=True)
 
 
 def prepare_out_dir(ap, opts, settings: dict, log: Callable[[str], None]) -> str:

@@ -130,29 +130,46 @@ def tables(summaries: List[dict]) -> List[str]:
     return lines
 
 
-def write_comparison(records: List[dict], opts, started: float, log: Callable[[str], None]) -> None:
-    """results.md, results.json and compare.png of every method in ``records``; logs the tables."""
+def _title(opts, seeds: List[int]) -> str:
+    return (
+        f"Regularizers against plain, {opts.source_lang}→{opts.target_lang}, {opts.epochs} "
+        f"epoch{'s' * (opts.epochs != 1)}, seeds {','.join(map(str, seeds))}"
+    )
+
+
+def _unrecorded_verdicts(records: List[dict], failed: List[dict]) -> List[str]:
+    """The verdict of each row none of whose runs finished (plain's failures are in every other row's)."""
+    recorded = {r["name"] for r in records} | {"plain"}
+    unrecorded = dict.fromkeys(f["name"] for f in failed if f["name"] not in recorded)
+    return [f"{name}: not compared: " + "; ".join(failed_notes(name, failed)) for name in unrecorded]
+
+
+def _options_line(name: str, method: str, args: Optional[List[str]]) -> str:
+    """results.md's line of a row's method and options, as run."""
+    return f"- {name}{'' if name == method else ' (' + method + ')'}: `{' '.join(args or [])}`"
+
+
+def write_comparison(
+    records: List[dict], opts, started: float, log: Callable[[str], None], settings: Optional[dict] = None
+) -> None:
+    """results.md, results.json and compare.png of every method in ``records``; logs the tables.
+    No records (no run has finished, every job failed: ``opts.failed_runs``): :func:`write_failures`,
+    with ``settings`` the command's."""
+    if not records:
+        return write_failures(opts, settings or {}, started, log)
     out: Path = opts.out_dir
     plain = plain_of(records)
     summaries = [method_summary(r, plain, out, opts.tokenize, opts.failed_runs) for r in ordered(records)]
     seeds = sorted({s for r in records for s in r["seeds"]})
-    title = (
-        f"Regularizers against plain, {opts.source_lang}→{opts.target_lang}, {opts.epochs} "
-        f"epoch{'s' * (opts.epochs != 1)}, seeds {','.join(map(str, seeds))}"
-    )
+    title = _title(opts, seeds)
     drawn = draw(summaries, out / "compare.png", title, log)
     verdicts = [s["verdict"] for s in summaries if "verdict" in s]
-    recorded = {r["name"] for r in records} | {"plain"}  # a row none of whose runs finished: its failures
-    unrecorded = dict.fromkeys(f["name"] for f in opts.failed_runs if f["name"] not in recorded)
-    verdicts += [f"{name}: not compared: " + "; ".join(failed_notes(name, opts.failed_runs)) for name in unrecorded]
+    verdicts += _unrecorded_verdicts(records, opts.failed_runs)  # a row none of whose runs finished
     translated = [run["test"] for r in records for run in r["runs"] if run.get("test") is not None]
     reference = translated[0]["reference"] if translated else "the test references (no run was translated)"
     # A row's name is the user's, or a short form of its options (':' left out): its method and
     # options in full, as run, once.
-    options = [
-        f"- {s['name']}{'' if s['name'] == s['method'] else ' (' + s['method'] + ')'}: `{' '.join(s['args'] or [])}`"
-        for s in summaries
-    ]
+    options = [_options_line(s["name"], s["method"], s["args"]) for s in summaries]
     lines = [f"{title}, on {opts.data_bin}", "", *tables(summaries), "", "Each row's own fairseq-train options:"]
     lines += [*options, "", "Verdicts:", *(f"- {v}" for v in verdicts)]
     lines += run_lines(records, records[0]["settings"]) + failed_lines(opts.failed_runs)
@@ -179,6 +196,39 @@ def write_comparison(records: List[dict], opts, started: float, log: Callable[[s
     (out / "results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     log("\n".join(lines))
     log(f"results: {out / 'results.md'}, {out / 'results.json'}" + (f", {drawn}" if drawn else ""))
+
+
+def write_failures(opts, settings: dict, started: float, log: Callable[[str], None]) -> None:
+    """results.md and results.json when no run has finished, every job having failed: no table and
+    no plot, each failed run named (its row, seed, job, state, error and log), results.json with the
+    keys of :func:`write_comparison`'s (``methods`` empty); one line on the console."""
+    out: Path = opts.out_dir
+    failed = opts.failed_runs
+    title = _title(opts, sorted({f["seed"] for f in failed}))
+    rows = ordered([{"name": cell["name"], "cell": cell} for cell in opts.cells])
+    options = [_options_line(r["name"], r["cell"]["method"], r["cell"].get("args")) for r in rows]
+    lines = [f"{title}, on {opts.data_bin}", "", f"No run finished: all {len(failed)} run(s) of this command failed"]
+    lines[-1] += ", so nothing is compared."
+    lines += ["", "Each row's own fairseq-train options:", *options]
+    lines += failed_lines(failed, "Failed runs (the same command submits them again):")
+    summary = {
+        "pair": f"{opts.source_lang}-{opts.target_lang}",
+        "direction": f"{opts.source_lang}→{opts.target_lang}",
+        "settings": settings,
+        "seeds": [],
+        "methods": [],
+        "verdicts": _unrecorded_verdicts([], failed),
+        "failed_runs": failed,
+        "plot": None,
+        "versions": _versions(),
+        "seconds": round(time.time() - started, 1),
+    }
+    write_json(out / "results.json", summary)
+    (out / "results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    log(
+        f"no run finished: all {len(failed)} run(s) failed; {out / 'results.md'} and results.json name them, "
+        "and the same command again submits them"
+    )
 
 
 def _wrapped(title: str, width: int = PANEL_TITLE_CHARACTERS) -> str:

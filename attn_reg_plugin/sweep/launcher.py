@@ -343,17 +343,23 @@ def launch_and_collect(
     if opts.detach:
         return None
     opts.failed_runs = failed or []
-    records = kind.collect(cells, opts, settings, log, collect_only=failed is not None)
-    if not records:
-        log("no run has finished, so there are no results yet: the same command again submits the failed runs")
-    return records
+    return kind.collect(cells, opts, settings, log, collect_only=failed is not None)
 
 
 def launch_and_report(
-    ap, cells: List[dict], opts, settings: dict, log: Callable[[str], None], kind: RunKind, report: Callable
+    ap,
+    cells: List[dict],
+    opts,
+    settings: dict,
+    log: Callable[[str], None],
+    kind: RunKind,
+    report: Callable,
+    report_failures: bool = False,
 ) -> int:
     """The three commands' run under their lock: :func:`launch_and_collect`, then ``report(records,
-    started)`` (results.md and results.json); the exit status (1 when a job failed or none finished)."""
+    started)`` (results.md and results.json); the exit status (1 when a job failed or none finished).
+    When no run has finished and jobs failed, ``report_failures`` calls ``report([], started)`` too
+    (results naming the failed runs, ``opts.failed_runs``); without it, nothing is written."""
     started = time.time()
     try:
         records = launch_and_collect(cells, opts, settings, log, kind)
@@ -361,7 +367,8 @@ def launch_and_report(
         ap.error(str(e))
     if records is None:  # --detach
         return 0
-    if not records:  # every job failed: launch_and_collect said so
+    if not records and not (report_failures and opts.failed_runs):  # every job failed
+        log("no run has finished, so there are no results yet: the same command again submits the failed runs")
         return 1
     report(records, started)
-    return 1 if opts.failed_runs else 0
+    return 1 if opts.failed_runs or not records else 0

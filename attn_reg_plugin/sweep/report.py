@@ -92,13 +92,15 @@ def resumed_text(run: dict) -> str:
     )
 
 
-def failed_lines(failed: List[dict]) -> List[str]:
-    """results.md's lines naming the runs whose jobs failed (none: no lines)."""
+def failed_lines(
+    failed: List[dict], heading: str = "Failed runs (not in the tables above; the same command submits them again):"
+) -> List[str]:
+    """results.md's lines naming the runs whose jobs failed, under ``heading`` (none: no lines)."""
     if not failed:
         return []
     return [
         "",
-        "Failed runs (not in the tables above; the same command submits them again):",
+        heading,
         *(f"- {f['name']} seed {f['seed']}: job {f['job']} {f['state']}: {f['error']}; log {f['log']}" for f in failed),
     ]
 
