@@ -8,7 +8,7 @@ here take integer predictions and gold labels (sequences or numpy arrays) and sa
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -50,34 +50,132 @@ def majority_rate(gold: Sequence[int]) -> float:
     return float(counts.max() / counts.sum())
 
 
+def chance_macro_f1(gold: Sequence[int]) -> float:
+    """The best macro-F1 of a predictor that ignores the text: always the majority class, uniformly
+    at random over the gold classes, or at random in the gold shares (expected values)."""
+    _, counts = np.unique(np.asarray(gold).reshape(-1), return_counts=True)
+    shares, k = counts / counts.sum(), counts.size
+    constant = 2 * shares.max() / (shares.max() + 1) / k  # F1 of the majority class, 0 for the others
+    uniform = float(np.mean(2 * shares / (k * shares + 1)))  # each class: precision g, recall 1/k
+    stratified = 1 / k  # each class: precision = recall = its share g -> F1 g; the mean of the shares
+    return float(max(constant, uniform, stratified))
+
+
 def scores(pred: Sequence[int], gold: Sequence[int]) -> Dict[str, float]:
-    """accuracy, macro_f1, mcc, the majority-class rate, how many classes were predicted, how many examples."""
+    """accuracy, macro_f1, mcc; what a predictor that ignores the text scores (``majority_rate`` for
+    accuracy, ``macro_f1_chance``; MCC's is 0); how many classes were predicted, how many examples."""
     pred, gold = _arrays(pred, gold)
     return {
         "accuracy": float((pred == gold).mean()),
         "macro_f1": macro_f1(pred, gold),
         "mcc": mcc(pred, gold),
         "majority_rate": majority_rate(gold),
+        "macro_f1_chance": chance_macro_f1(gold),
         "predicted_classes": int(np.unique(pred).size),
         "examples": int(pred.size),
     }
 
 
-def learned_nothing(result: Dict[str, float], prefix: str = "") -> Optional[str]:
-    """A sentence when :func:`scores` (its keys under ``prefix``, e.g. the Trainer's ``eval_``) show no learning.
+LEARNING_METRICS = ("accuracy", "macro_f1", "mcc")
 
-    Two cases: every prediction is one class; or the accuracy is not above the majority-class rate
-    by more than the noise of n draws (1.96 binomial standard errors at that rate), that is, the
-    model does no better than always answering the majority class.
-    """
-    n, rate = int(result[prefix + "examples"]), result[prefix + "majority_rate"]
-    accuracy = result[prefix + "accuracy"]
+
+def chance_level(result: Dict[str, float], metric: str, prefix: str = "") -> Tuple[float, float, str]:
+    """``(chance, margin, what scores chance)`` of ``metric`` on the split :func:`scores` scored: a score
+    at or below ``chance + margin`` is no evidence of learning. The margin is 1.96 standard errors of
+    that score under chance over the split's n examples, so it shrinks as 1/sqrt(n): binomial at the
+    chance rate for accuracy and macro-F1, 1/sqrt(n) for MCC (sqrt(n) x MCC of a predictor independent
+    of the labels is about standard normal)."""
+    n = int(result[prefix + "examples"])
+    if metric == "accuracy":
+        rate = result[prefix + "majority_rate"]
+        return rate, 1.96 * math.sqrt(rate * (1 - rate) / n), "always predicting the majority class"
+    if metric == "macro_f1":
+        rate = result[prefix + "macro_f1_chance"]
+        return rate, 1.96 * math.sqrt(rate * (1 - rate) / n), "a predictor that ignores the text"
+    if metric == "mcc":
+        return 0.0, 1.96 / math.sqrt(n), "a predictor that ignores the text"
+    raise ValueError(f"metric must be one of {', '.join(LEARNING_METRICS)}, got {metric!r}")
+
+
+def learned_nothing(result: Dict[str, float], prefix: str = "", metric: str = "accuracy") -> Optional[str]:
+    """A sentence when :func:`scores` (its keys under ``prefix``, e.g. the Trainer's ``eval_``) show no
+    learning, judged by ``metric`` (the one that picks the best epoch): every prediction one class; or
+    the metric not above what a predictor that ignores the text scores on that split by more than
+    its noise (:func:`chance_level`). On imbalanced labels a model with balanced errors can score
+    under the majority share in accuracy and still learn: judge it by macro_f1 or mcc."""
+    n = int(result[prefix + "examples"])
+    value = result[prefix + metric]
     if result[prefix + "predicted_classes"] == 1:
+        accuracy = result[prefix + "accuracy"]
         return f"predicts one class for all {n} examples (accuracy {accuracy:.4f} = that class's share): it learned nothing"
-    noise = 1.96 * math.sqrt(rate * (1 - rate) / n)
-    if accuracy <= rate + noise:
+    chance, margin, what = chance_level(result, metric, prefix)
+    if value <= chance + margin:
+        name = {"accuracy": "accuracy", "macro_f1": "macro-F1", "mcc": "MCC"}[metric]
         return (
-            f"accuracy {accuracy:.4f} is within noise of always predicting the majority class "
-            f"({rate:.4f}, +{noise:.4f} over {n} examples): no evidence that it learned"
+            f"{name} {value:.4f} is within noise of {what} ({chance:.4f}, +{margin:.4f} over {n} examples): "
+            "no evidence that it learned"
         )
     return None
+
+
+# -- the test set's own noise: a paired bootstrap over examples ---------------------------------------
+BOOTSTRAP_SAMPLES = 1000
+BOOTSTRAP_SEED = 12345  # fixed, as sacrebleu's paired test fixes its own: a report is reproducible
+
+
+def _metric_of_confusions(confusion: np.ndarray, metric: str) -> np.ndarray:
+    """``metric`` of each (K, K) confusion matrix (rows gold, columns predicted) in a (B, K, K) stack,
+    as :func:`scores` computes it on the examples they count."""
+    total = confusion.sum((1, 2))
+    correct = np.trace(confusion, axis1=1, axis2=2)
+    gold_counts, pred_counts = confusion.sum(2), confusion.sum(1)
+    if metric == "accuracy":
+        return correct / total
+    if metric == "macro_f1":
+        diagonal = np.diagonal(confusion, axis1=1, axis2=2)
+        both = gold_counts + pred_counts
+        f1 = np.divide(2 * diagonal, both, out=np.zeros_like(diagonal, dtype=np.float64), where=both > 0)
+        present = gold_counts > 0  # the classes in the resample's gold labels, as macro_f1 averages
+        return (f1 * present).sum(1) / present.sum(1)
+    if metric == "mcc":
+        numerator = correct * total - (gold_counts * pred_counts).sum(1)
+        square = total.astype(np.float64) ** 2
+        denominator = np.sqrt((square - (pred_counts**2).sum(1)) * (square - (gold_counts**2).sum(1)))
+        return np.divide(numerator, denominator, out=np.zeros_like(square), where=denominator > 0)
+    raise ValueError(f"metric must be one of {', '.join(LEARNING_METRICS)}, got {metric!r}")
+
+
+def _resampled(pred: np.ndarray, gold: np.ndarray, weights: np.ndarray, classes: int, metric: str) -> np.ndarray:
+    """``metric`` of ``pred`` on each resample, a row of ``weights`` (how often each example is drawn)."""
+    confusion = weights @ np.eye(classes * classes)[gold * classes + pred]  # (B, K*K) counts
+    return _metric_of_confusions(confusion.reshape(-1, classes, classes), metric)
+
+
+def paired_bootstrap_sd(
+    method: Dict[int, Sequence[int]],
+    plain: Dict[int, Sequence[int]],
+    gold: Sequence[int],
+    metric: str,
+    samples: int = BOOTSTRAP_SAMPLES,
+) -> float:
+    """The standard deviation, over resamples of the test examples, of the mean over seeds of
+    ``metric(method's predictions) - metric(plain's)``: how much the difference would move on another
+    test set of the same size. One resample (examples drawn with replacement) serves every seed and
+    both sides, since every run predicts the same examples. ``method``/``plain``: ``{seed: predicted
+    class per example}`` over the same seeds; ``gold``: the class per example."""
+    gold = np.asarray(gold).reshape(-1)
+    seeds = sorted(method)
+    if not seeds or sorted(plain) != seeds:
+        raise ValueError(f"paired bootstrap: the same seeds on both sides, got {seeds} and {sorted(plain)}")
+    arrays = {side: {s: np.asarray(p[s]).reshape(-1) for s in seeds} for side, p in (("m", method), ("p", plain))}
+    if any(a.shape != gold.shape for side in arrays.values() for a in side.values()):
+        raise ValueError(f"paired bootstrap: every run predicts the {gold.size} test examples")
+    classes = int(max(gold.max(), *(a.max() for side in arrays.values() for a in side.values()))) + 1
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    drawn = rng.integers(0, gold.size, (samples, gold.size))
+    weights = np.stack([np.bincount(row, minlength=gold.size) for row in drawn]).astype(np.float64)
+    difference = np.zeros(samples)
+    for s in seeds:
+        difference += _resampled(arrays["m"][s], gold, weights, classes, metric)
+        difference -= _resampled(arrays["p"][s], gold, weights, classes, metric)
+    return float((difference / len(seeds)).std(ddof=1))

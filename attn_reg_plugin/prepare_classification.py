@@ -6,8 +6,9 @@
 
 Each file holds one example per row: a text field (``--text-field``, default ``sentence``), an optional
 second one for sentence pairs (``--pair-field``, e.g. ``sentence2``) and a label (``--label-field``,
-default ``label``). A file ending ``.jsonl`` or ``.json`` is JSON lines; ``.csv`` and ``.tsv`` have a
-header row naming the fields. Every row is checked before anything is written: each text is a non-empty
+default ``label``). A file ending ``.jsonl`` is JSON lines, ``.json`` JSON lines or one JSON array of
+objects; ``.csv`` (quoted) and ``.tsv`` (GLUE's: tab-separated, no quoting) have a header row naming the
+fields. Every row is checked before anything is written: each text is a non-empty
 string and each label is present; valid and test labels must occur in train. An error names the file,
 the row and the field. Then a sentencepiece model is trained on the training texts, every split is
 encoded with it, and ``fairseq-preprocess --only-source`` binarizes the layout fairseq's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import sys
 from pathlib import Path
@@ -29,47 +31,109 @@ from .prepare import PrepareError, fairseq_command, run_logged, train_sentencepi
 
 
 def read_examples(path: Path, fields: Sequence[str], label_field: str) -> List[Dict[str, str]]:
-    """The rows of ``path`` (JSON lines, CSV or TSV by suffix) as ``{field: text, label_field: label}``."""
+    """The rows of ``path`` as ``{field: text, label_field: label}``, by suffix: ``.jsonl`` JSON lines;
+    ``.json`` a JSON array of objects or JSON lines; ``.csv`` quoted CSV; ``.tsv`` tab-separated with no
+    quoting (GLUE's TSVs: a text that opens with ``"`` is text). A UTF-8 byte-order mark (Excel's
+    "CSV UTF-8") is skipped. Row numbers are the file's line numbers (the first line holds a CSV's header)."""
     suffix = path.suffix.lower()
     if suffix not in (".jsonl", ".json", ".csv", ".tsv"):
         raise PrepareError(f"{path}: a data file ends .jsonl, .json, .csv or .tsv, got {suffix or 'no suffix'!r}")
     try:
-        with open(path, encoding="utf-8", newline="") as f:
-            if suffix in (".jsonl", ".json"):
-                rows = []
-                for number, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            rows.append((number, json.loads(line)))
-                        except json.JSONDecodeError as e:
-                            raise PrepareError(f"{path}:{number}: not a JSON object ({e.msg})") from None
-            else:
-                reader = csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ",")
-                rows = [(number, row) for number, row in enumerate(reader, 2)]
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise PrepareError(f"{path}: no such file") from None
+    try:
+        text = raw.decode("utf-8-sig")  # the whole file at once: an error's offset is the file's own
     except UnicodeDecodeError as e:
-        raise PrepareError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise PrepareError(
+            f"{path}:{line}: not UTF-8 ({e.reason} at byte {e.start} of the file, line {line})"
+        ) from None
+    if suffix == ".json" and text.lstrip().startswith("["):
+        rows = _json_array_rows(path, text)
+    elif suffix in (".jsonl", ".json"):
+        rows = _json_lines_rows(path, text)
+    else:
+        rows = _table_rows(path, text, suffix)
     return checked_examples(rows, str(path), fields, label_field)
 
 
+def _json_lines_rows(path: Path, text: str) -> List[Tuple[int, object]]:
+    rows = []
+    for number, line in enumerate(_lines(text), 1):
+        if line.strip():
+            try:
+                rows.append((number, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise PrepareError(f"{path}:{number}: not a JSON object ({e.msg})") from None
+    return rows
+
+
+def _lines(text: str) -> List[str]:
+    """The file's lines split at \\n only (``str.splitlines`` would also split inside a text at U+2028
+    and other separators), each without its \\r."""
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
+def _json_array_rows(path: Path, text: str) -> List[Tuple[int, object]]:
+    """A ``.json`` file holding one array of objects; a row is named by its 1-based place (``item 3``)."""
+    try:
+        array = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PrepareError(f"{path}:{e.lineno}: not a JSON array ({e.msg} at column {e.colno})") from None
+    if not isinstance(array, list):
+        raise PrepareError(f"{path}: a .json file holds one array of objects or JSON lines")
+    return [(f"item {index}", row) for index, row in enumerate(array, 1)]
+
+
+def _table_rows(path: Path, text: str, suffix: str) -> List[Tuple[int, object]]:
+    """CSV with its quoting; TSV line by line, with none (csv's quoting would swallow the lines after a
+    text that opens with ``"`` into it). A row with more or fewer fields than the header is refused."""
+    if suffix == ".tsv":
+        reader = csv.reader(_lines(text), delimiter="\t", quoting=csv.QUOTE_NONE)
+    else:
+        reader = csv.reader(io.StringIO(text, newline=""))
+    header = next(reader, None)
+    if not header:
+        raise PrepareError(f"{path}: empty: a {suffix} file starts with a header row naming its fields")
+    rows = []
+    for values in reader:
+        number = reader.line_num
+        if not values or (len(values) == 1 and not values[0].strip()):
+            continue  # a blank line
+        if len(values) != len(header):
+            raise PrepareError(
+                f"{path}:{number}: {len(values)} fields, the header names {len(header)} ({', '.join(header)})"
+            )
+        rows.append((number, dict(zip(header, values))))
+    return rows
+
+
 def checked_examples(
-    rows: Iterable[Tuple[int, object]], source: str, fields: Sequence[str], label_field: str
+    rows: Iterable[Tuple[object, object]], source: str, fields: Sequence[str], label_field: str
 ) -> List[Dict[str, str]]:
     """``(row number, row)`` pairs read from ``source`` (a file, a ``datasets`` split) as
     ``{field: text, label_field: label}``; the first bad row raises :class:`PrepareError` naming
-    ``source``, the row and the field."""
+    ``source``, the row and the field; a field the row lacks is named with the row's fields and the
+    flag that names it (``--text-field``, ``--pair-field``, ``--label-field``)."""
+    flags = {**dict(zip(fields, ("--text-field", "--pair-field"))), label_field: "--label-field"}
     examples = []
     for number, row in rows:
         if not isinstance(row, dict):
             raise PrepareError(f"{source}:{number}: not a JSON object")
+        for field in (*fields, label_field):
+            if field not in row:
+                raise PrepareError(
+                    f"{source}:{number}: no field {field!r}; the row's fields are {', '.join(map(repr, row))} "
+                    f"(name the right one with {flags[field]})"
+                )
         example = {}
         for field in fields:
-            text = row.get(field)
+            text = row[field]
             if not isinstance(text, str) or not text.strip():
                 raise PrepareError(f"{source}:{number}: field {field!r} must be a non-empty string, got {text!r}")
             example[field] = " ".join(text.split())  # one line per example: newlines and tabs become spaces
-        label = row.get(label_field)
+        label = row[label_field]
         if label is None or isinstance(label, (dict, list)) or not str(label).strip():
             raise PrepareError(f"{source}:{number}: field {label_field!r} must hold a label, got {label!r}")
         example[label_field] = str(label).strip()

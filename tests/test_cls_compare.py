@@ -1,5 +1,7 @@
 """attn-reg-cls-compare (issue 71): the regularizers against plain on the user's own sentence classifier.
 
+The Slurm case (a run requeued at its time limit) needs the one-node cluster of .ci/slurm-up.sh.
+
 - end to end on the repository's movie reviews with a tiny random BERT (the MiniLM tokenizer): rows,
   scores recomputed from the runs, paired differences, learned-nothing flags in rows and verdicts;
 - resume: finished runs are not run again, a stopped command keeps its finished runs, a run folder
@@ -15,16 +17,17 @@ import json
 import math
 import os
 import signal
+import threading
 
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from attn_reg_plugin.classification import learned_nothing  # noqa: E402
+from attn_reg_plugin.classification import learned_nothing, paired_bootstrap_sd, scores  # noqa: E402
 from attn_reg_plugin.sweep import cls_compare, cls_report, cls_runs  # noqa: E402
 from attn_reg_plugin.sweep.options import SweepError  # noqa: E402
 from attn_reg_plugin.sweep.processes import SweepStopped  # noqa: E402
-from helpers import REPO, minilm_path  # noqa: E402
+from helpers import REPO, job_when_ended, minilm_path, needs_slurm, release_requeues  # noqa: E402
 
 REVIEWS = REPO / "data" / "movie_reviews"
 
@@ -80,8 +83,22 @@ def test_end_to_end_rows_scores_differences_and_learned_nothing(tiny, tmp_path):
     difference = ad_drop["differences"]["test_accuracy"]
     expected = [runs[(ad_drop["name"], s)]["test"]["accuracy"] - runs[("plain", s)]["test"]["accuracy"] for s in (1, 2)]
     assert [difference["per_seed"][str(s)] for s in (1, 2)] == pytest.approx(expected)
-    half = 12.706 * abs(expected[0] - expected[1]) / math.sqrt(2) / math.sqrt(2)  # t(0.975, 1) sd / sqrt(2)
-    assert difference["ci"] == pytest.approx([sum(expected) / 2 - half, sum(expected) / 2 + half])
+    seed_half = 12.706 * abs(expected[0] - expected[1]) / math.sqrt(2) / math.sqrt(2)  # t(0.975, 1) sd / sqrt(2)
+    # The interval adds the test set's own noise: a paired bootstrap over the 32 test examples, read from
+    # each run's predictions (recomputed here from the files), combined with the seeds' t-interval.
+    predicted = {key: _predictions(out, *key) for key in runs}
+    for key, rows_ in predicted.items():
+        labels = sorted({r["gold"] for r in rows_} | {r["predicted"] for r in rows_})
+        got = scores([labels.index(r["predicted"]) for r in rows_], [labels.index(r["gold"]) for r in rows_])
+        assert [r["id"] for r in rows_] == list(range(32)) and got == runs[key]["test"]
+    (method, gold), (plain, _) = (_as_classes(predicted, name) for name in (ad_drop["name"], "plain"))
+    boot = paired_bootstrap_sd(method, plain, gold, "accuracy")
+    assert difference["bootstrap_sd"] == pytest.approx(boot)
+    half = math.hypot(seed_half, 1.96 * boot)
+    if half:
+        assert difference["ci"] == pytest.approx([sum(expected) / 2 - half, sum(expected) / 2 + half])
+    else:  # identical predictions at every seed: an interval of zero width is no evidence, and is not shown as one
+        assert difference["ci"] is None and difference["no_interval"].startswith("zero width")
     # A 16-wide random BERT after one epoch on 32 reviews does no better than the majority class: said in
     # the rows and in the verdict, which does not compare it.
     assert all(run["learned_nothing"] for run in runs.values())
@@ -96,6 +113,22 @@ def test_end_to_end_rows_scores_differences_and_learned_nothing(tiny, tmp_path):
     assert "plain learned nothing at every seed" in verdict
     ad_drop_epoch = runs[(ad_drop["name"], 1)]["epochs"][0]
     assert ad_drop_epoch["ad_drop_on"] == 1 and ad_drop_epoch["ad_drop_rate"] > 0  # AD-DROP ran
+
+
+def _predictions(out, name, seed):
+    path = out / "runs" / name / f"seed{seed}" / "predictions.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def _as_classes(predicted, name):
+    """``({seed: classes}, gold)`` of one row's predictions files, labels as their sorted names' places."""
+    first = next(rows for (n, _), rows in predicted.items() if n == name)
+    labels = sorted(
+        {r["gold"] for rows in predicted.values() for r in rows}
+        | {r["predicted"] for rows in predicted.values() for r in rows}
+    )
+    by_seed = {seed: [labels.index(r["predicted"]) for r in rows] for (n, seed), rows in predicted.items() if n == name}
+    return by_seed, [labels.index(r["gold"]) for r in first]
 
 
 def test_resume_skips_finished_runs_and_a_stop_keeps_them(tiny, tmp_path, monkeypatch):
@@ -445,9 +478,17 @@ def test_paired_differences_intervals_and_verdicts_on_hand_made_numbers():
     text = cls_report.method_summary(noise, plain, "accuracy", [])["verdict"]
     assert text.startswith("dropkey: not distinguishable from plain at 3 seeds (test accuracy +0.0067 [")
 
-    dev_only = _record("ad-drop", [0.79, 0.84, 0.82], [0.82, 0.83, 0.84])
+    dev_only = _record("ad-drop", [0.79, 0.84, 0.82], [0.82, 0.84, 0.83])
     text = cls_report.method_summary(dev_only, plain, "accuracy", [])["verdict"]
     assert text.startswith("ad-drop: better on dev accuracy at every seed (dev accuracy +0.0300 [")
+    # The same +0.03 at every seed, with no predictions to bootstrap the test set: an interval of zero
+    # width, which is no evidence (it read "better: +0.0300 [+0.0300, +0.0300]").
+    same = _record("ad-drop", [0.83, 0.85, 0.84], [0.80, 0.80, 0.80])
+    d = cls_report.method_summary(same, plain, "accuracy", [])
+    assert d["differences"]["test_accuracy"]["ci"] is None
+    assert d["verdict"].startswith(
+        "ad-drop: not distinguishable from plain at 3 seeds (test accuracy +0.0300 (zero width: no spread"
+    )
 
     partly = _record("hiddencut", [0.83, 0.84, 0.85], [0.80, 0.80, 0.80], nothing={2})
     summary = cls_report.method_summary(partly, plain, "accuracy", [])
@@ -458,3 +499,195 @@ def test_paired_differences_intervals_and_verdicts_on_hand_made_numbers():
     empty_plain = _record("plain", [0.5, 0.5, 0.5], [0.5, 0.5, 0.5], nothing={1, 2, 3})
     text = cls_report.method_summary(better, empty_plain, "accuracy", [])["verdict"]
     assert text.startswith("r-drop: not compared: plain learned nothing at every seed (1, 2, 3)")
+
+
+# -- round six: the model's identity, the data's forms, fast refusals ----------------------------------
+def test_a_model_whose_weights_changed_at_the_same_path_is_refused(tiny, tmp_path):
+    """The model folder is identified by the sha256 of its files, as the data files are: new weights at
+    the same path made a rerun print "seed 1: kept" and pair old-weight seed 1 with new-weight seed 2."""
+    import shutil
+
+    import torch
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny / "model", model)
+    out = tmp_path / "out"
+    argv = [str(model), *_argv(tiny, out, "--methods", "plain,dropkey", "--seeds", "1")[1:]]
+    assert cls_compare.main(argv, log=lambda line: None) == 0
+    saved = json.loads((out / "sweep.json").read_text(encoding="utf-8"))
+    assert saved["model_sha256"] == cls_compare.model_digest(model)
+    torch.manual_seed(1)
+    config = transformers.AutoConfig.from_pretrained(model)
+    transformers.BertForSequenceClassification(config).save_pretrained(model)  # other weights, same path
+    with pytest.raises(SystemExit):
+        cls_compare.main([*argv[:-1], "1,2"], log=lambda line: None)
+    assert not (out / "runs" / "plain" / "seed2").exists() and not (out / "runs" / "dropkey" / "seed2").exists()
+
+
+def test_help_and_a_wrong_field_come_before_transformers_is_imported():
+    """--help and the data's checks need neither transformers nor peft (about 3 s of imports here): a
+    wrong --text-field is refused before them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from attn_reg_plugin.sweep import cls_compare\n"
+        "try:\n"
+        "    cls_compare.main(sys.argv[1:])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('HEAVY', sorted(m for m in ('transformers', 'peft') if m in sys.modules))\n"
+    )
+    files = [w for s in cls_runs.SPLITS for w in (f"--{s}", str(REVIEWS / f"{s}.jsonl"))]
+    for argv in (["--help"], ["no-such-model", *files, "--out-dir", "/nonexistent/out", "--methods", "plain,ad-drop", "--text-field", "text"]):  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+        assert done.stdout.strip().splitlines()[-1] == "HEAVY []", done.stdout + done.stderr
+    assert "no field 'text'; the row's fields are 'sentence', 'label' (name the right one with --text-field)" in (
+        done.stderr
+    )
+
+
+def test_the_help_says_what_slurm_tasks_per_node_sets_here(capsys):
+    with pytest.raises(SystemExit):
+        cls_compare.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--slurm-tasks-per-node N tasks per job: 1 only (default 1), each run one Trainer process" in text
+    assert "fairseq-train" not in text
+
+
+def _write_split(path, rows, label_field="label"):
+    """``rows`` of (text, label) in the file's format, by its suffix."""
+    records = [{"sentence": text, label_field: label} for text, label in rows]
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(records, indent=1), encoding="utf-8")
+    else:
+        sep = "\t" if path.suffix == ".tsv" else ","
+        path.write_text(f"sentence{sep}{label_field}\n" + "".join(f"{t}{sep}{y}\n" for t, y in rows), encoding="utf-8")
+
+
+def _reviews(n, labels):
+    texts = [json.loads(line)["sentence"] for line in (REVIEWS / "train.jsonl").read_text().splitlines()[:n]]
+    return [(text.replace(",", " ").replace("\t", " ").replace('"', "'"), labels[i % len(labels)]) for i, text in enumerate(texts)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "suffix, labels",
+    [
+        (".jsonl", [0, 1, 2]),  # three classes
+        (".csv", [1, 2]),  # labels 1/2, not 0/1
+        (".tsv", ["neg", "pos"]),  # string labels, GLUE's TSV
+        (".json", ["pos", "neg", "neutral"]),  # a JSON array
+    ],
+    ids=["three-classes", "labels-1-2", "string-labels-tsv", "json-array"],
+)
+def test_end_to_end_on_each_form_of_labels_and_file(tiny, tmp_path, suffix, labels):
+    """The whole command on each: the labels in numeric (else text) order are the model's classes, every
+    run's predictions name them per test example, and the scores are those predictions'."""
+    rows = _reviews(24, labels)
+    if suffix == ".tsv":
+        rows[3] = ('"A classic" it is not', rows[3][1])  # a text opening with a quote: still one row
+    files = {split: tmp_path / f"{split}{suffix}" for split in cls_runs.SPLITS}
+    for path in files.values():
+        _write_split(path, rows)
+    out = tmp_path / "out"
+    argv = [str(tiny / "model"), *[w for s, p in files.items() for w in (f"--{s}", str(p))], "--out-dir", str(out)]
+    argv += ["--methods", "plain,dropkey", "--epochs", "1", "--max-length", "32", "--batch-size", "8"]
+    assert cls_compare.main(argv, log=lambda line: None) == 0
+    names = [str(y) for y in labels]
+    expected_order = sorted(set(names), key=float) if suffix in (".jsonl", ".csv") else sorted(set(names))
+    for row in ("plain", "dropkey"):
+        run = json.loads((out / "runs" / row / "seed1" / "result.json").read_text(encoding="utf-8"))
+        assert list(run["train_labels"]) == expected_order
+        assert run["train_labels"] == {name: sum(str(y) == name for _, y in rows) for name in expected_order}
+        predicted = _predictions(out, row, 1)
+        assert [p["gold"] for p in predicted] == [str(y) for _, y in rows]
+        assert {p["predicted"] for p in predicted} <= set(names)
+        got = scores([names.index(p["predicted"]) for p in predicted], [names.index(p["gold"]) for p in predicted])
+        assert got == run["test"]
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert [m["name"] for m in results["methods"]] == ["plain", "dropkey"] and len(results["verdicts"]) == 1
+
+
+def test_end_to_end_with_a_datasets_name(tiny, tmp_path):
+    """--dataset through the whole command (offline: ``datasets.load_dataset`` of a local folder, the name
+    a user passes for their own data; a hub name goes the same way)."""
+    pytest.importorskip("datasets")
+    folder = tmp_path / "my_reviews"
+    folder.mkdir()
+    for split, name in zip(cls_runs.SPLITS, ("train", "validation", "test")):
+        (folder / f"{name}.jsonl").write_text((tiny / f"{split}.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
+    out = tmp_path / "out"
+    argv = [str(tiny / "model"), "--dataset", str(folder), "--test-split", "test", "--out-dir", str(out)]
+    argv += ["--methods", "plain,dropkey", "--epochs", "1", "--max-length", "32", "--batch-size", "8"]
+    assert cls_compare.main(argv, log=lambda line: None) == 0
+    settings = json.loads((out / "sweep.json").read_text(encoding="utf-8"))
+    assert settings["data"] == {
+        "dataset": str(folder),
+        "config": None,
+        "train": "train",
+        "dev": "validation",
+        "test": "test",
+    }
+    run = json.loads((out / "runs" / "plain" / "seed1" / "result.json").read_text(encoding="utf-8"))
+    gold = [str(json.loads(line)["label"]) for line in (tiny / "test.jsonl").read_text().splitlines()]
+    assert [p["gold"] for p in _predictions(out, "plain", 1)] == gold and run["test"]["examples"] == len(gold)
+
+
+def test_a_comparison_whose_runs_all_failed_writes_results_naming_them(tiny, tmp_path):
+    """As attn-reg-mt-compare does: results.md and results.json with failed_runs, nothing compared."""
+    import argparse
+
+    out = tmp_path / "out"
+    out.mkdir()
+    failed = [
+        {"name": name, "seed": 1, "job": f"7_{i}", "state": "TIMEOUT", "error": "time limit", "log": "jobs/x.out"}
+        for i, name in enumerate(("plain", "r-drop"))
+    ]
+    opts = argparse.Namespace(
+        out_dir=out, model="m", epochs=1, metric="accuracy", failed_runs=failed, settings={"command": "x"}
+    )
+    summary = cls_report.write_comparison([], opts, "data", 0.0, lambda line: None)
+    saved = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert saved["failed_runs"] == failed and saved["methods"] == [] and summary["failed_runs"] == failed
+    md = (out / "results.md").read_text(encoding="utf-8")
+    assert "No run finished: all 2 run(s) of this command failed, so nothing is compared." in md
+    assert "- r-drop seed 1: job 7_1 TIMEOUT: time limit; log jobs/x.out" in md
+
+
+@needs_slurm
+@pytest.mark.xdist_group("slurm")  # one worker runs every Slurm test: the one-node cluster has 2 CPUs
+def test_a_classifier_run_longer_than_the_time_limit_is_requeued_and_completes(tiny, tmp_path, monkeypatch):
+    """--slurm-time 1 (Slurm's least; it signals the job 15 s before) for a run of about two minutes:
+    the Trainer saves at the end of the step the signal came in, submitit requeues the job (the same
+    job id), and the requeued job resumes from that checkpoint to the end."""
+    pytest.importorskip("submitit")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "out"
+    argv = [
+        str(tiny / "model"), "--train", str(tiny / "train.jsonl"), "--dev", str(tiny / "dev.jsonl"),
+        "--test", str(tiny / "test.jsonl"), "--out-dir", str(out), "--methods", "plain,dropkey",
+        "--epochs", "900", "--max-length", "32", "--batch-size", "8", "--save-steps", "0",
+        "--launcher", "slurm", "--slurm-time", "1", "--slurm-max-requeues", "9",
+    ]  # fmt: skip
+    keys = ("plain/seed1", "dropkey/seed1")
+    done = threading.Event()
+    helpers = [threading.Thread(target=release_requeues, args=(out, key, done), daemon=True) for key in keys]
+    for helper in helpers:
+        helper.start()
+    lines = []
+    try:
+        assert cls_compare.main(argv, log=lines.append) == 0, lines
+    finally:
+        done.set()
+    jobs = json.loads((out / "jobs.json").read_text(encoding="utf-8"))
+    for key in keys:
+        run = json.loads((out / "runs" / key / "result.json").read_text(encoding="utf-8"))
+        assert run["resumed_at_steps"] and run["epochs"][-1]["epoch"] == 900, run["resumed_at_steps"]
+        shown = job_when_ended(jobs[key])
+        restarts = int(shown.split("Restarts=", 1)[1].split()[0])
+        assert "JobState=COMPLETED" in shown and restarts >= len(run["resumed_at_steps"]), shown
+    md = (out / "results.md").read_text(encoding="utf-8")
+    assert "- plain seed 1: resumed at epoch " in md and "- dropkey seed 1: resumed at epoch " in md

@@ -1,30 +1,34 @@
-"""Hugging Face transformers adapter for attn_reg_plugin, no copied modeling files."""
+"""Hugging Face transformers adapter for attn_reg_plugin, no copied modeling files.
 
-from .ad_drop_trainer import ADDropSeq2SeqTrainer, ADDropTrainer, ADDropTrainerMixin
-from .attendout_trainer import AttendOutSeq2SeqTrainer, AttendOutTrainer, AttendOutTrainerMixin
-from .attention import ATTN_IMPLEMENTATION, attn_reg_attention, install_attention_sites, register_attn_reg
-from .attn_reg_trainer import AttnRegSeq2SeqTrainer, AttnRegTrainer, AttnRegTrainerMixin
-from .hiddencut_trainer import HiddenCutSeq2SeqTrainer, HiddenCutTrainer, HiddenCutTrainerMixin
-from .rdrop_trainer import RDropSeq2SeqTrainer, RDropTrainer, RDropTrainerMixin
+Each public name is imported from its module on first use (PEP 562), so that a command that only
+needs :mod:`.methods`' option tables (attn-reg-cls-compare's ``--help`` and input checks) does not
+pay for transformers' Trainer and peft first.
+"""
 
-__all__ = [
-    "ADDropTrainer",
-    "ADDropSeq2SeqTrainer",
-    "ADDropTrainerMixin",
-    "AttendOutTrainer",
-    "AttendOutSeq2SeqTrainer",
-    "AttendOutTrainerMixin",
-    "AttnRegTrainer",
-    "AttnRegSeq2SeqTrainer",
-    "AttnRegTrainerMixin",
-    "HiddenCutSeq2SeqTrainer",
-    "HiddenCutTrainer",
-    "HiddenCutTrainerMixin",
-    "RDropTrainer",
-    "RDropSeq2SeqTrainer",
-    "RDropTrainerMixin",
-    "install_attention_sites",
-    "attn_reg_attention",
-    "register_attn_reg",
-    "ATTN_IMPLEMENTATION",
-]
+import importlib
+
+# public name -> the submodule that defines it
+_HOMES = {
+    **dict.fromkeys(("ADDropTrainer", "ADDropSeq2SeqTrainer", "ADDropTrainerMixin"), "ad_drop_trainer"),
+    **dict.fromkeys(("AttendOutTrainer", "AttendOutSeq2SeqTrainer", "AttendOutTrainerMixin"), "attendout_trainer"),
+    **dict.fromkeys(("AttnRegTrainer", "AttnRegSeq2SeqTrainer", "AttnRegTrainerMixin"), "attn_reg_trainer"),
+    **dict.fromkeys(("HiddenCutTrainer", "HiddenCutSeq2SeqTrainer", "HiddenCutTrainerMixin"), "hiddencut_trainer"),
+    **dict.fromkeys(("RDropTrainer", "RDropSeq2SeqTrainer", "RDropTrainerMixin"), "rdrop_trainer"),
+    **dict.fromkeys(
+        ("install_attention_sites", "attn_reg_attention", "register_attn_reg", "ATTN_IMPLEMENTATION"), "attention"
+    ),
+}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+        globals()[name] = value  # once: later lookups are plain attribute reads
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

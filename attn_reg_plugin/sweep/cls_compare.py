@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a run's resumable checkpoint every N optimizer steps besides each epoch's end, >= 0; 0: at epoch "
         f"ends only (default {SAVE_STEPS}; a run keeps only its last one and resumes from it under any N)",
     )
-    add_launcher_options(ap)
+    add_launcher_options(ap, "tasks per job: 1 only (default 1), each run one Trainer process")
     return ap
 
 
@@ -222,12 +222,27 @@ def data_settings(opts) -> dict:
     }
 
 
+def model_digest(model: Path) -> str:
+    """sha256 over a local model folder's files (names and bytes; its top level, what ``from_pretrained``
+    reads): weights replaced at the same path make another model, and a rerun on it is refused."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in model.iterdir() if p.is_file()):
+        digest.update(path.name.encode("utf-8") + b"\0")
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
 def settings_of(opts) -> dict:
-    """What every run of the command shares (``sweep.json``): a rerun must match it to resume."""
+    """What every run of the command shares (``sweep.json``): a rerun must match it to resume. A local
+    model is its folder and the sha256 of its files; a hub name is the name (its cache may update)."""
     model = Path(opts.model)
     return {
         "command": PROG,
         "model": str(model.resolve()) if model.is_dir() else opts.model,
+        **({"model_sha256": model_digest(model)} if model.is_dir() else {}),
         "data": data_settings(opts),
         "fields": {"text": opts.text_field, "pair": opts.pair_field, "label": opts.label_field},
         "train_size": opts.train_size,
@@ -293,7 +308,7 @@ def _locked_main(ap, opts, settings: dict, data_text: str, counts: dict, log: Ca
         f"{opts.epochs} epoch(s) each; outputs in {opts.out_dir}"
     )
     report = lambda records, started: write_comparison(records, opts, data_text, started, log)
-    return launch_and_report(ap, opts.cells, opts, settings, log, CLS_RUNS, report)
+    return launch_and_report(ap, opts.cells, opts, settings, log, CLS_RUNS, report, report_failures=True)
 
 
 if __name__ == "__main__":  # python -m attn_reg_plugin.sweep.cls_compare, before a reinstall adds the command

@@ -4,17 +4,22 @@ its paired differences to plain with 95% intervals, whether its runs learned any
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from ..classification import BOOTSTRAP_SAMPLES, paired_bootstrap_sd
+from .cls_runs import PREDICTION_FILES, read_predictions
 from .compare_report import _difference, _mean_sd, failed_notes, ordered
 from .paired import VerdictMetric, paired_difference, spread, verdict
 from .report import _versions, failed_lines, run_lines, write_json
+from .runs import run_dir
 from .verdict import plain_of
 
 SCORES = (("accuracy", "accuracy"), ("macro_f1", "macro-F1"), ("mcc", "MCC"))
 DIGITS = 4
+ZERO_WIDTH = 1e-12  # a half-width below this is rounding, e.g. the sd of three equal differences
 # (record key, label) of each metric the comparison reports: dev first, then test
 METRICS = tuple((f"{split}_{key}", f"{split} {label}") for split in ("dev", "test") for key, label in SCORES)
 
@@ -51,8 +56,52 @@ def learning_notes(record: dict) -> List[str]:
     return [f"{record['name']} learned nothing at seed {seed} (on dev: {why})" for seed, why in empty.items()]
 
 
-def method_summary(record: dict, plain: Optional[dict], metric: str, failed: List[dict]) -> dict:
-    """One row: its metrics over seeds, what it learned, its differences to plain and its verdict, on
+def _predictions(out_dir: Optional[Path], record: dict, seed: int, split: str) -> Optional[List[dict]]:
+    if out_dir is None:
+        return None
+    return read_predictions(run_dir(out_dir, record["cell"], seed) / PREDICTION_FILES[split])
+
+
+def with_test_noise(d: dict, key: str, record: dict, plain: dict, out_dir: Optional[Path]) -> dict:
+    """The paired difference ``d`` of one metric (``test_mcc``) with its interval widened by the split's
+    own sampling noise: half-width sqrt((t x sd / sqrt(n))^2 + (1.96 x bootstrap sd)^2), the seeds'
+    t-interval and a paired bootstrap over the split's examples (:func:`paired_bootstrap_sd`) being
+    independent sources of error. Without every run's predictions the interval stays over seeds only,
+    and says so. An interval of zero width is evidence of nothing: it is dropped, with the reason."""
+    split, metric = key.split("_", 1)
+    seeds = d["seeds"]
+    found = {
+        side: {s: _predictions(out_dir, r, s, split) for s in seeds}
+        for side, r in (("method", record), ("plain", plain))
+    }
+    d = {**d, "bootstrap_sd": None}
+    if seeds and all(v is not None for side in found.values() for v in side.values()):
+        names = sorted(
+            {row[k] for side in found.values() for rows in side.values() for row in rows for k in ("gold", "predicted")}
+        )
+        ids = {name: i for i, name in enumerate(names)}
+        gold = [ids[row["gold"]] for row in found["plain"][seeds[0]]]
+        classes = {
+            side: {s: [ids[row["predicted"]] for row in rows] for s, rows in v.items()} for side, v in found.items()
+        }
+        d["bootstrap_sd"] = paired_bootstrap_sd(classes["method"], classes["plain"], gold, metric)
+        d["interval"] = "seeds and test examples"
+    else:
+        d["interval"] = "seeds only (no predictions files)"
+    if d["ci"] is not None:
+        seed_half = (d["ci"][1] - d["ci"][0]) / 2
+        half = math.hypot(seed_half, 1.96 * (d["bootstrap_sd"] or 0.0))
+        d["seed_ci"], d["ci"] = d["ci"], [d["mean"] - half, d["mean"] + half]
+        if half < ZERO_WIDTH:
+            d["ci"], d["no_interval"] = None, "zero width: no spread over seeds or test examples, no evidence"
+    return d
+
+
+def method_summary(
+    record: dict, plain: Optional[dict], metric: str, failed: List[dict], out_dir: Optional[Path] = None
+) -> dict:
+    """One row: its metrics over seeds, what it learned, its differences to plain (their intervals over
+    seeds and, with the runs' predictions under ``out_dir``, the test examples) and its verdict, on
     ``metric`` (test first, then dev)."""
     values = {key: per_seed(record, key) for key, _ in METRICS}
     summary = {
@@ -69,7 +118,12 @@ def method_summary(record: dict, plain: Optional[dict], metric: str, failed: Lis
     if record is plain:
         return summary
     base = {key: per_seed(plain, key) if plain is not None else {} for key, _ in METRICS}
-    summary["differences"] = {key: paired_difference(values[key], base[key]) for key in values}
+    summary["differences"] = {
+        key: with_test_noise(paired_difference(values[key], base[key]), key, record, plain, out_dir)
+        if plain is not None
+        else paired_difference(values[key], base[key])
+        for key in values
+    }
     missing = summary["missing_runs"] = failed_notes(record["name"], failed)
     if plain is None:
         own = summary["flags"] + missing
@@ -101,18 +155,27 @@ def tables(summaries: List[dict]) -> List[str]:
         if "differences" not in s:
             continue
         d = s["differences"]
-        cells = " | ".join(_difference(d[key], DIGITS) for key, _ in METRICS)
+        if s["verdict"].startswith(f"{s['name']}: not compared"):
+            cells = " | ".join("not compared" for _ in METRICS)  # numbers here would read as evidence
+        else:
+            cells = " | ".join(_difference_text(d[key]) for key, _ in METRICS)
         paired = ",".join(map(str, d["test_accuracy"]["seeds"])) or "-"
         lines.append(f"| {s['name']} | {paired} | {cells} |")
     return lines
+
+
+def _difference_text(d: dict) -> str:
+    if d["mean"] is not None and d.get("no_interval"):
+        return f"{d['mean']:+.{DIGITS}f} (zero width)"
+    return _difference(d, DIGITS)
 
 
 def write_comparison(records: List[dict], opts, data_text: str, started: float, log: Callable[[str], None]) -> dict:
     """results.md and results.json of every row in ``records``; logs the tables; returns results.json's content."""
     out: Path = opts.out_dir
     plain = plain_of(records)
-    summaries = [method_summary(r, plain, opts.metric, opts.failed_runs) for r in ordered(records)]
-    seeds = sorted({s for r in records for s in r["seeds"]})
+    summaries = [method_summary(r, plain, opts.metric, opts.failed_runs, out) for r in ordered(records)]
+    seeds = sorted({s for r in records for s in r["seeds"]} or {f["seed"] for f in opts.failed_runs})
     title = (
         f"Regularizers against plain, {opts.model} on {data_text}, {opts.epochs} epoch{'s' * (opts.epochs != 1)}, "
         f"seeds {','.join(map(str, seeds))}"
@@ -127,20 +190,29 @@ def write_comparison(records: List[dict], opts, data_text: str, started: float, 
         for s in summaries
     ]
     label = metric_label(opts.metric)
-    lines = [title, "", *tables(summaries), "", "Each row's own options (over the method's defaults):", *options]
+    if records:
+        lines = [title, "", *tables(summaries), "", "Each row's own options (over the method's defaults):", *options]
+    else:  # every job failed (launch_and_report's report_failures): say so, and name them
+        failed = len(opts.failed_runs)
+        lines = [title, "", f"No run finished: all {failed} run(s) of this command failed, so nothing is compared."]
     lines += ["", f"Verdicts (on test {label}, then dev {label}):", *(f"- {v}" for v in verdicts)]
-    lines += run_lines(records, records[0]["settings"], "their last Trainer checkpoint, as if uninterrupted")
+    lines += run_lines(records, opts.settings, "their last Trainer checkpoint, as if uninterrupted")
     lines += failed_lines(opts.failed_runs)
     lines += [
         "",
         f"Each run keeps the weights of its best dev epoch ({label}, the earliest on ties) and scores dev and test "
-        "with them. sd: sample sd over seeds (n/a for one seed); 95% CI: mean ± t(0.975, n-1) x sd / sqrt(n) of "
-        "the per-seed differences to plain (the same seed: the same classifier head at the start and the same "
-        "training subset). Learned nothing: every dev prediction one class, or dev accuracy within 1.96 binomial "
-        "standard errors of always answering the majority class.",
+        "with them. sd: sample sd over seeds (n/a for one seed). 95% CI of a difference to plain: mean ± "
+        "sqrt(h_seeds² + h_examples²), h_seeds = t(0.975, n-1) x sd / sqrt(n) of the per-seed differences (the "
+        "same seed: the same classifier head at the start and the same training subset), h_examples = 1.96 x the "
+        f"sd of the seed-mean difference over {BOOTSTRAP_SAMPLES} paired bootstrap resamples of the split's "
+        "examples (each run's predictions: runs/ROW/seedS/predictions.jsonl, dev_predictions.jsonl); an interval "
+        "of zero width is shown as such and is no evidence. "
+        f"Learned nothing: every dev prediction one class, or dev {label} within 1.96 standard errors of what a "
+        "predictor that ignores the text scores on dev (accuracy: always the majority class; macro-F1: the best "
+        "of that, uniform and label-share guessing; MCC: 0).",
     ]
     summary = {
-        "settings": records[0]["settings"],
+        "settings": opts.settings,
         "metric": opts.metric,
         "seeds": seeds,
         "methods": summaries,

@@ -242,6 +242,7 @@ def load_model(opts, seed: int, labels: Sequence[str]):
         num_labels=len(labels),
         id2label=dict(enumerate(labels)),
         label2id={label: i for i, label in enumerate(labels)},
+        ignore_mismatched_sizes=True,  # a classifier of another label count: its head is replaced by a new one
     )
 
 
@@ -294,7 +295,9 @@ def run_classifier(
     tokenizer = transformers.AutoTokenizer.from_pretrained(opts.model)
     features = encoded_splits(opts, data, tokenizer, seed)
     trained = _train(cell, seed, opts, seed_dir / "trainer", tokenizer, features, data.labels, log)
-    result = _result(cell, seed, opts, settings, data, features, tokenizer, trained)
+    result, predicted = _result(cell, seed, opts, settings, data, features, tokenizer, trained)
+    for split, name in PREDICTION_FILES.items():  # before result.json, which marks the run finished
+        write_predictions(seed_dir / name, features[split], predicted[split], data.labels)
     write_json(seed_dir / "result.json", result)
     shutil.rmtree(seed_dir / "trainer", ignore_errors=True)  # its checkpoint: the run is finished
     return result
@@ -337,8 +340,32 @@ def _train(cell: dict, seed: int, opts, folder: Path, tokenizer, features, label
     return _Trained(trainer, dev, resumed, resumed.get("train_seconds", 0.0) + time.time() - started)
 
 
-def _result(cell: dict, seed: int, opts, settings: dict, data: Data, features, tokenizer, trained: _Trained) -> dict:
-    """The run's record: the best dev epoch's scores on dev and test, each epoch's, and its resumes."""
+# Each run's predictions with its best dev epoch's weights, one JSON line per example in the split's
+# order: the paired bootstrap over test examples reads them (cls_report), and so can a user.
+PREDICTION_FILES = {"test": "predictions.jsonl", "dev": "dev_predictions.jsonl"}
+
+
+def write_predictions(path: Path, features: List[dict], predicted: List[int], labels: Sequence[str]) -> None:
+    """``{"id": i, "gold": label, "predicted": label}`` per example, ``i`` its 0-based place in the split."""
+    lines = (
+        json.dumps({"id": i, "gold": labels[f["labels"]], "predicted": labels[p]}) + "\n"
+        for i, (f, p) in enumerate(zip(features, predicted))
+    )
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(lines), encoding="utf-8")
+    partial.replace(path)
+
+
+def read_predictions(path: Path) -> Optional[List[dict]]:
+    """A run's predictions file as written by :func:`write_predictions`; None when the run has none."""
+    if not path.is_file():
+        return None
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _result(cell: dict, seed: int, opts, settings: dict, data: Data, features, tokenizer, trained: _Trained):
+    """The run's record (the best dev epoch's scores on dev and test, each epoch's, and its resumes)
+    and its predictions ``{split: class per example}`` with those weights."""
     from ..hf.methods import METHODS
     from .cls_checkpoint import steps_per_epoch
 
@@ -346,8 +373,8 @@ def _result(cell: dict, seed: int, opts, settings: dict, data: Data, features, t
     model = trainer.model
     model.load_state_dict(callback.best_state)
     best = callback.best_epoch  # the earliest on ties
-    gold = [f["labels"] for f in features["test"]]
-    test = scores(predict(model, tokenizer, features["test"], opts.eval_batch_size), gold)
+    predicted = {split: predict(model, tokenizer, features[split], opts.eval_batch_size) for split in PREDICTION_FILES}
+    test = scores(predicted["test"], [f["labels"] for f in features["test"]])
     dev = callback.dev[best - 1]
     logs = [h for h in trainer.state.log_history if "loss" in h]
     per_epoch = steps_per_epoch(trainer.state)
@@ -367,7 +394,7 @@ def _result(cell: dict, seed: int, opts, settings: dict, data: Data, features, t
         "best_epoch": best,
         "dev": dev,
         "test": test,
-        "learned_nothing": learned_nothing(dev),
+        "learned_nothing": learned_nothing(dev, metric=opts.metric),
         "train_examples": len(train_labels),
         "train_labels": {label: train_labels.count(i) for i, label in enumerate(data.labels)},
         "train_seconds": round(trained.seconds, 1),
@@ -375,7 +402,7 @@ def _result(cell: dict, seed: int, opts, settings: dict, data: Data, features, t
         "resumed_at_steps": steps,
         "resumed_at_epochs": [step // per_epoch + 1 for step in steps],
         "exact_resume": True,  # the weights bit for bit on the CPU (cls_checkpoint); not a method's logs of its epoch
-    }
+    }, predicted
 
 
 def quiet_transformers() -> None:

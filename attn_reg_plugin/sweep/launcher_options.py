@@ -15,8 +15,13 @@ LAUNCHERS = ("local", "slurm")
 CPU_DDP_BACKENDS = ("legacy_ddp", "no_c10d")
 
 
-def add_launcher_options(ap: argparse.ArgumentParser) -> None:
-    """``--launcher``, ``--jobs``, ``--detach`` and the Slurm job's options (attn-reg-mt-sweep and -compare)."""
+# What --slurm-tasks-per-node sets: fairseq-train's ranks (attn-reg-mt-sweep and -compare).
+FAIRSEQ_RANKS_HELP = "fairseq-train ranks per job, >= 1 (default 1): one DDP group, rank from SLURM_PROCID"
+
+
+def add_launcher_options(ap: argparse.ArgumentParser, ranks_help: str = FAIRSEQ_RANKS_HELP) -> None:
+    """``--launcher``, ``--jobs``, ``--detach`` and the Slurm job's options (attn-reg-mt-sweep and -compare;
+    attn-reg-cls-compare with its own ``ranks_help``, what one job's tasks are there)."""
     group = ap.add_argument_group(
         "where the runs run", "local: this machine; slurm: one Slurm job per run, as one job array (submitit)"
     )
@@ -29,10 +34,10 @@ def add_launcher_options(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="slurm: submit and exit, jobs left running; the same command later collects them",
     )
-    _add_slurm_options(group)
+    _add_slurm_options(group, ranks_help)
 
 
-def _add_slurm_options(group) -> None:
+def _add_slurm_options(group, ranks_help: str) -> None:
     """The Slurm job's options (``--launcher slurm``'s)."""
     group.add_argument(
         "--slurm-partition", metavar="NAME", help="sbatch --partition (default: the cluster's default partition)"
@@ -58,7 +63,7 @@ def _add_slurm_options(group) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="fairseq-train ranks per job, >= 1 (default 1): one DDP group, rank from SLURM_PROCID",
+        help=ranks_help,
     )
     group.add_argument(
         "--slurm-cpus-per-task", type=int, default=1, metavar="N", help="CPUs per rank, >= 1 (default 1)"

@@ -137,7 +137,7 @@ MT_VERDICT = (
 def _interval(d: dict, digits: int) -> str:
     f = f"{{:+.{digits}f}}"
     if d["ci"] is None:
-        return f"{f.format(d['mean'])} (one seed, no interval)"
+        return f"{f.format(d['mean'])} ({d.get('no_interval', 'one seed, no interval')})"
     return f"{f.format(d['mean'])} [{f.format(d['ci'][0])}, {f.format(d['ci'][1])}]"
 
 

@@ -42,7 +42,7 @@ from example_support import (
     train_and_log,
 )
 
-from attn_reg_plugin.classification import learned_nothing, scores
+from attn_reg_plugin.classification import LEARNING_METRICS, learned_nothing, scores
 
 
 class Task:
@@ -197,9 +197,16 @@ def run_method(method: str, args, train_rows: List[dict], dev_rows: List[dict]) 
         "best_epoch": best["epoch"] if best else None,
         "best_dev": best[f"eval_{task.metric}"] if best else None,
         # A constant predictor's accuracy is the majority class's share: said in words, not left to read as a score.
-        "learned_nothing": learned_nothing(best, prefix="eval_") if best and not task.regression else None,
+        "learned_nothing": learned_nothing(best, prefix="eval_", metric=_learning_metric(task.metric))
+        if best and not task.regression
+        else None,
         "train_seconds": round(seconds, 1),
     }
+
+
+def _learning_metric(metric: str) -> str:
+    """The task's metric when the learned-nothing check knows it (accuracy, mcc), else accuracy."""
+    return metric if metric in LEARNING_METRICS else "accuracy"
 
 
 def main(argv=None, load_dataset=None) -> int:

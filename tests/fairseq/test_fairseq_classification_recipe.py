@@ -62,7 +62,11 @@ def _write(path, rows):
     "case, message",
     [
         ("empty text", "train.jsonl:2: field 'sentence' must be a non-empty string, got '  '"),
-        ("no label", "train.jsonl:2: field 'label' must hold a label, got None"),
+        (
+            "no label",
+            "train.jsonl:2: no field 'label'; the row's fields are 'sentence' (name the right one with --label-field)",
+        ),
+        ("null label", "train.jsonl:2: field 'label' must hold a label, got None"),
         ("unseen label", "--valid {valid}: labels ['2'] never occur in --train's ['0', '1']"),
         ("bad suffix", "train.txt: a data file ends .jsonl, .json, .csv or .tsv, got '.txt'"),
     ],
@@ -70,7 +74,11 @@ def _write(path, rows):
 def test_bad_rows_are_refused_naming_file_row_and_field_before_anything_is_written(tmp_path, capsys, case, message):
     good = [{"sentence": "fine", "label": 0}, {"sentence": "not fine", "label": 1}]
     train, valid = tmp_path / "train.jsonl", tmp_path / "valid.jsonl"
-    rows = {"empty text": [good[0], {"sentence": "  ", "label": 1}], "no label": [good[0], {"sentence": "x"}]}
+    rows = {
+        "empty text": [good[0], {"sentence": "  ", "label": 1}],
+        "no label": [good[0], {"sentence": "x"}],
+        "null label": [good[0], {"sentence": "x", "label": None}],
+    }
     _write(train, rows.get(case, good))
     _write(valid, [{"sentence": "odd", "label": 2}] if case == "unseen label" else good)
     if case == "bad suffix":
