@@ -49,11 +49,12 @@ lock:
 demo: $(STAMP)
 	$(VENV)/bin/attn-reg-demo
 
-# Then the kernel's tests and a step of every regularizer once more on the portable branches of the
-# device helpers (core/devices.py), the code an accelerator runs.
+# Two workers (pytest-xdist; the Slurm tests on one of them, the one-node cluster's 2 CPUs being
+# theirs). Then tests/core once more on the portable branches of the device helpers (core/devices.py),
+# the code an accelerator runs: the kernel's tests and a step of every regularizer (host_only skip).
 test: $(STAMP) lint
-	$(PY) -m pytest -q -m "not slow" --durations=40
-	ATTN_REG_PORTABLE=1 $(PY) -m pytest -q -m "not slow" tests/core
+	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadgroup --durations=40
+	ATTN_REG_PORTABLE=1 $(PY) -m pytest -q -m "not slow and not host_only" -n 2 tests/core
 
 test-all: $(STAMP) lint
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q

@@ -33,14 +33,28 @@ from helpers import (
 
 def pytest_collection_modifyitems(config, items):
     """With ATTN_REG_PORTABLE=1 (the code an accelerator runs, forced on the CPU), a test of a
-    CPU-only branch skips and says so."""
+    CPU-only branch skips and says so, and so does one whose code has no device branch (``host_only``)."""
     from attn_reg_plugin.core import devices
 
     if devices.PORTABLE:
         skip = pytest.mark.skip(reason=f"tests the CPU's own branch; {devices.PORTABLE_ENV}=1 forces the portable one")
+        host = pytest.mark.skip(reason=f"its code has no device branch: {devices.PORTABLE_ENV}=1 changes nothing there")
         for item in items:
             if item.get_closest_marker("cpu_branch"):
                 item.add_marker(skip)
+            elif item.get_closest_marker("host_only"):
+                item.add_marker(host)
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist a worker hands its counts of CLI starts to the controller, which prints them."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["cli_starts"] = dict(CLI_STARTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    CLI_STARTS.update(getattr(node, "workeroutput", {}).get("cli_starts", {}))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -10,10 +10,12 @@ import collections
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -928,3 +930,53 @@ def run_python(args, cwd, expect_ok=True):
     )
     assert (proc.returncode == 0) == expect_ok, proc.stdout[-3000:]
     return proc.stdout
+
+
+# -- a one-node Slurm (.ci/slurm-up.sh): whether it answers, and its requeued jobs -----------------------
+def slurm_unavailable() -> str:
+    """Why no Slurm job can run here ('' when sinfo answers with a node ready for jobs)."""
+    if shutil.which("sinfo") is None:
+        return "no Slurm here: sinfo is not installed (.ci/slurm-up.sh starts a one-node cluster, as .ci/run does)"
+    try:
+        states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "Slurm does not answer: sinfo timed out after 20 s"
+    if states.returncode != 0:
+        return f"Slurm does not answer: sinfo failed: {states.stderr.strip()}"
+    if not {"idle", "mixed", "allocated"} & set(states.stdout.split()):
+        return f"Slurm has no node ready for jobs (sinfo: {states.stdout.split() or 'no nodes'})"
+    return ""
+
+
+NO_SLURM = slurm_unavailable()
+needs_slurm = pytest.mark.skipif(bool(NO_SLURM), reason=NO_SLURM)
+
+
+def release_requeues(out: Path, key: str, done: threading.Event) -> None:
+    """Each requeue of the run's job released at once: Slurm holds a requeued job about 2 minutes
+    (its begin time), here set to now."""
+    job = None
+    while not done.is_set():
+        if job is None and (out / "jobs.json").exists():
+            job = json.loads((out / "jobs.json").read_text()).get(key)
+        if job is not None:
+            states = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True, text=True)
+            if "PENDING BeginTime" in states.stdout:
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+        time.sleep(1)
+
+
+def job_when_ended(job: str, wait_s: float = 120.0) -> str:
+    """``scontrol show job`` once the job has ended. The command returns when the run's result is
+    written; the job's process exits after that, and a time-limit signal caught in between requeues
+    it once more (the rerun finds result.json and ends in seconds), so the job can still be RUNNING
+    or PENDING here."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+        state = shown.split("JobState=", 1)[1].split()[0] if "JobState=" in shown else ""
+        if state not in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING", "CONFIGURING") or time.monotonic() > deadline:
+            return shown
+        if "Reason=BeginTime" in shown:  # held as every requeue is: released as release_requeues does
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+        time.sleep(2)

@@ -344,7 +344,8 @@ def _rows(kind):
         for row in reg.table:
             if (kind == "cli" and row.cli is None) or (kind == "py" and not row.python):
                 continue
-            yield pytest.param(reg, row, id=f"{reg.name}-{row.field}={row.cli if kind == 'cli' else row.py!r}")
+            value = row.cli if kind == "cli" or row.py is _SAME else repr(row.py)  # ids the same in every process
+            yield pytest.param(reg, row, id=f"{reg.name}-{row.field}={value}")
 
 
 def _cli_message(reg, row):

@@ -16,7 +16,6 @@ not answer, these tests skip and say so; the launcher's option checks (at the en
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,27 +27,18 @@ import pytest
 
 from attn_reg_plugin.sweep import compare
 from attn_reg_plugin.sweep import main as sweep_main
-from helpers import REPO, TINY_MT_TRAIN, train_epoch_stats
+from helpers import (
+    REPO,
+    TINY_MT_TRAIN,
+    job_when_ended,
+    needs_slurm,
+    release_requeues,
+    slurm_unavailable,
+    train_epoch_stats,
+)
 
-
-def slurm_unavailable() -> str:
-    """Why no Slurm job can run here ('' when sinfo answers with a node ready for jobs)."""
-    if shutil.which("sinfo") is None:
-        return "no Slurm here: sinfo is not installed (.ci/slurm-up.sh starts a one-node cluster, as .ci/run does)"
-    try:
-        states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
-    except subprocess.TimeoutExpired:
-        return "Slurm does not answer: sinfo timed out after 20 s"
-    if states.returncode != 0:
-        return f"Slurm does not answer: sinfo failed: {states.stderr.strip()}"
-    if not {"idle", "mixed", "allocated"} & set(states.stdout.split()):
-        return f"Slurm has no node ready for jobs (sinfo: {states.stdout.split() or 'no nodes'})"
-    return ""
-
-
-NO_SLURM = slurm_unavailable()
-needs_slurm = pytest.mark.skipif(bool(NO_SLURM), reason=NO_SLURM)
 SLURM = ["--launcher", "slurm", "--slurm-time", "10"]
+pytestmark = pytest.mark.xdist_group("slurm")  # one worker runs every Slurm test: the one-node cluster has 2 CPUs
 
 
 @pytest.fixture()
@@ -109,6 +99,8 @@ def _command(argv):
 
 
 @needs_slurm
+@pytest.mark.slow  # equality across launchers is also checked without Slurm (local --jobs 2); the real
+# Slurm's submit-and-collect stays in the fast suite (the cancelled-job test below)
 def test_a_comparison_as_one_job_array_equals_the_local_one(tiny_mt_data, tmp_path, one_thread):
     """The Slurm command runs beside the local one (each run on one thread: the same numbers either
     way, and the test takes the time of one)."""
@@ -314,40 +306,10 @@ def _count_each_ranks_ad_drop_units(folder: Path, monkeypatch) -> Path:
     return counts
 
 
-def _release_requeues(out: Path, key: str, done: threading.Event) -> None:
-    """Each requeue of the run's job released at once: Slurm holds a requeued job about 2 minutes
-    (its begin time), here set to now."""
-    job = None
-    while not done.is_set():
-        if job is None and (out / "jobs.json").exists():
-            job = json.loads((out / "jobs.json").read_text()).get(key)
-        if job is not None:
-            states = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True, text=True)
-            if "PENDING BeginTime" in states.stdout:
-                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
-        time.sleep(1)
-
-
-def _job_when_ended(job: str, wait_s: float = 120.0) -> str:
-    """``scontrol show job`` once the job has ended. The command returns when the run's result is
-    written; the job's process exits after that, and a time-limit signal caught in between requeues
-    it once more (the rerun finds result.json and ends in seconds), so the job can still be RUNNING
-    or PENDING here."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-        state = shown.split("JobState=", 1)[1].split()[0] if "JobState=" in shown else ""
-        if state not in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING", "CONFIGURING") or time.monotonic() > deadline:
-            return shown
-        if "Reason=BeginTime" in shown:  # held as every requeue is: released as _release_requeues does
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
-        time.sleep(2)
-
-
 @needs_slurm
 def test_a_run_longer_than_the_time_limit_saves_is_requeued_and_completes(tiny_mt_data, tmp_path, one_thread):
-    """--slurm-time 1, Slurm's least, for a run of about 2 minutes of training (40 epochs, about a minute,
-    once finished before the signal came: the test must not race it). Slurm signals the job
+    """--slurm-time 1, Slurm's least, for a run of about 2 minutes of training (80 epochs once finished in
+    28 s, before the signal came, on two quiet cores: the test must not race it). Slurm signals the job
     15 s before its limit (submitit's default, 90 s, is longer than the whole job: it ended every
     run in 3-5 s, FAILED), up to a minute early (its resolution); fairseq-train saves checkpoint_last.pt there
     and exits, and submitit requeues the job (the same job id, Slurm's Restarts); it resumes from
@@ -357,12 +319,12 @@ def test_a_run_longer_than_the_time_limit_saves_is_requeued_and_completes(tiny_m
     run, key = out / "runs" / cell / "seed1", f"{cell}/seed1"
     argv = [
         str(tiny_mt_data["bin"]), "--out-dir", str(out), "--p", "0.5", "--q", "0.5", "--schedule", "always",
-        "--epochs", "80", "--launcher", "slurm", "--slurm-time", "1", "--slurm-max-requeues", "9",
+        "--epochs", "150", "--launcher", "slurm", "--slurm-time", "1", "--slurm-max-requeues", "9",
         "--", *TINY_MT_TRAIN,
     ]  # fmt: skip
     lines = []
     done = threading.Event()
-    helper = threading.Thread(target=_release_requeues, args=(out, key, done), daemon=True)
+    helper = threading.Thread(target=release_requeues, args=(out, key, done), daemon=True)
     helper.start()
     try:
         assert sweep_main(argv, log=lines.append) == 0, lines
@@ -379,12 +341,12 @@ def test_a_run_longer_than_the_time_limit_saves_is_requeued_and_completes(tiny_m
     assert log.count("attn_reg: saved checkpoint_last.pt on the job's time-limit signal") >= 1
     assert log.count("Loaded checkpoint") >= 1
     result = json.loads((run / "result.json").read_text())
-    assert result["epochs"] == 80 and len(result["resumed_at_epochs"]) >= 1
+    assert result["epochs"] == 150 and len(result["resumed_at_epochs"]) >= 1
     md = (out / "results.md").read_text()
     assert f"- {cell} seed 1: resumed at epoch " in md and "give --rebuild-batches after '--'" in md
     console = "\n".join(lines)  # the resume's notice, not only in the job's log
     assert f"{key}: finished (job {job}); resumed at epoch " in console and "--rebuild-batches" in console, console
-    shown = _job_when_ended(job)
+    shown = job_when_ended(job)
     # A requeue while it translates (after training) is not a training attempt: at least one per save.
     restarts = int(shown.split("Restarts=", 1)[1].split()[0])
     assert "JobState=COMPLETED" in shown and restarts >= len(ends) - 1, shown

@@ -18,6 +18,8 @@ from attn_reg_plugin.core.combinations import (
 from attn_reg_plugin.core.drophead import DropHeadConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 
+pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it
+
 
 def test_a_combination_in_the_table_passes_and_any_other_pair_is_refused_naming_both():
     check_combination({AD_DROP: "--criterion x", RDROP: "--criterion x"})

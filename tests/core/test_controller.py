@@ -8,6 +8,8 @@ from attn_reg_plugin.core.attention_call import hook_in_progress
 from attn_reg_plugin.core.controller import RegularizationController, parse_kinds, parse_layers
 from helpers import controller_with_sites
 
+pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it
+
 
 def _controller(n_enc=2, n_dec=0):
     return controller_with_sites({"encoder-self": n_enc, "decoder-self": n_dec})

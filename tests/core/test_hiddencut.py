@@ -21,6 +21,8 @@ from attn_reg_plugin.core.hiddencut import (
     js_divergence,
 )
 
+pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it
+
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check on a GPU machine)")
 
 

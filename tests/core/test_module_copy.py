@@ -12,6 +12,8 @@ import torch
 from attn_reg_plugin.core.module_copy import deepcopy_module
 from attn_reg_plugin.core.sharding import meta_copy
 
+pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it
+
 
 class Wrapper:
     """A callable object holding the forward, as accelerate's ConvertOutputsToFp32 does."""

@@ -16,6 +16,8 @@ from attn_reg_plugin.core.rdrop import RDropConfig
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 from helpers import REPO, controller_with_sites
 
+pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it
+
 CONFIGS = [
     (ADDropConfig, "ad_drop_"),
     (AttendOutConfig, "attendout_"),

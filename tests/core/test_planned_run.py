@@ -13,6 +13,8 @@ from attn_reg_plugin.core.planned_run import idle_run_warning
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig, first_dropping_update, parse_schedules
 from helpers import controller_with_sites
 
+pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it
+
 
 def test_first_ad_drop_epoch():
     assert first_ad_drop_epoch("cross-tuning", 1) is None  # paper Alg. 1: epoch 1 is plain

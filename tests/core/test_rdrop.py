@@ -16,6 +16,8 @@ from attn_reg_plugin.core.rdrop import (
     symmetric_kl,
 )
 
+pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it
+
 
 def explicit_kl(p, q):
     """KL(p || q) = sum p log(p / q), written out."""
