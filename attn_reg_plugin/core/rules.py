@@ -380,20 +380,25 @@ def ceil_of_product(n: torch.Tensor, numerator: int, denominator: int, n_max: in
     return quotient + (remainder > 0)
 
 
-def kth_largest(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def kth_largest(scores: torch.Tensor, k: torch.Tensor, bound: Optional[int] = None) -> torch.Tensor:
     """Each row's k-th largest score, (..., 1); ``k`` (..., 1) per row, at least 1 where it matters
     (a row with k = 0 gets its largest). On a CPU, numpy's selection on the values alone, one
     partition per group of rows sharing k: for 128 rows of 4,096 keys and one k, 0.65 ms against
     torch.topk's 4.4 ms; for a causal block (20 values of k over 256 rows) 0.70 ms against 5.0 ms
-    for one partition at every k. Elsewhere (another device, bfloat16, which numpy lacks), torch.topk;
-    while torch.compile traces, a sort (a top-k's size would be read from k on the host)."""
+    for one partition at every k. Elsewhere (another device, bfloat16, which numpy lacks) torch.topk,
+    sized by ``bound``, a bound on k known on the host (ceil(p x keys) for the region): no read of k,
+    so no device sync and no graph break. Without a bound, a top-k sized by k read on the host, or
+    while torch.compile traces, a sort."""
     rows = scores.shape[:-1] + (1,)
     k = k.clamp(min=1, max=scores.shape[-1]).expand(rows)
     on_numpy = on_host(scores) and scores.dtype in (torch.float32, torch.float64, torch.float16)
-    if torch.compiler.is_compiling():  # no host read of k: a sorted row, traced whatever k holds
-        return scores.sort(dim=-1, descending=True).values.gather(-1, k - 1)
     if _numpy is not None and on_numpy:
         return _kth_largest_numpy(scores, k)
+    if bound is not None:  # the `bound` largest of each row, sorted: the k-th is at k - 1
+        top = scores.topk(max(1, min(bound, scores.shape[-1])), dim=-1, sorted=True).values
+        return top.gather(-1, (k - 1).clamp(max=top.shape[-1] - 1))
+    if torch.compiler.is_compiling():  # no host read of k: a sorted row, traced whatever k holds
+        return scores.sort(dim=-1, descending=True).values.gather(-1, k - 1)
     k_top, k_least = int(k.max()), int(k.min())
     # An unsorted top-k (half the cost of a sorted one on a CPU), then each row's k-th largest
     # from the few smallest of it: rows of a block differ in k by a few (padding, causality).
@@ -549,7 +554,9 @@ class TopRegionRule(BlockRule):
         scores = self._scores(block) if scores is None else scores
         n_valid = block.valid.sum(-1, keepdim=True)
         k = ceil_of_product(n_valid, *self.fraction, block.shape[-1])  # exact for the decimal p
-        threshold = kth_largest(scores, k).masked_fill(k.expand(scores.shape[:-1] + (1,)) == 0, math.inf)
+        numerator, denominator = self.fraction
+        bound = -(-block.shape[-1] * numerator // denominator)  # ceil(p x keys) >= every row's k, on the host
+        threshold = kth_largest(scores, k, bound).masked_fill(k.expand(scores.shape[:-1] + (1,)) == 0, math.inf)
         region = scores >= threshold
         at_least = as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)
         # Whether ties straddle the threshold in some row: kept, so the backward need not count.

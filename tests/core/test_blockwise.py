@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from attn_reg_plugin.core import kernel, rules
+from attn_reg_plugin.core import devices, kernel, rules
 from attn_reg_plugin.core.ad_drop import ADDrop
 from attn_reg_plugin.core.ad_drop_config import ADDropConfig
 from attn_reg_plugin.core.attention import attend
@@ -720,7 +720,9 @@ def test_each_rows_kth_largest_is_the_same_from_numpy_and_from_topk(seed, monkey
         with monkeypatch.context() as patched:
             patched.setattr(rules, "_numpy", None)
             from_topk = rules.kth_largest(scores, k)
+            bounded = [rules.kth_largest(scores, k, bound) for bound in (int(k.max()), keys, keys + 3)]
         assert torch.equal(from_numpy, want) and torch.equal(from_topk, want)
+        assert all(torch.equal(b, want) for b in bounded)  # a top-k sized on the host, k never read
     in_bf16 = rules.kth_largest(scores.bfloat16(), per_row)  # numpy has no bfloat16: topk's path
     assert torch.equal(in_bf16, rules.kth_largest(scores, per_row).bfloat16())
 
@@ -920,3 +922,21 @@ def test_a_value_head_larger_than_the_query_head_runs_block_by_block(padded, blo
     assert len(block_calls) == 1  # the second run was one block
     for a, b in zip(split, whole):
         torch.testing.assert_close(a, b)
+
+
+def test_the_region_on_the_portable_path_reads_nothing_on_the_host(monkeypatch):
+    """A device's route (the portable branches) sizes its top-k by ceil(p x keys), known on the host: the
+    region costs no device sync (it read k.max() and k.min(), two syncs a block, issue 80)."""
+    monkeypatch.setattr(devices, "PORTABLE", True)
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 3, 16, 40, generator=g)
+    valid = torch.rand(2, 1, 16, 40, generator=g) < 0.8
+    rule = TopRegionRule(RandomScores(), 0.3, 0.5)
+    block = Block(slice(0, 16), valid, (2, 3, 16, 40), (2, 3, 16, 40), 0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        region, (threshold, k, _), _ = rule.region(block, scores.masked_fill(~valid, -math.inf))
+    names = [e.name for e in prof.events()]
+    assert "aten::_local_scalar_dense" not in names and "aten::topk" in names
+    monkeypatch.setattr(devices, "PORTABLE", False)  # the CPU's numpy selection: the same region
+    again, (threshold_cpu, _, _), _ = rule.region(block, scores.masked_fill(~valid, -math.inf))
+    assert torch.equal(region, again) and torch.equal(threshold, threshold_cpu)
