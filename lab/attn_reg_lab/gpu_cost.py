@@ -1,0 +1,486 @@
+"""What a training step costs on the GPU route, counted on the CPU (``attn-reg-gpu-cost``).
+
+    attn-reg-gpu-cost                                   # standard, long4k, long16k rows: 6 minutes on 2 idle cores
+    attn-reg-gpu-cost --quick                           # tiny sizes of the same code (a smoke run)
+    attn-reg-gpu-cost --rows standard --out cost.json   # some rows, also written as JSON
+    attn-reg-gpu-cost --fit-counts old.json             # the H200 times fitted on counts of the code they timed
+
+An H200 step of these models is bound by the host: its time follows the kernels the step launches
+(docs/PERFORMANCE.md, "On a GPU"). This command runs a step of each configuration on the CPU on the
+code a CUDA device runs: ``ATTN_REG_PORTABLE=1`` (the portable branches of
+``attn_reg_plugin/core/devices.py``) and ``TRITON_INTERPRET=1`` (Triton kernels in its interpreter).
+It sets both and starts again in a fresh process if they were not set. ``--fused`` adds standard fp32
+rows with ``ATTN_REG_FUSED=1``, where the fused Triton kernel takes the calls it covers. Each step runs once
+uncounted, then once counted. Per step it counts:
+
+* **launches**: each aten operation that runs a kernel on a device, and each Triton launch (not the
+  torch operations the interpreter runs inside one). Views and other metadata-only or allocation-only
+  operations (:data:`NO_KERNEL`) are not launches, nor are operations on host tensors (below).
+* **syncs**: whatever makes the host wait for the device. That is a scalar read (``.item()``,
+  ``int(t)``, ``bool(t)``: ``aten._local_scalar_dense``), an output whose size depends on the data
+  (:data:`SYNC_OPS`, and indexing with a bool mask), or a copy to the host (``.cpu()``, ``.tolist()``,
+  ``.numpy()``, ``.to("cpu")``). **plugin-added syncs** are those whose caller (the first frame outside
+  torch and the standard library) is in ``attn_reg_plugin``. ``sync_sites`` in the JSON says where each
+  sync comes from.
+* **host tensors**, whose reads are not syncs. A host tensor is one made by a torch factory called
+  without ``device``: torch's default device is the CPU on a GPU machine too. ``rules.call_seed``'s
+  seeds, ``torch.tensor(number)`` and an optimizer's step counter are host tensors, and so is whatever
+  is computed from host tensors only. ``t.to(device)`` of a host tensor is a copy to the device (one
+  launch). Only the string ``"cpu"`` is taken as the host; a ``torch.device`` is taken to be the
+  device (``mask.to(scores.device)``).
+* **FLOPs** of each product (``mm``, ``addmm``, ``bmm``, ``baddbmm``, sdpa's forward and backward),
+  at its dtype, by torch's own formulas (``torch.utils.flop_counter``), and of each ``tl.dot`` the
+  interpreter runs. ``tensor_core`` FLOPs are the bf16/fp16 ones. ``fp32`` FLOPs are those a GPU runs
+  without tensor cores (torch's default float32 matmul precision takes no TF32).
+* **bytes**: for each launch, the sizes of its tensor inputs and outputs, each at most its storage (an
+  expanded mask counts once). This is an upper bound of the memory the step moves.
+
+How: a ``TorchDispatchMode`` sees each operation after autograd and after torch's composite operations
+are decomposed: the operations that have a device kernel, the backward's included. It also sees
+their outputs (for the bytes) and the tensor a scalar read reads (for host tensors). torch.profiler,
+which is public, was the alternative. But its tree holds the CPU kernels' own inner aten calls (a CPU
+``_foreach`` op's per-tensor loop, where a GPU runs one kernel), and it records no outputs.
+``TorchDispatchMode`` (``torch.utils._python_dispatch``) is private torch API. The plugin never
+uses it; the lab already reads ``torch._dynamo``'s counters and the profiler's
+``experimental_event_tree``. A public ``TorchFunctionMode`` sees what the dispatcher does not: the
+factories' ``device`` argument and the copies to the host. An optimizer picks its ``foreach``
+implementation (one kernel for many tensors) on a GPU but a loop over tensors on a CPU, so while
+counting, torch.optim takes the CPU for a foreach device.
+
+What still differs from a GPU: autocast casts by the CPU's operation lists (the CUDA lists differ in
+a few operations); plain attention is sdpa's CPU flash kernel (one launch, as FlashAttention); an
+operation is one launch where a GPU may run several (a ``_foreach`` op, a split-K product); the
+interpreter's Triton tiles are 16 wide, not 64 (the same launches, nearly the same FLOPs).
+
+The rows (``--rows``), the fit of the committed H200 times on the counts, the targets and the table
+are in :mod:`.gpu_cost_fit`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode  # private: see the module's docstring
+from torch.utils._pytree import tree_flatten
+
+ROUTE_ENV = {"ATTN_REG_PORTABLE": "1", "TRITON_INTERPRET": "1"}
+ROW_SETS = ("standard", "long4k", "long16k")
+# Operations that launch no kernel on a device: metadata, allocation, the sdpa back-end choice.
+NO_KERNEL = frozenset(
+    (
+        "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "resize_", "resize_as_", "set_",
+        "_unsafe_view", "lift_fresh", "alias", "detach_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_",
+        "t_", "swapdims_", "swapaxes_", "_fused_sdp_choice", "record_stream", "_local_scalar_dense",
+        "_has_compatible_shallow_copy_type", "is_same_size", "_assert_tensor_metadata", "is_pinned",
+    )
+)  # fmt: skip
+# Operations whose output size depends on the data: the host reads it before it can go on.
+SYNC_OPS = frozenset(
+    ("nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive",
+     "equal", "bincount")
+)  # fmt: skip
+MASK_INDEXING = frozenset(("index", "index_put", "index_put_", "_index_put_impl_"))  # a nonzero inside, with a mask
+# Torch factories: called without ``device`` they make a host tensor.
+FACTORIES = frozenset(
+    getattr(torch, name)
+    for name in ("tensor", "as_tensor", "asarray", "scalar_tensor", "zeros", "ones", "empty", "full", "arange",
+                 "rand", "randn", "randint", "randperm", "linspace", "logspace", "eye", "empty_strided", "from_numpy")
+)  # fmt: skip
+HOST_COPIES = frozenset((torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.numpy))
+TENSOR_CORE_DTYPES = ("bf16", "fp16")
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+_SKIPPED_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(contextlib.__file__))
+
+
+@dataclass
+class Cost:
+    """One step's counts (see the module's docstring)."""
+
+    launches: int = 0
+    triton_launches: int = 0
+    syncs: int = 0
+    plugin_syncs: int = 0
+    host_reads: int = 0  # reads of host tensors: not syncs
+    flops: Dict[str, int] = field(default_factory=dict)  # product dtype -> FLOPs
+    bytes: int = 0
+    ops: Counter = field(default_factory=Counter)  # operation -> launches
+    sync_sites: Counter = field(default_factory=Counter)  # "file:line function (what)" -> syncs
+
+    @property
+    def tensor_core_flops(self) -> int:
+        return sum(v for k, v in self.flops.items() if k in TENSOR_CORE_DTYPES)
+
+    @property
+    def fp32_flops(self) -> int:
+        return sum(v for k, v in self.flops.items() if k not in TENSOR_CORE_DTYPES)
+
+    def as_dict(self, top: int = 25) -> dict:
+        fields = ("launches", "triton_launches", "syncs", "plugin_syncs", "host_reads", "bytes")
+        return {
+            **{name: getattr(self, name) for name in fields},
+            "flops": dict(sorted(self.flops.items())),
+            "tensor_core_flops": self.tensor_core_flops,
+            "fp32_flops": self.fp32_flops,
+            "top_ops": dict(self.ops.most_common(top)),
+            "sync_sites": dict(self.sync_sites.most_common()),
+        }
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """The bytes ``t`` covers, at most its storage's (an expanded tensor reads its storage once)."""
+    try:
+        return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # a tensor without storage
+        return 0
+
+
+def _tensors(tree) -> List[torch.Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def _flop_count(func, args, kwargs, out) -> int:
+    """torch.utils.flop_counter's count of a product; sdpa's CPU flash kernels as the GPU ones."""
+    from torch.utils import flop_counter
+
+    packet = func.overloadpacket
+    if packet in flop_counter.flop_registry:
+        return int(flop_counter.flop_registry[packet](*args, **kwargs, out_val=out))
+    shapes = [tuple(t.shape) for t in args[:4] if isinstance(t, torch.Tensor)]
+    if packet.__name__ == "_scaled_dot_product_flash_attention_for_cpu":
+        return int(flop_counter.sdpa_flop_count(*shapes[:3]))
+    if packet.__name__ == "_scaled_dot_product_flash_attention_for_cpu_backward":
+        return int(flop_counter.sdpa_backward_flop_count(*shapes))  # (grad_out, query, key, value)
+    return 0
+
+
+def _product_dtype(name: str, args) -> str:
+    first = args[1] if name in ("addmm", "baddbmm", "addbmm") or name.endswith("_backward") else args[0]
+    return _DTYPE_NAMES.get(first.dtype, str(first.dtype).replace("torch.", ""))
+
+
+def _site(path: str) -> str:
+    """A frame's file as a reader finds it: under the plugin, the lab, or an installed package."""
+    for mark in ("attn_reg_plugin/", "attn_reg_lab/", "site-packages/"):
+        if mark in path:
+            return (mark if mark != "site-packages/" else "") + path.split(mark, 1)[1]
+    return path
+
+
+class CostCounter:
+    """Counts a step while :meth:`counting` is entered and :attr:`recording` is on. A run outside the
+    recorded step (a warm-up) still follows its host tensors."""
+
+    def __init__(self):
+        self.cost = Cost()
+        self.recording = False
+        self._host: Dict[int, weakref.ref] = {}
+        self._host_factory = 0  # > 0: inside a factory without a device (its operations run on the host)
+        self._quiet = 0  # > 0: inside a Triton launch, or a copy only the CPU needs: nothing counted
+        # (operation, its tensors' shapes) -> factor: a product's FLOPs at another size (gpu_cost_fit)
+        self.flop_scale: Optional[Callable[[str, list], float]] = None
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        ref = self._host.get(id(t))
+        return ref is not None and ref() is t
+
+    def mark_host(self, tree, host: bool = True) -> None:
+        for t in _tensors(tree):
+            if host:
+                self._host[id(t)] = weakref.ref(t)
+            else:
+                self._host.pop(id(t), None)
+
+    def sync(self, what: str) -> None:
+        if not self.recording:
+            return
+        frame = sys._getframe(1)  # the caller: the first frame outside torch, the standard library and here
+        while frame is not None and (
+            frame.f_code.co_filename.startswith(_SKIPPED_DIRS) or frame.f_code.co_filename == __file__
+        ):
+            frame = frame.f_back
+        site = "?" if frame is None else f"{_site(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}"
+        self.cost.syncs += 1
+        self.cost.plugin_syncs += site.startswith("attn_reg_plugin/")
+        self.cost.sync_sites[f"{site} ({what})"] += 1
+
+    def launch(self, name: str, nbytes: int, flops: int = 0, dtype: Optional[str] = None) -> None:
+        if not self.recording:
+            return
+        self.cost.launches += 1
+        self.cost.ops[name] += 1
+        self.cost.bytes += nbytes
+        if flops:
+            self.cost.flops[dtype] = self.cost.flops.get(dtype, 0) + flops
+
+    def on_dispatch(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        if self._quiet:
+            return out
+        name = func.overloadpacket.__name__
+        inputs = _tensors((args, kwargs))
+        if self._host_factory or (inputs and all(self.is_host(t) for t in inputs)):
+            self.mark_host(out)  # a host operation: no launch, and a read of it no sync
+            self.cost.host_reads += self.recording and name == "_local_scalar_dense"
+            return out
+        if name == "_local_scalar_dense":
+            self.sync("item")
+        elif name in SYNC_OPS or (name == "repeat_interleave" and kwargs.get("output_size") is None and inputs):
+            self.sync(name)
+        elif name in MASK_INDEXING and any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1:2])):
+            self.sync(f"{name} with a mask")
+        outputs = _tensors(out)
+        if func.is_view or name in NO_KERNEL or name.startswith("sym_"):
+            return out
+        if not outputs and not name.endswith("_") and "out" not in kwargs:
+            return out  # a number or a flag: no kernel (a sync above where it reads the device)
+        nbytes = sum(map(_nbytes, inputs)) + sum(map(_nbytes, outputs))
+        flops = _flop_count(func, args, kwargs, out) if self.recording else 0
+        if flops and self.flop_scale is not None:
+            flops = round(flops * self.flop_scale(name, [tuple(t.shape) for t in inputs]))
+        self.launch(name, nbytes, flops, _product_dtype(name, args) if flops else None)
+        return out
+
+    def on_function(self, func, args, kwargs):
+        if self._quiet:
+            return func(*args, **kwargs)
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func in FACTORIES and kwargs.get("device") is None:
+            if func in (torch.as_tensor, torch.asarray) and isinstance(args[0] if args else None, torch.Tensor):
+                return func(*args, **kwargs)  # the tensor itself
+            self._host_factory += 1
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                self._host_factory -= 1
+            self.mark_host(out)
+            return out
+        if func in HOST_COPIES and source is not None:
+            if not self.is_host(source):
+                self.sync(func.__name__)
+            out = func(*args, **kwargs)
+            if func is torch.Tensor.cpu:
+                self.mark_host(out := self._copy(out, source))
+            return out
+        target = kwargs.get("device", args[1] if len(args) > 1 else None)
+        if func is torch.Tensor.to and source is not None and isinstance(target, (str, torch.device)):
+            return self._moved(func, args, kwargs, str(target))
+        return func(*args, **kwargs)
+
+    def _moved(self, func, args, kwargs, target: str):
+        """``t.to(device)``: to the host for the string "cpu", else to the device (a copy if t is on the host)."""
+        source, out = args[0], func(*args, **kwargs)
+        if target.startswith("cpu") and not isinstance(args[1] if len(args) > 1 else kwargs["device"], torch.device):
+            if not self.is_host(source):
+                self.sync("to cpu")
+                self.mark_host(out := self._copy(out, source))
+        elif self.is_host(source):
+            self.mark_host(out := self._copy(out, source), False)
+            self.launch("copy to the device", _nbytes(out))
+        return out
+
+    def _copy(self, out, source):
+        """A new tensor where the CPU made none: on a GPU a copy between the host and the device."""
+        if out is not source:
+            return out
+        self._quiet += 1
+        try:
+            return source.clone()
+        finally:
+            self._quiet -= 1
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[CostCounter]:
+        """The modes, torch.optim's foreach on the CPU, and Triton's launches counted, for a while."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_foreach_on_cpu())
+            stack.enter_context(_triton_counted(self))
+            stack.enter_context(_Mode(self, TorchFunctionMode))
+            stack.enter_context(_Mode(self, TorchDispatchMode))
+            yield self
+
+    @contextlib.contextmanager
+    def recorded(self) -> Iterator[Cost]:
+        self.recording = True
+        try:
+            yield self.cost
+        finally:
+            self.recording = False
+
+
+def _Mode(counter: CostCounter, base):
+    """A torch function or dispatch mode that hands every call to ``counter``."""
+
+    class Mode(base):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return counter.on_function(func, args, kwargs or {})
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return counter.on_dispatch(func, args, kwargs or {})
+
+    return Mode()
+
+
+@contextlib.contextmanager
+def _foreach_on_cpu():
+    """torch.optim's optimizers choose their foreach implementation on the CPU too, as on a GPU."""
+    from torch.optim import optimizer
+
+    original = optimizer._get_foreach_kernels_supported_devices
+    optimizer._get_foreach_kernels_supported_devices = lambda: [*original(), "cpu"]
+    try:
+        yield
+    finally:
+        optimizer._get_foreach_kernels_supported_devices = original
+
+
+@contextlib.contextmanager
+def _triton_counted(counter: CostCounter):
+    """Each Triton launch counted once (its torch operations not), and the interpreter's tl.dot FLOPs."""
+    try:
+        from triton.runtime import interpreter, jit
+    except ImportError:
+        yield
+        return
+    patched = []
+
+    def launches(cls):
+        original = cls.run
+
+        def run(self, *args, grid, warmup, **kwargs):
+            if not warmup and not counter._quiet:
+                counter.launch(
+                    f"triton:{getattr(self, '__name__', 'kernel')}", sum(map(_nbytes, _tensors((args, kwargs))))
+                )
+                counter.cost.triton_launches += counter.recording
+            counter._quiet += 1
+            try:
+                return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            finally:
+                counter._quiet -= 1
+
+        patched.append((cls, "run", original))
+        cls.run = run
+
+    def create_dot(self, a, b, *rest, **kwargs):
+        if counter.recording:
+            flops = 2 * a.data.shape[-2] * a.data.shape[-1] * b.data.shape[-1]
+            flops = round(flops * counter.flop_scale("triton", [])) if counter.flop_scale else flops
+            dtype = str(a.dtype.scalar)
+            counter.cost.flops[dtype] = counter.cost.flops.get(dtype, 0) + flops
+        return original_dot(self, a, b, *rest, **kwargs)
+
+    launches(jit.JITFunction)
+    launches(interpreter.InterpretedFunction)
+    original_dot = interpreter.InterpreterBuilder.create_dot
+    patched.append((interpreter.InterpreterBuilder, "create_dot", original_dot))
+    interpreter.InterpreterBuilder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        for cls, name, original in reversed(patched):
+            setattr(cls, name, original)
+
+
+# -- the command ----------------------------------------------------------------------------------
+def parse_args(argv=None):
+    from .gpu_bench import STANDARD_VARIANTS
+    from .gpu_cost_fit import long_section
+
+    parser = argparse.ArgumentParser(
+        prog="attn-reg-gpu-cost",
+        allow_abbrev=False,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes of the same code (a smoke run)")
+    parser.add_argument("--out", type=Path, help="write the rows, the fit and the targets as JSON here")
+    parser.add_argument("--rows", default=",".join(ROW_SETS), help=f"comma list of {', '.join(ROW_SETS)}")
+    parser.add_argument("--variants", help="comma list of the methods counted besides plain (default: all)")
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="also standard fp32 rows with ATTN_REG_FUSED=1 (the interpreter takes no bf16 call)",
+    )
+    parser.add_argument("--hf-model", help="the MiniLM folder of the standard HF rows (default: the offline package)")
+    parser.add_argument("--work-dir", type=Path, help="the fairseq corpus cache (default: attn-reg-benchmark's)")
+    parser.add_argument("--h200-dir", type=Path, help="the committed H200 rows (default: docs/results/gpu_bench)")
+    parser.add_argument(
+        "--fit-counts",
+        type=Path,
+        help="fit the H200 rows on the counts of this earlier --out (of the code the H200 ran) instead of this run's",
+    )
+    opts = parser.parse_args(argv)
+    opts.rows = [r.strip() for r in opts.rows.split(",") if r.strip()]
+    if not opts.rows or any(r not in ROW_SETS for r in opts.rows):
+        parser.error(f"--rows: a comma list of {', '.join(ROW_SETS)}; got {','.join(opts.rows) or 'nothing'}")
+    if opts.variants is not None:
+        known = {*STANDARD_VARIANTS, *long_section().variant_names.values()}
+        opts.variants = [v.strip() for v in opts.variants.split(",") if v.strip()]
+        unknown = [v for v in opts.variants if v not in known]
+        if not opts.variants or unknown:
+            parser.error(f"--variants: unknown {unknown or 'nothing'}; accepted: {', '.join(sorted(known))}")
+    return opts
+
+
+def main(argv=None) -> dict:
+    opts = parse_args(argv)
+    import logging
+    import warnings
+
+    import transformers
+
+    from . import gpu_cost_fit
+    from .benchmark.report import machine
+    from .gpu_bench import _git_commit
+    from .provenance import environment
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    logging.getLogger("fairseq").setLevel(logging.WARNING)
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    started = time.time()
+    commit = _git_commit() or os.environ.get("ATTN_REG_COMMIT") or "unknown"  # before the run: what was counted
+    rows, route = gpu_cost_fit.count_rows(opts, log)
+    fit_counts = (opts.fit_counts, json.loads(opts.fit_counts.read_text())) if opts.fit_counts else None
+    result = gpu_cost_fit.fit_and_predict(rows, opts.h200_dir, quick=opts.quick, fit_counts=fit_counts)
+    result.update(
+        command=" ".join(["attn-reg-gpu-cost", *(argv if argv is not None else sys.argv[1:])]),
+        commit=commit,
+        cpu=machine()["cpu"],
+        route=route,
+        environment=environment(),
+        seconds=round(time.time() - started, 1),
+    )
+    print(gpu_cost_fit.format_table(result))
+    print(f"\n{len(rows)} rows in {result['seconds']:.0f} s on {result['cpu']} at {result['commit']}")
+    if opts.out is not None:
+        opts.out.parent.mkdir(parents=True, exist_ok=True)
+        opts.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def command(argv=None) -> int:
+    """``attn-reg-gpu-cost``: in a process started with the GPU route's switches set (again, if they were not)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(os.environ.get(k) != v for k, v in ROUTE_ENV.items()):
+        os.execve(sys.executable, [sys.executable, "-m", "attn_reg_lab.gpu_cost", *argv], {**os.environ, **ROUTE_ENV})
+    main(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(command())
