@@ -56,35 +56,36 @@ def learning_notes(record: dict) -> List[str]:
     return [f"{record['name']} learned nothing at seed {seed} (on dev: {why})" for seed, why in empty.items()]
 
 
-def _predictions(out_dir: Optional[Path], record: dict, seed: int, split: str) -> Optional[List[dict]]:
-    if out_dir is None:
+def paired_classes(out_dir: Optional[Path], record: dict, plain: dict, seeds: List[int], split: str):
+    """``(method's, plain's, gold)`` classes of one split from the runs' predictions files, read once
+    for every metric of that split: ``{seed: class per example}`` each side, the labels numbered by name;
+    None unless every run of ``seeds`` on both sides has its file."""
+    if out_dir is None or not seeds:
         return None
-    return read_predictions(run_dir(out_dir, record["cell"], seed) / PREDICTION_FILES[split])
-
-
-def with_test_noise(d: dict, key: str, record: dict, plain: dict, out_dir: Optional[Path]) -> dict:
-    """The paired difference ``d`` of one metric (``test_mcc``) with its interval widened by the split's
-    own sampling noise: half-width sqrt((t x sd / sqrt(n))^2 + (1.96 x bootstrap sd)^2), the seeds'
-    t-interval and a paired bootstrap over the split's examples (:func:`paired_bootstrap_sd`) being
-    independent sources of error. Without every run's predictions the interval stays over seeds only,
-    and says so. An interval of zero width is evidence of nothing: it is dropped, with the reason."""
-    split, metric = key.split("_", 1)
-    seeds = d["seeds"]
     found = {
-        side: {s: _predictions(out_dir, r, s, split) for s in seeds}
+        side: {s: read_predictions(run_dir(out_dir, r["cell"], s) / PREDICTION_FILES[split]) for s in seeds}
         for side, r in (("method", record), ("plain", plain))
     }
+    if any(rows is None for side in found.values() for rows in side.values()):
+        return None
+    names = sorted(
+        {row[k] for side in found.values() for rows in side.values() for row in rows for k in ("gold", "predicted")}
+    )
+    ids = {name: i for i, name in enumerate(names)}
+    classes = {side: {s: [ids[row["predicted"]] for row in rows] for s, rows in v.items()} for side, v in found.items()}
+    return classes["method"], classes["plain"], [ids[row["gold"]] for row in found["plain"][seeds[0]]]
+
+
+def with_test_noise(d: dict, metric: str, classes) -> dict:
+    """The paired difference ``d`` of one metric with its interval widened by the split's own sampling
+    noise: half-width sqrt((t x sd / sqrt(n))^2 + (1.96 x bootstrap sd)^2), the seeds' t-interval and a
+    paired bootstrap over the split's examples (:func:`paired_bootstrap_sd` on ``classes``, from
+    :func:`paired_classes`) being independent sources of error. Without every run's predictions
+    (``classes`` None) the interval stays over seeds only, and says so. An interval of zero width is
+    evidence of nothing: it is dropped, with the reason."""
     d = {**d, "bootstrap_sd": None}
-    if seeds and all(v is not None for side in found.values() for v in side.values()):
-        names = sorted(
-            {row[k] for side in found.values() for rows in side.values() for row in rows for k in ("gold", "predicted")}
-        )
-        ids = {name: i for i, name in enumerate(names)}
-        gold = [ids[row["gold"]] for row in found["plain"][seeds[0]]]
-        classes = {
-            side: {s: [ids[row["predicted"]] for row in rows] for s, rows in v.items()} for side, v in found.items()
-        }
-        d["bootstrap_sd"] = paired_bootstrap_sd(classes["method"], classes["plain"], gold, metric)
+    if classes is not None:
+        d["bootstrap_sd"] = paired_bootstrap_sd(*classes, metric)
         d["interval"] = "seeds and test examples"
     else:
         d["interval"] = "seeds only (no predictions files)"
@@ -118,12 +119,14 @@ def method_summary(
     if record is plain:
         return summary
     base = {key: per_seed(plain, key) if plain is not None else {} for key, _ in METRICS}
-    summary["differences"] = {
-        key: with_test_noise(paired_difference(values[key], base[key]), key, record, plain, out_dir)
-        if plain is not None
-        else paired_difference(values[key], base[key])
-        for key in values
-    }
+    summary["differences"] = {key: paired_difference(values[key], base[key]) for key in values}
+    if plain is not None:  # each split's predictions read once, for its three metrics
+        seeds = summary["differences"]["test_accuracy"]["seeds"]
+        classes = {split: paired_classes(out_dir, record, plain, seeds, split) for split in PREDICTION_FILES}
+        summary["differences"] = {
+            key: with_test_noise(d, key.split("_", 1)[1], classes[key.split("_", 1)[0]])
+            for key, d in summary["differences"].items()
+        }
     missing = summary["missing_runs"] = failed_notes(record["name"], failed)
     if plain is None:
         own = summary["flags"] + missing
