@@ -244,22 +244,31 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> List[dict]:
-    opts = parse_args(argv)
+def log(msg: str) -> None:
+    """A GPU command's progress line, on stderr (stdout holds its table)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def quiet_libraries() -> None:
+    """fairseq's INFO lines, transformers' and every warning off: a GPU command prints its rows only
+    (attn-reg-gpu-bench, attn-reg-gpu-cost)."""
     import logging
     import warnings
 
-    import torch
     import transformers
-
-    from .provenance import environment
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
 
     logging.getLogger("fairseq").setLevel(logging.WARNING)
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
+
+
+def main(argv=None) -> List[dict]:
+    opts = parse_args(argv)
+    import torch
+
+    from .provenance import environment
+
+    quiet_libraries()
     started = time.time()
     clock = Clock(opts.budget_s)
     device = device_name(opts.device)

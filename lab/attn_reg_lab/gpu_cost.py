@@ -436,22 +436,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     opts = parse_args(argv)
-    import logging
-    import warnings
-
-    import transformers
-
     from . import gpu_cost_fit
     from .benchmark.report import machine
-    from .gpu_bench import _git_commit
+    from .gpu_bench import _git_commit, log, quiet_libraries
     from .provenance import environment
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    logging.getLogger("fairseq").setLevel(logging.WARNING)
-    transformers.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore")
+    quiet_libraries()
     started = time.time()
     commit = _git_commit() or os.environ.get("ATTN_REG_COMMIT") or "unknown"  # before the run: what was counted
     rows, route = gpu_cost_fit.count_rows(opts, log)
