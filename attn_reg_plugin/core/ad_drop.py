@@ -48,12 +48,26 @@ Target = Callable[[object, Optional[torch.Tensor]], Tuple[torch.Tensor, torch.Te
 Stats = Dict[str, Union[int, float, torch.Tensor]]
 
 
-def _finite(value: torch.Tensor, captured: List[torch.Tensor]) -> bool:
-    """Whether the attribution target is finite. Looked at on CPU and in half precision, where
-    overflow happens; an fp32 pass on an accelerator is not synchronised for it."""
-    if not on_host(value) and not any(t.dtype in (torch.float16, torch.bfloat16) for t in captured):
+def _finite(value: torch.Tensor, captured: List[torch.Tensor]) -> Union[bool, torch.Tensor]:
+    """Whether the attribution target is finite: a bool on the host, looked at on CPU, where a look is
+    free and a step that overflowed skips pass 2's edit; a 0-d bool tensor elsewhere, which
+    :func:`_zeroed_unless` applies to the gradients without a host read (an accelerator's stream is
+    not synchronised for it). True for an fp32 pass on an accelerator: overflow is a half-precision
+    matter there."""
+    if on_host(value):
+        return bool(torch.isfinite(value).all())
+    if not any(t.dtype in (torch.float16, torch.bfloat16) for t in captured):
         return True
-    return bool(torch.isfinite(value).all())
+    return torch.isfinite(value).all()
+
+
+def _zeroed_unless(finite: Union[bool, torch.Tensor], grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``grads``, all zero where ``finite`` (a device flag of :func:`_finite`) is False: then no sample
+    has a target (:func:`samples_with_target`), so pass 2 drops nothing and the step counts as skipped,
+    as on the host, where such a step returns before pass 2."""
+    if not isinstance(finite, torch.Tensor):
+        return grads
+    return [torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device)) for g in grads]
 
 
 def samples_with_target(attributions: List[Union[torch.Tensor, GradientScores]]) -> torch.Tensor:
@@ -155,9 +169,10 @@ class ADDrop:
                     value, _ = target(output, None)
                     del output
                     self._check_captured(record.sites, record.outputs)
-                    if not _finite(value, record.outputs):
+                    finite = _finite(value, record.outputs)
+                    if finite is False:
                         return None
-                    grads = output_gradients(value, record.outputs, self.gradient_scale)
+                    grads = _zeroed_unless(finite, output_gradients(value, record.outputs, self.gradient_scale))
                 attributions = [
                     # dF/dO and V, linear in length, at every length: pass 2 ranks each call's keys
                     # from them (no (T, S) map is kept between the passes). Contiguous: each block
@@ -231,7 +246,8 @@ class ADDrop:
             del output
             captured = getattr(record, leaves)
             self._check_captured(record.sites, captured)
-            if not _finite(value, captured):
+            finite = _finite(value, captured)
+            if finite is False:
                 set_rng_state(after_one_forward)
                 return None
             totals = gradient(value, captured, self.gradient_scale)
@@ -246,7 +262,7 @@ class ADDrop:
                         raise RuntimeError(f"integrated gradients: expected one call of {site}, saw {step.sites}")
                     totals[i] = totals[i] + gradient(value, getattr(step, leaves), self.gradient_scale)[0]
         set_rng_state(after_one_forward)
-        return record, totals
+        return record, _zeroed_unless(finite, totals)
 
     def _check_captured(self, seen: List[AttentionSite], captured: List[torch.Tensor]) -> None:
         if len(seen) != len(self.sites) or set(seen) != set(self.sites):
@@ -344,7 +360,12 @@ class ADDrop:
                 f"ADDrop.masked: the block ran no forward through the selected attention sites ({self.sites}): "
                 "run the training forward inside the `with` block, whose loss you then back-propagate"
             )
-        stats["dropped"], stats["droppable"] = record.counts()
+        dropped, droppable = record.counts()
+        if self.config.attribution in ("ga", "iga"):
+            # A skipped step (no sample targeted: a device's non-finite target too) counts 0 of 0, as
+            # the host's early return does; a product on the device, not a read.
+            droppable = droppable * (1 - stats["skipped"])
+        stats["dropped"], stats["droppable"] = dropped, droppable
         _finish(stats, tensors)
 
     def _edits(self, sites, attributions, stats) -> Dict[AttentionSite, EditScores]:

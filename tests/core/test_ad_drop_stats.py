@@ -4,9 +4,11 @@ for a block that ran no regularized forward (its rate was 0 / 0: NaN)."""
 
 import json
 import math
+import traceback
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from attn_reg_plugin.core import devices
 from attn_reg_plugin.core.ad_drop import ADDrop
@@ -68,3 +70,47 @@ def test_tensor_counts_for_the_adapters_stay_on_the_device():
         model(x)
     assert set(stats) == KEYS and all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in stats.values())
     assert float(stats["rate"]) == pytest.approx(int(stats["dropped"]) / int(stats["droppable"]))
+
+
+class _ScalarReads(TorchDispatchMode):
+    """The plugin files whose code read a tensor's value on the host (``_local_scalar_dense``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.where = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.where += [f.filename for f in traceback.extract_stack() if "attn_reg_plugin" in f.filename][-1:]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("attribution", ["ga", "iga"])
+@pytest.mark.parametrize("overflow", [False, True])
+def test_a_half_precision_step_on_a_device_route_skips_an_overflow_without_a_host_read(
+    monkeypatch, attribution, overflow
+):
+    """On a device's route a bf16 target that is not finite is not read on the host (issue 80: it was
+    one sync a step): its gradients are zeroed on the device, so no sample is targeted, nothing is
+    dropped and the step counts as skipped, 0 of 0, as the host's early return counts it."""
+    monkeypatch.setattr(devices, "PORTABLE", True)
+    model, ad_drop, x = _ad_drop(attribution)
+    model, x = model.to(torch.bfloat16).eval(), x.to(torch.bfloat16)  # eval: no dropout to tell apart
+
+    def target(logits, labels):
+        value, used = logit_target(logits, labels)
+        return (value * math.inf if overflow else value), used
+
+    torch.manual_seed(0)
+    with _ScalarReads() as reads:
+        with ad_drop.masked(lambda: model(x), target, frozen=model, tensors=True) as stats:
+            out = model(x)
+    # (the pass seed, a host tensor, is read in controller.py: no sync on a device)
+    assert not [where for where in reads.where if "ad_drop.py" in where or "attribution.py" in where], reads.where
+    skipped, dropped, droppable = (int(stats[k]) for k in ("skipped", "dropped", "droppable"))
+    if overflow:
+        assert (skipped, dropped, droppable) == (0 + 1, 0, 0)
+        with torch.no_grad():  # nothing dropped: the masked pass is the model's own forward
+            torch.testing.assert_close(out, model(x), rtol=2e-2, atol=2e-2)
+    else:
+        assert skipped == 0 and 0 < dropped < droppable

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from attn_reg_plugin.core import devices
 from attn_reg_plugin.core.attendout import (
     AttendOut,
     AttendOutConfig,
@@ -157,6 +158,39 @@ def test_generator_logits_of_a_sentence_do_not_depend_on_its_batch_padding(side)
         torch.testing.assert_close(b_logits[:, :, real, real], a_logits, rtol=1e-5, atol=1e-6)
         pad = slice(0, 3) if side == "left" else slice(5, 8)
         assert not units[..., pad].any() and not units[..., pad, :].any()  # padding is never a unit
+
+
+@pytest.mark.parametrize("layout", ["none", "left", "right", "an-empty-sample"])
+def test_the_generator_on_a_device_route_reads_nothing_on_the_host_and_gives_the_host_s_units(monkeypatch, layout):
+    """On a device's route the Generator makes its masks without looking at the padding (issue 80: 2 to
+    8 syncs a step): a causal stream is ``is_causal`` with padded keys shut by an extra key feature, in
+    linear memory. Over every real unit its logits are the host route's, for every padding layout."""
+    torch.manual_seed(0)
+    controller = controller_with_sites({"encoder-self": 2, "decoder-self": 2, "encoder-decoder": 2})
+    generator = Generator({"source": 30, "target": 30}, {"source": 1, "target": 1}, 16, 64, 0.2, 1.0)
+    tokens = torch.randint(2, 30, (3, 9))
+    if layout == "left":
+        tokens[0, :4], tokens[2, :1] = 1, 1
+    elif layout == "right":
+        tokens[0, 5:], tokens[1, 8:] = 1, 1
+    elif layout == "an-empty-sample":
+        tokens[1], tokens[0, 6:] = 1, 1
+    streams = {"source": tokens, "target": tokens}
+    host = generator.policies(streams, controller.sites)
+    monkeypatch.setattr(devices, "PORTABLE", True)
+    reads = []
+    real_bool = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or real_bool(t))
+    device = generator.policies(streams, controller.sites)
+    monkeypatch.undo()
+    assert not reads
+    for a, b in zip(host, device):
+        a_logits, a_units = a.block(slice(0, 9), 9)
+        b_logits, b_units = b.block(slice(0, 9), 9)
+        units = torch.ones_like(a_logits, dtype=torch.bool) if a_units is None else a_units
+        assert torch.equal(units, b_units)  # the device route always makes its units
+        torch.testing.assert_close(b_logits[units], a_logits[units], rtol=1e-5, atol=1e-5)
+        assert torch.isfinite(b_logits).all()
 
 
 def test_generator_rejects_sequences_beyond_max_positions():

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention_call import AttentionSite
+from ..devices import on_host
 from ..options import flag_name
 from .config import AttendOutConfig
 from .policy import PolicyLogits
@@ -82,7 +83,7 @@ class Generator(nn.Module):
         ``real`` where given, else the tokens that are not the stream's padding id.
 
         The layers run through sdpa with a key-padding mask (and ``is_causal`` where a causal stream
-        has no padding before a real token), never an (L, L) map of their own; a query row attends
+        has no padding before a real token, or on a device's route, :meth:`_device_mask`); a query row attends
         at least itself, so a padding row (whose states no real row reads) never meets an empty row."""
         length = tokens.shape[1]
         if length > self.positions.num_embeddings:
@@ -99,9 +100,13 @@ class Generator(nn.Module):
         states = [h]
         if num_layers > 1:
             mask, is_causal = self._attention_mask(real, causal)
+            padded_keys = None if on_host(real) or not causal else _padded_key_column(real)
             for _ in range(num_layers - 1):
                 q, k, v = (layer(h).unsqueeze(1) for layer in (self.query, self.key, self.value))
-                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+                if padded_keys is None:
+                    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+                else:
+                    attn = _causal_with_padded_keys(q, k, v, padded_keys)
                 h = self.norm(h + self.out(attn.squeeze(1)))
                 states.append(h)
         return states, real
@@ -110,7 +115,12 @@ class Generator(nn.Module):
     def _attention_mask(real: torch.Tensor, causal: bool) -> Tuple[Optional[torch.Tensor], bool]:
         """(sdpa's mask, is_causal) of the Generator's own attention: real keys (and with ``causal``
         no later one) or the query's own position. Linear in length except for a causal stream with
-        padding before a real token (left-padded), which needs its (L, L) mask."""
+        padding before a real token (left-padded), which needs its (L, L) mask.
+
+        The looks at ``real`` that spare a mask are made where a look is free (:func:`on_host`); a
+        device's route makes the mask that serves every batch instead (:meth:`_device_mask`)."""
+        if not on_host(real):
+            return Generator._device_mask(real, causal)
         length = real.shape[1]
         if not causal:
             if bool(real.all()):
@@ -122,6 +132,19 @@ class Generator(nn.Module):
             return None, True  # a real row's earlier keys are all real
         allowed = torch.ones(length, length, dtype=torch.bool, device=real.device).tril()
         return (real[:, None, None, :] & allowed) | torch.eye(length, dtype=torch.bool, device=real.device), False
+
+    @staticmethod
+    def _device_mask(real: torch.Tensor, causal: bool) -> Tuple[Optional[torch.Tensor], bool]:
+        """The mask of :meth:`_attention_mask` with no host read (issue 80: a look is a sync on a
+        device), linear in length. Not causal: a real query's keys are the host mask's; a query of a
+        sample with no real token attends every key of its sample (not only itself). Causal: sdpa's
+        ``is_causal``, padded keys shut by :func:`_causal_with_padded_keys`. Where a row differs from
+        the host's (a padding query's), it is no unit of any policy (:class:`~.policy.PolicyLogits`):
+        no drop changes."""
+        if causal:
+            return None, True
+        # (B, 1, 1, L): real keys; every key in a sample with none, so that no row of sdpa's is all masked
+        return real[:, None, None, :] | ~real.any(-1)[:, None, None, None], False
 
     def policies(self, streams: Dict[str, torch.Tensor], sites: Sequence[AttentionSite]) -> List[PolicyLogits]:
         """Each site's drop logits, as the factors a block makes its own logits from, in order; in
@@ -144,7 +167,9 @@ class Generator(nn.Module):
             for s, n in needed.items()
         }
         offset = (self.drop_bias / self.temperature).float()
-        all_real = {s: bool(real.all()) for s, (_, real) in states.items()}  # one look per stream
+        # One look per stream, where a look is free: a stream with no padding makes no masks. A device's
+        # route makes them (all true there, the same drops) rather than synchronise for the look.
+        all_real = {s: on_host(real) and bool(real.all()) for s, (_, real) in states.items()}
         out = []
         for site in sites:
             q_stream, k_stream = STREAMS_OF_KIND[site.kind]
@@ -155,3 +180,25 @@ class Generator(nn.Module):
             every_unit = not causal and all_real[q_stream] and all_real[k_stream]
             out.append(PolicyLogits(query.float(), key.float(), offset, q_real, k_real, causal, every_unit))
         return out
+
+
+# Far below any score of the Generator's float32 attention: exp of it is 0.
+_SHUT = -1e9
+
+
+def _padded_key_column(real: torch.Tensor) -> torch.Tensor:
+    """(B, 1, L, 1): 0 at a real key, :data:`_SHUT` at a padded one, the extra key feature of
+    :func:`_causal_with_padded_keys`."""
+    return (~real).to(torch.float32)[:, None, :, None] * _SHUT
+
+
+def _causal_with_padded_keys(q, k, v, padded_keys: torch.Tensor) -> torch.Tensor:
+    """sdpa with ``is_causal`` whose padded keys get no weight, in linear memory: q gains a feature 1
+    and k the padded-key column, so a padded key's score is :data:`_SHUT` times the scale lower and a
+    real one's is unchanged (it adds 1 x 0). A row whose earlier keys are all padding (a left-padding query, no unit)
+    stays finite. v gains a zero feature, so that every head has one size (FlashAttention's)."""
+    scale = q.shape[-1] ** -0.5
+    q = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
+    k = torch.cat([k, padded_keys.to(k.dtype)], dim=-1)
+    v = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :-1]
