@@ -3,6 +3,7 @@
     attn-reg-gpu-cost                                   # standard, long4k, long16k rows: 6 minutes on 2 idle cores
     attn-reg-gpu-cost --quick                           # tiny sizes of the same code (a smoke run)
     attn-reg-gpu-cost --rows standard --out cost.json   # some rows, also written as JSON
+    attn-reg-gpu-cost --rows standard --compile         # and the HF step's graph breaks compiled whole
     attn-reg-gpu-cost --fit-counts old.json             # the H200 times fitted on counts of the code they timed
 
 An H200 step of these models is bound by the host: its time follows the kernels the step launches
@@ -413,6 +414,11 @@ def parse_args(argv=None):
         action="store_true",
         help="also standard fp32 rows with ATTN_REG_FUSED=1 (the interpreter takes no bf16 call)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also the HF fp32 plain and GA-all steps compiled whole: their graphs and graph breaks",
+    )
     parser.add_argument("--hf-model", help="the MiniLM folder of the standard HF rows (default: the offline package)")
     parser.add_argument("--work-dir", type=Path, help="the fairseq corpus cache (default: attn-reg-benchmark's)")
     parser.add_argument("--h200-dir", type=Path, help="the committed H200 rows (default: docs/results/gpu_bench)")
@@ -455,7 +461,16 @@ def main(argv=None) -> dict:
         environment=environment(),
         seconds=round(time.time() - started, 1),
     )
+    if opts.compile:
+        result["compile"] = gpu_cost_fit.compile_rows(opts, log)
+        result["targets"] += [r["verdict"] for r in result["compile"] if "verdict" in r]
     print(gpu_cost_fit.format_table(result))
+    for r in result.get("compile", []):
+        reasons = "; ".join(f"{n} x {why}" for why, n in r["reasons"].items()) or "none"
+        print(
+            f"\ncompiled whole, hf fp32 {r['variant']}: {r['graphs']} graphs, so {r['breaks']} breaks; "
+            f"dynamo's reasons: {reasons}"
+        )
     print(f"\n{len(rows)} rows in {result['seconds']:.0f} s on {result['cpu']} at {result['commit']}")
     if opts.out is not None:
         opts.out.parent.mkdir(parents=True, exist_ok=True)

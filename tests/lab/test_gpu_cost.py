@@ -122,6 +122,24 @@ def test_a_triton_launch_counts_once_and_not_the_interpreters_inner_operations(t
     assert cost["bytes"] == 3 * 2 * 400 + 2 * 1024
 
 
+def test_a_step_compiled_whole_counts_its_graphs_and_breaks():
+    """--compile's count on a hand-built step: one break in the middle makes two graphs."""
+    from attn_reg_lab.benchmark.variants import Step
+    from attn_reg_lab.gpu_cost_compile import graph_breaks
+
+    x = torch.randn(4, 4)
+
+    def run():
+        y = torch.tanh(x @ x)
+        torch._dynamo.graph_break()
+        return torch.sigmoid(y @ y)
+
+    whole = graph_breaks(Step(run=lambda: torch.sigmoid(torch.tanh(x @ x) @ x)))
+    split = graph_breaks(Step(run=run))
+    assert (whole["graphs"], whole["breaks"], whole["dynamo_breaks"]) == (1, 0, 0)
+    assert (split["graphs"], split["breaks"]) == (2, 1) and split["dynamo_breaks"] >= 1, split
+
+
 def test_the_long_models_flops_scale_to_the_real_size():
     scale = long_flop_scale(dict(long_width=1024, long_heads=16, long_kv_heads=4, long_vocab=32000))
     assert scale("_scaled_dot_product_flash_attention_for_cpu", [(1, 4, 4096, 64), (1, 2, 4096, 64)]) == 4
@@ -222,6 +240,7 @@ def test_the_quick_command_writes_every_field(tmp_path):
         tmp_path / "work",
         "--out",
         out,
+        "--compile",
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("ATTN_REG_PORTABLE", "TRITON_INTERPRET")}  # it sets them
     proc = subprocess.run(
@@ -248,3 +267,10 @@ def test_the_quick_command_writes_every_field(tmp_path):
     assert result["fit"]["model"] and result["fit"]["rows"] == 8 and "smoke test" in result["fit"]["note"]
     assert {t["target"] for t in result["targets"]} >= {"HF GA-all launches <= 1.6x plain", "plugin-added syncs = 0"}
     assert "| hf fp32 | ad-drop-ga-all |" in proc.stdout and "fit: time_ms" in proc.stdout
+    # --compile: the HF plain and GA steps compiled whole, GA's breaks judged against the target
+    plain, ga = result["compile"]
+    assert (plain["variant"], ga["variant"]) == ("plain", "ad-drop-ga-all")
+    assert all(r["graphs"] >= 1 and r["breaks"] == r["graphs"] - 1 for r in (plain, ga))
+    assert ga["graphs"] > plain["graphs"]  # the attribution pass's autograd.grad alone splits it
+    assert [t for t in result["targets"] if t["row"][0] == "compile"] == [ga["verdict"]]
+    assert "compiled whole, hf fp32 ad-drop-ga-all" in proc.stdout
