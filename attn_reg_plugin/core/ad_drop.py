@@ -111,6 +111,8 @@ class ADDrop:
         self._warned_slow_bf16 = False
         self._checked_sharding: set = set()  # ids of the models check_supported_sharding has seen
         self.sites: List[AttentionSite] = config.select_sites(controller)
+        # Each site's probe, the zero leaf its next GA attribution pass adds to its output (_keep_probes).
+        self._probes: Dict[AttentionSite, torch.Tensor] = {}
 
     # -- attribution ---------------------------------------------------------------------
     def _labelled(self, target: Target, labels: Optional[torch.Tensor]) -> Target:
@@ -162,9 +164,10 @@ class ADDrop:
         ):
             if method == "ga":
                 capture = CaptureOutput(keeps_long_causal_valid=dense)
+                hooks = {s: dataclasses.replace(capture, probe=self._probes.get(s)) for s in self.sites}
                 # The gradient is taken inside the pass: a layer the model checkpoints itself is
                 # recomputed by it and must see the same hooks.
-                with self.controller.hooks({s: capture for s in self.sites}) as record:
+                with self.controller.hooks(hooks) as record:
                     output = forward()
                     value, _ = target(output, None)
                     del output
@@ -173,6 +176,7 @@ class ADDrop:
                     if finite is False:
                         return None
                     grads = _zeroed_unless(finite, output_gradients(value, record.outputs, self.gradient_scale))
+                    self._keep_probes(record.sites, record.outputs)
                 attributions = [
                     # dF/dO and V, linear in length, at every length: pass 2 ranks each call's keys
                     # from them (no (T, S) map is kept between the passes). Contiguous: each block
@@ -194,6 +198,16 @@ class ADDrop:
                     return self._integrated_gradients(forward, target)
                 return self._integrated_gradient_scores(forward, target)
         raise AssertionError(method)
+
+    def _keep_probes(self, sites: List[AttentionSite], leaves: List[torch.Tensor]) -> None:
+        """Each site's probe for the next pass (:class:`CaptureOutput`'s ``probe``): a zero leaf shaped
+        as its output in this one, kept while the shape holds (autograd.grad leaves it zero and adds to
+        no ``.grad``). Made in this pass's stead where a call's output was its leaf. So a compiled pass
+        meets no ``requires_grad_``, which breaks its graph at every layer (issue 80), and, batch shapes
+        staying, no new leaf either."""
+        for site, leaf in zip(sites, leaves):
+            if leaf is not self._probes.get(site):
+                self._probes[site] = torch.zeros_like(leaf, memory_format=torch.contiguous_format).requires_grad_()
 
     def _integrated_gradients(self, forward, target):
         """Paper Eq. 3 per layer (as Hao et al.): only that layer's map is scaled by k/m, its

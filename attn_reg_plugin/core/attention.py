@@ -40,6 +40,7 @@ from .attention_call import (
     Plan,
     call_of,
 )
+from .devices import same_device
 from .kernel import BlockCall, blockwise_rows, edit_attention
 from .masks import causal_bias, explicit_weights, finite_bias, keyless_rows, valid_keys_from_bias, zero_rows
 from .rules import AttentionScores, call_seed, keyed_draws
@@ -237,7 +238,12 @@ def _captured(call: AttentionCall, out, q, k, v, bias, scale, is_causal: bool, v
         out = out * hook.alpha
     if not call.recompute:
         _check_grad_mode()
-    if not out.requires_grad and torch.is_grad_enabled():
+    leaf = out
+    probe = hook.probe
+    if probe is not None and probe.shape == out.shape and probe.dtype == out.dtype and same_device(probe, out):
+        out = out + probe  # the probe is the leaf (a compiled pass: no requires_grad_ to break its graph)
+        leaf = probe
+    elif not out.requires_grad and torch.is_grad_enabled():
         # Layers below the first captured one may carry no graph (parameters frozen for the
         # attribution pass): this output is the leaf the attribution is taken of, in a checkpoint's
         # recompute too (which must save what the forward saved).
@@ -247,7 +253,7 @@ def _captured(call: AttentionCall, out, q, k, v, bias, scale, is_causal: bool, v
     weights = _weights_source(q, k, bias, scale, is_causal) if hook.keeps_weights else None
     if valid is None:
         valid = _validity(bias, q, k, is_causal, hook.keeps_long_causal_valid)
-    return out, Captured(output=out, values=v.detach(), valid=valid, probs=weights)
+    return out, Captured(output=leaf, values=v.detach(), valid=valid, probs=weights)
 
 
 def _weights_source(q, k, bias, scale: Optional[float], is_causal: bool) -> AttentionScores:

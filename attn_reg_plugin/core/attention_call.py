@@ -59,6 +59,9 @@ class CaptureOutput:
     # A causal map longer than one block has its (T, S) validity made only for dense attributions;
     # training ranks it per block, which makes each block's own.
     keeps_long_causal_valid: bool = True
+    # A zero leaf of the output's shape and dtype, added to it: the attribution's leaf (dF/dprobe =
+    # dF/dO) in a compiled pass, where making the output a leaf (requires_grad_) breaks the graph.
+    probe: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -30,6 +30,12 @@ def on_host(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not PORTABLE and not torch.compiler.is_compiling()
 
 
+def same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors live on one device (a tensor kept between steps, as AD-DROP's probes, may
+    meet a model moved since)."""
+    return a.device == b.device
+
+
 # sdpa's own CPU flash kernel, called directly so that a blockwise forward keeps each row's
 # log-sum-exp and its backward need not run the block's forward again.
 FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

@@ -1,7 +1,7 @@
 """Graph breaks of a training step compiled whole (``attn-reg-gpu-cost --compile``).
 
-``torch.compile`` of one benchmark step (its ``compute_loss``, backward and optimizer step) with a
-backend that only counts: how many graphs dynamo makes of it, and its graph breaks by reason. Plain
+``torch.compile`` of one benchmark step (its ``compute_loss``, backward and optimizer step), after
+one eager step, with a backend that only counts: how many graphs dynamo makes of it, and its graph breaks by reason. Plain
 training's step is counted beside the regularized one, so that the breaks the plugin adds show.
 A break is a return to Python between graphs: on a GPU, launches that no compiler fuses and, for a
 host read, a wait.
@@ -32,7 +32,11 @@ def graph_breaks(step) -> Dict[str, object]:
         return graph_module.forward
 
     with step.state():
+        # One eager step first, as a training loop has run before it is timed: what a step keeps for the
+        # next (AD-DROP's probes, an optimizer's state) is there.
         step.prepare(0)
+        step.run()
+        step.prepare(1)
         torch.compile(step.run, backend=counting_backend)()
     reasons = Counter()
     for reason, n in counters["graph_break"].items():
