@@ -276,12 +276,82 @@ def _accumulated(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+class OneBlockKept(NamedTuple):
+    """What a call of one block keeps for its backward, as autograd would keep it: its additive mask
+    (None where the weights stand for it), its rows made uniform and rows with no valid key, and, on
+    the explicit path, its weights and the model's attention-dropout multipliers."""
+
+    mask: Optional[torch.Tensor] = None
+    uniform: Optional[torch.Tensor] = None
+    keyless: Optional[torch.Tensor] = None
+    weights: Optional[torch.Tensor] = None
+    dropout_kept: Optional[torch.Tensor] = None
+
+
+class _CallOutputs:
+    """The forward's results, filled block by block: the output, each row's log-sum-exp (CPU
+    softmax statistics), the returned map and the drop counts."""
+
+    def __init__(self, q, v, shape, call: BlockCall, one_block: bool, keep_stats: bool):
+        b, h, t, _ = shape
+        self.out = None if one_block else q.new_empty((b, h, t, v.shape[-1]))  # one block's is sdpa's own
+        self.lse = q.new_empty((b, h, t), dtype=_accumulated(q.dtype)) if keep_stats and not one_block else None
+        self.weights = q.new_zeros(shape) if call.need_weights else None
+        self.dropped, self.droppable = (torch.zeros((), dtype=torch.long, device=q.device) for _ in range(2))
+
+    def count(self, m: BlockMasks, call: BlockCall, rows: slice, b: int, h: int) -> None:
+        if call.count and m.drop is not None:
+            dropped, droppable = block_counts(m, call.droppable, rows, b, h)
+            self.dropped, self.droppable = self.dropped + dropped, self.droppable + droppable
+
+
+def _block_state(m: BlockMasks, one_block: bool, keep_drops: bool, kept_bits: List[torch.Tensor], shape, rows):
+    """What the backward remakes a block's drops from: for one block its key span (its masks are kept
+    whole, :class:`OneBlockKept`); the drops packed as bits (appended to ``kept_bits``); or the rule's
+    small state."""
+    if one_block:
+        return m.keys
+    if keep_drops and m.drop is not None:
+        # Drops shared by the heads (AttendOut's, one mask per sample) are kept once, not per head.
+        b, h = shape[:2]
+        block_shape = (b, 1 if m.drop.shape[1] == 1 else h, rows.stop - rows.start, m.keys)
+        kept_bits.append(pack_bits(m.drop.expand(block_shape)))
+        return KeptDrops(None, m.keys, m.uniform)
+    return m.state
+
+
+def _attend_keeping_softmax_stats(q_rows, k, v, m: BlockMasks, call: BlockCall, rows, results, one_block) -> None:
+    """One block on sdpa's CPU kernel, its rows' log-sum-exp kept for the backward (no recompute)."""
+    o, block_lse = FLASH_CPU(
+        zero_rows(q_rows, m.uniform), k[:, :, : m.keys], v[:, :, : m.keys], 0.0, False,
+        attn_mask=m.mask, scale=call.scale,
+    )  # fmt: skip
+    if one_block:  # no copies into the call's output and statistics
+        results.out, results.lse = zero_rows(o, m.keyless), block_lse
+    else:
+        results.out[:, :, rows], results.lse[:, :, rows] = zero_rows(o, m.keyless), block_lse
+
+
+def _attend(q_rows, k, v, m: BlockMasks, call: BlockCall, rows, shape, results, one_block):
+    """One block through :func:`attend_block` (sdpa, or the explicit weights under the model's attention
+    dropout or when the map is returned); returns (weights, dropout multipliers) where made explicit."""
+    block_out, block_weights, block_kept = attend_block(q_rows, k, v, m, call, rows, shape)
+    if results.weights is not None:
+        results.weights[:, :, rows, : m.keys] = block_weights
+    if one_block:
+        results.out = block_out
+    else:
+        results.out[:, :, rows] = block_out
+    return block_weights, block_kept
+
+
 class EditAttention(torch.autograd.Function):
     """sdpa with a regularizer's drops, every length: a short call is one block. The forward keeps
     q, k, v, the bias, the call (its seed among it) and per block what remakes its drops (a rule's
-    small state, or the drops packed as bits); the one backward regenerates each block and takes
-    its gradients by the softmax's own formula (:func:`_block_gradients`), or on a CPU call that
-    kept its rows' log-sum-exp, by sdpa's CPU backward (:func:`_backward_from_softmax_stats`).
+    small state, or the drops packed as bits; :func:`_block_state`); a call of one block keeps its
+    masks (:class:`OneBlockKept`). The one backward regenerates each block and takes its gradients by
+    the softmax's own formula (:func:`_block_gradients`), or on a CPU call that kept its rows'
+    log-sum-exp, by sdpa's CPU backward (:func:`_backward_from_softmax_stats`).
     No ``torch.autograd.grad`` inside: torch.compile traces the whole Function."""
 
     @staticmethod
@@ -291,60 +361,34 @@ class EditAttention(torch.autograd.Function):
         # One block keeps what autograd would (its mask, or weights and dropout): the backward remakes
         # nothing, faster than remaking the drops (PERFORMANCE.md, "One Function for every length").
         one_block = 0 < t <= call.rows_per_block
-        out = None if one_block else q.new_empty((b, h, t, v.shape[-1]))  # one block's is sdpa's own
-        weights = q.new_zeros(shape) if call.need_weights else None
-        dropped, droppable = (torch.zeros((), dtype=torch.long, device=q.device) for _ in range(2))
-        states: List[object] = []
-        kept_bits: List[torch.Tensor] = []  # saved for the backward (an activation checkpoint drops them)
         keep_stats = _keeps_softmax_stats(q, k, v, bias, call, bias is not None and bias.requires_grad)
         keep_drops = keeps_drops(q, k, call.rule)
+        results = _CallOutputs(q, v, shape, call, one_block, keep_stats)
+        states: List[object] = []
+        kept_bits: List[torch.Tensor] = []  # saved for the backward (an activation checkpoint drops them)
+        one = OneBlockKept()
         # Every block reads all of k and v: once contiguous, sdpa's CPU kernel reads them faster.
         # The copies live for the call; the backward saves the originals (views the model keeps).
         k_in, v_in, k, v = k, v, k.contiguous(), v.contiguous()
-        lse = q.new_empty((b, h, t), dtype=_accumulated(q.dtype)) if keep_stats and not one_block else None
-        kept_block: List[Optional[torch.Tensor]] = [None] * 5
         for rows in _block_rows(call, t):
             q_rows = q[:, :, rows]
             m = block_masks(call, q_rows, rows_of(bias, rows), rows, shape, fresh_state=True)
-            if one_block:
-                states.append(m.keys)
-                kept_block[:3] = m.mask, m.uniform, m.keyless
-            elif keep_drops and m.drop is not None:
-                # Drops shared by the heads (AttendOut's, one mask per sample) are kept once, not per head.
-                block_shape = (b, 1 if m.drop.shape[1] == 1 else h, rows.stop - rows.start, m.keys)
-                kept_bits.append(pack_bits(m.drop.expand(block_shape)))
-                states.append(KeptDrops(None, m.keys, m.uniform))
-            else:
-                states.append(m.state)
+            states.append(_block_state(m, one_block, keep_drops, kept_bits, shape, rows))
             if keep_stats:
-                o, block_lse = FLASH_CPU(
-                    zero_rows(q_rows, m.uniform), k[:, :, : m.keys], v[:, :, : m.keys], 0.0, False,
-                    attn_mask=m.mask, scale=call.scale,
-                )  # fmt: skip
-                if one_block:  # no copies into the call's output and statistics
-                    out, lse = zero_rows(o, m.keyless), block_lse
-                else:
-                    out[:, :, rows], lse[:, :, rows] = zero_rows(o, m.keyless), block_lse
+                _attend_keeping_softmax_stats(q_rows, k, v, m, call, rows, results, one_block)
+                weights, dropout_kept = None, None
             else:
-                block_out, block_weights, block_kept = attend_block(q_rows, k, v, m, call, rows, shape)
-                if weights is not None:
-                    weights[:, :, rows, : m.keys] = block_weights
-                if one_block:
-                    out, kept_block[3:] = block_out, (block_weights, block_kept)
-                    if block_weights is not None:  # the weights stand for the mask in the backward
-                        kept_block[0] = None
-                else:
-                    out[:, :, rows] = block_out
-            if call.count and m.drop is not None:
-                dropped, droppable = (
-                    a + n for a, n in zip((dropped, droppable), block_counts(m, call.droppable, rows, b, h))
-                )
+                weights, dropout_kept = _attend(q_rows, k, v, m, call, rows, shape, results, one_block)
+            if one_block:  # the weights, where made, stand for the mask in the backward
+                one = OneBlockKept(m.mask if weights is None else None, m.uniform, m.keyless, weights, dropout_kept)
+            results.count(m, call, rows, b, h)
         # The kept bits go through save_for_backward, not ctx: a checkpointed call's saved tensors are
         # dropped until its recompute, which makes the same bits again.
-        ctx.save_for_backward(q, k_in, v_in, bias, out if keep_stats else None, lse, *kept_block, *kept_bits)
+        out = results.out
+        ctx.save_for_backward(q, k_in, v_in, bias, out if keep_stats else None, results.lse, *one, *kept_bits)
         ctx.call, ctx.states, ctx.one_block = call, states, one_block
-        ctx.mark_non_differentiable(dropped, droppable)
-        return out, weights, dropped, droppable
+        ctx.mark_non_differentiable(results.dropped, results.droppable)
+        return out, results.weights, results.dropped, results.droppable
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights, _dropped, _droppable):
@@ -357,9 +401,13 @@ class EditAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_out, grad_weights):
-        q, k, v, bias, out, lse, mask, uniform, keyless, probs, kept, *kept_bits = ctx.saved_tensors
+        q, k, v, bias, out, lse, *rest = ctx.saved_tensors
+        one, kept_bits = OneBlockKept(*rest[: len(OneBlockKept._fields)]), rest[len(OneBlockKept._fields) :]
+        probs, kept = one.weights, one.dropout_kept
         call: BlockCall = ctx.call
-        saved = BlockMasks(ctx.states[0], mask, uniform, keyless, None, None, None) if ctx.one_block else None
+        saved = (
+            BlockMasks(ctx.states[0], one.mask, one.uniform, one.keyless, None, None, None) if ctx.one_block else None
+        )
         states = _with_kept_bits(ctx.states, kept_bits)
         if lse is not None:
             grads = _backward_from_softmax_stats(
