@@ -70,6 +70,15 @@ def _zeroed_unless(finite: Union[bool, torch.Tensor], grads: List[torch.Tensor])
     return [torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device)) for g in grads]
 
 
+def _eagerly(forward: Callable[[], object]) -> object:
+    """``forward()`` with torch.compile off: inside a compiled region a call dynamo skips, elsewhere
+    every compiled function run as written (a compiled model the forward calls too)."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(forward)()
+    with torch.compiler.set_stance("force_eager"):
+        return forward()
+
+
 def samples_with_target(attributions: List[Union[torch.Tensor, GradientScores]]) -> torch.Tensor:
     """(B,) True for samples whose attribution is non-zero somewhere in some selected map: the
     samples the attribution target depends on (for a map kept as dF/dO and V: dF/dO is non-zero).
@@ -111,7 +120,7 @@ class ADDrop:
         self._warned_slow_bf16 = False
         self._checked_sharding: set = set()  # ids of the models check_supported_sharding has seen
         self.sites: List[AttentionSite] = config.select_sites(controller)
-        # Each site's probe, the zero leaf its next GA attribution pass adds to its output (_keep_probes).
+        # Each site's probe, the zero leaf its next compiled GA attribution call adds to its output.
         self._probes: Dict[AttentionSite, torch.Tensor] = {}
 
     # -- attribution ---------------------------------------------------------------------
@@ -167,8 +176,12 @@ class ADDrop:
                 hooks = {s: dataclasses.replace(capture, probe=self._probes.get(s)) for s in self.sites}
                 # The gradient is taken inside the pass: a layer the model checkpoints itself is
                 # recomputed by it and must see the same hooks.
+                first = not self._probes
                 with self.controller.hooks(hooks) as record:
-                    output = forward()
+                    # The first pass runs eagerly even in a compiled model: it makes the outputs leaves
+                    # (requires_grad_, a graph break at every layer that dynamo would keep) and the
+                    # probes that later, compiled, passes take instead.
+                    output = _eagerly(forward) if first else forward()
                     value, _ = target(output, None)
                     del output
                     self._check_captured(record.sites, record.outputs)
@@ -176,7 +189,7 @@ class ADDrop:
                     if finite is False:
                         return None
                     grads = _zeroed_unless(finite, output_gradients(value, record.outputs, self.gradient_scale))
-                    self._keep_probes(record.sites, record.outputs)
+                    self._keep_probes(record, first)
                 attributions = [
                     # dF/dO and V, linear in length, at every length: pass 2 ranks each call's keys
                     # from them (no (T, S) map is kept between the passes). Contiguous: each block
@@ -199,14 +212,14 @@ class ADDrop:
                 return self._integrated_gradient_scores(forward, target)
         raise AssertionError(method)
 
-    def _keep_probes(self, sites: List[AttentionSite], leaves: List[torch.Tensor]) -> None:
-        """Each site's probe for the next pass (:class:`CaptureOutput`'s ``probe``): a zero leaf shaped
-        as its output in this one, kept while the shape holds (autograd.grad leaves it zero and adds to
-        no ``.grad``). Made in this pass's stead where a call's output was its leaf. So a compiled pass
-        meets no ``requires_grad_``, which breaks its graph at every layer (issue 80), and, batch shapes
-        staying, no new leaf either."""
-        for site, leaf in zip(sites, leaves):
-            if leaf is not self._probes.get(site):
+    def _keep_probes(self, record, first: bool) -> None:
+        """Each site's probe for later passes (:class:`CaptureOutput`'s ``probe``): a zero leaf shaped as
+        its output, made by the first pass (run eagerly) and again where a compiled call's output was
+        its own leaf (another shape), kept while the shape holds (autograd.grad leaves it zero and adds
+        to no ``.grad``). A compiled call takes it and meets no ``requires_grad_``, which breaks its
+        graph at every layer (issue 80); an eager call makes its output the leaf, which costs nothing."""
+        for site, leaf, compiled in zip(record.sites, record.outputs, record.compiled):
+            if (first or compiled) and leaf is not self._probes.get(site):
                 self._probes[site] = torch.zeros_like(leaf, memory_format=torch.contiguous_format).requires_grad_()
 
     def _integrated_gradients(self, forward, target):

@@ -238,11 +238,10 @@ def _captured(call: AttentionCall, out, q, k, v, bias, scale, is_causal: bool, v
         out = out * hook.alpha
     if not call.recompute:
         _check_grad_mode()
-    leaf = out
-    probe = hook.probe
-    if probe is not None and probe.shape == out.shape and probe.dtype == out.dtype and same_device(probe, out):
-        out = out + probe  # the probe is the leaf (a compiled pass: no requires_grad_ to break its graph)
-        leaf = probe
+    leaf, compiled = out, torch.compiler.is_compiling()
+    if compiled and _fits(hook.probe, out):
+        out = out + hook.probe  # the probe is the leaf: no requires_grad_ to break the graph
+        leaf = hook.probe
     elif not out.requires_grad and torch.is_grad_enabled():
         # Layers below the first captured one may carry no graph (parameters frozen for the
         # attribution pass): this output is the leaf the attribution is taken of, in a checkpoint's
@@ -253,7 +252,12 @@ def _captured(call: AttentionCall, out, q, k, v, bias, scale, is_causal: bool, v
     weights = _weights_source(q, k, bias, scale, is_causal) if hook.keeps_weights else None
     if valid is None:
         valid = _validity(bias, q, k, is_causal, hook.keeps_long_causal_valid)
-    return out, Captured(output=leaf, values=v.detach(), valid=valid, probs=weights)
+    return out, Captured(output=leaf, values=v.detach(), valid=valid, probs=weights, compiled=compiled)
+
+
+def _fits(probe: Optional[torch.Tensor], out: torch.Tensor) -> bool:
+    """Whether a GA probe (:class:`CaptureOutput`) can stand for this output: its shape, dtype and device."""
+    return probe is not None and probe.shape == out.shape and probe.dtype == out.dtype and same_device(probe, out)
 
 
 def _weights_source(q, k, bias, scale: Optional[float], is_causal: bool) -> AttentionScores:

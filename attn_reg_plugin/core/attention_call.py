@@ -59,8 +59,8 @@ class CaptureOutput:
     # A causal map longer than one block has its (T, S) validity made only for dense attributions;
     # training ranks it per block, which makes each block's own.
     keeps_long_causal_valid: bool = True
-    # A zero leaf of the output's shape and dtype, added to it: the attribution's leaf (dF/dprobe =
-    # dF/dO) in a compiled pass, where making the output a leaf (requires_grad_) breaks the graph.
+    # A zero leaf of the output's shape and dtype, added to it in a compiled call: the attribution's
+    # leaf there (dF/dprobe = dF/dO), where making the output a leaf (requires_grad_) breaks the graph.
     probe: Optional[torch.Tensor] = None
 
 
@@ -186,6 +186,7 @@ class Captured:
     dropped: Optional[torch.Tensor] = None
     droppable: Optional[torch.Tensor] = None
     uniform_call: Optional[torch.Tensor] = None
+    compiled: bool = False  # the call ran in a compiled graph (GA: its pass keeps probes for the next)
 
 
 def call_of(site: Optional[AttentionSite], plan: Optional[Plan] = None) -> AttentionCall:
@@ -272,6 +273,7 @@ class Record:
     values = property(lambda self: self._field("values"))
     valid = property(lambda self: self._field("valid"))
     probs = property(lambda self: self._field("probs"))  # AA/IGA maps, or what weights are recomputed from
+    compiled = property(lambda self: self._field("compiled"))  # whether each call ran in a compiled graph
 
     def counts(self) -> List[torch.Tensor]:
         """``[dropped, droppable]`` units the pass's counted edits applied."""

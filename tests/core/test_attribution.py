@@ -524,10 +524,11 @@ def test_bf16_attribution_on_a_cpu_without_native_bf16_warns_once(monkeypatch, c
     )
 
 
-def test_ga_takes_dO_through_kept_zero_probes_and_a_compiled_forward_needs_no_leaf_break():
-    """Issue 80: the first GA pass makes each attention output its leaf and keeps a zero probe shaped as
-    it; the next pass adds the probe to the output and takes dF/dprobe = dF/dO (the same numbers), so a
-    compiled forward meets no ``requires_grad_`` (a graph break at every layer before)."""
+def test_a_compiled_model_takes_dO_through_kept_zero_probes_with_no_graph_break():
+    """Issue 80: GA's first pass runs eagerly, makes each attention output its leaf and keeps a zero
+    probe shaped as it; later passes through a compiled model add the probe to the output and take
+    dF/dprobe = dF/dO (the same numbers), so the model compiles whole: no ``requires_grad_`` break
+    at every layer. Eager calls keep making their outputs the leaves (no add)."""
     from torch._dynamo.utils import counters
 
     from helpers import CORE_B, CORE_D, CORE_T, tiny_core_model
@@ -535,23 +536,30 @@ def test_ga_takes_dO_through_kept_zero_probes_and_a_compiled_forward_needs_no_le
     model = tiny_core_model().eval()
     x = torch.randn(CORE_B, CORE_T, CORE_D, generator=torch.Generator().manual_seed(1))
     ad_drop = ADDrop(ADDropConfig(p=0.5, q=0.5, schedule="always"), model.controller)
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(model, backend=counting)
 
     def grad_outputs(forward):
-        sites, scores, _ = ad_drop.attributions(forward, attribution.logit_target, frozen=model, dense=False)
-        return sites, [s.grad_output for s in scores]
+        record_sites, scores, _ = ad_drop.attributions(forward, attribution.logit_target, frozen=model, dense=False)
+        return record_sites, [s.grad_output for s in scores]
 
-    sites, leaves = grad_outputs(lambda: model(x))
+    sites, first = grad_outputs(lambda: compiled(x))  # the first pass: eager, whatever the model
+    assert not graphs
     probes = dict(ad_drop._probes)
     assert set(probes) == set(sites) and all(not p.any() and p.requires_grad for p in probes.values())
-    _, through_probes = grad_outputs(lambda: model(x))
+    counters.clear()
+    _, through_probes = grad_outputs(lambda: compiled(x))
+    assert len(graphs) == 1 and not counters["graph_break"], list(counters["graph_break"])
     assert ad_drop._probes == probes  # kept while the shapes hold: no new leaf
     assert all(not p.any() and p.grad is None for p in probes.values())  # still zero, nothing accumulated
-    for a, b in zip(leaves, through_probes):
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
-    torch._dynamo.reset()
-    counters.clear()
-    _, compiled = grad_outputs(lambda: torch.compile(model, backend="eager")(x))
-    assert not [why for why in counters["graph_break"] if "requires_grad" in why], list(counters["graph_break"])
-    for a, b in zip(leaves, compiled):
+    _, eager = grad_outputs(lambda: model(x))
+    for a, b, c in zip(first, through_probes, eager):
         torch.testing.assert_close(b, a)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
     torch._dynamo.reset()
