@@ -33,6 +33,9 @@ uncounted, then once counted. Per step it counts:
   at its dtype, by torch's own formulas (``torch.utils.flop_counter``), and of each ``tl.dot`` the
   interpreter runs. ``tensor_core`` FLOPs are the bf16/fp16 ones. ``fp32`` FLOPs are those a GPU runs
   without tensor cores (torch's default float32 matmul precision takes no TF32).
+* **plugin launches**: the launches asked for in the plugin's code, by the innermost plugin function on
+  the stack (``plugin_launch_sites``): where a regularizer's launches come from. A backward that autograd
+  runs for the model's own operations has no plugin frame and is not among them.
 * **bytes**: for each launch, the sizes of its tensor inputs and outputs, each at most its storage (an
   expanded mask counts once). This is an upper bound of the memory the step moves.
 
@@ -118,6 +121,8 @@ class Cost:
     bytes: int = 0
     ops: Counter = field(default_factory=Counter)  # operation -> launches
     sync_sites: Counter = field(default_factory=Counter)  # "file:line function (what)" -> syncs
+    # "file function" of the innermost plugin frame -> launches, of the launches the plugin's code asks for
+    launch_sites: Counter = field(default_factory=Counter)
 
     @property
     def tensor_core_flops(self) -> int:
@@ -136,6 +141,8 @@ class Cost:
             "fp32_flops": self.fp32_flops,
             "top_ops": dict(self.ops.most_common(top)),
             "sync_sites": dict(self.sync_sites.most_common()),
+            "plugin_launches": sum(self.launch_sites.values()),
+            "plugin_launch_sites": dict(self.launch_sites.most_common(top)),
         }
 
 
@@ -177,6 +184,17 @@ def _site(path: str) -> str:
         if mark in path:
             return (mark if mark != "site-packages/" else "") + path.split(mark, 1)[1]
     return path
+
+
+def _plugin_frame(frame) -> Optional[str]:
+    """``file function`` of the innermost frame in the plugin's code, or None (the model's own code,
+    torch's, or a backward autograd runs with no Python frame of the plugin's)."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "attn_reg_plugin/" in path:
+            return f"{_site(path)} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return None
 
 
 class CostCounter:
@@ -221,6 +239,9 @@ class CostCounter:
             return
         self.cost.launches += 1
         self.cost.ops[name] += 1
+        plugin = _plugin_frame(sys._getframe(1))
+        if plugin is not None:
+            self.cost.launch_sites[plugin] += 1
         self.cost.bytes += nbytes
         if flops:
             self.cost.flops[dtype] = self.cost.flops.get(dtype, 0) + flops

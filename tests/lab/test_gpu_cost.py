@@ -82,6 +82,16 @@ def test_a_sync_in_the_plugins_code_is_a_plugin_sync():
     assert list(cost.sync_sites) == ["attn_reg_plugin/core/rules.py:1 <module> (item)"]
 
 
+def test_launches_asked_for_in_the_plugins_code_are_named_by_its_function():
+    x = torch.randn(3)
+    code = compile(
+        "def region(x):\n    return (x * 2).exp()\nregion(x)", "/somewhere/attn_reg_plugin/core/rules.py", "exec"
+    )
+    cost = counted(lambda: (torch.sigmoid(x), exec(code, {"x": x})))
+    assert cost.launches == 3 and dict(cost.launch_sites) == {"attn_reg_plugin/core/rules.py region": 2}
+    assert cost.as_dict()["plugin_launches"] == 2
+
+
 KERNEL = """
     import json, torch, triton, triton.language as tl
     from attn_reg_lab.gpu_cost import CostCounter
