@@ -4,7 +4,6 @@ over every method run in the ``--out-dir`` (earlier commands' too)."""
 
 from __future__ import annotations
 
-import textwrap
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -20,11 +19,9 @@ from .paired import (
     spread,
     verdict,
 )
+from .plots import forest, forest_row, pyplot, wrapped
 from .report import _versions, failed_lines, run_lines, write_json
 from .verdict import flags, plain_of
-
-# A panel title's line, in characters: a third of compare.png's width at matplotlib's default font.
-PANEL_TITLE_CHARACTERS = 40
 
 
 def ordered(records: List[dict]) -> List[dict]:
@@ -231,27 +228,18 @@ def write_failures(opts, settings: dict, started: float, log: Callable[[str], No
     )
 
 
-def _wrapped(title: str, width: int = PANEL_TITLE_CHARACTERS) -> str:
-    return "\n".join(textwrap.fill(line, width) for line in title.split("\n"))
-
-
-def _no_points(ax, x: int, summary: dict) -> None:
-    """Say at ``x`` why a row has nothing to draw: it diverged, or it shares no seed with plain."""
+def _why_missing(summary: dict) -> str:
+    """Why a row has nothing to draw: it diverged, its run failed, or it shares no seed with plain."""
     why = "diverged" if any(f.startswith("diverged") for f in summary["flags"]) else "no seed in common"
-    why = "run failed" if why != "diverged" and summary.get("missing_runs") else why
-    ax.annotate(why, (x, 0.5), xycoords=("data", "axes fraction"), ha="center", va="center", rotation=90, color="C3")
+    return "run failed" if why != "diverged" and summary.get("missing_runs") else why
 
 
 def draw(summaries: List[dict], path: Path, title: str, log: Callable[[str], None]) -> Optional[str]:
     """compare.png: per method the mean test BLEU with each seed's point; each method's difference to
-    plain (test BLEU, best valid loss) with its 95% interval and the per-seed differences."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("compare.png skipped: matplotlib is not installed (pip install 'attn_reg_plugin[plots]')")
+    plain (test BLEU, best valid loss) with its 95% interval and the per-seed differences, as forest
+    plots (:func:`plots.forest`, attn-reg-cls-compare's too)."""
+    plt = pyplot(log)
+    if plt is None:
         return None
     # Constrained layout makes room for every title and rotated method name inside the figure; the
     # titles are wrapped so that none is wider than its panel.
@@ -263,27 +251,17 @@ def draw(summaries: List[dict], path: Path, title: str, log: Callable[[str], Non
         if m["mean"] is not None:
             axes[0].scatter([i], [m["mean"]], color="black", marker="_", s=400, zorder=3)
         else:
-            _no_points(axes[0], i, s)
-    axes[0].set_title(_wrapped("test BLEU\n(bar: mean; dots: seeds)"))
+            axes[0].annotate(
+                _why_missing(s), (i, 0.5), xycoords=("data", "axes fraction"), ha="center", va="center",
+                rotation=90, color="C3",
+            )  # fmt: skip
+    axes[0].set_title(wrapped("test BLEU\n(bar: mean; dots: seeds)"))
     others = [s for s in summaries if "differences" in s]
     for ax, key, label in (
         (axes[1], "test_bleu", "test BLEU − plain"),
         (axes[2], "valid_loss", "valid loss − plain, lower better"),
     ):
-        for i, s in enumerate(others):
-            d = s["differences"][key]
-            ax.scatter([i] * len(d["per_seed"]), list(d["per_seed"].values()), color="gray", s=14, zorder=2)
-            if d["mean"] is not None:
-                low, high = d["ci"] if d["ci"] else (d["mean"], d["mean"])
-                ax.errorbar(
-                    [i], [d["mean"]], yerr=[[d["mean"] - low], [high - d["mean"]]], fmt="o", color="C0", capsize=5
-                )
-            else:
-                _no_points(ax, i, s)
-        ax.axhline(0.0, color="black", lw=0.8)
-        ax.set_title(_wrapped(f"{label}\n(95% CI; dots: seeds)"))
-        ax.set_xticks(range(len(others)), [s["name"] for s in others], rotation=30, ha="right")
-        ax.set_xlim(-0.5, len(others) - 0.5)  # half a slot each side: the edge rows' marks and notes in view
+        forest(ax, [forest_row(s["name"], s["differences"][key], _why_missing(s)) for s in others], label)
     axes[0].set_xticks(range(len(names)), names, rotation=30, ha="right")
     axes[0].set_xlim(-0.5, len(names) - 0.5)
     fig.suptitle(title)
