@@ -56,7 +56,7 @@ def _argv(tiny, out, *extra):
     return [
         str(tiny / "model"), "--train", str(tiny / "train.jsonl"), "--dev", str(tiny / "dev.jsonl"),
         "--test", str(tiny / "test.jsonl"), "--out-dir", str(out), "--epochs", "1", "--max-length", "32",
-        "--batch-size", "8", *extra,
+        "--batch-size", "8", "--keep-going", *extra,
     ]  # fmt: skip
 
 
@@ -102,12 +102,13 @@ def test_end_to_end_rows_scores_differences_and_learned_nothing(tiny, tmp_path):
     # A 16-wide random BERT after one epoch on 32 reviews does no better than the majority class: said in
     # the rows and in the verdict, which does not compare it.
     assert all(run["learned_nothing"] for run in runs.values())
-    md = (out / "results.md").read_text(encoding="utf-8").splitlines()
+    md = (out / "results.md").read_text(encoding="utf-8")
+    flat = " ".join(md.split())  # results.md's prose is wrapped at 100 columns
     for name in rows:
-        row = next(line for line in md if line.startswith(f"| {name} | 1,2 | "))  # the first table's
-        assert row.endswith(
-            "| learned nothing at every seed (1, 2); seed 1 on dev: " + runs[(name, 1)]["learned_nothing"] + " |"
-        )
+        row = next(line for line in md.splitlines() if line.startswith(f"| {name} | 1,2 | "))  # the first table's
+        assert row.endswith("| 0 of 2 |")  # how many of its runs learned anything
+        for seed in (1, 2):
+            assert f"- {name} seed {seed}: {runs[(name, seed)]['learned_nothing']}" in flat
     (verdict,) = results["verdicts"]
     assert verdict.startswith(f"{ad_drop['name']}: not compared: learned nothing at every seed (1, 2)")
     assert "plain learned nothing at every seed" in verdict
@@ -308,6 +309,8 @@ def test_two_local_jobs_at_once_resume_a_stopped_run_and_equal_the_runs_one_at_a
     (finished,) = [line for line in lines if "] ad-drop/seed1: finished (job " in line]
     assert finished.endswith("; resumed at epoch 2 (step 6)")  # the launcher's line, from the job's result.json
     assert len(list((out / "jobs").glob("*_0_log.out"))) == 2  # two submitit jobs ran them
+    logs = [p.read_text(encoding="utf-8") for p in (out / "jobs").glob("*_0_log.out")]
+    assert all("seed 1: step 8/8 (epoch 2.00 of 2), loss " in log for log in logs)  # each run's progress, in its log
     for name, run in _results(out, RESUMED_ROWS).items():
         expected = reference[name]
         assert (run["dev"], run["test"], run["epochs"][0]) == (expected["dev"], expected["test"], expected["epochs"][0])
@@ -405,6 +408,8 @@ def test_a_deferred_signal_waits_for_act_and_a_second_one_acts_at_once():
         (["--methods", "plain,r-drop", "--dataset", "glue"], "give files or a dataset, not both"),
         (["--methods", "plain,r-drop", "--save-steps", "-1"],
          "--save-steps must be an integer >= 0 (0: at epoch ends only), got -1"),
+        (["--methods", "plain,r-drop", "--log-steps", "-1"],
+         "--log-steps must be an integer >= 0 (0: about five lines an epoch), got -1"),
     ],
 )  # fmt: skip
 def test_bad_options_are_refused_naming_the_option(tiny, tmp_path, capsys, extra, message):
@@ -594,7 +599,7 @@ def test_end_to_end_on_each_form_of_labels_and_file(tiny, tmp_path, suffix, labe
         _write_split(path, rows)
     out = tmp_path / "out"
     argv = [str(tiny / "model"), *[w for s, p in files.items() for w in (f"--{s}", str(p))], "--out-dir", str(out)]
-    argv += ["--methods", "plain,dropkey", "--epochs", "1", "--max-length", "32", "--batch-size", "8"]
+    argv += ["--methods", "plain,dropkey", "--epochs", "1", "--max-length", "32", "--batch-size", "8", "--keep-going"]
     assert cls_compare.main(argv, log=lambda line: None) == 0
     names = [str(y) for y in labels]
     expected_order = sorted(set(names), key=float) if suffix in (".jsonl", ".csv") else sorted(set(names))
@@ -621,7 +626,7 @@ def test_end_to_end_with_a_datasets_name(tiny, tmp_path):
         (folder / f"{name}.jsonl").write_text((tiny / f"{split}.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
     out = tmp_path / "out"
     argv = [str(tiny / "model"), "--dataset", str(folder), "--test-split", "test", "--out-dir", str(out)]
-    argv += ["--methods", "plain,dropkey", "--epochs", "1", "--max-length", "32", "--batch-size", "8"]
+    argv += ["--methods", "plain,dropkey", "--epochs", "1", "--max-length", "32", "--batch-size", "8", "--keep-going"]
     assert cls_compare.main(argv, log=lambda line: None) == 0
     settings = json.loads((out / "sweep.json").read_text(encoding="utf-8"))
     assert settings["data"] == {
@@ -670,7 +675,7 @@ def test_a_classifier_run_longer_than_the_time_limit_is_requeued_and_completes(t
         str(tiny / "model"), "--train", str(tiny / "train.jsonl"), "--dev", str(tiny / "dev.jsonl"),
         "--test", str(tiny / "test.jsonl"), "--out-dir", str(out), "--methods", "plain,dropkey",
         "--epochs", "900", "--max-length", "32", "--batch-size", "8", "--save-steps", "0",
-        "--launcher", "slurm", "--slurm-time", "1", "--slurm-max-requeues", "9",
+        "--launcher", "slurm", "--slurm-time", "1", "--slurm-max-requeues", "9", "--keep-going",
     ]  # fmt: skip
     keys = ("plain/seed1", "dropkey/seed1")
     done = threading.Event()

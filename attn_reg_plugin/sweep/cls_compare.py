@@ -2,7 +2,7 @@
 over seeds, through the Hugging Face Trainer, with a verdict that says how sure it is.
 
     attn-reg-cls-compare MODEL --train train.jsonl --dev dev.jsonl --test test.jsonl --out-dir work/cls \\
-        --methods plain,ad-drop,r-drop --seeds 1,2,3 --epochs 3 --lr 5e-5 \\
+        --methods plain,ad-drop,r-drop --seeds 1,2,3 --metric macro_f1 --keep-models \\
         --method-args 'ad-drop=--ad-drop-p 0.3 --ad-drop-q 0.3 --ad-drop-attribution iga'
 
 MODEL is a hub name or a local folder (``AutoModelForSequenceClassification``: a new classifier head
@@ -26,8 +26,15 @@ every epoch, the best dev epoch's weights (``--metric``) scored on dev and test:
 MCC. For each row: the mean and sd over seeds; the paired difference to plain over the seeds both ran,
 with its 95% t-interval; whether its runs learned anything (a run whose dev predictions are one class,
 or whose dev accuracy is within noise of the majority class's share, is flagged in its row); and the
-verdict in words, on ``--metric``'s test interval, then dev's. Written under ``--out-dir``: results.md,
-results.json, cells/, runs/ (each run's command.json, result.json). Results accumulate over commands
+verdict in words, on ``--metric``'s test interval, then dev's, with its warnings (still learning: the best
+dev epoch the last in most runs; dev and test disagreeing in sign). The defaults (5 epochs, lr 5e-5, 10%
+warm-up) learn on a few hundred examples with a pretrained encoder; plain runs first, and once it has
+learned nothing at every seed so far the other runs stop and the settings to change are said
+(``--keep-going`` runs them). Each run says its step, epoch, loss and ETA as it trains (``--log-steps``);
+``--keep-models`` keeps each run's best dev epoch as a ``save_pretrained`` folder (runs/ROW/seedS/model)
+that stock transformers loads. Written under ``--out-dir``: results.md (verdicts, one table, then per
+class scores and confusion matrices, drop rates), compare.png (dev per epoch, forest plots of the
+differences), results.json, cells/, runs/ (each run's command.json, result.json). Results accumulate over commands
 (more seeds, more rows); a finished run is never run again, a run folder started with other arguments
 is refused, a rerun with other shared settings (model, data, training) is refused naming what differs.
 Each run saves a resumable Trainer checkpoint in its folder at every epoch's end and every
@@ -108,14 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--seeds", default="1", help="comma list of seeds, 0 to 4294967295 (default 1)")
     train = ap.add_argument_group("training, the same for every method")
-    train.add_argument("--epochs", type=int, default=3, help="epochs, >= 1 (default 3)")
-    train.add_argument("--lr", type=float, default=2e-5, help="peak learning rate, > 0 (default 2e-5)")
+    train.add_argument(
+        "--epochs", type=int, default=5, help="epochs, >= 1 (default 5: a pretrained encoder on a few hundred examples)"
+    )
+    train.add_argument("--lr", type=float, default=5e-5, help="peak learning rate, > 0 (default 5e-5)")
     train.add_argument("--batch-size", type=int, default=16, help="training batch size, >= 1 (default 16)")
     train.add_argument("--eval-batch-size", type=int, default=64, help="dev/test batch size, >= 1 (default 64)")
     train.add_argument("--max-length", type=int, default=128, help="tokens per example, >= 8 (default 128)")
     train.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay, >= 0 (default 0)")
     train.add_argument(
-        "--warmup-ratio", type=float, default=0.0, help="share of the steps warming up, in [0, 1) (default 0)"
+        "--warmup-ratio", type=float, default=0.1, help="share of the steps warming up, in [0, 1) (default 0.1)"
     )
     train.add_argument(
         "--metric",
@@ -132,6 +141,26 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a run's resumable checkpoint every N optimizer steps besides each epoch's end, >= 0; 0: at epoch "
         f"ends only (default {SAVE_STEPS}; a run keeps only its last one and resumes from it under any N)",
     )
+    out = ap.add_argument_group("what comes out")
+    out.add_argument(
+        "--keep-models",
+        action="store_true",
+        help="keep each run's best dev epoch as a save_pretrained folder with its tokenizer and label names, "
+        "runs/ROW/seedS/model (stock transformers loads it; results.md names the best run's)",
+    )
+    out.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="run every run even when plain has learned nothing at every seed so far (default: the other runs "
+        "stop, and the settings to change are said)",
+    )
+    out.add_argument(
+        "--log-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a progress line (step, epoch, loss, ETA) every N optimizer steps, >= 0 (default 0: about five an epoch)",
+    )
     add_launcher_options(ap, "tasks per job: 1 only (default 1), each run one Trainer process")
     return ap
 
@@ -142,6 +171,7 @@ def _check_numbers(ap, opts) -> None:
         (opts.batch_size >= 1, f"--batch-size must be an integer >= 1, got {opts.batch_size}"),
         (opts.eval_batch_size >= 1, f"--eval-batch-size must be an integer >= 1, got {opts.eval_batch_size}"),
         (opts.max_length >= 8, f"--max-length must be an integer >= 8, got {opts.max_length}"),
+        (opts.log_steps >= 0, f"--log-steps must be an integer >= 0 (0: about five lines an epoch), got {opts.log_steps}"),
         (opts.save_steps >= 0, f"--save-steps must be an integer >= 0 (0: at epoch ends only), got {opts.save_steps}"),
         (opts.weight_decay >= 0, f"--weight-decay must be a number >= 0, got {opts.weight_decay}"),
         (0 <= opts.warmup_ratio < 1, f"--warmup-ratio must be in [0, 1), got {opts.warmup_ratio}"),

@@ -5,11 +5,13 @@ its paired differences to plain with 95% intervals, whether its runs learned any
 from __future__ import annotations
 
 import math
+import textwrap
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from ..classification import BOOTSTRAP_SAMPLES, paired_bootstrap_sd
+from .cls_details import best_run, class_lines, draw, drop_rate, per_class, sign_disagreement, still_learning
 from .cls_runs import PREDICTION_FILES, read_predictions
 from .compare_report import _difference, _mean_sd, failed_notes, ordered
 from .paired import VerdictMetric, paired_difference, spread, verdict
@@ -32,6 +34,43 @@ def per_seed(record: dict, key: str) -> Dict[int, float]:
     """``{seed: value}`` of one metric (``test_mcc``) over a row's runs."""
     split, metric = key.split("_", 1)
     return {run["seed"]: run[split][metric] for run in record["runs"]}
+
+
+# What a pretrained encoder's fine-tuning needs to leave the majority class on a small set (measured on
+# 400 imbalanced movie reviews with the offline MiniLM, docs/HF.md): about 120 updates or more (125 learned, 50 did
+# not), a rate of 5e-5 to 1e-4 after a warm-up.
+ENOUGH_UPDATES = 120
+LOW_LR, HIGH_LR = 5e-5, 5e-4
+IMBALANCED = 0.6  # a majority class over this share of dev: accuracy rewards predicting it
+
+
+def learning_advice(settings: dict, run: dict, stopping: bool = True) -> str:
+    """Which settings to change when plain learned nothing, in a sentence, from the command's
+    ``settings`` and one of plain's runs (its training size and dev scores)."""
+    per_epoch = math.ceil(run["train_examples"] / settings["batch_size"])
+    updates = per_epoch * settings["epochs"]
+    out = []
+    if updates < ENOUGH_UPDATES:
+        epochs = math.ceil(ENOUGH_UPDATES / per_epoch)
+        out.append(
+            f"--epochs {epochs} or more (now {settings['epochs']}: {updates} updates in all, {per_epoch} an epoch)"
+        )
+    if settings["lr"] < LOW_LR:
+        out.append(f"--lr 1e-4 (now {settings['lr']:g})")
+    elif settings["lr"] > HIGH_LR:
+        out.append(f"--lr 1e-4 (now {settings['lr']:g}: too high a rate also ends in one class)")
+    if not settings.get("warmup_ratio"):
+        out.append("--warmup-ratio 0.1 (now 0)")
+    share = run["dev"].get("majority_rate", 0.0)
+    if settings["metric"] == "accuracy" and share > IMBALANCED:
+        out.append(
+            f"--metric macro_f1 (the majority class is {100 * share:.0f}% of dev: accuracy picks epochs that predict it)"
+        )
+    if not out:
+        out.append(
+            "more epochs, or --lr 1e-4 with --warmup-ratio 0.1 (the model may be too small or the task too hard)"
+        )
+    return "Change: " + "; ".join(out) + (" (or --keep-going to run the other runs anyway)." if stopping else ".")
 
 
 def learned_nothing_seeds(record: dict) -> Dict[int, str]:
@@ -115,6 +154,8 @@ def method_summary(
         "learned_nothing": learned_nothing_seeds(record),
         "flags": learning_flags(record),
         "notes": learning_notes(record),
+        "per_class": per_class(out_dir, record),
+        "drop_rate": drop_rate(record),
     }
     if record is plain:
         return summary
@@ -140,48 +181,146 @@ def method_summary(
         VerdictMetric(f"test_{metric}", f"test {label}", f"test {label}", True, DIGITS),
         VerdictMetric(f"dev_{metric}", f"dev {label}", f"dev {label}", True, DIGITS),
     )
-    summary["verdict"] = verdict(record["name"], summary["differences"], None, own, notes, metrics)
+    paired_seeds = set(summary["differences"][f"test_{metric}"]["seeds"])
+    runs = [r for side in (record, plain or {"runs": []}) for r in side["runs"] if r["seed"] in paired_seeds]
+    summary["warnings"] = [
+        w for w in (sign_disagreement(summary["differences"], metric, label), still_learning(runs)) if w
+    ]
+    summary["verdict"] = verdict(
+        record["name"], summary["differences"], None, own, notes + summary["warnings"], metrics
+    )
+    summary["compared"] = _compared(summary, own)
     return summary
 
 
-def tables(summaries: List[dict]) -> List[str]:
-    """results.md's two tables: each row over seeds; each row minus plain, paired over seeds."""
-    head = "| method | seeds | " + " | ".join(f"{label} (mean ± sd)" for _, label in METRICS) + " | note |"
-    lines = [head, "|" + "---|" * (len(METRICS) + 3)]
+def _compared(summary: dict, own: List[str]) -> object:
+    """True when the row's differences are evidence to show, else a few words why not (the plot's note)."""
+    if own:
+        return "learned nothing" if any("learned nothing" in f for f in own) else "run failed"
+    if summary["differences"]["test_accuracy"]["mean"] is None:
+        return "no seed in common"
+    return True
+
+
+TABLE_DIGITS = 3  # results.md's tables (the verdicts keep DIGITS): each table fits 100 columns
+WIDTH = 100  # results.md's prose lines are wrapped to this many columns
+
+
+def compact_table(summaries: List[dict], metric: str) -> List[str]:
+    """results.md's first table: per row its seeds, dev and test ``metric`` (mean ± sd), the test
+    difference to plain with its 95% interval, its drop rate and how many of its runs learned."""
+    label = metric_label(metric)
+    lines = [
+        f"| row | seeds | dev {label} | test {label} | test − plain [95% CI] | dropped | learned |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in summaries:
-        cells = " | ".join(_mean_sd(s["metrics"][key], DIGITS) for key, _ in METRICS)
-        note = "; ".join(s["flags"] + s["notes"])
-        lines.append(f"| {s['name']} | {','.join(map(str, s['seeds']))} | {cells} | {note} |")
-    lines += ["", "| method − plain | paired seeds | " + " | ".join(f"{label} [95% CI]" for _, label in METRICS) + " |"]
-    lines.append("|" + "---|" * (len(METRICS) + 2))
-    for s in summaries:
+        m = s["metrics"]
         if "differences" not in s:
-            continue
-        d = s["differences"]
-        if s["verdict"].startswith(f"{s['name']}: not compared"):
-            cells = " | ".join("not compared" for _ in METRICS)  # numbers here would read as evidence
+            difference = "(baseline)"
+        elif s["compared"] is not True:
+            difference = f"not compared: {s['compared']}"  # numbers here would read as evidence
         else:
-            cells = " | ".join(_difference_text(d[key]) for key, _ in METRICS)
-        paired = ",".join(map(str, d["test_accuracy"]["seeds"])) or "-"
-        lines.append(f"| {s['name']} | {paired} | {cells} |")
+            difference = _difference_text(s["differences"][f"test_{metric}"], TABLE_DIGITS)
+        rate = "-" if s["drop_rate"] is None else f"{100 * s['drop_rate']['mean']:.1f}%"
+        learned = f"{len(s['seeds']) - len(s['learned_nothing'])} of {len(s['seeds'])}"
+        lines.append(
+            f"| {s['name']} | {','.join(map(str, s['seeds']))} | {_mean_sd(m[f'dev_{metric}'], TABLE_DIGITS)} | "
+            f"{_mean_sd(m[f'test_{metric}'], TABLE_DIGITS)} | {difference} | {rate} | {learned} |"
+        )
     return lines
 
 
-def _difference_text(d: dict) -> str:
+def detail_tables(summaries: List[dict]) -> List[str]:
+    """results.md's details: each split's three metrics over seeds, and each row minus plain, paired by
+    seed, with 95% intervals (a row not compared says so)."""
+    lines = []
+    for split in ("dev", "test"):
+        keys = [(f"{split}_{key}", label) for key, label in SCORES]
+        lines += ["", f"{split.capitalize()}, mean ± sd over seeds:", ""]
+        lines += ["| row | seeds | " + " | ".join(label for _, label in keys) + " |", "|---|---|---|---|---|"]
+        for s in summaries:
+            cells = " | ".join(_mean_sd(s["metrics"][key], TABLE_DIGITS) for key, _ in keys)
+            lines.append(f"| {s['name']} | {','.join(map(str, s['seeds']))} | {cells} |")
+        if not any("differences" in s for s in summaries):
+            continue
+        lines += ["", f"{split.capitalize()}, row − plain paired by seed [95% CI]:", ""]
+        lines += ["| row | paired seeds | " + " | ".join(label for _, label in keys) + " |", "|---|---|---|---|---|"]
+        for s in summaries:
+            if "differences" not in s:
+                continue
+            d = s["differences"]
+            if s["compared"] is not True and s["compared"] != "no seed in common":
+                cells = " | ".join("not compared" for _ in keys)
+            else:
+                cells = " | ".join(_difference_text(d[key], TABLE_DIGITS) for key, _ in keys)
+            lines.append(f"| {s['name']} | {','.join(map(str, d['test_accuracy']['seeds'])) or '-'} | {cells} |")
+    return lines
+
+
+def _difference_text(d: dict, digits: int = DIGITS) -> str:
     if d["mean"] is not None and d.get("no_interval"):
-        return f"{d['mean']:+.{DIGITS}f} (zero width)"
-    return _difference(d, DIGITS)
+        return f"{d['mean']:+.{digits}f} (zero width)"
+    return _difference(d, digits)
+
+
+def _wrap(lines: List[str]) -> List[str]:
+    """Prose and bullets wrapped to :data:`WIDTH` columns (a bullet's next lines indented); tables,
+    headings and blank lines as they are."""
+    out = []
+    for line in lines:
+        if not line or line.startswith(("|", "#")) or len(line) <= WIDTH:
+            out.append(line)
+        elif line.startswith("- "):
+            out += textwrap.wrap(line, WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+        else:
+            out += textwrap.wrap(line, WIDTH, break_long_words=False, break_on_hyphens=False)
+    return out
+
+
+def _stop_lines(opts, plain: Optional[dict]) -> List[str]:
+    """What to change when plain learned nothing at every seed: the advice, and the runs this command
+    stopped (``opts.stopped``, the local launcher's) or, after jobs, that ran anyway."""
+    stopped = getattr(opts, "stopped", None)
+    if plain is None or not learning_flags(plain):
+        return []
+    seeds = ", ".join(str(r["seed"]) for r in plain["runs"])
+    stopping = not getattr(opts, "keep_going", False)
+    text = stopped["advice"] if stopped else learning_advice(opts.settings, plain["runs"][-1], stopping)
+    lines = ["", f"- PLAIN LEARNED NOTHING at every seed so far ({seeds}): nothing can be compared. {text}"]
+    if stopped and stopped["skipped"]:
+        lines.append(f"- Not run, so as not to spend them on an empty comparison: {', '.join(stopped['skipped'])}.")
+    return lines
+
+
+def _best_lines(best: Optional[dict], label: str, keep_models: bool) -> List[str]:
+    if best is None:
+        return []
+    line = (
+        f"Best dev run: {best['name']} seed {best['seed']} (dev {label} {best['dev']:.4f}, test {best['test']:.4f}); "
+    )
+    if best["learned_nothing"]:
+        line += "NO RUN LEARNED ANYTHING, this one neither; "
+    if best["model"]:
+        line += f"its model: {best['model']} (transformers.pipeline('text-classification', model=that folder))"
+    else:
+        line += "its model was not kept (" + (
+            "it finished before --keep-models was given)" if keep_models else "--keep-models keeps each run's)"
+        )
+    return ["", line]
 
 
 def write_comparison(records: List[dict], opts, data_text: str, started: float, log: Callable[[str], None]) -> dict:
-    """results.md and results.json of every row in ``records``; logs the tables; returns results.json's content."""
+    """results.md, results.json and compare.png of every row in ``records``; logs results.md; returns
+    results.json's content. results.md: the verdicts first, then a table that fits 100 columns, then the
+    details (every metric, the differences, per class and the confusion, options, resumes, method)."""
     out: Path = opts.out_dir
     plain = plain_of(records)
     summaries = [method_summary(r, plain, opts.metric, opts.failed_runs, out) for r in ordered(records)]
     seeds = sorted({s for r in records for s in r["seeds"]} or {f["seed"] for f in opts.failed_runs})
     title = (
-        f"Regularizers against plain, {opts.model} on {data_text}, {opts.epochs} epoch{'s' * (opts.epochs != 1)}, "
-        f"seeds {','.join(map(str, seeds))}"
+        f"Regularizers against plain, {opts.model} on {data_text}, {opts.epochs} "
+        f"epoch{'s' * (opts.epochs != 1)}, seeds {','.join(map(str, seeds))}"
     )
     verdicts = [s["verdict"] for s in summaries if "verdict" in s]
     recorded = {r["name"] for r in records} | {"plain"}
@@ -193,12 +332,22 @@ def write_comparison(records: List[dict], opts, data_text: str, started: float, 
         for s in summaries
     ]
     label = metric_label(opts.metric)
-    if records:
-        lines = [title, "", *tables(summaries), "", "Each row's own options (over the method's defaults):", *options]
-    else:  # every job failed (launch_and_report's report_failures): say so, and name them
+    best = best_run(records, opts.metric, out)
+    drawn = draw(summaries, records, out / "compare.png", title, opts.metric, label, log) if records else None
+    lines = ["# attn-reg-cls-compare: the regularizers against plain", "", title, ""]
+    if not records:  # every job failed (launch_and_report's report_failures): say so, and name them
         failed = len(opts.failed_runs)
-        lines = [title, "", f"No run finished: all {failed} run(s) of this command failed, so nothing is compared."]
-    lines += ["", f"Verdicts (on test {label}, then dev {label}):", *(f"- {v}" for v in verdicts)]
+        lines += [f"No run finished: all {failed} run(s) of this command failed, so nothing is compared.", ""]
+    if verdicts:
+        lines += [f"Verdicts (on test {label}, then dev {label}):", *(f"- {v}" for v in verdicts)]
+    lines += _stop_lines(opts, plain)
+    if records:
+        lines += _best_lines(best, label, getattr(opts, "keep_models", False))
+        if drawn:
+            lines += ["", f"Plot: {Path(drawn).name} (dev {label} per epoch; each row − plain with its 95% CI)."]
+        lines += ["", *compact_table(summaries, opts.metric), "", "## Details", *detail_tables(summaries)]
+        lines += _class_and_learning_lines(summaries)
+        lines += ["", "Each row's own options (over the method's defaults):", *options]
     lines += run_lines(records, opts.settings, "their last Trainer checkpoint, as if uninterrupted")
     lines += failed_lines(opts.failed_runs)
     lines += [
@@ -212,7 +361,9 @@ def write_comparison(records: List[dict], opts, data_text: str, started: float, 
         "of zero width is shown as such and is no evidence. "
         f"Learned nothing: every dev prediction one class, or dev {label} within 1.96 standard errors of what a "
         "predictor that ignores the text scores on dev (accuracy: always the majority class; macro-F1: the best "
-        "of that, uniform and label-share guessing; MCC: 0).",
+        "of that, uniform and label-share guessing; MCC: 0). Dropped: the mean over seeds of the share each "
+        "regularized run's log gives (AD-DROP: real keys dropped on its AD-DROP epochs; DropHead: heads; "
+        "DropKey: keys). Still learning: the best dev epoch was the last in most of a comparison's runs.",
     ]
     summary = {
         "settings": opts.settings,
@@ -220,12 +371,29 @@ def write_comparison(records: List[dict], opts, data_text: str, started: float, 
         "seeds": seeds,
         "methods": summaries,
         "verdicts": verdicts,
+        "best_run": best,
+        "stopped": getattr(opts, "stopped", None),
+        "plot": drawn,
         "failed_runs": opts.failed_runs,
         "versions": _versions(),
         "seconds": round(time.time() - started, 1),
     }
     write_json(out / "results.json", summary)
-    (out / "results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    log("\n".join(lines))
-    log(f"results: {out / 'results.md'}, {out / 'results.json'}")
+    (out / "results.md").write_text("\n".join(_wrap(lines)) + "\n", encoding="utf-8")
+    log("\n".join(_wrap(lines)))
+    log(f"results: {out / 'results.md'}, {out / 'results.json'}" + (f", {drawn}" if drawn else ""))
     return summary
+
+
+def _class_and_learning_lines(summaries: List[dict]) -> List[str]:
+    """results.md's per-class tables and confusion matrices (test) and the runs that learned nothing."""
+    lines = []
+    reports = [(s["name"], s["per_class"]) for s in summaries if s.get("per_class")]
+    if reports:
+        lines += ["", "### Per class on test"]
+        for name, report in reports:
+            lines += ["", *class_lines(name, report, TABLE_DIGITS)]
+    empty = [f"- {s['name']} seed {seed}: {why}" for s in summaries for seed, why in s["learned_nothing"].items()]
+    if empty:
+        lines += ["", "Runs that learned nothing (on dev):", *empty]
+    return lines

@@ -41,7 +41,7 @@ class Data(NamedTuple):
     labels: List[str]
 
 
-def _label_order(labels) -> List[str]:
+def label_order(labels) -> List[str]:
     """Numeric labels in numeric order (0, 1, 2, 10), any others as text."""
     try:
         return sorted(labels, key=float)
@@ -68,7 +68,7 @@ def read_data(opts) -> Data:
         raise SweepError(str(e)) from None
     if len(known) < 2:
         raise SweepError(f"{sources['train']}: one label ({sorted(known)}): a classifier needs at least 2")
-    return Data(splits, _label_order(known))
+    return Data(splits, label_order(known))
 
 
 def text_fields(opts) -> List[str]:
@@ -182,7 +182,7 @@ def predict(model, tokenizer, features: List[dict], batch_size: int) -> List[int
     return out
 
 
-def _best_epoch_callback(tokenizer, dev: List[dict], metric: str, batch_size: int):
+def _best_epoch_callback(tokenizer, dev: List[dict], metric: str, batch_size: int, say: Callable[[str], None] = None):
     import torch
     import transformers
 
@@ -198,13 +198,70 @@ def _best_epoch_callback(tokenizer, dev: List[dict], metric: str, batch_size: in
 
         def on_epoch_end(self, args, state, control, model=None, **kwargs):
             result = scores(predict(model, tokenizer, dev, batch_size), gold)
-            if result[metric] > max((d[metric] for d in self.dev), default=-float("inf")):
+            best = result[metric] > max((d[metric] for d in self.dev), default=-float("inf"))
+            if best:
                 with torch.no_grad():
                     self.best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 self.best_epoch = len(self.dev) + 1
             self.dev.append(result)
+            if say is not None:
+                say(
+                    f"epoch {len(self.dev)} of {round(state.num_train_epochs)}: dev accuracy {result['accuracy']:.4f}, "
+                    f"macro-F1 {result['macro_f1']:.4f}, MCC {result['mcc']:.4f}"
+                    + (" (best so far)" if best else f" (best: epoch {self.best_epoch})")
+                )
 
     return BestDevEpoch()
+
+
+PROGRESS_LINES_PER_EPOCH = 5  # --log-steps 0: about this many progress lines an epoch
+
+
+def duration_text(seconds: float) -> str:
+    """``45 s``, ``3 min 05 s``, ``1 h 02 min``."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+def progress_callback(say: Callable[[str], None], every: int):
+    """A ``TrainerCallback`` saying, every ``every`` optimizer steps (0: about
+    :data:`PROGRESS_LINES_PER_EPOCH` times an epoch) and at the last, the step of all, the epoch, the
+    training loss's mean since the epoch began (the Trainer's own sum, as its epoch log reads it), the
+    time this attempt has trained and an ETA at this attempt's pace. Its ``trainer`` must be set."""
+    import transformers
+
+    from .cls_checkpoint import steps_per_epoch
+
+    class Progress(transformers.TrainerCallback):
+        def __init__(self):
+            self.trainer = None
+            self.started = None
+            self.first_step = 0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.started, self.first_step = time.time(), state.global_step
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step, total = state.global_step, state.max_steps
+            n = every or max(1, steps_per_epoch(state) // PROGRESS_LINES_PER_EPOCH)
+            if step % n and step != total:
+                return
+            elapsed = time.time() - self.started
+            done = step - self.first_step
+            eta = elapsed / done * (total - step) if done else 0.0
+            summed = getattr(self.trainer, "_tr_loss", None)
+            since = step - getattr(self.trainer, "_globalstep_last_logged", step)
+            loss = f", loss {float(summed) / since:.4f}" if summed is not None and since > 0 else ""
+            say(
+                f"step {step}/{total} (epoch {state.epoch:.2f} of {round(state.num_train_epochs)}){loss}, "
+                f"{duration_text(elapsed)} in, ETA {duration_text(eta)}"
+            )
+
+    return Progress()
 
 
 def training_arguments(opts, seed: int, output_dir: Path, warmup_steps: float, **overrides):
@@ -298,9 +355,28 @@ def run_classifier(
     result, predicted = _result(cell, seed, opts, settings, data, features, tokenizer, trained)
     for split, name in PREDICTION_FILES.items():  # before result.json, which marks the run finished
         write_predictions(seed_dir / name, features[split], predicted[split], data.labels)
+    if getattr(opts, "keep_models", False):
+        save_model(trained.trainer.model, tokenizer, seed_dir / MODEL_FOLDER)
+        result["model"] = MODEL_FOLDER
     write_json(seed_dir / "result.json", result)
     shutil.rmtree(seed_dir / "trainer", ignore_errors=True)  # its checkpoint: the run is finished
     return result
+
+
+MODEL_FOLDER = "model"  # --keep-models: the run's best dev epoch as a save_pretrained folder, in its run folder
+
+
+def save_model(model, tokenizer, folder: Path) -> None:
+    """The model (its best dev epoch's weights, loaded by :func:`_result`) and its tokenizer as one
+    ``save_pretrained`` folder that stock transformers loads without the plugin (transformers does not
+    save the attention implementation; the config names the label names, ``id2label``/``label2id``).
+    Written beside, then moved into place, so that a folder there is whole."""
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.replace(folder)
 
 
 class _Trained(NamedTuple):
@@ -319,7 +395,7 @@ def _train(cell: dict, seed: int, opts, folder: Path, tokenizer, features, label
     def say(line: str) -> None:
         log(f"    {cell_name(cell)} seed {seed}: {line}")
 
-    dev = _best_epoch_callback(tokenizer, features["dev"], opts.metric, opts.eval_batch_size)
+    dev = _best_epoch_callback(tokenizer, features["dev"], opts.metric, opts.eval_batch_size, say)
     found = last_checkpoint(folder) if folder.is_dir() else None
     resumed = {}
     if found is not None:
@@ -332,8 +408,10 @@ def _train(cell: dict, seed: int, opts, folder: Path, tokenizer, features, label
         )
     stop = DeferredStop()
     saver = checkpoint_callback(folder, opts.save_steps, dev, stop, say, resumed)
-    trainer = build_trainer(cell, opts, load_model(opts, seed, labels), tokenizer, features, folder, seed, [dev, saver])
-    saver.trainer = trainer
+    progress = progress_callback(say, getattr(opts, "log_steps", 0))
+    callbacks = [dev, saver, progress]
+    trainer = build_trainer(cell, opts, load_model(opts, seed, labels), tokenizer, features, folder, seed, callbacks)
+    saver.trainer = progress.trainer = trainer
     started = time.time()
     with stop:
         trainer.train(resume_from_checkpoint=str(found[0]) if found is not None else None)
@@ -414,8 +492,10 @@ def quiet_transformers() -> None:
 
 
 def run_cls_job(cell: dict, seed: int, opts, settings: dict) -> dict:
-    """One run as one submitit job (``--launcher slurm`` or ``local --jobs N``)."""
-    return run_classifier(cell, seed, opts, settings, run_dir(opts.out_dir, cell, seed))
+    """One run as one submitit job (``--launcher slurm`` or ``local --jobs N``); its progress lines go
+    to the job's log as they come."""
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    return run_classifier(cell, seed, opts, settings, run_dir(opts.out_dir, cell, seed), say)
 
 
 def _run_line(run: dict, metric: str) -> str:
@@ -430,7 +510,11 @@ def _run_line(run: dict, metric: str) -> str:
 def collect(cells: List[dict], opts, settings: dict, log: Callable[[str], None], collect_only: bool) -> List[dict]:
     """Every row's record (``cells/<row>.json``): its finished runs kept, the missing ones run here
     (``collect_only``: left out, as after jobs); every row recorded in ``--out-dir`` returned, earlier
-    commands' too."""
+    commands' too. Plain's runs come first: once plain has learned nothing at every seed it ran so far,
+    the runs still missing are not run (unless ``--keep-going``), and ``opts.stopped`` says which and why."""
+    from .cls_report import learning_advice
+
+    opts.stopped = getattr(opts, "stopped", None)
     for index, cell in enumerate(cells, 1):
         name = cell_name(cell)
         runs = []
@@ -440,14 +524,24 @@ def collect(cells: List[dict], opts, settings: dict, log: Callable[[str], None],
             prefix = f"[row {index}/{len(cells)}] {name} seed {seed}"
             run = finished_result(seed_dir, cell, settings)
             if run is not None:
-                log(f"{prefix}: kept from {seed_dir / 'result.json'}")
+                kept = (
+                    ""
+                    if run.get("model") or not getattr(opts, "keep_models", False)
+                    else " (no model: it finished without --keep-models)"
+                )
+                log(f"{prefix}: kept from {seed_dir / 'result.json'}{kept}")
             elif collect_only:
+                continue
+            elif opts.stopped is not None:
+                opts.stopped["skipped"].append(f"{name} seed {seed}")
                 continue
             else:
                 log(f"{prefix}: training")
                 run = run_classifier(cell, seed, opts, settings, seed_dir, log)
                 log(f"{prefix}: {_run_line(run, opts.metric)}")
             runs.append(run)
+            if cell["method"] == "plain" and not collect_only and opts.stopped is None:
+                opts.stopped = _plain_stop(runs, opts, settings, learning_advice, log)
         if runs:
             record = {
                 "cell": cell,
@@ -458,4 +552,17 @@ def collect(cells: List[dict], opts, settings: dict, log: Callable[[str], None],
             }
             record["train_seconds"] = round(sum(r["train_seconds"] for r in runs), 1)
             write_json(opts.out_dir / "cells" / f"{name}.json", record)
+    if opts.stopped is not None and opts.stopped["skipped"]:
+        log(f"not run (plain learned nothing): {', '.join(opts.stopped['skipped'])}")
     return all_records(opts.out_dir, settings)
+
+
+def _plain_stop(runs: List[dict], opts, settings: dict, advice: Callable, log: Callable[[str], None]) -> Optional[dict]:
+    """After each of plain's runs: when every one so far learned nothing, the comparison would be empty,
+    so the runs still missing are stopped (``--keep-going``: they run) and the settings to change said."""
+    if not runs or not all(run["learned_nothing"] for run in runs) or getattr(opts, "keep_going", False):
+        return None
+    seeds = ", ".join(str(r["seed"]) for r in runs)
+    text = advice(settings, runs[-1])
+    log(f"STOPPED: plain learned nothing at every seed so far ({seeds}): the other runs would compare nothing. {text}")
+    return {"plain_seeds": [r["seed"] for r in runs], "advice": text, "skipped": []}
