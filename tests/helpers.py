@@ -586,6 +586,22 @@ def minilm_path() -> str:
     return str(Path(gt.__file__).parent / "model")
 
 
+def tiny_classifier_folder(folder, max_positions: int = 64):
+    """A tiny random BERT classifier (seed 0, 16 wide, 2 layers) with MiniLM's tokenizer, saved to
+    ``folder`` as a stock ``from_pretrained`` folder: the classifier commands' and docs' tests' model."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path())
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        vocab_size=tokenizer.vocab_size, max_position_embeddings=max_positions,
+    )  # fmt: skip
+    transformers.BertForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def tiny_marian(vocab_size=100, **config):
     """A randomly initialised (seed 0) 2+2-layer MarianMTModel, 32 wide; ``config`` overrides the
     MarianConfig fields below (Marian's own defaults: dropout 0.1, attention and activation dropout 0)."""

@@ -27,7 +27,7 @@ from attn_reg_plugin.classification import learned_nothing, paired_bootstrap_sd,
 from attn_reg_plugin.sweep import cls_compare, cls_report, cls_runs  # noqa: E402
 from attn_reg_plugin.sweep.options import SweepError  # noqa: E402
 from attn_reg_plugin.sweep.processes import SweepStopped  # noqa: E402
-from helpers import REPO, job_when_ended, minilm_path, needs_slurm, release_requeues  # noqa: E402
+from helpers import REPO, job_when_ended, needs_slurm, release_requeues, tiny_classifier_folder  # noqa: E402
 
 REVIEWS = REPO / "data" / "movie_reviews"
 
@@ -35,17 +35,8 @@ REVIEWS = REPO / "data" / "movie_reviews"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random BERT classifier folder (MiniLM's tokenizer) and small slices of the movie reviews."""
-    import torch
-
     root = tmp_path_factory.mktemp("cls")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path())
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        vocab_size=tokenizer.vocab_size, max_position_embeddings=64,
-    )  # fmt: skip
-    transformers.BertForSequenceClassification(config).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    tiny_classifier_folder(root / "model")
     rows = {s: (REVIEWS / f"{s}.jsonl").read_text(encoding="utf-8").splitlines() for s in cls_runs.SPLITS}
     for split, lines in rows.items():
         (root / f"{split}.jsonl").write_text("\n".join(lines[:32]) + "\n", encoding="utf-8")

@@ -12,7 +12,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import REPO, minilm_path  # noqa: E402
+from helpers import REPO, tiny_classifier_folder  # noqa: E402
 
 MARKER = "<!-- the complete fine-tune: tests/test_cls_hf_example.py runs this block -->"
 
@@ -24,16 +24,7 @@ def documented_fine_tune() -> str:
 
 
 def test_the_documented_fine_tune_runs_verbatim_and_its_model_predicts_by_name(tmp_path):
-    import torch
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path())
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        vocab_size=tokenizer.vocab_size, max_position_embeddings=128,
-    )  # fmt: skip
-    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    tiny_classifier_folder(tmp_path / "model", max_positions=128)
     data = tmp_path / "data"
     data.mkdir()
     for split in ("train", "dev", "test"):
