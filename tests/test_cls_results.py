@@ -40,7 +40,7 @@ def test_plain_that_learned_nothing_stops_the_other_runs_and_says_what_to_change
     ]  # nothing else ran
     updates = 4  # 32 examples, batch 8, 1 epoch
     stopped = next(line for line in lines if line.startswith("STOPPED: plain learned nothing at every seed so far (1)"))
-    assert f"--epochs {-(-cls_report.ENOUGH_UPDATES // updates)} or more (now 1: {updates} updates in all" in stopped
+    assert f"--epochs {-(-cls_runs.ENOUGH_UPDATES // updates)} or more (now 1: {updates} updates in all" in stopped
     assert "--keep-going" in stopped
     results = _read(out)
     assert results["stopped"]["skipped"] == ["plain seed 2", "dropkey seed 1", "dropkey seed 2"]
@@ -56,16 +56,37 @@ def test_plain_that_learned_nothing_stops_the_other_runs_and_says_what_to_change
     assert "PLAIN LEARNED NOTHING at every seed so far (1, 2)" in md and "Not run" not in md
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="--jobs 2 needs 2 cores")
+def test_with_jobs_plains_runs_go_first_and_a_plain_that_learned_nothing_stops_the_rest(tiny, tmp_path, monkeypatch):
+    """--jobs 2 (as Slurm): plain's runs are a wave of jobs of their own, waited for; when plain learned
+    nothing at every seed, the other rows' runs are never submitted and the advice is said."""
+    pytest.importorskip("submitit")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "out"
+    argv = [a for a in _argv(tiny, out, "--methods", "plain,dropkey", "--seeds", "1,2") if a != "--keep-going"]
+    lines = []
+    assert cls_compare.main([*argv, "--launcher", "local", "--jobs", "2"], log=lines.append) == 0
+    assert sorted(p.parent.parent.name + "/" + p.parent.name for p in out.glob("runs/*/*/result.json")) == [
+        "plain/seed1",
+        "plain/seed2",
+    ]  # both of plain's seeds ran as jobs, nothing else
+    assert len(list((out / "jobs").glob("*_0_log.out"))) == 2
+    assert any(line.startswith("STOPPED: plain learned nothing at every seed so far (1, 2)") for line in lines)
+    assert _read(out)["stopped"]["skipped"] == ["dropkey seed 1", "dropkey seed 2"]
+    md = " ".join((out / "results.md").read_text(encoding="utf-8").split())
+    assert "Not run, so as not to spend them on an empty comparison: dropkey seed 1, dropkey seed 2." in md
+
+
 def test_the_advice_names_what_the_settings_lack():
     settings = {"epochs": 2, "batch_size": 16, "lr": 2e-5, "warmup_ratio": 0.0, "metric": "accuracy"}
     run = {"train_examples": 400, "dev": {"majority_rate": 0.68}}
-    text = cls_report.learning_advice(settings, run)
+    text = cls_runs.learning_advice(settings, run)
     assert text.startswith("Change: --epochs 5 or more (now 2: 50 updates in all, 25 an epoch); --lr 1e-4 (now 2e-05)")
     assert "--warmup-ratio 0.1 (now 0)" in text and "--metric macro_f1 (the majority class is 68% of dev" in text
     # The command's own defaults lack none of them on such a set (what docs/HF.md's measured run used).
     _, opts = cls_compare.parse_args(["m", "--dataset", "d", "--out-dir", "o", "--methods", "plain,r-drop"])
     defaults = {**settings, "epochs": opts.epochs, "lr": opts.lr, "warmup_ratio": opts.warmup_ratio, "metric": "mcc"}
-    assert cls_report.learning_advice(defaults, run).startswith("Change: more epochs, or --lr 1e-4")
+    assert cls_runs.learning_advice(defaults, run).startswith("Change: more epochs, or --lr 1e-4")
 
 
 # -- item 2: the kept models --------------------------------------------------------------------------

@@ -52,6 +52,7 @@ import argparse
 import hashlib
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -69,16 +70,18 @@ from .cls_runs import (
     load_model,
     method_options,
     method_settings,
+    plain_stop,
     quiet_transformers,
     run_cls_job,
     run_identity,
 )
 from .compare import prepare_out_dir
-from .launcher import RunKind, launch_and_report
+from .launcher import RunKind, launch_and_collect, launch_and_report
 from .launcher_options import add_launcher_options, check_launcher
 from .methods import add_methods_options, derived_name, parse_method_args, parse_methods
-from .options import SweepError, command_parser, parse_epochs_seeds
+from .options import SweepError, cell_name, command_parser, parse_epochs_seeds
 from .processes import run_locked
+from .runs import all_records, finished_result, run_dir
 
 CLS_RUNS = RunKind(run_cls_job, run_identity, collect, ARGUMENTS)
 OUTPUTS = ("sweep.json", "sweep.lock", "cells", "runs", "jobs", "jobs.json", "results.json", "results.md")
@@ -338,7 +341,46 @@ def _locked_main(ap, opts, settings: dict, data_text: str, counts: dict, log: Ca
         f"{opts.epochs} epoch(s) each; outputs in {opts.out_dir}"
     )
     report = lambda records, started: write_comparison(records, opts, data_text, started, log)
+    if _plain_goes_first(opts):
+        stopped = _plain_wave(ap, opts, settings, log)
+        if stopped is not None:  # plain learned nothing: its results, the advice, the rest not run
+            opts.stopped = stopped
+            report(all_records(opts.out_dir, settings), stopped.pop("started"))
+            return 1 if opts.failed_runs else 0
     return launch_and_report(ap, opts.cells, opts, settings, log, CLS_RUNS, report, report_failures=True)
+
+
+def _plain_goes_first(opts) -> bool:
+    """Whether plain's runs are launched as a wave of their own before the rest: with jobs (``--jobs N``,
+    Slurm), which would otherwise all start together, unless ``--keep-going`` or ``--detach`` (which
+    waits for nothing). The command that runs its runs itself (``--jobs 1``) takes plain's first anyway."""
+    serial = opts.launcher == "local" and opts.jobs == 1
+    methods = {cell["method"] for cell in opts.cells}
+    return not serial and not opts.keep_going and not opts.detach and "plain" in methods and len(methods) > 1
+
+
+def _plain_wave(ap, opts, settings: dict, log: Callable[[str], None]) -> Optional[dict]:
+    """Plain's runs as jobs, waited for; when every seed of plain learned nothing, ``opts.stopped``'s
+    record (the advice, the other rows' runs not run) with the wave's start time, else None."""
+    started = time.time()
+    plain = [cell for cell in opts.cells if cell["method"] == "plain"]
+    try:
+        records = launch_and_collect(plain, opts, settings, log, CLS_RUNS)
+    except SweepError as e:
+        ap.error(str(e))
+    runs = [run for record in records or [] if record["cell"]["method"] == "plain" for run in record["runs"]]
+    stopped = plain_stop(sorted(runs, key=lambda r: r["seed"]), opts, settings, log)
+    if stopped is None:
+        return None
+    stopped["skipped"] = [
+        f"{cell_name(cell)} seed {seed}"
+        for cell in opts.cells
+        if cell["method"] != "plain"
+        for seed in opts.seeds
+        if finished_result(run_dir(opts.out_dir, cell, seed), cell, settings) is None
+    ]
+    log(f"not run (plain learned nothing): {', '.join(stopped['skipped'])}")
+    return {**stopped, "started": started}
 
 
 if __name__ == "__main__":  # python -m attn_reg_plugin.sweep.cls_compare, before a reinstall adds the command

@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..classification import BOOTSTRAP_SAMPLES, paired_bootstrap_sd
 from .cls_details import best_run, class_lines, draw, drop_rate, per_class, sign_disagreement, still_learning
-from .cls_runs import PREDICTION_FILES, read_predictions
+from .cls_runs import PREDICTION_FILES, learning_advice, read_predictions
 from .compare_report import _difference, _mean_sd, failed_notes, ordered
 from .paired import VerdictMetric, paired_difference, spread, verdict
 from .report import _versions, failed_lines, run_lines, write_json
@@ -34,43 +34,6 @@ def per_seed(record: dict, key: str) -> Dict[int, float]:
     """``{seed: value}`` of one metric (``test_mcc``) over a row's runs."""
     split, metric = key.split("_", 1)
     return {run["seed"]: run[split][metric] for run in record["runs"]}
-
-
-# What a pretrained encoder's fine-tuning needs to leave the majority class on a small set (measured on
-# 400 imbalanced movie reviews with the offline MiniLM, docs/HF.md): about 120 updates or more (125 learned, 50 did
-# not), a rate of 5e-5 to 1e-4 after a warm-up.
-ENOUGH_UPDATES = 120
-LOW_LR, HIGH_LR = 5e-5, 5e-4
-IMBALANCED = 0.6  # a majority class over this share of dev: accuracy rewards predicting it
-
-
-def learning_advice(settings: dict, run: dict, stopping: bool = True) -> str:
-    """Which settings to change when plain learned nothing, in a sentence, from the command's
-    ``settings`` and one of plain's runs (its training size and dev scores)."""
-    per_epoch = math.ceil(run["train_examples"] / settings["batch_size"])
-    updates = per_epoch * settings["epochs"]
-    out = []
-    if updates < ENOUGH_UPDATES:
-        epochs = math.ceil(ENOUGH_UPDATES / per_epoch)
-        out.append(
-            f"--epochs {epochs} or more (now {settings['epochs']}: {updates} updates in all, {per_epoch} an epoch)"
-        )
-    if settings["lr"] < LOW_LR:
-        out.append(f"--lr 1e-4 (now {settings['lr']:g})")
-    elif settings["lr"] > HIGH_LR:
-        out.append(f"--lr 1e-4 (now {settings['lr']:g}: too high a rate also ends in one class)")
-    if not settings.get("warmup_ratio"):
-        out.append("--warmup-ratio 0.1 (now 0)")
-    share = run["dev"].get("majority_rate", 0.0)
-    if settings["metric"] == "accuracy" and share > IMBALANCED:
-        out.append(
-            f"--metric macro_f1 (the majority class is {100 * share:.0f}% of dev: accuracy picks epochs that predict it)"
-        )
-    if not out:
-        out.append(
-            "more epochs, or --lr 1e-4 with --warmup-ratio 0.1 (the model may be too small or the task too hard)"
-        )
-    return "Change: " + "; ".join(out) + (" (or --keep-going to run the other runs anyway)." if stopping else ".")
 
 
 def learned_nothing_seeds(record: dict) -> Dict[int, str]:
