@@ -7,7 +7,8 @@ Covered: scheduled dropout (:class:`~.rules.BernoulliRule`) and AD-DROP GA
 (:class:`~.rules.TopRegionRule` over :class:`~.rules.GradientScores`, ``samples`` included), with
 no bias or a key-padding one, causal or not, one head size of at most ``MAX_HEAD_DIM`` for q, k and
 v; not with the model's attention dropout inside the call, rows made uniform, a ``droppable``
-restriction or the map returned.
+restriction or the map returned. Each reason a call stays on the PyTorch path with the route on is named
+once in the log (:func:`name_once`).
 
 AD-DROP's region is exact: each row's threshold, k and last tied key come from the kernel's own
 product dO V^T (:func:`~.fused_edit.attribution_scores`, one block of query rows at a time,
@@ -19,14 +20,18 @@ distributed alike.
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Set, Tuple
 
 import torch
 
 from . import fused_edit
+from .devices import FUSED_ENV
 from .masks import valid_keys_from_bias
 from .rules import BernoulliRule, Block, GradientScores, TopRegionRule
+
+logger = logging.getLogger(__name__)
 
 # The kernel holds a row tile's q, the attribution and the output in one block of (64, head dim):
 # wider heads would take more shared memory than a GPU's multiprocessor has.
@@ -62,22 +67,65 @@ def key_padding_bias(bias: Optional[torch.Tensor], batch: int) -> Optional[torch
 def fused_drops(q, k, v, bias, call) -> Optional[FusedCall]:
     """The kernel's drops and key bias for this call (a :class:`~.kernel.BlockCall`) when the kernel
     covers it, else None."""
+    return fused_or_why_not(q, k, v, bias, call)[0]
+
+
+def fused_or_why_not(q, k, v, bias, call) -> Tuple[Optional[FusedCall], Optional[str]]:
+    """(the kernel's drops and key bias, None) for a call the kernel covers; else (None, why not)."""
     rule = call.rule
-    if call.uniform is not None or call.droppable is not None or call.dropout_p or call.need_weights:
-        return None
-    if not fused_edit.available(q) or torch.compiler.is_compiling() or call.seed is None:
-        return None
-    if not q.numel() or not k.shape[2] or not q.shape[-1] == k.shape[-1] == v.shape[-1] <= MAX_HEAD_DIM:
-        return None  # an empty call (a last shard), a value head of its own size, a head too wide for a tile
+    why = _not_covered(q, k, v, call)
+    if why is not None:
+        return None, why
     key_bias = None if bias is None else key_padding_bias(bias, q.shape[0])
     if bias is not None and key_bias is None:
-        return None
+        return (
+            None,
+            "a bias that is not one key-padding row per sample (rows or heads that differ, or a materialised (B, 1, T, S) mask)",
+        )
     seed = int(call.seed)
     if isinstance(rule, BernoulliRule):
-        return FusedCall(fused_edit.EditDrops(fused_edit.BERNOULLI, float(rule.probability), seed), key_bias)
+        return FusedCall(fused_edit.EditDrops(fused_edit.BERNOULLI, float(rule.probability), seed), key_bias), None
     if isinstance(rule, TopRegionRule) and isinstance(rule.source, GradientScores):
-        return FusedCall(_ad_drop(q, k, key_bias, call, rule, seed), key_bias)
+        return FusedCall(_ad_drop(q, k, key_bias, call, rule, seed), key_bias), None
+    over = f" over {type(rule.source).__name__}" if isinstance(rule, TopRegionRule) else ""
+    return None, f"its drop rule, {type(rule).__name__}{over}"
+
+
+def _not_covered(q, k, v, call) -> Optional[str]:
+    """Why the kernel does not take this call, from its options and shapes, or None."""
+    if call.uniform is not None:
+        return "rows made uniform (attention LayerDrop's skipped calls)"
+    if call.droppable is not None:
+        return "a restriction of the units counted (AttendOut's)"
+    if call.dropout_p:
+        return "the model's attention dropout inside the call"
+    if call.need_weights:
+        return "the attention map returned"
+    if not fused_edit.available(q):
+        return f"no Triton that runs on {q.device.type} tensors"
+    if torch.compiler.is_compiling():
+        return "a compiled graph"
+    if call.seed is None:
+        return "a call with no seed"
+    if not q.numel() or not k.shape[2]:
+        return "an empty call"
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        return "a value head of its own size"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"a head wider than {MAX_HEAD_DIM}"
     return None
+
+
+_NAMED: Set[str] = set()  # the reasons already in the log
+
+
+def name_once(why: str) -> None:
+    """Say in the log, once per reason and process, that a call stays on the PyTorch path with the fused
+    route on: nothing is left to the route silently. Not while compiling (a log call would break the graph)."""
+    if why in _NAMED or torch.compiler.is_compiling():
+        return
+    _NAMED.add(why)
+    logger.warning("%s=1: a regularized call runs on the PyTorch path, not the fused kernel: %s", FUSED_ENV, why)
 
 
 def _ad_drop(q, k, key_bias, call, rule: TopRegionRule, seed: int) -> fused_edit.EditDrops:

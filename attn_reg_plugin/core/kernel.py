@@ -599,10 +599,11 @@ def edit_attention(q, k, v, bias, call: BlockCall):
 def _fused(q, k, v, bias, call: BlockCall):
     """The call on the fused Triton kernel where it covers it (:mod:`.fused_route`), else EditAttention."""
     from .fused_edit import fused_edit_attention  # Triton is imported only when asked for
-    from .fused_route import fused_drops
+    from .fused_route import fused_or_why_not, name_once
 
-    fused = fused_drops(q, k, v, bias, call)
+    fused, why = fused_or_why_not(q, k, v, bias, call)
     if fused is None:
+        name_once(why)
         return EditAttention.apply(q, k, v, bias, call)
     out, dropped, droppable = fused_edit_attention(q, k, v, fused.drops, fused.key_bias, call.causal, call.scale)
     return out, None, dropped, droppable

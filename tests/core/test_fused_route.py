@@ -124,6 +124,27 @@ def test_calls_the_kernel_does_not_cover_stay_on_the_pytorch_path(monkeypatch):
         assert torch.isfinite(out).all(), name
 
 
+def test_a_call_the_kernel_does_not_cover_is_named_once_in_the_log(monkeypatch, caplog):
+    """With the route on, nothing stays on the PyTorch path silently: each reason is one warning."""
+    from attn_reg_plugin.core import fused_route
+
+    monkeypatch.setattr(fused_route, "_NAMED", set())
+    q, k, v, attribution, values = tensors()
+    t, seed = q.shape[2], torch.tensor(1)
+    ad_drop = TopRegionRule(GradientScores(attribution, values), 0.3, 0.5)
+    dropout = BlockCall(ad_drop, None, None, t, seed, 0.1, None, True, dropout_seed=seed)
+    with caplog.at_level("WARNING", logger=fused_route.__name__):
+        for call in (dropout, dropout, block_call(ad_drop, t, need_weights=True), block_call(ad_drop, t)):
+            run(q, k, v, None, call, True, monkeypatch)
+    named = [r.getMessage() for r in caplog.records if r.name == fused_route.__name__]
+    assert named == [
+        "ATTN_REG_FUSED=1: a regularized call runs on the PyTorch path, not the fused kernel: "
+        "the model's attention dropout inside the call",
+        "ATTN_REG_FUSED=1: a regularized call runs on the PyTorch path, not the fused kernel: "
+        "the attention map returned",
+    ]  # the covered call says nothing
+
+
 def test_an_ad_drop_step_of_a_custom_model_equals_the_pytorch_paths(monkeypatch):
     """AD-DROP's two passes through a user's own loop (core ADDrop on a plain-PyTorch model): loss,
     counts and every gradient as on the PyTorch path. ADDropConfig takes q < 1; at 1 - 1e-7 a
