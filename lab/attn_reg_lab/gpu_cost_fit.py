@@ -106,33 +106,49 @@ def count_rows(opts, log) -> Tuple[List[dict], dict]:
     return rows, route
 
 
+def standard_bench(framework: str, dtype: str, opts, log):
+    """``attn-reg-benchmark``'s bench of ``framework`` in ``dtype`` at its standard sizes (``--quick``:
+    tiny), with the command's ``--hf-model`` and ``--work-dir``."""
+    from .benchmark.cli import BENCHES
+    from .benchmark.cli import parse_args as benchmark_args
+    from .gpu_bench import STANDARD_VARIANTS
+
+    argv = ["--device", "cpu", "--dtype", dtype, "--frameworks", framework]
+    argv += ["--variants", ",".join(STANDARD_VARIANTS), *(["--quick"] if opts.quick else [])]
+    argv += ["--hf-model", opts.hf_model] if opts.hf_model else []
+    argv += ["--work-dir", str(opts.work_dir)] if opts.work_dir else []
+    return BENCHES[framework](benchmark_args(argv), log)
+
+
+def standard_step(bench, framework: str, variant: str):
+    """The benchmark's training step of ``variant`` on ``bench`` (plain: its reference step), or None
+    where the benchmark has none."""
+    from .benchmark.variants import VARIANTS
+
+    if variant == "plain":
+        return bench.reference("train")
+    return next(v.builders for v in VARIANTS if v.name == variant)[framework](bench, "train")
+
+
 def standard_rows(opts, log) -> List[dict]:
     """``attn-reg-gpu-bench``'s standard rows, with ``+fused`` rows (``--fused``) in fp32 only: Triton's
     interpreter gets a bf16 dot wrong, and so the plugin does not route bf16 calls there."""
-    from .benchmark.cli import BENCHES
-    from .benchmark.cli import parse_args as benchmark_args
-    from .benchmark.variants import VARIANTS
     from .gpu_bench import STANDARD_VARIANTS
 
     fused_kernel = long_section().fused_kernel
 
-    builders = {v.name: v.builders for v in VARIANTS}
     names = [v for v in ("plain", *STANDARD_VARIANTS) if _wanted(v, opts.variants)]
     fused = [f"{v}+fused" for v in ("ad-drop-ga-all", "dropkey") if opts.fused and _wanted(v, opts.variants)]
     rows = []
     for framework in ("fairseq", "hf"):
         for dtype in ("fp32", "bf16"):
-            argv = ["--device", "cpu", "--dtype", dtype, "--frameworks", framework]
-            argv += ["--variants", ",".join(STANDARD_VARIANTS), *(["--quick"] if opts.quick else [])]
-            argv += ["--hf-model", opts.hf_model] if opts.hf_model else []
-            argv += ["--work-dir", str(opts.work_dir)] if opts.work_dir else []
-            bench = BENCHES[framework](benchmark_args(argv), log)
+            bench = standard_bench(framework, dtype, opts, log)
             for name in names + (fused if dtype == "fp32" else []):
                 variant = name.split("+")[0]
                 row = {"section": "standard", "framework": framework, "variant": name, "dtype": dtype}
                 row.update(tokens=bench.tokens["train"], configuration=f"{framework} {dtype}")
                 row["description"] = bench.batch_descriptions["train"]
-                step = bench.reference("train") if variant == "plain" else builders[variant][framework](bench, "train")
+                step = standard_step(bench, framework, variant)
                 if step is None:
                     rows.append({**row, "status": f"not counted: the benchmark has no {variant} step in {dtype}"})
                     continue
@@ -426,19 +442,13 @@ COMPILE_BREAKS_BOUND = 3  # issue 80: the GA training step under torch.compile
 def compile_rows(opts, log) -> List[dict]:
     """The standard HF fp32 plain and GA-all steps, each compiled whole (:mod:`.gpu_cost_compile`):
     their dynamo graphs and graph breaks, and the target's verdict on GA's."""
-    from .benchmark.cli import BENCHES
-    from .benchmark.cli import parse_args as benchmark_args
-    from .benchmark.variants import VARIANTS
     from .gpu_cost_compile import graph_breaks
 
-    builders = {v.name: v.builders for v in VARIANTS}
-    argv = ["--device", "cpu", "--dtype", "fp32", "--frameworks", "hf", "--variants", "ad-drop-ga-all"]
-    argv += (["--quick"] if opts.quick else []) + (["--hf-model", opts.hf_model] if opts.hf_model else [])
-    bench = BENCHES["hf"](benchmark_args(argv), log)
+    bench = standard_bench("hf", "fp32", opts, log)
     rows = []
     with gpu_route():
         for variant in ("plain", "ad-drop-ga-all"):
-            step = bench.reference("train") if variant == "plain" else builders[variant]["hf"](bench, "train")
+            step = standard_step(bench, "hf", variant)
             row = {"section": "compile", "framework": "hf", "variant": variant, "dtype": "fp32"}
             row.update(graph_breaks(step))
             log(f"hf fp32 {variant} compiled whole: {row['graphs']} graphs, {row['breaks']} graph breaks")
