@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from .cls_runs import MODEL_FOLDER, PREDICTION_FILES, label_order, read_predictions
+from .compare_report import _mean_sd
 from .paired import spread
 from .plots import forest, forest_row, pyplot, wrapped
 from .runs import run_dir
@@ -80,12 +81,6 @@ def class_lines(name: str, report: dict, digits: int) -> List[str]:
     for label, row in zip(report["labels"], report["confusion"]):
         lines.append(f"| {label} | " + " | ".join(map(str, row)) + " |")
     return lines
-
-
-def _mean_sd(m: dict, digits: int) -> str:
-    if m["mean"] is None:
-        return "-"
-    return f"{m['mean']:.{digits}f} ± {'n/a' if m['sd'] is None else format(m['sd'], f'.{digits}f')}"
 
 
 # -- what a regularizer dropped ---------------------------------------------------------------------

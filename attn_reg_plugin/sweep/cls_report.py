@@ -342,8 +342,9 @@ def write_comparison(records: List[dict], opts, data_text: str, started: float, 
         "seconds": round(time.time() - started, 1),
     }
     write_json(out / "results.json", summary)
-    (out / "results.md").write_text("\n".join(_wrap(lines)) + "\n", encoding="utf-8")
-    log("\n".join(_wrap(lines)))
+    text = "\n".join(_wrap(lines))
+    (out / "results.md").write_text(text + "\n", encoding="utf-8")
+    log(text)
     log(f"results: {out / 'results.md'}, {out / 'results.json'}" + (f", {drawn}" if drawn else ""))
     return summary
 
