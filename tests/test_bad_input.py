@@ -385,8 +385,8 @@ def test_fairseq_valid_options_build(tiny_mt_data, reg):
     built = {
         "ad_drop": getattr(criterion, "ad_drop", None),
         "attendout": task.attn_reg_attendout,
-        "sched_dropout": task.attn_reg_scheduled_dropout,
-        "layerdrop": task.attn_reg_layerdrop,
+        "sched_dropout": task.attn_reg_active.get("scheduled_dropout"),
+        "layerdrop": task.attn_reg_active.get("layerdrop"),
         "rdrop": getattr(criterion, "rdrop_config", None),
         "hiddencut": getattr(criterion, "hiddencut_config", None),
     }

@@ -12,17 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import FrozenSet, Mapping, Tuple
 
-# The regularizers, by the names the papers give them.
+# The regularizers that run passes of their own, by the names the papers give them; the others are the
+# registry's (:mod:`.regularizer`), each named there.
 AD_DROP = "AD-DROP"
 ATTENDOUT = "AttendOut"
-SCHEDULED_DROPOUT = "scheduled attention dropout"
-DROPKEY = "DropKey"
-ATTENTION_LAYERDROP = "attention LayerDrop"
-DROPHEAD = "DropHead"
 RDROP = "R-Drop"
 HIDDENCUT = "HiddenCut"
-# The order messages name them in.
-REGULARIZERS = (AD_DROP, ATTENDOUT, RDROP, HIDDENCUT, SCHEDULED_DROPOUT, DROPKEY, ATTENTION_LAYERDROP, DROPHEAD)
+
+
+def regularizer_names() -> Tuple[str, ...]:
+    """Every regularizer's name, in the order messages name them: the multi-pass ones, then the registry's."""
+    from .regularizer import registered
+
+    return (AD_DROP, ATTENDOUT, RDROP, HIDDENCUT, *(name for r in registered() for name in r.names))
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 from .attention_call import AttentionSite, EditScores
 from .controller import RegularizationController
 from .options import RegularizerOptions, attention_option, layers_option, option
+from .regularizer import Method, Regularizer, register
 from .scheduled_dropout import Schedule, first_dropping_update, parse_schedules, schedule_given, schedule_value
 
 
@@ -78,6 +79,10 @@ class DropHead:
     def probability(self, update: int) -> float:
         return schedule_value(self.schedule, update)
 
+    def logged(self, update: int) -> Dict[str, float]:
+        """What a training log says of ``update`` beside the rate: the probability."""
+        return {"p": self.probability(update)}
+
     def hooks(self, update: int) -> Dict[AttentionSite, EditScores]:
         """Hooks for one training forward at ``update``; the pass's record counts ``[dropped, (sample,
         head) pairs]``. The probability is a tensor: a compiled model sees it as data."""
@@ -85,3 +90,31 @@ class DropHead:
         if p <= 0:
             return {}
         return {s: EditScores(drop_heads=torch.tensor(p), counted=True) for s in self.sites}
+
+
+def _method_check(config: DropHeadConfig) -> None:
+    if not config.enabled:
+        raise ValueError(f"{config.name('schedule')} is empty: method drophead would not drop anything")
+
+
+REGULARIZER = register(
+    Regularizer(
+        "drophead",
+        "DropHead",
+        DropHeadConfig,
+        "schedule",
+        DropHead,
+        "attn_drophead",
+        counted=("dropped", "heads"),
+        methods=(
+            Method(
+                "drophead",
+                "DropHead: its V-shaped schedule is in updates, so give it for your run's length, e.g. "
+                "'drophead=--attn-drophead-schedule 0:0.1,N/2:0,N:0.1' for N updates",
+                {"schedule": "0:0.1"},
+                required=("--attn-drophead-schedule",),
+                check=_method_check,
+            ),
+        ),
+    )
+)

@@ -8,13 +8,14 @@ which fairseq and the Trainer seed per update, so runs are reproducible.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 from .attention_call import AttentionSite, EditScores
 from .controller import RegularizationController
 from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
+from .regularizer import Regularizer, register
 
 
 @dataclass
@@ -51,7 +52,11 @@ class AttentionLayerDrop:
             raise ValueError(f"{config.name('p')} is 0: attention LayerDrop is off; give p in (0, 1], or leave it out")
         self.sites: List[AttentionSite] = config.select_sites(controller)
 
-    def hooks(self) -> Dict[AttentionSite, EditScores]:
+    def logged(self, update: int) -> Dict[str, float]:
+        """Nothing beside the rate: p is fixed."""
+        return {}
+
+    def hooks(self, update: Optional[int] = None) -> Dict[AttentionSite, EditScores]:
         """Hooks for one training forward: each selected layer skipped with probability p.
 
         Every selected site gets a hook whose ``uniform_rows`` is a (1, 1, 1, 1) bool flag, True
@@ -62,3 +67,17 @@ class AttentionLayerDrop:
         # One draw per layer on the CPU generator: no device synchronisation.
         skipped = torch.rand(len(self.sites)) < self.config.p
         return {s: EditScores(uniform_rows=skip.view(1, 1, 1, 1), counted=True) for s, skip in zip(self.sites, skipped)}
+
+
+REGULARIZER = register(
+    Regularizer(
+        "layerdrop",
+        "attention LayerDrop",
+        AttentionLayerDropConfig,
+        "p",
+        AttentionLayerDrop,
+        "attn_layerdrop",
+        counted=("skipped", "calls"),
+        counts_calls=True,
+    )
+)

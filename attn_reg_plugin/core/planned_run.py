@@ -18,8 +18,7 @@ from typing import Optional
 
 from .ad_drop_config import ADDropConfig, first_ad_drop_epoch
 from .attendout.config import AttendOutConfig
-from .drophead import DropHeadConfig
-from .scheduled_dropout import ScheduledDropoutConfig
+from .regularizer import registered
 
 
 class IdleRegularizerWarning(UserWarning):
@@ -63,11 +62,14 @@ def idle_run_warning(config, epochs: Optional[int], updates: Optional[int], plan
             f"{_count(updates, 'update')} ({plan}): no dropout step will end, so the model is trained without "
             f"AttendOut. Lower {config.name('dropout_step')} to at most {updates}, or plan more updates{WHY_A_WARNING}"
         )
-    if isinstance(config, (ScheduledDropoutConfig, DropHeadConfig)) and config.enabled and updates is not None:
-        if config.first_dropping_update(updates) is None:
-            what = "DropHead" if isinstance(config, DropHeadConfig) else "scheduled attention dropout"
+    # A registry regularizer whose config can say when it first drops (a schedule over updates).
+    regularizer = next((r for r in registered() if isinstance(config, r.config)), None)
+    dropping = getattr(config, "first_dropping_update", None)
+    if regularizer is not None and dropping is not None and config.enabled and updates is not None:
+        if dropping(updates) is None:
+            what = regularizer.name
             return (
-                f"{setting(config, 'schedule', config.schedule)} is 0 at every one of the "
+                f"{setting(config, regularizer.switch, getattr(config, regularizer.switch))} is 0 at every one of the "
                 f"{_count(updates, 'update')} this run plans ({plan}): {what} will never "
                 f"drop anything. Give it a probability above 0 before update {updates}, or plan more "
                 f"updates{WHY_A_WARNING}"

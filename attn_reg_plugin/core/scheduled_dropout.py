@@ -23,10 +23,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .attention_call import AttentionSite, EditScores
-from .combinations import DROPKEY as DROPKEY_REGULARIZER
-from .combinations import SCHEDULED_DROPOUT
 from .controller import RegularizationController
 from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
+from .regularizer import Method, Regularizer, register
 from .rules import BernoulliRule
 
 logger = logging.getLogger(__name__)
@@ -34,6 +33,8 @@ logger = logging.getLogger(__name__)
 Schedule = List[Tuple[int, float]]  # (update, drop probability) knots, updates increasing
 
 DROPKEY = "dropkey"  # the preset's name in a schedule: 'dropkey:RATE'
+# The regularizers a schedule turns on, as messages name them (DropKey for 'dropkey:RATE').
+SCHEDULED_DROPOUT, DROPKEY_REGULARIZER = "scheduled attention dropout", "DropKey"
 
 
 def check_dropkey_rate(value, option: str) -> float:
@@ -246,6 +247,10 @@ class ScheduledAttentionDropout:
         """Drop probability of each selected layer at ``update``."""
         return {layer: schedule_value(s, update) for layer, s in self.schedule_of_layer.items()}
 
+    def logged(self, update: int) -> Dict[str, float]:
+        """What a training log says of ``update`` beside the rate: each selected layer's probability."""
+        return {f"p_layer{layer}": p for layer, p in self.probabilities(update).items()}
+
     def hooks(self, update: int) -> Dict[AttentionSite, EditScores]:
         """Hooks for one training forward at ``update``: each key dropped with its layer's probability,
         counted (the pass's record says how many units were dropped of how many)."""
@@ -261,3 +266,31 @@ class ScheduledAttentionDropout:
             for s in self.sites
             if probs[s.layer] > 0
         }
+
+
+def _dropkey_method_check(config: ScheduledDropoutConfig) -> None:
+    if dropkey_rate(config.schedule, config.name("schedule")) is None:
+        raise ValueError(f"{config.name('schedule')} must be dropkey:RATE for method dropkey, got {config.schedule!r}")
+
+
+REGULARIZER = register(
+    Regularizer(
+        "scheduled_dropout",
+        SCHEDULED_DROPOUT,
+        ScheduledDropoutConfig,
+        "schedule",
+        ScheduledAttentionDropout,
+        "attn_sched_dropout",
+        methods=(
+            Method(
+                "dropkey",
+                "DropKey, --attn-sched-dropout-schedule dropkey:0.1",
+                {"schedule": "dropkey:0.1"},
+                (("--attn-sched-dropout-schedule", "dropkey:0.1"),),
+                check=_dropkey_method_check,
+            ),
+        ),
+        named=lambda config: config.regularizer,
+        variants=(DROPKEY_REGULARIZER,),
+    )
+)

@@ -4,8 +4,8 @@ The registered tasks, one file each: ``attn_reg_translation`` and ``attn_reg_sen
 are fairseq's ``translation`` and ``sentence_prediction`` tasks plus these duties: after the model is built, every
 MultiheadAttention is routed through the core kernel (no new parameters); ``begin_epoch``
 records the 1-based epoch that cross-tuning reads; and the regularizers that need no special
-criterion run in ``train_step``: AttendOut (``--attendout``), scheduled Bernoulli attention
-dropout (``--attn-sched-dropout-*``) and attention LayerDrop (``--attn-layerdrop-*``).
+criterion run in ``train_step``: AttendOut (``--attendout``) and every regularizer of the registry
+(:mod:`..core.regularizer`, the plugin's and any registered outside the package), each with its flags.
 Validation and generation are untouched.
 """
 
@@ -22,20 +22,10 @@ from omegaconf import OmegaConf, open_dict
 from ..core.ad_drop_config import ad_drop_epoch
 from ..core.attendout import AttendOutConfig
 from ..core.attendout.config import generator_positions
-from ..core.combinations import (
-    AD_DROP,
-    ATTENDOUT,
-    ATTENTION_LAYERDROP,
-    DROPHEAD,
-    HIDDENCUT,
-    RDROP,
-    check_combination,
-)
+from ..core.combinations import AD_DROP, ATTENDOUT, HIDDENCUT, RDROP, check_combination
 from ..core.controller import RegularizationController
-from ..core.drophead import DropHead, DropHeadConfig
-from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from ..core.options import attribute_prefix
-from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
+from ..core.regularizer import by_key, registered
 from .attendout import FairseqAttendOut, reduce_attendout_metrics
 from .attendout_checkpoint import check_fairseq_supports_task_state
 from .attention import install_attention_sites
@@ -48,12 +38,7 @@ logger = logging.getLogger(__name__)
 # (core.options), after the switches and settings that exist only in fairseq.
 AttnRegTaskOptions = fairseq_options(
     "AttnRegTaskOptions",
-    [
-        AttendOutConfig,
-        ScheduledDropoutConfig,
-        AttentionLayerDropConfig,
-        DropHeadConfig,
-    ],
+    [AttendOutConfig, *(regularizer.config for regularizer in registered())],
     extra=[
         (
             "attendout",
@@ -91,18 +76,11 @@ AttnRegTaskOptions = fairseq_options(
 
 def task_regularizers_on(cfg) -> Dict[str, str]:
     """The task-level regularizers this run turns on (each validated first), each with its flag."""
-    sched = ScheduledDropoutConfig.from_namespace(cfg).validate()
-    layerdrop = AttentionLayerDropConfig.from_namespace(cfg).validate()
-    drophead = DropHeadConfig.from_namespace(cfg).validate()
-    on = {}
-    if getattr(cfg, "attendout", False):
-        on[ATTENDOUT] = "--attendout"
-    if sched.enabled:
-        on[sched.regularizer] = sched.name("schedule")
-    if layerdrop.enabled:
-        on[ATTENTION_LAYERDROP] = layerdrop.name("p")
-    if drophead.enabled:
-        on[DROPHEAD] = drophead.name("schedule")
+    configs = [(regularizer, regularizer.config.from_namespace(cfg).validate()) for regularizer in registered()]
+    on = {ATTENDOUT: "--attendout"} if getattr(cfg, "attendout", False) else {}
+    for regularizer, config in configs:
+        if config.enabled:
+            on[regularizer.name_of(config)] = config.name(regularizer.switch)
     return on
 
 
@@ -128,20 +106,23 @@ def refuse_task_regularizers_beside(criterion_name: str, task, regularizers: Tup
         check_combination({**criterion, **task_regularizers_on(cfg)})
 
 
-# Each task regularizer's switch: (its config, the field that turns it on; None: fairseq's --attendout).
-_SWITCHES = ((AttendOutConfig, None), (ScheduledDropoutConfig, "schedule"), (AttentionLayerDropConfig, "p"),
-             (DropHeadConfig, "schedule"))  # fmt: skip
+
+
+def _switches():
+    """Each task regularizer's switch: (its config, the field that turns it on; None: fairseq's --attendout)."""
+    return ((AttendOutConfig, None), *((r.config, r.switch) for r in registered()))
+
 _ATTENDOUT_EXTRAS = ("attendout_clip_norm", "attendout_valid_subset", "attendout_log_file")
 
 
 def _refuse_options_of_what_is_off(cfg) -> None:
     """An option of a task regularizer that is off, given another value than its default, would do
-    nothing, silently (a forgotten --attn-drophead-schedule trained plain, its layers unchecked): on
+    nothing, silently (a forgotten switch trained plain, its layers unchecked): on
     fairseq-train's command line it is refused. A hydra config (fairseq-hydra-train, a recipe) turns a
     regularizer off with one override: its other options there get one warning line naming them."""
     defaults = {f.name: f.default for f in dataclasses.fields(AttnRegTaskOptions)}
     command_line = _from_the_command_line(cfg)
-    for config_cls, switch in _SWITCHES:
+    for config_cls, switch in _switches():
         config = config_cls.from_namespace(cfg)
         if getattr(cfg, "attendout", False) if switch is None else config.enabled:
             continue
@@ -241,9 +222,7 @@ class AttnRegTaskMixin:
 
     attn_reg_epoch: int = 1
     attn_reg_controller: RegularizationController = None
-    attn_reg_scheduled_dropout = None
-    attn_reg_layerdrop = None
-    attn_reg_drophead = None
+    attn_reg_active: Dict[str, object] = {}  # the registry's regularizers this run turns on, by key, running
     attn_reg_attendout: FairseqAttendOut = None
     attn_reg_ad_drop_config = None  # set by an ad_drop criterion: the epoch's phase is logged
     attn_reg_train_batches = None  # this worker's training batches per epoch, once fairseq-train batched them
@@ -282,15 +261,11 @@ class AttnRegTaskMixin:
     def _build_task_regularizers(self, model) -> None:
         cfg = self.cfg
         # Selecting the sites here checks layers and kinds against the model, before training.
-        sched = ScheduledDropoutConfig.from_namespace(cfg)
-        if sched.enabled:
-            self.attn_reg_scheduled_dropout = ScheduledAttentionDropout(sched, self.attn_reg_controller)
-        layerdrop = AttentionLayerDropConfig.from_namespace(cfg)
-        if layerdrop.enabled:
-            self.attn_reg_layerdrop = AttentionLayerDrop(layerdrop, self.attn_reg_controller)
-        drophead = DropHeadConfig.from_namespace(cfg)
-        if drophead.enabled:
-            self.attn_reg_drophead = DropHead(drophead, self.attn_reg_controller)
+        self.attn_reg_active = {}
+        for regularizer in registered():
+            config = regularizer.config.from_namespace(cfg)
+            if config.enabled:
+                self.attn_reg_active[regularizer.key] = regularizer.build(config, self.attn_reg_controller)
         if cfg.attendout:
             config = AttendOutConfig.from_namespace(cfg)
             # Unset, the generator covers every sequence the model takes (source and target alike).
@@ -342,7 +317,7 @@ class AttnRegTaskMixin:
 
     def _attn_reg_configs(self):
         """The configs of the run's regularizers (at most one; AD-DROP's from the criterion)."""
-        regularizers = (self.attn_reg_attendout, self.attn_reg_scheduled_dropout, self.attn_reg_drophead)
+        regularizers = (self.attn_reg_attendout, *self.attn_reg_active.values())
         configs = [r.config for r in regularizers if r is not None]
         return configs + ([self.attn_reg_ad_drop_config] if self.attn_reg_ad_drop_config is not None else [])
 
@@ -355,32 +330,16 @@ class AttnRegTaskMixin:
 
     # -- training -------------------------------------------------------------------------
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
-        if self.attn_reg_scheduled_dropout is not None:
-            hooks = self.attn_reg_scheduled_dropout.hooks(update_num)
-        elif self.attn_reg_layerdrop is not None:
-            hooks = self.attn_reg_layerdrop.hooks()
-        elif self.attn_reg_drophead is not None:
-            hooks = self.attn_reg_drophead.hooks(update_num)
-        else:
-            hooks = {}
+        # The registry's regularizers plan this forward (at most one: core.combinations refuses two).
+        active = [(by_key(key), runner) for key, runner in self.attn_reg_active.items()]
+        hooks = {site: hook for _, runner in active for site, hook in runner.hooks(update_num).items()}
         # a checkpointed layer (--checkpoint-activations) carries these hooks (and AD-DROP's) to its recompute
         with self.attn_reg_controller.hooks(hooks) as record:
             loss, sample_size, log = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
-        # [dropped, real units] or [skipped, selected layer calls], counted by the kernel as it
-        # applied them; tensors, so no host-device sync inside the step (reduce_metrics sums them).
-        counts = record.calls() if self.attn_reg_layerdrop is not None else record.counts()
-        if self.attn_reg_scheduled_dropout is not None:
-            log.update(
-                attn_sched_dropout_dropped=counts[0], attn_sched_dropout_units=counts[1], attn_sched_dropout_steps=1
-            )
-            for layer, p in self.attn_reg_scheduled_dropout.probabilities(update_num).items():
-                log[f"attn_sched_dropout_p_layer{layer}"] = p
-        elif self.attn_reg_layerdrop is not None:
-            log.update(attn_layerdrop_skipped=counts[0], attn_layerdrop_calls=counts[1])
-        elif self.attn_reg_drophead is not None:
-            p = self.attn_reg_drophead.probability(update_num)
-            log.update(attn_drophead_dropped=counts[0], attn_drophead_heads=counts[1], attn_drophead_p=p)
-            log["attn_drophead_steps"] = 1
+        for regularizer, runner in active:
+            # e.g. [dropped, real units] or [skipped, selected layer calls], counted by the kernel as it
+            # applied them; tensors, so no host-device sync inside the step (reduce_metrics sums them).
+            log.update(regularizer.fairseq_log(runner, regularizer.counts(record), update_num))
         if self.attn_reg_attendout is not None:
             self._attn_reg_criterion = criterion  # the held-out evaluation in optimizer_step needs it
             log.update(
@@ -426,14 +385,16 @@ def _log_rate(logging_outputs, key: str, part: str, whole: str) -> None:
 def reduce_task_regularizer_metrics(logging_outputs) -> None:
     """The task-level regularizers' training metrics, per update interval and per epoch as fairseq
     logs every metric (the same keys as the Hugging Face trainers log)."""
-    _log_rate(logging_outputs, "attn_sched_dropout_rate", "attn_sched_dropout_dropped", "attn_sched_dropout_units")
-    _log_rate(logging_outputs, "attn_layerdrop_rate", "attn_layerdrop_skipped", "attn_layerdrop_calls")
-    _log_rate(logging_outputs, "attn_drophead_rate", "attn_drophead_dropped", "attn_drophead_heads")
-    for prefix, kept in (("attn_sched_dropout", "attn_sched_dropout_p_layer"), ("attn_drophead", "attn_drophead_p")):
+    for regularizer in registered():
+        prefix, (part, whole) = regularizer.log_prefix, regularizer.counted
+        _log_rate(logging_outputs, regularizer.rate_key(), f"{prefix}_{part}", f"{prefix}_{whole}")
+    for regularizer in registered():
+        prefix, counts = regularizer.log_prefix, {f"{regularizer.log_prefix}_{c}" for c in regularizer.counted}
         steps = [log for log in logging_outputs if f"{prefix}_steps" in log]
         # Divided by the summed step count, not averaged per log: fairseq sums the workers' logs key by key.
         n = utils.item(sum(log[f"{prefix}_steps"] for log in steps)) if steps else 0
-        for key in sorted(k for k in (steps[0] if n else ()) if k.startswith(kept)):
+        logged = (k for k in (steps[0] if n else ()) if k.startswith(prefix + "_") and k not in counts)
+        for key in sorted(k for k in logged if k != f"{prefix}_steps"):
             metrics.log_scalar(key, utils.item(sum(log[key] for log in steps)) / n, n, round=4)
 
 

@@ -1,28 +1,25 @@
-"""Scheduled attention dropout, attention LayerDrop and DropHead for transformers' Trainer.
+"""The registry's regularizers (:mod:`..core.regularizer`) for transformers' Trainer.
 
-:class:`AttnRegTrainer` / :class:`AttnRegSeq2SeqTrainer` add scheduled Bernoulli attention
-dropout (probability a piecewise-linear function of ``state.global_step``), attention
-LayerDrop or DropHead to the training forward; evaluation and generation are untouched.
-
-Same semantics as the fairseq task options ``--attn-sched-dropout-*``, ``--attn-layerdrop-*`` and
-``--attn-drophead-*``.
+:class:`AttnRegTrainer` / :class:`AttnRegSeq2SeqTrainer` take each registered regularizer's config by its
+key: ``scheduled_dropout=ScheduledDropoutConfig``, ``layerdrop=AttentionLayerDropConfig``,
+``drophead=DropHeadConfig`` and any registered outside the package. Its plan edits the training forward
+at ``state.global_step``; evaluation and generation are untouched. Same semantics and log keys as the
+fairseq task's flags.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 import transformers
 
 from ..core.attention_call import add_counts, zero_counts
-from ..core.combinations import ATTENTION_LAYERDROP, DROPHEAD, check_combination
+from ..core.combinations import check_combination
 from ..core.controller import RegularizationController
-from ..core.drophead import DropHead, DropHeadConfig
-from ..core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
 from ..core.options import named_by_field
-from ..core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
+from ..core.regularizer import registered
 from .attention import install_attention_sites
 from .combinations import trainer_regularizers
 from .notices import SiteReport, warn_if_idle
@@ -32,49 +29,42 @@ from .training_configurations import refuse_unsupported, refuse_unsupported_laun
 logger = logging.getLogger(__name__)
 
 
+def _spelled(regularizer, config) -> str:
+    """How the user turned ``regularizer`` on, for a refusal: its keyword and config, and the switch's value
+    where that decides which regularizer it is (DropKey's ``dropkey:RATE`` schedule)."""
+    switch = f"({regularizer.switch}={getattr(config, regularizer.switch)!r})" if regularizer.variants else ""
+    return f"{regularizer.key}={type(config).__name__}{switch}"
+
+
 class AttnRegTrainerMixin:
-    """Scheduled Bernoulli attention dropout, attention LayerDrop or DropHead around the training forward."""
+    """The registry's regularizers around the training forward (one per run: core.combinations)."""
 
     @staticmethod
     def attn_reg_regularizers(trainer, kwargs: Dict[str, object]) -> Dict[str, str]:
-        """What its ``scheduled_dropout`` / ``layerdrop`` / ``drophead`` turn on: from the keywords while a
-        mixin before it in the bases still holds them, else from what this mixin built of them."""
-        given = {k: kwargs.get(k) for k in ("scheduled_dropout", "layerdrop", "drophead")}
+        """What its regularizer keywords turn on: from the keywords while a mixin before it in the bases
+        still holds them, else from what this mixin built of them."""
+        given = {r.key: kwargs.get(r.key) for r in registered()}
         if all(config is None for config in given.values()):
-            built = (getattr(trainer, f"attn_reg_{k}", None) for k in given)  # None before this mixin ran
-            given = dict(zip(given, (getattr(r, "config", None) for r in built)))
-        scheduled, layerdrop, drophead = given.values()
+            active = getattr(trainer, "attn_reg_active", {})  # empty before this mixin ran
+            given = {key: runner.config for key, runner in active.items()}
         on = {}
-        if scheduled is not None:
-            on[scheduled.regularizer] = f"scheduled_dropout=ScheduledDropoutConfig(schedule={scheduled.schedule!r})"
-        if layerdrop is not None and layerdrop.enabled:
-            on[ATTENTION_LAYERDROP] = "layerdrop=AttentionLayerDropConfig"
-        if drophead is not None:
-            on[DROPHEAD] = "drophead=DropHeadConfig"
+        for regularizer in registered():
+            config = given.get(regularizer.key)
+            if config is not None:  # one that is off is refused by its regularizer, naming its switch
+                on[regularizer.name_of(config)] = _spelled(regularizer, config)
         return on
 
-    def __init__(
-        self,
-        *args,
-        scheduled_dropout: Optional[ScheduledDropoutConfig] = None,
-        layerdrop: Optional[AttentionLayerDropConfig] = None,
-        drophead: Optional[DropHeadConfig] = None,
-        **kwargs,
-    ):
-        given = {"scheduled_dropout": scheduled_dropout, "layerdrop": layerdrop, "drophead": drophead}
-        kinds = {
-            "scheduled_dropout": ScheduledDropoutConfig,
-            "layerdrop": AttentionLayerDropConfig,
-            "drophead": DropHeadConfig,
-        }
-        for name, kind in kinds.items():
-            if given[name] is not None and not isinstance(given[name], kind):
-                raise TypeError(f"{name} must be a {kind.__name__}, got {type(given[name]).__name__}")
+    def __init__(self, *args, **kwargs):
+        given = {r.key: kwargs.pop(r.key, None) for r in registered()}
+        for regularizer in registered():
+            config = given[regularizer.key]
+            if config is not None and not isinstance(config, regularizer.config):
+                raise TypeError(
+                    f"{regularizer.key} must be a {regularizer.config.__name__}, got {type(config).__name__}"
+                )
         if all(config is None for config in given.values()):
-            raise ValueError(
-                "AttnRegTrainer needs scheduled_dropout=ScheduledDropoutConfig(...), "
-                "layerdrop=AttentionLayerDropConfig(...) or drophead=DropHeadConfig(...)"
-            )
+            keywords = [f"{r.key}={r.config.__name__}(...)" for r in registered()]
+            raise ValueError(f"AttnRegTrainer needs {', '.join(keywords[:-1])} or {keywords[-1]}")
         for config in given.values():
             if config is not None:
                 named_by_field(config).validate()
@@ -84,82 +74,72 @@ class AttnRegTrainerMixin:
         # Before the Trainer's own setup: bad layers / kinds fail first.
         self.attn_reg_controller = RegularizationController()
         found = install_attention_sites(model, self.attn_reg_controller)
-        self.attn_reg_scheduled_dropout = (
-            ScheduledAttentionDropout(scheduled_dropout, self.attn_reg_controller)
-            if scheduled_dropout is not None
-            else None
-        )
-        self.attn_reg_drophead = DropHead(drophead, self.attn_reg_controller) if drophead is not None else None
-        self.attn_reg_layerdrop = (
-            AttentionLayerDrop(layerdrop, self.attn_reg_controller)
-            if self.attn_reg_scheduled_dropout is None and self.attn_reg_drophead is None
-            else None
-        )
+        # A config that is off is refused by its regularizer, naming its switch: nothing given is ignored.
+        self.attn_reg_active = {
+            regularizer.key: regularizer.build(given[regularizer.key], self.attn_reg_controller)
+            for regularizer in registered()
+            if given[regularizer.key] is not None
+        }
         self._attn_reg_reset()
         super().__init__(*args, **kwargs)
         refuse_unsupported_launch("AttnRegTrainer", self)  # what accelerate's own config turned on, too
-        regularizer = self.attn_reg_scheduled_dropout or self.attn_reg_drophead or self.attn_reg_layerdrop
-        warn_if_idle(self, regularizer.config)  # a schedule at 0 over the whole run never acts
-        self.attn_reg_site_report = SiteReport(found, regularizer.sites)
+        for runner in self.attn_reg_active.values():
+            warn_if_idle(self, runner.config)  # a schedule at 0 over the whole run never acts
+        sites = [site for runner in self.attn_reg_active.values() for site in runner.sites]
+        self.attn_reg_site_report = SiteReport(found, sites)
 
     def _attn_reg_reset(self) -> None:
-        # dropped / valid units, or skipped / selected layer calls, counted by the kernel as it
-        # applies them; tensors, so that a compiled model adds to them without a guard on their value
-        self._attn_reg_counts: List[Any] = zero_counts()
+        # done / of units (or layer calls) per regularizer, counted by the kernel as it applies them;
+        # tensors, so that a compiled model adds to them without a guard on their value
+        self._attn_reg_counts: Dict[str, List[Any]] = {key: zero_counts() for key in self.attn_reg_active}
         self._attn_reg_hooked_steps = 0  # training forwards that had at least one hook set
+
+    def _attn_reg_running(self):
+        by_key = {r.key: r for r in registered()}
+        return [(by_key[key], runner) for key, runner in self.attn_reg_active.items()]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (model.training and torch.is_grad_enabled()):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-        if self.attn_reg_scheduled_dropout is not None:
-            # Every micro-batch of an update uses that update's probability.
-            hooks = self.attn_reg_scheduled_dropout.hooks(self.state.global_step)
-        elif self.attn_reg_drophead is not None:
-            hooks = self.attn_reg_drophead.hooks(self.state.global_step)
-        else:
-            hooks = self.attn_reg_layerdrop.hooks()
+        running = self._attn_reg_running()
+        # Every micro-batch of an update uses that update's plan.
+        hooks = {s: h for _, runner in running for s, h in runner.hooks(self.state.global_step).items()}
         self._attn_reg_hooked_steps += bool(hooks)
         with self.attn_reg_controller.hooks(hooks) as record:
             result = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-        counts = record.calls() if self.attn_reg_layerdrop is not None else record.counts()
-        self._attn_reg_counts = add_counts(self._attn_reg_counts, counts)
+        for regularizer, _ in running:
+            counts = regularizer.counts(record)
+            self._attn_reg_counts[regularizer.key] = add_counts(self._attn_reg_counts[regularizer.key], counts)
         return result
 
     def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # a training log
-            dropped, total = (int(c) for c in self._attn_reg_counts)
-            if self._attn_reg_hooked_steps and total == 0:
-                logger.warning(
-                    "attn_reg: %d training forwards set regularizer hooks, but the attention kernel applied "
-                    "none: the model's attention modules did not reach attn_reg_plugin's kernel",
-                    self._attn_reg_hooked_steps,
-                )
-            rate = dropped / total if total else 0.0
-            if self.attn_reg_scheduled_dropout is not None:
-                logs["attn_sched_dropout_rate"] = round(rate, 6)  # measured over the interval's real units
-                last_update = max(self.state.global_step - 1, 0)  # the interval's last update
-                for layer, p in self.attn_reg_scheduled_dropout.probabilities(last_update).items():
-                    logs[f"attn_sched_dropout_p_layer{layer}"] = round(p, 6)
-            elif self.attn_reg_drophead is not None:
-                logs["attn_drophead_rate"] = round(rate, 6)  # fraction of (sample, head) outputs dropped
-                logs["attn_drophead_p"] = round(
-                    self.attn_reg_drophead.probability(max(self.state.global_step - 1, 0)), 6
-                )
-            else:
-                logs["attn_layerdrop_rate"] = round(rate, 6)  # fraction of selected layer passes skipped
+            last_update = max(self.state.global_step - 1, 0)  # the interval's last update
+            for regularizer, runner in self._attn_reg_running():
+                done, total = (int(c) for c in self._attn_reg_counts[regularizer.key])
+                if self._attn_reg_hooked_steps and total == 0:
+                    logger.warning(
+                        "attn_reg: %d training forwards set regularizer hooks, but the attention kernel applied "
+                        "none: the model's attention modules did not reach attn_reg_plugin's kernel",
+                        self._attn_reg_hooked_steps,
+                    )
+                # measured over the interval's real units (or layer calls), then what it logs of the update
+                logs[regularizer.rate_key()] = round(done / total if total else 0.0, 6)
+                for name, value in runner.logged(last_update).items():
+                    logs[f"{regularizer.log_prefix}_{name}"] = round(value, 6)
             self._attn_reg_reset()
         self.attn_reg_site_report.add_once(logs)
         return super().log(logs, *args, **kwargs)
 
 
 class AttnRegTrainer(AttnRegTrainerMixin, transformers.Trainer):
-    """``transformers.Trainer`` with ``scheduled_dropout=ScheduledDropoutConfig``,
-    ``layerdrop=AttentionLayerDropConfig`` or ``drophead=DropHeadConfig``."""
+    """``transformers.Trainer`` with one of the registry's regularizers: ``scheduled_dropout=ScheduledDropoutConfig``,
+    ``layerdrop=AttentionLayerDropConfig``, ``drophead=DropHeadConfig``, or one registered outside the package."""
 
 
 class AttnRegSeq2SeqTrainer(AttnRegTrainerMixin, transformers.Seq2SeqTrainer):
-    """``transformers.Seq2SeqTrainer`` with ``scheduled_dropout``, ``layerdrop`` or ``drophead``."""
+    """``transformers.Seq2SeqTrainer`` with one of the registry's regularizers."""

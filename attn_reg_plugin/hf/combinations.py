@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict
 
-from ..core.combinations import REGULARIZERS, check_combination
+from ..core.combinations import check_combination, regularizer_names
 
 # A mixin's ``attn_reg_regularizers(trainer, kwargs)``: the regularizers it turns on, each with its keyword.
 TurnsOn = Callable[[object, Dict[str, object]], Dict[str, str]]
@@ -29,7 +29,7 @@ def trainer_regularizers(trainer, kwargs: Dict[str, object]) -> Dict[str, str]:
         declared = cls.__dict__.get("attn_reg_regularizers")
         if declared is not None:
             on.update(declared.__func__(trainer, kwargs))
-    return {r: on[r] for r in REGULARIZERS if r in on}
+    return {r: on[r] for r in regularizer_names() if r in on}
 
 
 def check_trainer_combination(trainer, kwargs: Dict[str, object]) -> None:

@@ -2,16 +2,16 @@
 (and the lab's attn-reg-fewshot) build per method, so that every method gets the same model,
 ``TrainingArguments``, data and collator and differs only in what its regularizer does.
 
-Methods: plain (the stock ``transformers.Trainer``), ad-drop, attendout, r-drop, hiddencut, drophead,
-dropkey and ad-drop-r-drop (R-Drop over AD-DROP's masked pass, the one combination the plugin allows).
+Methods: plain (the stock ``transformers.Trainer``), ad-drop, attendout, r-drop, hiddencut, the methods of
+the regularizer registry (:mod:`..core.regularizer`: drophead, dropkey and any registered outside the
+package, each through ``AttnRegTrainer``) and ad-drop-r-drop (R-Drop over AD-DROP's masked pass, the one
+combination the plugin allows).
 A method's options are its config's fields as flags (``--ad-drop-p``, ``--rdrop-alpha``, ...: the
 fairseq flags' names), declared once per option group (:data:`OPTION_GROUPS`), so that a command adds
 each group once however many methods share it. Defaults for sentence classifiers: AD-DROP p = q = 0.3;
 R-Drop alpha 1.0 (no single GLUE value of the R-Drop paper was found to cite; the plugin's own default,
-5, is the paper's MT value); HiddenCut ratio 0.1, top 0.4, alpha 1 (its official script); DropHead p 0.1
-constant (the paper's V schedule depends on the run's length: give it as knots, e.g.
-``--attn-drophead-schedule 0:0.1,N/2:0,N:0.1`` for N updates); DropKey rate 0.1 (layer l of L dropped
-at 0.1 * (1 - l/L)); AttendOut a dropout step every 4 updates (few-shot runs are short).
+5, is the paper's MT value); HiddenCut ratio 0.1, top 0.4, alpha 1 (its official script); AttendOut a
+dropout step every 4 updates (few-shot runs are short); a registry method's are its ``Method.defaults``.
 """
 
 from __future__ import annotations
@@ -20,23 +20,28 @@ import argparse
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 # An option group: (the core module, its config class, the defaults for classifiers). Its flags are
 # the config's FLAG_PREFIX + field; every field but ``attention`` (encoder-self, found by the trainer).
+# A registry method is an option group of its own (its regularizer's config, its Method.defaults).
 OPTION_GROUPS: Dict[str, Tuple[str, str, dict]] = {
     "ad-drop": ("ad_drop_config", "ADDropConfig", {"p": 0.3, "q": 0.3}),
     "attendout": ("attendout", "AttendOutConfig", {"dropout_step": 4}),
     "r-drop": ("rdrop", "RDropConfig", {"alpha": 1.0}),
     "hiddencut": ("hiddencut", "HiddenCutConfig", {}),
-    "drophead": ("drophead", "DropHeadConfig", {"schedule": "0:0.1"}),
-    "dropkey": ("scheduled_dropout", "ScheduledDropoutConfig", {"schedule": "dropkey:0.1"}),
 }
 
 
 def config_class(group: str):
-    module, name, _ = OPTION_GROUPS[group]
-    return getattr(importlib.import_module(f"attn_reg_plugin.core.{module}"), name)
+    if group in OPTION_GROUPS:
+        module, name, _ = OPTION_GROUPS[group]
+        return getattr(importlib.import_module(f"attn_reg_plugin.core.{module}"), name)
+    return registry_methods()[group][0].config
+
+
+def group_defaults(group: str) -> dict:
+    return OPTION_GROUPS[group][2] if group in OPTION_GROUPS else dict(registry_methods()[group][1].defaults)
 
 
 def add_option_group(parser: argparse.ArgumentParser, group: str) -> None:
@@ -46,7 +51,7 @@ def add_option_group(parser: argparse.ArgumentParser, group: str) -> None:
     cls = config_class(group)
     fields = [o.name for o in options_of(cls) if o.name != "attention"]
     target = parser.add_argument_group(group, f"{group} options (attn_reg_plugin {cls.__name__} fields)")
-    add_arguments(target, cls, only=fields, defaults=OPTION_GROUPS[group][2])
+    add_arguments(target, cls, only=fields, defaults=group_defaults(group))
 
 
 def option_prefix(group: str) -> str:
@@ -76,18 +81,15 @@ class Method:
     option_groups: Tuple[str, ...] = ()
     min_epochs: Callable[[argparse.Namespace], int] = lambda opts: 1
     log_keys: Tuple[str, ...] = ()
+    check: Optional[Callable[[object], None]] = None  # a registry method's: its config is this method
 
     def settings(self, opts) -> dict:
         out = {}
         for group in self.option_groups:
             config = group_config(group, opts).validate()
+            if self.check is not None:
+                self.check(config)
             out.update(_recorded_fields(group, config))
-        if self.name == "dropkey" and not out["schedule"].strip().startswith("dropkey:"):
-            raise ValueError(
-                f"--attn-sched-dropout-schedule must be dropkey:RATE for method dropkey, got {out['schedule']!r}"
-            )
-        if self.name == "drophead" and not group_config("drophead", opts).enabled:
-            raise ValueError("--attn-drophead-schedule is empty: method drophead would not drop anything")
         return out
 
     @property
@@ -158,6 +160,24 @@ def _build_attn_reg(keyword: str, group: str):
     return build
 
 
+def registry_methods():
+    from ..core.regularizer import methods
+
+    return methods()
+
+
+def _registry_method(regularizer, method) -> Method:
+    """A method of the regularizer registry, trained by ``AttnRegTrainer(<key>=<config>)``."""
+    return Method(
+        method.name,
+        f"attn_reg_plugin.hf.AttnRegTrainer({regularizer.key}={regularizer.config.__name__}): {method.help}",
+        _build_attn_reg(regularizer.key, method.name),
+        (method.name,),
+        log_keys=regularizer.log_keys(),
+        check=method.check,
+    )
+
+
 @functools.cache
 def ad_drop_rdrop_trainer_class():
     """R-Drop over AD-DROP's masked pass: the bases in the one order the plugin allows (HF.md, R-Drop)."""
@@ -211,20 +231,7 @@ METHODS: Dict[str, Method] = {
         ("hiddencut",),
         log_keys=("hiddencut_js", "hiddencut_cut", "hiddencut_tokens"),
     ),
-    "drophead": Method(
-        "drophead",
-        "attn_reg_plugin.hf.AttnRegTrainer(drophead=DropHeadConfig)",
-        _build_attn_reg("drophead", "drophead"),
-        ("drophead",),
-        log_keys=("attn_drophead_rate", "attn_drophead_p"),
-    ),
-    "dropkey": Method(
-        "dropkey",
-        "attn_reg_plugin.hf.AttnRegTrainer(scheduled_dropout=ScheduledDropoutConfig(schedule='dropkey:RATE'))",
-        _build_attn_reg("scheduled_dropout", "dropkey"),
-        ("dropkey",),
-        log_keys=("attn_sched_dropout_rate", "attn_sched_dropout_p_layer*"),
-    ),
+    **{name: _registry_method(regularizer, method) for name, (regularizer, method) in registry_methods().items()},
     "ad-drop-r-drop": Method(
         "ad-drop-r-drop",
         "R-Drop over AD-DROP's masked pass (ADDropTrainerMixin, RDropTrainerMixin, transformers.Trainer)",

@@ -15,8 +15,15 @@ from .paired import spread
 from .plots import forest, forest_row, pyplot, wrapped
 from .runs import run_dir
 
-# The Trainer log keys that are a share of attention (or hidden units) the method dropped, by method's key.
-RATE_KEYS = ("ad_drop_rate", "attn_drophead_rate", "attn_sched_dropout_rate")
+
+
+def rate_keys() -> tuple:
+    """The Trainer log keys that are a share of attention the method dropped: AD-DROP's and each of the
+    regularizer registry's rates."""
+    from ..core.regularizer import registered
+
+    return ("ad_drop_rate", *(r.rate_key() for r in registered()))
+
 CLASS_SCORES = ("precision", "recall", "f1")
 
 
@@ -95,7 +102,7 @@ def drop_rate(record: dict) -> Optional[dict]:
         for epoch in run.get("epochs", []):
             if epoch.get("ad_drop_on") == 0:
                 continue  # a cross-tuning plain epoch: nothing dropped, by design
-            for k in RATE_KEYS:
+            for k in rate_keys():
                 if epoch.get(k) is not None:
                     key = k
                     values.append(epoch[k])

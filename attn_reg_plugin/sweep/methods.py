@@ -2,8 +2,9 @@
 user's own (``--task attn_reg_translation`` for all), with its own options given by ``--method-args``.
 
 A method's defaults are its paper's where the paper gives one for MT (R-Drop's alpha 5), else the
-plugin's own defaults (AD-DROP, AttendOut, HiddenCut) or the documented example (DropKey's base rate
-0.1); DropHead's V-shaped schedule is in updates, so the user gives it. A method is accepted only
+plugin's own defaults (AD-DROP, AttendOut, HiddenCut), or, for a method of the regularizer registry
+(:mod:`..core.regularizer`: drophead, dropkey and any registered outside the package), its
+``Method.mt_defaults`` and the flags it requires (``Method.required``). A method is accepted only
 when the installed plugin provides its criterion and task option (:func:`plugin_provides`). A
 method's ``--method-args`` replace its defaults option by option and may only name that method's
 own options (its flag prefixes): a comparison of single regularizers, each against plain, and of the
@@ -18,6 +19,7 @@ import shlex
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ..core.ad_drop_config import first_ad_drop_epoch
+from ..core.regularizer import methods, registered
 from .options import AD_DROP_CRITERION, PLAIN_CRITERION, SweepError
 
 RDROP_CRITERION = "rdrop_label_smoothed_cross_entropy"
@@ -34,6 +36,14 @@ class Method(NamedTuple):
     required: Tuple[str, ...] = ()  # options the user must give (no default fits every run)
 
 
+def _registry_method(regularizer, method) -> Method:
+    """A method of the regularizer registry: the plain criterion and its regularizer's task flags, its
+    switch the option the task must have."""
+    prefix = regularizer.config.FLAG_PREFIX
+    switch = prefix + regularizer.switch.replace("_", "-")
+    return Method(PLAIN_CRITERION, method.mt_defaults, (prefix,), switch, method.help, method.required)
+
+
 METHODS: Dict[str, Method] = {
     "plain": Method(PLAIN_CRITERION, (), (), None, "label_smoothed_cross_entropy, no regularizer (the reference)"),
     "ad-drop": Method(AD_DROP_CRITERION, (), ("--ad-drop-",), None, "AD-DROP, the plugin's --ad-drop-* defaults"),
@@ -46,22 +56,7 @@ METHODS: Dict[str, Method] = {
         "R-Drop over AD-DROP's masked pass, the --ad-drop-* defaults and alpha 5",
     ),
     "hiddencut": Method(HIDDENCUT_CRITERION, (), ("--hiddencut-",), None, "HiddenCut, its criterion's defaults"),
-    "drophead": Method(
-        PLAIN_CRITERION,
-        (),
-        ("--attn-drophead-",),
-        "--attn-drophead-schedule",
-        "DropHead: its V-shaped schedule is in updates, so give it for your run's length, e.g. "
-        "'drophead=--attn-drophead-schedule 0:0.1,N/2:0,N:0.1' for N updates",
-        ("--attn-drophead-schedule",),
-    ),
-    "dropkey": Method(
-        PLAIN_CRITERION,
-        (("--attn-sched-dropout-schedule", "dropkey:0.1"),),
-        ("--attn-sched-dropout-",),
-        "--attn-sched-dropout-schedule",
-        "DropKey, --attn-sched-dropout-schedule dropkey:0.1",
-    ),
+    **{name: _registry_method(regularizer, method) for name, (regularizer, method) in methods().items()},
     "attendout": Method(
         PLAIN_CRITERION, (("--attendout",),), ("--attendout",), "--attendout", "AttendOut, the plugin's defaults"
     ),
@@ -71,10 +66,8 @@ METHOD_FLAG_PREFIXES = (
     "--ad-drop-",
     "--rdrop-",
     "--hiddencut-",
-    "--attn-sched-dropout-",
     "--attendout",
-    "--attn-layerdrop-",
-    "--attn-drophead-",
+    *(regularizer.config.FLAG_PREFIX for regularizer in registered()),
 )
 NAME_LIMIT = 60
 # A row's name is a folder under runs/ and a file under cells/, and part of fairseq-generate's

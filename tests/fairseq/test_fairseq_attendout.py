@@ -298,7 +298,7 @@ def test_layerdrop_p1_makes_fairseq_encoder_attention_uniform(tiny_mt_data):
     torch.manual_seed(0)
     x = torch.randn(5, 2, 16)  # (T, B, E)
     pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
-    with task.attn_reg_controller.hooks(task.attn_reg_layerdrop.hooks()):
+    with task.attn_reg_controller.hooks(task.attn_reg_active.get("layerdrop").hooks()):
         out, _ = attn(x, x, x, key_padding_mask=pad, need_weights=False)
     v = attn.v_proj(x)
     expected = torch.stack([v[:, 0].mean(0), v[:3, 1].mean(0)])  # mean of each sample's real values
@@ -338,7 +338,7 @@ def test_dropkey_preset_logs_each_layers_depth_rate(tiny_mt_data):
         "encoder-self,decoder-self",
     ]
     task, trainer, itr = _trainer(tiny_mt_data["bin"], extra)
-    assert task.attn_reg_scheduled_dropout.probabilities(0) == pytest.approx({0: 0.4, 1: 0.2})
+    assert task.attn_reg_active.get("scheduled_dropout").probabilities(0) == pytest.approx({0: 0.4, 1: 0.2})
     for batch, _ in zip(itr, range(2)):
         log = trainer.train_step([batch])
         assert torch.isfinite(torch.tensor(float(log["loss"])))

@@ -518,7 +518,7 @@ def test_layerdrop_p1_is_exactly_uniform_through_bert_attention(tmp_path):
         )
     handle.remove()
     # Layer 0 is not selected: never skipped, and the logged rate counts the one selected layer.
-    assert trainer.attn_reg_layerdrop.sites == [s for s in trainer.attn_reg_controller.sites if s.layer == 1]
+    assert trainer.attn_reg_active["layerdrop"].sites == [s for s in trainer.attn_reg_controller.sites if s.layer == 1]
 
 
 def test_layerdrop_rate_logged(tmp_path):

@@ -1,0 +1,192 @@
+"""A regularizer is one object, registered once; everything that offers regularizers loops over the registry.
+
+A :class:`Regularizer` declares what the adapters and the comparison commands need to know about it:
+
+- its options: a :class:`~.options.RegularizerOptions` dataclass (declared once; fairseq flags, HF
+  keywords and the comparison commands' flags all come from it) and the field that turns it on;
+- what it does to a training forward: ``build(config, controller)`` returns the running regularizer,
+  whose ``hooks(update)`` are the plan of one training forward (the edits of the attention calls it
+  selects) and whose ``logged(update)`` are the numbers it logs beside its rate;
+- what it logs: its rate is ``counted[0] / counted[1]`` as the kernel counted them where it applied the
+  edits (``log_prefix + "_rate"``);
+- what it cannot be combined with: every pair is refused unless :mod:`.combinations` lists it;
+- its defaults as a method of ``attn-reg-mt-compare`` and ``attn-reg-cls-compare`` (:class:`Method`).
+
+The fairseq task (``--attn-...`` flags, ``train_step``, the metrics), ``AttnRegTrainer`` (its keywords),
+both comparison commands' method tables, the combination check and the idle-run warning read
+:func:`registered`; a new regularizer is one file and one :func:`register` call. A file outside the
+package is loaded by naming it in ``ATTN_REG_EXTENSIONS`` (paths or module names, separated by ``os.pathsep``
+or commas): the plugin imports it before it builds fairseq's task options, in every process that
+imports the plugin (fairseq-train, the comparison commands' runs). docs/PORTING.md#your-own-regularizer.
+
+Registered here: scheduled attention dropout (and DropKey, its ``dropkey:RATE`` schedule), attention
+LayerDrop, DropHead: the regularizers that only edit the training forward's attention calls. AD-DROP,
+AttendOut, R-Drop and HiddenCut run passes of their own and keep their criteria and trainers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+EXTENSIONS_ENV = "ATTN_REG_EXTENSIONS"
+
+
+@dataclass(frozen=True)
+class Method:
+    """A regularizer as a method of the comparison commands.
+
+    ``defaults``: its config's field values for attn-reg-cls-compare's classifiers (the config's own
+    defaults otherwise); ``mt_defaults``: fairseq-train flag groups for attn-reg-mt-compare (``(flag,
+    value)``); ``required``: flags the user must give in MT (no default fits every run's length);
+    ``check(config)``: raises ValueError (naming the option) when the config is not this method."""
+
+    name: str
+    help: str
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    mt_defaults: Tuple[Tuple[str, ...], ...] = ()
+    required: Tuple[str, ...] = ()
+    check: Optional[Callable[[Any], None]] = None
+
+
+@dataclass(frozen=True)
+class Regularizer:
+    """One regularizer of the training forward: its options, its plan, its log and its methods.
+
+    ``key``: the HF trainers' keyword (``AttnRegTrainer(drophead=DropHeadConfig(...))``) and the name the
+    adapters keep it under. ``name``: as the papers name it, in messages; ``named(config)`` may name a
+    variant (DropKey is scheduled dropout's ``dropkey:RATE``). ``switch``: the config field that turns it
+    on (a config is on when ``config.enabled``). ``build(config, controller)``: the running regularizer
+    (``.config``, ``.sites``, ``.hooks(update)``, ``.logged(update)``). ``counted``: the names of the
+    two counts the kernel returns, logged in fairseq as ``log_prefix + "_" + name``; ``counts_calls``:
+    they count layer calls (a call made uniform), not units. ``variants``: every name ``named`` may give."""
+
+    key: str
+    name: str
+    config: type
+    switch: str
+    build: Callable[[Any, Any], Any]
+    log_prefix: str
+    counted: Tuple[str, str] = ("dropped", "units")
+    counts_calls: bool = False
+    methods: Tuple[Method, ...] = ()
+    named: Optional[Callable[[Any], str]] = None
+    variants: Tuple[str, ...] = ()
+
+    def name_of(self, config) -> str:
+        """The regularizer ``config`` turns on, as :mod:`.combinations` names it."""
+        return self.named(config) if self.named is not None else self.name
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return (self.name, *self.variants)
+
+    def counts(self, record) -> list:
+        """[done, of] for one pass, as the kernel counted them (tensors: no host read)."""
+        return record.calls() if self.counts_calls else record.counts()
+
+    def fairseq_log(self, runner, counts, update: int) -> Dict[str, Any]:
+        """One fairseq step's logging output: the two counts (summed by :func:`reduce_fairseq_logs`) and
+        the logged numbers, with a step count when there are some (fairseq sums workers' logs key by key)."""
+        log = {f"{self.log_prefix}_{self.counted[0]}": counts[0], f"{self.log_prefix}_{self.counted[1]}": counts[1]}
+        values = runner.logged(update)
+        if values:
+            log.update({f"{self.log_prefix}_{k}": v for k, v in values.items()})
+            log[f"{self.log_prefix}_steps"] = 1
+        return log
+
+    def rate_key(self) -> str:
+        return f"{self.log_prefix}_rate"
+
+    def log_keys(self) -> Tuple[str, ...]:
+        """The keys a run's training logs have for it (``*``: a prefix), in HF and fairseq alike."""
+        return (self.rate_key(), f"{self.log_prefix}_*")
+
+
+_REGISTRY: Dict[str, Regularizer] = {}
+_FLAG = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def register(regularizer: Regularizer) -> Regularizer:
+    """Add ``regularizer`` to the registry (every adapter and command that loops over regularizers sees
+    it). Refused, naming the clash, when its key, a name, a method or a flag prefix is already taken."""
+    if not _FLAG.fullmatch(regularizer.key):
+        raise ValueError(f"Regularizer.key must be a Python keyword-like name (a-z, 0-9, _), got {regularizer.key!r}")
+    for other in _REGISTRY.values():
+        clashes = {
+            "key": regularizer.key == other.key,
+            "name": bool(set(regularizer.names) & set(other.names)),
+            "method": bool({m.name for m in regularizer.methods} & {m.name for m in other.methods}),
+            "flag prefix": regularizer.config.FLAG_PREFIX == other.config.FLAG_PREFIX,
+            "log prefix": regularizer.log_prefix == other.log_prefix,
+        }
+        taken = [what for what, clash in clashes.items() if clash]
+        if taken:
+            raise ValueError(f"regularizer {regularizer.name!r}: its {', '.join(taken)} already belong to {other.name!r}")
+    _REGISTRY[regularizer.key] = regularizer
+    return regularizer
+
+
+def _order(regularizer: Regularizer) -> Tuple[int, int]:
+    """The plugin's in :data:`PLUGIN_MODULES`' order (whichever was imported first), then the others as registered."""
+    module = regularizer.config.__module__.rpartition(".")[2]
+    plugin = PLUGIN_MODULES.index(module) if regularizer.config.__module__.startswith(__package__ + ".") else None
+    return (plugin if plugin is not None else len(PLUGIN_MODULES), list(_REGISTRY).index(regularizer.key))
+
+
+def registered() -> Tuple[Regularizer, ...]:
+    """The registered regularizers, in the order they were registered (the plugin's first)."""
+    _load_plugin_regularizers()
+    load_extensions()
+    return tuple(sorted(_REGISTRY.values(), key=_order))
+
+
+def by_key(key: str) -> Regularizer:
+    registered()
+    return _REGISTRY[key]
+
+
+def methods() -> Dict[str, Tuple[Regularizer, Method]]:
+    """Every registered regularizer's comparison methods by name, in the order of their names."""
+    return dict(sorted((m.name, (r, m)) for r in registered() for m in r.methods))
+
+
+_LOADED: List[str] = []
+
+
+def load_extensions() -> None:
+    """Import the files and modules named in ``ATTN_REG_EXTENSIONS`` once each: their :func:`register` calls
+    run before anything reads the registry. A name that cannot be imported fails here, naming it."""
+    spec = os.environ.get(EXTENSIONS_ENV, "")
+    for name in (n.strip() for n in re.split(f"[,{re.escape(os.pathsep)}]", spec)):
+        if not name or name in _LOADED:
+            continue
+        _LOADED.append(name)  # before the import: the file registers by importing this module
+        try:
+            if name.endswith(".py") or os.sep in name:
+                module_spec = importlib.util.spec_from_file_location(
+                    f"attn_reg_extension_{len(_LOADED)}", os.path.abspath(name)
+                )
+                if module_spec is None or not os.path.isfile(name):
+                    raise ImportError(f"no such file: {os.path.abspath(name)}")
+                module = importlib.util.module_from_spec(module_spec)
+                module_spec.loader.exec_module(module)
+            else:
+                importlib.import_module(name)
+        except Exception as error:
+            _LOADED.remove(name)
+            raise ImportError(f"{EXTENSIONS_ENV}: cannot load {name!r}: {error}") from error
+
+
+# The plugin's own regularizers: each module declares and registers its own, imported on the registry's
+# first read (they import this module).
+PLUGIN_MODULES = ("scheduled_dropout", "layerdrop", "drophead")
+
+
+def _load_plugin_regularizers() -> None:
+    for module in PLUGIN_MODULES:
+        importlib.import_module(f"{__package__}.{module}")
