@@ -19,8 +19,8 @@ package is loaded by naming it in ``ATTN_REG_EXTENSIONS`` (paths or module names
 or commas): the plugin imports it before it builds fairseq's task options, in every process that
 imports the plugin (fairseq-train, the comparison commands' runs). docs/PORTING.md#your-own-regularizer.
 
-Registered here: scheduled attention dropout (and DropKey, its ``dropkey:RATE`` schedule), attention
-LayerDrop, DropHead: the regularizers that only edit the training forward's attention calls. AD-DROP,
+Registered by the plugin: the regularizers that only edit the training forward's attention calls, each
+by its own module (:data:`PLUGIN_MODULES`). AD-DROP,
 AttendOut, R-Drop and HiddenCut run passes of their own and keep their criteria and trainers.
 """
 
@@ -57,7 +57,7 @@ class Method:
 class Regularizer:
     """One regularizer of the training forward: its options, its plan, its log and its methods.
 
-    ``key``: the HF trainers' keyword (``AttnRegTrainer(drophead=DropHeadConfig(...))``) and the name the
+    ``key``: the HF trainers' keyword (``AttnRegTrainer(layerdrop=AttentionLayerDropConfig(...))``) and the name the
     adapters keep it under. ``name``: as the papers name it, in messages; ``named(config)`` may name a
     variant (DropKey is scheduled dropout's ``dropkey:RATE``). ``switch``: the config field that turns it
     on (a config is on when ``config.enabled``). ``build(config, controller)``: the running regularizer

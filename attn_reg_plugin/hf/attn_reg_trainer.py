@@ -2,7 +2,7 @@
 
 :class:`AttnRegTrainer` / :class:`AttnRegSeq2SeqTrainer` take each registered regularizer's config by its
 key: ``scheduled_dropout=ScheduledDropoutConfig``, ``layerdrop=AttentionLayerDropConfig``,
-``drophead=DropHeadConfig`` and any registered outside the package. Its plan edits the training forward
+and every other regularizer registered, the plugin's or one outside the package. Its plan edits the training forward
 at ``state.global_step``; evaluation and generation are untouched. Same semantics and log keys as the
 fairseq task's flags.
 """
@@ -138,7 +138,7 @@ class AttnRegTrainerMixin:
 
 class AttnRegTrainer(AttnRegTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` with one of the registry's regularizers: ``scheduled_dropout=ScheduledDropoutConfig``,
-    ``layerdrop=AttentionLayerDropConfig``, ``drophead=DropHeadConfig``, or one registered outside the package."""
+    ``layerdrop=AttentionLayerDropConfig``, or any other registered one, by its key."""
 
 
 class AttnRegSeq2SeqTrainer(AttnRegTrainerMixin, transformers.Seq2SeqTrainer):

@@ -3,7 +3,7 @@
 ``TrainingArguments``, data and collator and differs only in what its regularizer does.
 
 Methods: plain (the stock ``transformers.Trainer``), ad-drop, attendout, r-drop, hiddencut, the methods of
-the regularizer registry (:mod:`..core.regularizer`: drophead, dropkey and any registered outside the
+the regularizer registry (:mod:`..core.regularizer`: the plugin's and any registered outside the
 package, each through ``AttnRegTrainer``) and ad-drop-r-drop (R-Drop over AD-DROP's masked pass, the one
 combination the plugin allows).
 A method's options are its config's fields as flags (``--ad-drop-p``, ``--rdrop-alpha``, ...: the

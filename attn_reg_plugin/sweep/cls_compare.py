@@ -14,7 +14,7 @@ classes included; ``--train-size N`` draws N training examples at random per see
 method at that seed) for a few-shot comparison.
 
 Methods (:mod:`attn_reg_plugin.hf.methods`): plain (the stock Trainer), ad-drop (any attribution: ga,
-iga, aa, rd), attendout, r-drop, hiddencut, drophead, dropkey, ad-drop-r-drop. ``--method-args
+iga, aa, rd), attendout, r-drop, hiddencut, the regularizer registry's methods, ad-drop-r-drop. ``--method-args
 METHOD='ARGS'`` (or ``METHOD:ROW='ARGS'`` to name the row) gives a method its own options, its config's
 flags (``--ad-drop-p``, ``--rdrop-alpha``, ``--attendout-dropout-step``, ...), over its defaults; a row
 run with options is named after them (``ad-drop_attribution=iga``). Every option is checked, and every

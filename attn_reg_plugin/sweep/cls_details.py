@@ -92,8 +92,8 @@ def class_lines(name: str, report: dict, digits: int) -> List[str]:
 
 # -- what a regularizer dropped ---------------------------------------------------------------------
 def drop_rate(record: dict) -> Optional[dict]:
-    """The share a regularized row dropped (AD-DROP's real keys on its AD-DROP epochs, DropHead's heads,
-    DropKey's keys): per seed the mean over its epochs that logged it, and the mean over seeds; None for
+    """The share a regularized row dropped (AD-DROP's real keys on its AD-DROP epochs, a registry
+    regularizer's units, as its rate counts them): per seed the mean over its epochs that logged it, and the mean over seeds; None for
     a method that logs no rate (plain, R-Drop, AttendOut, HiddenCut)."""
     per_seed = {}
     key = None

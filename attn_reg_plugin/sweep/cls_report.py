@@ -325,8 +325,8 @@ def write_comparison(records: List[dict], opts, data_text: str, started: float, 
         f"Learned nothing: every dev prediction one class, or dev {label} within 1.96 standard errors of what a "
         "predictor that ignores the text scores on dev (accuracy: always the majority class; macro-F1: the best "
         "of that, uniform and label-share guessing; MCC: 0). Dropped: the mean over seeds of the share each "
-        "regularized run's log gives (AD-DROP: real keys dropped on its AD-DROP epochs; DropHead: heads; "
-        "DropKey: keys). Still learning: the best dev epoch was the last in most of a comparison's runs.",
+        "regularized run's log gives (AD-DROP: real keys dropped on its AD-DROP epochs; the others: the units "
+        "their rate counts, heads or keys). Still learning: the best dev epoch was the last in most of a comparison's runs.",
     ]
     summary = {
         "settings": opts.settings,

@@ -12,14 +12,15 @@ criterion, no method's own flags). Methods: plain (label_smoothed_cross_entropy)
 (ad_drop_label_smoothed_cross_entropy, the plugin's --ad-drop-* defaults), r-drop
 (rdrop_label_smoothed_cross_entropy --rdrop-alpha 5, the paper's MT alpha), dropkey
 (--attn-sched-dropout-schedule dropkey:0.1), attendout (--attendout), hiddencut
-(hiddencut_label_smoothed_cross_entropy, its defaults), drophead (--attn-drophead-schedule,
-which you give: its V is in updates) and ad-drop-r-drop (ad_drop_rdrop_label_smoothed_cross_entropy:
-R-Drop over AD-DROP's masked pass, alpha 5), each accepted only when the installed plugin provides it.
+(hiddencut_label_smoothed_cross_entropy, its defaults), ad-drop-r-drop (ad_drop_rdrop_label_smoothed_cross_entropy:
+R-Drop over AD-DROP's masked pass, alpha 5) and every other method of the regularizer registry (its
+task flags over label_smoothed_cross_entropy: :mod:`..core.regularizer`), each accepted only when the
+installed plugin provides it.
 ``--method-args METHOD='ARGS'`` (repeatable) gives a method its own options (only its own flags:
---ad-drop-*, --rdrop-*, --attn-sched-dropout-*, --attendout*, --hiddencut-*, --attn-drophead-*); they
+--ad-drop-*, --rdrop-*, --attendout*, --hiddencut-*, a registry regularizer's FLAG_PREFIX); they
 replace its defaults, and a method run with other options is another row, named after them without
 the method's flag prefix (``r-drop_alpha=3``), or as you name it: ``METHOD:ROW='ARGS'``
-(``'drophead:v-shape=--attn-drophead-schedule 0:0.1,870:0,1740:0.1'``; letters, digits and . _ , + = -,
+(``'dropkey:strong=--attn-sched-dropout-schedule dropkey:0.3'``; letters, digits and . _ , + = -,
 not a method's name). results.md lists every row's method and options in full. Every method's
 options are checked before anything trains (its task, model and criterion built as fairseq-train
 builds them), and a run that diverges (fairseq-train's FloatingPointError) is recorded as diverged:

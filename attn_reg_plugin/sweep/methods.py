@@ -3,7 +3,7 @@ user's own (``--task attn_reg_translation`` for all), with its own options given
 
 A method's defaults are its paper's where the paper gives one for MT (R-Drop's alpha 5), else the
 plugin's own defaults (AD-DROP, AttendOut, HiddenCut), or, for a method of the regularizer registry
-(:mod:`..core.regularizer`: drophead, dropkey and any registered outside the package), its
+(:mod:`..core.regularizer`, the plugin's and any registered outside the package), its
 ``Method.mt_defaults`` and the flags it requires (``Method.required``). A method is accepted only
 when the installed plugin provides its criterion and task option (:func:`plugin_provides`). A
 method's ``--method-args`` replace its defaults option by option and may only name that method's
@@ -117,7 +117,7 @@ def _why_not(name: str, provided: Optional[set], registry: Mapping) -> str:
 
 def plugin_provides() -> set:
     """What fairseq-train will accept with the plugin's user dir: the criteria's names and the
-    attn_reg_translation task's options (``--attn-drophead-schedule``)."""
+    attn_reg_translation task's options (``--attn-sched-dropout-schedule``)."""
     import argparse
     import logging
 
