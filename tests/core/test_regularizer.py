@@ -1,0 +1,61 @@
+"""The regularizer registry (core/regularizer.py): what it holds, and what it refuses."""
+
+import dataclasses
+
+import pytest
+
+from attn_reg_plugin.core import regularizer
+from attn_reg_plugin.core.drophead import DropHeadConfig
+from attn_reg_plugin.core.regularizer import EXTENSIONS_ENV, Regularizer, by_key, register, registered
+
+
+def test_the_plugins_one_pass_regularizers_are_registered_in_order_with_their_methods():
+    plugin = [r for r in registered() if r.config.__module__.startswith("attn_reg_plugin.")]
+    assert [r.key for r in plugin] == ["scheduled_dropout", "layerdrop", "drophead"]
+    assert [m.name for r in plugin for m in r.methods] == ["dropkey", "drophead"]
+    assert by_key("drophead").names == ("DropHead",) and by_key("scheduled_dropout").names[1] == "DropKey"
+
+
+@pytest.mark.parametrize(
+    "change, clash",
+    [
+        (dict(key="drophead", log_prefix="other"), "key"),
+        (dict(key="other", name="DropHead", log_prefix="other"), "name"),
+        (dict(key="other", log_prefix="attn_drophead"), "log prefix"),
+    ],
+)
+def test_a_registration_that_clashes_is_refused_naming_what_and_with_whom(change, clash):
+    before = registered()
+    clone = dataclasses.replace(by_key("drophead"), methods=(), **{"name": "Other", **change})
+    with pytest.raises(ValueError, match=f"its .*{clash}.* already belong to 'DropHead'"):
+        register(clone)
+    assert registered() == before  # nothing half-registered
+
+
+def test_a_flag_prefix_of_another_regularizer_is_refused():
+    @dataclasses.dataclass
+    class Same(DropHeadConfig):
+        pass
+
+    clone = dataclasses.replace(by_key("drophead"), key="same", name="Same", log_prefix="same", methods=(), config=Same)
+    with pytest.raises(ValueError, match="flag prefix"):
+        register(clone)
+
+
+def test_a_key_that_is_no_keyword_is_refused():
+    with pytest.raises(ValueError, match="Regularizer.key must be a Python keyword-like name"):
+        register(dataclasses.replace(by_key("drophead"), key="Drop-Head"))
+
+
+def test_an_extension_that_cannot_be_loaded_fails_naming_it(monkeypatch, tmp_path):
+    missing = tmp_path / "nowhere.py"
+    monkeypatch.setenv(EXTENSIONS_ENV, str(missing))
+    with pytest.raises(ImportError, match=f"{EXTENSIONS_ENV}: cannot load '{missing}': no such file"):
+        regularizer.load_extensions()
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('a bug in the extension')\n")
+    monkeypatch.setenv(EXTENSIONS_ENV, str(broken))
+    with pytest.raises(ImportError, match="a bug in the extension"):
+        regularizer.load_extensions()
+    monkeypatch.setenv(EXTENSIONS_ENV, "")
+    assert isinstance(registered()[0], Regularizer)  # the registry still reads
