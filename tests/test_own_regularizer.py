@@ -55,11 +55,28 @@ def test_fairseq_train_parses_its_flags_and_logs_its_rate(tiny_mt_data, tmp_path
 
     out = _run(
         [
-            os.path.join(BIN, "fairseq-train"), str(tiny_mt_data["bin"]), "--user-dir", str(FAIRSEQ_USER_DIR),
-            "--task", "attn_reg_translation", "--criterion", "label_smoothed_cross_entropy",
-            "--distance-dropout-rate", "0.8", "--max-update", "2", "--log-format", "json", "--log-interval", "1",
-            "--no-save", "--disable-validation", "--seed", "1", *TINY_MT_TRAIN,
-        ],  # fmt: skip
+            os.path.join(BIN, "fairseq-train"),
+            str(tiny_mt_data["bin"]),
+            "--user-dir",
+            str(FAIRSEQ_USER_DIR),
+            "--task",
+            "attn_reg_translation",
+            "--criterion",
+            "label_smoothed_cross_entropy",
+            "--distance-dropout-rate",
+            "0.8",
+            "--max-update",
+            "2",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+            "--no-save",
+            "--disable-validation",
+            "--seed",
+            "1",
+            *TINY_MT_TRAIN,
+        ],
         tmp_path,
     )
     logs = [json.loads(line[line.index("{") :]) for line in out.splitlines() if '"distance_dropout_rate"' in line]
@@ -95,7 +112,10 @@ def test_the_hf_trainer_trains_it_and_refuses_it_beside_drophead(tmp_path):
     script.write_text(HF_SCRIPT)
     out = _run([sys.executable, str(script), str(tmp_path / "run")], tmp_path)
     refused = next(line for line in out.splitlines() if line.startswith("REFUSED"))
-    assert "DropHead (drophead=DropHeadConfig) and distance dropout (distance_dropout=DistanceDropoutConfig) do not" in refused
+    assert (
+        "DropHead (drophead=DropHeadConfig) and distance dropout (distance_dropout=DistanceDropoutConfig) do not"
+        in refused
+    )
     logs = json.loads(next(line for line in out.splitlines() if line.startswith("LOGS"))[len("LOGS ") :])
     assert len(logs) == 2 and all(0 < log["distance_dropout_rate"] < 0.9 for log in logs)
 
@@ -104,10 +124,21 @@ def test_mt_compare_runs_it_as_a_method_with_its_method_args(tiny_mt_data, tmp_p
     out_dir = tmp_path / "cmp"
     _run(
         [
-            os.path.join(BIN, "attn-reg-mt-compare"), str(tiny_mt_data["bin"]), "--out-dir", str(out_dir),
-            "--methods", "plain,distance-dropout", "--epochs", "1", "--seeds", "1",
-            "--method-args", "distance-dropout=--distance-dropout-rate 0.5", "--", *TINY_MT_TRAIN,
-        ],  # fmt: skip
+            os.path.join(BIN, "attn-reg-mt-compare"),
+            str(tiny_mt_data["bin"]),
+            "--out-dir",
+            str(out_dir),
+            "--methods",
+            "plain,distance-dropout",
+            "--epochs",
+            "1",
+            "--seeds",
+            "1",
+            "--method-args",
+            "distance-dropout=--distance-dropout-rate 0.5",
+            "--",
+            *TINY_MT_TRAIN,
+        ],
         tmp_path,
         timeout=900,
     )
@@ -127,11 +158,30 @@ def test_cls_compare_runs_it_as_a_method_with_its_method_args(tmp_path):
     out_dir = tmp_path / "out"
     _run(
         [
-            os.path.join(BIN, "attn-reg-cls-compare"), str(tmp_path / "model"), "--train", str(tmp_path / "train.jsonl"),
-            "--dev", str(tmp_path / "dev.jsonl"), "--test", str(tmp_path / "test.jsonl"), "--out-dir", str(out_dir),
-            "--epochs", "1", "--max-length", "32", "--batch-size", "8", "--keep-going", "--seeds", "1",
-            "--methods", "plain,distance-dropout", "--method-args", "distance-dropout=--distance-dropout-rate 0.5",
-        ],  # fmt: skip
+            os.path.join(BIN, "attn-reg-cls-compare"),
+            str(tmp_path / "model"),
+            "--train",
+            str(tmp_path / "train.jsonl"),
+            "--dev",
+            str(tmp_path / "dev.jsonl"),
+            "--test",
+            str(tmp_path / "test.jsonl"),
+            "--out-dir",
+            str(out_dir),
+            "--epochs",
+            "1",
+            "--max-length",
+            "32",
+            "--batch-size",
+            "8",
+            "--keep-going",
+            "--seeds",
+            "1",
+            "--methods",
+            "plain,distance-dropout",
+            "--method-args",
+            "distance-dropout=--distance-dropout-rate 0.5",
+        ],
         tmp_path,
     )
     results = json.loads((out_dir / "results.json").read_text())

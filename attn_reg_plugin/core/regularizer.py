@@ -126,7 +126,9 @@ def register(regularizer: Regularizer) -> Regularizer:
         }
         taken = [what for what, clash in clashes.items() if clash]
         if taken:
-            raise ValueError(f"regularizer {regularizer.name!r}: its {', '.join(taken)} already belong to {other.name!r}")
+            raise ValueError(
+                f"regularizer {regularizer.name!r}: its {', '.join(taken)} already belong to {other.name!r}"
+            )
     _REGISTRY[regularizer.key] = regularizer
     return regularizer
 

@@ -106,11 +106,10 @@ def refuse_task_regularizers_beside(criterion_name: str, task, regularizers: Tup
         check_combination({**criterion, **task_regularizers_on(cfg)})
 
 
-
-
 def _switches():
     """Each task regularizer's switch: (its config, the field that turns it on; None: fairseq's --attendout)."""
     return ((AttendOutConfig, None), *((r.config, r.switch) for r in registered()))
+
 
 _ATTENDOUT_EXTRAS = ("attendout_clip_norm", "attendout_valid_subset", "attendout_log_file")
 

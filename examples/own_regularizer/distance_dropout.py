@@ -25,7 +25,9 @@ class DistanceDropoutConfig(RegularizerOptions):
 
     FLAG_PREFIX = "--distance-dropout-"
 
-    rate: float = option(0.0, "distance dropout: a key at distance d of a row dropped with probability rate * d / S; 0 = off", "[0, 1]")
+    rate: float = option(
+        0.0, "distance dropout: a key at distance d of a row dropped with probability rate * d / S; 0 = off", "[0, 1]"
+    )
     layers: str = layers_option()
     attention: str = attention_option()
 
