@@ -316,7 +316,7 @@ def test_a_jobs_time_limit_signal_saves_the_run_before_submitit_requeues_it(tiny
     from attn_reg_plugin.sweep.launcher import RunJob
 
     out = tmp_path / "out"
-    _, opts = cls_compare.parse_args(
+    _, opts = cls_compare.parse_cls_compare_args(
         _argv(tiny, out, "--methods", "plain,r-drop", "--epochs", "2", "--launcher", "local", "--jobs", "2")
     )
     opts.settings = settings = cls_compare.settings_of(opts)
@@ -461,7 +461,7 @@ def _record(name, accuracies, dev_accuracies, nothing=()):
 def test_paired_differences_intervals_and_verdicts_on_hand_made_numbers():
     plain = _record("plain", [0.80, 0.82, 0.81], [0.79, 0.80, 0.81])
     better = _record("r-drop", [0.83, 0.84, 0.85], [0.80, 0.80, 0.80])
-    summary = cls_report.method_summary(better, plain, "accuracy", [])
+    summary = cls_report.cls_row_summary(better, plain, "accuracy", [])
     d = summary["differences"]["test_accuracy"]
     assert d["per_seed"] == pytest.approx({1: 0.03, 2: 0.02, 3: 0.04})
     half = 4.303 * 0.01 / math.sqrt(3)  # t(0.975, 2) x sd / sqrt(3)
@@ -471,29 +471,29 @@ def test_paired_differences_intervals_and_verdicts_on_hand_made_numbers():
     assert summary["verdict"] == "r-drop: better: test accuracy +0.0300 [+0.0052, +0.0548] at 3 seeds"
 
     noise = _record("dropkey", [0.79, 0.84, 0.82], [0.80, 0.80, 0.81])
-    text = cls_report.method_summary(noise, plain, "accuracy", [])["verdict"]
+    text = cls_report.cls_row_summary(noise, plain, "accuracy", [])["verdict"]
     assert text.startswith("dropkey: not distinguishable from plain at 3 seeds (test accuracy +0.0067 [")
 
     dev_only = _record("ad-drop", [0.79, 0.84, 0.82], [0.82, 0.84, 0.83])
-    text = cls_report.method_summary(dev_only, plain, "accuracy", [])["verdict"]
+    text = cls_report.cls_row_summary(dev_only, plain, "accuracy", [])["verdict"]
     assert text.startswith("ad-drop: better on dev accuracy at every seed (dev accuracy +0.0300 [")
     # The same +0.03 at every seed, with no predictions to bootstrap the test set: an interval of zero
     # width, which is no evidence (it read "better: +0.0300 [+0.0300, +0.0300]").
     same = _record("ad-drop", [0.83, 0.85, 0.84], [0.80, 0.80, 0.80])
-    d = cls_report.method_summary(same, plain, "accuracy", [])
+    d = cls_report.cls_row_summary(same, plain, "accuracy", [])
     assert d["differences"]["test_accuracy"]["ci"] is None
     assert d["verdict"].startswith(
         "ad-drop: not distinguishable from plain at 3 seeds (test accuracy +0.0300 (zero width: no spread"
     )
 
     partly = _record("hiddencut", [0.83, 0.84, 0.85], [0.80, 0.80, 0.80], nothing={2})
-    summary = cls_report.method_summary(partly, plain, "accuracy", [])
+    summary = cls_report.cls_row_summary(partly, plain, "accuracy", [])
     assert summary["flags"] == [] and summary["learned_nothing"] == {2: "predicts one class for all 100 examples"}
     assert summary["verdict"].endswith(
         "; hiddencut learned nothing at seed 2 (on dev: predicts one class for all 100 examples)"
     )
     empty_plain = _record("plain", [0.5, 0.5, 0.5], [0.5, 0.5, 0.5], nothing={1, 2, 3})
-    text = cls_report.method_summary(better, empty_plain, "accuracy", [])["verdict"]
+    text = cls_report.cls_row_summary(better, empty_plain, "accuracy", [])["verdict"]
     assert text.startswith("r-drop: not compared: plain learned nothing at every seed (1, 2, 3)")
 
 
@@ -645,7 +645,7 @@ def test_a_comparison_whose_runs_all_failed_writes_results_naming_them(tiny, tmp
     opts = argparse.Namespace(
         out_dir=out, model="m", epochs=1, metric="accuracy", failed_runs=failed, settings={"command": "x"}
     )
-    summary = cls_report.write_comparison([], opts, "data", 0.0, lambda line: None)
+    summary = cls_report.write_cls_comparison([], opts, "data", 0.0, lambda line: None)
     saved = json.loads((out / "results.json").read_text(encoding="utf-8"))
     assert saved["failed_runs"] == failed and saved["methods"] == [] and summary["failed_runs"] == failed
     md = (out / "results.md").read_text(encoding="utf-8")

@@ -84,7 +84,7 @@ def test_the_advice_names_what_the_settings_lack():
     assert text.startswith("Change: --epochs 5 or more (now 2: 50 updates in all, 25 an epoch); --lr 1e-4 (now 2e-05)")
     assert "--warmup-ratio 0.1 (now 0)" in text and "--metric macro_f1 (the majority class is 68% of dev" in text
     # The command's own defaults lack none of them on such a set (what docs/HF.md's measured run used).
-    _, opts = cls_compare.parse_args(["m", "--dataset", "d", "--out-dir", "o", "--methods", "plain,r-drop"])
+    _, opts = cls_compare.parse_cls_compare_args(["m", "--dataset", "d", "--out-dir", "o", "--methods", "plain,r-drop"])
     defaults = {**settings, "epochs": opts.epochs, "lr": opts.lr, "warmup_ratio": opts.warmup_ratio, "metric": "mcc"}
     assert cls_runs.learning_advice(defaults, run).startswith("Change: more epochs, or --lr 1e-4")
 
@@ -160,7 +160,9 @@ def test_each_run_says_its_step_epoch_loss_and_eta_in_both_launchers(tiny, tmp_p
     dev = [line for line in lines if line.startswith("    plain seed 1: epoch ")]
     assert dev[0].startswith(f"    plain seed 1: epoch 1 of 2: dev accuracy {run['epochs'][0]['dev']['accuracy']:.4f}")
     # A job (--jobs N, Slurm) runs cls_runs.run_cls_job: the same lines on its stdout, its log.
-    _, opts = cls_compare.parse_args(_argv(tiny, tmp_path / "job", "--methods", "plain,r-drop", "--epochs", "2"))
+    _, opts = cls_compare.parse_cls_compare_args(
+        _argv(tiny, tmp_path / "job", "--methods", "plain,r-drop", "--epochs", "2")
+    )
     opts.settings = cls_compare.settings_of(opts)
     capsys.readouterr()
     cls_runs.run_cls_job(opts.cells[1], 1, opts, opts.settings)
@@ -251,7 +253,7 @@ def test_the_verdict_warns_still_learning_and_dev_test_sign_disagreement():
         for run in record["runs"]:
             run["epochs"] = [{}, {}, {}]
             run["best_epoch"] = 3  # the last, everywhere
-    text = cls_report.method_summary(method, plain, "accuracy", [])["verdict"]
+    text = cls_report.cls_row_summary(method, plain, "accuracy", [])["verdict"]
     assert "dev and test disagree in sign (dev accuracy -0.0100, test +0.0300; opposite at 3 of 3 seed(s)" in text
     assert text.endswith(
         "still learning: the best dev epoch was the last (3) in 6 of 6 runs: more epochs may change this"
@@ -262,7 +264,7 @@ def test_the_verdict_warns_still_learning_and_dev_test_sign_disagreement():
     agree = _record("r-drop", [0.83, 0.84, 0.85], [0.80, 0.81, 0.82])
     for run in agree["runs"]:
         run["epochs"], run["best_epoch"] = [{}, {}, {}], 1
-    text = cls_report.method_summary(agree, plain, "accuracy", [])["verdict"]
+    text = cls_report.cls_row_summary(agree, plain, "accuracy", [])["verdict"]
     assert "still learning" not in text and "disagree" not in text
 
 

@@ -276,7 +276,7 @@ def test_bad_options_are_refused_before_any_run(fake, tmp_path, capsys, extra, t
 def test_help_names_no_test_option_and_an_abbreviation_is_refused(fake, tmp_path, capsys):
     """The comparison always translates the test split: it has no --test, and argparse must not read
     one as an abbreviation of --test-ref."""
-    help_text = compare.build_parser().format_help()
+    help_text = compare.build_mt_compare_parser().format_help()
     assert "--test-ref" in help_text and not re.search(r"--test(?![\w-])", help_text)
     for word in ("--test", "--test-r", "--method"):  # an unknown option, and prefixes of --test-ref, --methods
         argv = fake["argv"](tmp_path / "o")
@@ -497,7 +497,7 @@ def test_table_means_spreads_and_intervals_by_hand(tmp_path, monkeypatch):
     plain = _record("plain", [(1, 20.0, 29.0, 50.0, 4.00), (2, 21.0, 30.5, 51.0, 4.10), (3, 22.0, 31.0, 52.0, 4.20)])
     method = _record("r-drop", [(1, 21.0, 30.0, 50.5, 3.95), (2, 21.0, 31.0, 51.5, 4.05), (3, 23.0, 32.5, 52.5, 4.10)])
     one = _record("dropkey", [(1, 19.0, 28.0, 49.0, 4.05)])
-    summaries = [compare_report.method_summary(r, plain, tmp_path, "13a") for r in (plain, method, one)]
+    summaries = [compare_report.mt_row_summary(r, plain, tmp_path, "13a") for r in (plain, method, one)]
     d = summaries[1]["differences"]["test_bleu"]
     # differences 1.0, 0.5, 1.5: mean 1, sample sd 0.5, half width 4.303 x 0.5 / sqrt(3) = 1.2422
     assert (
@@ -531,11 +531,13 @@ def test_every_text_of_compare_png_is_inside_the_figure(tmp_path, monkeypatch):
     records = [
         _record(name, [(1, 20.0, 29.0 + i, 50.0, 4.0), (2, 21.0, 30.0, 51.0, 4.1)]) for i, name in enumerate(names)
     ]
-    summaries = [compare_report.method_summary(r, records[0], tmp_path, "13a") for r in records]
+    summaries = [compare_report.mt_row_summary(r, records[0], tmp_path, "13a") for r in records]
     drawn = []
     monkeypatch.setattr(plt, "close", drawn.append)  # keep the figure draw() saved, to measure it
     title = "Regularizers against plain, en→ro, 60 epochs, seeds 1,2,3,4,5"
-    assert compare_report.draw(summaries, tmp_path / "compare.png", title, print) == str(tmp_path / "compare.png")
+    assert compare_report.draw_mt_comparison(summaries, tmp_path / "compare.png", title, print) == str(
+        tmp_path / "compare.png"
+    )
     (fig,) = drawn
     renderer = fig.canvas.get_renderer()
     width, height = fig.canvas.get_width_height()
@@ -556,10 +558,10 @@ def test_compare_png_says_where_a_row_diverged(tmp_path, monkeypatch):
     plain = _record("plain", [(1, 20.0, 29.0, 50.0, 4.0)])
     stopped = {**_run(1, None, None, None, None), "test": None, "valid": None, "diverged": "fairseq-train stopped"}
     diverged = summarize({"method": "r-drop", "name": "r-drop", "args": []}, [stopped], {})
-    summaries = [compare_report.method_summary(r, plain, tmp_path, "13a") for r in (plain, diverged)]
+    summaries = [compare_report.mt_row_summary(r, plain, tmp_path, "13a") for r in (plain, diverged)]
     drawn = []
     monkeypatch.setattr(plt, "close", drawn.append)
-    compare_report.draw(summaries, tmp_path / "compare.png", "t", print)
+    compare_report.draw_mt_comparison(summaries, tmp_path / "compare.png", "t", print)
     (fig,) = drawn
     notes = [[t.get_text() for t in ax.texts] for ax in fig.axes]
     assert notes == [["diverged"], ["diverged"], ["diverged"]]

@@ -62,11 +62,11 @@ from .options import (
     POST_PROCESS,
     TASK,
     SweepError,
-    build_parser,
+    build_sweep_parser,
     cell_name,
     grid,
     language_pairs,
-    parse_args,
+    parse_sweep_args,
     probabilities,
     resolve_pair,
 )
@@ -84,14 +84,14 @@ __all__ = [
     "TASK",
     "SweepError",
     "best_cell",
-    "build_parser",
+    "build_sweep_parser",
     "cell_name",
     "grid",
     "heatmap",
     "language_pairs",
     "log_fields",
     "main",
-    "parse_args",
+    "parse_sweep_args",
     "probabilities",
     "resolve_pair",
     "run_appended",
@@ -107,7 +107,7 @@ SWEEP_OUTPUTS = (
 
 def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = print) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap, opts = parse_args(argv)
+    ap, opts = parse_sweep_args(argv)
     try:
         _check_inputs(opts)
         opts.data_bin = opts.data_bin.resolve()
@@ -116,11 +116,11 @@ def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = prin
         check_fairseq_args(opts, cells)
     except (SweepError, OutputOverwritesInputError) as e:
         ap.error(str(e))
-    body = lambda: _locked_main(ap, opts, settings, cells, log)
+    body = lambda: _sweep_locked(ap, opts, settings, cells, log)
     return run_locked(ap, opts.out_dir, "attn-reg-mt-sweep", argv, body, log)
 
 
-def _locked_main(ap, opts, settings: dict, cells: list, log: Callable[[str], None]) -> int:
+def _sweep_locked(ap, opts, settings: dict, cells: list, log: Callable[[str], None]) -> int:
     """The sweep, with its ``--out-dir`` locked."""
     try:
         _check_same_settings(opts.out_dir, settings)

@@ -58,7 +58,7 @@ from typing import Callable, Optional, Sequence
 
 from ..paths import OutputOverwritesInputError, check_outputs_spare_inputs
 from .cls_checkpoint import SAVE_STEPS
-from .cls_report import SCORES, write_comparison
+from .cls_report import SCORES, write_cls_comparison
 from .cls_runs import (
     ARGUMENTS,
     PROG,
@@ -73,7 +73,7 @@ from .cls_runs import (
     plain_stop,
     quiet_transformers,
     run_cls_job,
-    run_identity,
+    trainer_run_identity,
 )
 from .compare import prepare_out_dir
 from .launcher import RunKind, launch_and_collect, launch_and_report
@@ -83,11 +83,11 @@ from .options import SweepError, cell_name, command_parser, parse_epochs_seeds
 from .processes import run_locked
 from .runs import all_records, finished_result, run_dir
 
-CLS_RUNS = RunKind(run_cls_job, run_identity, collect, ARGUMENTS)
+CLS_RUNS = RunKind(run_cls_job, trainer_run_identity, collect, ARGUMENTS)
 OUTPUTS = ("sweep.json", "sweep.lock", "cells", "runs", "jobs", "jobs.json", "results.json", "results.md")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_cls_compare_parser() -> argparse.ArgumentParser:
     from ..hf.methods import METHODS
 
     ap = command_parser(
@@ -201,11 +201,11 @@ def _check_data_options(ap, opts) -> None:
         ap.error(f"--text-field, --pair-field and --label-field must name different fields, got {fields}")
 
 
-def parse_args(argv: Sequence[str]):
+def parse_cls_compare_args(argv: Sequence[str]):
     """``(parser, options)``, ``options.cells`` the rows; a bad option is ``parser.error`` naming it."""
     from ..hf.methods import METHODS
 
-    ap = build_parser()
+    ap = build_cls_compare_parser()
     opts = ap.parse_args(list(argv))
     parse_epochs_seeds(ap, opts)
     _check_numbers(ap, opts)
@@ -309,7 +309,7 @@ def check_methods_build(opts, data) -> None:
 
 def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = print) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap, opts = parse_args(argv)
+    ap, opts = parse_cls_compare_args(argv)
     try:
         check_outputs_spare_inputs(
             [("--out-dir", opts.out_dir / name) for name in OUTPUTS],
@@ -330,17 +330,17 @@ def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = prin
         ap.error(str(e))
     counts = {label: sum(e[opts.label_field] == label for e in data.splits["train"]) for label in data.labels}
     data_text = f"--dataset {opts.dataset}" if opts.dataset else " / ".join(str(getattr(opts, s)) for s in SPLITS)
-    body = lambda: _locked_main(ap, opts, settings, data_text, counts, log)
+    body = lambda: _compare_cls_locked(ap, opts, settings, data_text, counts, log)
     return run_locked(ap, opts.out_dir, PROG, argv, body, log)
 
 
-def _locked_main(ap, opts, settings: dict, data_text: str, counts: dict, log: Callable[[str], None]) -> int:
+def _compare_cls_locked(ap, opts, settings: dict, data_text: str, counts: dict, log: Callable[[str], None]) -> int:
     names = prepare_out_dir(ap, opts, settings, log)
     log(
         f"== {PROG} {opts.model} on {data_text} (the train split's labels {counts}): {names} x {len(opts.seeds)} seed(s), "
         f"{opts.epochs} epoch(s) each; outputs in {opts.out_dir}"
     )
-    report = lambda records, started: write_comparison(records, opts, data_text, started, log)
+    report = lambda records, started: write_cls_comparison(records, opts, data_text, started, log)
     if _plain_goes_first(opts):
         stopped = _plain_wave(ap, opts, settings, log)
         if stopped is not None:  # plain learned nothing: its results, the advice, the rest not run

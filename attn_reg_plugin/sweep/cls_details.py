@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from .cls_runs import MODEL_FOLDER, PREDICTION_FILES, label_order, read_predictions
-from .compare_report import _mean_sd
+from .comparison_report import mean_sd
 from .paired import spread
-from .plots import forest, forest_row, pyplot, wrapped
+from .plots import draw_comparison, forest, forest_row, wrapped
 from .runs import run_dir
-
 
 
 def rate_keys() -> tuple:
@@ -23,6 +22,7 @@ def rate_keys() -> tuple:
     from ..core.regularizer import registered
 
     return ("ad_drop_rate", *(r.rate_key() for r in registered()))
+
 
 CLASS_SCORES = ("precision", "recall", "f1")
 
@@ -78,7 +78,7 @@ def class_lines(name: str, report: dict, digits: int) -> List[str]:
     lines += ["| class | support | precision | recall | F1 |", "|---|---|---|---|---|"]
     for label in report["labels"]:
         c = report["classes"][label]
-        cells = " | ".join(_mean_sd(c[score], digits) for score in CLASS_SCORES)
+        cells = " | ".join(mean_sd(c[score], digits) for score in CLASS_SCORES)
         lines.append(f"| {label} | {report['support'][label]} | {cells} |")
     lines += ["", f"Confusion, summed over the {len(report['seeds'])} seed(s) (rows: gold; columns: predicted):", ""]
     lines += [
@@ -166,40 +166,35 @@ def best_run(records: List[dict], metric: str, out_dir: Path) -> Optional[dict]:
 
 
 # -- compare.png ------------------------------------------------------------------------------------
-def draw(
+def draw_cls_comparison(
     summaries: List[dict], records: List[dict], path: Path, title: str, metric: str, label: str, log: Callable
 ) -> Optional[str]:
     """compare.png: each row's dev ``metric`` per epoch (the mean over its seeds, each seed a thin line),
     and each row's test and dev difference to plain with its 95% interval (:func:`plots.forest`)."""
-    plt = pyplot(log)
-    if plt is None:
-        return None
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5.5), layout="constrained")
-    by_name = {r["name"]: r for r in records}
-    for i, s in enumerate(summaries):
-        curves = [[e["dev"][metric] for e in run["epochs"]] for run in by_name[s["name"]]["runs"]]
-        for curve in curves:
-            axes[0].plot(range(1, len(curve) + 1), curve, color=f"C{i}", alpha=0.25, lw=0.8)
-        longest = max((len(c) for c in curves), default=0)
-        means = [statistics.fmean(c[e] for c in curves if len(c) > e) for e in range(longest)]
-        axes[0].plot(range(1, longest + 1), means, color=f"C{i}", marker="o", lw=2, label=s["name"])
-    axes[0].set_xlabel("epoch")
-    axes[0].xaxis.get_major_locator().set_params(integer=True)
-    axes[0].set_title(wrapped(f"dev {label} per epoch\n(bold: mean over seeds; thin: each seed)"))
-    axes[0].legend(fontsize="small")
-    others = [s for s in summaries if "differences" in s]
-    for ax, split in ((axes[1], "test"), (axes[2], "dev")):
-        rows = [
-            forest_row(
-                s["name"],
-                None if s["compared"] is not True else s["differences"][f"{split}_{metric}"],
-                s["compared"] or "",
-            )
-            for s in others
-        ]
-        forest(ax, rows, f"{split} {label} − plain")
-    fig.suptitle(wrapped(title, 150))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(path)
+
+    def epoch_and_forest_panels(axes) -> None:
+        by_name = {r["name"]: r for r in records}
+        for i, s in enumerate(summaries):
+            curves = [[e["dev"][metric] for e in run["epochs"]] for run in by_name[s["name"]]["runs"]]
+            for curve in curves:
+                axes[0].plot(range(1, len(curve) + 1), curve, color=f"C{i}", alpha=0.25, lw=0.8)
+            longest = max((len(c) for c in curves), default=0)
+            means = [statistics.fmean(c[e] for c in curves if len(c) > e) for e in range(longest)]
+            axes[0].plot(range(1, longest + 1), means, color=f"C{i}", marker="o", lw=2, label=s["name"])
+        axes[0].set_xlabel("epoch")
+        axes[0].xaxis.get_major_locator().set_params(integer=True)
+        axes[0].set_title(wrapped(f"dev {label} per epoch\n(bold: mean over seeds; thin: each seed)"))
+        axes[0].legend(fontsize="small")
+        others = [s for s in summaries if "differences" in s]
+        for ax, split in ((axes[1], "test"), (axes[2], "dev")):
+            rows = [
+                forest_row(
+                    s["name"],
+                    None if s["compared"] is not True else s["differences"][f"{split}_{metric}"],
+                    s["compared"] or "",
+                )
+                for s in others
+            ]
+            forest(ax, rows, f"{split} {label} − plain")
+
+    return draw_comparison(path, wrapped(title, 150), epoch_and_forest_panels, log)

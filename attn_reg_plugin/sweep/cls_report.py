@@ -1,23 +1,42 @@
 """What attn-reg-cls-compare writes: each row's accuracy, macro-F1 and MCC on dev and test over seeds,
 its paired differences to plain with 95% intervals, whether its runs learned anything, and the verdicts
-(the statistics and the verdict's wording are attn-reg-mt-compare's: :mod:`.paired`)."""
+(the statistics and the verdict's wording are attn-reg-mt-compare's: :mod:`.paired`). The report is the
+comparisons' own (:mod:`.comparison_report`); this module gives it the classifier's metrics, rules and
+wording."""
 
 from __future__ import annotations
 
 import math
 import textwrap
-import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from ..classification import BOOTSTRAP_SAMPLES, paired_bootstrap_sd
-from .cls_details import best_run, class_lines, draw, drop_rate, per_class, sign_disagreement, still_learning
+from .cls_details import (
+    best_run,
+    class_lines,
+    draw_cls_comparison,
+    drop_rate,
+    per_class,
+    sign_disagreement,
+    still_learning,
+)
 from .cls_runs import PREDICTION_FILES, learning_advice, read_predictions
-from .compare_report import _difference, _mean_sd, failed_notes, ordered
-from .paired import VerdictMetric, paired_difference, spread, verdict
-from .report import _versions, failed_lines, run_lines, write_json
+from .comparison_report import (
+    ReportLayout,
+    ReportParts,
+    RowRules,
+    difference_table,
+    difference_text,
+    mean_sd,
+    options_line,
+    row_summary,
+    spread_table,
+    write_comparison,
+)
+from .paired import VerdictMetric, verdict
+from .report import failed_lines, run_lines
 from .runs import run_dir
-from .verdict import plain_of
 
 SCORES = (("accuracy", "accuracy"), ("macro_f1", "macro-F1"), ("mcc", "MCC"))
 DIGITS = 4
@@ -30,8 +49,8 @@ def metric_label(metric: str) -> str:
     return dict(SCORES)[metric]
 
 
-def per_seed(record: dict, key: str) -> Dict[int, float]:
-    """``{seed: value}`` of one metric (``test_mcc``) over a row's runs."""
+def classifier_scores(record: dict, key: str) -> Dict[int, float]:
+    """``{seed: value}`` of one metric (``test_mcc``) over a classifier row's runs."""
     split, metric = key.split("_", 1)
     return {run["seed"]: run[split][metric] for run in record["runs"]}
 
@@ -100,60 +119,70 @@ def with_test_noise(d: dict, metric: str, classes) -> dict:
     return d
 
 
-def method_summary(
-    record: dict, plain: Optional[dict], metric: str, failed: List[dict], out_dir: Optional[Path] = None
-) -> dict:
-    """One row: its metrics over seeds, what it learned, its differences to plain (their intervals over
-    seeds and, with the runs' predictions under ``out_dir``, the test examples) and its verdict, on
-    ``metric`` (test first, then dev)."""
-    values = {key: per_seed(record, key) for key, _ in METRICS}
-    summary = {
-        "name": record["name"],
-        "method": record["cell"]["method"],
-        "args": record["cell"]["args"],
-        "seeds": record["seeds"],
-        "metrics": {key: {**spread(list(v.values())), "per_seed": v} for key, v in values.items()},
-        "best_epochs": {run["seed"]: run["best_epoch"] for run in record["runs"]},
-        "learned_nothing": learned_nothing_seeds(record),
-        "flags": learning_flags(record),
-        "notes": learning_notes(record),
-        "per_class": per_class(out_dir, record),
-        "drop_rate": drop_rate(record),
-    }
-    if record is plain:
-        return summary
-    base = {key: per_seed(plain, key) if plain is not None else {} for key, _ in METRICS}
-    summary["differences"] = {key: paired_difference(values[key], base[key]) for key in values}
-    if plain is not None:  # each split's predictions read once, for its three metrics
-        seeds = summary["differences"]["test_accuracy"]["seeds"]
+def cls_rules(metric: str, out_dir: Optional[Path]) -> RowRules:
+    """How a classifier row is judged, on ``metric`` (test first, then dev): flagged when its runs
+    learned nothing at every seed; its intervals widened by the test examples' own noise (with the runs'
+    predictions under ``out_dir``); warned when still learning or when dev and test disagree in sign."""
+    label = metric_label(metric)
+
+    def facts(record: dict, plain: Optional[dict]) -> dict:
+        return {
+            "best_epochs": {run["seed"]: run["best_epoch"] for run in record["runs"]},
+            "learned_nothing": learned_nothing_seeds(record),
+            "flags": learning_flags(record),
+            "notes": learning_notes(record),
+            "per_class": per_class(out_dir, record),
+            "drop_rate": drop_rate(record),
+        }
+
+    def test_noise(summary: dict, record: dict, plain: Optional[dict]) -> None:
+        if plain is None:
+            return
+        seeds = summary["differences"]["test_accuracy"]["seeds"]  # each split's predictions read once
         classes = {split: paired_classes(out_dir, record, plain, seeds, split) for split in PREDICTION_FILES}
         summary["differences"] = {
             key: with_test_noise(d, key.split("_", 1)[1], classes[key.split("_", 1)[0]])
             for key, d in summary["differences"].items()
         }
-    missing = summary["missing_runs"] = failed_notes(record["name"], failed)
-    if plain is None:
-        own = summary["flags"] + missing
-    else:
-        own = summary["flags"] + [f"plain {f}" for f in learning_flags(plain)]
-    notes = (
-        summary["notes"] + (learning_notes(plain) if plain is not None else []) + (missing if plain is not None else [])
+
+    def learning_cautions(summary: dict, record: dict, plain: Optional[dict]) -> List[str]:
+        return summary["notes"] + (learning_notes(plain) if plain is not None else [])
+
+    def verdict_with_warnings(
+        summary: dict, record: dict, plain: Optional[dict], own: List[str], notes: List[str]
+    ) -> None:
+        metrics = (
+            VerdictMetric(f"test_{metric}", f"test {label}", f"test {label}", True, DIGITS),
+            VerdictMetric(f"dev_{metric}", f"dev {label}", f"dev {label}", True, DIGITS),
+        )
+        paired_seeds = set(summary["differences"][f"test_{metric}"]["seeds"])
+        runs = [r for side in (record, plain or {"runs": []}) for r in side["runs"] if r["seed"] in paired_seeds]
+        summary["warnings"] = [
+            w for w in (sign_disagreement(summary["differences"], metric, label), still_learning(runs)) if w
+        ]
+        summary["verdict"] = verdict(
+            record["name"], summary["differences"], None, own, notes + summary["warnings"], metrics
+        )
+        summary["compared"] = _compared(summary, own)
+
+    return RowRules(
+        metric_keys=tuple(key for key, _ in METRICS),
+        scores=classifier_scores,
+        facts=facts,
+        plain_flags=learning_flags,
+        evidence=test_noise,
+        cautions=learning_cautions,
+        judge=verdict_with_warnings,
     )
-    label = metric_label(metric)
-    metrics = (
-        VerdictMetric(f"test_{metric}", f"test {label}", f"test {label}", True, DIGITS),
-        VerdictMetric(f"dev_{metric}", f"dev {label}", f"dev {label}", True, DIGITS),
-    )
-    paired_seeds = set(summary["differences"][f"test_{metric}"]["seeds"])
-    runs = [r for side in (record, plain or {"runs": []}) for r in side["runs"] if r["seed"] in paired_seeds]
-    summary["warnings"] = [
-        w for w in (sign_disagreement(summary["differences"], metric, label), still_learning(runs)) if w
-    ]
-    summary["verdict"] = verdict(
-        record["name"], summary["differences"], None, own, notes + summary["warnings"], metrics
-    )
-    summary["compared"] = _compared(summary, own)
-    return summary
+
+
+def cls_row_summary(
+    record: dict, plain: Optional[dict], metric: str, failed: List[dict], out_dir: Optional[Path] = None
+) -> dict:
+    """One row: its metrics over seeds, what it learned, its differences to plain (their intervals over
+    seeds and, with the runs' predictions under ``out_dir``, the test examples) and its verdict, on
+    ``metric`` (test first, then dev)."""
+    return row_summary(record, plain, failed, cls_rules(metric, out_dir))
 
 
 def _compared(summary: dict, own: List[str]) -> object:
@@ -184,12 +213,12 @@ def compact_table(summaries: List[dict], metric: str) -> List[str]:
         elif s["compared"] is not True:
             difference = f"not compared: {s['compared']}"  # numbers here would read as evidence
         else:
-            difference = _difference_text(s["differences"][f"test_{metric}"], TABLE_DIGITS)
+            difference = difference_text(s["differences"][f"test_{metric}"], TABLE_DIGITS)
         rate = "-" if s["drop_rate"] is None else f"{100 * s['drop_rate']['mean']:.1f}%"
         learned = f"{len(s['seeds']) - len(s['learned_nothing'])} of {len(s['seeds'])}"
         lines.append(
-            f"| {s['name']} | {','.join(map(str, s['seeds']))} | {_mean_sd(m[f'dev_{metric}'], TABLE_DIGITS)} | "
-            f"{_mean_sd(m[f'test_{metric}'], TABLE_DIGITS)} | {difference} | {rate} | {learned} |"
+            f"| {s['name']} | {','.join(map(str, s['seeds']))} | {mean_sd(m[f'dev_{metric}'], TABLE_DIGITS)} | "
+            f"{mean_sd(m[f'test_{metric}'], TABLE_DIGITS)} | {difference} | {rate} | {learned} |"
         )
     return lines
 
@@ -199,32 +228,15 @@ def detail_tables(summaries: List[dict]) -> List[str]:
     seed, with 95% intervals (a row not compared says so)."""
     lines = []
     for split in ("dev", "test"):
-        keys = [(f"{split}_{key}", label) for key, label in SCORES]
+        columns = [(f"{split}_{key}", label, TABLE_DIGITS) for key, label in SCORES]
         lines += ["", f"{split.capitalize()}, mean ± sd over seeds:", ""]
-        lines += ["| row | seeds | " + " | ".join(label for _, label in keys) + " |", "|---|---|---|---|---|"]
-        for s in summaries:
-            cells = " | ".join(_mean_sd(s["metrics"][key], TABLE_DIGITS) for key, _ in keys)
-            lines.append(f"| {s['name']} | {','.join(map(str, s['seeds']))} | {cells} |")
+        lines += spread_table(summaries, columns, "row")
         if not any("differences" in s for s in summaries):
             continue
         lines += ["", f"{split.capitalize()}, row − plain paired by seed [95% CI]:", ""]
-        lines += ["| row | paired seeds | " + " | ".join(label for _, label in keys) + " |", "|---|---|---|---|---|"]
-        for s in summaries:
-            if "differences" not in s:
-                continue
-            d = s["differences"]
-            if s["compared"] is not True and s["compared"] != "no seed in common":
-                cells = " | ".join("not compared" for _ in keys)
-            else:
-                cells = " | ".join(_difference_text(d[key], TABLE_DIGITS) for key, _ in keys)
-            lines.append(f"| {s['name']} | {','.join(map(str, d['test_accuracy']['seeds'])) or '-'} | {cells} |")
+        shown = lambda s: s["compared"] is True or s["compared"] == "no seed in common"  # noqa: E731
+        lines += difference_table(summaries, columns, "row", "test_accuracy", shown=shown)
     return lines
-
-
-def _difference_text(d: dict, digits: int = DIGITS) -> str:
-    if d["mean"] is not None and d.get("no_interval"):
-        return f"{d['mean']:+.{digits}f} (zero width)"
-    return _difference(d, digits)
 
 
 def _wrap(lines: List[str]) -> List[str]:
@@ -273,80 +285,79 @@ def _best_lines(best: Optional[dict], label: str, keep_models: bool) -> List[str
     return ["", line]
 
 
-def write_comparison(records: List[dict], opts, data_text: str, started: float, log: Callable[[str], None]) -> dict:
-    """results.md, results.json and compare.png of every row in ``records``; logs results.md; returns
-    results.json's content. results.md: the verdicts first, then a table that fits 100 columns, then the
-    details (every metric, the differences, per class and the confusion, options, resumes, method)."""
-    out: Path = opts.out_dir
-    plain = plain_of(records)
-    summaries = [method_summary(r, plain, opts.metric, opts.failed_runs, out) for r in ordered(records)]
-    seeds = sorted({s for r in records for s in r["seeds"]} or {f["seed"] for f in opts.failed_runs})
-    title = (
-        f"Regularizers against plain, {opts.model} on {data_text}, {opts.epochs} "
-        f"epoch{'s' * (opts.epochs != 1)}, seeds {','.join(map(str, seeds))}"
-    )
-    verdicts = [s["verdict"] for s in summaries if "verdict" in s]
-    recorded = {r["name"] for r in records} | {"plain"}
-    unrecorded = dict.fromkeys(f["name"] for f in opts.failed_runs if f["name"] not in recorded)
-    verdicts += [f"{name}: not compared: " + "; ".join(failed_notes(name, opts.failed_runs)) for name in unrecorded]
-    options = [
-        f"- {s['name']}{'' if s['name'] == s['method'] else ' (' + s['method'] + ')'}: "
-        + (f"`{' '.join(s['args'])}`" if s["args"] else "its defaults")
-        for s in summaries
-    ]
+def cls_layout(opts, data_text: str, log: Callable[[str], None]) -> ReportLayout:
+    """attn-reg-cls-compare's report: results.md the verdicts first, then a table that fits 100 columns,
+    then the details (every metric, the differences, per class and the confusion, options, resumes,
+    method); results.json with the best run and the runs not run."""
     label = metric_label(opts.metric)
-    best = best_run(records, opts.metric, out)
-    drawn = draw(summaries, records, out / "compare.png", title, opts.metric, label, log) if records else None
-    lines = ["# attn-reg-cls-compare: the regularizers against plain", "", title, ""]
-    if not records:  # every job failed (launch_and_report's report_failures): say so, and name them
-        failed = len(opts.failed_runs)
-        lines += [f"No run finished: all {failed} run(s) of this command failed, so nothing is compared.", ""]
-    if verdicts:
-        lines += [f"Verdicts (on test {label}, then dev {label}):", *(f"- {v}" for v in verdicts)]
-    lines += _stop_lines(opts, plain)
-    if records:
-        lines += _best_lines(best, label, getattr(opts, "keep_models", False))
-        if drawn:
-            lines += ["", f"Plot: {Path(drawn).name} (dev {label} per epoch; each row − plain with its 95% CI)."]
-        lines += ["", *compact_table(summaries, opts.metric), "", "## Details", *detail_tables(summaries)]
-        lines += _class_and_learning_lines(summaries)
-        lines += ["", "Each row's own options (over the method's defaults):", *options]
-    lines += run_lines(records, opts.settings, "their last Trainer checkpoint, as if uninterrupted")
-    lines += failed_lines(opts.failed_runs)
-    lines += [
-        "",
-        f"Each run keeps the weights of its best dev epoch ({label}, the earliest on ties) and scores dev and test "
-        "with them. sd: sample sd over seeds (n/a for one seed). 95% CI of a difference to plain: mean ± "
-        "sqrt(h_seeds² + h_examples²), h_seeds = t(0.975, n-1) x sd / sqrt(n) of the per-seed differences (the "
-        "same seed: the same classifier head at the start and the same training subset), h_examples = 1.96 x the "
-        f"sd of the seed-mean difference over {BOOTSTRAP_SAMPLES} paired bootstrap resamples of the split's "
-        "examples (each run's predictions: runs/ROW/seedS/predictions.jsonl, dev_predictions.jsonl); an interval "
-        "of zero width is shown as such and is no evidence. "
-        f"Learned nothing: every dev prediction one class, or dev {label} within 1.96 standard errors of what a "
-        "predictor that ignores the text scores on dev (accuracy: always the majority class; macro-F1: the best "
-        "of that, uniform and label-share guessing; MCC: 0). Dropped: the mean over seeds of the share each "
-        "regularized run's log gives (AD-DROP: real keys dropped on its AD-DROP epochs; the others: the units "
-        "their rate counts, heads or keys). Still learning: the best dev epoch was the last in most of a comparison's runs.",
-    ]
-    summary = {
-        "settings": opts.settings,
-        "metric": opts.metric,
-        "seeds": seeds,
-        "methods": summaries,
-        "verdicts": verdicts,
-        "best_run": best,
-        "stopped": getattr(opts, "stopped", None),
-        "plot": drawn,
-        "failed_runs": opts.failed_runs,
-        "versions": _versions(),
-        "seconds": round(time.time() - started, 1),
-    }
-    write_json(out / "results.json", summary)
-    text = "\n".join(_wrap(lines))
-    (out / "results.md").write_text(text + "\n", encoding="utf-8")
-    log(text)
-    log(f"results: {out / 'results.md'}, {out / 'results.json'}" + (f", {drawn}" if drawn else ""))
-    return summary
+
+    def title(seeds: List[int]) -> str:
+        return (
+            f"Regularizers against plain, {opts.model} on {data_text}, {opts.epochs} "
+            f"epoch{'s' * (opts.epochs != 1)}, seeds {','.join(map(str, seeds))}"
+        )
+
+    def draw(summaries: List[dict], records: List[dict], path: Path, title: str) -> Optional[str]:
+        return draw_cls_comparison(summaries, records, path, title, opts.metric, label, log)
+
+    def classifier_report(parts: ReportParts):
+        records, summaries, verdicts, drawn = parts.records, parts.summaries, parts.verdicts, parts.drawn
+        options = [options_line(s["name"], s["method"], s["args"], "its defaults") for s in summaries]
+        best = best_run(records, opts.metric, opts.out_dir)
+        lines = ["# attn-reg-cls-compare: the regularizers against plain", "", parts.title, ""]
+        if not records:  # every job failed (launch_and_report's report_failures): say so, and name them
+            failed = len(opts.failed_runs)
+            lines += [f"No run finished: all {failed} run(s) of this command failed, so nothing is compared.", ""]
+        if verdicts:
+            lines += [f"Verdicts (on test {label}, then dev {label}):", *(f"- {v}" for v in verdicts)]
+        lines += _stop_lines(opts, parts.plain)
+        if records:
+            lines += _best_lines(best, label, getattr(opts, "keep_models", False))
+            if drawn:
+                lines += ["", f"Plot: {Path(drawn).name} (dev {label} per epoch; each row − plain with its 95% CI)."]
+            lines += ["", *compact_table(summaries, opts.metric), "", "## Details", *detail_tables(summaries)]
+            lines += _class_and_learning_lines(summaries)
+            lines += ["", "Each row's own options (over the method's defaults):", *options]
+        lines += run_lines(records, opts.settings, "their last Trainer checkpoint, as if uninterrupted")
+        lines += failed_lines(opts.failed_runs)
+        lines += ["", METHOD_PARAGRAPH.format(label=label, samples=BOOTSTRAP_SAMPLES)]
+        fields = {
+            "settings": opts.settings,
+            "metric": opts.metric,
+            "seeds": parts.seeds,
+            "methods": summaries,
+            "verdicts": verdicts,
+            "best_run": best,
+            "stopped": getattr(opts, "stopped", None),
+            "plot": drawn,
+            "failed_runs": opts.failed_runs,
+        }
+        return _wrap(lines), fields
+
+    return ReportLayout(rules=cls_rules(opts.metric, opts.out_dir), title=title, draw=draw, compose=classifier_report)
+
+
+# results.md's last paragraph: how every number above was computed
+METHOD_PARAGRAPH = (
+    "Each run keeps the weights of its best dev epoch ({label}, the earliest on ties) and scores dev and test "
+    "with them. sd: sample sd over seeds (n/a for one seed). 95% CI of a difference to plain: mean ± "
+    "sqrt(h_seeds² + h_examples²), h_seeds = t(0.975, n-1) x sd / sqrt(n) of the per-seed differences (the "
+    "same seed: the same classifier head at the start and the same training subset), h_examples = 1.96 x the "
+    "sd of the seed-mean difference over {samples} paired bootstrap resamples of the split's "
+    "examples (each run's predictions: runs/ROW/seedS/predictions.jsonl, dev_predictions.jsonl); an interval "
+    "of zero width is shown as such and is no evidence. "
+    "Learned nothing: every dev prediction one class, or dev {label} within 1.96 standard errors of what a "
+    "predictor that ignores the text scores on dev (accuracy: always the majority class; macro-F1: the best "
+    "of that, uniform and label-share guessing; MCC: 0). Dropped: the mean over seeds of the share each "
+    "regularized run's log gives (AD-DROP: real keys dropped on its AD-DROP epochs; the others: the units "
+    "their rate counts, heads or keys). Still learning: the best dev epoch was the last in most of a comparison's runs."
+)
+
+
+def write_cls_comparison(records: List[dict], opts, data_text: str, started: float, log: Callable[[str], None]) -> dict:
+    """results.md, results.json and compare.png of every row in ``records`` (:func:`cls_layout`); logs
+    results.md; returns results.json's content."""
+    return write_comparison(records, opts.failed_runs, opts.out_dir, started, log, cls_layout(opts, data_text, log))
 
 
 def _class_and_learning_lines(summaries: List[dict]) -> List[str]:

@@ -6,7 +6,7 @@ from the same weights at a seed) on the training split with the method's trainer
 (:mod:`attn_reg_plugin.hf.methods`), scores dev after every epoch, keeps the weights of the best dev
 epoch (``--metric``, the earliest on ties), and scores dev and test once with them
 (:func:`attn_reg_plugin.classification.scores`). ``runs/<row>/seed<S>/result.json`` marks it finished;
-``command.json`` beside it, written before it trains, is its identity (:func:`run_identity`). A run
+``command.json`` beside it, written before it trains, is its identity (:func:`trainer_run_identity`). A run
 stopped before its result resumes on the next command from its last checkpoint in ``trainer/``
 (:mod:`.cls_checkpoint`: each epoch's end, every ``--save-steps`` steps, the step a stop signal came in).
 """
@@ -135,7 +135,7 @@ def method_settings(method: str, words: Sequence[str]) -> dict:
 
 
 # -- a run's identity -----------------------------------------------------------------------------
-def run_identity(cell: dict, seed: int, opts) -> List[str]:
+def trainer_run_identity(cell: dict, seed: int, opts) -> List[str]:
     """What a run is, as a command line: the command's shared settings (model, data and their digests,
     training), the method, its options as given and as resolved (a plugin whose defaults changed
     runs another run), and the seed."""
@@ -348,11 +348,12 @@ def run_classifier(
     done = finished_result(seed_dir, cell, settings)
     if done is not None:
         return done
-    claim_run(seed_dir, run_identity(cell, seed, opts), ARGUMENTS)  # a folder started with other arguments is refused
+    # a folder started with other arguments is refused
+    claim_run(seed_dir, trainer_run_identity(cell, seed, opts), ARGUMENTS)
     data = data_for(opts, settings)
     tokenizer = transformers.AutoTokenizer.from_pretrained(opts.model)
     features = encoded_splits(opts, data, tokenizer, seed)
-    trained = _train(cell, seed, opts, seed_dir / "trainer", tokenizer, features, data.labels, log)
+    trained = _trainer_train(cell, seed, opts, seed_dir / "trainer", tokenizer, features, data.labels, log)
     result, predicted = _result(cell, seed, opts, settings, data, features, tokenizer, trained)
     for split, name in PREDICTION_FILES.items():  # before result.json, which marks the run finished
         write_predictions(seed_dir / name, features[split], predicted[split], data.labels)
@@ -387,7 +388,7 @@ class _Trained(NamedTuple):
     seconds: float  # training, over every attempt up to its last checkpoint and this one
 
 
-def _train(cell: dict, seed: int, opts, folder: Path, tokenizer, features, labels, log: Callable) -> _Trained:
+def _trainer_train(cell: dict, seed: int, opts, folder: Path, tokenizer, features, labels, log: Callable) -> _Trained:
     """The run's training, resumed from its last whole checkpoint in ``folder`` if an earlier attempt
     left one; a stop signal meanwhile saves at the end of its step first (:class:`processes.DeferredStop`)."""
     from .cls_checkpoint import checkpoint_callback, last_checkpoint, load_best

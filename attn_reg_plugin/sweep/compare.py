@@ -53,7 +53,7 @@ from typing import Callable, List, Optional, Sequence
 
 from ..paths import OutputOverwritesInputError
 from . import _check_inputs, _check_same_settings, sweep_settings
-from .compare_report import write_comparison
+from .compare_report import write_mt_comparison
 from .fairseq_check import check_fairseq_args
 from .launcher import MT_RUNS, launch_and_report
 from .launcher_options import add_launcher_options, check_launcher, check_ranks
@@ -84,7 +84,7 @@ COMPARE_OUTPUTS = (
 )  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_mt_compare_parser() -> argparse.ArgumentParser:
     ap = command_parser(PROG, __doc__, "DATA_BIN --out-dir DIR --methods plain,... [options] -- FAIRSEQ-TRAIN-ARGS...")
     ap.add_argument(
         "data_bin", metavar="DATA_BIN", type=Path, help="the fairseq-preprocess output (train, valid, test)"
@@ -98,10 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_args(argv: Sequence[str], provided: Optional[set] = None):
+def parse_mt_compare_args(argv: Sequence[str], provided: Optional[set] = None):
     """``(parser, options)``, ``options.cells`` the methods' cells; a bad option is ``parser.error``."""
     own, train_args = split_train_args(argv)
-    ap = build_parser()
+    ap = build_mt_compare_parser()
     opts = ap.parse_args(own)
     opts.train_args, opts.test = train_args, True  # the comparison is on the test split
     parse_epochs_seeds(ap, opts)
@@ -132,7 +132,7 @@ def parse_args(argv: Sequence[str], provided: Optional[set] = None):
 def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = print) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     provided = plugin_provides()
-    ap, opts = parse_args(argv, provided)
+    ap, opts = parse_mt_compare_args(argv, provided)
     try:
         _check_inputs(opts, COMPARE_OUTPUTS)
         opts.data_bin = opts.data_bin.resolve()
@@ -140,16 +140,16 @@ def main(argv: Optional[Sequence[str]] = None, log: Callable[[str], None] = prin
         check_fairseq_args(opts, opts.cells)
     except (SweepError, OutputOverwritesInputError) as e:
         ap.error(str(e))
-    return run_locked(ap, opts.out_dir, PROG, argv, lambda: _locked_main(ap, opts, settings, log), log)
+    return run_locked(ap, opts.out_dir, PROG, argv, lambda: _compare_mt_locked(ap, opts, settings, log), log)
 
 
-def _locked_main(ap, opts, settings: dict, log: Callable[[str], None]) -> int:
+def _compare_mt_locked(ap, opts, settings: dict, log: Callable[[str], None]) -> int:
     names = prepare_out_dir(ap, opts, settings, log)
     log(
         f"== {PROG} {opts.source_lang}→{opts.target_lang} on {opts.data_bin}: {names} x {len(opts.seeds)} "
         f"seed(s), {opts.epochs} epoch(s) each; outputs in {opts.out_dir}"
     )
-    report = lambda records, started: write_comparison(records, opts, started, log, settings)
+    report = lambda records, started: write_mt_comparison(records, opts, started, log, settings)
     # Every run failed: results.md and results.json still name them (their rows, seeds, states, logs).
     return launch_and_report(ap, opts.cells, opts, settings, log, MT_RUNS, report, report_failures=True)
 

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from .options import SweepError, cell_name
 from .report import write_json
-from .runs import claim_run, finished_result, identity_conflict, run_cells, run_dir, run_identity, run_seed
+from .runs import claim_run, fairseq_run_identity, finished_result, identity_conflict, run_cells, run_dir, run_seed
 
 POLL_SECONDS = 2.0
 JOB_LOG_LINES = 15  # of a failed job's log, in results.json
@@ -129,7 +129,7 @@ class RunKind(NamedTuple):
     arguments: str
 
 
-MT_RUNS = RunKind(run_job, run_identity, run_cells, "fairseq-train arguments")
+MT_RUNS = RunKind(run_job, fairseq_run_identity, run_cells, "fairseq-train arguments")
 
 
 # -- submitting, waiting, collecting ---------------------------------------------------------------

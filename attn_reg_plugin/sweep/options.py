@@ -145,7 +145,7 @@ def command_parser(prog: str, doc: str, usage: str) -> argparse.ArgumentParser:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_sweep_parser() -> argparse.ArgumentParser:
     from . import __doc__ as description  # the package's docstring is the command's --help
 
     ap = argparse.ArgumentParser(
@@ -216,11 +216,11 @@ def add_run_options(ap: argparse.ArgumentParser, test_is_optional: bool) -> None
     )
 
 
-def parse_args(argv: Optional[Sequence[str]] = None):
+def parse_sweep_args(argv: Optional[Sequence[str]] = None):
     """``(parser, options)``: the sweep's options checked and parsed into lists, ``options.train_args``
     the fairseq-train arguments after ``--``. A bad option exits through ``parser.error``."""
     own, train_args = split_train_args(sys.argv[1:] if argv is None else argv)
-    ap = build_parser()
+    ap = build_sweep_parser()
     opts = ap.parse_args(own)
     opts.train_args = train_args
     _parse_grid(ap, opts)

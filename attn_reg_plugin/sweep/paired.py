@@ -46,8 +46,9 @@ def t_quantile(df: int) -> float:
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
-def per_seed(record: dict, key: str) -> Dict[int, float]:
-    """``{seed: value}`` of one metric over a cell's runs (test chrF from the run's test scores)."""
+def translation_scores(record: dict, key: str) -> Dict[int, float]:
+    """``{seed: value}`` of one metric over a translation cell's runs (test chrF from the run's test
+    scores; a diverged run's missing or non-finite values left out)."""
     out = {}
     for run in record["runs"]:
         value = (run.get("test") or {}).get("chrf") if key == "test_chrf" else run.get(key)

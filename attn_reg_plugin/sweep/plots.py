@@ -1,12 +1,13 @@
 """The comparisons' plots (compare.png of attn-reg-mt-compare and attn-reg-cls-compare): one forest plot
 of each row's difference to plain with its 95% interval, drawn by the same function for both, and the
-classifier's dev score per epoch. matplotlib is imported by the callers' ``draw`` only (Agg backend):
+classifier's dev score per epoch. matplotlib is imported by :func:`draw_comparison` only (Agg backend):
 the commands' option checks never wait for it."""
 
 from __future__ import annotations
 
 import textwrap
-from typing import List, Optional
+from pathlib import Path
+from typing import Callable, List, Optional
 
 # A panel title's line, in characters: a third of compare.png's width at matplotlib's default font.
 PANEL_TITLE_CHARACTERS = 40
@@ -73,3 +74,20 @@ def forest(ax, rows: List[dict], label: str) -> None:
     ax.set_yticks(range(n), [row["name"] for row in reversed(rows)])
     ax.set_ylim(-0.5, n - 0.5)  # half a slot each side: the edge rows' marks and notes in view
     ax.set_title(wrapped(f"{label}\n(95% CI; dots: seeds)"))
+
+
+def draw_comparison(path: Path, title: str, panels: Callable, log) -> Optional[str]:
+    """compare.png: three panels side by side, drawn by ``panels(axes)`` (the command's own), under
+    ``title``; its path, or None without matplotlib."""
+    plt = pyplot(log)
+    if plt is None:
+        return None
+    # Constrained layout makes room for every title and rotated row name inside the figure; the panels'
+    # titles are wrapped so that none is wider than its panel.
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.5), layout="constrained")
+    panels(axes)
+    fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)

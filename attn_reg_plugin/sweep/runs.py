@@ -63,7 +63,7 @@ IDENTITY_FILE = "command.json"  # in the run's folder: the fairseq-train command
 RUN_FOLDER = "<run>"  # the run's folder in an identity: the same run in a moved or copied --out-dir
 
 
-def run_identity(cell: dict, seed: int, opts) -> List[str]:
+def fairseq_run_identity(cell: dict, seed: int, opts) -> List[str]:
     """What a run is: its whole fairseq-train command line (without the executable, the run's folder
     as ``<run>``, without a Slurm job's per-rank options)."""
     return train_command(cell, seed, opts, Path(RUN_FOLDER) / "checkpoints")
@@ -192,7 +192,9 @@ def translate_and_score(opts, checkpoint: Path, split: str, out_dir: Path, ref_p
 
 # fairseq builds a process's batches once, ordering equal-length sentences by seed + the epoch it
 # starts in, so a resumed run's batches differ from an uninterrupted one's (docs/CHECKPOINTS.md).
-def _train(cell: dict, seed: int, opts, seed_dir: Path, log: Callable[[str], None], distributed: Sequence[str]) -> None:
+def _fairseq_train(
+    cell: dict, seed: int, opts, seed_dir: Path, log: Callable[[str], None], distributed: Sequence[str]
+) -> None:
     """fairseq-train of one run (resuming from its checkpoint_last.pt when an earlier attempt left
     one), its attempts in ``attempts.json``; ``trained.json`` marks it trained, or diverged when
     fairseq-train stopped on a NaN/Inf (its ``diverged`` says why). ``distributed``: rank 0's
@@ -279,9 +281,9 @@ def run_seed(
         saved = json.loads(result_path.read_text(encoding="utf-8"))
         if saved.get("settings") == settings and saved.get("cell") == cell:
             return saved
-    claim_run(seed_dir, run_identity(cell, seed, opts))  # a folder trained with other arguments is refused
+    claim_run(seed_dir, fairseq_run_identity(cell, seed, opts))  # a folder trained with other arguments is refused
     if not (seed_dir / "trained.json").exists():
-        _train(cell, seed, opts, seed_dir, log, distributed)
+        _fairseq_train(cell, seed, opts, seed_dir, log, distributed)
     trained = json.loads((seed_dir / "trained.json").read_text(encoding="utf-8"))
     train_log = seed_dir / "train.log"
     epochs = read_train_log(train_log.read_text(encoding="utf-8"))

@@ -126,7 +126,7 @@ def test_wmt16_train_stage_is_a_valid_plugin_sweep(tmp_path, monkeypatch):
     assert wmt16.main(["--pair", "tr-en", "--out", str(tmp_path), "--stages", "train"]) == 0
     (argv,) = calls
     split = argv.index("--")
-    opts = sweep.build_parser().parse_args(argv[:split])
+    opts = sweep.build_sweep_parser().parse_args(argv[:split])
     assert (opts.p, opts.q, opts.plain, opts.test) == ("0.6", "0.1", True, True)
     assert (opts.source_lang, opts.target_lang, opts.epochs) == ("tr", "en", 40)
     assert opts.valid_ref == tmp_path / "raw" / "valid"
