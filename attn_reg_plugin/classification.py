@@ -33,14 +33,21 @@ def mcc(pred: Sequence[int], gold: Sequence[int]) -> float:
     return float((correct * total - true_counts @ pred_counts) / denominator) if denominator else 0.0
 
 
+def class_scores(tp: int, predicted: int, actual: int) -> tuple:
+    """(precision, recall, F1) of one class from its true positives and its predicted and gold counts;
+    0 where a count they divide by is 0 (a class never predicted, or never present)."""
+    precision = tp / predicted if predicted else 0.0
+    recall = tp / actual if actual else 0.0
+    return precision, recall, 2 * tp / (predicted + actual) if predicted + actual else 0.0
+
+
 def macro_f1(pred: Sequence[int], gold: Sequence[int]) -> float:
     """The mean over the gold classes of each class's F1 (a class never predicted scores 0)."""
     pred, gold = _arrays(pred, gold)
     f1s = []
     for c in np.unique(gold):
         tp = np.sum((pred == c) & (gold == c))
-        predicted, actual = np.sum(pred == c), np.sum(gold == c)
-        f1s.append(2 * tp / (predicted + actual) if predicted + actual else 0.0)
+        f1s.append(class_scores(tp, np.sum(pred == c), np.sum(gold == c))[2])
     return float(np.mean(f1s))
 
 

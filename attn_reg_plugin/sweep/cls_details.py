@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from ..classification import class_scores
 from .cls_runs import MODEL_FOLDER, PREDICTION_FILES, label_order, read_predictions
 from .comparison_report import mean_sd
 from .paired import spread
@@ -52,10 +53,7 @@ def per_class(out_dir: Optional[Path], record: dict, split: str = "test") -> Opt
             tp = seed_confusion[i][i]
             predicted = sum(seed_confusion[j][i] for j in range(len(labels)))
             actual = sum(seed_confusion[i])
-            precision = tp / predicted if predicted else 0.0
-            recall = tp / actual if actual else 0.0
-            f1 = 2 * tp / (predicted + actual) if predicted + actual else 0.0
-            for score, value in zip(CLASS_SCORES, (precision, recall, f1)):
+            for score, value in zip(CLASS_SCORES, class_scores(tp, predicted, actual)):
                 values[label][score].append(value)
         for i in range(len(labels)):
             for j in range(len(labels)):
