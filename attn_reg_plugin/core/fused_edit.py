@@ -357,6 +357,35 @@ def _scores_kernel(ATTR, AV, SCORES, T, S, H, GROUP, D, BLOCK_M: tl.constexpr, B
     tl.store(SCORES + at, _attribution_score(attr, attr_v), mask=(rows[:, None] < T) & (keys[None, :] < S))
 
 
+@_jit
+def _region_kernel(SCORES, BIAS, SAMPLES, THRESHOLD, LAST_TIE, LOWEST, T, S, H, NUM, DEN, CAUSAL: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_SAMPLES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_S: tl.constexpr):  # fmt: skip
+    """One block of query rows' AD-DROP state (:func:`region_state`) from their whole rows of scores."""
+    start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
+    b = bh // H
+    rows, keys = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_S)
+    valid, _ = _validity(BIAS, b, rows, keys, T, S, CAUSAL, HAS_BIAS)
+    score = tl.load(SCORES + bh * T * S + rows[:, None] * S + keys[None, :], mask=valid, other=-float("inf"))
+    n = tl.sum(valid.to(tl.int64), axis=1)
+    k = (n * NUM + DEN - 1) // DEN  # ceil(p n) in integers: exact for the decimal p = NUM / DEN
+    if HAS_SAMPLES:  # other samples lose nothing: no region
+        k = tl.where(tl.load(SAMPLES + b) != 0, k, 0)
+    ranked = tl.sort(score, dim=1, descending=True)
+    kth = tl.max(tl.where(keys[None, :] == (k - 1)[:, None], ranked, -float("inf")), axis=1)
+    threshold = tl.where(k > 0, kth, float("inf"))
+    above = tl.sum((valid & (score > threshold[:, None])).to(tl.int64), axis=1)
+    tied = valid & (score == threshold[:, None])
+    taken = tied & (tl.cumsum(tied.to(tl.int64), axis=1) <= (k - above)[:, None])  # ties: lowest key first
+    last_tie = tl.max(tl.where(taken, keys[None, :], -1), axis=1)
+    lowest = tl.argmin(tl.where(valid, score, float("inf")), axis=1, tie_break_left=True)
+    lowest = tl.where(n > 0, lowest, -1)
+    at, kept = bh * T + rows, rows < T
+    tl.store(THRESHOLD + at, threshold, mask=kept)
+    tl.store(LAST_TIE + at, last_tie.to(tl.int32), mask=kept)
+    tl.store(LOWEST + at, lowest.to(tl.int32), mask=kept)
+
+
 # -- the Python side -------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class EditDrops:
@@ -559,6 +588,40 @@ def attribution_scores(attribution: torch.Tensor, values: torch.Tensor) -> torch
     args = (attribution.float().contiguous(), values.float().contiguous(), scores, t, s, h, h // values.shape[1], d)
     _scores_kernel[grid](*args, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)
     return scores
+
+
+# The most keys region_state ranks in one program: a row block's whole rows are sorted in registers.
+MAX_REGION_KEYS = 1024
+
+
+def region_fits(keys: int, numerator: int, denominator: int) -> bool:
+    """Whether :func:`region_state` takes a call of ``keys`` keys and p = numerator / denominator (its
+    ceil(p n) in 64-bit integers)."""
+    return keys <= MAX_REGION_KEYS and keys * numerator + denominator < 2**63
+
+
+def region_state(scores, key_bias, causal: bool, numerator: int, denominator: int, samples=None):
+    """(threshold, last_tie, lowest_key), (B, H, T) each, of AD-DROP's region over ``scores`` (B, H, T, S),
+    :func:`attribution_scores`' map, in one launch: per row the k = ceil(p n) largest of its n valid keys
+    (p = numerator / denominator exactly; ``key_bias``: key_padding_bias's, or None; ``causal``: key j
+    valid for query i when j <= i + S - T), the threshold their k-th largest (+inf where k = 0), ties
+    taken lowest key first up to ``last_tie``, and the valid key of lowest score (first of equals; -1 in a
+    row with no valid key). ``samples`` (B,) bool: other samples get k = 0. The same state as
+    ``TopRegionRule.region`` then :func:`region_ties`, with no host read: k is never sized on the host."""
+    b, h, t, s = scores.shape
+    if not region_fits(s, numerator, denominator):
+        raise ValueError(f"region_state ranks at most {MAX_REGION_KEYS} keys in 64-bit integers, got {s}")
+    threshold = torch.empty((b, h, t), dtype=torch.float32, device=scores.device)
+    last_tie, lowest = (torch.empty((b, h, t), dtype=torch.int32, device=scores.device) for _ in range(2))
+    bias = _key_bias(key_bias, b, s)
+    block = 16
+    grid = (triton.cdiv(t, block), b * h)
+    _region_kernel[grid](
+        scores.contiguous(), bias if bias is not None else scores, samples if samples is not None else scores,
+        threshold, last_tie, lowest, t, s, h, numerator, denominator, CAUSAL=causal, HAS_BIAS=bias is not None,
+        HAS_SAMPLES=samples is not None, BLOCK_M=block, BLOCK_S=max(16, triton.next_power_of_2(s)),
+    )  # fmt: skip
+    return threshold, last_tie, lowest
 
 
 class KernelDrops(NamedTuple):

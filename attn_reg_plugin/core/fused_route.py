@@ -11,8 +11,10 @@ restriction or the map returned. Each reason a call stays on the PyTorch path wi
 once in the log (:func:`name_once`).
 
 AD-DROP's region is exact: each row's threshold, k and last tied key come from the kernel's own
-product dO V^T (:func:`~.fused_edit.attribution_scores`, one block of query rows at a time,
-so nothing (T, S) is held), through the PyTorch path's one region (:meth:`~.rules.TopRegionRule.region`).
+product dO V^T (:func:`~.fused_edit.attribution_scores`). A call of up to ``fused_edit.MAX_REGION_KEYS``
+keys ranks whole rows in one launch (:func:`~.fused_edit.region_state`: k never read on the host, 3
+launches a call against about 48 a block of rows before); a longer one goes one block of query rows at a
+time (nothing (T, S) held) through the PyTorch path's region (:meth:`~.rules.TopRegionRule.region`).
 A ``torch.matmul`` may round a score otherwise and move a key at the threshold.
 Its coins are a Philox draw (:mod:`.fused_edit`): for one seed other keys than the PyTorch path's,
 distributed alike.
@@ -130,12 +132,25 @@ def name_once(why: str) -> None:
 
 def _ad_drop(q, k, key_bias, call, rule: TopRegionRule, seed: int) -> fused_edit.EditDrops:
     """AD-DROP GA's drops: per row the threshold, last tied key and lowest-scored key of the region
-    over the kernel's own scores, block by block of query rows (``key_bias``: key_padding_bias's)."""
-    b, h, t, _ = q.shape
+    over the kernel's own scores (``key_bias``: key_padding_bias's): for a call of up to
+    ``fused_edit.MAX_REGION_KEYS`` keys in two launches on the device (the scores, then
+    :func:`~.fused_edit.region_state`), else block by block of query rows through the PyTorch path's region."""
     s = k.shape[2]
     source = rule.source
     attribution = source.grad_output.neg() if source.negate else source.grad_output
     values = source.values.repeat_interleave(k.shape[1] // source.values.shape[1], 1)  # as attend's k and v
+    if fused_edit.region_fits(s, *rule.fraction):
+        scores = fused_edit.attribution_scores(attribution, values)
+        state = fused_edit.region_state(scores, key_bias, call.causal, *rule.fraction, rule.samples)
+        return fused_edit.EditDrops(fused_edit.AD_DROP, rule.q, seed, attribution, values, *state)
+    return _ad_drop_by_blocks(q, k, key_bias, call, rule, seed, attribution, values)
+
+
+def _ad_drop_by_blocks(q, k, key_bias, call, rule: TopRegionRule, seed: int, attribution, values):
+    """_ad_drop's state block by block of query rows, through ``TopRegionRule.region`` (a call too long
+    for one program's registers)."""
+    b, h, t, _ = q.shape
+    s = k.shape[2]
     threshold = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
     last_tie, lowest = (torch.empty((b, h, t), dtype=torch.int32, device=q.device) for _ in range(2))
     every_key = torch.ones((1, 1, 1, s), dtype=torch.bool, device=q.device)

@@ -286,3 +286,27 @@ def test_bf16_stays_on_the_pytorch_path_in_the_interpreter():
     call = block_call(BernoulliRule(torch.tensor(0.3)), q.shape[2])
     assert fused_drops(*(x.bfloat16() for x in (q, k, v)), None, call) is None
     assert fused_drops(*(x.half() for x in (q, k, v)), None, call) is not None
+
+
+@pytest.mark.parametrize("p, seed", [(0.3, 0), (0.05, 1), (0.999, 2)])
+def test_the_region_chosen_in_one_launch_equals_the_blockwise_pytorch_region(p, seed):
+    """fused_edit.region_state (the whole row ranked in one program, no k read on the host) gives the
+    state the PyTorch path's TopRegionRule.region and region_ties give block by block, exactly: small
+    integer scores (many ties at the threshold), padding, causal rows without keys, samples, k = 0."""
+    from attn_reg_plugin.core import fused_edit, fused_route
+
+    g = torch.Generator().manual_seed(seed)
+    t, s = int(torch.randint(5, 40, (), generator=g)), int(torch.randint(3, 70, (), generator=g))
+    q, k, _, attribution, values = tensors(h=4, h_kv=2, t=t, s=s, seed=seed)
+    bias = padding([s, int(torch.randint(1, s + 1, (), generator=g))], s)
+    samples = torch.tensor([True, bool(seed % 2)], device=DEVICE)
+    rule = TopRegionRule(GradientScores(attribution, values), p, 0.5, samples)
+    for causal in (False, True):
+        call = block_call(rule, t, rows=7, causal=causal)
+        key_bias = fused_route.key_padding_bias(bias, 2)
+        whole = fused_route._ad_drop(q, k, key_bias, call, rule, 5)
+        repeated = values.repeat_interleave(2, 1)
+        blocks = fused_route._ad_drop_by_blocks(q, k, key_bias, call, rule, 5, attribution, repeated)
+        assert fused_edit.region_fits(s, *rule.fraction)
+        for name in ("threshold", "last_tie", "lowest_key"):
+            assert torch.equal(getattr(whole, name), getattr(blocks, name)), (name, causal)
