@@ -26,7 +26,7 @@ from .attribution_pass import (
 )
 from .checkpointing import activation_checkpointing_paused
 from .controller import RegularizationController
-from .devices import on_host, rng_state, set_rng_state
+from .devices import on_host, rng_state, same_device, set_rng_state
 from .rules import (
     AttentionScores,
     GradientScores,
@@ -68,6 +68,23 @@ def _zeroed_unless(finite: Union[bool, torch.Tensor], grads: List[torch.Tensor])
     if not isinstance(finite, torch.Tensor):
         return grads
     return [torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device)) for g in grads]
+
+
+def _signature(inputs: object) -> object:
+    """What of a pass's inputs decides the shapes of its attention calls, comparable where torch.compile
+    traces: each tensor's shape, dtype and device, in the nesting of dicts, lists and tuples."""
+    if isinstance(inputs, torch.Tensor):
+        return tuple(inputs.shape), inputs.dtype, inputs.device
+    if isinstance(inputs, dict):
+        return tuple((key, _signature(value)) for key, value in inputs.items())
+    if isinstance(inputs, (list, tuple)):
+        return tuple(_signature(value) for value in inputs)
+    return inputs if inputs is None or isinstance(inputs, (bool, int, float, str)) else type(inputs).__name__
+
+
+def _fits(probe: torch.Tensor, leaf: torch.Tensor) -> bool:
+    """Whether a call whose leaf is ``leaf`` takes ``probe``: shaped, typed and placed as it."""
+    return probe.shape == leaf.shape and probe.dtype == leaf.dtype and same_device(probe, leaf)
 
 
 def _eagerly(forward: Callable[[], object]) -> object:
@@ -120,8 +137,10 @@ class ADDrop:
         self._warned_slow_bf16 = False
         self._checked_sharding: set = set()  # ids of the models check_supported_sharding has seen
         self.sites: List[AttentionSite] = config.select_sites(controller)
-        # Each site's probe, the zero leaf its next compiled GA attribution call adds to its output.
+        # Each site's probe, the zero leaf its next compiled GA attribution call adds to its output, and
+        # the signature of the inputs of a pass all of whose calls fit them (None: not known).
         self._probes: Dict[AttentionSite, torch.Tensor] = {}
+        self._probe_inputs: object = None
 
     # -- attribution ---------------------------------------------------------------------
     def _labelled(self, target: Target, labels: Optional[torch.Tensor]) -> Target:
@@ -151,9 +170,11 @@ class ADDrop:
         frozen: Optional[torch.nn.Module] = None,
         dense: bool = True,
         labels: Optional[torch.Tensor] = None,
+        inputs: object = None,
     ) -> Optional[Tuple[List[AttentionSite], List[Union[torch.Tensor, ScoreSource]], List[torch.Tensor]]]:
         """Pass 1 (and IGA's extra passes): the sites in call order, their attributions and validity.
         ``labels``: the batch's gold labels, exactly when ``config.labels`` is gold (:meth:`masked`).
+        ``inputs``: what the forward reads (:meth:`masked`).
 
         ``dense=False`` (training): a GA map longer than one block of the kernel stays
         :class:`GradientScores` (dF/dO and V, linear in length), formed per block in pass 2, and
@@ -163,14 +184,19 @@ class ADDrop:
         """
         target = self._labelled(target, labels)
         method = self.config.attribution
+        traced = method == "ga" and self._traced_by_probes(inputs)
         # Profiler labels (free when no profiler runs) let benchmarks split a step into its passes.
         with (
             record_function("ad_drop::attribution_pass"),
-            frozen_parameters(frozen),
+            # Traced, only the pass's vjp in its probes records a graph (:meth:`_traced_gradient_attributions`):
+            # nothing to freeze, and a freeze (requires_grad_) would break the graph.
+            frozen_parameters(None if traced else frozen),
             activation_checkpointing_paused(frozen),
             torch.enable_grad(),
             attribution_precision(self.config.attribution_precision),
         ):
+            if traced:
+                return self._traced_gradient_attributions(forward, target, dense)
             if method == "ga":
                 capture = CaptureOutput(keeps_long_causal_valid=dense)
                 hooks = {s: dataclasses.replace(capture, probe=self._probes.get(s)) for s in self.sites}
@@ -189,7 +215,7 @@ class ADDrop:
                     if finite is False:
                         return None
                     grads = _zeroed_unless(finite, output_gradients(value, record.outputs, self.gradient_scale))
-                    self._keep_probes(record, first)
+                    self._keep_probes(record, first, inputs)
                 attributions = [
                     # dF/dO and V, linear in length, at every length: pass 2 ranks each call's keys
                     # from them (no (T, S) map is kept between the passes). Contiguous: each block
@@ -212,15 +238,73 @@ class ADDrop:
                 return self._integrated_gradient_scores(forward, target)
         raise AssertionError(method)
 
-    def _keep_probes(self, record, first: bool) -> None:
+    def _traced_by_probes(self, inputs: object) -> bool:
+        """Whether this GA pass runs where torch.compile traces it, each call taking its site's probe
+        (:meth:`_traced_gradient_attributions`): its ``inputs`` are shaped as those of the pass the
+        probes were made for (a call that took no probe would make its output a leaf inside
+        ``torch.func.vjp``, which refuses it). Not in fp16, whose gradients are scaled by retrying on
+        a host read of their finiteness (:class:`GradientScale`)."""
+        return (
+            torch.compiler.is_compiling()
+            and inputs is not None
+            and self._probe_inputs == _signature(inputs)
+            and all(s in self._probes for s in self.sites)
+            and not any(p.dtype == torch.float16 for p in self._probes.values())
+        )
+
+    def _traced_gradient_attributions(self, forward, target, dense: bool):
+        """GA's pass where torch.compile traces it, in the step's graph: dF/dO is the gradient of F in
+        each site's probe, taken by ``torch.func.vjp``, which dynamo traces (``autograd.grad`` breaks
+        the graph). The vjp differentiates in the probes only and no graph is recorded around it, so
+        the parameters need no freeze (whose ``requires_grad_`` breaks the graph) and no ``.grad``
+        is touched."""
+        capture = CaptureOutput(keeps_long_causal_valid=dense)
+        sites: List[AttentionSite] = []
+
+        def attribution_target(*probes):
+            hooks = {s: dataclasses.replace(capture, probe=p) for s, p in zip(self.sites, probes)}
+            with self.controller.hooks(hooks) as record:
+                output = forward()
+                value, _ = target(output, None)
+                del output
+                self._check_captured(record.sites, record.outputs)
+            sites.extend(record.sites)  # not tensors, which are all vjp's auxiliary output takes
+            return value, (record.outputs, record.values, record.valid)
+
+        probes = [self._probes[s] for s in self.sites]
+        # Outside the vjp nothing records a graph: the pass saves for its gradient what it would with
+        # the parameters frozen.
+        with torch.no_grad():
+            value, pullback, (leaves, values, valid) = torch.func.vjp(attribution_target, *probes, has_aux=True)
+            by_site = dict(zip(self.sites, pullback(torch.ones_like(value))))
+        missed = [s for s, leaf in zip(sites, leaves) if not _fits(self._probes[s], leaf)]
+        if missed:  # decided where the graph is traced, not in it
+            raise RuntimeError(
+                f"AD-DROP: under torch.compile, attention {missed[0]} made an output of another shape than its "
+                "probe although the pass's inputs had the shapes of the pass that made it: give masked() (or "
+                "attributions()) every tensor the forward reads as inputs="
+            )
+        finite = _finite(value, leaves)
+        grads = _zeroed_unless(finite, [by_site[s].float() for s in sites])
+        attributions = [
+            GradientScores(g.contiguous(), v.contiguous()) if not dense else dense_gradient_attribution(g, v)
+            for g, v in zip(grads, values)
+        ]
+        return sites, attributions, valid
+
+    def _keep_probes(self, record, first: bool, inputs: object) -> None:
         """Each site's probe for later passes (:class:`CaptureOutput`'s ``probe``): a zero leaf shaped as
         its output, made by the first pass (run eagerly) and again where a compiled call's output was
         its own leaf (another shape), kept while the shape holds (autograd.grad leaves it zero and adds
         to no ``.grad``). A compiled call takes it and meets no ``requires_grad_``, which breaks its
-        graph at every layer (issue 80); an eager call makes its output the leaf, which costs nothing."""
+        graph at every layer (issue 80); an eager call makes its output the leaf, which costs nothing.
+        The pass's ``inputs`` are kept with them when every call fits its probe: a traced pass with
+        inputs of those shapes takes them (:meth:`_traced_by_probes`)."""
         for site, leaf, compiled in zip(record.sites, record.outputs, record.compiled):
             if (first or compiled) and leaf is not self._probes.get(site):
                 self._probes[site] = torch.zeros_like(leaf, memory_format=torch.contiguous_format).requires_grad_()
+        fitted = inputs is not None and all(_fits(self._probes[s], o) for s, o in zip(record.sites, record.outputs))
+        self._probe_inputs = _signature(inputs) if fitted else None
 
     def _integrated_gradients(self, forward, target):
         """Paper Eq. 3 per layer (as Hao et al.): only that layer's map is scaled by k/m, its
@@ -337,12 +421,17 @@ class ADDrop:
         *,
         labels: Optional[torch.Tensor] = None,
         tensors: bool = False,
+        inputs: object = None,
     ) -> Iterator[Stats]:
         """Run the attribution pass now; inside the block, forwards are masked (pass 2).
 
         ``attribution_forward`` should run the bare model (no DDP wrapper: attribution needs
         no gradient sync). ``labels``: the batch's gold labels, as ``target`` takes them for its
         second argument; required with ``config.labels`` gold, refused with pseudo.
+        ``inputs``: the tensors ``attribution_forward`` reads (any nesting of dicts, lists and tuples),
+        whose shapes decide those of its attention calls. Given, a GA step that torch.compile traces
+        whole takes its attribution in the step's graph (``torch.func.vjp`` of zero probes kept from a
+        pass on inputs of those shapes); without them, the pass breaks that graph.
 
         The yielded dict is filled in when the block ends: ``dropped`` / ``droppable`` (the units
         dropped, and those the rate is over), ``rate`` (dropped / droppable, 0.0 when nothing was
@@ -368,7 +457,7 @@ class ADDrop:
             rule = TopRegionRule(RandomScores(), p, q)
             edits = {s: EditScores(drop=rule, counted=True) for s in self.sites}
         else:
-            found = self.attributions(attribution_forward, target, frozen, dense=False, labels=labels)
+            found = self.attributions(attribution_forward, target, frozen, dense=False, labels=labels, inputs=inputs)
             if found is None:  # not finite: this step trains with the plain loss, counted as skipped
                 stats["skipped"] = torch.ones((), dtype=torch.long)
                 yield stats
@@ -425,8 +514,9 @@ class ADDrop:
         *,
         labels: Optional[torch.Tensor] = None,
         tensors: bool = False,
+        inputs: object = None,
     ) -> Tuple[object, Stats]:
         """One AD-DROP step: attribution pass, masks, and the masked pass whose output is returned."""
-        with self.masked(attribution_forward, target, frozen, labels=labels, tensors=tensors) as stats:
+        with self.masked(attribution_forward, target, frozen, labels=labels, tensors=tensors, inputs=inputs) as stats:
             output = train_forward()
         return output, stats

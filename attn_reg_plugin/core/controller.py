@@ -181,7 +181,8 @@ class RegularizationController:
         record = Record()
         seeds = None
         if pass_seed is not None:
-            seeds = {site: torch.tensor(key_seed(int(pass_seed), _site_key(site))) for site in assignment}
+            sites = list(assignment)
+            seeds = dict(zip(sites, site_seeds(pass_seed, [_site_key(site) for site in sites]).unbind(0)))
         try:
             with passing(Plan.asking(assignment, record, seeds)):
                 yield record
@@ -202,6 +203,21 @@ class RegularizationController:
             # checkpointing.activation_checkpointing_paused does for a model's own checkpoints.
             return carried(*args)
         return torch.utils.checkpoint.checkpoint(carried, *args, use_reentrant=use_reentrant, **kwargs)
+
+
+@torch.library.custom_op("attn_reg::site_seeds", mutates_args=())
+def site_seeds(pass_seed: torch.Tensor, keys: List[int]) -> torch.Tensor:
+    """The seed of each key (a site's, :func:`_site_key`) under ``pass_seed`` (0-d int64, on the CPU):
+    ``key_seed(pass_seed, key)``, an int64 CPU tensor shaped as ``keys``. An operator, so that the
+    pass seed is read on the host inside it: in a graph torch.compile traces, ``int(pass_seed)``
+    would break it."""
+    seed = int(pass_seed)
+    return torch.tensor([key_seed(seed, key) for key in keys], dtype=torch.int64)
+
+
+@site_seeds.register_fake
+def _site_seeds_shape(pass_seed: torch.Tensor, keys: List[int]) -> torch.Tensor:
+    return pass_seed.new_empty((len(keys),))
 
 
 def _site_key(site: AttentionSite) -> int:

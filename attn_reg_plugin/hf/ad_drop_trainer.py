@@ -196,6 +196,7 @@ class ADDropTrainerMixin:
             frozen=bare,
             labels=self.ad_drop_gold_labels(bare, inputs),
             tensors=True,
+            inputs=fwd_inputs,  # a step compiled whole then attributes in its graph
         ) as stats:
             result = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch

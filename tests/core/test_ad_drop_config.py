@@ -104,7 +104,7 @@ def _masks_for(region, attribution, valid, p, monkeypatch):
     monkeypatch.setattr(
         core_ad_drop.ADDrop,
         "attributions",
-        lambda self, f, t, frozen=None, dense=True, labels=None: ([site], [attribution], [valid]),
+        lambda self, f, t, frozen=None, dense=True, labels=None, inputs=None: ([site], [attribution], [valid]),
     )
     with pytest.raises(RuntimeError, match="ran no forward"):  # the block only reads the pass it set
         with ad_drop.masked(lambda: None, None):

@@ -563,3 +563,105 @@ def test_a_compiled_model_takes_dO_through_kept_zero_probes_with_no_graph_break(
         torch.testing.assert_close(b, a)
         torch.testing.assert_close(c, a, rtol=0, atol=0)
     torch._dynamo.reset()
+
+
+def _ga_training_step(adrop, model):
+    """One GA training step on a batch: pass 1, the masked pass 2 and its backward. The pass's inputs
+    go to masked(): a step compiled whole then attributes in its graph."""
+
+    def step(x, key_pad):
+        with adrop.masked(lambda: model(x, key_pad), target, frozen=model, tensors=True, inputs=(x, key_pad)) as stats:
+            loss = F.cross_entropy(model(x, key_pad), torch.arange(x.shape[0]) % CLASSES)
+        loss.backward()
+        return loss.detach(), stats["dropped"], stats["droppable"]
+
+    return step
+
+
+def _trained(step, model, batches):
+    """Per batch, seeded by its index: the loss, the drops and droppable units, every parameter's
+    gradient and the global generator's next draw (what the step left of the random stream)."""
+    out = []
+    for i, batch in enumerate(batches):
+        torch.manual_seed(i)
+        out.append([*step(*batch), *(p.grad for p in model.parameters()), torch.randint(1 << 30, ())])
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def _ga_model(dropout=0.2):
+    model, x, key_pad, adrop = _setup(torch.float32, model_kw=dict(dropout=dropout), p=0.5, q=0.5, schedule="always")
+    return model.train(), (x, key_pad), adrop
+
+
+def _compiled(function, backend="counting"):
+    """``function`` under torch.compile, and the graphs dynamo made of it: the ``counting`` backend keeps
+    each (and runs it as traced); another backend (``aot_eager``: AOTAutograd's graphs) keeps none."""
+    graphs = []
+
+    def counting(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    return torch.compile(function, backend=counting if backend == "counting" else backend), graphs
+
+
+@pytest.mark.parametrize("backend", ["counting", "aot_eager"])
+def test_a_ga_step_compiled_whole_makes_no_graph_of_its_own_and_trains_as_eager(backend):
+    """Issue 80's target: the GA training step under one torch.compile makes at most 3 graph breaks.
+    Pass 1 takes dF/dO in the step's graph (torch.func.vjp of the zero probes an earlier eager step
+    kept, no parameter frozen) and pass 2's seeds come from an operator: the step makes as many
+    graphs as plain training's (the backward's break), and computes what eager does."""
+    from torch._dynamo.utils import counters
+
+    model, batch, _ = _ga_model()
+
+    def plain_step(x, key_pad):  # the GA step without AD-DROP
+        loss = F.cross_entropy(model(x, key_pad), torch.arange(x.shape[0]) % CLASSES)
+        loss.backward()
+        return loss.detach()
+
+    plain, plain_graphs = _compiled(plain_step)
+    torch._dynamo.reset()
+    plain(*batch)
+
+    runs = []
+    for compiled in (False, True):
+        model, batch, adrop = _ga_model()
+        step = _ga_training_step(adrop, model)
+        _trained(step, model, [batch])  # eager: the first pass makes the probes
+        torch._dynamo.reset()
+        counters.clear()
+        if compiled:
+            step, graphs = _compiled(step, backend)
+        runs.append(_trained(step, model, [batch] * 3))
+    breaks = {reason.splitlines()[0]: n for reason, n in counters["graph_break"].items()}
+    if backend == "counting":
+        assert len(graphs) == len(plain_graphs) and len(graphs) - 1 <= 3, (len(graphs), len(plain_graphs), breaks)
+    for eager, compiled in zip(*runs):
+        assert eager[1] > 0  # AD-DROP dropped something
+        for a, b in zip(eager, compiled):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+def test_a_ga_step_compiled_whole_on_a_new_batch_shape_trains_as_eager():
+    """A batch shaped otherwise than the one the probes were made for: the pass runs without them, as
+    a pass without probes does (breaking the graph), and makes probes for the new shape. Every step
+    computes what eager does."""
+    short = torch.randn(B, T - 1, D, generator=torch.Generator().manual_seed(3))
+    short_pad = torch.arange(T - 1)[None, :] >= torch.tensor([T - 1, 3, 1])[:, None]
+    runs = []
+    for compiled in (False, True):
+        model, batch, adrop = _ga_model()
+        step = _ga_training_step(adrop, model)
+        _trained(step, model, [batch])
+        torch._dynamo.reset()
+        if compiled:
+            step, _ = _compiled(step)
+        runs.append(_trained(step, model, [batch, (short, short_pad), (short, short_pad)]))
+    assert {tuple(p.shape) for p in adrop._probes.values()} == {(B, HEADS, T - 1, D // HEADS)}
+    for eager, compiled in zip(*runs):
+        for a, b in zip(eager, compiled):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+    torch._dynamo.reset()
