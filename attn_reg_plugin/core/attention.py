@@ -68,7 +68,10 @@ def _ordinary_attention(q, k, v, bias, dropout_p: float, scale: Optional[float],
     if bias is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
     valid = valid_keys_from_bias(bias)
-    mask = torch.where(valid, 0.0 if bias.dtype == torch.bool else bias.to(q.dtype), float("-inf"))
+    if bias.dtype == torch.bool:  # -inf filled with 0 where valid: torch.where's values in two ops, not three
+        mask = torch.full(valid.shape, float("-inf"), dtype=q.dtype, device=valid.device).masked_fill_(valid, 0.0)
+    else:
+        mask = torch.where(valid, bias.to(q.dtype), float("-inf"))
     keyless = keyless_rows(bias, valid)
     if keyless is not None:
         mask = mask.masked_fill(keyless, 0.0)
@@ -161,7 +164,7 @@ def attention_kernel(
     """(output, attention map if ``need_weights``, what the call captured) of one call described by
     ``call``. Reads its arguments, changes none of them: the same call gives the same drops."""
     hook = call.hook
-    if isinstance(hook, EditScores) and hook.drop_heads is not None:  # DropHead: attention, then heads
+    if isinstance(hook, EditScores) and hook.drop_heads is not None:  # an output edit: attention, then heads dropped
         out, weights, _ = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, ORDINARY, is_causal)
         out, captured = _dropped_heads(out, hook, call)
         return out, weights, captured
@@ -188,7 +191,7 @@ def attention_kernel(
 
 
 def _dropped_heads(out: torch.Tensor, hook: EditScores, call: AttentionCall):
-    """DropHead on a call's (B, H, T, d) output: each (sample, head) dropped with the hook's
+    """The output edit on a call's (B, H, T, d) output: each (sample, head) dropped with the hook's
     probability p (keyed draws of the call's seed, made again identically by a recompute), a sample's
     kept heads scaled by H / kept. A sample drawn to lose every head keeps the one of largest draw, a
     head uniformly at random (no rescaling by H / 0), so the rate is p - p**H / H, rising with p.

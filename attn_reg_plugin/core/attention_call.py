@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Iterator, List, Mapping, Optional, Sequen
 
 import torch
 
+from .devices import same_device
 from .rules import AttentionScores, BlockRule, DenseRule
 
 
@@ -79,7 +80,7 @@ class CaptureProbs:
 
 @dataclass(frozen=True, eq=False)
 class EditScores:
-    """Edits applied to the scores before softmax (or, DropHead, to the output).
+    """Edits applied to the scores before softmax (or, an output edit, to the output).
 
     ``drop``: bool, True where a key is removed from a row (broadcastable to (B, H, T, S)), or
     a :class:`~.rules.BlockRule` that the kernel evaluates per block of query rows (AD-DROP's
@@ -96,7 +97,7 @@ class EditScores:
     could drop (the Generator never masks a padding query row); the count's denominator is the valid
     units inside it, so a logged rate is the fraction of what could have been dropped. None: every
     valid unit.
-    ``drop_heads``: a 0-d probability (DropHead): each (sample, head) of the output dropped with it,
+    ``drop_heads``: a 0-d probability, the output edit: each (sample, head) of the output dropped with it,
     a sample's kept heads rescaled by heads / kept; then (sample, head) pairs are counted. It
     edits the output, not the scores, so it stands alone in its edit.
     ``replaces_weight_dropout``: the edit's drops take the place of the model's dropout of the attention
@@ -137,7 +138,7 @@ class EditScores:
 
     @property
     def draws(self) -> bool:
-        """Whether the edit's drops (or DropHead's) come from random numbers keyed by the site's seed."""
+        """Whether the edit's drops (or the dropped heads) come from random numbers keyed by the site's seed."""
         return (isinstance(self.drop, BlockRule) and self.drop.draws) or self.drop_heads is not None
 
 
@@ -285,14 +286,21 @@ class Record:
 
     def _summed(self, part: str, whole: Optional[str]) -> List[torch.Tensor]:
         self.close()
-        total = zero_counts()
-        for _, captured in self.entries:
-            value = getattr(captured, part)
-            if value is not None:
-                total = add_counts(
-                    total, [value, getattr(captured, whole) if whole else torch.ones((), dtype=torch.long)]
-                )
-        return total
+        counted = [captured for _, captured in self.entries if getattr(captured, part) is not None]
+        if whole is None:  # the calls counted: a number the host knows
+            return [_total([getattr(c, part) for c in counted]), torch.tensor(len(counted), dtype=torch.long)]
+        return [_total([getattr(c, name) for c in counted]) for name in (part, whole)]
+
+
+def _total(values: List[torch.Tensor]) -> torch.Tensor:
+    """The sum of 0-d counts, as ``zero_counts()[0] + values[0] + ...`` gives it: where they lie on one
+    device, in two ops however many (on a device each op is a launch, one a call otherwise)."""
+    if len(values) > 1 and all(same_device(v, values[0]) and v.dtype == values[0].dtype for v in values):
+        return torch.stack(values).sum()
+    total = zero_counts()[0]
+    for value in values:
+        total = total + value
+    return total
 
 
 Spec = Tuple[Optional[Hook], Optional[torch.Tensor], Optional[weakref.ref]]

@@ -24,18 +24,20 @@ from . import devices, rules
 from .devices import FLASH_CPU, FLASH_CPU_BACKWARD, has_cpu_softmax_stats, on_host
 from .masks import (
     additive_mask,
+    as_bytes,
     block_bias,
-    broadcast_count,
+    broadcast_counts,
     causal_bias,
     causal_key_span,
     explicit_weights,
-    keyless_rows,
+    flagged,
+    may_hold_true,
     pack_bits,
     unpack_bits,
     valid_keys_from_bias,
     zero_rows,
 )
-from .rules import WEIGHT_DROPOUT_STREAM, Block, BlockRule, DenseRule, keys_of, rows_of, uniform_instead_of_empty
+from .rules import WEIGHT_DROPOUT_STREAM, Block, BlockRule, DenseRule, all_last, keys_of, rows_of
 
 # A call whose rule is costly to evaluate again (a top-p region, coins) keeps its drops as bits for
 # the backward while they take at most this many times q's bytes: linear in length, and measured
@@ -155,14 +157,18 @@ def block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=No
         valid = valid_keys_from_bias(bias_rows)
     keys = state.keys if isinstance(state, KeptDrops) else key_span(valid, span)
     valid = keys_of(valid, keys)
+    # The keys not valid and the rows with none valid, made once for the rule's empty rows, the mask
+    # and the rows zeroed (on a device each op is a launch, and a step of small calls is bound by them).
+    invalid = None if bias_rows is None else ~valid
+    keyless = None if bias_rows is None else flagged(all_last(invalid))
     if isinstance(state, KeptDrops):  # the forward's drops, unpacked: no rule evaluated again
         drop, uniform = unpack_bits(state.bits, keys), state.uniform
     else:
-        drop, uniform, state = rule_drops(call, valid, rows, shape, keys, state, fresh_state)
+        drop, uniform, state = rule_drops(call, valid, rows, shape, keys, state, invalid, keyless, fresh_state)
     if drop is not None and (bias_rows is None or bias_rows.dtype == torch.bool):
         # Drops lie within the valid keys, so the mask is the fill wherever a key is dropped or not
         # valid: one cast and a scale.
-        part = additive_mask(drop if bias_rows is None else drop | ~valid, q_rows.dtype)
+        part = additive_mask(drop if bias_rows is None else drop | invalid, q_rows.dtype)
     else:
         # The additive bias of the keys the block covers only (half of a causal call's).
         part, _ = block_bias(keys_of(bias_rows, keys), q_rows.dtype, None if bias_rows is None else valid)
@@ -170,7 +176,7 @@ def block_masks(call: BlockCall, q_rows, bias_rows, rows: slice, shape, state=No
             additive = additive_mask(drop, q_rows.dtype)
             fits = torch.broadcast_shapes(additive.shape, part.shape) == additive.shape
             part = additive.add_(part) if fits else additive + part
-    return BlockMasks(keys, part, uniform, keyless_rows(bias_rows, valid), valid, drop, state)
+    return BlockMasks(keys, part, uniform, keyless, valid, drop, state)
 
 
 def attend_block(q_rows, k, v, m: BlockMasks, call: BlockCall, rows: slice, shape):
@@ -200,14 +206,20 @@ def weight_dropout_kept(call: BlockCall, valid, rows: slice, shape, keys: int) -
     b, h = shape[:2]
     block = Block(rows, valid, (b, h, rows.stop - rows.start, keys), shape, call.dropout_seed)
     kept = 0.0 if call.dropout_p >= 1 else 1.0 / (1.0 - call.dropout_p)
-    dropped = block.coins(call.dropout_p, WEIGHT_DROPOUT_STREAM)
-    return torch.where(dropped, 0.0, kept)
+    # The kept coins times the scale, torch.where(dropped, 0.0, kept)'s values in its dtype (the default):
+    # on a CPU cast from bytes, about 4x faster than where; elsewhere in one op (where makes each scalar
+    # a tensor first: three launches on a device).
+    coins = block.kept(call.dropout_p, WEIGHT_DROPOUT_STREAM)
+    if on_host(coins):
+        return as_bytes(coins).to(torch.get_default_dtype()).mul_(kept)
+    return coins * kept
 
 
-def rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fresh_state: bool):
-    """(drop, rows made uniform, the rule's state) of a block, from the call's rule."""
+def rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, invalid, keyless, fresh_state: bool):
+    """(drop, rows made uniform, the rule's state) of a block, from the call's rule. ``invalid``: ~valid
+    (None: every key valid); ``keyless``: the rows with no valid key (None: none)."""
     b, h, _, _ = shape
-    block = Block(rows, valid, (b, h, rows.stop - rows.start, keys), shape, call.seed)
+    block = Block(rows, valid, (b, h, rows.stop - rows.start, keys), shape, call.seed, invalid)
     drop = None
     if call.rule is not None:
         if fresh_state:
@@ -218,8 +230,21 @@ def rule_drops(call: BlockCall, valid, rows: slice, shape, keys: int, state, fre
     if uniform is not None and uniform.dim() >= 2:
         uniform = rows_of(uniform, rows)
     if drop is not None and not call.rule.keeps_rows:
-        drop, uniform = uniform_instead_of_empty(drop & valid, valid, uniform)
+        drop, uniform = _uniform_instead_of_empty(drop & valid, invalid, keyless, uniform)
     return drop, uniform, state
+
+
+def _uniform_instead_of_empty(drop, invalid, keyless, uniform):
+    """:func:`~.rules.uniform_instead_of_empty` of drops within the valid keys, from the block's
+    ``invalid`` keys and ``keyless`` rows (made once by :func:`block_masks`): a row whose valid keys are
+    all dropped, and that has one, attends uniformly instead."""
+    emptied = all_last(drop if invalid is None else drop | invalid)
+    if keyless is not None:
+        emptied = emptied > keyless  # emptied & ~keyless, in one op (bools compare as 0 < 1)
+    if may_hold_true(emptied):
+        drop = drop > emptied  # drop & ~emptied
+        uniform = emptied if uniform is None else (uniform | emptied)
+    return drop, uniform
 
 
 def block_counts(m: BlockMasks, droppable, rows: slice, b: int, h: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +258,7 @@ def block_counts(m: BlockMasks, droppable, rows: slice, b: int, h: int) -> Tuple
     units = m.valid
     for part in () if droppable is None else droppable if isinstance(droppable, tuple) else (droppable,):
         units = units & keys_of(rows_of(part, rows), m.keys).to(m.valid.device)
-    return broadcast_count(drop & units, block_shape), broadcast_count(units, block_shape)
+    return broadcast_counts(drop & units, units, block_shape)
 
 
 # -- the Function ---------------------------------------------------------------------------
@@ -297,12 +322,22 @@ class _CallOutputs:
         self.out = None if one_block else q.new_empty((b, h, t, v.shape[-1]))  # one block's is sdpa's own
         self.lse = q.new_empty((b, h, t), dtype=_accumulated(q.dtype)) if keep_stats and not one_block else None
         self.weights = q.new_zeros(shape) if call.need_weights else None
-        self.dropped, self.droppable = (torch.zeros((), dtype=torch.long, device=q.device) for _ in range(2))
+        self.device = q.device
+        # (dropped, droppable) summed over the blocks: the first block's own, no zeros added to
+        self._counts: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     def count(self, m: BlockMasks, call: BlockCall, rows: slice, b: int, h: int) -> None:
         if call.count and m.drop is not None:
-            dropped, droppable = block_counts(m, call.droppable, rows, b, h)
-            self.dropped, self.droppable = self.dropped + dropped, self.droppable + droppable
+            counts = block_counts(m, call.droppable, rows, b, h)
+            if self._counts is not None:
+                counts = (self._counts[0] + counts[0], self._counts[1] + counts[1])
+            self._counts = counts
+
+    def counts(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(dropped, droppable) of the call; zeros where nothing was counted."""
+        if self._counts is None:
+            return tuple(torch.zeros((), dtype=torch.long, device=self.device) for _ in range(2))
+        return self._counts
 
 
 def _block_state(m: BlockMasks, one_block: bool, keep_drops: bool, kept_bits: List[torch.Tensor], shape, rows):
@@ -370,6 +405,14 @@ class EditAttention(torch.autograd.Function):
         # Every block reads all of k and v: once contiguous, sdpa's CPU kernel reads them faster.
         # The copies live for the call; the backward saves the originals (views the model keeps).
         k_in, v_in, k, v = k, v, k.contiguous(), v.contiguous()
+        # On a device, a call of one block whose backward recomputes from its masks keeps the query as it
+        # attended (rows made uniform zeroed, contiguous as its products copy it), and k contiguous where
+        # the weights were kept (its one product there, dS k, copies it so): the backward then neither
+        # zeroes nor copies them again (each a launch there), and its products are the same bits. The same
+        # bytes where nothing else holds the model's views; the CPU keeps the views. (v, and k where the
+        # scores are made again, enter the backward transposed: copied as before.)
+        compact = one_block and not keep_stats and not on_host(q)
+        q_kept = q
         for rows in _block_rows(call, t):
             q_rows = q[:, :, rows]
             m = block_masks(call, q_rows, rows_of(bias, rows), rows, shape, fresh_state=True)
@@ -377,6 +420,10 @@ class EditAttention(torch.autograd.Function):
             if keep_stats:
                 _attend_keeping_softmax_stats(q_rows, k, v, m, call, rows, results, one_block)
                 weights, dropout_kept = None, None
+            elif compact:
+                q_kept = zero_rows(q_rows, m.uniform).contiguous()
+                m_kept = m._replace(uniform=None)  # the rows are zeroed in q_kept already
+                weights, dropout_kept = _attend(q_kept, k, v, m_kept, call, rows, shape, results, one_block)
             else:
                 weights, dropout_kept = _attend(q_rows, k, v, m, call, rows, shape, results, one_block)
             if one_block:  # the weights, where made, stand for the mask in the backward
@@ -385,10 +432,12 @@ class EditAttention(torch.autograd.Function):
         # The kept bits go through save_for_backward, not ctx: a checkpointed call's saved tensors are
         # dropped until its recompute, which makes the same bits again.
         out = results.out
-        ctx.save_for_backward(q, k_in, v_in, bias, out if keep_stats else None, results.lse, *one, *kept_bits)
-        ctx.call, ctx.states, ctx.one_block = call, states, one_block
-        ctx.mark_non_differentiable(results.dropped, results.droppable)
-        return out, results.weights, results.dropped, results.droppable
+        q, k = (q_kept, k if one.weights is not None else k_in) if compact else (q, k_in)
+        ctx.save_for_backward(q, k, v_in, bias, out if keep_stats else None, results.lse, *one, *kept_bits)
+        ctx.call, ctx.states, ctx.one_block, ctx.zeroed = call, states, one_block, compact
+        dropped, droppable = results.counts()
+        ctx.mark_non_differentiable(dropped, droppable)
+        return out, results.weights, dropped, droppable
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights, _dropped, _droppable):
@@ -422,7 +471,7 @@ class EditAttention(torch.autograd.Function):
         bias_grad = bias is not None and ctx.needs_input_grad[3]
         if saved is not None and saved.keys == k.shape[2] and not bias_grad:  # one block: nothing to sum
             gq, gk, gv, _ = _block_gradients(
-                q, k, v, saved, call, slice(0, t), shape, grad_out, grad_weights, acc, probs, kept
+                q, k, v, saved, call, slice(0, t), shape, grad_out, grad_weights, acc, probs, kept, ctx.zeroed
             )
             return tuple(
                 g.to(x.dtype) if need else None for g, x, need in ((gq, q, need_q), (gk, k, need_k), (gv, v, need_v))
@@ -436,7 +485,7 @@ class EditAttention(torch.autograd.Function):
             m = saved or block_masks(call, q_rows, rows_of(bias, rows), rows, shape, states[i])
             g_weights = None if grad_weights is None else grad_weights[:, :, rows, : m.keys]
             gq, gk, gv, gs = _block_gradients(
-                q_rows, k, v, m, call, rows, shape, grad_out[:, :, rows], g_weights, acc, probs, kept
+                q_rows, k, v, m, call, rows, shape, grad_out[:, :, rows], g_weights, acc, probs, kept, ctx.zeroed
             )
             if grad_q is not None:
                 grad_q[:, :, rows] = gq
@@ -458,16 +507,19 @@ class EditAttention(torch.autograd.Function):
         return (*cast, None)
 
 
-def _block_gradients(q_rows, k, v, m, call: BlockCall, rows: slice, shape, grad_out, grad_weights, acc, probs, kept):
+def _block_gradients(
+    q_rows, k, v, m, call: BlockCall, rows: slice, shape, grad_out, grad_weights, acc, probs, kept, zeroed=False
+):
     """(dq, dk, dv, dscores) of one block in ``acc``, by the softmax's formula: P = softmax(q k^T s +
     mask) (``probs`` when the forward kept it, else made again from the block's masks), W = P under
     the model's attention dropout (``kept``: the forward's multipliers, else its keyed coins made
     again), O = W v; dv = W^T dO, dP = (dO v^T) under the same dropout (+ the map's own gradient when
     it was returned), dS = P (dP - rowsum(dP P)), dq = dS k s, dk = dS^T q s. Rows made uniform had
-    their query zeroed (no gradient to it); rows without a valid key gave 0."""
+    their query zeroed (no gradient to it; ``zeroed``: the forward kept it zeroed); rows without a
+    valid key gave 0."""
     scale = call.scale if call.scale is not None else q_rows.shape[-1] ** -0.5
     k, v = k[:, :, : m.keys].to(acc), v[:, :, : m.keys].to(acc)
-    q_used = zero_rows(q_rows, m.uniform).to(acc)
+    q_used = (q_rows if zeroed else zero_rows(q_rows, m.uniform)).to(acc)
     if probs is None:
         scores = torch.matmul(q_used, k.transpose(-2, -1)) * scale
         probs = torch.softmax(scores if m.mask is None else scores + m.mask.to(acc), dim=-1)

@@ -120,7 +120,10 @@ def additive_mask(drop: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Turn a boolean drop mask into an additive score mask of ``dtype`` (0 kept, very negative dropped)."""
     # drop * fill: exact (fill is a power-of-two multiple of the dtype's minimum), and one
     # pass over the tensor instead of torch.where's broadcast of two scalars. Cast from bytes: a
-    # CPU casts uint8 to float ~3x faster than bool.
+    # CPU casts uint8 to float ~3x faster than bool. On a device one launch, not a cast and a
+    # multiply: the bool times a 0-d fill of ``dtype`` (a host scalar there) is ``dtype``, the same bits.
+    if not on_host(drop):
+        return drop * torch.tensor(mask_fill_value(dtype), dtype=dtype)
     return as_bytes(drop).to(dtype).mul_(mask_fill_value(dtype))
 
 
@@ -152,8 +155,12 @@ def keyless_rows(bias: Optional[torch.Tensor], valid: torch.Tensor) -> Optional[
     """
     if bias is None:
         return None
-    rows = ~valid.any(dim=-1, keepdim=True)
-    return rows if may_hold_true(rows) else None
+    return flagged(~valid.any(dim=-1, keepdim=True))
+
+
+def flagged(flags: torch.Tensor) -> Optional[torch.Tensor]:
+    """``flags``, or None where they hold no True (looked at on a CPU only: :func:`may_hold_true`)."""
+    return flags if may_hold_true(flags) else None
 
 
 def zero_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
@@ -165,7 +172,21 @@ def zero_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
 def broadcast_count(mask: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
     """The number of True entries of ``mask`` broadcast to ``shape``, without materialising it: a
     mask shared by heads (or rows) counts once in each. (count_nonzero: a third faster than a sum.)"""
-    return mask.count_nonzero() * (math.prod(shape) // max(1, mask.numel()))
+    count = mask.count_nonzero()
+    factor = math.prod(shape) // max(1, mask.numel())
+    return count if factor == 1 else count * factor
+
+
+def broadcast_counts(part: torch.Tensor, whole: torch.Tensor, shape: Tuple[int, ...]) -> Tuple[torch.Tensor, ...]:
+    """:func:`broadcast_count` of ``part`` and of ``whole``, which broadcasts to ``part``'s shape. On a
+    device both in one reduction (two or three launches, not three or four: a launch, not the bytes,
+    sets a small step's time there); on a CPU each where it lies, without the stacked copy."""
+    if on_host(whole) or torch.broadcast_shapes(part.shape, whole.shape) != part.shape:
+        return broadcast_count(part, shape), broadcast_count(whole, shape)
+    counts = torch.stack((part, whole.expand(part.shape))).flatten(1).count_nonzero(-1)
+    factor = math.prod(shape) // max(1, part.numel())
+    counts = counts if factor == 1 else counts * factor
+    return counts[0], counts[1]
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:

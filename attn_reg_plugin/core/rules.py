@@ -40,7 +40,7 @@ KEY_TILE = 64
 
 
 # The streams of a call's seed: the rules' coins, and the model's attention dropout in an edit
-# (-2 is random scores', -4 DropHead's).
+# (-2 is random scores', -4 the output edit's dropped heads).
 COIN_STREAM = -1
 
 
@@ -142,6 +142,7 @@ class Block:
     shape: Tuple[int, int, int, int]  # (B, H, rows, keys of the block)
     call_shape: Tuple[int, int, int, int]  # (B, H, T, S)
     seed: Union[torch.Tensor, int]
+    invalid: Optional[torch.Tensor] = None  # ~valid, where the kernel made it for its masks
 
     def __post_init__(self):
         # A validity that broadcasts over keys (from a bias shaped (..., 1)) holds for every key, and
@@ -157,10 +158,15 @@ class Block:
         come from :data:`COIN_STREAM`; the model's attention dropout inside a regularized call from
         :data:`WEIGHT_DROPOUT_STREAM`, made again from the seed in the backward, as FlashAttention
         regenerates its dropout."""
+        return self._draws(stream, False) <= self._limit(probability)
+
+    def kept(self, probability, stream: int = COIN_STREAM) -> torch.Tensor:
+        """``~self.coins(probability, stream)``, as one comparison."""
+        return self._draws(stream, False) > self._limit(probability)
+
+    def _limit(self, probability):
         limit = coin_limit(probability)
-        if isinstance(limit, torch.Tensor):
-            limit = limit.to(self.valid.device)
-        return self._draws(stream, False) <= limit
+        return limit.to(self.valid.device) if isinstance(limit, torch.Tensor) else limit
 
     def uniform(self) -> torch.Tensor:
         """This block's uniform [0, 1) numbers (random scores), from their own stream."""
@@ -366,7 +372,9 @@ def ceil_of_product(n: torch.Tensor, numerator: int, denominator: int, n_max: in
     ``0 <= numerator <= denominator <= 10**18`` (in integers: no float rounding, no tolerance)."""
     n = n.long()
     if n_max * numerator + denominator < 2**63:  # the usual case (p with a few decimals)
-        return torch.div(n * numerator + (denominator - 1), denominator, rounding_mode="floor")
+        # (denominator - 1) + numerator * n as one op (a 0-d host addend: no launch of its own on a device)
+        scaled = torch.add(torch.tensor(denominator - 1), n, alpha=numerator)
+        return torch.div(scaled, denominator, rounding_mode="floor")
     # Long multiplication over n's bits, reducing modulo the denominator at every step, so that
     # no intermediate exceeds 2 * denominator < 2**63: quotient * den + remainder = n * num so far.
     quotient, remainder = torch.zeros_like(n), torch.zeros_like(n)
@@ -390,13 +398,15 @@ def kth_largest(scores: torch.Tensor, k: torch.Tensor, bound: Optional[int] = No
     so no device sync and no graph break. Without a bound, a top-k sized by k read on the host, or
     while torch.compile traces, a sort."""
     rows = scores.shape[:-1] + (1,)
-    k = k.clamp(min=1, max=scores.shape[-1]).expand(rows)
     on_numpy = on_host(scores) and scores.dtype in (torch.float32, torch.float64, torch.float16)
+    if bound is not None and not (_numpy is not None and on_numpy):
+        # The `bound` largest of each row, sorted: the k-th is at k - 1, clamped to [0, bound - 1] in one
+        # op (as k clamped to [1, keys] first: bound <= keys).
+        top = scores.topk(max(1, min(bound, scores.shape[-1])), dim=-1, sorted=True).values
+        return top.gather(-1, (k - 1).clamp(0, top.shape[-1] - 1).expand(rows))
+    k = k.clamp(min=1, max=scores.shape[-1]).expand(rows)
     if _numpy is not None and on_numpy:
         return _kth_largest_numpy(scores, k)
-    if bound is not None:  # the `bound` largest of each row, sorted: the k-th is at k - 1
-        top = scores.topk(max(1, min(bound, scores.shape[-1])), dim=-1, sorted=True).values
-        return top.gather(-1, (k - 1).clamp(max=top.shape[-1] - 1))
     if torch.compiler.is_compiling():  # no host read of k: a sorted row, traced whatever k holds
         return scores.sort(dim=-1, descending=True).values.gather(-1, k - 1)
     k_top, k_least = int(k.max()), int(k.min())
@@ -538,10 +548,13 @@ class TopRegionRule(BlockRule):
         """The block's scores, -inf at invalid keys (so they are never above a row's threshold)."""
         scores = self.source.scores(block).nan_to_num_(0.0)
         valid = block.valid
-        if may_hold_true(~valid):
+        invalid = ~valid if block.invalid is None else block.invalid
+        if not on_host(valid):  # one fill, not the add's three ops (a launch each on a device)
+            return scores.masked_fill_(invalid, -math.inf)
+        if may_hold_true(invalid):
             # An add of a (broadcast) -inf bias: several times faster than torch.where on a CPU.
             scores.add_(
-                torch.zeros(valid.shape, dtype=scores.dtype, device=valid.device).masked_fill_(~valid, -math.inf)
+                torch.zeros(valid.shape, dtype=scores.dtype, device=valid.device).masked_fill_(invalid, -math.inf)
             )
         return scores
 
@@ -551,12 +564,25 @@ class TopRegionRule(BlockRule):
     def region(self, block: Block, scores: Optional[torch.Tensor] = None):
         """(each row's candidates, (threshold, k, tied), n): the row's top k = ceil(p n) valid keys by
         score, ties at the threshold (the k-th largest valid score; +inf where k = 0) lowest key first."""
+        return self._region(block, scores, True)
+
+    def _region(self, block: Block, scores: Optional[torch.Tensor], inf_where_none: bool):
+        """:meth:`region`; on a device, the threshold of a row with k = 0 left as :func:`kth_largest`
+        gives it unless ``inf_where_none``. The rule's own drops need no +inf there: k = 0 where a row
+        has no valid key (p > 0), so all its scores are -inf (:meth:`_scores`), and whatever its
+        threshold no key is above it and k - 0 = 0 of those equal to it are taken (as with p = 0,
+        whose threshold is the row's largest): no candidate, nothing dropped or kept back."""
         scores = self._scores(block) if scores is None else scores
         n_valid = block.valid.sum(-1, keepdim=True)
         k = ceil_of_product(n_valid, *self.fraction, block.shape[-1])  # exact for the decimal p
         numerator, denominator = self.fraction
         bound = -(-block.shape[-1] * numerator // denominator)  # ceil(p x keys) >= every row's k, on the host
-        threshold = kth_largest(scores, k, bound).masked_fill(k.expand(scores.shape[:-1] + (1,)) == 0, math.inf)
+        threshold = kth_largest(scores, k, bound)
+        device = not on_host(scores)
+        if inf_where_none or not device:
+            threshold = threshold.masked_fill(k.expand(scores.shape[:-1] + (1,)) == 0, math.inf)
+        if device:  # every row ranked: a device cannot look for rows whose ties straddle
+            return _top_lowest_keys_first(scores, threshold, k), (threshold, k, True), n_valid
         region = scores >= threshold
         at_least = as_bytes(region).sum(-1, keepdim=True, dtype=torch.int32)
         # Whether ties straddle the threshold in some row: kept, so the backward need not count.
@@ -567,7 +593,7 @@ class TopRegionRule(BlockRule):
 
     def forward_drops(self, block: Block):
         scores = self._scores(block)
-        region, state, n_valid = self.region(block, scores)
+        region, state, n_valid = self._region(block, scores, False)
         return self._drop(block, scores, state, n_valid, region), state
 
     def backward_drops(self, block: Block, state) -> torch.Tensor:
@@ -575,7 +601,10 @@ class TopRegionRule(BlockRule):
 
     def _drop(self, block: Block, scores, state, n_valid, region=None) -> torch.Tensor:
         threshold, k, tied = state
-        if region is None:  # the backward: made again from the forward's thresholds
+        device = not on_host(scores)
+        if region is None and device and tied:  # the backward: made again from the forward's thresholds
+            region = _top_lowest_keys_first(scores, threshold, k)
+        elif region is None:
             region = scores >= threshold
             if tied:
                 region = lowest_keys_first(scores, threshold, k.to(torch.int32), region, None)
@@ -585,10 +614,36 @@ class TopRegionRule(BlockRule):
             drop &= self.samples.view(-1, 1, 1, 1)
         if n_valid is None:
             n_valid = block.valid.sum(-1, keepdim=True)
+        if device:  # no look at whether a row can be emptied: the fix runs, in a few ops
+            return _keep_lowest_in_emptied_rows(drop, scores, threshold, n_valid)
         if may_hold_true(k >= n_valid):
             # A row whose every key is a candidate can lose them all: it keeps its lowest-scored one.
             drop = keep_one_valid_key(drop, block.valid.expand(drop.shape), scores)
         return drop
+
+
+def _top_lowest_keys_first(scores, threshold, k) -> torch.Tensor:
+    """Each row's keys above ``threshold`` and, of those equal to it, the first k minus those above:
+    :func:`lowest_keys_first` of every row, in the fewest ops (a device's, where each is a launch).
+    ``scores >= threshold`` without those equal is ``scores > threshold``, and its count is what
+    :func:`_ranked_by_scan` takes from k."""
+    above = scores > threshold
+    equal = scores == threshold
+    take = k - as_bytes(above).sum(-1, keepdim=True, dtype=torch.int32)
+    return above | (equal & (equal.cumsum(-1, dtype=torch.int32) <= take))
+
+
+def _keep_lowest_in_emptied_rows(drop, scores, threshold, n_valid) -> torch.Tensor:
+    """:func:`keep_one_valid_key` of a region's drops, in six ops (a device's, where each is a launch).
+    The region lies within the valid keys (their scores are finite, the others' -inf:
+    :meth:`TopRegionRule._scores`), so the drops need no AND with them, and a row is emptied when it
+    drops as many keys as it has valid ones (a row with none drops none: its fix changes nothing). Only
+    a row whose region is every valid key (k = n) can be emptied, and its threshold is then its least
+    valid score: the key kept, the valid key of lowest score and first among equals (argmin's), is its
+    first key equal to the threshold."""
+    emptied = drop.sum(-1, keepdim=True) == n_valid
+    lowest = as_bytes(scores == threshold).argmax(-1, keepdim=True)  # the first one: argmax's tie rule
+    return torch.where(emptied, drop.scatter(-1, lowest, False), drop)
 
 
 def candidate_region(attribution: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tensor:

@@ -545,3 +545,18 @@ def test_layerdrop_at_p_0_is_refused_not_run_as_a_pass_that_drops_nothing():
     controller = controller_with_sites({"encoder-self": 2})
     with pytest.raises(ValueError, match=r"p is 0: attention LayerDrop is off; give p in \(0, 1\]"):
         AttentionLayerDrop(AttentionLayerDropConfig(p=0.0), controller)
+
+
+def test_the_attackers_policies_take_the_generators_own_projections_bit_for_bit():
+    """Without autograd (the Attacker's masks) a site's query and key of a layer the Generator's attention
+    ran are that attention's projections; with autograd (REINFORCE) they are made again. The same bits."""
+    torch.manual_seed(0)
+    controller = controller_with_sites({"encoder-self": 3, "decoder-self": 2, "encoder-decoder": 2})
+    generator = Generator({"source": 30, "target": 40}, {"source": 1, "target": 1}, 16, 64, 0.2, 2.0)
+    streams = {"source": torch.randint(1, 30, (3, 6)), "target": torch.randint(1, 40, (3, 5))}
+    made_again = generator.policies(streams, controller.sites)
+    with torch.no_grad():
+        taken = generator.policies(streams, controller.sites)
+    assert made_again[0].query.requires_grad and not taken[0].query.requires_grad
+    for a, b in zip(made_again, taken):
+        assert torch.equal(a.query, b.query) and torch.equal(a.key, b.key)

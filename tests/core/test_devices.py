@@ -85,3 +85,54 @@ def test_tied_attributions_rank_the_same_on_both_branches(monkeypatch):
     valid = torch.rand(2, 1, 16, 40, generator=g) > 0.2
     host, portable = _both_ways(monkeypatch, lambda: [candidate_region(scores, valid, p) for p in (0.1, 0.35, 0.8)])
     assert all(torch.equal(a, b) for a, b in zip(host, portable))
+
+
+def _edit_of_one_block(hook, dropout_p=0.1):
+    """One call of the model's strided q, k, v (a transformers layer's views) under ``hook``, with a bool
+    mask of padding, a row with one valid key and a row with none: output, gradients and counts."""
+    from attn_reg_plugin.core.attention import attend
+    from helpers import HandPass
+
+    g = torch.Generator().manual_seed(5)
+    b, h, t, d = 4, 3, 9, 8
+    q, k, v = (torch.randn(b, t, h, d, generator=g).transpose(1, 2).requires_grad_() for _ in range(3))
+    valid = (torch.arange(t)[None, :] < torch.tensor([t, t - 3, 1, t - 1])[:, None])[:, None, None, :]
+    valid = valid.expand(b, 1, t, t).clone()
+    valid[1, 0, 2, :] = False  # no valid key
+    valid[0, 0, 3, 1:] = False  # one
+    one = HandPass(hook, torch.tensor(17))
+    torch.manual_seed(0)
+    out, _ = attend(q, k, v, bias=valid, dropout_p=dropout_p, **one.call)
+    grads = torch.autograd.grad((out * torch.randn(out.shape, generator=g)).sum(), (q, k, v))
+    return [out, *grads, *one.record.counts()]
+
+
+def _hooks():
+    from attn_reg_plugin.core.attendout.policy import GeneratorRule, PolicyLogits
+    from attn_reg_plugin.core.attention_call import EditScores
+    from attn_reg_plugin.core.rules import MapScores, TopRegionRule
+
+    g = torch.Generator().manual_seed(6)
+    tied = torch.randint(0, 3, (4, 3, 9, 9), generator=g).float()  # ties straddle the thresholds
+    real = torch.ones(4, 9, dtype=torch.bool)
+    real[1, -3:] = False
+    yield EditScores(drop=TopRegionRule(MapScores(tied), 0.5, 0.7), counted=True)
+    yield EditScores(drop=TopRegionRule(MapScores(tied), 1.0, 1.0), counted=True)  # every row emptied: one kept
+    for offset in (-0.5, 4.0):  # 4: most rows lose every key and attend uniformly
+        policy = PolicyLogits(torch.randn(4, 9, 4, generator=g), torch.randn(4, 9, 4, generator=g),
+                              torch.tensor(offset), real, real, False)  # fmt: skip
+        droppable = (policy.query_real[:, None, :, None], policy.key_real[:, None, None, :])
+        yield EditScores(drop=GeneratorRule(policy, torch.tensor(3)), counted=True, droppable=droppable)
+
+
+@pytest.mark.parametrize("case", range(4), ids=["region-ties", "region-emptied", "generator", "generator-emptied"])
+def test_an_edit_of_one_block_under_attention_dropout_is_the_same_bits_on_both_branches(case, monkeypatch):
+    """Under the model's attention dropout one block takes the explicit softmax on both branches, so the
+    CPU's looks and numpy selection, and the portable ops a device runs instead (each row's region
+    ranked, an emptied row's key kept back and a row made uniform without a look, counts in one
+    reduction, the query kept zeroed for the backward), give the same bits: output, gradients, counts."""
+    hook = list(_hooks())[case]
+    host, portable = _both_ways(monkeypatch, lambda: _edit_of_one_block(hook))
+    assert host[-2] > 0
+    for a, b in zip(host, portable):
+        assert torch.equal(a, b)

@@ -77,10 +77,17 @@ class Generator(nn.Module):
         self.drop_bias = nn.Parameter(torch.tensor(math.log(init_drop / (1 - init_drop)) * self.temperature))
 
     def hidden_states(
-        self, stream: str, tokens: torch.Tensor, num_layers: int, causal: bool, real: Optional[torch.Tensor] = None
+        self,
+        stream: str,
+        tokens: torch.Tensor,
+        num_layers: int,
+        causal: bool,
+        real: Optional[torch.Tensor] = None,
+        projections: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = None,
     ) -> Tuple[List[torch.Tensor], torch.Tensor]:
         """Inputs of layers 0..num_layers-1 for one stream (B, L, d), and its real tokens (B, L):
-        ``real`` where given, else the tokens that are not the stream's padding id.
+        ``real`` where given, else the tokens that are not the stream's padding id. ``projections``:
+        filled with each layer's (query(h), key(h)) its attention made.
 
         The layers run through sdpa with a key-padding mask (and ``is_causal`` where a causal stream
         has no padding before a real token, or on a device's route, :meth:`_device_mask`); a query row attends
@@ -101,8 +108,15 @@ class Generator(nn.Module):
         if num_layers > 1:
             mask, is_causal = self._attention_mask(real, causal)
             padded_keys = None if on_host(real) or not causal else _padded_key_column(real)
-            for _ in range(num_layers - 1):
-                q, k, v = (layer(h).unsqueeze(1) for layer in (self.query, self.key, self.value))
+            for layer in range(num_layers - 1):
+                q, k, v = (linear(h) for linear in (self.query, self.key, self.value))
+                if projections is not None:
+                    projections[layer] = (q, k)
+                q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+                if mask is not None and mask.dtype == torch.bool:
+                    # What sdpa makes of a bool mask at every call (0 where allowed, -inf elsewhere, in
+                    # q's dtype), made once for all the layers: the same bits, fewer launches.
+                    mask = torch.full(mask.shape, -math.inf, dtype=q.dtype, device=mask.device).masked_fill_(mask, 0.0)
                 if padded_keys is None:
                     attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
                 else:
@@ -162,8 +176,13 @@ class Generator(nn.Module):
         missing = [s for s in needed if s not in streams]
         if missing:
             raise ValueError(f"AttendOut: the generator needs the {missing[0]} tokens for the selected attention kinds")
+        # Without autograd (the Attacker's masks), a site's query and key of a layer whose attention the
+        # Generator ran are that attention's (the same op on the same states: the same bits, fewer
+        # launches). With autograd (REINFORCE) each is made again, so that the gradients sum as they did.
+        projected: Dict[str, Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = {s: {} for s in needed}
+        kept = None if torch.is_grad_enabled() else projected
         states = {
-            s: self.hidden_states(s, streams[s], n, causal=(s == "target"), real=streams.get(real_key(s)))
+            s: self.hidden_states(s, streams[s], n, s == "target", streams.get(real_key(s)), kept and kept[s])
             for s, n in needed.items()
         }
         offset = (self.drop_bias / self.temperature).float()
@@ -174,12 +193,17 @@ class Generator(nn.Module):
         for site in sites:
             q_stream, k_stream = STREAMS_OF_KIND[site.kind]
             (hq, q_real), (hk, k_real) = states[q_stream], states[k_stream]
-            query = self.query(hq[site.layer]) * (self.dim**-0.5 / self.temperature)
-            key = self.key(hk[site.layer])
+            query = _projected(projected[q_stream], site.layer, 0, self.query, hq) * (self.dim**-0.5 / self.temperature)
+            key = _projected(projected[k_stream], site.layer, 1, self.key, hk)
             causal = q_stream == k_stream == "target"
             every_unit = not causal and all_real[q_stream] and all_real[k_stream]
             out.append(PolicyLogits(query.float(), key.float(), offset, q_real, k_real, causal, every_unit))
         return out
+
+
+def _projected(made: Dict[int, Tuple[torch.Tensor, torch.Tensor]], layer: int, which: int, linear, states):
+    """``linear(states[layer])``: the one the Generator's attention made (``made[layer][which]``) where it did."""
+    return made[layer][which] if layer in made else linear(states[layer])
 
 
 # Far below any score of the Generator's float32 attention: exp of it is 0.
