@@ -141,7 +141,8 @@ def counts(trainer):
     if isinstance(trainer, ADDropTrainer):
         return trainer.ad_drop_counts()
     if isinstance(trainer, AttnRegTrainer):
-        return tuple(int(c) for c in trainer._attn_reg_counts)
+        (regularizer_counts,) = trainer._attn_reg_counts.values()  # the one regularizer's [done, of]
+        return tuple(int(c) for c in regularizer_counts)
     return ()
 
 

@@ -10,12 +10,12 @@ from attn_reg_plugin.core.combinations import (
     AD_DROP,
     ATTENDOUT,
     COMBINATIONS,
-    DROPKEY,
     RDROP,
     check_combination,
     combinations_table,
 )
 from attn_reg_plugin.core.drophead import DropHeadConfig
+from attn_reg_plugin.core.scheduled_dropout import DROPKEY_REGULARIZER as DROPKEY
 from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
 
 pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it

@@ -152,7 +152,8 @@ def one_step(family, regularizer, checkpointing, tmp_path):
             ).values()
         )
     else:
-        acted = int(trainer._attn_reg_counts[0])
+        (counts,) = trainer._attn_reg_counts.values()  # the one regularizer's [done, of]
+        acted = int(counts[0])
     return loss.detach(), grads, acted
 
 
