@@ -252,7 +252,10 @@ class CostCounter:
             return out
         name = func.overloadpacket.__name__
         inputs = _tensors((args, kwargs))
-        if self._host_factory or (inputs and all(self.is_host(t) for t in inputs)):
+        # The plugin's own operators that are handed a device (keyed_draws) make their output there, even
+        # from a host seed: a kernel on a GPU, not a host tensor.
+        on_device = func.namespace == "attn_reg" and any(isinstance(a, torch.device) for a in (*args, *kwargs.values()))
+        if self._host_factory or (inputs and not on_device and all(self.is_host(t) for t in inputs)):
             self.mark_host(out)  # a host operation: no launch, and a read of it no sync
             self.cost.host_reads += self.recording and name == "_local_scalar_dense"
             return out
