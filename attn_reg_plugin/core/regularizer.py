@@ -26,6 +26,7 @@ AttendOut, R-Drop and HiddenCut run passes of their own and keep their criteria 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -89,16 +90,6 @@ class Regularizer:
         """[done, of] for one pass, as the kernel counted them (tensors: no host read)."""
         return record.calls() if self.counts_calls else record.counts()
 
-    def fairseq_log(self, runner, counts, update: int) -> Dict[str, Any]:
-        """One fairseq step's logging output: the two counts (summed by :func:`reduce_fairseq_logs`) and
-        the logged numbers, with a step count when there are some (fairseq sums workers' logs key by key)."""
-        log = {f"{self.log_prefix}_{self.counted[0]}": counts[0], f"{self.log_prefix}_{self.counted[1]}": counts[1]}
-        values = runner.logged(update)
-        if values:
-            log.update({f"{self.log_prefix}_{k}": v for k, v in values.items()})
-            log[f"{self.log_prefix}_steps"] = 1
-        return log
-
     def rate_key(self) -> str:
         return f"{self.log_prefix}_rate"
 
@@ -130,6 +121,7 @@ def register(regularizer: Regularizer) -> Regularizer:
                 f"regularizer {regularizer.name!r}: its {', '.join(taken)} already belong to {other.name!r}"
             )
     _REGISTRY[regularizer.key] = regularizer
+    _ordered.cache_clear()
     return regularizer
 
 
@@ -144,7 +136,24 @@ def registered() -> Tuple[Regularizer, ...]:
     """The registered regularizers, in the order they were registered (the plugin's first)."""
     _load_plugin_regularizers()
     load_extensions()
+    return _ordered()
+
+
+@functools.cache
+def _ordered() -> Tuple[Regularizer, ...]:
+    """The registry sorted once per registration: adapters read it at every training step."""
     return tuple(sorted(_REGISTRY.values(), key=_order))
+
+
+def running(active: Mapping[str, Any]) -> List[Tuple[Regularizer, Any]]:
+    """(regularizer, its running object) of an adapter's ``active`` (key -> running object)."""
+    return [(by_key(key), runner) for key, runner in active.items()]
+
+
+def planned_hooks(pairs: List[Tuple[Regularizer, Any]], update: int) -> Dict[Any, Any]:
+    """The hooks of one training forward at ``update``: every running regularizer's plan (at most one
+    runs: core.combinations refuses two)."""
+    return {site: hook for _, runner in pairs for site, hook in runner.hooks(update).items()}
 
 
 def by_key(key: str) -> Regularizer:
@@ -189,6 +198,7 @@ def load_extensions() -> None:
 PLUGIN_MODULES = ("scheduled_dropout", "layerdrop", "drophead")
 
 
+@functools.cache
 def _load_plugin_regularizers() -> None:
     for module in PLUGIN_MODULES:
         importlib.import_module(f"{__package__}.{module}")

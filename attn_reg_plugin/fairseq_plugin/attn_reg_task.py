@@ -25,7 +25,7 @@ from ..core.attendout.config import generator_positions
 from ..core.combinations import AD_DROP, ATTENDOUT, HIDDENCUT, RDROP, check_combination
 from ..core.controller import RegularizationController
 from ..core.options import attribute_prefix
-from ..core.regularizer import by_key, registered
+from ..core.regularizer import planned_hooks, registered, running
 from .attendout import FairseqAttendOut, reduce_attendout_metrics
 from .attendout_checkpoint import check_fairseq_supports_task_state
 from .attention import install_attention_sites
@@ -329,16 +329,15 @@ class AttnRegTaskMixin:
 
     # -- training -------------------------------------------------------------------------
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
-        # The registry's regularizers plan this forward (at most one: core.combinations refuses two).
-        active = [(by_key(key), runner) for key, runner in self.attn_reg_active.items()]
-        hooks = {site: hook for _, runner in active for site, hook in runner.hooks(update_num).items()}
+        active = running(self.attn_reg_active)
+        hooks = planned_hooks(active, update_num)
         # a checkpointed layer (--checkpoint-activations) carries these hooks (and AD-DROP's) to its recompute
         with self.attn_reg_controller.hooks(hooks) as record:
             loss, sample_size, log = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
         for regularizer, runner in active:
             # e.g. [dropped, real units] or [skipped, selected layer calls], counted by the kernel as it
             # applied them; tensors, so no host-device sync inside the step (reduce_metrics sums them).
-            log.update(regularizer.fairseq_log(runner, regularizer.counts(record), update_num))
+            log.update(_step_log(regularizer, runner, regularizer.counts(record), update_num))
         if self.attn_reg_attendout is not None:
             self._attn_reg_criterion = criterion  # the held-out evaluation in optimizer_step needs it
             log.update(
@@ -381,14 +380,26 @@ def _log_rate(logging_outputs, key: str, part: str, whole: str) -> None:
     metrics.log_scalar(key, done / total if total else 0.0, total, round=4)
 
 
+def _step_log(regularizer, runner, counts, update: int) -> Dict[str, object]:
+    """One step's logging output of a registry regularizer: its two counts (summed into its rate by
+    :func:`reduce_task_regularizer_metrics`) and what it logs of the update, with a step count when it
+    logs something (fairseq sums the workers' logs key by key)."""
+    prefix = regularizer.log_prefix
+    log = {f"{prefix}_{name}": count for name, count in zip(regularizer.counted, counts)}
+    values = runner.logged(update)
+    if values:
+        log.update({f"{prefix}_{k}": v for k, v in values.items()})
+        log[f"{prefix}_steps"] = 1
+    return log
+
+
 def reduce_task_regularizer_metrics(logging_outputs) -> None:
     """The task-level regularizers' training metrics, per update interval and per epoch as fairseq
     logs every metric (the same keys as the Hugging Face trainers log)."""
     for regularizer in registered():
         prefix, (part, whole) = regularizer.log_prefix, regularizer.counted
         _log_rate(logging_outputs, regularizer.rate_key(), f"{prefix}_{part}", f"{prefix}_{whole}")
-    for regularizer in registered():
-        prefix, counts = regularizer.log_prefix, {f"{regularizer.log_prefix}_{c}" for c in regularizer.counted}
+        counts = {f"{prefix}_{part}", f"{prefix}_{whole}"}
         steps = [log for log in logging_outputs if f"{prefix}_steps" in log]
         # Divided by the summed step count, not averaged per log: fairseq sums the workers' logs key by key.
         n = utils.item(sum(log[f"{prefix}_steps"] for log in steps)) if steps else 0

@@ -19,7 +19,7 @@ from ..core.attention_call import add_counts, zero_counts
 from ..core.combinations import check_combination
 from ..core.controller import RegularizationController
 from ..core.options import named_by_field
-from ..core.regularizer import registered
+from ..core.regularizer import planned_hooks, registered, running
 from .attention import install_attention_sites
 from .combinations import trainer_regularizers
 from .notices import SiteReport, warn_if_idle
@@ -94,24 +94,19 @@ class AttnRegTrainerMixin:
         self._attn_reg_counts: Dict[str, List[Any]] = {key: zero_counts() for key in self.attn_reg_active}
         self._attn_reg_hooked_steps = 0  # training forwards that had at least one hook set
 
-    def _attn_reg_running(self):
-        by_key = {r.key: r for r in registered()}
-        return [(by_key[key], runner) for key, runner in self.attn_reg_active.items()]
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not (model.training and torch.is_grad_enabled()):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-        running = self._attn_reg_running()
-        # Every micro-batch of an update uses that update's plan.
-        hooks = {s: h for _, runner in running for s, h in runner.hooks(self.state.global_step).items()}
+        active = running(self.attn_reg_active)
+        hooks = planned_hooks(active, self.state.global_step)  # every micro-batch of an update: its plan
         self._attn_reg_hooked_steps += bool(hooks)
         with self.attn_reg_controller.hooks(hooks) as record:
             result = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-        for regularizer, _ in running:
+        for regularizer, _ in active:
             counts = regularizer.counts(record)
             self._attn_reg_counts[regularizer.key] = add_counts(self._attn_reg_counts[regularizer.key], counts)
         return result
@@ -119,7 +114,7 @@ class AttnRegTrainerMixin:
     def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # a training log
             last_update = max(self.state.global_step - 1, 0)  # the interval's last update
-            for regularizer, runner in self._attn_reg_running():
+            for regularizer, runner in running(self.attn_reg_active):
                 done, total = (int(c) for c in self._attn_reg_counts[regularizer.key])
                 if self._attn_reg_hooked_steps and total == 0:
                     logger.warning(

@@ -166,7 +166,7 @@ def registry_methods():
     return methods()
 
 
-def _registry_method(regularizer, method) -> Method:
+def _trainer_method(regularizer, method) -> Method:
     """A method of the regularizer registry, trained by ``AttnRegTrainer(<key>=<config>)``."""
     return Method(
         method.name,
@@ -231,7 +231,7 @@ METHODS: Dict[str, Method] = {
         ("hiddencut",),
         log_keys=("hiddencut_js", "hiddencut_cut", "hiddencut_tokens"),
     ),
-    **{name: _registry_method(regularizer, method) for name, (regularizer, method) in registry_methods().items()},
+    **{name: _trainer_method(regularizer, method) for name, (regularizer, method) in registry_methods().items()},
     "ad-drop-r-drop": Method(
         "ad-drop-r-drop",
         "R-Drop over AD-DROP's masked pass (ADDropTrainerMixin, RDropTrainerMixin, transformers.Trainer)",

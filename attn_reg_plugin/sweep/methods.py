@@ -36,7 +36,7 @@ class Method(NamedTuple):
     required: Tuple[str, ...] = ()  # options the user must give (no default fits every run)
 
 
-def _registry_method(regularizer, method) -> Method:
+def _fairseq_method(regularizer, method) -> Method:
     """A method of the regularizer registry: the plain criterion and its regularizer's task flags, its
     switch the option the task must have."""
     prefix = regularizer.config.FLAG_PREFIX
@@ -56,7 +56,7 @@ METHODS: Dict[str, Method] = {
         "R-Drop over AD-DROP's masked pass, the --ad-drop-* defaults and alpha 5",
     ),
     "hiddencut": Method(HIDDENCUT_CRITERION, (), ("--hiddencut-",), None, "HiddenCut, its criterion's defaults"),
-    **{name: _registry_method(regularizer, method) for name, (regularizer, method) in methods().items()},
+    **{name: _fairseq_method(regularizer, method) for name, (regularizer, method) in methods().items()},
     "attendout": Method(
         PLAIN_CRITERION, (("--attendout",),), ("--attendout",), "--attendout", "AttendOut, the plugin's defaults"
     ),
