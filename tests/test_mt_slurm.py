@@ -79,11 +79,30 @@ def _sacct_states(job_ids):
     return {job: states.get(job, "?").split()[0] for job in job_ids}
 
 
-def _wait_for(condition, what: str, timeout: float = 120):
+def _wait_for(condition, what: str, timeout: float = 120, seen=None):
+    """Poll ``condition`` until true; ``seen()`` (if given) says in the failure what was there instead."""
     end = time.time() + timeout
     while not condition():
-        assert time.time() < end, f"still waiting after {timeout} s for {what}"
+        assert time.time() < end, f"still waiting after {timeout} s for {what}" + (
+            f"; last seen {seen()}" if seen else ""
+        )
         time.sleep(0.5)
+
+
+def _wait_for_states(jobs, state: str, timeout: float = 120):
+    """Until sacct says ``state`` for every job (accounting records an end a few seconds after it, more
+    under load); a failure names each job's state and squeue's view."""
+
+    def squeue():
+        ids = ",".join(sorted({j.split("_")[0] for j in jobs}))
+        return subprocess.run(["squeue", "-h", "-r", "-j", ids], capture_output=True, text=True).stdout.strip()
+
+    _wait_for(
+        lambda: set(_sacct_states(jobs).values()) == {state},
+        f"sacct to say {state}",
+        timeout,
+        lambda: f"sacct {_sacct_states(jobs)}, squeue {squeue()!r}",
+    )
 
 
 def _epochs_done(seed_dir: Path) -> int:
@@ -113,7 +132,7 @@ def test_a_comparison_as_one_job_array_equals_the_local_one(tiny_mt_data, tmp_pa
     assert sorted(jobs) == ["dropkey/seed2", "plain/seed2"]
     assert len({j.split("_")[0] for j in jobs.values()}) == 1  # one array
     assert "submitted 2 run(s) as Slurm job array " in output
-    _wait_for(lambda: set(_sacct_states(jobs.values()).values()) == {"COMPLETED"}, "sacct to say COMPLETED", 60)
+    _wait_for_states(list(jobs.values()), "COMPLETED")
     ours, theirs = (json.loads((out / "results.json").read_text()) for out in (slurm, local))
     assert _comparable(ours, slurm) == _comparable(theirs, local)
     assert ours["failed_runs"] == [] and len(ours["methods"]) == 2
@@ -165,8 +184,8 @@ def test_stopping_the_command_cancels_its_jobs(tiny_mt_data, tmp_path, one_threa
     output, _ = command.communicate(timeout=120)
     assert command.returncode == 128 + signal.SIGTERM, output
     jobs = json.loads((out / "jobs.json").read_text())
-    assert "stopped by SIGTERM: ended 2 job(s) cancelled: " in output
-    _wait_for(lambda: set(_sacct_states(jobs.values()).values()) == {"CANCELLED"}, "sacct to say CANCELLED", 60)
+    assert "stopped by SIGTERM: ended 2 job(s) cancelled: " in output, output
+    _wait_for_states(list(jobs.values()), "CANCELLED")
 
 
 @needs_slurm
@@ -198,7 +217,7 @@ def test_detach_leaves_the_jobs_and_the_same_command_collects_them(tiny_mt_data,
     assert not any(line.startswith("submitted") for line in lines)
     assert json.loads((out / "jobs.json").read_text()) == jobs
     # sacct records a job's end a few seconds after its result is written.
-    _wait_for(lambda: set(_sacct_states(jobs.values()).values()) == {"COMPLETED"}, "sacct to say COMPLETED", 60)
+    _wait_for_states(list(jobs.values()), "COMPLETED")
     assert [m["name"] for m in json.loads((out / "results.json").read_text())["methods"]] == ["plain", "dropkey"]
 
 
@@ -373,6 +392,36 @@ def test_a_run_whose_requeues_ran_out_is_named_timeout(tmp_path):
     spent = UncompletedJobError("Job not requeued because: timed-out too many times.")
     assert runs._attempt_end(spent) == "saved at the Slurm job's time limit, not requeued: --slurm-max-requeues spent"
     assert runs._attempt_end(SystemExit(0)) == "saved and requeued at the Slurm job's time limit"
+
+
+def test_a_scancel_the_controller_refuses_is_retried_then_named(tmp_path):
+    """A busy slurmctld answers scancel with an error; submitit's unchecked cancel dropped it and the
+    command said "cancelled" of a job still running. Each job's scancel is checked: a refusal is
+    tried again, and one refused every time is named, not counted as cancelled. The scancel here is
+    a script refusing the first N calls per job (N from the job id's suffix)."""
+    pytest.importorskip("submitit")
+    from submitit.slurm.slurm import SlurmJob
+
+    from attn_reg_plugin.sweep import launcher
+
+    scancel = tmp_path / "scancel"
+    scancel.write_text(
+        "#!/bin/sh\n"
+        f'n=$(cat "{tmp_path}/$1" 2>/dev/null || echo 0); echo $((n + 1)) > "{tmp_path}/$1"\n'
+        'if [ "$n" -lt "${1#*r}" ]; then echo "scancel: error: Socket timed out on send/recv operation" >&2; exit 1; fi\n'
+    )
+    scancel.chmod(0o755)
+    jobs = [SlurmJob(tmp_path, job_id) for job_id in ("5r0", "6r2", "7r9")]
+    for job in jobs:
+        job._cancel_command = str(scancel)  # submitit runs [_cancel_command, job_id]
+    cancelled, refused = launcher.cancel_jobs(jobs, tries=3, pause_s=0)
+    assert cancelled == ["5r0", "6r2"]
+    assert (
+        len(refused) == 1
+        and refused[0].startswith("7r9: Command '['")
+        and "returned non-zero exit status 1" in refused[0]
+    )
+    assert [int((tmp_path / j).read_text()) for j in ("5r0", "6r2", "7r9")] == [1, 3, 3]
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="--jobs 2 needs 2 cores")

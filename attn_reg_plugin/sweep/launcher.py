@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -293,12 +294,37 @@ def _wait(
             if pending or queued:
                 time.sleep(POLL_SECONDS)
     except BaseException as e:
-        for submitted in pending.values():
-            submitted.cancel(check=False)
-        if isinstance(e, SweepStopped) and pending:
-            e.ended.append(f"{len(pending)} job(s) cancelled: " + ", ".join(j.job_id for j in pending.values()))
+        cancelled, refused = cancel_jobs(list(pending.values()))
+        if isinstance(e, SweepStopped) and cancelled:
+            e.ended.append(f"{len(cancelled)} job(s) cancelled: " + ", ".join(cancelled))
+        if isinstance(e, SweepStopped) and refused:
+            e.ended.append(f"{len(refused)} job(s) NOT cancelled (scancel them yourself): " + "; ".join(refused))
         raise
     return failed
+
+
+CANCEL_TRIES = 3
+
+
+def cancel_jobs(jobs: list, tries: int = CANCEL_TRIES, pause_s: float = 2.0) -> Tuple[List[str], List[str]]:
+    """Cancel each submitit job (scancel for a Slurm job), checking that it worked: a busy
+    slurmctld answers scancel with an error ("Socket timed out"), which submitit's unchecked cancel
+    would drop, leaving the job running after the command said it was cancelled. Each refusal is
+    retried ``tries - 1`` times; returns (the cancelled jobs' ids, "id: why" for the rest)."""
+    cancelled, refused = [], []
+    for job in jobs:
+        for attempt in range(tries):
+            try:
+                job.cancel(check=True)
+            except (OSError, subprocess.CalledProcessError) as error:
+                if attempt == tries - 1:
+                    refused.append(f"{job.job_id}: {error}")
+                else:
+                    time.sleep(pause_s)
+            else:
+                cancelled.append(str(job.job_id))
+                break
+    return cancelled, refused
 
 
 def _failure(cell: dict, seed: int, job, opts, settings: dict) -> Optional[dict]:
