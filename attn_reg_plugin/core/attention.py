@@ -16,9 +16,11 @@ which the pass's plan asks of the site:
                            the attribution is exact without materialising ``A``;
 * :class:`CaptureProbs`    materialise ``A`` (attention-weight attribution, integrated
                            gradients with the map scaled by ``alpha``);
-* :class:`EditScores`      drop keys (additive mask on the scores) and/or make whole rows
-                           uniform over their valid keys (AD-DROP pass 2, AttendOut,
-                           scheduled dropout, attention LayerDrop).
+* :class:`EditScores`      the score edit: drop keys (additive mask on the scores) and/or make
+                           whole rows uniform over their valid keys (AD-DROP pass 2, AttendOut,
+                           scheduled dropout, attention LayerDrop);
+* :class:`DropHeads`       the output edit: ordinary attention, then (sample, head) outputs dropped
+                           (DropHead).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .attention_call import (
     Captured,
     CaptureOutput,
     CaptureProbs,
+    DropHeads,
     EditScores,
     Plan,
     call_of,
@@ -164,7 +167,7 @@ def attention_kernel(
     """(output, attention map if ``need_weights``, what the call captured) of one call described by
     ``call``. Reads its arguments, changes none of them: the same call gives the same drops."""
     hook = call.hook
-    if isinstance(hook, EditScores) and hook.drop_heads is not None:  # an output edit: attention, then heads dropped
+    if isinstance(hook, DropHeads):  # the output edit: attention, then heads dropped
         out, weights, _ = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, ORDINARY, is_causal)
         out, captured = _dropped_heads(out, hook, call)
         return out, weights, captured
@@ -190,7 +193,7 @@ def attention_kernel(
     return _ordinary_attention(q, k, v, bias, dropout_p, scale, is_causal), None, None
 
 
-def _dropped_heads(out: torch.Tensor, hook: EditScores, call: AttentionCall):
+def _dropped_heads(out: torch.Tensor, hook: DropHeads, call: AttentionCall):
     """The output edit on a call's (B, H, T, d) output: each (sample, head) dropped with the hook's
     probability p (keyed draws of the call's seed, made again identically by a recompute), a sample's
     kept heads scaled by H / kept. A sample drawn to lose every head keeps the one of largest draw, a
@@ -198,7 +201,7 @@ def _dropped_heads(out: torch.Tensor, hook: EditScores, call: AttentionCall):
     The attention itself is the ordinary call's. Returns the output and the counts, [dropped, pairs]."""
     b, h = out.shape[:2]
     draws = keyed_draws(_seed(call), -4, [b, h, 1, 1], 0, 1, 1, True, out.device).view(b, h)
-    drop = draws < hook.drop_heads.to(out.device)
+    drop = draws < hook.probability.to(out.device)
     drop &= ~(drop.all(-1, keepdim=True) & (draws == draws.amax(-1, keepdim=True)))
     scale = (~drop).to(out.dtype) * (h / (h - drop.sum(-1, keepdim=True))).to(out.dtype)
     out = out * scale.view(b, h, 1, 1)

@@ -2,7 +2,8 @@
 values: what it asks of each site (:class:`Plan`) and what its calls handed back (:class:`Record`).
 
 A pass asks a *hook* of each site it names (an immutable :data:`Hook`: :class:`CaptureOutput`,
-:class:`CaptureProbs` or :class:`EditScores`, what the kernel does on top of ordinary attention),
+:class:`CaptureProbs`, the score edit :class:`EditScores` or the output edit :class:`DropHeads`, what the
+kernel does on top of ordinary attention),
 as a :class:`Plan`: :meth:`~.controller.RegularizationController.hooks` builds it, registers it for
 its forward (:func:`passing`) and yields its :class:`Record`. :func:`call_of` reads the plan the
 call carried, or else the innermost one in progress on the call's site, once into an immutable
@@ -80,7 +81,7 @@ class CaptureProbs:
 
 @dataclass(frozen=True, eq=False)
 class EditScores:
-    """Edits applied to the scores before softmax (or, an output edit, to the output).
+    """The score edit: keys dropped from the scores before softmax (an additive mask), rows made uniform.
 
     ``drop``: bool, True where a key is removed from a row (broadcastable to (B, H, T, S)), or
     a :class:`~.rules.BlockRule` that the kernel evaluates per block of query rows (AD-DROP's
@@ -97,9 +98,6 @@ class EditScores:
     could drop (the Generator never masks a padding query row); the count's denominator is the valid
     units inside it, so a logged rate is the fraction of what could have been dropped. None: every
     valid unit.
-    ``drop_heads``: a 0-d probability, the output edit: each (sample, head) of the output dropped with it,
-    a sample's kept heads rescaled by heads / kept; then (sample, head) pairs are counted. It
-    edits the output, not the scores, so it stands alone in its edit.
     ``replaces_weight_dropout``: the edit's drops take the place of the model's dropout of the attention
     weights, which the call then skips (DropKey moves the dropout from the weights to the keys).
     """
@@ -108,14 +106,11 @@ class EditScores:
     uniform_rows: Optional[Union[bool, torch.Tensor]] = None
     counted: bool = False
     droppable: Optional[Union[torch.Tensor, Tuple[torch.Tensor, ...]]] = None
-    drop_heads: Optional[torch.Tensor] = None
     replaces_weight_dropout: bool = False
 
     def __post_init__(self) -> None:
         if self.drop is not None and not isinstance(self.drop, (torch.Tensor, BlockRule)):
             raise TypeError(f"EditScores.drop must be a bool tensor or a BlockRule, got {type(self.drop).__name__}")
-        if self.drop_heads is not None and (self.drop is not None or self.uniform_rows is not None):
-            raise ValueError("EditScores.drop_heads edits the output: it cannot share an edit with score edits")
         # ``drop`` as the BlockRule the kernel evaluates per block (a dense mask's rule slices it), or None.
         rule = self.drop if self.drop is None or isinstance(self.drop, BlockRule) else DenseRule(self.drop)
         object.__setattr__(self, "rule", rule)
@@ -138,19 +133,34 @@ class EditScores:
 
     @property
     def draws(self) -> bool:
-        """Whether the edit's drops (or the dropped heads) come from random numbers keyed by the site's seed."""
-        return (isinstance(self.drop, BlockRule) and self.drop.draws) or self.drop_heads is not None
+        """Whether the edit's drops come from random numbers keyed by the site's seed."""
+        return isinstance(self.drop, BlockRule) and self.drop.draws
 
 
-Hook = Union[CaptureOutput, CaptureProbs, EditScores]
+@dataclass(frozen=True, eq=False)
+class DropHeads:
+    """The output edit (DropHead): the call's attention is ordinary, then each (sample, head) of its
+    output is dropped with ``probability`` (a 0-d tensor), a sample's kept heads rescaled by heads /
+    kept, by draws keyed by the site's seed. ``counted``: the call hands its pass's :class:`Record`
+    the dropped and all (sample, head) pairs."""
+
+    probability: torch.Tensor
+    counted: bool = False
+    draws = True  # its heads are drawn from the site's seed
+
+
+EDITS = (EditScores, DropHeads)  # the two kinds of edit: a call under either computes something else
+Hook = Union[CaptureOutput, CaptureProbs, EditScores, DropHeads]
 
 
 def changes_output(hook: Optional[Hook]) -> bool:
     """Whether a call under ``hook`` computes something else than ordinary attention: an edit that
     drops or makes rows uniform, or a map scaled for integrated gradients. Only such a pass must be
     repeated by a checkpoint's recompute (a capture's gradient is taken inside its pass)."""
+    if isinstance(hook, DropHeads):
+        return True
     if isinstance(hook, EditScores):
-        return hook.edits_scores or hook.drop_heads is not None
+        return hook.edits_scores
     # A scaled CaptureOutput changes its output too, but its gradient, like GA's, is taken of that
     # output itself, inside the pass: a checkpoint may recompute it or not (nothing after it saved).
     return isinstance(hook, CaptureProbs) and hook.alpha != 1.0
@@ -221,7 +231,7 @@ def _refuse_uncarried_edit(site: AttentionSite, hook: Hook) -> None:
     the backward would come after the pass, as ordinary attention: another function's gradients,
     silently. (A bare non-reentrant checkpoint's forward runs with autograd on, and only torch's
     private saved-tensor hooks tell it apart: its recompute meets torch's CheckpointError.)"""
-    if not torch.is_grad_enabled() and isinstance(hook, EditScores) and changes_output(hook):
+    if not torch.is_grad_enabled() and isinstance(hook, EDITS) and changes_output(hook):
         raise RuntimeError(
             f"attention {site} ran a regularized pass with autograd off (a forward under torch.no_grad() or "
             "inference_mode, or of a bare reentrant torch.utils.checkpoint). A regularized pass is a training "

@@ -19,8 +19,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, 
 import torch
 
 from .attention_call import (
+    EDITS,
     AttentionSite,
-    EditScores,
     Hook,
     Plan,
     Record,
@@ -176,7 +176,7 @@ class RegularizationController:
                 f"a regularized pass began on {nested[0]} inside another one on the same site. "
                 "Run one regularized pass per site at a time"
             )
-        draws = any(isinstance(h, EditScores) and h.draws for h in assignment.values())
+        draws = any(isinstance(h, EDITS) and h.draws for h in assignment.values())
         pass_seed = call_seed() if draws else None
         record = Record()
         seeds = None

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .attention_call import AttentionSite, EditScores
+from .attention_call import AttentionSite, DropHeads
 from .controller import RegularizationController
 from .options import RegularizerOptions, attention_option, layers_option, option
 from .regularizer import Method, Regularizer, register
@@ -83,13 +83,13 @@ class DropHead:
         """What a training log says of ``update`` beside the rate: the probability."""
         return {"p": self.probability(update)}
 
-    def hooks(self, update: int) -> Dict[AttentionSite, EditScores]:
+    def hooks(self, update: int) -> Dict[AttentionSite, DropHeads]:
         """Hooks for one training forward at ``update``; the pass's record counts ``[dropped, (sample,
         head) pairs]``. The probability is a tensor: a compiled model sees it as data."""
         p = self.probability(update)
         if p <= 0:
             return {}
-        return {s: EditScores(drop_heads=torch.tensor(p), counted=True) for s in self.sites}
+        return {s: DropHeads(torch.tensor(p), counted=True) for s in self.sites}
 
 
 def _method_check(config: DropHeadConfig) -> None:
