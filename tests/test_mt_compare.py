@@ -85,7 +85,7 @@ def test_methods_are_parsed_in_order_plain_first_and_refused_when_unavailable():
     assert methods.parse_methods("r-drop, plain,dropkey", PROVIDED) == ["plain", "r-drop", "dropkey"]
     with pytest.raises(
         methods.SweepError,
-        match=r"'dropout' is not a method; accepted here: plain, ad-drop, r-drop, dropkey, attendout$",
+        match=r"'dropout' is not a method; accepted here: plain, ad-drop, attendout, r-drop, dropkey$",
     ):
         methods.parse_methods("plain,dropout", PROVIDED)
     with pytest.raises(
@@ -315,7 +315,7 @@ def test_each_methods_arguments_reach_its_runs_and_results_accumulate(fake, tmp_
     assert "--rdrop" not in _train_line(out, "plain", 1) and "--ad-drop" not in _train_line(out, r_drop, 1)
 
     results = json.loads((out / "results.json").read_text())
-    assert [m["name"] for m in results["methods"]] == ["plain", ad_drop, r_drop, "dropkey", "attendout"]
+    assert [m["name"] for m in results["methods"]] == ["plain", ad_drop, "attendout", r_drop, "dropkey"]
     by_name = {m["name"]: m for m in results["methods"]}
     assert (
         by_name[r_drop]["metrics"]["test_bleu"]["mean"] == 100.0

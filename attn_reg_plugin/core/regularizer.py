@@ -13,8 +13,8 @@ A :class:`Regularizer` declares what the adapters and the comparison commands ne
 - its defaults as a method of ``attn-reg-mt-compare`` and ``attn-reg-cls-compare`` (:class:`Method`).
 
 The fairseq task (``--attn-...`` flags, ``train_step``, the metrics), ``AttnRegTrainer`` (its keywords),
-both comparison commands' method tables, the combination check and the idle-run warning read
-:func:`registered`; a new regularizer is one file and one :func:`register` call. A file outside the
+both comparison commands' method tables (:func:`method_table`, in :func:`method_names`' one order), the
+combination check and the idle-run warning read :func:`registered`; a new regularizer is one file and one :func:`register` call. A file outside the
 package is loaded by naming it in ``ATTN_REG_EXTENSIONS`` (paths or module names, separated by ``os.pathsep``
 or commas): the plugin imports it before it builds fairseq's task options, in every process that
 imports the plugin (fairseq-train, the comparison commands' runs). docs/PORTING.md#your-own-regularizer.
@@ -164,6 +164,30 @@ def by_key(key: str) -> Regularizer:
 def methods() -> Dict[str, Tuple[Regularizer, Method]]:
     """Every registered regularizer's comparison methods by name, in the order of their names."""
     return dict(sorted((m.name, (r, m)) for r in registered() for m in r.methods))
+
+
+# The comparison commands' methods, in the one order both commands list them: plain, the regularizers
+# that run passes of their own (AD-DROP, AttendOut, R-Drop, HiddenCut: each command binds such a name to
+# how its framework trains it, a fairseq criterion or a Trainer), every registered regularizer's methods
+# by name, then the one combination the plugin allows (R-Drop over AD-DROP's masked pass).
+OWN_PASS_METHODS = ("ad-drop", "attendout", "r-drop", "hiddencut")
+COMBINED_METHODS = ("ad-drop-r-drop",)
+
+
+def method_names() -> Tuple[str, ...]:
+    """Every comparison method's name, in the commands' order."""
+    return ("plain", *OWN_PASS_METHODS, *methods(), *COMBINED_METHODS)
+
+
+def method_table(bound: Mapping[str, Any], from_registry: Callable[[Regularizer, Method], Any]) -> Dict[str, Any]:
+    """A command's method table in :func:`method_names`' order: ``bound`` gives the command's own
+    entries for plain, the own-pass methods and the combination (all of them, nothing else);
+    ``from_registry(regularizer, method)`` makes a registry method's."""
+    own = {"plain", *OWN_PASS_METHODS, *COMBINED_METHODS}
+    if set(bound) != own:
+        raise ValueError(f"a method table binds exactly {sorted(own)}, got {sorted(bound)}")
+    registry = methods()
+    return {name: bound[name] if name in own else from_registry(*registry[name]) for name in method_names()}
 
 
 _LOADED: List[str] = []

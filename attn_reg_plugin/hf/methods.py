@@ -22,6 +22,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
+from ..core.regularizer import method_table
+
 # An option group: (the core module, its config class, the defaults for classifiers). Its flags are
 # the config's FLAG_PREFIX + field; every field but ``attention`` (encoder-self, found by the trainer).
 # A registry method is an option group of its own (its regularizer's config, its Method.defaults).
@@ -201,46 +203,48 @@ def _ad_drop_epochs(opts) -> int:
     return 2 if opts.ad_drop_schedule == "cross-tuning" else 1
 
 
-METHODS: Dict[str, Method] = {
-    "plain": Method("plain", "stock transformers.Trainer", _build_plain),
-    "ad-drop": Method(
-        "ad-drop",
-        "attn_reg_plugin.hf.ADDropTrainer",
-        _build_ad_drop,
-        ("ad-drop",),
-        _ad_drop_epochs,
-        ("ad_drop_on", "ad_drop_rate"),
-    ),
-    "attendout": Method(
-        "attendout",
-        "attn_reg_plugin.hf.AttendOutTrainer (held-out samples: the dev set)",
-        _build_attendout,
-        ("attendout",),
-    ),
-    "r-drop": Method(
-        "r-drop",
-        "attn_reg_plugin.hf.RDropTrainer (two passes + alpha * symmetric KL)",
-        _build_rdrop,
-        ("r-drop",),
-        log_keys=("rdrop_kl",),
-    ),
-    "hiddencut": Method(
-        "hiddencut",
-        "attn_reg_plugin.hf.HiddenCutTrainer (clean + cut pass + alpha * JS)",
-        _build_hiddencut,
-        ("hiddencut",),
-        log_keys=("hiddencut_js", "hiddencut_cut", "hiddencut_tokens"),
-    ),
-    **{name: _trainer_method(regularizer, method) for name, (regularizer, method) in registry_methods().items()},
-    "ad-drop-r-drop": Method(
-        "ad-drop-r-drop",
-        "R-Drop over AD-DROP's masked pass (ADDropTrainerMixin, RDropTrainerMixin, transformers.Trainer)",
-        _build_ad_drop_rdrop,
-        ("ad-drop", "r-drop"),
-        _ad_drop_epochs,
-        ("ad_drop_on", "ad_drop_rate", "rdrop_kl"),
-    ),
-}
+METHODS: Dict[str, Method] = method_table(
+    {
+        "plain": Method("plain", "stock transformers.Trainer", _build_plain),
+        "ad-drop": Method(
+            "ad-drop",
+            "attn_reg_plugin.hf.ADDropTrainer",
+            _build_ad_drop,
+            ("ad-drop",),
+            _ad_drop_epochs,
+            ("ad_drop_on", "ad_drop_rate"),
+        ),
+        "attendout": Method(
+            "attendout",
+            "attn_reg_plugin.hf.AttendOutTrainer (held-out samples: the dev set)",
+            _build_attendout,
+            ("attendout",),
+        ),
+        "r-drop": Method(
+            "r-drop",
+            "attn_reg_plugin.hf.RDropTrainer (two passes + alpha * symmetric KL)",
+            _build_rdrop,
+            ("r-drop",),
+            log_keys=("rdrop_kl",),
+        ),
+        "hiddencut": Method(
+            "hiddencut",
+            "attn_reg_plugin.hf.HiddenCutTrainer (clean + cut pass + alpha * JS)",
+            _build_hiddencut,
+            ("hiddencut",),
+            log_keys=("hiddencut_js", "hiddencut_cut", "hiddencut_tokens"),
+        ),
+        "ad-drop-r-drop": Method(
+            "ad-drop-r-drop",
+            "R-Drop over AD-DROP's masked pass (ADDropTrainerMixin, RDropTrainerMixin, transformers.Trainer)",
+            _build_ad_drop_rdrop,
+            ("ad-drop", "r-drop"),
+            _ad_drop_epochs,
+            ("ad_drop_on", "ad_drop_rate", "rdrop_kl"),
+        ),
+    },
+    _trainer_method,
+)
 
 
 def add_method_options(parser: argparse.ArgumentParser, names) -> None:

@@ -19,7 +19,7 @@ import shlex
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ..core.ad_drop_config import first_ad_drop_epoch
-from ..core.regularizer import methods, registered
+from ..core.regularizer import method_table, registered
 from .options import AD_DROP_CRITERION, PLAIN_CRITERION, SweepError
 
 RDROP_CRITERION = "rdrop_label_smoothed_cross_entropy"
@@ -44,23 +44,25 @@ def _fairseq_method(regularizer, method) -> Method:
     return Method(PLAIN_CRITERION, method.mt_defaults, (prefix,), switch, method.help, method.required)
 
 
-METHODS: Dict[str, Method] = {
-    "plain": Method(PLAIN_CRITERION, (), (), None, "label_smoothed_cross_entropy, no regularizer (the reference)"),
-    "ad-drop": Method(AD_DROP_CRITERION, (), ("--ad-drop-",), None, "AD-DROP, the plugin's --ad-drop-* defaults"),
-    "r-drop": Method(RDROP_CRITERION, (("--rdrop-alpha", "5"),), ("--rdrop-",), None, "R-Drop, alpha 5 (its MT α)"),
-    "ad-drop-r-drop": Method(
-        AD_DROP_RDROP_CRITERION,
-        (("--rdrop-alpha", "5"),),
-        ("--ad-drop-", "--rdrop-"),
-        None,
-        "R-Drop over AD-DROP's masked pass, the --ad-drop-* defaults and alpha 5",
-    ),
-    "hiddencut": Method(HIDDENCUT_CRITERION, (), ("--hiddencut-",), None, "HiddenCut, its criterion's defaults"),
-    **{name: _fairseq_method(regularizer, method) for name, (regularizer, method) in methods().items()},
-    "attendout": Method(
-        PLAIN_CRITERION, (("--attendout",),), ("--attendout",), "--attendout", "AttendOut, the plugin's defaults"
-    ),
-}
+METHODS: Dict[str, Method] = method_table(
+    {
+        "plain": Method(PLAIN_CRITERION, (), (), None, "label_smoothed_cross_entropy, no regularizer (the reference)"),
+        "ad-drop": Method(AD_DROP_CRITERION, (), ("--ad-drop-",), None, "AD-DROP, the plugin's --ad-drop-* defaults"),
+        "attendout": Method(
+            PLAIN_CRITERION, (("--attendout",),), ("--attendout",), "--attendout", "AttendOut, the plugin's defaults"
+        ),
+        "r-drop": Method(RDROP_CRITERION, (("--rdrop-alpha", "5"),), ("--rdrop-",), None, "R-Drop, alpha 5 (its MT α)"),
+        "hiddencut": Method(HIDDENCUT_CRITERION, (), ("--hiddencut-",), None, "HiddenCut, its criterion's defaults"),
+        "ad-drop-r-drop": Method(
+            AD_DROP_RDROP_CRITERION,
+            (("--rdrop-alpha", "5"),),
+            ("--ad-drop-", "--rdrop-"),
+            None,
+            "R-Drop over AD-DROP's masked pass, the --ad-drop-* defaults and alpha 5",
+        ),
+    },
+    _fairseq_method,
+)
 # Flags of a method: after '--' they would apply to every method's runs (plain's included).
 METHOD_FLAG_PREFIXES = (
     "--ad-drop-",
