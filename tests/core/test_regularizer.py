@@ -59,3 +59,22 @@ def test_an_extension_that_cannot_be_loaded_fails_naming_it(monkeypatch, tmp_pat
         regularizer.load_extensions()
     monkeypatch.setenv(EXTENSIONS_ENV, "")
     assert isinstance(registered()[0], Regularizer)  # the registry still reads
+
+
+def test_both_comparison_commands_list_the_same_methods_in_one_order():
+    from attn_reg_plugin.hf.methods import METHODS as classifier_methods
+    from attn_reg_plugin.sweep.methods import METHODS as mt_methods
+
+    names = regularizer.method_names()
+    assert names[:5] == ("plain", "ad-drop", "attendout", "r-drop", "hiddencut") and names[-1] == "ad-drop-r-drop"
+    assert {"drophead", "dropkey"} <= set(names)
+    assert list(classifier_methods) == list(mt_methods) == list(names)
+
+
+def test_a_method_table_that_binds_other_names_is_refused():
+    bound = {name: name for name in ("plain", *regularizer.OWN_PASS_METHODS, *regularizer.COMBINED_METHODS)}
+    assert list(regularizer.method_table(bound, lambda r, m: m.name)) == list(regularizer.method_names())
+    with pytest.raises(ValueError, match="a method table binds exactly"):
+        regularizer.method_table({**bound, "drophead": "mine"}, lambda r, m: m.name)
+    with pytest.raises(ValueError, match="a method table binds exactly"):
+        regularizer.method_table({k: v for k, v in bound.items() if k != "hiddencut"}, lambda r, m: m.name)
