@@ -434,6 +434,11 @@ def parse_args(argv=None):
     parser.add_argument("--rows", default=",".join(ROW_SETS), help=f"comma list of {', '.join(ROW_SETS)}")
     parser.add_argument("--variants", help="comma list of the methods counted besides plain (default: all)")
     parser.add_argument(
+        "--frameworks",
+        default="fairseq,hf",
+        help="comma list of fairseq, hf: the standard rows' frameworks (default: both)",
+    )
+    parser.add_argument(
         "--fused",
         action="store_true",
         help="also standard fp32 rows with ATTN_REG_FUSED=1 (the interpreter takes no bf16 call)",
@@ -455,6 +460,9 @@ def parse_args(argv=None):
     opts.rows = [r.strip() for r in opts.rows.split(",") if r.strip()]
     if not opts.rows or any(r not in ROW_SETS for r in opts.rows):
         parser.error(f"--rows: a comma list of {', '.join(ROW_SETS)}; got {','.join(opts.rows) or 'nothing'}")
+    opts.frameworks = [f.strip() for f in opts.frameworks.split(",") if f.strip()]
+    if not opts.frameworks or any(f not in ("fairseq", "hf") for f in opts.frameworks):
+        parser.error(f"--frameworks: a comma list of fairseq, hf; got {','.join(opts.frameworks) or 'nothing'}")
     if opts.variants is not None:
         known = {*STANDARD_VARIANTS, *long_section().variant_names.values()}
         opts.variants = [v.strip() for v in opts.variants.split(",") if v.strip()]

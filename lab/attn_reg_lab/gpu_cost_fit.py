@@ -140,7 +140,7 @@ def standard_rows(opts, log) -> List[dict]:
     names = [v for v in ("plain", *STANDARD_VARIANTS) if _wanted(v, opts.variants)]
     fused = [f"{v}+fused" for v in ("ad-drop-ga-all", "dropkey") if opts.fused and _wanted(v, opts.variants)]
     rows = []
-    for framework in ("fairseq", "hf"):
+    for framework in getattr(opts, "frameworks", ("fairseq", "hf")):
         for dtype in ("fp32", "bf16"):
             bench = standard_bench(framework, dtype, opts, log)
             for name in names + (fused if dtype == "fp32" else []):

@@ -285,3 +285,13 @@ def test_the_quick_command_writes_every_field(tmp_path):
     assert ga["graphs"] == plain["graphs"] and ga["verdict"]["met"], (plain, ga)
     assert [t for t in result["targets"] if t["row"][0] == "compile"] == [ga["verdict"]]
     assert "compiled whole, hf fp32 ad-drop-ga-all" in proc.stdout
+
+
+def test_frameworks_choose_the_standard_rows_and_a_bad_one_is_refused(capsys):
+    from attn_reg_lab.gpu_cost import parse_args
+
+    assert parse_args([]).frameworks == ["fairseq", "hf"]
+    assert parse_args(["--frameworks", "hf"]).frameworks == ["hf"]
+    with pytest.raises(SystemExit):
+        parse_args(["--frameworks", "hf,jax"])
+    assert "--frameworks: a comma list of fairseq, hf; got hf,jax" in capsys.readouterr().err
