@@ -15,14 +15,19 @@ from fairseq import metrics, utils
 from ..core.ad_drop import ADDrop
 from ..core.ad_drop_config import ADDropConfig, ad_drop_epoch
 from ..core.attribution_pass import bare_module
+from ..core.combinations import AD_DROP
+from .criterion import RegularizingCriterion
 from .options import fairseq_options
 
 # The --ad-drop-* flags: ADDropConfig's fields, defaults and help (core.options).
 ADDropOptions = fairseq_options("ADDropOptions", [ADDropConfig])
 
 
-class ADDropCriterionMixin:
+class ADDropCriterionMixin(RegularizingCriterion):
     """Wraps a fairseq criterion's forward in AD-DROP; subclasses define the target."""
+
+    regularizers = (AD_DROP,)
+    edits_attention = True
 
     @classmethod
     def build_criterion(cls, cfg, task):

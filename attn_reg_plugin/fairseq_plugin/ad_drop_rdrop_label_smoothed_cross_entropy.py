@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterionConfig
 
+from ..core.combinations import AD_DROP, RDROP
 from .ad_drop_criterion import ADDropCriterionMixin, ADDropOptions
 from .ad_drop_label_smoothed_cross_entropy import ADDropLabelSmoothedCrossEntropyCriterion
 from .rdrop_label_smoothed_cross_entropy import RDropLabelSmoothedCrossEntropyCriterion, RDropOptions
@@ -29,6 +30,7 @@ class ADDropRDropLabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriter
 class ADDropRDropLabelSmoothedCrossEntropyCriterion(ADDropCriterionMixin, RDropLabelSmoothedCrossEntropyCriterion):
     """AD-DROP's step whose masked pass is R-Drop's two forwards and objective."""
 
+    regularizers = (AD_DROP, RDROP)
     attribution_target = ADDropLabelSmoothedCrossEntropyCriterion.attribution_target
 
     @classmethod

@@ -22,13 +22,14 @@ from omegaconf import OmegaConf, open_dict
 from ..core.ad_drop_config import ad_drop_epoch
 from ..core.attendout import AttendOutConfig
 from ..core.attendout.config import generator_positions
-from ..core.combinations import AD_DROP, ATTENDOUT, HIDDENCUT, RDROP, check_combination
+from ..core.combinations import AD_DROP, ATTENDOUT, check_combination
 from ..core.controller import RegularizationController
 from ..core.options import attribute_prefix
 from ..core.regularizer import planned_hooks, registered, running
 from .attendout import FairseqAttendOut, reduce_attendout_metrics
 from .attendout_checkpoint import check_fairseq_supports_task_state
 from .attention import install_attention_sites
+from .criterion import RegularizingCriterion
 from .options import fairseq_options
 from .planned_run import warn_if_idle
 
@@ -84,26 +85,11 @@ def task_regularizers_on(cfg) -> Dict[str, str]:
     return on
 
 
-# The regularizers each of the plugin's criteria turns on (core.combinations names them).
-CRITERION_REGULARIZERS = {
-    "ad_drop_label_smoothed_cross_entropy": (AD_DROP,),
-    "ad_drop_sentence_prediction": (AD_DROP,),
-    "ad_drop_rdrop_label_smoothed_cross_entropy": (AD_DROP, RDROP),
-    "rdrop_label_smoothed_cross_entropy": (RDROP,),
-    "hiddencut_label_smoothed_cross_entropy": (HIDDENCUT,),
-}
-
-
-def refuse_task_regularizers_beside(criterion_name: str, task, regularizers: Tuple[str, ...] = ()) -> None:
-    """A criterion's ``regularizers`` (by default the registered name's) beside an attn_reg task's own:
-    refused, both named, unless core.combinations says they combine. fairseq's own tasks have no
-    regularizer of their own."""
-    cfg = getattr(task, "cfg", None)
-    if cfg is not None and hasattr(task, "attn_reg_epoch"):
-        criterion = dict.fromkeys(
-            regularizers or CRITERION_REGULARIZERS[criterion_name], f"--criterion {criterion_name}"
-        )
-        check_combination({**criterion, **task_regularizers_on(cfg)})
+def refuse_task_regularizers_beside(criterion_name: str, task, regularizers: Tuple[str, ...]) -> None:
+    """A criterion's ``regularizers`` beside an attn_reg ``task``'s own: refused, both named, unless
+    core.combinations says they combine."""
+    criterion = dict.fromkeys(regularizers, f"--criterion {criterion_name}")
+    check_combination({**criterion, **task_regularizers_on(task.cfg)})
 
 
 def _switches():
@@ -286,15 +272,16 @@ class AttnRegTaskMixin:
 
     def build_criterion(self, cfg, *args, **kwargs):
         criterion = super().build_criterion(cfg, *args, **kwargs)
-        attach = getattr(criterion, "attach_attention_sites", None)
-        if attach is not None:
+        if not isinstance(criterion, RegularizingCriterion):
+            return criterion
+        criterion_name = str(getattr(cfg, "_name", None) or type(criterion).__name__)
+        refuse_task_regularizers_beside(criterion_name, self, criterion.regularizers)
+        if criterion.edits_attention:
             if self.attn_reg_controller is None:
                 raise RuntimeError("attn_reg_plugin: the model must be built before the criterion")
-            criterion_name = str(getattr(cfg, "_name", "ad_drop_label_smoothed_cross_entropy"))
-            both = hasattr(criterion, "rdrop_config")  # R-Drop as AD-DROP's masked pass
-            refuse_task_regularizers_beside(criterion_name, self, (AD_DROP, RDROP) if both else (AD_DROP,))
             refuse_unsupported_training(self.cfg, f"--criterion {criterion_name}")
-            attach(self.attn_reg_controller)  # validates layers / kinds against the model
+            criterion.attach_attention_sites(self.attn_reg_controller)  # validates layers / kinds against the model
+        if AD_DROP in criterion.regularizers:
             self.attn_reg_ad_drop_config = criterion.ad_drop_config
         return criterion
 

@@ -39,6 +39,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from fairseq.modules import LayerDropModuleList
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
+from ..core.combinations import HIDDENCUT
 from ..core.hiddencut import (
     CutPlan,
     HiddenCutConfig,
@@ -48,7 +49,8 @@ from ..core.hiddencut import (
     hiddencut_spans,
     js_consistency,
 )
-from .attn_reg_task import _whole_config, refuse_task_regularizers_beside
+from .attn_reg_task import _whole_config
+from .criterion import RegularizingCriterion
 from .options import fairseq_options
 
 NAME = "hiddencut_label_smoothed_cross_entropy"
@@ -168,8 +170,10 @@ class _Hooks:
 
 
 @register_criterion(NAME, dataclass=HiddenCutLabelSmoothedCrossEntropyConfig)
-class HiddenCutLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
+class HiddenCutLabelSmoothedCrossEntropyCriterion(RegularizingCriterion, LabelSmoothedCrossEntropyCriterion):
     """Label-smoothed cross-entropy trained with HiddenCut; validation is the base criterion unchanged."""
+
+    regularizers = (HIDDENCUT,)
 
     @classmethod
     def build_criterion(cls, cfg, task):
@@ -177,7 +181,6 @@ class HiddenCutLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCrite
         criterion = super().build_criterion(cfg, task)
         criterion.hiddencut_config = HiddenCutConfig.from_namespace(cfg).validate()
         criterion.hiddencut_hooks = None
-        refuse_task_regularizers_beside(NAME, task)
         check_the_model_options(criterion.hiddencut_config, cfg)
         return criterion
 

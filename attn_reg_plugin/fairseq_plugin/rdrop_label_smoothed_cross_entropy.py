@@ -24,6 +24,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     label_smoothed_nll_loss,
 )
 
+from ..core.combinations import RDROP
 from ..core.rdrop import (
     RDropConfig,
     concat_with_itself,
@@ -32,7 +33,7 @@ from ..core.rdrop import (
     rdrop_objective,
     split_in_two,
 )
-from .attn_reg_task import refuse_task_regularizers_beside
+from .criterion import RegularizingCriterion
 from .options import fairseq_options
 
 NAME = "rdrop_label_smoothed_cross_entropy"
@@ -50,8 +51,10 @@ class RDropLabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionCon
 
 
 @register_criterion(NAME, dataclass=RDropLabelSmoothedCrossEntropyConfig)
-class RDropLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
+class RDropLabelSmoothedCrossEntropyCriterion(RegularizingCriterion, LabelSmoothedCrossEntropyCriterion):
     """Label-smoothed cross-entropy trained with R-Drop; validation is the base criterion unchanged."""
+
+    regularizers = (RDROP,)
 
     @classmethod
     def build_criterion(cls, cfg, task):
@@ -59,8 +62,6 @@ class RDropLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion
         criterion = super().build_criterion(cfg, task)
         criterion.rdrop_config = RDropConfig.from_namespace(cfg).validate()
         criterion.criterion_name = str(getattr(cfg, "_name", NAME))  # as the user named it (a subclass's too)
-        if not hasattr(criterion, "attach_attention_sites"):  # AD-DROP's criterion checks its own combination
-            refuse_task_regularizers_beside(NAME, task)
         return criterion
 
     def forward(self, model, sample, reduce=True):
