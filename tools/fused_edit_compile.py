@@ -5,8 +5,10 @@
 Triton's interpreter (the CPU tests) runs the kernels as Python and lets through what only the
 compiler refuses: a global that is not a tl.constexpr, a loop-carried variable that changes type.
 This runs Triton's whole pipeline (TTIR, TTGIR, LLVM IR, PTX, and a cubin from the wheel's ptxas)
-for every rule in bf16 and fp32, causal with a padding bias; ``--quick``: AD-DROP in bf16 only.
-Exits 1 on the first kernel that does not compile. Nothing runs: its speed needs a GPU.
+for every rule in bf16 and fp32, causal, in two settings: a float32 key-padding row without the
+model's attention dropout, and a bool (B, T, S) mask with it; then the region kernel (whole rows of
+1,024 keys, with samples). ``--quick``: AD-DROP in bf16 only. Exits 1 on the first kernel that does
+not compile. Nothing runs: its speed needs a GPU.
 """
 
 import argparse
@@ -26,17 +28,24 @@ from attn_reg_plugin.core import fused_edit
 KERNELS = (
     "_forward_kernel", "_backward_kv_kernel", "_backward_q_kernel", "_row_counts_kernel", "_inspect_kernel", "_scores_kernel",
 )  # fmt: skip
-SCALARS = dict(seed="i64", limit="i32", scale="fp32", T="i32", S="i32", H="i32", GROUP="i32", D="i32")
+SCALARS = dict(seed="i64", limit="i32", dseed="i64", dlimit="i32", dscale="fp32", scale="fp32", T="i32", S="i32",
+               H="i32", GROUP="i32", D="i32", NUM="i64", DEN="i64")  # fmt: skip
 # Pointers that are not q, k, v, the output or a gradient (those take the inputs' dtype).
-POINTERS = dict(BIAS="*fp32", ATTR="*fp32", AV="*fp32", THR="*fp32", TIE="*i32", KEEP="*i32", LSE="*fp32",
-                DELTA="*fp32", N_VALID="*i32", N_DROPPED="*i32", CODES="*i8", SCORES="*fp32")  # fmt: skip
+POINTERS = dict(ATTR="*fp32", AV="*fp32", THR="*fp32", TIE="*i32", KEEP="*i32", LOWEST="*i32", LSE="*fp32",
+                DELTA="*fp32", COUNTS="*i64", CODES="*i8", SCORES="*fp32", SAMPLES="*i1", THRESHOLD="*fp32",
+                LAST_TIE="*i32")  # fmt: skip
+# (BIAS_KIND, ROW_BIAS, DROPOUT): a float32 key-padding row, no attention dropout; a bool mask of rows, dropout.
+SETTINGS = ((fused_edit.FLOAT_BIAS, False, False), (fused_edit.BOOL_BIAS, True, True))
 
 
 def compile_kernel(kernel, dtype: str, options: dict, arch: int):
     """One kernel compiled to a cubin for ``arch`` with ``options`` (its constexprs)."""
     options = {name: value for name, value in options.items() if name in kernel.arg_names}
+    bias = "*i1" if options.get("BIAS_KIND") == fused_edit.BOOL_BIAS else "*fp32"
     signature = {
-        name: "constexpr" if name in options else SCALARS.get(name) or POINTERS.get(name, "*" + dtype)
+        name: "constexpr"
+        if name in options
+        else SCALARS.get(name) or POINTERS.get(name, bias if name == "BIAS" else "*" + dtype)
         for name in kernel.arg_names
     }
     constexprs = {(kernel.arg_names.index(name),): value for name, value in options.items()}
@@ -50,16 +59,26 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="AD-DROP in bf16 only")
     args = parser.parse_args(argv)
     rules = (fused_edit.AD_DROP,) if args.quick else (fused_edit.NONE, fused_edit.BERNOULLI, fused_edit.AD_DROP)
-    for rule in rules:
-        for dtype in ("bf16",) if args.quick else ("bf16", "fp32"):
-            options = dict(RULE=rule, CAUSAL=True, HAS_BIAS=True, ACC=tl.float32, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128)
-            for name in KERNELS:
-                try:
-                    compile_kernel(getattr(fused_edit, name), dtype, options, args.arch)
-                except Exception as error:  # the compiler's own message says where
-                    print(f"{name} (rule {rule}, {dtype}): {error}", file=sys.stderr)
-                    return 1
-                print(f"{name} rule {rule} {dtype}: compiled for sm_{args.arch}", flush=True)
+    jobs = [
+        (name, dtype, dict(RULE=rule, CAUSAL=True, BIAS_KIND=kind, ROW_BIAS=rows, DROPOUT=dropout, ACC=tl.float32,
+                           BLOCK_M=64, BLOCK_N=64, BLOCK_D=128))
+        for rule in rules
+        for dtype in (("bf16",) if args.quick else ("bf16", "fp32"))
+        for kind, rows, dropout in SETTINGS
+        for name in KERNELS
+    ]  # fmt: skip
+    jobs += [
+        ("_region_kernel", "fp32", dict(CAUSAL=True, BIAS_KIND=kind, ROW_BIAS=rows, HAS_SAMPLES=True, BLOCK_M=16,
+                                        BLOCK_S=fused_edit.MAX_REGION_KEYS))
+        for kind, rows, _ in SETTINGS
+    ]  # fmt: skip
+    for name, dtype, options in jobs:
+        try:
+            compile_kernel(getattr(fused_edit, name), dtype, options, args.arch)
+        except Exception as error:  # the compiler's own message says where
+            print(f"{name} ({dtype}, {options}): {error}", file=sys.stderr)
+            return 1
+        print(f"{name} {dtype} {options}: compiled for sm_{args.arch}", flush=True)
     return 0
 
 

@@ -1,10 +1,12 @@
 """One regularized attention call as a fused Triton kernel: FlashAttention-2's forward and backward
-with the regularizer's drops made inside the kernel, tile by tile, from the seed.
+with the regularizer's drops and the model's attention dropout made inside the kernel, tile by tile,
+from their seeds.
 
 The forward loops over blocks of keys with an online softmax and keeps each query row's log-sum-exp;
-the backward recomputes each tile's probabilities from it (one kernel for dk and dv, one for dq).
-The drops are never stored: every tile makes them again from (seed, sample, head, query, key) with
-Philox (``tl.randint``), as FlashAttention makes its dropout, so nothing of size T x S is held.
+the backward recomputes each tile's probabilities from it (one kernel for dq, which also stores each
+row's delta = rowsum(dO O), then one for dk and dv). The drops are never stored: every tile makes them
+again from (seed, sample, head, query, key) with Philox (``tl.randint``), as FlashAttention makes its
+dropout, so nothing of size T x S is held.
 
 Rules (``EditDrops.rule``):
 
@@ -20,18 +22,25 @@ Rules (``EditDrops.rule``):
   the caller (:func:`region_ties` turns a row's threshold and k into it).
 - ``NONE``: plain attention (the baseline the kernel's cost is measured against).
 
-Validity: key padding as an additive float bias broadcastable to (B, 1, 1, S) (a key whose bias is
-at or below -1e4 is padding, as ``masks.MASKED_BIAS``; a bool one: True = may attend), and causal
-attention: query i may attend key j <= i + S - T. A row with no valid key outputs 0 and sends no
-gradient. Grouped-query attention: head h reads key/value head h // (H / H_kv).
+The model's attention dropout (``EditDrops.dropout_p``, as ``kernel.weight_dropout_kept`` on the
+PyTorch path): a second Philox stream, keyed by ``dropout_seed``, at the same (b, h, i, j) counters,
+drops each weight after the softmax with probability p and scales the kept ones by 1 / (1 - p). The
+softmax's normaliser sums the weights before dropout; the backward is FlashAttention-2's with dropout
+(dV = (P Z)^T dO, dS = P (dO V^T Z - delta)). A compile-time flag: a call without it compiles the
+kernels without dropout.
+
+Validity: an additive float bias the same for every head (a key whose bias is at or below -1e4 is
+padding, as ``masks.MASKED_BIAS``; a bool one: True = may attend), either one key row per sample,
+broadcastable to (B, 1, 1, S), or a materialised (B, 1, T, S) mask whose rows may differ (read row by
+row); and causal attention: query i may attend key j <= i + S - T. A row with no valid key outputs 0
+and sends no gradient. Grouped-query attention: head h reads key/value head h // (H / H_kv).
 
 Whether a row's drops would empty it depends on all of its coins, so before the forward a counting
-pass (:func:`_row_counts_kernel`) counts each row's valid and dropped keys: that gives the rows
-that keep a key or attend uniformly (O(B H T) numbers) and the (dropped, droppable) counts.
+pass (:func:`_row_counts_kernel`) counts each row's valid and dropped keys: it writes each row's
+``keep`` (O(B H T) numbers) and adds the call's (dropped, droppable) on the device.
 
 The drops are a Philox draw: for a seed they are not the PyTorch path's (``rules.chunk_draws``),
-only distributed alike. Tests: ``TRITON_INTERPRET=1 pytest tests/core/test_fused_edit.py``.
-"""
+only distributed alike. Tests: ``TRITON_INTERPRET=1 pytest tests/core/test_fused_edit.py``."""
 
 from __future__ import annotations
 
@@ -52,8 +61,8 @@ NONE, BERNOULLI, AD_DROP = 0, 1, 2
 # with no drop (a Bernoulli row its coins would empty).
 UNIFORM = -2
 MASKED_BIAS = -1e4  # masks.MASKED_BIAS: fairseq's and transformers' padding fills lie below it
-# Bits of inspect()'s codes.
-DROP, REGION, VALID = 1, 2, 4
+# Bits of inspect()'s codes (WEIGHT_DROPPED: the model's attention dropout took the weight).
+DROP, REGION, VALID, WEIGHT_DROPPED = 1, 2, 4, 8
 
 
 def _constant(value):
@@ -62,7 +71,10 @@ def _constant(value):
 
 
 _NONE, _AD_DROP, _UNIFORM, _MASKED_BIAS = (_constant(x) for x in (NONE, AD_DROP, UNIFORM, MASKED_BIAS))
-_DROP, _REGION, _VALID = (_constant(x) for x in (DROP, REGION, VALID))
+# The kernels' BIAS_KIND: no bias, an additive float32 one, a bool one (True = may attend).
+NO_BIAS, FLOAT_BIAS, BOOL_BIAS = 0, 1, 2
+_NO_BIAS, _BOOL_BIAS = _constant(NO_BIAS), _constant(BOOL_BIAS)
+_DROP, _REGION, _VALID, _WEIGHT_DROPPED = (_constant(x) for x in (DROP, REGION, VALID, WEIGHT_DROPPED))
 _FLOAT32_MAX = _constant(torch.finfo(torch.float32).max)
 
 
@@ -101,16 +113,27 @@ def _load_rows(ptr, rows, n, dims, d):
 
 
 @_helper
-def _validity(BIAS, b, rows, keys, T, S, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """(valid (rows, keys), the keys' additive bias): in range, not padding, not in the future."""
-    valid = (rows[:, None] < T) & (keys[None, :] < S)
-    key_bias = keys * 0.0
-    if HAS_BIAS:
-        key_bias = tl.load(BIAS + b * S + keys, mask=keys < S, other=0.0)
-        valid = valid & (key_bias > _MASKED_BIAS)[None, :]
+def _validity(BIAS, b, rows, keys, T, S, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr):
+    """(valid (rows, keys), the additive bias of the tile, (1, keys) or (rows, keys)): in range, not
+    padding, not in the future. The bias (BIAS_KIND: NO_BIAS, FLOAT_BIAS or BOOL_BIAS, True = may attend,
+    adding 0) is a (B, S) key row, or with ROW_BIAS a (B, T, S) one per query."""
+    inside = (rows[:, None] < T) & (keys[None, :] < S)
+    bias = (keys * 0.0)[None, :]
+    valid = inside
+    if BIAS_KIND != _NO_BIAS:
+        if ROW_BIAS:
+            at = (b.to(tl.int64) * T + rows[:, None]) * S + keys[None, :]
+            loaded = tl.load(BIAS + at, mask=inside, other=0)
+        else:
+            loaded = tl.load(BIAS + b * S + keys, mask=keys < S, other=0)[None, :]
+        if BIAS_KIND == _BOOL_BIAS:
+            valid = valid & (loaded != 0)
+        else:
+            bias = loaded
+            valid = valid & (bias > _MASKED_BIAS)
     if CAUSAL:
         valid = valid & (keys[None, :] <= rows[:, None] + (S - T))
-    return valid, key_bias
+    return valid, bias
 
 
 @_helper
@@ -123,6 +146,12 @@ def _attribution_score(attr, attr_v):
 
 
 @_helper
+def _positions(bh, rows, keys, T, S):
+    """The Philox counters of a tile: its (b, h, i, j) positions, the same in every kernel."""
+    return (bh.to(tl.int64) * T + rows[:, None]) * S + keys[None, :]
+
+
+@_helper
 def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE: tl.constexpr):
     """(drop, candidate region) of a tile. A coin drops when its 31-bit Philox number is <= limit
     (probability (limit + 1) / 2**31, as rules.coin_limit); the counter is the (b, h, i, j)
@@ -131,8 +160,7 @@ def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, la
     if RULE == _NONE:
         drop = valid & (keys[None, :] < 0)
     else:
-        position = (bh.to(tl.int64) * T + rows[:, None]) * S + keys[None, :]
-        coin = (tl.randint(seed, position) >> 1).to(tl.int32) <= limit
+        coin = (tl.randint(seed, _positions(bh, rows, keys, T, S)) >> 1).to(tl.int32) <= limit
         drop = valid & coin & (keys[None, :] != keep[:, None]) & (keep != _UNIFORM)[:, None]
         if RULE == _AD_DROP:
             score = _attribution_score(attr, attr_v)
@@ -144,21 +172,42 @@ def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, la
 
 
 @_helper
-def _row_state(THR, TIE, KEEP, bh, rows, T):
-    """A row's AD-DROP threshold and last tied key, and its ``keep`` (-1, a key, or UNIFORM)."""
-    at, inside = bh * T + rows, rows < T
-    threshold = tl.load(THR + at, mask=inside, other=float("inf"))
-    return threshold, tl.load(TIE + at, mask=inside, other=-1), tl.load(KEEP + at, mask=inside, other=-1)
+def _weight_kept(dseed, dlimit, bh, rows, keys, T, S):
+    """The model's attention dropout of a tile: True where a weight is kept. Its own Philox stream (the
+    dropout seed) at the drop coins' positions; a weight is dropped when its 31-bit number is <= dlimit."""
+    return (tl.randint(dseed, _positions(bh, rows, keys, T, S)) >> 1).to(tl.int32) > dlimit
+
+
+@_helper
+def _region_row_state(THR, TIE, bh, rows, T, RULE: tl.constexpr):
+    """A row's AD-DROP threshold and last tied key (+inf and -1 unless AD_DROP: nothing read)."""
+    threshold = (rows * 0).to(tl.float32) + float("inf")
+    last_tie = rows * 0 - 1
+    if RULE == _AD_DROP:
+        at, inside = bh * T + rows, rows < T
+        threshold = tl.load(THR + at, mask=inside, other=float("inf"))
+        last_tie = tl.load(TIE + at, mask=inside, other=-1)
+    return threshold, last_tie
+
+
+@_helper
+def _row_state(THR, TIE, KEEP, bh, rows, T, RULE: tl.constexpr):
+    """A row's AD-DROP threshold and last tied key, and its ``keep`` (-1, a key, or UNIFORM; -1 for NONE)."""
+    threshold, last_tie = _region_row_state(THR, TIE, bh, rows, T, RULE)
+    keep = rows * 0 - 1
+    if RULE != _NONE:
+        keep = tl.load(KEEP + bh * T + rows, mask=rows < T, other=-1)
+    return threshold, last_tie, keep
 
 
 @_helper
 def _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC: tl.constexpr,
-            RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+            RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr):  # fmt: skip
     """A tile's scores q k^T scale + bias, -inf where a key is not attended (invalid or dropped)."""
-    valid, key_bias = _validity(BIAS, b, rows, keys, T, S, CAUSAL, HAS_BIAS)
+    valid, bias = _validity(BIAS, b, rows, keys, T, S, CAUSAL, BIAS_KIND, ROW_BIAS)
     threshold, last_tie, keep = state
     drop, _ = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE)
-    s = tl.dot(q, tl.trans(k_tile), out_dtype=ACC, input_precision="ieee") * scale + key_bias[None, :]
+    s = tl.dot(q, tl.trans(k_tile), out_dtype=ACC, input_precision="ieee") * scale + bias
     return tl.where(valid & ~drop, s, float("-inf"))
 
 
@@ -202,13 +251,16 @@ def _causal_end(start_m, BLOCK_M: tl.constexpr, T, S, CAUSAL: tl.constexpr):
 
 # -- forward, backward, inspection ----------------------------------------------------------------
 @_jit
-def _forward_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, OUT, LSE, seed, limit, scale, T, S, H, GROUP, D,
-                    RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def _forward_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, OUT, LSE, seed, limit, dseed, dlimit, dscale, scale, T,
+                    S, H, GROUP, D, RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
+                    ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """A block of query rows' output and log-sum-exp. The softmax's normaliser sums the probabilities
+    before the model's dropout; the output sums them after it (dropped 0, kept times dscale) times v."""
     start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
     b, kv = bh // H, bh // GROUP  # GQA: (b H + h) // G = b H_kv + h // G
     rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
-    state = _row_state(THR, TIE, KEEP, bh, rows, T)
+    state = _row_state(THR, TIE, KEEP, bh, rows, T, RULE)
     q, attr = _query_tiles(Q, ATTR, bh, rows, T, dims, D, state[2], BLOCK_M, BLOCK_D, RULE)
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
@@ -217,12 +269,14 @@ def _forward_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, OUT, LSE, seed, lim
         keys = start_n + tl.arange(0, BLOCK_N)
         k_tile, v_tile, attr_v = _key_tiles(K, V, AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
         s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
-                    RULE, CAUSAL, HAS_BIAS)  # fmt: skip
+                    RULE, CAUSAL, BIAS_KIND, ROW_BIAS)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing attended yet
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(_weight_kept(dseed, dlimit, bh, rows, keys, T, S), p * dscale, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, out_dtype=ACC, input_precision="ieee")
         m_i = m_new
     attended = l_i > 0  # else no valid key: output 0, log-sum-exp +inf (the backward's P is then 0)
@@ -234,11 +288,45 @@ def _forward_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, OUT, LSE, seed, lim
 
 
 @_jit
-def _backward_kv_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA, DK, DV, seed, limit, scale, T, S, H,
-                        GROUP, D, RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_D: tl.constexpr):  # fmt: skip
-    """dk, dv of a block of keys of one key/value head, summed over the query heads of its group."""
+def _backward_q_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, OUT, LSE, DELTA, DQ, seed, limit, dseed, dlimit,
+                       dscale, scale, T, S, H, GROUP, D, RULE: tl.constexpr, CAUSAL: tl.constexpr,
+                       BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """dq of a block of query rows (0 in UNIFORM rows: their query was zeroed), and the rows' delta =
+    rowsum(dO O), FlashAttention-2's D, stored for the dk, dv kernel launched after this one."""
+    start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
+    b, kv = bh // H, bh // GROUP
+    rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+    state = _row_state(THR, TIE, KEEP, bh, rows, T, RULE)
+    q, attr = _query_tiles(Q, ATTR, bh, rows, T, dims, D, state[2], BLOCK_M, BLOCK_D, RULE)
+    lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=float("inf"))
+    grad_out = _load_rows(DO + bh * T * D, rows, T, dims, D)
+    delta = tl.sum(grad_out.to(ACC) * _load_rows(OUT + bh * T * D, rows, T, dims, D).to(ACC), 1)
+    tl.store(DELTA + bh * T + rows, delta, mask=rows < T)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
+    for start_n in range(0, _causal_end(start_m, BLOCK_M, T, S, CAUSAL), BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k_tile, v_tile, attr_v = _key_tiles(K, V, AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
+        s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
+                    RULE, CAUSAL, BIAS_KIND, ROW_BIAS)  # fmt: skip
+        p = tl.exp(s - lse[:, None])
+        dp = tl.dot(grad_out, tl.trans(v_tile), out_dtype=ACC, input_precision="ieee")
+        if DROPOUT:
+            dp = tl.where(_weight_kept(dseed, dlimit, bh, rows, keys, T, S), dp * dscale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC, input_precision="ieee")
+    dq = tl.where((state[2] == _UNIFORM)[:, None], 0.0, dq * scale)
+    at = bh * T * D + rows[:, None] * D + dims[None, :]
+    tl.store(DQ + at, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < T) & (dims[None, :] < D))
+
+
+@_jit
+def _backward_kv_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA, DK, DV, seed, limit, dseed, dlimit,
+                        dscale, scale, T, S, H, GROUP, D, RULE: tl.constexpr, CAUSAL: tl.constexpr,
+                        BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """dk, dv of a block of keys of one key/value head, summed over the query heads of its group. Under
+    the model's dropout (Z: 0 where dropped, dscale where kept): dv = (P Z)^T dO, dS = P (dO V^T Z - D)."""
     start_n, kv = tl.program_id(0) * BLOCK_N, tl.program_id(1)
     b = kv // (H // GROUP)
     keys, dims = start_n + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
@@ -252,16 +340,21 @@ def _backward_kv_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA,
         bh = kv * GROUP + g
         for start_m in range(first, T, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)
-            state = _row_state(THR, TIE, KEEP, bh, rows, T)
+            state = _row_state(THR, TIE, KEEP, bh, rows, T, RULE)
             q, attr = _query_tiles(Q, ATTR, bh, rows, T, dims, D, state[2], BLOCK_M, BLOCK_D, RULE)
             s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
-                        RULE, CAUSAL, HAS_BIAS)  # fmt: skip
+                        RULE, CAUSAL, BIAS_KIND, ROW_BIAS)  # fmt: skip
             lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=float("inf"))
             delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
             grad_out = _load_rows(DO + bh * T * D, rows, T, dims, D)
             p = tl.exp(s - lse[:, None])
-            dv += tl.dot(tl.trans(p.to(grad_out.dtype)), grad_out, out_dtype=ACC, input_precision="ieee")
             dp = tl.dot(grad_out, tl.trans(v_tile), out_dtype=ACC, input_precision="ieee")
+            weights = p
+            if DROPOUT:
+                kept = _weight_kept(dseed, dlimit, bh, rows, keys, T, S)
+                weights = tl.where(kept, p * dscale, 0.0)
+                dp = tl.where(kept, dp * dscale, 0.0)
+            dv += tl.dot(tl.trans(weights.to(grad_out.dtype)), grad_out, out_dtype=ACC, input_precision="ieee")
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=ACC, input_precision="ieee")
     at = kv * S * D + keys[:, None] * D + dims[None, :]
@@ -271,43 +364,18 @@ def _backward_kv_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA,
 
 
 @_jit
-def _backward_q_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA, DQ, seed, limit, scale, T, S, H, GROUP,
-                       D, RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+def _row_counts_kernel(BIAS, ATTR, AV, THR, TIE, LOWEST, KEEP, COUNTS, seed, limit, T, S, H, GROUP, D,
+                       RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    """dq of a block of query rows; 0 in UNIFORM rows (their query was zeroed)."""
+    """Each row's ``keep`` from its valid keys and the keys its coins drop among them: where the drops
+    would take all of a row's keys, AD-DROP's keeps its lowest-scored key (``LOWEST``) and Bernoulli's
+    attends uniformly; else -1. Adds the call's (dropped, droppable) to ``COUNTS`` (zeroed int64): AD-DROP's
+    dropped leaves out a row's kept key, a uniform row counts all its valid keys (kernel.block_counts)."""
     start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
     b, kv = bh // H, bh // GROUP
     rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
-    state = _row_state(THR, TIE, KEEP, bh, rows, T)
-    q, attr = _query_tiles(Q, ATTR, bh, rows, T, dims, D, state[2], BLOCK_M, BLOCK_D, RULE)
-    lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=float("inf"))
-    delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
-    grad_out = _load_rows(DO + bh * T * D, rows, T, dims, D)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
-    for start_n in range(0, _causal_end(start_m, BLOCK_M, T, S, CAUSAL), BLOCK_N):
-        keys = start_n + tl.arange(0, BLOCK_N)
-        k_tile, v_tile, attr_v = _key_tiles(K, V, AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
-        s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
-                    RULE, CAUSAL, HAS_BIAS)  # fmt: skip
-        p = tl.exp(s - lse[:, None])
-        dp = tl.dot(grad_out, tl.trans(v_tile), out_dtype=ACC, input_precision="ieee")
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC, input_precision="ieee")
-    dq = tl.where((state[2] == _UNIFORM)[:, None], 0.0, dq * scale)
-    at = bh * T * D + rows[:, None] * D + dims[None, :]
-    tl.store(DQ + at, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < T) & (dims[None, :] < D))
-
-
-@_jit
-def _row_counts_kernel(BIAS, ATTR, AV, THR, TIE, N_VALID, N_DROPPED, seed, limit, T, S, H, GROUP, D,
-                       RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    """Each row's valid keys and the keys its rule drops among them, before a row keeps a key."""
-    start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
-    b, kv = bh // H, bh // GROUP
-    rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
-    threshold, last_tie, unused_keep = _row_state(THR, TIE, TIE, bh, rows, T)
-    keep = tl.full([BLOCK_M], -1, tl.int32)
+    threshold, last_tie = _region_row_state(THR, TIE, bh, rows, T, RULE)
+    keep = rows * 0 - 1
     attr = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if RULE == _AD_DROP:
         attr = _load_rows(ATTR + bh * T * D, rows, T, dims, D)
@@ -315,30 +383,41 @@ def _row_counts_kernel(BIAS, ATTR, AV, THR, TIE, N_VALID, N_DROPPED, seed, limit
     n_dropped = tl.zeros([BLOCK_M], tl.int32)
     for start_n in range(0, _causal_end(start_m, BLOCK_M, T, S, CAUSAL), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        valid, unused_bias = _validity(BIAS, b, rows, keys, T, S, CAUSAL, HAS_BIAS)
+        valid, unused_bias = _validity(BIAS, b, rows, keys, T, S, CAUSAL, BIAS_KIND, ROW_BIAS)
         attr_v = _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)  # no k or v needed
         drop, unused_region = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie,
                                      keep, RULE)  # fmt: skip
         n_valid += tl.sum(valid.to(tl.int32), 1)
         n_dropped += tl.sum(drop.to(tl.int32), 1)
-    tl.store(N_VALID + bh * T + rows, n_valid, mask=rows < T)
-    tl.store(N_DROPPED + bh * T + rows, n_dropped, mask=rows < T)
+    emptied = (n_dropped == n_valid) & (n_valid > 0)
+    if RULE == _AD_DROP:
+        keep = tl.where(emptied, tl.load(LOWEST + bh * T + rows, mask=rows < T, other=-1), -1)
+        n_dropped -= emptied.to(tl.int32)
+    else:
+        keep = tl.where(emptied, _UNIFORM, -1)
+    tl.store(KEEP + bh * T + rows, keep.to(tl.int32), mask=rows < T)
+    tl.atomic_add(COUNTS, tl.sum(n_dropped.to(tl.int64), 0))
+    tl.atomic_add(COUNTS + 1, tl.sum(n_valid.to(tl.int64), 0))
 
 
 @_jit
-def _inspect_kernel(BIAS, ATTR, AV, THR, TIE, KEEP, CODES, SCORES, seed, limit, T, S, H, GROUP, D,
-                    RULE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    """One tile's drops, region and validity as DROP | REGION | VALID bits, and its attribution scores."""
+def _inspect_kernel(BIAS, ATTR, AV, THR, TIE, KEEP, CODES, SCORES, seed, limit, dseed, dlimit, T, S, H, GROUP, D,
+                    RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr,
+                    DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr):  # fmt: skip
+    """One tile's drops, region, validity and dropped weights as DROP | REGION | VALID | WEIGHT_DROPPED
+    bits, and its attribution scores."""
     start_m, start_n, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, tl.program_id(2)
     b, kv = bh // H, bh // GROUP
     rows, keys, dims = start_m + tl.arange(0, BLOCK_M), start_n + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
-    threshold, last_tie, keep = _row_state(THR, TIE, KEEP, bh, rows, T)
+    threshold, last_tie, keep = _row_state(THR, TIE, KEEP, bh, rows, T, RULE)
     attr = _load_rows(ATTR + bh * T * D, rows, T, dims, D)
     attr_v = _load_rows(AV + kv * S * D, keys, S, dims, D)
-    valid, _ = _validity(BIAS, b, rows, keys, T, S, CAUSAL, HAS_BIAS)
+    valid, _ = _validity(BIAS, b, rows, keys, T, S, CAUSAL, BIAS_KIND, ROW_BIAS)
     drop, region = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE)
     codes = drop.to(tl.int8) * _DROP + region.to(tl.int8) * _REGION + valid.to(tl.int8) * _VALID
+    if DROPOUT:
+        codes += (~_weight_kept(dseed, dlimit, bh, rows, keys, T, S)).to(tl.int8) * _WEIGHT_DROPPED
     at = bh * T * S + rows[:, None] * S + keys[None, :]
     inside = (rows[:, None] < T) & (keys[None, :] < S)
     tl.store(CODES + at, codes, mask=inside)
@@ -359,13 +438,13 @@ def _scores_kernel(ATTR, AV, SCORES, T, S, H, GROUP, D, BLOCK_M: tl.constexpr, B
 
 @_jit
 def _region_kernel(SCORES, BIAS, SAMPLES, THRESHOLD, LAST_TIE, LOWEST, T, S, H, NUM, DEN, CAUSAL: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_SAMPLES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr, HAS_SAMPLES: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_S: tl.constexpr):  # fmt: skip
     """One block of query rows' AD-DROP state (:func:`region_state`) from their whole rows of scores."""
     start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
     b = bh // H
     rows, keys = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_S)
-    valid, _ = _validity(BIAS, b, rows, keys, T, S, CAUSAL, HAS_BIAS)
+    valid, _ = _validity(BIAS, b, rows, keys, T, S, CAUSAL, BIAS_KIND, ROW_BIAS)
     score = tl.load(SCORES + bh * T * S + rows[:, None] * S + keys[None, :], mask=valid, other=-float("inf"))
     n = tl.sum(valid.to(tl.int64), axis=1)
     k = (n * NUM + DEN - 1) // DEN  # ceil(p n) in integers: exact for the decimal p = NUM / DEN
@@ -392,7 +471,8 @@ class EditDrops:
     """What the kernel drops in one call: ``rule`` (NONE, BERNOULLI or AD_DROP), its ``rate`` (the
     Bernoulli p; AD-DROP's q), the Philox ``seed`` (an int), and for AD-DROP the attribution pass's
     output gradient (B, H, T, d) and values (v's shape: the pass's own, not this call's), and each
-    row's (threshold, last_tie, lowest_key), (B, H, T) each (:func:`region_ties`)."""
+    row's (threshold, last_tie, lowest_key), (B, H, T) each (:func:`region_ties`). ``dropout_p``: the
+    model's attention dropout inside the call, its coins from their own Philox ``dropout_seed`` (an int)."""
 
     rule: int
     rate: float
@@ -402,6 +482,8 @@ class EditDrops:
     threshold: Optional[torch.Tensor] = None
     last_tie: Optional[torch.Tensor] = None
     lowest_key: Optional[torch.Tensor] = None
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
 
 
 def region_ties(scores, valid, threshold, k) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -422,10 +504,12 @@ def region_ties(scores, valid, threshold, k) -> Tuple[torch.Tensor, torch.Tensor
 
 
 class _Call(NamedTuple):
-    """A call's kernel arguments besides q, k, v: the (B, S) bias or None, the rule's tensors (the
-    attribution and its values, and per row threshold, last tie, keep), the scalars and the tile sizes."""
+    """A call's kernel arguments besides q, k, v: the bias ((B, S), or (B, T, S) with ``row_bias``) or
+    None, the rule's tensors (the attribution and its values, and per row threshold, last tie, keep;
+    a tensor the kernels never read where the rule has none), the scalars and the tile size."""
 
     bias: Optional[torch.Tensor]
+    row_bias: bool
     attribution: torch.Tensor
     values: torch.Tensor
     threshold: torch.Tensor
@@ -433,21 +517,37 @@ class _Call(NamedTuple):
     keep: torch.Tensor
     seed: int
     limit: int
+    dropout_seed: int
+    dropout_limit: int  # -1: no dropout
+    dropout_scale: float  # 1 / (1 - p); 0 at p = 1
     scale: float
     rule: int
     causal: bool
     block: int
 
 
-def _key_bias(key_bias: Optional[torch.Tensor], b: int, s: int) -> Optional[torch.Tensor]:
-    """The padding bias as a contiguous float32 (B, S): a bool one (True = may attend) as 0 / -inf."""
-    if key_bias is None:
-        return None
-    if key_bias.dtype == torch.bool:
-        key_bias = torch.zeros(key_bias.shape, device=key_bias.device).masked_fill(~key_bias, -math.inf)
-    if key_bias.dim() == 4 and (key_bias.shape[1] != 1 or key_bias.shape[2] != 1):
-        raise ValueError(f"a key-padding bias broadcasts as (B, 1, 1, S), got {tuple(key_bias.shape)}")
-    return key_bias.float().reshape(-1, key_bias.shape[-1]).expand(b, s).contiguous()
+def _kernel_bias(bias: Optional[torch.Tensor], b: int, t: int, s: int) -> Tuple[Optional[torch.Tensor], bool]:
+    """(the bias as the kernels read it, whether it has a row per query): contiguous, a (B, S) key row
+    when it broadcasts as (B, 1, 1, S) (an expanded (B, 1, T, S) too), else (B, T, S) from a (B, 1, T, S)
+    one whose rows may differ; float32, or bool (True = may attend) as it is."""
+    if bias is None:
+        return None, False
+    if bias.dim() == 4 and bias.shape[1] != 1:
+        raise ValueError(f"the kernel takes one bias for all heads, (B, 1, T or 1, S); got {tuple(bias.shape)}")
+    if bias.dim() >= 3 and bias.shape[-2] != 1 and bias.stride(-2) == 0:
+        bias = bias[..., :1, :]  # one key row, expanded
+    if bias.dtype != torch.bool:
+        bias = bias.float()
+    if bias.dim() < 3 or bias.shape[-2] == 1:
+        return bias.reshape(-1, bias.shape[-1]).expand(b, s).contiguous(), False
+    if bias.shape[-2] != t:
+        raise ValueError(f"a bias of {bias.shape[-2]} rows for {t} queries")
+    return bias.reshape(-1, t, s).expand(b, t, s).contiguous(), True
+
+
+def _bias_kind(bias: Optional[torch.Tensor]) -> int:
+    """The kernels' BIAS_KIND of a bias as :func:`_kernel_bias` gives it."""
+    return NO_BIAS if bias is None else BOOL_BIAS if bias.dtype == torch.bool else FLOAT_BIAS
 
 
 def _grid_sizes(q: torch.Tensor) -> Tuple[int, int]:
@@ -456,39 +556,56 @@ def _grid_sizes(q: torch.Tensor) -> Tuple[int, int]:
     return block, max(16, triton.next_power_of_2(q.shape[-1]))
 
 
-def _launch_args(q, k, v, call: _Call):
-    """The kernels' shared scalars and compile-time options."""
+def _launch_args(q, k, call: _Call):
+    """The kernels' shared scalars and compile-time options, by the kernels' argument names."""
     b, h, t, d = q.shape
     block, block_d = _grid_sizes(q)
-    scalars = (call.seed, call.limit, call.scale, t, k.shape[2], h, h // k.shape[1], d)
+    scalars = dict(seed=call.seed, limit=call.limit, dseed=call.dropout_seed, dlimit=call.dropout_limit,
+                   dscale=call.dropout_scale, scale=call.scale, T=t, S=k.shape[2], H=h, GROUP=h // k.shape[1], D=d)  # fmt: skip
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
-    options = dict(RULE=call.rule, CAUSAL=call.causal, HAS_BIAS=call.bias is not None, ACC=acc, BLOCK_M=block,
-                   BLOCK_N=block, BLOCK_D=block_d)  # fmt: skip
+    options = dict(RULE=call.rule, CAUSAL=call.causal, BIAS_KIND=_bias_kind(call.bias), ROW_BIAS=call.row_bias,
+                   DROPOUT=call.dropout_limit >= 0, ACC=acc, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)  # fmt: skip
     return scalars, options
 
 
+def _only(args: dict, *names: str) -> dict:
+    """The entries of ``args`` a kernel of fewer arguments takes."""
+    return {name: args[name] for name in names}
+
+
+_COIN_SCALARS = ("seed", "limit", "T", "S", "H", "GROUP", "D")
+_SHARED_OPTIONS = ("RULE", "CAUSAL", "BIAS_KIND", "ROW_BIAS", "BLOCK_M", "BLOCK_N", "BLOCK_D")
+
+
 def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[float]):
-    """(the call's kernel arguments, dropped, droppable): the counting pass finds the rows a rule
-    would empty; AD-DROP's keep their lowest-scored key, Bernoulli's attend uniformly."""
+    """(the call's kernel arguments, dropped, droppable): one counting launch finds the rows a rule would
+    empty (AD-DROP's keep their lowest-scored key, Bernoulli's attend uniformly) and counts the drops."""
     b, h, t, d = q.shape
     if h % k.shape[1] or k.shape[1] != v.shape[1]:
         raise ValueError(f"{h} query heads cannot share {k.shape[1]} key and {v.shape[1]} value heads")
     if drops.rule not in (NONE, BERNOULLI, AD_DROP):
         raise ValueError(f"unknown rule {drops.rule}")
-    rows = torch.full((b, h, t), -1, dtype=torch.int32, device=q.device)
+    if not 0.0 <= drops.dropout_p <= 1.0:
+        raise ValueError(f"the attention dropout's p is a probability, got {drops.dropout_p}")
     ad_drop = drops.rule == AD_DROP
     if ad_drop and (drops.values is None or drops.values.shape != v.shape):
         got = None if drops.values is None else tuple(drops.values.shape)
         raise ValueError(f"AD_DROP ranks the attribution pass's values, of v's shape {tuple(v.shape)}; got {got}")
+    dropout_p = float(drops.dropout_p)
+    # q stands in for the tensors a rule does not have: the kernels never read them (no copy, no launch).
+    keep = q if drops.rule == NONE else torch.empty((b, h, t), dtype=torch.int32, device=q.device)
     call = _Call(
-        _key_bias(key_bias, b, k.shape[2]),
+        *_kernel_bias(key_bias, b, t, k.shape[2]),
         drops.attribution.float().contiguous() if ad_drop else q,
         drops.values.float().contiguous() if ad_drop else q,
-        drops.threshold.float().contiguous() if ad_drop else rows.float(),
-        drops.last_tie.to(torch.int32).contiguous() if ad_drop else rows,
-        rows,
+        drops.threshold.float().contiguous() if ad_drop else q,
+        drops.last_tie.to(torch.int32).contiguous() if ad_drop else q,
+        keep,
         int(drops.seed),
         round(drops.rate * 2**31) - 1,  # rules.coin_limit
+        int(drops.dropout_seed),
+        round(dropout_p * 2**31) - 1,
+        0.0 if dropout_p >= 1 else 1.0 / (1.0 - dropout_p),
         d**-0.5 if scale is None else float(scale),
         drops.rule,
         bool(causal),
@@ -497,24 +614,17 @@ def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[
     if drops.rule == NONE:
         zero = torch.zeros((), dtype=torch.long, device=q.device)
         return call, zero, zero
-    n_valid, n_dropped = torch.empty_like(rows), torch.empty_like(rows)
-    scalars, options = _launch_args(q, k, v, call)
-    options.pop("ACC")
+    counts = torch.zeros(2, dtype=torch.long, device=q.device)  # (dropped, droppable), added to by the kernel
+    lowest = drops.lowest_key.to(torch.int32).contiguous() if ad_drop else keep
+    scalars, options = _launch_args(q, k, call)
     grid = (triton.cdiv(t, call.block), b * h)
-    _row_counts_kernel[grid](call.bias, call.attribution, call.values, call.threshold, call.last_tie, n_valid,
-                             n_dropped, *scalars[:2], *scalars[3:], **options)  # fmt: skip
-    emptied = (n_dropped == n_valid) & (n_valid > 0)
-    if ad_drop:
-        keep = torch.where(emptied, drops.lowest_key.to(torch.int32), -1)
-        dropped = n_dropped.sum() - emptied.sum()
-    else:  # a uniform row counts its valid keys as dropped (kernel.block_counts)
-        keep = torch.where(emptied, UNIFORM, -1).to(torch.int32)
-        dropped = n_dropped.sum()
-    return call._replace(keep=keep.contiguous()), dropped, n_valid.sum()
+    _row_counts_kernel[grid](*_tensors(call, k)[:5], lowest, keep, counts, **_only(scalars, *_COIN_SCALARS),
+                             **_only(options, *_SHARED_OPTIONS))  # fmt: skip
+    return call, counts[0], counts[1]
 
 
 def _tensors(call: _Call, k):
-    """The call's tensors in the kernels' argument order (a placeholder where there is no bias)."""
+    """The call's tensors in the kernels' argument order (k stands in where there is no bias)."""
     return (
         k if call.bias is None else call.bias,
         call.attribution,
@@ -529,30 +639,31 @@ def _forward(q, k, v, call: _Call):
     b, h, t, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((b, h, t), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-    scalars, options = _launch_args(q, k, v, call)
+    scalars, options = _launch_args(q, k, call)
     grid = (triton.cdiv(t, call.block), b * h)
-    _forward_kernel[grid](q, k, v, *_tensors(call, k), out, lse, *scalars, **options)
+    _forward_kernel[grid](q, k, v, *_tensors(call, k), out, lse, **scalars, **options)
     return out, lse
 
 
 def _backward(grad_out, q, k, v, out, lse, call: _Call):
+    """dq, dk, dv in two launches: dq's kernel also stores each row's delta = rowsum(dO O), which dk
+    and dv's kernel, launched after it, reads."""
     b, h, t, d = q.shape
     grad_out = grad_out.contiguous()
-    acc = torch.promote_types(q.dtype, torch.float32)
-    delta = (grad_out.to(acc) * out.to(acc)).sum(-1)  # rowsum(dO O): FlashAttention-2's D
+    delta = torch.empty_like(lse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    scalars, options = _launch_args(q, k, v, call)
+    scalars, options = _launch_args(q, k, call)
     tensors = _tensors(call, k)
-    grid = (triton.cdiv(k.shape[2], call.block), b * k.shape[1])
-    _backward_kv_kernel[grid](q, k, v, *tensors, grad_out, lse, delta, dk, dv, *scalars, **options)
     grid = (triton.cdiv(t, call.block), b * h)
-    _backward_q_kernel[grid](q, k, v, *tensors, grad_out, lse, delta, dq, *scalars, **options)
+    _backward_q_kernel[grid](q, k, v, *tensors, grad_out, out, lse, delta, dq, **scalars, **options)
+    grid = (triton.cdiv(k.shape[2], call.block), b * k.shape[1])
+    _backward_kv_kernel[grid](q, k, v, *tensors, grad_out, lse, delta, dk, dv, **scalars, **options)
     return dq, dk, dv
 
 
 class FusedEditAttention(torch.autograd.Function):
     """The fused call under autograd: the forward keeps q, k, v, the output and each row's
-    log-sum-exp (no mask); the backward makes the drops again in its kernels."""
+    log-sum-exp (no mask); the backward makes the drops and the dropout again in its kernels."""
 
     @staticmethod
     def forward(ctx, q, k, v, call: _Call):
@@ -569,10 +680,11 @@ class FusedEditAttention(torch.autograd.Function):
 
 
 def fused_edit_attention(q, k, v, drops: EditDrops, key_bias=None, causal: bool = False, scale=None):
-    """(output (B, H, T, d), dropped, droppable) of attention with ``drops``: q (B, H, T, d), k and v
-    (B, H_kv, S, d) with H_kv dividing H; ``key_bias`` an additive float (or bool, True = may
-    attend) key-padding bias broadcastable as (B, 1, 1, S), not differentiated; ``causal``: query i
-    attends keys j <= i + S - T; ``scale`` None: 1 / sqrt(d). dk, dv sum over a group's heads."""
+    """(output (B, H, T, d), dropped, droppable) of attention with ``drops`` (the rule's, and the model's
+    attention dropout at ``drops.dropout_p``): q (B, H, T, d), k and v (B, H_kv, S, d) with H_kv dividing
+    H; ``key_bias`` an additive float (or bool, True = may attend) bias of one key row, (B, 1, 1, S), or a
+    row per query, (B, 1, T, S), the same for every head, not differentiated; ``causal``: query i attends
+    keys j <= i + S - T; ``scale`` None: 1 / sqrt(d). dk, dv sum over a group's heads."""
     call, dropped, droppable = _prepare(q, k, v, drops, key_bias, causal, scale)
     return FusedEditAttention.apply(q, k, v, call), dropped, droppable
 
@@ -603,23 +715,24 @@ def region_fits(keys: int, numerator: int, denominator: int) -> bool:
 def region_state(scores, key_bias, causal: bool, numerator: int, denominator: int, samples=None):
     """(threshold, last_tie, lowest_key), (B, H, T) each, of AD-DROP's region over ``scores`` (B, H, T, S),
     :func:`attribution_scores`' map, in one launch: per row the k = ceil(p n) largest of its n valid keys
-    (p = numerator / denominator exactly; ``key_bias``: key_padding_bias's, or None; ``causal``: key j
-    valid for query i when j <= i + S - T), the threshold their k-th largest (+inf where k = 0), ties
-    taken lowest key first up to ``last_tie``, and the valid key of lowest score (first of equals; -1 in a
-    row with no valid key). ``samples`` (B,) bool: other samples get k = 0. The same state as
-    ``TopRegionRule.region`` then :func:`region_ties`, with no host read: k is never sized on the host."""
+    (p = numerator / denominator exactly; ``key_bias``: fused_route.kernel_bias's, a key row or a row per
+    query, or None; ``causal``: key j valid for query i when j <= i + S - T), the threshold their k-th
+    largest (+inf where k = 0), ties taken lowest key first up to ``last_tie``, and the valid key of lowest
+    score (first of equals; -1 in a row with no valid key). ``samples`` (B,) bool: other samples get k = 0.
+    The same state as ``TopRegionRule.region`` then :func:`region_ties`, with no host read: k is never
+    sized on the host."""
     b, h, t, s = scores.shape
     if not region_fits(s, numerator, denominator):
         raise ValueError(f"region_state ranks at most {MAX_REGION_KEYS} keys in 64-bit integers, got {s}")
     threshold = torch.empty((b, h, t), dtype=torch.float32, device=scores.device)
     last_tie, lowest = (torch.empty((b, h, t), dtype=torch.int32, device=scores.device) for _ in range(2))
-    bias = _key_bias(key_bias, b, s)
+    bias, row_bias = _kernel_bias(key_bias, b, t, s)
     block = 16
     grid = (triton.cdiv(t, block), b * h)
     _region_kernel[grid](
         scores.contiguous(), bias if bias is not None else scores, samples if samples is not None else scores,
-        threshold, last_tie, lowest, t, s, h, numerator, denominator, CAUSAL=causal, HAS_BIAS=bias is not None,
-        HAS_SAMPLES=samples is not None, BLOCK_M=block, BLOCK_S=max(16, triton.next_power_of_2(s)),
+        threshold, last_tie, lowest, t, s, h, numerator, denominator, CAUSAL=causal, BIAS_KIND=_bias_kind(bias),
+        ROW_BIAS=row_bias, HAS_SAMPLES=samples is not None, BLOCK_M=block, BLOCK_S=max(16, triton.next_power_of_2(s)),
     )  # fmt: skip
     return threshold, last_tie, lowest
 
@@ -627,13 +740,15 @@ def region_state(scores, key_bias, causal: bool, numerator: int, denominator: in
 class KernelDrops(NamedTuple):
     """inspect()'s maps, (B, H, T, S) each: the drops as the kernel applies them (after a row keeps
     its key), the candidate region (the valid keys for Bernoulli), the validity, the attribution
-    scores the kernel ranks (0 unless AD-DROP); and the rows made uniform, (B, H, T)."""
+    scores the kernel ranks (0 unless AD-DROP); the rows made uniform, (B, H, T); and the weights the
+    model's attention dropout takes (its coins at every position; none without dropout)."""
 
     drop: torch.Tensor
     region: torch.Tensor
     valid: torch.Tensor
     scores: torch.Tensor
     uniform: torch.Tensor
+    weight_dropped: torch.Tensor
 
 
 def inspect(q, k, v, drops: EditDrops, key_bias=None, causal: bool = False) -> KernelDrops:
@@ -643,16 +758,18 @@ def inspect(q, k, v, drops: EditDrops, key_bias=None, causal: bool = False) -> K
     call, _, _ = _prepare(q, k, v, drops, key_bias, causal, None)
     codes = torch.empty((b, h, t, s), dtype=torch.int8, device=q.device)
     scores = torch.empty((b, h, t, s), dtype=torch.float32, device=q.device)
-    scalars, options = _launch_args(q, k, v, call)
-    options.pop("ACC")
+    scalars, options = _launch_args(q, k, call)
     ad_drop = drops.rule == AD_DROP
     attribution = call.attribution if ad_drop else torch.zeros_like(q, dtype=torch.float32)
     values = call.values if ad_drop else torch.zeros_like(v, dtype=torch.float32)
     tensors = (k if call.bias is None else call.bias, attribution, values, *_tensors(call, k)[3:])
     grid = (triton.cdiv(t, call.block), triton.cdiv(s, call.block), b * h)
-    _inspect_kernel[grid](*tensors, codes, scores, *scalars[:2], *scalars[3:], **options)
+    _inspect_kernel[grid](*tensors, codes, scores, **_only(scalars, "dseed", "dlimit", *_COIN_SCALARS),
+                          **_only(options, "DROPOUT", *_SHARED_OPTIONS))  # fmt: skip
     flags = [(codes & bit) != 0 for bit in (DROP, REGION, VALID)]
-    return KernelDrops(*flags, scores, call.keep == UNIFORM)
+    no_rule = drops.rule == NONE  # keep is then a placeholder
+    uniform = torch.zeros((b, h, t), dtype=torch.bool, device=q.device) if no_rule else call.keep == UNIFORM
+    return KernelDrops(*flags, scores, uniform, (codes & WEIGHT_DROPPED) != 0)
 
 
 __all__: Sequence[str] = (

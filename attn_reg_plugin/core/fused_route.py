@@ -5,23 +5,23 @@ that the kernel covers runs there instead of :class:`~.kernel.EditAttention`, wh
 (a CUDA GPU, or its interpreter in the CPU tests); any other call takes the PyTorch path as before.
 Covered: scheduled dropout (:class:`~.rules.BernoulliRule`) and AD-DROP GA
 (:class:`~.rules.TopRegionRule` over :class:`~.rules.GradientScores`, ``samples`` included), with
-no bias or a key-padding one, causal or not, one head size of at most ``MAX_HEAD_DIM`` for q, k and
-v; not with the model's attention dropout inside the call, rows made uniform, a ``droppable``
-restriction or the map returned. Each reason a call stays on the PyTorch path with the route on is named
-once in the log (:func:`name_once`).
+no bias, a key-padding one or a materialised (B, 1, T, S) mask (padding and causal rows as
+transformers hands them over), causal or not, the model's attention dropout inside the call or not,
+one head size of at most ``MAX_HEAD_DIM`` for q, k and v; not with a bias per head or one that
+requires grad, rows made uniform, a ``droppable`` restriction or the map returned. Each reason a call
+stays on the PyTorch path with the route on is named once in the log (:func:`name_once`).
 
 AD-DROP's region is exact: each row's threshold, k and last tied key come from the kernel's own
 product dO V^T (:func:`~.fused_edit.attribution_scores`). A call of up to ``fused_edit.MAX_REGION_KEYS``
-keys ranks whole rows in one launch (:func:`~.fused_edit.region_state`: k never read on the host, 3
-launches a call against about 48 a block of rows before); a longer one goes one block of query rows at a
-time (nothing (T, S) held) through the PyTorch path's region (:meth:`~.rules.TopRegionRule.region`).
-A ``torch.matmul`` may round a score otherwise and move a key at the threshold.
-Its coins are a Philox draw (:mod:`.fused_edit`): for one seed other keys than the PyTorch path's,
-distributed alike.
-"""
+keys ranks whole rows in one launch (:func:`~.fused_edit.region_state`: k never read on the host); a
+longer one goes one block of query rows at a time (nothing (T, S) held) through the PyTorch path's
+region (:meth:`~.rules.TopRegionRule.region`). A ``torch.matmul`` may round a score otherwise and move
+a key at the threshold. The kernel's coins, the rule's and the attention dropout's, are Philox draws
+(:mod:`.fused_edit`): for one seed other weights than the PyTorch path's, distributed alike."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import NamedTuple, Optional, Set, Tuple
@@ -43,22 +43,26 @@ VALID_FLOOR = torch.nextafter(torch.tensor(fused_edit.MASKED_BIAS), torch.tensor
 
 
 class FusedCall(NamedTuple):
-    """What the kernel is given for a call besides q, k, v: its drops and its key-padding bias (or None)."""
+    """What the kernel is given for a call besides q, k, v: its drops (the rule's and the model's attention
+    dropout) and its bias (:func:`kernel_bias`, or None)."""
 
     drops: fused_edit.EditDrops
     key_bias: Optional[torch.Tensor]
 
 
-def key_padding_bias(bias: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
-    """``bias`` as the kernel's (B or 1, 1, 1, S) key-padding bias, or None when it is one only in
-    name (rows that differ, heads that differ): such a call stays on the PyTorch path."""
+def kernel_bias(bias: Optional[torch.Tensor], batch: int, queries: int) -> Optional[torch.Tensor]:
+    """``bias`` as the kernel's bias, (B or 1, 1, 1 or T, S): one key-padding row, or a materialised
+    (B, 1, T, S) mask whose rows may differ. A bool or float32 one as it is (no launch: the kernel tells
+    padding, at or below -1e4, in float32 itself), another float one as float32 with -inf where its own
+    dtype says padding. None for one the kernel does not take (a bias per head, other shapes, one
+    requiring grad): such a call stays on the PyTorch path."""
     if bias.dim() != 4 or bias.shape[1] != 1 or bias.shape[0] not in (1, batch) or bias.requires_grad:
         return None
-    if bias.shape[2] != 1:
-        if bias.stride(2) != 0:  # a materialised (B, 1, T, S) mask: its rows may differ
-            return None
+    if bias.shape[2] not in (1, queries):
+        return None
+    if bias.shape[2] != 1 and bias.stride(2) == 0:  # one key row, expanded
         bias = bias[:, :, :1]
-    if bias.dtype == torch.bool:
+    if bias.dtype in (torch.bool, torch.float32):
         return bias
     # Padding is decided in the bias's own dtype, as the PyTorch path does (a bf16 -1e4 is -9984, padding
     # there, valid once cast). The kernel then reads float32 with -inf at padding, and a valid key
@@ -73,22 +77,23 @@ def fused_drops(q, k, v, bias, call) -> Optional[FusedCall]:
 
 
 def fused_or_why_not(q, k, v, bias, call) -> Tuple[Optional[FusedCall], Optional[str]]:
-    """(the kernel's drops and key bias, None) for a call the kernel covers; else (None, why not)."""
+    """(the kernel's drops and bias, None) for a call the kernel covers; else (None, why not)."""
     rule = call.rule
     why = _not_covered(q, k, v, call)
     if why is not None:
         return None, why
-    key_bias = None if bias is None else key_padding_bias(bias, q.shape[0])
+    key_bias = None if bias is None else kernel_bias(bias, q.shape[0], q.shape[2])
     if bias is not None and key_bias is None:
-        return (
-            None,
-            "a bias that is not one key-padding row per sample (rows or heads that differ, or a materialised (B, 1, T, S) mask)",
-        )
+        return None, "a bias per head, of another shape than (B, 1, T or 1, S), or requiring grad"
     seed = int(call.seed)
+    # The model's attention dropout: the call's own seed, a 0-d int64 host tensor (its read is no device sync).
+    dropout = dict(dropout_p=float(call.dropout_p), dropout_seed=int(call.dropout_seed) if call.dropout_p else 0)
     if isinstance(rule, BernoulliRule):
-        return FusedCall(fused_edit.EditDrops(fused_edit.BERNOULLI, float(rule.probability), seed), key_bias), None
+        drops = fused_edit.EditDrops(fused_edit.BERNOULLI, float(rule.probability), seed, **dropout)
+        return FusedCall(drops, key_bias), None
     if isinstance(rule, TopRegionRule) and isinstance(rule.source, GradientScores):
-        return FusedCall(_ad_drop(q, k, key_bias, call, rule, seed), key_bias), None
+        drops = dataclasses.replace(_ad_drop(q, k, key_bias, call, rule, seed), **dropout)
+        return FusedCall(drops, key_bias), None
     over = f" over {type(rule.source).__name__}" if isinstance(rule, TopRegionRule) else ""
     return None, f"its drop rule, {type(rule).__name__}{over}"
 
@@ -99,8 +104,8 @@ def _not_covered(q, k, v, call) -> Optional[str]:
         return "rows made uniform (attention LayerDrop's skipped calls)"
     if call.droppable is not None:
         return "a restriction of the units counted (AttendOut's)"
-    if call.dropout_p:
-        return "the model's attention dropout inside the call"
+    if call.dropout_p and call.dropout_seed is None:
+        return "the model's attention dropout with no seed"
     if call.need_weights:
         return "the attention map returned"
     if not fused_edit.available(q):
@@ -132,13 +137,14 @@ def name_once(why: str) -> None:
 
 def _ad_drop(q, k, key_bias, call, rule: TopRegionRule, seed: int) -> fused_edit.EditDrops:
     """AD-DROP GA's drops: per row the threshold, last tied key and lowest-scored key of the region
-    over the kernel's own scores (``key_bias``: key_padding_bias's): for a call of up to
+    over the kernel's own scores (``key_bias``: :func:`kernel_bias`'s): for a call of up to
     ``fused_edit.MAX_REGION_KEYS`` keys in two launches on the device (the scores, then
     :func:`~.fused_edit.region_state`), else block by block of query rows through the PyTorch path's region."""
     s = k.shape[2]
     source = rule.source
     attribution = source.grad_output.neg() if source.negate else source.grad_output
-    values = source.values.repeat_interleave(k.shape[1] // source.values.shape[1], 1)  # as attend's k and v
+    groups = k.shape[1] // source.values.shape[1]
+    values = source.values if groups == 1 else source.values.repeat_interleave(groups, 1)  # as attend's k and v
     if fused_edit.region_fits(s, *rule.fraction):
         scores = fused_edit.attribution_scores(attribution, values)
         state = fused_edit.region_state(scores, key_bias, call.causal, *rule.fraction, rule.samples)
@@ -158,7 +164,7 @@ def _ad_drop_by_blocks(q, k, key_bias, call, rule: TopRegionRule, seed: int, att
     keys = torch.arange(s, device=q.device)
     for start in range(0, t, max(1, call.rows_per_block)):
         rows = slice(start, min(t, start + call.rows_per_block))
-        valid = padding
+        valid = padding if padding.shape[2] == 1 else padding[:, :, rows]  # a mask's own rows
         if call.causal:
             valid = valid & (keys <= torch.arange(rows.start, rows.stop, device=q.device)[:, None] + s - t)
         shape = (b, h, rows.stop - rows.start, s)

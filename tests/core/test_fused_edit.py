@@ -1,6 +1,7 @@
 """The fused edit kernel (core/fused_edit.py) on tiny shapes, in Triton's CPU interpreter, against the
-portable PyTorch path: its drops (region, ties, coins, the rows a rule would empty), its output and
-its gradients (no padding, padding, causal with T != S, GQA, emptied and keyless rows)."""
+portable PyTorch path: its drops (region, ties, coins, the rows a rule would empty), the model's
+attention dropout inside the call, its output and its gradients (no padding, padding, a (B, 1, T, S)
+mask whose rows differ, causal with T != S, GQA, emptied and keyless rows)."""
 
 import dataclasses
 import math
@@ -43,6 +44,12 @@ def padding_bias(lengths, s, left=False):
     return torch.zeros(len(lengths), 1, 1, s).masked_fill(torch.stack(pad).view(-1, 1, 1, s), -math.inf).to(DEVICE)
 
 
+def mask_of_rows(lengths, t, s, seed=0, rate=0.3):
+    """(B, 1, T, S) additive bias whose rows differ: -inf at padding keys and at random keys of each row."""
+    taken = torch.rand((len(lengths), 1, t, s), generator=torch.Generator().manual_seed(seed)) < rate
+    return padding_bias(lengths, s).expand(len(lengths), 1, t, s).masked_fill(taken.to(DEVICE), -math.inf)
+
+
 def integer_attribution(q, v, seed=1, span=3):
     """An attribution gradient and values with small integer entries: the scores are exact integers
     whatever the order of summation (so the kernel's and torch's agree), with many ties."""
@@ -77,9 +84,10 @@ def ad_drop_spec(q, k, values, attribution, p, rate, seed, key_bias=None, causal
     return spec, scores, valid, region
 
 
-def reference(q, k, v, seen: "fe.KernelDrops", key_bias, scale=None):
+def reference(q, k, v, seen: "fe.KernelDrops", key_bias, scale=None, dropout_p=0.0):
     """float64 attention by explicit softmax over the kernel's exported drops: q zeroed in uniform
-    rows, every non-attended key excluded, a row attending nothing gives 0."""
+    rows, every non-attended key excluded, a row attending nothing gives 0; under the model's attention
+    dropout the weights times Z (0 where the kernel dropped the weight, 1 / (1 - p) elsewhere)."""
     q, k, v = (x.double() for x in (q, k, v))
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -90,6 +98,8 @@ def reference(q, k, v, seen: "fe.KernelDrops", key_bias, scale=None):
     attended = seen.valid & ~seen.drop
     some = attended.any(-1, keepdim=True)
     probs = torch.softmax(scores.masked_fill(~attended, -math.inf).masked_fill(~some, 0.0), -1) * some
+    if dropout_p:
+        probs = probs * torch.where(seen.weight_dropped, 0.0, 0.0 if dropout_p >= 1 else 1 / (1 - dropout_p))
     return probs @ v
 
 
@@ -174,14 +184,19 @@ CASES = {
     "gqa, causal, padding": dict(h=2, h_kv=1, lengths=[20, 9], b=2, causal=True),
     "keyless rows": dict(t=22, s=14, causal=True),  # rows 0 .. 7 have no key at or before them
     "keyless, left padding": dict(lengths=[20, 6], b=2, causal=True, left=True),
+    "mask of rows, causal, T < S": dict(t=19, s=23, lengths=[23, 10], b=2, causal=True, rows=True),
+    "mask of rows, gqa": dict(h=4, h_kv=2, lengths=[20, 17], b=2, rows=True),
 }
 
 
 def case_inputs(case, dtype=torch.float32):
     options = dict(CASES[case])
     lengths, causal, left = options.pop("lengths", None), options.pop("causal", False), options.pop("left", False)
+    rows = options.pop("rows", False)
     q, k, v = qkv(dtype=dtype, **options)
     bias = None if lengths is None else padding_bias(lengths, k.shape[2], left)
+    if rows:
+        bias = mask_of_rows(lengths, q.shape[2], k.shape[2])
     return q, k, v, bias, causal
 
 
@@ -195,28 +210,109 @@ RULES = {
     "gqa, causal, padding": ["ad_drop"],  # and Bernoulli against the portable edit, below
     "keyless rows": ["emptying bernoulli", "ad_drop"],
     "keyless, left padding": ["emptying ad_drop"],
+    "mask of rows, causal, T < S": ["bernoulli", "emptying ad_drop"],
+    "mask of rows, gqa": ["emptying bernoulli", "ad_drop"],
 }
+
+
+def rule_spec(rule, q, k, v, bias, causal, **dropout):
+    """EditDrops of a test's rule ("emptying": at rates where rows lose every key), with ``dropout``."""
+    p = 0.9 if rule.startswith("emptying") else 0.3
+    if rule.endswith("bernoulli"):
+        return fe.EditDrops(fe.BERNOULLI, p, 5, **dropout)
+    attribution = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    values = torch.randn(v.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    spec = ad_drop_spec(q, k, values, attribution, 1.0 if p > 0.5 else p, p, 5, bias, causal)[0]
+    return dataclasses.replace(spec, **dropout)
+
+
+def assert_matches_the_reference(q, k, v, bias, causal, spec, tolerance):
+    """The kernel's output and gradients (fp32) are the float64 reference's over its own inspected drops."""
+    seen = fe.inspect(q, k, v, spec, bias, causal)
+    assert torch.equal(seen.valid, validity(q, k, bias, causal))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE)
+    fused = outputs_and_grads(lambda *x: fe.fused_edit_attention(*x, spec, bias, causal)[0], q, k, v, grad)
+    expected = outputs_and_grads(
+        lambda *x: reference(*x, seen, bias, dropout_p=spec.dropout_p), q.double(), k.double(), v.double(), grad
+    )
+    for name, got, want in zip(("out", "dq", "dk", "dv"), fused, expected):
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance, msg=name)
+    keyless = ~seen.valid.any(-1)
+    assert (fused[0][keyless] == 0).all() and (fused[1][keyless] == 0).all()
+    return seen
 
 
 @pytest.mark.parametrize("case, rule", [(case, rule) for case, rules in RULES.items() for rule in rules])
 def test_output_and_gradients_match_float64_softmax(case, rule):
     q, k, v, bias, causal = case_inputs(case)
-    p = 0.9 if rule.startswith("emptying") else 0.3
-    if rule.endswith("bernoulli"):
-        spec = fe.EditDrops(fe.BERNOULLI, p, 5)
-    else:
-        attribution = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-        values = torch.randn(v.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-        spec = ad_drop_spec(q, k, values, attribution, 1.0 if p > 0.5 else p, p, 5, bias, causal)[0]
-    seen = fe.inspect(q, k, v, spec, bias, causal)
-    assert torch.equal(seen.valid, validity(q, k, bias, causal))
+    spec = rule_spec(rule, q, k, v, bias, causal)
+    assert_matches_the_reference(q, k, v, bias, causal, spec, 2e-5)
+
+
+# -- the model's attention dropout inside the call ---------------------------------------------------
+DROPOUT_CASES = [
+    ("plain", "bernoulli"),
+    ("padding", "ad_drop"),
+    ("causal, T < S", "emptying bernoulli"),  # rows attending uniformly, their weights dropped too
+    ("gqa, causal, padding", "ad_drop"),
+    ("keyless rows", "emptying ad_drop"),  # rows keeping one key, and rows with none
+    ("mask of rows, causal, T < S", "ad_drop"),
+]
+
+
+@pytest.mark.parametrize("case, rule", DROPOUT_CASES)
+def test_dropout_output_and_gradients_match_float64_softmax_times_its_dropout(case, rule):
+    """With the model's attention dropout (p = 0.3), the output and dq, dk, dv are the float64 reference's:
+    softmax over the rule's drops (the normaliser sums the weights before dropout), times Z (0 at the
+    weights inspect() says the kernel dropped, 1 / (1 - p) elsewhere), times v; gradients by autograd."""
+    q, k, v, bias, causal = case_inputs(case)
+    spec = rule_spec(rule, q, k, v, bias, causal, dropout_p=0.3, dropout_seed=99)
+    seen = assert_matches_the_reference(q, k, v, bias, causal, spec, 1e-5)
+    attended = seen.valid & ~seen.drop
+    assert (attended & seen.weight_dropped).any() and (attended & ~seen.weight_dropped).any()
+
+
+def test_dropout_rate_is_p_and_its_coins_are_their_own_stream():
+    """The dropout's coins come from the dropout seed alone: the rate is p (a 4-sigma binomial bound), the
+    same dropout seed repeats them under another rule seed, another changes them, and they are
+    independent of the rule's coins (joint rate p_rule p_dropout)."""
+    q, k, v = qkv(b=2, h=2, h_kv=2, t=40, s=56)
+    spec = fe.EditDrops(fe.BERNOULLI, 0.5, 1234, dropout_p=0.2, dropout_seed=77)
+    seen = fe.inspect(q, k, v, spec)
+    n = seen.weight_dropped.numel()
+    rate = seen.weight_dropped.float().mean().item()
+    assert abs(rate - 0.2) < 4 * math.sqrt(0.2 * 0.8 / n)
+    joint = (seen.weight_dropped & seen.drop).float().mean().item()
+    assert abs(joint - 0.1) < 4 * math.sqrt(0.1 * 0.9 / n)
+    other_rule = fe.inspect(q, k, v, dataclasses.replace(spec, seed=4321))
+    assert torch.equal(other_rule.weight_dropped, seen.weight_dropped) and not torch.equal(other_rule.drop, seen.drop)
+    other = fe.inspect(q, k, v, dataclasses.replace(spec, dropout_seed=78)).weight_dropped
+    differ = (other != seen.weight_dropped).float().mean().item()
+    assert abs(differ - 0.32) < 4 * math.sqrt(0.32 * 0.68 / n)  # 2 p (1 - p): independent draws
+    out, dropped, droppable = fe.fused_edit_attention(q, k, v, spec)
+    base = fe.fused_edit_attention(q, k, v, dataclasses.replace(spec, dropout_p=0.0))
+    assert (int(dropped), int(droppable)) == (int(base[1]), int(base[2]))  # the rule's counts only
+    assert not torch.equal(out, base[0])
+
+
+def test_dropout_p_0_is_the_call_without_dropout_and_p_1_drops_every_weight():
+    q, k, v = qkv(b=2, t=20, s=27)
+    bias = padding_bias([27, 15], 27)
+    spec = fe.EditDrops(fe.BERNOULLI, 0.3, 5)
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE)
-    fused = outputs_and_grads(lambda *x: fe.fused_edit_attention(*x, spec, bias, causal)[0], q, k, v, grad)
-    expected = outputs_and_grads(lambda *x: reference(*x, seen, bias), q.double(), k.double(), v.double(), grad)
-    for name, got, want in zip(("out", "dq", "dk", "dv"), fused, expected):
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=name)
-    keyless = ~seen.valid.any(-1)
-    assert (fused[0][keyless] == 0).all() and (fused[1][keyless] == 0).all()
+    plain = outputs_and_grads(lambda *x: fe.fused_edit_attention(*x, spec, bias, True)[0], q, k, v, grad)
+    zero = dataclasses.replace(spec, dropout_p=0.0, dropout_seed=123)
+    assert not fe.inspect(q, k, v, zero, bias, True).weight_dropped.any()
+    for got, want in zip(
+        outputs_and_grads(lambda *x: fe.fused_edit_attention(*x, zero, bias, True)[0], q, k, v, grad), plain
+    ):
+        assert torch.equal(got, want)
+    every = dataclasses.replace(spec, dropout_p=1.0, dropout_seed=123)
+    assert fe.inspect(q, k, v, every, bias, True).weight_dropped.all()
+    for got in outputs_and_grads(lambda *x: fe.fused_edit_attention(*x, every, bias, True)[0], q, k, v, grad):
+        assert (got == 0).all()
+    with pytest.raises(ValueError, match="a probability"):
+        fe.fused_edit_attention(q, k, v, dataclasses.replace(spec, dropout_p=1.5))
 
 
 @pytest.mark.parametrize("case", ["gqa, causal, padding", "keyless, left padding"])
@@ -244,6 +340,31 @@ def test_gradcheck_float64():
     q, k, v = qkv(b=1, h=2, h_kv=1, t=4, s=5, d=2, dtype=torch.float64)
     bias = padding_bias([4], 5).double()
     spec = fe.EditDrops(fe.BERNOULLI, 0.4, 21)
+    inputs = [x.requires_grad_() for x in (q, k, v)]
+    assert torch.autograd.gradcheck(lambda *x: fe.fused_edit_attention(*x, spec, bias, True)[0], inputs, fast_mode=True)
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_a_bool_mask_is_its_float_mask(rows):
+    """A bool bias (True = may attend), a key row or a (B, 1, T, S) mask, read as it is: the kernel gives
+    exactly what it gives for the additive 0 / -inf bias of the same keys."""
+    q, k, v = qkv(b=2, t=19, s=23)
+    bias = mask_of_rows([23, 10], 19, 23) if rows else padding_bias([23, 10], 23)
+    spec = fe.EditDrops(fe.BERNOULLI, 0.4, 3, dropout_p=0.2, dropout_seed=1)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(DEVICE)
+    results = []
+    for mask in (bias, bias == 0):
+        assert torch.equal(fe.inspect(q, k, v, spec, mask, True).valid, validity(q, k, bias, True))
+        results.append(outputs_and_grads(lambda *x: fe.fused_edit_attention(*x, spec, mask, True)[0], q, k, v, grad))
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(got, want), name
+
+
+def test_gradcheck_float64_with_dropout_and_a_mask_of_rows():
+    q, k, v = qkv(b=2, h=2, h_kv=1, t=5, s=6, d=2, dtype=torch.float64)
+    bias = mask_of_rows([6, 4], 5, 6, seed=1).double()
+    spec = fe.EditDrops(fe.BERNOULLI, 0.3, 21, dropout_p=0.4, dropout_seed=8)
+    assert fe.inspect(q, k, v, spec, bias, True).weight_dropped.any()
     inputs = [x.requires_grad_() for x in (q, k, v)]
     assert torch.autograd.gradcheck(lambda *x: fe.fused_edit_attention(*x, spec, bias, True)[0], inputs, fast_mode=True)
 

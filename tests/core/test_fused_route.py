@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from helpers import CORE_B, CORE_D, CORE_T, fused_kernel_device, tiny_core_model, tiny_llama
+from helpers import CORE_B, CORE_D, CORE_T, fused_kernel_device, tiny_bert_classifier, tiny_core_model, tiny_llama
 
 DEVICE = fused_kernel_device()
 pytestmark = pytest.mark.gpu  # make gpu-check: compiled on CUDA; here in the interpreter
@@ -41,6 +41,23 @@ def tensors(b=2, h=2, h_kv=2, t=20, s=27, d=4, seed=0):
 def padding(lengths, s):
     keys = torch.arange(s)
     return torch.stack([torch.where(keys < n, 0.0, -math.inf) for n in lengths]).view(len(lengths), 1, 1, s).to(DEVICE)
+
+
+def random_rows(b, t, s, seed=0, rate=0.3):
+    """(B, 1, T, S) bool, True at the keys a random mask takes from each query row (rows differ)."""
+    return (torch.rand((b, 1, t, s), generator=torch.Generator().manual_seed(seed)) < rate).to(DEVICE)
+
+
+def materialised_mask(kind, lengths, t, s):
+    """A (B, 1, T, S) mask as transformers hands it to attention: "padding and causal" (float32, its
+    least value at padding and the future; "bool": True = may attend), or padding and random rows."""
+    pad = padding(lengths, s).expand(len(lengths), 1, t, s) == 0
+    if kind == "random rows":
+        return torch.where(pad & ~random_rows(len(lengths), t, s), 0.0, -math.inf)
+    allowed = pad & (torch.arange(s, device=DEVICE) <= torch.arange(t, device=DEVICE)[:, None] + s - t)
+    if kind.endswith("bool"):
+        return allowed
+    return torch.zeros(allowed.shape, device=DEVICE).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
 def block_call(rule, t, rows=None, causal=False, **options):
@@ -104,17 +121,66 @@ def test_bernoulli_at_p_1_makes_every_row_uniform_as_the_pytorch_path(monkeypatc
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("kind", ["padding and causal", "padding and causal, bool", "random rows"])
+@pytest.mark.parametrize("rule", ["ad_drop at q = 1", "bernoulli at p = 1"])
+def test_a_materialised_mask_whose_rows_differ_equals_the_pytorch_path(kind, rule, monkeypatch):
+    """A (B, 1, T, S) mask (padding with the future, or random rows) is read by the kernel row by row:
+    the same counts exactly, output and gradients as the PyTorch path, in blocks of rows too."""
+    q, k, v, attribution, values = tensors(t=21, s=27)
+    bias = materialised_mask(kind, [27, 15], 21, 27)
+    if rule.startswith("ad_drop"):
+        call = block_call(TopRegionRule(GradientScores(attribution, values), 0.3, 1.0), 21, rows=8)
+    else:
+        call = block_call(BernoulliRule(torch.tensor(1.0)), 21)
+    fused_call = fused_drops(q, k, v, bias, call)
+    assert fused_call is not None and fused_call.key_bias.shape == (2, 1, 21, 27)  # covered, rows kept
+    fused, portable = (run(q, k, v, bias, call, on, monkeypatch) for on in (True, False))
+    assert fused[4:] == portable[4:] and fused[4] > 0
+    for name, a, b in zip(("out", "dq", "dk", "dv"), fused[:4], portable[:4]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_call_with_the_models_attention_dropout_runs_on_the_kernel(monkeypatch):
+    """An AD-DROP call with attention dropout (p = 0.1, as a BERT's in training) runs on the fused
+    kernel, its dropout keyed by the call's dropout seed: finite, the same for the same seed, another
+    for another seed, other than without dropout, and its gradients flow."""
+    from attn_reg_plugin.core import fused_edit
+
+    q, k, v, attribution, values = tensors()
+    bias = padding([27, 15], 27)
+    calls, original = [], fused_edit.fused_edit_attention
+    monkeypatch.setattr(fused_edit, "fused_edit_attention", lambda *a, **o: calls.append(a[3]) or original(*a, **o))
+    rule = TopRegionRule(GradientScores(attribution, values), 0.3, 0.5)
+
+    def dropout_call(p, seed):
+        return BlockCall(rule, None, None, 20, torch.tensor(17), p, None, True, dropout_seed=torch.tensor(seed))
+
+    results = [
+        run(q, k, v, bias, dropout_call(p, seed), True, monkeypatch)
+        for p, seed in ((0.1, 5), (0.1, 5), (0.1, 6), (0.0, 5))
+    ]
+    assert [(d.dropout_p, d.dropout_seed) for d in calls] == [(0.1, 5), (0.1, 5), (0.1, 6), (0.0, 0)]
+    same, again, other, plain = results
+    for x in same[:4]:
+        assert torch.isfinite(x).all() and x.abs().sum() > 0
+    for a, b in zip(same, again):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    assert not torch.equal(same[0], other[0]) and not torch.equal(same[0], plain[0])
+    assert same[4:] == other[4:] == plain[4:]  # the rule's drops do not depend on the dropout
+
+
 def test_calls_the_kernel_does_not_cover_stay_on_the_pytorch_path(monkeypatch):
     q, k, v, attribution, values = tensors()
     t, s = q.shape[2], k.shape[2]
     ad_drop = TopRegionRule(GradientScores(attribution, values), 0.3, 0.5)
     uniform, seed = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=DEVICE), torch.tensor(1)
-    per_row = torch.zeros((2, 1, t, s), device=DEVICE).masked_fill(torch.rand(2, 1, t, s).to(DEVICE) < 0.2, -math.inf)
+    coins = torch.rand((2, 2, t, s), generator=torch.Generator().manual_seed(3)) < 0.2
+    per_head = torch.zeros((2, 2, t, s)).masked_fill(coins, -math.inf).to(DEVICE)
     uncovered = {
         "rows made uniform": (BlockCall(ad_drop, uniform, None, t, seed, 0.0, None, True), None),
-        "attention dropout inside": (BlockCall(ad_drop, None, None, t, seed, 0.1, None, True, dropout_seed=seed), None),
         "the map returned": (block_call(ad_drop, t, need_weights=True), None),
-        "a bias whose rows differ": (block_call(ad_drop, t), per_row),
+        "a bias whose heads differ": (block_call(ad_drop, t), per_head),
+        "a bias requiring grad": (block_call(ad_drop, t), per_head[:, :1].clone().requires_grad_()),
         "RD's random scores": (block_call(TopRegionRule(RandomScores(), 0.3, 0.5), t), None),
         "a dense rule": (block_call(DenseRule(torch.zeros(1, 1, t, s, dtype=torch.bool, device=DEVICE)), t), None),
     }  # fmt: skip
@@ -132,14 +198,16 @@ def test_a_call_the_kernel_does_not_cover_is_named_once_in_the_log(monkeypatch, 
     q, k, v, attribution, values = tensors()
     t, seed = q.shape[2], torch.tensor(1)
     ad_drop = TopRegionRule(GradientScores(attribution, values), 0.3, 0.5)
-    dropout = BlockCall(ad_drop, None, None, t, seed, 0.1, None, True, dropout_seed=seed)
+    uniform = BlockCall(
+        ad_drop, torch.ones((1, 1, 1, 1), dtype=torch.bool, device=DEVICE), None, t, seed, 0.0, None, True
+    )
     with caplog.at_level("WARNING", logger=fused_route.__name__):
-        for call in (dropout, dropout, block_call(ad_drop, t, need_weights=True), block_call(ad_drop, t)):
+        for call in (uniform, uniform, block_call(ad_drop, t, need_weights=True), block_call(ad_drop, t)):
             run(q, k, v, None, call, True, monkeypatch)
     named = [r.getMessage() for r in caplog.records if r.name == fused_route.__name__]
     assert named == [
         "ATTN_REG_FUSED=1: a regularized call runs on the PyTorch path, not the fused kernel: "
-        "the model's attention dropout inside the call",
+        "rows made uniform (attention LayerDrop's skipped calls)",
         "ATTN_REG_FUSED=1: a regularized call runs on the PyTorch path, not the fused kernel: "
         "the attention map returned",
     ]  # the covered call says nothing
@@ -173,9 +241,9 @@ def test_an_ad_drop_step_of_a_custom_model_equals_the_pytorch_paths(monkeypatch)
 def test_an_hf_llama_step_with_gradient_checkpointing_on_the_route(padded, monkeypatch, tmp_path):
     """ADDropTrainer GA on a tiny Llama (GQA, causal) with non-reentrant gradient checkpointing, as
     the GPU bench's long rows run it, at q = 1 - 1e-7: loss and gradients equal the PyTorch path's.
-    Unpadded, the fused kernel takes the masked pass's calls and their recomputes. A padded batch
-    reaches attention as one (B, 1, T, S) mask of padding and the future: not a key-padding bias, so
-    it stays on the PyTorch path, and says so by the count."""
+    The fused kernel takes the masked pass's calls and their recomputes, a padded batch's too: there
+    attention gets one materialised (B, 1, T, S) mask of padding and the future, which the kernel
+    reads row by row."""
     transformers = pytest.importorskip("transformers")
     from attn_reg_plugin.core import fused_edit
     from attn_reg_plugin.hf import ADDropTrainer
@@ -185,7 +253,12 @@ def test_an_hf_llama_step_with_gradient_checkpointing_on_the_route(padded, monke
     def step(fused):
         calls = []
         monkeypatch.setattr(devices, "FUSED", fused)
-        monkeypatch.setattr(fused_edit, "fused_edit_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+
+        def counted(q, k, v, drops, bias=None, *rest):  # each call's bias rows: 1 a key row, T a mask's
+            calls.append(0 if bias is None else bias.shape[2])
+            return original(q, k, v, drops, bias, *rest)
+
+        monkeypatch.setattr(fused_edit, "fused_edit_attention", counted)
         model = tiny_llama().to(DEVICE)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         args = transformers.TrainingArguments(
@@ -205,13 +278,54 @@ def test_an_hf_llama_step_with_gradient_checkpointing_on_the_route(padded, monke
         batch = trainer._prepare_inputs({"input_ids": ids, "attention_mask": mask, "labels": ids})
         torch.manual_seed(0)
         loss = trainer.training_step(model, batch)
-        return loss.detach(), len(calls), [p.grad for p in model.parameters()]
+        return loss.detach(), calls, [p.grad for p in model.parameters()]
 
     fused, portable = step(True), step(False)
-    assert (fused[1] > 0) != padded and portable[1] == 0
+    assert fused[1] and not portable[1]
+    assert (max(fused[1]) == 16) == padded  # a padded batch's mask read row by row
     torch.testing.assert_close(fused[0], portable[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(fused[2], portable[2]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_an_hf_bert_training_step_with_padding_and_attention_dropout_runs_on_the_kernel(monkeypatch, tmp_path):
+    """ADDropTrainer GA on a tiny BERT in training (attention dropout 0.1) with a padded batch: each
+    layer's masked call reaches the fused kernel, the model's dropout and the padding mask with it, and
+    the step's loss and gradients are finite."""
+    transformers = pytest.importorskip("transformers")
+    from attn_reg_plugin.core import fused_edit
+    from attn_reg_plugin.hf import ADDropTrainer
+
+    calls, original = [], fused_edit.fused_edit_attention
+
+    def counted(q, k, v, drops, bias=None, *rest):
+        calls.append((drops.dropout_p, bias is not None))
+        return original(q, k, v, drops, bias, *rest)
+
+    monkeypatch.setattr(devices, "FUSED", True)
+    monkeypatch.setattr(fused_edit, "fused_edit_attention", counted)
+    model = tiny_bert_classifier(attention_probs_dropout_prob=0.1).to(DEVICE)
+    args = transformers.TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=DEVICE == "cpu",
+        save_strategy="no", logging_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    config = ADDropConfig(p=0.3, q=0.5, attribution="ga", schedule="always")
+    trainer = ADDropTrainer(model=model, args=args, ad_drop=config)
+    trainer.create_optimizer_and_scheduler(num_training_steps=1)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.state.epoch = 0.0
+    model.train()
+    ids = torch.randint(3, 50, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0
+    batch = trainer._prepare_inputs({"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1])})
+    loss = trainer.training_step(model, batch)
+    assert calls == [(0.1, True)] * model.config.num_hidden_layers
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    query = model.bert.encoder.layer[0].attention.self.query.weight.grad
+    assert query is not None and query.abs().sum() > 0
 
 
 @pytest.mark.parametrize("shape", ["empty call", "head wider than a tile", "value head of its own size"])
@@ -288,22 +402,27 @@ def test_bf16_stays_on_the_pytorch_path_in_the_interpreter():
     assert fused_drops(*(x.half() for x in (q, k, v)), None, call) is not None
 
 
+@pytest.mark.parametrize("mask", ["key padding", "rows of their own"])
 @pytest.mark.parametrize("p, seed", [(0.3, 0), (0.05, 1), (0.999, 2)])
-def test_the_region_chosen_in_one_launch_equals_the_blockwise_pytorch_region(p, seed):
+def test_the_region_chosen_in_one_launch_equals_the_blockwise_pytorch_region(p, seed, mask):
     """fused_edit.region_state (the whole row ranked in one program, no k read on the host) gives the
     state the PyTorch path's TopRegionRule.region and region_ties give block by block, exactly: small
-    integer scores (many ties at the threshold), padding, causal rows without keys, samples, k = 0."""
+    integer scores (many ties at the threshold), padding or a (B, 1, T, S) mask of random rows (sliced
+    per block of rows), causal rows without keys, samples, k = 0."""
     from attn_reg_plugin.core import fused_edit, fused_route
 
     g = torch.Generator().manual_seed(seed)
     t, s = int(torch.randint(5, 40, (), generator=g)), int(torch.randint(3, 70, (), generator=g))
     q, k, _, attribution, values = tensors(h=4, h_kv=2, t=t, s=s, seed=seed)
     bias = padding([s, int(torch.randint(1, s + 1, (), generator=g))], s)
+    if mask == "rows of their own":
+        bias = bias.expand(2, 1, t, s).masked_fill(random_rows(2, t, s, seed), -math.inf)
     samples = torch.tensor([True, bool(seed % 2)], device=DEVICE)
     rule = TopRegionRule(GradientScores(attribution, values), p, 0.5, samples)
     for causal in (False, True):
         call = block_call(rule, t, rows=7, causal=causal)
-        key_bias = fused_route.key_padding_bias(bias, 2)
+        key_bias = fused_route.kernel_bias(bias, 2, t)
+        assert key_bias.shape[2] == (t if mask == "rows of their own" else 1)
         whole = fused_route._ad_drop(q, k, key_bias, call, rule, 5)
         repeated = values.repeat_interleave(2, 1)
         blocks = fused_route._ad_drop_by_blocks(q, k, key_bias, call, rule, 5, attribution, repeated)
