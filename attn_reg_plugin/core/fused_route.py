@@ -13,10 +13,10 @@ stays on the PyTorch path with the route on is named once in the log (:func:`nam
 
 AD-DROP's region is exact: each row's threshold, k and last tied key come from the kernel's own
 product dO V^T (:func:`~.fused_edit.attribution_scores`). A call of up to ``fused_edit.MAX_REGION_KEYS``
-keys ranks whole rows in one launch (:func:`~.fused_edit.region_state`: k never read on the host); a
-longer one goes one block of query rows at a time (nothing (T, S) held) through the PyTorch path's
-region (:meth:`~.rules.TopRegionRule.region`). A ``torch.matmul`` may round a score otherwise and move
-a key at the threshold. The kernel's coins, the rule's and the attention dropout's, are Philox draws
+keys ranks whole rows in one launch (:func:`~.fused_edit.region_state`); a longer one by a radix
+select over the scores recomputed tile by tile (:func:`~.fused_select.region_state_streamed`, one
+launch, nothing (T, S) held). k is never read on the host, and no Python loop runs over blocks of rows.
+A ``torch.matmul`` may round a score otherwise and move a key at the threshold. The kernel's coins, the rule's and the attention dropout's, are Philox draws
 (:mod:`.fused_edit`): for one seed other weights than the PyTorch path's, distributed alike."""
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import torch
 
 from . import fused_edit
 from .devices import FUSED_ENV
+from .fused_select import region_state_streamed
 from .masks import valid_keys_from_bias
-from .rules import BernoulliRule, Block, GradientScores, TopRegionRule
+from .rules import BernoulliRule, GradientScores, TopRegionRule
 
 logger = logging.getLogger(__name__)
 
@@ -137,44 +138,18 @@ def name_once(why: str) -> None:
 
 def _ad_drop(q, k, key_bias, call, rule: TopRegionRule, seed: int) -> fused_edit.EditDrops:
     """AD-DROP GA's drops: per row the threshold, last tied key and lowest-scored key of the region
-    over the kernel's own scores (``key_bias``: :func:`kernel_bias`'s): for a call of up to
-    ``fused_edit.MAX_REGION_KEYS`` keys in two launches on the device (the scores, then
-    :func:`~.fused_edit.region_state`), else block by block of query rows through the PyTorch path's region."""
-    s = k.shape[2]
+    over the kernel's own scores (``key_bias``: :func:`kernel_bias`'s), on the device, k never read on
+    the host: for a call of up to ``fused_edit.MAX_REGION_KEYS`` keys whole rows sorted in registers
+    (two launches: the scores, then :func:`~.fused_edit.region_state`), for a longer one a radix select
+    over the recomputed scores (one launch: :func:`~.fused_select.region_state_streamed`, nothing (T, S)
+    held). Either way the same state, and as many launches at 16k keys as at 4k."""
     source = rule.source
     attribution = source.grad_output.neg() if source.negate else source.grad_output
     groups = k.shape[1] // source.values.shape[1]
     values = source.values if groups == 1 else source.values.repeat_interleave(groups, 1)  # as attend's k and v
-    if fused_edit.region_fits(s, *rule.fraction):
+    if fused_edit.region_fits(k.shape[2], *rule.fraction):
         scores = fused_edit.attribution_scores(attribution, values)
         state = fused_edit.region_state(scores, key_bias, call.causal, *rule.fraction, rule.samples)
-        return fused_edit.EditDrops(fused_edit.AD_DROP, rule.q, seed, attribution, values, *state)
-    return _ad_drop_by_blocks(q, k, key_bias, call, rule, seed, attribution, values)
-
-
-def _ad_drop_by_blocks(q, k, key_bias, call, rule: TopRegionRule, seed: int, attribution, values):
-    """_ad_drop's state block by block of query rows, through ``TopRegionRule.region`` (a call too long
-    for one program's registers)."""
-    b, h, t, _ = q.shape
-    s = k.shape[2]
-    threshold = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
-    last_tie, lowest = (torch.empty((b, h, t), dtype=torch.int32, device=q.device) for _ in range(2))
-    every_key = torch.ones((1, 1, 1, s), dtype=torch.bool, device=q.device)
-    padding = every_key if key_bias is None else valid_keys_from_bias(key_bias)
-    keys = torch.arange(s, device=q.device)
-    for start in range(0, t, max(1, call.rows_per_block)):
-        rows = slice(start, min(t, start + call.rows_per_block))
-        valid = padding if padding.shape[2] == 1 else padding[:, :, rows]  # a mask's own rows
-        if call.causal:
-            valid = valid & (keys <= torch.arange(rows.start, rows.stop, device=q.device)[:, None] + s - t)
-        shape = (b, h, rows.stop - rows.start, s)
-        scores = fused_edit.attribution_scores(attribution[:, :, rows], values)  # NaN 0, inf finite: as the rule's
-        scores = scores.masked_fill(~valid, -math.inf)
-        _, (row_threshold, row_k, _), _ = rule.region(Block(rows, valid, shape, (b, h, t, s), None), scores)
-        if rule.samples is not None:  # other samples lose nothing: no region
-            chosen = rule.samples.view(-1, 1, 1, 1)
-            row_threshold, row_k = torch.where(chosen, row_threshold, math.inf), torch.where(chosen, row_k, 0)
-        ties, low = fused_edit.region_ties(scores, valid, row_threshold, row_k)
-        threshold[:, :, rows] = row_threshold.squeeze(-1)
-        last_tie[:, :, rows], lowest[:, :, rows] = ties, low
-    return fused_edit.EditDrops(fused_edit.AD_DROP, rule.q, seed, attribution, values, threshold, last_tie, lowest)
+    else:
+        state = region_state_streamed(attribution, source.values, key_bias, call.causal, *rule.fraction, rule.samples)
+    return fused_edit.EditDrops(fused_edit.AD_DROP, rule.q, seed, attribution, values, *state)

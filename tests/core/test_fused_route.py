@@ -404,12 +404,14 @@ def test_bf16_stays_on_the_pytorch_path_in_the_interpreter():
 
 @pytest.mark.parametrize("mask", ["key padding", "rows of their own"])
 @pytest.mark.parametrize("p, seed", [(0.3, 0), (0.05, 1), (0.999, 2)])
-def test_the_region_chosen_in_one_launch_equals_the_blockwise_pytorch_region(p, seed, mask):
-    """fused_edit.region_state (the whole row ranked in one program, no k read on the host) gives the
-    state the PyTorch path's TopRegionRule.region and region_ties give block by block, exactly: small
-    integer scores (many ties at the threshold), padding or a (B, 1, T, S) mask of random rows (sliced
-    per block of rows), causal rows without keys, samples, k = 0."""
+def test_the_two_device_regions_give_the_same_state(p, seed, mask):
+    """fused_edit.region_state (whole rows sorted in one program, up to 1,024 keys) and
+    fused_select.region_state_streamed (a radix select over recomputed scores, any number of keys; it
+    equals the PyTorch path's TopRegionRule.region: tests/core/test_fused_select.py) give the same state
+    for a call, exactly: small integer scores (many ties at the threshold), padding or a (B, 1, T, S)
+    mask of random rows, causal rows without keys, samples, k = 0."""
     from attn_reg_plugin.core import fused_edit, fused_route
+    from attn_reg_plugin.core.fused_select import region_state_streamed
 
     g = torch.Generator().manual_seed(seed)
     t, s = int(torch.randint(5, 40, (), generator=g)), int(torch.randint(3, 70, (), generator=g))
@@ -424,8 +426,7 @@ def test_the_region_chosen_in_one_launch_equals_the_blockwise_pytorch_region(p, 
         key_bias = fused_route.kernel_bias(bias, 2, t)
         assert key_bias.shape[2] == (t if mask == "rows of their own" else 1)
         whole = fused_route._ad_drop(q, k, key_bias, call, rule, 5)
-        repeated = values.repeat_interleave(2, 1)
-        blocks = fused_route._ad_drop_by_blocks(q, k, key_bias, call, rule, 5, attribution, repeated)
+        streamed = region_state_streamed(attribution, values, key_bias, causal, *rule.fraction, samples)
         assert fused_edit.region_fits(s, *rule.fraction)
-        for name in ("threshold", "last_tie", "lowest_key"):
-            assert torch.equal(getattr(whole, name), getattr(blocks, name)), (name, causal)
+        for name, state in zip(("threshold", "last_tie", "lowest_key"), streamed):
+            assert torch.equal(getattr(whole, name), state), (name, causal)
