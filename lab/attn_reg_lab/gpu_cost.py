@@ -209,6 +209,9 @@ class CostCounter:
         self._quiet = 0  # > 0: inside a Triton launch, or a copy only the CPU needs: nothing counted
         # (operation, its tensors' shapes) -> factor: a product's FLOPs at another size (gpu_cost_fit)
         self.flop_scale: Optional[Callable[[str, list], float]] = None
+        # Triton launches counted and not run (their outputs left as allocated): a long call's kernels
+        # would take the interpreter hours; launches and syncs do not depend on their values.
+        self.triton_not_run = False
 
     def is_host(self, t: torch.Tensor) -> bool:
         ref = self._host.get(id(t))
@@ -389,6 +392,8 @@ def _triton_counted(counter: CostCounter):
                     f"triton:{getattr(self, '__name__', 'kernel')}", sum(map(_nbytes, _tensors((args, kwargs))))
                 )
                 counter.cost.triton_launches += counter.recording
+            if counter.triton_not_run and not warmup:
+                return None
             counter._quiet += 1
             try:
                 return original(self, *args, grid=grid, warmup=warmup, **kwargs)
@@ -441,7 +446,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--fused",
         action="store_true",
-        help="also standard fp32 rows with ATTN_REG_FUSED=1 (the interpreter takes no bf16 call)",
+        help="also standard fp32 rows with ATTN_REG_FUSED=1 (the interpreter takes no bf16 call), and long GA "
+        "rows on the fused route with its Triton kernels counted, not run",
     )
     parser.add_argument(
         "--compile",

@@ -115,6 +115,11 @@ KERNEL = """
             add_one[(4,)](x, y, 100, BLOCK=32)  # 4 programs each
         square[(2,)](a, c, BLOCK=16)
     assert torch.equal(y, x + 1)
+    z = torch.zeros_like(x)
+    counter.triton_not_run = True  # counted, not run: z stays as it was
+    with counter.counting(), counter.recorded():
+        add_one[(4,)](x, z, 100, BLOCK=32)
+    assert torch.equal(z, torch.zeros_like(x))
     print(json.dumps(cost.as_dict()))
 """
 
@@ -126,10 +131,10 @@ def test_a_triton_launch_counts_once_and_not_the_interpreters_inner_operations(t
     proc = subprocess.run([sys.executable, "kernels.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cost = json.loads(proc.stdout.splitlines()[-1])
-    assert cost["launches"] == cost["triton_launches"] == 4
-    assert cost["top_ops"] == {"triton:add_one": 3, "triton:square": 1}
+    assert cost["launches"] == cost["triton_launches"] == 5  # the last one counted and not run
+    assert cost["top_ops"] == {"triton:add_one": 4, "triton:square": 1}
     assert cost["flops"] == {"fp32": 2 * 2 * 16**3}  # two programs' tl.dot
-    assert cost["bytes"] == 3 * 2 * 400 + 2 * 1024
+    assert cost["bytes"] == 4 * 2 * 400 + 2 * 1024
 
 
 def test_a_step_compiled_whole_counts_its_graphs_and_breaks():
