@@ -450,6 +450,12 @@ def parse_args(argv=None):
         "rows on the fused route with its Triton kernels counted, not run",
     )
     parser.add_argument(
+        "--triton-not-run",
+        action="store_true",
+        help="with --fused: the standard fused rows' Triton kernels counted and not run too (minutes in the "
+        "interpreter each; launches and syncs do not depend on their values, their FLOPs are then left out)",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="also the HF fp32 plain and GA-all steps compiled whole: their graphs and graph breaks",
@@ -466,6 +472,8 @@ def parse_args(argv=None):
     opts.rows = [r.strip() for r in opts.rows.split(",") if r.strip()]
     if not opts.rows or any(r not in ROW_SETS for r in opts.rows):
         parser.error(f"--rows: a comma list of {', '.join(ROW_SETS)}; got {','.join(opts.rows) or 'nothing'}")
+    if opts.triton_not_run and not opts.fused:
+        parser.error("--triton-not-run is an option of --fused's rows: give --fused too")
     opts.frameworks = [f.strip() for f in opts.frameworks.split(",") if f.strip()]
     if not opts.frameworks or any(f not in ("fairseq", "hf") for f in opts.frameworks):
         parser.error(f"--frameworks: a comma list of fairseq, hf; got {','.join(opts.frameworks) or 'nothing'}")

@@ -143,7 +143,8 @@ def standard_rows(opts, log) -> List[dict]:
     for framework in getattr(opts, "frameworks", ("fairseq", "hf")):
         for dtype in ("fp32", "bf16"):
             bench = standard_bench(framework, dtype, opts, log)
-            for name in names + (fused if dtype == "fp32" else []):
+            not_run = getattr(opts, "triton_not_run", False)  # bf16 then too: the interpreter runs no kernel
+            for name in names + (fused if dtype == "fp32" or not_run else []):
                 variant = name.split("+")[0]
                 row = {"section": "standard", "framework": framework, "variant": name, "dtype": dtype}
                 row.update(tokens=bench.tokens["train"], configuration=f"{framework} {dtype}")
@@ -155,11 +156,15 @@ def standard_rows(opts, log) -> List[dict]:
                 started = time.time()
                 # (the plain path's rows ask nothing of fused_edit: the fit's counts of older code have none)
                 fused_context = fused_kernel(True) if name.endswith("+fused") else contextlib.nullcontext([0])
-                with fused_context as fused_calls:
-                    cost = count_step(step)
+                counter = CostCounter()
+                counter.triton_not_run = name.endswith("+fused") and not_run
+                with fused_context as fused_calls, _bf16_routed(counter.triton_not_run):
+                    cost = count_step(step, counter)
                 row.update(cost.as_dict(), status="ok", seconds=round(time.time() - started, 1))
                 if name.endswith("+fused"):
                     row["fused_calls"] = fused_calls[0]
+                if counter.triton_not_run:
+                    row["note"] = FUSED_NOT_RUN
                 log(f"{framework} {dtype} {name}: {cost.launches} launches, {cost.syncs} syncs ({row['seconds']} s)")
                 rows.append(row)
             del bench

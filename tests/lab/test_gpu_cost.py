@@ -300,3 +300,12 @@ def test_frameworks_choose_the_standard_rows_and_a_bad_one_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--frameworks", "hf,jax"])
     assert "--frameworks: a comma list of fairseq, hf; got hf,jax" in capsys.readouterr().err
+
+
+def test_triton_not_run_goes_with_fused(capsys):
+    from attn_reg_lab.gpu_cost import parse_args
+
+    assert parse_args(["--fused", "--triton-not-run"]).triton_not_run
+    with pytest.raises(SystemExit):
+        parse_args(["--triton-not-run"])
+    assert "--triton-not-run is an option of --fused's rows: give --fused too" in capsys.readouterr().err
