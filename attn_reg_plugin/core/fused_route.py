@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import weakref
 from typing import NamedTuple, Optional, Set, Tuple
 
 import torch
@@ -93,7 +94,7 @@ def fused_or_why_not(q, k, v, bias, call) -> Tuple[Optional[FusedCall], Optional
         drops = fused_edit.EditDrops(fused_edit.BERNOULLI, float(rule.probability), seed, **dropout)
         return FusedCall(drops, key_bias), None
     if isinstance(rule, TopRegionRule) and isinstance(rule.source, GradientScores):
-        drops = dataclasses.replace(_ad_drop(q, k, key_bias, call, rule, seed), **dropout)
+        drops = dataclasses.replace(_ad_drop(q, k, bias, key_bias, call, rule, seed), **dropout)
         return FusedCall(drops, key_bias), None
     over = f" over {type(rule.source).__name__}" if isinstance(rule, TopRegionRule) else ""
     return None, f"its drop rule, {type(rule).__name__}{over}"
@@ -136,20 +137,40 @@ def name_once(why: str) -> None:
     logger.warning("%s=1: a regularized call runs on the PyTorch path, not the fused kernel: %s", FUSED_ENV, why)
 
 
-def _ad_drop(q, k, key_bias, call, rule: TopRegionRule, seed: int) -> fused_edit.EditDrops:
+# Each AD-DROP rule's last region, kept while the rule lives (its pass): a checkpoint's recompute of the
+# call, or a site called twice in one pass (R-Drop's two forwards over AD-DROP's masked pass), ranks the
+# same scores again otherwise: one product a call, nine past fused_edit.MAX_REGION_KEYS keys.
+_REGIONS: weakref.WeakKeyDictionary[TopRegionRule, tuple] = weakref.WeakKeyDictionary()
+
+
+def _ad_drop(q, k, bias, key_bias, call, rule: TopRegionRule, seed: int) -> fused_edit.EditDrops:
     """AD-DROP GA's drops: per row the threshold, last tied key and lowest-scored key of the region
-    over the kernel's own scores (``key_bias``: :func:`kernel_bias`'s), on the device, k never read on
-    the host: for a call of up to ``fused_edit.MAX_REGION_KEYS`` keys whole rows sorted in registers
-    (two launches: the scores, then :func:`~.fused_edit.region_state`), for a longer one a radix select
-    over the recomputed scores (one launch: :func:`~.fused_select.region_state_streamed`, nothing (T, S)
-    held). Either way the same state, and as many launches at 16k keys as at 4k."""
+    over the kernel's own scores (``key_bias``: :func:`kernel_bias`'s of the call's ``bias``), on the
+    device, k never read on the host: for a call of up to ``fused_edit.MAX_REGION_KEYS`` keys whole rows
+    sorted in registers (two launches: the scores, then :func:`~.fused_edit.region_state`), for a longer
+    one a radix select over the recomputed scores (one launch: :func:`~.fused_select.region_state_streamed`,
+    nothing (T, S) held). Either way the same state, and as many launches at 16k keys as at 4k. A call
+    of the rule again with the very same bias object (a recompute) reuses its region (:data:`_REGIONS`)."""
     source = rule.source
     attribution = source.grad_output.neg() if source.negate else source.grad_output
     groups = k.shape[1] // source.values.shape[1]
     values = source.values if groups == 1 else source.values.repeat_interleave(groups, 1)  # as attend's k and v
-    if fused_edit.region_fits(k.shape[2], *rule.fraction):
-        scores = fused_edit.attribution_scores(attribution, values)
-        state = fused_edit.region_state(scores, key_bias, call.causal, *rule.fraction, rule.samples)
+    same = (tuple(q.shape), tuple(k.shape), q.device, bool(call.causal))
+    kept = _REGIONS.get(rule)
+    if kept is not None and kept[0] == same and kept[1]() is bias:
+        state = kept[2]
     else:
-        state = region_state_streamed(attribution, source.values, key_bias, call.causal, *rule.fraction, rule.samples)
+        if fused_edit.region_fits(k.shape[2], *rule.fraction):
+            scores = fused_edit.attribution_scores(attribution, values)
+            state = fused_edit.region_state(scores, key_bias, call.causal, *rule.fraction, rule.samples)
+        else:
+            state = region_state_streamed(
+                attribution, source.values, key_bias, call.causal, *rule.fraction, rule.samples
+            )
+        _REGIONS[rule] = (same, weakref.ref(bias) if bias is not None else _none, state)
     return fused_edit.EditDrops(fused_edit.AD_DROP, rule.q, seed, attribution, values, *state)
+
+
+def _none():
+    """A weak reference's answer for a call without a bias."""
+    return None

@@ -425,8 +425,34 @@ def test_the_two_device_regions_give_the_same_state(p, seed, mask):
         call = block_call(rule, t, rows=7, causal=causal)
         key_bias = fused_route.kernel_bias(bias, 2, t)
         assert key_bias.shape[2] == (t if mask == "rows of their own" else 1)
-        whole = fused_route._ad_drop(q, k, key_bias, call, rule, 5)
+        whole = fused_route._ad_drop(q, k, bias, key_bias, call, rule, 5)
         streamed = region_state_streamed(attribution, values, key_bias, causal, *rule.fraction, samples)
         assert fused_edit.region_fits(s, *rule.fraction)
         for name, state in zip(("threshold", "last_tie", "lowest_key"), streamed):
             assert torch.equal(getattr(whole, name), state), (name, causal)
+
+
+def test_a_recompute_of_the_same_call_reuses_its_region(monkeypatch):
+    """The rule's region is ranked once for its call: a checkpoint's recompute (the same rule and the very
+    same bias object) reuses it, with the same drops; another bias, or another rule, ranks again."""
+    from attn_reg_plugin.core import fused_edit
+
+    q, k, v, attribution, values = tensors()
+    bias = padding([27, 15], 27)
+    rule = TopRegionRule(GradientScores(attribution, values), 0.3, 1.0)
+    call = block_call(rule, q.shape[2])
+    ranked = []
+    original = fused_edit.region_state
+    monkeypatch.setattr(fused_edit, "region_state", lambda *a, **kw: ranked.append(1) or original(*a, **kw))
+    first = fused_drops(q, k, v, bias, call)
+    again = fused_drops(q, k, v, bias, call)
+    assert len(ranked) == 1
+    for name in ("threshold", "last_tie", "lowest_key"):
+        assert getattr(again.drops, name) is getattr(first.drops, name)
+    fused_drops(q, k, v, bias.clone(), call)  # a bias of its own: ranked again
+    other = block_call(TopRegionRule(GradientScores(attribution, values), 0.3, 1.0), q.shape[2])
+    fused_drops(q, k, v, bias, other)
+    assert len(ranked) == 3
+    fused, portable = (run(q, k, v, bias, call, on, monkeypatch) for on in (True, False))  # a step twice
+    assert fused[4:] == portable[4:]
+    torch.testing.assert_close(fused[0], portable[0], rtol=1e-5, atol=1e-5)

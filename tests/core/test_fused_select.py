@@ -297,14 +297,15 @@ def test_the_fused_route_takes_a_call_of_more_than_1024_keys_to_the_streamed_reg
     attribution, values = inputs(2, 2, 1, 3, 1100, 4, integer=True, seed=7)
     q = torch.zeros_like(attribution)
     k = values.repeat_interleave(2, 1)
-    key_bias = fused_route.kernel_bias(padding_bias([1100, 900], 1100), 2, 3)
+    bias = padding_bias([1100, 900], 1100)
+    key_bias = fused_route.kernel_bias(bias, 2, 3)
     rule = TopRegionRule(GradientScores(attribution, values), 0.3, 0.5)
     call = BlockCall(rule, None, None, 64, torch.tensor(3), 0.0, None, True, causal=True)
     launched = []
     original = fs._select_kernel.run
     fs._select_kernel.run = lambda *a, **kw: launched.append(1) or original(*a, **kw)
     try:
-        drops = fused_route._ad_drop(q, k, key_bias, call, rule, 5)
+        drops = fused_route._ad_drop(q, k, bias, key_bias, call, rule, 5)
     finally:
         fs._select_kernel.run = original
     assert launched == [1] and not fe.region_fits(1100, 3, 10)
