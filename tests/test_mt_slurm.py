@@ -394,6 +394,28 @@ def test_a_run_whose_requeues_ran_out_is_named_timeout(tmp_path):
     assert runs._attempt_end(SystemExit(0)) == "saved and requeued at the Slurm job's time limit"
 
 
+def test_a_finished_runs_job_ignores_the_time_limit_signal():
+    """A run that ends as Slurm's time-limit signal comes: the job neither requeues nor dies of it while
+    submitit exits (CI saw a finished run's job end FAILED, exit 140: killed by SIGUSR2). RunJob ignores
+    the signal once the run has returned, not before (a running job must still save and requeue)."""
+    from attn_reg_plugin.sweep import launcher
+
+    kept = signal.getsignal(signal.SIGUSR2)
+    seen = []
+
+    def job(cell, seed, opts, settings):
+        seen.append(signal.getsignal(signal.SIGUSR2))
+        return {"done": seed}
+
+    try:
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+        assert launcher.RunJob(job)({}, 3, None, {}) == {"done": 3}
+        assert seen == [signal.SIG_DFL] and signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGUSR2)  # ignored: this process goes on
+    finally:
+        signal.signal(signal.SIGUSR2, kept)
+
+
 def test_a_scancel_the_controller_refuses_is_retried_then_named(tmp_path):
     """A busy slurmctld answers scancel with an error; submitit's unchecked cancel dropped it and the
     command said "cancelled" of a job still running. Each job's scancel is checked: a refusal is

@@ -79,7 +79,9 @@ class RunJob:
         self.job = job
 
     def __call__(self, cell: dict, seed: int, opts, settings: dict) -> Optional[dict]:
-        return self.job(cell, seed, opts, settings)
+        result = self.job(cell, seed, opts, settings)
+        ignore_time_limit_signal()
+        return result
 
     def checkpoint(self, *args):
         import signal
@@ -96,6 +98,18 @@ class RunJob:
             except subprocess.TimeoutExpired:  # still saving as the limit nears
                 end_child(proc)
         return submitit.helpers.DelayedSubmission(self, *args)
+
+
+def ignore_time_limit_signal() -> None:
+    """A finished run's job ignores the time-limit signal from then on. Slurm sends it at a fixed time
+    before the limit, and a run may end just then: caught, it requeued a finished job; arriving as
+    submitit exits, it killed the process (exit 140, SIGUSR2), and Slurm recorded the job FAILED with
+    its result written. Only in the main thread (Python refuses handlers elsewhere)."""
+    import signal
+    import threading
+
+    if hasattr(signal, "SIGUSR2") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 def run_job(cell: dict, seed: int, opts, settings: dict) -> Optional[dict]:
