@@ -150,25 +150,28 @@ def _ad_drop(q, k, bias, key_bias, call, rule: TopRegionRule, seed: int) -> fuse
     sorted in registers (two launches: the scores, then :func:`~.fused_edit.region_state`), for a longer
     one a radix select over the recomputed scores (one launch: :func:`~.fused_select.region_state_streamed`,
     nothing (T, S) held). Either way the same state, and as many launches at 16k keys as at 4k. A call
-    of the rule again with the very same bias object (a recompute) reuses its region (:data:`_REGIONS`)."""
+    of the rule again with the very same bias object (a recompute) reuses its region and inputs (:data:`_REGIONS`)."""
+    same = (tuple(q.shape), tuple(k.shape), q.device, bool(call.causal))
+    kept = _REGIONS.get(rule)
+    if kept is None or kept[0] != same or kept[1]() is not bias:
+        kept = (same, weakref.ref(bias) if bias is not None else _none, *_region(k, key_bias, call, rule))
+        _REGIONS[rule] = kept
+    return fused_edit.EditDrops(fused_edit.AD_DROP, rule.q, seed, *kept[2:])
+
+
+def _region(k, key_bias, call, rule: TopRegionRule):
+    """(the attribution, its values as the kernel reads them (repeated to k's heads, as attend's k and
+    v), threshold, last_tie, lowest_key) of :func:`_ad_drop`'s call."""
     source = rule.source
     attribution = source.grad_output.neg() if source.negate else source.grad_output
     groups = k.shape[1] // source.values.shape[1]
-    values = source.values if groups == 1 else source.values.repeat_interleave(groups, 1)  # as attend's k and v
-    same = (tuple(q.shape), tuple(k.shape), q.device, bool(call.causal))
-    kept = _REGIONS.get(rule)
-    if kept is not None and kept[0] == same and kept[1]() is bias:
-        state = kept[2]
+    values = source.values if groups == 1 else source.values.repeat_interleave(groups, 1)
+    if fused_edit.region_fits(k.shape[2], *rule.fraction):
+        scores = fused_edit.attribution_scores(attribution, values)
+        state = fused_edit.region_state(scores, key_bias, call.causal, *rule.fraction, rule.samples)
     else:
-        if fused_edit.region_fits(k.shape[2], *rule.fraction):
-            scores = fused_edit.attribution_scores(attribution, values)
-            state = fused_edit.region_state(scores, key_bias, call.causal, *rule.fraction, rule.samples)
-        else:
-            state = region_state_streamed(
-                attribution, source.values, key_bias, call.causal, *rule.fraction, rule.samples
-            )
-        _REGIONS[rule] = (same, weakref.ref(bias) if bias is not None else _none, state)
-    return fused_edit.EditDrops(fused_edit.AD_DROP, rule.q, seed, attribution, values, *state)
+        state = region_state_streamed(attribution, source.values, key_bias, call.causal, *rule.fraction, rule.samples)
+    return (attribution, values, *state)
 
 
 def _none():
