@@ -237,6 +237,28 @@ def test_an_ad_drop_step_of_a_custom_model_equals_the_pytorch_paths(monkeypatch)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def one_ad_drop_step(model, config, inputs, tmp_path, seed=None):
+    """The loss of one ADDropTrainer training step of ``model`` on ``inputs`` (a batch of 2), taken by hand
+    as train() would take it; ``seed``: torch's seed just before the step."""
+    import transformers
+
+    from attn_reg_plugin.hf import ADDropTrainer
+
+    args = transformers.TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=DEVICE == "cpu",
+        save_strategy="no", logging_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = ADDropTrainer(model=model, args=args, ad_drop=config)
+    trainer.create_optimizer_and_scheduler(num_training_steps=1)
+    trainer.current_gradient_accumulation_steps = 1  # set by train(); one step is taken here by hand
+    trainer.state.epoch = 0.0
+    model.train()
+    batch = trainer._prepare_inputs(inputs)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return trainer.training_step(model, batch)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_an_hf_llama_step_with_gradient_checkpointing_on_the_route(padded, monkeypatch, tmp_path):
     """ADDropTrainer GA on a tiny Llama (GQA, causal) with non-reentrant gradient checkpointing, as
@@ -244,9 +266,8 @@ def test_an_hf_llama_step_with_gradient_checkpointing_on_the_route(padded, monke
     The fused kernel takes the masked pass's calls and their recomputes, a padded batch's too: there
     attention gets one materialised (B, 1, T, S) mask of padding and the future, which the kernel
     reads row by row."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from attn_reg_plugin.core import fused_edit
-    from attn_reg_plugin.hf import ADDropTrainer
 
     original = fused_edit.fused_edit_attention
 
@@ -261,23 +282,12 @@ def test_an_hf_llama_step_with_gradient_checkpointing_on_the_route(padded, monke
         monkeypatch.setattr(fused_edit, "fused_edit_attention", counted)
         model = tiny_llama().to(DEVICE)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        args = transformers.TrainingArguments(
-            str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=DEVICE == "cpu",
-            save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        )  # fmt: skip
-        config = ADDropConfig(p=0.3, q=1 - 1e-7, attribution="ga", schedule="always")
-        trainer = ADDropTrainer(model=model, args=args, ad_drop=config)
-        trainer.create_optimizer_and_scheduler(num_training_steps=1)
-        trainer.current_gradient_accumulation_steps = 1
-        trainer.state.epoch = 0.0
-        model.train()
         ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(2))
         mask = torch.ones_like(ids)
         if padded:
             mask[1, -7:] = 0
-        batch = trainer._prepare_inputs({"input_ids": ids, "attention_mask": mask, "labels": ids})
-        torch.manual_seed(0)
-        loss = trainer.training_step(model, batch)
+        config = ADDropConfig(p=0.3, q=1 - 1e-7, attribution="ga", schedule="always")
+        loss = one_ad_drop_step(model, config, {"input_ids": ids, "attention_mask": mask, "labels": ids}, tmp_path, 0)
         return loss.detach(), calls, [p.grad for p in model.parameters()]
 
     fused, portable = step(True), step(False)
@@ -292,9 +302,8 @@ def test_an_hf_bert_training_step_with_padding_and_attention_dropout_runs_on_the
     """ADDropTrainer GA on a tiny BERT in training (attention dropout 0.1) with a padded batch: each
     layer's masked call reaches the fused kernel, the model's dropout and the padding mask with it, and
     the step's loss and gradients are finite."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from attn_reg_plugin.core import fused_edit
-    from attn_reg_plugin.hf import ADDropTrainer
 
     calls, original = [], fused_edit.fused_edit_attention
 
@@ -305,21 +314,13 @@ def test_an_hf_bert_training_step_with_padding_and_attention_dropout_runs_on_the
     monkeypatch.setattr(devices, "FUSED", True)
     monkeypatch.setattr(fused_edit, "fused_edit_attention", counted)
     model = tiny_bert_classifier(attention_probs_dropout_prob=0.1).to(DEVICE)
-    args = transformers.TrainingArguments(
-        str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=DEVICE == "cpu",
-        save_strategy="no", logging_strategy="no", disable_tqdm=True,
-    )  # fmt: skip
-    config = ADDropConfig(p=0.3, q=0.5, attribution="ga", schedule="always")
-    trainer = ADDropTrainer(model=model, args=args, ad_drop=config)
-    trainer.create_optimizer_and_scheduler(num_training_steps=1)
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.state.epoch = 0.0
-    model.train()
     ids = torch.randint(3, 50, (2, 12), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1, -5:] = 0
-    batch = trainer._prepare_inputs({"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1])})
-    loss = trainer.training_step(model, batch)
+    config = ADDropConfig(p=0.3, q=0.5, attribution="ga", schedule="always")
+    loss = one_ad_drop_step(
+        model, config, {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1])}, tmp_path
+    )
     assert calls == [(0.1, True)] * model.config.num_hidden_layers
     assert torch.isfinite(loss)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
