@@ -9,6 +9,11 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+# The suite tests the PyTorch path unless a test asks for the fused route itself (devices.FUSED,
+# tests/core/test_fused_*.py): on CUDA (make gpu-check) the route is on by default and would otherwise take
+# the calls the tests of the PyTorch path make. Set before the plugin is imported (it reads it once).
+os.environ.setdefault("ATTN_REG_FUSED", "0")
+
 # Property tests: a few hundred examples in all for `make test`, more for `make test-all`
 # (HYPOTHESIS_PROFILE=thorough). No deadline: the first call of a torch op can take far longer than the rest.
 settings.register_profile("default", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

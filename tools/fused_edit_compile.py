@@ -6,7 +6,7 @@ Triton's interpreter (the CPU tests) runs the kernels as Python and lets through
 compiler refuses: a global that is not a tl.constexpr, a loop-carried variable that changes type.
 This runs Triton's whole pipeline (TTIR, TTGIR, LLVM IR, PTX, and a cubin from the wheel's ptxas)
 for every rule in bf16 and fp32, causal, in two settings: a float32 key-padding row without the
-model's attention dropout, and a bool (B, T, S) mask with it; then the region kernel (whole rows of
+model's attention dropout, IEEE float32 products, and a bool (B, T, S) mask with it, TF32 products; then the region kernel (whole rows of
 1,024 keys, with samples). ``--quick``: AD-DROP in bf16 only. Exits 1 on the first kernel that does
 not compile. Nothing runs: its speed needs a GPU.
 """
@@ -30,12 +30,14 @@ KERNELS = (
 )  # fmt: skip
 SCALARS = dict(seed="i64", limit="i32", dseed="i64", dlimit="i32", dscale="fp32", scale="fp32", T="i32", S="i32",
                H="i32", GROUP="i32", D="i32", NUM="i64", DEN="i64")  # fmt: skip
-# Pointers that are not q, k, v, the output or a gradient (those take the inputs' dtype).
-POINTERS = dict(ATTR="*fp32", AV="*fp32", THR="*fp32", TIE="*i32", KEEP="*i32", LOWEST="*i32", LSE="*fp32",
+# Pointers that are not q, k, v, the output, a gradient or the attribution operands (those take the inputs'
+# dtype: fused_edit.attribution_operands gives a half-precision call's attribution in its dtype).
+POINTERS = dict(THR="*fp32", TIE="*i32", KEEP="*i32", LOWEST="*i32", LSE="*fp32",
                 DELTA="*fp32", COUNTS="*i64", CODES="*i8", SCORES="*fp32", SAMPLES="*i1", THRESHOLD="*fp32",
                 LAST_TIE="*i32")  # fmt: skip
-# (BIAS_KIND, ROW_BIAS, DROPOUT): a float32 key-padding row, no attention dropout; a bool mask of rows, dropout.
-SETTINGS = ((fused_edit.FLOAT_BIAS, False, False), (fused_edit.BOOL_BIAS, True, True))
+# (BIAS_KIND, ROW_BIAS, DROPOUT, DOT_PRECISION): a float32 key-padding row, no attention dropout, IEEE float32
+# products; a bool mask of rows, dropout, TF32 products (torch's float32 matmul precision "high").
+SETTINGS = ((fused_edit.FLOAT_BIAS, False, False, "ieee"), (fused_edit.BOOL_BIAS, True, True, "tf32"))
 
 
 def compile_kernel(kernel, dtype: str, options: dict, arch: int):
@@ -61,16 +63,16 @@ def main(argv=None) -> int:
     rules = (fused_edit.AD_DROP,) if args.quick else (fused_edit.NONE, fused_edit.BERNOULLI, fused_edit.AD_DROP)
     jobs = [
         (name, dtype, dict(RULE=rule, CAUSAL=True, BIAS_KIND=kind, ROW_BIAS=rows, DROPOUT=dropout, ACC=tl.float32,
-                           BLOCK_M=64, BLOCK_N=64, BLOCK_D=128))
+                           DOT_PRECISION=precision, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128))
         for rule in rules
         for dtype in (("bf16",) if args.quick else ("bf16", "fp32"))
-        for kind, rows, dropout in SETTINGS
+        for kind, rows, dropout, precision in SETTINGS
         for name in KERNELS
     ]  # fmt: skip
     jobs += [
         ("_region_kernel", "fp32", dict(CAUSAL=True, BIAS_KIND=kind, ROW_BIAS=rows, HAS_SAMPLES=True, BLOCK_M=16,
                                         BLOCK_S=fused_edit.MAX_REGION_KEYS))
-        for kind, rows, _ in SETTINGS
+        for kind, rows, _, _ in SETTINGS
     ]  # fmt: skip
     for name, dtype, options in jobs:
         try:

@@ -18,9 +18,28 @@ PORTABLE_ENV = "ATTN_REG_PORTABLE"
 # ATTN_REG_PORTABLE=1: the portable branches on the CPU too (read once; a test sets PORTABLE itself).
 PORTABLE = os.environ.get(PORTABLE_ENV, "") == "1"
 FUSED_ENV = "ATTN_REG_FUSED"
-# ATTN_REG_FUSED=1: a regularized call the fused Triton kernel covers runs there (core/fused_route.py)
-# where Triton runs. Opt-in until a GPU has timed it (read once; a test sets FUSED itself).
-FUSED = os.environ.get(FUSED_ENV, "") == "1"
+
+
+def fused_switch() -> Optional[bool]:
+    """ATTN_REG_FUSED as :data:`FUSED`: unset -> None, "1" -> True, "0" -> False; anything else refused."""
+    value = os.environ.get(FUSED_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(
+            f"{FUSED_ENV}: 1 (the fused route wherever Triton runs, its CPU interpreter too), 0 (never) or unset "
+            f"(on a CUDA device, checked against the PyTorch path at first use); got {value!r}"
+        )
+    return None if value == "" else value == "1"
+
+
+# The fused Triton route (core/fused_route.py) for the regularized calls it covers: None (ATTN_REG_FUSED
+# unset) on a CUDA device, True (=1) wherever Triton runs, False (=0) never. Read once; a test sets it.
+FUSED: Optional[bool] = fused_switch()
+
+
+def fused_route_asked(q: torch.Tensor) -> bool:
+    """Whether a regularized call on ``q`` asks the fused route (:data:`FUSED`): by default a call on a
+    GPU (CUDA or ROCm) does; elsewhere the PyTorch path (on the CPU measured fastest) serves it."""
+    return FUSED if FUSED is not None else q.device.type == "cuda"
 
 
 def on_host(t: torch.Tensor) -> bool:

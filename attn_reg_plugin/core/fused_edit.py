@@ -15,7 +15,8 @@ Rules (``EditDrops.rule``):
   instead (its query zeroed, its drops cleared), as ``masks.uniform_instead_of_empty``.
 - ``AD_DROP``: AD-DROP GA. A key is a candidate when its attribution score ``dO_attr_i . V_attr_j``
   (the attribution pass's output gradient and values, which hidden dropout makes other than this
-  call's v; float32, the kernel's own product: :func:`inspect`) is above the row's ``threshold``, or equal
+  call's v; summed in float32 from :func:`attribution_operands`, the kernels' one product:
+  :func:`inspect`) is above the row's ``threshold``, or equal
   to it at a key ``<= last_tie`` (ties lowest key first); each candidate is dropped with probability
   ``rate``. A row whose drops would take every valid key keeps ``lowest_key`` (its lowest-scored
   valid key), as ``TopRegionRule._drop`` / ``masks.keep_one_valid_key``. The per-row state comes from
@@ -39,12 +40,17 @@ Whether a row's drops would empty it depends on all of its coins, so before the 
 pass (:func:`_row_counts_kernel`) counts each row's valid and dropped keys: it writes each row's
 ``keep`` (O(B H T) numbers) and adds the call's (dropped, droppable) on the device.
 
+Products: half-precision operands on tensor cores, float32 ones at :func:`dot_precision` (torch.matmul's:
+IEEE float32 under torch's default "highest", TF32 under "high"), every sum in float32 (float64 for
+float64 inputs).
+
 The drops are a Philox draw: for a seed they are not the PyTorch path's (``rules.chunk_draws``),
 only distributed alike. Tests: ``TRITON_INTERPRET=1 pytest tests/core/test_fused_edit.py``."""
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Tuple
 
@@ -137,11 +143,11 @@ def _validity(BIAS, b, rows, keys, T, S, CAUSAL: tl.constexpr, BIAS_KIND: tl.con
 
 
 @_helper
-def _attribution_score(attr, attr_v):
+def _attribution_score(attr, attr_v, DOT_PRECISION: tl.constexpr):
     """dO_attr V_attr^T of a tile in float32, NaN as 0 and +-inf as the largest finite values
     (TopRegionRule's nan_to_num): every kernel's one product, so that a threshold from
     attribution_scores is one the others compare exactly."""
-    score = tl.dot(attr, tl.trans(attr_v), input_precision="ieee")
+    score = tl.dot(attr, tl.trans(attr_v), input_precision=DOT_PRECISION)
     return tl.clamp(tl.where(score == score, score, 0.0), -_FLOAT32_MAX, _FLOAT32_MAX)
 
 
@@ -152,7 +158,8 @@ def _positions(bh, rows, keys, T, S):
 
 
 @_helper
-def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE: tl.constexpr):
+def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE: tl.constexpr,
+           DOT_PRECISION: tl.constexpr):  # fmt: skip
     """(drop, candidate region) of a tile. A coin drops when its 31-bit Philox number is <= limit
     (probability (limit + 1) / 2**31, as rules.coin_limit); the counter is the (b, h, i, j)
     position, so any tile, forward or backward, draws the same coin for a position."""
@@ -163,7 +170,7 @@ def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, la
         coin = (tl.randint(seed, _positions(bh, rows, keys, T, S)) >> 1).to(tl.int32) <= limit
         drop = valid & coin & (keys[None, :] != keep[:, None]) & (keep != _UNIFORM)[:, None]
         if RULE == _AD_DROP:
-            score = _attribution_score(attr, attr_v)
+            score = _attribution_score(attr, attr_v, DOT_PRECISION)
             above = score > threshold[:, None]
             tied = (score == threshold[:, None]) & (keys[None, :] <= last_tie[:, None])
             region = valid & (above | tied)
@@ -202,12 +209,15 @@ def _row_state(THR, TIE, KEEP, bh, rows, T, RULE: tl.constexpr):
 
 @_helper
 def _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC: tl.constexpr,
-            RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr):  # fmt: skip
+            RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):  # fmt: skip
     """A tile's scores q k^T scale + bias, -inf where a key is not attended (invalid or dropped)."""
     valid, bias = _validity(BIAS, b, rows, keys, T, S, CAUSAL, BIAS_KIND, ROW_BIAS)
     threshold, last_tie, keep = state
-    drop, _ = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE)
-    s = tl.dot(q, tl.trans(k_tile), out_dtype=ACC, input_precision="ieee") * scale + bias
+    drop, _ = _drops(
+        seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE, DOT_PRECISION
+    )
+    s = tl.dot(q, tl.trans(k_tile), out_dtype=ACC, input_precision=DOT_PRECISION) * scale + bias
     return tl.where(valid & ~drop, s, float("-inf"))
 
 
@@ -253,7 +263,7 @@ def _causal_end(start_m, BLOCK_M: tl.constexpr, T, S, CAUSAL: tl.constexpr):
 @_jit
 def _forward_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, OUT, LSE, seed, limit, dseed, dlimit, dscale, scale, T,
                     S, H, GROUP, D, RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
-                    ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr,
+                    ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """A block of query rows' output and log-sum-exp. The softmax's normaliser sums the probabilities
     before the model's dropout; the output sums them after it (dropped 0, kept times dscale) times v."""
@@ -269,7 +279,7 @@ def _forward_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, OUT, LSE, seed, lim
         keys = start_n + tl.arange(0, BLOCK_N)
         k_tile, v_tile, attr_v = _key_tiles(K, V, AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
         s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
-                    RULE, CAUSAL, BIAS_KIND, ROW_BIAS)  # fmt: skip
+                    RULE, CAUSAL, BIAS_KIND, ROW_BIAS, DOT_PRECISION)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing attended yet
         p = tl.exp(s - m_safe[:, None])
@@ -277,7 +287,7 @@ def _forward_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, OUT, LSE, seed, lim
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             p = tl.where(_weight_kept(dseed, dlimit, bh, rows, keys, T, S), p * dscale, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, out_dtype=ACC, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, out_dtype=ACC, input_precision=DOT_PRECISION)
         m_i = m_new
     attended = l_i > 0  # else no valid key: output 0, log-sum-exp +inf (the backward's P is then 0)
     out = tl.where(attended[:, None], acc / tl.where(attended, l_i, 1.0)[:, None], 0.0)
@@ -291,7 +301,7 @@ def _forward_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, OUT, LSE, seed, lim
 def _backward_q_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, OUT, LSE, DELTA, DQ, seed, limit, dseed, dlimit,
                        dscale, scale, T, S, H, GROUP, D, RULE: tl.constexpr, CAUSAL: tl.constexpr,
                        BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+                       DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """dq of a block of query rows (0 in UNIFORM rows: their query was zeroed), and the rows' delta =
     rowsum(dO O), FlashAttention-2's D, stored for the dk, dv kernel launched after this one."""
     start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
@@ -308,13 +318,13 @@ def _backward_q_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, OUT, LSE, DE
         keys = start_n + tl.arange(0, BLOCK_N)
         k_tile, v_tile, attr_v = _key_tiles(K, V, AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
         s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
-                    RULE, CAUSAL, BIAS_KIND, ROW_BIAS)  # fmt: skip
+                    RULE, CAUSAL, BIAS_KIND, ROW_BIAS, DOT_PRECISION)  # fmt: skip
         p = tl.exp(s - lse[:, None])
-        dp = tl.dot(grad_out, tl.trans(v_tile), out_dtype=ACC, input_precision="ieee")
+        dp = tl.dot(grad_out, tl.trans(v_tile), out_dtype=ACC, input_precision=DOT_PRECISION)
         if DROPOUT:
             dp = tl.where(_weight_kept(dseed, dlimit, bh, rows, keys, T, S), dp * dscale, 0.0)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC, input_precision="ieee")
+        dq += tl.dot(ds.to(k_tile.dtype), k_tile, out_dtype=ACC, input_precision=DOT_PRECISION)
     dq = tl.where((state[2] == _UNIFORM)[:, None], 0.0, dq * scale)
     at = bh * T * D + rows[:, None] * D + dims[None, :]
     tl.store(DQ + at, dq.to(DQ.dtype.element_ty), mask=(rows[:, None] < T) & (dims[None, :] < D))
@@ -324,7 +334,7 @@ def _backward_q_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, OUT, LSE, DE
 def _backward_kv_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA, DK, DV, seed, limit, dseed, dlimit,
                         dscale, scale, T, S, H, GROUP, D, RULE: tl.constexpr, CAUSAL: tl.constexpr,
                         BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """dk, dv of a block of keys of one key/value head, summed over the query heads of its group. Under
     the model's dropout (Z: 0 where dropped, dscale where kept): dv = (P Z)^T dO, dS = P (dO V^T Z - D)."""
     start_n, kv = tl.program_id(0) * BLOCK_N, tl.program_id(1)
@@ -343,20 +353,20 @@ def _backward_kv_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA,
             state = _row_state(THR, TIE, KEEP, bh, rows, T, RULE)
             q, attr = _query_tiles(Q, ATTR, bh, rows, T, dims, D, state[2], BLOCK_M, BLOCK_D, RULE)
             s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
-                        RULE, CAUSAL, BIAS_KIND, ROW_BIAS)  # fmt: skip
+                        RULE, CAUSAL, BIAS_KIND, ROW_BIAS, DOT_PRECISION)  # fmt: skip
             lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=float("inf"))
             delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
             grad_out = _load_rows(DO + bh * T * D, rows, T, dims, D)
             p = tl.exp(s - lse[:, None])
-            dp = tl.dot(grad_out, tl.trans(v_tile), out_dtype=ACC, input_precision="ieee")
+            dp = tl.dot(grad_out, tl.trans(v_tile), out_dtype=ACC, input_precision=DOT_PRECISION)
             weights = p
             if DROPOUT:
                 kept = _weight_kept(dseed, dlimit, bh, rows, keys, T, S)
                 weights = tl.where(kept, p * dscale, 0.0)
                 dp = tl.where(kept, dp * dscale, 0.0)
-            dv += tl.dot(tl.trans(weights.to(grad_out.dtype)), grad_out, out_dtype=ACC, input_precision="ieee")
+            dv += tl.dot(tl.trans(weights.to(grad_out.dtype)), grad_out, out_dtype=ACC, input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=ACC, input_precision="ieee")
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=ACC, input_precision=DOT_PRECISION)
     at = kv * S * D + keys[:, None] * D + dims[None, :]
     inside = (keys[:, None] < S) & (dims[None, :] < D)
     tl.store(DK + at, (dk * scale).to(DK.dtype.element_ty), mask=inside)
@@ -366,7 +376,7 @@ def _backward_kv_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA,
 @_jit
 def _row_counts_kernel(BIAS, ATTR, AV, THR, TIE, LOWEST, KEEP, COUNTS, seed, limit, T, S, H, GROUP, D,
                        RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+                       DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """Each row's ``keep`` from its valid keys and the keys its coins drop among them: where the drops
     would take all of a row's keys, AD-DROP's keeps its lowest-scored key (``LOWEST``) and Bernoulli's
     attends uniformly; else -1. Adds the call's (dropped, droppable) to ``COUNTS`` (zeroed int64): AD-DROP's
@@ -386,7 +396,7 @@ def _row_counts_kernel(BIAS, ATTR, AV, THR, TIE, LOWEST, KEEP, COUNTS, seed, lim
         valid, unused_bias = _validity(BIAS, b, rows, keys, T, S, CAUSAL, BIAS_KIND, ROW_BIAS)
         attr_v = _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)  # no k or v needed
         drop, unused_region = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie,
-                                     keep, RULE)  # fmt: skip
+                                     keep, RULE, DOT_PRECISION)  # fmt: skip
         n_valid += tl.sum(valid.to(tl.int32), 1)
         n_dropped += tl.sum(drop.to(tl.int32), 1)
     emptied = (n_dropped == n_valid) & (n_valid > 0)
@@ -403,7 +413,7 @@ def _row_counts_kernel(BIAS, ATTR, AV, THR, TIE, LOWEST, KEEP, COUNTS, seed, lim
 @_jit
 def _inspect_kernel(BIAS, ATTR, AV, THR, TIE, KEEP, CODES, SCORES, seed, limit, dseed, dlimit, T, S, H, GROUP, D,
                     RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr,
-                    DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr):  # fmt: skip
     """One tile's drops, region, validity and dropped weights as DROP | REGION | VALID | WEIGHT_DROPPED
     bits, and its attribution scores."""
@@ -414,18 +424,20 @@ def _inspect_kernel(BIAS, ATTR, AV, THR, TIE, KEEP, CODES, SCORES, seed, limit, 
     attr = _load_rows(ATTR + bh * T * D, rows, T, dims, D)
     attr_v = _load_rows(AV + kv * S * D, keys, S, dims, D)
     valid, _ = _validity(BIAS, b, rows, keys, T, S, CAUSAL, BIAS_KIND, ROW_BIAS)
-    drop, region = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE)
+    drop, region = _drops(
+        seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE, DOT_PRECISION
+    )
     codes = drop.to(tl.int8) * _DROP + region.to(tl.int8) * _REGION + valid.to(tl.int8) * _VALID
     if DROPOUT:
         codes += (~_weight_kept(dseed, dlimit, bh, rows, keys, T, S)).to(tl.int8) * _WEIGHT_DROPPED
     at = bh * T * S + rows[:, None] * S + keys[None, :]
     inside = (rows[:, None] < T) & (keys[None, :] < S)
     tl.store(CODES + at, codes, mask=inside)
-    tl.store(SCORES + at, _attribution_score(attr, attr_v), mask=inside)
+    tl.store(SCORES + at, _attribution_score(attr, attr_v, DOT_PRECISION), mask=inside)
 
 
 @_jit
-def _scores_kernel(ATTR, AV, SCORES, T, S, H, GROUP, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _scores_kernel(ATTR, AV, SCORES, T, S, H, GROUP, D, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr):  # fmt: skip
     """One tile of attribution_scores."""
     start_m, start_n, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, tl.program_id(2)
@@ -433,7 +445,9 @@ def _scores_kernel(ATTR, AV, SCORES, T, S, H, GROUP, D, BLOCK_M: tl.constexpr, B
     attr = _load_rows(ATTR + bh * T * D, rows, T, dims, D)
     attr_v = _load_rows(AV + (bh // GROUP) * S * D, keys, S, dims, D)
     at = bh * T * S + rows[:, None] * S + keys[None, :]
-    tl.store(SCORES + at, _attribution_score(attr, attr_v), mask=(rows[:, None] < T) & (keys[None, :] < S))
+    tl.store(
+        SCORES + at, _attribution_score(attr, attr_v, DOT_PRECISION), mask=(rows[:, None] < T) & (keys[None, :] < S)
+    )
 
 
 @_jit
@@ -550,6 +564,25 @@ def _bias_kind(bias: Optional[torch.Tensor]) -> int:
     return NO_BIAS if bias is None else BOOL_BIAS if bias.dtype == torch.bool else FLOAT_BIAS
 
 
+def dot_precision() -> str:
+    """The kernels' input precision for float32 products, torch.matmul's on a GPU: IEEE float32 under torch's
+    float32 matmul precision "highest" (its default), TF32 tensor cores under "high" or "medium"
+    (``torch.set_float32_matmul_precision``). Half-precision operands run on tensor cores either way."""
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def attribution_operands(attribution: torch.Tensor, values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """AD-DROP's attribution dO and its values V as every kernel's product dO V^T reads them (contiguous, one
+    dtype): in the values' dtype when the attribution pass ran in half precision (its dO and V are then exact
+    in it: the product runs on tensor cores with float32 sums, as the float32 product of the same numbers but
+    for the order of the sums), else float32. In Triton's interpreter float32 (its bf16 tl.dot is wrong, see
+    :func:`available`; the float32 product of bf16 numbers is what the tensor cores compute). No launch when
+    they already are (a region's, reused by the edit)."""
+    half = values.dtype in (torch.bfloat16, torch.float16)
+    dtype = values.dtype if half and not triton.knobs.runtime.interpret else torch.float32
+    return attribution.to(dtype).contiguous(), values.to(dtype).contiguous()
+
+
 def _grid_sizes(q: torch.Tensor) -> Tuple[int, int]:
     """(rows and keys per tile, padded head dim): 64 compiled; 16 in the interpreter, fast on tiny shapes."""
     block = 16 if triton.knobs.runtime.interpret else 64
@@ -564,7 +597,8 @@ def _launch_args(q, k, call: _Call):
                    dscale=call.dropout_scale, scale=call.scale, T=t, S=k.shape[2], H=h, GROUP=h // k.shape[1], D=d)  # fmt: skip
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
     options = dict(RULE=call.rule, CAUSAL=call.causal, BIAS_KIND=_bias_kind(call.bias), ROW_BIAS=call.row_bias,
-                   DROPOUT=call.dropout_limit >= 0, ACC=acc, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)  # fmt: skip
+                   DROPOUT=call.dropout_limit >= 0, ACC=acc, DOT_PRECISION=dot_precision(), BLOCK_M=block,
+                   BLOCK_N=block, BLOCK_D=block_d)  # fmt: skip
     return scalars, options
 
 
@@ -574,7 +608,7 @@ def _only(args: dict, *names: str) -> dict:
 
 
 _COIN_SCALARS = ("seed", "limit", "T", "S", "H", "GROUP", "D")
-_SHARED_OPTIONS = ("RULE", "CAUSAL", "BIAS_KIND", "ROW_BIAS", "BLOCK_M", "BLOCK_N", "BLOCK_D")
+_SHARED_OPTIONS = ("RULE", "CAUSAL", "BIAS_KIND", "ROW_BIAS", "DOT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_D")
 
 
 def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[float]):
@@ -596,8 +630,7 @@ def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[
     keep = q if drops.rule == NONE else torch.empty((b, h, t), dtype=torch.int32, device=q.device)
     call = _Call(
         *_kernel_bias(key_bias, b, t, k.shape[2]),
-        drops.attribution.float().contiguous() if ad_drop else q,
-        drops.values.float().contiguous() if ad_drop else q,
+        *(attribution_operands(drops.attribution, drops.values) if ad_drop else (q, q)),
         drops.threshold.float().contiguous() if ad_drop else q,
         drops.last_tie.to(torch.int32).contiguous() if ad_drop else q,
         keep,
@@ -684,9 +717,30 @@ def fused_edit_attention(q, k, v, drops: EditDrops, key_bias=None, causal: bool 
     attention dropout at ``drops.dropout_p``): q (B, H, T, d), k and v (B, H_kv, S, d) with H_kv dividing
     H; ``key_bias`` an additive float (or bool, True = may attend) bias of one key row, (B, 1, 1, S), or a
     row per query, (B, 1, T, S), the same for every head, not differentiated; ``causal``: query i attends
-    keys j <= i + S - T; ``scale`` None: 1 / sqrt(d). dk, dv sum over a group's heads."""
-    call, dropped, droppable = _prepare(q, k, v, drops, key_bias, causal, scale)
+    keys j <= i + S - T; ``scale`` None: 1 / sqrt(d). dk, dv sum over a group's heads. The same ``drops``
+    object again, with the same shapes and ``key_bias`` object (a checkpoint's recompute), reuses the call's
+    row counts (:data:`_PREPARED`): its ``keep`` and counts, not the counting launch again."""
+    same = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.device, q.dtype, bool(causal), scale)
+    kept = _PREPARED.get(drops)
+    if kept is None or kept[0] != same or kept[1]() is not key_bias:
+        kept = (
+            same,
+            _none if key_bias is None else weakref.ref(key_bias),
+            *_prepare(q, k, v, drops, key_bias, causal, scale),
+        )
+        _PREPARED[drops] = kept
+    call, dropped, droppable = kept[2:]
     return FusedEditAttention.apply(q, k, v, call), dropped, droppable
+
+
+# A call's prepared arguments and counts, kept while its drops object lives: the same drops again with the
+# same bias object (a checkpoint's recompute of the call) skips the counting launch, its product included.
+_PREPARED: weakref.WeakKeyDictionary[EditDrops, tuple] = weakref.WeakKeyDictionary()
+
+
+def _none():
+    """A weak reference's answer for a call without a bias."""
+    return None
 
 
 def attribution_scores(attribution: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -697,8 +751,8 @@ def attribution_scores(attribution: torch.Tensor, values: torch.Tensor) -> torch
     scores = torch.empty((b, h, t, s), dtype=torch.float32, device=attribution.device)
     block, block_d = _grid_sizes(attribution)
     grid = (triton.cdiv(t, block), triton.cdiv(s, block), b * h)
-    args = (attribution.float().contiguous(), values.float().contiguous(), scores, t, s, h, h // values.shape[1], d)
-    _scores_kernel[grid](*args, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)
+    args = (*attribution_operands(attribution, values), scores, t, s, h, h // values.shape[1], d)
+    _scores_kernel[grid](*args, DOT_PRECISION=dot_precision(), BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)
     return scores
 
 
@@ -774,5 +828,5 @@ def inspect(q, k, v, drops: EditDrops, key_bias=None, causal: bool = False) -> K
 
 __all__: Sequence[str] = (
     "AD_DROP", "BERNOULLI", "NONE", "EditDrops", "FusedEditAttention", "KernelDrops", "attribution_scores",
-    "available", "fused_edit_attention", "inspect", "region_ties",
+    "attribution_operands", "available", "dot_precision", "fused_edit_attention", "inspect", "region_ties",
 )  # fmt: skip

@@ -1,23 +1,28 @@
 """Which regularized calls run on the fused Triton kernel (:mod:`.fused_edit`), and what it is given.
 
-A device helper, opt-in: with ``ATTN_REG_FUSED=1`` (:data:`.devices.FUSED`) a call
-that the kernel covers runs there instead of :class:`~.kernel.EditAttention`, where Triton runs
-(a CUDA GPU, or its interpreter in the CPU tests); any other call takes the PyTorch path as before.
-Covered: scheduled dropout (:class:`~.rules.BernoulliRule`) and AD-DROP GA
+A device helper, on by default on a CUDA device (:func:`.devices.fused_route_asked`): there a call the
+kernel covers runs on it instead of :class:`~.kernel.EditAttention`, once the kernel has passed its
+first-use check on that device, dtype and head size (:func:`check_against_pytorch`: two small calls
+against PyTorch; a failure is logged as an error and the calls stay on the PyTorch path).
+``ATTN_REG_FUSED=0`` turns the route off; ``ATTN_REG_FUSED=1`` turns it on wherever Triton runs, its CPU
+interpreter included (the tests, the GPU-route counter), without the check. On the CPU the PyTorch path
+serves by default. Covered: scheduled dropout (:class:`~.rules.BernoulliRule`) and AD-DROP GA
 (:class:`~.rules.TopRegionRule` over :class:`~.rules.GradientScores`, ``samples`` included), with
 no bias, a key-padding one or a materialised (B, 1, T, S) mask (padding and causal rows as
 transformers hands them over), causal or not, the model's attention dropout inside the call or not,
 one head size of at most ``MAX_HEAD_DIM`` for q, k and v; not with a bias per head or one that
 requires grad, rows made uniform, a ``droppable`` restriction or the map returned. Each reason a call
-stays on the PyTorch path with the route on is named once in the log (:func:`name_once`).
+that asked the route stays on the PyTorch path is named once in the log (:func:`name_once`).
 
 AD-DROP's region is exact: each row's threshold, k and last tied key come from the kernel's own
-product dO V^T (:func:`~.fused_edit.attribution_scores`). A call of up to ``fused_edit.MAX_REGION_KEYS``
-keys ranks whole rows in one launch (:func:`~.fused_edit.region_state`); a longer one by a radix
-select over the scores recomputed tile by tile (:func:`~.fused_select.region_state_streamed`, one
-launch, nothing (T, S) held). k is never read on the host, and no Python loop runs over blocks of rows.
-A ``torch.matmul`` may round a score otherwise and move a key at the threshold. The kernel's coins, the rule's and the attention dropout's, are Philox draws
-(:mod:`.fused_edit`): for one seed other weights than the PyTorch path's, distributed alike."""
+product dO V^T (:func:`~.fused_edit.attribution_scores`, in the precision of
+:func:`~.fused_edit.attribution_operands`). A call of up to ``fused_edit.MAX_REGION_KEYS`` keys ranks
+whole rows in one launch (:func:`~.fused_edit.region_state`); a longer one by a radix select over the
+scores recomputed tile by tile (:func:`~.fused_select.region_state_streamed`, one launch, nothing (T, S)
+held). k is never read on the host, and no Python loop runs over blocks of rows. A ``torch.matmul`` may
+round a score otherwise and move a key at the threshold. The kernel's coins, the rule's and the attention
+dropout's, are Philox draws (:mod:`.fused_edit`): for one seed other weights than the PyTorch path's,
+distributed alike."""
 
 from __future__ import annotations
 
@@ -25,11 +30,11 @@ import dataclasses
 import logging
 import math
 import weakref
-from typing import NamedTuple, Optional, Set, Tuple
+from typing import Dict, NamedTuple, Optional, Set, Tuple
 
 import torch
 
-from . import fused_edit
+from . import devices, fused_edit
 from .devices import FUSED_ENV
 from .fused_select import region_state_streamed
 from .masks import valid_keys_from_bias
@@ -84,20 +89,22 @@ def fused_or_why_not(q, k, v, bias, call) -> Tuple[Optional[FusedCall], Optional
     why = _not_covered(q, k, v, call)
     if why is not None:
         return None, why
-    key_bias = None if bias is None else kernel_bias(bias, q.shape[0], q.shape[2])
-    if bias is not None and key_bias is None:
-        return None, "a bias per head, of another shape than (B, 1, T or 1, S), or requiring grad"
     seed = int(call.seed)
     # The model's attention dropout: the call's own seed, a 0-d int64 host tensor (its read is no device sync).
     dropout = dict(dropout_p=float(call.dropout_p), dropout_seed=int(call.dropout_seed) if call.dropout_p else 0)
-    if isinstance(rule, BernoulliRule):
-        drops = fused_edit.EditDrops(fused_edit.BERNOULLI, float(rule.probability), seed, **dropout)
-        return FusedCall(drops, key_bias), None
     if isinstance(rule, TopRegionRule) and isinstance(rule.source, GradientScores):
-        drops = dataclasses.replace(_ad_drop(q, k, bias, key_bias, call, rule, seed), **dropout)
-        return FusedCall(drops, key_bias), None
-    over = f" over {type(rule.source).__name__}" if isinstance(rule, TopRegionRule) else ""
-    return None, f"its drop rule, {type(rule).__name__}{over}"
+        return _ad_drop(q, k, bias, call, rule, seed, dropout)
+    if not isinstance(rule, BernoulliRule):
+        over = f" over {type(rule.source).__name__}" if isinstance(rule, TopRegionRule) else ""
+        return None, f"its drop rule, {type(rule).__name__}{over}"
+    key_bias = None if bias is None else kernel_bias(bias, q.shape[0], q.shape[2])
+    if bias is not None and key_bias is None:
+        return None, BIAS_NOT_TAKEN
+    drops = fused_edit.EditDrops(fused_edit.BERNOULLI, float(rule.probability), seed, **dropout)
+    return FusedCall(drops, key_bias), None
+
+
+BIAS_NOT_TAKEN = "a bias per head, of another shape than (B, 1, T or 1, S), or requiring grad"
 
 
 def _not_covered(q, k, v, call) -> Optional[str]:
@@ -122,6 +129,97 @@ def _not_covered(q, k, v, call) -> Optional[str]:
         return "a value head of its own size"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"a head wider than {MAX_HEAD_DIM}"
+    if devices.FUSED is None:  # on by default: trusted once its first-use check on this device passed
+        failed = _first_use_check(q)
+        if failed is not None:
+            return f"its first-use check on {q.device} {q.dtype} failed ({failed})"
+    return None
+
+
+# The first-use check's verdicts: (device, dtype, head size, float32 product precision) -> None (passed) or
+# what differed. A process checks each once.
+_CHECKED: Dict[tuple, Optional[str]] = {}
+
+
+def _first_use_check(q) -> Optional[str]:
+    """:func:`check_against_pytorch`'s verdict for ``q``'s device, dtype and head size, made once; a failure
+    is logged as an error."""
+    key = (q.device, q.dtype, q.shape[-1], fused_edit.dot_precision())
+    if key not in _CHECKED:
+        _CHECKED[key] = check_against_pytorch(q.device, q.dtype, q.shape[-1])
+        if _CHECKED[key] is not None:
+            logger.error(
+                "the fused Triton kernel disagrees with the PyTorch path on %s %s (head size %d): %s. The "
+                "regularized calls there take the PyTorch path; please report it with your GPU and Triton version.",
+                q.device, q.dtype, q.shape[-1], _CHECKED[key],
+            )  # fmt: skip
+    return _CHECKED[key]
+
+
+def check_against_pytorch(device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Run the fused kernel on two small calls on ``device`` in ``dtype`` with heads of ``head_dim``, and
+    compare them with the same attention computed by PyTorch in float32 from the kernel's own drops
+    (:func:`~.fused_edit.inspect`): AD-DROP GA at q = 1 with padding and grouped heads, and scheduled
+    dropout with the model's attention dropout, causal, lengths off the tile. None when the output, dq, dk,
+    dv and the drop counts agree and each AD-DROP row's region holds its ceil(p n) keys; else what differed.
+    What it guards against: a compiled kernel whose drops or sums differ from the others' on this GPU (its
+    forward and backward would then disagree, and the gradients be wrong with no error)."""
+    generator = torch.Generator().manual_seed(0)  # the global streams are left alone
+    b, h, h_kv, t, s = 2, 2, 1, 19, 21
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    q, k, v = randn(b, h, t, head_dim), randn(b, h_kv, s, head_dim), randn(b, h_kv, s, head_dim)
+    bias = torch.zeros((b, 1, 1, s), device=device)
+    bias[1, ..., -5:] = -math.inf  # the second sample's last 5 keys are padding
+    with torch.no_grad():
+        attribution, values = fused_edit.attribution_operands(randn(b, h, t, head_dim), randn(b, h_kv, s, head_dim))
+        scores = fused_edit.attribution_scores(attribution, values)
+        region = fused_edit.region_state(scores, bias, False, 3, 10)
+    ad_drop = fused_edit.EditDrops(fused_edit.AD_DROP, 1.0, 1234, attribution, values, *region)
+    bernoulli = fused_edit.EditDrops(fused_edit.BERNOULLI, 0.3, 99, dropout_p=0.2, dropout_seed=7)
+    tolerance = 1e-4 if dtype == torch.float32 and fused_edit.dot_precision() == "ieee" else 3e-2
+    for drops, causal in ((ad_drop, False), (bernoulli, True)):
+        with torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
+            failed = _compare_call(q, k, v, bias, drops, causal, randn(b, h, t, head_dim), tolerance)
+        if failed is not None:
+            return f"{'AD-DROP' if drops is ad_drop else 'scheduled dropout'}: {failed}"
+    return None
+
+
+def _compare_call(q, k, v, bias, drops, causal: bool, grad_out, tolerance: float) -> Optional[str]:
+    """:func:`check_against_pytorch`'s comparison of one call."""
+    seen = fused_edit.inspect(q, k, v, drops, bias, causal)
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    out, dropped, droppable = fused_edit.fused_edit_attention(*inputs, drops, bias, causal)
+    got = (out, *torch.autograd.grad(out, inputs, grad_out))
+    reference = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    q_ref, k_ref, v_ref = reference
+    groups = q.shape[1] // k.shape[1]
+    k_heads, v_heads = (x.repeat_interleave(groups, 1) for x in (k_ref, v_ref))
+    q_ref = torch.where(seen.uniform[..., None], 0.0, q_ref)  # a row made uniform attends with a zero query
+    attend = seen.valid & ~seen.drop
+    weights = torch.softmax(
+        (q_ref @ k_heads.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~attend, -math.inf), -1
+    )
+    weights = torch.where(attend.any(-1, keepdim=True), weights, 0.0)
+    if drops.dropout_p:
+        weights = torch.where(seen.weight_dropped, 0.0, weights / (1 - drops.dropout_p))
+    out_ref = weights @ v_heads
+    expected = (out_ref, *torch.autograd.grad(out_ref, reference, grad_out.float()))
+    for name, a, e in zip(("output", "dq", "dk", "dv"), got, expected):
+        error = (a.float() - e).abs().max().item()
+        if not error <= tolerance * max(1.0, e.abs().max().item()):
+            return f"{name} off by {error:.3g} (tolerance {tolerance:g} of its largest value)"
+    # a row made uniform counts all its valid keys as dropped (kernel.block_counts); its map shows no drop
+    counts = (int(seen.drop.sum() + (seen.valid & seen.uniform[..., None]).sum()), int(seen.valid.sum()))
+    if (int(dropped), int(droppable)) != counts:
+        return f"(dropped, droppable) counted {int(dropped)}, {int(droppable)} against the map's {counts}"
+    if drops.rule == fused_edit.AD_DROP:
+        n = seen.valid.sum(-1)
+        if not torch.equal(seen.region.sum(-1), (n * 3 + 9) // 10):
+            return "a row's region does not hold ceil(p n) of its n valid keys"
     return None
 
 
@@ -129,34 +227,52 @@ _NAMED: Set[str] = set()  # the reasons already in the log
 
 
 def name_once(why: str) -> None:
-    """Say in the log, once per reason and process, that a call stays on the PyTorch path with the fused
-    route on: nothing is left to the route silently. Not while compiling (a log call would break the graph)."""
+    """Say in the log, once per reason and process, that a call that asked the fused route stays on the
+    PyTorch path: nothing is left to the route silently. Not while compiling (a log call would break the graph)."""
     if why in _NAMED or torch.compiler.is_compiling():
         return
     _NAMED.add(why)
-    logger.warning("%s=1: a regularized call runs on the PyTorch path, not the fused kernel: %s", FUSED_ENV, why)
+    logger.warning(
+        "the fused route: a regularized call runs on the PyTorch path, not the fused kernel: %s (%s=0 turns the "
+        "route off)", why, FUSED_ENV,
+    )  # fmt: skip
 
 
-# Each AD-DROP rule's last region, kept while the rule lives (its pass): a checkpoint's recompute of the
-# call, or a site called twice in one pass (R-Drop's two forwards over AD-DROP's masked pass), ranks the
-# same scores again otherwise: one product a call, nine past fused_edit.MAX_REGION_KEYS keys.
+# Each AD-DROP rule's last call on the route, kept while the rule lives (its pass): a checkpoint's recompute
+# of the call, or a site called twice in one pass (R-Drop's two forwards over AD-DROP's masked pass), ranks
+# the same scores again otherwise: one product a call, nine past fused_edit.MAX_REGION_KEYS keys.
 _REGIONS: weakref.WeakKeyDictionary[TopRegionRule, tuple] = weakref.WeakKeyDictionary()
 
 
-def _ad_drop(q, k, bias, key_bias, call, rule: TopRegionRule, seed: int) -> fused_edit.EditDrops:
-    """AD-DROP GA's drops: per row the threshold, last tied key and lowest-scored key of the region
-    over the kernel's own scores (``key_bias``: :func:`kernel_bias`'s of the call's ``bias``), on the
+def _ad_drop(q, k, bias, call, rule: TopRegionRule, seed: int, dropout: dict):
+    """(AD-DROP GA's :class:`FusedCall`, None), or (None, why not): per row the threshold, last tied key and
+    lowest-scored key of the region over the kernel's own scores, with :func:`kernel_bias`'s bias, on the
     device, k never read on the host: for a call of up to ``fused_edit.MAX_REGION_KEYS`` keys whole rows
     sorted in registers (two launches: the scores, then :func:`~.fused_edit.region_state`), for a longer
     one a radix select over the recomputed scores (one launch: :func:`~.fused_select.region_state_streamed`,
-    nothing (T, S) held). Either way the same state, and as many launches at 16k keys as at 4k. A call
-    of the rule again with the very same bias object (a recompute) reuses its region and inputs (:data:`_REGIONS`)."""
+    nothing (T, S) held). Either way the same state, and as many launches at 16k keys as at 4k.
+
+    A call of the rule again with the very same bias object (:data:`_REGIONS`) reuses its region, bias and
+    inputs; with the same seeds too (a checkpoint's recompute) it is the very same FusedCall, whose drops
+    object the kernel keeps its row counts for (``fused_edit.fused_edit_attention``): no product is made
+    again but the attention's own."""
     same = (tuple(q.shape), tuple(k.shape), q.device, bool(call.causal))
     kept = _REGIONS.get(rule)
-    if kept is None or kept[0] != same or kept[1]() is not bias:
-        kept = (same, weakref.ref(bias) if bias is not None else _none, *_region(k, key_bias, call, rule))
-        _REGIONS[rule] = kept
-    return fused_edit.EditDrops(fused_edit.AD_DROP, rule.q, seed, *kept[2:])
+    if kept is not None and kept[0] == same and kept[1]() is bias:
+        fused = kept[2]
+        if (fused.drops.seed, fused.drops.dropout_p, fused.drops.dropout_seed) == (
+            seed, dropout["dropout_p"], dropout["dropout_seed"]
+        ):  # fmt: skip
+            return fused, None
+        fused = FusedCall(dataclasses.replace(fused.drops, seed=seed, **dropout), fused.key_bias)
+    else:
+        key_bias = None if bias is None else kernel_bias(bias, q.shape[0], q.shape[2])
+        if bias is not None and key_bias is None:
+            return None, BIAS_NOT_TAKEN
+        region = _region(k, key_bias, call, rule)
+        fused = FusedCall(fused_edit.EditDrops(fused_edit.AD_DROP, rule.q, seed, *region, **dropout), key_bias)
+    _REGIONS[rule] = (same, weakref.ref(bias) if bias is not None else _none, fused)
+    return fused, None
 
 
 def _region(k, key_bias, call, rule: TopRegionRule):
@@ -164,13 +280,14 @@ def _region(k, key_bias, call, rule: TopRegionRule):
     v), threshold, last_tie, lowest_key) of :func:`_ad_drop`'s call."""
     source = rule.source
     attribution = source.grad_output.neg() if source.negate else source.grad_output
-    groups = k.shape[1] // source.values.shape[1]
-    values = source.values if groups == 1 else source.values.repeat_interleave(groups, 1)
+    attribution, key_values = fused_edit.attribution_operands(attribution, source.values)  # once, for every kernel
+    groups = k.shape[1] // key_values.shape[1]
+    values = key_values if groups == 1 else key_values.repeat_interleave(groups, 1)
     if fused_edit.region_fits(k.shape[2], *rule.fraction):
         scores = fused_edit.attribution_scores(attribution, values)
         state = fused_edit.region_state(scores, key_bias, call.causal, *rule.fraction, rule.samples)
     else:
-        state = region_state_streamed(attribution, source.values, key_bias, call.causal, *rule.fraction, rule.samples)
+        state = region_state_streamed(attribution, key_values, key_bias, call.causal, *rule.fraction, rule.samples)
     return (attribution, values, *state)
 
 

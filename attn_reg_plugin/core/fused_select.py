@@ -6,8 +6,8 @@ Method (:func:`region_state_streamed`): one program per block of query rows and 
 scores recomputed tile by tile, never stored.
 
 - Scores: each key tile's ``dO V^T`` by the fused kernels' own product (``fused_edit._attribution_score``:
-  float32 ``tl.dot(..., input_precision="ieee")``, NaN as 0, +-inf clamped to the largest finite
-  float32), on tiles of ``fused_edit._grid_sizes``' shape, as ``attribution_scores`` makes them: the same
+  ``tl.dot`` of ``fused_edit.attribution_operands``, at ``fused_edit.dot_precision``, summed in float32,
+  NaN as 0, +-inf clamped to the largest finite float32), on tiles of ``fused_edit._grid_sizes``' shape, as ``attribution_scores`` makes them: the same
   bits as the map the caller would rank. A score of -0 ranks (and is returned) as +0 (they compare
   equal; the product gives no -0).
 - Selection: an exact radix select of the k-th largest valid score per row, k = ceil(p n) in 64-bit
@@ -48,6 +48,7 @@ from typing import Optional
 
 import torch
 
+from . import fused_edit
 from .fused_edit import _attribution_score, _bias_kind, _grid_sizes, _helper, _jit, _kernel_bias, _validity
 
 try:  # the optional extra `triton`
@@ -72,12 +73,12 @@ NUM_WARPS = 16
 
 @_helper
 def _score_tile(attr, AV, BIAS, b, kv, rows, keys, dims, T, S, D, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
-                ROW_BIAS: tl.constexpr):  # fmt: skip
+                ROW_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """(valid, score, order key) of a tile: the fused kernels' product (-0 as +0), and its float bits
     made an unsigned integer of the same order (sign bit flipped; every bit of a negative one)."""
     at = kv.to(tl.int64) * S * D + keys[:, None] * D + dims[None, :]
     attr_v = tl.load(AV + at, mask=(keys[:, None] < S) & (dims[None, :] < D), other=0.0)
-    score = _attribution_score(attr, attr_v)
+    score = _attribution_score(attr, attr_v, DOT_PRECISION)
     score = tl.where(score == 0.0, 0.0, score)
     bits = score.to(tl.uint32, bitcast=True)
     key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
@@ -87,7 +88,8 @@ def _score_tile(attr, AV, BIAS, b, kv, rows, keys, dims, T, S, D, CAUSAL: tl.con
 @_jit
 def _select_kernel(ATTR, AV, BIAS, SAMPLES, THRESHOLD, LAST_TIE, LOWEST, T, S, H, GROUP, D, NUM, DEN,
                    CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr, HAS_SAMPLES: tl.constexpr,
-                   WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+                   WIDE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr):  # fmt: skip
     """One block of query rows' AD-DROP state by radix select over their recomputed scores (module doc)."""
     start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
     b, kv = bh // H, bh // GROUP  # GQA: (b H + h) // G = b H_kv + h // G
@@ -112,7 +114,9 @@ def _select_kernel(ATTR, AV, BIAS, SAMPLES, THRESHOLD, LAST_TIE, LOWEST, T, S, H
         at_least = tl.zeros([BLOCK_M, _DIGITS], tl.int32)
         for start_n in range(0, ranks, BLOCK_N):
             keys = start_n + tl.arange(0, BLOCK_N)
-            valid, _, key = _score_tile(attr, AV, BIAS, b, kv, rows, keys, dims, T, S, D, CAUSAL, BIAS_KIND, ROW_BIAS)
+            valid, _, key = _score_tile(
+                attr, AV, BIAS, b, kv, rows, keys, dims, T, S, D, CAUSAL, BIAS_KIND, ROW_BIAS, DOT_PRECISION
+            )
             high = key >> shift  # two shifts: the prefix's bits above this digit (none at level 0)
             match = valid & ((high >> 4) == ((prefix >> shift) >> 4)[:, None])
             digit = high & 15
@@ -140,7 +144,9 @@ def _select_kernel(ATTR, AV, BIAS, SAMPLES, THRESHOLD, LAST_TIE, LOWEST, T, S, H
     lowest = tl.full([BLOCK_M], -1, tl.int32)
     for start_n in range(0, end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        valid, score, key = _score_tile(attr, AV, BIAS, b, kv, rows, keys, dims, T, S, D, CAUSAL, BIAS_KIND, ROW_BIAS)
+        valid, score, key = _score_tile(
+            attr, AV, BIAS, b, kv, rows, keys, dims, T, S, D, CAUSAL, BIAS_KIND, ROW_BIAS, DOT_PRECISION
+        )
         tied = valid & (key == prefix[:, None])
         order = tl.cumsum(tied.to(tl.int64), 1) + seen[:, None]
         last_tie = tl.maximum(last_tie, tl.max(tl.where(tied & (order == take[:, None]), keys[None, :], -1), 1))
@@ -183,7 +189,7 @@ def region_state_streamed(attribution, values, key_bias, causal: bool, numerator
     last_tie, lowest = (torch.empty((b, h, t), dtype=torch.int32, device=device) for _ in range(2))
     if not threshold.numel():
         return threshold, last_tie, lowest
-    attribution, values = attribution.float().contiguous(), values.float().contiguous()
+    attribution, values = fused_edit.attribution_operands(attribution, values)
     bias, row_bias = _kernel_bias(key_bias, b, t, s)
     kind = _bias_kind(bias)
     block, block_d = _grid_sizes(attribution)
@@ -192,7 +198,7 @@ def region_state_streamed(attribution, values, key_bias, causal: bool, numerator
     _select_kernel[grid](
         attribution, values, values if bias is None else bias, values if samples is None else samples.contiguous(), threshold,
         last_tie, lowest, t, s, h, h // values.shape[1], d, numerator, denominator, CAUSAL=bool(causal),
-        BIAS_KIND=kind, ROW_BIAS=row_bias, HAS_SAMPLES=samples is not None, WIDE=wide, BLOCK_M=block, BLOCK_N=block,
+        BIAS_KIND=kind, ROW_BIAS=row_bias, HAS_SAMPLES=samples is not None, WIDE=wide, DOT_PRECISION=fused_edit.dot_precision(), BLOCK_M=block, BLOCK_N=block,
         BLOCK_D=block_d, num_warps=NUM_WARPS,
     )  # fmt: skip
     return threshold, last_tie, lowest

@@ -641,11 +641,11 @@ def edit_attention(q, k, v, bias, call: BlockCall):
     it then sees the very dtypes its forward saw."""
     device = q.device.type
     if not torch.is_autocast_enabled(device):
-        return _fused(q, k, v, bias, call) if devices.FUSED else EditAttention.apply(q, k, v, bias, call)
+        return _fused(q, k, v, bias, call) if devices.fused_route_asked(q) else EditAttention.apply(q, k, v, bias, call)
     dtype = torch.get_autocast_dtype(device)
     q, k, v = (x.to(dtype) if x.is_floating_point() else x for x in (q, k, v))
     with torch.autocast(device, enabled=False):
-        return _fused(q, k, v, bias, call) if devices.FUSED else EditAttention.apply(q, k, v, bias, call)
+        return _fused(q, k, v, bias, call) if devices.fused_route_asked(q) else EditAttention.apply(q, k, v, bias, call)
 
 
 def _fused(q, k, v, bias, call: BlockCall):

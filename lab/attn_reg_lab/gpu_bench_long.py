@@ -132,7 +132,7 @@ def _measure_long(method: str, opts, length: int, clock: Clock, log) -> dict:
 
 @contextlib.contextmanager
 def fused_kernel(on: bool):
-    """The plugin's ATTN_REG_FUSED switch (devices.FUSED) set to ``on`` for one run, and a count of
+    """The plugin's ATTN_REG_FUSED switch (devices.FUSED) forced on or off (``on``) for one run, and a count of
     the calls the fused kernel took, made where kernel.edit_attention calls it."""
     from attn_reg_plugin.core import devices, fused_edit
 

@@ -206,10 +206,10 @@ def test_a_call_the_kernel_does_not_cover_is_named_once_in_the_log(monkeypatch, 
             run(q, k, v, None, call, True, monkeypatch)
     named = [r.getMessage() for r in caplog.records if r.name == fused_route.__name__]
     assert named == [
-        "ATTN_REG_FUSED=1: a regularized call runs on the PyTorch path, not the fused kernel: "
-        "rows made uniform (attention LayerDrop's skipped calls)",
-        "ATTN_REG_FUSED=1: a regularized call runs on the PyTorch path, not the fused kernel: "
-        "the attention map returned",
+        "the fused route: a regularized call runs on the PyTorch path, not the fused kernel: "
+        "rows made uniform (attention LayerDrop's skipped calls) (ATTN_REG_FUSED=0 turns the route off)",
+        "the fused route: a regularized call runs on the PyTorch path, not the fused kernel: "
+        "the attention map returned (ATTN_REG_FUSED=0 turns the route off)",
     ]  # the covered call says nothing
 
 
@@ -426,7 +426,7 @@ def test_the_two_device_regions_give_the_same_state(p, seed, mask):
         call = block_call(rule, t, rows=7, causal=causal)
         key_bias = fused_route.kernel_bias(bias, 2, t)
         assert key_bias.shape[2] == (t if mask == "rows of their own" else 1)
-        whole = fused_route._ad_drop(q, k, bias, key_bias, call, rule, 5)
+        whole = fused_route.fused_drops(q, k, k, bias, call).drops
         streamed = region_state_streamed(attribution, values, key_bias, causal, *rule.fraction, samples)
         assert fused_edit.region_fits(s, *rule.fraction)
         for name, state in zip(("threshold", "last_tie", "lowest_key"), streamed):
@@ -457,3 +457,135 @@ def test_a_recompute_of_the_same_call_reuses_its_region(monkeypatch):
     fused, portable = (run(q, k, v, bias, call, on, monkeypatch) for on in (True, False))  # a step twice
     assert fused[4:] == portable[4:]
     torch.testing.assert_close(fused[0], portable[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_recompute_of_the_same_call_reuses_its_row_counts(monkeypatch):
+    """The same call again (a checkpoint's recompute: the same rule, seeds and bias object) is the very same
+    FusedCall, and the kernel counts its rows once: one counting launch for both, the same counts, the same
+    output and gradients. Another seed (R-Drop's second forward) keeps the region and counts again."""
+    from attn_reg_plugin.core import fused_edit
+
+    q, k, v, attribution, values = tensors()
+    bias = padding([27, 15], 27)
+    rule = TopRegionRule(GradientScores(attribution, values), 0.3, 0.5)
+    counted = []
+    original = fused_edit._row_counts_kernel
+    monkeypatch.setattr(fused_edit, "_row_counts_kernel", CountedLaunches(original, counted))
+    first, again = (run(q, k, v, bias, block_call(rule, q.shape[2]), True, monkeypatch) for _ in range(2))
+    assert len(counted) == 1
+    for a, b in zip(first, again):
+        assert a == b if isinstance(a, int) else torch.equal(a, b)
+    reseeded = BlockCall(rule, None, None, q.shape[2], torch.tensor(18), 0.0, None, True)
+    assert (
+        fused_drops(q, k, v, bias, reseeded).drops.threshold
+        is fused_drops(q, k, v, bias, block_call(rule, 20)).drops.threshold
+    )
+    run(q, k, v, bias, reseeded, True, monkeypatch)
+    assert len(counted) == 2
+
+
+class CountedLaunches:
+    """A Triton kernel whose launches (``kernel[grid](...)``) are recorded in ``launched``."""
+
+    def __init__(self, kernel, launched):
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(grid)
+        return self.kernel[grid]
+
+
+# -- on by default on CUDA: the switch and the first-use check --------------------------------------
+@pytest.mark.parametrize("value, switch", [("", None), ("1", True), ("0", False)])
+def test_the_switch_reads_unset_one_or_zero(value, switch, monkeypatch):
+    monkeypatch.setenv("ATTN_REG_FUSED", value)
+    assert devices.fused_switch() is switch
+
+
+def test_another_value_of_the_switch_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("ATTN_REG_FUSED", "yes")
+    with pytest.raises(ValueError, match=r"ATTN_REG_FUSED: 1 .*, 0 \(never\) or unset .*got 'yes'"):
+        devices.fused_switch()
+
+
+def test_unset_the_route_is_asked_on_cuda_only(monkeypatch):
+    monkeypatch.setattr(devices, "FUSED", None)
+    assert not devices.fused_route_asked(torch.zeros(1))
+    assert devices.fused_route_asked(torch.zeros(1, device="meta")) is False
+    monkeypatch.setattr(devices, "FUSED", True)
+    assert devices.fused_route_asked(torch.zeros(1))
+
+
+def test_the_first_use_check_passes_the_kernel_and_catches_a_backward_that_disagrees(monkeypatch):
+    """fused_route.check_against_pytorch on this device: None for the kernel as it is (fp32 and fp16);
+    a dk 1 % off (a backward kernel that disagrees with the forward) is caught and named."""
+    from attn_reg_plugin.core import fused_edit, fused_route
+
+    assert fused_route.check_against_pytorch(torch.device(DEVICE), torch.float32, 16) is None
+    assert fused_route.check_against_pytorch(torch.device(DEVICE), torch.float16, 8) is None
+    if fused_edit.available(torch.zeros(1, dtype=torch.bfloat16, device=DEVICE)):  # compiled Triton (a GPU)
+        assert fused_route.check_against_pytorch(torch.device(DEVICE), torch.bfloat16, 64) is None
+    original = fused_edit._backward
+
+    def dk_off(*args):
+        dq, dk, dv = original(*args)
+        return dq, dk * 1.01, dv
+
+    monkeypatch.setattr(fused_edit, "_backward", dk_off)
+    failed = fused_route.check_against_pytorch(torch.device(DEVICE), torch.float32, 16)
+    assert failed is not None and failed.startswith("AD-DROP: dk off by")
+
+
+def default_route(monkeypatch, verdict):
+    """The route as a CUDA device takes it by default (ATTN_REG_FUSED unset), here in the interpreter, with
+    the first-use check's verdict ``verdict`` (counted calls: the check's, the kernel's)."""
+    from attn_reg_plugin.core import fused_edit, fused_route
+
+    calls = {"check": 0, "kernel": 0}
+    original = fused_edit.fused_edit_attention
+
+    def check(*args):
+        calls["check"] += 1
+        return verdict
+
+    def kernel(*args, **kwargs):
+        calls["kernel"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(devices, "FUSED", None)
+    monkeypatch.setattr(devices, "fused_route_asked", lambda q: True)
+    monkeypatch.setattr(fused_route, "_CHECKED", {})
+    monkeypatch.setattr(fused_route, "_NAMED", set())
+    monkeypatch.setattr(fused_route, "check_against_pytorch", check)
+    monkeypatch.setattr(fused_edit, "fused_edit_attention", kernel)
+    return calls
+
+
+def test_on_by_default_the_kernel_is_checked_once_then_takes_the_calls(monkeypatch):
+    calls = default_route(monkeypatch, None)
+    q, k, v, attribution, values = tensors()
+    rule = TopRegionRule(GradientScores(attribution, values), 0.3, 1.0)
+    for _ in range(2):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        edit_attention(*leaves, None, block_call(rule, q.shape[2]))
+    assert calls == {"check": 1, "kernel": 2}
+
+
+def test_a_failed_first_use_check_sends_the_calls_to_the_pytorch_path_and_says_so(monkeypatch, caplog):
+    from attn_reg_plugin.core import fused_route
+
+    calls = default_route(monkeypatch, "dk off by 0.02")
+    q, k, v, attribution, values = tensors()
+    rule = TopRegionRule(GradientScores(attribution, values), 0.3, 1.0)
+    with caplog.at_level("WARNING", logger=fused_route.__name__):
+        for _ in range(2):
+            fused = run(q, k, v, None, block_call(rule, q.shape[2]), None, monkeypatch)
+    assert calls == {"check": 1, "kernel": 0}
+    monkeypatch.setattr(devices, "fused_route_asked", lambda q: False)
+    pytorch = run(q, k, v, None, block_call(rule, q.shape[2]), False, monkeypatch)
+    for a, b in zip(fused, pytorch):
+        assert a == b if isinstance(a, int) else torch.equal(a, b)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(errors) == 1 and "disagrees with the PyTorch path" in errors[0] and "dk off by 0.02" in errors[0]
+    assert len(warnings) == 1 and "its first-use check on" in warnings[0] and "failed (dk off by 0.02)" in warnings[0]

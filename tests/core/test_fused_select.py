@@ -258,24 +258,31 @@ from triton.compiler import ASTSource
 from attn_reg_plugin.core import fused_edit as fe
 from attn_reg_plugin.core import fused_select as fs
 
-pointers = dict(ATTR="*fp32", AV="*fp32", SAMPLES="*i1", THRESHOLD="*fp32", LAST_TIE="*i32", LOWEST="*i32")
 scalars = dict.fromkeys(("T", "S", "H", "GROUP", "D", "NUM", "DEN"), "i32")
-flags = ("CAUSAL", "BIAS_KIND", "ROW_BIAS", "HAS_SAMPLES", "WIDE", "BLOCK_M", "BLOCK_N", "BLOCK_D")
-for causal, kind, row, samples, wide in [(1, 1, 0, 1, 0), (0, 0, 0, 0, 0), (1, 2, 1, 0, 0), (0, 1, 1, 1, 1)]:
+flags = ("CAUSAL", "BIAS_KIND", "ROW_BIAS", "HAS_SAMPLES", "WIDE", "DOT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_D")
+# (causal, bias kind, row bias, samples, wide, operands, float32 product precision, the product's instruction)
+variants = [(1, 1, 0, 1, 0, "fp32", "ieee", "fma.rn.f32"), (0, 0, 0, 0, 0, "fp32", "tf32", "mma"),
+            (1, 2, 1, 0, 0, "bf16", "ieee", "mma"), (0, 1, 1, 1, 1, "fp16", "ieee", "mma")]
+for causal, kind, row, samples, wide, operands, precision, instruction in variants:
+    pointers = dict(ATTR=f"*{operands}", AV=f"*{operands}", SAMPLES="*i1", THRESHOLD="*fp32", LAST_TIE="*i32",
+                    LOWEST="*i32")
     bias = "*i1" if kind == fe.BOOL_BIAS else "*fp32"
     signature = dict(pointers, BIAS=bias, **scalars, **dict.fromkeys(flags, "constexpr"))
     options = dict(CAUSAL=bool(causal), BIAS_KIND=kind, ROW_BIAS=bool(row), HAS_SAMPLES=bool(samples),
-                   WIDE=bool(wide), BLOCK_M=64, BLOCK_N=64, BLOCK_D=64)
+                   WIDE=bool(wide), DOT_PRECISION=precision, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64)
     source = ASTSource(fn=fs._select_kernel, signature=signature, constexprs=options)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": fs.NUM_WARPS}).asm["ptx"]
-    assert "fma.rn.f32" in ptx and "mma" not in ptx, "the product is float32 FMA, as the fused kernels'"
+    assert instruction in ptx, (operands, precision, instruction)
+    if instruction != "mma":
+        assert "mma" not in ptx, "IEEE float32: no tensor core"
 print("compiled")
 """
 
 
 def test_the_kernel_compiles_for_a_cuda_gpu(tmp_path):
     """Compiled Triton, not only the interpreter's: every variant lowers to PTX for sm_90 (no GPU
-    needed: Triton's CUDA backend and its ptxas), its product float32 FMA."""
+    needed: Triton's CUDA backend and its ptxas), its product float32 FMA for float32 operands at IEEE
+    precision, on tensor cores (mma) at TF32 and for bf16 and fp16 operands."""
     import os
     import subprocess
     import sys
@@ -305,7 +312,7 @@ def test_the_fused_route_takes_a_call_of_more_than_1024_keys_to_the_streamed_reg
     original = fs._select_kernel.run
     fs._select_kernel.run = lambda *a, **kw: launched.append(1) or original(*a, **kw)
     try:
-        drops = fused_route._ad_drop(q, k, bias, key_bias, call, rule, 5)
+        drops = fused_route.fused_drops(q, k, k, bias, call).drops
     finally:
         fs._select_kernel.run = original
     assert launched == [1] and not fe.region_fits(1100, 3, 10)
