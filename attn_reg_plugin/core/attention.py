@@ -19,8 +19,7 @@ which the pass's plan asks of the site:
 * :class:`EditScores`      the score edit: drop keys (additive mask on the scores) and/or make
                            whole rows uniform over their valid keys (AD-DROP pass 2, AttendOut,
                            scheduled dropout, attention LayerDrop);
-* :class:`DropHeads`       the output edit: ordinary attention, then (sample, head) outputs dropped
-                           (DropHead).
+* :class:`EditOutputs`     the output edit: ordinary attention, then (sample, head) outputs dropped.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from .attention_call import (
     Captured,
     CaptureOutput,
     CaptureProbs,
-    DropHeads,
+    EditOutputs,
     EditScores,
     Plan,
     call_of,
@@ -167,7 +166,7 @@ def attention_kernel(
     """(output, attention map if ``need_weights``, what the call captured) of one call described by
     ``call``. Reads its arguments, changes none of them: the same call gives the same drops."""
     hook = call.hook
-    if isinstance(hook, DropHeads):  # the output edit: attention, then heads dropped
+    if isinstance(hook, EditOutputs):  # the output edit: attention, then heads dropped
         out, weights, _ = attention_kernel(q, k, v, bias, dropout_p, scale, need_weights, ORDINARY, is_causal)
         out, captured = _dropped_heads(out, hook, call)
         return out, weights, captured
@@ -193,7 +192,7 @@ def attention_kernel(
     return _ordinary_attention(q, k, v, bias, dropout_p, scale, is_causal), None, None
 
 
-def _dropped_heads(out: torch.Tensor, hook: DropHeads, call: AttentionCall):
+def _dropped_heads(out: torch.Tensor, hook: EditOutputs, call: AttentionCall):
     """The output edit on a call's (B, H, T, d) output: each (sample, head) dropped with the hook's
     probability p (keyed draws of the call's seed, made again identically by a recompute), a sample's
     kept heads scaled by H / kept. A sample drawn to lose every head keeps the one of largest draw, a

@@ -2,7 +2,7 @@
 values: what it asks of each site (:class:`Plan`) and what its calls handed back (:class:`Record`).
 
 A pass asks a *hook* of each site it names (an immutable :data:`Hook`: :class:`CaptureOutput`,
-:class:`CaptureProbs`, the score edit :class:`EditScores` or the output edit :class:`DropHeads`, what the
+:class:`CaptureProbs`, the score edit :class:`EditScores` or the output edit :class:`EditOutputs`, what the
 kernel does on top of ordinary attention),
 as a :class:`Plan`: :meth:`~.controller.RegularizationController.hooks` builds it, registers it for
 its forward (:func:`passing`) and yields its :class:`Record`. :func:`call_of` reads the plan the
@@ -138,8 +138,8 @@ class EditScores:
 
 
 @dataclass(frozen=True, eq=False)
-class DropHeads:
-    """The output edit (DropHead): the call's attention is ordinary, then each (sample, head) of its
+class EditOutputs:
+    """The output edit: the call's attention is ordinary, then each (sample, head) of its
     output is dropped with ``probability`` (a 0-d tensor), a sample's kept heads rescaled by heads /
     kept, by draws keyed by the site's seed. ``counted``: the call hands its pass's :class:`Record`
     the dropped and all (sample, head) pairs."""
@@ -149,15 +149,15 @@ class DropHeads:
     draws = True  # its heads are drawn from the site's seed
 
 
-EDITS = (EditScores, DropHeads)  # the two kinds of edit: a call under either computes something else
-Hook = Union[CaptureOutput, CaptureProbs, EditScores, DropHeads]
+EDITS = (EditScores, EditOutputs)  # the two kinds of edit: a call under either computes something else
+Hook = Union[CaptureOutput, CaptureProbs, EditScores, EditOutputs]
 
 
 def changes_output(hook: Optional[Hook]) -> bool:
     """Whether a call under ``hook`` computes something else than ordinary attention: an edit that
     drops or makes rows uniform, or a map scaled for integrated gradients. Only such a pass must be
     repeated by a checkpoint's recompute (a capture's gradient is taken inside its pass)."""
-    if isinstance(hook, DropHeads):
+    if isinstance(hook, EditOutputs):
         return True
     if isinstance(hook, EditScores):
         return hook.edits_scores

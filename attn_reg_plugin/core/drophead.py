@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .attention_call import AttentionSite, DropHeads
+from .attention_call import AttentionSite, EditOutputs
 from .controller import RegularizationController
 from .options import RegularizerOptions, attention_option, layers_option, option
 from .regularizer import Method, Regularizer, register
@@ -83,13 +83,13 @@ class DropHead:
         """What a training log says of ``update`` beside the rate: the probability."""
         return {"p": self.probability(update)}
 
-    def hooks(self, update: int) -> Dict[AttentionSite, DropHeads]:
+    def hooks(self, update: int) -> Dict[AttentionSite, EditOutputs]:
         """Hooks for one training forward at ``update``; the pass's record counts ``[dropped, (sample,
         head) pairs]``. The probability is a tensor: a compiled model sees it as data."""
         p = self.probability(update)
         if p <= 0:
             return {}
-        return {s: DropHeads(torch.tensor(p), counted=True) for s in self.sites}
+        return {s: EditOutputs(torch.tensor(p), counted=True) for s in self.sites}
 
 
 def _method_check(config: DropHeadConfig) -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import DropHeads
+from attn_reg_plugin.core.attention_call import EditOutputs
 from attn_reg_plugin.core.drophead import DropHead, DropHeadConfig
 from attn_reg_plugin.core.planned_run import idle_run_warning
 from attn_reg_plugin.core.rules import call_seed, keyed_draws
@@ -47,7 +47,7 @@ def _qkv(b=3, h=4, t=5, d=8, seed=0):
 
 def test_dropped_heads_are_zero_and_kept_heads_scaled_by_heads_over_kept():
     q, k, v = _qkv()
-    site = HandPass(DropHeads(torch.tensor(0.4), counted=True))
+    site = HandPass(EditOutputs(torch.tensor(0.4), counted=True))
     torch.manual_seed(7)
     out, _ = attend(q, k, v, **site.call)
     counts = site.record.counts()
@@ -66,7 +66,7 @@ def test_dropped_heads_are_zero_and_kept_heads_scaled_by_heads_over_kept():
 def test_gradients_equal_autograd_of_the_explicit_rescaled_heads():
     q, k, v = _qkv(seed=1)
     torch.manual_seed(3)
-    out, _ = attend(q, k, v, **HandPass(DropHeads(torch.tensor(0.5))).call)
+    out, _ = attend(q, k, v, **HandPass(EditOutputs(torch.tensor(0.5))).call)
     grads = torch.autograd.grad(out.pow(2).sum(), [q, k, v])
     torch.manual_seed(3)
     drop = _drawn(3, 4, 0.5)
@@ -80,7 +80,7 @@ def test_gradients_equal_autograd_of_the_explicit_rescaled_heads():
 def test_a_sample_drawn_to_lose_every_head_keeps_its_largest_draw_scaled_by_heads():
     """p = 1 draws every head of every sample: each keeps the head of its largest draw, times H."""
     q, k, v = _qkv(seed=2)
-    site = HandPass(DropHeads(torch.tensor(1.0), counted=True))
+    site = HandPass(EditOutputs(torch.tensor(1.0), counted=True))
     torch.manual_seed(4)
     out, _ = attend(q, k, v, **site.call)
     torch.manual_seed(4)
@@ -98,7 +98,7 @@ def test_the_rate_rises_with_p_as_p_minus_p_to_the_heads_over_heads(heads, p):
     """Where every head may be drawn the rate is p - p**H / H: 0.375 and 0.495 with two heads (more for
     the larger p), none for a single head (it is never dropped), 11/12 at p = 1 with twelve."""
     q, k, v = (x.detach() for x in _qkv(b=4000, h=heads, t=1, d=2, seed=5))
-    site = HandPass(DropHeads(torch.tensor(p), counted=True))
+    site = HandPass(EditOutputs(torch.tensor(p), counted=True))
     torch.manual_seed(0)
     attend(q, k, v, **site.call)
     dropped, pairs = (int(c) for c in site.record.counts()[:2])
@@ -107,7 +107,7 @@ def test_the_rate_rises_with_p_as_p_minus_p_to_the_heads_over_heads(heads, p):
 
 def test_the_rate_is_p_and_the_same_seed_gives_the_same_drops():
     q, k, v = (x.detach() for x in _qkv(b=2000, h=8, t=2, d=4, seed=3))
-    site = HandPass(DropHeads(torch.tensor(0.3), counted=True))
+    site = HandPass(EditOutputs(torch.tensor(0.3), counted=True))
     torch.manual_seed(0)
     first, _ = attend(q, k, v, **site.call)
     counts = site.record.counts()
