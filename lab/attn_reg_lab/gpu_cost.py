@@ -1,8 +1,10 @@
 """What a training step costs on the GPU route, counted on the CPU (``attn-reg-gpu-cost``).
 
-    attn-reg-gpu-cost                                   # standard, long4k, long16k rows: 6 minutes on 2 idle cores
+    attn-reg-gpu-cost                                   # standard, long4k, long16k rows: minutes on 2 idle cores
     attn-reg-gpu-cost --quick                           # tiny sizes of the same code (a smoke run)
     attn-reg-gpu-cost --rows standard --out cost.json   # some rows, also written as JSON
+    attn-reg-gpu-cost --pytorch-path                    # and every row on the PyTorch path (ATTN_REG_FUSED=0) too
+    attn-reg-gpu-cost --rows standard --run-triton      # fp32 rows' Triton kernels run in the interpreter (slow)
     attn-reg-gpu-cost --rows standard --compile         # and the HF step's graph breaks compiled whole
     attn-reg-gpu-cost --fit-counts old.json             # the H200 times fitted on counts of the code they timed
 
@@ -10,8 +12,23 @@ An H200 step of these models is bound by the host: its time follows the kernels 
 (docs/PERFORMANCE.md, "On a GPU"). This command runs a step of each configuration on the CPU on the
 code a CUDA device runs: ``ATTN_REG_PORTABLE=1`` (the portable branches of
 ``attn_reg_plugin/core/devices.py``) and ``TRITON_INTERPRET=1`` (Triton kernels in its interpreter).
-It sets both and starts again in a fresh process if they were not set. ``--fused`` adds standard fp32
-rows with ``ATTN_REG_FUSED=1``, where the fused Triton kernel takes the calls it covers. Each step runs once
+It sets both and starts again in a fresh process if they were not set.
+
+Routes. Every row is counted on a CUDA device's default route: the **fused route** (``ATTN_REG_FUSED=1``,
+set for those rows, not left to the plugin's default, which takes the route for CUDA tensors only),
+where the fused Triton kernels (``core/fused_edit.py``, ``core/fused_select.py``) take the regularized
+calls they cover and the rest stay on the PyTorch path. Its Triton launches are counted and not run
+(the interpreter would take half an hour for a standard HF step, hours for a long one): launches and
+syncs do not depend on the kernels' values; a launch's bytes are its arguments' sizes; its FLOPs come
+from a model of the kernel's products (:func:`triton_flops`, below); the tensors it writes are left zero
+(:data:`TRITON_OUTPUTS`). While they are not run the plugin takes the branches it takes on a GPU, not
+those it takes for the interpreter (``gpu_cost_fit.as_on_a_gpu``): 64-wide tiles, bf16 calls on the
+route, half-precision attribution operands where the attribution pass ran in half precision.
+``--pytorch-path`` adds every row on the **PyTorch path** (``ATTN_REG_FUSED=0``), labelled so, beside
+the default route's. ``--run-triton`` runs the standard fp32 rows' Triton kernels in the interpreter
+instead and counts their ``tl.dot`` FLOPs (its tiles are 16 wide; the interpreter takes no bf16 call,
+and the long rows would take hours: those stay modelled). A plugin without the fused route (a checkout
+before ``core/fused_edit.py``) is counted on the PyTorch path, its GPU default then. Each step runs once
 uncounted, then once counted. Per step it counts:
 
 * **launches**: each aten operation that runs a kernel on a device, and each Triton launch (not the
@@ -30,9 +47,21 @@ uncounted, then once counted. Per step it counts:
   launch). Only the string ``"cpu"`` is taken as the host; a ``torch.device`` is taken to be the
   device (``mask.to(scores.device)``).
 * **FLOPs** of each product (``mm``, ``addmm``, ``bmm``, ``baddbmm``, sdpa's forward and backward),
-  at its dtype, by torch's own formulas (``torch.utils.flop_counter``), and of each ``tl.dot`` the
-  interpreter runs. ``tensor_core`` FLOPs are the bf16/fp16 ones. ``fp32`` FLOPs are those a GPU runs
-  without tensor cores (torch's default float32 matmul precision takes no TF32).
+  at its dtype, by torch's own formulas (``torch.utils.flop_counter``), and of each Triton ``tl.dot``:
+  counted as the interpreter runs it, or, for a launch counted and not run, modelled (``triton_flops`` in
+  the row's JSON: "counted", "modelled", "none", or "left out for" a kernel with no model). The model (:func:`triton_flops`, :data:`TRITON_MODELS`)
+  follows each kernel's own loops: per (row tile, key tile) pair the kernel visits, given T, S, its
+  ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_D`` (the padded head size), its causal loop bounds and its grid, the
+  products its loop body makes there, 2 BLOCK_M BLOCK_N BLOCK_D FLOPs each (the forward: q k^T and p v,
+  plus the attribution score dO_attr V_attr^T under AD-DROP; dq's: q k^T, dO v^T, ds k; dk and dv's, over
+  its GROUP query heads: q k^T, dO v^T, p^T dO, ds^T q; the row counts and ``_inspect_kernel``: the
+  attribution score; ``_scores_kernel``: one; ``_region_kernel``: none; ``_select_kernel``: 8 levels over a
+  row block's ranked keys and one more pass). tests/lab/test_gpu_cost_triton_flops.py holds it to the
+  interpreter's count, kernel by kernel. A product's precision key is its operands' dtype: "bf16",
+  "fp16", "fp64"; float32 operands "tf32" at the kernel's ``DOT_PRECISION`` (input precision) "tf32",
+  "fp32" at "ieee" (a kernel without it: "ieee"). ``tensor_core`` FLOPs are the bf16, fp16 and tf32 ones;
+  ``fp32`` FLOPs the others, float32 at full precision (FMA units). torch's own float32 products are
+  counted as "fp32" (torch's default float32 matmul precision, "highest", takes no TF32).
 * **plugin launches**: the launches asked for in the plugin's code, by the innermost plugin function on
   the stack (``plugin_launch_sites``): where a regularizer's launches come from. A backward that autograd
   runs for the model's own operations has no plugin frame and is not among them.
@@ -53,8 +82,9 @@ counting, torch.optim takes the CPU for a foreach device.
 
 What still differs from a GPU: autocast casts by the CPU's operation lists (the CUDA lists differ in
 a few operations); plain attention is sdpa's CPU flash kernel (one launch, as FlashAttention); an
-operation is one launch where a GPU may run several (a ``_foreach`` op, a split-K product); the
-interpreter's Triton tiles are 16 wide, not 64 (the same launches, nearly the same FLOPs).
+operation is one launch where a GPU may run several (a ``_foreach`` op, a split-K product); with
+``--run-triton`` the interpreter's Triton tiles are 16 wide, not 64 (the same launches; the FLOPs of the
+padded tiles differ).
 
 The rows (``--rows``), the fit of the committed H200 times on the counts, the targets and the table
 are in :mod:`.gpu_cost_fit`.
@@ -64,6 +94,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import sys
@@ -72,7 +103,7 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -103,7 +134,9 @@ FACTORIES = frozenset(
                  "rand", "randn", "randint", "randperm", "linspace", "logspace", "eye", "empty_strided", "from_numpy")
 )  # fmt: skip
 HOST_COPIES = frozenset((torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.numpy))
-TENSOR_CORE_DTYPES = ("bf16", "fp16")
+# Products a GPU runs on tensor cores: half operands, and float32 ones taken at TF32 (a Triton tl.dot's
+# input_precision "tf32"). "fp32" is float32 at full precision (FMA units), "fp64" double.
+TENSOR_CORE_DTYPES = ("bf16", "fp16", "tf32")
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _SKIPPED_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(contextlib.__file__))
 
@@ -123,6 +156,20 @@ class Cost:
     sync_sites: Counter = field(default_factory=Counter)  # "file:line function (what)" -> syncs
     # "file function" of the innermost plugin frame -> launches, of the launches the plugin's code asks for
     launch_sites: Counter = field(default_factory=Counter)
+    triton_modelled: int = 0  # Triton launches counted and not run whose FLOPs are modelled (triton_flops())
+    triton_unmodelled: Counter = field(default_factory=Counter)  # kernel -> launches not run, with no model
+
+    @property
+    def triton_flops(self) -> str:
+        """Where the Triton launches' FLOPs come from: "counted" (the interpreter's tl.dot), "modelled"
+        (:func:`triton_flops`, launches not run), both, "none" (no Triton launch), or what is left out."""
+        if self.triton_unmodelled:
+            return "left out for " + ", ".join(f"{n} x {k}" for k, n in sorted(self.triton_unmodelled.items()))
+        if not self.triton_launches:
+            return "none"
+        if not self.triton_modelled:
+            return "counted"
+        return "modelled" if self.triton_modelled >= self.triton_launches else "counted and modelled"
 
     @property
     def tensor_core_flops(self) -> int:
@@ -133,7 +180,7 @@ class Cost:
         return sum(v for k, v in self.flops.items() if k not in TENSOR_CORE_DTYPES)
 
     def as_dict(self, top: int = 25) -> dict:
-        fields = ("launches", "triton_launches", "syncs", "plugin_syncs", "host_reads", "bytes")
+        fields = ("launches", "triton_launches", "triton_modelled", "syncs", "plugin_syncs", "host_reads", "bytes")
         return {
             **{name: getattr(self, name) for name in fields},
             "flops": dict(sorted(self.flops.items())),
@@ -143,6 +190,8 @@ class Cost:
             "sync_sites": dict(self.sync_sites.most_common()),
             "plugin_launches": sum(self.launch_sites.values()),
             "plugin_launch_sites": dict(self.launch_sites.most_common(top)),
+            "triton_flops": self.triton_flops,
+            "triton_unmodelled": dict(sorted(self.triton_unmodelled.items())),
         }
 
 
@@ -248,6 +297,19 @@ class CostCounter:
         self.cost.bytes += nbytes
         if flops:
             self.cost.flops[dtype] = self.cost.flops.get(dtype, 0) + flops
+
+    def modelled(self, kernel, args, kwargs, grid) -> None:
+        """A Triton launch counted and not run: its FLOPs by :func:`triton_flops`, scaled as a counted
+        tl.dot is; a kernel with no model is named in ``triton_unmodelled``."""
+        name = getattr(kernel, "__name__", "kernel")
+        flops = triton_flops(name, kernel_arguments(kernel, args, kwargs), grid)
+        if flops is None:
+            self.cost.triton_unmodelled[name] += 1
+            return
+        self.cost.triton_modelled += 1
+        scale = self.flop_scale("triton", []) if self.flop_scale else 1.0
+        for key, n in flops.items():
+            self.cost.flops[key] = self.cost.flops.get(key, 0) + round(n * scale)
 
     def on_dispatch(self, func, args, kwargs):
         out = func(*args, **kwargs)
@@ -375,7 +437,8 @@ def _foreach_on_cpu():
 
 @contextlib.contextmanager
 def _triton_counted(counter: CostCounter):
-    """Each Triton launch counted once (its torch operations not), and the interpreter's tl.dot FLOPs."""
+    """Each Triton launch counted once (its torch operations not), and its FLOPs: the interpreter's
+    tl.dot products as they run, or, for a launch counted and not run, :func:`triton_flops`' model."""
     try:
         from triton.runtime import interpreter, jit
     except ImportError:
@@ -387,15 +450,19 @@ def _triton_counted(counter: CostCounter):
         original = cls.run
 
         def run(self, *args, grid, warmup, **kwargs):
-            if not warmup and not counter._quiet:
+            counted = not warmup and not counter._quiet
+            if counted:
                 counter.launch(
                     f"triton:{getattr(self, '__name__', 'kernel')}", sum(map(_nbytes, _tensors((args, kwargs))))
                 )
                 counter.cost.triton_launches += counter.recording
-            if counter.triton_not_run and not warmup:
-                return None
-            counter._quiet += 1
+            counter._quiet += 1  # the model reads a tensor (the select's samples), the outputs are zeroed: quietly
             try:
+                if counter.triton_not_run and not warmup:
+                    if counted and counter.recording:
+                        counter.modelled(self, args, kwargs, grid)
+                    _zero_outputs(self, args, kwargs)
+                    return None
                 return original(self, *args, grid=grid, warmup=warmup, **kwargs)
             finally:
                 counter._quiet -= 1
@@ -403,13 +470,13 @@ def _triton_counted(counter: CostCounter):
         patched.append((cls, "run", original))
         cls.run = run
 
-    def create_dot(self, a, b, *rest, **kwargs):
+    def create_dot(self, a, b, d, input_precision, *rest, **kwargs):
         if counter.recording:
-            flops = 2 * a.data.shape[-2] * a.data.shape[-1] * b.data.shape[-1]
+            key, passes = dot_key(str(a.dtype.scalar), getattr(input_precision, "name", str(input_precision)))
+            flops = passes * 2 * a.data.shape[-2] * a.data.shape[-1] * b.data.shape[-1]
             flops = round(flops * counter.flop_scale("triton", [])) if counter.flop_scale else flops
-            dtype = str(a.dtype.scalar)
-            counter.cost.flops[dtype] = counter.cost.flops.get(dtype, 0) + flops
-        return original_dot(self, a, b, *rest, **kwargs)
+            counter.cost.flops[key] = counter.cost.flops.get(key, 0) + flops
+        return original_dot(self, a, b, d, input_precision, *rest, **kwargs)
 
     launches(jit.JITFunction)
     launches(interpreter.InterpretedFunction)
@@ -423,7 +490,173 @@ def _triton_counted(counter: CostCounter):
             setattr(cls, name, original)
 
 
+# -- the fused route's Triton kernels, modelled -----------------------------------------------------
+# A launch counted and not run (CostCounter.triton_not_run: the interpreter would take hours at the long
+# rows' lengths) gets the FLOPs of the products its kernel makes: per (row tile, key tile) pair the kernel
+# visits, the tl.dot products the kernel's loop body makes there, each 2 BLOCK_M BLOCK_N BLOCK_D FLOPs
+# (the padded head dim, as the interpreter's count), at its operands' precision. The tiles are the
+# kernel's own loop bounds over its grid (causal ones included); tests/lab/test_gpu_cost_triton_flops.py
+# holds the model to the interpreter's count, kernel by kernel.
+def dot_key(dtype: str, precision: str = "ieee") -> Tuple[str, int]:
+    """(FLOPs key, passes) of a tl.dot with operands of ``dtype`` ("fp32", "bf16", ...) at
+    ``precision`` (its input_precision, "ieee", "tf32", "tf32x3", ...): float32 operands give "fp32"
+    at "ieee", "tf32" at "tf32" (tensor cores), and a "<kind>x<n>" precision n passes of <kind>; half or
+    double operands their own dtype whatever the precision."""
+    precision = str(getattr(precision, "value", precision)).lower()
+    if dtype != "fp32" or precision == "ieee":
+        return dtype, 1
+    kind, _, passes = precision.partition("x")
+    return kind, int(passes) if passes.isdigit() else 1
+
+
+def kernel_arguments(kernel, args, kwargs) -> dict:
+    """A Triton launch's arguments by the kernel's parameter names (defaults filled in; launch options
+    such as ``num_warps`` left out)."""
+    fn = getattr(kernel, "fn", kernel)
+    signature = inspect.signature(fn)
+    bound = signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters})
+    bound.apply_defaults()
+    return {k: getattr(v, "value", v) for k, v in bound.arguments.items()}  # a tl.constexpr as its value
+
+
+def _key_tiles(a: dict, start_m: int, end: Optional[int] = None) -> int:
+    """The key tiles ``range(0, end, BLOCK_N)`` visits for the row block at ``start_m``; ``end`` by default
+    the kernels' ``_causal_end``: S, or with CAUSAL min(S, start_m + BLOCK_M + S - T)."""
+    if end is None:
+        end = min(a["S"], start_m + a["BLOCK_M"] + a["S"] - a["T"]) if a["CAUSAL"] else a["S"]
+    return max(0, -(-end // a["BLOCK_N"]))
+
+
+def _row_tiles(a: dict, start_n: int) -> int:
+    """The row tiles the dk, dv kernel visits for the key block at ``start_n``: ``range(first, T,
+    BLOCK_M)``, ``first`` the first row block that may attend one of its keys (0 unless CAUSAL)."""
+    first = max(0, start_n - (a["S"] - a["T"])) // a["BLOCK_M"] * a["BLOCK_M"] if a["CAUSAL"] else 0
+    return max(0, -(-(a["T"] - first) // a["BLOCK_M"]))
+
+
+def _row_blocks(a: dict, grid) -> int:
+    """Tile pairs of a kernel whose programs are (row block, head) and loop over key tiles."""
+    return grid[1] * sum(_key_tiles(a, pid * a["BLOCK_M"]) for pid in range(grid[0]))
+
+
+def _ad_drop(a: dict) -> int:
+    """1 where the kernel's rule is AD-DROP's (its tiles also make the attribution product), else 0."""
+    from attn_reg_plugin.core.fused_edit import AD_DROP
+
+    return int(a["RULE"] == AD_DROP)
+
+
+def _forward_products(a, grid):
+    tiles = _row_blocks(a, grid)  # q k^T, p v, and the attribution score under AD_DROP
+    return {"Q": tiles, "V": tiles, "ATTR": tiles * _ad_drop(a)}
+
+
+def _backward_q_products(a, grid):
+    tiles = _row_blocks(a, grid)  # q k^T, dO v^T, ds k, and the attribution score under AD_DROP
+    return {"Q": tiles, "DO": tiles, "K": tiles, "ATTR": tiles * _ad_drop(a)}
+
+
+def _backward_kv_products(a, grid):
+    # programs (key block, key/value head), each over the GROUP query heads of its head and their row tiles:
+    # q k^T and ds^T q, dO v^T and p^T dO, and the attribution score under AD_DROP
+    tiles = grid[1] * a["GROUP"] * sum(_row_tiles(a, pid * a["BLOCK_N"]) for pid in range(grid[0]))
+    return {"Q": 2 * tiles, "DO": 2 * tiles, "ATTR": tiles * _ad_drop(a)}
+
+
+def _row_counts_products(a, grid):
+    return {"ATTR": _row_blocks(a, grid) * _ad_drop(a)}  # the drops' attribution score, AD_DROP only
+
+
+def _inspect_products(a, grid):
+    # one tile a program: the stored attribution score, and the drops' own under AD_DROP
+    return {"ATTR": grid[0] * grid[1] * grid[2] * (1 + _ad_drop(a))}
+
+
+def _scores_products(a, grid):
+    return {"ATTR": grid[0] * grid[1] * grid[2]}  # one attribution score tile a program
+
+
+def _select_products(a, grid):
+    """fused_select's radix select: per program 8 levels over its ranked keys (none in a sample
+    ``SAMPLES`` leaves out) and one pass over all it may attend, an attribution score a key tile."""
+    chosen = a["SAMPLES"].tolist() if a["HAS_SAMPLES"] else None
+    tiles = 0
+    for bh in range(grid[1]):
+        taken = chosen is None or bool(chosen[bh // a["H"]])
+        for pid in range(grid[0]):
+            end = _key_tiles(a, pid * a["BLOCK_M"])
+            tiles += 8 * (end if taken else 0) + end
+    return {"ATTR": tiles}
+
+
+# kernel name -> (its arguments, its grid) -> {operand argument: tile products whose operands it holds}
+TRITON_MODELS: Dict[str, Callable[[dict, tuple], Dict[str, int]]] = {
+    "_forward_kernel": _forward_products,
+    "_backward_q_kernel": _backward_q_products,
+    "_backward_kv_kernel": _backward_kv_products,
+    "_row_counts_kernel": _row_counts_products,
+    "_inspect_kernel": _inspect_products,
+    "_scores_kernel": _scores_products,
+    "_region_kernel": lambda a, grid: {},  # sorts whole rows of stored scores: no product
+    "_select_kernel": _select_products,
+}
+
+
+# kernel name -> the arguments it writes: a launch not run leaves them zero (as allocated they may hold
+# anything, NaN too, which would reach the loss, the gradients and the benchmark's shared model)
+TRITON_OUTPUTS: Dict[str, Tuple[str, ...]] = {
+    "_forward_kernel": ("OUT", "LSE"),
+    "_backward_q_kernel": ("DELTA", "DQ"),
+    "_backward_kv_kernel": ("DK", "DV"),
+    "_row_counts_kernel": ("KEEP",),  # COUNTS is added to, from the zeros it was made with
+    "_inspect_kernel": ("CODES", "SCORES"),
+    "_scores_kernel": ("SCORES",),
+    "_region_kernel": ("THRESHOLD", "LAST_TIE", "LOWEST"),
+    "_select_kernel": ("THRESHOLD", "LAST_TIE", "LOWEST"),
+}
+
+
+def _zero_outputs(kernel, args, kwargs) -> None:
+    """A launch not run: the arguments its kernel writes (:data:`TRITON_OUTPUTS`) set to zero."""
+    names = TRITON_OUTPUTS.get(getattr(kernel, "__name__", ""), ())
+    if names:
+        arguments = kernel_arguments(kernel, args, kwargs)
+        for name in names:
+            if isinstance(arguments.get(name), torch.Tensor):
+                arguments[name].zero_()
+
+
+def triton_flops(name: str, arguments: dict, grid) -> Optional[Dict[str, int]]:
+    """{FLOPs key: FLOPs} of one launch of the fused route's kernel ``name`` (:data:`TRITON_MODELS`) with
+    ``arguments`` (:func:`kernel_arguments`) over ``grid``, at each product's precision
+    (:func:`dot_key`: its operands' dtype, and the kernel's ``DOT_PRECISION``, "ieee" where it has none);
+    None for a kernel with no model."""
+    model = TRITON_MODELS.get(name)
+    if model is None:
+        return None
+    grid = grid(arguments) if callable(grid) else grid
+    grid = (*grid, 1, 1, 1)[:3]
+    tile = 2 * arguments.get("BLOCK_M", 0) * arguments.get("BLOCK_N", 0) * arguments.get("BLOCK_D", 0)
+    out: Dict[str, int] = {}
+    for operand, products in model(arguments, grid).items():
+        if products:
+            dtype = _DTYPE_NAMES.get(arguments[operand].dtype, str(arguments[operand].dtype).replace("torch.", ""))
+            key, passes = dot_key(dtype, arguments.get("DOT_PRECISION", "ieee"))
+            out[key] = out.get(key, 0) + passes * products * tile
+    return out
+
+
 # -- the command ----------------------------------------------------------------------------------
+class _Replaced(argparse.Action):
+    """An option of earlier versions: refused, with what replaced it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(
+            f"{option_string} is gone: {self.default} (--pytorch-path adds the PyTorch path's rows, --run-triton "
+            "runs the Triton kernels in the interpreter instead of modelling their FLOPs)"
+        )
+
+
 def parse_args(argv=None):
     from .gpu_bench import STANDARD_VARIANTS
     from .gpu_cost_fit import long_section
@@ -444,17 +677,20 @@ def parse_args(argv=None):
         help="comma list of fairseq, hf: the standard rows' frameworks (default: both)",
     )
     parser.add_argument(
-        "--fused",
+        "--pytorch-path",
         action="store_true",
-        help="also standard fp32 rows with ATTN_REG_FUSED=1 (the interpreter takes no bf16 call), and long GA "
-        "rows on the fused route with its Triton kernels counted, not run",
+        help="also every row on the PyTorch path (ATTN_REG_FUSED=0), beside the default route's (the fused route, "
+        "ATTN_REG_FUSED=1: a CUDA device's default)",
     )
     parser.add_argument(
-        "--triton-not-run",
+        "--run-triton",
         action="store_true",
-        help="with --fused: the standard fused rows' Triton kernels counted and not run too (minutes in the "
-        "interpreter each; launches and syncs do not depend on their values, their FLOPs are then left out)",
+        help="run the fused route's Triton kernels in the interpreter in the standard fp32 rows and count their "
+        "tl.dot FLOPs, instead of modelling them (slow: half an hour and more a row at the standard sizes; the "
+        "interpreter takes no bf16 call, and the long rows' would take hours: those stay modelled)",
     )
+    for old, new in (("--fused", "the fused route's rows are the default now"), ("--triton-not-run", "the default")):
+        parser.add_argument(old, action=_Replaced, nargs=0, dest=argparse.SUPPRESS, default=new, help=argparse.SUPPRESS)
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -472,8 +708,6 @@ def parse_args(argv=None):
     opts.rows = [r.strip() for r in opts.rows.split(",") if r.strip()]
     if not opts.rows or any(r not in ROW_SETS for r in opts.rows):
         parser.error(f"--rows: a comma list of {', '.join(ROW_SETS)}; got {','.join(opts.rows) or 'nothing'}")
-    if opts.triton_not_run and not opts.fused:
-        parser.error("--triton-not-run is an option of --fused's rows: give --fused too")
     opts.frameworks = [f.strip() for f in opts.frameworks.split(",") if f.strip()]
     if not opts.frameworks or any(f not in ("fairseq", "hf") for f in opts.frameworks):
         parser.error(f"--frameworks: a comma list of fairseq, hf; got {','.join(opts.frameworks) or 'nothing'}")
@@ -514,8 +748,8 @@ def main(argv=None) -> dict:
     for r in result.get("compile", []):
         reasons = "; ".join(f"{n} x {why}" for why, n in r["reasons"].items()) or "none"
         print(
-            f"\ncompiled whole, hf fp32 {r['variant']}: {r['graphs']} graphs, so {r['breaks']} breaks; "
-            f"dynamo's reasons: {reasons}"
+            f"\ncompiled whole, hf fp32 {r['variant']} ({r['route_label']}): {r['graphs']} graphs, so {r['breaks']} "
+            f"breaks; dynamo's reasons: {reasons}"
         )
     print(f"\n{len(rows)} rows in {result['seconds']:.0f} s on {result['cpu']} at {result['commit']}")
     if opts.out is not None:

@@ -5,17 +5,30 @@ training steps at its standard sizes, fairseq and HF, fp32 and bf16, plain and
 :data:`~.gpu_bench.STANDARD_VARIANTS`. ``long4k`` and ``long16k`` are its long section's Llama-shaped
 decoder (plain, GA, AttendOut, HiddenCut; bf16, gradient checkpointing, the Trainers) at 4,096 and
 16,384 tokens, counted at a reduced size (:data:`LONG_COUNTED`, :func:`long_cost`). There, FLOPs are
-scaled to the real size (:func:`long_flop_scale`) and bytes are the counted model's.
+scaled to the real size (:func:`long_flop_scale`; a Triton kernel's by the query heads) and bytes are
+the counted model's.
 
-The fit pairs each counted standard row with the committed H200 row of the same framework, variant and
-dtype (``docs/results/gpu_bench/nvidia-h200_*.json``), and fits the H200 step time by least squares:
+Routes (:func:`routes`, each row's ``route``, ``route_label`` and ``env``): every row set is counted on
+the GPU's default route, the fused route (``ATTN_REG_FUSED=1``: :func:`on_route` sets it, and the
+plugin's ``devices.FUSED``, for the rows), its Triton kernels counted and not run with the plugin on its
+GPU branches (:func:`as_on_a_gpu`) and their FLOPs modelled (``gpu_cost.triton_flops``); ``fused_calls``
+counts the calls the fused kernel took. ``--pytorch-path`` counts each row set on the PyTorch path
+(``ATTN_REG_FUSED=0``) too, its rows beside the default route's. Each row's ratios are to the plain row of
+its configuration on its route. ``--run-triton``: the standard fp32 rows' kernels run in the interpreter.
+
+The fit pairs counted standard rows with the committed H200 rows of the same framework, variant, dtype
+and route (``docs/results/gpu_bench/nvidia-h200_*.json``; an H200 row names its route in ``route``, else
+it is the PyTorch path's, as every committed one is: they predate the fused route's default). A row on
+the fused route whose fused kernel took no call ran the PyTorch path's code and stands for it where no
+PyTorch path row was counted (:func:`_h200_pairs`). It fits the H200 step time by least squares:
 ``time_ms = a + b * launches + c * syncs`` and its simpler forms (:data:`FIT_MODELS`). The one whose
 ratios to plain come nearest the measured ones predicts (``fit["model"]``; all in
 ``fit["candidates"]``, each with its R²). The long rows' H200 times (by variant and tokens) are
 predicted out of the fit, as a check (``fit["checked_on"]``). Each row gets a predicted time, and a
 predicted ratio to the plain row of its configuration. The H200 rows were measured at the commits their files
 name: ``--fit-counts`` fits them on counts of that code. The targets (issue 80) are the bar for a
-rebuild of the GPU route.
+rebuild of the GPU route: judged on the default route's rows (``judged``), the PyTorch path's verdicts
+beside them (:func:`targets`, :func:`format_targets`).
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
+from . import gpu_cost
 from .gpu_cost import ROUTE_ENV, Cost, CostCounter
 from .paths import REPO
 
@@ -51,7 +65,7 @@ FIT_SECTION = "standard"  # GA's launches over plain's at 16,384 tokens <= 1.1x 
 # kernel.query_block_rows) and its choice to keep or remake the drops (bits against q's bytes: the same
 # head size and dtype) are the real model's, and so are its launches per block.
 LONG_COUNTED = dict(long_width=256, long_heads=4, long_kv_heads=2, long_vocab=1000)
-LONG_METHODS = ("plain", "ga", "attendout", "hiddencut")  # the long rows the H200 measured
+LONG_METHODS = ("plain", "ga", "attendout", "hiddencut")  # the long rows the H200 measured, on each route
 # Every decoder layer runs the same operations: a step is counted at 1 and 2 layers and extrapolated
 # to the real 8 (each further layer adds what the second added).
 LONG_LENGTHS = {"long4k": 4096, "long16k": 16384}
@@ -74,6 +88,64 @@ def count_step(step, counter: Optional[CostCounter] = None) -> Cost:
 
 def _wanted(variant: str, variants: Optional[List[str]]) -> bool:
     return variants is None or variant == "plain" or variant.split("+")[0] in variants
+
+
+# The routes a CUDA device takes for a regularized call: (ATTN_REG_FUSED, the label of its rows).
+ROUTES = {
+    "fused": ("1", "fused route (CUDA default)"),
+    "pytorch": ("0", "PyTorch path (ATTN_REG_FUSED=0)"),
+}
+NO_FUSED_ROUTE = "PyTorch path (no fused route in this code)"  # a checkout from before core/fused_edit.py
+
+
+def has_fused_route() -> bool:
+    """Whether the plugin counted has the fused Triton route (core/fused_edit.py; not at 04d1e36, say)."""
+    try:
+        from attn_reg_plugin.core import devices, fused_edit  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(devices, "FUSED")
+
+
+def routes(opts) -> List[str]:
+    """The routes whose rows are counted: the GPU's default (the fused route, where the code has one),
+    and the PyTorch path too with ``--pytorch-path``."""
+    if not has_fused_route():
+        return ["pytorch"]
+    return ["fused", *(["pytorch"] if getattr(opts, "pytorch_path", False) else [])]
+
+
+def route_label(route: str) -> str:
+    return ROUTES[route][1] if route == "fused" or has_fused_route() else NO_FUSED_ROUTE
+
+
+@contextlib.contextmanager
+def on_route(route: str) -> Iterator[List[int]]:
+    """The plugin on ``route`` for a while: ATTN_REG_FUSED set to "1" or "0" (``devices.FUSED`` True or
+    False, which the plugin read from it once), never left to its default (which turns the fused route on
+    for a CUDA tensor only); yields [the calls the fused kernel took]."""
+    if not has_fused_route():
+        yield [0]
+        return
+    from attn_reg_plugin.core import devices, fused_edit
+
+    calls, original = [0], fused_edit.fused_edit_attention
+    before = devices.FUSED, os.environ.get(devices.FUSED_ENV)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    os.environ[devices.FUSED_ENV] = ROUTES[route][0]
+    devices.FUSED, fused_edit.fused_edit_attention = route == "fused", counted
+    try:
+        yield calls
+    finally:
+        devices.FUSED, fused_edit.fused_edit_attention = before[0], original
+        if before[1] is None:
+            os.environ.pop(devices.FUSED_ENV, None)
+        else:
+            os.environ[devices.FUSED_ENV] = before[1]
 
 
 @contextlib.contextmanager
@@ -101,6 +173,9 @@ def count_rows(opts, log) -> Tuple[List[dict], dict]:
     with gpu_route() as route:
         if route["triton_interpret"] is False:
             log("note: Triton is not in its interpreter (TRITON_INTERPRET=1 before Triton is imported): no fused call")
+        route["routes"] = {r: route_label(r) for r in routes(opts)}
+        route["default"] = routes(opts)[0]
+        route["triton"] = "run in the interpreter (fp32 rows)" if getattr(opts, "run_triton", False) else "modelled"
         for row_set in opts.rows:
             rows += standard_rows(opts, log) if row_set == "standard" else long_rows(row_set, opts, log)
     return rows, route
@@ -131,44 +206,53 @@ def standard_step(bench, framework: str, variant: str):
 
 
 def standard_rows(opts, log) -> List[dict]:
-    """``attn-reg-gpu-bench``'s standard rows, with ``+fused`` rows (``--fused``) in fp32 only: Triton's
-    interpreter gets a bf16 dot wrong, and so the plugin does not route bf16 calls there."""
+    """``attn-reg-gpu-bench``'s standard rows, on each of :func:`routes` (the PyTorch path's beside the
+    default route's, per configuration). On the fused route the Triton kernels are counted and not run
+    (:func:`as_on_a_gpu`), unless ``--run-triton`` runs an fp32 row's in the interpreter (it takes no bf16
+    call: its bf16 tl.dot comes out wrong)."""
     from .gpu_bench import STANDARD_VARIANTS
 
-    fused_kernel = long_section().fused_kernel
-
     names = [v for v in ("plain", *STANDARD_VARIANTS) if _wanted(v, opts.variants)]
-    fused = [f"{v}+fused" for v in ("ad-drop-ga-all", "dropkey") if opts.fused and _wanted(v, opts.variants)]
     rows = []
     for framework in getattr(opts, "frameworks", ("fairseq", "hf")):
         for dtype in ("fp32", "bf16"):
             bench = standard_bench(framework, dtype, opts, log)
-            not_run = getattr(opts, "triton_not_run", False)  # bf16 then too: the interpreter runs no kernel
-            for name in names + (fused if dtype == "fp32" or not_run else []):
-                variant = name.split("+")[0]
-                row = {"section": "standard", "framework": framework, "variant": name, "dtype": dtype}
-                row.update(tokens=bench.tokens["train"], configuration=f"{framework} {dtype}")
-                row["description"] = bench.batch_descriptions["train"]
-                step = standard_step(bench, framework, variant)
-                if step is None:
-                    rows.append({**row, "status": f"not counted: the benchmark has no {variant} step in {dtype}"})
-                    continue
-                started = time.time()
-                # (the plain path's rows ask nothing of fused_edit: the fit's counts of older code have none)
-                fused_context = fused_kernel(True) if name.endswith("+fused") else contextlib.nullcontext([0])
-                counter = CostCounter()
-                counter.triton_not_run = name.endswith("+fused") and not_run
-                with fused_context as fused_calls, _bf16_routed(counter.triton_not_run):
-                    cost = count_step(step, counter)
-                row.update(cost.as_dict(), status="ok", seconds=round(time.time() - started, 1))
-                if name.endswith("+fused"):
-                    row["fused_calls"] = fused_calls[0]
-                if counter.triton_not_run:
-                    row["note"] = FUSED_NOT_RUN
-                log(f"{framework} {dtype} {name}: {cost.launches} launches, {cost.syncs} syncs ({row['seconds']} s)")
-                rows.append(row)
+            for route in routes(opts):
+                not_run = route == "fused" and not (getattr(opts, "run_triton", False) and dtype == "fp32")
+                for name in names:
+                    row = {"section": "standard", "framework": framework, "variant": name, "dtype": dtype}
+                    row.update(tokens=bench.tokens["train"], configuration=f"{framework} {dtype}")
+                    row.update(route=route, route_label=route_label(route))
+                    row["description"] = bench.batch_descriptions["train"]
+                    step = standard_step(bench, framework, name)
+                    if step is None:
+                        rows.append({**row, "status": f"not counted: the benchmark has no {name} step in {dtype}"})
+                        continue
+                    started = time.time()
+                    counter = CostCounter()
+                    counter.triton_not_run = not_run
+                    with on_route(route) as fused_calls, as_on_a_gpu(not_run):
+                        cost = count_step(step, counter)
+                    row.update(cost.as_dict(), status="ok", seconds=round(time.time() - started, 1))
+                    _mark_route(row, route, fused_calls[0], not_run)
+                    log(
+                        f"{framework} {dtype} {name}, {row['route_label']}: {cost.launches} launches, {cost.syncs} "
+                        f"syncs ({row['seconds']} s)"
+                    )
+                    rows.append(row)
             del bench
     return rows
+
+
+def _mark_route(row: dict, route: str, fused_calls: int, not_run: bool) -> None:
+    """A counted row's route fields: the calls the fused kernel took, and how its Triton FLOPs were had."""
+    if route == "fused":
+        row["fused_calls"] = fused_calls
+        row["env"] = {"ATTN_REG_FUSED": ROUTES[route][0]}
+    elif has_fused_route():
+        row["env"] = {"ATTN_REG_FUSED": ROUTES[route][0]}
+    if not_run and row.get("triton_launches"):
+        row["note"] = FUSED_NOT_RUN
 
 
 def long_flop_scale(real: dict) -> Callable[[str, list], float]:
@@ -209,9 +293,9 @@ def long_flop_scale(real: dict) -> Callable[[str, list], float]:
 def combine(terms: Sequence[Tuple[float, Cost]]) -> Cost:
     """sum(coefficient * cost) over ``terms``, field by field, rounded."""
     out = Cost()
-    for name in ("launches", "triton_launches", "syncs", "plugin_syncs", "host_reads", "bytes"):
+    for name in ("launches", "triton_launches", "triton_modelled", "syncs", "plugin_syncs", "host_reads", "bytes"):
         setattr(out, name, round(sum(c * getattr(cost, name) for c, cost in terms)))
-    for name in ("flops", "ops", "sync_sites"):
+    for name in ("flops", "ops", "sync_sites", "triton_unmodelled"):
         keys = {k for _, cost in terms for k in getattr(cost, name)}
         values = {k: round(sum(c * getattr(cost, name).get(k, 0) for c, cost in terms)) for k in keys}
         values = {k: v for k, v in values.items() if v}
@@ -220,9 +304,9 @@ def combine(terms: Sequence[Tuple[float, Cost]]) -> Cost:
 
 
 def long_section() -> argparse.Namespace:
-    """gpu_bench_long's trainer(method, opts, tokens, steps), fused_kernel, fused_methods and variant_names.
-    Before the long section had a module of its own (04d1e36, whose code the H200's standard rows
-    measured), gpu_bench's: these two modules copied into such a checkout count its code."""
+    """gpu_bench_long's trainer(method, opts, tokens, steps) and variant_names. Before the long section
+    had a module of its own (04d1e36, whose code the H200's standard rows measured), gpu_bench's: these
+    two modules copied into such a checkout count its code."""
     from . import gpu_bench
 
     if hasattr(gpu_bench, "_long_trainer"):  # the long section still in gpu_bench
@@ -230,48 +314,44 @@ def long_section() -> argparse.Namespace:
         def trainer(method, opts, tokens, steps):
             return gpu_bench._long_trainer(method, argparse.Namespace(**vars(opts), long_steps=steps), tokens, None)
 
-        fused = lambda on: contextlib.nullcontext([0])
-        return argparse.Namespace(
-            trainer=trainer, fused_kernel=fused, fused_methods={}, variant_names=gpu_bench.LONG_VARIANT_NAMES
-        )
+        return argparse.Namespace(trainer=trainer, variant_names=gpu_bench.LONG_VARIANT_NAMES)
     from . import gpu_bench_long as long
 
-    return argparse.Namespace(
-        trainer=long._long_trainer, fused_kernel=long.fused_kernel, fused_methods=long.FUSED_METHODS,
-        variant_names=long.LONG_VARIANT_NAMES,
-    )  # fmt: skip
+    return argparse.Namespace(trainer=long._long_trainer, variant_names=long.LONG_VARIANT_NAMES)
 
 
-def long_cost(method: str, tokens: int, scale, layers: int, log) -> Tuple[Cost, dict]:
-    """The step at ``layers`` layers from the steps counted at 1 and 2, and how it was counted."""
-    counted = []
+def long_cost(method: str, tokens: int, scale, layers: int, log, route: str = "pytorch") -> Tuple[Cost, dict]:
+    """The step at ``layers`` layers from the steps counted at 1 and 2 on ``route``, and how it was counted."""
+    counted, calls = [], 0
     for n in (1, 2):
         started = time.time()
         with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its metrics
-            counted.append(_count_long(method, tokens, n, scale))
+            cost, fused_calls = _count_long(method, tokens, n, scale, route)
+        counted.append(cost)
+        calls += fused_calls
         log(f"  long {method}: {tokens} tokens, {n} layer(s) counted in {time.time() - started:.0f} s")
     one, two = counted
-    how = {"counted_layers": {"1": one.launches, "2": two.launches}}
+    how = {"counted_layers": {"1": one.launches, "2": two.launches}, "fused_calls": calls}
     return combine([(2 - layers, one), (layers - 1, two)]), how
 
 
-def _count_long(method: str, tokens: int, layers: int, scale) -> Cost:
-    """One Trainer step of the long model at ``layers`` layers and ``tokens`` tokens, after an uncounted
-    one of WARMUP_TOKENS."""
+def _count_long(method: str, tokens: int, layers: int, scale, route: str = "pytorch") -> Tuple[Cost, int]:
+    """(the cost of one Trainer step of the long model at ``layers`` layers and ``tokens`` tokens on
+    ``route``, after an uncounted one of WARMUP_TOKENS; the fused kernel's calls in both steps). On the
+    fused route its Triton kernels are counted and not run (the interpreter would take hours at these
+    lengths; FUSED_NOT_RUN)."""
     import shutil
 
     import transformers
 
     opts = argparse.Namespace(long_layers=layers, device="cpu", **LONG_COUNTED)
-    long = long_section()
-    trainer = long.trainer(long.fused_methods.get(method, method), opts, tokens, 2)
+    trainer = long_section().trainer(method, opts, tokens, 2)
     warm = {k: v[:WARMUP_TOKENS] for k, v in trainer.train_dataset[0].items()}
     trainer.train_dataset = [warm, trainer.train_dataset[1]]
     trainer.args.train_sampling_strategy = "sequential"  # the short step first
     counter = CostCounter()
     counter.flop_scale = scale
-    fused = method in long.fused_methods
-    counter.triton_not_run = fused  # the interpreter would take hours at these lengths (FUSED_NOT_RUN)
+    counter.triton_not_run = route == "fused"
 
     class Recorded(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -282,32 +362,44 @@ def _count_long(method: str, tokens: int, layers: int, scale) -> Cost:
 
     trainer.add_callback(Recorded())
     try:
-        with long.fused_kernel(fused), _bf16_routed(fused), counter.counting():
+        with on_route(route) as fused_calls, as_on_a_gpu(counter.triton_not_run), counter.counting():
             trainer.train()
     finally:
         shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
-    return counter.cost
+    return counter.cost, fused_calls[0]
 
 
 @contextlib.contextmanager
-def _bf16_routed(on: bool) -> Iterator[None]:
-    """The fused route takes bf16 calls while on, as on a GPU: in the interpreter it refuses them (a bf16
-    tl.dot comes out wrong there), which does not matter to kernels counted and not run."""
+def as_on_a_gpu(on: bool) -> Iterator[None]:
+    """While on (the fused route's Triton kernels counted and not run), the plugin takes the choices it
+    takes on a GPU, not those it takes for Triton's interpreter: Triton's ``interpret`` knob off (the
+    kernels stay the interpreter's, launched and not run), so the fused route's tiles are the compiled 64
+    wide (``fused_edit._grid_sizes``), its attribution operands half precision where the attribution pass
+    was (``fused_edit.attribution_operands``), and ``fused_edit.available`` takes every call, bf16 too (in
+    the interpreter it refuses them: a bf16 tl.dot comes out wrong there, which does not matter to
+    kernels not run)."""
+    if not on or not has_fused_route():
+        yield
+        return
+    import triton
+
     from attn_reg_plugin.core import fused_edit
 
-    original = fused_edit.available
-    if on:
-        fused_edit.available = lambda q: True
+    original, interpreting = fused_edit.available, triton.knobs.runtime.interpret
+    fused_edit.available = lambda q: True
+    triton.knobs.runtime.interpret = False
     try:
         yield
     finally:
         fused_edit.available = original
+        triton.knobs.runtime.interpret = interpreting
 
 
-# What a long fused row's numbers are (its "note").
+# What a fused row's numbers are (its "note") when its Triton kernels were counted and not run.
 FUSED_NOT_RUN = (
-    "fused route, its Triton kernels counted and not run (their outputs left as allocated): launches and "
-    "syncs as on a GPU; the kernels' FLOPs and bytes not counted"
+    "fused route, its Triton kernels counted and not run (the tensors they write left zero), the plugin on its "
+    "GPU branches (64-wide tiles): launches and syncs as on a GPU; the kernels' FLOPs modelled from the tiles "
+    "they visit (gpu_cost.triton_flops), their bytes their arguments' sizes"
 )
 
 
@@ -317,8 +409,6 @@ def long_rows(row_set: str, opts, log) -> List[dict]:
     tokens, c = (QUICK_LONG_LENGTHS if opts.quick else LONG_LENGTHS)[row_set], LONG_COUNTED
     names = long_section().variant_names
     methods = [m for m in LONG_METHODS if _wanted(names[m], opts.variants)]
-    if opts.fused and "ga" in methods:  # the GPU route with ATTN_REG_FUSED=1
-        methods.append("ga-fused")
     how = (
         f"Llama-shaped decoder, bf16, gradient checkpointing, batch 1; counted at {c['long_heads']}/"
         f"{c['long_kv_heads']} heads x 64 (width {c['long_width']}, vocabulary {c['long_vocab']}) and "
@@ -326,21 +416,26 @@ def long_rows(row_set: str, opts, log) -> List[dict]:
         f"heads, width {real['long_width']}, vocabulary {real['long_vocab']}; bytes of the counted width"
     )
     rows = []
-    for method in methods:
-        row = {"section": "long", "framework": "hf", "variant": names[method], "dtype": "bf16"}
-        row.update(tokens=tokens, configuration=f"{row_set} (hf bf16, {tokens} tokens)", description=how)
-        started = time.time()
-        try:
-            cost, counted = long_cost(method, tokens, long_flop_scale(real), real["long_layers"], log)
-        except Exception as error:  # one method's failure is its row's
-            rows.append({**row, "status": f"error: {type(error).__name__}: {error}"})
-            log(f"{row_set} {method}: {rows[-1]['status']}")
-            continue
-        row.update({**cost.as_dict(), **counted}, status="ok", seconds=round(time.time() - started, 1))
-        if method in long_section().fused_methods:
-            row["note"] = FUSED_NOT_RUN
-        log(f"{row_set} {method}: {cost.launches} launches, {cost.syncs} syncs ({row['seconds']} s)")
-        rows.append(row)
+    for route in routes(opts):
+        for method in methods:
+            row = {"section": "long", "framework": "hf", "variant": names[method], "dtype": "bf16"}
+            row.update(tokens=tokens, configuration=f"{row_set} (hf bf16, {tokens} tokens)", description=how)
+            row.update(route=route, route_label=route_label(route))
+            started = time.time()
+            try:
+                cost, counted = long_cost(method, tokens, long_flop_scale(real), real["long_layers"], log, route)
+            except Exception as error:  # one method's failure is its row's
+                rows.append({**row, "status": f"error: {type(error).__name__}: {error}"})
+                log(f"{row_set} {method}, {row['route_label']}: {rows[-1]['status']}")
+                continue
+            fused_calls = counted.pop("fused_calls")
+            row.update({**cost.as_dict(), **counted}, status="ok", seconds=round(time.time() - started, 1))
+            _mark_route(row, route, fused_calls, route == "fused")
+            log(
+                f"{row_set} {method}, {row['route_label']}: {cost.launches} launches, {cost.syncs} syncs "
+                f"({row['seconds']} s)"
+            )
+            rows.append(row)
     return rows
 
 
@@ -354,16 +449,45 @@ def h200_rows(folder: Optional[Path] = None) -> List[dict]:
     return rows
 
 
+def row_route(row: dict) -> str:
+    """The route a row counts or measured: its ``route``; a row without one (an H200 row, a count of older
+    code) the PyTorch path, unless its variant names the fused route (``+fused``, ``-fused``: GA with
+    ATTN_REG_FUSED=1). Every committed H200 row predates the fused route's default: an H200 row measured
+    since must say its route."""
+    if row.get("route"):
+        return row["route"]
+    return "fused" if row["variant"].endswith(("+fused", "-fused")) else "pytorch"
+
+
+def row_method(row: dict) -> str:
+    """The row's method, without a route's suffix."""
+    variant = row["variant"]
+    return variant[: -len("+fused")] if variant.endswith(("+fused", "-fused")) else variant
+
+
 def row_key(row: dict) -> Tuple:
-    """One configuration and method: standard by framework, variant and dtype; long by variant and tokens."""
+    """One configuration, method and route: standard by framework, variant and dtype; long by variant and
+    tokens; then the route (:func:`row_route`)."""
     if row["section"] == "standard":
-        return ("standard", row["framework"], row["variant"], row["dtype"])
-    return ("long", row["variant"], row["tokens"])
+        return ("standard", row["framework"], row_method(row), row["dtype"], row_route(row))
+    return ("long", row_method(row), row["tokens"], row_route(row))
 
 
 def config_key(row: dict) -> Tuple:
-    """The rows one plain row is the reference of."""
-    return row_key({**row, "variant": "plain"})
+    """The rows one plain row is the reference of: its configuration on its route."""
+    return row_key({**row, "variant": "plain", "route": row_route(row)})
+
+
+def _h200_pairs(rows: List[dict], measured: dict) -> List[Tuple[dict, dict]]:
+    """(counted row, H200 row) pairs, at most one counted row an H200 row: the H200 row of the counted
+    row's configuration, method and route, or else, for a row on the fused route whose fused kernel took
+    no call (it ran the PyTorch path's code), the PyTorch path's."""
+    pairs = {row_key(r): (r, measured[row_key(r)]) for r in rows if row_key(r) in measured}
+    for r in rows:
+        key = row_key({**r, "route": "pytorch"})
+        if row_route(r) == "fused" and r.get("fused_calls") == 0 and key in measured and key not in pairs:
+            pairs[key] = (r, measured[key])
+    return list(pairs.values())
 
 
 def least_squares(x: Sequence[Sequence[float]], y: Sequence[float]) -> Tuple[List[float], float]:
@@ -435,30 +559,34 @@ def fit_and_predict(rows: List[dict], h200_dir: Optional[Path] = None, quick: bo
     plain = {config_key(r): r for r in counted if r["variant"] == "plain"}
     measured = {row_key(h): h for h in h200_rows(h200_dir)}
     for r in counted:
-        p, h = plain.get(config_key(r)), measured.get(row_key(r))
+        p = plain.get(config_key(r))
         r["flops_total"] = sum(r["flops"].values())
         if p is not None:
             r["launches_ratio"] = _ratio(r["launches"], p["launches"])
             r["flops_ratio"] = _ratio(r["flops_total"], sum(p["flops"].values()))
             r["bytes_ratio"] = _ratio(r["bytes"], p["bytes"])
+    for r in counted:  # every row of the code an H200 row measured shows it (the fit takes one row each)
+        h = measured.get(row_key(r))
+        if h is None and row_route(r) == "fused" and r.get("fused_calls") == 0:
+            h = measured.get(row_key({**r, "route": "pytorch"}))
         if h is not None:
             r.update(h200_time_ms=h["time_ms"], h200_ratio=h.get("time_ratio"), h200_source=h["source"])
     fitted = counted if fit_counts is None else [r for r in fit_counts[1]["rows"] if r.get("status") == "ok"]
-    paired = [(r, measured[row_key(r)]["time_ms"]) for r in fitted if row_key(r) in measured]
+    paired = [(r, h["time_ms"], h["source"]) for r, h in _h200_pairs(fitted, measured)]
     pairs = [
         {"launches": r["launches"], "syncs": r["syncs"], "time_ms": t, "row": row_key(r), "config": config_key(r)}
-        for r, t in paired
+        for r, t, _ in paired
         if r["section"] == FIT_SECTION
     ]
     model = fit(pairs)
     model["fitted_on"] = [list(p["row"]) for p in pairs]
-    model["sources"] = sorted({measured[p["row"]]["source"] for p in pairs})
+    model["sources"] = sorted({source for r, _, source in paired if r["section"] == FIT_SECTION})
     model["counts"] = "this run's" if fit_counts is None else f"{fit_counts[0]} (at {fit_counts[1].get('commit')})"
     model["note"] = "each H200 row was measured at the commit its file names; the counts are of the code counted"
     model["note"] += "; --quick counts tiny sizes, not the H200 rows' configurations: a smoke test" if quick else ""
     model["checked_on"] = [  # the other H200 rows, predicted out of the fit
         {"row": list(row_key(r)), "measured_ms": t, "predicted_ms": predict(model, r["launches"], r["syncs"])}
-        for r, t in paired
+        for r, t, _ in paired
         if r["section"] != FIT_SECTION
     ]
     for r in counted:
@@ -473,17 +601,26 @@ COMPILE_BREAKS_BOUND = 3  # issue 80: the GA training step under torch.compile
 
 
 def compile_rows(opts, log) -> List[dict]:
-    """The standard HF fp32 plain and GA-all steps, each compiled whole (:mod:`.gpu_cost_compile`):
-    their dynamo graphs and graph breaks, and the target's verdict on GA's."""
+    """The standard HF fp32 plain and GA-all steps on the default route, each compiled whole
+    (:mod:`.gpu_cost_compile`): their dynamo graphs and graph breaks, and the target's verdict on GA's. The
+    fused route steps aside while compiling; its Triton kernels, which the eager step and a compiled step's
+    eager parts launch, are not run (the interpreter would take half an hour)."""
     from .gpu_cost_compile import graph_breaks
 
     bench = standard_bench("hf", "fp32", opts, log)
     rows = []
-    with gpu_route():
+    route = routes(opts)[0]
+    counter = CostCounter()  # counts nothing here (never recording): it keeps the Triton kernels from running
+    counter.triton_not_run = True
+    with gpu_route(), on_route(route) as fused_calls, gpu_cost._triton_counted(counter):
         for variant in ("plain", "ad-drop-ga-all"):
             step = standard_step(bench, "hf", variant)
             row = {"section": "compile", "framework": "hf", "variant": variant, "dtype": "fp32"}
+            row.update(route=route, route_label=route_label(route))
+            calls = fused_calls[0]
             row.update(graph_breaks(step))
+            if route == "fused":
+                row["fused_calls"] = fused_calls[0] - calls  # the eager step's, and a compiled step's eager parts
             log(f"hf fp32 {variant} compiled whole: {row['graphs']} graphs, {row['breaks']} graph breaks")
             rows.append(row)
     ga = rows[-1]
@@ -492,41 +629,64 @@ def compile_rows(opts, log) -> List[dict]:
     ga["targets"] = [{"target": what, "value": ga["breaks"], "met": met}]
     ga["verdict"] = {
         "target": what,
-        "row": ["compile", "hf", ga["variant"], "fp32"],
+        "row": ["compile", "hf", ga["variant"], "fp32", ga["route"]],
         "value": ga["breaks"],
         "bound": COMPILE_BREAKS_BOUND,
         "met": met,
+        "route": ga["route_label"],
+        "judged": True,
     }
     return rows
 
 
+def default_route(rows: List[dict]) -> str:
+    """The route the targets are judged on: the fused route where rows counted it (the GPU's default),
+    else the PyTorch path."""
+    return "fused" if any(row_route(r) == "fused" for r in rows) else "pytorch"
+
+
 def targets(counted: List[dict]) -> List[dict]:
-    """Each target on each row it concerns (also written on the row: ``targets``)."""
+    """Each target on each row it concerns (also written on the row: ``targets``), on each route: judged
+    (``judged``) on the default route's rows (:func:`default_route`), the other route's beside them."""
     out = []
+    default = default_route(counted)
+    order = sorted(counted, key=lambda r: row_route(r) != default)  # the default route's verdicts first
     longest = max((r["tokens"] for r in counted if r["section"] == "long"), default=None)
     for what, section, framework, variant, field, bound in TARGETS:
-        for r in counted:
-            if (r["section"], r["framework"], r["variant"]) == (section, framework, variant):
+        for r in order:
+            if (r["section"], r["framework"], row_method(r)) == (section, framework, variant):
                 if section == "standard" or r["tokens"] == longest:
-                    out.append(_verdict(what, r, r.get(field), bound))
-    plain = {r["tokens"]: r["launches"] for r in counted if r["section"] == "long" and r["variant"] == "plain"}
-    for variant, route in (("ad-drop-ga-all", ""), ("ad-drop-ga-all-fused", ", fused route")):
-        ga = sorted((r for r in counted if r["section"] == "long" and r["variant"] == variant), key=row_key)
-        if len(ga) >= 2 and all(r["tokens"] in plain for r in ga):
-            added = [r["launches"] - plain[r["tokens"]] for r in (ga[0], ga[-1])]
+                    out.append(_verdict(what, r, r.get(field), bound, default))
+    plain = {
+        (row_route(r), r["tokens"]): r["launches"]
+        for r in counted
+        if r["section"] == "long" and r["variant"] == "plain"
+    }
+    for route in sorted({row_route(r) for r in counted}, key=lambda route: route != default):
+        ga = [
+            r for r in counted if r["section"] == "long" and row_method(r) == "ad-drop-ga-all" and row_route(r) == route
+        ]
+        ga = sorted(ga, key=row_key)
+        if len(ga) >= 2 and all((route, r["tokens"]) in plain for r in ga):
+            added = [r["launches"] - plain[route, r["tokens"]] for r in (ga[0], ga[-1])]
             what = (
-                f"GA's added launches at {ga[-1]['tokens']:,} tokens <= {ADDED_LAUNCHES_BOUND}x at "
-                f"{ga[0]['tokens']:,}{route}"
+                f"GA's added launches at {ga[-1]['tokens']:,} tokens <= {ADDED_LAUNCHES_BOUND}x at {ga[0]['tokens']:,}"
             )
-            out.append(_verdict(what, ga[-1], _ratio(added[1], added[0]), ADDED_LAUNCHES_BOUND))
-    out += [_verdict("plugin-added syncs = 0", r, r["plugin_syncs"], 0) for r in counted if r["variant"] != "plain"]
+            out.append(_verdict(what, ga[-1], _ratio(added[1], added[0]), ADDED_LAUNCHES_BOUND, default))
+    out += [
+        _verdict("plugin-added syncs = 0", r, r["plugin_syncs"], 0, default) for r in order if r["variant"] != "plain"
+    ]
     return out
 
 
-def _verdict(what: str, row: dict, value, bound) -> dict:
+def _verdict(what: str, row: dict, value, bound, default: str = "pytorch") -> dict:
     met = value is not None and value <= bound
     row.setdefault("targets", []).append({"target": what, "value": value, "met": met})
-    return {"target": what, "row": list(row_key(row)), "value": value, "bound": bound, "met": met}
+    label = row.get("route_label") or row_route(row)
+    return {
+        "target": what, "row": list(row_key(row)), "value": value, "bound": bound, "met": met, "route": label,
+        "judged": row_route(row) == default,
+    }  # fmt: skip
 
 
 # -- the table ------------------------------------------------------------------------------------
@@ -543,13 +703,14 @@ def _fmt(x, digits: int = 2) -> str:
 
 def format_table(result: dict) -> str:
     lines = [
-        "| configuration | method | launches | × plain | syncs | plugin-added syncs | FLOPs tensor-core / fp32 | FLOPs × plain "
-        "| bytes | predicted H200 × plain | measured H200 × plain | target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | route | method | launches | × plain | syncs | plugin-added syncs | FLOPs tensor-core / fp32 "
+        "| FLOPs × plain | bytes | predicted H200 × plain | measured H200 × plain | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
+        route = r.get("route_label") or row_route(r)
         if r.get("status") != "ok":
-            lines.append(f"| {r['configuration']} | {r['variant']} | {r.get('status')} |" + " |" * 9)
+            lines.append(f"| {r['configuration']} | {route} | {r['variant']} | {r.get('status')} |" + " |" * 9)
             continue
         bars = [
             f"{t['target']}: {t['value']} ({'met' if t['met'] else '**missed**'})"
@@ -557,12 +718,54 @@ def format_table(result: dict) -> str:
             if t["target"] != "plugin-added syncs = 0"
         ]
         cells = [
-            r["configuration"], r["variant"], f"{r['launches']:,}", _fmt(r.get("launches_ratio")), r["syncs"],
+            r["configuration"], route, r["variant"], f"{r['launches']:,}", _fmt(r.get("launches_ratio")), r["syncs"],
             r["plugin_syncs"], f"{_si(r['tensor_core_flops'])} / {_si(r['fp32_flops'])}", _fmt(r.get("flops_ratio")),
             _si(r["bytes"], "B"), _fmt(r.get("predicted_h200_ratio")), _fmt(r.get("h200_ratio")), "; ".join(bars),
         ]  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join([*lines, "", format_fit(result["fit"])])
+    notes = [f"Note: {n}" for n in (_triton_note(result["rows"]),) if n]
+    return "\n".join([*lines, "", *notes, format_targets(result["targets"]), "", format_fit(result["fit"])])
+
+
+def _triton_note(rows: List[dict]) -> str:
+    """Where the table's Triton FLOPs come from (the rows' ``triton_flops``)."""
+    how = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get("triton_flops", "none") != "none":
+            how.setdefault(r["triton_flops"], []).append(r)
+    words = {
+        "modelled": "modelled from the tiles each kernel visits (gpu_cost.triton_flops; its kernels counted and not "
+        "run, as on a GPU: 64-wide tiles)",
+        "counted": "counted from the interpreter's tl.dot (--run-triton: 16-wide tiles)",
+    }
+    parts = [f"{len(rs)} rows {words.get(k, k)}" for k, rs in how.items()]
+    if not parts:
+        return ""
+    flops = "FLOPs tensor-core: bf16, fp16 and tf32 products; fp32: float32 at full precision"
+    return f"the fused route's Triton FLOPs: {'; '.join(parts)}. {flops}."
+
+
+def format_targets(verdicts: List[dict]) -> str:
+    """The targets, each judged on the default route, the other route's verdicts beside."""
+    if not verdicts:
+        return ""
+    by = {}
+    for v in verdicts:
+        by.setdefault(v["target"], {}).setdefault((not v.get("judged", True), v.get("route", "")), []).append(v)
+    lines = []
+    for what, per_route in by.items():
+        parts = []
+        for (beside, route), vs in sorted(per_route.items()):
+            if len(vs) > 3 and all(v["met"] for v in vs):
+                found = f"met in all {len(vs)} rows"
+            else:
+                found = ", ".join(
+                    f"{' '.join(map(str, v['row'][1:-1]))} {v['value']} ({'met' if v['met'] else '**missed**'})"
+                    for v in vs
+                )
+            parts.append(f"{route}{' (beside)' if beside else ''}: {found}")
+        lines.append(f"- {what}: " + "; ".join(parts))
+    return "targets (issue 80), judged on the default route's rows:\n" + "\n".join(lines)
 
 
 def format_fit(model: dict) -> str:

@@ -102,10 +102,10 @@ KERNEL = """
         tl.store(Y + i, tl.load(X + i, mask=i < N) + 1, mask=i < N)
 
     @triton.jit
-    def square(A, C, BLOCK: tl.constexpr):
+    def square(A, C, BLOCK: tl.constexpr):  # a float32 product at Triton's default precision (TF32), and at IEEE
         r = tl.arange(0, BLOCK)
         a = tl.load(A + r[:, None] * BLOCK + r[None, :])
-        tl.store(C + r[:, None] * BLOCK + r[None, :], tl.dot(a, a))
+        tl.store(C + r[:, None] * BLOCK + r[None, :], tl.dot(a, a) + tl.dot(a, a, input_precision="ieee"))
 
     x, a = torch.randn(100), torch.randn(16, 16)
     y, c = torch.empty_like(x), torch.empty_like(a)
@@ -133,8 +133,20 @@ def test_a_triton_launch_counts_once_and_not_the_interpreters_inner_operations(t
     cost = json.loads(proc.stdout.splitlines()[-1])
     assert cost["launches"] == cost["triton_launches"] == 5  # the last one counted and not run
     assert cost["top_ops"] == {"triton:add_one": 4, "triton:square": 1}
-    assert cost["flops"] == {"fp32": 2 * 2 * 16**3}  # two programs' tl.dot
+    assert cost["flops"] == {"tf32": 2 * 2 * 16**3, "fp32": 2 * 2 * 16**3}  # two programs' tl.dot each
+    assert cost["tensor_core_flops"] == cost["fp32_flops"] == 2 * 2 * 16**3  # TF32 runs on tensor cores
+    assert cost["triton_flops"] == "left out for 1 x add_one"  # counted, not run, and no model of its FLOPs
     assert cost["bytes"] == 4 * 2 * 400 + 2 * 1024
+
+
+def test_a_triton_products_key_is_its_operands_dtype_and_input_precision():
+    from attn_reg_lab.gpu_cost import TENSOR_CORE_DTYPES, dot_key
+
+    assert dot_key("fp32", "ieee") == ("fp32", 1) and dot_key("fp32", "IEEE") == ("fp32", 1)
+    assert dot_key("fp32", "tf32") == ("tf32", 1) and dot_key("fp32", "TF32x3") == ("tf32", 3)
+    assert dot_key("bf16", "tf32") == ("bf16", 1) and dot_key("fp64", "ieee") == ("fp64", 1)
+    assert set(TENSOR_CORE_DTYPES) == {"bf16", "fp16", "tf32"}
+    assert Cost(flops={"tf32": 3, "fp32": 5, "bf16": 7}).tensor_core_flops == 10
 
 
 def test_a_step_compiled_whole_counts_its_graphs_and_breaks():
@@ -172,13 +184,15 @@ def test_a_long_step_at_8_layers_is_extrapolated_from_1_and_2(monkeypatch):
         return cost
 
     calls = []
-    monkeypatch.setattr(gpu_cost_fit, "_count_long", lambda m, t, n, scale: calls.append(n) or true(t, n))
+    monkeypatch.setattr(gpu_cost_fit, "_count_long", lambda m, t, n, scale, route: (calls.append(n) or true(t, n), 3))
     cost, how = gpu_cost_fit.long_cost("ga", 16384, None, 8, log=lambda msg: None)
     expected = true(16384, 8)
     assert (cost.launches, cost.syncs, cost.bytes, cost.flops) == (
         expected.launches, expected.syncs, expected.bytes, expected.flops,
     )  # fmt: skip
-    assert calls == [1, 2] and how == {"counted_layers": {"1": true(16384, 1).launches, "2": true(16384, 2).launches}}
+    assert calls == [1, 2] and how == {
+        "counted_layers": {"1": true(16384, 1).launches, "2": true(16384, 2).launches}, "fused_calls": 6,
+    }  # fmt: skip
     assert combine([(2, true(100, 1)), (-1, true(100, 2))]).launches == 90
 
 
@@ -229,7 +243,7 @@ ROW_FIELDS = (
     "section", "framework", "variant", "dtype", "tokens", "configuration", "description", "status", "launches",
     "triton_launches", "syncs", "plugin_syncs", "host_reads", "bytes", "flops", "tensor_core_flops", "fp32_flops",
     "top_ops", "sync_sites", "flops_total", "launches_ratio", "flops_ratio", "bytes_ratio", "predicted_ms",
-    "predicted_h200_ratio",
+    "predicted_h200_ratio", "route", "route_label", "triton_flops", "env", "fused_calls",
 )  # fmt: skip
 
 
@@ -256,6 +270,7 @@ def test_the_quick_command_writes_every_field(tmp_path):
         "--out",
         out,
         "--compile",
+        "--pytorch-path",
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("ATTN_REG_PORTABLE", "TRITON_INTERPRET")}  # it sets them
     proc = subprocess.run(
@@ -265,26 +280,42 @@ def test_the_quick_command_writes_every_field(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["route"]["portable"] and result["route"]["triton_interpret"] in (True, None)
+    assert result["route"]["default"] == "fused" and set(result["route"]["routes"]) == {"fused", "pytorch"}
     assert {"rows", "fit", "targets", "command", "commit", "cpu", "environment", "seconds"} <= set(result)
     rows = result["rows"]
-    assert {(r["configuration"].split(" (")[0], r["variant"]) for r in rows} == {
-        (c, v) for c in ("fairseq fp32", "fairseq bf16", "hf fp32", "hf bf16", "long4k", "long16k")
-        for v in ("plain", "ad-drop-ga-all")
+    assert {(r["configuration"].split(" (")[0], r["variant"], r["route"]) for r in rows} == {
+        (c, v, route) for c in ("fairseq fp32", "fairseq bf16", "hf fp32", "hf bf16", "long4k", "long16k")
+        for v in ("plain", "ad-drop-ga-all") for route in ("fused", "pytorch")
     }  # fmt: skip
     for row in rows:
         assert row["status"] == "ok", row
-        assert all(row.get(f) is not None for f in ROW_FIELDS), [f for f in ROW_FIELDS if row.get(f) is None]
+        fields = [f for f in ROW_FIELDS if row["route"] == "fused" or f != "fused_calls"]
+        assert all(row.get(f) is not None for f in fields), [f for f in fields if row.get(f) is None]
         assert row["launches"] > 0 and row["flops_total"] > 0 and row["bytes"] > 0
-        if row["section"] == "standard":
+        assert row["env"] == {"ATTN_REG_FUSED": "1" if row["route"] == "fused" else "0"}
+        fused = row["route"] == "fused" and row["variant"] != "plain"
+        if fused:  # the fused kernel took GA's calls; its Triton kernels counted, not run, their FLOPs modelled
+            assert row["fused_calls"] > 0 and row["triton_launches"] == row["triton_modelled"] > 0, row
+            assert row["triton_flops"] == "modelled" and "modelled" in row["note"]
+        else:
+            assert row["triton_launches"] == 0 and row["triton_flops"] == "none"
+        if row["section"] == "standard" and not fused:  # the H200 measured the PyTorch path's code
             assert row["h200_time_ms"] > 0 and row["h200_source"].startswith("nvidia-h200_")
+        elif row["section"] == "standard":
+            assert row.get("h200_time_ms") is None
         else:
             assert set(row["counted_layers"]) == {"1", "2"}
     assert result["fit"]["model"] and result["fit"]["rows"] == 8 and "smoke test" in result["fit"]["note"]
+    assert {tuple(r)[-1] for r in result["fit"]["fitted_on"]} == {"pytorch"}
     assert {t["target"] for t in result["targets"]} >= {"HF GA-all launches <= 1.6x plain", "plugin-added syncs = 0"}
-    assert "| hf fp32 | ad-drop-ga-all |" in proc.stdout and "fit: time_ms" in proc.stdout
+    judged = {t["route"] for t in result["targets"] if t["judged"]}
+    assert judged == {"fused route (CUDA default)"}, judged
+    assert "| hf fp32 | fused route (CUDA default) | ad-drop-ga-all |" in proc.stdout
+    assert "| hf fp32 | PyTorch path (ATTN_REG_FUSED=0) | ad-drop-ga-all |" in proc.stdout
+    assert "fit: time_ms" in proc.stdout and "Triton FLOPs: 6 rows modelled" in proc.stdout
     # --compile: the HF plain and GA steps compiled whole, GA's breaks judged against the target
     plain, ga = result["compile"]
-    assert (plain["variant"], ga["variant"]) == ("plain", "ad-drop-ga-all")
+    assert (plain["variant"], ga["variant"]) == ("plain", "ad-drop-ga-all") and ga["route"] == "fused"
     assert all(r["graphs"] >= 1 and r["breaks"] == r["graphs"] - 1 for r in (plain, ga))
     # the attribution pass compiles into the step's graph (torch.func.vjp of its probes): no graph of its own
     assert ga["graphs"] == plain["graphs"] and ga["verdict"]["met"], (plain, ga)
@@ -302,10 +333,80 @@ def test_frameworks_choose_the_standard_rows_and_a_bad_one_is_refused(capsys):
     assert "--frameworks: a comma list of fairseq, hf; got hf,jax" in capsys.readouterr().err
 
 
-def test_triton_not_run_goes_with_fused(capsys):
+def test_the_routes_flags_and_the_replaced_ones(capsys):
     from attn_reg_lab.gpu_cost import parse_args
 
-    assert parse_args(["--fused", "--triton-not-run"]).triton_not_run
-    with pytest.raises(SystemExit):
-        parse_args(["--triton-not-run"])
-    assert "--triton-not-run is an option of --fused's rows: give --fused too" in capsys.readouterr().err
+    opts = parse_args([])
+    assert (opts.pytorch_path, opts.run_triton) == (False, False) and gpu_cost_fit.routes(opts) == ["fused"]
+    opts = parse_args(["--pytorch-path", "--run-triton"])
+    assert opts.run_triton and gpu_cost_fit.routes(opts) == ["fused", "pytorch"]
+    for gone in ("--fused", "--triton-not-run"):
+        with pytest.raises(SystemExit):
+            parse_args([gone])
+        assert f"{gone} is gone: " in capsys.readouterr().err
+
+
+def test_a_route_sets_attn_reg_fused_and_a_gpus_choices_while_kernels_are_not_run(monkeypatch):
+    triton = pytest.importorskip("triton")
+    from attn_reg_plugin.core import devices, fused_edit
+
+    monkeypatch.setattr(devices, "FUSED", None)  # the plugin's default: on for CUDA tensors only
+    monkeypatch.delenv("ATTN_REG_FUSED", raising=False)
+    for route, value in (("fused", True), ("pytorch", False)):
+        with gpu_cost_fit.on_route(route) as calls:
+            assert devices.FUSED is value and os.environ["ATTN_REG_FUSED"] == ("1" if value else "0")
+            assert calls == [0]
+        assert devices.FUSED is None and "ATTN_REG_FUSED" not in os.environ
+    interpreting, available = triton.knobs.runtime.interpret, fused_edit.available
+    with gpu_cost_fit.as_on_a_gpu(True):  # the plugin's GPU branches: 64-wide tiles, bf16 calls taken
+        assert not triton.knobs.runtime.interpret and fused_edit.available(torch.zeros(1, dtype=torch.bfloat16))
+    assert (triton.knobs.runtime.interpret, fused_edit.available) == (interpreting, available)
+
+
+def _row(framework, variant, launches, route=None, fused_calls=None, plugin_syncs=0, dtype="fp32"):
+    row = {
+        "section": "standard", "framework": framework, "variant": variant, "dtype": dtype, "tokens": 10,
+        "configuration": f"{framework} {dtype}", "status": "ok", "launches": launches, "syncs": 1 + plugin_syncs,
+        "plugin_syncs": plugin_syncs, "flops": {"fp32": launches * 10}, "bytes": launches, "tensor_core_flops": 0,
+        "fp32_flops": launches * 10,
+    }  # fmt: skip
+    if route is not None:
+        row.update(route=route, route_label=gpu_cost_fit.ROUTES[route][1])
+    if fused_calls is not None:
+        row["fused_calls"] = fused_calls
+    return row
+
+
+def test_fused_rows_pair_with_the_pytorch_paths_h200_rows_only_where_the_kernel_took_no_call(tmp_path):
+    """The committed H200 rows measured the PyTorch path: a row on the fused route is paired with one only
+    where its fused kernel took no call (the same code); with both routes counted the PyTorch path's row is
+    the one paired. The targets are judged on the fused route's rows, the PyTorch path's beside them."""
+    times = {"plain": 20.0, "ad-drop-ga-all": 50.0, "attendout": 60.0}
+    h200 = [
+        {**_row("hf", v, 1), "time_ms": t, "time_ratio": t / times["plain"]} for v, t in times.items()
+    ]  # fmt: skip
+    (tmp_path / "nvidia-h200_abc1234.json").write_text(json.dumps(h200))
+    fused = [
+        _row("hf", "plain", 500, "fused", 0), _row("hf", "ad-drop-ga-all", 700, "fused", 12),
+        _row("hf", "attendout", 1200, "fused", 0),
+    ]  # fmt: skip
+    pytorch = [_row("hf", "plain", 500, "pytorch"), _row("hf", "ad-drop-ga-all", 1000, "pytorch", plugin_syncs=1)]
+    result = fit_and_predict(fused + pytorch, tmp_path)
+    assert [r.get("h200_time_ms") for r in fused + pytorch] == [20.0, None, 60.0, 20.0, 50.0]
+    assert sorted(map(tuple, result["fit"]["fitted_on"])) == [
+        ("standard", "hf", v, "fp32", r) for v, r in (("ad-drop-ga-all", "pytorch"), ("attendout", "fused"),
+                                                       ("plain", "pytorch"))
+    ]  # fmt: skip
+    assert fused[1]["launches_ratio"] == 1.4 and pytorch[1]["launches_ratio"] == 2.0  # each over its route's plain
+    ga = [t for t in result["targets"] if t["target"] == "HF GA-all launches <= 1.6x plain"]
+    assert [(t["route"], t["judged"], t["met"]) for t in ga] == [
+        ("fused route (CUDA default)", True, True), ("PyTorch path (ATTN_REG_FUSED=0)", False, False),
+    ]  # fmt: skip
+    table = gpu_cost_fit.format_table(result)
+    assert "| hf fp32 | fused route (CUDA default) | ad-drop-ga-all | 700 | 1.40 |" in table
+    assert "| hf fp32 | PyTorch path (ATTN_REG_FUSED=0) | ad-drop-ga-all | 1,000 | 2.00 |" in table
+    assert "- HF GA-all launches <= 1.6x plain: fused route (CUDA default): hf ad-drop-ga-all fp32 1.4 (met); " in table
+    assert "PyTorch path (ATTN_REG_FUSED=0) (beside): hf ad-drop-ga-all fp32 2.0 (**missed**)" in table
+    # without the PyTorch path's rows, the fused route's plain row stands for it in the fit
+    result = fit_and_predict([dict(r) for r in fused], tmp_path)
+    assert sorted(p[2] for p in result["fit"]["fitted_on"]) == ["attendout", "plain"]
