@@ -9,7 +9,7 @@
 An H200 step of these models is bound by the host: its time follows the kernels the step launches
 (docs/PERFORMANCE.md, "On a GPU"). This command runs a step of each configuration on the CPU on the
 code a CUDA device runs: ``ATTN_REG_PORTABLE=1`` (the portable branches of
-``attn_reg_plugin/core/devices.py``) and ``TRITON_INTERPRET=1`` (Triton kernels in its interpreter).
+``attn_reg_plugin/core/kernel/devices.py``) and ``TRITON_INTERPRET=1`` (Triton kernels in its interpreter).
 It sets both and starts again in a fresh process if they were not set. ``--fused`` adds standard fp32
 rows with ``ATTN_REG_FUSED=1``, where the fused Triton kernel takes the calls it covers. Each step runs once
 uncounted, then once counted. Per step it counts:

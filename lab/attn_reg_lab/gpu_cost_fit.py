@@ -48,7 +48,7 @@ FIT_SECTION = "standard"  # GA's launches over plain's at 16,384 tokens <= 1.1x 
 # The long model counted narrower: 4 query and 2 key/value heads of the real head size 64 (width 256,
 # intermediate 704, vocabulary 1,000), where the real one has 16 and 4 heads (width 1,024, intermediate
 # 2,816, vocabulary 32,000). The plugin's blocks of query rows (64 at both lengths:
-# kernel.query_block_rows) and its choice to keep or remake the drops (bits against q's bytes: the same
+# blockwise.query_block_rows) and its choice to keep or remake the drops (bits against q's bytes: the same
 # head size and dtype) are the real model's, and so are its launches per block.
 LONG_COUNTED = dict(long_width=256, long_heads=4, long_kv_heads=2, long_vocab=1000)
 LONG_METHODS = ("plain", "ga", "attendout", "hiddencut")  # the long rows the H200 measured
@@ -79,7 +79,7 @@ def _wanted(variant: str, variants: Optional[List[str]]) -> bool:
 @contextlib.contextmanager
 def gpu_route() -> Iterator[dict]:
     """The portable branches forced (devices.PORTABLE) for a while; yields what the route is here."""
-    from attn_reg_plugin.core import devices
+    from attn_reg_plugin.core.kernel import devices
 
     before, devices.PORTABLE = devices.PORTABLE, True
     try:
@@ -293,7 +293,7 @@ def _count_long(method: str, tokens: int, layers: int, scale) -> Cost:
 def _bf16_routed(on: bool) -> Iterator[None]:
     """The fused route takes bf16 calls while on, as on a GPU: in the interpreter it refuses them (a bf16
     tl.dot comes out wrong there), which does not matter to kernels counted and not run."""
-    from attn_reg_plugin.core import fused_edit
+    from attn_reg_plugin.core.kernel import fused_edit
 
     original = fused_edit.available
     if on:

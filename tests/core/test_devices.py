@@ -1,4 +1,4 @@
-"""The device helpers (core/devices.py): the CPU's own branches and the portable ones an accelerator
+"""The device helpers (core/kernel/devices.py): the CPU's own branches and the portable ones an accelerator
 runs give the same drops, counts, losses and gradients; ATTN_REG_PORTABLE=1 forces the portable ones.
 
 `make test` also runs all of tests/core with ATTN_REG_PORTABLE=1, so every kernel test and a step of
@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_causal import _CausalLM, _small_blocks, _step
 
-from attn_reg_plugin.core import devices
+from attn_reg_plugin.core.kernel import devices
 
 CORE = Path(devices.__file__).parent
 DEVICE_CHECK = re.compile(r"device\.type *(==|!=|in )|is_cuda")
@@ -77,7 +77,7 @@ def test_an_ad_drop_step_is_the_same_on_the_cpu_branches_and_the_portable_ones(
 
 def test_tied_attributions_rank_the_same_on_both_branches(monkeypatch):
     """Ties straddling each row's threshold (many and few per row), lowest key first either way."""
-    from attn_reg_plugin.core.rules import candidate_region
+    from attn_reg_plugin.core.kernel.rules import candidate_region
 
     g = torch.Generator().manual_seed(3)
     scores = torch.randint(0, 3, (2, 3, 16, 40), generator=g).float()  # many ties
@@ -90,7 +90,7 @@ def test_tied_attributions_rank_the_same_on_both_branches(monkeypatch):
 def _edit_of_one_block(hook, dropout_p=0.1):
     """One call of the model's strided q, k, v (a transformers layer's views) under ``hook``, with a bool
     mask of padding, a row with one valid key and a row with none: output, gradients and counts."""
-    from attn_reg_plugin.core.attention import attend
+    from attn_reg_plugin.core.kernel.attention import attend
     from helpers import HandPass
 
     g = torch.Generator().manual_seed(5)
@@ -108,9 +108,9 @@ def _edit_of_one_block(hook, dropout_p=0.1):
 
 
 def _hooks():
-    from attn_reg_plugin.core.attendout.policy import GeneratorRule, PolicyLogits
-    from attn_reg_plugin.core.attention_call import EditScores
-    from attn_reg_plugin.core.rules import MapScores, TopRegionRule
+    from attn_reg_plugin.core.kernel.attention_call import EditScores
+    from attn_reg_plugin.core.kernel.rules import MapScores, TopRegionRule
+    from attn_reg_plugin.core.regularizers.attendout.policy import GeneratorRule, PolicyLogits
 
     g = torch.Generator().manual_seed(6)
     tied = torch.randint(0, 3, (4, 3, 9, 9), generator=g).float()  # ties straddle the thresholds

@@ -76,19 +76,19 @@ def test_a_host_tensor_moved_to_the_device_is_a_launch_and_then_on_the_device():
 
 def test_a_sync_in_the_plugins_code_is_a_plugin_sync():
     x = torch.randn(3)
-    code = compile("int(x.sum())", "/somewhere/attn_reg_plugin/core/rules.py", "exec")
+    code = compile("int(x.sum())", "/somewhere/attn_reg_plugin/core/kernel/rules.py", "exec")
     cost = counted(lambda: exec(code, {"x": x}))
     assert (cost.syncs, cost.plugin_syncs) == (1, 1)
-    assert list(cost.sync_sites) == ["attn_reg_plugin/core/rules.py:1 <module> (item)"]
+    assert list(cost.sync_sites) == ["attn_reg_plugin/core/kernel/rules.py:1 <module> (item)"]
 
 
 def test_launches_asked_for_in_the_plugins_code_are_named_by_its_function():
     x = torch.randn(3)
     code = compile(
-        "def region(x):\n    return (x * 2).exp()\nregion(x)", "/somewhere/attn_reg_plugin/core/rules.py", "exec"
+        "def region(x):\n    return (x * 2).exp()\nregion(x)", "/somewhere/attn_reg_plugin/core/kernel/rules.py", "exec"
     )
     cost = counted(lambda: (torch.sigmoid(x), exec(code, {"x": x})))
-    assert cost.launches == 3 and dict(cost.launch_sites) == {"attn_reg_plugin/core/rules.py region": 2}
+    assert cost.launches == 3 and dict(cost.launch_sites) == {"attn_reg_plugin/core/kernel/rules.py region": 2}
     assert cost.as_dict()["plugin_launches"] == 2
 
 
