@@ -266,7 +266,7 @@ def _hiddencut_trainer(model, args, fields):
 def _config_class(module, name):
     import importlib
 
-    return getattr(importlib.import_module(f"attn_reg_plugin.core.{module}"), name)
+    return getattr(importlib.import_module(f"attn_reg_plugin.core.regularizers.{module}"), name)
 
 
 def _prefixed(prefix):

@@ -180,9 +180,9 @@ def test_the_checks_above_see_what_they_look_for(tmp_path):
         ("attn_reg_lab.demo", None),
         ("attn_reg_plugin.core.kernel.attention", ["_captured"]),
     ]
-    inside = REPO / "attn_reg_plugin" / "core" / "sample.py"  # never written: only its path is read
+    inside = REPO / "attn_reg_plugin" / "core" / "kernel" / "sample.py"  # never written: only its path is read
     assert ("attn_reg_plugin.core.kernel.attention_call", "EditScores") == next(
         (m, n) for m, n, _ in plugin_imports(inside, "from .attention_call import EditScores\n")
     )
-    assert "EditScores" not in top_level_names(REPO / "attn_reg_plugin" / "core" / "controller.py")
-    assert "EditScores" in top_level_names(REPO / "attn_reg_plugin" / "core" / "attention_call.py")
+    assert "EditScores" not in top_level_names(REPO / "attn_reg_plugin" / "core" / "kernel" / "controller.py")
+    assert "EditScores" in top_level_names(REPO / "attn_reg_plugin" / "core" / "kernel" / "attention_call.py")

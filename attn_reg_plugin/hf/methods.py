@@ -28,10 +28,10 @@ from ..core.regularizers.registry import method_table
 # the config's FLAG_PREFIX + field; every field but ``attention`` (encoder-self, found by the trainer).
 # A registry method is an option group of its own (its regularizer's config, its Method.defaults).
 OPTION_GROUPS: Dict[str, Tuple[str, str, dict]] = {
-    "ad-drop": ("ad_drop_config", "ADDropConfig", {"p": 0.3, "q": 0.3}),
-    "attendout": ("attendout", "AttendOutConfig", {"dropout_step": 4}),
-    "r-drop": ("rdrop", "RDropConfig", {"alpha": 1.0}),
-    "hiddencut": ("hiddencut", "HiddenCutConfig", {}),
+    "ad-drop": ("regularizers.ad_drop_config", "ADDropConfig", {"p": 0.3, "q": 0.3}),
+    "attendout": ("regularizers.attendout", "AttendOutConfig", {"dropout_step": 4}),
+    "r-drop": ("regularizers.rdrop", "RDropConfig", {"alpha": 1.0}),
+    "hiddencut": ("regularizers.hiddencut", "HiddenCutConfig", {}),
 }
 
 

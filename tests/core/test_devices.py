@@ -17,14 +17,14 @@ from test_causal import _CausalLM, _small_blocks, _step
 
 from attn_reg_plugin.core.kernel import devices
 
-CORE = Path(devices.__file__).parent
+CORE = Path(devices.__file__).parent.parent  # core/, every floor
 DEVICE_CHECK = re.compile(r"device\.type *(==|!=|in )|is_cuda")
 
 
 def test_the_switch_forces_the_portable_branches(monkeypatch):
     """ATTN_REG_PORTABLE=1 sets devices.PORTABLE when the plugin is imported; with it the helpers take
     their portable branches on the CPU."""
-    code = "from attn_reg_plugin.core import devices; print(devices.PORTABLE)"
+    code = "from attn_reg_plugin.core.kernel import devices; print(devices.PORTABLE)"
     for value, want in (("1", "True"), ("", "False")):
         env = {**os.environ, devices.PORTABLE_ENV: value}
         assert (
@@ -44,7 +44,8 @@ def test_the_core_compares_device_types_only_in_the_device_helpers():
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if DEVICE_CHECK.search(line)
     ]
-    assert len(found) <= 3 and all(f.startswith("devices.py:") for f in found), found
+    # on_host, has_cpu_softmax_stats, random_stream and fused_route_asked: each a named helper
+    assert len(found) <= 4 and all(f.startswith("devices.py:") for f in found), found
 
 
 def _both_ways(monkeypatch, run):
