@@ -50,7 +50,7 @@ demo: $(STAMP)
 	$(VENV)/bin/attn-reg-demo
 
 # Two workers (pytest-xdist; the Slurm tests on one of them, the one-node cluster's 2 CPUs being
-# theirs). Then tests/core once more on the portable branches of the device helpers (core/devices.py),
+# theirs). Then tests/core once more on the portable branches of the device helpers (core/kernel/devices.py),
 # the code an accelerator runs: the kernel's tests and a step of every regularizer (host_only skip).
 test: $(STAMP) lint
 	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadgroup --durations=40

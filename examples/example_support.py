@@ -139,7 +139,7 @@ def add_ad_drop_options(ap, **task_defaults) -> None:
     config's defaults except where the example's task overrides one (``p=0.3``: the paper's value for
     that task; None: the runner picks it after parsing)."""
     from attn_reg_plugin.core import ADDropConfig
-    from attn_reg_plugin.core.options import add_arguments
+    from attn_reg_plugin.core.regularizers.options import add_arguments
 
     ap.add_argument("--methods", default="plain,ad-drop", help=f"comma list of {', '.join(METHODS)}, run in that order")
     only = ("p", "q", "layers", "attention", "attribution", "schedule")

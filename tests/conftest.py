@@ -39,7 +39,7 @@ from helpers import (
 def pytest_collection_modifyitems(config, items):
     """With ATTN_REG_PORTABLE=1 (the code an accelerator runs, forced on the CPU), a test of a
     CPU-only branch skips and says so, and so does one whose code has no device branch (``host_only``)."""
-    from attn_reg_plugin.core import devices
+    from attn_reg_plugin.core.kernel import devices
 
     if devices.PORTABLE:
         skip = pytest.mark.skip(reason=f"tests the CPU's own branch; {devices.PORTABLE_ENV}=1 forces the portable one")

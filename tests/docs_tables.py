@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from attn_reg_plugin.core.options import flag_name, options_of
+from attn_reg_plugin.core.regularizers.options import flag_name, options_of
 
 
 def options_table(config_cls) -> str:
@@ -28,13 +28,13 @@ def options_table(config_cls) -> str:
 
 
 def _configs():
-    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-    from attn_reg_plugin.core.attendout.config import AttendOutConfig
-    from attn_reg_plugin.core.drophead import DropHeadConfig
-    from attn_reg_plugin.core.hiddencut import HiddenCutConfig
-    from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
-    from attn_reg_plugin.core.rdrop import RDropConfig
-    from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+    from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+    from attn_reg_plugin.core.regularizers.attendout.config import AttendOutConfig
+    from attn_reg_plugin.core.regularizers.drophead import DropHeadConfig
+    from attn_reg_plugin.core.regularizers.hiddencut import HiddenCutConfig
+    from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
+    from attn_reg_plugin.core.regularizers.rdrop import RDropConfig
+    from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
 
     return [
         ADDropConfig,
@@ -50,7 +50,7 @@ def _configs():
 def _table_for(marker: str):
     """The generated table a marker line asks for, or None for any other line."""
     if marker == "<!-- combinations -->":
-        from attn_reg_plugin.core.combinations import combinations_table
+        from attn_reg_plugin.core.regularizers.combinations import combinations_table
 
         return combinations_table()
     if marker == "<!-- supported models -->":

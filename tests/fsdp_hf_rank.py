@@ -22,11 +22,11 @@ import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.distributed import all_reduce_mean_
-from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
-from attn_reg_plugin.core.sharding import is_fully_sharded
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
+from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
+from attn_reg_plugin.core.training.distributed import all_reduce_mean_
+from attn_reg_plugin.core.training.sharding import is_fully_sharded
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from attn_reg_plugin.hf.attendout_checkpoint import ATTENDOUT_STATE
 from helpers import classification_rows, pad_collate

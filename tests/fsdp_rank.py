@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(REPO, "examples", "custom_seq2seq"))
 
 from seq2seq_model import Seq2SeqTransformer  # noqa: E402
 
-import attn_reg_plugin.core.kernel as kernel  # noqa: E402
+import attn_reg_plugin.core.kernel.blockwise as blockwise  # noqa: E402
 from attn_reg_plugin.core import (  # noqa: E402
     ADDrop,
     ADDropConfig,
@@ -37,20 +37,20 @@ from attn_reg_plugin.core import (  # noqa: E402
     ScheduledDropoutConfig,
     token_loss_target,
 )
-from attn_reg_plugin.core.attendout import (  # noqa: E402
+from attn_reg_plugin.core.regularizers.attendout import (  # noqa: E402
     Generator,
     build_attacker,
     copy_model_state,
     copy_optimizer_state,
     end_dropout_step,
 )
-from attn_reg_plugin.core.distributed import all_reduce_mean_  # noqa: E402
-from attn_reg_plugin.core.sharding import check_supported_sharding, is_fully_sharded, shard_like  # noqa: E402
+from attn_reg_plugin.core.training.distributed import all_reduce_mean_  # noqa: E402
+from attn_reg_plugin.core.training.sharding import check_supported_sharding, is_fully_sharded, shard_like  # noqa: E402
 
 PAD, BOS, VOCAB, BATCH = 0, 2, 40, 8
 ALL_KINDS = "encoder-self,decoder-self,encoder-decoder"
 RECORDED = []  # AD-DROP's drop masks, in the order the kernel makes them (one block per call)
-_rule_drops = kernel.rule_drops
+_rule_drops = blockwise.rule_drops
 
 
 def _recording_rule_drops(*args):
@@ -60,7 +60,7 @@ def _recording_rule_drops(*args):
     return made
 
 
-kernel.rule_drops = _recording_rule_drops
+blockwise.rule_drops = _recording_rule_drops
 
 
 def build(controller):

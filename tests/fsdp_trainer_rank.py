@@ -15,10 +15,10 @@ import sys
 import torch
 import transformers
 
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
-from attn_reg_plugin.core.sharding import is_fully_sharded
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
+from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
+from attn_reg_plugin.core.training.sharding import is_fully_sharded
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from attn_reg_plugin.hf.trainer_arguments import checkpointing_argument
 from helpers import classification_rows, pad_collate

@@ -553,7 +553,7 @@ def ad_drop_masks(attribution, valid, p, q, generator=None):
     """Hand-built AD-DROP drops for the kernel's tests: the dense top-p region of ``attribution``
     (``core.rules.candidate_region``), each candidate dropped with probability q by ``torch.rand``
     from ``generator``; a row whose valid keys would all go keeps its lowest-attribution one."""
-    from attn_reg_plugin.core.rules import candidate_region, keep_one_valid_key
+    from attn_reg_plugin.core.kernel.rules import candidate_region, keep_one_valid_key
 
     region = candidate_region(attribution, valid, p)
     drop = region & (torch.rand(region.shape, device=region.device, generator=generator) < q)
@@ -696,7 +696,7 @@ class HandPass:
     (``one.record.counts()``); ``seed``: the 0-d tensor keying its drops (none: each call draws one)."""
 
     def __init__(self, hook=None, seed=None):
-        from attn_reg_plugin.core.attention_call import AttentionSite, Plan, Record
+        from attn_reg_plugin.core.kernel.attention_call import AttentionSite, Plan, Record
 
         self.site, self.record = AttentionSite("encoder-self", 0), Record()
         self.plan = Plan.asking({self.site: hook}, self.record, None if seed is None else {self.site: seed})
@@ -708,7 +708,7 @@ class HandPass:
 
 def kernel_dropout_at_hooked_calls(monkeypatch):
     """A list that collects the ``dropout_p`` :func:`attend` hands the kernel at each call a pass hooked."""
-    import attn_reg_plugin.core.attention as attention
+    import attn_reg_plugin.core.kernel.attention as attention
 
     seen, kernel = [], attention.attention_kernel
 
@@ -724,18 +724,18 @@ def kernel_dropout_at_hooked_calls(monkeypatch):
 def run_in_blocks(mp):
     """With ``mp`` (a monkeypatch), every regularized call of more than 64 query rows runs block by
     block, 64 rows a block, and AttendOut's log-probability pass too."""
-    from attn_reg_plugin.core import kernel
-    from attn_reg_plugin.core.attendout import policy
+    from attn_reg_plugin.core.kernel import blockwise
+    from attn_reg_plugin.core.regularizers.attendout import policy
 
     for name, value in (("BLOCK_ELEMENTS", 1), ("LINEAR_FACTOR", 0), ("ONE_BLOCK_KEYS", 0)):
-        mp.setattr(kernel, name, value)
+        mp.setattr(blockwise, name, value)
     mp.setattr(policy, "POLICY_BLOCK_ELEMENTS", 1)
 
 
 def controller_with_sites(layers_per_kind):
     """A RegularizationController with ``n`` sites (layers 0..n-1) registered per kind, in the order
     given: ``controller_with_sites({"encoder-self": 2, "decoder-self": 1})``."""
-    from attn_reg_plugin.core.controller import RegularizationController
+    from attn_reg_plugin.core.kernel.controller import RegularizationController
 
     controller = RegularizationController()
     for kind, n in layers_per_kind.items():
@@ -756,7 +756,7 @@ class CoreBlock(torch.nn.Module):
         self.checkpoint = controller.checkpoint  # carries the pass into the recompute (PORTING.md)
 
     def attention(self, h):
-        from attn_reg_plugin.core.attention import attend
+        from attn_reg_plugin.core.kernel.attention import attend
 
         q, k, v = self.qkv(h).view(CORE_B, CORE_T, 3, CORE_H, CORE_D // CORE_H).permute(2, 0, 3, 1, 4)
         for _ in range(self.calls):  # calls > 1: one site called twice in one forward
@@ -775,7 +775,7 @@ class TinyCoreModel(torch.nn.Module):
 
     def __init__(self, calls=1):
         super().__init__()
-        from attn_reg_plugin.core.controller import RegularizationController
+        from attn_reg_plugin.core.kernel.controller import RegularizationController
 
         self.controller = RegularizationController()
         self.blocks = torch.nn.ModuleList(

@@ -13,7 +13,7 @@ import sys
 import torch
 import transformers
 
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
 from attn_reg_plugin.hf import ADDropTrainer
 from helpers import classification_rows, pad_collate
 

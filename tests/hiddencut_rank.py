@@ -14,7 +14,7 @@ import sys
 import torch
 import transformers
 
-from attn_reg_plugin.core.hiddencut import HiddenCutConfig
+from attn_reg_plugin.core.regularizers.hiddencut import HiddenCutConfig
 from attn_reg_plugin.hf.hiddencut_trainer import HiddenCutTrainer
 from helpers import classification_rows, pad_collate
 

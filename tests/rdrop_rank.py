@@ -13,7 +13,7 @@ import sys
 import torch
 import transformers
 
-from attn_reg_plugin.core.rdrop import RDropConfig
+from attn_reg_plugin.core.regularizers.rdrop import RDropConfig
 from attn_reg_plugin.hf import RDropTrainer
 from helpers import classification_rows, pad_collate
 

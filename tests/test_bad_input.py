@@ -216,7 +216,7 @@ class Regularizer:
 
 
 def _ad_drop_trainer(model, args, fields):
-    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
+    from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
     from attn_reg_plugin.hf import ADDropTrainer
 
     return ADDropTrainer(model=model, args=args, ad_drop=ADDropConfig(**fields))
@@ -227,14 +227,14 @@ def _eval_dataset():
 
 
 def _attendout_trainer(model, args, fields):
-    from attn_reg_plugin.core.attendout import AttendOutConfig
+    from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
     from attn_reg_plugin.hf import AttendOutTrainer
 
     return AttendOutTrainer(model=model, args=args, eval_dataset=_eval_dataset(), attendout=AttendOutConfig(**fields))
 
 
 def _sched_dropout_trainer(model, args, fields):
-    from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+    from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
     from attn_reg_plugin.hf import AttnRegTrainer
 
     return AttnRegTrainer(
@@ -243,21 +243,21 @@ def _sched_dropout_trainer(model, args, fields):
 
 
 def _layerdrop_trainer(model, args, fields):
-    from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
+    from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
     from attn_reg_plugin.hf import AttnRegTrainer
 
     return AttnRegTrainer(model=model, args=args, layerdrop=AttentionLayerDropConfig(**{"p": 0.2, **fields}))
 
 
 def _rdrop_trainer(model, args, fields):
-    from attn_reg_plugin.core.rdrop import RDropConfig
+    from attn_reg_plugin.core.regularizers.rdrop import RDropConfig
     from attn_reg_plugin.hf import RDropTrainer
 
     return RDropTrainer(model=model, args=args, rdrop=RDropConfig(**fields))
 
 
 def _hiddencut_trainer(model, args, fields):
-    from attn_reg_plugin.core.hiddencut import HiddenCutConfig
+    from attn_reg_plugin.core.regularizers.hiddencut import HiddenCutConfig
     from attn_reg_plugin.hf.hiddencut_trainer import HiddenCutTrainer
 
     return HiddenCutTrainer(model=model, args=args, hiddencut=HiddenCutConfig(**fields))
@@ -266,7 +266,7 @@ def _hiddencut_trainer(model, args, fields):
 def _config_class(module, name):
     import importlib
 
-    return getattr(importlib.import_module(f"attn_reg_plugin.core.{module}"), name)
+    return getattr(importlib.import_module(f"attn_reg_plugin.core.regularizers.{module}"), name)
 
 
 def _prefixed(prefix):

@@ -113,7 +113,7 @@ def test_a_post_forward_reshard_to_a_smaller_mesh_is_refused(monkeypatch):
     """reshard_after_forward=<int> needs 4+ ranks; its trace in FSDP2's state is a post-forward mesh of its own."""
     from types import SimpleNamespace
 
-    from attn_reg_plugin.core import sharding
+    from attn_reg_plugin.core.training import sharding
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     model[0].__class__ = type("FSDPLinear", (FSDPModule, torch.nn.Linear), {})
@@ -130,8 +130,8 @@ def test_a_post_forward_reshard_to_a_smaller_mesh_is_refused(monkeypatch):
 
 
 def test_a_sharded_defender_cannot_be_copied_into_an_attacker():
-    from attn_reg_plugin.core.attendout import build_attacker
-    from attn_reg_plugin.core.sharding import is_fully_sharded
+    from attn_reg_plugin.core.regularizers.attendout import build_attacker
+    from attn_reg_plugin.core.training.sharding import is_fully_sharded
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     # What fully_shard does to a module's class, without a process group.

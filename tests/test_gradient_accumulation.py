@@ -10,11 +10,11 @@ import pytest
 import torch
 import transformers
 
-from attn_reg_plugin.core import rules
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.attendout import policy as attendout_policy
-from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.kernel import rules
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
+from attn_reg_plugin.core.regularizers.attendout import policy as attendout_policy
+from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from helpers import TINY_TRANSFORMER, fairseq_in_process, tiny_bert_classifier, tiny_llama
 

@@ -88,8 +88,8 @@ HF_SCRIPT = textwrap.dedent(
     """
     import json, pathlib, sys
     import transformers
-    from attn_reg_plugin.core.drophead import DropHeadConfig
-    from attn_reg_plugin.core.regularizer import by_key
+    from attn_reg_plugin.core.regularizers.drophead import DropHeadConfig
+    from attn_reg_plugin.core.regularizers.registry import by_key
     from attn_reg_plugin.hf import AttnRegTrainer
     from helpers import pad_collate, small_bert, token_data, trainer_args
 

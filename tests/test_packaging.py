@@ -175,11 +175,14 @@ def test_plugin_names_are_imported_from_the_module_that_defines_them():
 def test_the_checks_above_see_what_they_look_for(tmp_path):
     """The import walker finds both spellings, so an empty offender list means no import."""
     sample = tmp_path / "sample.py"
-    sample.write_text("import attn_reg_lab.demo\nfrom attn_reg_plugin.core.attention import _captured\n")
-    assert list(imports(sample)) == [("attn_reg_lab.demo", None), ("attn_reg_plugin.core.attention", ["_captured"])]
-    inside = REPO / "attn_reg_plugin" / "core" / "sample.py"  # never written: only its path is read
-    assert ("attn_reg_plugin.core.attention_call", "EditScores") == next(
+    sample.write_text("import attn_reg_lab.demo\nfrom attn_reg_plugin.core.kernel.attention import _captured\n")
+    assert list(imports(sample)) == [
+        ("attn_reg_lab.demo", None),
+        ("attn_reg_plugin.core.kernel.attention", ["_captured"]),
+    ]
+    inside = REPO / "attn_reg_plugin" / "core" / "kernel" / "sample.py"  # never written: only its path is read
+    assert ("attn_reg_plugin.core.kernel.attention_call", "EditScores") == next(
         (m, n) for m, n, _ in plugin_imports(inside, "from .attention_call import EditScores\n")
     )
-    assert "EditScores" not in top_level_names(REPO / "attn_reg_plugin" / "core" / "controller.py")
-    assert "EditScores" in top_level_names(REPO / "attn_reg_plugin" / "core" / "attention_call.py")
+    assert "EditScores" not in top_level_names(REPO / "attn_reg_plugin" / "core" / "kernel" / "controller.py")
+    assert "EditScores" in top_level_names(REPO / "attn_reg_plugin" / "core" / "kernel" / "attention_call.py")

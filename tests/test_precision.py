@@ -15,10 +15,10 @@ import pytest
 import torch
 import transformers
 
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
-from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
+from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from helpers import (
     TINY_TRANSFORMER,
@@ -167,12 +167,12 @@ def test_hf_precision(tmp_path, regularizer, precision):
 # -- mixed precision through the blockwise kernel --------------------------------------------------
 def _blocks_of_two_rows(monkeypatch):
     """Every regularized call runs block by block (2 query rows a block), as long calls do."""
-    from attn_reg_plugin.core import kernel, rules
+    from attn_reg_plugin.core.kernel import blockwise, rules
 
     monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
-    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(kernel, "LINEAR_FACTOR", 0)
-    monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 0)
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
 
 
 LM_REGULARIZER = {

@@ -9,12 +9,12 @@ import pytest
 import torch
 import transformers
 
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.attention_call import hook_in_progress
-from attn_reg_plugin.core.attribution import logit_target
-from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.kernel.attention_call import hook_in_progress
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
+from attn_reg_plugin.core.regularizers.attribution import logit_target
+from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
 from attn_reg_plugin.fairseq_plugin.attendout import stepped_tensors
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from helpers import (

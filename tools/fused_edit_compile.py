@@ -1,4 +1,4 @@
-"""Compile core/fused_edit.py's kernels for a CUDA GPU on a machine without one.
+"""Compile core/kernel/fused_edit.py's kernels for a CUDA GPU on a machine without one.
 
     .venv/bin/python tools/fused_edit_compile.py [--arch 90] [--quick]
 
@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from attn_reg_plugin.core import fused_edit
+from attn_reg_plugin.core.kernel import fused_edit
 
 KERNELS = (
     "_forward_kernel", "_backward_kv_kernel", "_backward_q_kernel", "_row_counts_kernel", "_inspect_kernel", "_scores_kernel",

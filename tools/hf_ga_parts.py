@@ -23,7 +23,7 @@ import transformers
 from attn_reg_lab.benchmark import variants
 from attn_reg_lab.benchmark.cli import parse_args
 from attn_reg_lab.benchmark.hf_bench import HFBench
-from attn_reg_plugin.core.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
 
 
 def main() -> None:

@@ -1,4 +1,6 @@
-"""Framework-free PyTorch core: masks, attribution, the attention kernel, regularizers.
+"""Framework-free PyTorch core, on three floors: ``regularizers/`` (each regularizer, their interface and
+registry, options and combinations) above ``kernel/`` (one attention call: its plan, rules and masks, the
+PyTorch and fused paths) and ``training/`` (checkpointing, collectives, sharding, a model's copy).
 
 This is also the porting API for your own model (no fairseq or transformers needed). Four steps;
 ``examples/custom_seq2seq/`` is a complete encoder-decoder that follows them:
@@ -45,7 +47,7 @@ The other regularizers take the same controller: ``AttendOut(AttendOutConfig(...
 ``ScheduledAttentionDropout(ScheduledDropoutConfig(...), controller)``,
 ``AttentionLayerDrop(AttentionLayerDropConfig(...), controller)``, ``DropHead(DropHeadConfig(...),
 controller)`` (docs/PORTING.md). R-Drop needs no
-controller, only the model's own dropout (``core/rdrop.py``)::
+controller, only the model's own dropout (``core/regularizers/rdrop.py``)::
 
     config = RDropConfig(alpha=5.0).validate()
     out_1, out_2 = model(src, prev), model(src, prev)           # two passes, different dropout draws
@@ -62,19 +64,19 @@ if not hasattr(getattr(torch, "library", None), "custom_op"):
         "pip install 'torch>=2.4'"
     )
 
-from .ad_drop import ADDrop
-from .ad_drop_config import ADDropConfig, ad_drop_epoch
-from .attendout import AttendOut, AttendOutConfig
-from .attention import attend
-from .attention_call import AttentionSite
-from .attribution import logit_target, multi_label_target, regression_target, token_loss_target
-from .attribution_pass import bare_module
-from .controller import ATTENTION_KINDS, RegularizationController
-from .drophead import DropHead, DropHeadConfig
-from .layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
-from .rdrop import RDropConfig, concat_with_itself, rdrop_kl, rdrop_objective, split_in_two
-from .scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
-from .sharding import check_supported_sharding, shard_like
+from .kernel.attention import attend
+from .kernel.attention_call import AttentionSite
+from .kernel.controller import ATTENTION_KINDS, RegularizationController
+from .regularizers.ad_drop import ADDrop
+from .regularizers.ad_drop_config import ADDropConfig, ad_drop_epoch
+from .regularizers.attendout import AttendOut, AttendOutConfig
+from .regularizers.attribution import logit_target, multi_label_target, regression_target, token_loss_target
+from .regularizers.attribution_pass import bare_module
+from .regularizers.drophead import DropHead, DropHeadConfig
+from .regularizers.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
+from .regularizers.rdrop import RDropConfig, concat_with_itself, rdrop_kl, rdrop_objective, split_in_two
+from .regularizers.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
+from .training.sharding import check_supported_sharding, shard_like
 
 __all__ = [
     "ADDrop",

@@ -12,10 +12,10 @@ validation (``model.training`` False, no grad) nothing changes.
 import torch
 from fairseq import metrics, utils
 
-from ..core.ad_drop import ADDrop
-from ..core.ad_drop_config import ADDropConfig, ad_drop_epoch
-from ..core.attribution_pass import bare_module
-from ..core.combinations import AD_DROP
+from ..core.regularizers.ad_drop import ADDrop
+from ..core.regularizers.ad_drop_config import ADDropConfig, ad_drop_epoch
+from ..core.regularizers.attribution_pass import bare_module
+from ..core.regularizers.combinations import AD_DROP
 from .criterion import RegularizingCriterion
 from .options import fairseq_options
 

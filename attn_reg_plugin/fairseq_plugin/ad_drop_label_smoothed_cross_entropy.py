@@ -8,7 +8,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
-from ..core.attribution import token_loss_target
+from ..core.regularizers.attribution import token_loss_target
 from .ad_drop_criterion import ADDropCriterionMixin, ADDropOptions
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterionConfig
 
-from ..core.combinations import AD_DROP, RDROP
+from ..core.regularizers.combinations import AD_DROP, RDROP
 from .ad_drop_criterion import ADDropCriterionMixin, ADDropOptions
 from .ad_drop_label_smoothed_cross_entropy import ADDropLabelSmoothedCrossEntropyCriterion
 from .rdrop_label_smoothed_cross_entropy import RDropLabelSmoothedCrossEntropyCriterion, RDropOptions

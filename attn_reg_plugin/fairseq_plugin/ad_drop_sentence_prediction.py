@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from fairseq.criterions import register_criterion
 from fairseq.criterions.sentence_prediction import SentencePredictionConfig, SentencePredictionCriterion
 
-from ..core.attribution import logit_target, regression_target
+from ..core.regularizers.attribution import logit_target, regression_target
 from .ad_drop_criterion import ADDropCriterionMixin, ADDropOptions
 
 

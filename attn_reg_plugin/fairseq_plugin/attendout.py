@@ -2,7 +2,7 @@
 
 The trainer's model is the Defender D (regular dropout); this module keeps the Attacker A (a
 copy of D, same architecture and dropout, plus the generator's masks), its optimizer and the
-core :class:`~attn_reg_plugin.core.attendout.AttendOut`. The task calls
+core :class:`~attn_reg_plugin.core.regularizers.attendout.AttendOut`. The task calls
 
 * :meth:`FairseqAttendOut.train_attacker` after D's forward/backward on the same batch,
 * :meth:`FairseqAttendOut.after_optimizer_step` after D's optimizer step: A's step, and every
@@ -40,16 +40,16 @@ from typing import Callable, Dict, Optional
 import torch
 from fairseq import metrics, optim, utils
 
-from ..core.attendout.config import AttendOutConfig
-from ..core.attendout.duel import build_attacker, end_dropout_step, scaler_skipped_step
-from ..core.attendout.game import AttendOut
-from ..core.attendout.generator import Generator
-from ..core.attendout.heldout import heldout_indices
-from ..core.attendout.log import DropProbabilityLog
-from ..core.attendout.sync import copy_model_state, copy_optimizer_state
-from ..core.attribution_pass import bare_module
-from ..core.controller import RegularizationController
-from ..core.distributed import all_reduce_sum_, from_rank0, is_distributed, rank
+from ..core.kernel.controller import RegularizationController
+from ..core.regularizers.attendout.config import AttendOutConfig
+from ..core.regularizers.attendout.duel import build_attacker, end_dropout_step, scaler_skipped_step
+from ..core.regularizers.attendout.game import AttendOut
+from ..core.regularizers.attendout.generator import Generator
+from ..core.regularizers.attendout.heldout import heldout_indices
+from ..core.regularizers.attendout.log import DropProbabilityLog
+from ..core.regularizers.attendout.sync import copy_model_state, copy_optimizer_state
+from ..core.regularizers.attribution_pass import bare_module
+from ..core.training.distributed import all_reduce_sum_, from_rank0, is_distributed, rank
 from .attendout_checkpoint import (
     loaded_checkpoint_path,
     read_attendout_state,

@@ -3,7 +3,7 @@
 :func:`install_attention_sites` swaps the class of every ``MultiheadAttention`` of a built
 model to :class:`RegularizedMultiheadAttention` (``module.__class__``: no parameter is added
 or renamed, so checkpoints stay plain fairseq checkpoints) and registers one
-:class:`~attn_reg_plugin.core.attention_call.AttentionSite` per module. While no pass in progress
+:class:`~attn_reg_plugin.core.kernel.attention_call.AttentionSite` per module. While no pass in progress
 asks a hook of its site, the module runs fairseq's own forward unchanged (validation,
 generation, incremental decoding).
 """
@@ -18,10 +18,10 @@ import torch
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
-from ..core.attention import attend
-from ..core.attention_call import AttentionSite, applied, call_of, plan_of
-from ..core.controller import RegularizationController
-from ..core.masks import finite_bias
+from ..core.kernel.attention import attend
+from ..core.kernel.attention_call import AttentionSite, applied, call_of, plan_of
+from ..core.kernel.controller import RegularizationController
+from ..core.kernel.masks import finite_bias
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

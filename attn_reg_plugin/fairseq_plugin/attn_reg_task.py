@@ -5,7 +5,7 @@ are fairseq's ``translation`` and ``sentence_prediction`` tasks plus these dutie
 MultiheadAttention is routed through the core kernel (no new parameters); ``begin_epoch``
 records the 1-based epoch that cross-tuning reads; and the regularizers that need no special
 criterion run in ``train_step``: AttendOut (``--attendout``) and every regularizer of the registry
-(:mod:`..core.regularizer`, the plugin's and any registered outside the package), each with its flags.
+(:mod:`..core.regularizers.registry`, the plugin's and any registered outside the package), each with its flags.
 Validation and generation are untouched.
 """
 
@@ -19,13 +19,13 @@ from typing import Dict, Tuple
 from fairseq import metrics, utils
 from omegaconf import OmegaConf, open_dict
 
-from ..core.ad_drop_config import ad_drop_epoch
-from ..core.attendout import AttendOutConfig
-from ..core.attendout.config import generator_positions
-from ..core.combinations import AD_DROP, ATTENDOUT, check_combination
-from ..core.controller import RegularizationController
-from ..core.options import attribute_prefix
-from ..core.regularizer import planned_hooks, registered, running
+from ..core.kernel.controller import RegularizationController
+from ..core.regularizers.ad_drop_config import ad_drop_epoch
+from ..core.regularizers.attendout import AttendOutConfig
+from ..core.regularizers.attendout.config import generator_positions
+from ..core.regularizers.combinations import AD_DROP, ATTENDOUT, check_combination
+from ..core.regularizers.options import attribute_prefix
+from ..core.regularizers.registry import planned_hooks, registered, running
 from .attendout import FairseqAttendOut, reduce_attendout_metrics
 from .attendout_checkpoint import check_fairseq_supports_task_state
 from .attention import install_attention_sites

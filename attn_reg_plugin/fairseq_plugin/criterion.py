@@ -2,7 +2,7 @@
 
 AD-DROP, R-Drop and HiddenCut train through criteria (their passes are the loss's), the other
 regularizers through the task (:mod:`.attn_reg_task`). A :class:`RegularizingCriterion` names its
-regularizers as :mod:`..core.combinations` names them; an attn_reg task, when it builds the criterion,
+regularizers as :mod:`..core.regularizers.combinations` names them; an attn_reg task, when it builds the criterion,
 refuses them beside a regularizer of its own unless core.combinations lists the pair, and hands a
 criterion whose passes edit attention calls (``edits_attention``) the task's controller. With one of
 fairseq's own tasks (no regularizer of its own, no controller) a criterion trains as it is.
@@ -19,6 +19,6 @@ class RegularizingCriterion:
     edits_attention: bool = False
 
     def attach_attention_sites(self, controller) -> None:
-        """Take the task's :class:`~..core.controller.RegularizationController` (its model's attention
+        """Take the task's :class:`~..core.kernel.controller.RegularizationController` (its model's attention
         sites), once, before training; checks the criterion's options against the model."""
         raise NotImplementedError(f"{type(self).__name__} edits attention calls but takes no controller")

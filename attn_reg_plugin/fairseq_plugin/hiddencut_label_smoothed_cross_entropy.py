@@ -39,8 +39,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from fairseq.modules import LayerDropModuleList
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
-from ..core.combinations import HIDDENCUT
-from ..core.hiddencut import (
+from ..core.regularizers.combinations import HIDDENCUT
+from ..core.regularizers.hiddencut import (
     CutPlan,
     HiddenCutConfig,
     SpanCut,

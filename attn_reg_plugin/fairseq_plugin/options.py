@@ -11,7 +11,7 @@ from typing import Iterable, Sequence, Tuple
 
 from fairseq.dataclass import FairseqDataclass
 
-from ..core.options import attribute_prefix, options_of
+from ..core.regularizers.options import attribute_prefix, options_of
 
 
 def fairseq_options(

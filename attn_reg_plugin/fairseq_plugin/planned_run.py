@@ -1,11 +1,11 @@
 """fairseq-train's planned run, for the warning that a regularizer never acts in it
-(:func:`attn_reg_plugin.core.planned_run.idle_run_warning`), given before the first update."""
+(:func:`attn_reg_plugin.core.regularizers.planned_run.idle_run_warning`), given before the first update."""
 
 import math
 from typing import Optional, Tuple
 
-from ..core.distributed import rank
-from ..core.planned_run import idle_run_warning
+from ..core.regularizers.planned_run import idle_run_warning
+from ..core.training.distributed import rank
 
 
 def planned_run(root, train_batches: Optional[int]) -> Tuple[Optional[int], Optional[int], str]:

@@ -24,8 +24,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     label_smoothed_nll_loss,
 )
 
-from ..core.combinations import RDROP
-from ..core.rdrop import (
+from ..core.regularizers.combinations import RDROP
+from ..core.regularizers.rdrop import (
     RDropConfig,
     concat_with_itself,
     no_dropout_warning,

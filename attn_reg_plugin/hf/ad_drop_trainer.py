@@ -12,15 +12,15 @@ from typing import Any, Dict, Tuple
 import torch
 import transformers
 
-from ..core.ad_drop import ADDrop
-from ..core.ad_drop_config import ADDropConfig, ad_drop_epoch
-from ..core.attribution import logit_target, multi_label_target, regression_target, token_loss_target
-from ..core.attribution_pass import bare_module
-from ..core.combinations import AD_DROP
-from ..core.controller import RegularizationController
-from ..core.distributed import all_reduce_sum_
-from ..core.options import named_by_field
-from ..core.planned_run import IdleRegularizerWarning
+from ..core.kernel.controller import RegularizationController
+from ..core.regularizers.ad_drop import ADDrop
+from ..core.regularizers.ad_drop_config import ADDropConfig, ad_drop_epoch
+from ..core.regularizers.attribution import logit_target, multi_label_target, regression_target, token_loss_target
+from ..core.regularizers.attribution_pass import bare_module
+from ..core.regularizers.combinations import AD_DROP
+from ..core.regularizers.options import named_by_field
+from ..core.regularizers.planned_run import IdleRegularizerWarning
+from ..core.training.distributed import all_reduce_sum_
 from .attention import install_attention_sites
 from .combinations import check_trainer_combination, turns_on
 from .model_inputs import causal_lm, decoder_input_ids_from_labels

@@ -13,8 +13,8 @@ from typing import Dict, Optional, Protocol
 
 import torch
 
-from ..core.distributed import is_distributed, rank
-from ..core.sharding import full_state_dicts, is_fully_sharded, load_full_state_dicts
+from ..core.training.distributed import is_distributed, rank
+from ..core.training.sharding import full_state_dicts, is_fully_sharded, load_full_state_dicts
 
 
 class AttendOutDriver(Protocol):

@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..core.attendout import (
+from ..core.kernel.controller import RegularizationController
+from ..core.regularizers.attendout import (
     AttendOut,
     AttendOutConfig,
     Generator,
@@ -27,12 +28,11 @@ from ..core.attendout import (
     heldout_indices,
     scaler_skipped_step,
 )
-from ..core.attendout.config import generator_positions
-from ..core.attendout.generator import real_key
-from ..core.attribution_pass import bare_module
-from ..core.controller import RegularizationController
-from ..core.distributed import all_reduce_mean_
-from ..core.sharding import is_fully_sharded, meta_copy, reshard, shard_like
+from ..core.regularizers.attendout.config import generator_positions
+from ..core.regularizers.attendout.generator import real_key
+from ..core.regularizers.attribution_pass import bare_module
+from ..core.training.distributed import all_reduce_mean_
+from ..core.training.sharding import is_fully_sharded, meta_copy, reshard, shard_like
 from .attendout_checkpoint import load_attendout_state
 from .attendout_heldout import heldout_dataset
 from .attendout_logging import AttendOutLogs
@@ -224,7 +224,7 @@ class AttendOutDriver:
         """The generator's token streams: {"source": encoder tokens} (+ {"target": decoder inputs} for seq2seq);
         a decoder-only LM's tokens are its {"target"} stream. A model whose encoder reads features (Whisper)
         has no source stream: its decoder-self attention can still be regularized. Beside each, its real
-        tokens (:func:`~attn_reg_plugin.core.attendout.generator.real_key`) as the model sees them: its
+        tokens (:func:`~attn_reg_plugin.core.regularizers.attendout.generator.real_key`) as the model sees them: its
         attention mask, every token without one; never the token ids (an LM's pad token is often its EOS)."""
         pad = self.trainer.model.config.pad_token_id
         ids = inputs.get("input_ids")

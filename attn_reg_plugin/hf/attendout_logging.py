@@ -18,8 +18,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..core.attendout import DropProbabilityLog
-from ..core.distributed import all_reduce_mean_
+from ..core.regularizers.attendout import DropProbabilityLog
+from ..core.training.distributed import all_reduce_mean_
 
 # What a Trainer subclass counts in its compute_loss: TRL's SFTTrainer logs them as num_tokens,
 # entropy and mean_token_accuracy.

@@ -41,10 +41,10 @@ import transformers
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from ..core.attendout import AttendOutConfig
-from ..core.combinations import ATTENDOUT
-from ..core.options import named_by_field
-from ..core.sharding import is_fully_sharded
+from ..core.regularizers.attendout import AttendOutConfig
+from ..core.regularizers.combinations import ATTENDOUT
+from ..core.regularizers.options import named_by_field
+from ..core.training.sharding import is_fully_sharded
 from .attendout_checkpoint import ATTENDOUT_STATE, attendout_state_dict, save_attendout_state
 from .attendout_driver import AttendOutDriver, mirror_activation_checkpointing, optimizer_like
 from .attendout_logging import trainer_counts_kept

@@ -6,10 +6,10 @@ This module registers one more implementation, ``"attn_reg"``:
 
 * a module without a site, or whose site has no hook (validation, generation, plain epochs),
   runs transformers' own ``sdpa`` function unchanged, so outputs are identical;
-* with a hook, it calls :func:`attn_reg_plugin.core.attention.attend` with the module's site.
+* with a hook, it calls :func:`attn_reg_plugin.core.kernel.attention.attend` with the module's site.
 
 What a pass does reaches the function as a model kwarg, ``attn_reg_plan`` (a
-:class:`~attn_reg_plugin.core.attention_call.Plan` that :mod:`.sites` adds to the model's call while a pass
+:class:`~attn_reg_plugin.core.kernel.attention_call.Plan` that :mod:`.sites` adds to the model's call while a pass
 is set), as flash-attention's ``cu_seq_lens`` travel: transformers keeps a checkpointed layer's kwargs
 for its recompute, so a layer recomputed in the backward repeats the pass of its forward.
 
@@ -25,10 +25,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..core.attention import attend
-from ..core.attention_call import AttentionSite, call_of
-from ..core.controller import RegularizationController
-from ..core.masks import causal_allowed, mask_fill_value
+from ..core.kernel.attention import attend
+from ..core.kernel.attention_call import AttentionSite, call_of
+from ..core.kernel.controller import RegularizationController
+from ..core.kernel.masks import causal_allowed, mask_fill_value
 from .sites import PLAN_KWARG, UnsupportedAttention, route_attention_calls
 
 ATTN_IMPLEMENTATION = "attn_reg"

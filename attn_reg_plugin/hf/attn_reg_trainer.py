@@ -1,4 +1,4 @@
-"""The registry's regularizers (:mod:`..core.regularizer`) for transformers' Trainer.
+"""The registry's regularizers (:mod:`..core.regularizers.registry`) for transformers' Trainer.
 
 :class:`AttnRegTrainer` / :class:`AttnRegSeq2SeqTrainer` take each registered regularizer's config by its
 key: ``scheduled_dropout=ScheduledDropoutConfig``, ``layerdrop=AttentionLayerDropConfig``,
@@ -15,11 +15,11 @@ from typing import Any, Dict, List
 import torch
 import transformers
 
-from ..core.attention_call import add_counts, zero_counts
-from ..core.combinations import check_combination
-from ..core.controller import RegularizationController
-from ..core.options import named_by_field
-from ..core.regularizer import planned_hooks, registered, running
+from ..core.kernel.attention_call import add_counts, zero_counts
+from ..core.kernel.controller import RegularizationController
+from ..core.regularizers.combinations import check_combination
+from ..core.regularizers.options import named_by_field
+from ..core.regularizers.registry import planned_hooks, registered, running
 from .attention import install_attention_sites
 from .combinations import trainer_regularizers
 from .notices import SiteReport, warn_if_idle

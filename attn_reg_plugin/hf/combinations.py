@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict
 
-from ..core.combinations import check_combination, regularizer_names
+from ..core.regularizers.combinations import check_combination, regularizer_names
 
 # A mixin's ``attn_reg_regularizers(trainer, kwargs)``: the regularizers it turns on, each with its keyword.
 TurnsOn = Callable[[object, Dict[str, object]], Dict[str, str]]

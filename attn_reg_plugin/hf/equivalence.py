@@ -143,7 +143,7 @@ class EquivalenceCheck:
         )
 
     def kernel_against_idle(self, controller, idle) -> None:
-        from ..core.attention_call import EditScores
+        from ..core.kernel.attention_call import EditScores
 
         try:
             with controller.hooks({site: EditScores() for site in controller.sites}):

@@ -38,9 +38,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import transformers
 
-from ..core.combinations import HIDDENCUT
-from ..core.distributed import all_reduce_sum_
-from ..core.hiddencut import (
+from ..core.regularizers.combinations import HIDDENCUT
+from ..core.regularizers.hiddencut import (
     CutPlan,
     HiddenCutConfig,
     SpanCut,
@@ -49,7 +48,8 @@ from ..core.hiddencut import (
     hiddencut_spans,
     js_consistency,
 )
-from ..core.options import named_by_field
+from ..core.regularizers.options import named_by_field
+from ..core.training.distributed import all_reduce_sum_
 from .attention import register_attention
 from .combinations import check_trainer_combination, turns_on
 from .feed_forward_cut import cut_feed_forward, feed_forward_output, hold_the_plan

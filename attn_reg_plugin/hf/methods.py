@@ -3,7 +3,7 @@
 ``TrainingArguments``, data and collator and differs only in what its regularizer does.
 
 Methods: plain (the stock ``transformers.Trainer``), ad-drop, attendout, r-drop, hiddencut, the methods of
-the regularizer registry (:mod:`..core.regularizer`: the plugin's and any registered outside the
+the regularizer registry (:mod:`..core.regularizers.registry`: the plugin's and any registered outside the
 package, each through ``AttnRegTrainer``) and ad-drop-r-drop (R-Drop over AD-DROP's masked pass, the one
 combination the plugin allows).
 A method's options are its config's fields as flags (``--ad-drop-p``, ``--rdrop-alpha``, ...: the
@@ -22,16 +22,16 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
-from ..core.regularizer import method_table
+from ..core.regularizers.registry import method_table
 
 # An option group: (the core module, its config class, the defaults for classifiers). Its flags are
 # the config's FLAG_PREFIX + field; every field but ``attention`` (encoder-self, found by the trainer).
 # A registry method is an option group of its own (its regularizer's config, its Method.defaults).
 OPTION_GROUPS: Dict[str, Tuple[str, str, dict]] = {
-    "ad-drop": ("ad_drop_config", "ADDropConfig", {"p": 0.3, "q": 0.3}),
-    "attendout": ("attendout", "AttendOutConfig", {"dropout_step": 4}),
-    "r-drop": ("rdrop", "RDropConfig", {"alpha": 1.0}),
-    "hiddencut": ("hiddencut", "HiddenCutConfig", {}),
+    "ad-drop": ("regularizers.ad_drop_config", "ADDropConfig", {"p": 0.3, "q": 0.3}),
+    "attendout": ("regularizers.attendout", "AttendOutConfig", {"dropout_step": 4}),
+    "r-drop": ("regularizers.rdrop", "RDropConfig", {"alpha": 1.0}),
+    "hiddencut": ("regularizers.hiddencut", "HiddenCutConfig", {}),
 }
 
 
@@ -48,7 +48,7 @@ def group_defaults(group: str) -> dict:
 
 def add_option_group(parser: argparse.ArgumentParser, group: str) -> None:
     """The flags of option group ``group`` (its config's fields but ``attention``) with their defaults."""
-    from ..core.options import add_arguments, options_of
+    from ..core.regularizers.options import add_arguments, options_of
 
     cls = config_class(group)
     fields = [o.name for o in options_of(cls) if o.name != "attention"]
@@ -163,7 +163,7 @@ def _build_attn_reg(keyword: str, group: str):
 
 
 def registry_methods():
-    from ..core.regularizer import methods
+    from ..core.regularizers.registry import methods
 
     return methods()
 

@@ -1,5 +1,5 @@
 """What a Trainer user must see at the Trainer's default log level: a regularizer that will not act in
-the planned run (an :class:`~attn_reg_plugin.core.planned_run.IdleRegularizerWarning` when training
+the planned run (an :class:`~attn_reg_plugin.core.regularizers.planned_run.IdleRegularizerWarning` when training
 begins, before the progress bar is drawn) and what it regularizes (the first training log record).
 
 transformers' Trainer shows neither the plugin's INFO lines nor its own by default; its log records
@@ -14,8 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from transformers import TrainerCallback
 
-from ..core.attention_call import AttentionSite
-from ..core.planned_run import IdleRegularizerWarning, idle_run_warning
+from ..core.kernel.attention_call import AttentionSite
+from ..core.regularizers.planned_run import IdleRegularizerWarning, idle_run_warning
 
 
 def planned_run(args, state) -> Tuple[Optional[int], Optional[int], str]:

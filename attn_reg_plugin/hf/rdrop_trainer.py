@@ -23,11 +23,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from ..core.combinations import AD_DROP, RDROP, check_combination
-from ..core.distributed import all_reduce_sum_
-from ..core.options import named_by_field
-from ..core.planned_run import IdleRegularizerWarning
-from ..core.rdrop import (
+from ..core.regularizers.combinations import AD_DROP, RDROP, check_combination
+from ..core.regularizers.options import named_by_field
+from ..core.regularizers.planned_run import IdleRegularizerWarning
+from ..core.regularizers.rdrop import (
     RDropConfig,
     concat_with_itself,
     no_dropout_warning,
@@ -35,6 +34,7 @@ from ..core.rdrop import (
     rdrop_objective,
     split_in_two,
 )
+from ..core.training.distributed import all_reduce_sum_
 from .combinations import trainer_regularizers, turns_on
 from .model_inputs import causal_lm
 

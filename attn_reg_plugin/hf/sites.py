@@ -27,8 +27,8 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
-from ..core.attention_call import AttentionSite, plan_of
-from ..core.controller import RegularizationController
+from ..core.kernel.attention_call import AttentionSite, plan_of
+from ..core.kernel.controller import RegularizationController
 from .equivalence import check_equivalent
 from .probe_inputs import DECODER_LEN, ENCODER_LEN, accepted_inputs, eval_mode, probe_candidates, probe_inputs
 

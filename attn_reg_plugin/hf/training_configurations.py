@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from ..core.sharding import FSDP1_REASON, OFFLOAD_REASON, check_supported_sharding
+from ..core.training.sharding import FSDP1_REASON, OFFLOAD_REASON, check_supported_sharding
 
 
 def refuse_unsupported(who: str, args, model=None, no_deepspeed: Optional[str] = None) -> None:

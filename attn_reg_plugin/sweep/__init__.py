@@ -50,8 +50,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from ..core.ad_drop_config import SCHEDULES
-from ..core.attribution import ATTRIBUTIONS
+from ..core.regularizers.ad_drop_config import SCHEDULES
+from ..core.regularizers.attribution import ATTRIBUTIONS
 from ..paths import OutputOverwritesInputError, check_outputs_spare_inputs
 from .fairseq_check import check_fairseq_args
 from .heatmap import heatmap

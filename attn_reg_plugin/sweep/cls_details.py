@@ -20,7 +20,7 @@ from .runs import run_dir
 def rate_keys() -> tuple:
     """The Trainer log keys that are a share of attention the method dropped: AD-DROP's and each of the
     regularizer registry's rates."""
-    from ..core.regularizer import registered
+    from ..core.regularizers.registry import registered
 
     return ("ad_drop_rate", *(r.rate_key() for r in registered()))
 

@@ -14,7 +14,7 @@ criterion, no method's own flags). Methods: plain (label_smoothed_cross_entropy)
 (--attn-sched-dropout-schedule dropkey:0.1), attendout (--attendout), hiddencut
 (hiddencut_label_smoothed_cross_entropy, its defaults), ad-drop-r-drop (ad_drop_rdrop_label_smoothed_cross_entropy:
 R-Drop over AD-DROP's masked pass, alpha 5) and every other method of the regularizer registry (its
-task flags over label_smoothed_cross_entropy: :mod:`..core.regularizer`), each accepted only when the
+task flags over label_smoothed_cross_entropy: :mod:`..core.regularizers.registry`), each accepted only when the
 installed plugin provides it.
 ``--method-args METHOD='ARGS'`` (repeatable) gives a method its own options (only its own flags:
 --ad-drop-*, --rdrop-*, --attendout*, --hiddencut-*, a registry regularizer's FLAG_PREFIX); they

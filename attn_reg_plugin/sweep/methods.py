@@ -3,7 +3,7 @@ user's own (``--task attn_reg_translation`` for all), with its own options given
 
 A method's defaults are its paper's where the paper gives one for MT (R-Drop's alpha 5), else the
 plugin's own defaults (AD-DROP, AttendOut, HiddenCut), or, for a method of the regularizer registry
-(:mod:`..core.regularizer`, the plugin's and any registered outside the package), its
+(:mod:`..core.regularizers.registry`, the plugin's and any registered outside the package), its
 ``Method.mt_defaults`` and the flags it requires (``Method.required``). A method is accepted only
 when the installed plugin provides its criterion and task option (:func:`plugin_provides`). A
 method's ``--method-args`` replace its defaults option by option and may only name that method's
@@ -18,8 +18,8 @@ import re
 import shlex
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from ..core.ad_drop_config import first_ad_drop_epoch
-from ..core.regularizer import method_table, registered
+from ..core.regularizers.ad_drop_config import first_ad_drop_epoch
+from ..core.regularizers.registry import method_table, registered
 from .options import AD_DROP_CRITERION, PLAIN_CRITERION, SweepError
 
 RDROP_CRITERION = "rdrop_label_smoothed_cross_entropy"

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from ..core.ad_drop_config import SCHEDULES, first_ad_drop_epoch
-from ..core.attribution import ATTRIBUTIONS
+from ..core.regularizers.ad_drop_config import SCHEDULES, first_ad_drop_epoch
+from ..core.regularizers.attribution import ATTRIBUTIONS
 from .launcher_options import add_launcher_options, check_launcher, check_ranks
 
 # fairseq's --post-process values (fairseq.data.data_utils.post_process); "none" passes nothing.

@@ -13,10 +13,16 @@ from typing import Dict
 
 import torch
 
-from attn_reg_plugin.core.attention_call import EditScores
-from attn_reg_plugin.core.options import RegularizerOptions, attention_option, check_probability, layers_option, option
-from attn_reg_plugin.core.regularizer import Method, Regularizer, register
-from attn_reg_plugin.core.rules import BlockRule
+from attn_reg_plugin.core.kernel.attention_call import EditScores
+from attn_reg_plugin.core.kernel.rules import BlockRule
+from attn_reg_plugin.core.regularizers.options import (
+    RegularizerOptions,
+    attention_option,
+    check_probability,
+    layers_option,
+    option,
+)
+from attn_reg_plugin.core.regularizers.registry import Method, Regularizer, register
 
 
 @dataclass

@@ -24,9 +24,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.rules import candidate_region
+from attn_reg_plugin.core.kernel.rules import candidate_region
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
 from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 
 from .attribution_models import fairseq_translation, hf_classifier

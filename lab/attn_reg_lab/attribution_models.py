@@ -12,7 +12,7 @@ import tempfile
 import weakref
 from pathlib import Path
 
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
 from attn_reg_plugin.user_dir import FAIRSEQ_USER_DIR
 
 

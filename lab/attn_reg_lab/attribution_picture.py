@@ -29,9 +29,9 @@ from typing import Callable, Optional
 
 import torch
 
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.rules import MapScores, TopRegionRule, candidate_region
+from attn_reg_plugin.core.kernel.rules import MapScores, TopRegionRule, candidate_region
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
 from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 
 from .attribution_models import fairseq_translation, hf_classifier

@@ -45,10 +45,10 @@ def rows(tokenizer, split: str, n: int, length: int):
 
 
 def build(name, common, heldout):
-    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-    from attn_reg_plugin.core.attendout import AttendOutConfig
-    from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
-    from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+    from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+    from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
+    from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
+    from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
     from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 
     if name == "plain":

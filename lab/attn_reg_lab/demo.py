@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.options import add_arguments
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.options import add_arguments
 from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 
 from . import mt_pipeline as mt

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import AttentionSite, EditScores, Plan, Record
-from attn_reg_plugin.core.rules import BernoulliRule, GradientScores, TopRegionRule
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import AttentionSite, EditScores, Plan, Record
+from attn_reg_plugin.core.kernel.rules import BernoulliRule, GradientScores, TopRegionRule
 
 # name: (batch, heads, tokens, head size, the model's attention dropout, rule)
 CASES = {

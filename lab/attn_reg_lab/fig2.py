@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
 from attn_reg_plugin.paths import OutputOverwritesInputError, check_outputs_spare_inputs
 
 from .arguments import comma_list

@@ -133,8 +133,8 @@ def _measure_long(method: str, opts, length: int, clock: Clock, log) -> dict:
 @contextlib.contextmanager
 def fused_kernel(on: bool):
     """The plugin's ATTN_REG_FUSED switch (devices.FUSED) forced on or off (``on``) for one run, and a count of
-    the calls the fused kernel took, made where kernel.edit_attention calls it."""
-    from attn_reg_plugin.core import devices, fused_edit
+    the calls the fused kernel took, made where blockwise.edit_attention calls it."""
+    from attn_reg_plugin.core.kernel import devices, fused_edit
 
     calls, original, before = [0], fused_edit.fused_edit_attention, devices.FUSED
 
@@ -155,7 +155,7 @@ def fused_kernel_missing(device: str) -> Optional[str]:
     import torch
 
     try:
-        from attn_reg_plugin.core import fused_edit
+        from attn_reg_plugin.core.kernel import fused_edit
 
         if fused_edit.available(torch.empty(0, device=device)):
             return None

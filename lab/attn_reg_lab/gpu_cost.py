@@ -11,12 +11,12 @@
 An H200 step of these models is bound by the host: its time follows the kernels the step launches
 (docs/PERFORMANCE.md, "On a GPU"). This command runs a step of each configuration on the CPU on the
 code a CUDA device runs: ``ATTN_REG_PORTABLE=1`` (the portable branches of
-``attn_reg_plugin/core/devices.py``) and ``TRITON_INTERPRET=1`` (Triton kernels in its interpreter).
+``attn_reg_plugin/core/kernel/devices.py``) and ``TRITON_INTERPRET=1`` (Triton kernels in its interpreter).
 It sets both and starts again in a fresh process if they were not set.
 
 Routes. Every row is counted on a CUDA device's default route: the **fused route** (``ATTN_REG_FUSED=1``,
 set for those rows, not left to the plugin's default, which takes the route for CUDA tensors only),
-where the fused Triton kernels (``core/fused_edit.py``, ``core/fused_select.py``) take the regularized
+where the fused Triton kernels (``core/kernel/fused_edit.py``, ``core/kernel/fused_select.py``) take the regularized
 calls they cover and the rest stay on the PyTorch path. Its Triton launches are counted and not run
 (the interpreter would take half an hour for a standard HF step, hours for a long one): launches and
 syncs do not depend on the kernels' values; a launch's bytes are its arguments' sizes; its FLOPs come
@@ -28,7 +28,7 @@ route, half-precision attribution operands where the attribution pass ran in hal
 the default route's. ``--run-triton`` runs the standard fp32 rows' Triton kernels in the interpreter
 instead and counts their ``tl.dot`` FLOPs (its tiles are 16 wide; the interpreter takes no bf16 call,
 and the long rows would take hours: those stay modelled). A plugin without the fused route (a checkout
-before ``core/fused_edit.py``) is counted on the PyTorch path, its GPU default then. Each step runs once
+before ``core/kernel/fused_edit.py``) is counted on the PyTorch path, its GPU default then. Each step runs once
 uncounted, then once counted. Per step it counts:
 
 * **launches**: each aten operation that runs a kernel on a device, and each Triton launch (not the
@@ -541,7 +541,7 @@ def _row_blocks(a: dict, grid) -> int:
 
 def _ad_drop(a: dict) -> int:
     """1 where the kernel's rule is AD-DROP's (its tiles also make the attribution product), else 0."""
-    from attn_reg_plugin.core.fused_edit import AD_DROP
+    from attn_reg_plugin.core.kernel.fused_edit import AD_DROP
 
     return int(a["RULE"] == AD_DROP)
 

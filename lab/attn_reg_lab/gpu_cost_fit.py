@@ -62,7 +62,7 @@ FIT_SECTION = "standard"  # GA's launches over plain's at 16,384 tokens <= 1.1x 
 # The long model counted narrower: 4 query and 2 key/value heads of the real head size 64 (width 256,
 # intermediate 704, vocabulary 1,000), where the real one has 16 and 4 heads (width 1,024, intermediate
 # 2,816, vocabulary 32,000). The plugin's blocks of query rows (64 at both lengths:
-# kernel.query_block_rows) and its choice to keep or remake the drops (bits against q's bytes: the same
+# blockwise.query_block_rows) and its choice to keep or remake the drops (bits against q's bytes: the same
 # head size and dtype) are the real model's, and so are its launches per block.
 LONG_COUNTED = dict(long_width=256, long_heads=4, long_kv_heads=2, long_vocab=1000)
 LONG_METHODS = ("plain", "ga", "attendout", "hiddencut")  # the long rows the H200 measured, on each route
@@ -95,13 +95,13 @@ ROUTES = {
     "fused": ("1", "fused route (CUDA default)"),
     "pytorch": ("0", "PyTorch path (ATTN_REG_FUSED=0)"),
 }
-NO_FUSED_ROUTE = "PyTorch path (no fused route in this code)"  # a checkout from before core/fused_edit.py
+NO_FUSED_ROUTE = "PyTorch path (no fused route in this code)"  # a checkout from before core/kernel/fused_edit.py
 
 
 def has_fused_route() -> bool:
-    """Whether the plugin counted has the fused Triton route (core/fused_edit.py; not at 04d1e36, say)."""
+    """Whether the plugin counted has the fused Triton route (core/kernel/fused_edit.py; not at 04d1e36, say)."""
     try:
-        from attn_reg_plugin.core import devices, fused_edit  # noqa: F401
+        from attn_reg_plugin.core.kernel import devices, fused_edit  # noqa: F401
     except ImportError:
         return False
     return hasattr(devices, "FUSED")
@@ -127,7 +127,7 @@ def on_route(route: str) -> Iterator[List[int]]:
     if not has_fused_route():
         yield [0]
         return
-    from attn_reg_plugin.core import devices, fused_edit
+    from attn_reg_plugin.core.kernel import devices, fused_edit
 
     calls, original = [0], fused_edit.fused_edit_attention
     before = devices.FUSED, os.environ.get(devices.FUSED_ENV)
@@ -151,7 +151,7 @@ def on_route(route: str) -> Iterator[List[int]]:
 @contextlib.contextmanager
 def gpu_route() -> Iterator[dict]:
     """The portable branches forced (devices.PORTABLE) for a while; yields what the route is here."""
-    from attn_reg_plugin.core import devices
+    from attn_reg_plugin.core.kernel import devices
 
     before, devices.PORTABLE = devices.PORTABLE, True
     try:
@@ -383,7 +383,7 @@ def as_on_a_gpu(on: bool) -> Iterator[None]:
         return
     import triton
 
-    from attn_reg_plugin.core import fused_edit
+    from attn_reg_plugin.core.kernel import fused_edit
 
     original, interpreting = fused_edit.available, triton.knobs.runtime.interpret
     fused_edit.available = lambda q: True

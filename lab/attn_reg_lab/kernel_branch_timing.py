@@ -1,4 +1,4 @@
-"""Time the kernel's device helpers (attn_reg_plugin/core/devices.py): each CPU branch against the
+"""Time the kernel's device helpers (attn_reg_plugin/core/kernel/devices.py): each CPU branch against the
 portable branch an accelerator runs, on the CPU.
 
 * keyless rows / all_last / emptied rows   ``on_host``'s host looks: look whether any row needs the
@@ -29,9 +29,9 @@ from typing import Callable, List, Tuple
 
 import torch
 
-from attn_reg_plugin.core import devices
-from attn_reg_plugin.core.masks import pack_bits
-from attn_reg_plugin.core.rules import kth_largest
+from attn_reg_plugin.core.kernel import devices
+from attn_reg_plugin.core.kernel.masks import pack_bits
+from attn_reg_plugin.core.kernel.rules import kth_largest
 
 
 def median_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
@@ -86,7 +86,7 @@ def cases(B: int, H: int, T: int, S: int, d: int, seed: int) -> List[Tuple[str, 
     scores = torch.randn(B, H, T, S, generator=g)
 
     def ordinary_one_path():  # attend() without a site: the kernel's ordinary call
-        from attn_reg_plugin.core.attention import attend
+        from attn_reg_plugin.core.kernel.attention import attend
 
         return attend(q, q[:, :, :S], q[:, :, :S], bias)[0]
 
@@ -118,10 +118,10 @@ def both_ways(fn: Callable[[], object]) -> Tuple[Callable, Callable]:
 
 def blockwise_call(T: int, d: int, seed: int) -> Tuple[str, Callable, Callable]:
     """A (1, 12, T, T) call with Bernoulli(0.1) drops, block by block, forward and backward."""
-    from attn_reg_plugin.core.attention import attend
-    from attn_reg_plugin.core.attention_call import EditScores
-    from attn_reg_plugin.core.controller import RegularizationController
-    from attn_reg_plugin.core.rules import BernoulliRule
+    from attn_reg_plugin.core.kernel.attention import attend
+    from attn_reg_plugin.core.kernel.attention_call import EditScores
+    from attn_reg_plugin.core.kernel.controller import RegularizationController
+    from attn_reg_plugin.core.kernel.rules import BernoulliRule
 
     controller = RegularizationController()
     site = controller.register("encoder-self", 0)

@@ -131,7 +131,7 @@ def _core_step(spec: dict):
         ScheduledDropoutConfig,
         logit_target,
     )
-    from attn_reg_plugin.core.attendout import Generator, build_attacker
+    from attn_reg_plugin.core.regularizers.attendout import Generator, build_attacker
 
     cfg, method, length = MODELS[spec["model"]], spec["method"], spec["length"]
     torch.manual_seed(spec["seed"])
@@ -295,7 +295,7 @@ def method_trainer(method: str, common: dict, length: int, iga_steps: Optional[i
         attendout = AttendOutConfig(dropout_step=updates, max_positions=length)
         return AttendOutTrainer(attendout=attendout, eval_dataset=common["train_dataset"][:1], **common)
     if method == "hiddencut":
-        from attn_reg_plugin.core.hiddencut import HiddenCutConfig
+        from attn_reg_plugin.core.regularizers.hiddencut import HiddenCutConfig
         from attn_reg_plugin.hf import HiddenCutTrainer
 
         return HiddenCutTrainer(hiddencut=HiddenCutConfig(), **common)

@@ -74,9 +74,9 @@ def _worker(method: str, hidden: int, layers: int, vocab: int, batch: int, lengt
     from torch.distributed.fsdp import fully_shard
 
     from attn_reg_plugin.core import ADDrop, ADDropConfig, AttendOut, AttendOutConfig, RegularizationController
-    from attn_reg_plugin.core.attendout import Generator, build_attacker
-    from attn_reg_plugin.core.attribution import logit_target
-    from attn_reg_plugin.core.sharding import shard_like
+    from attn_reg_plugin.core.regularizers.attendout import Generator, build_attacker
+    from attn_reg_plugin.core.regularizers.attribution import logit_target
+    from attn_reg_plugin.core.training.sharding import shard_like
     from attn_reg_plugin.hf.attention import install_attention_sites
 
     backend = "nccl" if device_kind == "cuda" else "gloo"

@@ -4,10 +4,10 @@ epoch rule, and frozen parameters restored."""
 import pytest
 import torch
 
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig, ad_drop_epoch
-from attn_reg_plugin.core.attention_call import active_plan
-from attn_reg_plugin.core.attribution_pass import frozen_parameters
+from attn_reg_plugin.core.kernel.attention_call import active_plan
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig, ad_drop_epoch
+from attn_reg_plugin.core.regularizers.attribution_pass import frozen_parameters
 from helpers import controller_with_sites
 
 
@@ -51,7 +51,7 @@ def test_config_errors_name_their_flag(field, value, flag):
 
 
 def test_config_marked_by_a_python_api_names_its_fields():
-    from attn_reg_plugin.core.options import named_by_field
+    from attn_reg_plugin.core.regularizers.options import named_by_field
 
     with pytest.raises(ValueError, match=r"^ADDropConfig\.q must be in the open interval"):
         named_by_field(ADDropConfig(q=2.0)).validate()
@@ -96,7 +96,7 @@ def _masks_for(region, attribution, valid, p, monkeypatch):
     candidate dropped, but a row's last valid key), made as the kernel makes a one-block call's."""
     import dataclasses
 
-    from attn_reg_plugin.core import ad_drop as core_ad_drop
+    from attn_reg_plugin.core.regularizers import ad_drop as core_ad_drop
 
     controller = controller_with_sites({"encoder-self": 1})
     ad_drop = ADDrop(ADDropConfig(p=p, q=0.5, region=region, attention="encoder-self"), controller)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from attn_reg_plugin.core import ad_drop_epoch
-from attn_reg_plugin.core.ad_drop_config import first_ad_drop_epoch
+from attn_reg_plugin.core.regularizers.ad_drop_config import first_ad_drop_epoch
 
 pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it
 

@@ -6,10 +6,10 @@ pseudo labels (only the fairseq and HF adapters used to pass gold labels)."""
 import pytest
 import torch
 
-from attn_reg_plugin.core import kernel
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attribution import logit_target
+from attn_reg_plugin.core.kernel import blockwise
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attribution import logit_target
 from helpers import CORE_B, CORE_D, CORE_T, tiny_core_model
 
 
@@ -31,9 +31,9 @@ def _step(labels_option, labels=None, attribution="ga"):
         calls.append((fixed, value.detach(), used))
         return value, used
 
-    rule_drops = kernel.rule_drops
+    rule_drops = blockwise.rule_drops
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernel, "rule_drops", lambda *args: drops.append(rule_drops(*args)) or drops[-1])
+        mp.setattr(blockwise, "rule_drops", lambda *args: drops.append(rule_drops(*args)) or drops[-1])
         torch.manual_seed(0)
         given = {} if labels is None else {"labels": labels}  # none given: as a loop of before wrote it
         with ad_drop.masked(lambda: model(x), target, frozen=model, **given):

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from attn_reg_plugin.core import devices
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attribution import logit_target
+from attn_reg_plugin.core.kernel import devices
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attribution import logit_target
 from helpers import CORE_B, CORE_D, CORE_T, tiny_core_model
 
 KEYS = {"skipped", "dropped", "droppable", "rate"}

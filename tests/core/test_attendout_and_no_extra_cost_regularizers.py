@@ -5,8 +5,11 @@ import math
 import pytest
 import torch
 
-from attn_reg_plugin.core import devices
-from attn_reg_plugin.core.attendout import (
+from attn_reg_plugin.core.kernel import devices
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import EditScores, Plan, hook_in_progress, passing
+from attn_reg_plugin.core.kernel.controller import RegularizationController
+from attn_reg_plugin.core.regularizers.attendout import (
     AttendOut,
     AttendOutConfig,
     Generator,
@@ -18,11 +21,8 @@ from attn_reg_plugin.core.attendout import (
     reinforce_loss,
     win_probability,
 )
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import EditScores, Plan, hook_in_progress, passing
-from attn_reg_plugin.core.controller import RegularizationController
-from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
-from attn_reg_plugin.core.scheduled_dropout import (
+from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
+from attn_reg_plugin.core.regularizers.scheduled_dropout import (
     ScheduledAttentionDropout,
     ScheduledDropoutConfig,
     parse_schedules,
@@ -483,7 +483,7 @@ def test_layerdrop_rejects_probabilities_outside_0_1(p):
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 1, 1, 1), (2, 1, 3, 0), (3, 2, 7, 54)])
 def test_row_all_check_equals_torch_all(shape):
     """The kernel's fast row test (byte minimum) is torch's ``all`` over the last dim."""
-    from attn_reg_plugin.core.rules import all_last as _all_last
+    from attn_reg_plugin.core.kernel.rules import all_last as _all_last
 
     g = torch.Generator().manual_seed(0)
     for density in (0.0, 0.5, 0.9, 1.0):
@@ -496,7 +496,7 @@ def test_row_all_check_equals_torch_all(shape):
 def test_scaler_skipped_step_tells_an_overflow_from_a_step(grad, skipped):
     """torch's GradScaler skips a non-finite step and lowers its scale; a finite step leaves the
     scale (before its growth interval) and moves the weight."""
-    from attn_reg_plugin.core.attendout import scaler_skipped_step
+    from attn_reg_plugin.core.regularizers.attendout import scaler_skipped_step
 
     w = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([w], lr=0.1)

@@ -6,10 +6,15 @@ import contextlib
 import pytest
 import torch
 
-from attn_reg_plugin.core.attendout import AttendOut, AttendOutConfig, Generator, policy
-from attn_reg_plugin.core.attendout.policy import PolicyLogits, action_log_prob, drop_log_prob, sampled_drops
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import hook_in_progress
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import hook_in_progress
+from attn_reg_plugin.core.regularizers.attendout import AttendOut, AttendOutConfig, Generator, policy
+from attn_reg_plugin.core.regularizers.attendout.policy import (
+    PolicyLogits,
+    action_log_prob,
+    drop_log_prob,
+    sampled_drops,
+)
 from helpers import controller_with_sites, run_in_blocks
 
 
@@ -230,7 +235,7 @@ def test_a_one_block_call_under_bf16_autocast_applies_the_actions_reinforce_cred
     logits are float32 whether the pass begins outside autocast (the masks' logits, made in the call)
     or inside it (the Generator's states too). Read through the kernel: with q = k = 0 and v = I, a row's
     output is positive exactly at its kept keys."""
-    from attn_reg_plugin.core.attendout.game import _site_seed
+    from attn_reg_plugin.core.regularizers.attendout.game import _site_seed
 
     torch.manual_seed(0)
     game = AttendOut(

@@ -4,10 +4,10 @@
 import pytest
 import torch
 
-from attn_reg_plugin.core import kernel, rules
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import CaptureOutput, EditScores
-from attn_reg_plugin.core.rules import BernoulliRule
+from attn_reg_plugin.core.kernel import blockwise, rules
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import CaptureOutput, EditScores
+from attn_reg_plugin.core.kernel.rules import BernoulliRule
 from helpers import FLOAT_DTYPES, HandPass, ad_drop_masks
 
 # ---------------------------------------------------------------- the kernel
@@ -128,9 +128,9 @@ def test_a_row_the_drops_empty_attends_uniformly_and_counts_its_keys_dropped(spl
     rule dropped those keys, so they count: a rate of 1 is logged as 1, not 0."""
     if split:
         monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
-        monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)
-        monkeypatch.setattr(kernel, "LINEAR_FACTOR", 0)
-        monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 0)
+        monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+        monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
     q, k, v = _qkv()
     bias, valid = _pad_bias([7, 3], 7)
     drop = (torch.arange(7) < 3).view(1, 1, 1, 7)  # sample 1's three valid keys: its rows are emptied
@@ -286,9 +286,9 @@ def test_a_call_writes_nothing_on_its_site_or_plan_and_a_recompute_captures_noth
     """attend() reads the plan's hook and hands the counts to the pass: the site and the plan are as they were. The
     kernel given the same AttentionCall as a recompute, from the same point of torch's stream (where
     a checkpoint restores it), makes the same drops and captures and counts nothing."""
-    from attn_reg_plugin.core.attention import attention_kernel
-    from attn_reg_plugin.core.attention_call import AttentionCall
-    from attn_reg_plugin.core.rules import BernoulliRule
+    from attn_reg_plugin.core.kernel.attention import attention_kernel
+    from attn_reg_plugin.core.kernel.attention_call import AttentionCall
+    from attn_reg_plugin.core.kernel.rules import BernoulliRule
 
     q, k, v = _qkv()
     hook = EditScores(drop=BernoulliRule(torch.tensor(0.5)), counted=True)
@@ -354,13 +354,13 @@ def test_grouped_key_value_heads_equal_repeated_ones_and_ga_keeps_them_unrepeate
     """k, v with fewer heads (grouped-query attention): the same output, gradients and AD-DROP drops
     as the heads repeated by hand (transformers' repeat_kv order), and GA's capture keeps V unrepeated,
     its scores equal to the repeated ones'."""
-    from attn_reg_plugin.core import kernel
-    from attn_reg_plugin.core.rules import BernoulliRule, Block, GradientScores, TopRegionRule
+    from attn_reg_plugin.core.kernel import blockwise
+    from attn_reg_plugin.core.kernel.rules import BernoulliRule, Block, GradientScores, TopRegionRule
 
     if long:
-        monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)
-        monkeypatch.setattr(kernel, "LINEAR_FACTOR", 0)
-        monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 0)
+        monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+        monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
     g = torch.Generator().manual_seed(0)
     q0 = torch.randn(2, 4, 5, 8, generator=g)
     k0, v0 = torch.randn(2, 2, 7, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g)
@@ -404,7 +404,7 @@ def test_key_value_heads_that_do_not_divide_the_query_heads_are_refused():
 def test_attend_takes_a_plan_or_the_call_read_from_it_not_both():
     from types import MappingProxyType
 
-    from attn_reg_plugin.core.attention_call import ORDINARY, Plan
+    from attn_reg_plugin.core.kernel.attention_call import ORDINARY, Plan
 
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match="give the plan .* or the call read from it .*, not both"):

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn_reg_plugin.core import attribution
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import active_plan, hook_in_progress
-from attn_reg_plugin.core.controller import RegularizationController
-from attn_reg_plugin.core.rules import Block, IntegratedGradientScores, MapScores, ScoreSource, TopRegionRule
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import active_plan, hook_in_progress
+from attn_reg_plugin.core.kernel.controller import RegularizationController
+from attn_reg_plugin.core.kernel.rules import Block, IntegratedGradientScores, MapScores, ScoreSource, TopRegionRule
+from attn_reg_plugin.core.regularizers import attribution
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
 
 B, T, D, HEADS, LAYERS, CLASSES = 3, 5, 8, 2, 2, 3
 LENGTHS = [5, 3, 1]  # batch row 2 has a single real token
@@ -505,11 +505,11 @@ def test_attribution_precision_with_the_random_region_is_refused(precision):
 @pytest.mark.cpu_branch  # the warning is about this CPU's bf16 matmuls
 @pytest.mark.parametrize("native", [False, True])
 def test_bf16_attribution_on_a_cpu_without_native_bf16_warns_once(monkeypatch, caplog, native):
-    from attn_reg_plugin.core import ad_drop as ad_drop_module
+    from attn_reg_plugin.core.regularizers import ad_drop as ad_drop_module
 
     monkeypatch.setattr(ad_drop_module, "cpu_has_native_bf16", lambda: native)
     model, x, key_pad, adrop = _setup(dtype=torch.float32, attribution_precision="bf16")
-    with caplog.at_level("WARNING", logger="attn_reg_plugin.core.ad_drop"):
+    with caplog.at_level("WARNING", logger="attn_reg_plugin.core.regularizers.ad_drop"):
         _attributions(adrop, model, x, key_pad)
         _attributions(adrop, model, x, key_pad)
     warned = [r.getMessage() for r in caplog.records if "no AVX-512" in r.getMessage()]

@@ -11,10 +11,10 @@ gradients, each gradient in its input's dtype. The CUDA cases are ``make gpu-che
 import pytest
 import torch
 
-from attn_reg_plugin.core import kernel, rules
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import EditScores
-from attn_reg_plugin.core.rules import (
+from attn_reg_plugin.core.kernel import blockwise, rules
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import EditScores
+from attn_reg_plugin.core.kernel.rules import (
     AttentionScores,
     BernoulliRule,
     GradientScores,
@@ -32,11 +32,11 @@ def _blocks(monkeypatch, split: bool):
     """Blocks of 2 query rows whatever the size (``split``), or every call one block."""
     if split:
         monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
-        monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)
-        monkeypatch.setattr(kernel, "LINEAR_FACTOR", 0)
-        monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 0)
+        monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+        monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
     else:
-        monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1 << 40)
+        monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1 << 40)
 
 
 def _inputs(device):

@@ -1,5 +1,5 @@
 """A regularized call's backward taken inside ``torch.autocast`` (a loop that wraps its whole step,
-backward included, in autocast). Its forward runs with autocast off (kernel.edit_attention), so its
+backward included, in autocast). Its forward runs with autocast off (blockwise.edit_attention), so its
 backward must too: on the portable branch (the one a GPU takes) the blockwise backward met autocast's
 bf16 matmuls beside a float32 softmax and raised ``expected scalar type BFloat16 but found Float``
 in ``_softmax_backward_data``. AttendOut's Attacker (the Generator's masks), then every kind of edit."""
@@ -9,8 +9,8 @@ import torch
 from test_attendout_blocks import _attacker_loss, _encoder_game
 from test_autocast import KINDS, _blocks, _hook, _inputs
 
-from attn_reg_plugin.core import devices
-from attn_reg_plugin.core.attention import attend
+from attn_reg_plugin.core.kernel import devices
+from attn_reg_plugin.core.kernel.attention import attend
 from helpers import HandPass, run_in_blocks
 
 

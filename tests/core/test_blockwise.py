@@ -10,14 +10,11 @@ import math
 import pytest
 import torch
 
-from attn_reg_plugin.core import devices, kernel, rules
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import CaptureProbs, EditScores, hook_in_progress
-from attn_reg_plugin.core.attribution import logit_target
-from attn_reg_plugin.core.controller import RegularizationController
-from attn_reg_plugin.core.rules import (
+from attn_reg_plugin.core.kernel import blockwise, devices, rules
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import CaptureProbs, EditScores, hook_in_progress
+from attn_reg_plugin.core.kernel.controller import RegularizationController
+from attn_reg_plugin.core.kernel.rules import (
     BernoulliRule,
     Block,
     DenseRule,
@@ -29,20 +26,23 @@ from attn_reg_plugin.core.rules import (
     chunk_draws,
     dense_gradient_attribution,
 )
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attribution import logit_target
 from helpers import HandPass
 
 
 @pytest.fixture(autouse=True)
 def block_calls(monkeypatch):
     """Rows per block of every call the kernel ran blockwise, so a test knows the path it took."""
-    from attn_reg_plugin.core import attention
+    from attn_reg_plugin.core.kernel import attention
 
     seen = []
 
     def counted(q, k, v, bias, call):
         if call.rows_per_block < q.shape[2]:  # a short call is the same Function's one block
             seen.append(call.rows_per_block)
-        return kernel.edit_attention(q, k, v, bias, call)
+        return blockwise.edit_attention(q, k, v, bias, call)
 
     monkeypatch.setattr(attention, "edit_attention", counted)
     return seen
@@ -50,9 +50,9 @@ def block_calls(monkeypatch):
 
 def _force_small_blocks(monkeypatch):
     monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
-    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(kernel, "LINEAR_FACTOR", 0)
-    monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 0)
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def small_blocks(monkeypatch):
 
 
 def _one_block(monkeypatch):
-    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1 << 40)
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1 << 40)
 
 
 def _valid(kind, b=2, t=7):
@@ -75,13 +75,13 @@ def _valid(kind, b=2, t=7):
 
 
 def test_block_sizes_follow_the_budget():
-    assert kernel.query_block_rows(32, 12, 128, 128, 64) == 128  # BERT-base at 128: one block
-    assert kernel.query_block_rows(4, 12, 4096, 128, 64) == 4096  # cross-attention to 128 keys: one
-    assert kernel.query_block_rows(1, 2, 512, 512, 32) == 512  # under the fixed floor
-    assert kernel.query_block_rows(1, 2, 4096, 4096, 32) == 64  # 2**19 elements / (2 x 4096)
-    rows = kernel.query_block_rows(1, 12, 2048, 2048, 64)  # BERT-base width at 2k: H x T x d
+    assert blockwise.query_block_rows(32, 12, 128, 128, 64) == 128  # BERT-base at 128: one block
+    assert blockwise.query_block_rows(4, 12, 4096, 128, 64) == 4096  # cross-attention to 128 keys: one
+    assert blockwise.query_block_rows(1, 2, 512, 512, 32) == 512  # under the fixed floor
+    assert blockwise.query_block_rows(1, 2, 4096, 4096, 32) == 64  # 2**19 elements / (2 x 4096)
+    rows = blockwise.query_block_rows(1, 12, 2048, 2048, 64)  # BERT-base width at 2k: H x T x d
     assert rows == 64 and rows % rules.CHUNK_ROWS == 0
-    assert kernel.query_block_rows(2, 12, 4096, 4096, 64) == 64  # a block holds as many as q
+    assert blockwise.query_block_rows(2, 12, 4096, 4096, 64) == 64  # a block holds as many as q
 
 
 def test_draws_depend_on_the_row_and_key_not_on_the_split_or_the_keys_covered(monkeypatch):
@@ -452,7 +452,7 @@ def test_without_a_bias_every_key_counts_towards_ceil_p_n(blocks, monkeypatch, b
 def test_attention_weight_region_is_the_dense_top_p_in_every_block(kind, dtype, monkeypatch):
     """AA on a long map keeps q, k and the bias; each block's weights, recomputed, rank the keys as
     the dense weights do: the region is each row's top ceil(p n) by the dense path's weights."""
-    from attn_reg_plugin.core.rules import AttentionScores
+    from attn_reg_plugin.core.kernel.rules import AttentionScores
 
     monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
     g = torch.Generator().manual_seed(4)
@@ -477,7 +477,7 @@ def test_ad_drop_aa_split_into_blocks_keeps_q_and_k_not_weights(small_blocks, bl
     with ad_drop.masked(lambda: model(x, bias), logit_target, frozen=model) as stats:
         rules = [hook_in_progress(site).drop for site in model.sites]
         model(x, bias).sum().backward()
-    from attn_reg_plugin.core.rules import AttentionScores
+    from attn_reg_plugin.core.kernel.rules import AttentionScores
 
     assert all(isinstance(r, TopRegionRule) and isinstance(r.source, AttentionScores) for r in rules)
     assert len(block_calls) == 2
@@ -491,7 +491,7 @@ def test_ad_drop_aa_split_into_blocks_keeps_q_and_k_not_weights(small_blocks, bl
 def test_ad_drop_iga_split_into_blocks_keeps_summed_gradients_not_maps(small_blocks, block_calls):
     """IGA's pass 2 ranks A ⊙ (Σ_k dF/dO_k) Vᵀ / m per block: the hooks hold dF/dO sums (B, H, T, d),
     V, q and k, and each block's region is the top-p of the dense integrated-gradient map."""
-    from attn_reg_plugin.core.rules import AttentionScores, IntegratedGradientScores
+    from attn_reg_plugin.core.kernel.rules import AttentionScores, IntegratedGradientScores
 
     model = _Encoder()
     x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(7))
@@ -594,8 +594,8 @@ def test_a_blockwise_call_makes_its_drops_from_the_sites_seed_alone(small_blocks
     """Split into blocks, a drawing rule's drops depend on the seed its pass gave the site, not on
     torch's stream: the forward, a recompute and another point of the stream agree; another seed
     drops otherwise."""
-    from attn_reg_plugin.core.attention import attention_kernel
-    from attn_reg_plugin.core.attention_call import AttentionCall
+    from attn_reg_plugin.core.kernel.attention import attention_kernel
+    from attn_reg_plugin.core.kernel.attention_call import AttentionCall
 
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 2, 6, 4, generator=g) for _ in range(3))
@@ -609,11 +609,11 @@ def test_a_blockwise_call_makes_its_drops_from_the_sites_seed_alone(small_blocks
 
 
 def _kept_against_made_again(rule, dropout_p, monkeypatch, device="cpu", dtype=torch.float32):
-    from attn_reg_plugin.core.attention import attention_kernel
-    from attn_reg_plugin.core.attention_call import AttentionCall
+    from attn_reg_plugin.core.kernel.attention import attention_kernel
+    from attn_reg_plugin.core.kernel.attention_call import AttentionCall
 
     # One backward call per block either way, so the bits compare (groups sum in another order).
-    monkeypatch.setattr(kernel, "BACKWARD_ROWS_PER_DIM", 0)
+    monkeypatch.setattr(blockwise, "BACKWARD_ROWS_PER_DIM", 0)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 2, 6, 4, generator=g).to(device, dtype) for _ in range(3))
     if rule == "coins":
@@ -623,13 +623,13 @@ def _kept_against_made_again(rule, dropout_p, monkeypatch, device="cpu", dtype=t
         drop = TopRegionRule(scores, 0.5, 0.5)
     call = AttentionCall(EditScores(drop=drop), False, 21)
     again_calls = []  # the backward's evaluations of the rule
-    rule_drops = kernel.rule_drops
+    rule_drops = blockwise.rule_drops
 
     def counted(*args):
         again_calls.extend([] if args[-1] else [1])  # args[-1]: fresh_state, the forward's evaluation
         return rule_drops(*args)
 
-    monkeypatch.setattr(kernel, "rule_drops", counted)
+    monkeypatch.setattr(blockwise, "rule_drops", counted)
 
     def step():
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
@@ -640,7 +640,7 @@ def _kept_against_made_again(rule, dropout_p, monkeypatch, device="cpu", dtype=t
 
     kept = step()
     assert again_calls == []
-    monkeypatch.setattr(kernel, "KEPT_DROPS_FACTOR", 0)
+    monkeypatch.setattr(blockwise, "KEPT_DROPS_FACTOR", 0)
     made_again = step()
     assert len(again_calls) == 3  # one per block of 2 rows
     for a, b in zip(kept, made_again):
@@ -740,15 +740,15 @@ def test_backward_groups_of_blocks_equal_one_backward_call_per_block(kind, layer
     flag = torch.tensor([True, False]).view(2, 1, 1, 1) if layerdrop else None
     groups = []
     results = []
-    backward_group = kernel._backward_group
+    backward_group = blockwise._backward_group
 
     def recorded(*args):
         groups.append(backward_group(*args))
         return groups[-1]
 
-    monkeypatch.setattr(kernel, "_backward_group", recorded)
+    monkeypatch.setattr(blockwise, "_backward_group", recorded)
     for per_dim in (4, 0):  # groups of 8 blocks of 2 rows (4 x d / 2), then one block per call
-        monkeypatch.setattr(kernel, "BACKWARD_ROWS_PER_DIM", per_dim)
+        monkeypatch.setattr(blockwise, "BACKWARD_ROWS_PER_DIM", per_dim)
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         torch.manual_seed(2)
         hook = EditScores(drop=TopRegionRule(RandomScores(), 0.5, 0.9), uniform_rows=flag)
@@ -776,9 +776,9 @@ def test_float64_blocks_keep_float64(learned_bias, monkeypatch):
         with monkeypatch.context() as patched:
             if split:
                 patched.setattr(rules, "CHUNK_ROWS", 2)
-                patched.setattr(kernel, "BLOCK_ELEMENTS", 1)
-                patched.setattr(kernel, "LINEAR_FACTOR", 0)
-                patched.setattr(kernel, "ONE_BLOCK_KEYS", 0)
+                patched.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+                patched.setattr(blockwise, "LINEAR_FACTOR", 0)
+                patched.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v, bias)]
             leaves[3].requires_grad_(learned_bias)
             drop = torch.rand(2, 2, 7, 7, generator=torch.Generator().manual_seed(1)) < 0.3
@@ -917,7 +917,7 @@ def test_a_value_head_larger_than_the_query_head_runs_block_by_block(padded, blo
     split = run()
     assert block_calls and split[0].shape == (2, 2, 9, 6)
     _one_block(monkeypatch)
-    monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 128)
+    monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 128)
     whole = run()
     assert len(block_calls) == 1  # the second run was one block
     for a, b in zip(split, whole):

@@ -5,22 +5,22 @@ without one."""
 import pytest
 import torch
 
-from attn_reg_plugin.core import kernel, masks, rules
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import CaptureOutput, EditScores
-from attn_reg_plugin.core.attribution import logit_target
-from attn_reg_plugin.core.controller import RegularizationController
-from attn_reg_plugin.core.rules import BernoulliRule, RandomScores, TopRegionRule
+from attn_reg_plugin.core.kernel import blockwise, masks, rules
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import CaptureOutput, EditScores
+from attn_reg_plugin.core.kernel.controller import RegularizationController
+from attn_reg_plugin.core.kernel.rules import BernoulliRule, RandomScores, TopRegionRule
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attribution import logit_target
 from helpers import HandPass
 
 
 def _small_blocks(monkeypatch):
     monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
-    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(kernel, "LINEAR_FACTOR", 0)
-    monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 0)
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
 
 
 def _explicit(bias, t, s):
@@ -193,7 +193,7 @@ def test_ad_drop_on_a_causal_model_is_the_same_with_the_flag(attribution, blocks
     monkeypatch.setattr(masks, "causal_allowed", recorded)  # masks.causal_bias builds every causal mask
     if blocks == "several":
         _small_blocks(monkeypatch)
-        monkeypatch.setattr(kernel, "BACKWARD_ROWS_PER_DIM", 1)  # backward calls of 2 blocks (d = 4)
+        monkeypatch.setattr(blockwise, "BACKWARD_ROWS_PER_DIM", 1)  # backward calls of 2 blocks (d = 4)
     x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(4))
     padding = _padding("bool", 2, 6) if padded else None
     flagged = _step(_CausalLM(True), x, padding, attribution)

@@ -5,13 +5,13 @@ import functools
 import pytest
 import torch
 
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attention_call import EditScores, active_plan, hook_in_progress
-from attn_reg_plugin.core.attribution import logit_target
-from attn_reg_plugin.core.checkpointing import activation_checkpointing_paused
-from attn_reg_plugin.core.controller import RegularizationController
-from attn_reg_plugin.core.rules import BernoulliRule
+from attn_reg_plugin.core.kernel.attention_call import EditScores, active_plan, hook_in_progress
+from attn_reg_plugin.core.kernel.controller import RegularizationController
+from attn_reg_plugin.core.kernel.rules import BernoulliRule
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attribution import logit_target
+from attn_reg_plugin.core.training.checkpointing import activation_checkpointing_paused
 from attn_reg_plugin.hf import install_attention_sites
 from helpers import (
     CORE_B,
@@ -327,8 +327,8 @@ def test_a_plan_kept_for_a_recompute_does_not_keep_its_pass_record_alive():
     import gc
     import weakref
 
-    from attn_reg_plugin.core.attention import attend
-    from attn_reg_plugin.core.attention_call import CaptureOutput, call_of, plan_of
+    from attn_reg_plugin.core.kernel.attention import attend
+    from attn_reg_plugin.core.kernel.attention_call import CaptureOutput, call_of, plan_of
 
     controller = RegularizationController()
     site = controller.register("encoder-self", 0)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from attn_reg_plugin.core.combinations import (
+from attn_reg_plugin.core.regularizers.combinations import (
     AD_DROP,
     ATTENDOUT,
     COMBINATIONS,
@@ -14,9 +14,9 @@ from attn_reg_plugin.core.combinations import (
     check_combination,
     combinations_table,
 )
-from attn_reg_plugin.core.drophead import DropHeadConfig
-from attn_reg_plugin.core.scheduled_dropout import DROPKEY_REGULARIZER as DROPKEY
-from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+from attn_reg_plugin.core.regularizers.drophead import DropHeadConfig
+from attn_reg_plugin.core.regularizers.scheduled_dropout import DROPKEY_REGULARIZER as DROPKEY
+from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
 
 pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it
 
@@ -54,14 +54,14 @@ def test_a_schedule_that_is_no_string_is_refused_naming_the_option(config, value
 
 
 def test_the_removed_shims_are_gone():
-    from attn_reg_plugin.core.attention_call import Record
-    from attn_reg_plugin.core.controller import RegularizationController
+    from attn_reg_plugin.core.kernel.attention_call import Record
+    from attn_reg_plugin.core.kernel.controller import RegularizationController
     from attn_reg_plugin.hf.attendout_trainer import AttendOutTrainerMixin
 
     assert not hasattr(RegularizationController, "training_step")
     assert not hasattr(Record, "weights")
     assert not hasattr(AttendOutTrainerMixin, "attendout_log")
-    import attn_reg_plugin.core.ad_drop as ad_drop
+    import attn_reg_plugin.core.regularizers.ad_drop as ad_drop
 
     assert not hasattr(ad_drop, "StepCounts")  # the stats are a plain dict: stats["valid"] is a KeyError
 

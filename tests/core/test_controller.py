@@ -2,10 +2,10 @@
 
 import pytest
 
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attention_call import hook_in_progress
-from attn_reg_plugin.core.controller import RegularizationController, parse_kinds, parse_layers
+from attn_reg_plugin.core.kernel.attention_call import hook_in_progress
+from attn_reg_plugin.core.kernel.controller import RegularizationController, parse_kinds, parse_layers
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
 from helpers import controller_with_sites
 
 pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it

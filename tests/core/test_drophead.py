@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import EditOutputs
-from attn_reg_plugin.core.drophead import DropHead, DropHeadConfig
-from attn_reg_plugin.core.planned_run import idle_run_warning
-from attn_reg_plugin.core.rules import call_seed, keyed_draws
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import EditOutputs
+from attn_reg_plugin.core.kernel.rules import call_seed, keyed_draws
+from attn_reg_plugin.core.regularizers.drophead import DropHead, DropHeadConfig
+from attn_reg_plugin.core.regularizers.planned_run import idle_run_warning
 from helpers import (
     CORE_B,
     CORE_D,

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.options import named_by_field
-from attn_reg_plugin.core.planned_run import idle_run_warning
-from attn_reg_plugin.core.scheduled_dropout import (
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.regularizers.options import named_by_field
+from attn_reg_plugin.core.regularizers.planned_run import idle_run_warning
+from attn_reg_plugin.core.regularizers.scheduled_dropout import (
     ScheduledAttentionDropout,
     ScheduledDropoutConfig,
     check_dropkey_rate,
@@ -205,7 +205,7 @@ def test_at_a_dropkey_site_the_weights_dropout_is_off_and_a_knot_schedule_keeps_
 
 
 def test_the_start_up_log_says_so_once(caplog):
-    with caplog.at_level("INFO", logger="attn_reg_plugin.core.scheduled_dropout"):
+    with caplog.at_level("INFO", logger="attn_reg_plugin.core.regularizers.scheduled_dropout"):
         dropkey("dropkey:0.2", controller_with_sites({"encoder-self": 2}))
         dropkey("0:0.2", controller_with_sites({"encoder-self": 2}))
     said = [r.getMessage() for r in caplog.records if "replaces the attention-weight dropout" in r.getMessage()]

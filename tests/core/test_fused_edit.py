@@ -1,4 +1,4 @@
-"""The fused edit kernel (core/fused_edit.py) on tiny shapes, in Triton's CPU interpreter, against the
+"""The fused edit kernel (core/kernel/fused_edit.py) on tiny shapes, in Triton's CPU interpreter, against the
 portable PyTorch path: its drops (region, ties, coins, the rows a rule would empty), the model's
 attention dropout inside the call, its output and its gradients (no padding, padding, a (B, 1, T, S)
 mask whose rows differ, causal with T != S, GQA, emptied and keyless rows)."""
@@ -12,14 +12,14 @@ import torch
 from helpers import fused_kernel_device
 
 DEVICE = fused_kernel_device()  # CUDA, compiled; else the CPU in Triton's interpreter
-from attn_reg_plugin.core import fused_edit as fe  # noqa: E402
+from attn_reg_plugin.core.kernel import fused_edit as fe  # noqa: E402
 
 pytestmark = pytest.mark.gpu  # make gpu-check: compiled on CUDA; here in the interpreter
 
 # The portable path, imported here only: its modules are being refactored (one place to re-point).
-from attn_reg_plugin.core.kernel import BlockCall, edit_attention
-from attn_reg_plugin.core.masks import MASKED_BIAS
-from attn_reg_plugin.core.rules import (
+from attn_reg_plugin.core.kernel.blockwise import BlockCall, edit_attention
+from attn_reg_plugin.core.kernel.masks import MASKED_BIAS
+from attn_reg_plugin.core.kernel.rules import (
     Block,
     DenseRule,
     MapScores,
@@ -317,7 +317,7 @@ def test_dropout_p_0_is_the_call_without_dropout_and_p_1_drops_every_weight():
 
 @pytest.mark.parametrize("case", ["gqa, causal, padding", "keyless, left padding"])
 def test_matches_the_portable_edit_with_the_kernels_drops(case):
-    """kernel.edit_attention with DenseRule(the kernel's coins) gives the kernel's output and
+    """blockwise.edit_attention with DenseRule(the kernel's coins) gives the kernel's output and
     gradients: its own uniform-instead-of-empty rows included (fed the coins before that rule)."""
     q, k, v, bias, causal = case_inputs(case)
     spec = fe.EditDrops(fe.BERNOULLI, 0.7, 9)

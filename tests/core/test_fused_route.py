@@ -1,4 +1,4 @@
-"""The fused route (core/fused_route.py): with ATTN_REG_FUSED on, the regularized calls the fused
+"""The fused route (core/kernel/fused_route.py): with ATTN_REG_FUSED on, the regularized calls the fused
 Triton kernel covers run there, and compute what the PyTorch path computes.
 
 The two paths draw different coins (Philox in the kernel, keyed draws in PyTorch), so they are
@@ -17,13 +17,13 @@ from helpers import CORE_B, CORE_D, CORE_T, fused_kernel_device, tiny_bert_class
 DEVICE = fused_kernel_device()
 pytestmark = pytest.mark.gpu  # make gpu-check: compiled on CUDA; here in the interpreter
 
-from attn_reg_plugin.core import devices  # noqa: E402
-from attn_reg_plugin.core.ad_drop import ADDrop  # noqa: E402
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig  # noqa: E402
-from attn_reg_plugin.core.attribution import logit_target  # noqa: E402
-from attn_reg_plugin.core.fused_route import fused_drops  # noqa: E402
-from attn_reg_plugin.core.kernel import BlockCall, edit_attention  # noqa: E402
-from attn_reg_plugin.core.rules import BernoulliRule, DenseRule, GradientScores, RandomScores, TopRegionRule  # noqa: E402
+from attn_reg_plugin.core.kernel import devices  # noqa: E402
+from attn_reg_plugin.core.kernel.blockwise import BlockCall, edit_attention  # noqa: E402
+from attn_reg_plugin.core.kernel.fused_route import fused_drops  # noqa: E402
+from attn_reg_plugin.core.kernel.rules import BernoulliRule, DenseRule, GradientScores, RandomScores, TopRegionRule  # noqa: E402
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop  # noqa: E402
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig  # noqa: E402
+from attn_reg_plugin.core.regularizers.attribution import logit_target  # noqa: E402
 
 
 def tensors(b=2, h=2, h_kv=2, t=20, s=27, d=4, seed=0):
@@ -144,7 +144,7 @@ def test_a_call_with_the_models_attention_dropout_runs_on_the_kernel(monkeypatch
     """An AD-DROP call with attention dropout (p = 0.1, as a BERT's in training) runs on the fused
     kernel, its dropout keyed by the call's dropout seed: finite, the same for the same seed, another
     for another seed, other than without dropout, and its gradients flow."""
-    from attn_reg_plugin.core import fused_edit
+    from attn_reg_plugin.core.kernel import fused_edit
 
     q, k, v, attribution, values = tensors()
     bias = padding([27, 15], 27)
@@ -192,7 +192,7 @@ def test_calls_the_kernel_does_not_cover_stay_on_the_pytorch_path(monkeypatch):
 
 def test_a_call_the_kernel_does_not_cover_is_named_once_in_the_log(monkeypatch, caplog):
     """With the route on, nothing stays on the PyTorch path silently: each reason is one warning."""
-    from attn_reg_plugin.core import fused_route
+    from attn_reg_plugin.core.kernel import fused_route
 
     monkeypatch.setattr(fused_route, "_NAMED", set())
     q, k, v, attribution, values = tensors()
@@ -267,7 +267,7 @@ def test_an_hf_llama_step_with_gradient_checkpointing_on_the_route(padded, monke
     attention gets one materialised (B, 1, T, S) mask of padding and the future, which the kernel
     reads row by row."""
     pytest.importorskip("transformers")
-    from attn_reg_plugin.core import fused_edit
+    from attn_reg_plugin.core.kernel import fused_edit
 
     original = fused_edit.fused_edit_attention
 
@@ -303,7 +303,7 @@ def test_an_hf_bert_training_step_with_padding_and_attention_dropout_runs_on_the
     layer's masked call reaches the fused kernel, the model's dropout and the padding mask with it, and
     the step's loss and gradients are finite."""
     pytest.importorskip("transformers")
-    from attn_reg_plugin.core import fused_edit
+    from attn_reg_plugin.core.kernel import fused_edit
 
     calls, original = [], fused_edit.fused_edit_attention
 
@@ -411,8 +411,8 @@ def test_the_two_device_regions_give_the_same_state(p, seed, mask):
     equals the PyTorch path's TopRegionRule.region: tests/core/test_fused_select.py) give the same state
     for a call, exactly: small integer scores (many ties at the threshold), padding or a (B, 1, T, S)
     mask of random rows, causal rows without keys, samples, k = 0."""
-    from attn_reg_plugin.core import fused_edit, fused_route
-    from attn_reg_plugin.core.fused_select import region_state_streamed
+    from attn_reg_plugin.core.kernel import fused_edit, fused_route
+    from attn_reg_plugin.core.kernel.fused_select import region_state_streamed
 
     g = torch.Generator().manual_seed(seed)
     t, s = int(torch.randint(5, 40, (), generator=g)), int(torch.randint(3, 70, (), generator=g))
@@ -436,7 +436,7 @@ def test_the_two_device_regions_give_the_same_state(p, seed, mask):
 def test_a_recompute_of_the_same_call_reuses_its_region(monkeypatch):
     """The rule's region is ranked once for its call: a checkpoint's recompute (the same rule and the very
     same bias object) reuses it, with the same drops; another bias, or another rule, ranks again."""
-    from attn_reg_plugin.core import fused_edit
+    from attn_reg_plugin.core.kernel import fused_edit
 
     q, k, v, attribution, values = tensors()
     bias = padding([27, 15], 27)
@@ -463,7 +463,7 @@ def test_a_recompute_of_the_same_call_reuses_its_row_counts(monkeypatch):
     """The same call again (a checkpoint's recompute: the same rule, seeds and bias object) is the very same
     FusedCall, and the kernel counts its rows once: one counting launch for both, the same counts, the same
     output and gradients. Another seed (R-Drop's second forward) keeps the region and counts again."""
-    from attn_reg_plugin.core import fused_edit
+    from attn_reg_plugin.core.kernel import fused_edit
 
     q, k, v, attribution, values = tensors()
     bias = padding([27, 15], 27)
@@ -519,7 +519,7 @@ def test_unset_the_route_is_asked_on_cuda_only(monkeypatch):
 def test_the_first_use_check_passes_the_kernel_and_catches_a_backward_that_disagrees(monkeypatch):
     """fused_route.check_against_pytorch on this device: None for the kernel as it is (fp32 and fp16);
     a dk 1 % off (a backward kernel that disagrees with the forward) is caught and named."""
-    from attn_reg_plugin.core import fused_edit, fused_route
+    from attn_reg_plugin.core.kernel import fused_edit, fused_route
 
     assert fused_route.check_against_pytorch(torch.device(DEVICE), torch.float32, 16) is None
     assert fused_route.check_against_pytorch(torch.device(DEVICE), torch.float16, 8) is None
@@ -539,7 +539,7 @@ def test_the_first_use_check_passes_the_kernel_and_catches_a_backward_that_disag
 def default_route(monkeypatch, verdict):
     """The route as a CUDA device takes it by default (ATTN_REG_FUSED unset), here in the interpreter, with
     the first-use check's verdict ``verdict`` (counted calls: the check's, the kernel's)."""
-    from attn_reg_plugin.core import fused_edit, fused_route
+    from attn_reg_plugin.core.kernel import fused_edit, fused_route
 
     calls = {"check": 0, "kernel": 0}
     original = fused_edit.fused_edit_attention
@@ -572,7 +572,7 @@ def test_on_by_default_the_kernel_is_checked_once_then_takes_the_calls(monkeypat
 
 
 def test_a_failed_first_use_check_sends_the_calls_to_the_pytorch_path_and_says_so(monkeypatch, caplog):
-    from attn_reg_plugin.core import fused_route
+    from attn_reg_plugin.core.kernel import fused_route
 
     calls = default_route(monkeypatch, "dk off by 0.02")
     q, k, v, attribution, values = tensors()

@@ -1,4 +1,4 @@
-"""AD-DROP's region state streamed over any number of keys (core/fused_select.py), in Triton's CPU
+"""AD-DROP's region state streamed over any number of keys (core/kernel/fused_select.py), in Triton's CPU
 interpreter here (compiled on CUDA): bit for bit fused_edit.region_state over fused_edit.attribution_scores
 where that one fits (S <= 1024), the PyTorch path's region beyond it, and a launch count that does not
 grow with T or S."""
@@ -13,13 +13,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import fused_kernel_device
 
 DEVICE = fused_kernel_device()  # CUDA, compiled; else the CPU in Triton's interpreter
-from attn_reg_plugin.core import fused_edit as fe
-from attn_reg_plugin.core import fused_select as fs
+from attn_reg_plugin.core.kernel import fused_edit as fe
+from attn_reg_plugin.core.kernel import fused_select as fs
 
 pytestmark = pytest.mark.gpu  # make gpu-check: compiled on CUDA; here in the interpreter
 
-from attn_reg_plugin.core.masks import MASKED_BIAS
-from attn_reg_plugin.core.rules import Block, MapScores, TopRegionRule, decimal_fraction
+from attn_reg_plugin.core.kernel.masks import MASKED_BIAS
+from attn_reg_plugin.core.kernel.rules import Block, MapScores, TopRegionRule, decimal_fraction
 
 
 def inputs(b, h, h_kv, t, s, d, integer, seed=0):
@@ -255,8 +255,8 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from attn_reg_plugin.core import fused_edit as fe
-from attn_reg_plugin.core import fused_select as fs
+from attn_reg_plugin.core.kernel import fused_edit as fe
+from attn_reg_plugin.core.kernel import fused_select as fs
 
 scalars = dict.fromkeys(("T", "S", "H", "GROUP", "D", "NUM", "DEN"), "i32")
 flags = ("CAUSAL", "BIAS_KIND", "ROW_BIAS", "HAS_SAMPLES", "WIDE", "DOT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_D")
@@ -297,9 +297,9 @@ def test_the_kernel_compiles_for_a_cuda_gpu(tmp_path):
 def test_the_fused_route_takes_a_call_of_more_than_1024_keys_to_the_streamed_region():
     """fused_route._ad_drop on a call of 1,100 keys (past fused_edit.MAX_REGION_KEYS): the streamed
     region, the PyTorch path's state exactly, in one Triton launch."""
-    from attn_reg_plugin.core import fused_route
-    from attn_reg_plugin.core.kernel import BlockCall
-    from attn_reg_plugin.core.rules import GradientScores
+    from attn_reg_plugin.core.kernel import fused_route
+    from attn_reg_plugin.core.kernel.blockwise import BlockCall
+    from attn_reg_plugin.core.kernel.rules import GradientScores
 
     attribution, values = inputs(2, 2, 1, 3, 1100, 4, integer=True, seed=7)
     q = torch.zeros_like(attribution)

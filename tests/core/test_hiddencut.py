@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn_reg_plugin.core.hiddencut import (
+from attn_reg_plugin.core.regularizers.hiddencut import (
     CutPlan,
     HiddenCutConfig,
     SpanCut,
@@ -152,7 +152,7 @@ def _received_by_blocks_against_dense(monkeypatch, seed, mask_kind, causal, devi
         scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
     weights = torch.softmax(scores.masked_fill(~valid[:, None, None, :], -math.inf), dim=-1).nan_to_num(0.0)
     rows = int(torch.randint(1, 8, (1,), generator=g))
-    monkeypatch.setattr("attn_reg_plugin.core.hiddencut.RECEIVED_BLOCK_ELEMENTS", b * heads * t * rows)
+    monkeypatch.setattr("attn_reg_plugin.core.regularizers.hiddencut.RECEIVED_BLOCK_ELEMENTS", b * heads * t * rows)
     q, k, valid, mask = (x if x is None else x.to(device) for x in (q, k, valid, mask))
     got = attention_received_by_blocks(q, k, valid, 0.3, mask, causal, softcap)
     assert got.device.type == device
@@ -215,7 +215,7 @@ def _js_against_autograd(monkeypatch, log_probs, rows_a_block, device):
     the formula, with classes impossible in one pass, in both, and a whole row of one class; and torch's
     gradcheck in float64."""
     if rows_a_block is not None:
-        monkeypatch.setattr("attn_reg_plugin.core.hiddencut.JS_BLOCK_ELEMENTS", rows_a_block * 9)
+        monkeypatch.setattr("attn_reg_plugin.core.regularizers.hiddencut.JS_BLOCK_ELEMENTS", rows_a_block * 9)
     g = _gen(3)
     a, b = (
         torch.randn(2, 3, 9, generator=g, dtype=torch.float64),

@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import EditScores
-from attn_reg_plugin.core.rules import candidate_region
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import EditScores
+from attn_reg_plugin.core.kernel.rules import candidate_region
 from helpers import HandPass, ad_drop_masks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -129,7 +129,7 @@ def test_kernel_gradients_equal_the_explicit_softmax_path(dtype, backend, edit):
     """Rows with no valid key (left-padded causal batches) send back no gradient with a regularizer
     active, on the fused and the math backends: the finite fill would spread them over padding keys,
     where torch's fused CPU backward is wrong by O(1)."""
-    from attn_reg_plugin.core.attention_call import CaptureOutput
+    from attn_reg_plugin.core.kernel.attention_call import CaptureOutput
 
     valid = _left_padded_causal()
     g = torch.Generator().manual_seed(0)

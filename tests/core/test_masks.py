@@ -15,12 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attn_reg_plugin.core import masks as masks_module
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import EditScores
-from attn_reg_plugin.core.masks import additive_mask, mask_fill_value, pack_bits, unpack_bits
-from attn_reg_plugin.core.rules import candidate_region, ceil_of_product, keep_one_valid_key
+from attn_reg_plugin.core.kernel import masks as masks_module
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import EditScores
+from attn_reg_plugin.core.kernel.masks import additive_mask, mask_fill_value, pack_bits, unpack_bits
+from attn_reg_plugin.core.kernel.rules import candidate_region, ceil_of_product, keep_one_valid_key
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
 from helpers import FLOAT_DTYPES, HandPass, ad_drop_masks
 
 # Row-sum tolerance of a softmax stored in the dtype (a few ulps of 1 times the row length).

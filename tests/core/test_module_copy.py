@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from attn_reg_plugin.core.module_copy import deepcopy_module
-from attn_reg_plugin.core.sharding import meta_copy
+from attn_reg_plugin.core.training.module_copy import deepcopy_module
+from attn_reg_plugin.core.training.sharding import meta_copy
 
 pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it
 

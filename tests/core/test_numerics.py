@@ -11,13 +11,13 @@ shapes, padding patterns and p/q at random; this file pins the corners.
 import pytest
 import torch
 
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import EditScores
-from attn_reg_plugin.core.attribution import GradientScale, logit_target, token_loss_target
-from attn_reg_plugin.core.controller import RegularizationController
-from attn_reg_plugin.core.rules import candidate_region
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import EditScores
+from attn_reg_plugin.core.kernel.controller import RegularizationController
+from attn_reg_plugin.core.kernel.rules import candidate_region
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attribution import GradientScale, logit_target, token_loss_target
 from helpers import FLOAT_DTYPES, HandPass, ad_drop_masks
 
 # Absolute tolerance against a float64 reference (outputs; input gradients get 2.5x). The worst

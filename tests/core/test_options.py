@@ -1,5 +1,5 @@
 """Each option is declared once, on its core config; the fairseq flags and the runners' argparse
-options are generated from it (attn_reg_plugin.core.options, fairseq_plugin.options)."""
+options are generated from it (attn_reg_plugin.core.regularizers.options, fairseq_plugin.options)."""
 
 import argparse
 import dataclasses
@@ -7,13 +7,13 @@ import typing
 
 import pytest
 
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.hiddencut import HiddenCutConfig
-from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
-from attn_reg_plugin.core.options import add_arguments, options_of
-from attn_reg_plugin.core.rdrop import RDropConfig
-from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
+from attn_reg_plugin.core.regularizers.hiddencut import HiddenCutConfig
+from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.regularizers.options import add_arguments, options_of
+from attn_reg_plugin.core.regularizers.rdrop import RDropConfig
+from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
 from helpers import REPO, controller_with_sites
 
 pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it
@@ -113,13 +113,13 @@ def test_docs_option_tables_are_generated_from_the_configs():
 def test_attention_auto_is_encoder_self_with_an_encoder_else_decoder_self(caplog):
     import logging
 
-    from attn_reg_plugin.core.ad_drop import ADDrop
+    from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
 
     def controller(*kinds):
         return controller_with_sites({kind: 2 for kind in kinds})
 
     assert ADDropConfig().attention == "auto"
-    with caplog.at_level(logging.INFO, logger="attn_reg_plugin.core.controller"):
+    with caplog.at_level(logging.INFO, logger="attn_reg_plugin.core.kernel.controller"):
         seq2seq = ADDrop(ADDropConfig(), controller("encoder-self", "decoder-self", "encoder-decoder"))
         decoder_only = ADDrop(ADDropConfig(), controller("decoder-self"))
     assert {s.kind for s in seq2seq.sites} == {"encoder-self"} and len(seq2seq.sites) == 2

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import CaptureOutput, CaptureProbs, EditScores, Plan, call_of, passing
-from attn_reg_plugin.core.rules import BernoulliRule
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import CaptureOutput, CaptureProbs, EditScores, Plan, call_of, passing
+from attn_reg_plugin.core.kernel.rules import BernoulliRule
 from helpers import controller_with_sites
 
 B, T, D, H = 2, 5, 8, 2

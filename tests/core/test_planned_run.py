@@ -4,13 +4,17 @@ and AttendOut's generator is sized to the model unless max_positions is set."""
 import pytest
 import torch
 
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig, first_ad_drop_epoch
-from attn_reg_plugin.core.attendout import AttendOut, AttendOutConfig, Generator
-from attn_reg_plugin.core.attendout.config import DEFAULT_MAX_POSITIONS, generator_positions
-from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
-from attn_reg_plugin.core.options import named_by_field
-from attn_reg_plugin.core.planned_run import idle_run_warning
-from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig, first_dropping_update, parse_schedules
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig, first_ad_drop_epoch
+from attn_reg_plugin.core.regularizers.attendout import AttendOut, AttendOutConfig, Generator
+from attn_reg_plugin.core.regularizers.attendout.config import DEFAULT_MAX_POSITIONS, generator_positions
+from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.regularizers.options import named_by_field
+from attn_reg_plugin.core.regularizers.planned_run import idle_run_warning
+from attn_reg_plugin.core.regularizers.scheduled_dropout import (
+    ScheduledDropoutConfig,
+    first_dropping_update,
+    parse_schedules,
+)
 from helpers import controller_with_sites
 
 pytestmark = pytest.mark.host_only  # no device branch: the portable run skips it

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn_reg_plugin.core.rdrop import (
+from attn_reg_plugin.core.regularizers.rdrop import (
     RDropConfig,
     concat_with_itself,
     rdrop_kl,
@@ -166,7 +166,7 @@ def test_a_class_impossible_in_both_passes_adds_nothing_and_no_nan(name):
     """A class whose logit is -inf in both passes (a vocabulary entry a model masks out) contributes 0
     to R-Drop's KL and HiddenCut's JS: value and gradients are those over the possible classes, with
     a 0 gradient at the impossible one, instead of 0 * (-inf - -inf) = NaN."""
-    from attn_reg_plugin.core.hiddencut import js_divergence
+    from attn_reg_plugin.core.regularizers.hiddencut import js_divergence
 
     divergence = {"symmetric_kl": symmetric_kl, "js_divergence": js_divergence}[name]
     masked = [torch.tensor([[1.0, 2.0, -math.inf], [0.0, -1.0, -math.inf]], requires_grad=True) for _ in range(2)]

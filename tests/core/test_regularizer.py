@@ -1,12 +1,12 @@
-"""The regularizer registry (core/regularizer.py): what it holds, and what it refuses."""
+"""The regularizer registry (core/regularizers/registry.py): what it holds, and what it refuses."""
 
 import dataclasses
 
 import pytest
 
-from attn_reg_plugin.core import regularizer
-from attn_reg_plugin.core.drophead import DropHeadConfig
-from attn_reg_plugin.core.regularizer import EXTENSIONS_ENV, Regularizer, by_key, register, registered
+from attn_reg_plugin.core.regularizers import registry
+from attn_reg_plugin.core.regularizers.drophead import DropHeadConfig
+from attn_reg_plugin.core.regularizers.registry import EXTENSIONS_ENV, Regularizer, by_key, register, registered
 
 
 def test_the_plugins_one_pass_regularizers_are_registered_in_order_with_their_methods():
@@ -51,12 +51,12 @@ def test_an_extension_that_cannot_be_loaded_fails_naming_it(monkeypatch, tmp_pat
     missing = tmp_path / "nowhere.py"
     monkeypatch.setenv(EXTENSIONS_ENV, str(missing))
     with pytest.raises(ImportError, match=f"{EXTENSIONS_ENV}: cannot load '{missing}': no such file"):
-        regularizer.load_extensions()
+        registry.load_extensions()
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('a bug in the extension')\n")
     monkeypatch.setenv(EXTENSIONS_ENV, str(broken))
     with pytest.raises(ImportError, match="a bug in the extension"):
-        regularizer.load_extensions()
+        registry.load_extensions()
     monkeypatch.setenv(EXTENSIONS_ENV, "")
     assert isinstance(registered()[0], Regularizer)  # the registry still reads
 
@@ -65,16 +65,16 @@ def test_both_comparison_commands_list_the_same_methods_in_one_order():
     from attn_reg_plugin.hf.methods import METHODS as classifier_methods
     from attn_reg_plugin.sweep.methods import METHODS as mt_methods
 
-    names = regularizer.method_names()
+    names = registry.method_names()
     assert names[:5] == ("plain", "ad-drop", "attendout", "r-drop", "hiddencut") and names[-1] == "ad-drop-r-drop"
     assert {"drophead", "dropkey"} <= set(names)
     assert list(classifier_methods) == list(mt_methods) == list(names)
 
 
 def test_a_method_table_that_binds_other_names_is_refused():
-    bound = {name: name for name in ("plain", *regularizer.OWN_PASS_METHODS, *regularizer.COMBINED_METHODS)}
-    assert list(regularizer.method_table(bound, lambda r, m: m.name)) == list(regularizer.method_names())
+    bound = {name: name for name in ("plain", *registry.OWN_PASS_METHODS, *registry.COMBINED_METHODS)}
+    assert list(registry.method_table(bound, lambda r, m: m.name)) == list(registry.method_names())
     with pytest.raises(ValueError, match="a method table binds exactly"):
-        regularizer.method_table({**bound, "drophead": "mine"}, lambda r, m: m.name)
+        registry.method_table({**bound, "drophead": "mine"}, lambda r, m: m.name)
     with pytest.raises(ValueError, match="a method table binds exactly"):
-        regularizer.method_table({k: v for k, v in bound.items() if k != "hiddencut"}, lambda r, m: m.name)
+        registry.method_table({k: v for k, v in bound.items() if k != "hiddencut"}, lambda r, m: m.name)

@@ -5,13 +5,13 @@ import copy
 import pytest
 import torch
 
-from attn_reg_plugin.core.attention_call import Plan, passing
+from attn_reg_plugin.core.kernel.attention_call import Plan, passing
 
 fairseq = pytest.importorskip("fairseq")
 from fairseq.modules.multihead_attention import MultiheadAttention  # noqa: E402
 
-from attn_reg_plugin.core.attention_call import EditScores  # noqa: E402
-from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
+from attn_reg_plugin.core.kernel.attention_call import EditScores  # noqa: E402
+from attn_reg_plugin.core.kernel.controller import RegularizationController  # noqa: E402
 from attn_reg_plugin.fairseq_plugin.attention import RegularizedMultiheadAttention, install_attention_sites  # noqa: E402
 from helpers import TINY_TRANSFORMER, fairseq_setup  # noqa: E402
 
@@ -146,8 +146,8 @@ def test_install_on_encoder_only_model_and_missing_decoder_error():
     encoder = RobertaEncoder(args, d)
     controller = install_attention_sites(encoder, RegularizationController())
     assert [(s.kind, s.layer) for s in controller.sites] == [("encoder-self", 0), ("encoder-self", 1)]
-    from attn_reg_plugin.core.ad_drop import ADDrop
-    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
+    from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+    from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
 
     with pytest.raises(ValueError, match="encoder-decoder.*no such attention"):
         ADDrop(ADDropConfig(attention="encoder-decoder"), controller)

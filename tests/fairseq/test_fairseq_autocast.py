@@ -32,12 +32,12 @@ DEVICES = [
 
 @pytest.fixture
 def blocks_of_two_rows(monkeypatch):
-    from attn_reg_plugin.core import kernel, rules
+    from attn_reg_plugin.core.kernel import blockwise, rules
 
     monkeypatch.setattr(rules, "CHUNK_ROWS", 2)
-    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(kernel, "LINEAR_FACTOR", 0)
-    monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 0)
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

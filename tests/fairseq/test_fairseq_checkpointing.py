@@ -109,7 +109,7 @@ def test_without_the_pass_carried_the_checkpointed_step_is_refused_and_would_dif
     """The equality above can fail: a layer of --checkpoint-activations whose call does not carry the
     pass reads it from its site in the reentrant forward, with autograd off, and is refused; without
     that refusal it would recompute ordinary attention in the backward (the pass has ended by then)."""
-    from attn_reg_plugin.core import attention_call
+    from attn_reg_plugin.core.kernel import attention_call
     from attn_reg_plugin.fairseq_plugin import attention
 
     _, grads, _ = one_step(tiny_mt_data["bin"], "ad-drop-ga", checkpointing=False)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attn_reg_plugin.core.attention_call import hook_in_progress
+from attn_reg_plugin.core.kernel.attention_call import hook_in_progress
 
 pytest.importorskip("fairseq")
 
@@ -98,9 +98,9 @@ def test_attribution_pass_touches_no_parameter_gradient(tiny_mt_data):
 @pytest.mark.parametrize("method", ["ga", "rd"])
 def test_same_seed_same_masks_and_loss(tiny_mt_data, monkeypatch, method):
     """CPU determinism: the same seed gives the same masks, loss and gradients; another seed other masks."""
-    from attn_reg_plugin.core import kernel
+    from attn_reg_plugin.core.kernel import blockwise
 
-    masks = record_results(monkeypatch, kernel, "rule_drops", lambda made: made[0])  # each call's drops
+    masks = record_results(monkeypatch, blockwise, "rule_drops", lambda made: made[0])  # each call's drops
     runs = []
     for seed in (0, 0, 1):
         masks.append([])

@@ -35,7 +35,7 @@ def test_attention_dropout_is_off_at_dropkey_sites_of_every_kind(tiny_mt_data, m
 
 def test_the_start_up_log_says_so(tiny_mt_data, caplog):
     args = ["--task", "attn_reg_translation", *TINY_TRANSFORMER, "--attn-sched-dropout-schedule", "dropkey:0.1"]
-    with caplog.at_level("INFO", logger="attn_reg_plugin.core.scheduled_dropout"):
+    with caplog.at_level("INFO", logger="attn_reg_plugin.core.regularizers.scheduled_dropout"):
         fairseq_setup(tiny_mt_data["bin"], args)
     [said] = [r.getMessage() for r in caplog.records if "replaces the attention-weight dropout" in r.getMessage()]
     assert said.startswith("--attn-sched-dropout-schedule dropkey:0.1: DropKey replaces the attention-weight dropout")

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from attn_reg_plugin.core.attention_call import hook_in_progress
+from attn_reg_plugin.core.kernel.attention_call import hook_in_progress
 
 pytest.importorskip("fairseq")
 
@@ -232,7 +232,7 @@ def test_roberta_self_attention_routed_as_encoder_self(tiny_sp_data):
 def test_attribution_forward_is_the_criterion_forward(tiny_sp_data, data, extra):
     """In eval mode the attribution pass's logits are bit-identical to those the criterion
     trains on, and its target is the pseudo/gold-label logit sum or minus the criterion's loss."""
-    from attn_reg_plugin.core.attribution_pass import bare_module
+    from attn_reg_plugin.core.regularizers.attribution_pass import bare_module
 
     _, task, model, criterion, sample = _setup(tiny_sp_data[data], *extra)
     model.eval()
@@ -255,8 +255,8 @@ def test_attribution_forward_is_the_criterion_forward(tiny_sp_data, data, extra)
 
 
 def test_masks_reach_every_roberta_self_attention_layer(tiny_sp_data):
-    from attn_reg_plugin.core.attention_call import CaptureOutput, EditScores
-    from attn_reg_plugin.core.rules import TopRegionRule
+    from attn_reg_plugin.core.kernel.attention_call import CaptureOutput, EditScores
+    from attn_reg_plugin.core.kernel.rules import TopRegionRule
 
     _, task, model, criterion, sample = _setup(tiny_sp_data["cls"], "--num-classes", "2", *NO_DROPOUT)
     hooks_seen = {name: [] for name in SELF_ATTN}

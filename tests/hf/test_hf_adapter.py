@@ -9,14 +9,14 @@ import torch
 import transformers  # noqa: E402
 
 import helpers  # noqa: E402
-from attn_reg_plugin.core.ad_drop import ADDrop  # noqa: E402
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig  # noqa: E402
-from attn_reg_plugin.core.attention_call import (
+from attn_reg_plugin.core.kernel.attention_call import (
     EditScores,  # noqa: E402
     hook_in_progress,
 )
-from attn_reg_plugin.core.attribution import logit_target  # noqa: E402
-from attn_reg_plugin.core.controller import RegularizationController  # noqa: E402
+from attn_reg_plugin.core.kernel.controller import RegularizationController  # noqa: E402
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop  # noqa: E402
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig  # noqa: E402
+from attn_reg_plugin.core.regularizers.attribution import logit_target  # noqa: E402
 from attn_reg_plugin.hf import ADDropSeq2SeqTrainer, ADDropTrainer, install_attention_sites  # noqa: E402
 from helpers import CORPUS, minilm_path, record_results, tiny_bert_classifier  # noqa: E402
 from helpers import MOVIE_REVIEWS_TINY as REVIEWS
@@ -80,7 +80,7 @@ def test_idle_and_noop_hook_match_sdpa(build, batch, train):
 def test_a_regularized_call_is_read_once(monkeypatch):
     """The adapter reads what the pass asks of a call (call_of) and hands it to attend, which does
     not read it again."""
-    import attn_reg_plugin.core.attention as core_attention
+    import attn_reg_plugin.core.kernel.attention as core_attention
     import attn_reg_plugin.hf.attention as hf_attention
 
     ours, controller, _ = adapted(tiny_bert())
@@ -257,9 +257,9 @@ def test_trainer_regression_always(tmp_path):
 
 def test_trainer_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
     """CPU determinism through the Trainer: the same seed gives the same masks and logs; another seed other masks."""
-    from attn_reg_plugin.core import kernel
+    from attn_reg_plugin.core.kernel import blockwise
 
-    masks = record_results(monkeypatch, kernel, "rule_drops", lambda made: made[0])  # each call's drops
+    masks = record_results(monkeypatch, blockwise, "rule_drops", lambda made: made[0])  # each call's drops
     g = torch.Generator().manual_seed(4)
     data = [
         {"input_ids": torch.randint(3, 100, (5 + i % 4,), generator=g), "labels": torch.tensor(i % 2)}
@@ -318,7 +318,7 @@ def test_bf16_attention_attributions_drop_the_same_as_one_block_or_many(attribut
     weights ranked are recomputed in float32 and pass 1's outputs are sdpa's at every length, so each
     seed's drops do not change when the calls run in blocks of 2 rows (a bf16 product of a block's
     rows, or a short map's explicit A V, is rounded otherwise: the counts differed by one)."""
-    from attn_reg_plugin.core import kernel, rules
+    from attn_reg_plugin.core.kernel import blockwise, rules
 
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no")
     mask = (torch.arange(9)[None, :] >= torch.tensor([0, 3, 5])[:, None]).long()  # left padding
@@ -338,7 +338,7 @@ def test_bf16_attention_attributions_drop_the_same_as_one_block_or_many(attribut
 
     monkeypatch.setattr(rules, "CHUNK_ROWS", 2)  # draws per chunk of 2 rows in both runs
     one_block = dropped()
-    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(kernel, "LINEAR_FACTOR", 0)
-    monkeypatch.setattr(kernel, "ONE_BLOCK_KEYS", 0)
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(blockwise, "LINEAR_FACTOR", 0)
+    monkeypatch.setattr(blockwise, "ONE_BLOCK_KEYS", 0)
     assert dropped() == one_block and min(one_block) > 0

@@ -10,10 +10,10 @@ import torch
 import transformers
 from transformers import TrainerCallback
 
-from attn_reg_plugin.core.attendout import AttendOut, AttendOutConfig
-from attn_reg_plugin.core.attention_call import hook_in_progress
-from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
-from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig, schedule_value
+from attn_reg_plugin.core.kernel.attention_call import hook_in_progress
+from attn_reg_plugin.core.regularizers.attendout import AttendOut, AttendOutConfig
+from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig, schedule_value
 from attn_reg_plugin.hf import (
     AttendOutSeq2SeqTrainer,
     AttendOutTrainer,
@@ -263,7 +263,7 @@ def test_drop_probability_logged(tmp_path):
 def test_same_seed_same_masks_and_losses(tmp_path, monkeypatch):
     """CPU determinism: the same seed gives the same Generator masks, rewards, losses and weights;
     another seed gives other masks."""
-    from attn_reg_plugin.core.attendout import policy as attendout_policy
+    from attn_reg_plugin.core.regularizers.attendout import policy as attendout_policy
 
     masks = record_results(monkeypatch, attendout_policy, "gumbel_drops")
     runs = []
@@ -555,7 +555,7 @@ import sys
 from pathlib import Path
 import torch
 from test_hf_attendout import _args, collate, small_bert, token_data
-from attn_reg_plugin.core.attendout import AttendOutConfig
+from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
 from attn_reg_plugin.hf import AttendOutTrainer
 
 out = Path(sys.argv[1])

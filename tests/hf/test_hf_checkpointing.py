@@ -13,11 +13,11 @@ import torch
 import transformers
 
 import helpers
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.drophead import DropHeadConfig
-from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
-from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
+from attn_reg_plugin.core.regularizers.drophead import DropHeadConfig
+from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import (
     ADDropSeq2SeqTrainer,
     ADDropTrainer,
@@ -177,7 +177,7 @@ def test_checkpointing_without_the_pass_carried_is_refused_and_would_differ(tmp_
     ``attn_reg_plan``), the reentrant forward reads it from the sites with autograd off and is refused;
     without that refusal, the recompute in the backward, after the pass ended, would run ordinary
     attention and the gradients would differ."""
-    from attn_reg_plugin.core import attention_call
+    from attn_reg_plugin.core.kernel import attention_call
     from attn_reg_plugin.hf import sites
 
     loss, grads, _ = one_step("bert", "ad-drop-ga", None, tmp_path)
@@ -199,9 +199,9 @@ def test_a_pass_read_with_autograd_off_around_an_installed_model_is_refused(wher
     checkpoint carries the pass: exact."""
     import torch.utils.checkpoint
 
-    from attn_reg_plugin.core.attention_call import EditScores
-    from attn_reg_plugin.core.controller import RegularizationController
-    from attn_reg_plugin.core.rules import BernoulliRule
+    from attn_reg_plugin.core.kernel.attention_call import EditScores
+    from attn_reg_plugin.core.kernel.controller import RegularizationController
+    from attn_reg_plugin.core.kernel.rules import BernoulliRule
     from attn_reg_plugin.hf import install_attention_sites
 
     def step(checkpoint):
@@ -236,9 +236,9 @@ def test_a_pass_reaches_an_installed_models_forward_in_another_thread():
     in a thread makes the pass's drops, the same as in the caller's thread (hidden dropout off)."""
     import threading
 
-    from attn_reg_plugin.core.attention_call import EditScores
-    from attn_reg_plugin.core.controller import RegularizationController
-    from attn_reg_plugin.core.rules import BernoulliRule
+    from attn_reg_plugin.core.kernel.attention_call import EditScores
+    from attn_reg_plugin.core.kernel.controller import RegularizationController
+    from attn_reg_plugin.core.kernel.rules import BernoulliRule
     from attn_reg_plugin.hf import install_attention_sites
 
     model = tiny_bert().eval()

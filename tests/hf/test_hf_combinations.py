@@ -9,12 +9,12 @@ import pytest
 import torch
 import transformers
 
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.drophead import DropHeadConfig
-from attn_reg_plugin.core.planned_run import IdleRegularizerWarning
-from attn_reg_plugin.core.rdrop import RDropConfig
-from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
+from attn_reg_plugin.core.regularizers.drophead import DropHeadConfig
+from attn_reg_plugin.core.regularizers.planned_run import IdleRegularizerWarning
+from attn_reg_plugin.core.regularizers.rdrop import RDropConfig
+from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import (
     ADDropTrainer,
     ADDropTrainerMixin,
@@ -136,7 +136,7 @@ def test_the_dropout_search_sees_functional_dropouts_layerdrop_and_drop_paths():
             super().__init__()
             self.p = p
 
-    from attn_reg_plugin.core.rdrop import model_dropout
+    from attn_reg_plugin.core.regularizers.rdrop import model_dropout
 
     assert model_dropout(Functional(p_drop=0.3)) == {"p_drop": 0.3}
     assert model_dropout(Functional(drop_prob=0.2, layerdrop=0.0)) == {"drop_prob": 0.2}

@@ -2,8 +2,8 @@
 
 import pytest
 
-from attn_reg_plugin.core.drophead import DropHeadConfig
-from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+from attn_reg_plugin.core.regularizers.drophead import DropHeadConfig
+from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import AttnRegTrainer
 from helpers import hf_tensorboard_matches_the_log, pad_collate, small_bert, token_data, trainer_args
 

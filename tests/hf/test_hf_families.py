@@ -14,13 +14,13 @@ import torch
 import transformers
 from families import FAMILIES, REFUSED, build, families_table
 
-from attn_reg_plugin.core import kernel
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attendout.game import AttendOut as AttendOutGame
-from attn_reg_plugin.core.attention_call import EditScores
-from attn_reg_plugin.core.attribution import token_loss_target
-from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.core.kernel import blockwise
+from attn_reg_plugin.core.kernel.attention_call import EditScores
+from attn_reg_plugin.core.kernel.controller import RegularizationController
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attendout.game import AttendOut as AttendOutGame
+from attn_reg_plugin.core.regularizers.attribution import token_loss_target
 from attn_reg_plugin.hf import install_attention_sites
 from helpers import REPO, run_in_blocks
 
@@ -147,14 +147,14 @@ def test_one_ad_drop_step_drops_about_pq_and_no_padding_or_future_key(family, mo
     ours, controller, _ = _adapted(model)
     inputs = _inputs(family, model)
     drops = []
-    real_rule_drops = kernel.rule_drops
+    real_rule_drops = blockwise.rule_drops
 
     def recording(*args):  # each one-block call's drops, as its mask takes them
         made = real_rule_drops(*args)
         drops.append(made[0])
         return made
 
-    monkeypatch.setattr(kernel, "rule_drops", recording)
+    monkeypatch.setattr(blockwise, "rule_drops", recording)
     p = q = 0.5
     ad = ADDrop(ADDropConfig(p=p, q=q, attention=",".join(family.kinds), schedule="always"), controller)
     with torch.no_grad():
@@ -231,8 +231,8 @@ def test_causal_lm_target_scores_each_label_with_the_previous_position():
 def test_every_attribution_and_the_no_extra_cost_regularizers_train(family):
     """IGA, AA and RD steps, scheduled attention dropout and attention LayerDrop on each family:
     finite losses and gradients, and each one changes the training forward."""
-    from attn_reg_plugin.core.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
-    from attn_reg_plugin.core.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
+    from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDrop, AttentionLayerDropConfig
+    from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledAttentionDropout, ScheduledDropoutConfig
 
     model = _model(family)
     ours, controller, _ = _adapted(model)
@@ -316,7 +316,7 @@ def test_attendout_trains_on_every_family(family, tmp_path):
     survivor's weights end up in both networks, and the held-out losses are finite."""
     import transformers
 
-    from attn_reg_plugin.core.attendout import AttendOutConfig
+    from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
     from attn_reg_plugin.hf import AttendOutSeq2SeqTrainer, AttendOutTrainer
 
     model = _model(family)
@@ -381,7 +381,7 @@ def _stack(rows):
 def test_attendout_on_whisper_encoder_is_refused_at_the_first_batch(tmp_path):
     import transformers
 
-    from attn_reg_plugin.core.attendout import AttendOutConfig
+    from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
     from attn_reg_plugin.hf import AttendOutSeq2SeqTrainer
 
     family = next(f for f in FAMILIES if f.name == "Whisper")

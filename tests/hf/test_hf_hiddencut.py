@@ -10,9 +10,9 @@ import torch
 import transformers
 
 import helpers
-from attn_reg_plugin.core import hiddencut as core
-from attn_reg_plugin.core.hiddencut import CutPlan, HiddenCutConfig, js_consistency
-from attn_reg_plugin.core.rdrop import RDropConfig
+from attn_reg_plugin.core.regularizers import hiddencut as core
+from attn_reg_plugin.core.regularizers.hiddencut import CutPlan, HiddenCutConfig, js_consistency
+from attn_reg_plugin.core.regularizers.rdrop import RDropConfig
 from attn_reg_plugin.hf import RDropTrainer, RDropTrainerMixin
 from attn_reg_plugin.hf.feed_forward_cut import REPLACES_IT, feed_forward_output
 from attn_reg_plugin.hf.hiddencut_trainer import (

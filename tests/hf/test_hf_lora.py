@@ -5,10 +5,10 @@ import pytest
 import torch
 from families import FAMILIES, build
 
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attribution import token_loss_target
-from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.core.kernel.controller import RegularizationController
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attribution import token_loss_target
 from attn_reg_plugin.hf import install_attention_sites
 
 peft = pytest.importorskip("peft")

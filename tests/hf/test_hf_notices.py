@@ -9,11 +9,11 @@ import torch
 import transformers
 from transformers import TrainerCallback
 
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
-from attn_reg_plugin.core.planned_run import IdleRegularizerWarning
-from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
+from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.regularizers.planned_run import IdleRegularizerWarning
+from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer
 from helpers import pad_collate, small_bert, tiny_llama, token_data, trainer_args
 

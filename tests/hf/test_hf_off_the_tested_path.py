@@ -10,14 +10,14 @@ import torch
 import transformers
 from families import FAMILIES, build
 
-from attn_reg_plugin.core import kernel
-from attn_reg_plugin.core.ad_drop import ADDrop
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.attribution import multi_label_target, token_loss_target
-from attn_reg_plugin.core.controller import RegularizationController
-from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
-from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+from attn_reg_plugin.core.kernel import blockwise
+from attn_reg_plugin.core.kernel.controller import RegularizationController
+from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
+from attn_reg_plugin.core.regularizers.attribution import multi_label_target, token_loss_target
+from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
+from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, AttnRegTrainer, install_attention_sites
 from helpers import pad_collate, small_bert, token_data, trainer_args
 
@@ -250,9 +250,9 @@ def test_samples_without_a_target_token_are_not_masked():
     for keep, skipped in ((torch.tensor([[False] * 7, [True] * 7]), 0), (torch.zeros(2, 7, dtype=torch.bool), 1)):
         ad = ADDrop(ADDropConfig(p=0.5, q=0.9, attention="decoder-self", schedule="always"), controller)
         target = lambda out, labels, keep=keep: token_loss_target(out.logits[:, :-1], keep, labels)  # noqa: E731
-        drops, rule_drops = [], kernel.rule_drops  # each call's drops, as the kernel makes them
+        drops, rule_drops = [], blockwise.rule_drops  # each call's drops, as the kernel makes them
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(kernel, "rule_drops", lambda *args: drops.append(rule_drops(*args)) or drops[-1])
+            mp.setattr(blockwise, "rule_drops", lambda *args: drops.append(rule_drops(*args)) or drops[-1])
             with ad.masked(lambda: model(ids), target, frozen=model) as stats:
                 model(ids)
         assert len(drops) == len(controller.sites)

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 import transformers
 
 import helpers
-from attn_reg_plugin.core.ad_drop_config import ADDropConfig
-from attn_reg_plugin.core.attendout import AttendOutConfig
-from attn_reg_plugin.core.rdrop import RDropConfig
+from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
+from attn_reg_plugin.core.regularizers.rdrop import RDropConfig
 from attn_reg_plugin.hf import (
     ADDropTrainerMixin,
     AttendOutTrainerMixin,
@@ -276,7 +276,7 @@ def test_a_compiled_causal_lm_compares_the_shifted_positions_as_eager(method, tm
     """torch_compile=True hands the loss the compile wrapper (accelerate's unwrap_model keeps it): the
     consistency term is still taken at the shifted positions, as the CE is, so the trained weights
     are eager's. Before, the wrapper's class read as no causal LM: logits at t were compared for label t."""
-    from attn_reg_plugin.core.hiddencut import HiddenCutConfig
+    from attn_reg_plugin.core.regularizers.hiddencut import HiddenCutConfig
     from attn_reg_plugin.hf import HiddenCutTrainer
 
     g = torch.Generator().manual_seed(0)

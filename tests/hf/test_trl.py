@@ -173,7 +173,7 @@ def test_padding_free_drops_per_document_and_at_the_padded_rate(trl, tmp_path):
     per row): the kernel's units are exactly the documents' own causal triangles, the AD-DROP rate is
     the padded batch's, and with nothing dropped the kernel's logits are the padded ones (no document
     sees another)."""
-    from attn_reg_plugin.core.attention_call import EditScores
+    from attn_reg_plugin.core.kernel.attention_call import EditScores
 
     ADDropSFTTrainer, _ = trainer_classes(trl)
     trainers = {

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attn_reg_plugin.core import RegularizationController
-from attn_reg_plugin.core.attention_call import EditScores, hook_in_progress
+from attn_reg_plugin.core.kernel.attention_call import EditScores, hook_in_progress
 from helpers import REPO, load_script, run_in_blocks
 
 EXAMPLE = REPO / "examples" / "custom_seq2seq"
@@ -70,7 +70,7 @@ def test_custom_attention_without_hook_equals_torch_reference():
 def test_custom_attention_drop_hook_removes_exactly_those_keys():
     """A drop mask asked of the site by a pass equals the reference attention with those keys masked
     out, through the controller's pass and through one built by hand as PORTING.md shows it."""
-    from attn_reg_plugin.core.attention_call import Plan, Record, passing
+    from attn_reg_plugin.core.kernel.attention_call import Plan, Record, passing
 
     ours, ref, site = _reference_pair()
     g = torch.Generator().manual_seed(2)
@@ -198,7 +198,7 @@ def test_a_ported_model_plays_attendout_on_every_kind_the_same_one_block_or_many
     the Generator reading the target prefix) and encoder-decoder attention: the masks reach every
     kind, and the Attacker's loss and gradients, the rate and the Generator's update are the same
     whether the calls run as one block or many."""
-    from attn_reg_plugin.core.attendout import AttendOut, AttendOutConfig, Generator, build_attacker
+    from attn_reg_plugin.core.regularizers.attendout import AttendOut, AttendOutConfig, Generator, build_attacker
 
     def game_step(many):
         with monkeypatch.context() as mp:

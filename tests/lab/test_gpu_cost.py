@@ -76,19 +76,19 @@ def test_a_host_tensor_moved_to_the_device_is_a_launch_and_then_on_the_device():
 
 def test_a_sync_in_the_plugins_code_is_a_plugin_sync():
     x = torch.randn(3)
-    code = compile("int(x.sum())", "/somewhere/attn_reg_plugin/core/rules.py", "exec")
+    code = compile("int(x.sum())", "/somewhere/attn_reg_plugin/core/kernel/rules.py", "exec")
     cost = counted(lambda: exec(code, {"x": x}))
     assert (cost.syncs, cost.plugin_syncs) == (1, 1)
-    assert list(cost.sync_sites) == ["attn_reg_plugin/core/rules.py:1 <module> (item)"]
+    assert list(cost.sync_sites) == ["attn_reg_plugin/core/kernel/rules.py:1 <module> (item)"]
 
 
 def test_launches_asked_for_in_the_plugins_code_are_named_by_its_function():
     x = torch.randn(3)
     code = compile(
-        "def region(x):\n    return (x * 2).exp()\nregion(x)", "/somewhere/attn_reg_plugin/core/rules.py", "exec"
+        "def region(x):\n    return (x * 2).exp()\nregion(x)", "/somewhere/attn_reg_plugin/core/kernel/rules.py", "exec"
     )
     cost = counted(lambda: (torch.sigmoid(x), exec(code, {"x": x})))
-    assert cost.launches == 3 and dict(cost.launch_sites) == {"attn_reg_plugin/core/rules.py region": 2}
+    assert cost.launches == 3 and dict(cost.launch_sites) == {"attn_reg_plugin/core/kernel/rules.py region": 2}
     assert cost.as_dict()["plugin_launches"] == 2
 
 
@@ -348,7 +348,7 @@ def test_the_routes_flags_and_the_replaced_ones(capsys):
 
 def test_a_route_sets_attn_reg_fused_and_a_gpus_choices_while_kernels_are_not_run(monkeypatch):
     triton = pytest.importorskip("triton")
-    from attn_reg_plugin.core import devices, fused_edit
+    from attn_reg_plugin.core.kernel import devices, fused_edit
 
     monkeypatch.setattr(devices, "FUSED", None)  # the plugin's default: on for CUDA tensors only
     monkeypatch.delenv("ATTN_REG_FUSED", raising=False)

@@ -15,8 +15,8 @@ CHECK = """
     import inspect, json, math, torch, triton
     from triton.runtime import interpreter
     from attn_reg_lab.gpu_cost import CostCounter, kernel_arguments, triton_flops
-    from attn_reg_plugin.core import fused_edit as fe
-    from attn_reg_plugin.core.fused_select import region_state_streamed
+    from attn_reg_plugin.core.kernel import fused_edit as fe
+    from attn_reg_plugin.core.kernel.fused_select import region_state_streamed
 
     launches = []  # (case, kernel, counted, modelled)
 

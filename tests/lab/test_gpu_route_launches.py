@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from attn_reg_lab.gpu_cost import CostCounter
-from attn_reg_plugin.core import devices
-from attn_reg_plugin.core.attendout.policy import GeneratorRule, PolicyLogits
-from attn_reg_plugin.core.attention import attend
-from attn_reg_plugin.core.attention_call import AttentionSite, EditScores, Plan, Record
-from attn_reg_plugin.core.rules import MapScores, TopRegionRule
+from attn_reg_plugin.core.kernel import devices
+from attn_reg_plugin.core.kernel.attention import attend
+from attn_reg_plugin.core.kernel.attention_call import AttentionSite, EditScores, Plan, Record
+from attn_reg_plugin.core.kernel.rules import MapScores, TopRegionRule
+from attn_reg_plugin.core.regularizers.attendout.policy import GeneratorRule, PolicyLogits
 
 DEVICE = torch.device("cpu")  # named: the counter takes a tensor made on a named device for the device's
 

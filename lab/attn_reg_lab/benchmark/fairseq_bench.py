@@ -248,7 +248,7 @@ class FairseqBench:
     def criterion_step(self, criterion_class, config_class, config, batch: str) -> Step:
         """A baseline's criterion (R-Drop, HiddenCut) with ``config``'s options, built as fairseq-train builds it
         from its dataclass config."""
-        from attn_reg_plugin.core.options import attribute_prefix
+        from attn_reg_plugin.core.regularizers.options import attribute_prefix
 
         prefix = attribute_prefix(type(config))
         options = {prefix + k: v for k, v in dataclasses.asdict(config).items()}
@@ -278,7 +278,7 @@ class FairseqBench:
         )
 
     def drophead_step(self, config, batch: str) -> Step:
-        from attn_reg_plugin.core.drophead import DropHead
+        from attn_reg_plugin.core.regularizers.drophead import DropHead
 
         return self.task_regularizer_step("attn_reg_drophead", DropHead(config, self.task.attn_reg_controller), batch)
 
@@ -306,21 +306,21 @@ class FairseqBench:
         return step
 
     def scheduled_dropout_step(self, config, batch: str) -> Step:
-        from attn_reg_plugin.core.scheduled_dropout import ScheduledAttentionDropout
+        from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledAttentionDropout
 
         return self.task_regularizer_step(
             "attn_reg_scheduled_dropout", ScheduledAttentionDropout(config, self.task.attn_reg_controller), batch
         )
 
     def layerdrop_step(self, config, batch: str) -> Step:
-        from attn_reg_plugin.core.layerdrop import AttentionLayerDrop
+        from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDrop
 
         return self.task_regularizer_step(
             "attn_reg_layerdrop", AttentionLayerDrop(config, self.task.attn_reg_controller), batch
         )
 
     def attendout_step(self, config, batch: str) -> Optional[Step]:
-        from attn_reg_plugin.core.attendout.config import generator_positions
+        from attn_reg_plugin.core.regularizers.attendout.config import generator_positions
         from attn_reg_plugin.fairseq_plugin.attendout import FairseqAttendOut
 
         if self.opts.dtype != "fp32":

@@ -130,8 +130,8 @@ class HFBench:
         return Step(run=run, prepare=prepare, state=self.stock_attention if stock else contextlib.nullcontext)
 
     def ad_drop_step(self, config, epoch: int, batch: str) -> Step:
-        from attn_reg_plugin.core.ad_drop import ADDrop
-        from attn_reg_plugin.core.options import named_by_field
+        from attn_reg_plugin.core.regularizers.ad_drop import ADDrop
+        from attn_reg_plugin.core.regularizers.options import named_by_field
 
         trainer = self.ad_trainer
         ad_drop = ADDrop(named_by_field(config), trainer.ad_drop_controller)

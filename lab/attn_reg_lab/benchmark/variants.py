@@ -64,14 +64,14 @@ AD_DROP_P = AD_DROP_Q = 0.2  # the paper's EN-RO setting; cost barely depends on
 
 
 def idle_config():
-    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
+    from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
 
     return ADDropConfig(p=AD_DROP_P, q=AD_DROP_Q)
 
 
 def ad_drop_builders(**options) -> Dict[str, Builder]:
     """Both frameworks' AD-DROP step, in an AD-DROP epoch (cross-tuning's even epoch)."""
-    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
+    from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
 
     def config(bench):
         return ADDropConfig(
@@ -91,7 +91,7 @@ def ad_drop_builders(**options) -> Dict[str, Builder]:
 
 def idle_train_builders() -> Dict[str, Builder]:
     """Plugin loaded, AD-DROP criterion/trainer, but a plain epoch of cross-tuning (epoch 1)."""
-    from attn_reg_plugin.core.ad_drop_config import ADDropConfig
+    from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
 
     def build(bench, workload):
         return bench.ad_drop_step(
@@ -103,14 +103,14 @@ def idle_train_builders() -> Dict[str, Builder]:
 
 # -- AttendOut and the two no-extra-cost regularizers ------------------------------------------
 def attendout_builders() -> Dict[str, Builder]:
-    from attn_reg_plugin.core.attendout import AttendOutConfig
+    from attn_reg_plugin.core.regularizers.attendout import AttendOutConfig
 
     config = AttendOutConfig(dropout_step=20, attention="encoder-self", layers="all")
     return {"fairseq": lambda b, w: b.attendout_step(config, w), "hf": lambda b, w: b.attendout_step(config, w)}
 
 
 def sched_dropout_builders() -> Dict[str, Builder]:
-    from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+    from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
 
     config = ScheduledDropoutConfig(schedule="0:0.3,10000:0.1", attention="encoder-self")
     return {
@@ -120,7 +120,7 @@ def sched_dropout_builders() -> Dict[str, Builder]:
 
 
 def layerdrop_builders() -> Dict[str, Builder]:
-    from attn_reg_plugin.core.layerdrop import AttentionLayerDropConfig
+    from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
 
     config = AttentionLayerDropConfig(p=0.2, attention="encoder-self")
     return {
@@ -135,13 +135,13 @@ DROPKEY_SCHEDULE = "dropkey:0.1"
 
 
 def rdrop_builders() -> Dict[str, Builder]:
-    from attn_reg_plugin.core.rdrop import RDropConfig
+    from attn_reg_plugin.core.regularizers.rdrop import RDropConfig
 
     return {"fairseq": lambda b, w: b.rdrop_step(RDropConfig(), w), "hf": lambda b, w: b.rdrop_step(RDropConfig(), w)}
 
 
 def hiddencut_builders() -> Dict[str, Builder]:
-    from attn_reg_plugin.core.hiddencut import HiddenCutConfig
+    from attn_reg_plugin.core.regularizers.hiddencut import HiddenCutConfig
 
     return {
         "fairseq": lambda b, w: b.hiddencut_step(HiddenCutConfig(), w),
@@ -150,7 +150,7 @@ def hiddencut_builders() -> Dict[str, Builder]:
 
 
 def drophead_builders() -> Dict[str, Builder]:
-    from attn_reg_plugin.core.drophead import DropHeadConfig
+    from attn_reg_plugin.core.regularizers.drophead import DropHeadConfig
 
     config = DropHeadConfig(schedule=DROPHEAD_SCHEDULE, attention="encoder-self")
     return {
@@ -160,7 +160,7 @@ def drophead_builders() -> Dict[str, Builder]:
 
 
 def dropkey_builders() -> Dict[str, Builder]:
-    from attn_reg_plugin.core.scheduled_dropout import ScheduledDropoutConfig
+    from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
 
     config = ScheduledDropoutConfig(schedule=DROPKEY_SCHEDULE, attention="encoder-self")
     return {
@@ -171,7 +171,7 @@ def dropkey_builders() -> Dict[str, Builder]:
 
 def no_native_bf16(opts) -> Optional[str]:
     """bf16 attribution on a CPU that emulates bf16 takes 15-30 plain steps: only when named."""
-    from attn_reg_plugin.core.attribution_pass import cpu_has_native_bf16
+    from attn_reg_plugin.core.regularizers.attribution_pass import cpu_has_native_bf16
 
     if opts.device == "cpu" and not cpu_has_native_bf16():
         return "this CPU has no AVX-512, so bf16 matmuls are emulated (name it in --variants to measure it anyway)"

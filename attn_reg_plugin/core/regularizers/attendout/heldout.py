@@ -8,7 +8,7 @@ from typing import Callable, Iterable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..distributed import from_rank0
+from ...training.distributed import from_rank0
 
 # (model, batch) -> (logits, target, keep): how an adapter scores one held-out batch
 LogitsOf = Callable[[torch.nn.Module, object], Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]

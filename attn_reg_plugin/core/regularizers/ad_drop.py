@@ -16,18 +16,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch.profiler import record_function
 
-from .ad_drop_config import ADDropConfig
-from .attention_call import AttentionSite, CaptureOutput, CaptureProbs, EditScores, zero_counts
-from .attribution import GradientScale, output_gradients, probs_gradient
-from .attribution_pass import (
-    attribution_precision,
-    cpu_has_native_bf16,
-    frozen_parameters,
-)
-from .checkpointing import activation_checkpointing_paused
-from .controller import RegularizationController
-from .devices import on_host, rng_state, same_device, set_rng_state
-from .rules import (
+from ..kernel.attention_call import AttentionSite, CaptureOutput, CaptureProbs, EditScores, zero_counts
+from ..kernel.controller import RegularizationController
+from ..kernel.devices import on_host, rng_state, same_device, set_rng_state
+from ..kernel.rules import (
     AttentionScores,
     GradientScores,
     IntegratedGradientScores,
@@ -37,7 +29,15 @@ from .rules import (
     TopRegionRule,
     dense_gradient_attribution,
 )
-from .sharding import check_supported_sharding
+from ..training.checkpointing import activation_checkpointing_paused
+from ..training.sharding import check_supported_sharding
+from .ad_drop_config import ADDropConfig
+from .attribution import GradientScale, output_gradients, probs_gradient
+from .attribution_pass import (
+    attribution_precision,
+    cpu_has_native_bf16,
+    frozen_parameters,
+)
 
 logger = logging.getLogger(__name__)
 

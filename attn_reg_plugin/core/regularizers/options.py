@@ -103,14 +103,14 @@ class RegularizerOptions:
 
     def check_site_options(self) -> None:
         """The syntax of ``layers`` and ``attention`` (the model is not needed)."""
-        from .controller import parse_kinds, parse_layers
+        from ..kernel.controller import parse_kinds, parse_layers
 
         parse_layers(self.layers, self.name("layers"))
         parse_kinds(self.attention, self.name("attention"))
 
     def select_sites(self, controller):
         """The model's sites that ``attention`` and ``layers`` select; errors say what the model has."""
-        from .controller import parse_kinds, parse_layers
+        from ..kernel.controller import parse_kinds, parse_layers
 
         return controller.select(
             parse_kinds(self.attention, self.name("attention")),

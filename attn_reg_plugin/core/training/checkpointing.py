@@ -5,15 +5,15 @@ backward. Two consequences, handled here and in the kernel:
 
 * the recompute must apply exactly the masks and score edits of the forward it repeats, although
   the pass may have ended. The checkpointed call carries the pass (a
-  :class:`~.attention_call.Plan`: transformers' model kwargs, fairseq's wrapped layers,
-  :meth:`~.controller.RegularizationController.checkpoint`), and the same hook and seed give the
+  :class:`~..kernel.attention_call.Plan`: transformers' model kwargs, fairseq's wrapped layers,
+  :meth:`~..kernel.controller.RegularizationController.checkpoint`), and the same hook and seed give the
   same drops (a hook set by hand outside a pass draws its call's seed from torch's stream, which
   the checkpoint restores): nothing of a call is recorded, and no step scope is needed;
 * a *reentrant* checkpoint (``use_reentrant=True``, fairseq's ``--checkpoint-activations``)
   runs the layer's forward without autograd and refuses ``torch.autograd.grad``, so AD-DROP's
   attribution pass could not see inside it. That pass therefore runs with such checkpointing
   paused (:func:`activation_checkpointing_paused`; a custom model's
-  :meth:`~.controller.RegularizationController.checkpoint` pauses itself): its attributions are exact, and it holds the
+  :meth:`~..kernel.controller.RegularizationController.checkpoint` pauses itself): its attributions are exact, and it holds the
   activations an input gradient needs (parameters are frozen for it) until the attribution
   is taken, before the checkpointed training forward starts. A non-reentrant checkpoint
   (transformers' default) is left on: ``autograd.grad`` recomputes its layers inside the pass,

@@ -80,7 +80,7 @@ class HiddenCutConfig(RegularizerOptions):
 
     def validate(self) -> HiddenCutConfig:
         """Check every option; the error names the option as the user spelled it (core.options.option_name)."""
-        from .controller import parse_layers
+        from ..kernel.controller import parse_layers
 
         _fraction(self, "ratio")
         _fraction(self, "top")
@@ -93,7 +93,7 @@ class HiddenCutConfig(RegularizerOptions):
     def selected_layers(self, count: int, what: str = "layers") -> list:
         """The 0-based indices ``layers`` selects among ``count`` layers (``what``: their name in the error,
         e.g. fairseq's "encoder layers"); an index past them is refused."""
-        from .controller import parse_layers
+        from ..kernel.controller import parse_layers
 
         wanted = parse_layers(self.layers, self.name("layers"))
         if wanted is None:

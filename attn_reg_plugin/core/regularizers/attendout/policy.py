@@ -5,7 +5,7 @@ Layer l's drop logit of (query i, key j) is the Generator's single-head score of
 ``(query(h_i) . key(h_j) / sqrt(d) + bias) / temperature``. A :class:`PolicyLogits` holds its factors,
 (B, T, d) and (B, S, d), so any block of query rows makes its own logits: no (T, S) map of logits,
 actions or log-probabilities is ever held whole. The actions are keyed draws of the batch's seed
-(:func:`~attn_reg_plugin.core.rules.keyed_draws`), the same one block or many, so the
+(:func:`~attn_reg_plugin.core.kernel.rules.keyed_draws`), the same one block or many, so the
 log-probability at the Generator's update regenerates them instead of storing them.
 """
 
@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..rules import CHUNK_ROWS, Block, BlockRule, keyed_draws
+from ...kernel.rules import CHUNK_ROWS, Block, BlockRule, keyed_draws
 
 # The keyed stream of a unit's uniform, which decides its action.
 ACTION_STREAM = 0

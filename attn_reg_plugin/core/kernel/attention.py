@@ -2,10 +2,10 @@
 
 Adapters (fairseq, transformers, custom models) project queries, keys and values themselves
 and hand them here together with the attention's additive bias (padding / causal masks) and
-the module's :class:`~attn_reg_plugin.core.controller.AttentionSite`. :func:`attend` reads what the
+the module's :class:`~attn_reg_plugin.core.kernel.controller.AttentionSite`. :func:`attend` reads what the
 current pass does on the site once, as an immutable :class:`~.attention_call.AttentionCall`, runs the
 pure kernel :func:`attention_kernel` with it, and adds what the kernel captured and counted to the
-pass's :class:`~attn_reg_plugin.core.attention_call.Record`. What the kernel does on top of ordinary
+pass's :class:`~attn_reg_plugin.core.kernel.attention_call.Record`. What the kernel does on top of ordinary
 scaled dot-product attention is decided by the call's *hook* (defined in :mod:`.attention_call`),
 which the pass's plan asks of the site:
 
@@ -42,8 +42,8 @@ from .attention_call import (
     Plan,
     call_of,
 )
+from .blockwise import BlockCall, blockwise_rows, edit_attention
 from .devices import same_device
-from .kernel import BlockCall, blockwise_rows, edit_attention
 from .masks import causal_bias, explicit_weights, finite_bias, keyless_rows, valid_keys_from_bias, zero_rows
 from .rules import AttentionScores, call_seed, keyed_draws
 

@@ -23,10 +23,10 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..attention_call import AttentionSite, EditScores, Record, add_counts, zero_counts
-from ..controller import RegularizationController
-from ..distributed import all_reduce_mean_
-from ..rules import key_seed
+from ...kernel.attention_call import AttentionSite, EditScores, Record, add_counts, zero_counts
+from ...kernel.controller import RegularizationController
+from ...kernel.rules import key_seed
+from ...training.distributed import all_reduce_mean_
 from .config import AttendOutConfig
 from .generator import Generator
 from .heldout import win_probability

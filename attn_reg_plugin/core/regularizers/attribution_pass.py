@@ -9,7 +9,7 @@ from typing import Iterator, List, Optional
 
 import torch
 
-from .sharding import initialize, is_fully_sharded, reshard
+from ..training.sharding import initialize, is_fully_sharded, reshard
 
 
 def bare_module(model: torch.nn.Module) -> torch.nn.Module:

@@ -7,7 +7,7 @@ kernel does on top of ordinary attention),
 as a :class:`Plan`: :meth:`~.controller.RegularizationController.hooks` builds it, registers it for
 its forward (:func:`passing`) and yields its :class:`Record`. :func:`call_of` reads the plan the
 call carried, or else the innermost one in progress on the call's site, once into an immutable
-:class:`AttentionCall`; :func:`~attn_reg_plugin.core.attention.attention_kernel` computes from it
+:class:`AttentionCall`; :func:`~attn_reg_plugin.core.kernel.attention.attention_kernel` computes from it
 alone and returns what it captured and counted as a :class:`Captured`, which
 :func:`~.attention.attend` adds to the pass's record. A site is ``(kind, layer)``: nothing writes it.
 

@@ -23,7 +23,7 @@ Rules (``EditDrops.rule``):
   the caller (:func:`region_ties` turns a row's threshold and k into it).
 - ``NONE``: plain attention (the baseline the kernel's cost is measured against).
 
-The model's attention dropout (``EditDrops.dropout_p``, as ``kernel.weight_dropout_kept`` on the
+The model's attention dropout (``EditDrops.dropout_p``, as ``blockwise.weight_dropout_kept`` on the
 PyTorch path): a second Philox stream, keyed by ``dropout_seed``, at the same (b, h, i, j) counters,
 drops each weight after the softmax with probability p and scales the kept ones by 1 / (1 - p). The
 softmax's normaliser sums the weights before dropout; the backward is FlashAttention-2's with dropout
@@ -380,7 +380,7 @@ def _row_counts_kernel(BIAS, ATTR, AV, THR, TIE, LOWEST, KEEP, COUNTS, seed, lim
     """Each row's ``keep`` from its valid keys and the keys its coins drop among them: where the drops
     would take all of a row's keys, AD-DROP's keeps its lowest-scored key (``LOWEST``) and Bernoulli's
     attends uniformly; else -1. Adds the call's (dropped, droppable) to ``COUNTS`` (zeroed int64): AD-DROP's
-    dropped leaves out a row's kept key, a uniform row counts all its valid keys (kernel.block_counts)."""
+    dropped leaves out a row's kept key, a uniform row counts all its valid keys (blockwise.block_counts)."""
     start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
     b, kv = bh // H, bh // GROUP
     rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)

@@ -2,7 +2,7 @@
 
 Adapters register one :class:`AttentionSite` per attention module (its kind and 0-based
 layer) with a :class:`RegularizationController`; the module keeps the site and passes it to
-:func:`~attn_reg_plugin.core.attention.attend`. Regularizers never touch modules: they ask
+:func:`~attn_reg_plugin.core.kernel.attention.attend`. Regularizers never touch modules: they ask
 the controller for a pass: a hook (a :data:`Hook`: :class:`CaptureOutput`, :class:`CaptureProbs` or
 :class:`EditScores`) for each of a selection of sites, for the duration of the pass.
 """

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention_call import AttentionSite
-from ..devices import on_host
+from ...kernel.attention_call import AttentionSite
+from ...kernel.devices import on_host
 from ..options import flag_name
 from .config import AttendOutConfig
 from .policy import PolicyLogits

@@ -22,11 +22,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .attention_call import AttentionSite, EditScores
-from .controller import RegularizationController
+from ..kernel.attention_call import AttentionSite, EditScores
+from ..kernel.controller import RegularizationController
+from ..kernel.rules import BernoulliRule
 from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
-from .regularizer import Method, Regularizer, register
-from .rules import BernoulliRule
+from .registry import Method, Regularizer, register
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """AttendOut's Defender/Attacker duel, the steps every framework runs the same way.
 
-The game itself (masks, REINFORCE, the survivor rule) is :class:`~attn_reg_plugin.core.attendout.game.AttendOut`.
+The game itself (masks, REINFORCE, the survivor rule) is :class:`~attn_reg_plugin.core.regularizers.attendout.game.AttendOut`.
 Around it, an adapter (fairseq task, HF Trainer) owns the two networks, their optimizers and the
 training loop, and calls these functions for the parts that do not depend on the framework:
 building the Attacker, scoring both networks on the held-out samples, and ending a dropout step
@@ -15,10 +15,10 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from ..controller import RegularizationController
-from ..distributed import from_rank0
-from ..module_copy import deepcopy_module
-from ..sharding import is_fully_sharded
+from ...kernel.controller import RegularizationController
+from ...training.distributed import from_rank0
+from ...training.module_copy import deepcopy_module
+from ...training.sharding import is_fully_sharded
 from .game import AttendOut
 from .heldout import LogitsOf, heldout_losses
 
@@ -28,7 +28,7 @@ def build_attacker(
 ) -> Tuple[torch.nn.Module, RegularizationController]:
     """A: a copy of D as it is now, with attention sites of its own (the Generator's masks go there).
 
-    Under FSDP2, build A from the unsharded D and shard both (:func:`~attn_reg_plugin.core.sharding.shard_like`):
+    Under FSDP2, build A from the unsharded D and shard both (:func:`~attn_reg_plugin.core.training.sharding.shard_like`):
     a sharded module cannot be copied."""
     if is_fully_sharded(defender):
         raise ValueError(

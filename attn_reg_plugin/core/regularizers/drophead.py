@@ -18,10 +18,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .attention_call import AttentionSite, EditOutputs
-from .controller import RegularizationController
+from ..kernel.attention_call import AttentionSite, EditOutputs
+from ..kernel.controller import RegularizationController
 from .options import RegularizerOptions, attention_option, layers_option, option
-from .regularizer import Method, Regularizer, register
+from .registry import Method, Regularizer, register
 from .scheduled_dropout import Schedule, first_dropping_update, parse_schedules, schedule_given, schedule_value
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import FrozenSet, Mapping, Tuple
 
 # The regularizers that run passes of their own, by the names the papers give them; the others are the
-# registry's (:mod:`.regularizer`), each named there.
+# registry's (:mod:`.registry`), each named there.
 AD_DROP = "AD-DROP"
 ATTENDOUT = "AttendOut"
 RDROP = "R-Drop"
@@ -22,7 +22,7 @@ HIDDENCUT = "HiddenCut"
 
 def regularizer_names() -> Tuple[str, ...]:
     """Every regularizer's name, in the order messages name them: the multi-pass ones, then the registry's."""
-    from .regularizer import registered
+    from .registry import registered
 
     return (AD_DROP, ATTENDOUT, RDROP, HIDDENCUT, *(name for r in registered() for name in r.names))
 

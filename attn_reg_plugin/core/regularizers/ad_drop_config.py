@@ -8,9 +8,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Optional
 
+from ..kernel.rules import decimal_fraction
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES
 from .options import RegularizerOptions, attention_option, layers_option, option
-from .rules import decimal_fraction
 
 SCHEDULES = ("cross-tuning", "always")
 REGIONS = ("top", "bottom")

@@ -1,7 +1,7 @@
 """Which regularized calls run on the fused Triton kernel (:mod:`.fused_edit`), and what it is given.
 
 A device helper, on by default on a CUDA device (:func:`.devices.fused_route_asked`): there a call the
-kernel covers runs on it instead of :class:`~.kernel.EditAttention`, once the kernel has passed its
+kernel covers runs on it instead of :class:`~.blockwise.EditAttention`, once the kernel has passed its
 first-use check on that device, dtype and head size (:func:`check_against_pytorch`: two small calls
 against PyTorch; a failure is logged as an error and the calls stay on the PyTorch path).
 ``ATTN_REG_FUSED=0`` turns the route off; ``ATTN_REG_FUSED=1`` turns it on wherever Triton runs, its CPU
@@ -78,7 +78,7 @@ def kernel_bias(bias: Optional[torch.Tensor], batch: int, queries: int) -> Optio
 
 
 def fused_drops(q, k, v, bias, call) -> Optional[FusedCall]:
-    """The kernel's drops and key bias for this call (a :class:`~.kernel.BlockCall`) when the kernel
+    """The kernel's drops and key bias for this call (a :class:`~.blockwise.BlockCall`) when the kernel
     covers it, else None."""
     return fused_or_why_not(q, k, v, bias, call)[0]
 
@@ -212,7 +212,7 @@ def _compare_call(q, k, v, bias, drops, causal: bool, grad_out, tolerance: float
         error = (a.float() - e).abs().max().item()
         if not error <= tolerance * max(1.0, e.abs().max().item()):
             return f"{name} off by {error:.3g} (tolerance {tolerance:g} of its largest value)"
-    # a row made uniform counts all its valid keys as dropped (kernel.block_counts); its map shows no drop
+    # a row made uniform counts all its valid keys as dropped (blockwise.block_counts); its map shows no drop
     counts = (int(seen.drop.sum() + (seen.valid & seen.uniform[..., None]).sum()), int(seen.valid.sum()))
     if (int(dropped), int(droppable)) != counts:
         return f"(dropped, droppable) counted {int(dropped)}, {int(droppable)} against the map's {counts}"

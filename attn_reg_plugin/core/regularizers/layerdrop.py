@@ -12,10 +12,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .attention_call import AttentionSite, EditScores
-from .controller import RegularizationController
+from ..kernel.attention_call import AttentionSite, EditScores
+from ..kernel.controller import RegularizationController
 from .options import RegularizerOptions, attention_option, check_probability, layers_option, option
-from .regularizer import Regularizer, register
+from .registry import Regularizer, register
 
 
 @dataclass

@@ -31,7 +31,7 @@ def fused_switch() -> Optional[bool]:
     return None if value == "" else value == "1"
 
 
-# The fused Triton route (core/fused_route.py) for the regularized calls it covers: None (ATTN_REG_FUSED
+# The fused Triton route (core/kernel/fused_route.py) for the regularized calls it covers: None (ATTN_REG_FUSED
 # unset) on a CUDA device, True (=1) wherever Triton runs, False (=0) never. Read once; a test sets it.
 FUSED: Optional[bool] = fused_switch()
 

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..sharding import reshard
+from ...training.sharding import reshard
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from typing import Optional
 
 from .ad_drop_config import ADDropConfig, first_ad_drop_epoch
 from .attendout.config import AttendOutConfig
-from .regularizer import registered
+from .registry import registered
 
 
 class IdleRegularizerWarning(UserWarning):
