@@ -23,7 +23,8 @@ The whole run keeps to ``--budget-s`` seconds: a row that would not fit is writt
 ``status`` saying so rather than run, and a run out of GPU memory is written as ``oom`` (longer
 lengths of that method are then not tried). Written to ``--out-dir``:
 ``<device>_<commit>.json``, a list of rows ``{framework, variant, tokens, dtype, device, commit,
-time_ratio, peak_mem_ratio, time_ms, peak_mem_mib, ...}``, and ``<device>_<commit>.meta.json`` (the
+route, time_ratio, peak_mem_ratio, time_ms, peak_mem_mib, ...}`` (``route``: the fused route or the PyTorch
+path, as ``attn-reg-gpu-cost`` labels its rows; the standard rows take the plugin's default on the device), and ``<device>_<commit>.meta.json`` (the
 command, the environment, the seconds taken).
 """
 
@@ -163,6 +164,21 @@ def device_name(device: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def default_route(device: str) -> str:
+    """The route the plugin's default gives a covered regularized call on ``device``, as attn-reg-gpu-cost
+    labels its rows (``gpu_cost_fit.ROUTES``): the fused route on a CUDA device where its kernel runs,
+    else the PyTorch path."""
+    import torch
+
+    from attn_reg_plugin.core.kernel import devices
+
+    from .gpu_bench_long import fused_kernel_missing
+    from .gpu_cost_fit import ROUTES
+
+    fused = devices.fused_route_asked(torch.empty(0, device=device)) and fused_kernel_missing(device) is None
+    return ROUTES["fused" if fused else "pytorch"][1]
+
+
 def standard_rows(opts, clock: Clock, log) -> List[dict]:
     """``attn-reg-benchmark``'s training rows, fp32 then bf16, in this process; a row it cannot give says why."""
     rows: List[dict] = []
@@ -192,6 +208,7 @@ def _benchmark_rows(opts, dtype: str, rows: List[dict]) -> None:
         argv += ["--quick"]
     if opts.hf_model:
         argv += ["--hf-model", opts.hf_model]
+    route = default_route(opts.device)
     for row in benchmark(argv):
         if "tokens" not in row:
             continue  # the derived cross-tuning row: not a measurement of its own
@@ -200,6 +217,7 @@ def _benchmark_rows(opts, dtype: str, rows: List[dict]) -> None:
                 "section": "standard",
                 "framework": row["framework"],
                 "variant": row["variant"],
+                "route": route,
                 "tokens": row["tokens"],
                 "dtype": dtype,
                 "time_ratio": row["time_ratio"],

@@ -168,6 +168,8 @@ def long_rows(opts, clock: Clock, log) -> List[dict]:
     """Each length ascending, plain first; a method out of memory or out of time is not tried longer."""
     import torch
 
+    from .gpu_cost_fit import ROUTES  # each row's route, as attn-reg-gpu-cost labels its rows
+
     rows: List[dict] = []
     given_up: Dict[str, str] = {}
     last_run_s: Dict[str, tuple] = {}  # method -> (length, seconds of its run): the next length's estimate
@@ -179,7 +181,7 @@ def long_rows(opts, clock: Clock, log) -> List[dict]:
         for method in LONG_METHODS:
             row = {
                 "section": "long", "framework": "hf", "variant": LONG_VARIANT_NAMES[method], "tokens": length,
-                "dtype": "bf16", "model": model,
+                "dtype": "bf16", "model": model, "route": ROUTES["fused" if method in FUSED_METHODS else "pytorch"][1],
             }  # fmt: skip
             missing = fused_kernel_missing(opts.device) if method in FUSED_METHODS else None
             if missing:
