@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -98,10 +99,22 @@ ROUTES = {
 NO_FUSED_ROUTE = "PyTorch path (no fused route in this code)"  # a checkout from before core/kernel/fused_edit.py
 
 
+def plugin_module(name: str):
+    """The core module ``name`` of the plugin counted, in its own layout: core/kernel/ since core's three
+    floors, core/ before (a checkout such as 04d1e36, whose counts the fit takes)."""
+    try:
+        return importlib.import_module(f"attn_reg_plugin.core.kernel.{name}")
+    except ModuleNotFoundError as error:
+        if not (error.name or "").startswith("attn_reg_plugin.core.kernel"):
+            raise
+        return importlib.import_module(f"attn_reg_plugin.core.{name}")
+
+
 def has_fused_route() -> bool:
     """Whether the plugin counted has the fused Triton route (core/kernel/fused_edit.py; not at 04d1e36, say)."""
     try:
-        from attn_reg_plugin.core.kernel import devices, fused_edit  # noqa: F401
+        devices = plugin_module("devices")
+        plugin_module("fused_edit")
     except ImportError:
         return False
     return hasattr(devices, "FUSED")
@@ -127,8 +140,7 @@ def on_route(route: str) -> Iterator[List[int]]:
     if not has_fused_route():
         yield [0]
         return
-    from attn_reg_plugin.core.kernel import devices, fused_edit
-
+    devices, fused_edit = plugin_module("devices"), plugin_module("fused_edit")
     calls, original = [0], fused_edit.fused_edit_attention
     before = devices.FUSED, os.environ.get(devices.FUSED_ENV)
 
@@ -151,7 +163,7 @@ def on_route(route: str) -> Iterator[List[int]]:
 @contextlib.contextmanager
 def gpu_route() -> Iterator[dict]:
     """The portable branches forced (devices.PORTABLE) for a while; yields what the route is here."""
-    from attn_reg_plugin.core.kernel import devices
+    devices = plugin_module("devices")
 
     before, devices.PORTABLE = devices.PORTABLE, True
     try:
@@ -383,8 +395,7 @@ def as_on_a_gpu(on: bool) -> Iterator[None]:
         return
     import triton
 
-    from attn_reg_plugin.core.kernel import fused_edit
-
+    fused_edit = plugin_module("fused_edit")
     original, interpreting = fused_edit.available, triton.knobs.runtime.interpret
     fused_edit.available = lambda q: True
     triton.knobs.runtime.interpret = False
