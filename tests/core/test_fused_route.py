@@ -589,3 +589,23 @@ def test_a_failed_first_use_check_sends_the_calls_to_the_pytorch_path_and_says_s
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(errors) == 1 and "disagrees with the PyTorch path" in errors[0] and "dk off by 0.02" in errors[0]
     assert len(warnings) == 1 and "its first-use check on" in warnings[0] and "failed (dk off by 0.02)" in warnings[0]
+
+
+def test_a_first_use_check_that_raises_is_a_failure_not_a_crash(monkeypatch, caplog):
+    """A kernel that does not compile or launch on the device (the check raises): the calls take the PyTorch
+    path, the error named once; training goes on."""
+    from attn_reg_plugin.core.kernel import fused_route
+
+    calls = default_route(monkeypatch, None)
+
+    def raising(*args):
+        raise RuntimeError("PTX .version 8.7 does not support .target sm_50")
+
+    monkeypatch.setattr(fused_route, "check_against_pytorch", raising)
+    q, k, v, attribution, values = tensors()
+    rule = TopRegionRule(GradientScores(attribution, values), 0.3, 1.0)
+    with caplog.at_level("WARNING", logger=fused_route.__name__):
+        out = run(q, k, v, None, block_call(rule, q.shape[2]), None, monkeypatch)
+    assert calls["kernel"] == 0 and torch.isfinite(out[0]).all()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "the check raised RuntimeError: PTX .version 8.7" in errors[0]

@@ -142,11 +142,14 @@ _CHECKED: Dict[tuple, Optional[str]] = {}
 
 
 def _first_use_check(q) -> Optional[str]:
-    """:func:`check_against_pytorch`'s verdict for ``q``'s device, dtype and head size, made once; a failure
-    is logged as an error."""
+    """:func:`check_against_pytorch`'s verdict for ``q``'s device, dtype and head size, made once; a failure,
+    or a check that raises (a kernel that does not compile on this GPU), is logged as an error."""
     key = (q.device, q.dtype, q.shape[-1], fused_edit.dot_precision())
     if key not in _CHECKED:
-        _CHECKED[key] = check_against_pytorch(q.device, q.dtype, q.shape[-1])
+        try:
+            _CHECKED[key] = check_against_pytorch(q.device, q.dtype, q.shape[-1])
+        except Exception as error:  # a kernel that does not compile or launch here: the default must not stop training
+            _CHECKED[key] = f"the check raised {type(error).__name__}: {error}"
         if _CHECKED[key] is not None:
             logger.error(
                 "the fused Triton kernel disagrees with the PyTorch path on %s %s (head size %d): %s. The "
