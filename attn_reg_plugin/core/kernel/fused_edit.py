@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -725,7 +725,7 @@ def fused_edit_attention(q, k, v, drops: EditDrops, key_bias=None, causal: bool 
     if kept is None or kept[0] != same or kept[1]() is not key_bias:
         kept = (
             same,
-            _none if key_bias is None else weakref.ref(key_bias),
+            weak_ref(key_bias),
             *_prepare(q, k, v, drops, key_bias, causal, scale),
         )
         _PREPARED[drops] = kept
@@ -738,8 +738,13 @@ def fused_edit_attention(q, k, v, drops: EditDrops, key_bias=None, causal: bool 
 _PREPARED: weakref.WeakKeyDictionary[EditDrops, tuple] = weakref.WeakKeyDictionary()
 
 
+def weak_ref(x: Optional[torch.Tensor]) -> Callable[[], Optional[torch.Tensor]]:
+    """A weak reference to ``x``, or to nothing for None (both answer None once gone): how the caches of a
+    call's row counts and of a rule's region tell the very same bias object from another."""
+    return _none if x is None else weakref.ref(x)
+
+
 def _none():
-    """A weak reference's answer for a call without a bias."""
     return None
 
 

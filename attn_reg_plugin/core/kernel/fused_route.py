@@ -274,7 +274,7 @@ def _ad_drop(q, k, bias, call, rule: TopRegionRule, seed: int, dropout: dict):
             return None, BIAS_NOT_TAKEN
         region = _region(k, key_bias, call, rule)
         fused = FusedCall(fused_edit.EditDrops(fused_edit.AD_DROP, rule.q, seed, *region, **dropout), key_bias)
-    _REGIONS[rule] = (same, weakref.ref(bias) if bias is not None else _none, fused)
+    _REGIONS[rule] = (same, fused_edit.weak_ref(bias), fused)
     return fused, None
 
 
@@ -292,8 +292,3 @@ def _region(k, key_bias, call, rule: TopRegionRule):
     else:
         state = region_state_streamed(attribution, key_values, key_bias, call.causal, *rule.fraction, rule.samples)
     return (attribution, values, *state)
-
-
-def _none():
-    """A weak reference's answer for a call without a bias."""
-    return None
