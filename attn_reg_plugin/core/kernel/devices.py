@@ -42,11 +42,16 @@ def fused_route_asked(q: torch.Tensor) -> bool:
     return FUSED if FUSED is not None else q.device.type == "cuda"
 
 
+def _is_cpu(device: torch.device) -> bool:
+    """Whether ``device`` is the CPU: the one test on_host, has_cpu_softmax_stats and random_stream share."""
+    return device.type == "cpu"
+
+
 def on_host(t: torch.Tensor) -> bool:
     """Whether ``t`` may be read on the host: numpy's selection and bit packing, and a look at a flag
     that spares an edit. True on a CPU outside torch.compile; elsewhere a read would synchronise the
     stream (an accelerator) or break the graph (compiling), and the portable torch ops run."""
-    return t.device.type == "cpu" and not PORTABLE and not torch.compiler.is_compiling()
+    return _is_cpu(t.device) and not PORTABLE and not torch.compiler.is_compiling()
 
 
 def same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -66,7 +71,7 @@ def has_cpu_softmax_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     one head size for q, k and v (the op refuses a value head of another size, as multi-head latent
     attention has, where sdpa's math path serves it); elsewhere a blockwise backward recomputes each
     block through sdpa."""
-    if FLASH_CPU is None or FLASH_CPU_BACKWARD is None or q.device.type != "cpu" or PORTABLE:
+    if FLASH_CPU is None or FLASH_CPU_BACKWARD is None or not _is_cpu(q.device) or PORTABLE:
         return False
     return q.shape[-1] == k.shape[-1] == v.shape[-1]
 
@@ -75,7 +80,7 @@ def random_stream(device: torch.device) -> Tuple[Callable[[], torch.Tensor], Cal
     """(get state, set state) of ``device``'s global random stream (the CPU's generator and a device's
     are reached by different calls)."""
     device = torch.device(device)
-    if device.type == "cpu":
+    if _is_cpu(device):
         return torch.get_rng_state, torch.set_rng_state
     module = torch.get_device_module(device)
     return (lambda: module.get_rng_state(device)), (lambda state: module.set_rng_state(state, device))
