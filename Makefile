@@ -74,7 +74,7 @@ format: $(STAMP)
 # CUDA-only cases skip and say so (docs/CONFIGURATIONS.md). A CUDA machine with no package registry:
 # tools/offline_gpu_check (its run.sh reads the files below).
 gpu-check: $(STAMP)
-	$(PY) -m pytest -q -rs -s -m gpu tests/core/test_attendout_blocks.py tests/test_precision.py tests/hf/test_compile.py tests/core/test_attention.py tests/core/test_blockwise.py tests/core/test_causal.py tests/core/test_autocast.py tests/fairseq/test_fairseq_autocast.py tests/test_fsdp.py tests/core/test_hiddencut.py tests/hf/test_hf_hiddencut.py tests/core/test_fused_edit.py tests/core/test_fused_route.py
+	$(PY) -m pytest -q -rs -s -m gpu tests/core/test_attendout_blocks.py tests/test_precision.py tests/hf/test_compile.py tests/core/test_attention.py tests/core/test_blockwise.py tests/core/test_causal.py tests/core/test_autocast.py tests/fairseq/test_fairseq_autocast.py tests/test_fsdp.py tests/core/test_hiddencut.py tests/hf/test_hf_hiddencut.py tests/core/test_fused_edit.py tests/core/test_fused_route.py tests/core/test_fused_policy.py
 
 # The cost on a GPU in one command, within about 6 minutes: the standard rows in fp32 and bf16 and
 # the long-sequence rows, written to docs/results/gpu_bench/<device>_<commit>.json (PERFORMANCE.md,

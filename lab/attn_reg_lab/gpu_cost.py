@@ -494,7 +494,8 @@ def _triton_counted(counter: CostCounter):
 # A launch counted and not run (CostCounter.triton_not_run: the interpreter would take hours at the long
 # rows' lengths) gets the FLOPs of the products its kernel makes: per (row tile, key tile) pair the kernel
 # visits, the tl.dot products the kernel's loop body makes there, each 2 BLOCK_M BLOCK_N BLOCK_D FLOPs
-# (the padded head dim, as the interpreter's count), at its operands' precision. The tiles are the
+# (the padded head dim, as the interpreter's count; BLOCK_G, the Generator's padded width, for AttendOut's
+# policy products, whose operand is "GQ"), at its operands' precision. The tiles are the
 # kernel's own loop bounds over its grid (causal ones included); tests/lab/test_gpu_cost_triton_flops.py
 # holds the model to the interpreter's count, kernel by kernel.
 def dot_key(dtype: str, precision: str = "ieee") -> Tuple[str, int]:
@@ -546,30 +547,59 @@ def _ad_drop(a: dict) -> int:
     return int(a["RULE"] == AD_DROP)
 
 
+def _generator(a: dict) -> int:
+    """1 where the kernel's rule is AttendOut's Generator (its tiles also make the policy's logits), else 0."""
+    from attn_reg_plugin.core.kernel.fused_edit import GENERATOR
+
+    return int(a["RULE"] == GENERATOR)
+
+
 def _forward_products(a, grid):
-    tiles = _row_blocks(a, grid)  # q k^T, p v, and the attribution score under AD_DROP
-    return {"Q": tiles, "V": tiles, "ATTR": tiles * _ad_drop(a)}
+    tiles = _row_blocks(a, grid)  # q k^T, p v, and the attribution score under AD_DROP or the logits under GENERATOR
+    return {"Q": tiles, "V": tiles, "ATTR": tiles * _ad_drop(a), "GQ": tiles * _generator(a)}
 
 
 def _backward_q_products(a, grid):
-    tiles = _row_blocks(a, grid)  # q k^T, dO v^T, ds k, and the attribution score under AD_DROP
-    return {"Q": tiles, "DO": tiles, "K": tiles, "ATTR": tiles * _ad_drop(a)}
+    tiles = _row_blocks(a, grid)  # q k^T, dO v^T, ds k, and the rule's product
+    return {"Q": tiles, "DO": tiles, "K": tiles, "ATTR": tiles * _ad_drop(a), "GQ": tiles * _generator(a)}
 
 
 def _backward_kv_products(a, grid):
     # programs (key block, key/value head), each over the GROUP query heads of its head and their row tiles:
-    # q k^T and ds^T q, dO v^T and p^T dO, and the attribution score under AD_DROP
+    # q k^T and ds^T q, dO v^T and p^T dO, and the rule's product (the attribution score, the policy's logits)
     tiles = grid[1] * a["GROUP"] * sum(_row_tiles(a, pid * a["BLOCK_N"]) for pid in range(grid[0]))
-    return {"Q": 2 * tiles, "DO": 2 * tiles, "ATTR": tiles * _ad_drop(a)}
+    return {"Q": 2 * tiles, "DO": 2 * tiles, "ATTR": tiles * _ad_drop(a), "GQ": tiles * _generator(a)}
 
 
 def _row_counts_products(a, grid):
-    return {"ATTR": _row_blocks(a, grid) * _ad_drop(a)}  # the drops' attribution score, AD_DROP only
+    tiles = _row_blocks(a, grid)  # the drops' own product: the attribution score or the policy's logits
+    return {"ATTR": tiles * _ad_drop(a), "GQ": tiles * _generator(a)}
 
 
 def _inspect_products(a, grid):
-    # one tile a program: the stored attribution score, and the drops' own under AD_DROP
-    return {"ATTR": grid[0] * grid[1] * grid[2] * (1 + _ad_drop(a))}
+    # one tile a program: the stored attribution score, and the drops' own product under AD_DROP or GENERATOR
+    programs = grid[0] * grid[1] * grid[2]
+    return {"ATTR": programs * (1 + _ad_drop(a)), "GQ": programs * _generator(a)}
+
+
+def _policy_bounds(a: dict) -> dict:
+    """A policy kernel's arguments with the attention kernels' loop-bound names: its units causal or not."""
+    from attn_reg_plugin.core.kernel.fused_edit import REAL_CAUSAL_UNITS
+
+    return dict(a, CAUSAL=a["UNITS"] == REAL_CAUSAL_UNITS, BLOCK_D=a["BLOCK_G"])
+
+
+def _log_prob_products(a, grid):
+    return {"GQ": _row_blocks(_policy_bounds(a), grid)}  # the logits of each (row tile, key tile)
+
+
+def _grad_query_products(a, grid):
+    return {"GQ": 2 * _row_blocks(_policy_bounds(a), grid)}  # the logits, and dlogit gk
+
+
+def _grad_key_products(a, grid):
+    bounds = _policy_bounds(a)  # programs (key block, sample) over the row tiles reaching them: logits, dlogit^T gq
+    return {"GQ": 2 * grid[1] * sum(_row_tiles(bounds, pid * a["BLOCK_N"]) for pid in range(grid[0]))}
 
 
 def _scores_products(a, grid):
@@ -599,6 +629,10 @@ TRITON_MODELS: Dict[str, Callable[[dict, tuple], Dict[str, int]]] = {
     "_scores_kernel": _scores_products,
     "_region_kernel": lambda a, grid: {},  # sorts whole rows of stored scores: no product
     "_select_kernel": _select_products,
+    "_log_prob_kernel": _log_prob_products,
+    "_grad_query_kernel": _grad_query_products,
+    "_grad_key_kernel": _grad_key_products,
+    "_drops_kernel": lambda a, grid: {"GQ": grid[0] * grid[1] * grid[2]},  # one tile's logits a program
 }
 
 
@@ -613,6 +647,10 @@ TRITON_OUTPUTS: Dict[str, Tuple[str, ...]] = {
     "_scores_kernel": ("SCORES",),
     "_region_kernel": ("THRESHOLD", "LAST_TIE", "LOWEST"),
     "_select_kernel": ("THRESHOLD", "LAST_TIE", "LOWEST"),
+    "_log_prob_kernel": ("LOG_PROB", "UNIT_COUNT", "PROBABILITY"),
+    "_grad_query_kernel": ("DGQ", "DOFFSET"),
+    "_grad_key_kernel": ("DGK",),
+    "_drops_kernel": ("DROPS", "LOGITS", "UNIFORMS", "UNITS_OUT"),
 }
 
 
@@ -636,9 +674,10 @@ def triton_flops(name: str, arguments: dict, grid) -> Optional[Dict[str, int]]:
         return None
     grid = grid(arguments) if callable(grid) else grid
     grid = (*grid, 1, 1, 1)[:3]
-    tile = 2 * arguments.get("BLOCK_M", 0) * arguments.get("BLOCK_N", 0) * arguments.get("BLOCK_D", 0)
     out: Dict[str, int] = {}
     for operand, products in model(arguments, grid).items():
+        depth = arguments.get("BLOCK_G" if operand == "GQ" else "BLOCK_D", 0)  # the policy's width, or the head's
+        tile = 2 * arguments.get("BLOCK_M", 0) * arguments.get("BLOCK_N", 0) * depth
         if products:
             dtype = _DTYPE_NAMES.get(arguments[operand].dtype, str(arguments[operand].dtype).replace("torch.", ""))
             key, passes = dot_key(dtype, arguments.get("DOT_PRECISION", "ieee"))

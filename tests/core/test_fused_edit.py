@@ -23,6 +23,7 @@ from attn_reg_plugin.core.kernel.rules import (
     Block,
     DenseRule,
     MapScores,
+    SampledLogits,
     TopRegionRule,
     dense_gradient_attribution,
     keep_one_valid_key,
@@ -200,19 +201,30 @@ def case_inputs(case, dtype=torch.float32):
     return q, k, v, bias, causal
 
 
-# Each case under two of the rules ("emptying": rates at which rows lose every key, so that they
-# keep one, AD-DROP, or attend uniformly, Bernoulli): the interpreter takes seconds a case.
+# Each case under two or three of the rules ("emptying": rates at which rows lose every key, so that they
+# keep one, AD-DROP, or attend uniformly, Bernoulli and the Generator): the interpreter takes seconds a case.
 RULES = {
     "plain": ["bernoulli", "ad_drop"],
-    "padding": ["bernoulli", "emptying ad_drop"],
-    "causal, T < S": ["ad_drop", "emptying bernoulli"],
+    "padding": ["bernoulli", "emptying ad_drop", "generator"],
+    "causal, T < S": ["ad_drop", "emptying bernoulli", "emptying generator"],
     "gqa": ["ad_drop"],
-    "gqa, causal, padding": ["ad_drop"],  # and Bernoulli against the portable edit, below
+    "gqa, causal, padding": ["ad_drop", "generator"],  # and Bernoulli against the portable edit, below
     "keyless rows": ["emptying bernoulli", "ad_drop"],
     "keyless, left padding": ["emptying ad_drop"],
     "mask of rows, causal, T < S": ["bernoulli", "emptying ad_drop"],
-    "mask of rows, gqa": ["emptying bernoulli", "ad_drop"],
+    "mask of rows, gqa": ["emptying bernoulli", "ad_drop", "emptying generator"],
 }
+
+
+def generator_policy(b, t, s, causal, offset, g=12, seed=6):
+    """AttendOut's Generator as the kernel draws it (rules.SampledLogits): factors of width ``g``, the last
+    sample's last 3 queries and 4 keys not real, mean drop probability about sigmoid(offset)."""
+    generator = torch.Generator().manual_seed(seed)
+    query, key = torch.randn(b, t, g, generator=generator) / 2, torch.randn(b, s, g, generator=generator) / 2
+    query_real, key_real = torch.ones(b, t, dtype=torch.bool), torch.ones(b, s, dtype=torch.bool)
+    query_real[-1, -3:], key_real[-1, -4:] = False, False
+    factors = [x.to(DEVICE) for x in (query, key, torch.tensor(float(offset)), query_real, key_real)]
+    return SampledLogits(*factors, causal, False, 1000 + seed)
 
 
 def rule_spec(rule, q, k, v, bias, causal, **dropout):
@@ -220,6 +232,9 @@ def rule_spec(rule, q, k, v, bias, causal, **dropout):
     p = 0.9 if rule.startswith("emptying") else 0.3
     if rule.endswith("bernoulli"):
         return fe.EditDrops(fe.BERNOULLI, p, 5, **dropout)
+    if rule.endswith("generator"):
+        policy = generator_policy(q.shape[0], q.shape[2], k.shape[2], causal, math.log(p / (1 - p)))
+        return fe.EditDrops(fe.GENERATOR, 0.0, policy.seed, policy=policy, **dropout)
     attribution = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     values = torch.randn(v.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     spec = ad_drop_spec(q, k, values, attribution, 1.0 if p > 0.5 else p, p, 5, bias, causal)[0]
@@ -257,6 +272,7 @@ DROPOUT_CASES = [
     ("gqa, causal, padding", "ad_drop"),
     ("keyless rows", "emptying ad_drop"),  # rows keeping one key, and rows with none
     ("mask of rows, causal, T < S", "ad_drop"),
+    ("gqa, causal, padding", "emptying generator"),
 ]
 
 

@@ -16,7 +16,9 @@ CHECK = """
     from triton.runtime import interpreter
     from attn_reg_lab.gpu_cost import CostCounter, kernel_arguments, triton_flops
     from attn_reg_plugin.core.kernel import fused_edit as fe
+    from attn_reg_plugin.core.kernel import fused_policy
     from attn_reg_plugin.core.kernel.fused_select import region_state_streamed
+    from attn_reg_plugin.core.kernel.rules import SampledLogits
 
     launches = []  # (case, kernel, counted, modelled)
 
@@ -59,8 +61,17 @@ CHECK = """
             return fe.EditDrops(fe.NONE, 0.0, 3, **extra)
         if rule == "BERNOULLI":
             return fe.EditDrops(fe.BERNOULLI, 0.3, 3, **extra)
+        if rule == "GENERATOR":
+            return fe.EditDrops(fe.GENERATOR, 0.0, 3, policy=sampled(b, t, values.shape[2], True), **extra)
         state = (torch.zeros(b, h, t), torch.full((b, h, t), -1, dtype=torch.int32), torch.zeros(b, h, t, dtype=torch.int32))
         return fe.EditDrops(fe.AD_DROP, 0.3, 3, attribution, values, *state, **extra)
+
+    def sampled(b, t, s, causal, g=20):
+        gen = torch.Generator().manual_seed(4)
+        real = torch.ones(b, max(t, s), dtype=torch.bool)
+        real[0, -3:] = False
+        return SampledLogits(torch.randn(b, t, g, generator=gen), torch.randn(b, s, g, generator=gen), torch.tensor(0.1),
+                             real[:, :t], real[:, :s], causal, False, 9)
 
     def attention(rule, causal, b, h, h_kv, t, s, dropout_p=0.0, dtype=torch.float32, padded=False):
         q, k, v, attribution, values = tensors(b, h, h_kv, t, s, dtype=dtype)
@@ -86,7 +97,22 @@ CHECK = """
         "ad-drop, dropout, padded": attention("AD_DROP", False, 2, 2, 2, 20, 37, dropout_p=0.2, padded=True),
         "ad-drop, causal, T < S, fp16": attention("AD_DROP", True, 1, 2, 1, 20, 37, dtype=torch.float16),
         "none, causal, fp64": attention("NONE", True, 1, 1, 1, 17, 33, dtype=torch.float64),
+        "generator, causal, T < S, GQA, dropout": attention("GENERATOR", True, 2, 2, 1, 20, 37, dropout_p=0.1),
     }
+
+    def policy(causal):
+        p = sampled(2, 37, 20, causal)
+        leaves = [x.clone().requires_grad_() for x in (p.query, p.key, p.offset)]
+
+        def run():
+            sums, _, _ = fused_policy.policy_log_prob(p._replace(query=leaves[0], key=leaves[1], offset=leaves[2]))
+            sums.sum().backward()
+            fused_policy.policy_drops(p, slice(16, 37), 19)
+
+        return run
+
+    cases["policy, causal"] = policy(True)
+    cases["policy"] = policy(False)
 
     def region(causal, samples):
         _, _, _, attribution, values = tensors(2, 2, 1, 20, 37)
@@ -116,7 +142,8 @@ CHECK = """
 
 KERNELS = {
     "_forward_kernel", "_backward_q_kernel", "_backward_kv_kernel", "_row_counts_kernel", "_inspect_kernel",
-    "_scores_kernel", "_region_kernel", "_select_kernel",
+    "_scores_kernel", "_region_kernel", "_select_kernel", "_log_prob_kernel", "_grad_query_kernel", "_grad_key_kernel",
+    "_drops_kernel",
 }  # fmt: skip
 
 

@@ -21,6 +21,12 @@ Rules (``EditDrops.rule``):
   ``rate``. A row whose drops would take every valid key keeps ``lowest_key`` (its lowest-scored
   valid key), as ``TopRegionRule._drop`` / ``masks.keep_one_valid_key``. The per-row state comes from
   the caller (:func:`region_ties` turns a row's threshold and k into it).
+- ``GENERATOR``: AttendOut's Generator (``rules.SampledLogits``): (query i, key j) of sample b dropped
+  where a Philox uniform u < sigmoid(gq_i . gk_j + offset), among the policy's units, one mask per
+  sample for all heads (its counter (b, i, j)). The logit is every kernel's one product
+  (:func:`_policy_action`), so the log-probability of the actions (:mod:`.fused_policy`) draws the
+  very same. Rows the drops would empty attend uniformly, as BERNOULLI's; dropped / droppable count
+  within the units.
 - ``NONE``: plain attention (the baseline the kernel's cost is measured against).
 
 The model's attention dropout (``EditDrops.dropout_p``, as ``blockwise.weight_dropout_kept`` on the
@@ -56,13 +62,17 @@ from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from .rules import SampledLogits
+
 try:  # the optional extra `triton`: without it the package imports and available() is False
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = tl = None
 
-NONE, BERNOULLI, AD_DROP = 0, 1, 2
+NONE, BERNOULLI, AD_DROP, GENERATOR = 0, 1, 2, 3
+# GENERATOR's units (the kernels' UNITS): every (query, key) pair; real queries and keys; and not after the query.
+EVERY_UNIT, REAL_UNITS, REAL_CAUSAL_UNITS = 0, 1, 2
 # A row's ``keep`` value: -1 keeps nothing, j >= 0 keeps key j (AD-DROP), UNIFORM attends uniformly
 # with no drop (a Bernoulli row its coins would empty).
 UNIFORM = -2
@@ -76,7 +86,10 @@ def _constant(value):
     return value if tl is None else tl.constexpr(value)
 
 
-_NONE, _AD_DROP, _UNIFORM, _MASKED_BIAS = (_constant(x) for x in (NONE, AD_DROP, UNIFORM, MASKED_BIAS))
+_NONE, _AD_DROP, _GENERATOR, _UNIFORM, _MASKED_BIAS = (
+    _constant(x) for x in (NONE, AD_DROP, GENERATOR, UNIFORM, MASKED_BIAS)
+)
+_EVERY_UNIT, _REAL_CAUSAL_UNITS = _constant(EVERY_UNIT), _constant(REAL_CAUSAL_UNITS)
 # The kernels' BIAS_KIND: no bias, an additive float32 one, a bool one (True = may attend).
 NO_BIAS, FLOAT_BIAS, BOOL_BIAS = 0, 1, 2
 _NO_BIAS, _BOOL_BIAS = _constant(NO_BIAS), _constant(BOOL_BIAS)
@@ -158,14 +171,50 @@ def _positions(bh, rows, keys, T, S):
 
 
 @_helper
-def _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE: tl.constexpr,
-           DOT_PRECISION: tl.constexpr):  # fmt: skip
+def _policy_tiles(policy, b, rows, keys, T, S, BLOCK_G: tl.constexpr):
+    """The Generator's factors of a tile: its rows' gq (rows, G) and its keys' gk (keys, G), float32."""
+    GQ, GK, unused_offset, unused_q_real, unused_k_real, G = policy
+    gdims = tl.arange(0, BLOCK_G)
+    return _load_rows(GQ + b * T * G, rows, T, gdims, G), _load_rows(GK + b * S * G, keys, S, gdims, G)
+
+
+@_helper
+def _policy_action(seed, b, rows, keys, T, S, gq, gk, policy, UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(action, units, real, logit, uniform) of a tile of GENERATOR's policy: the logit gq gk^T + offset
+    (float32, every kernel's one product, on tiles of the same shape and place), the unit's Philox uniform
+    at (b, i, j) of ``seed``, real = in range, real query and real key, units = real and (REAL_CAUSAL_UNITS)
+    not after the query, action = units & (uniform < sigmoid(logit)): the Gumbel-max of {keep: 0, drop: logit}."""
+    unused_gq, unused_gk, OFFSET, Q_REAL, K_REAL, unused_g = policy
+    logit = tl.dot(gq, tl.trans(gk), input_precision=DOT_PRECISION) + tl.load(OFFSET)
+    uniform = tl.rand(seed, _positions(b, rows, keys, T, S))
+    real = (rows[:, None] < T) & (keys[None, :] < S)
+    if UNITS != _EVERY_UNIT:
+        q_real = tl.load(Q_REAL + b * T + rows, mask=rows < T, other=0) != 0
+        k_real = tl.load(K_REAL + b * S + keys, mask=keys < S, other=0) != 0
+        real = real & q_real[:, None] & k_real[None, :]
+    units = real
+    if UNITS == _REAL_CAUSAL_UNITS:
+        units = units & (keys[None, :] <= rows[:, None] + (S - T))
+    return units & (uniform < tl.sigmoid(logit)), units, real, logit, uniform
+
+
+@_helper
+def _drops(seed, limit, b, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, policy,
+           RULE: tl.constexpr, UNITS: tl.constexpr, BLOCK_G: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """(drop, candidate region) of a tile. A coin drops when its 31-bit Philox number is <= limit
     (probability (limit + 1) / 2**31, as rules.coin_limit); the counter is the (b, h, i, j)
-    position, so any tile, forward or backward, draws the same coin for a position."""
+    position, so any tile, forward or backward, draws the same coin for a position. GENERATOR's region
+    is its valid real units (what its rate counts), its drops the policy's actions (:func:`_policy_action`)."""
     region = valid
     if RULE == _NONE:
         drop = valid & (keys[None, :] < 0)
+    elif RULE == _GENERATOR:
+        gq, gk = _policy_tiles(policy, b, rows, keys, T, S, BLOCK_G)
+        action, unused_units, real, unused_logit, unused_uniform = _policy_action(
+            seed, b, rows, keys, T, S, gq, gk, policy, UNITS, DOT_PRECISION
+        )
+        region = valid & real
+        drop = valid & action & (keep != _UNIFORM)[:, None]
     else:
         coin = (tl.randint(seed, _positions(bh, rows, keys, T, S)) >> 1).to(tl.int32) <= limit
         drop = valid & coin & (keys[None, :] != keep[:, None]) & (keep != _UNIFORM)[:, None]
@@ -208,15 +257,14 @@ def _row_state(THR, TIE, KEEP, bh, rows, T, RULE: tl.constexpr):
 
 
 @_helper
-def _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC: tl.constexpr,
-            RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):  # fmt: skip
+def _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, policy, seed, limit, scale, T, S,
+            ACC: tl.constexpr, RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr,
+            UNITS: tl.constexpr, BLOCK_G: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """A tile's scores q k^T scale + bias, -inf where a key is not attended (invalid or dropped)."""
     valid, bias = _validity(BIAS, b, rows, keys, T, S, CAUSAL, BIAS_KIND, ROW_BIAS)
     threshold, last_tie, keep = state
-    drop, _ = _drops(
-        seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE, DOT_PRECISION
-    )
+    drop, _ = _drops(seed, limit, b, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, policy,
+                     RULE, UNITS, BLOCK_G, DOT_PRECISION)  # fmt: skip
     s = tl.dot(q, tl.trans(k_tile), out_dtype=ACC, input_precision=DOT_PRECISION) * scale + bias
     return tl.where(valid & ~drop, s, float("-inf"))
 
@@ -261,14 +309,16 @@ def _causal_end(start_m, BLOCK_M: tl.constexpr, T, S, CAUSAL: tl.constexpr):
 
 # -- forward, backward, inspection ----------------------------------------------------------------
 @_jit
-def _forward_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, OUT, LSE, seed, limit, dseed, dlimit, dscale, scale, T,
-                    S, H, GROUP, D, RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
-                    ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def _forward_kernel(Q, K, V, BIAS, ATTR, AV, GQ, GK, GOFF, QREAL, KREAL, THR, TIE, KEEP, OUT, LSE, seed, limit, dseed,
+                    dlimit, dscale, scale, T, S, H, GROUP, D, G, RULE: tl.constexpr, CAUSAL: tl.constexpr,
+                    BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
+                    UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
     """A block of query rows' output and log-sum-exp. The softmax's normaliser sums the probabilities
     before the model's dropout; the output sums them after it (dropped 0, kept times dscale) times v."""
     start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
     b, kv = bh // H, bh // GROUP  # GQA: (b H + h) // G = b H_kv + h // G
+    policy = (GQ, GK, GOFF, QREAL, KREAL, G)
     rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
     state = _row_state(THR, TIE, KEEP, bh, rows, T, RULE)
     q, attr = _query_tiles(Q, ATTR, bh, rows, T, dims, D, state[2], BLOCK_M, BLOCK_D, RULE)
@@ -278,8 +328,8 @@ def _forward_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, OUT, LSE, seed, lim
     for start_n in range(0, _causal_end(start_m, BLOCK_M, T, S, CAUSAL), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         k_tile, v_tile, attr_v = _key_tiles(K, V, AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
-        s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
-                    RULE, CAUSAL, BIAS_KIND, ROW_BIAS, DOT_PRECISION)  # fmt: skip
+        s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, policy, seed, limit, scale, T, S, ACC,
+                    RULE, CAUSAL, BIAS_KIND, ROW_BIAS, UNITS, BLOCK_G, DOT_PRECISION)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing attended yet
         p = tl.exp(s - m_safe[:, None])
@@ -298,14 +348,16 @@ def _forward_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, OUT, LSE, seed, lim
 
 
 @_jit
-def _backward_q_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, OUT, LSE, DELTA, DQ, seed, limit, dseed, dlimit,
-                       dscale, scale, T, S, H, GROUP, D, RULE: tl.constexpr, CAUSAL: tl.constexpr,
-                       BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def _backward_q_kernel(Q, K, V, BIAS, ATTR, AV, GQ, GK, GOFF, QREAL, KREAL, THR, TIE, KEEP, DO, OUT, LSE, DELTA, DQ,
+                       seed, limit, dseed, dlimit, dscale, scale, T, S, H, GROUP, D, G, RULE: tl.constexpr,
+                       CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+                       ACC: tl.constexpr, UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
     """dq of a block of query rows (0 in UNIFORM rows: their query was zeroed), and the rows' delta =
     rowsum(dO O), FlashAttention-2's D, stored for the dk, dv kernel launched after this one."""
     start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
     b, kv = bh // H, bh // GROUP
+    policy = (GQ, GK, GOFF, QREAL, KREAL, G)
     rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
     state = _row_state(THR, TIE, KEEP, bh, rows, T, RULE)
     q, attr = _query_tiles(Q, ATTR, bh, rows, T, dims, D, state[2], BLOCK_M, BLOCK_D, RULE)
@@ -317,8 +369,8 @@ def _backward_q_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, OUT, LSE, DE
     for start_n in range(0, _causal_end(start_m, BLOCK_M, T, S, CAUSAL), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         k_tile, v_tile, attr_v = _key_tiles(K, V, AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
-        s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
-                    RULE, CAUSAL, BIAS_KIND, ROW_BIAS, DOT_PRECISION)  # fmt: skip
+        s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, policy, seed, limit, scale, T, S, ACC,
+                    RULE, CAUSAL, BIAS_KIND, ROW_BIAS, UNITS, BLOCK_G, DOT_PRECISION)  # fmt: skip
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(grad_out, tl.trans(v_tile), out_dtype=ACC, input_precision=DOT_PRECISION)
         if DROPOUT:
@@ -331,14 +383,16 @@ def _backward_q_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, OUT, LSE, DE
 
 
 @_jit
-def _backward_kv_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA, DK, DV, seed, limit, dseed, dlimit,
-                        dscale, scale, T, S, H, GROUP, D, RULE: tl.constexpr, CAUSAL: tl.constexpr,
-                        BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def _backward_kv_kernel(Q, K, V, BIAS, ATTR, AV, GQ, GK, GOFF, QREAL, KREAL, THR, TIE, KEEP, DO, LSE, DELTA, DK, DV,
+                        seed, limit, dseed, dlimit, dscale, scale, T, S, H, GROUP, D, G, RULE: tl.constexpr,
+                        CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+                        ACC: tl.constexpr, UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
     """dk, dv of a block of keys of one key/value head, summed over the query heads of its group. Under
     the model's dropout (Z: 0 where dropped, dscale where kept): dv = (P Z)^T dO, dS = P (dO V^T Z - D)."""
     start_n, kv = tl.program_id(0) * BLOCK_N, tl.program_id(1)
     b = kv // (H // GROUP)
+    policy = (GQ, GK, GOFF, QREAL, KREAL, G)
     keys, dims = start_n + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
     k_tile, v_tile, attr_v = _key_tiles(K, V, AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
@@ -352,8 +406,8 @@ def _backward_kv_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA,
             rows = start_m + tl.arange(0, BLOCK_M)
             state = _row_state(THR, TIE, KEEP, bh, rows, T, RULE)
             q, attr = _query_tiles(Q, ATTR, bh, rows, T, dims, D, state[2], BLOCK_M, BLOCK_D, RULE)
-            s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, seed, limit, scale, T, S, ACC,
-                        RULE, CAUSAL, BIAS_KIND, ROW_BIAS, DOT_PRECISION)  # fmt: skip
+            s = _scores(q, k_tile, attr_v, attr, BIAS, b, bh, rows, keys, state, policy, seed, limit, scale, T, S,
+                        ACC, RULE, CAUSAL, BIAS_KIND, ROW_BIAS, UNITS, BLOCK_G, DOT_PRECISION)  # fmt: skip
             lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=float("inf"))
             delta = tl.load(DELTA + bh * T + rows, mask=rows < T, other=0.0)
             grad_out = _load_rows(DO + bh * T * D, rows, T, dims, D)
@@ -374,15 +428,17 @@ def _backward_kv_kernel(Q, K, V, BIAS, ATTR, AV, THR, TIE, KEEP, DO, LSE, DELTA,
 
 
 @_jit
-def _row_counts_kernel(BIAS, ATTR, AV, THR, TIE, LOWEST, KEEP, COUNTS, seed, limit, T, S, H, GROUP, D,
-                       RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def _row_counts_kernel(BIAS, ATTR, AV, GQ, GK, GOFF, QREAL, KREAL, THR, TIE, LOWEST, KEEP, COUNTS, seed, limit, T, S,
+                       H, GROUP, D, G, RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
+                       ROW_BIAS: tl.constexpr, UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
     """Each row's ``keep`` from its valid keys and the keys its coins drop among them: where the drops
     would take all of a row's keys, AD-DROP's keeps its lowest-scored key (``LOWEST``) and Bernoulli's
     attends uniformly; else -1. Adds the call's (dropped, droppable) to ``COUNTS`` (zeroed int64): AD-DROP's
     dropped leaves out a row's kept key, a uniform row counts all its valid keys (blockwise.block_counts)."""
     start_m, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
     b, kv = bh // H, bh // GROUP
+    policy = (GQ, GK, GOFF, QREAL, KREAL, G)
     rows, dims = start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
     threshold, last_tie = _region_row_state(THR, TIE, bh, rows, T, RULE)
     keep = rows * 0 - 1
@@ -391,14 +447,17 @@ def _row_counts_kernel(BIAS, ATTR, AV, THR, TIE, LOWEST, KEEP, COUNTS, seed, lim
         attr = _load_rows(ATTR + bh * T * D, rows, T, dims, D)
     n_valid = tl.zeros([BLOCK_M], tl.int32)
     n_dropped = tl.zeros([BLOCK_M], tl.int32)
+    n_units = tl.zeros([BLOCK_M], tl.int32)  # GENERATOR's rate counts its valid real units, not every valid key
     for start_n in range(0, _causal_end(start_m, BLOCK_M, T, S, CAUSAL), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         valid, unused_bias = _validity(BIAS, b, rows, keys, T, S, CAUSAL, BIAS_KIND, ROW_BIAS)
         attr_v = _attribution_values(AV, kv, keys, S, dims, D, BLOCK_N, BLOCK_D, RULE)  # no k or v needed
-        drop, unused_region = _drops(seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie,
-                                     keep, RULE, DOT_PRECISION)  # fmt: skip
+        drop, region = _drops(seed, limit, b, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie,
+                              keep, policy, RULE, UNITS, BLOCK_G, DOT_PRECISION)  # fmt: skip
         n_valid += tl.sum(valid.to(tl.int32), 1)
         n_dropped += tl.sum(drop.to(tl.int32), 1)
+        if RULE == _GENERATOR:
+            n_units += tl.sum(region.to(tl.int32), 1)
     emptied = (n_dropped == n_valid) & (n_valid > 0)
     if RULE == _AD_DROP:
         keep = tl.where(emptied, tl.load(LOWEST + bh * T + rows, mask=rows < T, other=-1), -1)
@@ -406,27 +465,30 @@ def _row_counts_kernel(BIAS, ATTR, AV, THR, TIE, LOWEST, KEEP, COUNTS, seed, lim
     else:
         keep = tl.where(emptied, _UNIFORM, -1)
     tl.store(KEEP + bh * T + rows, keep.to(tl.int32), mask=rows < T)
+    if RULE != _GENERATOR:
+        n_units = n_valid
+    # (an emptied GENERATOR row's valid keys are all its units: its drops, all of them, lie among its units)
     tl.atomic_add(COUNTS, tl.sum(n_dropped.to(tl.int64), 0))
-    tl.atomic_add(COUNTS + 1, tl.sum(n_valid.to(tl.int64), 0))
+    tl.atomic_add(COUNTS + 1, tl.sum(n_units.to(tl.int64), 0))
 
 
 @_jit
-def _inspect_kernel(BIAS, ATTR, AV, THR, TIE, KEEP, CODES, SCORES, seed, limit, dseed, dlimit, T, S, H, GROUP, D,
-                    RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ROW_BIAS: tl.constexpr,
-                    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr):  # fmt: skip
+def _inspect_kernel(BIAS, ATTR, AV, GQ, GK, GOFF, QREAL, KREAL, THR, TIE, KEEP, CODES, SCORES, seed, limit, dseed,
+                    dlimit, T, S, H, GROUP, D, G, RULE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
+                    ROW_BIAS: tl.constexpr, DROPOUT: tl.constexpr, UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
     """One tile's drops, region, validity and dropped weights as DROP | REGION | VALID | WEIGHT_DROPPED
     bits, and its attribution scores."""
     start_m, start_n, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N, tl.program_id(2)
     b, kv = bh // H, bh // GROUP
+    policy = (GQ, GK, GOFF, QREAL, KREAL, G)
     rows, keys, dims = start_m + tl.arange(0, BLOCK_M), start_n + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
     threshold, last_tie, keep = _row_state(THR, TIE, KEEP, bh, rows, T, RULE)
     attr = _load_rows(ATTR + bh * T * D, rows, T, dims, D)
     attr_v = _load_rows(AV + kv * S * D, keys, S, dims, D)
     valid, _ = _validity(BIAS, b, rows, keys, T, S, CAUSAL, BIAS_KIND, ROW_BIAS)
-    drop, region = _drops(
-        seed, limit, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep, RULE, DOT_PRECISION
-    )
+    drop, region = _drops(seed, limit, b, bh, rows, keys, T, S, valid, attr, attr_v, threshold, last_tie, keep,
+                          policy, RULE, UNITS, BLOCK_G, DOT_PRECISION)  # fmt: skip
     codes = drop.to(tl.int8) * _DROP + region.to(tl.int8) * _REGION + valid.to(tl.int8) * _VALID
     if DROPOUT:
         codes += (~_weight_kept(dseed, dlimit, bh, rows, keys, T, S)).to(tl.int8) * _WEIGHT_DROPPED
@@ -482,11 +544,12 @@ def _region_kernel(SCORES, BIAS, SAMPLES, THRESHOLD, LAST_TIE, LOWEST, T, S, H, 
 # -- the Python side -------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class EditDrops:
-    """What the kernel drops in one call: ``rule`` (NONE, BERNOULLI or AD_DROP), its ``rate`` (the
-    Bernoulli p; AD-DROP's q), the Philox ``seed`` (an int), and for AD-DROP the attribution pass's
+    """What the kernel drops in one call: ``rule`` (NONE, BERNOULLI, AD_DROP or GENERATOR), its ``rate``
+    (the Bernoulli p; AD-DROP's q), the Philox ``seed`` (an int), and for AD-DROP the attribution pass's
     output gradient (B, H, T, d) and values (v's shape: the pass's own, not this call's), and each
-    row's (threshold, last_tie, lowest_key), (B, H, T) each (:func:`region_ties`). ``dropout_p``: the
-    model's attention dropout inside the call, its coins from their own Philox ``dropout_seed`` (an int)."""
+    row's (threshold, last_tie, lowest_key), (B, H, T) each (:func:`region_ties`); for GENERATOR its
+    ``policy`` (``rules.SampledLogits``, whose seed is ``seed``). ``dropout_p``: the model's attention
+    dropout inside the call, its coins from their own Philox ``dropout_seed`` (an int)."""
 
     rule: int
     rate: float
@@ -498,6 +561,7 @@ class EditDrops:
     lowest_key: Optional[torch.Tensor] = None
     dropout_p: float = 0.0
     dropout_seed: int = 0
+    policy: Optional[SampledLogits] = None
 
 
 def region_ties(scores, valid, threshold, k) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -520,7 +584,7 @@ def region_ties(scores, valid, threshold, k) -> Tuple[torch.Tensor, torch.Tensor
 class _Call(NamedTuple):
     """A call's kernel arguments besides q, k, v: the bias ((B, S), or (B, T, S) with ``row_bias``) or
     None, the rule's tensors (the attribution and its values, and per row threshold, last tie, keep;
-    a tensor the kernels never read where the rule has none), the scalars and the tile size."""
+    a tensor the kernels never read where the rule has none; GENERATOR's policy), the scalars and the tile size."""
 
     bias: Optional[torch.Tensor]
     row_bias: bool
@@ -529,6 +593,8 @@ class _Call(NamedTuple):
     threshold: torch.Tensor
     last_tie: torch.Tensor
     keep: torch.Tensor
+    policy: Tuple[torch.Tensor, ...]  # GENERATOR's gq, gk, offset, real queries, real keys (else stand-ins)
+    units: int  # GENERATOR's UNITS
     seed: int
     limit: int
     dropout_seed: int
@@ -584,21 +650,27 @@ def attribution_operands(attribution: torch.Tensor, values: torch.Tensor) -> Tup
 
 
 def _grid_sizes(q: torch.Tensor) -> Tuple[int, int]:
-    """(rows and keys per tile, padded head dim): 64 compiled; 16 in the interpreter, fast on tiny shapes."""
-    block = 16 if triton.knobs.runtime.interpret else 64
-    return block, max(16, triton.next_power_of_2(q.shape[-1]))
+    """(rows and keys per tile, padded head dim): :func:`tile`; the head dim to a power of two, at least 16."""
+    return tile(), max(16, triton.next_power_of_2(q.shape[-1]))
+
+
+def tile() -> int:
+    """Rows and keys per tile of every kernel: 64 compiled; 16 in the interpreter, fast on tiny shapes."""
+    return 16 if triton.knobs.runtime.interpret else 64
 
 
 def _launch_args(q, k, call: _Call):
     """The kernels' shared scalars and compile-time options, by the kernels' argument names."""
     b, h, t, d = q.shape
     block, block_d = _grid_sizes(q)
+    g = call.policy[0].shape[-1]
     scalars = dict(seed=call.seed, limit=call.limit, dseed=call.dropout_seed, dlimit=call.dropout_limit,
-                   dscale=call.dropout_scale, scale=call.scale, T=t, S=k.shape[2], H=h, GROUP=h // k.shape[1], D=d)  # fmt: skip
+                   dscale=call.dropout_scale, scale=call.scale, T=t, S=k.shape[2], H=h, GROUP=h // k.shape[1], D=d,
+                   G=g)  # fmt: skip
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
     options = dict(RULE=call.rule, CAUSAL=call.causal, BIAS_KIND=_bias_kind(call.bias), ROW_BIAS=call.row_bias,
-                   DROPOUT=call.dropout_limit >= 0, ACC=acc, DOT_PRECISION=dot_precision(), BLOCK_M=block,
-                   BLOCK_N=block, BLOCK_D=block_d)  # fmt: skip
+                   DROPOUT=call.dropout_limit >= 0, ACC=acc, UNITS=call.units, DOT_PRECISION=dot_precision(),
+                   BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, BLOCK_G=policy_block(g))  # fmt: skip
     return scalars, options
 
 
@@ -607,8 +679,24 @@ def _only(args: dict, *names: str) -> dict:
     return {name: args[name] for name in names}
 
 
-_COIN_SCALARS = ("seed", "limit", "T", "S", "H", "GROUP", "D")
-_SHARED_OPTIONS = ("RULE", "CAUSAL", "BIAS_KIND", "ROW_BIAS", "DOT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_D")
+_COIN_SCALARS = ("seed", "limit", "T", "S", "H", "GROUP", "D", "G")
+_SHARED_OPTIONS = (
+    "RULE", "CAUSAL", "BIAS_KIND", "ROW_BIAS", "UNITS", "DOT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_G"
+)  # fmt: skip
+
+
+def policy_block(g: int) -> int:
+    """The tile width of GENERATOR's factors: ``g`` rounded up to a power of two, at least 16 (tl.dot's least)."""
+    return max(16, triton.next_power_of_2(g))
+
+
+def policy_operands(policy: SampledLogits) -> Tuple[Tuple[torch.Tensor, ...], int]:
+    """((gq, gk, offset (1,), real queries, real keys) as the kernels read them, their UNITS): float32 and
+    contiguous, not differentiated; the real masks as bool (not read with every unit)."""
+    factors = tuple(x.detach().float().contiguous() for x in (policy.query, policy.key, policy.offset.reshape(1)))
+    real = tuple(x.to(torch.bool).contiguous() for x in (policy.query_real, policy.key_real))
+    units = EVERY_UNIT if policy.every_unit else REAL_CAUSAL_UNITS if policy.causal else REAL_UNITS
+    return (*factors, *real), units
 
 
 def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[float]):
@@ -617,8 +705,13 @@ def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[
     b, h, t, d = q.shape
     if h % k.shape[1] or k.shape[1] != v.shape[1]:
         raise ValueError(f"{h} query heads cannot share {k.shape[1]} key and {v.shape[1]} value heads")
-    if drops.rule not in (NONE, BERNOULLI, AD_DROP):
+    if drops.rule not in (NONE, BERNOULLI, AD_DROP, GENERATOR):
         raise ValueError(f"unknown rule {drops.rule}")
+    generator = drops.rule == GENERATOR
+    if generator and (drops.policy is None or tuple(drops.policy.query.shape[:2]) != (b, t)
+                      or tuple(drops.policy.key.shape[:2]) != (b, k.shape[2])):  # fmt: skip
+        got = None if drops.policy is None else (tuple(drops.policy.query.shape), tuple(drops.policy.key.shape))
+        raise ValueError(f"GENERATOR's policy covers (B, T, G) queries and (B, S, G) keys of the call; got {got}")
     if not 0.0 <= drops.dropout_p <= 1.0:
         raise ValueError(f"the attention dropout's p is a probability, got {drops.dropout_p}")
     ad_drop = drops.rule == AD_DROP
@@ -628,12 +721,15 @@ def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[
     dropout_p = float(drops.dropout_p)
     # q stands in for the tensors a rule does not have: the kernels never read them (no copy, no launch).
     keep = q if drops.rule == NONE else torch.empty((b, h, t), dtype=torch.int32, device=q.device)
+    policy, units = policy_operands(drops.policy) if generator else ((q[..., :1],) * 5, EVERY_UNIT)
     call = _Call(
         *_kernel_bias(key_bias, b, t, k.shape[2]),
         *(attribution_operands(drops.attribution, drops.values) if ad_drop else (q, q)),
         drops.threshold.float().contiguous() if ad_drop else q,
         drops.last_tie.to(torch.int32).contiguous() if ad_drop else q,
         keep,
+        policy,
+        units,
         int(drops.seed),
         round(drops.rate * 2**31) - 1,  # rules.coin_limit
         int(drops.dropout_seed),
@@ -651,7 +747,7 @@ def _prepare(q, k, v, drops: EditDrops, key_bias, causal: bool, scale: Optional[
     lowest = drops.lowest_key.to(torch.int32).contiguous() if ad_drop else keep
     scalars, options = _launch_args(q, k, call)
     grid = (triton.cdiv(t, call.block), b * h)
-    _row_counts_kernel[grid](*_tensors(call, k)[:5], lowest, keep, counts, **_only(scalars, *_COIN_SCALARS),
+    _row_counts_kernel[grid](*_tensors(call, k)[:10], lowest, keep, counts, **_only(scalars, *_COIN_SCALARS),
                              **_only(options, *_SHARED_OPTIONS))  # fmt: skip
     return call, counts[0], counts[1]
 
@@ -662,6 +758,7 @@ def _tensors(call: _Call, k):
         k if call.bias is None else call.bias,
         call.attribution,
         call.values,
+        *call.policy,
         call.threshold,
         call.last_tie,
         call.keep,
@@ -821,7 +918,7 @@ def inspect(q, k, v, drops: EditDrops, key_bias=None, causal: bool = False) -> K
     ad_drop = drops.rule == AD_DROP
     attribution = call.attribution if ad_drop else torch.zeros_like(q, dtype=torch.float32)
     values = call.values if ad_drop else torch.zeros_like(v, dtype=torch.float32)
-    tensors = (k if call.bias is None else call.bias, attribution, values, *_tensors(call, k)[3:])
+    tensors = (k if call.bias is None else call.bias, attribution, values, *_tensors(call, k)[3:])  # GQ .. KEEP
     grid = (triton.cdiv(t, call.block), triton.cdiv(s, call.block), b * h)
     _inspect_kernel[grid](*tensors, codes, scores, **_only(scalars, "dseed", "dlimit", *_COIN_SCALARS),
                           **_only(options, "DROPOUT", *_SHARED_OPTIONS))  # fmt: skip
@@ -832,6 +929,6 @@ def inspect(q, k, v, drops: EditDrops, key_bias=None, causal: bool = False) -> K
 
 
 __all__: Sequence[str] = (
-    "AD_DROP", "BERNOULLI", "NONE", "EditDrops", "FusedEditAttention", "KernelDrops", "attribution_scores",
+    "AD_DROP", "BERNOULLI", "GENERATOR", "NONE", "EditDrops", "FusedEditAttention", "KernelDrops", "attribution_scores",
     "attribution_operands", "available", "dot_precision", "fused_edit_attention", "inspect", "region_ties",
 )  # fmt: skip

@@ -6,8 +6,10 @@ first-use check on that device, dtype and head size (:func:`check_against_pytorc
 against PyTorch; a failure is logged as an error and the calls stay on the PyTorch path).
 ``ATTN_REG_FUSED=0`` turns the route off; ``ATTN_REG_FUSED=1`` turns it on wherever Triton runs, its CPU
 interpreter included (the tests, the GPU-route counter), without the check. On the CPU the PyTorch path
-serves by default. Covered: scheduled dropout (:class:`~.rules.BernoulliRule`) and AD-DROP GA
-(:class:`~.rules.TopRegionRule` over :class:`~.rules.GradientScores`, ``samples`` included), with
+serves by default. Covered: scheduled dropout (:class:`~.rules.BernoulliRule`), AD-DROP GA
+(:class:`~.rules.TopRegionRule` over :class:`~.rules.GradientScores`, ``samples`` included) and a rule the
+kernel draws itself (``rule.sampled_logits()``: AttendOut's Generator, whose batch then draws every action
+with the kernels, :func:`policy_on_kernel`, its units the counted ones), with
 no bias, a key-padding one or a materialised (B, 1, T, S) mask (padding and causal rows as
 transformers hands them over), causal or not, the model's attention dropout inside the call or not,
 one head size of at most ``MAX_HEAD_DIM`` for q, k and v; not with a bias per head or one that
@@ -38,7 +40,7 @@ from . import devices, fused_edit
 from .devices import FUSED_ENV
 from .fused_select import region_state_streamed
 from .masks import valid_keys_from_bias
-from .rules import BernoulliRule, GradientScores, TopRegionRule
+from .rules import BernoulliRule, GradientScores, SampledLogits, TopRegionRule
 
 logger = logging.getLogger(__name__)
 
@@ -86,33 +88,43 @@ def fused_drops(q, k, v, bias, call) -> Optional[FusedCall]:
 def fused_or_why_not(q, k, v, bias, call) -> Tuple[Optional[FusedCall], Optional[str]]:
     """(the kernel's drops and bias, None) for a call the kernel covers; else (None, why not)."""
     rule = call.rule
-    why = _not_covered(q, k, v, call)
+    sampled = None if rule is None else rule.sampled_logits()
+    why = _not_covered(q, k, v, call, sampled is not None)
     if why is not None:
         return None, why
-    seed = int(call.seed)
     # The model's attention dropout: the call's own seed, a 0-d int64 host tensor (its read is no device sync).
     dropout = dict(dropout_p=float(call.dropout_p), dropout_seed=int(call.dropout_seed) if call.dropout_p else 0)
+    if sampled is not None:  # its own seed: the pass gave the call none
+        return _with_bias(
+            fused_edit.EditDrops(fused_edit.GENERATOR, 0.0, sampled.seed, policy=sampled, **dropout), q, bias
+        )
+    seed = int(call.seed)
     if isinstance(rule, TopRegionRule) and isinstance(rule.source, GradientScores):
         return _ad_drop(q, k, bias, call, rule, seed, dropout)
     if not isinstance(rule, BernoulliRule):
         over = f" over {type(rule.source).__name__}" if isinstance(rule, TopRegionRule) else ""
         return None, f"its drop rule, {type(rule).__name__}{over}"
+    return _with_bias(fused_edit.EditDrops(fused_edit.BERNOULLI, float(rule.probability), seed, **dropout), q, bias)
+
+
+def _with_bias(drops: fused_edit.EditDrops, q, bias) -> Tuple[Optional[FusedCall], Optional[str]]:
+    """(the call with :func:`kernel_bias`'s bias, None), or (None, why not) for a bias the kernel does not take."""
     key_bias = None if bias is None else kernel_bias(bias, q.shape[0], q.shape[2])
     if bias is not None and key_bias is None:
         return None, BIAS_NOT_TAKEN
-    drops = fused_edit.EditDrops(fused_edit.BERNOULLI, float(rule.probability), seed, **dropout)
     return FusedCall(drops, key_bias), None
 
 
 BIAS_NOT_TAKEN = "a bias per head, of another shape than (B, 1, T or 1, S), or requiring grad"
 
 
-def _not_covered(q, k, v, call) -> Optional[str]:
-    """Why the kernel does not take this call, from its options and shapes, or None."""
+def _not_covered(q, k, v, call, sampled: bool) -> Optional[str]:
+    """Why the kernel does not take this call, from its options and shapes, or None. ``sampled``: its rule
+    is one the kernel draws itself (its own seed; the units it counts are its policy's)."""
     if call.uniform is not None:
         return "rows made uniform (attention LayerDrop's skipped calls)"
-    if call.droppable is not None:
-        return "a restriction of the units counted (AttendOut's)"
+    if call.droppable is not None and not sampled:
+        return "a restriction of the units counted, by a rule the kernel does not draw"
     if call.dropout_p and call.dropout_seed is None:
         return "the model's attention dropout with no seed"
     if call.need_weights:
@@ -121,7 +133,7 @@ def _not_covered(q, k, v, call) -> Optional[str]:
         return f"no Triton that runs on {q.device.type} tensors"
     if torch.compiler.is_compiling():
         return "a compiled graph"
-    if call.seed is None:
+    if call.seed is None and not sampled:
         return "a call with no seed"
     if not q.numel() or not k.shape[2]:
         return "an empty call"
@@ -136,27 +148,52 @@ def _not_covered(q, k, v, call) -> Optional[str]:
     return None
 
 
-# The first-use check's verdicts: (device, dtype, head size, float32 product precision) -> None (passed) or
-# what differed. A process checks each once.
+def policy_on_kernel(query: torch.Tensor) -> bool:
+    """Whether AttendOut's Generator draws a batch's actions with the fused kernels (``rules.SampledLogits``;
+    :mod:`.fused_policy`) on ``query``'s device: where the route is asked and Triton runs there, by default
+    once the policy kernels passed their first-use check (:func:`check_policy_against_pytorch`) on it."""
+    if not devices.fused_route_asked(query) or not fused_edit.available(query):
+        return False
+    return devices.FUSED is not None or _first_use_check(query, policy=True) is None
+
+
+# The first-use checks' verdicts: (device, dtype, head size, float32 product precision), or (device, "policy",
+# precision) -> None (passed) or what differed. A process checks each once.
 _CHECKED: Dict[tuple, Optional[str]] = {}
 
 
-def _first_use_check(q) -> Optional[str]:
-    """:func:`check_against_pytorch`'s verdict for ``q``'s device, dtype and head size, made once; a failure,
-    or a check that raises (a kernel that does not compile on this GPU), is logged as an error."""
-    key = (q.device, q.dtype, q.shape[-1], fused_edit.dot_precision())
+def _first_use_check(q, policy: bool = False) -> Optional[str]:
+    """:func:`check_against_pytorch`'s verdict for ``q``'s device, dtype and head size (with ``policy``
+    :func:`check_policy_against_pytorch`'s for its device), made once; a failure, or a check that raises (a
+    kernel that does not compile on this GPU), is logged as an error."""
+    key = (q.device, "policy", fused_edit.dot_precision()) if policy else (
+        q.device, q.dtype, q.shape[-1], fused_edit.dot_precision()
+    )  # fmt: skip
     if key not in _CHECKED:
         try:
-            _CHECKED[key] = check_against_pytorch(q.device, q.dtype, q.shape[-1])
+            _CHECKED[key] = check_policy_against_pytorch(q.device) if policy else check_against_pytorch(
+                q.device, q.dtype, q.shape[-1]
+            )  # fmt: skip
         except Exception as error:  # a kernel that does not compile or launch here: the default must not stop training
             _CHECKED[key] = f"the check raised {type(error).__name__}: {error}"
         if _CHECKED[key] is not None:
+            what = "AttendOut's Generator" if policy else f"{q.dtype} (head size {q.shape[-1]})"
             logger.error(
-                "the fused Triton kernel disagrees with the PyTorch path on %s %s (head size %d): %s. The "
-                "regularized calls there take the PyTorch path; please report it with your GPU and Triton version.",
-                q.device, q.dtype, q.shape[-1], _CHECKED[key],
+                "the fused Triton kernel disagrees with the PyTorch path on %s, %s: %s. The regularized calls there "
+                "take the PyTorch path; please report it with your GPU and Triton version.",
+                q.device, what, _CHECKED[key],
             )  # fmt: skip
     return _CHECKED[key]
+
+
+def _small_policy(randn, b: int, t: int, s: int, device) -> SampledLogits:
+    """A Generator's policy for the first-use checks: a head of 24 (not a power of two), the second sample's
+    last 4 queries and 5 keys not real, causal."""
+    q_real, k_real = torch.ones((b, t), dtype=torch.bool), torch.ones((b, s), dtype=torch.bool)
+    q_real[1, -4:], k_real[1, -5:] = False, False
+    offset = torch.tensor(0.4, device=device)
+    return SampledLogits(randn(b, t, 24).float(), randn(b, s, 24).float(), offset, q_real.to(device), k_real.to(device),
+                         True, False, 4321)  # fmt: skip
 
 
 def check_against_pytorch(device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
@@ -182,12 +219,65 @@ def check_against_pytorch(device, dtype: torch.dtype, head_dim: int) -> Optional
         region = fused_edit.region_state(scores, bias, False, 3, 10)
     ad_drop = fused_edit.EditDrops(fused_edit.AD_DROP, 1.0, 1234, attribution, values, *region)
     bernoulli = fused_edit.EditDrops(fused_edit.BERNOULLI, 0.3, 99, dropout_p=0.2, dropout_seed=7)
+    sampled = fused_edit.EditDrops(fused_edit.GENERATOR, 0.0, 4321, policy=_small_policy(randn, b, t, s, device))
     tolerance = 1e-4 if dtype == torch.float32 and fused_edit.dot_precision() == "ieee" else 3e-2
-    for drops, causal in ((ad_drop, False), (bernoulli, True)):
+    names = {id(ad_drop): "AD-DROP", id(bernoulli): "scheduled dropout", id(sampled): "AttendOut's Generator"}
+    for drops, causal in ((ad_drop, False), (bernoulli, True), (sampled, True)):
         with torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
             failed = _compare_call(q, k, v, bias, drops, causal, randn(b, h, t, head_dim), tolerance)
         if failed is not None:
-            return f"{'AD-DROP' if drops is ad_drop else 'scheduled dropout'}: {failed}"
+            return f"{names[id(drops)]}: {failed}"
+    return None
+
+
+def check_policy_against_pytorch(device) -> Optional[str]:
+    """Run the Generator's kernels (:mod:`.fused_policy`) on a small policy on ``device`` and compare them with
+    PyTorch in float32 from the kernels' own logits and uniforms: the logits, the actions (uniform <
+    sigmoid(logit) within the units), the log-probability's sums, units and probability, and its gradients in
+    the factors and the offset. None when they agree; else what differed. What it guards against: actions the
+    REINFORCE update would credit other than those the Attacker's attention dropped."""
+    from .fused_policy import inspect_policy, policy_log_prob
+
+    generator = torch.Generator().manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(device)
+
+    policy = _small_policy(randn, 2, 19, 21, device)
+    tolerance = 1e-4 if fused_edit.dot_precision() == "ieee" else 3e-2
+    seen = inspect_policy(policy)
+    logits = policy.query @ policy.key.transpose(1, 2) + policy.offset
+    if not (seen.logit - logits).abs().max().item() <= tolerance * max(1.0, logits.abs().max().item()):
+        return "the logits differ from torch's product"
+    q_real, k_real = policy.query_real[:, :, None], policy.key_real[:, None, :]
+    causal = torch.ones(logits.shape[1:], dtype=torch.bool, device=device).tril(logits.shape[2] - logits.shape[1])
+    if not torch.equal(seen.units, q_real & k_real & causal):
+        return "the units differ"
+    if not torch.equal(seen.drop, seen.units & (seen.uniform < torch.sigmoid(seen.logit))):
+        return "an action is not uniform < sigmoid(logit)"
+    factors = [x.detach().clone().requires_grad_() for x in (policy.query, policy.key, policy.offset)]
+    weights = torch.tensor([0.7, -1.3], device=device)
+    with torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
+        sums, counts, probability = policy_log_prob(
+            policy._replace(query=factors[0], key=factors[1], offset=factors[2])
+        )
+        got = (sums, *torch.autograd.grad((sums * weights).sum(), factors))
+        reference = [x.detach().clone().requires_grad_() for x in (policy.query, policy.key, policy.offset)]
+        logits = reference[0] @ reference[1].transpose(1, 2) + reference[2]
+        chosen = torch.where(seen.drop, torch.nn.functional.logsigmoid(logits), torch.nn.functional.logsigmoid(-logits))
+        expected_sums = chosen.masked_fill(~seen.units, 0.0).sum((1, 2))
+        expected = (expected_sums, *torch.autograd.grad((expected_sums * weights).sum(), reference))
+    for name, a, e in zip(
+        ("the log-probability", "its gradient in gq", "its gradient in gk", "its gradient in the offset"), got, expected
+    ):
+        error = (a - e).abs().max().item()
+        if not error <= tolerance * max(1.0, e.abs().max().item()):
+            return f"{name} off by {error:.3g} (tolerance {tolerance:g} of its largest value)"
+    if not torch.equal(counts, seen.units.sum((1, 2))):
+        return "the units counted differ"
+    expected_probability = torch.sigmoid(seen.logit)[seen.units].sum()
+    if not (probability - expected_probability).abs().item() <= tolerance * expected_probability.item():
+        return "the sum of the drop probabilities differs"
     return None
 
 
@@ -215,8 +305,10 @@ def _compare_call(q, k, v, bias, drops, causal: bool, grad_out, tolerance: float
         error = (a.float() - e).abs().max().item()
         if not error <= tolerance * max(1.0, e.abs().max().item()):
             return f"{name} off by {error:.3g} (tolerance {tolerance:g} of its largest value)"
-    # a row made uniform counts all its valid keys as dropped (blockwise.block_counts); its map shows no drop
-    counts = (int(seen.drop.sum() + (seen.valid & seen.uniform[..., None]).sum()), int(seen.valid.sum()))
+    # a row made uniform counts all its valid keys as dropped (blockwise.block_counts); its map shows no drop.
+    # The Generator's counted units are its region (its valid real units); the other rules' every valid key.
+    units = seen.region if drops.rule == fused_edit.GENERATOR else seen.valid
+    counts = (int(seen.drop.sum() + (units & seen.uniform[..., None]).sum()), int(units.sum()))
     if (int(dropped), int(droppable)) != counts:
         return f"(dropped, droppable) counted {int(dropped)}, {int(droppable)} against the map's {counts}"
     if drops.rule == fused_edit.AD_DROP:

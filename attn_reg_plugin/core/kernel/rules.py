@@ -19,7 +19,7 @@ from __future__ import annotations
 import fractions
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -193,6 +193,26 @@ def rows_of(x: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
     return x[..., rows, :]
 
 
+class SampledLogits(NamedTuple):
+    """A drop rule the fused Triton kernel draws itself (AttendOut's Generator): (query i, key j) of
+    sample b dropped with probability sigmoid(``query[b, i] . key[b, j] + offset``) among its units, one
+    mask per sample shared by the heads, Gumbel-max over one Philox uniform per unit keyed by ``seed`` (an
+    int), so that every kernel, and the log-probability of the actions, draws the very same.
+
+    ``query`` (B, T, G), ``key`` (B, S, G), ``offset`` (0-d): float32. Units: real queries and keys
+    (``query_real`` (B, T), ``key_real`` (B, S), bool) and with ``causal`` no key after the query; with
+    ``every_unit`` every pair (the real masks are then not read)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    offset: torch.Tensor
+    query_real: torch.Tensor
+    key_real: torch.Tensor
+    causal: bool
+    every_unit: bool
+    seed: int
+
+
 class BlockRule:
     """What a hook drops, regenerated per block. A stateless rule defines ``drops(block)``: the
     block alone (its rows, validity, shape and seed) determines them. A rule that ranks keys also
@@ -208,6 +228,11 @@ class BlockRule:
 
     def drops(self, block: Block) -> torch.Tensor:
         raise NotImplementedError
+
+    def sampled_logits(self) -> Optional[SampledLogits]:
+        """The rule as the fused kernel draws it, for a rule whose draws are the kernel's own (its calls
+        take the fused route wherever it covers them); None for the rules the route reads by their kind."""
+        return None
 
     def forward_drops(self, block: Block) -> Tuple[torch.Tensor, object]:
         return self.drops(block), None

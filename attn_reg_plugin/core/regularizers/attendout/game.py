@@ -30,7 +30,14 @@ from ...training.distributed import all_reduce_mean_
 from .config import AttendOutConfig
 from .generator import Generator
 from .heldout import win_probability
-from .policy import GeneratorRule, PolicyLogits, action_log_prob, mean_drop_probability, reinforce_loss
+from .policy import (
+    GeneratorRule,
+    PolicyLogits,
+    action_log_prob,
+    kernel_draws,
+    mean_drop_probability,
+    reinforce_loss,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,7 @@ class _CachedBatch:
     update: int  # index of the update within the dropout step
     streams: Dict[str, torch.Tensor]
     seed: int
+    on_kernel: bool  # its actions are the fused kernels' draws (policy.kernel_draws), not PyTorch's keyed ones
     # The Generator's mean drop probability per site on this batch, made when first asked (fairseq
     # logs it per batch) or by the Generator's update, which makes every logit anyway.
     probs: Optional[torch.Tensor] = None
@@ -87,14 +95,15 @@ class AttendOut:
         recompute their log-probability (the streams and the seed, not the masks)."""
         seed = int(torch.randint(0, 2**62, (1,)).item())  # global CPU generator: seeded per update
         streams = {k: v.detach() for k, v in streams.items()}
-        self.cache.append(_CachedBatch(self.update_in_step, streams, seed))
         with torch.no_grad():
             policies = self.generator.policies(streams, self.sites)
+        on_kernel = kernel_draws(self.generator.drop_bias)
+        self.cache.append(_CachedBatch(self.update_in_step, streams, seed, on_kernel))
         self._latest = (self.cache[-1], policies)  # the probabilities, if asked, are made from these
         # The rate's denominator is the Generator's units: padding query rows are never masked.
         return {
             site: EditScores(
-                drop=GeneratorRule(policy, _site_seed(seed, i)),
+                drop=GeneratorRule(policy, _site_seed(seed, i), on_kernel),
                 counted=True,
                 droppable=None
                 if policy.every_unit
@@ -109,7 +118,7 @@ class AttendOut:
         batch's mean drop probabilities on the way."""
         total, count, probs = 0.0, 0, []
         for i, policy in enumerate(self.generator.policies(batch.streams, self.sites)):
-            sums, units, prob_sum = action_log_prob(policy, _site_seed(batch.seed, i))
+            sums, units, prob_sum = action_log_prob(policy, _site_seed(batch.seed, i), batch.on_kernel)
             total, count = total + sums, count + units
             probs.append(prob_sum / units.sum().clamp(min=1))
         if batch.probs is None:
@@ -225,7 +234,12 @@ class AttendOut:
             "update_in_step": self.update_in_step,
             "dropout_steps_done": self.dropout_steps_done,
             "cache": [
-                {"update": c.update, "streams": {k: v.cpu() for k, v in c.streams.items()}, "seed": c.seed}
+                {
+                    "update": c.update,
+                    "streams": {k: v.cpu() for k, v in c.streams.items()},
+                    "seed": c.seed,
+                    "on_kernel": c.on_kernel,
+                }  # fmt: skip
                 for c in self.cache
             ],
             "applied": [int(c) for c in self._applied],
@@ -245,9 +259,21 @@ class AttendOut:
         self.update_in_step = int(state["update_in_step"])
         self.dropout_steps_done = int(state["dropout_steps_done"])
         self.cache = [
-            _CachedBatch(int(c["update"]), {k: v.to(device) for k, v in c["streams"].items()}, int(c["seed"]))
+            _CachedBatch(
+                int(c["update"]),
+                {k: v.to(device) for k, v in c["streams"].items()},
+                int(c["seed"]),
+                bool(c.get("on_kernel", False)),  # a state saved before 2026-11-29 drew in PyTorch
+            )  # fmt: skip
             for c in state["cache"]
         ]
+        drawn = [c for c in self.cache if c.on_kernel]
+        if drawn and not kernel_draws(self.generator.drop_bias):
+            raise ValueError(
+                "AttendOut: the saved dropout step's actions were drawn by the fused Triton kernels (a GPU's "
+                f"default), which do not run on {device} here; resume on such a device (or with "
+                "ATTN_REG_FUSED=1 where Triton runs)"
+            )
         # The batches' drop probabilities are made again from them when asked (a state saved before
         # 2026-11-27 holds their sums too, "prob_sums": the same numbers).
         self._applied = [torch.tensor(int(c)) for c in state.get("applied", (0, 0))]

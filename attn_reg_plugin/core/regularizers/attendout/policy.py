@@ -7,6 +7,12 @@ Layer l's drop logit of (query i, key j) is the Generator's single-head score of
 actions or log-probabilities is ever held whole. The actions are keyed draws of the batch's seed
 (:func:`~attn_reg_plugin.core.kernel.rules.keyed_draws`), the same one block or many, so the
 log-probability at the Generator's update regenerates them instead of storing them.
+
+Where the fused route serves (by default a GPU: :func:`kernel_draws`), the actions are the fused
+kernel's own draws instead (Philox, ``rules.SampledLogits``): its attention calls drop them inside the
+kernel, a call it does not take drops the same units on the PyTorch path, and the log-probability is
+the Triton kernels' (:mod:`~attn_reg_plugin.core.kernel.fused_policy`). A batch's actions come from one
+source, recorded with it (``kernel_draws``): the one its log-probability regenerates.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ...kernel.rules import CHUNK_ROWS, Block, BlockRule, keyed_draws
+from ...kernel import devices
+from ...kernel.rules import CHUNK_ROWS, Block, BlockRule, SampledLogits, keyed_draws
 
 # The keyed stream of a unit's uniform, which decides its action.
 ACTION_STREAM = 0
@@ -94,6 +101,21 @@ class PolicyLogits:
     def detached(self) -> PolicyLogits:
         return self.with_factors(self.query.detach(), self.key.detach(), self.offset.detach())
 
+    def sampled(self, seed: torch.Tensor) -> SampledLogits:
+        """The policy as the fused kernels draw it, its actions keyed by ``seed`` (a 0-d int64 CPU tensor)."""
+        return SampledLogits(self.query, self.key, self.offset, self.query_real, self.key_real, self.causal,
+                             self.every_unit, int(seed))  # fmt: skip
+
+
+def kernel_draws(query: torch.Tensor) -> bool:
+    """Whether a batch on ``query``'s device draws its actions with the fused kernels (where the fused route
+    is asked and Triton runs there, by default once the kernels' first-use check passed on it)."""
+    if not devices.fused_route_asked(query):
+        return False
+    from ...kernel.fused_route import policy_on_kernel  # Triton is imported only when the route is asked
+
+    return policy_on_kernel(query)
+
 
 def _masked(x: torch.Tensor, units) -> torch.Tensor:
     return x if units is None else x.masked_fill(~units, 0.0)
@@ -123,7 +145,11 @@ class GeneratorRule(BlockRule):
 
     policy: PolicyLogits
     seed: torch.Tensor
+    on_kernel: bool = False  # the fused kernels' draws (:func:`kernel_draws`), else keyed draws in PyTorch
     draws = False  # its numbers come from its own seed: the pass takes no call seed for them
+
+    def sampled_logits(self) -> Optional[SampledLogits]:
+        return self.policy.sampled(self.seed) if self.on_kernel else None
 
     def drops(self, block: Block) -> torch.Tensor:
         if tuple(block.call_shape[2:]) != self.policy.shape[2:]:
@@ -132,14 +158,20 @@ class GeneratorRule(BlockRule):
                 f"keys, but the attention call has {block.call_shape[2]} x {block.call_shape[3]}: the streams "
                 "given to the game must be the tokens the attention reads"
             )
-        with torch.no_grad():
-            return sampled_drops(self.policy, self.seed, block.rows, block.shape[-1])[0].to(block.valid.device)
+        return self._drops(block.rows, block.shape[-1]).to(block.valid.device)
 
     def dense(self) -> torch.Tensor:
         """The whole (B, 1, T, S) mask, in one block (tests, small maps)."""
         _, _, t, s = self.policy.shape
+        return self._drops(slice(0, t), s)
+
+    def _drops(self, rows: slice, keys: int) -> torch.Tensor:
         with torch.no_grad():
-            return sampled_drops(self.policy, self.seed, slice(0, t), s)[0]
+            if self.on_kernel:
+                from ...kernel.fused_policy import policy_drops
+
+                return policy_drops(self.policy.sampled(self.seed), rows, keys)
+            return sampled_drops(self.policy, self.seed, rows, keys)[0]
 
 
 def mean_drop_probability(policy: PolicyLogits) -> torch.Tensor:
@@ -191,8 +223,15 @@ class _ActionLogProb(torch.autograd.Function):
         return grad_query, grad_key, grad_offset.to(offset.dtype), None, None
 
 
-def action_log_prob(policy: PolicyLogits, seed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def action_log_prob(
+    policy: PolicyLogits, seed: torch.Tensor, on_kernel: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum of log P(action) over each sample's units (B,), each sample's units (B,), the sum of the
-    drop probabilities sigmoid(logit) over all units (0-d)) of the actions keyed by ``seed``; the first
-    differentiable in the policy's factors, with memory linear in length."""
+    drop probabilities sigmoid(logit) over all units (0-d)) of the actions keyed by ``seed``, the fused
+    kernels' draws with ``on_kernel`` (:class:`GeneratorRule`'s); the first differentiable in the
+    policy's factors, with memory linear in length."""
+    if on_kernel:
+        from ...kernel.fused_policy import policy_log_prob
+
+        return policy_log_prob(policy.sampled(seed))
     return _ActionLogProb.apply(policy.query, policy.key, policy.offset, policy, seed)
