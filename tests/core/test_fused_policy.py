@@ -4,6 +4,7 @@ whole's, the attention kernel drops exactly them, the log-probability and its gr
 those actions, and through the game a batch's REINFORCE credits the very actions the Attacker's attention
 dropped, whether its calls took the kernel or the PyTorch path. Triton's interpreter without CUDA."""
 
+import dataclasses
 import math
 
 import pytest
@@ -51,7 +52,9 @@ def test_an_action_is_a_uniform_below_sigmoid_of_the_logit_within_the_units(kind
     assert torch.equal(seen.drop, seen.units & (seen.uniform < torch.sigmoid(seen.logit)))
     assert ((seen.uniform >= 0) & (seen.uniform < 1)).all()
     assert torch.equal(fused_policy.inspect_policy(p).drop, seen.drop)  # the seed alone decides
-    assert (fused_policy.inspect_policy(p._replace(seed=p.seed + 1)).uniform != seen.uniform).float().mean() > 0.99
+    assert (
+        fused_policy.inspect_policy(dataclasses.replace(p, seed=p.seed + 1)).uniform != seen.uniform
+    ).float().mean() > 0.99
     n = int(seen.units.sum())
     rate, expected = seen.drop[seen.units].float().mean().item(), torch.sigmoid(seen.logit)[seen.units].mean().item()
     assert abs(rate - expected) < 4 * math.sqrt(0.25 / n)
@@ -84,9 +87,7 @@ def test_the_log_probability_and_its_gradients_are_autograds_over_the_kernels_ac
     seen = fused_policy.inspect_policy(p)
     weights = torch.tensor([0.6, -1.4], device=DEVICE)
     leaves = [x.clone().requires_grad_() for x in (p.query, p.key, p.offset)]
-    sums, counts, probability = fused_policy.policy_log_prob(
-        p._replace(query=leaves[0], key=leaves[1], offset=leaves[2])
-    )
+    sums, counts, probability = fused_policy.policy_log_prob(p.with_factors(*leaves))
     got = [sums.detach(), *torch.autograd.grad((sums * weights).sum(), leaves)]
     reference = [x.clone().requires_grad_() for x in (p.query, p.key, p.offset)]
     logits = reference[0] @ reference[1].transpose(1, 2) + reference[2]

@@ -105,7 +105,7 @@ CHECK = """
         leaves = [x.clone().requires_grad_() for x in (p.query, p.key, p.offset)]
 
         def run():
-            sums, _, _ = fused_policy.policy_log_prob(p._replace(query=leaves[0], key=leaves[1], offset=leaves[2]))
+            sums, _, _ = fused_policy.policy_log_prob(p.with_factors(*leaves))
             sums.sum().backward()
             fused_policy.policy_drops(p, slice(16, 37), 19)
 

@@ -178,8 +178,35 @@ def _actions(policy: SampledLogits, rows: slice, keys: int, inspect: bool):
 def policy_drops(policy: SampledLogits, rows: slice, keys: int) -> torch.Tensor:
     """The actions of query ``rows`` (starting at a multiple of :func:`~.fused_edit.tile`) over keys
     ``0 .. keys - 1``, (B, 1, rows, keys) bool: what the fused kernel drops there (before a row its
-    drops would empty is made uniform)."""
-    return _actions(policy, rows, keys, False)[0].unsqueeze(1).bool()
+    drops would empty is made uniform). An opaque operator, as ``rules.keyed_draws``: a compiled graph
+    calls it, whatever torch.compile makes of a Triton launch."""
+    p = policy
+    drops = _policy_drops(p.query, p.key, p.offset, p.query_real, p.key_real, p.causal, p.every_unit, p.seed,
+                          rows.start, rows.stop, keys)  # fmt: skip
+    return drops.unsqueeze(1).bool()
+
+
+@torch.library.custom_op("attn_reg::policy_drops", mutates_args=())
+def _policy_drops(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    offset: torch.Tensor,
+    query_real: torch.Tensor,
+    key_real: torch.Tensor,
+    causal: bool,
+    every_unit: bool,
+    seed: int,
+    row_start: int,
+    row_stop: int,
+    keys: int,
+) -> torch.Tensor:
+    policy = SampledLogits(query, key, offset, query_real, key_real, causal, every_unit, seed)
+    return _actions(policy, slice(row_start, row_stop), keys, False)[0]
+
+
+@_policy_drops.register_fake
+def _policy_drops_shape(query, key, offset, query_real, key_real, causal, every_unit, seed, row_start, row_stop, keys):
+    return torch.empty((query.shape[0], row_stop - row_start, keys), dtype=torch.int8, device=query.device)
 
 
 class PolicyMaps(NamedTuple):
@@ -203,7 +230,7 @@ class _PolicyLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, offset, policy: SampledLogits):
-        policy = policy._replace(query=query, key=key, offset=offset)
+        policy = policy.with_factors(query, key, offset)
         operands, units = policy_operands(policy)
         b, t, g = query.shape
         s = key.shape[1]

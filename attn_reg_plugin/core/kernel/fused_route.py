@@ -2,19 +2,19 @@
 
 A device helper, on by default on a CUDA device (:func:`.devices.fused_route_asked`): there a call the
 kernel covers runs on it instead of :class:`~.blockwise.EditAttention`, once the kernel has passed its
-first-use check on that device, dtype and head size (:func:`check_against_pytorch`: two small calls
+first-use check on that device, dtype and head size (:func:`check_against_pytorch`: three small calls
 against PyTorch; a failure is logged as an error and the calls stay on the PyTorch path).
 ``ATTN_REG_FUSED=0`` turns the route off; ``ATTN_REG_FUSED=1`` turns it on wherever Triton runs, its CPU
 interpreter included (the tests, the GPU-route counter), without the check. On the CPU the PyTorch path
 serves by default. Covered: scheduled dropout (:class:`~.rules.BernoulliRule`), AD-DROP GA
 (:class:`~.rules.TopRegionRule` over :class:`~.rules.GradientScores`, ``samples`` included) and a rule the
 kernel draws itself (``rule.sampled_logits()``: AttendOut's Generator, whose batch then draws every action
-with the kernels, :func:`policy_on_kernel`, its units the counted ones), with
-no bias, a key-padding one or a materialised (B, 1, T, S) mask (padding and causal rows as
-transformers hands them over), causal or not, the model's attention dropout inside the call or not,
-one head size of at most ``MAX_HEAD_DIM`` for q, k and v; not with a bias per head or one that
-requires grad, rows made uniform, a ``droppable`` restriction or the map returned. Each reason a call
-that asked the route stays on the PyTorch path is named once in the log (:func:`name_once`).
+with the kernels, :func:`policy_on_kernel`, its units the counted ones), with no bias, a key-padding one
+or a materialised (B, 1, T, S) mask (padding and causal rows as transformers hands them over), causal or
+not, the model's attention dropout inside the call or not, one head size of at most ``MAX_HEAD_DIM`` for
+q, k and v; not with a bias per head or one that requires grad, rows made uniform, a ``droppable``
+restriction by a rule the kernel does not draw, or the map returned. Each reason a call that asked the
+route stays on the PyTorch path is named once in the log (:func:`name_once`).
 
 AD-DROP's region is exact: each row's threshold, k and last tied key come from the kernel's own
 product dO V^T (:func:`~.fused_edit.attribution_scores`, in the precision of
@@ -258,9 +258,7 @@ def check_policy_against_pytorch(device) -> Optional[str]:
     factors = [x.detach().clone().requires_grad_() for x in (policy.query, policy.key, policy.offset)]
     weights = torch.tensor([0.7, -1.3], device=device)
     with torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
-        sums, counts, probability = policy_log_prob(
-            policy._replace(query=factors[0], key=factors[1], offset=factors[2])
-        )
+        sums, counts, probability = policy_log_prob(policy.with_factors(*factors))
         got = (sums, *torch.autograd.grad((sums * weights).sum(), factors))
         reference = [x.detach().clone().requires_grad_() for x in (policy.query, policy.key, policy.offset)]
         logits = reference[0] @ reference[1].transpose(1, 2) + reference[2]

@@ -16,10 +16,11 @@ scores); a row's region is its ceil(p n) largest valid scores, ties taken lowest
 
 from __future__ import annotations
 
+import dataclasses
 import fractions
 import math
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 
@@ -193,15 +194,13 @@ def rows_of(x: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
     return x[..., rows, :]
 
 
-class SampledLogits(NamedTuple):
-    """A drop rule the fused Triton kernel draws itself (AttendOut's Generator): (query i, key j) of
-    sample b dropped with probability sigmoid(``query[b, i] . key[b, j] + offset``) among its units, one
-    mask per sample shared by the heads, Gumbel-max over one Philox uniform per unit keyed by ``seed`` (an
-    int), so that every kernel, and the log-probability of the actions, draws the very same.
-
-    ``query`` (B, T, G), ``key`` (B, S, G), ``offset`` (0-d): float32. Units: real queries and keys
-    (``query_real`` (B, T), ``key_real`` (B, S), bool) and with ``causal`` no key after the query; with
-    ``every_unit`` every pair (the real masks are then not read)."""
+@dataclass(frozen=True, eq=False)
+class LogitFactors:
+    """Drop logits as factors, one map per sample: logit(b, i, j) = ``query[b, i] . key[b, j] + offset``,
+    ``query`` (B, T, G), ``key`` (B, S, G), ``offset`` (0-d), float32; over its units: real queries and
+    keys (``query_real`` (B, T), ``key_real`` (B, S), bool) and with ``causal`` no key after the query;
+    with ``every_unit`` every pair (the real masks are then not read). AttendOut's Generator's policy
+    (``attendout.policy.PolicyLogits``) and the fused kernel's :class:`SampledLogits` are such factors."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -209,8 +208,20 @@ class SampledLogits(NamedTuple):
     query_real: torch.Tensor
     key_real: torch.Tensor
     causal: bool
-    every_unit: bool
-    seed: int
+    every_unit: bool = False  # every (query, key) pair is a unit (no padding, not causal): no mask made
+
+    def with_factors(self, query: torch.Tensor, key: torch.Tensor, offset: torch.Tensor):
+        return dataclasses.replace(self, query=query, key=key, offset=offset)
+
+
+@dataclass(frozen=True, eq=False)
+class SampledLogits(LogitFactors):
+    """A drop rule the fused Triton kernel draws itself (AttendOut's Generator): unit (b, i, j) of its
+    :class:`LogitFactors` dropped with probability sigmoid(logit), one mask per sample shared by the heads,
+    Gumbel-max over one Philox uniform per unit keyed by ``seed`` (an int), so that every kernel, and the
+    log-probability of the actions, draws the very same."""
+
+    seed: int = 0
 
 
 class BlockRule:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernel import devices
-from ...kernel.rules import CHUNK_ROWS, Block, BlockRule, SampledLogits, keyed_draws
+from ...kernel.rules import CHUNK_ROWS, Block, BlockRule, LogitFactors, SampledLogits, keyed_draws
 
 # The keyed stream of a unit's uniform, which decides its action.
 ACTION_STREAM = 0
@@ -55,19 +55,9 @@ def reinforce_loss(log_probs: torch.Tensor, rewards: torch.Tensor, baseline: flo
 
 
 @dataclass(frozen=True, eq=False)
-class PolicyLogits:
-    """One layer's drop logits as factors: logit(i, j) = ``query[:, i] . key[:, j] + offset``, with
-    ``query`` = query(h) / (sqrt(d) temperature) (B, T, d), ``key`` = key(h) (B, S, d), ``offset`` =
-    bias / temperature (0-d); float32. Its units: real queries and real keys (``query_real`` (B, T),
-    ``key_real`` (B, S)), and with ``causal`` no key after the query."""
-
-    query: torch.Tensor
-    key: torch.Tensor
-    offset: torch.Tensor
-    query_real: torch.Tensor
-    key_real: torch.Tensor
-    causal: bool
-    every_unit: bool = False  # every (query, key) pair is a unit (no padding, not causal): no mask made
+class PolicyLogits(LogitFactors):
+    """One layer's drop logits as factors (:class:`~attn_reg_plugin.core.kernel.rules.LogitFactors`), with
+    ``query`` = query(h) / (sqrt(d) temperature), ``key`` = key(h), ``offset`` = bias / temperature."""
 
     @property
     def shape(self) -> Tuple[int, int, int, int]:
@@ -95,16 +85,13 @@ class PolicyLogits:
         rows = max(CHUNK_ROWS, POLICY_BLOCK_ELEMENTS // max(1, b * s) // CHUNK_ROWS * CHUNK_ROWS)
         return [slice(start, min(t, start + rows)) for start in range(0, t, rows)]
 
-    def with_factors(self, query: torch.Tensor, key: torch.Tensor, offset: torch.Tensor) -> PolicyLogits:
-        return dataclasses.replace(self, query=query, key=key, offset=offset)
-
     def detached(self) -> PolicyLogits:
         return self.with_factors(self.query.detach(), self.key.detach(), self.offset.detach())
 
     def sampled(self, seed: torch.Tensor) -> SampledLogits:
         """The policy as the fused kernels draw it, its actions keyed by ``seed`` (a 0-d int64 CPU tensor)."""
-        return SampledLogits(self.query, self.key, self.offset, self.query_real, self.key_real, self.causal,
-                             self.every_unit, int(seed))  # fmt: skip
+        factors = {f.name: getattr(self, f.name) for f in dataclasses.fields(LogitFactors)}
+        return SampledLogits(**factors, seed=int(seed))
 
 
 def kernel_draws(query: torch.Tensor) -> bool:
