@@ -170,7 +170,7 @@ def _actions(policy: SampledLogits, rows: slice, keys: int, inspect: bool):
     unit_map = torch.empty((b, n, keys) if inspect else (1,), dtype=torch.int8, device=device)
     if drops.numel():
         grid = (triton.cdiv(n, block), triton.cdiv(keys, block), b)
-        _drops_kernel[grid](*operands, drops, logits, uniforms, unit_map, policy.seed, rows.start, n, keys, t, s, g,
+        _drops_kernel[grid](*operands, drops, logits, uniforms, unit_map, int(policy.seed), rows.start, n, keys, t, s, g,
                             UNITS=units, INSPECT=inspect, **_launch_options(g))  # fmt: skip
     return drops, logits, uniforms, unit_map
 
@@ -181,7 +181,8 @@ def policy_drops(policy: SampledLogits, rows: slice, keys: int) -> torch.Tensor:
     drops would empty is made uniform). An opaque operator, as ``rules.keyed_draws``: a compiled graph
     calls it, whatever torch.compile makes of a Triton launch."""
     p = policy
-    drops = _policy_drops(p.query, p.key, p.offset, p.query_real, p.key_real, p.causal, p.every_unit, p.seed,
+    seed = p.seed if isinstance(p.seed, torch.Tensor) else torch.tensor(p.seed, dtype=torch.int64)
+    drops = _policy_drops(p.query, p.key, p.offset, p.query_real, p.key_real, p.causal, p.every_unit, seed,
                           rows.start, rows.stop, keys)  # fmt: skip
     return drops.unsqueeze(1).bool()
 
@@ -195,12 +196,12 @@ def _policy_drops(
     key_real: torch.Tensor,
     causal: bool,
     every_unit: bool,
-    seed: int,
+    seed: torch.Tensor,
     row_start: int,
     row_stop: int,
     keys: int,
 ) -> torch.Tensor:
-    policy = SampledLogits(query, key, offset, query_real, key_real, causal, every_unit, seed)
+    policy = SampledLogits(query, key, offset, query_real, key_real, causal, every_unit, int(seed))
     return _actions(policy, slice(row_start, row_stop), keys, False)[0]
 
 
@@ -238,10 +239,10 @@ class _PolicyLogProb(torch.autograd.Function):
         count = torch.zeros((b, t), dtype=torch.int32, device=query.device)
         if log_prob.numel() and s:
             grid = (triton.cdiv(t, tile()), b)
-            _log_prob_kernel[grid](*operands, log_prob, count, probability, policy.seed, t, s, g, UNITS=units,
+            _log_prob_kernel[grid](*operands, log_prob, count, probability, int(policy.seed), t, s, g, UNITS=units,
                                    **_launch_options(g))  # fmt: skip
         ctx.save_for_backward(*operands)
-        ctx.policy = (policy.seed, units, t, s, g, offset.shape, offset.dtype)
+        ctx.policy = (int(policy.seed), units, t, s, g, offset.shape, offset.dtype)
         counts, total = count.sum(1), probability.sum()
         ctx.mark_non_differentiable(counts, total)
         return log_prob.sum(1), counts, total

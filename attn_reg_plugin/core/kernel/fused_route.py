@@ -87,6 +87,8 @@ def fused_drops(q, k, v, bias, call) -> Optional[FusedCall]:
 
 def fused_or_why_not(q, k, v, bias, call) -> Tuple[Optional[FusedCall], Optional[str]]:
     """(the kernel's drops and bias, None) for a call the kernel covers; else (None, why not)."""
+    if torch.compiler.is_compiling():  # before a rule is asked anything: the graph stays whole
+        return None, "a compiled graph"
     rule = call.rule
     sampled = None if rule is None else rule.sampled_logits()
     why = _not_covered(q, k, v, call, sampled is not None)
@@ -96,7 +98,7 @@ def fused_or_why_not(q, k, v, bias, call) -> Tuple[Optional[FusedCall], Optional
     dropout = dict(dropout_p=float(call.dropout_p), dropout_seed=int(call.dropout_seed) if call.dropout_p else 0)
     if sampled is not None:  # its own seed: the pass gave the call none
         return _with_bias(
-            fused_edit.EditDrops(fused_edit.GENERATOR, 0.0, sampled.seed, policy=sampled, **dropout), q, bias
+            fused_edit.EditDrops(fused_edit.GENERATOR, 0.0, int(sampled.seed), policy=sampled, **dropout), q, bias
         )
     seed = int(call.seed)
     if isinstance(rule, TopRegionRule) and isinstance(rule.source, GradientScores):
@@ -131,8 +133,6 @@ def _not_covered(q, k, v, call, sampled: bool) -> Optional[str]:
         return "the attention map returned"
     if not fused_edit.available(q):
         return f"no Triton that runs on {q.device.type} tensors"
-    if torch.compiler.is_compiling():
-        return "a compiled graph"
     if call.seed is None and not sampled:
         return "a call with no seed"
     if not q.numel() or not k.shape[2]:

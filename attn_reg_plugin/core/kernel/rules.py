@@ -218,10 +218,11 @@ class LogitFactors:
 class SampledLogits(LogitFactors):
     """A drop rule the fused Triton kernel draws itself (AttendOut's Generator): unit (b, i, j) of its
     :class:`LogitFactors` dropped with probability sigmoid(logit), one mask per sample shared by the heads,
-    Gumbel-max over one Philox uniform per unit keyed by ``seed`` (an int), so that every kernel, and the
-    log-probability of the actions, draws the very same."""
+    Gumbel-max over one Philox uniform per unit keyed by ``seed`` (an int, or a 0-d int64 CPU tensor: a
+    compiled graph's, read only inside the operators), so that every kernel, and the log-probability of the
+    actions, draws the very same."""
 
-    seed: int = 0
+    seed: Union[int, torch.Tensor] = 0
 
 
 class BlockRule:

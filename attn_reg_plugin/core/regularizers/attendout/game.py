@@ -116,6 +116,12 @@ class AttendOut:
         """log P(a) of one batch's actions, regenerated from its seed: per sample, the mean over its
         units in all selected layers (Eq. 5's 1/(n l^2) average); then over samples. Fills the
         batch's mean drop probabilities on the way."""
+        if batch.on_kernel and not kernel_draws(self.generator.drop_bias):  # a step resumed elsewhere
+            raise ValueError(
+                "AttendOut: this dropout step's actions were drawn by the fused Triton kernels (a GPU's default), "
+                f"which do not run on {self.generator.drop_bias.device} here: resume on such a device (or with "
+                "ATTN_REG_FUSED=1 where Triton runs)"
+            )
         total, count, probs = 0.0, 0, []
         for i, policy in enumerate(self.generator.policies(batch.streams, self.sites)):
             sums, units, prob_sum = action_log_prob(policy, _site_seed(batch.seed, i), batch.on_kernel)
@@ -267,13 +273,7 @@ class AttendOut:
             )  # fmt: skip
             for c in state["cache"]
         ]
-        drawn = [c for c in self.cache if c.on_kernel]
-        if drawn and not kernel_draws(self.generator.drop_bias):
-            raise ValueError(
-                "AttendOut: the saved dropout step's actions were drawn by the fused Triton kernels (a GPU's "
-                f"default), which do not run on {device} here; resume on such a device (or with "
-                "ATTN_REG_FUSED=1 where Triton runs)"
-            )
+
         # The batches' drop probabilities are made again from them when asked (a state saved before
         # 2026-11-27 holds their sums too, "prob_sums": the same numbers).
         self._applied = [torch.tensor(int(c)) for c in state.get("applied", (0, 0))]

@@ -17,7 +17,6 @@ source, recorded with it (``kernel_draws``): the one its log-probability regener
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -90,8 +89,9 @@ class PolicyLogits(LogitFactors):
 
     def sampled(self, seed: torch.Tensor) -> SampledLogits:
         """The policy as the fused kernels draw it, its actions keyed by ``seed`` (a 0-d int64 CPU tensor)."""
-        factors = {f.name: getattr(self, f.name) for f in dataclasses.fields(LogitFactors)}
-        return SampledLogits(**factors, seed=int(seed))
+        # Each field by name, no dataclasses.fields and no int(seed): a compiled graph calls it whole.
+        return SampledLogits(self.query, self.key, self.offset, self.query_real, self.key_real, self.causal,
+                             self.every_unit, seed)  # fmt: skip
 
 
 def kernel_draws(query: torch.Tensor) -> bool:
