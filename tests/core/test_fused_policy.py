@@ -135,8 +135,8 @@ def test_a_failed_policy_check_keeps_the_generator_on_pytorchs_draws(monkeypatch
     monkeypatch.setattr(fused_route, "_CHECKED", {})
     monkeypatch.setattr(fused_route, "check_policy_against_pytorch", lambda device: "the units differ")
     with caplog.at_level("ERROR", logger=fused_route.__name__):
-        assert not fused_route.policy_on_kernel(torch.zeros(1, device=DEVICE))
-        assert not fused_route.policy_on_kernel(torch.zeros(1, device=DEVICE))
+        assert not fused_route.policy_on_kernel(torch.zeros(1, device=DEVICE), 8)
+        assert not fused_route.policy_on_kernel(torch.zeros(1, device=DEVICE), 8)
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "AttendOut's Generator: the units differ" in errors[0]
 
@@ -227,3 +227,22 @@ def test_a_compiled_attackers_attention_is_one_graph_with_the_kernels_actions(mo
             out, eager = compiled(q, k, v), attacker(q, k, v)
         assert g.cache[-1].on_kernel
         torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_a_policy_wider_than_the_kernels_take_draws_in_pytorch(monkeypatch):
+    """Past fused_route.MAX_POLICY_WIDTH features a policy's tiles would take more shared memory than a GPU
+    gives a block: a batch then draws in PyTorch, and a sampled rule that wide stays on the PyTorch path."""
+    from attn_reg_plugin.core.kernel.blockwise import BlockCall
+
+    monkeypatch.setattr(devices, "FUSED", True)
+    widest = fused_route.MAX_POLICY_WIDTH
+    probe = torch.zeros(1, device=DEVICE)
+    assert fused_route.policy_on_kernel(probe, widest) and not fused_route.policy_on_kernel(probe, widest + 1)
+
+    class Wide:  # a rule the kernel would draw itself, were it narrow enough
+        def sampled_logits(self):
+            return policy(g=widest + 1)
+
+    q, k, v = (torch.randn(2, 2, n, 8).to(DEVICE) for n in (37, 29, 29))
+    call = BlockCall(Wide(), None, None, 37, None, 0.0, None, True)
+    assert fused_route.fused_or_why_not(q, k, v, None, call) == (None, f"a sampled rule's policy wider than {widest}")

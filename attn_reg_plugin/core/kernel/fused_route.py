@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 # The kernel holds a row tile's q, the attribution and the output in one block of (64, head dim):
 # wider heads would take more shared memory than a GPU's multiprocessor has.
 MAX_HEAD_DIM = 128
+# The widest Generator policy the kernels take: its factors, like a head, are held a tile at a time in shared
+# memory. Compiled for sm_90 at 64 with heads of 128, the bf16 dk/dv kernel takes 125 KB of the 227 KB an
+# H200 gives a block, 174 KB at 128 and 272 KB at 256 (fp32 calls take more; their first-use check says).
+MAX_POLICY_WIDTH = 64
 # The least float32 above the kernel's padding threshold: where a valid key's bias is raised to, at most.
 VALID_FLOOR = torch.nextafter(torch.tensor(fused_edit.MASKED_BIAS), torch.tensor(0.0)).item()
 
@@ -96,6 +100,8 @@ def fused_or_why_not(q, k, v, bias, call) -> Tuple[Optional[FusedCall], Optional
         return None, why
     # The model's attention dropout: the call's own seed, a 0-d int64 host tensor (its read is no device sync).
     dropout = dict(dropout_p=float(call.dropout_p), dropout_seed=int(call.dropout_seed) if call.dropout_p else 0)
+    if sampled is not None and sampled.query.shape[-1] > MAX_POLICY_WIDTH:
+        return None, f"a sampled rule's policy wider than {MAX_POLICY_WIDTH}"
     if sampled is not None:  # its own seed: the pass gave the call none
         return _with_bias(
             fused_edit.EditDrops(fused_edit.GENERATOR, 0.0, int(sampled.seed), policy=sampled, **dropout), q, bias
@@ -148,11 +154,12 @@ def _not_covered(q, k, v, call, sampled: bool) -> Optional[str]:
     return None
 
 
-def policy_on_kernel(query: torch.Tensor) -> bool:
+def policy_on_kernel(query: torch.Tensor, width: int) -> bool:
     """Whether AttendOut's Generator draws a batch's actions with the fused kernels (``rules.SampledLogits``;
-    :mod:`.fused_policy`) on ``query``'s device: where the route is asked and Triton runs there, by default
-    once the policy kernels passed their first-use check (:func:`check_policy_against_pytorch`) on it."""
-    if not devices.fused_route_asked(query) or not fused_edit.available(query):
+    :mod:`.fused_policy`) on ``query``'s device for a policy of ``width`` features: where the route is asked
+    and Triton runs there, the policy at most ``MAX_POLICY_WIDTH`` wide, by default once the policy kernels
+    passed their first-use check (:func:`check_policy_against_pytorch`) on it."""
+    if width > MAX_POLICY_WIDTH or not devices.fused_route_asked(query) or not fused_edit.available(query):
         return False
     return devices.FUSED is not None or _first_use_check(query, policy=True) is None
 
@@ -187,12 +194,12 @@ def _first_use_check(q, policy: bool = False) -> Optional[str]:
 
 
 def _small_policy(randn, b: int, t: int, s: int, device) -> SampledLogits:
-    """A Generator's policy for the first-use checks: a head of 24 (not a power of two), the second sample's
-    last 4 queries and 5 keys not real, causal."""
+    """A Generator's policy for the first-use checks: 40 features (not a power of two; the tiles of the widest
+    policy taken, ``MAX_POLICY_WIDTH``), the second sample's last 4 queries and 5 keys not real, causal."""
     q_real, k_real = torch.ones((b, t), dtype=torch.bool), torch.ones((b, s), dtype=torch.bool)
     q_real[1, -4:], k_real[1, -5:] = False, False
     offset = torch.tensor(0.4, device=device)
-    return SampledLogits(randn(b, t, 24).float(), randn(b, s, 24).float(), offset, q_real.to(device), k_real.to(device),
+    return SampledLogits(randn(b, t, 40).float(), randn(b, s, 40).float(), offset, q_real.to(device), k_real.to(device),
                          True, False, 4321)  # fmt: skip
 
 

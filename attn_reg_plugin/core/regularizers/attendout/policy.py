@@ -94,14 +94,15 @@ class PolicyLogits(LogitFactors):
                              self.every_unit, seed)  # fmt: skip
 
 
-def kernel_draws(query: torch.Tensor) -> bool:
-    """Whether a batch on ``query``'s device draws its actions with the fused kernels (where the fused route
-    is asked and Triton runs there, by default once the kernels' first-use check passed on it)."""
+def kernel_draws(query: torch.Tensor, width: int) -> bool:
+    """Whether a batch on ``query``'s device with a Generator of ``width`` features draws its actions with the
+    fused kernels (where the fused route is asked and Triton runs there, the policy not wider than the
+    kernels take, by default once the kernels' first-use check passed on it)."""
     if not devices.fused_route_asked(query):
         return False
     from ...kernel.fused_route import policy_on_kernel  # Triton is imported only when the route is asked
 
-    return policy_on_kernel(query)
+    return policy_on_kernel(query, width)
 
 
 def _masked(x: torch.Tensor, units) -> torch.Tensor:
