@@ -609,3 +609,4 @@ def test_a_first_use_check_that_raises_is_a_failure_not_a_crash(monkeypatch, cap
     assert calls["kernel"] == 0 and torch.isfinite(out[0]).all()
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "the check raised RuntimeError: PTX .version 8.7" in errors[0]
+    assert "the fused Triton kernel does not run on" in errors[0]  # not "disagrees": it never ran

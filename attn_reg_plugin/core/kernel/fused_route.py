@@ -177,18 +177,20 @@ def _first_use_check(q, policy: bool = False) -> Optional[str]:
         q.device, q.dtype, q.shape[-1], fused_edit.dot_precision()
     )  # fmt: skip
     if key not in _CHECKED:
+        verdict = "disagrees with the PyTorch path"
         try:
             _CHECKED[key] = check_policy_against_pytorch(q.device) if policy else check_against_pytorch(
                 q.device, q.dtype, q.shape[-1]
             )  # fmt: skip
         except Exception as error:  # a kernel that does not compile or launch here: the default must not stop training
-            _CHECKED[key] = f"the check raised {type(error).__name__}: {error}"
+            # (e.g. fp32 heads of 128: more shared memory than the GPU gives a block)
+            verdict, _CHECKED[key] = "does not run", f"the check raised {type(error).__name__}: {error}"
         if _CHECKED[key] is not None:
             what = "AttendOut's Generator" if policy else f"{q.dtype} (head size {q.shape[-1]})"
             logger.error(
-                "the fused Triton kernel disagrees with the PyTorch path on %s, %s: %s. The regularized calls there "
-                "take the PyTorch path; please report it with your GPU and Triton version.",
-                q.device, what, _CHECKED[key],
+                "the fused Triton kernel %s on %s, %s: %s. The regularized calls there take the PyTorch path; "
+                "please report it with your GPU and Triton version.",
+                verdict, q.device, what, _CHECKED[key],
             )  # fmt: skip
     return _CHECKED[key]
 

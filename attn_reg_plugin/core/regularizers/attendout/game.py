@@ -116,7 +116,9 @@ class AttendOut:
         """log P(a) of one batch's actions, regenerated from its seed: per sample, the mean over its
         units in all selected layers (Eq. 5's 1/(n l^2) average); then over samples. Fills the
         batch's mean drop probabilities on the way."""
-        if batch.on_kernel and not kernel_draws(self.generator.drop_bias, self.generator.dim):  # a step resumed elsewhere
+        if batch.on_kernel and not kernel_draws(
+            self.generator.drop_bias, self.generator.dim
+        ):  # a step resumed elsewhere
             raise ValueError(
                 "AttendOut: this dropout step's actions were drawn by the fused Triton kernels (a GPU's default), "
                 f"which do not run on {self.generator.drop_bias.device} here: resume on such a device (or with "
