@@ -193,6 +193,10 @@ class HFBench:
         )
         trainer.optimizer = self.optimizer
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which is not run here
+        # The bench's precision where Trainer(bf16=True) has it: the Trainer's training_step and prediction_step
+        # run their forwards inside compute_loss_context_manager, their backward outside (the other steps wrap
+        # compute_loss in self.autocast() themselves).
+        trainer.compute_loss_context_manager = self.autocast
 
         def prepare(round_index: int) -> None:
             torch.manual_seed(self.opts.seed + round_index)
