@@ -25,7 +25,12 @@ class AttendOutConfig(RegularizerOptions):
     FLAG_PREFIX = "--attendout-"
 
     dropout_step: int = option(20, "T: updates per dropout step and held-out samples per evaluation", "integer >= 1")
-    generator_dim: int = option(64, "generator width (embeddings and its single attention head)", "integer >= 1")
+    generator_dim: int = option(
+        64,
+        "generator width (embeddings and its single attention head); on a GPU's fused route up to 64, a wider one "
+        "draws its actions in PyTorch",
+        "integer >= 1",
+    )
     lr: float = option(1e-3, "generator Adam learning rate", "finite number > 0")
     temperature: float = option(
         1.0, "Gumbel temperature: drop probability = sigmoid(logit / temperature)", "finite number > 0"
