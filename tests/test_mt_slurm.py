@@ -69,14 +69,34 @@ def _comparable(results: dict, out: Path):
     return clean(results)
 
 
+def _array_elements(job_id: str):
+    """The array elements a sacct JobID stands for: 12_3 itself; 12_[1-3,5%2], elements that never started
+    (cancelled while pending, sacct keeps them as one row of the array's pending range), 12_1, 12_2, 12_3
+    and 12_5."""
+    base, _, index = job_id.partition("_")
+    if not index.startswith("["):
+        return [job_id]
+    elements = []
+    for part in index.strip("[]").split("%")[0].split(","):
+        first, _, last = part.partition("-")
+        elements += [f"{base}_{i}" for i in range(int(first), int(last or first) + 1)]
+    return elements
+
+
 def _sacct_states(job_ids):
     """sacct's state of each job (array elements as 12_3), from the cluster's accounting."""
     rows = subprocess.run(
         ["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(sorted({j.split("_")[0] for j in job_ids}))],
         capture_output=True, text=True, check=True,
     ).stdout.splitlines()  # fmt: skip
-    states = dict(row.split("|", 1) for row in rows)
+    states = {element: state for job, state in (row.split("|", 1) for row in rows) for element in _array_elements(job)}
     return {job: states.get(job, "?").split()[0] for job in job_ids}
+
+
+def test_sacct_rows_of_pending_array_ranges_name_their_elements():
+    assert _array_elements("12_3") == ["12_3"] and _array_elements("12") == ["12"]
+    assert _array_elements("12_[1-3,5%2]") == ["12_1", "12_2", "12_3", "12_5"]
+    assert _array_elements("267_[1]") == ["267_1"]
 
 
 def _wait_for(condition, what: str, timeout: float = 120, seen=None):
