@@ -25,7 +25,7 @@ from ..core.regularizers.attendout import AttendOutConfig
 from ..core.regularizers.attendout.config import generator_positions
 from ..core.regularizers.combinations import AD_DROP, ATTENDOUT, check_combination
 from ..core.regularizers.options import attribute_prefix
-from ..core.regularizers.registry import planned_hooks, registered, running
+from ..core.regularizers.registry import planned, planned_hooks, running
 from .attendout import FairseqAttendOut, reduce_attendout_metrics
 from .attendout_checkpoint import check_fairseq_supports_task_state
 from .attention import install_attention_sites
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 # (core.options), after the switches and settings that exist only in fairseq.
 AttnRegTaskOptions = fairseq_options(
     "AttnRegTaskOptions",
-    [AttendOutConfig, *(regularizer.config for regularizer in registered())],
+    [AttendOutConfig, *(regularizer.config for regularizer in planned())],
     extra=[
         (
             "attendout",
@@ -77,7 +77,7 @@ AttnRegTaskOptions = fairseq_options(
 
 def task_regularizers_on(cfg) -> Dict[str, str]:
     """The task-level regularizers this run turns on (each validated first), each with its flag."""
-    configs = [(regularizer, regularizer.config.from_namespace(cfg).validate()) for regularizer in registered()]
+    configs = [(regularizer, regularizer.config.from_namespace(cfg).validate()) for regularizer in planned()]
     on = {ATTENDOUT: "--attendout"} if getattr(cfg, "attendout", False) else {}
     for regularizer, config in configs:
         if config.enabled:
@@ -94,7 +94,7 @@ def refuse_task_regularizers_beside(criterion_name: str, task, regularizers: Tup
 
 def _switches():
     """Each task regularizer's switch: (its config, the field that turns it on; None: fairseq's --attendout)."""
-    return ((AttendOutConfig, None), *((r.config, r.switch) for r in registered()))
+    return ((AttendOutConfig, None), *((r.config, r.switch) for r in planned()))
 
 
 _ATTENDOUT_EXTRAS = ("attendout_clip_norm", "attendout_valid_subset", "attendout_log_file")
@@ -247,7 +247,7 @@ class AttnRegTaskMixin:
         cfg = self.cfg
         # Selecting the sites here checks layers and kinds against the model, before training.
         self.attn_reg_active = {}
-        for regularizer in registered():
+        for regularizer in planned():
             config = regularizer.config.from_namespace(cfg)
             if config.enabled:
                 self.attn_reg_active[regularizer.key] = regularizer.build(config, self.attn_reg_controller)
@@ -383,7 +383,7 @@ def _step_log(regularizer, runner, counts, update: int) -> Dict[str, object]:
 def reduce_task_regularizer_metrics(logging_outputs) -> None:
     """The task-level regularizers' training metrics, per update interval and per epoch as fairseq
     logs every metric (the same keys as the Hugging Face trainers log)."""
-    for regularizer in registered():
+    for regularizer in planned():
         prefix, (part, whole) = regularizer.log_prefix, regularizer.counted
         _log_rate(logging_outputs, regularizer.rate_key(), f"{prefix}_{part}", f"{prefix}_{whole}")
         counts = {f"{prefix}_{part}", f"{prefix}_{whole}"}

@@ -10,6 +10,7 @@ import importlib
 # public name -> the submodule that defines it
 _HOMES = {
     **dict.fromkeys(("ADDropTrainer", "ADDropSeq2SeqTrainer", "ADDropTrainerMixin"), "ad_drop_trainer"),
+    "ADDropRDropTrainer": "ad_drop_rdrop_trainer",
     **dict.fromkeys(("AttendOutTrainer", "AttendOutSeq2SeqTrainer", "AttendOutTrainerMixin"), "attendout_trainer"),
     **dict.fromkeys(("AttnRegTrainer", "AttnRegSeq2SeqTrainer", "AttnRegTrainerMixin"), "attn_reg_trainer"),
     **dict.fromkeys(("HiddenCutTrainer", "HiddenCutSeq2SeqTrainer", "HiddenCutTrainerMixin"), "hiddencut_trainer"),

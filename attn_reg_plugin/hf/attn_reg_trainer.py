@@ -19,7 +19,7 @@ from ..core.kernel.attention_call import add_counts, zero_counts
 from ..core.kernel.controller import RegularizationController
 from ..core.regularizers.combinations import check_combination
 from ..core.regularizers.options import named_by_field
-from ..core.regularizers.registry import planned_hooks, registered, running
+from ..core.regularizers.registry import planned, planned_hooks, running
 from .attention import install_attention_sites
 from .combinations import trainer_regularizers
 from .notices import SiteReport, warn_if_idle
@@ -43,27 +43,27 @@ class AttnRegTrainerMixin:
     def attn_reg_regularizers(trainer, kwargs: Dict[str, object]) -> Dict[str, str]:
         """What its regularizer keywords turn on: from the keywords while a mixin before it in the bases
         still holds them, else from what this mixin built of them."""
-        given = {r.key: kwargs.get(r.key) for r in registered()}
+        given = {r.key: kwargs.get(r.key) for r in planned()}
         if all(config is None for config in given.values()):
             active = getattr(trainer, "attn_reg_active", {})  # empty before this mixin ran
             given = {key: runner.config for key, runner in active.items()}
         on = {}
-        for regularizer in registered():
+        for regularizer in planned():
             config = given.get(regularizer.key)
             if config is not None:  # one that is off is refused by its regularizer, naming its switch
                 on[regularizer.name_of(config)] = _spelled(regularizer, config)
         return on
 
     def __init__(self, *args, **kwargs):
-        given = {r.key: kwargs.pop(r.key, None) for r in registered()}
-        for regularizer in registered():
+        given = {r.key: kwargs.pop(r.key, None) for r in planned()}
+        for regularizer in planned():
             config = given[regularizer.key]
             if config is not None and not isinstance(config, regularizer.config):
                 raise TypeError(
                     f"{regularizer.key} must be a {regularizer.config.__name__}, got {type(config).__name__}"
                 )
         if all(config is None for config in given.values()):
-            keywords = [f"{r.key}={r.config.__name__}(...)" for r in registered()]
+            keywords = [f"{r.key}={r.config.__name__}(...)" for r in planned()]
             raise ValueError(f"AttnRegTrainer needs {', '.join(keywords[:-1])} or {keywords[-1]}")
         for config in given.values():
             if config is not None:
@@ -77,7 +77,7 @@ class AttnRegTrainerMixin:
         # A config that is off is refused by its regularizer, naming its switch: nothing given is ignored.
         self.attn_reg_active = {
             regularizer.key: regularizer.build(given[regularizer.key], self.attn_reg_controller)
-            for regularizer in registered()
+            for regularizer in planned()
             if given[regularizer.key] is not None
         }
         self._attn_reg_reset()

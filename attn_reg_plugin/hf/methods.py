@@ -2,48 +2,43 @@
 (and the lab's attn-reg-fewshot) build per method, so that every method gets the same model,
 ``TrainingArguments``, data and collator and differs only in what its regularizer does.
 
-Methods: plain (the stock ``transformers.Trainer``), ad-drop, attendout, r-drop, hiddencut, the methods of
-the regularizer registry (:mod:`..core.regularizers.registry`: the plugin's and any registered outside the
-package, each through ``AttnRegTrainer``) and ad-drop-r-drop (R-Drop over AD-DROP's masked pass, the one
-combination the plugin allows).
-A method's options are its config's fields as flags (``--ad-drop-p``, ``--rdrop-alpha``, ...: the
-fairseq flags' names), declared once per option group (:data:`OPTION_GROUPS`), so that a command adds
-each group once however many methods share it. Defaults for sentence classifiers: AD-DROP p = q = 0.3;
-R-Drop alpha 1.0 (no single GLUE value of the R-Drop paper was found to cite; the plugin's own default,
-5, is the paper's MT value); HiddenCut ratio 0.1, top 0.4, alpha 1 (its official script); AttendOut a
-dropout step every 4 updates (few-shot runs are short); a registry method's are its ``Method.defaults``.
+Methods: plain (the stock ``transformers.Trainer``), then every method of the regularizer registry and
+every combination, in the order :mod:`..core.regularizers.comparison_methods` gives (the plugin's and any
+registered outside the package): each is trained by the ``attn_reg_plugin.hf`` class its ``Method.trainer``
+names (``AttnRegTrainer`` for a plan regularizer), given each regularizer's config by its key.
+A method's options are its regularizer's config fields as flags (``--ad-drop-p``, ``--rdrop-alpha``, ...:
+the fairseq flags' names), one option group per registry method, so that a command adds each group once
+however many methods share it; their defaults for classifiers are the method's ``defaults`` (AD-DROP
+p = q = 0.3; R-Drop alpha 1.0: no single GLUE value of the R-Drop paper was found to cite, the plugin's
+own default, 5, is the paper's MT value; HiddenCut its official script's; AttendOut a dropout step every
+4 updates, few-shot runs are short).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
-from ..core.regularizers.registry import method_table
+from ..core.regularizers.comparison_methods import ComparisonMethod, method_table
 
-# An option group: (the core module, its config class, the defaults for classifiers). Its flags are
-# the config's FLAG_PREFIX + field; every field but ``attention`` (encoder-self, found by the trainer).
-# A registry method is an option group of its own (its regularizer's config, its Method.defaults).
-OPTION_GROUPS: Dict[str, Tuple[str, str, dict]] = {
-    "ad-drop": ("regularizers.ad_drop_config", "ADDropConfig", {"p": 0.3, "q": 0.3}),
-    "attendout": ("regularizers.attendout", "AttendOutConfig", {"dropout_step": 4}),
-    "r-drop": ("regularizers.rdrop", "RDropConfig", {"alpha": 1.0}),
-    "hiddencut": ("regularizers.hiddencut", "HiddenCutConfig", {}),
-}
+# An option group is a registry method's options (named by the method): its regularizer's config's
+# fields as flags (its FLAG_PREFIX + field; every field but ``attention``, encoder-self, found by the
+# trainer), with the method's ``defaults`` for classifiers.
+
+
+def registry_methods():
+    from ..core.regularizers.registry import methods
+
+    return methods()
 
 
 def config_class(group: str):
-    if group in OPTION_GROUPS:
-        module, name, _ = OPTION_GROUPS[group]
-        return getattr(importlib.import_module(f"attn_reg_plugin.core.{module}"), name)
     return registry_methods()[group][0].config
 
 
 def group_defaults(group: str) -> dict:
-    return OPTION_GROUPS[group][2] if group in OPTION_GROUPS else dict(registry_methods()[group][1].defaults)
+    return dict(registry_methods()[group][1].defaults)
 
 
 def add_option_group(parser: argparse.ArgumentParser, group: str) -> None:
@@ -107,16 +102,9 @@ class Method:
 
 
 def _recorded_fields(group: str, config) -> dict:
-    """A config's fields as recorded: AD-DROP's at a value that changes nothing are left out, so that runs
-    recorded before they existed stay comparable."""
-    fields = vars(config)
-    if group != "ad-drop":
-        return dict(fields)
-    return {
-        k: v
-        for k, v in fields.items()
-        if (k != "iga_steps" or config.attribution == "iga") and (k != "attribution_precision" or v != "auto")
-    }
+    """A config's fields as a run records them (its method's ``recorded``, else all of them)."""
+    recorded = registry_methods()[group][1].recorded
+    return recorded(config) if recorded is not None else dict(vars(config))
 
 
 def _without_eval(trainer_kwargs: dict) -> dict:
@@ -129,122 +117,46 @@ def _build_plain(opts, **trainer_kwargs):
     return transformers.Trainer(**_without_eval(trainer_kwargs))
 
 
-def _build_ad_drop(opts, **trainer_kwargs):
-    from . import ADDropTrainer
+def _builder(method: ComparisonMethod):
+    """Build the method's Trainer (``attn_reg_plugin.hf.<trainer>``), given each regularizer's config by its
+    key; only a trainer that draws held-out samples keeps the dev set."""
 
-    return ADDropTrainer(**_without_eval(trainer_kwargs), ad_drop=group_config("ad-drop", opts))
-
-
-def _build_attendout(opts, **trainer_kwargs):
-    from . import AttendOutTrainer
-
-    return AttendOutTrainer(**trainer_kwargs, attendout=group_config("attendout", opts))
-
-
-def _build_rdrop(opts, **trainer_kwargs):
-    from . import RDropTrainer
-
-    return RDropTrainer(**_without_eval(trainer_kwargs), rdrop=group_config("r-drop", opts))
-
-
-def _build_hiddencut(opts, **trainer_kwargs):
-    from . import HiddenCutTrainer
-
-    return HiddenCutTrainer(**_without_eval(trainer_kwargs), hiddencut=group_config("hiddencut", opts))
-
-
-def _build_attn_reg(keyword: str, group: str):
     def build(opts, **trainer_kwargs):
-        from . import AttnRegTrainer
+        from .. import hf
 
-        return AttnRegTrainer(**_without_eval(trainer_kwargs), **{keyword: group_config(group, opts)})
+        trainer = getattr(hf, method.method.trainer)
+        configs = {regularizer.key: group_config(part.name, opts) for regularizer, part in method.parts}
+        kept = trainer_kwargs if method.method.heldout else _without_eval(trainer_kwargs)
+        return trainer(**kept, **configs)
 
     return build
 
 
-def registry_methods():
-    from ..core.regularizers.registry import methods
+def _min_epochs(method: ComparisonMethod):
+    """The fewest epochs in which every part of the method acts (AD-DROP's cross-tuning: 2)."""
 
-    return methods()
+    def min_epochs(opts) -> int:
+        needs = [part.min_epochs(group_config(part.name, opts)) for _, part in method.parts if part.min_epochs]
+        return max(needs, default=1)
+
+    return min_epochs
 
 
-def _trainer_method(regularizer, method) -> Method:
-    """A method of the regularizer registry, trained by ``AttnRegTrainer(<key>=<config>)``."""
+def _trainer_method(method: ComparisonMethod) -> Method:
+    """A method of the registry (or a combination of them), trained by its ``attn_reg_plugin.hf`` Trainer."""
+    keywords = ", ".join(f"{r.key}={r.config.__name__}" for r, _ in method.parts)
     return Method(
         method.name,
-        f"attn_reg_plugin.hf.AttnRegTrainer({regularizer.key}={regularizer.config.__name__}): {method.help}",
-        _build_attn_reg(regularizer.key, method.name),
-        (method.name,),
-        log_keys=regularizer.log_keys(),
-        check=method.check,
+        f"attn_reg_plugin.hf.{method.method.trainer}({keywords}): {method.method.help}",
+        _builder(method),
+        tuple(part.name for _, part in method.parts),
+        _min_epochs(method),
+        method.log_keys,
+        check=method.method.check,
     )
 
 
-@functools.cache
-def ad_drop_rdrop_trainer_class():
-    """R-Drop over AD-DROP's masked pass: the bases in the one order the plugin allows (HF.md, R-Drop)."""
-    import transformers
-
-    from . import ADDropTrainerMixin, RDropTrainerMixin
-
-    class ADDropRDropTrainer(ADDropTrainerMixin, RDropTrainerMixin, transformers.Trainer):
-        pass
-
-    return ADDropRDropTrainer
-
-
-def _build_ad_drop_rdrop(opts, **trainer_kwargs):
-    return ad_drop_rdrop_trainer_class()(
-        **_without_eval(trainer_kwargs), ad_drop=group_config("ad-drop", opts), rdrop=group_config("r-drop", opts)
-    )
-
-
-def _ad_drop_epochs(opts) -> int:
-    return 2 if opts.ad_drop_schedule == "cross-tuning" else 1
-
-
-METHODS: Dict[str, Method] = method_table(
-    {
-        "plain": Method("plain", "stock transformers.Trainer", _build_plain),
-        "ad-drop": Method(
-            "ad-drop",
-            "attn_reg_plugin.hf.ADDropTrainer",
-            _build_ad_drop,
-            ("ad-drop",),
-            _ad_drop_epochs,
-            ("ad_drop_on", "ad_drop_rate"),
-        ),
-        "attendout": Method(
-            "attendout",
-            "attn_reg_plugin.hf.AttendOutTrainer (held-out samples: the dev set)",
-            _build_attendout,
-            ("attendout",),
-        ),
-        "r-drop": Method(
-            "r-drop",
-            "attn_reg_plugin.hf.RDropTrainer (two passes + alpha * symmetric KL)",
-            _build_rdrop,
-            ("r-drop",),
-            log_keys=("rdrop_kl",),
-        ),
-        "hiddencut": Method(
-            "hiddencut",
-            "attn_reg_plugin.hf.HiddenCutTrainer (clean + cut pass + alpha * JS)",
-            _build_hiddencut,
-            ("hiddencut",),
-            log_keys=("hiddencut_js", "hiddencut_cut", "hiddencut_tokens"),
-        ),
-        "ad-drop-r-drop": Method(
-            "ad-drop-r-drop",
-            "R-Drop over AD-DROP's masked pass (ADDropTrainerMixin, RDropTrainerMixin, transformers.Trainer)",
-            _build_ad_drop_rdrop,
-            ("ad-drop", "r-drop"),
-            _ad_drop_epochs,
-            ("ad_drop_on", "ad_drop_rate", "rdrop_kl"),
-        ),
-    },
-    _trainer_method,
-)
+METHODS: Dict[str, Method] = method_table(Method("plain", "stock transformers.Trainer", _build_plain), _trainer_method)
 
 
 def add_method_options(parser: argparse.ArgumentParser, names) -> None:

@@ -19,12 +19,9 @@ import shlex
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ..core.regularizers.ad_drop_config import first_ad_drop_epoch
-from ..core.regularizers.registry import method_table, registered
-from .options import AD_DROP_CRITERION, PLAIN_CRITERION, SweepError
-
-RDROP_CRITERION = "rdrop_label_smoothed_cross_entropy"
-HIDDENCUT_CRITERION = "hiddencut_label_smoothed_cross_entropy"
-AD_DROP_RDROP_CRITERION = "ad_drop_rdrop_label_smoothed_cross_entropy"
+from ..core.regularizers.comparison_methods import ComparisonMethod, method_table
+from ..core.regularizers.registry import PLAN, registered
+from .options import PLAIN_CRITERION, SweepError
 
 
 class Method(NamedTuple):
@@ -36,40 +33,28 @@ class Method(NamedTuple):
     required: Tuple[str, ...] = ()  # options the user must give (no default fits every run)
 
 
-def _fairseq_method(regularizer, method) -> Method:
-    """A method of the regularizer registry: the plain criterion and its regularizer's task flags, its
-    switch the option the task must have."""
-    prefix = regularizer.config.FLAG_PREFIX
-    switch = prefix + regularizer.switch.replace("_", "-")
-    return Method(PLAIN_CRITERION, method.mt_defaults, (prefix,), switch, method.help, method.required)
+def _fairseq_method(method: ComparisonMethod) -> Method:
+    """A method as fairseq-train trains it: its criterion (the plain one where its regularizers are the
+    task's), the task option it needs (a plan regularizer's switch, or a task regularizer's own, such as
+    ``--attendout``), its flag groups and the flags ``--method-args`` may give."""
+    switches = [
+        r.config.FLAG_PREFIX + r.switch.replace("_", "-") if r.passes == PLAN else part.fairseq_switch
+        for r, part in method.parts
+    ]
+    task_flag = next((switch for switch in switches if switch), None)
+    criterion = method.method.fairseq_criterion or PLAIN_CRITERION
+    return Method(criterion, method.mt_defaults, method.flag_prefixes, task_flag, method.method.help, method.required)
 
 
 METHODS: Dict[str, Method] = method_table(
-    {
-        "plain": Method(PLAIN_CRITERION, (), (), None, "label_smoothed_cross_entropy, no regularizer (the reference)"),
-        "ad-drop": Method(AD_DROP_CRITERION, (), ("--ad-drop-",), None, "AD-DROP, the plugin's --ad-drop-* defaults"),
-        "attendout": Method(
-            PLAIN_CRITERION, (("--attendout",),), ("--attendout",), "--attendout", "AttendOut, the plugin's defaults"
-        ),
-        "r-drop": Method(RDROP_CRITERION, (("--rdrop-alpha", "5"),), ("--rdrop-",), None, "R-Drop, alpha 5 (its MT α)"),
-        "hiddencut": Method(HIDDENCUT_CRITERION, (), ("--hiddencut-",), None, "HiddenCut, its criterion's defaults"),
-        "ad-drop-r-drop": Method(
-            AD_DROP_RDROP_CRITERION,
-            (("--rdrop-alpha", "5"),),
-            ("--ad-drop-", "--rdrop-"),
-            None,
-            "R-Drop over AD-DROP's masked pass, the --ad-drop-* defaults and alpha 5",
-        ),
-    },
+    Method(PLAIN_CRITERION, (), (), None, "label_smoothed_cross_entropy, no regularizer (the reference)"),
     _fairseq_method,
 )
-# Flags of a method: after '--' they would apply to every method's runs (plain's included).
-METHOD_FLAG_PREFIXES = (
-    "--ad-drop-",
-    "--rdrop-",
-    "--hiddencut-",
-    "--attendout",
-    *(regularizer.config.FLAG_PREFIX for regularizer in registered()),
+# Flags of a method or a regularizer: after '--' they would apply to every method's runs (plain's included).
+METHOD_FLAG_PREFIXES = tuple(
+    dict.fromkeys(
+        [*(p for spec in METHODS.values() for p in spec.prefixes), *(r.config.FLAG_PREFIX for r in registered())]
+    )
 )
 NAME_LIMIT = 60
 # A row's name is a folder under runs/ and a file under cells/, and part of fairseq-generate's

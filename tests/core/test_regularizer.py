@@ -9,11 +9,33 @@ from attn_reg_plugin.core.regularizers.drophead import DropHeadConfig
 from attn_reg_plugin.core.regularizers.registry import EXTENSIONS_ENV, Regularizer, by_key, register, registered
 
 
-def test_the_plugins_one_pass_regularizers_are_registered_in_order_with_their_methods():
+def test_every_regularizer_of_the_plugin_is_registered_in_order_with_its_methods():
     plugin = [r for r in registered() if r.config.__module__.startswith("attn_reg_plugin.")]
-    assert [r.key for r in plugin] == ["scheduled_dropout", "layerdrop", "drophead"]
-    assert [m.name for r in plugin for m in r.methods] == ["dropkey", "drophead"]
+    assert [r.key for r in plugin] == [
+        *("ad_drop", "attendout", "rdrop", "hiddencut"),  # their own passes
+        *("scheduled_dropout", "layerdrop", "drophead"),  # a plan of the training forward
+    ]
+    assert [r.passes for r in plugin] == [registry.OWN_PASSES] * 4 + [registry.PLAN] * 3
+    assert [r.key for r in registry.planned() if r in plugin] == ["scheduled_dropout", "layerdrop", "drophead"]
+    assert [m.name for r in plugin for m in r.methods] == [
+        "ad-drop",
+        "attendout",
+        "r-drop",
+        "hiddencut",
+        "dropkey",
+        "drophead",
+    ]
     assert by_key("drophead").names == ("DropHead",) and by_key("scheduled_dropout").names[1] == "DropKey"
+    assert [by_key(k).name for k in ("ad_drop", "attendout", "rdrop", "hiddencut")] == [
+        "AD-DROP", "AttendOut", "R-Drop", "HiddenCut"
+    ]  # fmt: skip
+
+
+def test_a_plan_regularizer_without_a_switch_or_a_build_is_refused():
+    with pytest.raises(ValueError, match="a plan regularizer needs its switch and build"):
+        register(dataclasses.replace(by_key("drophead"), key="other", name="Other", build=None))
+    with pytest.raises(ValueError, match="Regularizer.passes must be"):
+        register(dataclasses.replace(by_key("drophead"), key="other", name="Other", passes="twice"))
 
 
 @pytest.mark.parametrize(
@@ -62,19 +84,23 @@ def test_an_extension_that_cannot_be_loaded_fails_naming_it(monkeypatch, tmp_pat
 
 
 def test_both_comparison_commands_list_the_same_methods_in_one_order():
+    from attn_reg_plugin.core.regularizers.comparison_methods import method_names
     from attn_reg_plugin.hf.methods import METHODS as classifier_methods
     from attn_reg_plugin.sweep.methods import METHODS as mt_methods
 
-    names = registry.method_names()
+    names = method_names()
     assert names[:5] == ("plain", "ad-drop", "attendout", "r-drop", "hiddencut") and names[-1] == "ad-drop-r-drop"
     assert {"drophead", "dropkey"} <= set(names)
     assert list(classifier_methods) == list(mt_methods) == list(names)
 
 
-def test_a_method_table_that_binds_other_names_is_refused():
-    bound = {name: name for name in ("plain", *registry.OWN_PASS_METHODS, *registry.COMBINED_METHODS)}
-    assert list(registry.method_table(bound, lambda r, m: m.name)) == list(registry.method_names())
-    with pytest.raises(ValueError, match="a method table binds exactly"):
-        registry.method_table({**bound, "drophead": "mine"}, lambda r, m: m.name)
-    with pytest.raises(ValueError, match="a method table binds exactly"):
-        registry.method_table({k: v for k, v in bound.items() if k != "hiddencut"}, lambda r, m: m.name)
+def test_the_method_tables_come_from_the_registry_alone():
+    from attn_reg_plugin.core.regularizers.comparison_methods import comparison_methods, method_names, method_table
+
+    table = method_table("reference", lambda method: [r.key for r, _ in method.parts])
+    assert list(table) == list(method_names())
+    assert table["plain"] == "reference" and table["ad-drop"] == ["ad_drop"] and table["drophead"] == ["drophead"]
+    assert table["ad-drop-r-drop"] == ["ad_drop", "rdrop"]  # the combination takes its parts' options
+    combined = comparison_methods()["ad-drop-r-drop"]
+    assert combined.mt_defaults == (("--rdrop-alpha", "5"),) and combined.flag_prefixes == ("--ad-drop-", "--rdrop-")
+    assert combined.log_keys == ("ad_drop_on", "ad_drop_rate", "rdrop_kl")

@@ -11,6 +11,7 @@ from typing import Optional
 from ..kernel.rules import decimal_fraction
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES
 from .options import RegularizerOptions, attention_option, layers_option, option
+from .registry import OWN_PASSES, Method, Regularizer, register
 
 SCHEDULES = ("cross-tuning", "always")
 REGIONS = ("top", "bottom")
@@ -119,3 +120,39 @@ def first_ad_drop_epoch(schedule: str, planned_epochs: int) -> Optional[int]:
     """The first 1-based epoch of a run of ``planned_epochs`` in which AD-DROP acts; None when it
     never acts (cross-tuning over one epoch: its first AD-DROP epoch is epoch 2)."""
     return next((e for e in range(1, min(planned_epochs, 2) + 1) if ad_drop_epoch(schedule, e)), None)
+
+
+def _recorded(config: ADDropConfig) -> dict:
+    """AD-DROP's fields as a run records them: those at a value that changes nothing are left out, so
+    that runs recorded before they existed stay comparable."""
+    return {
+        k: v
+        for k, v in vars(config).items()
+        if (k != "iga_steps" or config.attribution == "iga") and (k != "attribution_precision" or v != "auto")
+    }
+
+
+REGULARIZER = register(
+    Regularizer(
+        "ad_drop",
+        "AD-DROP",
+        ADDropConfig,
+        "",
+        None,
+        "ad_drop",
+        passes=OWN_PASSES,
+        methods=(
+            Method(
+                "ad-drop",
+                "AD-DROP (attribution pass, then the masked pass); classifiers p = q = 0.3, translation the "
+                "plugin's --ad-drop-* defaults",
+                {"p": 0.3, "q": 0.3},
+                min_epochs=lambda config: 2 if config.schedule == "cross-tuning" else 1,
+                recorded=_recorded,
+                fairseq_criterion="ad_drop_label_smoothed_cross_entropy",
+                trainer="ADDropTrainer",
+                log_keys=("ad_drop_on", "ad_drop_rate"),
+            ),
+        ),
+    )
+)

@@ -10,10 +10,12 @@ combinations in :data:`COMBINATIONS` are; every other pair is refused, naming bo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import FrozenSet, Mapping, Tuple
+from typing import FrozenSet, Mapping, Optional, Tuple
 
-# The regularizers that run passes of their own, by the names the papers give them; the others are the
-# registry's (:mod:`.registry`), each named there.
+from .registry import Method
+
+# The plugin's regularizers of their own passes, by the names the papers give them (each registered
+# under that name by its own module, :mod:`.registry`), for the adapters that name them.
 AD_DROP = "AD-DROP"
 ATTENDOUT = "AttendOut"
 RDROP = "R-Drop"
@@ -21,21 +23,24 @@ HIDDENCUT = "HiddenCut"
 
 
 def regularizer_names() -> Tuple[str, ...]:
-    """Every regularizer's name, in the order messages name them: the multi-pass ones, then the registry's."""
+    """Every regularizer's name, in the order messages name them: the registry's order."""
     from .registry import registered
 
-    return (AD_DROP, ATTENDOUT, RDROP, HIDDENCUT, *(name for r in registered() for name in r.names))
+    return tuple(name for r in registered() for name in r.names)
 
 
 @dataclass(frozen=True)
 class Combination:
     """Regularizers that one run may turn on together: what the run then does, and how each framework
-    spells it."""
+    spells it; ``method``: the combination as a method of the comparison commands, taking the options
+    of the methods named in ``parts`` (their defaults, flags and log keys)."""
 
     regularizers: FrozenSet[str]
     does: str
     fairseq: str
     transformers: str
+    method: Optional[Method] = None
+    parts: Tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -50,6 +55,13 @@ COMBINATIONS: Tuple[Combination, ...] = (
         "epoch of cross-tuning, plain R-Drop",
         "`--criterion ad_drop_rdrop_label_smoothed_cross_entropy`",
         "`class T(ADDropTrainerMixin, RDropTrainerMixin, Trainer)` with `ad_drop=` and `rdrop=`",
+        Method(
+            "ad-drop-r-drop",
+            "R-Drop over AD-DROP's masked pass",
+            fairseq_criterion="ad_drop_rdrop_label_smoothed_cross_entropy",
+            trainer="ADDropRDropTrainer",
+        ),
+        ("ad-drop", "r-drop"),
     ),
 )
 

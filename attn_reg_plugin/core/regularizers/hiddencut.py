@@ -41,6 +41,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .options import RegularizerOptions, option
+from .registry import OWN_PASSES, Method, Regularizer, register
 
 
 def _fraction(config, field: str) -> None:
@@ -101,6 +102,28 @@ class HiddenCutConfig(RegularizerOptions):
         if wanted[-1] >= count:
             raise ValueError(f"{self.name('layers')}: the model has {count} {what} (0-{count - 1}), got {wanted[-1]}")
         return wanted
+
+
+REGULARIZER = register(
+    Regularizer(
+        "hiddencut",
+        "HiddenCut",
+        HiddenCutConfig,
+        "",
+        None,
+        "hiddencut",
+        passes=OWN_PASSES,
+        methods=(
+            Method(
+                "hiddencut",
+                "HiddenCut (clean + cut pass + alpha * JS), its defaults",
+                fairseq_criterion="hiddencut_label_smoothed_cross_entropy",
+                trainer="HiddenCutTrainer",
+                log_keys=("hiddencut_js", "hiddencut_cut", "hiddencut_tokens"),
+            ),
+        ),
+    )
+)
 
 
 def attention_received(weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

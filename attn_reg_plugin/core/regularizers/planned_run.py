@@ -18,7 +18,7 @@ from typing import Optional
 
 from .ad_drop_config import ADDropConfig, first_ad_drop_epoch
 from .attendout.config import AttendOutConfig
-from .registry import registered
+from .registry import planned
 
 
 class IdleRegularizerWarning(UserWarning):
@@ -63,7 +63,7 @@ def idle_run_warning(config, epochs: Optional[int], updates: Optional[int], plan
             f"AttendOut. Lower {config.name('dropout_step')} to at most {updates}, or plan more updates{WHY_A_WARNING}"
         )
     # A registry regularizer whose config can say when it first drops (a schedule over updates).
-    regularizer = next((r for r in registered() if isinstance(config, r.config)), None)
+    regularizer = next((r for r in planned() if isinstance(config, r.config)), None)
     dropping = getattr(config, "first_dropping_update", None)
     if regularizer is not None and dropping is not None and config.enabled and updates is not None:
         if dropping(updates) is None:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .options import RegularizerOptions, option
+from .registry import OWN_PASSES, Method, Regularizer, register
 
 
 @dataclass
@@ -58,6 +59,30 @@ class RDropConfig(RegularizerOptions):
         if not isinstance(self.concat_batch, bool):
             raise ValueError(f"{self.name('concat_batch')} must be True or False, got {self.concat_batch!r}")
         return self
+
+
+REGULARIZER = register(
+    Regularizer(
+        "rdrop",
+        "R-Drop",
+        RDropConfig,
+        "",
+        None,
+        "rdrop",
+        passes=OWN_PASSES,
+        methods=(
+            Method(
+                "r-drop",
+                "R-Drop (two passes + alpha * symmetric KL); classifiers alpha 1, translation alpha 5 (its MT alpha)",
+                {"alpha": 1.0},
+                mt_defaults=(("--rdrop-alpha", "5"),),
+                fairseq_criterion="rdrop_label_smoothed_cross_entropy",
+                trainer="RDropTrainer",
+                log_keys=("rdrop_kl",),
+            ),
+        ),
+    )
+)
 
 
 def model_dropout(model: torch.nn.Module) -> dict:

@@ -3,25 +3,27 @@
 A :class:`Regularizer` declares what the adapters and the comparison commands need to know about it:
 
 - its options: a :class:`~.options.RegularizerOptions` dataclass (declared once; fairseq flags, HF
-  keywords and the comparison commands' flags all come from it) and the field that turns it on;
-- what it does to a training forward: ``build(config, controller)`` returns the running regularizer,
-  whose ``hooks(update)`` are the plan of one training forward (the edits of the attention calls it
-  selects) and whose ``logged(update)`` are the numbers it logs beside its rate;
-- what it logs: its rate is ``counted[0] / counted[1]`` as the kernel counted them where it applied the
-  edits (``log_prefix + "_rate"``);
+  keywords and the comparison commands' flags all come from it);
+- how it trains (``passes``): a plan regularizer (:data:`PLAN`) edits the attention calls of the training
+  forward: ``build(config, controller)`` returns its running object, whose ``hooks(update)`` are the plan
+  set around one training step (the attn_reg task's ``train_step``, ``AttnRegTrainer.compute_loss``) and
+  whose ``logged(update)`` are the numbers it logs beside its rate, ``counted[0] / counted[1]`` as the
+  kernel counted them where it applied the edits (``log_prefix + "_rate"``). A regularizer of its own
+  passes (:data:`OWN_PASSES`: AD-DROP, AttendOut, R-Drop, HiddenCut) runs them in the fairseq criterion
+  (AttendOut: the task) and the Trainer its methods name;
 - what it cannot be combined with: every pair is refused unless :mod:`.combinations` lists it;
-- its defaults as a method of ``attn-reg-mt-compare`` and ``attn-reg-cls-compare`` (:class:`Method`).
+- its defaults as a method of ``attn-reg-mt-compare`` and ``attn-reg-cls-compare`` (:class:`Method`),
+  and how each framework trains it there.
 
 The fairseq task (``--attn-...`` flags, ``train_step``, the metrics), ``AttnRegTrainer`` (its keywords),
-both comparison commands' method tables (:func:`method_table`, in :func:`method_names`' one order), the
-combination check and the idle-run warning read :func:`registered`; a new regularizer is one file and one :func:`register` call. A file outside the
-package is loaded by naming it in ``ATTN_REG_EXTENSIONS`` (paths or module names, separated by ``os.pathsep``
-or commas): the plugin imports it before it builds fairseq's task options, in every process that
-imports the plugin (fairseq-train, the comparison commands' runs). docs/PORTING.md#your-own-regularizer.
+both comparison commands' method tables (:mod:`.comparison_methods`), the combination check and the
+idle-run warning read :func:`registered` (or :func:`planned`, its plan regularizers); a new regularizer
+is one file and one :func:`register` call. A file outside the package is loaded by naming it in
+``ATTN_REG_EXTENSIONS`` (paths or module names, separated by ``os.pathsep`` or commas): the plugin
+imports it before it builds fairseq's task options, in every process that imports the plugin
+(fairseq-train, the comparison commands' runs). docs/PORTING.md#your-own-regularizer.
 
-Registered by the plugin: the regularizers that only edit the training forward's attention calls, each
-by its own module (:data:`PLUGIN_MODULES`). AD-DROP,
-AttendOut, R-Drop and HiddenCut run passes of their own and keep their criteria and trainers.
+The plugin's regularizers register themselves, each from its own module (:data:`PLUGIN_MODULES`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,17 @@ class Method:
     ``defaults``: its config's field values for attn-reg-cls-compare's classifiers (the config's own
     defaults otherwise); ``mt_defaults``: fairseq-train flag groups for attn-reg-mt-compare (``(flag,
     value)``); ``required``: flags the user must give in MT (no default fits every run's length);
-    ``check(config)``: raises ValueError (naming the option) when the config is not this method."""
+    ``check(config)``: raises ValueError (naming the option) when the config is not this method;
+    ``min_epochs(config)``: the fewest epochs in which it does anything (AD-DROP's cross-tuning: 2);
+    ``recorded(config)``: the fields a run records of its config (all of them otherwise).
+
+    How each framework trains it: ``fairseq_criterion``, the translation criterion (None: the attn_reg
+    task's flags under label_smoothed_cross_entropy), ``fairseq_switch``, the task flag that turns on a
+    regularizer of its own passes that the task runs (AttendOut's ``--attendout``; a one-pass
+    regularizer's is its switch); ``trainer``, the :mod:`attn_reg_plugin.hf` class, given each
+    regularizer's config by its key; ``heldout``: the trainer draws held-out samples from the dev set.
+    ``flag_prefixes``: the flags ``--method-args`` may give it (its config's prefix otherwise);
+    ``log_keys``: the Trainer log keys a run records (None: its regularizer's)."""
 
     name: str
     help: str
@@ -52,31 +64,51 @@ class Method:
     mt_defaults: Tuple[Tuple[str, ...], ...] = ()
     required: Tuple[str, ...] = ()
     check: Optional[Callable[[Any], None]] = None
+    min_epochs: Optional[Callable[[Any], int]] = None
+    recorded: Optional[Callable[[Any], dict]] = None
+    fairseq_criterion: Optional[str] = None
+    fairseq_switch: Optional[str] = None
+    trainer: str = "AttnRegTrainer"
+    heldout: bool = False
+    flag_prefixes: Tuple[str, ...] = ()
+    log_keys: Optional[Tuple[str, ...]] = None
+
+
+# How a regularizer trains. PLAN: it edits the attention calls of the training forward, its plan set
+# around the step (the attn_reg task's flags, AttnRegTrainer's keyword). OWN_PASSES: it runs passes of
+# its own (AD-DROP's attribution pass, R-Drop's and HiddenCut's second pass, AttendOut's Attacker), in a
+# fairseq criterion (AttendOut: the task) and a Trainer of its own, named by its methods.
+PLAN = "plan"
+OWN_PASSES = "own passes"
 
 
 @dataclass(frozen=True)
 class Regularizer:
-    """One regularizer of the training forward: its options, its plan, its log and its methods.
+    """One regularizer: its options, how it trains, its log and its methods.
 
-    ``key``: the HF trainers' keyword (``AttnRegTrainer(layerdrop=AttentionLayerDropConfig(...))``) and the name the
-    adapters keep it under. ``name``: as the papers name it, in messages; ``named(config)`` may name a
-    variant (DropKey is scheduled dropout's ``dropkey:RATE``). ``switch``: the config field that turns it
-    on (a config is on when ``config.enabled``). ``build(config, controller)``: the running regularizer
-    (``.config``, ``.sites``, ``.hooks(update)``, ``.logged(update)``). ``counted``: the names of the
-    two counts the kernel returns, logged in fairseq as ``log_prefix + "_" + name``; ``counts_calls``:
-    they count layer calls (a call made uniform), not units. ``variants``: every name ``named`` may give."""
+    ``key``: the HF trainers' keyword (``AttnRegTrainer(layerdrop=AttentionLayerDropConfig(...))``,
+    ``ADDropTrainer(ad_drop=ADDropConfig(...))``) and the name the adapters keep it under. ``name``: as
+    the papers name it, in messages; ``named(config)`` may name a variant (DropKey is scheduled
+    dropout's ``dropkey:RATE``). ``passes``: :data:`PLAN` or :data:`OWN_PASSES`. A plan regularizer's
+    ``switch`` is the config field that turns it on (a config is on when ``config.enabled``) and
+    ``build(config, controller)`` its running object (``.config``, ``.sites``, ``.hooks(update)``,
+    ``.logged(update)``); ``counted``: the names of the two counts the kernel returns, logged in fairseq
+    as ``log_prefix + "_" + name``; ``counts_calls``: they count layer calls (a call made uniform), not
+    units. A regularizer of its own passes is turned on by choosing its criterion or Trainer (no
+    switch, nothing built here). ``variants``: every name ``named`` may give."""
 
     key: str
     name: str
     config: type
     switch: str
-    build: Callable[[Any, Any], Any]
+    build: Optional[Callable[[Any, Any], Any]]
     log_prefix: str
     counted: Tuple[str, str] = ("dropped", "units")
     counts_calls: bool = False
     methods: Tuple[Method, ...] = ()
     named: Optional[Callable[[Any], str]] = None
     variants: Tuple[str, ...] = ()
+    passes: str = PLAN
 
     def name_of(self, config) -> str:
         """The regularizer ``config`` turns on, as :mod:`.combinations` names it."""
@@ -105,6 +137,10 @@ _FLAG = re.compile(r"[a-z][a-z0-9_]*")
 def register(regularizer: Regularizer) -> Regularizer:
     """Add ``regularizer`` to the registry (every adapter and command that loops over regularizers sees
     it). Refused, naming the clash, when its key, a name, a method or a flag prefix is already taken."""
+    if regularizer.passes not in (PLAN, OWN_PASSES):
+        raise ValueError(f"Regularizer.passes must be {PLAN!r} or {OWN_PASSES!r}, got {regularizer.passes!r}")
+    if regularizer.passes == PLAN and (regularizer.build is None or not regularizer.switch):
+        raise ValueError(f"regularizer {regularizer.name!r}: a plan regularizer needs its switch and build")
     if not _FLAG.fullmatch(regularizer.key):
         raise ValueError(f"Regularizer.key must be a Python keyword-like name (a-z, 0-9, _), got {regularizer.key!r}")
     for other in _REGISTRY.values():
@@ -125,18 +161,27 @@ def register(regularizer: Regularizer) -> Regularizer:
     return regularizer
 
 
-def _order(regularizer: Regularizer) -> Tuple[int, int]:
-    """The plugin's in :data:`PLUGIN_MODULES`' order (whichever was imported first), then the others as registered."""
-    module = regularizer.config.__module__.rpartition(".")[2]
-    plugin = PLUGIN_MODULES.index(module) if regularizer.config.__module__.startswith(__package__ + ".") else None
-    return (plugin if plugin is not None else len(PLUGIN_MODULES), list(_REGISTRY).index(regularizer.key))
+def _order(regularizer: Regularizer) -> Tuple[int, int, int]:
+    """Those of their own passes first, then the plan regularizers; within each, the plugin's in
+    :data:`PLUGIN_MODULES`' order (whichever was imported first), then the others as registered."""
+    module = regularizer.config.__module__
+    home = module[len(__package__) + 1 :] if module.startswith(__package__ + ".") else None
+    plugin = PLUGIN_MODULES.index(home) if home in PLUGIN_MODULES else len(PLUGIN_MODULES)
+    return (regularizer.passes == PLAN, plugin, list(_REGISTRY).index(regularizer.key))
 
 
 def registered() -> Tuple[Regularizer, ...]:
-    """The registered regularizers, in the order they were registered (the plugin's first)."""
+    """Every registered regularizer: those of their own passes, then the plan ones (each group the
+    plugin's first, in :data:`PLUGIN_MODULES`' order)."""
     _load_plugin_regularizers()
     load_extensions()
     return _ordered()
+
+
+def planned() -> Tuple[Regularizer, ...]:
+    """The registered regularizers that edit the training forward by a plan (:data:`PLAN`): the attn_reg
+    task's flags and ``AttnRegTrainer``'s keywords."""
+    return tuple(r for r in registered() if r.passes == PLAN)
 
 
 @functools.cache
@@ -162,32 +207,11 @@ def by_key(key: str) -> Regularizer:
 
 
 def methods() -> Dict[str, Tuple[Regularizer, Method]]:
-    """Every registered regularizer's comparison methods by name, in the order of their names."""
-    return dict(sorted((m.name, (r, m)) for r in registered() for m in r.methods))
-
-
-# The comparison commands' methods, in the one order both commands list them: plain, the regularizers
-# that run passes of their own (AD-DROP, AttendOut, R-Drop, HiddenCut: each command binds such a name to
-# how its framework trains it, a fairseq criterion or a Trainer), every registered regularizer's methods
-# by name, then the one combination the plugin allows (R-Drop over AD-DROP's masked pass).
-OWN_PASS_METHODS = ("ad-drop", "attendout", "r-drop", "hiddencut")
-COMBINED_METHODS = ("ad-drop-r-drop",)
-
-
-def method_names() -> Tuple[str, ...]:
-    """Every comparison method's name, in the commands' order."""
-    return ("plain", *OWN_PASS_METHODS, *methods(), *COMBINED_METHODS)
-
-
-def method_table(bound: Mapping[str, Any], from_registry: Callable[[Regularizer, Method], Any]) -> Dict[str, Any]:
-    """A command's method table in :func:`method_names`' order: ``bound`` gives the command's own
-    entries for plain, the own-pass methods and the combination (all of them, nothing else);
-    ``from_registry(regularizer, method)`` makes a registry method's."""
-    own = {"plain", *OWN_PASS_METHODS, *COMBINED_METHODS}
-    if set(bound) != own:
-        raise ValueError(f"a method table binds exactly {sorted(own)}, got {sorted(bound)}")
-    registry = methods()
-    return {name: bound[name] if name in own else from_registry(*registry[name]) for name in method_names()}
+    """Every registered regularizer's comparison methods by name: those of the regularizers of their own
+    passes in the registry's order, then the plan regularizers' in the order of their names."""
+    own = [(m.name, (r, m)) for r in registered() if r.passes == OWN_PASSES for m in r.methods]
+    plan = sorted((m.name, (r, m)) for r in registered() if r.passes == PLAN for m in r.methods)
+    return dict(own + plan)
 
 
 _LOADED: List[str] = []
@@ -219,7 +243,15 @@ def load_extensions() -> None:
 
 # The plugin's own regularizers: each module declares and registers its own, imported on the registry's
 # first read (they import this module).
-PLUGIN_MODULES = ("scheduled_dropout", "layerdrop", "drophead")
+PLUGIN_MODULES = (
+    "ad_drop_config",
+    "attendout.config",
+    "rdrop",
+    "hiddencut",
+    "scheduled_dropout",
+    "layerdrop",
+    "drophead",
+)
 
 
 @functools.cache

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..options import RegularizerOptions, attention_option, layers_option, option
+from ..registry import OWN_PASSES, Method, Regularizer, register
 
 logger = logging.getLogger(__name__)
 
@@ -88,3 +89,30 @@ def generator_positions(config: AttendOutConfig, model_max_length: Optional[int]
             config.name("max_positions"), model_max_length, mib, config.name("max_positions"),
         )  # fmt: skip
     return model_max_length if model_max_length else DEFAULT_MAX_POSITIONS
+
+
+REGULARIZER = register(
+    Regularizer(
+        "attendout",
+        "AttendOut",
+        AttendOutConfig,
+        "",
+        None,
+        "attendout",
+        passes=OWN_PASSES,
+        methods=(
+            Method(
+                "attendout",
+                "AttendOut (Defender, Attacker and Generator; held-out samples: the dev set); classifiers a "
+                "dropout step every 4 updates, translation the plugin's defaults",
+                {"dropout_step": 4},
+                mt_defaults=(("--attendout",),),
+                fairseq_switch="--attendout",
+                trainer="AttendOutTrainer",
+                heldout=True,
+                flag_prefixes=("--attendout",),
+                log_keys=(),
+            ),
+        ),
+    )
+)

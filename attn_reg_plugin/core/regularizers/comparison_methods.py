@@ -1,0 +1,75 @@
+"""The comparison commands' methods, from the registry alone.
+
+``attn-reg-mt-compare`` and ``attn-reg-cls-compare`` list the same methods in one order: plain, every
+registered regularizer's methods (:func:`.registry.methods`: those of their own passes, then the plan
+regularizers' by name), then each combination the plugin allows (:data:`.combinations.COMBINATIONS`).
+Each command turns a :class:`ComparisonMethod` into how its framework trains it (a fairseq-train
+criterion and flags, a Trainer class and keywords) with one function (:func:`method_table`); no command
+names a regularizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Tuple
+
+from .combinations import COMBINATIONS
+from .registry import Method, Regularizer, methods
+
+
+@dataclass(frozen=True)
+class ComparisonMethod:
+    """A method and the regularizers it turns on, each with the method whose options it takes: one for a
+    regularizer's own method, several for a combination."""
+
+    method: Method
+    parts: Tuple[Tuple[Regularizer, Method], ...]
+
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+    @property
+    def mt_defaults(self) -> Tuple[Tuple[str, ...], ...]:
+        """Its fairseq-train flag groups: a combination's are its parts'."""
+        if len(self.parts) == 1:
+            return self.method.mt_defaults
+        return tuple(group for _, part in self.parts for group in part.mt_defaults)
+
+    @property
+    def required(self) -> Tuple[str, ...]:
+        return tuple(flag for _, part in self.parts for flag in part.required)
+
+    @property
+    def flag_prefixes(self) -> Tuple[str, ...]:
+        """The flags its ``--method-args`` may give: each part's."""
+        return tuple(p for r, part in self.parts for p in (part.flag_prefixes or (r.config.FLAG_PREFIX,)))
+
+    @property
+    def log_keys(self) -> Tuple[str, ...]:
+        """The Trainer log keys a run records: each part's."""
+        keys = (k for r, part in self.parts for k in (r.log_keys() if part.log_keys is None else part.log_keys))
+        return tuple(dict.fromkeys(keys))
+
+
+def comparison_methods() -> Dict[str, ComparisonMethod]:
+    """Every method but plain, in the commands' order."""
+    registry = methods()
+    own = {name: ComparisonMethod(method, ((regularizer, method),)) for name, (regularizer, method) in registry.items()}
+    combined = {
+        c.method.name: ComparisonMethod(c.method, tuple(registry[part] for part in c.parts))
+        for c in COMBINATIONS
+        if c.method is not None and all(part in registry for part in c.parts)
+    }
+    return {**own, **combined}
+
+
+def method_names() -> Tuple[str, ...]:
+    """Every comparison method's name, in the commands' order."""
+    return ("plain", *comparison_methods())
+
+
+def method_table(plain: Any, make: Callable[[ComparisonMethod], Any]) -> Dict[str, Any]:
+    """A command's method table in :func:`method_names`' order: ``plain``, the command's reference, and
+    ``make(method)`` for every other."""
+    return {"plain": plain, **{name: make(method) for name, method in comparison_methods().items()}}
