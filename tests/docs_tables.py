@@ -28,23 +28,10 @@ def options_table(config_cls) -> str:
 
 
 def _configs():
-    from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
-    from attn_reg_plugin.core.regularizers.attendout.config import AttendOutConfig
-    from attn_reg_plugin.core.regularizers.drophead import DropHeadConfig
-    from attn_reg_plugin.core.regularizers.hiddencut import HiddenCutConfig
-    from attn_reg_plugin.core.regularizers.layerdrop import AttentionLayerDropConfig
-    from attn_reg_plugin.core.regularizers.rdrop import RDropConfig
-    from attn_reg_plugin.core.regularizers.scheduled_dropout import ScheduledDropoutConfig
+    """Every registered regularizer's config (an ``<!-- options: ConfigName -->`` marker names one)."""
+    from attn_reg_plugin.core.regularizers.registry import registered
 
-    return [
-        ADDropConfig,
-        AttendOutConfig,
-        ScheduledDropoutConfig,
-        AttentionLayerDropConfig,
-        DropHeadConfig,
-        RDropConfig,
-        HiddenCutConfig,
-    ]
+    return [regularizer.config for regularizer in registered()]
 
 
 def _table_for(marker: str):

@@ -49,6 +49,14 @@ class ADDropCriterionMixin(RegularizingCriterion):
     def attach_attention_sites(self, controller) -> None:
         self.ad_drop = ADDrop(self.ad_drop_config, controller)
 
+    def configs(self):
+        return (self.ad_drop_config,)
+
+    def begin_epoch(self, epoch: int) -> str:
+        schedule = self.ad_drop_config.schedule
+        phase = "AD-DROP" if ad_drop_epoch(schedule, epoch) else "plain"
+        return f"epoch {epoch}: {phase} (--ad-drop-schedule {schedule})"
+
     def attribution_target(self, model, sample):
         """(net_output, labels) -> (F, labels), see core.attribution."""
         raise NotImplementedError

@@ -33,15 +33,18 @@ scale drops, A drops that update's gradients and cached masks too, and the updat
 towards T (A and D see the retried batch once each). A's own overflow skips A's step, as above.
 """
 
+import contextlib
+import dataclasses
 import logging
 import math
-from typing import Callable, Dict, Optional
+from dataclasses import field
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 from fairseq import metrics, optim, utils
 
 from ..core.kernel.controller import RegularizationController
-from ..core.regularizers.attendout.config import AttendOutConfig
+from ..core.regularizers.attendout.config import AttendOutConfig, generator_positions
 from ..core.regularizers.attendout.duel import build_attacker, end_dropout_step, scaler_skipped_step
 from ..core.regularizers.attendout.game import AttendOut
 from ..core.regularizers.attendout.generator import Generator
@@ -51,16 +54,18 @@ from ..core.regularizers.attendout.sync import copy_model_state, copy_optimizer_
 from ..core.regularizers.attribution_pass import bare_module
 from ..core.training.distributed import all_reduce_sum_, from_rank0, is_distributed, rank
 from .attendout_checkpoint import (
+    check_fairseq_supports_task_state,
     loaded_checkpoint_path,
     read_attendout_state,
     restored_message,
 )
 from .attention import install_attention_sites
+from .task_regularizers import TaskBinding, TaskRunner, bind_to_task, whole_config
 
 logger = logging.getLogger(__name__)
 
 
-class FairseqAttendOut:
+class FairseqAttendOut(TaskRunner):
     """The Attacker, its optimizer and the game, for one fairseq task."""
 
     def __init__(
@@ -91,6 +96,23 @@ class FairseqAttendOut:
         self.defender_optimizer = None  # D's (fairseq's) optimizer, whose param-group settings A follows
         self.defender_loaded = False  # set when fairseq loads D's weights from a checkpoint
         self.training_began = False
+        self.criterion = None  # the step's criterion: the held-out evaluation after the optimizer step needs it
+
+    # -- the task's calls (TaskRunner) ----------------------------------------------------
+    def begin_epoch(self, task, epoch: int) -> None:
+        # After fairseq's load_checkpoint: the game resumes from it, whatever the --reset-* flags.
+        self.begin_training(type(task).__name__)
+        self.heldout_dataset(task)
+
+    def after_train_step(self, task, sample, model, criterion, optimizer, update_num, ignore_grad) -> dict:
+        self.criterion = criterion
+        return self.train_attacker(sample, model, criterion, optimizer, update_num, ignore_grad)
+
+    @contextlib.contextmanager
+    def around_optimizer_step(self, task, optimizer, model, update_num) -> Iterator[None]:
+        scale_before = self.defender_scale(optimizer)
+        yield
+        self.after_optimizer_step(model, optimizer, self.criterion, task, update_num, scale_before)
 
     # -- set-up ---------------------------------------------------------------------------
     def validate_against(self, controller: RegularizationController) -> None:
@@ -381,6 +403,7 @@ def _copy_network(source, source_optimizer, destination, destination_optimizer) 
 
 
 def reduce_attendout_metrics(logging_outputs) -> None:
+    """AttendOut's training metrics: the Attacker's loss, its skipped steps, the per-layer drop probability."""
     steps = [log for log in logging_outputs if "attendout_attacker_loss" in log]
     if not steps:
         return
@@ -394,3 +417,89 @@ def reduce_attendout_metrics(logging_outputs) -> None:
     # The generator's mean drop probability per selected layer (paper Fig. 3), per batch.
     for key in sorted(k for k in steps[0] if k.startswith("attendout_p_")):
         metrics.log_scalar(key, utils.item(sum(log[key] for log in steps)) / len(steps), len(steps), round=4)
+
+
+def _validate(cfg) -> None:
+    """AttendOut's options, on or off (a bad value is refused either way), and what a run of it needs."""
+    AttendOutConfig.from_namespace(cfg).validate()
+    if not 0 <= cfg.attendout_clip_norm < math.inf:  # also refuses nan
+        raise ValueError(f"--attendout-clip-norm must be a finite number >= 0, got {cfg.attendout_clip_norm!r}")
+    if cfg.attendout:
+        check_fairseq_supports_task_state()
+
+
+def _build(task, model, config: AttendOutConfig) -> FairseqAttendOut:
+    """The task's AttendOut, once its model (the Defender) is built; the layers and kinds are checked."""
+    cfg = task.cfg
+    # Unset, the generator covers every sequence the model takes (source and target alike).
+    lengths = [n for n in _flat(model.max_positions()) if isinstance(n, int) and n > 0]
+    positions = generator_positions(config, max(lengths, default=None))
+    attendout = FairseqAttendOut(
+        dataclasses.replace(config, max_positions=positions),
+        cfg.attendout_clip_norm,
+        cfg.attendout_valid_subset,
+        cfg.attendout_log_file,
+        task.attendout_heldout_logits,
+        task.attendout_streams,
+        task.attendout_generator_vocab(),
+        whole_config(cfg),
+    )
+    attendout.validate_against(task.attn_reg_controller)
+    # Tells AttendOut that fairseq loaded the Defender from a checkpoint (begin_training).
+    model.register_load_state_dict_post_hook(_note_defender_loaded(attendout))
+    return attendout
+
+
+def _flat(value):
+    """The numbers of a model's max_positions(): an int, or a tuple of them (source, target)."""
+    return [n for item in value for n in _flat(item)] if isinstance(value, (tuple, list)) else [value]
+
+
+def _note_defender_loaded(attendout: FairseqAttendOut):
+    def hook(module, incompatible_keys):
+        if not attendout.training_began:  # not the Attacker (a copy of D, hooks included) loading its state
+            attendout.defender_loaded = True
+
+    return hook
+
+
+bind_to_task(
+    TaskBinding(
+        "attendout",
+        (
+            "attendout",
+            bool,
+            field(default=False, metadata={"help": "train with AttendOut (Defender/Attacker + learned score dropout)"}),
+        ),
+        (
+            (
+                "attendout_clip_norm",
+                float,
+                field(
+                    default=0.0,
+                    metadata={
+                        "help": "gradient clipping of the Attacker (fairseq does not pass --clip-norm to tasks: use the same value), >= 0"
+                    },
+                ),
+            ),
+            (
+                "attendout_valid_subset",
+                str,
+                field(default="valid", metadata={"help": "dataset split the held-out samples are drawn from"}),
+            ),
+            (
+                "attendout_log_file",
+                str,
+                field(
+                    default="",
+                    metadata={
+                        "help": "append one JSON line per dropout step (per-layer mean drop probability, reward) to this file"
+                    },
+                ),
+            ),
+        ),
+        _validate,
+        _build,
+        reduce_attendout_metrics,
+    )
+)

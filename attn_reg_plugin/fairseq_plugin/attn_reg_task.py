@@ -4,82 +4,58 @@ The registered tasks, one file each: ``attn_reg_translation`` and ``attn_reg_sen
 are fairseq's ``translation`` and ``sentence_prediction`` tasks plus these duties: after the model is built, every
 MultiheadAttention is routed through the core kernel (no new parameters); ``begin_epoch``
 records the 1-based epoch that cross-tuning reads; and the regularizers that need no special
-criterion run in ``train_step``: AttendOut (``--attendout``) and every regularizer of the registry
-(:mod:`..core.regularizers.registry`, the plugin's and any registered outside the package), each with its flags.
-Validation and generation are untouched.
+criterion run around ``train_step``, each with its flags: every plan regularizer of the registry
+(:mod:`..core.regularizers.registry`, the plugin's and any registered outside the package) and every
+regularizer of its own passes bound to the task (:mod:`.task_regularizers`: AttendOut's Attacker). The
+task loops over them by key (``attn_reg_active``) and names none. Validation and generation are untouched.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import logging
-import math
-from dataclasses import field
 from typing import Dict, Tuple
 
 from fairseq import metrics, utils
 from omegaconf import OmegaConf, open_dict
 
 from ..core.kernel.controller import RegularizationController
-from ..core.regularizers.ad_drop_config import ad_drop_epoch
-from ..core.regularizers.attendout import AttendOutConfig
-from ..core.regularizers.attendout.config import generator_positions
-from ..core.regularizers.combinations import AD_DROP, ATTENDOUT, check_combination
+from ..core.regularizers.combinations import check_combination
 from ..core.regularizers.options import attribute_prefix
-from ..core.regularizers.registry import planned, planned_hooks, running
-from .attendout import FairseqAttendOut, reduce_attendout_metrics
-from .attendout_checkpoint import check_fairseq_supports_task_state
+from ..core.regularizers.registry import PLAN, planned, planned_hooks, running
 from .attention import install_attention_sites
 from .criterion import RegularizingCriterion
 from .options import fairseq_options
 from .planned_run import warn_if_idle
+from .task_regularizers import TASK_BINDINGS, binding_of, task_regularizers, whole_config
 
 logger = logging.getLogger(__name__)
 
-# Flags of the task-level regularizers: the core configs' fields, defaults and help
-# (core.options), after the switches and settings that exist only in fairseq.
+# Flags of the task's regularizers: the core configs' fields, defaults and help (core.options), after the
+# switches and settings that exist only in fairseq (a bound regularizer's, e.g. --attendout).
 AttnRegTaskOptions = fairseq_options(
     "AttnRegTaskOptions",
-    [AttendOutConfig, *(regularizer.config for regularizer in planned())],
+    [regularizer.config for regularizer in task_regularizers()],
     extra=[
-        (
-            "attendout",
-            bool,
-            field(default=False, metadata={"help": "train with AttendOut (Defender/Attacker + learned score dropout)"}),
-        ),
-        (
-            "attendout_clip_norm",
-            float,
-            field(
-                default=0.0,
-                metadata={
-                    "help": "gradient clipping of the Attacker (fairseq does not pass --clip-norm to tasks: use the same value), >= 0"
-                },
-            ),
-        ),
-        (
-            "attendout_valid_subset",
-            str,
-            field(default="valid", metadata={"help": "dataset split the held-out samples are drawn from"}),
-        ),
-        (
-            "attendout_log_file",
-            str,
-            field(
-                default="",
-                metadata={
-                    "help": "append one JSON line per dropout step (per-layer mean drop probability, reward) to this file"
-                },
-            ),
-        ),
+        option
+        for binding in (binding_of(r) for r in task_regularizers())
+        if binding is not None
+        for option in (binding.switch, *binding.extra)
     ],
 )
 
 
 def task_regularizers_on(cfg) -> Dict[str, str]:
-    """The task-level regularizers this run turns on (each validated first), each with its flag."""
-    configs = [(regularizer, regularizer.config.from_namespace(cfg).validate()) for regularizer in planned()]
-    on = {ATTENDOUT: "--attendout"} if getattr(cfg, "attendout", False) else {}
-    for regularizer, config in configs:
+    """The task's regularizers this run turns on (each plan regularizer's options validated first), each
+    with its flag."""
+    on = {}
+    for regularizer in task_regularizers():
+        binding = binding_of(regularizer)
+        if binding is not None:
+            if binding.on(cfg):
+                on[regularizer.name] = binding.flag
+            continue
+        config = regularizer.config.from_namespace(cfg).validate()
         if config.enabled:
             on[regularizer.name_of(config)] = config.name(regularizer.switch)
     return on
@@ -92,14 +68,6 @@ def refuse_task_regularizers_beside(criterion_name: str, task, regularizers: Tup
     check_combination({**criterion, **task_regularizers_on(task.cfg)})
 
 
-def _switches():
-    """Each task regularizer's switch: (its config, the field that turns it on; None: fairseq's --attendout)."""
-    return ((AttendOutConfig, None), *((r.config, r.switch) for r in planned()))
-
-
-_ATTENDOUT_EXTRAS = ("attendout_clip_norm", "attendout_valid_subset", "attendout_log_file")
-
-
 def _refuse_options_of_what_is_off(cfg) -> None:
     """An option of a task regularizer that is off, given another value than its default, would do
     nothing, silently (a forgotten switch trained plain, its layers unchecked): on
@@ -107,19 +75,21 @@ def _refuse_options_of_what_is_off(cfg) -> None:
     regularizer off with one override: its other options there get one warning line naming them."""
     defaults = {f.name: f.default for f in dataclasses.fields(AttnRegTaskOptions)}
     command_line = _from_the_command_line(cfg)
-    for config_cls, switch in _switches():
+    for regularizer in task_regularizers():
+        config_cls, switch, binding = regularizer.config, regularizer.switch, binding_of(regularizer)
         config = config_cls.from_namespace(cfg)
-        if getattr(cfg, "attendout", False) if switch is None else config.enabled:
+        if binding.on(cfg) if binding is not None else config.enabled:
             continue
         attributes = [attribute_prefix(config_cls) + f.name for f in dataclasses.fields(config_cls) if f.name != switch]
+        extra = [option[0] for option in binding.extra] if binding is not None else []
         given = [
             (attribute, getattr(cfg, attribute, defaults[attribute]))
-            for attribute in attributes + list(_ATTENDOUT_EXTRAS if switch is None else ())
+            for attribute in attributes + extra
             if _normalized(getattr(cfg, attribute, defaults[attribute])) != _normalized(defaults[attribute])
         ]
-        switch_attribute = "attendout" if switch is None else attribute_prefix(config_cls) + switch
+        switch_attribute = binding.switch[0] if binding is not None else attribute_prefix(config_cls) + switch
         if given and command_line:
-            (attribute, value), turn_on = given[0], "--attendout" if switch is None else config.name(switch)
+            (attribute, value), turn_on = given[0], binding.flag if binding is not None else config.name(switch)
             flag = "--" + attribute.replace("_", "-")
             raise ValueError(
                 f"{flag} is {value!r}, but {turn_on} leaves its regularizer off, so it would have no effect: "
@@ -139,7 +109,7 @@ def _from_the_command_line(cfg) -> bool:
     node (every architecture of the attn_reg tasks is registered the legacy way, with flags), in the
     processes it spawns too; fairseq-hydra-train's model node is a config node. A task built from a
     plain namespace (no config around it) counts as the command line's."""
-    root = _whole_config(cfg)
+    root = whole_config(cfg)
     return root is None or isinstance(root.get("model"), argparse.Namespace)
 
 
@@ -149,23 +119,14 @@ def _normalized(value):
 
 def _validate_task_options(cfg):
     """Value checks that need no model; run when the task is set up (before any data is read)."""
-    AttendOutConfig.from_namespace(cfg).validate()
-    if not 0 <= cfg.attendout_clip_norm < math.inf:  # also refuses nan
-        raise ValueError(f"--attendout-clip-norm must be a finite number >= 0, got {cfg.attendout_clip_norm!r}")
+    for binding in (binding_of(r) for r in task_regularizers()):
+        if binding is not None:
+            binding.validate(cfg)
     enabled = task_regularizers_on(cfg)
     _refuse_options_of_what_is_off(cfg)
     check_combination(enabled)
     if enabled:
         refuse_unsupported_training(cfg, next(iter(enabled.values())))
-    if cfg.attendout:
-        check_fairseq_supports_task_state()
-
-
-def _whole_config(cfg):
-    """fairseq-train's whole config, reached from the task's node (fairseq hands tasks ``cfg.task``
-    only); None when the task is built from a plain namespace."""
-    get_root = getattr(cfg, "_get_root", None)
-    return get_root() if callable(get_root) else None
 
 
 def store_model_args_as_config(cfg, model_args) -> None:
@@ -180,7 +141,7 @@ def store_model_args_as_config(cfg, model_args) -> None:
     Only fairseq-train's own model node is replaced (not a checkpoint's, e.g. in fairseq-generate),
     after the model was built from it.
     """
-    root = _whole_config(cfg)
+    root = whole_config(cfg)
     if root is None or not isinstance(model_args, argparse.Namespace) or root.get("model") is not model_args:
         return
     with open_dict(root):
@@ -189,7 +150,7 @@ def store_model_args_as_config(cfg, model_args) -> None:
 
 def refuse_unsupported_training(cfg, regularizer_option: str) -> None:
     """Training set-ups the regularizers cannot honour, refused when the task is set up."""
-    root = _whole_config(cfg)
+    root = whole_config(cfg)
     if root is None or "distributed_training" not in root:
         return
     if root.distributed_training.get("ddp_backend") == "fully_sharded":
@@ -207,15 +168,21 @@ class AttnRegTaskMixin:
 
     attn_reg_epoch: int = 1
     attn_reg_controller: RegularizationController = None
-    attn_reg_active: Dict[str, object] = {}  # the registry's regularizers this run turns on, by key, running
-    attn_reg_attendout: FairseqAttendOut = None
-    attn_reg_ad_drop_config = None  # set by an ad_drop criterion: the epoch's phase is logged
+    # the task's regularizers this run turns on, by registry key: a plan regularizer's running object, or a
+    # bound regularizer's TaskRunner (at most one runs: core.combinations)
+    attn_reg_active: Dict[str, object] = {}
+    attn_reg_criterion: RegularizingCriterion = None  # the plugin's criterion, when the run trains with one
     attn_reg_train_batches = None  # this worker's training batches per epoch, once fairseq-train batched them
     attn_reg_plan_checked = False
 
     def attn_reg_setup(self) -> None:
         """Call at the end of the task's __init__: validates the regularizer options."""
         _validate_task_options(self.cfg)
+
+    @property
+    def attn_reg_attendout(self):
+        """AttendOut's running object (None when off): ``attn_reg_active["attendout"]``."""
+        return self.attn_reg_active.get("attendout")
 
     # -- subclasses say how AttendOut reads a batch ---------------------------------------
     def attendout_streams(self, sample):
@@ -244,31 +211,14 @@ class AttnRegTaskMixin:
         return model
 
     def _build_task_regularizers(self, model) -> None:
-        cfg = self.cfg
-        # Selecting the sites here checks layers and kinds against the model, before training.
+        """Building each checks its layers and kinds against the model, before training."""
         self.attn_reg_active = {}
-        for regularizer in planned():
-            config = regularizer.config.from_namespace(cfg)
-            if config.enabled:
+        for regularizer in task_regularizers():
+            config, binding = regularizer.config.from_namespace(self.cfg), binding_of(regularizer)
+            if binding is None and config.enabled:
                 self.attn_reg_active[regularizer.key] = regularizer.build(config, self.attn_reg_controller)
-        if cfg.attendout:
-            config = AttendOutConfig.from_namespace(cfg)
-            # Unset, the generator covers every sequence the model takes (source and target alike).
-            lengths = [n for n in _flat(model.max_positions()) if isinstance(n, int) and n > 0]
-            positions = generator_positions(config, max(lengths, default=None))
-            self.attn_reg_attendout = FairseqAttendOut(
-                dataclasses.replace(config, max_positions=positions),
-                cfg.attendout_clip_norm,
-                cfg.attendout_valid_subset,
-                cfg.attendout_log_file,
-                self.attendout_heldout_logits,
-                self.attendout_streams,
-                self.attendout_generator_vocab(),
-                _whole_config(cfg),
-            )
-            self.attn_reg_attendout.validate_against(self.attn_reg_controller)
-            # Tells AttendOut that fairseq loaded the Defender from a checkpoint (begin_training).
-            model.register_load_state_dict_post_hook(_note_defender_loaded(self.attn_reg_attendout))
+            elif binding is not None and binding.on(self.cfg):
+                self.attn_reg_active[regularizer.key] = binding.build(self, model, config)
 
     def build_criterion(self, cfg, *args, **kwargs):
         criterion = super().build_criterion(cfg, *args, **kwargs)
@@ -281,8 +231,7 @@ class AttnRegTaskMixin:
                 raise RuntimeError("attn_reg_plugin: the model must be built before the criterion")
             refuse_unsupported_training(self.cfg, f"--criterion {criterion_name}")
             criterion.attach_attention_sites(self.attn_reg_controller)  # validates layers / kinds against the model
-        if AD_DROP in criterion.regularizers:
-            self.attn_reg_ad_drop_config = criterion.ad_drop_config
+        self.attn_reg_criterion = criterion
         return criterion
 
     def begin_epoch(self, epoch, model):
@@ -290,26 +239,30 @@ class AttnRegTaskMixin:
         self.attn_reg_epoch = epoch
         if not self.attn_reg_plan_checked:  # the first epoch of this process, before its first update
             self.attn_reg_plan_checked = True
-            warn_if_idle(logger, self._attn_reg_configs(), _whole_config(self.cfg), self.attn_reg_train_batches)
-        if self.attn_reg_ad_drop_config is not None:
-            # The phase is in every metric line too (ad_drop_on), but only once an update is logged.
-            schedule = self.attn_reg_ad_drop_config.schedule
-            phase = "AD-DROP" if ad_drop_epoch(schedule, epoch) else "plain"
-            logger.info(f"epoch {epoch}: {phase} (--ad-drop-schedule {schedule})")
-        if self.attn_reg_attendout is not None:
-            # After fairseq's load_checkpoint: the game resumes from it, whatever the --reset-* flags.
-            self.attn_reg_attendout.begin_training(type(self).__name__)
-            self.attn_reg_attendout.heldout_dataset(self)
+            warn_if_idle(logger, self._attn_reg_configs(), whole_config(self.cfg), self.attn_reg_train_batches)
+        if self.attn_reg_criterion is not None:
+            # e.g. AD-DROP's phase: in every metric line too (ad_drop_on), but only once an update is logged
+            line = self.attn_reg_criterion.begin_epoch(epoch)
+            if line:
+                logger.info(line)
+        for runner in self._bound_runners():
+            runner.begin_epoch(self, epoch)
+
+    def _bound_items(self):
+        """(key, runner) of the running regularizers of their own passes (each a TaskRunner)."""
+        return [(r.key, runner) for r, runner in running(self.attn_reg_active) if r.passes != PLAN]
+
+    def _bound_runners(self):
+        return [runner for _, runner in self._bound_items()]
 
     def _attn_reg_configs(self):
-        """The configs of the run's regularizers (at most one; AD-DROP's from the criterion)."""
-        regularizers = (self.attn_reg_attendout, *self.attn_reg_active.values())
-        configs = [r.config for r in regularizers if r is not None]
-        return configs + ([self.attn_reg_ad_drop_config] if self.attn_reg_ad_drop_config is not None else [])
+        """The configs of the run's regularizers (at most one; a criterion's from the criterion)."""
+        configs = [runner.config for runner in self.attn_reg_active.values()]
+        return configs + (list(self.attn_reg_criterion.configs()) if self.attn_reg_criterion is not None else [])
 
     def get_batch_iterator(self, dataset, *args, **kwargs):
         itr = super().get_batch_iterator(dataset, *args, **kwargs)
-        root = _whole_config(self.cfg)
+        root = whole_config(self.cfg)
         if root is not None and "dataset" in root and dataset is self.datasets.get(root.dataset.train_subset):
             self.attn_reg_train_batches = len(itr)  # the planned run's updates per epoch
         return itr
@@ -317,42 +270,45 @@ class AttnRegTaskMixin:
     # -- training -------------------------------------------------------------------------
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
         active = running(self.attn_reg_active)
-        hooks = planned_hooks(active, update_num)
+        planned = [(regularizer, runner) for regularizer, runner in active if regularizer.passes == PLAN]
+        hooks = planned_hooks(planned, update_num)
         # a checkpointed layer (--checkpoint-activations) carries these hooks (and AD-DROP's) to its recompute
         with self.attn_reg_controller.hooks(hooks) as record:
             loss, sample_size, log = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
         for regularizer, runner in active:
-            # e.g. [dropped, real units] or [skipped, selected layer calls], counted by the kernel as it
-            # applied them; tensors, so no host-device sync inside the step (reduce_metrics sums them).
-            log.update(_step_log(regularizer, runner, regularizer.counts(record), update_num))
-        if self.attn_reg_attendout is not None:
-            self._attn_reg_criterion = criterion  # the held-out evaluation in optimizer_step needs it
-            log.update(
-                self.attn_reg_attendout.train_attacker(sample, model, criterion, optimizer, update_num, ignore_grad)
-            )
+            if regularizer.passes == PLAN:
+                # e.g. [dropped, real units] or [skipped, selected layer calls], counted by the kernel as it
+                # applied them; tensors, so no host-device sync inside the step (reduce_metrics sums them).
+                log.update(_step_log(regularizer, runner, regularizer.counts(record), update_num))
+            else:  # its own passes on the same batch (AttendOut's Attacker)
+                log.update(runner.after_train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad))
         return loss, sample_size, log
 
     def optimizer_step(self, optimizer, model, update_num):
-        attendout = self.attn_reg_attendout
-        scale_before = attendout.defender_scale(optimizer) if attendout is not None else None
-        super().optimizer_step(optimizer, model, update_num)
-        if attendout is not None:
-            attendout.after_optimizer_step(model, optimizer, self._attn_reg_criterion, self, update_num, scale_before)
+        with contextlib.ExitStack() as around:
+            for runner in self._bound_runners():
+                around.enter_context(runner.around_optimizer_step(self, optimizer, model, update_num))
+            super().optimizer_step(optimizer, model, update_num)
 
     def reduce_metrics(self, logging_outputs, criterion):
         super().reduce_metrics(logging_outputs, criterion)
-        reduce_attendout_metrics(logging_outputs)
+        for binding in TASK_BINDINGS.values():
+            binding.reduce_metrics(logging_outputs)
         reduce_task_regularizer_metrics(logging_outputs)
 
     # -- checkpoints ----------------------------------------------------------------------
     def get_checkpoint_dict(self):
-        state = self.attn_reg_attendout.state_dict() if self.attn_reg_attendout is not None else {}
-        return {type(self).__name__: {"attendout": state}} if state else {}
+        """Each bound runner's state under its key (``{"attendout": ...}``), in the task's entry."""
+        states = {key: runner.state_dict() for key, runner in self._bound_items()}
+        states = {key: state for key, state in states.items() if state}
+        return {type(self).__name__: states} if states else {}
 
     def set_checkpoint_dict(self, state):
-        """fairseq calls it on load only without --reset-dataloader; AttendOut.begin_training covers the rest."""
-        if self.attn_reg_attendout is not None and state.get("attendout"):
-            self.attn_reg_attendout.load_state_dict(state["attendout"])
+        """fairseq calls it on load only without --reset-dataloader; a runner's begin_epoch covers the rest
+        (AttendOut.begin_training)."""
+        for key, runner in self._bound_items():
+            if state.get(key):
+                runner.load_state_dict(state[key])
 
 
 def _log_rate(logging_outputs, key: str, part: str, whole: str) -> None:
@@ -393,16 +349,3 @@ def reduce_task_regularizer_metrics(logging_outputs) -> None:
         logged = (k for k in (steps[0] if n else ()) if k.startswith(prefix + "_") and k not in counts)
         for key in sorted(k for k in logged if k != f"{prefix}_steps"):
             metrics.log_scalar(key, utils.item(sum(log[key] for log in steps)) / n, n, round=4)
-
-
-def _flat(value):
-    """The numbers of a model's max_positions(): an int, or a tuple of them (source, target)."""
-    return [n for item in value for n in _flat(item)] if isinstance(value, (tuple, list)) else [value]
-
-
-def _note_defender_loaded(attendout: FairseqAttendOut):
-    def hook(module, incompatible_keys):
-        if not attendout.training_began:  # not the Attacker (a copy of D, hooks included) loading its state
-            attendout.defender_loaded = True
-
-    return hook

@@ -8,7 +8,7 @@ criterion whose passes edit attention calls (``edits_attention``) the task's con
 fairseq's own tasks (no regularizer of its own, no controller) a criterion trains as it is.
 """
 
-from typing import Tuple
+from typing import Optional, Sequence, Tuple
 
 
 class RegularizingCriterion:
@@ -22,3 +22,12 @@ class RegularizingCriterion:
         """Take the task's :class:`~..core.kernel.controller.RegularizationController` (its model's attention
         sites), once, before training; checks the criterion's options against the model."""
         raise NotImplementedError(f"{type(self).__name__} edits attention calls but takes no controller")
+
+    def configs(self) -> Sequence[object]:
+        """The configs of its regularizers (the planned-run warning reads them)."""
+        return ()
+
+    def begin_epoch(self, epoch: int) -> Optional[str]:
+        """Called by the attn_reg task at the start of every epoch; returns a line for its log, if any
+        (AD-DROP names the epoch's phase)."""
+        return None

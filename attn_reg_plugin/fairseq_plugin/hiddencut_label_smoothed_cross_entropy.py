@@ -49,9 +49,9 @@ from ..core.regularizers.hiddencut import (
     hiddencut_spans,
     js_consistency,
 )
-from .attn_reg_task import _whole_config
 from .criterion import RegularizingCriterion
 from .options import fairseq_options
+from .task_regularizers import whole_config
 
 NAME = "hiddencut_label_smoothed_cross_entropy"
 
@@ -83,7 +83,7 @@ def _encoder_option(model_cfg, key: str):
 def check_the_model_options(config: HiddenCutConfig, criterion_cfg) -> None:
     """What the criterion can check before training: the model is built, but only fairseq-train's config
     reaches the criterion (fairseq hands it ``cfg.criterion`` and the task, which keeps no model)."""
-    root = _whole_config(criterion_cfg)
+    root = whole_config(criterion_cfg)
     model_cfg = root.get("model") if root is not None else None
     if model_cfg is None:
         return  # a criterion built from a plain namespace: the first training step checks the model

@@ -10,6 +10,7 @@ from typing import Optional
 
 from ..kernel.rules import decimal_fraction
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES
+from .combinations import AD_DROP
 from .options import RegularizerOptions, attention_option, layers_option, option
 from .registry import OWN_PASSES, Method, Regularizer, register
 
@@ -135,7 +136,7 @@ def _recorded(config: ADDropConfig) -> dict:
 REGULARIZER = register(
     Regularizer(
         "ad_drop",
-        "AD-DROP",
+        AD_DROP,
         ADDropConfig,
         "",
         None,

@@ -40,6 +40,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from .combinations import HIDDENCUT
 from .options import RegularizerOptions, option
 from .registry import OWN_PASSES, Method, Regularizer, register
 
@@ -107,7 +108,7 @@ class HiddenCutConfig(RegularizerOptions):
 REGULARIZER = register(
     Regularizer(
         "hiddencut",
-        "HiddenCut",
+        HIDDENCUT,
         HiddenCutConfig,
         "",
         None,

@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from .combinations import RDROP
 from .options import RegularizerOptions, option
 from .registry import OWN_PASSES, Method, Regularizer, register
 
@@ -64,7 +65,7 @@ class RDropConfig(RegularizerOptions):
 REGULARIZER = register(
     Regularizer(
         "rdrop",
-        "R-Drop",
+        RDROP,
         RDropConfig,
         "",
         None,

@@ -288,19 +288,12 @@ class FairseqBench:
 
         @contextlib.contextmanager
         def state():
-            # AttendOut is the task's attribute; the registry's regularizers run from attn_reg_active by key.
-            registry_key = attribute[len("attn_reg_") :] if attribute != "attn_reg_attendout" else None
-            if registry_key is None:
-                setattr(self.task, attribute, regularizer)
-            else:
-                self.task.attn_reg_active = {registry_key: regularizer}
+            # The task runs its regularizers from attn_reg_active, by their registry key.
+            self.task.attn_reg_active = {attribute[len("attn_reg_") :]: regularizer}
             try:
                 yield
             finally:
-                if registry_key is None:
-                    setattr(self.task, attribute, None)
-                else:
-                    self.task.attn_reg_active = {}
+                self.task.attn_reg_active = {}
 
         step.state, step.held = state, held
         return step

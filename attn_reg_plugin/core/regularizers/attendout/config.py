@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from ..combinations import ATTENDOUT
 from ..options import RegularizerOptions, attention_option, layers_option, option
 from ..registry import OWN_PASSES, Method, Regularizer, register
 
@@ -94,7 +95,7 @@ def generator_positions(config: AttendOutConfig, model_max_length: Optional[int]
 REGULARIZER = register(
     Regularizer(
         "attendout",
-        "AttendOut",
+        ATTENDOUT,
         AttendOutConfig,
         "",
         None,
