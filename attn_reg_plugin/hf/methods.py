@@ -122,14 +122,25 @@ def _builder(method: ComparisonMethod):
     key; only a trainer that draws held-out samples keeps the dev set."""
 
     def build(opts, **trainer_kwargs):
-        from .. import hf
-
-        trainer = getattr(hf, method.method.trainer)
+        trainer = trainer_class(method.method.trainer)
         configs = {regularizer.key: group_config(part.name, opts) for regularizer, part in method.parts}
         kept = trainer_kwargs if method.method.heldout else _without_eval(trainer_kwargs)
         return trainer(**kept, **configs)
 
     return build
+
+
+def trainer_class(name: str) -> type:
+    """A method's Trainer class: a name in :mod:`attn_reg_plugin.hf`, or ``"module:Class"``."""
+    import importlib
+
+    module, _, attribute = name.rpartition(":")
+    return getattr(importlib.import_module(module or "attn_reg_plugin.hf"), attribute)
+
+
+def _spelled(trainer: str) -> str:
+    module, _, attribute = trainer.rpartition(":")
+    return f"{module or 'attn_reg_plugin.hf'}.{attribute}"
 
 
 def _min_epochs(method: ComparisonMethod):
@@ -147,7 +158,7 @@ def _trainer_method(method: ComparisonMethod) -> Method:
     keywords = ", ".join(f"{r.key}={r.config.__name__}" for r, _ in method.parts)
     return Method(
         method.name,
-        f"attn_reg_plugin.hf.{method.method.trainer}({keywords}): {method.method.help}",
+        f"{_spelled(method.method.trainer)}({keywords}): {method.method.help}",
         _builder(method),
         tuple(part.name for _, part in method.parts),
         _min_epochs(method),

@@ -104,3 +104,35 @@ def test_the_method_tables_come_from_the_registry_alone():
     combined = comparison_methods()["ad-drop-r-drop"]
     assert combined.mt_defaults == (("--rdrop-alpha", "5"),) and combined.flag_prefixes == ("--ad-drop-", "--rdrop-")
     assert combined.log_keys == ("ad_drop_on", "ad_drop_rate", "rdrop_kl")
+
+
+def test_a_method_named_as_the_reference_or_a_combination_is_refused(monkeypatch):
+    from attn_reg_plugin.core.regularizers import comparison_methods
+
+    drophead = by_key("drophead")
+    as_plain = dataclasses.replace(drophead.methods[0], name="plain")
+    with pytest.raises(ValueError, match="'plain' is the comparison commands' reference"):
+        register(dataclasses.replace(drophead, key="other", name="Other", methods=(as_plain,)))
+    as_combination = dataclasses.replace(drophead.methods[0], name="ad-drop-r-drop")
+    monkeypatch.setattr(registry, "methods", lambda: {"ad-drop-r-drop": (drophead, as_combination)})
+    monkeypatch.setattr(comparison_methods, "methods", registry.methods)
+    with pytest.raises(ValueError, match="its method 'ad-drop-r-drop' is the name of the combination"):
+        comparison_methods.comparison_methods()
+
+
+def test_a_regularizer_of_its_own_passes_names_what_trains_it_in_each_framework():
+    rdrop = by_key("rdrop")
+    own = dict(key="other", name="Other", log_prefix="other", config=DropHeadConfig)
+    untrained = dataclasses.replace(rdrop.methods[0], name="other", fairseq_criterion=None)
+    with pytest.raises(ValueError, match="names what trains it in fairseq"):
+        register(dataclasses.replace(rdrop, methods=(untrained,), **own))
+    plan_trainer = dataclasses.replace(rdrop.methods[0], name="other", trainer="AttnRegTrainer")
+    with pytest.raises(ValueError, match="AttnRegTrainer runs plan regularizers only"):
+        register(dataclasses.replace(rdrop, methods=(plan_trainer,), **own))
+
+
+def test_a_method_may_name_a_trainer_of_its_own():
+    from attn_reg_plugin.hf.methods import trainer_class
+
+    assert trainer_class("RDropTrainer").__name__ == "RDropTrainer"
+    assert trainer_class("collections:OrderedDict") is __import__("collections").OrderedDict

@@ -53,9 +53,17 @@ class ComparisonMethod:
 
 
 def comparison_methods() -> Dict[str, ComparisonMethod]:
-    """Every method but plain, in the commands' order."""
+    """Every method but plain, in the commands' order. A registered method named as a combination's is
+    refused, naming both."""
     registry = methods()
     own = {name: ComparisonMethod(method, ((regularizer, method),)) for name, (regularizer, method) in registry.items()}
+    taken = [c for c in COMBINATIONS if c.method is not None and c.method.name in own]
+    if taken:
+        name = taken[0].method.name
+        raise ValueError(
+            f"regularizer {registry[name][0].name!r}: its method {name!r} is the name of the combination "
+            f"{taken[0].name}; name the method otherwise"
+        )
     combined = {
         c.method.name: ComparisonMethod(c.method, tuple(registry[part] for part in c.parts))
         for c in COMBINATIONS

@@ -53,8 +53,10 @@ class Method:
     How each framework trains it: ``fairseq_criterion``, the translation criterion (None: the attn_reg
     task's flags under label_smoothed_cross_entropy), ``fairseq_switch``, the task flag that turns on a
     regularizer of its own passes that the task runs (AttendOut's ``--attendout``; a one-pass
-    regularizer's is its switch); ``trainer``, the :mod:`attn_reg_plugin.hf` class, given each
-    regularizer's config by its key; ``heldout``: the trainer draws held-out samples from the dev set.
+    regularizer's is its switch); ``trainer``, the Trainer class, given each regularizer's config by its
+    key: a name in :mod:`attn_reg_plugin.hf`, or ``"module:Class"`` for one of your own; ``heldout``: the
+    trainer draws held-out samples from the dev set. A regularizer of its own passes must name its
+    criterion (or switch) and its trainer: :func:`register` refuses it otherwise.
     ``flag_prefixes``: the flags ``--method-args`` may give it (its config's prefix otherwise);
     ``log_keys``: the Trainer log keys a run records (None: its regularizer's)."""
 
@@ -143,6 +145,8 @@ def register(regularizer: Regularizer) -> Regularizer:
         raise ValueError(f"regularizer {regularizer.name!r}: a plan regularizer needs its switch and build")
     if not _FLAG.fullmatch(regularizer.key):
         raise ValueError(f"Regularizer.key must be a Python keyword-like name (a-z, 0-9, _), got {regularizer.key!r}")
+    for method in regularizer.methods:
+        _check_method(regularizer, method)
     for other in _REGISTRY.values():
         clashes = {
             "key": regularizer.key == other.key,
@@ -159,6 +163,30 @@ def register(regularizer: Regularizer) -> Regularizer:
     _REGISTRY[regularizer.key] = regularizer
     _ordered.cache_clear()
     return regularizer
+
+
+# The comparison commands' reference: no regularizer's method may take its name.
+PLAIN_METHOD = "plain"
+
+
+def _check_method(regularizer: Regularizer, method: Method) -> None:
+    """A method both comparison commands can train: not named as their reference, and, for a regularizer
+    of its own passes, naming what trains it in each framework (a plan regularizer's is the attn_reg task's
+    flags and AttnRegTrainer)."""
+    where = f"regularizer {regularizer.name!r}, method {method.name!r}"
+    if method.name == PLAIN_METHOD:
+        raise ValueError(f"{where}: {PLAIN_METHOD!r} is the comparison commands' reference; name the method otherwise")
+    if regularizer.passes == OWN_PASSES:
+        if not (method.fairseq_criterion or method.fairseq_switch):
+            raise ValueError(
+                f"{where}: a regularizer of its own passes names what trains it in fairseq "
+                "(Method.fairseq_criterion, or Method.fairseq_switch for one bound to the attn_reg task)"
+            )
+        if method.trainer == "AttnRegTrainer":
+            raise ValueError(
+                f"{where}: a regularizer of its own passes names the Trainer that runs them (Method.trainer); "
+                "AttnRegTrainer runs plan regularizers only"
+            )
 
 
 def _order(regularizer: Regularizer) -> Tuple[int, int, int]:
