@@ -2,9 +2,9 @@
 
 An attn_reg task runs every regularizer of the registry that it can turn on with its own flags:
 
-- a plan regularizer (:data:`~..core.regularizers.registry.PLAN`: scheduled dropout, LayerDrop,
-  DropHead, one registered outside the package): its running object's ``hooks(update)`` are set around
-  fairseq's ``train_step`` and the kernel's two counts are logged as its rate;
+- a plan regularizer (:data:`~..core.regularizers.registry.PLAN`: the plugin's, one registered outside
+  the package): its running object's ``hooks(update)`` are set around fairseq's ``train_step`` and the
+  kernel's two counts are logged as its rate;
 - a regularizer of its own passes that the task runs (AttendOut's Attacker beside the trainer's model):
   bound here by a :class:`TaskBinding` (its switch and fairseq-only flags, how it is built from the
   task and its model); its running object is a :class:`TaskRunner`.
