@@ -12,6 +12,7 @@ from ..kernel.rules import decimal_fraction
 from .attribution import ATTRIBUTIONS, LABEL_SOURCES
 from .combinations import AD_DROP
 from .options import RegularizerOptions, attention_option, layers_option, option
+from .planned_run import WHY_A_WARNING, count, setting
 from .registry import OWN_PASSES, Method, Regularizer, register
 
 SCHEDULES = ("cross-tuning", "always")
@@ -133,6 +134,18 @@ def _recorded(config: ADDropConfig) -> dict:
     }
 
 
+def _idle_run(config: ADDropConfig, epochs: Optional[int], updates: Optional[int], plan: str) -> Optional[str]:
+    """Cross-tuning over one planned epoch: its first AD-DROP epoch is epoch 2."""
+    if epochs is None or first_ad_drop_epoch(config.schedule, epochs) is not None:
+        return None
+    return (
+        f"{setting(config, 'schedule', config.schedule)} is plain in epoch 1 and runs AD-DROP from epoch 2 "
+        f"(then every other epoch), and this run plans {count(epochs, 'epoch')} ({plan}): AD-DROP will "
+        f"never act and the run trains a plain model. Set {setting(config, 'schedule', 'always')} to use "
+        f"AD-DROP in every epoch, or plan at least 2 epochs{WHY_A_WARNING}"
+    )
+
+
 REGULARIZER = register(
     Regularizer(
         "ad_drop",
@@ -142,6 +155,7 @@ REGULARIZER = register(
         None,
         "ad_drop",
         passes=OWN_PASSES,
+        idle=_idle_run,
         methods=(
             Method(
                 "ad-drop",

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .ad_drop_config import ADDropConfig, first_ad_drop_epoch
-from .attendout.config import AttendOutConfig
-from .registry import planned
+from .registry import registered
 
 
 class IdleRegularizerWarning(UserWarning):
@@ -37,7 +35,7 @@ def setting(config, field: str, value) -> str:
     return f"{config.name(field)} {value}"
 
 
-def _count(n: int, unit: str) -> str:
+def count(n: int, unit: str) -> str:
     return f"{n} {unit}" + ("" if n == 1 else "s")
 
 
@@ -46,32 +44,21 @@ def idle_run_warning(config, epochs: Optional[int], updates: Optional[int], plan
 
     ``epochs`` / ``updates``: the whole run's planned epochs and optimizer updates (None: not known,
     e.g. an unsized dataset; then nothing is said); ``plan``: how the user set the run's length,
-    as they spelled it (``num_train_epochs=1``, ``--max-epoch 1``)."""
-    if isinstance(config, ADDropConfig) and epochs is not None:
-        if first_ad_drop_epoch(config.schedule, epochs) is None:
-            return (
-                f"{setting(config, 'schedule', config.schedule)} is plain in epoch 1 and runs AD-DROP from epoch 2 "
-                f"(then every other epoch), and this run plans {_count(epochs, 'epoch')} ({plan}): AD-DROP will "
-                f"never act and the run trains a plain model. Set {setting(config, 'schedule', 'always')} to use "
-                f"AD-DROP in every epoch, or plan at least 2 epochs{WHY_A_WARNING}"
-            )
-    if isinstance(config, AttendOutConfig) and updates is not None and updates < config.dropout_step:
-        return (
-            f"AttendOut ends a dropout step (held-out scoring, the generator's update, the survivor's copy) every "
-            f"{setting(config, 'dropout_step', config.dropout_step)} updates, and this run plans "
-            f"{_count(updates, 'update')} ({plan}): no dropout step will end, so the model is trained without "
-            f"AttendOut. Lower {config.name('dropout_step')} to at most {updates}, or plan more updates{WHY_A_WARNING}"
-        )
-    # A registry regularizer whose config can say when it first drops (a schedule over updates).
-    regularizer = next((r for r in planned() if isinstance(config, r.config)), None)
+    as they spelled it (``num_train_epochs=1``, ``--max-epoch 1``). A regularizer that can be idle in
+    its own way says so (``Regularizer.idle``: AD-DROP's cross-tuning over one epoch, AttendOut's first
+    dropout step past the run); a plan regularizer whose config can say when it first drops (a schedule
+    over updates) is idle when it never does."""
+    regularizer = next((r for r in registered() if isinstance(config, r.config)), None)
+    if regularizer is None:
+        return None
+    if regularizer.idle is not None:
+        return regularizer.idle(config, epochs, updates, plan)
     dropping = getattr(config, "first_dropping_update", None)
-    if regularizer is not None and dropping is not None and config.enabled and updates is not None:
-        if dropping(updates) is None:
-            what = regularizer.name
-            return (
-                f"{setting(config, regularizer.switch, getattr(config, regularizer.switch))} is 0 at every one of the "
-                f"{_count(updates, 'update')} this run plans ({plan}): {what} will never "
-                f"drop anything. Give it a probability above 0 before update {updates}, or plan more "
-                f"updates{WHY_A_WARNING}"
-            )
+    if dropping is not None and config.enabled and updates is not None and dropping(updates) is None:
+        return (
+            f"{setting(config, regularizer.switch, getattr(config, regularizer.switch))} is 0 at every one of the "
+            f"{count(updates, 'update')} this run plans ({plan}): {regularizer.name} will never "
+            f"drop anything. Give it a probability above 0 before update {updates}, or plan more "
+            f"updates{WHY_A_WARNING}"
+        )
     return None

@@ -97,7 +97,9 @@ class Regularizer:
     ``.logged(update)``); ``counted``: the names of the two counts the kernel returns, logged in fairseq
     as ``log_prefix + "_" + name``; ``counts_calls``: they count layer calls (a call made uniform), not
     units. A regularizer of its own passes is turned on by choosing its criterion or Trainer (no
-    switch, nothing built here). ``variants``: every name ``named`` may give."""
+    switch, nothing built here). ``variants``: every name ``named`` may give. ``idle(config, epochs,
+    updates, plan)``: the warning for a planned run in which it never acts, or None (unset: a plan
+    regularizer's schedule says, :mod:`.planned_run`)."""
 
     key: str
     name: str
@@ -111,6 +113,7 @@ class Regularizer:
     named: Optional[Callable[[Any], str]] = None
     variants: Tuple[str, ...] = ()
     passes: str = PLAN
+    idle: Optional[Callable[[Any, Optional[int], Optional[int], str], Optional[str]]] = None
 
     def name_of(self, config) -> str:
         """The regularizer ``config`` turns on, as :mod:`.combinations` names it."""

@@ -9,6 +9,7 @@ from typing import Optional
 
 from ..combinations import ATTENDOUT
 from ..options import RegularizerOptions, attention_option, layers_option, option
+from ..planned_run import WHY_A_WARNING, count, setting
 from ..registry import OWN_PASSES, Method, Regularizer, register
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,18 @@ def generator_positions(config: AttendOutConfig, model_max_length: Optional[int]
     return model_max_length if model_max_length else DEFAULT_MAX_POSITIONS
 
 
+def _idle_run(config: AttendOutConfig, epochs: Optional[int], updates: Optional[int], plan: str) -> Optional[str]:
+    """Fewer planned updates than one dropout step: no dropout step ends."""
+    if updates is None or updates >= config.dropout_step:
+        return None
+    return (
+        f"AttendOut ends a dropout step (held-out scoring, the generator's update, the survivor's copy) every "
+        f"{setting(config, 'dropout_step', config.dropout_step)} updates, and this run plans "
+        f"{count(updates, 'update')} ({plan}): no dropout step will end, so the model is trained without "
+        f"AttendOut. Lower {config.name('dropout_step')} to at most {updates}, or plan more updates{WHY_A_WARNING}"
+    )
+
+
 REGULARIZER = register(
     Regularizer(
         "attendout",
@@ -101,6 +114,7 @@ REGULARIZER = register(
         None,
         "attendout",
         passes=OWN_PASSES,
+        idle=_idle_run,
         methods=(
             Method(
                 "attendout",
