@@ -65,8 +65,9 @@ class Method:
     """One training method of a comparison.
 
     ``build(opts, **trainer_kwargs)`` returns a ``transformers.Trainer`` (``trainer_kwargs``: model,
-    args, train_dataset, eval_dataset, data_collator, callbacks; only AttendOut keeps eval_dataset,
-    its held-out draws, so every other method trains on exactly the same data); it fails on bad
+    args, train_dataset, eval_dataset, data_collator, callbacks; only a method whose trainer draws
+    held-out samples from it, AttendOut's, keeps eval_dataset, so every other method trains on exactly
+    the same data); it fails on bad
     options when built. ``option_groups``: the groups of its options. ``settings(opts)``: its resolved
     config fields, validated (a ValueError names the field). ``min_epochs(opts)``: the fewest epochs for
     it to do anything. ``log_keys``: the Trainer log keys a run records (a key ending in ``*`` is a prefix).
@@ -130,17 +131,18 @@ def _builder(method: ComparisonMethod):
     return build
 
 
+def _trainer_path(name: str) -> Tuple[str, str]:
+    """(module, class) of a method's ``trainer``: a name in :mod:`attn_reg_plugin.hf`, or ``"module:Class"``."""
+    module, _, attribute = name.rpartition(":")
+    return module or "attn_reg_plugin.hf", attribute
+
+
 def trainer_class(name: str) -> type:
-    """A method's Trainer class: a name in :mod:`attn_reg_plugin.hf`, or ``"module:Class"``."""
+    """A method's Trainer class (:func:`_trainer_path`)."""
     import importlib
 
-    module, _, attribute = name.rpartition(":")
-    return getattr(importlib.import_module(module or "attn_reg_plugin.hf"), attribute)
-
-
-def _spelled(trainer: str) -> str:
-    module, _, attribute = trainer.rpartition(":")
-    return f"{module or 'attn_reg_plugin.hf'}.{attribute}"
+    module, attribute = _trainer_path(name)
+    return getattr(importlib.import_module(module), attribute)
 
 
 def _min_epochs(method: ComparisonMethod):
@@ -158,7 +160,7 @@ def _trainer_method(method: ComparisonMethod) -> Method:
     keywords = ", ".join(f"{r.key}={r.config.__name__}" for r, _ in method.parts)
     return Method(
         method.name,
-        f"{_spelled(method.method.trainer)}({keywords}): {method.method.help}",
+        f"{'.'.join(_trainer_path(method.method.trainer))}({keywords}): {method.method.help}",
         _builder(method),
         tuple(part.name for _, part in method.parts),
         _min_epochs(method),
