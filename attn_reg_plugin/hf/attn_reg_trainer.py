@@ -19,7 +19,7 @@ from ..core.kernel.attention_call import add_counts, zero_counts
 from ..core.kernel.controller import RegularizationController
 from ..core.regularizers.combinations import check_combination
 from ..core.regularizers.options import named_by_field
-from ..core.regularizers.registry import planned, planned_hooks, running
+from ..core.regularizers.registry import PLAN, planned, planned_hooks, registered, running
 from .attention import install_attention_sites
 from .combinations import trainer_regularizers
 from .notices import SiteReport, warn_if_idle
@@ -34,6 +34,19 @@ def _spelled(regularizer, config) -> str:
     where that decides which regularizer it is (DropKey's ``dropkey:RATE`` schedule)."""
     switch = f"({regularizer.switch}={getattr(config, regularizer.switch)!r})" if regularizer.variants else ""
     return f"{regularizer.key}={type(config).__name__}{switch}"
+
+
+def _refuse_own_passes_keywords(trainer, kwargs: Dict[str, object]) -> None:
+    """A keyword of a regularizer of its own passes (``ad_drop=``) that no mixin of this class takes: its
+    Trainer is named (it would reach transformers' Trainer as an unknown keyword, or read as none given)."""
+    mixed = trainer_regularizers(trainer, kwargs)
+    for regularizer in registered():
+        if regularizer.passes != PLAN and regularizer.key in kwargs and regularizer.name not in mixed:
+            trainers = ", ".join(f"attn_reg_plugin.hf.{m.trainer}" for m in regularizer.methods) or "its own Trainer"
+            raise TypeError(
+                f"AttnRegTrainer runs the plan regularizers only; {regularizer.key}={regularizer.config.__name__} "
+                f"is {regularizer.name}, which runs passes of its own: train it with {trainers}"
+            )
 
 
 class AttnRegTrainerMixin:
@@ -62,6 +75,7 @@ class AttnRegTrainerMixin:
                 raise TypeError(
                     f"{regularizer.key} must be a {regularizer.config.__name__}, got {type(config).__name__}"
                 )
+        _refuse_own_passes_keywords(self, kwargs)
         if all(config is None for config in given.values()):
             keywords = [f"{r.key}={r.config.__name__}(...)" for r in planned()]
             raise ValueError(f"AttnRegTrainer needs {', '.join(keywords[:-1])} or {keywords[-1]}")

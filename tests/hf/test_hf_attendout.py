@@ -141,6 +141,21 @@ def test_attn_reg_bad_config_fails_at_construction(tmp_path, kwargs, message):
         )
 
 
+def test_attn_reg_trainer_names_the_trainer_of_a_regularizer_of_its_own_passes(tmp_path):
+    from attn_reg_plugin.core.regularizers.ad_drop_config import ADDropConfig
+
+    with pytest.raises(
+        TypeError, match=r"ad_drop=ADDropConfig is AD-DROP, .* train it with attn_reg_plugin.hf.ADDropTrainer"
+    ):
+        AttnRegTrainer(
+            model=small_bert(),
+            args=_args(tmp_path),
+            train_dataset=token_data(8, 1),
+            data_collator=collate,
+            ad_drop=ADDropConfig(),
+        )
+
+
 # -- the Defender/Attacker game ----------------------------------------------------------------
 class GameWatcher(TrainerCallback):
     """Checks D == A at the start of every dropout step (after the trainer's own callback ran)."""
