@@ -844,3 +844,12 @@ def test_runs_an_earlier_commands_slurm_jobs_hold_are_neither_run_again_nor_reru
     assert "seed1 was started with other fairseq-train arguments (1 then, 3 now)" in capsys.readouterr().err
     assert fake["calls"] == {"fairseq-train": 0, "fairseq-generate": 0}
     assert json.loads((out / "jobs.json").read_text()) == jobs
+
+
+def test_a_method_whose_epochs_are_read_from_its_flags_refuses_a_value_of_the_wrong_type():
+    """The planned epochs are checked against the method's config, built from its flags: a value the config's
+    field cannot take is refused there, naming the flag, before any run."""
+    with pytest.raises(methods.SweepError, match="argument --ad-drop-p: invalid float value: 'abc'"):
+        methods.method_cell("ad-drop", [("--ad-drop-p", "abc")], 2)
+    assert methods.method_cell("ad-drop", [("--ad-drop-schedule", "always")], 1)["name"] == "ad-drop_schedule=always"
+    assert methods.method_cell("r-drop", [], 1)["name"] == "r-drop"  # no epoch bound

@@ -20,7 +20,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
-from ..core.regularizers.comparison_methods import ComparisonMethod, method_table
+from ..core.regularizers.comparison_methods import ComparisonMethod, method_table, too_few_epochs
 
 # An option group is a registry method's options (named by the method): its regularizer's config's
 # fields as flags (its FLAG_PREFIX + field; every field but ``attention``, encoder-self, found by the
@@ -70,7 +70,8 @@ class Method:
     the same data); it fails on bad
     options when built. ``option_groups``: the groups of its options. ``settings(opts)``: its resolved
     config fields, validated (a ValueError names the field). ``min_epochs(opts)``: the fewest epochs for
-    it to do anything. ``log_keys``: the Trainer log keys a run records (a key ending in ``*`` is a prefix).
+    it to do anything; ``too_few(opts, epochs)``: why ``epochs`` are too few, as the commands refuse it
+    (None: enough). ``log_keys``: the Trainer log keys a run records (a key ending in ``*`` is a prefix).
     """
 
     name: str
@@ -80,6 +81,7 @@ class Method:
     min_epochs: Callable[[argparse.Namespace], int] = lambda opts: 1
     log_keys: Tuple[str, ...] = ()
     check: Optional[Callable[[object], None]] = None  # a registry method's: its config is this method
+    too_few: Callable[[argparse.Namespace, int], Optional[str]] = lambda opts, epochs: None
 
     def settings(self, opts) -> dict:
         out = {}
@@ -166,6 +168,9 @@ def _trainer_method(method: ComparisonMethod) -> Method:
         _min_epochs(method),
         method.log_keys,
         check=method.method.check,
+        too_few=lambda opts, epochs: too_few_epochs(
+            method, {r.key: group_config(part.name, opts) for r, part in method.parts}, epochs
+        ),
     )
 
 

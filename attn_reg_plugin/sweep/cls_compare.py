@@ -219,15 +219,11 @@ def parse_cls_compare_args(argv: Sequence[str]):
             words = [w for g in groups for w in g]
             try:
                 method_settings(method, words)  # each field in its range
-                need = METHODS[method].min_epochs(method_options(method, words))
+                why = METHODS[method].too_few(method_options(method, words), opts.epochs)
             except SweepError as e:
                 raise SweepError(f"--method-args {method}: {e}") from None
-            if opts.epochs < need:
-                raise SweepError(
-                    f"--epochs {opts.epochs} with {method}'s --ad-drop-schedule cross-tuning never runs AD-DROP (its "
-                    f"first AD-DROP epoch is epoch 2): give --epochs >= 2, or --method-args "
-                    f"'{method}=--ad-drop-schedule always'"
-                )
+            if why:
+                raise SweepError(why)
             row = given[method].row if method in given else None
             name = row if row is not None else derived_name(method, groups, METHODS)
             opts.cells.append({"method": method, "name": name, "args": words})

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 from ..classification import learned_nothing, scores
 from ..prepare import PrepareError
 from ..prepare_classification import check_labels, checked_examples, read_examples
-from .options import SweepError, cell_name
+from .options import RefusingParser, SweepError, cell_name
 from .report import write_json
 from .runs import _finished_seeds, all_records, claim_run, finished_result, run_dir
 
@@ -107,19 +107,12 @@ def data_for(opts, settings: dict) -> Data:
 
 
 # -- a method's options ---------------------------------------------------------------------------
-class _Refusal(argparse.ArgumentParser):
-    """A parser whose errors raise :class:`SweepError` (a method's --method-args are not the command's)."""
-
-    def error(self, message):
-        raise SweepError(message)
-
-
 def method_options(method: str, words: Sequence[str]) -> argparse.Namespace:
     """The method's options from its ``--method-args`` words over its defaults (:class:`SweepError`
     naming a flag it does not take)."""
     from ..hf.methods import add_method_options
 
-    parser = _Refusal(prog=f"--method-args {method}", add_help=False, allow_abbrev=False)
+    parser = RefusingParser(prog=f"--method-args {method}", add_help=False, allow_abbrev=False)
     add_method_options(parser, [method])
     return parser.parse_args(list(words))
 

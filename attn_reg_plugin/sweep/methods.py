@@ -18,10 +18,9 @@ import re
 import shlex
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from ..core.regularizers.ad_drop_config import first_ad_drop_epoch
-from ..core.regularizers.comparison_methods import ComparisonMethod, method_table
+from ..core.regularizers.comparison_methods import ComparisonMethod, comparison_methods, method_table, too_few_epochs
 from ..core.regularizers.registry import PLAN, registered
-from .options import PLAIN_CRITERION, SweepError
+from .options import PLAIN_CRITERION, RefusingParser, SweepError
 
 
 class Method(NamedTuple):
@@ -197,14 +196,24 @@ def method_cell(name: str, given: Sequence[Tuple[str, ...]], epochs: int, row: O
     args = ["--criterion", spec.criterion] + [w for g in merged.values() for w in g]
     changed = [g for g in merged.values() if g not in spec.defaults]
     label = row if row is not None else derived_name(name, changed)
-    if name.startswith("ad-drop"):
-        schedule = merged.get("--ad-drop-schedule", ("", "cross-tuning"))[-1]
-        if first_ad_drop_epoch(schedule, epochs) is None:
-            raise SweepError(
-                f"--epochs {epochs} with {name}'s --ad-drop-schedule {schedule} never runs AD-DROP (its first "
-                f"AD-DROP epoch is epoch 2): give --epochs >= 2, or --method-args '{name}=--ad-drop-schedule always'"
-            )
+    method = comparison_methods().get(name)  # None: plain
+    parts = method.parts if method is not None else ()
+    configs = {r.key: _config_of(r.config, merged.values()) for r, part in parts if part.min_epochs}
+    why = too_few_epochs(method, configs, epochs) if configs else None
+    if why:
+        raise SweepError(why)
     return {"method": name, "name": label, "args": args}
+
+
+def _config_of(config_cls, groups):
+    """A regularizer's config from a method's fairseq-train flag groups (those of its prefix); a value of
+    the wrong type raises :class:`SweepError` naming the flag."""
+    from ..core.regularizers.options import add_arguments
+
+    parser = RefusingParser(add_help=False, allow_abbrev=False)
+    add_arguments(parser, config_cls)
+    words = [w for group in groups if group[0].startswith(config_cls.FLAG_PREFIX) for w in group]
+    return config_cls.from_namespace(parser.parse_args(words))
 
 
 def derived_name(method: str, changed: Sequence[Tuple[str, ...]], registry: Mapping = METHODS) -> str:

@@ -45,6 +45,13 @@ class SweepError(ValueError):
     """A sweep that cannot run as asked; the message names the option."""
 
 
+class RefusingParser(argparse.ArgumentParser):
+    """A parser whose errors raise :class:`SweepError` (a method's --method-args are not the command's)."""
+
+    def error(self, message):
+        raise SweepError(message)
+
+
 def number_text(x: float) -> str:
     """``x`` as cell names, fairseq arguments and the report spell it: 0.5, not 0.50."""
     return f"{x:g}"

@@ -163,6 +163,10 @@ REGULARIZER = register(
                 "plugin's --ad-drop-* defaults",
                 {"p": 0.3, "q": 0.3},
                 min_epochs=lambda config: 2 if config.schedule == "cross-tuning" else 1,
+                epochs_advice=lambda config: (
+                    f"{config.name('schedule')} {config.schedule}",
+                    f"{config.name('schedule')} always",
+                ),
                 recorded=_recorded,
                 fairseq_criterion="ad_drop_label_smoothed_cross_entropy",
                 trainer="ADDropTrainer",

@@ -11,7 +11,7 @@ names a regularizer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from .combinations import COMBINATIONS
 from .registry import Method, Regularizer, methods
@@ -50,6 +50,25 @@ class ComparisonMethod:
         """The Trainer log keys a run records: each part's."""
         keys = (k for r, part in self.parts for k in (r.log_keys() if part.log_keys is None else part.log_keys))
         return tuple(dict.fromkeys(keys))
+
+
+def too_few_epochs(method: ComparisonMethod, configs: Mapping[str, Any], epochs: int) -> Optional[str]:
+    """Why ``epochs`` are too few for ``method`` to do anything (a part's ``min_epochs`` of its config in
+    ``configs``, by regularizer key), as both commands refuse it; None when they are enough."""
+    for regularizer, part in method.parts:
+        if part.min_epochs is None:
+            continue
+        config = configs[regularizer.key]
+        need = part.min_epochs(config)
+        if epochs < need:
+            setting, instead = part.epochs_advice(config) if part.epochs_advice else ("setting", "")
+            name = regularizer.name
+            return (
+                f"--epochs {epochs} with {method.name}'s {setting} never runs {name} (its first {name} epoch is "
+                f"epoch {need}): give --epochs >= {need}"
+                + (f", or --method-args '{method.name}={instead}'" if instead else "")
+            )
+    return None
 
 
 def comparison_methods() -> Dict[str, ComparisonMethod]:

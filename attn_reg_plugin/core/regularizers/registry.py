@@ -47,7 +47,9 @@ class Method:
     defaults otherwise); ``mt_defaults``: fairseq-train flag groups for attn-reg-mt-compare (``(flag,
     value)``); ``required``: flags the user must give in MT (no default fits every run's length);
     ``check(config)``: raises ValueError (naming the option) when the config is not this method;
-    ``min_epochs(config)``: the fewest epochs in which it does anything (AD-DROP's cross-tuning: 2);
+    ``min_epochs(config)``: the fewest epochs in which it does anything (AD-DROP's cross-tuning: 2), and
+    ``epochs_advice(config)``: the setting that needs them and the one that needs fewer, as the user writes
+    them (``("--ad-drop-schedule cross-tuning", "--ad-drop-schedule always")``);
     ``recorded(config)``: the fields a run records of its config (all of them otherwise).
 
     How each framework trains it: ``fairseq_criterion``, the translation criterion (None: the attn_reg
@@ -67,6 +69,7 @@ class Method:
     required: Tuple[str, ...] = ()
     check: Optional[Callable[[Any], None]] = None
     min_epochs: Optional[Callable[[Any], int]] = None
+    epochs_advice: Optional[Callable[[Any], Tuple[str, str]]] = None
     recorded: Optional[Callable[[Any], dict]] = None
     fairseq_criterion: Optional[str] = None
     fairseq_switch: Optional[str] = None
