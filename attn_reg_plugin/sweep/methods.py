@@ -1,14 +1,15 @@
 """attn-reg-mt-compare's methods: each is a set of the plugin's fairseq-train arguments, added to the
 user's own (``--task attn_reg_translation`` for all), with its own options given by ``--method-args``.
 
-A method's defaults are its paper's where the paper gives one for MT (R-Drop's alpha 5), else the
-plugin's own defaults (AD-DROP, AttendOut, HiddenCut), or, for a method of the regularizer registry
-(:mod:`..core.regularizers.registry`, the plugin's and any registered outside the package), its
-``Method.mt_defaults`` and the flags it requires (``Method.required``). A method is accepted only
-when the installed plugin provides its criterion and task option (:func:`plugin_provides`). A
-method's ``--method-args`` replace its defaults option by option and may only name that method's
-own options (its flag prefixes): a comparison of single regularizers, each against plain, and of the
-one combination the plugin allows (``ad-drop-r-drop``: R-Drop over AD-DROP's masked pass).
+The methods are the regularizer registry's (:mod:`..core.regularizers.comparison_methods`: the plugin's
+and any registered outside the package, then the one combination the plugin allows, ``ad-drop-r-drop``),
+each turned into fairseq-train arguments by :func:`_fairseq_method`: its criterion (``Method.fairseq_criterion``,
+else the plain one with its regularizer's task flags), its defaults (``Method.mt_defaults``: the paper's
+where the paper gives one for MT, R-Drop's alpha 5, else the plugin's own) and the flags it requires
+(``Method.required``). A method is accepted only when the installed plugin provides its criterion and
+task option (:func:`plugin_provides`). A method's ``--method-args`` replace its defaults option by option
+and may only name that method's own options (its flag prefixes): a comparison of single regularizers,
+each against plain, and of the combination.
 """
 
 from __future__ import annotations
