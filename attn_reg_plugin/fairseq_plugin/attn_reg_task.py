@@ -270,8 +270,8 @@ class AttnRegTaskMixin:
     # -- training -------------------------------------------------------------------------
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
         active = running(self.attn_reg_active)
-        planned = [(regularizer, runner) for regularizer, runner in active if regularizer.passes == PLAN]
-        hooks = planned_hooks(planned, update_num)
+        plans = [(regularizer, runner) for regularizer, runner in active if regularizer.passes == PLAN]
+        hooks = planned_hooks(plans, update_num)
         # a checkpointed layer (--checkpoint-activations) carries these hooks (and AD-DROP's) to its recompute
         with self.attn_reg_controller.hooks(hooks) as record:
             loss, sample_size, log = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)

@@ -22,6 +22,7 @@ from ..core.regularizers.options import named_by_field
 from ..core.regularizers.registry import PLAN, planned, planned_hooks, registered, running
 from .attention import install_attention_sites
 from .combinations import trainer_regularizers
+from .methods import trainer_path
 from .notices import SiteReport, warn_if_idle
 from .trainer_arguments import model_argument, training_arguments
 from .training_configurations import refuse_unsupported, refuse_unsupported_launch
@@ -42,7 +43,7 @@ def _refuse_own_passes_keywords(trainer, kwargs: Dict[str, object]) -> None:
     mixed = trainer_regularizers(trainer, kwargs)
     for regularizer in registered():
         if regularizer.passes != PLAN and regularizer.key in kwargs and regularizer.name not in mixed:
-            trainers = ", ".join(f"attn_reg_plugin.hf.{m.trainer}" for m in regularizer.methods) or "its own Trainer"
+            trainers = ", ".join(".".join(trainer_path(m.trainer)) for m in regularizer.methods) or "its own Trainer"
             raise TypeError(
                 f"AttnRegTrainer runs the plan regularizers only; {regularizer.key}={regularizer.config.__name__} "
                 f"is {regularizer.name}, which runs passes of its own: train it with {trainers}"

@@ -133,17 +133,17 @@ def _builder(method: ComparisonMethod):
     return build
 
 
-def _trainer_path(name: str) -> Tuple[str, str]:
+def trainer_path(name: str) -> Tuple[str, str]:
     """(module, class) of a method's ``trainer``: a name in :mod:`attn_reg_plugin.hf`, or ``"module:Class"``."""
     module, _, attribute = name.rpartition(":")
     return module or "attn_reg_plugin.hf", attribute
 
 
 def trainer_class(name: str) -> type:
-    """A method's Trainer class (:func:`_trainer_path`)."""
+    """A method's Trainer class (:func:`trainer_path`)."""
     import importlib
 
-    module, attribute = _trainer_path(name)
+    module, attribute = trainer_path(name)
     return getattr(importlib.import_module(module), attribute)
 
 
@@ -162,7 +162,7 @@ def _trainer_method(method: ComparisonMethod) -> Method:
     keywords = ", ".join(f"{r.key}={r.config.__name__}" for r, _ in method.parts)
     return Method(
         method.name,
-        f"{'.'.join(_trainer_path(method.method.trainer))}({keywords}): {method.method.help}",
+        f"{'.'.join(trainer_path(method.method.trainer))}({keywords}): {method.method.help}",
         _builder(method),
         tuple(part.name for _, part in method.parts),
         _min_epochs(method),

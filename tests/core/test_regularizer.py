@@ -136,3 +136,24 @@ def test_a_method_may_name_a_trainer_of_its_own():
 
     assert trainer_class("RDropTrainer").__name__ == "RDropTrainer"
     assert trainer_class("collections:OrderedDict") is __import__("collections").OrderedDict
+
+
+def test_too_few_epochs_names_the_setting_where_the_method_gives_it():
+    from attn_reg_plugin.core.regularizers.comparison_methods import (
+        ComparisonMethod,
+        comparison_methods,
+        too_few_epochs,
+    )
+
+    ad_drop = comparison_methods()["ad-drop"]
+    config = by_key("ad_drop").config()
+    assert too_few_epochs(ad_drop, {"ad_drop": config}, 2) is None
+    assert too_few_epochs(ad_drop, {"ad_drop": config}, 1) == (
+        "--epochs 1 with ad-drop's --ad-drop-schedule cross-tuning never runs AD-DROP (its first AD-DROP epoch is "
+        "epoch 2): give --epochs >= 2, or --method-args 'ad-drop=--ad-drop-schedule always'"
+    )
+    drophead = by_key("drophead")
+    slow = dataclasses.replace(drophead.methods[0], min_epochs=lambda config: 3)
+    assert too_few_epochs(ComparisonMethod(slow, ((drophead, slow),)), {"drophead": None}, 2) == (
+        "--epochs 2 with drophead never runs DropHead (its first DropHead epoch is epoch 3): give --epochs >= 3"
+    )

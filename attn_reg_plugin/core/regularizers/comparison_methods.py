@@ -31,9 +31,7 @@ class ComparisonMethod:
 
     @property
     def mt_defaults(self) -> Tuple[Tuple[str, ...], ...]:
-        """Its fairseq-train flag groups: a combination's are its parts'."""
-        if len(self.parts) == 1:
-            return self.method.mt_defaults
+        """Its fairseq-train flag groups: each part's (a regularizer's own method is its one part)."""
         return tuple(group for _, part in self.parts for group in part.mt_defaults)
 
     @property
@@ -61,10 +59,10 @@ def too_few_epochs(method: ComparisonMethod, configs: Mapping[str, Any], epochs:
         config = configs[regularizer.key]
         need = part.min_epochs(config)
         if epochs < need:
-            setting, instead = part.epochs_advice(config) if part.epochs_advice else ("setting", "")
-            name = regularizer.name
+            setting, instead = part.epochs_advice(config) if part.epochs_advice else (None, None)
+            name, with_what = regularizer.name, f"{method.name}'s {setting}" if setting else method.name
             return (
-                f"--epochs {epochs} with {method.name}'s {setting} never runs {name} (its first {name} epoch is "
+                f"--epochs {epochs} with {with_what} never runs {name} (its first {name} epoch is "
                 f"epoch {need}): give --epochs >= {need}"
                 + (f", or --method-args '{method.name}={instead}'" if instead else "")
             )
