@@ -24,7 +24,7 @@ class LocalRecordingTrainer(HiddenCutTrainer):
 
     def log(self, logs, *args, **kwargs):
         if "loss" in logs:
-            self.local.append((int(self._hc_cut), int(self._hc_tokens)))
+            self.local.append((int(self.own_pass_sums["hiddencut_cut"]), int(self.own_pass_sums["hiddencut_tokens"])))
         return super().log(logs, *args, **kwargs)
 
 

@@ -23,7 +23,7 @@ class LocalRecordingTrainer(RDropTrainer):
 
     def log(self, logs, *args, **kwargs):
         if "loss" in logs:
-            self.local.append((float(self._rdrop_kl_sum), int(self._rdrop_positions)))
+            self.local.append((float(self.own_pass_sums["rdrop_kl_sum"]), int(self.own_pass_sums["rdrop_tokens"])))
         return super().log(logs, *args, **kwargs)
 
 

@@ -25,32 +25,19 @@ held only while it runs, so a layer recomputed in the backward would not repeat 
 ``--checkpoint-activations`` is refused at the first training step.
 """
 
-import math
+import contextlib
 from dataclasses import dataclass
 
 import torch
-from fairseq import metrics, utils
 from fairseq.criterions import register_criterion
-from fairseq.criterions.label_smoothed_cross_entropy import (
-    LabelSmoothedCrossEntropyCriterion,
-    LabelSmoothedCrossEntropyCriterionConfig,
-    label_smoothed_nll_loss,
-)
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterionConfig
 from fairseq.modules import LayerDropModuleList
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
 from ..core.regularizers.combinations import HIDDENCUT
-from ..core.regularizers.hiddencut import (
-    CutPlan,
-    HiddenCutConfig,
-    SpanCut,
-    attention_received_by_blocks,
-    hiddencut_objective,
-    hiddencut_spans,
-    js_consistency,
-)
-from .criterion import RegularizingCriterion
+from ..core.regularizers.hiddencut import CutPlan, HiddenCutConfig, SpanCut, attention_received_by_blocks
 from .options import fairseq_options
+from .own_passes_criterion import OwnPassesCriterion
 from .task_regularizers import whole_config
 
 NAME = "hiddencut_label_smoothed_cross_entropy"
@@ -112,7 +99,10 @@ def self_attention_received(attn, query, key_padding_mask, attn_mask) -> tuple:
 
 class _Hooks:
     """The encoder layers' hooks: the clean pass records each selected layer's attention received, the
-    cut pass zeroes spans of their ``fc2`` outputs."""
+    cut pass zeroes spans of their ``fc2`` outputs (``core.hiddencut.CutSites``: both steered by hooks,
+    no keyword of the model's call)."""
+
+    extra: dict = {}  # as a Ranking: the model's call carries nothing
 
     def __init__(self, model, config: HiddenCutConfig):
         layers = [m for m in model.modules() if isinstance(m, TransformerEncoderLayerBase)]
@@ -142,6 +132,26 @@ class _Hooks:
             self.cut.attach(layers[index].fc2, index, time_first=True)
             self._cut_replaces_dropout(layers[index], index)
 
+    @contextlib.contextmanager
+    def ranking(self):
+        """The clean pass records each selected layer's attention received, in call order (the layers')."""
+        self.recorded = {}
+        try:
+            yield self
+        finally:
+            self.recorded = None
+
+    def ranked(self) -> dict:
+        return dict(self.recorded)
+
+    @contextlib.contextmanager
+    def cutting(self, plan: CutPlan):
+        try:
+            with self.cut.cutting(plan):
+                yield {}
+        finally:
+            self.cut_not_dropped.clear()
+
     def _cut_replaces_dropout(self, layer, index) -> None:
         """In the cut pass, the layer's ``dropout_module`` call right after ``fc2`` returns its input."""
 
@@ -170,10 +180,12 @@ class _Hooks:
 
 
 @register_criterion(NAME, dataclass=HiddenCutLabelSmoothedCrossEntropyConfig)
-class HiddenCutLabelSmoothedCrossEntropyCriterion(RegularizingCriterion, LabelSmoothedCrossEntropyCriterion):
+class HiddenCutLabelSmoothedCrossEntropyCriterion(OwnPassesCriterion):
     """Label-smoothed cross-entropy trained with HiddenCut; validation is the base criterion unchanged."""
 
     regularizers = (HIDDENCUT,)
+    own_passes = "hiddencut"
+    name = NAME
 
     @classmethod
     def build_criterion(cls, cfg, task):
@@ -184,64 +196,8 @@ class HiddenCutLabelSmoothedCrossEntropyCriterion(RegularizingCriterion, LabelSm
         check_the_model_options(criterion.hiddencut_config, cfg)
         return criterion
 
-    def forward(self, model, sample, reduce=True):
-        if not (model.training and torch.is_grad_enabled()):
-            return super().forward(model, sample, reduce)  # validation: one pass, the stock loss
-        if not reduce:
-            raise ValueError(f"--criterion {NAME} trains with a summed loss (reduce=True)")
-        out_clean, out_cut, plan = self.two_passes(model, sample["net_input"])
-        lprobs_1, target = self.get_lprobs_and_target(model, out_clean, sample)
-        lprobs_2, _ = self.get_lprobs_and_target(model, out_cut, sample)
-        ce_1, nll_1 = label_smoothed_nll_loss(lprobs_1, target, self.eps, ignore_index=self.padding_idx)
-        ce_2, nll_2 = label_smoothed_nll_loss(lprobs_2, target, self.eps, ignore_index=self.padding_idx)
-        js, positions = js_consistency(lprobs_1, lprobs_2, target.ne(self.padding_idx), log_probs=True)
-        loss = hiddencut_objective(ce_1, ce_2, js, self.hiddencut_config.alpha)
-        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
-        log = {
-            "loss": loss.data,
-            "nll_loss": (nll_1.data + nll_2.data) / 2,  # per pass: ppl stays comparable with a plain run
-            "ntokens": sample["ntokens"],
-            "nsentences": sample["target"].size(0),
-            "sample_size": sample_size,
-            "hiddencut_js_sum": js.data,
-            "hiddencut_positions": positions,
-            "hiddencut_cut": plan.cut,
-            "hiddencut_tokens": plan.tokens,
-        }
-        if self.report_accuracy:
-            n_correct, total = self.compute_accuracy(model, out_clean, sample)
-            log.update(n_correct=utils.item(n_correct.data), total=utils.item(total.data))
-        return loss, sample_size, log
-
-    def two_passes(self, model, net_input):
-        """The clean pass's and the cut pass's net outputs, and the cut pass's plan (what it cut)."""
+    def own_pass_sites(self, model) -> _Hooks:
+        """The encoder's hooks, installed at the first training step (refusing what the model does not allow)."""
         if self.hiddencut_hooks is None:
             self.hiddencut_hooks = _Hooks(model, self.hiddencut_config)
-        hooks, config = self.hiddencut_hooks, self.hiddencut_config
-        hooks.recorded = {}
-        try:
-            out_clean = model(**net_input)
-            recorded = hooks.recorded
-        finally:
-            hooks.recorded = None
-        masks = {
-            index: (hiddencut_spans(valid, received, config.ratio, config.top), valid)
-            for index, (received, valid) in recorded.items()
-        }
-        try:
-            with hooks.cut.cutting(CutPlan(masks)) as plan:
-                out_cut = model(**net_input)
-        finally:
-            hooks.cut_not_dropped.clear()
-        return out_clean, out_cut, plan
-
-    @classmethod
-    def reduce_metrics(cls, logging_outputs) -> None:
-        super().reduce_metrics(logging_outputs)
-        positions = utils.item(sum(log.get("hiddencut_positions", 0) for log in logging_outputs))
-        if positions:  # training only: validation runs one pass
-            js = utils.item(sum(log.get("hiddencut_js_sum", 0) for log in logging_outputs))
-            # in bits, as fairseq logs loss: the training loss is (CE1 + CE2) + alpha * hiddencut_js per token
-            metrics.log_scalar("hiddencut_js", js / positions / math.log(2), positions, round=5)
-            for key in ("hiddencut_cut", "hiddencut_tokens"):
-                metrics.log_scalar_sum(key, utils.item(sum(log.get(key, 0) for log in logging_outputs)))
+        return self.hiddencut_hooks

@@ -4,9 +4,9 @@ clean pass and on a cut pass, plus alpha times the JS divergence of their output
     loss = loss(clean) + loss(cut) + alpha * JS
 
 ``loss`` is what the Trainer computes for the model (its CE, label smoothing included); JS is summed
-over the positions the CE covers (every sample of a classifier, each label that is not -100 of a
-token-level model, shifted for a causal LM) and divided by what the model's loss is divided by, as
-R-Drop's KL (``hf.rdrop_trainer``). Evaluation and generation run one pass, unchanged.
+over the positions the CE covers and divided by what the model's loss is divided by, as R-Drop's KL
+(:mod:`.own_passes_trainer`). The step is ``core.hiddencut.hiddencut_step``; this module builds where
+it ranks and cuts (:class:`TrainerCutSites`). Evaluation and generation run one pass, unchanged.
 
 Where the cut is: the feed-forward output of each selected transformer layer (the modules transformers
 checkpoints, ``GradientCheckpointingLayer``; the encoder's for an encoder-decoder model), before the
@@ -30,6 +30,7 @@ is closed by then, so its recompute ranks nothing again.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import warnings
@@ -39,21 +40,12 @@ import torch
 import transformers
 
 from ..core.regularizers.combinations import HIDDENCUT
-from ..core.regularizers.hiddencut import (
-    CutPlan,
-    HiddenCutConfig,
-    SpanCut,
-    attention_received_by_blocks,
-    hiddencut_objective,
-    hiddencut_spans,
-    js_consistency,
-)
+from ..core.regularizers.hiddencut import CutPlan, HiddenCutConfig, SpanCut, attention_received_by_blocks
 from ..core.regularizers.options import named_by_field
-from ..core.training.distributed import all_reduce_sum_
 from .attention import register_attention
 from .combinations import check_trainer_combination, turns_on
 from .feed_forward_cut import cut_feed_forward, feed_forward_output, hold_the_plan
-from .rdrop_trainer import _logits, compared_positions, loss_divisor, refuse_data_parallel
+from .own_passes_trainer import OwnPassesTrainerMixin, refuse_data_parallel
 from .sites import attention_configs
 
 PLAN_KWARG = "hiddencut_plan"
@@ -69,7 +61,9 @@ class Ranking:
     The first call of each layer counts; once :meth:`close` is called (the masks are made), nothing is
     recorded, so an activation checkpoint's recompute of the clean pass adds no work."""
 
-    def __init__(self, layers: Dict[int, torch.nn.Module], valid: Optional[torch.Tensor]) -> None:
+    def __init__(self, layers: Dict[int, torch.nn.Module], valid: Optional[torch.Tensor], model_name: str = "") -> None:
+        self.order = list(layers)
+        self.model_name = model_name or "the model"
         self.index = {id(m): i for i, layer in layers.items() for m in layer.modules()}
         self.valid = valid
         self.received: Dict[int, torch.Tensor] = {}
@@ -113,6 +107,24 @@ class Ranking:
     def close(self) -> Dict[int, torch.Tensor]:
         self.open = False
         return self.received
+
+    @property
+    def extra(self) -> Dict[str, Any]:
+        """The model call's keyword that carries this ranking to the attention calls."""
+        return {RANKING_KWARG: self}
+
+    def ranked(self) -> Dict[int, tuple]:
+        """{layer: (received, valid)} of every selected layer, in their order (``core.hiddencut.Ranking``);
+        closes the ranking (no gradient reaches it). Refused when a layer made no ranked call."""
+        received = self.close()
+        missed = sorted(set(self.order) - set(received))
+        if missed:
+            raise ValueError(
+                f"HiddenCut: layers {missed} of {self.model_name} made no attention call through transformers' "
+                f"AttentionInterface with the model's keyword arguments in the clean pass ({RANKING_KWARG!r} "
+                "travels there), so their attention cannot be ranked"
+            )
+        return {index: (received[index], self.valid) for index in self.order}
 
 
 def _ranked(implementation: str):
@@ -204,9 +216,31 @@ def _check_all_cut(model, plan: CutPlan) -> None:
         )
 
 
-class HiddenCutTrainerMixin:
+class TrainerCutSites:
+    """Where one training step ranks and cuts (``core.hiddencut.CutSites``): the clean pass's
+    :class:`Ranking` and the cut pass's plan travel as keywords of the model's call."""
+
+    def __init__(self, trainer, model, inputs: Dict[str, Any]) -> None:
+        self.trainer, self.model = trainer, model
+        valid = inputs.get("attention_mask")
+        self.valid = None if valid is None else valid.bool()
+
+    @contextlib.contextmanager
+    def ranking(self):
+        yield Ranking(
+            self.trainer._hiddencut_ranked, self.valid, type(self.trainer.accelerator.unwrap_model(self.model)).__name__
+        )
+
+    @contextlib.contextmanager
+    def cutting(self, plan: CutPlan):
+        yield {PLAN_KWARG: plan}
+        _check_all_cut(self.trainer.accelerator.unwrap_model(self.model), plan)
+
+
+class HiddenCutTrainerMixin(OwnPassesTrainerMixin):
     """Shared by :class:`HiddenCutTrainer` and :class:`HiddenCutSeq2SeqTrainer`."""
 
+    own_passes = "hiddencut"
     attn_reg_regularizers = turns_on(HIDDENCUT, "hiddencut=HiddenCutConfig")
 
     def __init__(self, *args, hiddencut: HiddenCutConfig, **kwargs):
@@ -214,7 +248,7 @@ class HiddenCutTrainerMixin:
             raise TypeError(f"hiddencut must be a HiddenCutConfig, got {type(hiddencut).__name__}")
         self.hiddencut = named_by_field(hiddencut).validate()
         check_trainer_combination(self, kwargs)
-        self._hiddencut_reset()
+        self._own_pass_reset()
         super().__init__(*args, **kwargs)
         layers = hiddencut_layers(self.model)
         if not layers:
@@ -241,75 +275,13 @@ class HiddenCutTrainerMixin:
             )
         self._hiddencut_ranked = {index: layers[index] for index in self._hiddencut_layers}
 
-    def _hiddencut_reset(self) -> None:
-        # sums since the last log, tensors once a step ran: no host sync per step
-        self._hc_js: Any = 0.0
-        self._hc_positions: Any = 0
-        self._hc_cut: Any = 0
-        self._hc_tokens: Any = 0
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not (model.training and torch.is_grad_enabled()):
-            return super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-            )
-        # copies: the Trainer's compute_loss may pop labels, and the caller's inputs are never changed
-        valid = inputs.get("attention_mask")
-        ranking = Ranking(self._hiddencut_ranked, None if valid is None else valid.bool())
-        loss_clean, out_clean = super().compute_loss(
-            model, {**inputs, RANKING_KWARG: ranking}, return_outputs=True, num_items_in_batch=num_items_in_batch
-        )
-        plan = CutPlan(self._hiddencut_masks(model, ranking))
-        loss_cut, out_cut = super().compute_loss(
-            model, {**inputs, PLAN_KWARG: plan}, return_outputs=True, num_items_in_batch=num_items_in_batch
-        )
-        _check_all_cut(self.accelerator.unwrap_model(model), plan)
-        first, second, labels, keep = compared_positions(
-            self, model, inputs, _logits(out_clean), _logits(out_cut), "HiddenCut's JS"
-        )
-        js_sum, positions = js_consistency(first, second, keep)
-        pair_loss = loss_clean + loss_cut
-        divisor = loss_divisor(self, pair_loss, (first, second), labels, keep, positions, num_items_in_batch)
-        loss = hiddencut_objective(loss_clean, loss_cut, js_sum / divisor, self.hiddencut.alpha)
-        self._hc_js = self._hc_js + js_sum.detach()
-        self._hc_positions = self._hc_positions + positions
-        self._hc_cut = self._hc_cut + plan.cut
-        self._hc_tokens = self._hc_tokens + plan.tokens
-        return (loss, out_clean) if return_outputs else loss
-
-    def _hiddencut_masks(self, model, ranking: Ranking) -> Dict[int, Any]:
-        """{layer: (cut, valid)} from the clean pass's ranking (no gradient reaches it)."""
-        received = ranking.close()
-        missed = sorted(set(self._hiddencut_layers) - set(received))
-        if missed:
-            raise ValueError(
-                f"HiddenCut: layers {missed} of {type(self.accelerator.unwrap_model(model)).__name__} made no "
-                "attention call through transformers' AttentionInterface with the model's keyword arguments in the "
-                f"clean pass ({RANKING_KWARG!r} travels there), so their attention cannot be ranked"
-            )
-        valid = ranking.valid
-        masks = {}
-        for index in self._hiddencut_layers:
-            masks[index] = (hiddencut_spans(valid, received[index], self.hiddencut.ratio, self.hiddencut.top), valid)
-        return masks
+    def own_pass_sites(self, model, inputs: Dict[str, Any]) -> TrainerCutSites:
+        return TrainerCutSites(self, model, inputs)
 
     def hiddencut_stats(self) -> Dict[str, float]:
         """Since the last log, over all processes: mean JS per position (nats), tokens cut, real tokens of
         the cut layers."""
-        device = self.args.device
-        sums = [self._hc_js, self._hc_positions, self._hc_cut, self._hc_tokens]
-        js, positions, cut, tokens = all_reduce_sum_(
-            torch.stack([torch.as_tensor(v, device=device) for v in sums]).double()
-        ).tolist()
-        return {"hiddencut_js": js / positions if positions else 0.0, "hiddencut_cut": cut, "hiddencut_tokens": tokens}
-
-    def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
-        if "loss" in logs:  # a training log; every process logs at the same steps
-            stats = self.hiddencut_stats()
-            logs.update(hiddencut_js=round(stats["hiddencut_js"], 6), hiddencut_cut=int(stats["hiddencut_cut"]))
-            logs["hiddencut_tokens"] = int(stats["hiddencut_tokens"])
-            self._hiddencut_reset()
-        return super().log(logs, *args, **kwargs)
+        return self.own_pass_stats()
 
 
 class HiddenCutTrainer(HiddenCutTrainerMixin, transformers.Trainer):

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("fairseq")
 
 # registers the criterion under the package path the user dir imports (no second registration)
+import attn_reg_plugin.core.regularizers.hiddencut as core_hc  # noqa: E402
 import attn_reg_plugin.fairseq_plugin.hiddencut_label_smoothed_cross_entropy as hc  # noqa: E402
 from helpers import TINY_TRANSFORMER, fairseq_setup  # noqa: E402
 
@@ -39,7 +40,7 @@ def _train_step(cfg, task, model, criterion, sample, seed=0):
 
 def _spy(monkeypatch):
     seen = {"spans": [], "received": []}
-    spans, received = hc.hiddencut_spans, hc.self_attention_received
+    spans, received = core_hc.hiddencut_spans, hc.self_attention_received
 
     def spy_spans(*a, **kw):
         seen["spans"].append(spans(*a, **kw))
@@ -49,7 +50,7 @@ def _spy(monkeypatch):
         seen["received"].append((attn, query.detach().clone(), *received(attn, query, *a)))
         return seen["received"][-1][2:]
 
-    monkeypatch.setattr(hc, "hiddencut_spans", spy_spans)
+    monkeypatch.setattr(core_hc, "hiddencut_spans", spy_spans)  # the step draws them in core
     monkeypatch.setattr(hc, "self_attention_received", spy_received)
     return seen
 

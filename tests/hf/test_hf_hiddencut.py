@@ -24,7 +24,7 @@ from attn_reg_plugin.hf.hiddencut_trainer import (
     Ranking,
     hiddencut_layers,
 )
-from attn_reg_plugin.hf.rdrop_trainer import compared_positions
+from attn_reg_plugin.hf.own_passes_trainer import compared_positions
 from helpers import assert_all_close_to_reference, classifier_rows, hf_tensorboard_matches_the_log, torchrun_ranks
 
 ALPHA = 2.0
@@ -112,7 +112,7 @@ def _spy_spans(monkeypatch):
         return drawn[-1]
 
     real = core.hiddencut_spans
-    monkeypatch.setattr("attn_reg_plugin.hf.hiddencut_trainer.hiddencut_spans", spans)
+    monkeypatch.setattr("attn_reg_plugin.core.regularizers.hiddencut.hiddencut_spans", spans)
     return drawn
 
 
@@ -740,7 +740,10 @@ def test_a_model_without_an_attention_mask_ranks_every_position(tmp_path):
     }
     loss, grads = one_step(trainer, batch)
     assert torch.isfinite(loss) and grads
-    assert int(trainer._hc_tokens) == 2 * 3 * 5 and int(trainer._hc_cut) == 2 * 3 * 1  # layers x images x (4 + CLS)
+    assert (
+        int(trainer.own_pass_sums["hiddencut_tokens"]) == 2 * 3 * 5
+        and int(trainer.own_pass_sums["hiddencut_cut"]) == 2 * 3 * 1
+    )  # layers x images x (4 + CLS)
 
 
 def test_soft_capped_attention_is_ranked_as_its_eager_maps(tmp_path):

@@ -199,7 +199,7 @@ def test_the_processes_decide_the_divisor_together(others, decided, tmp_path, mo
         reads.append(votes.tolist())
         return votes.add_(torch.tensor(others))
 
-    monkeypatch.setattr("attn_reg_plugin.hf.rdrop_trainer.all_reduce_sum_", with_another_process)
+    monkeypatch.setattr("attn_reg_plugin.hf.own_passes_trainer.all_reduce_sum_", with_another_process)
     args = _args(tmp_path, gradient_accumulation_steps=4)
     trainer = RDropTrainer(model=tiny_bert(dropout=0.5), args=args, rdrop=RDropConfig(alpha=ALPHA))
     one_step(trainer, bert_batch(), num_items_in_batch=torch.tensor(3))
@@ -214,7 +214,9 @@ def test_one_micro_batch_counted_on_each_process_reads_nothing(tmp_path, monkeyp
     """With one micro-batch per update and num_items_in_batch counted on each process alone
     (average_tokens_across_devices=False), both counts are this batch's: no collective, no host read."""
     reads = []
-    monkeypatch.setattr("attn_reg_plugin.hf.rdrop_trainer.all_reduce_sum_", lambda votes: reads.append(votes) or votes)
+    monkeypatch.setattr(
+        "attn_reg_plugin.hf.own_passes_trainer.all_reduce_sum_", lambda votes: reads.append(votes) or votes
+    )
     args = _args(tmp_path, average_tokens_across_devices=False)
     trainer = RDropTrainer(model=tiny_bert(), args=args, rdrop=RDropConfig(alpha=ALPHA))
     monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))  # as on one of two processes
@@ -238,14 +240,14 @@ def test_the_callers_batch_is_unchanged(concat, tmp_path):
     for k, v in batch.items():
         assert v is tensors[k] and torch.equal(v, before[k]), k
     # both passes had their labels: twice the smoothed loss of one pass, plus the KL
-    assert loss > 0 and trainer._rdrop_positions == 3
+    assert loss > 0 and trainer.own_pass_sums["rdrop_tokens"] == 3
 
 
 def test_without_dropout_the_kl_is_zero_and_the_loss_twice_the_plain_loss(tmp_path):
     trainer = RDropTrainer(model=tiny_bert(dropout=0.0), args=_args(tmp_path), rdrop=RDropConfig(alpha=ALPHA))
     batch = bert_batch()
     loss, _ = one_step(trainer, batch)
-    assert float(trainer._rdrop_kl_sum) == 0
+    assert float(trainer.own_pass_sums["rdrop_kl_sum"]) == 0
     with torch.no_grad():
         plain = trainer.model(**batch).loss
     torch.testing.assert_close(loss, 2 * plain)
@@ -362,7 +364,7 @@ def test_rdrop_over_ad_drop_takes_the_steps_drops_in_both_passes(tmp_path):
     alone.model.load_state_dict(both.model.state_dict())
     loss, _ = one_step(both, bert_batch())
     alone_loss, _ = one_step(alone, bert_batch())
-    assert float(both._rdrop_kl_sum) == 0 and int(both._rdrop_positions) == 3
+    assert float(both.own_pass_sums["rdrop_kl_sum"]) == 0 and int(both.own_pass_sums["rdrop_tokens"]) == 3
     assert int(alone._ad_drop_dropped) > 0 and int(both._ad_drop_dropped) == 2 * int(alone._ad_drop_dropped)
     torch.testing.assert_close(loss, 2 * alone_loss)
     noisy = ADDropRDrop(model=tiny_bert(dropout=0.3), args=_args(tmp_path), rdrop=RDropConfig(), ad_drop=ad_drop)
@@ -372,7 +374,7 @@ def test_rdrop_over_ad_drop_takes_the_steps_drops_in_both_passes(tmp_path):
     )  # fmt: skip
     checkpointed.model.gradient_checkpointing_enable()
     noisy_loss, grads = one_step(noisy, bert_batch())
-    assert float(noisy._rdrop_kl_sum) > 0 and int(noisy._ad_drop_dropped) > 0
+    assert float(noisy.own_pass_sums["rdrop_kl_sum"]) > 0 and int(noisy._ad_drop_dropped) > 0
     checkpointed_loss, checkpointed_grads = one_step(checkpointed, bert_batch())  # both passes recomputed
     assert torch.equal(checkpointed_loss, noisy_loss)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, checkpointed_grads))
@@ -406,8 +408,8 @@ def test_rdrop_over_ad_drop_draws_each_forwards_own_attention_dropout(family, tm
     both = ADDropRDrop(model=model, args=_args(tmp_path), rdrop=RDropConfig(alpha=ALPHA), ad_drop=ad_drop)
     one_step(plain, bert_batch())
     one_step(both, bert_batch())
-    assert float(plain._rdrop_kl_sum) > 0
-    assert float(both._rdrop_kl_sum) > 0.1 * float(plain._rdrop_kl_sum)
+    assert float(plain.own_pass_sums["rdrop_kl_sum"]) > 0
+    assert float(both.own_pass_sums["rdrop_kl_sum"]) > 0.1 * float(plain.own_pass_sums["rdrop_kl_sum"])
     assert int(both._ad_drop_dropped) > 0 and int(both._ad_drop_dropped) % 2 == 0
 
 

@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, ContextManager, Dict, Mapping, Optional, Protocol, Tuple
 
 import torch
 
 from .combinations import HIDDENCUT
 from .options import RegularizerOptions, option
 from .registry import OWN_PASSES, Method, Regularizer, register
+from .training_step import Logged, StepResult, TrainingStep
 
 
 def _fraction(config, field: str) -> None:
@@ -114,13 +115,18 @@ REGULARIZER = register(
         None,
         "hiddencut",
         passes=OWN_PASSES,
+        step=lambda config, step, sites: hiddencut_step(config, step, sites),
+        logged=(
+            Logged("hiddencut_js", "hiddencut_js_sum", "hiddencut_positions"),
+            Logged("hiddencut_cut", "hiddencut_cut"),
+            Logged("hiddencut_tokens", "hiddencut_tokens"),
+        ),
         methods=(
             Method(
                 "hiddencut",
                 "HiddenCut (clean + cut pass + alpha * JS), its defaults",
                 fairseq_criterion="hiddencut_label_smoothed_cross_entropy",
                 trainer="HiddenCutTrainer",
-                log_keys=("hiddencut_js", "hiddencut_cut", "hiddencut_tokens"),
             ),
         ),
     )
@@ -410,3 +416,48 @@ class _Cutting:
 
     def __exit__(self, *exc) -> None:
         self.owner.plan = None
+
+
+class Ranking(Protocol):
+    """The clean pass's ranking, as a framework records it: ``extra``, the keywords of the model's call
+    that carry it (none where hooks record it), and ``ranked()``, {layer: (attention received (B, T),
+    real tokens (B, T))} of every selected layer, in the layers' order (the spans are drawn in it)."""
+
+    extra: Mapping[str, Any]
+
+    def ranked(self) -> Dict[Any, Tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+class CutSites(Protocol):
+    """Where a framework's model is ranked and cut: ``ranking()``, a context around the clean pass
+    yielding its :class:`Ranking`; ``cutting(plan)``, a context around the cut pass yielding the
+    keywords of the model's call that carry ``plan`` (it checks, on leaving, that every layer was cut)."""
+
+    def ranking(self) -> ContextManager[Ranking]: ...
+
+    def cutting(self, plan: CutPlan) -> ContextManager[Mapping[str, Any]]: ...
+
+
+def hiddencut_step(config: HiddenCutConfig, step: TrainingStep, sites: CutSites) -> StepResult:
+    """HiddenCut's training step over a framework's :class:`~.training_step.TrainingStep`: the clean pass,
+    ranked; the spans drawn from its ranking; the cut pass; their JS at the positions the loss covers,
+    reduced as the loss is, and the objective. Logs the JS's sum and positions, the tokens cut and the
+    real tokens of the cut layers."""
+    with sites.ranking() as ranking:
+        clean = step.forward(ranking.extra)
+        received = ranking.ranked()
+    plan = CutPlan(
+        {
+            index: (hiddencut_spans(valid, rank, config.ratio, config.top), valid)
+            for index, (rank, valid) in received.items()
+        }
+    )
+    with sites.cutting(plan) as extra:
+        cut = step.forward(extra)
+    compared = step.compared(clean, cut, "HiddenCut's JS")
+    js_sum, positions = js_consistency(compared.first, compared.second, compared.keep, log_probs=step.log_probs)
+    pair_loss = clean.loss + cut.loss
+    js = step.reduced(js_sum, positions, pair_loss, compared)
+    loss = hiddencut_objective(clean.loss, cut.loss, js, config.alpha)
+    sums = {"hiddencut_js_sum": js_sum.detach(), "hiddencut_positions": positions}
+    return StepResult(loss, clean, cut, {**sums, "hiddencut_cut": plan.cut, "hiddencut_tokens": plan.tokens})

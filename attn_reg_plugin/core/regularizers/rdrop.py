@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from .combinations import RDROP
 from .options import RegularizerOptions, option
 from .registry import OWN_PASSES, Method, Regularizer, register
+from .training_step import Logged, StepResult, TrainingStep, two_passes
 
 
 @dataclass
@@ -71,6 +72,8 @@ REGULARIZER = register(
         None,
         "rdrop",
         passes=OWN_PASSES,
+        step=lambda config, step, sites: rdrop_step(config, step),
+        logged=(Logged("rdrop_kl", "rdrop_kl_sum", "rdrop_tokens"),),
         methods=(
             Method(
                 "r-drop",
@@ -79,7 +82,6 @@ REGULARIZER = register(
                 mt_defaults=(("--rdrop-alpha", "5"),),
                 fairseq_criterion="rdrop_label_smoothed_cross_entropy",
                 trainer="RDropTrainer",
-                log_keys=("rdrop_kl",),
             ),
         ),
     )
@@ -155,6 +157,17 @@ def rdrop_objective(ce_both: torch.Tensor, kl: torch.Tensor, alpha: float) -> to
     both reduced alike (summed over the real tokens in fairseq, divided by what the model's own loss
     is divided by in the Hugging Face trainers)."""
     return ce_both + alpha * kl
+
+
+def rdrop_step(config: RDropConfig, step: TrainingStep) -> StepResult:
+    """R-Drop's training step over a framework's :class:`~.training_step.TrainingStep`: two passes (two
+    forwards, or one of the doubled batch), their symmetric KL at the positions the loss covers, reduced
+    as the loss is, and the objective. Logs the KL's sum and its positions."""
+    pair_loss, first, second = two_passes(step, config.concat_batch)
+    compared = step.compared(first, second, "R-Drop's KL")
+    kl_sum, positions = rdrop_kl(compared.first, compared.second, compared.keep, log_probs=step.log_probs)
+    loss = rdrop_objective(pair_loss, step.reduced(kl_sum, positions, pair_loss, compared), config.alpha)
+    return StepResult(loss, first, second, {"rdrop_kl_sum": kl_sum.detach(), "rdrop_tokens": positions})
 
 
 def concat_with_itself(batch: Any) -> Any:

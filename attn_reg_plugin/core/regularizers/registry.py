@@ -102,7 +102,11 @@ class Regularizer:
     units. A regularizer of its own passes is turned on by choosing its criterion or Trainer (no
     switch, nothing built here). ``variants``: every name ``named`` may give. ``idle(config, epochs,
     updates, plan)``: the warning for a planned run in which it never acts, or None (unset: a plan
-    regularizer's schedule says, :mod:`.planned_run`)."""
+    regularizer's schedule says, :mod:`.planned_run`). ``step(config, training_step, sites)``: the
+    training step of a regularizer of its own passes that runs over any framework's step
+    (:mod:`.training_step`; R-Drop, HiddenCut), ``sites`` what the framework built for it (HiddenCut's
+    :class:`~.hiddencut.CutSites`); ``logged``: the :class:`~.training_step.Logged` numbers the adapters
+    reduce from its steps' sums."""
 
     key: str
     name: str
@@ -117,6 +121,8 @@ class Regularizer:
     variants: Tuple[str, ...] = ()
     passes: str = PLAN
     idle: Optional[Callable[[Any, Optional[int], Optional[int], str], Optional[str]]] = None
+    step: Optional[Callable[[Any, Any, Any], Any]] = None
+    logged: Tuple[Any, ...] = ()
 
     def name_of(self, config) -> str:
         """The regularizer ``config`` turns on, as :mod:`.combinations` names it."""
@@ -134,7 +140,10 @@ class Regularizer:
         return f"{self.log_prefix}_rate"
 
     def log_keys(self) -> Tuple[str, ...]:
-        """The keys a run's training logs have for it (``*``: a prefix), in HF and fairseq alike."""
+        """The keys a run's training logs have for it (``*``: a prefix), in HF and fairseq alike: a step's
+        ``logged`` numbers, else the rate and the prefix."""
+        if self.logged:
+            return tuple(number.name for number in self.logged)
         return (self.rate_key(), f"{self.log_prefix}_*")
 
 
