@@ -10,7 +10,9 @@ A :class:`Regularizer` declares what the adapters and the comparison commands ne
   whose ``logged(update)`` are the numbers it logs beside its rate, ``counted[0] / counted[1]`` as the
   kernel counted them where it applied the edits (``log_prefix + "_rate"``). A regularizer of its own
   passes (:data:`OWN_PASSES`: AD-DROP, AttendOut, R-Drop, HiddenCut) runs them in the fairseq criterion
-  (AttendOut: the task) and the Trainer its methods name;
+  (AttendOut: the task) and the Trainer its methods name; one whose passes are a step over the
+  framework's (R-Drop, HiddenCut) declares it (``step``) and what it logs (``logged``), and those adapters
+  only run it (:mod:`.training_step`);
 - what it cannot be combined with: every pair is refused unless :mod:`.combinations` lists it;
 - its defaults as a method of ``attn-reg-mt-compare`` and ``attn-reg-cls-compare`` (:class:`Method`),
   and how each framework trains it there.
