@@ -105,5 +105,5 @@ class OwnPassesCriterion(RegularizingCriterion, LabelSmoothedCrossEntropyCriteri
         for number in logged:
             if number.denominator is None:
                 metrics.log_scalar_sum(number.name, sums[number.numerator])
-            else:  # in bits, as fairseq logs loss
+            else:  # a divergence in bits, as fairseq logs loss
                 metrics.log_scalar(number.name, number.value(sums, bits=True), sums[number.denominator], round=5)

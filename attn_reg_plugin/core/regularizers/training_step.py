@@ -81,23 +81,24 @@ class StepResult:
 @dataclass(frozen=True)
 class Logged:
     """A number a regularizer of its own passes logs, reduced from its steps' ``sums`` over a logging
-    interval (and, in fairseq, over the workers): ``numerator / denominator`` (a mean per position: in
-    bits in fairseq, which logs its loss in bits, in nats in transformers) or, without a denominator,
-    ``numerator`` summed (an integer count)."""
+    interval (and, in fairseq, over the workers): ``numerator / denominator``, a mean per position, or,
+    without a denominator, ``numerator`` summed (an integer count). A mean of a ``divergence`` (nats) is
+    logged in bits in fairseq, as fairseq logs its loss, and in nats in transformers."""
 
     name: str
     numerator: str
     denominator: Optional[str] = None
+    divergence: bool = True
 
     def value(self, sums: Mapping[str, float], bits: bool) -> float:
-        """The logged value from the interval's summed ``sums``."""
+        """The logged value from the interval's summed ``sums`` (``bits``: fairseq's unit)."""
         total = float(sums.get(self.numerator, 0))
         if self.denominator is None:
             return total
         count = float(sums.get(self.denominator, 0))
         if not count:
             return 0.0
-        return total / count / (math.log(2) if bits else 1.0)
+        return total / count / (math.log(2) if bits and self.divergence else 1.0)
 
 
 def sum_keys(logged: Tuple[Logged, ...]) -> Tuple[str, ...]:
