@@ -67,7 +67,7 @@ def agreement(monkeypatch):
 def test_a_trainer_runs_the_declared_step_and_logs_its_number(agreement, tmp_path):
     import transformers
 
-    from attn_reg_plugin.hf.own_passes_trainer import OwnPassesTrainerMixin
+    from attn_reg_plugin.hf import OwnPassesTrainerMixin
     from helpers import tiny_bert_classifier
 
     class AgreementTrainer(OwnPassesTrainerMixin, transformers.Trainer):

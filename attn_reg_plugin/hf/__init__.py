@@ -15,6 +15,7 @@ _HOMES = {
     **dict.fromkeys(("AttnRegTrainer", "AttnRegSeq2SeqTrainer", "AttnRegTrainerMixin"), "attn_reg_trainer"),
     **dict.fromkeys(("HiddenCutTrainer", "HiddenCutSeq2SeqTrainer", "HiddenCutTrainerMixin"), "hiddencut_trainer"),
     **dict.fromkeys(("RDropTrainer", "RDropSeq2SeqTrainer", "RDropTrainerMixin"), "rdrop_trainer"),
+    **dict.fromkeys(("OwnPassesTrainerMixin", "TrainerStep"), "own_passes_trainer"),
     **dict.fromkeys(
         ("install_attention_sites", "attn_reg_attention", "register_attn_reg", "ATTN_IMPLEMENTATION"), "attention"
     ),
