@@ -1,5 +1,5 @@
 """What every AD-DROP criterion adds to its fairseq base criterion: pass 1 + masks, then the base
-criterion's own forward as pass 2, and the ``--ad-drop-*`` flags.
+criterion's own forward as pass 2 (``ADDrop.around_loss``, in core), and the ``--ad-drop-*`` flags.
 
 Registered criterions, one file each: ``ad_drop_label_smoothed_cross_entropy`` (translation)
 and ``ad_drop_sentence_prediction`` (RoBERTa-style classifiers / regressors).
@@ -12,7 +12,7 @@ validation (``model.training`` False, no grad) nothing changes.
 import torch
 from fairseq import metrics, utils
 
-from ..core.regularizers.ad_drop import ADDrop
+from ..core.regularizers.ad_drop import ADDrop, AttributionPass
 from ..core.regularizers.ad_drop_config import ADDropConfig, ad_drop_epoch
 from ..core.regularizers.attribution_pass import bare_module
 from ..core.regularizers.combinations import AD_DROP
@@ -78,29 +78,23 @@ class ADDropCriterionMixin(RegularizingCriterion):
                 "the ad_drop criterions need an attn_reg task (--task attn_reg_translation or "
                 "attn_reg_sentence_prediction) that routes attention through the plugin"
             )
-        if not (torch.is_grad_enabled() and ad_drop_epoch(self.ad_drop_config.schedule, epoch)):
+        if not torch.is_grad_enabled():
             loss, sample_size, log = super().forward(model, sample, reduce)
             log.update(ad_drop_on=0, ad_drop_steps=1)
             return loss, sample_size, log
+        # Counts stay tensors: no host-device sync inside the step (fairseq reduces them later).
+        with self.ad_drop.around_loss(epoch, lambda: self.attribution_pass(model, sample)) as counts:
+            loss, sample_size, log = super().forward(model, sample, reduce)
+        log.update(counts)
+        return loss, sample_size, log
+
+    def attribution_pass(self, model, sample) -> AttributionPass:
+        """Pass 1 of this step: the bare model called as the base criterion calls it, this criterion's target."""
         bare = bare_module(model)
         gold = self.gold_labels(model, sample) if self.ad_drop_config.labels == "gold" else None
-        # Counts stay tensors: no host-device sync inside the step (fairseq reduces them later).
-        with self.ad_drop.masked(
-            lambda: self.attribution_forward(bare, sample),
-            self.attribution_target(model, sample),
-            frozen=bare,
-            labels=gold,
-            tensors=True,
-        ) as stats:
-            loss, sample_size, log = super().forward(model, sample, reduce)
-        log.update(
-            ad_drop_on=1,
-            ad_drop_steps=1,
-            ad_drop_dropped=stats["dropped"],
-            ad_drop_droppable=stats["droppable"],
-            ad_drop_skipped=stats["skipped"],
+        return AttributionPass(
+            lambda: self.attribution_forward(bare, sample), self.attribution_target(model, sample), bare, gold
         )
-        return loss, sample_size, log
 
     @classmethod
     def reduce_ad_drop_metrics(cls, logging_outputs) -> None:

@@ -62,13 +62,17 @@ class OwnPassesCriterion(RegularizingCriterion, LabelSmoothedCrossEntropyCriteri
     """Label-smoothed cross-entropy trained with the step of the regularizer ``own_passes`` names (its
     registry key; its config is the criterion's ``<key>_config``); validation is the base criterion
     unchanged. ``own_pass_sites(model)``: what the step needs of the model (HiddenCut's hooks), asked
-    at every training step before the passes."""
+    at every training step before the passes; ``training_step(model, sample)``: the step's passes (a
+    :class:`CriterionStep`; a subclass for a model whose scores are not its output's first element)."""
 
     own_passes: str = ""
     name: str = ""  # as fairseq registers it, in messages
 
     def own_pass_sites(self, model):
         return None
+
+    def training_step(self, model, sample) -> CriterionStep:
+        return CriterionStep(self, model, sample)
 
     def forward(self, model, sample, reduce=True):
         if not (model.training and torch.is_grad_enabled()):
@@ -78,7 +82,7 @@ class OwnPassesCriterion(RegularizingCriterion, LabelSmoothedCrossEntropyCriteri
         regularizer = by_key(self.own_passes)
         sites = self.own_pass_sites(model)
         config = getattr(self, f"{regularizer.key}_config")
-        result = regularizer.step(config, CriterionStep(self, model, sample), sites)
+        result = regularizer.step(config, self.training_step(model, sample), sites)
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         first, second = result.reported, result.second
         log = {

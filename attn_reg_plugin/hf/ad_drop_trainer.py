@@ -1,4 +1,5 @@
-"""AD-DROP for transformers' Trainer / Seq2SeqTrainer: pass 1 + masks around the Trainer's own loss.
+"""AD-DROP for transformers' Trainer / Seq2SeqTrainer: pass 1 + masks around the Trainer's own loss
+(``ADDrop.around_loss``, in core).
 
 The loss is computed exactly as the Trainer always computes it (``super().compute_loss``);
 AD-DROP only wraps it in training steps of the epochs the schedule selects.
@@ -13,8 +14,8 @@ import torch
 import transformers
 
 from ..core.kernel.controller import RegularizationController
-from ..core.regularizers.ad_drop import ADDrop
-from ..core.regularizers.ad_drop_config import ADDropConfig, ad_drop_epoch
+from ..core.regularizers.ad_drop import ADDrop, AttributionPass
+from ..core.regularizers.ad_drop_config import ADDropConfig
 from ..core.regularizers.attribution import logit_target, multi_label_target, regression_target, token_loss_target
 from ..core.regularizers.attribution_pass import bare_module
 from ..core.regularizers.combinations import AD_DROP
@@ -176,36 +177,36 @@ class ADDropTrainerMixin:
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
         self._ad_drop_steps += 1
-        if not ad_drop_epoch(self.ad_drop.config.schedule, self.ad_drop_current_epoch()):
-            return super().compute_loss(
+        with self.ad_drop.around_loss(
+            self.ad_drop_current_epoch(), lambda: self._attribution_pass(model, inputs)
+        ) as counts:
+            result = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-        # The attribution pass runs the eager model (torch.compile unwrapped too): it needs
-        # requires_grad on intermediate outputs, which would break a compiled graph at every
-        # layer; the masked pass and its backward run compiled.
+        if counts["ad_drop_on"]:  # summed over steps with no host sync per step
+            self._ad_drop_on_steps += 1
+            self._ad_drop_dropped = self._ad_drop_dropped + counts["ad_drop_dropped"].detach()
+            self._ad_drop_droppable = self._ad_drop_droppable + counts["ad_drop_droppable"].detach()
+            self._ad_drop_skipped = self._ad_drop_skipped + counts["ad_drop_skipped"]
+        return result
+
+    def _attribution_pass(self, model, inputs: Dict[str, Any]) -> AttributionPass:
+        """Pass 1 of this step. It runs the eager model (torch.compile unwrapped too): it needs
+        requires_grad on intermediate outputs, which would break a compiled graph at every layer; the
+        masked pass and its backward run compiled."""
         accelerator = getattr(self, "accelerator", None)
         bare = bare_module(
             accelerator.unwrap_model(model, keep_torch_compile=False) if accelerator is not None else model
         )
         target = self.ad_drop_target(bare, inputs)
         fwd_inputs = self.ad_drop_forward_inputs(bare, inputs)
-        # tensors=True: the counts are summed over steps with no host sync per step.
-        with self.ad_drop.masked(
+        return AttributionPass(
             lambda: self._attribution_forward(bare, fwd_inputs),
             target,
-            frozen=bare,
-            labels=self.ad_drop_gold_labels(bare, inputs),
-            tensors=True,
-            inputs=fwd_inputs,  # a step compiled whole then attributes in its graph
-        ) as stats:
-            result = super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-            )
-        self._ad_drop_on_steps += 1
-        self._ad_drop_dropped = self._ad_drop_dropped + stats["dropped"].detach()
-        self._ad_drop_droppable = self._ad_drop_droppable + stats["droppable"].detach()
-        self._ad_drop_skipped = self._ad_drop_skipped + stats["skipped"]
-        return result
+            bare,
+            self.ad_drop_gold_labels(bare, inputs),
+            fwd_inputs,  # a step compiled whole then attributes in its graph
+        )
 
     def _attribution_forward(self, bare, inputs: Dict[str, Any]):
         """Pass 1's forward. With a mixed-precision Trainer, accelerate wraps the model's forward in

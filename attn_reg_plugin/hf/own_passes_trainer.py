@@ -182,7 +182,9 @@ class OwnPassesTrainerMixin:
     """Runs the step of the regularizer ``own_passes`` names (its registry key; its config is the trainer's
     attribute of that name) in training, the Trainer's loss unchanged in evaluation, and logs the
     regularizer's declared numbers (``Regularizer.logged``) at every training log, over all processes.
-    ``own_pass_sites(model, inputs)``: what the framework built for the step (HiddenCut's cut sites)."""
+    ``own_pass_sites(model, inputs)``: what the framework built for the step (HiddenCut's cut sites);
+    ``own_pass_step(model, inputs, num_items_in_batch)``: the step's passes (a :class:`TrainerStep`; a
+    subclass for a model whose scores are not its output's ``logits``)."""
 
     own_passes: str = ""
 
@@ -192,6 +194,9 @@ class OwnPassesTrainerMixin:
 
     def own_pass_sites(self, model, inputs: Dict[str, Any]):
         return None
+
+    def own_pass_step(self, model, inputs: Dict[str, Any], num_items_in_batch) -> TrainerStep:
+        return TrainerStep(self, model, inputs, num_items_in_batch, super().compute_loss)
 
     def _own_pass_reset(self) -> None:
         # summed since the last log; tensors once a step ran, so no host sync per step
@@ -203,16 +208,18 @@ class OwnPassesTrainerMixin:
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
         regularizer = self.own_regularizer
-        step = TrainerStep(self, model, inputs, num_items_in_batch, super().compute_loss)
+        step = self.own_pass_step(model, inputs, num_items_in_batch)
         result: StepResult = regularizer.step(getattr(self, regularizer.key), step, self.own_pass_sites(model, inputs))
         for key, value in result.sums.items():
             self.own_pass_sums[key] = self.own_pass_sums[key] + value
         return (result.loss, result.reported.output) if return_outputs else result.loss
 
     def own_pass_stats(self) -> Dict[str, float]:
-        """The regularizer's logged numbers since the last log, over all processes (means in nats)."""
+        """The regularizer's logged numbers since the last log, over all processes (a divergence in nats)."""
         device = self.args.device
         keys = list(self.own_pass_sums)
+        if not keys:
+            return {}
         sums = torch.stack([torch.as_tensor(self.own_pass_sums[k], device=device) for k in keys]).double()
         totals = dict(zip(keys, all_reduce_sum_(sums).tolist()))
         return {number.name: number.value(totals, bits=False) for number in self.own_regularizer.logged}

@@ -31,7 +31,7 @@ from ..kernel.rules import (
 )
 from ..training.checkpointing import activation_checkpointing_paused
 from ..training.sharding import check_supported_sharding
-from .ad_drop_config import ADDropConfig
+from .ad_drop_config import ADDropConfig, ad_drop_epoch
 from .attribution import GradientScale, output_gradients, probs_gradient
 from .attribution_pass import (
     attribution_precision,
@@ -112,6 +112,20 @@ def samples_with_target(attributions: List[Union[torch.Tensor, GradientScores]])
 def _given_labels(target: Target, labels: torch.Tensor) -> Target:
     """``target`` whose first call takes ``labels`` where it would make pseudo labels (fixed None)."""
     return lambda output, fixed: target(output, labels if fixed is None else fixed)
+
+
+@dataclasses.dataclass
+class AttributionPass:
+    """How a framework runs one step's pass 1: ``forward`` calls the bare model (no DDP wrapper) as the
+    framework's loss calls it, ``target`` ranks by its output (:data:`Target`), ``frozen`` is the module
+    whose parameters the pass freezes, ``labels`` the batch's gold labels as the target takes them (under
+    ``labels="gold"``, else None), ``inputs`` the tensors ``forward`` reads (see :meth:`ADDrop.masked`)."""
+
+    forward: Callable[[], object]
+    target: Target
+    frozen: Optional[torch.nn.Module] = None
+    labels: Optional[torch.Tensor] = None
+    inputs: object = None
 
 
 def _finish(stats: Stats, tensors: bool) -> None:
@@ -483,6 +497,32 @@ class ADDrop:
             droppable = droppable * (1 - stats["skipped"])
         stats["dropped"], stats["droppable"] = dropped, droppable
         _finish(stats, tensors)
+
+    @contextlib.contextmanager
+    def around_loss(self, epoch: int, attribution: Callable[[], AttributionPass]) -> Iterator[Dict[str, object]]:
+        """AD-DROP around one training step's loss, which the framework computes as it always does:
+        in an epoch its schedule picks (1-based ``epoch``), pass 1 runs on entry (``attribution()`` says
+        how) and every forward inside the block is the masked pass; in another epoch, nothing.
+
+        Yields the step's counts, complete when the block ends (0-d tensors: no host read):
+        ``ad_drop_on`` (1 or 0) and ``ad_drop_steps`` (1), and for an AD-DROP step ``ad_drop_dropped``,
+        ``ad_drop_droppable`` and ``ad_drop_skipped`` (:meth:`masked`'s ``dropped``, ``droppable``,
+        ``skipped``). fairseq's criterion logs them as they are, the Trainer sums them to its log."""
+        counts: Dict[str, object] = {"ad_drop_on": 0, "ad_drop_steps": 1}
+        if not ad_drop_epoch(self.config.schedule, epoch):
+            yield counts
+            return
+        pass_1 = attribution()
+        with self.masked(
+            pass_1.forward, pass_1.target, pass_1.frozen, labels=pass_1.labels, tensors=True, inputs=pass_1.inputs
+        ) as stats:
+            yield counts
+        counts.update(
+            ad_drop_on=1,
+            ad_drop_dropped=stats["dropped"],
+            ad_drop_droppable=stats["droppable"],
+            ad_drop_skipped=stats["skipped"],
+        )
 
     def _edits(self, sites, attributions, stats) -> Dict[AttentionSite, EditScores]:
         """Pass 2's edit of each site from pass 1's attributions: a :class:`TopRegionRule` at every
