@@ -308,3 +308,16 @@ def test_the_default_settings_learn_on_a_small_imbalanced_set(tmp_path, monkeypa
     plain = json.loads((out / "runs" / "plain" / "seed1" / "result.json").read_text(encoding="utf-8"))
     assert plain["learned_nothing"] is None and plain["dev"]["mcc"] > 0.3, plain["dev"]
     assert _read(out)["stopped"] is None
+
+
+def test_the_drop_rate_leaves_out_the_epochs_a_regularizer_sits_out_by_design():
+    """AD-DROP's plain epochs of cross-tuning (its active key, ad_drop_on, reads 0) drop nothing by design:
+    the mean is over the epochs it ran; a plan regularizer's epochs all count."""
+    from attn_reg_plugin.sweep.cls_details import active_keys, drop_rate
+
+    assert active_keys() == ("ad_drop_on",)
+    epochs = [{"ad_drop_on": 0, "ad_drop_rate": 0.0}, {"ad_drop_on": 1, "ad_drop_rate": 0.2}]
+    cross_tuned = {"runs": [{"seed": 1, "epochs": epochs}, {"seed": 2, "epochs": [epochs[1]]}]}
+    assert drop_rate(cross_tuned) == {"key": "ad_drop_rate", "per_seed": {1: 0.2, 2: 0.2}, "mean": 0.2}
+    scheduled = {"runs": [{"seed": 1, "epochs": [{"attn_sched_dropout_rate": 0.0}, {"attn_sched_dropout_rate": 0.1}]}]}
+    assert drop_rate(scheduled)["mean"] == pytest.approx(0.05)

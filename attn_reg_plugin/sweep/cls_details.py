@@ -25,6 +25,14 @@ def rate_keys() -> tuple:
     return tuple(r.rate_key() for r in registered())
 
 
+def active_keys() -> tuple:
+    """The Trainer log keys that read 0 for an epoch in which a regularizer does nothing by design
+    (``Regularizer.active_key``: AD-DROP's plain epochs of cross-tuning)."""
+    from ..core.regularizers.registry import registered
+
+    return tuple(r.active_key for r in registered() if r.active_key)
+
+
 CLASS_SCORES = ("precision", "recall", "f1")
 
 
@@ -95,11 +103,12 @@ def drop_rate(record: dict) -> Optional[dict]:
     a method that logs no rate (plain, R-Drop, AttendOut, HiddenCut)."""
     per_seed = {}
     key = None
+    idle_by_design = active_keys()
     for run in record["runs"]:
         values = []
         for epoch in run.get("epochs", []):
-            if epoch.get("ad_drop_on") == 0:
-                continue  # a cross-tuning plain epoch: nothing dropped, by design
+            if any(epoch.get(k) == 0 for k in idle_by_design):
+                continue  # e.g. a cross-tuning plain epoch: nothing dropped, by design
             for k in rate_keys():
                 if epoch.get(k) is not None:
                     key = k

@@ -156,6 +156,7 @@ REGULARIZER = register(
         "ad_drop",
         passes=OWN_PASSES,
         idle=_idle_run,
+        active_key="ad_drop_on",
         methods=(
             Method(
                 "ad-drop",

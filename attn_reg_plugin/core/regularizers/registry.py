@@ -108,7 +108,9 @@ class Regularizer:
     training step of a regularizer of its own passes that runs over any framework's step
     (:mod:`.training_step`; R-Drop, HiddenCut), ``sites`` what the framework built for it (HiddenCut's
     :class:`~.hiddencut.CutSites`); ``logged``: the :class:`~.training_step.Logged` numbers the adapters
-    reduce from its steps' sums."""
+    reduce from its steps' sums. ``active_key``: a log key that reads 0 for an epoch in which it does
+    nothing by design (AD-DROP's plain epochs of cross-tuning): reports leave such epochs out of its
+    mean drop rate."""
 
     key: str
     name: str
@@ -125,6 +127,7 @@ class Regularizer:
     idle: Optional[Callable[[Any, Optional[int], Optional[int], str], Optional[str]]] = None
     step: Optional[Callable[[Any, Any, Any], Any]] = None
     logged: Tuple[Any, ...] = ()
+    active_key: Optional[str] = None
 
     def name_of(self, config) -> str:
         """The regularizer ``config`` turns on, as :mod:`.combinations` names it."""
