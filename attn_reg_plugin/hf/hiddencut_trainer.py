@@ -34,7 +34,7 @@ import contextlib
 import math
 import sys
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import transformers
@@ -61,9 +61,14 @@ class Ranking:
     The first call of each layer counts; once :meth:`close` is called (the masks are made), nothing is
     recorded, so an activation checkpoint's recompute of the clean pass adds no work."""
 
-    def __init__(self, layers: Dict[int, torch.nn.Module], valid: Optional[torch.Tensor], model_name: str = "") -> None:
+    def __init__(
+        self,
+        layers: Dict[int, torch.nn.Module],
+        valid: Optional[torch.Tensor],
+        model_name: Callable[[], str] = lambda: "the model",
+    ) -> None:
         self.order = list(layers)
-        self.model_name = model_name or "the model"
+        self.model_name = model_name  # called only for an error: no unwrap on every step
         self.index = {id(m): i for i, layer in layers.items() for m in layer.modules()}
         self.valid = valid
         self.received: Dict[int, torch.Tensor] = {}
@@ -120,7 +125,7 @@ class Ranking:
         missed = sorted(set(self.order) - set(received))
         if missed:
             raise ValueError(
-                f"HiddenCut: layers {missed} of {self.model_name} made no attention call through transformers' "
+                f"HiddenCut: layers {missed} of {self.model_name()} made no attention call through transformers' "
                 f"AttentionInterface with the model's keyword arguments in the clean pass ({RANKING_KWARG!r} "
                 "travels there), so their attention cannot be ranked"
             )
@@ -227,9 +232,10 @@ class TrainerCutSites:
 
     @contextlib.contextmanager
     def ranking(self):
-        yield Ranking(
-            self.trainer._hiddencut_ranked, self.valid, type(self.trainer.accelerator.unwrap_model(self.model)).__name__
-        )
+        yield Ranking(self.trainer._hiddencut_ranked, self.valid, self._model_name)
+
+    def _model_name(self) -> str:
+        return type(self.trainer.accelerator.unwrap_model(self.model)).__name__
 
     @contextlib.contextmanager
     def cutting(self, plan: CutPlan):
