@@ -982,6 +982,18 @@ def release_requeues(out: Path, key: str, done: threading.Event) -> None:
         time.sleep(1)
 
 
+def failed_job_logs(out: Path) -> list:
+    """For a failed command's assertion message: each failed run's job and the tail of its log, as
+    results.json records them (a test's log lines alone name the job, not why it failed)."""
+    path = out / "results.json"
+    failed = json.loads(path.read_text(encoding="utf-8")).get("failed_runs", []) if path.exists() else []
+    lines = []
+    for run in failed:
+        lines += [f"-- {run['name']} seed {run['seed']}: job {run['job']} {run['state']}: {run['error']}"]
+        lines += [f"   {line}" for line in run.get("log_tail", [])]
+    return lines
+
+
 def job_when_ended(job: str, wait_s: float = 120.0) -> str:
     """``scontrol show job`` once the job has ended. The command returns when the run's result is
     written; the job's process exits after that, and a time-limit signal caught in between requeues

@@ -27,7 +27,14 @@ from attn_reg_plugin.classification import learned_nothing, paired_bootstrap_sd,
 from attn_reg_plugin.sweep import cls_compare, cls_report, cls_runs  # noqa: E402
 from attn_reg_plugin.sweep.options import SweepError  # noqa: E402
 from attn_reg_plugin.sweep.processes import SweepStopped  # noqa: E402
-from helpers import REPO, job_when_ended, needs_slurm, release_requeues, tiny_classifier_folder  # noqa: E402
+from helpers import (  # noqa: E402
+    REPO,
+    failed_job_logs,
+    job_when_ended,
+    needs_slurm,
+    release_requeues,
+    tiny_classifier_folder,
+)
 
 REVIEWS = REPO / "data" / "movie_reviews"
 
@@ -656,9 +663,12 @@ def test_a_comparison_whose_runs_all_failed_writes_results_naming_them(tiny, tmp
 @needs_slurm
 @pytest.mark.xdist_group("slurm")  # one worker runs every Slurm test: the one-node cluster has 2 CPUs
 def test_a_classifier_run_longer_than_the_time_limit_is_requeued_and_completes(tiny, tmp_path, monkeypatch):
-    """--slurm-time 1 (Slurm's least; it signals the job 15 s before) for a run of about two minutes:
-    the Trainer saves at the end of the step the signal came in, submitit requeues the job (the same
-    job id), and the requeued job resumes from that checkpoint to the end."""
+    """--slurm-time 1 (Slurm's least; it signals the job 15 s before, up to a minute early, its
+    resolution) for a run of about a minute of training: the Trainer saves at the end of the step the
+    signal came in, submitit requeues the job (the same job id), and the requeued job resumes from
+    that checkpoint to the end. Each attempt here was signalled 19-28 s after it started and trained
+    700-1,000 steps of the 3,600 (4 requeues, two quiet cores or a busy one); a loaded machine spends
+    more of each attempt starting, so the requeues allowed are many (one run spent 9 on a CI machine)."""
     pytest.importorskip("submitit")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "out"
@@ -666,7 +676,7 @@ def test_a_classifier_run_longer_than_the_time_limit_is_requeued_and_completes(t
         str(tiny / "model"), "--train", str(tiny / "train.jsonl"), "--dev", str(tiny / "dev.jsonl"),
         "--test", str(tiny / "test.jsonl"), "--out-dir", str(out), "--methods", "plain,dropkey",
         "--epochs", "900", "--max-length", "32", "--batch-size", "8", "--save-steps", "0",
-        "--launcher", "slurm", "--slurm-time", "1", "--slurm-max-requeues", "9", "--keep-going",
+        "--launcher", "slurm", "--slurm-time", "1", "--slurm-max-requeues", "30", "--keep-going",
     ]  # fmt: skip
     keys = ("plain/seed1", "dropkey/seed1")
     done = threading.Event()
@@ -675,9 +685,10 @@ def test_a_classifier_run_longer_than_the_time_limit_is_requeued_and_completes(t
         helper.start()
     lines = []
     try:
-        assert cls_compare.main(argv, log=lines.append) == 0, lines
+        status = cls_compare.main(argv, log=lines.append)
     finally:
         done.set()
+    assert status == 0, "\n".join(lines + failed_job_logs(out))
     jobs = json.loads((out / "jobs.json").read_text(encoding="utf-8"))
     for key in keys:
         run = json.loads((out / "runs" / key / "result.json").read_text(encoding="utf-8"))

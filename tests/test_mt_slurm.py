@@ -30,6 +30,7 @@ from attn_reg_plugin.sweep import main as sweep_main
 from helpers import (
     REPO,
     TINY_MT_TRAIN,
+    failed_job_logs,
     job_when_ended,
     needs_slurm,
     release_requeues,
@@ -358,7 +359,7 @@ def test_a_run_longer_than_the_time_limit_saves_is_requeued_and_completes(tiny_m
     run, key = out / "runs" / cell / "seed1", f"{cell}/seed1"
     argv = [
         str(tiny_mt_data["bin"]), "--out-dir", str(out), "--p", "0.5", "--q", "0.5", "--schedule", "always",
-        "--epochs", "150", "--launcher", "slurm", "--slurm-time", "1", "--slurm-max-requeues", "9",
+        "--epochs", "150", "--launcher", "slurm", "--slurm-time", "1", "--slurm-max-requeues", "30",
         "--", *TINY_MT_TRAIN,
     ]  # fmt: skip
     lines = []
@@ -366,9 +367,10 @@ def test_a_run_longer_than_the_time_limit_saves_is_requeued_and_completes(tiny_m
     helper = threading.Thread(target=release_requeues, args=(out, key, done), daemon=True)
     helper.start()
     try:
-        assert sweep_main(argv, log=lines.append) == 0, lines
+        status = sweep_main(argv, log=lines.append)
     finally:
         done.set()
+    assert status == 0, "\n".join(lines + failed_job_logs(out))
     job = json.loads((out / "jobs.json").read_text())[key]
     attempts = json.loads((run / "attempts.json").read_text())
     ends = [a["end"] for a in attempts]
