@@ -27,6 +27,8 @@ held only while it runs, so a layer recomputed in the backward would not repeat 
 
 import contextlib
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import torch
 from fairseq.criterions import register_criterion
@@ -102,7 +104,7 @@ class _Hooks:
     cut pass zeroes spans of their ``fc2`` outputs (``core.hiddencut.CutSites``: both steered by hooks,
     no keyword of the model's call)."""
 
-    extra: dict = {}  # as a Ranking: the model's call carries nothing
+    extra: Mapping[str, Any] = MappingProxyType({})  # as a Ranking: the model's call carries nothing
 
     def __init__(self, model, config: HiddenCutConfig):
         layers = [m for m in model.modules() if isinstance(m, TransformerEncoderLayerBase)]
