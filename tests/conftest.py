@@ -51,6 +51,23 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(host)
 
 
+def pytest_runtest_setup(item):
+    """``make test``'s two workers rely on ``xdist_group``: every real-Slurm test on one worker (the
+    one-node cluster has 2 CPUs) and a module's costly session runs made once. pytest-xdist 3.8 marks a
+    test's group by rewriting its id, which pytest 9.2 no longer reads: the groups were silently ignored
+    (the Slurm tests shared the cluster, those runs were made twice). A grouped test on a worker of
+    ``--dist loadgroup`` whose id lacks its group fails, saying so."""
+    if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group"):
+        if "@" not in item.nodeid:
+            import xdist
+
+            pytest.fail(
+                f"--dist loadgroup did not apply this test's xdist_group (pytest {pytest.__version__}, "
+                f"pytest-xdist {xdist.__version__}): install the versions requirements.lock pins",
+                pytrace=False,
+            )
+
+
 def pytest_sessionfinish(session):
     """Under pytest-xdist a worker hands its counts of CLI starts to the controller, which prints them."""
     if hasattr(session.config, "workeroutput"):

@@ -668,7 +668,7 @@ def test_a_classifier_run_longer_than_the_time_limit_is_requeued_and_completes(t
     signal came in, submitit requeues the job (the same job id), and the requeued job resumes from
     that checkpoint to the end. Each attempt here was signalled 19-28 s after it started and trained
     700-1,000 steps of the 3,600 (4 requeues, two quiet cores or a busy one); a loaded machine spends
-    more of each attempt starting, so the requeues allowed are many (one run spent 9 on a CI machine)."""
+    more of each attempt starting, so the requeues allowed are many."""
     pytest.importorskip("submitit")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "out"

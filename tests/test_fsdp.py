@@ -18,6 +18,10 @@ from helpers import torchrun_ranks
 
 FSDPModule = pytest.importorskip("torch.distributed.fsdp").FSDPModule
 
+# One worker runs this module and each torchrun is made once a session: module-scoped and spread over
+# the workers, each was made twice.
+pytestmark = pytest.mark.xdist_group("fsdp")
+
 WORLD = 2
 SCENARIOS = [
     "ad-drop-ga",
@@ -32,7 +36,7 @@ SCENARIOS = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def porting_runs(tmp_path_factory):
     return torchrun_ranks("fsdp_rank.py", tmp_path_factory.mktemp("fsdp"), *SCENARIOS)
 
@@ -161,7 +165,7 @@ HF_SCENARIOS = [
 ATTENDOUT_HF = [s for s in HF_SCENARIOS if s.startswith("attendout")]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_runs(tmp_path_factory):
     pytest.importorskip("transformers")
     return torchrun_ranks("fsdp_hf_rank.py", tmp_path_factory.mktemp("fsdp-hf"), *HF_SCENARIOS)

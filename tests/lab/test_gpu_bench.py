@@ -16,6 +16,10 @@ from attn_reg_lab.gpu_bench import STANDARD_VARIANTS  # noqa: E402
 from attn_reg_lab.gpu_bench_long import LONG_VARIANT_NAMES  # noqa: E402
 from attn_reg_lab.paths import minilm_dir  # noqa: E402
 
+# One worker runs this module and its runs are made once a session (about 48 s for the bench): module-scoped
+# and spread over the workers, each was made twice.
+pytestmark = pytest.mark.xdist_group("gpu_bench")
+
 ROW_KEYS = ("framework", "variant", "tokens", "dtype", "device", "commit", "time_ratio", "peak_mem_ratio", "time_ms")
 
 
@@ -29,7 +33,7 @@ def _run(args, cwd):
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_bert(tmp_path_factory):
     """MiniLM's tokenizer on a 2-layer, 32-wide BERT: the standard hf rows' code at a CPU test's size."""
     folder = tmp_path_factory.mktemp("tiny_bert")
@@ -40,7 +44,7 @@ def tiny_bert(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bench(tmp_path_factory, tiny_bert):
     tmp = tmp_path_factory.mktemp("gpu_bench")
     args = ["--device", "cpu", "--out-dir", tmp / "out", "--work-dir", tmp / "work", "--commit", "abc1234"]

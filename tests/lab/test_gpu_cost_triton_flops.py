@@ -11,6 +11,10 @@ import textwrap
 
 import pytest
 
+# One worker runs this module and the interpreted check is made once a session (about 25 s): module-scoped
+# and spread over the workers, it was made twice.
+pytestmark = pytest.mark.xdist_group("triton_flops")
+
 CHECK = """
     import inspect, json, math, torch, triton
     from triton.runtime import interpreter
@@ -147,7 +151,7 @@ KERNELS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def checked(tmp_path_factory):
     pytest.importorskip("triton")
     folder = tmp_path_factory.mktemp("triton_flops")
