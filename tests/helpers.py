@@ -985,11 +985,13 @@ def release_requeues(out: Path, key: str, done: threading.Event) -> None:
 def failed_job_logs(out: Path) -> list:
     """For a failed command's assertion message: each failed run's job and the tail of its log, as
     results.json records them (a test's log lines alone name the job, not why it failed)."""
+    from attn_reg_plugin.sweep.report import failed_lines
+
     path = out / "results.json"
     failed = json.loads(path.read_text(encoding="utf-8")).get("failed_runs", []) if path.exists() else []
     lines = []
     for run in failed:
-        lines += [f"-- {run['name']} seed {run['seed']}: job {run['job']} {run['state']}: {run['error']}"]
+        lines += failed_lines([run])[2:]  # the run's line, as results.md names it
         lines += [f"   {line}" for line in run.get("log_tail", [])]
     return lines
 
