@@ -150,7 +150,7 @@ class _Hooks:
     def cutting(self, plan: CutPlan):
         try:
             with self.cut.cutting(plan):
-                yield {}
+                yield self.extra
         finally:
             self.cut_not_dropped.clear()
 
