@@ -75,7 +75,6 @@ def test_a_trainer_runs_the_declared_step_and_logs_its_number(agreement, tmp_pat
 
         def __init__(self, *args, agreement, **kwargs):
             self.agreement = agreement
-            self._own_pass_reset()
             super().__init__(*args, **kwargs)
 
     model = tiny_bert_classifier(

@@ -254,7 +254,6 @@ class HiddenCutTrainerMixin(OwnPassesTrainerMixin):
             raise TypeError(f"hiddencut must be a HiddenCutConfig, got {type(hiddencut).__name__}")
         self.hiddencut = named_by_field(hiddencut).validate()
         check_trainer_combination(self, kwargs)
-        self._own_pass_reset()
         super().__init__(*args, **kwargs)
         layers = hiddencut_layers(self.model)
         if not layers:

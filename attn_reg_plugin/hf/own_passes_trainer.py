@@ -188,6 +188,10 @@ class OwnPassesTrainerMixin:
 
     own_passes: str = ""
 
+    def __init__(self, *args, **kwargs):
+        self._own_pass_reset()  # before the Trainer's own set-up, which may log
+        super().__init__(*args, **kwargs)
+
     @property
     def own_regularizer(self) -> Regularizer:
         return by_key(self.own_passes)

@@ -58,7 +58,6 @@ class RDropTrainerMixin(OwnPassesTrainerMixin):
                 "R-Drop's two passes are AD-DROP's masked pass (class T(ADDropTrainerMixin, RDropTrainerMixin, Trainer))"
             )
         check_combination(others)
-        self._own_pass_reset()
         super().__init__(*args, **kwargs)
         refuse_data_parallel(self, "R-Drop")
         message = no_dropout_warning(
