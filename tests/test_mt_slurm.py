@@ -416,6 +416,28 @@ def test_a_run_whose_requeues_ran_out_is_named_timeout(tmp_path):
     assert runs._attempt_end(SystemExit(0)) == "saved and requeued at the Slurm job's time limit"
 
 
+def test_a_job_whose_requeue_raised_is_waited_for_until_it_finishes(tmp_path, monkeypatch):
+    """CI, a run at the time limit: the job's `scontrol requeue` was ended by the requeue itself
+    (SIGTERM), so submitit wrote that error as the job's result (done) while Slurm ran the job again;
+    the command named the run FAILED (state REQUEUED) and its result came later. A done job that
+    sacct has queued or running again is waited for: here REQUEUED, PENDING, RUNNING, then COMPLETED
+    with its result written, and the run is finished, not failed."""
+    from attn_reg_plugin.sweep import launcher
+
+    states = ["REQUEUED", "PENDING", "RUNNING", "COMPLETED"]
+    job = type("SlurmJob", (), {"job_id": "7_0", "paths": type("P", (), {"stderr": tmp_path / "7_0_log.err"})})()
+    job.done = lambda: True  # the error's result file exists from the first look on
+    job.get_info = lambda mode="standard": {"State": states.pop(0) if len(states) > 1 else states[0]}
+    type(job).state = property(lambda self: states[0])
+    monkeypatch.setattr(launcher, "POLL_SECONDS", 0.0)
+    monkeypatch.setattr(launcher, "_finished", lambda *run: states == ["COMPLETED"])
+    monkeypatch.setattr(launcher, "_resumed", lambda *run: "")
+    lines = []
+    opts = type("Opts", (), {"jobs": 1})()
+    failed = launcher._wait({"plain/seed1": job}, [], {"plain/seed1": ({}, 1)}, None, opts, {}, lines.append, None)
+    assert failed == [] and lines == ["[1/1] plain/seed1: finished (job 7_0)"], (failed, lines)
+
+
 def test_a_finished_runs_job_ignores_the_time_limit_signal():
     """A run that ends as Slurm's time-limit signal comes: the job neither requeues nor dies of it while
     submitit exits (CI saw a finished run's job end FAILED, exit 140: killed by SIGUSR2). RunJob ignores

@@ -291,7 +291,7 @@ def _wait(
                 cell, seed = queued.pop(0)
                 pending[_key(cell, seed)] = executor.submit(RunJob(job), cell, seed, opts, settings)
             for key, submitted in list(pending.items()):
-                if not submitted.done():
+                if not submitted.done() or _back_in_the_queue(submitted):
                     continue
                 del pending[key]
                 done += 1
@@ -360,6 +360,18 @@ def _failure(cell: dict, seed: int, job, opts, settings: dict) -> Optional[dict]
         "log": str(log_path),
         "log_tail": lines[-JOB_LOG_LINES:],
     }
+
+
+def _back_in_the_queue(job) -> bool:
+    """Whether a Slurm job submitit calls done is queued or running again, as sacct says. submitit
+    calls a job done once its result file exists, and a job's time-limit requeue can write one: its
+    ``scontrol requeue`` is a child of the job, which the requeue itself ends (SIGTERM), so the call
+    raises after it took effect and submitit records that error as the job's result while Slurm runs
+    the job again. Such a job is waited for. UNKNOWN is not waited on: sacct may never know the job."""
+    if _is_local(job):
+        return False
+    job.get_info(mode="force")
+    return job.state.upper() in UNFINISHED_STATES and job.state.upper() != "UNKNOWN"
 
 
 def _final_state(job) -> str:
